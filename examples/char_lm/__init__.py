@@ -1,0 +1,1 @@
+"""Character-level GPT trained on the Python standard library's own source code."""

@@ -1,0 +1,176 @@
+"""Flat Hugging Face `TrainingArguments` names, mapped onto kiln's config tree.
+
+An HF user's arguments (a dict, a YAML file, or `key=value` on the command line) work unchanged: each
+flat name is rewritten to its place in the tree before validation. Names that switch a whole plugin
+(`fp16: true`, `deepspeed: ds.json`) are translated by small functions below."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+# flat HF name -> dotted path in TrainingConfig
+PATHS: dict[str, str] = {
+    # train
+    "num_train_epochs": "train.num_train_epochs",
+    "max_steps": "train.max_steps",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "max_grad_norm": "train.max_grad_norm",
+    "gradient_checkpointing": "train.gradient_checkpointing",
+    "gradient_checkpointing_kwargs": "train.gradient_checkpointing_kwargs",
+    "torch_compile": "train.torch_compile",
+    "torch_compile_backend": "train.torch_compile_backend",
+    "torch_compile_mode": "train.torch_compile_mode",
+    "ignore_data_skip": "train.ignore_data_skip",
+    "label_smoothing_factor": "train.label_smoothing_factor",
+    "include_num_input_tokens_seen": "train.include_num_input_tokens_seen",
+    # data
+    "per_device_train_batch_size": "data.per_device_train_batch_size",
+    "per_device_eval_batch_size": "data.per_device_eval_batch_size",
+    "per_gpu_train_batch_size": "data.per_device_train_batch_size",
+    "per_gpu_eval_batch_size": "data.per_device_eval_batch_size",
+    "train_batch_size": "data.per_device_train_batch_size",
+    "eval_batch_size": "data.per_device_eval_batch_size",
+    "dataloader_num_workers": "data.dataloader_num_workers",
+    "dataloader_pin_memory": "data.dataloader_pin_memory",
+    "dataloader_drop_last": "data.dataloader_drop_last",
+    "dataloader_persistent_workers": "data.dataloader_persistent_workers",
+    "dataloader_prefetch_factor": "data.dataloader_prefetch_factor",
+    "group_by_length": "data.group_by_length",
+    "length_column_name": "data.length_column_name",
+    "remove_unused_columns": "data.remove_unused_columns",
+    "label_names": "data.label_names",
+    # optim
+    "optim": "optim.name",
+    "learning_rate": "optim.lr",
+    "weight_decay": "optim.weight_decay",
+    "adam_beta1": "optim.adam_beta1",
+    "adam_beta2": "optim.adam_beta2",
+    "adam_epsilon": "optim.adam_epsilon",
+    "optim_args": "optim.optim_args",
+    # scheduler
+    "lr_scheduler_type": "scheduler.name",
+    "lr_scheduler_kwargs": "scheduler.kwargs",
+    "warmup_steps": "scheduler.warmup_steps",
+    "warmup_ratio": "scheduler.warmup_ratio",
+    # eval
+    "eval_strategy": "eval.strategy",
+    "evaluation_strategy": "eval.strategy",
+    "eval_steps": "eval.steps",
+    "eval_delay": "eval.delay",
+    "eval_on_start": "eval.on_start",
+    "eval_accumulation_steps": "eval.accumulation_steps",
+    "prediction_loss_only": "eval.prediction_loss_only",
+    "include_inputs_for_metrics": "eval.include_inputs_for_metrics",
+    "eval_do_concat_batches": "eval.do_concat_batches",
+    "batch_eval_metrics": "eval.batch_eval_metrics",
+    "metric_for_best_model": "eval.metric_for_best_model",
+    "greater_is_better": "eval.greater_is_better",
+    "load_best_model_at_end": "eval.load_best_model_at_end",
+    "predict_with_generate": "eval.predict_with_generate",
+    "generation_max_length": "eval.generation_max_length",
+    "generation_num_beams": "eval.generation_num_beams",
+    # save
+    "save_strategy": "save.strategy",
+    "save_steps": "save.steps",
+    "save_total_limit": "save.total_limit",
+    "save_only_model": "save.only_model",
+    "save_safetensors": "save.safetensors",
+    "save_on_each_node": "save.on_each_node",
+    "restore_callback_states_from_checkpoint": "save.restore_callback_states_from_checkpoint",
+    # log
+    "logging_strategy": "log.strategy",
+    "logging_steps": "log.steps",
+    "logging_first_step": "log.first_step",
+    "logging_nan_inf_filter": "log.nan_inf_filter",
+    "logging_dir": "log.logging_dir",
+    "log_level": "log.level",
+    "log_level_replica": "log.level_replica",
+    "log_on_each_node": "log.on_each_node",
+    "disable_tqdm": "log.disable_tqdm",
+    "skip_memory_metrics": "log.skip_memory_metrics",
+    "include_tokens_per_second": "log.include_tokens_per_second",
+    # strategy
+    "ddp_backend": "strategy.backend",
+    "ddp_timeout": "strategy.timeout",
+    "ddp_find_unused_parameters": "strategy.find_unused_parameters",
+    "ddp_bucket_cap_mb": "strategy.bucket_cap_mb",
+    "ddp_broadcast_buffers": "strategy.broadcast_buffers",
+    # precision
+    "tf32": "precision.tf32",
+    "fp16_opt_level": "precision.fp16_opt_level",
+    "half_precision_backend": "precision.half_precision_backend",
+    "fp16_backend": "precision.half_precision_backend",
+}
+
+# HF arguments that the Trainer itself does not use (scripts read them); accepted and dropped.
+IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "use_mps_device", "ray_scope"}
+
+
+def _flag(path: str, value_if_true: Any) -> Callable[[Any], dict[str, Any]]:
+    def rewrite(value: Any) -> dict[str, Any]:
+        return {path: value_if_true} if _truthy(value) else {}
+
+    return rewrite
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in {"1", "true", "yes", "on"}
+    return bool(value)
+
+
+def _deepspeed(value: Any) -> dict[str, Any]:
+    return {"strategy.name": "deepspeed", "strategy.options.config": value} if value else {}
+
+
+def _fsdp(value: Any) -> dict[str, Any]:
+    if not value:
+        return {}
+    flags = value.split() if isinstance(value, str) else list(value) if not isinstance(value, bool) else []
+    return {"strategy.name": "fsdp", "strategy.options.fsdp": flags}
+
+
+def _report_to(value: Any) -> dict[str, Any]:
+    return {"log.report_to": [value] if isinstance(value, str) else list(value)}
+
+
+def _use_cpu(value: Any) -> dict[str, Any]:
+    return {"strategy.device": "cpu"} if _truthy(value) else {}
+
+
+def _push_to_hub(value: Any) -> dict[str, Any]:
+    if _truthy(value):
+        raise ValueError(
+            "push_to_hub is not supported: kiln runs offline. Save with trainer.save_model() and upload the folder yourself."
+        )
+    return {}
+
+
+# flat HF name -> function returning {dotted path: value}
+REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "fp16": _flag("precision.name", "fp16"),
+    "bf16": _flag("precision.name", "bf16"),
+    "fp16_full_eval": _flag("precision.full_eval", "fp16"),
+    "bf16_full_eval": _flag("precision.full_eval", "bf16"),
+    "adafactor": _flag("optim.name", "adafactor"),
+    "use_cpu": _use_cpu,
+    "no_cuda": _use_cpu,
+    "deepspeed": _deepspeed,
+    "fsdp": _fsdp,
+    "fsdp_config": lambda v: {"strategy.options.fsdp_config": v} if v else {},
+    "report_to": _report_to,
+    "push_to_hub": _push_to_hub,
+}
+
+
+def is_alias(name: str) -> bool:
+    return name in PATHS or name in REWRITES or name in IGNORED
+
+
+def rewrite(name: str, value: Any) -> dict[str, Any]:
+    """Turn one flat HF `name: value` into `{dotted.path: value}` entries for the tree."""
+    if name in IGNORED:
+        return {}
+    if name in REWRITES:
+        return REWRITES[name](value)
+    return {PATHS[name]: value}

@@ -1,0 +1,167 @@
+"""Turn whatever the user hands over (a TrainingConfig, dict, YAML path, DictConfig, `key=value`
+overrides) into one validated, typed `DictConfig`, with one clear sentence for each bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kiln.config import aliases
+from kiln.config.schema import StrategyConfig, TrainingConfig
+
+ConfigSource = Union[None, TrainingConfig, DictConfig, Mapping[str, Any], str, "os.PathLike[str]"]
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names it and says how to fix it."""
+
+
+def valid_keys() -> list[str]:
+    """Every dotted key of the tree plus every accepted HF flat name (for suggestions)."""
+    keys: list[str] = []
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                keys.append(prefix + f.name)
+
+    walk(TrainingConfig(), "")
+    return keys + sorted(set(aliases.PATHS) | set(aliases.REWRITES))
+
+
+def _set_path(tree: dict[str, Any], path: str, value: Any) -> None:
+    parts = path.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            nxt = node[part] = {"name": nxt} if part in ("strategy", "precision", "optim", "scheduler") else {}
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.6)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in valid_keys() if k.rsplit(".", 1)[-1] == leaf][:1]
+    hint = f" Did you mean {close[0]!r}?" if close else " Run `kiln fit --help` for the valid keys."
+    return ConfigError(f"Unknown config key {key!r}.{hint}")
+
+
+_STRATEGY_FIELDS = {f.name for f in dataclasses.fields(StrategyConfig)}
+
+
+def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Rewrite HF flat names and shorthand (`strategy: ddp`) into the nested tree layout."""
+    tree: dict[str, Any] = {}
+    groups = {f.name for f in dataclasses.fields(TrainingConfig)}
+    for key, value in raw.items():
+        key = str(key)
+        if "." in key:  # a dotted key such as optim.lr from a dotlist
+            head = key.split(".", 1)[0]
+            if head not in groups:
+                raise _unknown(key)
+            _set_path(tree, key, value)
+        elif key in groups and isinstance(value, Mapping):
+            for sub_key, sub_value in value.items():
+                _set_path(tree, f"{key}.{sub_key}", sub_value)
+        elif key in ("strategy", "precision", "optim", "scheduler") and isinstance(value, str):
+            _set_path(tree, f"{key}.name", value)
+        elif key in groups:
+            _set_path(tree, key, value)
+        elif aliases.is_alias(key):
+            try:
+                for path, v in aliases.rewrite(key, value).items():
+                    _set_path(tree, path, v)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        else:
+            raise _unknown(key)
+    # `strategy: {name: fsdp, sharding: full_shard}`: keys the StrategyConfig lacks are strategy options
+    strat = tree.get("strategy")
+    if isinstance(strat, dict):
+        extra = {k: strat.pop(k) for k in list(strat) if k not in _STRATEGY_FIELDS}
+        if extra:
+            strat.setdefault("options", {}).update(extra)
+    if isinstance(tree.get("log", {}).get("report_to"), str):
+        tree["log"]["report_to"] = [tree["log"]["report_to"]]
+    return tree
+
+
+def _to_plain(source: ConfigSource) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, TrainingConfig):
+        return OmegaConf.to_container(OmegaConf.structured(source), resolve=True)  # type: ignore[return-value]
+    if isinstance(source, DictConfig):
+        return OmegaConf.to_container(source, resolve=True)  # type: ignore[return-value]
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise ConfigError(f"Config file {path!r} does not exist.")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as err:  # yaml syntax errors come in many types
+            raise ConfigError(f"Config file {path!r} is not valid YAML: {err}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"Config file {path!r} must hold a mapping of keys to values.")
+        return OmegaConf.to_container(loaded, resolve=True)  # type: ignore[return-value]
+    raise ConfigError(
+        f"Config must be a TrainingConfig, dict, DictConfig or YAML path, not {type(source).__name__}."
+    )
+
+
+def parse_dotlist(overrides: Iterable[str]) -> dict[str, Any]:
+    """`["learning_rate=1e-3", "train.max_steps=10"]` -> a dict, values parsed as YAML."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"Override {item!r} must look like key=value (e.g. learning_rate=1e-3).")
+        key, _, text = item.partition("=")
+        value = OmegaConf.from_dotlist([f"v={text}"])["v"] if text != "" else None
+        out[key.strip()] = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+    return out
+
+
+def load_config(source: ConfigSource = None, overrides: Sequence[str] | Mapping[str, Any] = ()) -> DictConfig:
+    """Build the validated config tree from `source`, then apply `overrides` on top."""
+    base = OmegaConf.structured(TrainingConfig)
+    layers = [normalise(_to_plain(source))]
+    extra = overrides if isinstance(overrides, Mapping) else parse_dotlist(overrides)
+    if extra:
+        layers.append(normalise(extra))
+    cfg = base
+    for layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as err:
+            raise _translate(err) from None
+    assert isinstance(cfg, DictConfig)
+    from kiln.config.validate import validate
+
+    validate(cfg)
+    return cfg
+
+
+def _translate(err: OmegaConfBaseException) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    msg = str(err).splitlines()[0]
+    if "Key '" in msg and "not in" in msg:
+        return _unknown(key)
+    ref = getattr(err, "ref_type", None)
+    want = getattr(ref, "__name__", None) or str(ref or "").replace("typing.", "")
+    value = getattr(err, "value", None)
+    if want and value is not None:
+        return ConfigError(f"Config key {key!r} expects {want}, got {value!r}.")
+    return ConfigError(f"Config key {key!r}: {msg}")

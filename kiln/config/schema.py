@@ -1,0 +1,187 @@
+"""The typed config tree. Every group is a dataclass whose fields carry a `help` text; the CLI's
+`--help` and docs/config.md are generated from these. Defaults follow Hugging Face
+`TrainingArguments` so that an HF user's numbers mean the same thing here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+def opt(default: Any, help: str) -> Any:
+    """A dataclass field with a help text (mutable defaults are copied per instance)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    """How long to train and how one optimizer step is formed."""
+
+    num_train_epochs: float = opt(3.0, "Epochs to train; a fraction runs part of the last epoch.")
+    max_steps: int = opt(-1, "If > 0, the number of optimizer steps; overrides num_train_epochs.")
+    gradient_accumulation_steps: int = opt(1, "Micro-batches accumulated into one optimizer step.")
+    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).")
+    gradient_checkpointing: bool = opt(False, "Call the model's gradient_checkpointing_enable().")
+    gradient_checkpointing_kwargs: Optional[Dict[str, Any]] = opt(None, "Passed to gradient_checkpointing_enable.")
+    torch_compile: bool = opt(False, "Compile the model with torch.compile.")
+    torch_compile_backend: Optional[str] = opt(None, "torch.compile backend; setting it implies torch_compile.")
+    torch_compile_mode: Optional[str] = opt(None, "torch.compile mode; setting it implies torch_compile.")
+    ignore_data_skip: bool = opt(False, "On resume, start the epoch's data from the beginning instead of skipping.")
+    label_smoothing_factor: float = opt(0.0, "Label smoothing for HF-contract classification/LM models.")
+    include_num_input_tokens_seen: bool = opt(False, "Track num_input_tokens_seen in the state.")
+
+
+@dataclass
+class DataConfig:
+    """Dataloaders."""
+
+    per_device_train_batch_size: int = opt(8, "Training batch size per process.")
+    per_device_eval_batch_size: int = opt(8, "Evaluation batch size per process.")
+    dataloader_num_workers: int = opt(0, "Worker processes per dataloader (0 loads in the main process).")
+    dataloader_pin_memory: bool = opt(True, "Pin host memory (only has an effect with an accelerator).")
+    dataloader_drop_last: bool = opt(False, "Drop the last incomplete batch.")
+    dataloader_persistent_workers: bool = opt(False, "Keep workers alive between epochs.")
+    dataloader_prefetch_factor: Optional[int] = opt(None, "Batches each worker loads ahead.")
+    group_by_length: bool = opt(False, "Group samples of similar length into batches (less padding).")
+    length_column_name: str = opt("length", "Key holding precomputed lengths for group_by_length.")
+    remove_unused_columns: bool = opt(True, "Drop batch keys the model's forward() does not accept (HF models).")
+    label_names: Optional[List[str]] = opt(None, "Batch keys that hold labels (default: 'labels'-like keys).")
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer (names as HF's `optim`)."""
+
+    name: str = opt("adamw_torch", "Optimizer name, e.g. adamw_torch, adamw_torch_fused, sgd, adafactor.")
+    lr: float = opt(5e-5, "Peak learning rate.")
+    weight_decay: float = opt(0.0, "Decoupled weight decay; never applied to biases and norm weights.")
+    adam_beta1: float = opt(0.9, "Adam beta1.")
+    adam_beta2: float = opt(0.999, "Adam beta2.")
+    adam_epsilon: float = opt(1e-8, "Adam epsilon.")
+    optim_args: Optional[str] = opt(None, "Extra optimizer arguments, 'key=value,key=value'.")
+
+
+@dataclass
+class SchedulerConfig:
+    """The learning-rate schedule (names as HF's `lr_scheduler_type`)."""
+
+    name: str = opt("linear", "Schedule name, e.g. linear, cosine, constant_with_warmup, warmup_stable_decay.")
+    warmup_steps: int = opt(0, "Linear warmup steps; overrides warmup_ratio when > 0.")
+    warmup_ratio: float = opt(0.0, "Fraction of total steps used for linear warmup.")
+    kwargs: Dict[str, Any] = opt({}, "Extra schedule arguments (lr_scheduler_kwargs).")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation during and after training."""
+
+    strategy: str = opt("no", "When to evaluate during training: no, steps or epoch.")
+    steps: Optional[float] = opt(None, "Steps between evaluations (int, or a ratio < 1 of total steps); default logging steps.")
+    delay: float = opt(0, "Epochs or steps to wait before the first evaluation.")
+    on_start: bool = opt(False, "Evaluate once before training starts (sanity check).")
+    accumulation_steps: Optional[int] = opt(None, "Move accumulated predictions to CPU every N eval steps.")
+    prediction_loss_only: bool = opt(False, "Only compute the loss in evaluate/predict.")
+    include_inputs_for_metrics: bool = opt(False, "Pass the inputs to compute_metrics (EvalPrediction.inputs).")
+    do_concat_batches: bool = opt(True, "Concatenate per-batch predictions (False keeps a list per batch).")
+    batch_eval_metrics: bool = opt(False, "Call compute_metrics per batch with compute_result.")
+    padding_index: int = opt(-100, "Value used to pad predictions of different lengths.")
+    metric_for_best_model: Optional[str] = opt(None, "Metric that picks the best checkpoint (with or without 'eval_').")
+    greater_is_better: Optional[bool] = opt(None, "Whether a larger metric is better (HF default by metric name).")
+    load_best_model_at_end: bool = opt(False, "Restore the best checkpoint's weights when training ends.")
+    predict_with_generate: bool = opt(False, "Use model.generate() for predictions (seq2seq).")
+    generation_max_length: Optional[int] = opt(None, "max_length for generate().")
+    generation_num_beams: Optional[int] = opt(None, "num_beams for generate().")
+    generation_kwargs: Dict[str, Any] = opt({}, "Other generate() keyword arguments.")
+
+
+@dataclass
+class SaveConfig:
+    """Checkpoints."""
+
+    strategy: str = opt("steps", "When to save: no, steps, epoch or best.")
+    steps: float = opt(500, "Steps between saves (int, or a ratio < 1 of total steps).")
+    total_limit: Optional[int] = opt(None, "Keep at most this many checkpoints (the best one is always kept).")
+    only_model: bool = opt(False, "Save only the weights (such checkpoints cannot be resumed).")
+    safetensors: bool = opt(True, "Save weights as safetensors.")
+    on_each_node: bool = opt(False, "Save on every node's local rank 0, not only on global rank 0.")
+    restore_callback_states_from_checkpoint: bool = opt(False, "Restore callback state on resume.")
+
+
+@dataclass
+class LogConfig:
+    """Logging, progress and trackers."""
+
+    strategy: str = opt("steps", "When to log: no, steps or epoch.")
+    steps: float = opt(500, "Steps between logs (int, or a ratio < 1 of total steps).")
+    first_step: bool = opt(False, "Also log the first optimizer step.")
+    nan_inf_filter: bool = opt(True, "Replace a nan/inf step loss by the window's mean in the logs.")
+    report_to: List[str] = opt(["none"], "Trackers: tensorboard, mlflow, wandb, csv, jsonl, all or none.")
+    logging_dir: Optional[str] = opt(None, "TensorBoard directory (default output_dir/runs/<date>_<host>).")
+    level: str = opt("passive", "Log level on the main process: debug, info, warning, error, critical, passive.")
+    level_replica: str = opt("warning", "Log level on the other processes.")
+    on_each_node: bool = opt(True, "Apply `level` on each node's main process, not only node 0.")
+    disable_tqdm: Optional[bool] = opt(None, "Disable the progress bar.")
+    skip_memory_metrics: bool = opt(True, "Skip memory metrics (they slow training).")
+    include_tokens_per_second: bool = opt(False, "Report tokens per second.")
+    history: List[str] = opt(["csv", "jsonl"], "Local history files written to output_dir (csv, jsonl).")
+
+
+@dataclass
+class StrategyConfig:
+    """How the model is placed and replicated. `name` picks the class; the other fields are its options."""
+
+    name: str = opt("auto", "single, ddp, fsdp, deepspeed, xla_fsdp, mps or auto.")
+    device: Optional[str] = opt(None, "Device for the single strategy (cpu, cuda, cuda:1); default the best available.")
+    backend: Optional[str] = opt(None, "torch.distributed backend (nccl, gloo, ...); default by device.")
+    timeout: int = opt(1800, "Seconds before a collective times out (ddp_timeout).")
+    find_unused_parameters: Optional[bool] = opt(None, "DDP find_unused_parameters.")
+    bucket_cap_mb: Optional[int] = opt(None, "DDP bucket size in MB.")
+    broadcast_buffers: Optional[bool] = opt(None, "DDP broadcast_buffers.")
+    static_graph: bool = opt(False, "DDP static_graph.")
+    options: Dict[str, Any] = opt({}, "Further strategy-specific options (FSDP, DeepSpeed, XLA).")
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision. `name` picks the plugin."""
+
+    name: str = opt("fp32", "fp32, fp16, bf16, fp16-true, bf16-true or apex.")
+    tf32: Optional[bool] = opt(None, "Allow TF32 matmuls on Ampere+ GPUs (combinable with any plugin).")
+    fp16_opt_level: str = opt("O1", "Apex AMP optimisation level O0-O3.")
+    half_precision_backend: str = opt("auto", "auto, cpu_amp, cuda_amp or apex.")
+    full_eval: Optional[str] = opt(None, "Run evaluation with the model cast to fp16 or bf16.")
+
+
+@dataclass
+class TaskConfig:
+    """What to train, by import path (used by the CLI; the Python API passes objects instead)."""
+
+    model: Optional[str] = opt(None, "'package.module:callable' returning the model.")
+    model_args: Dict[str, Any] = opt({}, "Keyword arguments for the model callable.")
+    data: Optional[str] = opt(None, "'package.module:callable' returning a dict with train_dataset, eval_dataset, ...")
+    data_args: Dict[str, Any] = opt({}, "Keyword arguments for the data callable.")
+
+
+@dataclass
+class TrainingConfig:
+    """The whole run. Flat Hugging Face TrainingArguments names are accepted too (see kiln.config.aliases)."""
+
+    output_dir: str = opt("tmp_trainer", "Where checkpoints, logs and the final model go.")
+    overwrite_output_dir: bool = opt(False, "Allow writing into an output_dir that holds checkpoints without resuming.")
+    run_name: Optional[str] = opt(None, "Run name for trackers (default output_dir).")
+    seed: int = opt(42, "Seed set before the model is built and before training.")
+    data_seed: Optional[int] = opt(None, "Seed for data sampling (default seed).")
+    full_determinism: bool = opt(False, "Deterministic algorithms everywhere (slow; for debugging).")
+    resume_from_checkpoint: Optional[str] = opt(None, "A checkpoint path, or 'true' for the newest one in output_dir.")
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)

@@ -1,0 +1,108 @@
+"""Checks on values that a type alone cannot express. Each failure is one sentence naming the key
+and the fix, raised before any model, data or process group is touched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from kiln.config.load import ConfigError
+
+INTERVALS = ("no", "steps", "epoch")
+LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"Config key {key!r} is {value!r}; choose one of {', '.join(choices)}.")
+
+
+def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"Config key {key!r} must be {bound}, got {value!r}.")
+
+
+def _interval_steps(key: str, value: Any) -> None:
+    """`*_steps` is an int >= 1 or a ratio in (0, 1) of the total steps (HF semantics)."""
+    if value is None:
+        return
+    if value <= 0 or (value >= 1 and float(value) != int(value)):
+        raise ConfigError(f"Config key {key!r} must be an integer >= 1 or a ratio in (0, 1), got {value!r}.")
+
+
+def validate(cfg: DictConfig) -> None:
+    t, e, s, lg = cfg.train, cfg.eval, cfg.save, cfg.log
+    _positive("train.gradient_accumulation_steps", t.gradient_accumulation_steps)
+    _positive("train.max_grad_norm", t.max_grad_norm, allow_zero=True)
+    _positive("train.num_train_epochs", t.num_train_epochs, allow_zero=True)
+    if t.max_steps == 0 or t.max_steps < -1:
+        raise ConfigError(f"Config key 'train.max_steps' must be > 0, or -1 to use num_train_epochs; got {t.max_steps}.")
+    _positive("data.per_device_train_batch_size", cfg.data.per_device_train_batch_size)
+    _positive("data.per_device_eval_batch_size", cfg.data.per_device_eval_batch_size)
+    _positive("data.dataloader_num_workers", cfg.data.dataloader_num_workers, allow_zero=True)
+    _positive("optim.lr", cfg.optim.lr, allow_zero=True)
+    _positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
+    _positive("scheduler.warmup_steps", cfg.scheduler.warmup_steps, allow_zero=True)
+    if not 0 <= cfg.scheduler.warmup_ratio <= 1:
+        raise ConfigError(f"Config key 'scheduler.warmup_ratio' must be in [0, 1], got {cfg.scheduler.warmup_ratio}.")
+    _choice("eval.strategy", e.strategy, INTERVALS)
+    _choice("save.strategy", s.strategy, INTERVALS + ("best",))
+    _choice("log.strategy", lg.strategy, INTERVALS)
+    _choice("log.level", lg.level, LEVELS)
+    _choice("log.level_replica", lg.level_replica, LEVELS)
+    for key, value in (("eval.steps", e.steps), ("save.steps", s.steps), ("log.steps", lg.steps)):
+        _interval_steps(key, value)
+    _positive("eval.accumulation_steps", e.accumulation_steps)
+    _positive("save.total_limit", s.total_limit)
+    if cfg.precision.full_eval is not None:
+        _choice("precision.full_eval", cfg.precision.full_eval, ("fp16", "bf16"))
+    _choice("precision.fp16_opt_level", cfg.precision.fp16_opt_level, ("O0", "O1", "O2", "O3"))
+    _choice("precision.half_precision_backend", cfg.precision.half_precision_backend, ("auto", "cpu_amp", "cuda_amp", "apex"))
+    for name in lg.report_to:
+        if name not in ("all", "none"):
+            from kiln.loggers import LOGGERS
+
+            LOGGERS.check(name)
+    _check_names(cfg)
+    _check_best_model(cfg)
+
+
+def _check_names(cfg: DictConfig) -> None:
+    """Unknown strategy/precision/optimizer/scheduler names fail here, listing the valid ones."""
+    from kiln.registry import UnknownNameError
+
+    try:
+        from kiln.precision import PRECISIONS
+        from kiln.strategies import STRATEGIES
+
+        STRATEGIES.check(cfg.strategy.name)
+        PRECISIONS.check(cfg.precision.name)
+        from kiln.engine.optim import OPTIMIZERS, SCHEDULERS
+
+        OPTIMIZERS.check(cfg.optim.name)
+        SCHEDULERS.check(cfg.scheduler.name)
+    except UnknownNameError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_best_model(cfg: DictConfig) -> None:
+    e, s = cfg.eval, cfg.save
+    if not e.load_best_model_at_end:
+        return
+    if e.strategy == "no":
+        raise ConfigError("load_best_model_at_end needs evaluation during training: set eval.strategy to 'steps' or 'epoch'.")
+    if s.strategy not in (e.strategy, "best"):
+        raise ConfigError(
+            f"load_best_model_at_end needs save.strategy ({s.strategy!r}) to match eval.strategy ({e.strategy!r}) "
+            "so that every evaluated model has a checkpoint."
+        )
+    if e.strategy == "steps" and s.strategy == "steps":
+        eval_steps = e.steps if e.steps is not None else cfg.log.steps
+        if eval_steps >= 1 and s.steps >= 1 and int(s.steps) % int(eval_steps) != 0:
+            raise ConfigError(
+                f"load_best_model_at_end needs save.steps ({s.steps}) to be a multiple of eval.steps ({eval_steps})."
+            )

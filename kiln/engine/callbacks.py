@@ -1,0 +1,142 @@
+"""Callbacks with Hugging Face's events, the dispatcher, and the flow callback that turns the
+logging/eval/save intervals into control flags.
+
+Event order for one optimizer step: on_step_begin, (on_substep_end per accumulated micro-batch),
+on_pre_optimizer_step, on_optimizer_step, on_step_end, then on_log / on_evaluate / on_save as the
+control flags ask. Callbacks observe and set flags; they never change the loop's numerics.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from kiln.engine.state import TrainerControl, TrainerState
+
+EVENTS = (
+    "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
+    "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_evaluate",
+    "on_predict", "on_prediction_step", "on_save", "on_log",
+)
+
+
+class Callback:
+    """Override any event; each receives `(config, state, control, **kwargs)` and may return a
+    TrainerControl (or None). kwargs carry `model`, `optimizer`, `lr_scheduler`, `train_dataloader`,
+    `logs` / `metrics` where relevant.
+
+    A callback that implements `state_dict()` / `load_state_dict()` has that state saved in every
+    checkpoint and restored on resume."""
+
+    def on_init_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_train_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_epoch_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_epoch_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_step_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_substep_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_pre_optimizer_step(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_optimizer_step(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_step_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_predict(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_prediction_step(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_save(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_log(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+
+
+CallbackLike = Union[Callback, type]
+
+
+class CallbackHandler:
+    """Calls each event on every callback that overrides it, in registration order."""
+
+    def __init__(self, callbacks: Iterable[CallbackLike] = (), **objects: Any) -> None:
+        self.callbacks: list[Callback] = []
+        self.objects = objects  # model, optimizer, lr_scheduler, train_dataloader, ...
+        self._by_event: dict[str, list[Any]] = {}
+        for cb in callbacks:
+            self.add(cb)
+
+    def add(self, callback: CallbackLike) -> None:
+        cb = callback() if isinstance(callback, type) else callback
+        self.callbacks.append(cb)
+        self._index()
+
+    def pop(self, callback: CallbackLike) -> Optional[Callback]:
+        for cb in self.callbacks:
+            if (isinstance(callback, type) and isinstance(cb, callback)) or cb is callback:
+                self.callbacks.remove(cb)
+                self._index()
+                return cb
+        return None
+
+    def _index(self) -> None:
+        # Only callbacks that override an event are called for it: keeps the per-step cost small.
+        self._by_event = {
+            event: [getattr(cb, event) for cb in self.callbacks if getattr(type(cb), event, None) is not getattr(Callback, event)]
+            for event in EVENTS
+        }
+
+    def call(self, event: str, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> "TrainerControl":
+        handlers = self._by_event[event]
+        if not handlers:
+            return control
+        kw = {**self.objects, **kw}
+        for handler in handlers:
+            result = handler(config, state, control, **kw)
+            if result is not None:
+                control = result
+        return control
+
+    # -- callback state in checkpoints ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {type(cb).__name__: cb.state_dict() for cb in self.callbacks if hasattr(cb, "state_dict")}
+
+    def load_state_dict(self, states: dict[str, Any]) -> None:
+        for cb in self.callbacks:
+            name = type(cb).__name__
+            if name in states and hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(states[name])
+
+
+def interval(value: Optional[float], max_steps: int, default: int) -> int:
+    """HF's `*_steps`: an int, or a ratio in (0, 1) of the total steps (rounded up)."""
+    import math
+
+    if value is None:
+        return default
+    if 0 < value < 1:
+        return max(1, math.ceil(max_steps * value))
+    return int(value)
+
+
+class DefaultFlowCallback(Callback):
+    """Turns `log/eval/save.strategy` and their `steps` into control flags (HF semantics)."""
+
+    def on_step_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+        step = state.global_step
+        if step == 1 and config.log.first_step:
+            control.should_log = True
+        if config.log.strategy == "steps" and step % state.logging_steps == 0:
+            control.should_log = True
+        if config.eval.strategy == "steps" and step % state.eval_steps == 0 and config.eval.delay <= step:
+            control.should_evaluate = True
+        if config.save.strategy == "steps" and step % state.save_steps == 0:
+            control.should_save = True
+        if step >= state.max_steps:
+            control.should_training_stop = True
+            if config.save.strategy != "no":  # HF saves at the end of training whatever the interval
+                control.should_save = True
+        return control
+
+    def on_epoch_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+        if config.log.strategy == "epoch":
+            control.should_log = True
+        if config.eval.strategy == "epoch" and config.eval.delay <= state.epoch:
+            control.should_evaluate = True
+        if config.save.strategy == "epoch":
+            control.should_save = True
+        return control

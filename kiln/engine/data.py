@@ -1,0 +1,201 @@
+"""Dataloaders: seeded, resumable sampling and the default collator.
+
+Resuming mid-epoch never re-iterates data: the sampler's order depends only on (seed, epoch), so a
+resumed run rebuilds the same permutation and starts at the saved batch. Each loader also gets its
+own `torch.Generator`, so creating a loader iterator never consumes the global RNG (which would
+shift dropout masks after a resume)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator, Optional, Sized
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+
+def default_data_collator(features: list[Any]) -> Any:
+    """torch's default_collate, plus HF's renaming of a `label`/`label_ids` key to `labels`."""
+    if features and isinstance(features[0], Mapping):
+        renamed = []
+        for f in features:
+            f = dict(f)
+            for old in ("label", "label_ids"):
+                if old in f and "labels" not in f:
+                    f["labels"] = f.pop(old)
+            renamed.append(f)
+        return default_collate(renamed)
+    return default_collate(features)
+
+
+class ResumableSampler(Sampler[int]):
+    """Random (or sequential) order over `num_samples` items, sharded over `num_replicas` ranks like
+    torch's DistributedSampler, which can start part-way through an epoch in O(1).
+
+    The permutation is `randperm(n, generator=seed + epoch)`; the shard is padded to a multiple of
+    `num_replicas` by repeating from the start (or truncated when `drop_last`)."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        seed: int,
+        shuffle: bool = True,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        self.n = num_samples
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start = 0  # indices of this rank's shard to skip, once (resume)
+        if drop_last and num_samples % num_replicas:
+            self.per_rank = num_samples // num_replicas
+        else:
+            self.per_rank = math.ceil(num_samples / num_replicas)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def set_start(self, index: int) -> None:
+        self.start = index
+
+    def indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        total = self.per_rank * self.num_replicas
+        if total > len(order):
+            order += (order * math.ceil(total / max(len(order), 1)))[: total - len(order)]
+        return order[:total][self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, 0  # one-shot: the next epoch starts at its beginning
+        return iter(self.indices()[start:])
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+
+class ShardedIterable(IterableDataset):
+    """Every `num_replicas`-th item of an iterable dataset for one rank (when the dataset does not
+    shard itself). `set_epoch` is forwarded so datasets can reshuffle per epoch."""
+
+    def __init__(self, dataset: Iterable[Any], num_replicas: int, rank: int) -> None:
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.dataset), self.rank, None, self.num_replicas)
+
+
+def is_sized(obj: Any) -> bool:
+    try:
+        len(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def build_dataloader(
+    dataset: Any,
+    batch_size: int,
+    collate_fn: Optional[Callable[[list[Any]], Any]],
+    data_cfg: Any,
+    seed: int,
+    shuffle: bool,
+    num_replicas: int = 1,
+    rank: int = 0,
+    sampler: Optional[Sampler[int]] = None,
+    drop_last: Optional[bool] = None,
+) -> DataLoader:
+    """A DataLoader over `dataset` with kiln's sampler (map-style) or rank sharding (iterable)."""
+    drop_last = data_cfg.dataloader_drop_last if drop_last is None else drop_last
+    kwargs: dict[str, Any] = dict(
+        batch_size=batch_size,
+        collate_fn=collate_fn or default_data_collator,
+        num_workers=data_cfg.dataloader_num_workers,
+        pin_memory=data_cfg.dataloader_pin_memory and torch.cuda.is_available(),
+        drop_last=drop_last,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    if data_cfg.dataloader_num_workers > 0:
+        kwargs["persistent_workers"] = data_cfg.dataloader_persistent_workers
+        if data_cfg.dataloader_prefetch_factor is not None:
+            kwargs["prefetch_factor"] = data_cfg.dataloader_prefetch_factor
+    if isinstance(dataset, IterableDataset) or not is_sized(dataset):
+        if num_replicas > 1 and not getattr(dataset, "shards_itself", False):
+            dataset = ShardedIterable(dataset, num_replicas, rank)
+        return DataLoader(dataset, **kwargs)
+    if sampler is None:
+        sampler = ResumableSampler(len(dataset), seed, shuffle, num_replicas, rank, drop_last)
+    return DataLoader(dataset, sampler=sampler, **kwargs)
+
+
+def set_epoch(loader: Iterable[Any], epoch: int, seed: int) -> None:
+    """Re-seed the loader for `epoch`: sampler order, worker seeds, and iterable datasets."""
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if hasattr(getattr(batch_sampler, "sampler", None), "set_epoch") and batch_sampler.sampler is not sampler:
+        batch_sampler.sampler.set_epoch(epoch)
+    generator = getattr(loader, "generator", None)
+    if isinstance(generator, torch.Generator):
+        generator.manual_seed(seed + epoch)
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None and hasattr(dataset, "set_epoch"):
+        dataset.set_epoch(epoch)
+    elif isinstance(getattr(dataset, "generator", None), torch.Generator):
+        dataset.generator.manual_seed(seed + epoch)  # HF's contract for randomised iterable datasets
+
+
+def skip_batches(loader: Iterable[Any], batches: int) -> tuple[Iterator[Any], str]:
+    """An iterator over `loader` that starts `batches` batches in, and how it got there.
+
+    kiln's sampler jumps directly ("jump"); an iterable dataset with `load_state_dict` restores
+    itself (done by the caller); anything else is iterated past ("iterate")."""
+    sampler = getattr(loader, "sampler", None)
+    batch_size = getattr(loader, "batch_size", None)
+    if batches == 0:
+        return iter(loader), "none"
+    if isinstance(sampler, ResumableSampler) and batch_size:
+        sampler.set_start(batches * batch_size)
+        return iter(loader), "jump"
+    it = iter(loader)
+    for _ in range(batches):
+        next(it, None)
+    return it, "iterate"
+
+
+def loader_length(loader: Iterable[Any]) -> Optional[int]:
+    """Batches per epoch, or None for loaders without a length."""
+    if not is_sized(loader):
+        return None
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def dataset_length(dataset: Any) -> Optional[int]:
+    return len(dataset) if isinstance(dataset, Sized) and not isinstance(dataset, IterableDataset) else None
+
+
+__all__ = [
+    "Dataset", "DataLoader", "ResumableSampler", "ShardedIterable", "build_dataloader", "default_data_collator",
+    "set_epoch", "skip_batches", "loader_length", "dataset_length", "is_sized",
+]

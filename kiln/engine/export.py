@@ -1,0 +1,36 @@
+"""`trainer.save_model(dir)`: the final weights as safetensors plus the config, loadable without
+kiln (`safetensors.torch.load_file`) and, for Transformers models, with `from_pretrained`."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+from kiln.strategies.checkpoint_io import save_weights
+
+if TYPE_CHECKING:
+    from kiln.engine.trainer import Trainer
+
+
+def export_model(trainer: "Trainer", output_dir: str) -> str:
+    strategy = trainer.strategy
+    state = strategy.model_state_for_export(trainer.model_wrapped if trainer._wrapped else trainer.model)
+    state = {k[len("module."):] if k.startswith("module.") and trainer._training_module else k: v for k, v in state.items()}
+    writer = strategy.is_global_zero or (trainer.config.save.on_each_node and strategy.is_local_zero)
+    if writer:
+        os.makedirs(output_dir, exist_ok=True)
+        model = trainer.model
+        if hasattr(model, "save_pretrained"):  # Transformers: config.json + weights, from_pretrained works
+            model.save_pretrained(output_dir, state_dict=state, safe_serialization=trainer.config.save.safetensors)
+        else:
+            save_weights(state, output_dir, trainer.config.save.safetensors)
+            with open(os.path.join(output_dir, "kiln_model.json"), "w") as fh:
+                json.dump({"class": f"{type(model).__module__}.{type(model).__qualname__}"}, fh, indent=2)
+        if trainer.processing_class is not None and hasattr(trainer.processing_class, "save_pretrained"):
+            trainer.processing_class.save_pretrained(output_dir)
+        from omegaconf import OmegaConf
+
+        OmegaConf.save(trainer.config, os.path.join(output_dir, "kiln_config.yaml"))
+    strategy.barrier("save-model")
+    return output_dir

@@ -1,0 +1,241 @@
+"""The fit loop: epochs, accumulation windows, optimizer steps and the log/eval/save cadence.
+
+One optimizer step, as the loop runs it (every hardware difference is a strategy/precision call):
+
+    window = next k micro-batches               (k = gradient_accumulation_steps, fewer at epoch end)
+    N = items in the whole window               (summed over data-parallel ranks)
+    for each micro-batch (no_sync but the last): trainer.training_step -> loss * n_i / N -> backward
+    clip_grad_norm -> optimizer_step -> scheduler.step (unless the step was skipped) -> zero_grad
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+
+from kiln.engine.callbacks import interval
+from kiln.engine.data import loader_length, set_epoch, skip_batches
+from kiln.engine.tensors import batch_size_of
+
+if TYPE_CHECKING:
+    from kiln.engine.trainer import Trainer
+
+
+class TrainOutput(tuple):
+    """(global_step, training_loss, metrics), with attribute access as in HF."""
+
+    def __new__(cls, global_step: int, training_loss: float, metrics: dict[str, float]) -> "TrainOutput":
+        return super().__new__(cls, (global_step, training_loss, metrics))
+
+    global_step = property(lambda self: self[0])
+    training_loss = property(lambda self: self[1])
+    metrics = property(lambda self: self[2])
+
+    def __repr__(self) -> str:
+        return f"TrainOutput(global_step={self[0]}, training_loss={self[1]:.6g}, metrics={self[2]})"
+
+
+def plan_steps(cfg: Any, batches_per_epoch: Optional[int]) -> tuple[int, int, int]:
+    """(max_steps, num_epochs, updates_per_epoch) exactly as HF defines them.
+
+    An epoch of b micro-batches gives ceil(b / k) optimizer steps: the last, shorter window is
+    stepped too. `max_steps > 0` overrides epochs; fractional epochs round the step count up."""
+    k = cfg.train.gradient_accumulation_steps
+    if batches_per_epoch is None:
+        if cfg.train.max_steps <= 0:
+            raise ValueError(
+                "The training data has no length (an iterable dataset), so the number of steps cannot be derived "
+                "from num_train_epochs: set train.max_steps (max_steps) to a positive number."
+            )
+        return cfg.train.max_steps, sys.maxsize, cfg.train.max_steps
+    if batches_per_epoch == 0:
+        raise ValueError("The training dataloader is empty: check train_dataset and the batch size (drop_last?).")
+    per_epoch = max(math.ceil(batches_per_epoch / k), 1)
+    if cfg.train.max_steps > 0:
+        max_steps = cfg.train.max_steps
+        return max_steps, math.ceil(max_steps / per_epoch), per_epoch
+    max_steps = math.ceil(cfg.train.num_train_epochs * per_epoch)
+    return max_steps, math.ceil(cfg.train.num_train_epochs), per_epoch
+
+
+class FitLoop:
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def run(self, resume_path: Optional[str]) -> TrainOutput:
+        t = self.trainer
+        cfg, strategy = t.config, t.strategy
+        loader = t.get_train_dataloader()
+        batches_per_epoch = loader_length(loader)
+        max_steps, num_epochs, per_epoch = plan_steps(cfg, batches_per_epoch)
+        t._setup_training(max_steps)
+        state = t.state
+        if resume_path:
+            t.checkpoints.load(resume_path)
+            state = t.state
+        state.max_steps, state.num_train_epochs = max_steps, num_epochs
+        state.logging_steps = interval(cfg.log.steps, max_steps, 500)
+        state.eval_steps = interval(cfg.eval.steps, max_steps, state.logging_steps)
+        state.save_steps = interval(cfg.save.steps, max_steps, 500)
+        state.train_batch_size = cfg.data.per_device_train_batch_size
+        state.is_world_process_zero, state.is_local_process_zero = strategy.is_global_zero, strategy.is_local_zero
+
+        model, k = t.model_wrapped, cfg.train.gradient_accumulation_steps
+        control = t.callback_handler.call("on_train_begin", cfg, state, t.control)
+        if cfg.eval.on_start and not resume_path:
+            t._evaluate_during_training()
+        start = time.perf_counter()
+        tr_loss = torch.zeros((), device=strategy.root_device)
+        self.total_loss = torch.zeros((), device=strategy.root_device, dtype=torch.float64)
+        self.steps_this_run, self.samples, self.tokens = 0, 0, 0
+        self.last_logged, self.window_start = state.global_step, start
+        self.samples_at_log, self.tokens_at_log = 0, 0
+        model.train()
+        seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
+        for epoch in range(state.epoch_index, num_epochs):
+            set_epoch(loader, epoch, seed)
+            skip = state.batches_into_epoch if epoch == state.epoch_index else 0
+            if skip and cfg.train.ignore_data_skip:
+                skip = 0
+            iterator, _ = skip_batches(loader, skip)
+            state.epoch_index, state.batches_into_epoch = epoch, skip
+            t.checkpoints.restore_rng()  # right before the first batch: nothing in between draws
+            control = t.callback_handler.call("on_epoch_begin", cfg, state, control)
+            while not (control.should_epoch_stop or control.should_training_stop):
+                window = self._next_window(iterator, k)
+                if not window:
+                    break
+                tr_loss = self._optimizer_step(window, model, tr_loss)
+                state.batches_into_epoch += len(window)
+                if batches_per_epoch:
+                    state.epoch = epoch + state.batches_into_epoch / batches_per_epoch
+                else:
+                    state.epoch = epoch + 1.0
+                control = t.callback_handler.call("on_step_end", cfg, state, control)
+                tr_loss = self._log_save_evaluate(tr_loss)
+                if state.global_step >= max_steps:
+                    control.should_training_stop = True
+            if batches_per_epoch is None and not control.should_training_stop and state.batches_into_epoch == 0:
+                raise ValueError("The iterable training dataset yielded no batches; check train_dataset.")
+            epoch_finished = not control.should_training_stop or state.batches_into_epoch == (batches_per_epoch or -1)
+            if epoch_finished:
+                state.epoch_index, state.batches_into_epoch = epoch + 1, 0
+            control = t.callback_handler.call("on_epoch_end", cfg, state, control)
+            control.should_epoch_stop = False
+            tr_loss = self._log_save_evaluate(tr_loss)
+            if control.should_training_stop:
+                break
+        return self._finish(start, tr_loss)
+
+    # -- one optimizer step -----------------------------------------------------------------
+    def _next_window(self, iterator: Iterator[Any], k: int) -> list[Any]:
+        window = []
+        for _ in range(k):
+            batch = next(iterator, _END)
+            if batch is _END:
+                break
+            window.append(batch)
+        return window
+
+    def _optimizer_step(self, window: list[Any], model: Any, tr_loss: torch.Tensor) -> torch.Tensor:
+        t = self.trainer
+        cfg, strategy, state, opt = t.config, t.strategy, t.state, t.optimizer
+        control = t.callback_handler.call("on_step_begin", cfg, state, t.control)
+        window = [strategy.batch_to_device(b) for b in window]
+        weights, total = t._loss_weights(window)
+        step_loss = torch.zeros((), device=strategy.root_device)
+        last = len(window) - 1
+        for i, batch in enumerate(window):
+            self.samples += batch_size_of(batch)
+            ids = batch.get("input_ids") if isinstance(batch, dict) else None
+            if isinstance(ids, torch.Tensor):
+                self.tokens += ids.numel()
+            t._loss_weight, t._num_items = weights[i], total
+            with strategy.no_sync(model, enabled=i < last):
+                step_loss = step_loss + t.training_step(model, batch, num_items_in_batch=total)
+            if i < last:
+                control = t.callback_handler.call("on_substep_end", cfg, state, control)
+        if cfg.train.include_num_input_tokens_seen:
+            state.num_input_tokens_seen += int(strategy.reduce(torch.tensor(self.tokens_in(window), device=strategy.root_device), "sum").item())
+        control = t.callback_handler.call("on_pre_optimizer_step", cfg, state, control)
+        if cfg.train.max_grad_norm and cfg.train.max_grad_norm > 0:
+            self.grad_norm: Optional[torch.Tensor] = strategy.clip_grad_norm(model, opt, cfg.train.max_grad_norm)
+        else:
+            self.grad_norm = None
+        stepped = strategy.optimizer_step(model, opt)
+        control = t.callback_handler.call("on_optimizer_step", cfg, state, control)
+        if stepped and t.lr_scheduler is not None and not t._scheduler_needs_metrics:
+            t.lr_scheduler.step()
+        strategy.zero_grad(model, opt)
+        state.global_step += 1
+        self.steps_this_run += 1
+        self.total_loss += step_loss.double()
+        if cfg.log.nan_inf_filter:
+            # A nan/inf step loss counts as the window's mean so far (HF), without a host sync.
+            mean_so_far = tr_loss / (1 + state.global_step - 1 - self.last_logged)
+            return torch.where(torch.isfinite(step_loss), tr_loss + step_loss, tr_loss + mean_so_far)
+        return tr_loss + step_loss
+
+    @staticmethod
+    def tokens_in(window: list[Any]) -> int:
+        return sum(b["input_ids"].numel() for b in window if isinstance(b, dict) and isinstance(b.get("input_ids"), torch.Tensor))
+
+    # -- cadence ----------------------------------------------------------------------------
+    def _log_save_evaluate(self, tr_loss: torch.Tensor) -> torch.Tensor:
+        t = self.trainer
+        control, state = t.control, t.state
+        if control.should_log and state.global_step > self.last_logged:
+            steps = state.global_step - self.last_logged
+            loss = t.strategy.reduce(tr_loss, "mean").item() / steps
+            logs: dict[str, float] = {"loss": loss}
+            if self.grad_norm is not None:
+                logs["grad_norm"] = float(self.grad_norm.item())
+            logs["learning_rate"] = t._current_lr()
+            now = time.perf_counter()
+            elapsed = max(now - self.window_start, 1e-9)
+            world = t.strategy.data_parallel_size
+            logs["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
+            logs["steps_per_second"] = steps / elapsed
+            if self.tokens > self.tokens_at_log:
+                logs["tokens_per_second"] = (self.tokens - self.tokens_at_log) * world / elapsed
+            self.window_start, self.samples_at_log, self.tokens_at_log = now, self.samples, self.tokens
+            self.last_logged = state.global_step
+            tr_loss = torch.zeros_like(tr_loss)
+            t.log(logs)
+        metrics = None
+        if control.should_evaluate:
+            metrics = t._evaluate_during_training()
+        if control.should_save:
+            t._save_checkpoint(metrics)
+            t.control = t.callback_handler.call("on_save", t.config, state, t.control)
+        t.control._new_step()
+        return tr_loss
+
+    def _finish(self, start: float, tr_loss: torch.Tensor) -> TrainOutput:
+        t = self.trainer
+        state, cfg = t.state, t.config
+        runtime = time.perf_counter() - start
+        steps = max(self.steps_this_run, 1)
+        train_loss = t.strategy.reduce(self.total_loss.float(), "mean").item() / steps
+        world = t.strategy.data_parallel_size
+        metrics = {
+            "train_runtime": runtime,
+            "train_samples_per_second": self.samples * world / max(runtime, 1e-9),
+            "train_steps_per_second": self.steps_this_run / max(runtime, 1e-9),
+            "total_flos": state.total_flos,
+            "train_loss": train_loss,
+        }
+        if self.tokens:
+            metrics["train_tokens_per_second"] = self.tokens * world / max(runtime, 1e-9)
+        if cfg.eval.load_best_model_at_end:
+            t._load_best_model()
+        t.log(dict(metrics))
+        t.control = t.callback_handler.call("on_train_end", cfg, state, t.control)
+        return TrainOutput(state.global_step, train_loss, metrics)
+
+
+_END = object()

@@ -1,0 +1,284 @@
+"""Optimizers picked by Hugging Face `optim` name, and the decay / no-decay parameter groups they get.
+
+An HF user's `optim: adamw_torch, weight_decay: 0.01` must mean the same optimizer and the same
+parameters decayed here, so names and argument mapping follow `transformers.Trainer`. Each registry
+entry is a small factory `OptimConfig -> (optimizer class, keyword arguments)`; `build_optimizer` adds
+the parameter groups and the user's `optim_args`, so a new optimizer is one registry line
+(`OPTIMIZERS.add("lion", lambda cfg: (Lion, {"lr": cfg.lr}))`).
+
+The learning-rate schedules live in `kiln.engine.schedulers` and are re-exported here, so the engine
+imports both from one place.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import re
+from typing import Any, Callable, Mapping, Union
+
+import torch
+from torch import nn
+
+from kiln.config.schema import OptimConfig
+from kiln.engine.schedulers import (
+    SCHEDULERS,
+    GreedyLR,
+    build_scheduler,
+    get_scheduler,
+    scheduler_needs_metrics,
+    warmup_steps_for,
+)
+from kiln.registry import Registry
+
+__all__ = [
+    "OPTIMIZERS", "SCHEDULERS", "GreedyLR", "build_optimizer", "build_scheduler", "decay_parameter_names",
+    "get_scheduler", "is_norm_module", "parameter_groups", "parse_optim_args", "scheduler_needs_metrics",
+    "warmup_steps_for",
+]
+
+OptimizerFactory = Callable[[OptimConfig], "tuple[type[torch.optim.Optimizer], dict[str, Any]]"]
+OPTIMIZERS: Registry[OptimizerFactory] = Registry("optimizer", "optim.name")
+
+# torch's own normalisation layers; any class whose name contains "Norm" counts too (custom RMSNorms).
+_NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm,
+    nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d, lazy variants
+)
+# Keys an optimizer already takes from a named config field: setting them in optim_args would give
+# two sources of truth, so that is an error pointing at the field.
+_FROM_CONFIG = {
+    "params": "the model", "lr": "optim.lr", "weight_decay": "optim.weight_decay",
+    "betas": "optim.adam_beta1 / optim.adam_beta2", "eps": "optim.adam_epsilon",
+}
+
+
+# ----------------------------------------------------------------------------- optimizer factories
+
+
+def _adam_kwargs(cfg: OptimConfig) -> dict[str, Any]:
+    return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon}
+
+
+def _torch_optimizer(cls: type[torch.optim.Optimizer], adam: bool = False, **fixed: Any) -> OptimizerFactory:
+    """A factory for a torch.optim class: Adam-family ones take betas/eps from the config, the rest only lr."""
+
+    def factory(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+        return cls, {**(_adam_kwargs(cfg) if adam else {"lr": cfg.lr}), **fixed}
+
+    return factory
+
+
+OPTIMIZERS.add("adamw_torch", _torch_optimizer(torch.optim.AdamW, adam=True))
+OPTIMIZERS.add("adamw_hf", OPTIMIZERS.get("adamw_torch"))  # HF's own AdamW is gone; it means torch's now
+OPTIMIZERS.add("adamw_torch_fused", _torch_optimizer(torch.optim.AdamW, adam=True, fused=True))
+OPTIMIZERS.add("adamw_torch_foreach", _torch_optimizer(torch.optim.AdamW, adam=True, foreach=True))
+OPTIMIZERS.add("adam", _torch_optimizer(torch.optim.Adam, adam=True))
+OPTIMIZERS.add("sgd", _torch_optimizer(torch.optim.SGD))
+OPTIMIZERS.add("adagrad", _torch_optimizer(torch.optim.Adagrad))
+OPTIMIZERS.add("rmsprop", _torch_optimizer(torch.optim.RMSprop))
+OPTIMIZERS.add("adafactor", _torch_optimizer(torch.optim.Adafactor))
+
+
+def _import(module: str, install: str, name: str) -> Any:
+    """Import an optional package, or say which `pip install` makes optimizer `name` work."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"Optimizer {name!r} (`optim.name`) needs {module.split('.')[0]}: {install}.") from None
+
+
+@OPTIMIZERS.register("adamw_torch_xla")
+def _adamw_torch_xla(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """torch_xla's sync-free AdamW, which avoids a host sync per step on TPU."""
+    syncfree = _import("torch_xla.amp.syncfree", "pip install kiln[xla]", "adamw_torch_xla")
+    return syncfree.AdamW, _adam_kwargs(cfg)
+
+
+def _bitsandbytes(name: str) -> OptimizerFactory:
+    """bitsandbytes' 8-bit / paged AdamW, Lion and RMSprop, with HF's argument mapping."""
+
+    def factory(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+        bnb = _import("bitsandbytes.optim", "pip install bitsandbytes, or use optim.name=adamw_torch", name)
+        bits = {"optim_bits": 8 if "8bit" in name else 32}
+        if "rmsprop" in name:
+            return bnb.RMSprop, {"lr": cfg.lr, **bits}
+        paged = {**bits, "is_paged": "paged" in name}
+        if "lion" in name:
+            return bnb.Lion, {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), **paged}
+        return bnb.AdamW, {**_adam_kwargs(cfg), **paged}
+
+    return factory
+
+
+for _name in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "lion_32bit", "lion_8bit",
+              "paged_lion_32bit", "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit"):
+    OPTIMIZERS.add(_name, _bitsandbytes(_name))
+
+
+def _unsupported(name: str, instead: str) -> OptimizerFactory:
+    def factory(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+        raise ValueError(f"Optimizer {name!r} (`optim.name`) is not supported by kiln; {instead}.")
+
+    return factory
+
+
+_USE_ADAMW = "use adamw_torch_fused or adamw_torch"
+for _name, _instead in {
+    "adamw_apex_fused": "use adamw_torch_fused (torch's fused AdamW kernel)",
+    "adamw_torch_npu_fused": _USE_ADAMW,
+    "adamw_anyprecision": _USE_ADAMW + " with precision bf16-true",
+    "adamw_torch_4bit": _USE_ADAMW, "adamw_torch_8bit": "use adamw_bnb_8bit (needs bitsandbytes)",
+    **dict.fromkeys(("galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise",
+                     "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise", "apollo_adamw",
+                     "apollo_adamw_layerwise", "lomo", "adalomo", "grokadamw", "stable_adamw", "ademamix",
+                     "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit", "schedule_free_adamw",
+                     "schedule_free_radam", "schedule_free_sgd"),
+                    "register it with kiln.engine.optim.OPTIMIZERS.add(name, factory), or " + _USE_ADAMW),
+}.items():
+    OPTIMIZERS.add(_name, _unsupported(_name, _instead))
+
+
+# ----------------------------------------------------------------------------- optim_args
+
+_ITEM_SPLIT = re.compile(r",(?=\s*[A-Za-z_]\w*\s*=)")  # split at commas that start a new key=, not inside (0.9, 0.95)
+
+
+def _literal(text: str) -> Any:
+    """'0.9' -> 0.9, 'true' -> True, 'none' -> None, '(0.9, 0.95)' -> tuple, anything else stays a string."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        pass
+    try:
+        return float(text)  # inf, nan
+    except ValueError:
+        return text
+
+
+def parse_optim_args(optim_args: Union[str, Mapping[str, Any], None]) -> dict[str, Any]:
+    """Parse HF's `optim_args` string "key=value,key=value" into Python values.
+
+    HF hands the raw strings to each optimizer; kiln converts them once so that any optimizer class
+    can take them as keyword arguments (`momentum=0.9,nesterov=True` for sgd)."""
+    if not optim_args:
+        return {}
+    if isinstance(optim_args, Mapping):
+        return dict(optim_args)
+    parsed: dict[str, Any] = {}
+    for item in _ITEM_SPLIT.split(optim_args.strip()):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key.isidentifier() or not value or key in parsed:
+            why = "a repeated key" if key in parsed else "not of the form key=value"
+            raise ValueError(
+                f"Cannot parse `optim.optim_args` {optim_args!r}: {item.strip()!r} is {why} "
+                "(expected 'key=value,key=value', e.g. 'momentum=0.9,nesterov=True')."
+            )
+        parsed[key] = _literal(value)
+    return parsed
+
+
+# ----------------------------------------------------------------------------- parameter groups
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """True for normalisation layers, whose weights must not be decayed towards zero.
+
+    HF only recognises `nn.LayerNorm`, so the custom RMSNorm classes of most LLMs get decayed there
+    by accident (unless their name matches a pattern); kiln also matches any class named "*Norm*"."""
+    return isinstance(module, _NORM_TYPES) or "Norm" in type(module).__name__
+
+
+def _split_parameters(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(decay, no_decay) lists of trainable (name, parameter), in `named_parameters()` order.
+
+    Walking the modules ourselves (as named_parameters does) tells us each parameter's owner; a shared
+    parameter is classified by its first owner and appears once."""
+    decay: list[tuple[str, nn.Parameter]] = []
+    no_decay: list[tuple[str, nn.Parameter]] = []
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        norm = is_norm_module(module)
+        for local, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if not param.requires_grad:
+                continue
+            name = f"{module_name}.{local}" if module_name else local
+            (no_decay if norm or "bias" in local.lower() else decay).append((name, param))
+    return decay, no_decay
+
+
+def decay_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the trainable parameters that get weight decay (HF's `get_decay_parameter_names`)."""
+    return [name for name, _ in _split_parameters(model)[0]]
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The optimizer's param groups: decayed weights, then biases and norm weights without decay.
+
+    Order is deterministic (it decides the optimizer state_dict layout, so checkpoints resume across
+    runs); empty groups are dropped because some optimizers reject them."""
+    decay, no_decay = _split_parameters(model)
+    if not decay and not no_decay:
+        raise ValueError("The model has no trainable parameters (all have requires_grad=False); nothing to optimise.")
+    groups = [
+        {"params": [p for _, p in decay], "weight_decay": weight_decay},
+        {"params": [p for _, p in no_decay], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _as_optim_config(cfg: Any) -> OptimConfig:
+    """Accept the `optim` group as an OptimConfig, a DictConfig or a plain mapping."""
+    if isinstance(cfg, OptimConfig):
+        return cfg
+    get = cfg.get if isinstance(cfg, Mapping) or hasattr(cfg, "get") else (lambda k, d: getattr(cfg, k, d))
+    return OptimConfig(**{f.name: get(f.name, f.default) for f in dataclasses.fields(OptimConfig)})
+
+
+def _check_optim_args(name: str, cls: type, base: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Reject optim_args keys the class does not take, or that a config field already sets."""
+    params = inspect.signature(cls).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    accepted = sorted(k for k in params if k not in _FROM_CONFIG and k not in base and k != "self")
+    for key in extra:
+        if key in _FROM_CONFIG or key in base:
+            source = _FROM_CONFIG.get(key, f"optim.name={name!r}")
+            raise ValueError(f"`optim.optim_args` sets {key!r}, which optimizer {name!r} takes from {source}; set it there.")
+        if not takes_any and key not in params:
+            raise ValueError(
+                f"`optim.optim_args` sets {key!r}, which {cls.__module__}.{cls.__name__} (optimizer {name!r}) does not "
+                f"take; it accepts: {', '.join(accepted)}."
+            )
+
+
+def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
+    """Build the optimizer named by `optim.name` over `model`'s trainable parameters.
+
+    Weight decay goes to weights only, never to biases or normalisation weights; `optim_args` become
+    extra keyword arguments. Errors name the config key to fix."""
+    cfg = _as_optim_config(optim_cfg)
+    cls, kwargs = OPTIMIZERS.get(cfg.name)(cfg)
+    extra = parse_optim_args(cfg.optim_args)
+    _check_optim_args(cfg.name, cls, kwargs, extra)
+    groups = parameter_groups(model, cfg.weight_decay)
+    try:
+        return cls(groups, **kwargs, **extra)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"Optimizer {cfg.name!r} rejected its arguments ({err}); check optim.lr, optim.adam_* and optim.optim_args."
+        ) from err
+

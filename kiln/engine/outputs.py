@@ -1,0 +1,83 @@
+"""What evaluation and prediction hand back, with Hugging Face's names and shapes so that a
+`compute_metrics` written for `transformers.Trainer` runs unchanged on kiln.
+
+- `EvalPrediction` is the single argument of `compute_metrics`.
+- `PredictionOutput` is what `Trainer.predict` returns.
+- `EvalLoopOutput` is what the evaluation loop returns to `evaluate`/`predict`.
+
+Arrays are numpy (or nested tuples/lists/dicts of numpy arrays) once the loop has gathered them; with
+`batch_eval_metrics` they are the current batch's tensors instead, exactly as in HF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple, Optional, Union
+
+import numpy as np
+
+# A gathered output: one array, or a nested tuple/list/dict of them (models with several heads).
+Arrays = Union[np.ndarray, tuple[Any, ...], list[Any], dict[str, Any]]
+
+
+class EvalPrediction:
+    """Evaluation output passed to `compute_metrics(eval_pred)`.
+
+    It unpacks like a tuple, as HF's does: `predictions, labels = eval_pred` works, and `eval_pred[0]`
+    is the predictions. `inputs` (with `include_inputs_for_metrics`) and `losses` join the tuple only
+    when they are set, so two-way unpacking keeps working for the common case. Unlike HF, negative
+    indices and slices behave as on a tuple instead of raising.
+    """
+
+    __slots__ = ("predictions", "label_ids", "inputs", "losses")
+
+    def __init__(
+        self,
+        predictions: Any,
+        label_ids: Any,
+        inputs: Optional[Any] = None,
+        losses: Optional[Any] = None,
+    ) -> None:
+        self.predictions = predictions
+        self.label_ids = label_ids
+        self.inputs = inputs
+        self.losses = losses
+
+    @property
+    def elements(self) -> tuple[Any, ...]:
+        """The tuple view: (predictions, label_ids[, inputs][, losses])."""
+        extra = tuple(x for x in (self.inputs, self.losses) if x is not None)
+        return (self.predictions, self.label_ids, *extra)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.elements)
+
+    def __getitem__(self, index: Union[int, slice]) -> Any:
+        return self.elements[index]
+
+    def __len__(self) -> int:
+        return len(self.elements)
+
+    def __repr__(self) -> str:
+        def shape(x: Any) -> str:
+            return str(tuple(x.shape)) if hasattr(x, "shape") else type(x).__name__
+
+        fields = ", ".join(f"{name}={shape(getattr(self, name))}" for name in self.__slots__)
+        return f"EvalPrediction({fields})"
+
+
+class PredictionOutput(NamedTuple):
+    """`Trainer.predict` result. `label_ids` and `metrics` are None when the data has no labels."""
+
+    predictions: Arrays
+    label_ids: Optional[Arrays]
+    metrics: Optional[dict[str, float]]
+
+
+class EvalLoopOutput(NamedTuple):
+    """The evaluation loop's result: gathered arrays in dataset order, metrics, and the sample count."""
+
+    predictions: Optional[Arrays]
+    label_ids: Optional[Arrays]
+    metrics: Optional[dict[str, float]]
+    num_samples: Optional[int]

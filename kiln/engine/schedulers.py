@@ -1,0 +1,397 @@
+"""Learning-rate schedules picked by Hugging Face `lr_scheduler_type` name.
+
+The formulas are transformers.optimization's, rewritten so that kiln does not need transformers and
+checked step for step against it in tests/engine/test_schedulers.py: an HF user's schedule gives the
+same learning rates here. Each registry entry is a factory `(optimizer, num_warmup_steps,
+num_training_steps, **kwargs) -> scheduler` whose keyword arguments are exactly what `scheduler.kwargs`
+(HF's `lr_scheduler_kwargs`) may hold, so a typo fails before training. LambdaLR factors are partials of
+module-level functions, so scheduler state_dicts hold only numbers (`torch.load(weights_only=True)`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from functools import partial
+from typing import Any, Callable, Optional, Union
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
+
+from kiln.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+SchedulerFactory = Callable[..., Any]
+SCHEDULERS: Registry[SchedulerFactory] = Registry("lr scheduler", "scheduler.name")
+_POSITIONAL, _SHAPES = ("optimizer", "num_warmup_steps", "num_training_steps"), ("linear", "cosine", "1-sqrt")
+
+
+# ----------------------------------------------------------------------------- LambdaLR factors (HF formulas)
+
+
+def _warmup(step: int, num_warmup_steps: int) -> float:
+    return float(step) / float(max(1, num_warmup_steps))
+
+
+def _constant(step: int, *, num_warmup_steps: int = 0) -> float:
+    return _warmup(step, num_warmup_steps) if step < num_warmup_steps else 1.0
+
+
+def _linear(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    return max(0.0, float(num_training_steps - step) / float(max(1, num_training_steps - num_warmup_steps)))
+
+
+def _cosine(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float, min_lr_rate: float) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+    factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+    return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+
+def _cosine_restarts(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: int) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+    if progress >= 1.0:
+        return 0.0
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(num_cycles) * progress) % 1.0))))
+
+
+def _polynomial(
+    step: int, *, num_warmup_steps: int, num_training_steps: int, lr_end: float, power: float, lr_init: float
+) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    if step > num_training_steps:
+        return lr_end / lr_init  # LambdaLR multiplies by lr_init
+    pct_remaining = 1 - (step - num_warmup_steps) / (num_training_steps - num_warmup_steps)
+    return ((lr_init - lr_end) * pct_remaining**power + lr_end) / lr_init
+
+
+def _inverse_sqrt(step: int, *, num_warmup_steps: int, timescale: int) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    shift = timescale - num_warmup_steps
+    return 1.0 / math.sqrt((step + shift) / timescale)
+
+
+def _cosine_warmup_min_lr(
+    step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float, min_lr_rate: float,
+    warmup_lr_rate: Optional[float],
+) -> float:
+    """HF's cosine_warmup_with_min_lr: the warmup starts above 0 and the decay is shifted by one step."""
+    cur, warm, total = float(step), float(num_warmup_steps), float(num_training_steps)
+    if cur < warm:
+        if warmup_lr_rate is None:
+            return (cur + 1.0) / max(1.0, warm)
+        rate = float(warmup_lr_rate)
+        return rate + (1.0 - rate) * cur / max(1, warm - 1)
+    progress = (cur - warm + 1.0) / max(1.0, total - warm)
+    factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+    return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+
+def _wsd(
+    step: int, *, num_warmup_steps: int, num_stable_steps: int, num_decay_steps: int, warmup_type: str,
+    decay_type: str, min_lr_ratio: float, num_cycles: float,
+) -> float:
+    if step < num_warmup_steps:
+        progress = float(step) / float(max(1, num_warmup_steps))
+        if warmup_type == "linear":
+            factor = progress
+        elif warmup_type == "cosine":
+            factor = 0.5 * (1.0 - math.cos(math.pi * progress))
+        else:
+            factor = 1.0 - math.sqrt(1.0 - progress)
+        return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
+    if step < num_warmup_steps + num_stable_steps:
+        return 1.0
+    if step < num_warmup_steps + num_stable_steps + num_decay_steps:
+        progress = float(step - num_warmup_steps - num_stable_steps) / float(max(1, num_decay_steps))
+        if decay_type == "linear":
+            factor = 1.0 - progress
+        elif decay_type == "cosine":
+            factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+        else:
+            factor = 1.0 - math.sqrt(progress)
+        return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
+    return min_lr_ratio
+
+
+# ----------------------------------------------------------------------------- registry entries
+
+
+def _min_lr_rate(name: str, optimizer: Optimizer, min_lr: Optional[float], min_lr_rate: Optional[float]) -> float:
+    if (min_lr is None) == (min_lr_rate is None):
+        raise ValueError(f"lr scheduler {name!r} needs one of `scheduler.kwargs.min_lr` or `scheduler.kwargs.min_lr_rate`.")
+    return min_lr / optimizer.defaults["lr"] if min_lr is not None else min_lr_rate  # type: ignore[return-value]
+
+
+@SCHEDULERS.register("constant")
+def _sched_constant(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, _constant)
+
+
+@SCHEDULERS.register("constant_with_warmup")
+def _sched_constant_warmup(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, partial(_constant, num_warmup_steps=num_warmup_steps))
+
+
+@SCHEDULERS.register("linear")
+def _sched_linear(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, partial(_linear, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps))
+
+
+@SCHEDULERS.register("cosine")
+def _sched_cosine(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_cycles: float = 0.5) -> LambdaLR:
+    return LambdaLR(optimizer, partial(_cosine, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps,
+                                       num_cycles=num_cycles, min_lr_rate=0.0))
+
+
+@SCHEDULERS.register("cosine_with_restarts")
+def _sched_restarts(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_cycles: int = 1) -> LambdaLR:
+    return LambdaLR(optimizer, partial(_cosine_restarts, num_warmup_steps=num_warmup_steps,
+                                       num_training_steps=num_training_steps, num_cycles=num_cycles))
+
+
+@SCHEDULERS.register("polynomial")
+def _sched_polynomial(
+    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, lr_end: float = 1e-7, power: float = 1.0
+) -> LambdaLR:
+    lr_init = optimizer.defaults["lr"]
+    if not lr_init > lr_end:
+        raise ValueError(f"`scheduler.kwargs.lr_end` ({lr_end}) must be smaller than the initial lr ({lr_init}).")
+    return LambdaLR(optimizer, partial(_polynomial, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps,
+                                       lr_end=lr_end, power=power, lr_init=lr_init))
+
+
+@SCHEDULERS.register("inverse_sqrt")
+def _sched_inverse_sqrt(
+    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, timescale: Optional[int] = None
+) -> LambdaLR:
+    timescale = timescale if timescale is not None else (num_warmup_steps or 10_000)
+    return LambdaLR(optimizer, partial(_inverse_sqrt, num_warmup_steps=num_warmup_steps, timescale=timescale))
+
+
+@SCHEDULERS.register("cosine_with_min_lr")
+def _sched_cosine_min_lr(
+    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_cycles: float = 0.5,
+    min_lr: Optional[float] = None, min_lr_rate: Optional[float] = None,
+) -> LambdaLR:
+    rate = _min_lr_rate("cosine_with_min_lr", optimizer, min_lr, min_lr_rate)
+    return LambdaLR(optimizer, partial(_cosine, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps,
+                                       num_cycles=num_cycles, min_lr_rate=rate))
+
+
+@SCHEDULERS.register("cosine_warmup_with_min_lr")
+def _sched_cosine_warmup_min_lr(
+    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_cycles: float = 0.5,
+    min_lr: Optional[float] = None, min_lr_rate: Optional[float] = None, warmup_lr_rate: Optional[float] = None,
+) -> LambdaLR:
+    rate = _min_lr_rate("cosine_warmup_with_min_lr", optimizer, min_lr, min_lr_rate)
+    return LambdaLR(optimizer, partial(_cosine_warmup_min_lr, num_warmup_steps=num_warmup_steps, num_cycles=num_cycles,
+                                       num_training_steps=num_training_steps, min_lr_rate=rate, warmup_lr_rate=warmup_lr_rate))
+
+
+@SCHEDULERS.register("warmup_stable_decay")
+def _sched_wsd(
+    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_decay_steps: Optional[int] = None,
+    num_stable_steps: Optional[int] = None, warmup_type: str = "linear", decay_type: str = "cosine",
+    min_lr_ratio: float = 0, num_cycles: float = 0.5,
+) -> LambdaLR:
+    """Warmup, then constant, then decay; `num_stable_steps` defaults to the steps the other two leave."""
+    if num_decay_steps is None:
+        raise ValueError("lr scheduler 'warmup_stable_decay' needs `scheduler.kwargs.num_decay_steps`.")
+    for key, shape in (("warmup_type", warmup_type), ("decay_type", decay_type)):
+        if shape not in _SHAPES:
+            raise ValueError(f"`scheduler.kwargs.{key}` must be one of {', '.join(_SHAPES)}, got {shape!r}.")
+    if num_stable_steps is None:
+        num_stable_steps = num_training_steps - num_warmup_steps - num_decay_steps
+    return LambdaLR(optimizer, partial(_wsd, num_warmup_steps=num_warmup_steps, num_stable_steps=num_stable_steps,
+                                       num_decay_steps=num_decay_steps, warmup_type=warmup_type, decay_type=decay_type,
+                                       min_lr_ratio=min_lr_ratio, num_cycles=num_cycles))
+
+
+@SCHEDULERS.register("reduce_lr_on_plateau")
+def _sched_plateau(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, **kwargs: Any) -> ReduceLROnPlateau:
+    """torch's ReduceLROnPlateau; the loop steps it with the eval metric after each evaluation."""
+    _check_kwargs("reduce_lr_on_plateau", kwargs, ReduceLROnPlateau)
+    return ReduceLROnPlateau(optimizer, **kwargs)
+
+
+@SCHEDULERS.register("greedy")
+def _sched_greedy(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, **kwargs: Any) -> "GreedyLR":
+    """HF's GreedyLR; stepped with the eval metric like ReduceLROnPlateau."""
+    _check_kwargs("greedy", kwargs, GreedyLR)
+    return GreedyLR(optimizer, **kwargs)
+
+
+# ----------------------------------------------------------------------------- GreedyLR
+
+
+class GreedyLR:
+    """HF's metric-driven schedule (arXiv 2512.14527): more than `patience` improving metrics divide the lr
+    by `factor`, more than `patience` non-improving ones multiply it, within [min_lr, max_lr]; `reset_start`
+    reductions spent at min_lr restart from the initial lr. Same arguments, arithmetic and state_dict keys as
+    transformers.optimization.GreedyLR, so an HF user's run behaves the same and its checkpoints load here."""
+
+    _STATE = ("factor", "min_lrs", "max_lrs", "patience", "verbose", "cooldown", "warmup", "cooldown_counter", "mode",
+              "warmup_counter", "threshold", "threshold_mode", "best", "num_bad_epochs", "num_good_epochs", "eps",
+              "last_epoch", "smooth", "window_size", "reset_start", "reset_start_original", "_last_lr", "_init_lrs")
+
+    def __init__(
+        self, optimizer: Optimizer, mode: str = "min", factor: float = 0.95, patience: int = 10,
+        threshold: float = 1e-6, threshold_mode: str = "abs", cooldown: int = 0, warmup: int = 0,
+        min_lr: Union[float, list[float]] = 1e-3, max_lr: Union[float, list[float]] = 1.0, eps: float = 1e-8,
+        verbose: bool = False, smooth: bool = False, window_size: int = 50, reset_start: int = 500,
+    ) -> None:
+        if factor >= 1.0 or mode not in ("min", "max") or threshold_mode not in ("rel", "abs"):
+            raise ValueError("lr scheduler 'greedy' needs `scheduler.kwargs` factor < 1, mode min|max, threshold_mode rel|abs.")
+        self.optimizer, self.mode, self.factor, self.patience, self.threshold = optimizer, mode, factor, patience, threshold
+        self.threshold_mode, self.cooldown, self.warmup, self.eps, self.verbose = threshold_mode, cooldown, warmup, eps, verbose
+        self.smooth, self.window_size, self.reset_start, self.reset_start_original = smooth, window_size, reset_start, reset_start
+        n = len(optimizer.param_groups)
+        self.min_lrs = list(min_lr) if isinstance(min_lr, (list, tuple)) else [min_lr] * n
+        self.max_lrs = list(max_lr) if isinstance(max_lr, (list, tuple)) else [max_lr] * n
+        if len(self.min_lrs) != n or len(self.max_lrs) != n:
+            raise ValueError(f"`scheduler.kwargs` min_lr / max_lr lists need one value per param group ({n}).")
+        self._init_lrs = [group["lr"] for group in optimizer.param_groups]
+        self._last_lr, self.last_epoch = list(self._init_lrs), 0
+        self._start()
+
+    def _start(self) -> None:
+        self.best = math.inf if self.mode == "min" else -math.inf
+        self.num_bad_epochs = self.num_good_epochs = self.cooldown_counter = self.warmup_counter = 0
+        self._values: list[float] = []  # the smoothing window (HF's StreamingAverage) and its sum
+        self._sum = 0.0
+
+    def is_better(self, current: float, best: float) -> bool:
+        if self.mode == "min":
+            return current < (best * (1.0 - self.threshold) if self.threshold_mode == "rel" else best - self.threshold)
+        return current > (best * (1.0 + self.threshold) if self.threshold_mode == "rel" else best + self.threshold)
+
+    def step(self, metrics: float, epoch: Optional[int] = None) -> None:
+        current = float(metrics)
+        if self.smooth:
+            self._values.append(current)
+            self._sum += current
+            if len(self._values) > self.window_size:
+                self._sum -= self._values.pop(0)
+            current = self._sum / len(self._values)
+        self.last_epoch = self.last_epoch + 1 if epoch is None else epoch
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.num_bad_epochs = self.num_good_epochs = 0
+        elif self.warmup_counter > 0:
+            self.warmup_counter -= 1
+            self.num_bad_epochs = self.num_good_epochs = 0
+        else:
+            if self.is_better(current, self.best):
+                self.best, self.num_bad_epochs, self.num_good_epochs = current, 0, self.num_good_epochs + 1
+            else:
+                self.num_bad_epochs, self.num_good_epochs = self.num_bad_epochs + 1, 0
+            if self.num_good_epochs > self.patience:
+                self._scale(increase=True)
+                self.warmup_counter, self.num_good_epochs = self.warmup, 0
+            elif self.num_bad_epochs > self.patience:
+                self._scale(increase=False)
+                self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def _scale(self, increase: bool) -> None:
+        all_at_min = True
+        for i, group in enumerate(self.optimizer.param_groups):
+            old = float(group["lr"])
+            new = min(old / self.factor, self.max_lrs[i]) if increase else max(old * self.factor, self.min_lrs[i])
+            if abs(new - old) > self.eps and (new > old) == increase:
+                group["lr"] = new
+                if self.verbose:
+                    logger.info("GreedyLR: lr of group %d -> %.4e", i, new)
+            all_at_min = all_at_min and group["lr"] <= self.min_lrs[i]
+        if increase:
+            self.reset_start = self.reset_start_original
+        elif all_at_min:
+            self.reset_start -= 1
+            if self.reset_start <= 0:
+                for group, lr in zip(self.optimizer.param_groups, self._init_lrs):
+                    group["lr"] = lr
+                self._start()
+                self.reset_start = self.reset_start_original
+
+    def get_last_lr(self) -> list[float]:
+        return self._last_lr
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {key: getattr(self, key) for key in self._STATE}
+        if self.smooth:
+            state["_streaming_avg"] = {"window_size": self.window_size, "values": list(self._values), "sum": self._sum}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key in self._STATE:
+            setattr(self, key, state_dict.get(key, getattr(self, key)))
+        avg = state_dict.get("_streaming_avg", {})
+        self._values, self._sum = list(avg.get("values", self._values)), avg.get("sum", self._sum)
+        if "_last_lr" in state_dict:
+            for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+                group["lr"] = lr
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _check_kwargs(name: str, kwargs: dict[str, Any], target: Callable[..., Any]) -> None:
+    """Fail on a `scheduler.kwargs` key that `target` does not take, listing the ones it does."""
+    params = inspect.signature(target).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # the factory checks against the class it builds
+    accepted = [k for k in params if k not in _POSITIONAL and k != "self"]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"Unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in `scheduler.kwargs` "
+            f"for lr scheduler {name!r}; it accepts: {', '.join(accepted) or 'no arguments'}."
+        )
+
+
+def get_scheduler(
+    name: str, optimizer: Optimizer, num_warmup_steps: int = 0, num_training_steps: int = None, **kwargs: Any
+) -> Union[LRScheduler, Any]:
+    """The schedule named `name` (HF's `lr_scheduler_type`), with HF's `lr_scheduler_kwargs` as kwargs."""
+    name = str(getattr(name, "value", name))  # also accepts HF's SchedulerType enum
+    factory = SCHEDULERS.get(name)
+    _check_kwargs(name, kwargs, factory)
+    return factory(optimizer, num_warmup_steps, num_training_steps, **kwargs)
+
+
+def warmup_steps_for(sched_cfg: Any, num_training_steps: int) -> int:
+    """HF's get_warmup_steps: `warmup_steps` when > 0, else ceil(warmup_ratio * num_training_steps)."""
+    steps = int(_field(sched_cfg, "warmup_steps", 0) or 0)
+    return steps if steps > 0 else math.ceil(float(_field(sched_cfg, "warmup_ratio", 0.0) or 0.0) * num_training_steps)
+
+
+def build_scheduler(optimizer: Optimizer, sched_cfg: Any, num_training_steps: int) -> Union[LRScheduler, GreedyLR]:
+    """The schedule the `scheduler` config group (SchedulerConfig, DictConfig or mapping) asks for."""
+    kwargs = _field(sched_cfg, "kwargs", None) or {}
+    if hasattr(kwargs, "_metadata"):  # an OmegaConf node: hand the schedule plain Python values
+        from omegaconf import OmegaConf
+
+        kwargs = OmegaConf.to_container(kwargs, resolve=True)
+    name, warmup = str(_field(sched_cfg, "name", "linear")), warmup_steps_for(sched_cfg, num_training_steps)
+    if warmup > 0 and name.lower() in ("constant", "reduce_lr_on_plateau", "greedy"):
+        logger.warning("lr scheduler %r has no warmup; ignoring %d warmup steps (use constant_with_warmup?).", name, warmup)
+    return get_scheduler(name, optimizer, warmup, num_training_steps, **dict(kwargs))
+
+
+def scheduler_needs_metrics(scheduler: Any) -> bool:
+    """True when the loop must step `scheduler` with the eval metric after evaluating, not every step."""
+    return isinstance(scheduler, (ReduceLROnPlateau, GreedyLR))
+
+
+def _field(cfg: Any, key: str, default: Any) -> Any:
+    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)

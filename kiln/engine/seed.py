@@ -1,0 +1,73 @@
+"""Seeding and RNG state capture, so two runs with one config are identical and a resumed run
+continues every random stream (python, numpy, torch CPU, CUDA) exactly where it stopped."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+
+def set_seed(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch (all devices); `deterministic` is HF's full_determinism."""
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional for kiln itself
+        pass
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    if deterministic:
+        enable_full_determinism()
+
+
+def enable_full_determinism() -> None:
+    # cuBLAS reads this when its handle is created, so it must be set before the first matmul.
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG stream of this process, as plain tensors/lists (loadable with weights_only=True)."""
+    state: dict[str, Any] = {"python": _py_state_to_plain(random.getstate()), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached": float(cached)}
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_py_state_from_plain(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _py_state_to_plain(st: tuple[Any, ...]) -> list[Any]:
+    version, internal, gauss = st
+    return [version, list(internal), gauss]
+
+
+def _py_state_from_plain(plain: list[Any]) -> tuple[Any, ...]:
+    version, internal, gauss = plain
+    return (version, tuple(internal), gauss)

@@ -1,0 +1,78 @@
+"""`TrainerState` (everything the loop knows, saved as trainer_state.json in every checkpoint) and
+`TrainerControl` (flags callbacks set to make the loop log, evaluate, save or stop). Field names
+and meanings follow Hugging Face so that HF callbacks read the same attributes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class TrainerState:
+    epoch: float = 0.0
+    global_step: int = 0
+    max_steps: int = 0
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    train_batch_size: int = 0
+    num_train_epochs: int = 0
+    num_input_tokens_seen: int = 0
+    total_flos: float = 0.0
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: Optional[float] = None
+    best_global_step: Optional[int] = None
+    best_model_checkpoint: Optional[str] = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    is_hyper_param_search: bool = False
+    trial_name: Optional[str] = None
+    trial_params: Optional[dict[str, Any]] = None
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
+    # kiln: where inside the epoch the loop stands, so a resume jumps straight there
+    epoch_index: int = 0
+    batches_into_epoch: int = 0
+    steps_into_epoch: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, allow_nan=True) + "\n"
+
+    def save_to_json(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainerState":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def load_from_json(cls, path: str) -> "TrainerState":
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_dict(json.load(fh))
+
+
+@dataclass
+class TrainerControl:
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+
+    def _new_training(self) -> None:
+        self.should_training_stop = False
+
+    def _new_epoch(self) -> None:
+        self.should_epoch_stop = False
+
+    def _new_step(self) -> None:
+        self.should_save = False
+        self.should_evaluate = False
+        self.should_log = False
+
+    def state(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

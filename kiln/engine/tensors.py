@@ -1,0 +1,40 @@
+"""Small helpers for nested batches (dicts, lists, tuples, dataclass-like mappings of tensors)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a nested batch to `device` (non-blocking when it can be)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()}) if type(batch) is not dict else {
+            k: move_to_device(v, device) for k, v in batch.items()
+        }
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Number of samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            n = batch_size_of(value)
+            if n:
+                return n
+    if isinstance(batch, (list, tuple)):
+        for value in batch:
+            n = batch_size_of(value)
+            if n:
+                return n
+    return 0

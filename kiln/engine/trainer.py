@@ -1,0 +1,316 @@
+"""The Trainer facade: builds the strategy, precision plugin and callbacks from the config, and
+exposes Hugging Face's override points (`get_train_dataloader`, `create_optimizer`,
+`create_scheduler`, `compute_loss`, `training_step`, `prediction_step`, `log`, ...), which the loops
+call so that subclassing works as HF users expect."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from kiln.config import load_config
+from kiln.engine.callbacks import Callback, CallbackHandler, DefaultFlowCallback
+from kiln.engine.checkpoint import CheckpointManager, list_checkpoints, resolve_resume
+from kiln.engine.data import build_dataloader
+from kiln.engine.dispatch import StepDispatcher
+from kiln.engine.errors import KilnError
+from kiln.engine.loops import FitLoop, TrainOutput
+from kiln.engine.module import (
+    accepts_kwarg, count_items, default_label_names, forward_argument_names, is_training_module, loss_from_output,
+)
+from kiln.engine.optim import build_optimizer, build_scheduler, scheduler_needs_metrics
+from kiln.engine.seed import set_seed
+from kiln.engine.state import TrainerControl, TrainerState
+from kiln.engine.trainer_eval import EvaluationMixin
+from kiln.precision import build_precision
+from kiln.strategies import build_strategy
+
+
+class Trainer(EvaluationMixin):
+    """Train, evaluate and predict with a TrainingModule or an HF-contract nn.Module.
+
+    `config` is a TrainingConfig, dict (HF flat names allowed), YAML path or DictConfig. `strategy`
+    and `precision` may also be passed as objects (a Strategy/Precision class or instance)."""
+
+    def __init__(
+        self,
+        model: Optional[nn.Module] = None,
+        config: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        data_collator: Optional[Callable[[list[Any]], Any]] = None,
+        compute_metrics: Optional[Callable[..., dict[str, float]]] = None,
+        callbacks: Optional[Iterable[Union[Callback, type]]] = None,
+        optimizers: tuple[Optional[torch.optim.Optimizer], Any] = (None, None),
+        preprocess_logits_for_metrics: Optional[Callable[[Any, Any], Any]] = None,
+        model_init: Optional[Callable[..., nn.Module]] = None,
+        strategy: Any = None,
+        precision: Any = None,
+        processing_class: Any = None,
+        overrides: Iterable[str] = (),
+    ) -> None:
+        config, strategy, precision = _pop_objects(config, strategy, precision)
+        self.config = load_config(config, list(overrides))
+        cfg = self.config
+        set_seed(cfg.seed, cfg.full_determinism)
+        if model is None:
+            if model_init is None:
+                raise KilnError("Trainer needs a model: pass `model=` or `model_init=` (a callable returning the model).")
+            model = model_init()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}.")
+        self.model_init = model_init
+        self.model = model
+        self.precision = precision if precision is not None and not isinstance(precision, type) else build_precision(cfg, precision)
+        self.strategy = build_strategy(cfg, self.precision, strategy)
+        self.strategy.setup_environment()
+        self.precision = self.strategy.connect_precision(self.precision)
+        self.precision.check_device(self.strategy.root_device)
+        self.args = cfg  # HF code reads trainer.args
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.data_collator, self.processing_class = data_collator, processing_class
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self._user_optimizer = optimizers[0] is not None
+        self.state = TrainerState(is_world_process_zero=self.strategy.is_global_zero, is_local_process_zero=self.strategy.is_local_zero)
+        self.control = TrainerControl()
+        self.checkpoints = CheckpointManager(self)
+        self.is_in_train = False
+        self._training_module = is_training_module(model)
+        self.label_names = list(cfg.data.label_names) if cfg.data.label_names else (
+            ["labels"] if self._training_module else default_label_names(model))
+        self._forward_names = None if self._training_module else forward_argument_names(model)
+        self._accepts_num_items = not self._training_module and accepts_kwarg(model, "num_items_in_batch") and \
+            self._forward_names is not None and "num_items_in_batch" in self._forward_names
+        self._loss_weight: Any = None
+        self._num_items: Any = None
+        self._scheduler_needs_metrics = False
+        self.model_wrapped: nn.Module = model
+        self._wrapped = False
+        self.callback_handler = CallbackHandler(self._default_callbacks(), model=model, processing_class=processing_class)
+        for cb in callbacks or ():
+            self.callback_handler.add(cb)
+        self.control = self.callback_handler.call("on_init_end", cfg, self.state, self.control)
+
+    def _default_callbacks(self) -> list[Callback]:
+        from kiln.engine.progress import console_callbacks
+
+        cbs: list[Callback] = [DefaultFlowCallback(), *console_callbacks(self.config)]
+        if self.strategy.is_global_zero:  # exactly one tracker run per job, by construction
+            from kiln.loggers.callback import LoggerCallback, build_loggers
+
+            cbs.append(LoggerCallback(self.config, build_loggers(self.config)))
+        return cbs
+
+    # -- callbacks (HF API) -----------------------------------------------------------------
+    def add_callback(self, callback: Union[Callback, type]) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback: Union[Callback, type]) -> Optional[Callback]:
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback: Union[Callback, type]) -> None:
+        self.callback_handler.pop(callback)
+
+    # -- ranks ------------------------------------------------------------------------------
+    def is_world_process_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    def is_local_process_zero(self) -> bool:
+        return self.strategy.is_local_zero
+
+    # -- data -------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> Iterable[Any]:
+        if self.train_dataset is None:
+            raise KilnError("Trainer.fit() needs a train_dataset (or override get_train_dataloader).")
+        if isinstance(self.train_dataset, torch.utils.data.DataLoader):
+            return self.strategy.process_dataloader(self.train_dataset)  # used as given
+        cfg = self.config
+        seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
+        loader = build_dataloader(
+            self.train_dataset, cfg.data.per_device_train_batch_size, self.data_collator, cfg.data, seed, shuffle=True,
+            num_replicas=self.strategy.data_parallel_size, rank=self.strategy.data_parallel_rank,
+            sampler=self._length_grouped_sampler(seed),
+        )
+        return self.strategy.process_dataloader(loader)
+
+    def _length_grouped_sampler(self, seed: int) -> Any:
+        if not self.config.data.group_by_length:
+            return None
+        from kiln.engine.length_grouping import LengthGroupedSampler
+
+        return LengthGroupedSampler.for_dataset(self.train_dataset, self.config, seed, self.strategy)
+
+    # -- optimizer & scheduler (HF override points) -----------------------------------------
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            configured = self.model.configure_optimizers() if self._training_module else None
+            if isinstance(configured, (tuple, list)):
+                self.optimizer, self.lr_scheduler = configured[0], configured[1] if len(configured) > 1 else None
+            elif configured is not None:
+                self.optimizer = configured
+            else:
+                self.optimizer = build_optimizer(self.model, self.config.optim)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+        if self.lr_scheduler is None:
+            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.config.scheduler, num_training_steps)
+        self._scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps, self.optimizer)
+
+    def _setup_model(self) -> nn.Module:
+        """Convert precision, then let the strategy place/wrap the module (once)."""
+        if not self._wrapped:
+            if self.config.train.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
+                kwargs = self.config.train.gradient_checkpointing_kwargs or {}
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(kwargs))
+            self.model = self.precision.convert_module(self.model)
+            forward_module = StepDispatcher(self.model) if self._training_module else self.model
+            self.model_wrapped = self.strategy.setup_module(forward_module)
+            if self.config.train.torch_compile or self.config.train.torch_compile_backend or self.config.train.torch_compile_mode:
+                self.model_wrapped = torch.compile(self.model_wrapped, backend=self.config.train.torch_compile_backend or "inductor",
+                                                   mode=self.config.train.torch_compile_mode)
+            self._wrapped = True
+        return self.model_wrapped
+
+    def _setup_training(self, max_steps: int) -> None:
+        wrapped = self._setup_model()
+        if not getattr(self, "_optimizer_ready", False):
+            self.create_optimizer()
+            self.model_wrapped, self.optimizer = self.strategy.setup_optimizer(wrapped, self.optimizer)
+            self._optimizer_ready = True
+        self.create_scheduler(max_steps, self.optimizer)
+        self.precision.setup()
+
+    # -- one micro-batch (HF override points) -----------------------------------------------
+    def _loss_weights(self, window: list[Any]) -> tuple[list[Any], Any]:
+        """Per-micro-batch loss weights n_i / N so the window's gradient is that of its mean loss.
+
+        N is summed over data-parallel ranks (which then average gradients), so the result is the
+        mean over every item of the global window, not a mean of per-rank means."""
+        dp = self.strategy.data_parallel_size
+        if len(window) == 1 and dp == 1 and not self._accepts_num_items:
+            return [None], None  # one micro-batch, one process: the loss is already the mean
+        counter = self.model.num_items if self._training_module else (lambda b: count_items(b, self.label_names))
+        counts = [torch.as_tensor(counter(b), device=self.strategy.root_device) for b in window]
+        total = torch.stack(counts).sum()
+        if dp > 1:
+            total = self.strategy.reduce(total, "sum")
+        if self._accepts_num_items:
+            return [None] * len(window), total  # the model divides by num_items_in_batch itself
+        return [c * dp / total for c in counts], total
+
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """The loss of one micro-batch (mean over its items); override for a custom loss."""
+        if self._training_module:
+            outputs = model(inputs)
+        else:
+            if not isinstance(inputs, Mapping):
+                raise TypeError("HF-contract models are called as model(**batch): the batch must be a dict of tensors.")
+            inputs = self._remove_unused(inputs)
+            kwargs = {"num_items_in_batch": num_items_in_batch} if self._accepts_num_items and num_items_in_batch is not None else {}
+            if self.config.train.label_smoothing_factor and "labels" in inputs:
+                from kiln.engine.label_smoothing import smoothed_loss
+
+                labels = inputs["labels"]
+                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, **kwargs)
+                loss = smoothed_loss(self.model, outputs, labels, self.config.train.label_smoothing_factor)
+                return (loss, outputs) if return_outputs else loss
+            outputs = model(**inputs, **kwargs)
+        loss = loss_from_output(outputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _remove_unused(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        if not self.config.data.remove_unused_columns or self._forward_names is None:
+            return inputs
+        return {k: v for k, v in inputs.items() if k in self._forward_names}
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """Forward, loss, backward for one micro-batch; returns its detached (weighted) loss."""
+        with self.precision.forward_context():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if self._loss_weight is not None:
+            loss = loss * self._loss_weight
+        self.strategy.backward(loss, model)
+        return loss.detach()
+
+    # -- fit --------------------------------------------------------------------------------
+    def fit(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Optional[list[str]] = None) -> TrainOutput:
+        cfg = self.config
+        resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
+        path = resolve_resume(resume, cfg.output_dir)
+        if path is None and not cfg.overwrite_output_dir and cfg.save.strategy != "no":
+            existing = [p for _, p in list_checkpoints(cfg.output_dir)]
+            if existing:
+                raise KilnError(
+                    f"output_dir {cfg.output_dir!r} already holds checkpoints ({os.path.basename(existing[-1])}, ...). "
+                    "Resume with resume_from_checkpoint=true, pick another output_dir, or set overwrite_output_dir=true."
+                )
+        self._ignore_keys_for_eval = ignore_keys_for_eval
+        self.is_in_train = True
+        try:
+            return FitLoop(self).run(path)
+        finally:
+            self.is_in_train = False
+            self.precision.teardown()
+
+    train = fit  # HF name
+
+    # -- logging & saving -------------------------------------------------------------------
+    def _current_lr(self) -> float:
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "get_last_lr") and not self._scheduler_needs_metrics:
+            return float(self.lr_scheduler.get_last_lr()[0])
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
+
+    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        """Record `logs` in the state's history and send them to every logger (on_log)."""
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.call("on_log", self.config, self.state, self.control, logs=logs)
+
+    def _save_checkpoint(self, metrics: Optional[dict[str, float]] = None) -> str:
+        return self.checkpoints.save(metrics)
+
+    def save_model(self, output_dir: Optional[str] = None) -> str:
+        """Export full weights (safetensors) plus config; loadable without kiln, and with
+        `from_pretrained` for Transformers models."""
+        from kiln.engine.export import export_model
+
+        return export_model(self, output_dir or self.config.output_dir)
+
+    def save_state(self) -> None:
+        if self.strategy.is_global_zero:
+            os.makedirs(self.config.output_dir, exist_ok=True)
+            self.state.save_to_json(os.path.join(self.config.output_dir, "trainer_state.json"))
+
+    def get_num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def get_learning_rates(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
+
+
+def _pop_objects(config: Any, strategy: Any, precision: Any) -> tuple[Any, Any, Any]:
+    """Allow `{"strategy": MyStrategy(), ...}` in a dict config: objects travel beside the config."""
+    if isinstance(config, Mapping):
+        config = dict(config)
+        for key in ("strategy", "precision"):
+            value = config.get(key)
+            if value is not None and not isinstance(value, (str, Mapping)):
+                config.pop(key)
+                if key == "strategy":
+                    strategy = strategy or value
+                else:
+                    precision = precision or value
+    return config, strategy, precision

@@ -1,0 +1,149 @@
+"""TF32 matmul/cuDNN mode on Ampere+ GPUs: the process-wide flags behind `precision.tf32`, and the
+`tf32` plugin name (fp32 with `tf32: true`).
+
+Every plugin applies `precision.tf32` in `Precision.setup` through `set_tf32` and puts back the exact
+previous flags in `teardown` through `restore_tf32`, so a run never leaks its TF32 choice into the
+rest of the process (a notebook, a test suite, a second `fit`).
+
+torch has two APIs for these flags, and mixing them makes torch's getters raise ("you have used mix
+of the legacy and new APIs"). We write with the API the process already uses: the legacy
+`allow_tf32` flags (which keep both APIs readable) unless the user has switched to the
+`fp32_precision` strings, which make the legacy getters unreadable."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from kiln.precision import PRECISIONS
+from kiln.precision.base import PrecisionError
+from kiln.precision.fp32 import FP32Precision
+
+#: a snapshot of every TF32-related flag: dotted path under torch.backends -> value
+TF32State = dict[str, Any]
+
+_UNREADABLE = "<unreadable>"
+_LEGACY = ("cuda.matmul.allow_tf32", "cudnn.allow_tf32")
+_MATMUL_PRECISION = "float32_matmul_precision"
+# parents before children: setting a parent's fp32_precision may overwrite its children
+_NEW = (
+    "fp32_precision",
+    "cuda.matmul.fp32_precision",
+    "cudnn.fp32_precision",
+    "cudnn.conv.fp32_precision",
+    "cudnn.rnn.fp32_precision",
+    "mkldnn.fp32_precision",
+    "mkldnn.matmul.fp32_precision",
+    "mkldnn.conv.fp32_precision",
+    "mkldnn.rnn.fp32_precision",
+)
+# what `tf32: true/false` writes with the fp32_precision API (the CUDA ones; never the CPU's mkldnn)
+_NEW_TF32 = ("cuda.matmul.fp32_precision", "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision")
+
+
+def _resolve(path: str) -> tuple[Any, str]:
+    *parents, attr = path.split(".")
+    return functools.reduce(getattr, parents, torch.backends), attr
+
+
+def _exists(path: str) -> bool:
+    try:
+        owner, attr = _resolve(path)
+    except AttributeError:
+        return False
+    return hasattr(type(owner), attr) or attr in vars(owner)
+
+
+def _read(getter: Callable[[], Any]) -> Any:
+    try:
+        return getter()
+    except RuntimeError:  # torch refuses to read one API after the other was used
+        return _UNREADABLE
+
+
+def tf32_state() -> TF32State:
+    """Every TF32-related flag of this process (unreadable ones recorded as such)."""
+    state: TF32State = {}
+    for path in _LEGACY + _NEW:
+        if _exists(path):
+            owner, attr = _resolve(path)
+            state[path] = _read(lambda: getattr(owner, attr))
+    state[_MATMUL_PRECISION] = _read(torch.get_float32_matmul_precision)
+    return state
+
+
+def _write(path: str, value: Any) -> None:
+    owner, attr = _resolve(path)
+    setattr(owner, attr, value)
+
+
+def _legacy_readable(state: TF32State) -> bool:
+    return all(state.get(path) != _UNREADABLE for path in _LEGACY)
+
+
+def set_tf32(enabled: bool) -> TF32State:
+    """Allow (True) or forbid (False) TF32 for CUDA matmuls and cuDNN; returns the previous flags
+    for `restore_tf32`."""
+    saved = tf32_state()
+    if _legacy_readable(saved):
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+    else:
+        for path in _NEW_TF32:
+            if _exists(path):
+                _write(path, "tf32" if enabled else "ieee")
+    return saved
+
+
+def restore_tf32(saved: TF32State) -> None:
+    """Put back exactly the flags `saved` records: legacy flags first (they also rewrite the new
+    strings), then any new-API string that now differs."""
+    if _legacy_readable(saved):
+        for path in _LEGACY:
+            if path in saved:
+                _write(path, saved[path])
+        matmul = saved.get(_MATMUL_PRECISION)
+        if matmul not in (None, _UNREADABLE) and _read(torch.get_float32_matmul_precision) != matmul:
+            torch.set_float32_matmul_precision(matmul)
+    for path in _NEW:
+        if path in saved and saved[path] != _UNREADABLE:
+            owner, attr = _resolve(path)
+            if getattr(owner, attr) != saved[path]:
+                setattr(owner, attr, saved[path])
+
+
+def check_tf32_device(device: torch.device) -> None:
+    """TF32 is a mode of NVIDIA Ampere+ tensor cores; anywhere else `tf32: true` would do nothing."""
+    if device.type != "cuda":
+        raise PrecisionError(
+            f"precision.tf32 is true, but TF32 only applies to NVIDIA Ampere or newer GPUs and this run "
+            f"uses device {str(device)!r}; remove tf32 (or set it to false) on this machine."
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise PrecisionError(
+            f"precision.tf32 is true, but TF32 needs an Ampere or newer GPU (compute capability >= 8.0) and "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}; remove tf32 (or set it to false)."
+        )
+
+
+@PRECISIONS.register("tf32")
+class TF32Precision(FP32Precision):
+    """fp32 weights and math, with TF32 tensor-core matmuls/convolutions (`precision: tf32` is
+    `precision: fp32` plus `tf32: true`)."""
+
+    name = "tf32"
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        if self.option("tf32") is False:
+            raise PrecisionError(
+                "precision is 'tf32' but precision.tf32 is false; use precision: fp32 with tf32: false, "
+                "or drop tf32: false."
+            )
+
+    @property
+    def tf32(self) -> bool:
+        return True

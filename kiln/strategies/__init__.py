@@ -1,0 +1,40 @@
+"""Strategies, chosen by name (`strategy: ddp`). Each file registers its own names; files are
+imported only when a config names them, so optional packages stay unimported until needed."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kiln.registry import Registry
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from kiln.precision.base import Precision
+    from kiln.strategies.base import Strategy
+
+STRATEGIES: Registry[type] = Registry("strategy", "strategy.name")
+
+for _names, _module in (
+    (("single", "cpu", "cuda"), "kiln.strategies.single"),
+    (("ddp", "ddp_find_unused_parameters_true"), "kiln.strategies.ddp"),
+    (("fsdp", "fsdp2"), "kiln.strategies.fsdp"),
+    (("deepspeed",), "kiln.strategies.deepspeed"),
+    (("xla_fsdp", "xla"), "kiln.strategies.xla_fsdp"),
+    (("mps",), "kiln.strategies.mps"),
+    (("auto",), "kiln.strategies.auto"),
+):
+    for _name in _names:
+        STRATEGIES.add_lazy(_name, _module)
+
+
+def build_strategy(config: "DictConfig", precision: "Precision", override: Any = None) -> "Strategy":
+    """Instantiate the strategy the config names; `override` may be a Strategy class or instance."""
+    from kiln.strategies.base import Strategy
+
+    if isinstance(override, Strategy):
+        return override
+    cls = override if isinstance(override, type) else STRATEGIES.get(config.strategy.name)
+    if getattr(cls, "resolve", None) is not None and not issubclass(cls, Strategy):
+        cls = cls.resolve(config)  # `auto` picks a concrete class
+    return cls(config, precision)

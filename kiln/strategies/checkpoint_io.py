@@ -1,0 +1,117 @@
+"""Model and optimizer files for strategies whose ranks each hold the full model (single, DDP).
+Sharding strategies (FSDP, DeepSpeed) provide their own CheckpointIO with the same methods.
+
+Weights go to `model.safetensors` (tied weights stored once, aliases recorded in the metadata) or
+`pytorch_model.bin`; the optimizer to `optimizer.pt`. Loading never unpickles arbitrary objects."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from kiln.engine.errors import CheckpointError, safe_torch_load
+
+if TYPE_CHECKING:
+    from kiln.strategies.base import Strategy
+
+WEIGHTS_SAFE = "model.safetensors"
+WEIGHTS_BIN = "pytorch_model.bin"
+OPTIMIZER = "optimizer.pt"
+
+
+def save_weights(state: dict[str, torch.Tensor], directory: str, safetensors: bool = True) -> str:
+    """Write a full state dict; returns the file name written."""
+    if not safetensors:
+        torch.save(state, os.path.join(directory, WEIGHTS_BIN))
+        return WEIGHTS_BIN
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], str] = {}
+    for name, tensor in state.items():
+        t = tensor.detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if t.numel() and key in seen:  # tied weights: store once, remember the alias
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t.to("cpu").contiguous()
+    save_file(tensors, os.path.join(directory, WEIGHTS_SAFE), metadata={"format": "pt", "kiln_aliases": json.dumps(aliases)})
+    return WEIGHTS_SAFE
+
+
+def load_weights(directory: str) -> dict[str, torch.Tensor]:
+    """Read the weights a checkpoint or exported model folder holds (safetensors preferred)."""
+    safe = os.path.join(directory, WEIGHTS_SAFE)
+    if os.path.exists(safe):
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(safe)
+            with safe_open(safe, framework="pt") as fh:
+                meta = fh.metadata() or {}
+        except Exception as err:  # safetensors raises its own error types for truncated files
+            raise CheckpointError(f"{safe} is corrupt or truncated ({err}); resume from another checkpoint.") from None
+        for alias, source in json.loads(meta.get("kiln_aliases", "{}")).items():
+            state[alias] = state[source]
+        return state
+    binary = os.path.join(directory, WEIGHTS_BIN)
+    if os.path.exists(binary):
+        return safe_torch_load(binary)
+    raise CheckpointError(f"No model weights ({WEIGHTS_SAFE} or {WEIGHTS_BIN}) in {directory}.")
+
+
+def apply_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load `state` into `module`, naming every missing, unexpected or mis-shaped key on mismatch."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(f"{k} (checkpoint {tuple(state[k].shape)}, model {tuple(own[k].shape)})"
+                    for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
+    if missing or unexpected or shapes:
+        parts = []
+        for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped keys", shapes)):
+            if keys:
+                shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+                parts.append(f"{label}: {shown}")
+        raise CheckpointError(
+            f"The checkpoint {source} does not fit this model ({'; '.join(parts)}). "
+            "It was saved from a different model: resume with the model it was trained with, or start a fresh output_dir."
+        )
+    module.load_state_dict(state, strict=True)
+
+
+class FullStateCheckpointIO:
+    """Every rank holds the whole model: one writer saves it, every rank loads it."""
+
+    format = "full"
+
+    def __init__(self, strategy: "Strategy") -> None:
+        self.strategy = strategy
+
+    def save(self, directory: str, module: nn.Module, optimizer: Any, save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+        if not writer:
+            return
+        save_weights(module.state_dict(), directory, safetensors)
+        if save_optimizer and optimizer is not None:
+            torch.save(optimizer.state_dict(), os.path.join(directory, OPTIMIZER))
+
+    def load(self, directory: str, module: nn.Module, optimizer: Any, load_optimizer: bool = True) -> None:
+        apply_weights(module, load_weights(directory), directory)
+        if load_optimizer and optimizer is not None:
+            path = os.path.join(directory, OPTIMIZER)
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?).")
+            try:
+                optimizer.load_state_dict(safe_torch_load(path))
+            except (ValueError, KeyError) as err:
+                raise CheckpointError(
+                    f"The optimizer state in {path} does not fit this optimizer ({err}); "
+                    "was optim.name or the set of trainable parameters changed?"
+                ) from None
