@@ -159,9 +159,22 @@ def _translate(err: OmegaConfBaseException) -> ConfigError:
     msg = str(err).splitlines()[0]
     if "Key '" in msg and "not in" in msg:
         return _unknown(key)
-    ref = getattr(err, "ref_type", None)
-    want = getattr(ref, "__name__", None) or str(ref or "").replace("typing.", "")
+    want = _field_type(key)
     value = getattr(err, "value", None)
     if want and value is not None:
         return ConfigError(f"Config key {key!r} expects {want}, got {value!r}.")
     return ConfigError(f"Config key {key!r}: {msg}")
+
+
+def _field_type(key: str) -> str:
+    """The declared type of a dotted key, as written in the schema ('int', 'Optional[float]')."""
+    obj: Any = TrainingConfig()
+    parts = key.split(".")
+    for part in parts[:-1]:
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return ""
+    for f in dataclasses.fields(obj) if dataclasses.is_dataclass(obj) else ():
+        if f.name == parts[-1]:
+            return str(f.type).replace("typing.", "")
+    return ""

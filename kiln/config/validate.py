@@ -62,11 +62,6 @@ def validate(cfg: DictConfig) -> None:
         _choice("precision.full_eval", cfg.precision.full_eval, ("fp16", "bf16"))
     _choice("precision.fp16_opt_level", cfg.precision.fp16_opt_level, ("O0", "O1", "O2", "O3"))
     _choice("precision.half_precision_backend", cfg.precision.half_precision_backend, ("auto", "cpu_amp", "cuda_amp", "apex"))
-    for name in lg.report_to:
-        if name not in ("all", "none"):
-            from kiln.loggers import LOGGERS
-
-            LOGGERS.check(name)
     _check_names(cfg)
     _check_best_model(cfg)
 
@@ -85,6 +80,11 @@ def _check_names(cfg: DictConfig) -> None:
 
         OPTIMIZERS.check(cfg.optim.name)
         SCHEDULERS.check(cfg.scheduler.name)
+        from kiln.loggers import LOGGERS
+
+        for name in list(cfg.log.report_to) + list(cfg.log.history):
+            if name not in ("all", "none"):
+                LOGGERS.check(name)
     except UnknownNameError as err:
         raise ConfigError(str(err)) from None
 
@@ -104,5 +104,9 @@ def _check_best_model(cfg: DictConfig) -> None:
         eval_steps = e.steps if e.steps is not None else cfg.log.steps
         if eval_steps >= 1 and s.steps >= 1 and int(s.steps) % int(eval_steps) != 0:
             raise ConfigError(
-                f"load_best_model_at_end needs save.steps ({s.steps}) to be a multiple of eval.steps ({eval_steps})."
+                f"load_best_model_at_end needs save.steps ({_num(s.steps)}) to be a multiple of eval.steps ({_num(eval_steps)})."
             )
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)

@@ -1,0 +1,184 @@
+"""Step counting, logging cadence, callbacks and the model contracts the loop accepts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln import Callback, Trainer
+from tests.helpers import TinyRegressor, base_config, regression_data
+
+
+@pytest.mark.parametrize("n, batch, accum, epochs, max_steps, expected", [
+    (40, 4, 1, 3, -1, 30),      # 10 batches/epoch
+    (40, 4, 3, 1, -1, 4),       # ceil(10 / 3): the short last window is a step
+    (40, 4, 3, 2, -1, 8),
+    (40, 4, 1, 0.5, -1, 5),     # fractional epochs
+    (40, 4, 1, 2.25, -1, 23),   # ceil(2.25 * 10)
+    (40, 4, 1, 3, 7, 7),        # max_steps overrides epochs
+    (40, 4, 1, 1, 25, 25),      # max_steps beyond one epoch re-iterates the data
+])
+def test_step_counting(tmp_path, n, batch, accum, epochs, max_steps, expected):
+    cfg = base_config(tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
+                      num_train_epochs=epochs, max_steps=max_steps, learning_rate=1e-3)
+    trainer = Trainer(TinyRegressor(), cfg, train_dataset=regression_data(n))
+    out = trainer.fit()
+    assert out.global_step == expected == trainer.state.global_step
+    if max_steps < 0:
+        assert trainer.state.epoch == pytest.approx(min(epochs, math.ceil(epochs * math.ceil(n / batch / accum)) / math.ceil(n / batch / accum)), abs=0.11)
+
+
+def test_logging_steps_first_step_and_history(tmp_path):
+    cfg = base_config(tmp_path, max_steps=10, logging_steps=4, logging_first_step=True, learning_rate=1e-3)
+    cfg["log"]["steps"] = 4
+    trainer = Trainer(TinyRegressor(), cfg, train_dataset=regression_data(64))
+    trainer.fit()
+    steps = [h["step"] for h in trainer.state.log_history if "loss" in h]
+    assert steps == [1, 4, 8]
+    first = trainer.state.log_history[0]
+    for key in ("loss", "grad_norm", "learning_rate", "epoch", "samples_per_second", "steps_per_second"):
+        assert key in first
+    assert "train_runtime" in trainer.state.log_history[-1] and "train_loss" in trainer.state.log_history[-1]
+
+
+def test_logged_loss_is_mean_of_step_losses(tmp_path):
+    losses = []
+
+    class Record(Callback):
+        def on_step_end(self, config, state, control, **kw):
+            pass
+
+    class M(TinyRegressor):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            losses.append(loss.item())
+            return loss
+
+    cfg = base_config(tmp_path, max_steps=6, learning_rate=1e-3)
+    cfg["log"]["steps"] = 3
+    trainer = Trainer(M(), cfg, train_dataset=regression_data(64), callbacks=[Record])
+    trainer.fit()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert logged == pytest.approx([sum(losses[:3]) / 3, sum(losses[3:6]) / 3], rel=1e-6)
+
+
+def test_nan_loss_is_filtered_in_logs_only(tmp_path):
+    calls = {"n": 0}
+
+    class Nan(TinyRegressor):
+        def training_step(self, batch):
+            calls["n"] += 1
+            loss = super().training_step(batch)
+            return loss * float("nan") if calls["n"] == 2 else loss
+
+    cfg = base_config(tmp_path, max_steps=4, learning_rate=0.0, max_grad_norm=0.0)
+    cfg["log"]["steps"] = 4
+    trainer = Trainer(Nan(), cfg, train_dataset=regression_data(64))
+    trainer.fit()
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
+
+
+def test_callback_can_stop_training_and_force_a_log(tmp_path):
+    class StopAt3(Callback):
+        def on_step_end(self, config, state, control, **kw):
+            if state.global_step == 3:
+                control.should_log = True
+                control.should_training_stop = True
+
+    cfg = base_config(tmp_path, max_steps=50, learning_rate=1e-3)
+    trainer = Trainer(TinyRegressor(), cfg, train_dataset=regression_data(64), callbacks=[StopAt3()])
+    out = trainer.fit()
+    assert out.global_step == 3
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [3]
+
+
+def test_event_order(tmp_path):
+    events = []
+
+    class Spy(Callback):
+        pass
+
+    for name in ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end", "on_pre_optimizer_step",
+                 "on_optimizer_step", "on_step_end", "on_epoch_end", "on_train_end", "on_log"):
+        setattr(Spy, name, lambda self, c, s, ctl, _n=name, **kw: events.append(_n))
+    cfg = base_config(tmp_path, max_steps=1, gradient_accumulation_steps=2, learning_rate=1e-3)
+    Trainer(TinyRegressor(), cfg, train_dataset=regression_data(16), callbacks=[Spy()]).fit()
+    assert events == ["on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end", "on_pre_optimizer_step",
+                      "on_optimizer_step", "on_step_end", "on_epoch_end", "on_log", "on_train_end"]
+
+
+def test_hf_contract_model_plain_module(tmp_path):
+    class HFStyle(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def forward(self, x, labels=None):
+            pred = self.lin(x).squeeze(-1)
+            return {"loss": F.mse_loss(pred, labels), "logits": pred}
+
+    data = [{"x": d["x"], "labels": d["y"], "extra": 1} for d in regression_data(32)]  # `extra` is dropped
+    out = Trainer(HFStyle(), base_config(tmp_path, max_steps=5, learning_rate=1e-2), train_dataset=data).fit()
+    assert out.global_step == 5 and math.isfinite(out.training_loss)
+
+
+def test_transformers_model_from_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": (ids := torch.randint(0, 50, (16,), generator=g)), "labels": ids} for _ in range(32)]
+    trainer = Trainer(model, base_config(tmp_path, max_steps=8, learning_rate=5e-3), train_dataset=data)
+    out = trainer.fit()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert out.global_step == 8 and math.isfinite(out.training_loss)
+    assert "tokens_per_second" in trainer.state.log_history[-1] or "train_tokens_per_second" in out.metrics
+
+
+def test_dataloader_is_used_as_given(tmp_path):
+    loader = torch.utils.data.DataLoader(regression_data(20), batch_size=5, shuffle=False)
+    trainer = Trainer(TinyRegressor(), base_config(tmp_path, num_train_epochs=2, learning_rate=1e-3), train_dataset=loader)
+    assert trainer.fit().global_step == 8
+
+
+def test_iterable_dataset_with_max_steps(tmp_path):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(regression_data(12))
+
+    out = Trainer(TinyRegressor(), base_config(tmp_path, max_steps=7, per_device_train_batch_size=4, learning_rate=1e-3),
+                  train_dataset=Stream()).fit()
+    assert out.global_step == 7  # 3 batches per pass, re-iterated until max_steps
+
+
+def test_user_optimizer_and_configure_optimizers(tmp_path):
+    model = TinyRegressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    before = [p.clone() for p in model.parameters()]
+    Trainer(model, base_config(tmp_path, max_steps=3), train_dataset=regression_data(16), optimizers=(opt, None)).fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+    class Own(TinyRegressor):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    trainer = Trainer(Own(), base_config(tmp_path / "b", max_steps=1, lr_scheduler_type="constant"), train_dataset=regression_data(16))
+    trainer.fit()
+    assert isinstance(trainer.optimizer, torch.optim.SGD) and trainer.get_learning_rates() == [0.5]
+
+
+def test_warmup_and_schedule_reach_the_optimizer(tmp_path):
+    lrs = []
+
+    class LR(Callback):
+        def on_step_begin(self, config, state, control, optimizer=None, **kw):
+            lrs.append(trainer.optimizer.param_groups[0]["lr"])
+
+    trainer = Trainer(TinyRegressor(), base_config(tmp_path, max_steps=6, warmup_steps=2, learning_rate=1.0),
+                      train_dataset=regression_data(64), callbacks=[LR()])
+    trainer.fit()
+    assert lrs == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25])
