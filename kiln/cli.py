@@ -30,6 +30,10 @@ examples:
 
 
 def _import(path: str, key: str) -> Callable[..., Any]:
+    import os
+
+    if os.getcwd() not in sys.path:  # like `python -m`: modules next to where kiln is run are importable
+        sys.path.insert(0, os.getcwd())
     module_name, _, attr = path.partition(":")
     if not attr:
         module_name, _, attr = path.rpartition(".")
@@ -66,12 +70,13 @@ def _trainer(cfg: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def _run(command: str, config: str, overrides: list[str]) -> int:
-    from kiln.config import ConfigError, load_config
+    from kiln.config import ConfigError
     from kiln.engine.errors import KilnError
     from kiln.registry import UnknownNameError
+    from kiln.strategies.environment import load_with_launcher_settings
 
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_with_launcher_settings(config, overrides)  # accelerate launch fills keys the config leaves unset
         trainer, data = _trainer(cfg)
         if command == "fit":
             result = trainer.fit()

@@ -117,13 +117,26 @@ class CharWindows(Dataset):
 
 
 def char_accuracy(eval_pred: Any) -> dict[str, float]:
-    """Next-character accuracy from an EvalPrediction (argmax predictions, or logits)."""
-    preds = np.asarray(getattr(eval_pred, "predictions", None) if hasattr(eval_pred, "predictions") else eval_pred[0])
-    labels = np.asarray(getattr(eval_pred, "label_ids", None) if hasattr(eval_pred, "label_ids") else eval_pred[1])
+    """Next-character accuracy from an EvalPrediction (or a (predictions, labels) tuple), ignoring
+    -100 labels. Takes argmax predictions as `validation_step` returns them, or full logits."""
+    preds, labels = np.asarray(eval_pred[0]), np.asarray(eval_pred[1])
     if preds.ndim == labels.ndim + 1:
         preds = preds.argmax(-1)
     mask = labels != -100
     return {"accuracy": float((preds[mask] == labels[mask]).mean())}
+
+
+def split_by_file(files: list[tuple[str, str]], eval_fraction: float) -> tuple[list, list]:
+    """(train, eval): eval takes the files, in the given order, that still fit under `eval_fraction`
+    of all characters (or the smallest file, if none does); train gets the rest."""
+    target, is_eval, n = eval_fraction * sum(len(t) for _, t in files), [False] * len(files), 0
+    for i, (_, text) in enumerate(files):
+        if n + len(text) <= target:
+            is_eval[i], n = True, n + len(text)
+    if not any(is_eval):
+        is_eval[min(range(len(files)), key=lambda i: len(files[i][1]))] = True
+    pairs = list(zip(files, is_eval))
+    return [f for f, e in pairs if not e], [f for f, e in pairs if e]
 
 
 def build_data(
@@ -147,19 +160,17 @@ def build_data(
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}.")
     files = read_corpus(root or stdlib_dir(), max_chars, seed)
     if len(files) < 2:
-        raise ValueError(f"max_chars={max_chars} covers a single file; raise it so train and eval get files of their own.")
-    # The first files of the shuffled order, up to eval_fraction of the characters, are the eval split.
-    target, eval_files, n = eval_fraction * sum(len(t) for _, t in files), [], 0
-    while n < target and len(eval_files) < len(files) - 1:
-        eval_files.append(files[len(eval_files)])
-        n += len(eval_files[-1][1])
-    train_files = files[len(eval_files) :]
-    train_text = "\n".join(t for _, t in train_files)
-    eval_text = "\n".join(t for _, t in eval_files)
-    vocab = CharVocab.from_text(train_text, min_count=min_char_count)
-    dtype = torch.uint8 if len(vocab) <= 256 else torch.int32  # compact storage; windows come out as int64
-    train_dataset = CharWindows(vocab.encode(train_text).to(dtype), block_size, vocab=vocab, files=[p for p, _ in train_files])
-    eval_dataset = CharWindows(vocab.encode(eval_text).to(dtype), block_size, vocab=vocab, files=[p for p, _ in eval_files])
+        raise ValueError(f"max_chars={max_chars} covers a single file; raise it so that train and eval "
+                         "each get files of their own.")
+    train_files, eval_files = split_by_file(files, eval_fraction)
+    vocab = CharVocab.from_text("\n".join(t for _, t in train_files), min_count=min_char_count)
+
+    def windows(split: list[tuple[str, str]]) -> CharWindows:
+        ids = vocab.encode("\n".join(t for _, t in split))
+        ids = ids.to(torch.uint8 if len(vocab) <= 256 else torch.int32)  # compact; windows come out as int64
+        return CharWindows(ids, block_size, vocab=vocab, files=[p for p, _ in split])
+
+    train_dataset, eval_dataset = windows(train_files), windows(eval_files)
     sampler = SampleTextCallback(vocab, prompt=sample_prompt, max_new_tokens=sample_chars,
                                  temperature=sample_temperature, top_k=sample_top_k, seed=seed)
     return {

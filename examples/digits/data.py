@@ -28,9 +28,9 @@ class DigitsDataset(Dataset):
 
 
 def accuracy(eval_pred: Any) -> dict[str, float]:
-    """`compute_metrics` for kiln/HF: argmax of the logits against the label ids."""
-    logits = np.asarray(eval_pred.predictions if hasattr(eval_pred, "predictions") else eval_pred[0])
-    labels = np.asarray(eval_pred.label_ids if hasattr(eval_pred, "label_ids") else eval_pred[1])
+    """`compute_metrics`: argmax of the logits against the label ids, from an EvalPrediction or a
+    (logits, labels) tuple."""
+    logits, labels = np.asarray(eval_pred[0]), np.asarray(eval_pred[1])
     return {"accuracy": float((logits.argmax(-1) == labels).mean())}
 
 

@@ -114,29 +114,36 @@ def interval(value: Optional[float], max_steps: int, default: int) -> int:
 
 
 class DefaultFlowCallback(Callback):
-    """Turns `log/eval/save.strategy` and their `steps` into control flags (HF semantics)."""
+    """Turns `log/eval/save.strategy` and their `steps` into control flags (HF semantics).
+
+    The settings are copied to plain attributes at train begin: this runs every step."""
+
+    def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+        self.log_first = bool(config.log.first_step)
+        self.log_strategy, self.eval_strategy = config.log.strategy, config.eval.strategy
+        self.save_strategy, self.eval_delay = config.save.strategy, float(config.eval.delay)
 
     def on_step_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
         step = state.global_step
-        if step == 1 and config.log.first_step:
+        if step == 1 and self.log_first:
             control.should_log = True
-        if config.log.strategy == "steps" and step % state.logging_steps == 0:
+        if self.log_strategy == "steps" and step % state.logging_steps == 0:
             control.should_log = True
-        if config.eval.strategy == "steps" and step % state.eval_steps == 0 and config.eval.delay <= step:
+        if self.eval_strategy == "steps" and step % state.eval_steps == 0 and self.eval_delay <= step:
             control.should_evaluate = True
-        if config.save.strategy == "steps" and step % state.save_steps == 0:
+        if self.save_strategy == "steps" and step % state.save_steps == 0:
             control.should_save = True
         if step >= state.max_steps:
             control.should_training_stop = True
-            if config.save.strategy != "no":  # HF saves at the end of training whatever the interval
+            if self.save_strategy not in ("no", "best"):  # HF saves at the end of training whatever the interval
                 control.should_save = True
         return control
 
     def on_epoch_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
-        if config.log.strategy == "epoch":
+        if self.log_strategy == "epoch":
             control.should_log = True
-        if config.eval.strategy == "epoch" and config.eval.delay <= state.epoch:
+        if self.eval_strategy == "epoch" and self.eval_delay <= state.epoch:
             control.should_evaluate = True
-        if config.save.strategy == "epoch":
+        if self.save_strategy == "epoch":
             control.should_save = True
         return control

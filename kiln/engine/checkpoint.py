@@ -3,16 +3,22 @@
 A checkpoint is written into `.checkpoint-<step>.tmp`, every file fsynced, a `COMPLETE` marker
 (listing each file and its size) written last, then the folder is renamed to `checkpoint-<step>`.
 Resume only trusts folders whose marker exists and whose files match it; rotation deletes old
-checkpoints only after the new one is in place, and never the best one."""
+checkpoints only after the new one is in place, and never the best one.
+
+Per rank, a checkpoint holds `rng_state_<rank>.pth` (python, numpy, torch CPU and CUDA streams) and
+`loop_state_<rank>.pt` (the fit loop's running loss sums and, for iterable datasets that provide
+`state_dict()`, the dataset's position). Everything is read back with `weights_only=True`,
+safetensors or JSON: nothing in a checkpoint can run code."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -21,14 +27,25 @@ from kiln.engine.seed import rng_state, set_rng_state
 from kiln.engine.state import TrainerState
 
 if TYPE_CHECKING:
+    from kiln.engine.loops import FitLoop
     from kiln.engine.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 PREFIX = "checkpoint-"
 MARKER = "COMPLETE"
 STATE = "trainer_state.json"
+CONFIG = "config.yaml"
+RNG = "rng_state_{rank}.pth"
+LOOP = "loop_state_{rank}.pt"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
+_DEBRIS = re.compile(rf"^\.{PREFIX}\d+\.(tmp|old|deleting)$")
+#: config keys whose change makes the saved data position mean something else (warned about on resume)
+_POSITION_KEYS = ("data.per_device_train_batch_size", "train.gradient_accumulation_steps", "seed", "data_seed",
+                  "data.dataloader_drop_last", "data.group_by_length")
 
 
+# -- files on disk -------------------------------------------------------------------------------
 def _fsync_tree(directory: str) -> dict[str, int]:
     """fsync every file (so the marker never outlives its data after a crash); return sizes."""
     sizes: dict[str, int] = {}
@@ -49,36 +66,53 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _remove(path: str) -> None:
+    """Delete a checkpoint folder so that a crash half-way never leaves a half-deleted
+    `checkpoint-<step>`: it is renamed to a hidden name first, then removed."""
+    parent, name = os.path.split(path)
+    doomed = os.path.join(parent, f".{name}.deleting")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def is_complete(path: str) -> bool:
     """True when `path` has a marker and every file it lists exists with the recorded size."""
-    marker = os.path.join(path, MARKER)
     try:
-        with open(marker, encoding="utf-8") as fh:
-            meta = json.load(fh)
-        return all(os.path.getsize(os.path.join(path, f)) == size for f, size in meta["files"].items())
-    except (OSError, ValueError, KeyError, TypeError):
+        meta = read_marker(path)
+        return bool(meta["files"]) and all(
+            os.path.getsize(os.path.join(path, f)) == size for f, size in meta["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
         return False
 
 
 def read_marker(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, MARKER), encoding="utf-8") as fh:
-        return json.load(fh)
+    try:
+        with open(os.path.join(path, MARKER), encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} has no readable {MARKER} marker ({err}); it is incomplete or damaged.") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}/{MARKER} is damaged (not a JSON object).")
+    return meta
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every `checkpoint-<step>` folder, oldest first (complete or not)."""
     if not os.path.isdir(output_dir):
         return []
-    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir) if (m := _STEP.match(name))]
+    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
+             if (m := _STEP.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
     return sorted(found)
 
 
 def latest_checkpoint(output_dir: str) -> Optional[str]:
     """Newest complete checkpoint; incomplete ones are skipped with a warning."""
-    for step, path in reversed(list_checkpoints(output_dir)):
+    for _, path in reversed(list_checkpoints(output_dir)):
         if is_complete(path):
             return path
-        warnings.warn(f"Ignoring incomplete checkpoint {path} (no valid {MARKER} marker).", stacklevel=2)
+        warnings.warn(f"Ignoring incomplete checkpoint {path} (its {MARKER} marker is missing or does not match its files).",
+                      stacklevel=2)
     return None
 
 
@@ -95,8 +129,38 @@ def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
     if not os.path.isdir(path):
         raise CheckpointError(f"resume_from_checkpoint={path!r} is not a folder.")
     if not is_complete(path):
-        raise CheckpointError(f"{path} is incomplete or damaged (its {MARKER} marker is missing or does not match its files).")
+        raise CheckpointError(
+            f"{path} is incomplete or damaged (its {MARKER} marker is missing or does not match its files); "
+            "resume from another checkpoint, or use resume_from_checkpoint=true to pick the newest complete one."
+        )
     return path
+
+
+def _plain(value: Any) -> bool:
+    """Whether `value` survives `torch.load(weights_only=True)` (tensors, numbers, str, containers)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _plain(v) for k, v in value.items())
+    return False
+
+
+# -- iterable datasets ---------------------------------------------------------------------------
+def stateful_dataset(loader: Iterable[Any]) -> Any:
+    """The loader's iterable dataset when it can save and restore its own position, else None.
+
+    Only with `dataloader_num_workers=0`: worker processes prefetch, so the main process's copy of
+    the dataset would not know how far the loop really got."""
+    from torch.utils.data import IterableDataset
+
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(dataset, IterableDataset) or getattr(loader, "num_workers", 0):
+        return None
+    if callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None)):
+        return dataset
+    return None
 
 
 class CheckpointManager:
@@ -104,6 +168,15 @@ class CheckpointManager:
 
     def __init__(self, trainer: "Trainer") -> None:
         self.trainer = trainer
+        self.loop: Optional["FitLoop"] = None
+        self.loader: Optional[Iterable[Any]] = None
+        self.pending_rng: Optional[dict[str, Any]] = None
+        self.pending_loop: Optional[dict[str, Any]] = None
+        self._debris_cleared = False
+
+    def attach(self, loop: "FitLoop", loader: Iterable[Any]) -> None:
+        """The fit loop registers itself and its train loader: both have per-rank state to save."""
+        self.loop, self.loader = loop, loader
 
     # -- save -------------------------------------------------------------------------------
     def save(self, metrics: Optional[dict[str, float]] = None) -> str:
@@ -115,17 +188,20 @@ class CheckpointManager:
         writer = strategy.is_global_zero or (cfg.save.on_each_node and strategy.is_local_zero)
         if writer:
             os.makedirs(out, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed while saving
+            self._clear_debris(out)
+            shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         strategy.barrier("checkpoint-mkdir")
         only_model = cfg.save.only_model
         io = strategy.checkpoint_io()
         io.save(tmp, t.model, t.optimizer, save_optimizer=not only_model, safetensors=cfg.save.safetensors, writer=writer)
         if not only_model:
-            torch.save(rng_state(), os.path.join(tmp, f"rng_state_{strategy.global_rank}.pth"))
+            rank = strategy.global_rank
+            torch.save(rng_state(), os.path.join(tmp, RNG.format(rank=rank)))
+            torch.save(self._loop_state(), os.path.join(tmp, LOOP.format(rank=rank)))
+        if state.best_global_step == state.global_step:  # every rank: load_best_model_at_end needs it
+            state.best_model_checkpoint = final
         if writer:
-            if state.best_global_step == state.global_step:
-                state.best_model_checkpoint = final
             if not only_model:
                 if t.lr_scheduler is not None:
                     torch.save(t.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
@@ -134,7 +210,10 @@ class CheckpointManager:
             state.save_to_json(os.path.join(tmp, STATE))
             from omegaconf import OmegaConf
 
-            OmegaConf.save(t.config, os.path.join(tmp, "config.yaml"))
+            OmegaConf.save(t.config, os.path.join(tmp, CONFIG))
+            hf_config = getattr(t.model, "config", None)
+            if callable(getattr(hf_config, "to_json_file", None)):  # Transformers: from_pretrained(checkpoint) works
+                hf_config.to_json_file(os.path.join(tmp, "config.json"))
         strategy.barrier("checkpoint-written")
         if writer:
             meta = {"step": state.global_step, "world_size": strategy.world_size, "format": io.format,
@@ -143,17 +222,45 @@ class CheckpointManager:
                 json.dump(meta, fh, indent=1)
                 fh.flush()
                 os.fsync(fh.fileno())
-            if os.path.exists(final):  # same step saved twice (e.g. eval + end of training)
-                shutil.rmtree(final)
+            _fsync_dir(tmp)
+            old = os.path.join(out, f".{PREFIX}{state.global_step}.old")
+            if os.path.exists(final):  # same step saved twice (e.g. a step save and the epoch-end save)
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
             os.replace(tmp, final)
             _fsync_dir(out)
+            shutil.rmtree(old, ignore_errors=True)
             self.rotate()
         strategy.barrier("checkpoint-done")
         return final
 
+    def _clear_debris(self, out: str) -> None:
+        """Remove hidden leftovers of a run killed while saving or rotating (once per process)."""
+        if self._debris_cleared:
+            return
+        for name in os.listdir(out):
+            if _DEBRIS.match(name):
+                shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+        self._debris_cleared = True
+
+    def _loop_state(self) -> dict[str, Any]:
+        """This rank's loop accumulators and iterable-dataset position."""
+        state: dict[str, Any] = {"loop": self.loop.state_dict() if self.loop is not None else None, "dataset": None}
+        dataset = stateful_dataset(self.loader) if self.loader is not None else None
+        if dataset is not None:
+            ds_state = dataset.state_dict()
+            if not _plain(ds_state):
+                raise CheckpointError(
+                    f"{type(dataset).__name__}.state_dict() returned objects other than tensors, numbers, strings and "
+                    "containers of them; kiln only saves state it can load back without unpickling code."
+                )
+            state["dataset"] = ds_state
+        return state
+
     def rotate(self) -> None:
         """Keep the newest `total_limit` complete checkpoints; the best one is always kept, and counts
-        towards the limit unless the limit is 1 (HF: limit 5 keeps the 4 newest plus the best)."""
+        towards the limit unless the limit is 1 (HF: limit 5 keeps the 4 newest plus the best; limit 1
+        keeps the newest and the best)."""
         cfg, state = self.trainer.config, self.trainer.state
         limit = cfg.save.total_limit
         if not limit:
@@ -166,7 +273,7 @@ class CheckpointManager:
             keep.add(best)
         for path in complete:
             if path not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+                _remove(path)
 
     # -- load -------------------------------------------------------------------------------
     def load(self, path: str) -> None:
@@ -181,31 +288,112 @@ class CheckpointManager:
                 f"{path} was saved by a strategy with the {meta.get('format')!r} checkpoint format, but this run uses "
                 f"{io.format!r}; resume with the strategy that saved it."
             )
-        if io.format != "full" and meta.get("world_size") != t.strategy.world_size:
-            raise CheckpointError(
-                f"{path} holds shards for {meta.get('world_size')} processes but this run has {t.strategy.world_size}; "
-                "resume with the same number of processes."
-            )
+        saved_world = meta.get("world_size")
+        if saved_world != t.strategy.world_size:
+            if io.format != "full":
+                raise CheckpointError(
+                    f"{path} holds shards for {saved_world} processes but this run has {t.strategy.world_size}; "
+                    f"the {io.format!r} format cannot be resharded: resume with {saved_world} processes."
+                )
+            warnings.warn(
+                f"{path} was saved by {saved_world} processes and this run has {t.strategy.world_size}: weights, optimizer "
+                "and schedule are restored, but each rank's data position and random streams cannot be, so the run "
+                "will not match an uninterrupted one.", stacklevel=2)
+        self._check_config(path)
         io.load(path, t.model, t.optimizer)
         sched = os.path.join(path, "scheduler.pt")
         if t.lr_scheduler is not None and os.path.exists(sched):
-            t.lr_scheduler.load_state_dict(safe_torch_load(sched))
+            try:
+                t.lr_scheduler.load_state_dict(safe_torch_load(sched))
+            except (KeyError, ValueError, TypeError, AttributeError) as err:
+                raise CheckpointError(f"{sched} does not fit this run's scheduler {type(t.lr_scheduler).__name__} ({err}); "
+                                      "was scheduler.name changed?") from None
         prec = os.path.join(path, "precision.pt")
         if os.path.exists(prec):
             t.precision.load_state_dict(safe_torch_load(prec))
         try:
             t.state = TrainerState.load_from_json(os.path.join(path, STATE))
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, TypeError) as err:
             raise CheckpointError(f"{path}/{STATE} is unreadable ({err}).") from None
         # Callback state (early-stopping patience, ...) is part of exact resume.
         t.callback_handler.load_state_dict(t.state.stateful_callbacks)
-        rng = os.path.join(path, f"rng_state_{t.strategy.global_rank}.pth")
+        rank = t.strategy.global_rank
+        rng = os.path.join(path, RNG.format(rank=rank))
         if os.path.exists(rng):
             self.pending_rng = safe_torch_load(rng)
         else:
-            warnings.warn(f"{rng} is missing: random streams are not restored, results will differ from an uninterrupted run.", stacklevel=2)
+            warnings.warn(f"{rng} is missing: random streams are not restored, results will differ from an uninterrupted run.",
+                          stacklevel=2)
+        loop = os.path.join(path, LOOP.format(rank=rank))
+        self.pending_loop = safe_torch_load(loop) if os.path.exists(loop) else None
+        st = t.state
+        log.info("Resuming from %s: step %d, epoch %d, %d batches into the epoch.", path, st.global_step,
+                 st.epoch_index, st.batches_into_epoch)
 
-    pending_rng: Optional[dict[str, Any]] = None
+    def _check_config(self, path: str) -> None:
+        """Warn when a setting that decides the data position changed since the checkpoint."""
+        file = os.path.join(path, CONFIG)
+        if not os.path.exists(file):
+            return
+        from omegaconf import OmegaConf
+
+        try:
+            saved = OmegaConf.load(file)  # YAML safe loading: plain values only
+        except Exception as err:  # noqa: BLE001 - any YAML error means the same thing here
+            raise CheckpointError(f"{file} is unreadable ({err}).") from None
+        changed = []
+        for key in _POSITION_KEYS:
+            old, new = OmegaConf.select(saved, key), OmegaConf.select(self.trainer.config, key)
+            if old != new:
+                changed.append(f"{key} {old!r} -> {new!r}")
+        if changed:
+            warnings.warn(f"Resuming {path} with changed settings ({'; '.join(changed)}): the data position saved in the "
+                          "checkpoint no longer points at the same samples, so the run will not match an uninterrupted one.",
+                          stacklevel=3)
+
+    def restore_loop(self, loop: "FitLoop") -> None:
+        """Called by the loop once its accumulators exist: put back the saved running sums."""
+        if self.pending_loop is not None and self.pending_loop.get("loop") is not None:
+            loop.load_state_dict(self.pending_loop["loop"])
+
+    def resume_iterator(self, loader: Iterable[Any], skip: int) -> Iterator[Any]:
+        """An iterator over `loader` starting `skip` batches into the epoch, by the cheapest exact route:
+        kiln's sampler jumps to the batch; an iterable dataset with `state_dict()` restores its saved
+        position; anything else is iterated past, with a progress note."""
+        from kiln.engine.data import ResumableSampler, skip_batches
+
+        saved = (self.pending_loop or {}).get("dataset")
+        self.pending_loop = None
+        if skip == 0:
+            return iter(loader)
+        dataset = stateful_dataset(loader)
+        if dataset is not None and saved is not None:
+            dataset.load_state_dict(saved)
+            return iter(loader)
+        if isinstance(getattr(loader, "sampler", None), ResumableSampler) and getattr(loader, "batch_size", None):
+            return skip_batches(loader, skip)[0]
+        return self._iterate_past(loader, skip)
+
+    def _iterate_past(self, loader: Iterable[Any], skip: int) -> Iterator[Any]:
+        t = self.trainer
+        zero = t.strategy.is_global_zero
+        if zero:
+            log.warning("Resuming: skipping the first %d batches of the epoch by iterating over them (the dataset has no "
+                        "state_dict(); set ignore_data_skip=true to start the epoch over instead).", skip)
+        it = iter(loader)
+        bar = None
+        if zero and not t.config.log.disable_tqdm and skip >= 1000:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=skip, desc="skipping batches", unit="batch")
+        for i in range(skip):
+            next(it, None)
+            if bar is not None and (i + 1) % 100 == 0:
+                bar.update(100)
+        if bar is not None:
+            bar.update(skip - bar.n)
+            bar.close()
+        return it
 
     def restore_rng(self) -> None:
         """Called by the loop right before the first resumed batch, so nothing in between draws."""

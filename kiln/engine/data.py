@@ -199,3 +199,49 @@ __all__ = [
     "Dataset", "DataLoader", "ResumableSampler", "ShardedIterable", "build_dataloader", "default_data_collator",
     "set_epoch", "skip_batches", "loader_length", "dataset_length", "is_sized",
 ]
+
+
+class SequentialDistributedSampler(Sampler[int]):
+    """The evaluation sampler: each rank gets one contiguous shard of `range(dataset_len)`, in order.
+
+    The index list is padded to `total_size` by repeating indices from the start (cyclically, so even
+    tiny datasets work; HF's version fails there) and rank r gets `[r * num_samples, (r + 1) *
+    num_samples)`. With `batch_size`, the shard length is a multiple of it, so every rank runs the
+    same number of full batches (HF's TPU layout). `drop_last` (needs `batch_size`) instead cuts the
+    dataset to whole global batches, so no rank runs a partial batch and nothing is duplicated.
+    `num_examples` is how many distinct samples are evaluated; `OrderedGatherer.for_sampler` matches
+    this layout exactly.
+    """
+
+    def __init__(
+        self, dataset_len: int, num_replicas: int, rank: int, batch_size: Optional[int] = None, drop_last: bool = False
+    ) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}.")
+        if drop_last and batch_size is None:
+            raise ValueError("SequentialDistributedSampler(drop_last=True) needs the batch_size it drops to.")
+        self.dataset_len = dataset_len
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        if batch_size is None:
+            self.num_samples = math.ceil(dataset_len / num_replicas)
+        elif drop_last:
+            self.num_samples = dataset_len // (batch_size * num_replicas) * batch_size
+        else:
+            self.num_samples = math.ceil(dataset_len / (batch_size * num_replicas)) * batch_size
+        self.total_size = self.num_samples * num_replicas
+        self.num_examples = min(dataset_len, self.total_size)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.dataset_len == 0:
+            return iter(())
+        start = self.rank * self.num_samples
+        return (i % self.dataset_len for i in range(start, start + self.num_samples))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+__all__ += ["SequentialDistributedSampler"]

@@ -14,19 +14,34 @@ class CheckpointError(KilnError):
     """A checkpoint is missing, incomplete, corrupt, unsafe, or does not fit this run."""
 
 
+def _reason(err: BaseException) -> str:
+    """The informative line of a torch.load error (torch puts a long generic preamble first, which
+    also suggests `weights_only=False`: advice kiln must never pass on)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in lines:
+        if any(key in line for key in ("GLOBAL", "Unsupported", "WeightsUnpickler", "miniz", "legacy")):
+            return line[:200]
+    return (lines[0] if lines else type(err).__name__)[:200]
+
+
 def safe_torch_load(path: str) -> Any:
     """torch.load with weights_only=True: tensors and plain containers only, never code.
 
     A file that holds arbitrary Python objects (a malicious or foreign pickle) is refused and nothing
-    from it runs."""
+    from it runs; a truncated or garbled file raises CheckpointError naming the file."""
     import torch
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"Refusing to load {path}: it contains Python objects other than tensors and plain containers "
-            f"({str(err).splitlines()[0][:160]}). kiln never executes code from a checkpoint; re-create it with kiln."
-        ) from None
-    except (EOFError, RuntimeError) as err:
-        raise CheckpointError(f"{path} is corrupt or truncated ({str(err).splitlines()[0][:160]}).") from None
+        reason = _reason(err)
+        if "Weights only load failed" in str(err) or "GLOBAL" in reason or "Unsupported" in reason:
+            raise CheckpointError(
+                f"Refusing to load {path}: it contains Python objects other than tensors and plain containers "
+                f"({reason}). kiln never executes code from a checkpoint; re-create it with kiln."
+            ) from None
+        raise CheckpointError(f"{path} is corrupt or truncated ({reason}).") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing.") from None
+    except Exception as err:  # torch raises RuntimeError, EOFError, ValueError... for damaged files
+        raise CheckpointError(f"{path} is corrupt, truncated or not a torch file ({_reason(err)}).") from None

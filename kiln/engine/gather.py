@@ -11,15 +11,8 @@ start. An all_gather at each step therefore returns rows rank-major - [rank 0's 
 batch, ...] - which is not dataset order. `OrderedGatherer` writes every rank's rows at that rank's
 offset and drops the padding duplicates at the end (HF's `DistributedTensorGatherer`).
 
-The evaluation loop (see `EvalAccumulator` for the exact calls):
-
-    sampler = SequentialDistributedSampler(len(dataset), world_size, rank)
-    acc = EvalAccumulator(-100, do_concat_batches, accumulation_steps,
-                          gather_fn=strategy.all_gather if world_size > 1 else None,
-                          gatherer=OrderedGatherer.for_sampler(sampler) if world_size > 1 else None)
-    for batch in DataLoader(dataset, batch_size, sampler=sampler):
-        acc.add({"losses": loss.repeat(len(batch)), "predictions": logits, "label_ids": labels})
-    arrays = acc.get_arrays()
+The evaluation loop drives all of this through `EvalAccumulator` (see its docstring);
+`kiln.engine.trainer_eval.EvaluationMixin.evaluation_loop` is the caller.
 """
 
 from __future__ import annotations
@@ -32,7 +25,8 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+
+from kiln.engine.data import SequentialDistributedSampler  # re-exported: the loop's sampler and its gatherer
 
 logger = logging.getLogger(__name__)
 
@@ -202,38 +196,6 @@ def gather_across_processes(tensors: Any, gather_fn: GatherFn, padding_index: fl
 
 
 # -- sample order -------------------------------------------------------------------------------
-class SequentialDistributedSampler(Sampler[int]):
-    """Each rank gets one contiguous shard of `range(dataset_len)`, in order.
-
-    The index list is padded to `total_size` by repeating indices from the start (cyclically, so even
-    tiny datasets work; HF's version fails there) and rank r gets `[r * num_samples, (r + 1) *
-    num_samples)`. With `batch_size`, the shard length is a multiple of it, so every rank runs the
-    same number of full batches (HF's TPU layout). `OrderedGatherer.for_sampler` matches it exactly.
-    """
-
-    def __init__(self, dataset_len: int, num_replicas: int, rank: int, batch_size: Optional[int] = None) -> None:
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}.")
-        self.dataset_len = dataset_len
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.batch_size = batch_size
-        if batch_size is None:
-            self.num_samples = math.ceil(dataset_len / num_replicas)
-        else:
-            self.num_samples = math.ceil(dataset_len / (batch_size * num_replicas)) * batch_size
-        self.total_size = self.num_samples * num_replicas
-
-    def __iter__(self) -> Iterator[int]:
-        if self.dataset_len == 0:
-            return iter(())
-        start = self.rank * self.num_samples
-        return (i % self.dataset_len for i in range(start, start + self.num_samples))
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-
 class OrderedGatherer:
     """HF's `DistributedTensorGatherer`: puts rank-major gathered chunks back into dataset order on
     the CPU, for a sampler that gives every rank one contiguous shard of `process_length` samples.
@@ -245,9 +207,8 @@ class OrderedGatherer:
     the arrays truncated to `num_samples`, dropping the sampler's padding duplicates.
     """
 
-    def __init__(
-        self, world_size: int, num_samples: int, make_multiple_of: Optional[int] = None, padding_index: float = -100
-    ) -> None:
+    def __init__(self, world_size: int, num_samples: int, make_multiple_of: Optional[int] = None,
+                 padding_index: float = -100) -> None:
         self.world_size = world_size
         self.num_samples = num_samples
         total = world_size * (make_multiple_of or 1)
@@ -260,7 +221,7 @@ class OrderedGatherer:
     @classmethod
     def for_sampler(cls, sampler: SequentialDistributedSampler, padding_index: float = -100) -> "OrderedGatherer":
         """The gatherer whose layout is `sampler`'s, by construction."""
-        return cls(sampler.num_replicas, sampler.dataset_len, sampler.batch_size, padding_index)
+        return cls(sampler.num_replicas, sampler.num_examples, sampler.batch_size, padding_index)
 
     def add_arrays(self, arrays: Any) -> None:
         """Place one rank-major chunk (numpy, or a nested tuple/list/dict of numpy) in its slots."""
@@ -271,10 +232,8 @@ class OrderedGatherer:
             raise ValueError(f"A gathered chunk of {rows} rows does not split evenly over {self.world_size} ranks.")
         slice_len = rows // self.world_size
         if self._offsets[0] + slice_len > self.process_length:
-            raise ValueError(
-                f"Got more rows than each rank's shard holds ({self.process_length}); the sampler and the "
-                "gatherer disagree (build the gatherer with OrderedGatherer.for_sampler)."
-            )
+            raise ValueError(f"Got more rows than each rank's shard holds ({self.process_length}); the sampler and "
+                             "the gatherer disagree (build the gatherer with OrderedGatherer.for_sampler).")
         if self._storage is None:
             self._storage = _map(self._allocate, arrays)
         self._storage = _map(functools.partial(self._place, slice_len=slice_len), self._storage, arrays)
@@ -300,9 +259,8 @@ class OrderedGatherer:
         if self._storage is None:
             return None
         if self._offsets[0] != self.process_length:
-            logger.warning(
-                "OrderedGatherer got %d of %d rows per rank; the rest stay padding.", self._offsets[0], self.process_length
-            )
+            logger.warning("OrderedGatherer got %d of %d rows per rank; the rest stay padding.",
+                           self._offsets[0], self.process_length)
         return nested_truncate(self._storage, self.num_samples)
 
     def drop_duplicates(self, gathered: Any, rows_before: int) -> Any:
@@ -314,12 +272,8 @@ class OrderedGatherer:
         """
         rows = _rows(gathered)
         per_rank = rows // self.world_size
-        index = [
-            rank * per_rank + j
-            for rank in range(self.world_size)
-            for j in range(per_rank)
-            if rank * self.process_length + rows_before + j < self.num_samples
-        ]
+        index = [rank * per_rank + j for rank in range(self.world_size) for j in range(per_rank)
+                 if rank * self.process_length + rows_before + j < self.num_samples]
         if len(index) == rows:
             return gathered
         return _map(functools.partial(_take_rows, index=index), gathered)
@@ -329,12 +283,8 @@ def _take_rows(x: Array, index: list[int]) -> Array:
     return x[torch.tensor(index, dtype=torch.long, device=x.device)] if isinstance(x, torch.Tensor) else x[index]
 
 
-def restore_order(
-    gathered_per_rank: Sequence[Any],
-    num_samples: int,
-    layout: Literal["contiguous", "strided"] = "contiguous",
-    padding_index: float = -100,
-) -> Any:
+def restore_order(gathered_per_rank: Sequence[Any], num_samples: int,
+                  layout: Literal["contiguous", "strided"] = "contiguous", padding_index: float = -100) -> Any:
     """Dataset-ordered outputs from each rank's complete outputs (e.g. from one all_gather_object).
 
     `gathered_per_rank[r]` is everything rank r produced, in its sampler's order, and all ranks hold
@@ -380,19 +330,11 @@ class EvalAccumulator:
     distributed run: rank 0's batches, then rank 1's, ..., i.e. still dataset order, duplicates cut).
     """
 
-    def __init__(
-        self,
-        padding_index: float = -100,
-        do_concat_batches: bool = True,
-        accumulation_steps: Optional[int] = None,
-        *,
-        gather_fn: Optional[GatherFn] = None,
-        gatherer: Optional[OrderedGatherer] = None,
-    ) -> None:
+    def __init__(self, padding_index: float = -100, do_concat_batches: bool = True, accumulation_steps: Optional[int] = None,
+                 *, gather_fn: Optional[GatherFn] = None, gatherer: Optional[OrderedGatherer] = None) -> None:
         if gather_fn is not None and gatherer is None:
-            raise ValueError(
-                "gather_fn needs a gatherer to restore dataset order: pass gatherer=OrderedGatherer.for_sampler(sampler)."
-            )
+            raise ValueError("gather_fn needs a gatherer to restore dataset order: "
+                             "pass gatherer=OrderedGatherer.for_sampler(sampler).")
         if accumulation_steps is not None and accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be None or >= 1, got {accumulation_steps}.")
         self.padding_index = padding_index

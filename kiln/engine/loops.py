@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 
 from kiln.engine.callbacks import interval
-from kiln.engine.data import loader_length, set_epoch, skip_batches
+from kiln.engine.data import loader_length, set_epoch
 from kiln.engine.tensors import batch_size_of
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ class FitLoop:
         t = self.trainer
         cfg, strategy = t.config, t.strategy
         loader = t.get_train_dataloader()
+        t.checkpoints.attach(self, loader)  # the loop's sums and the data position go into checkpoints
         batches_per_epoch = loader_length(loader)
         max_steps, num_epochs, per_epoch = plan_steps(cfg, batches_per_epoch)
         t._setup_training(max_steps)
@@ -85,23 +86,32 @@ class FitLoop:
         state.is_world_process_zero, state.is_local_process_zero = strategy.is_global_zero, strategy.is_local_zero
 
         model, k = t.model_wrapped, cfg.train.gradient_accumulation_steps
+        # Plain copies of the settings the per-step path reads (an OmegaConf lookup costs microseconds).
+        self.max_grad_norm = float(cfg.train.max_grad_norm or 0.0)
+        self.nan_inf_filter = bool(cfg.log.nan_inf_filter)
+        self.count_tokens_seen = bool(cfg.train.include_num_input_tokens_seen)
         control = t.callback_handler.call("on_train_begin", cfg, state, t.control)
         if cfg.eval.on_start and not resume_path:
-            t._evaluate_during_training()
+            t._evaluate_during_training(on_start=True)
         start = time.perf_counter()
         tr_loss = torch.zeros((), device=strategy.root_device)
         self.total_loss = torch.zeros((), device=strategy.root_device, dtype=torch.float64)
         self.steps_this_run, self.samples, self.tokens = 0, 0, 0
         self.last_logged, self.window_start = state.global_step, start
         self.samples_at_log, self.tokens_at_log = 0, 0
+        self.tr_loss, self.steps_before_resume = tr_loss, 0
+        t.checkpoints.restore_loop(self)  # resumed: the running loss sums exactly as they were saved
+        tr_loss = self.tr_loss
         model.train()
         seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
+        if state.global_step >= max_steps:  # resumed from the final checkpoint: nothing left to train
+            return self._finish(start, tr_loss)
         for epoch in range(state.epoch_index, num_epochs):
             set_epoch(loader, epoch, seed)
             skip = state.batches_into_epoch if epoch == state.epoch_index else 0
             if skip and cfg.train.ignore_data_skip:
                 skip = 0
-            iterator, _ = skip_batches(loader, skip)
+            iterator = t.checkpoints.resume_iterator(loader, skip)  # jumps; never re-iterates map-style data
             state.epoch_index, state.batches_into_epoch = epoch, skip
             t.checkpoints.restore_rng()  # right before the first batch: nothing in between draws
             control = t.callback_handler.call("on_epoch_begin", cfg, state, control)
@@ -131,6 +141,18 @@ class FitLoop:
                 break
         return self._finish(start, tr_loss)
 
+    # -- checkpoint state (per rank) ---------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The running sums behind logged losses and `train_loss`, so a resumed run logs the same numbers."""
+        return {"tr_loss": self.tr_loss.detach().cpu(), "total_loss": self.total_loss.detach().cpu(),
+                "last_logged": self.last_logged, "steps": self.steps_before_resume + self.steps_this_run}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        device = self.trainer.strategy.root_device
+        self.tr_loss = state["tr_loss"].to(device)
+        self.total_loss = state["total_loss"].to(device)
+        self.last_logged, self.steps_before_resume = int(state["last_logged"]), int(state["steps"])
+
     # -- one optimizer step -----------------------------------------------------------------
     def _next_window(self, iterator: Iterator[Any], k: int) -> list[Any]:
         window = []
@@ -159,11 +181,11 @@ class FitLoop:
                 step_loss = step_loss + t.training_step(model, batch, num_items_in_batch=total)
             if i < last:
                 control = t.callback_handler.call("on_substep_end", cfg, state, control)
-        if cfg.train.include_num_input_tokens_seen:
+        if self.count_tokens_seen:
             state.num_input_tokens_seen += int(strategy.reduce(torch.tensor(self.tokens_in(window), device=strategy.root_device), "sum").item())
         control = t.callback_handler.call("on_pre_optimizer_step", cfg, state, control)
-        if cfg.train.max_grad_norm and cfg.train.max_grad_norm > 0:
-            self.grad_norm: Optional[torch.Tensor] = strategy.clip_grad_norm(model, opt, cfg.train.max_grad_norm)
+        if self.max_grad_norm > 0:
+            self.grad_norm: Optional[torch.Tensor] = strategy.clip_grad_norm(model, opt, self.max_grad_norm)
         else:
             self.grad_norm = None
         stepped = strategy.optimizer_step(model, opt)
@@ -173,11 +195,12 @@ class FitLoop:
         strategy.zero_grad(model, opt)
         state.global_step += 1
         self.steps_this_run += 1
-        self.total_loss += step_loss.double()
-        if cfg.log.nan_inf_filter:
-            # A nan/inf step loss counts as the window's mean so far (HF), without a host sync.
+        if self.nan_inf_filter:
+            # A nan/inf step loss counts as the window's mean so far (HF), without a host sync;
+            # train_loss at the end uses the same filtered values.
             mean_so_far = tr_loss / (1 + state.global_step - 1 - self.last_logged)
-            return torch.where(torch.isfinite(step_loss), tr_loss + step_loss, tr_loss + mean_so_far)
+            step_loss = torch.where(torch.isfinite(step_loss), step_loss, mean_so_far)
+        self.total_loss += step_loss.double()
         return tr_loss + step_loss
 
     @staticmethod
@@ -195,6 +218,8 @@ class FitLoop:
             if self.grad_norm is not None:
                 logs["grad_norm"] = float(self.grad_norm.item())
             logs["learning_rate"] = t._current_lr()
+            if t.precision.uses_grad_scaler:
+                logs["skipped_steps"] = float(t.precision.skipped_steps)  # inf/nan steps the scaler skipped
             now = time.perf_counter()
             elapsed = max(now - self.window_start, 1e-9)
             world = t.strategy.data_parallel_size
@@ -210,6 +235,7 @@ class FitLoop:
         if control.should_evaluate:
             metrics = t._evaluate_during_training()
         if control.should_save:
+            self.tr_loss = tr_loss  # saved with the checkpoint: a resumed run logs the same averages
             t._save_checkpoint(metrics)
             t.control = t.callback_handler.call("on_save", t.config, state, t.control)
         t.control._new_step()
@@ -219,7 +245,7 @@ class FitLoop:
         t = self.trainer
         state, cfg = t.state, t.config
         runtime = time.perf_counter() - start
-        steps = max(self.steps_this_run, 1)
+        steps = max(self.steps_before_resume + self.steps_this_run, 1)
         train_loss = t.strategy.reduce(self.total_loss.float(), "mean").item() / steps
         world = t.strategy.data_parallel_size
         metrics = {

@@ -16,7 +16,6 @@ import ast
 import dataclasses
 import importlib
 import inspect
-import re
 from typing import Any, Callable, Mapping, Union
 
 import torch
@@ -42,13 +41,8 @@ __all__ = [
 OptimizerFactory = Callable[[OptimConfig], "tuple[type[torch.optim.Optimizer], dict[str, Any]]"]
 OPTIMIZERS: Registry[OptimizerFactory] = Registry("optimizer", "optim.name")
 
-# torch's own normalisation layers; any class whose name contains "Norm" counts too (custom RMSNorms).
-_NORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm,
-    nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d, lazy variants
-)
-# Keys an optimizer already takes from a named config field: setting them in optim_args would give
-# two sources of truth, so that is an error pointing at the field.
+# Where an optimizer argument comes from when it is not in optim_args: setting it there as well would
+# give two sources of truth, so that is an error pointing at the config field.
 _FROM_CONFIG = {
     "params": "the model", "lr": "optim.lr", "weight_decay": "optim.weight_decay",
     "betas": "optim.adam_beta1 / optim.adam_beta2", "eps": "optim.adam_epsilon",
@@ -143,7 +137,16 @@ for _name, _instead in {
 
 # ----------------------------------------------------------------------------- optim_args
 
-_ITEM_SPLIT = re.compile(r",(?=\s*[A-Za-z_]\w*\s*=)")  # split at commas that start a new key=, not inside (0.9, 0.95)
+
+def _split_items(text: str) -> list[str]:
+    """Split at top-level commas only, so that `betas=(0.9, 0.95)` stays one item."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return items + [text[start:]]
 
 
 def _literal(text: str) -> Any:
@@ -173,7 +176,7 @@ def parse_optim_args(optim_args: Union[str, Mapping[str, Any], None]) -> dict[st
     if isinstance(optim_args, Mapping):
         return dict(optim_args)
     parsed: dict[str, Any] = {}
-    for item in _ITEM_SPLIT.split(optim_args.strip()):
+    for item in _split_items(optim_args.strip()):
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key.isidentifier() or not value or key in parsed:
@@ -192,9 +195,11 @@ def parse_optim_args(optim_args: Union[str, Mapping[str, Any], None]) -> dict[st
 def is_norm_module(module: nn.Module) -> bool:
     """True for normalisation layers, whose weights must not be decayed towards zero.
 
-    HF only recognises `nn.LayerNorm`, so the custom RMSNorm classes of most LLMs get decayed there
-    by accident (unless their name matches a pattern); kiln also matches any class named "*Norm*"."""
-    return isinstance(module, _NORM_TYPES) or "Norm" in type(module).__name__
+    HF recognises only `nn.LayerNorm` by type (and a few attribute-name patterns), so the custom RMSNorm
+    classes of many models are decayed there by accident. kiln matches the class name instead: every torch
+    norm (LayerNorm, GroupNorm, RMSNorm, BatchNorm*, SyncBatchNorm, InstanceNorm*), subclasses of them and
+    custom classes such as LlamaRMSNorm all have "Norm" in their own or a base class's name."""
+    return any("Norm" in cls.__name__ for cls in type(module).__mro__)
 
 
 def _split_parameters(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
@@ -245,23 +250,24 @@ def _as_optim_config(cfg: Any) -> OptimConfig:
     """Accept the `optim` group as an OptimConfig, a DictConfig or a plain mapping."""
     if isinstance(cfg, OptimConfig):
         return cfg
-    get = cfg.get if isinstance(cfg, Mapping) or hasattr(cfg, "get") else (lambda k, d: getattr(cfg, k, d))
+    get = cfg.get if hasattr(cfg, "get") else (lambda key, default: getattr(cfg, key, default))
     return OptimConfig(**{f.name: get(f.name, f.default) for f in dataclasses.fields(OptimConfig)})
 
 
 def _check_optim_args(name: str, cls: type, base: dict[str, Any], extra: dict[str, Any]) -> None:
-    """Reject optim_args keys the class does not take, or that a config field already sets."""
+    """Reject optim_args keys that the class does not take, or that the config already sets."""
     params = inspect.signature(cls).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    accepted = sorted(k for k in params if k not in _FROM_CONFIG and k not in base and k != "self")
+    fixed = {"params", "weight_decay", *base}  # weight_decay is set per param group
+    accepted = sorted(k for k in params if k not in fixed and k != "self")
     for key in extra:
-        if key in _FROM_CONFIG or key in base:
+        if key in fixed:
             source = _FROM_CONFIG.get(key, f"optim.name={name!r}")
             raise ValueError(f"`optim.optim_args` sets {key!r}, which optimizer {name!r} takes from {source}; set it there.")
         if not takes_any and key not in params:
             raise ValueError(
-                f"`optim.optim_args` sets {key!r}, which {cls.__module__}.{cls.__name__} (optimizer {name!r}) does not "
-                f"take; it accepts: {', '.join(accepted)}."
+                f"`optim.optim_args` sets {key!r}, which {cls.__name__} (optimizer {name!r}) does not take; "
+                f"it accepts: {', '.join(accepted)}."
             )
 
 

@@ -1,9 +1,13 @@
-"""Console feedback: a tqdm progress bar on the main process, or plain printed logs without it."""
+"""Console feedback on the global main process: a tqdm bar with a loss/lr postfix in a terminal, one
+plain line per log event when the output is a file (no carriage returns filling a job log), or the
+bare log dicts when `log.disable_tqdm` is set. `console_callbacks(config)` picks."""
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+import time
+from datetime import timedelta
+from typing import IO, TYPE_CHECKING, Any, Mapping, Optional
 
 from kiln.engine.callbacks import Callback
 
@@ -12,53 +16,149 @@ if TYPE_CHECKING:
 
     from kiln.engine.state import TrainerControl, TrainerState
 
+#: log keys shown on the bar itself; the full dict is written above it
+POSTFIX = ("loss", "learning_rate", "eval_loss")
 
-def _fmt(logs: dict[str, Any]) -> dict[str, str]:
-    return {k: (f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in logs.items()}
+
+def _value(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def format_logs(logs: Mapping[str, Any]) -> str:
+    """`loss=0.6931 learning_rate=5e-05 epoch=0.5` (total_flos left out, as HF's console does)."""
+    return " ".join(f"{k}={_value(v)}" for k, v in logs.items() if k != "total_flos")
+
+
+def is_interactive(stream: Any) -> bool:
+    """A terminal, or a Jupyter kernel's stream (tqdm.auto draws a widget there)."""
+    if "ipykernel" in type(stream).__module__:
+        return True
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
 
 
 class ProgressCallback(Callback):
-    """One tqdm bar over optimizer steps, on the global main process only."""
+    """One bar over optimizer steps (and one per evaluation) in a terminal; in a log file, a line per
+    log event: `[step 20/100  20%  0:00:04<0:00:16] loss=0.5 learning_rate=4e-05 epoch=0.2`.
 
-    def __init__(self) -> None:
+    `file` is the stream (default: sys.stderr when training starts); `interactive` overrides the
+    terminal detection."""
+
+    def __init__(self, file: Optional[IO[str]] = None, interactive: Optional[bool] = None) -> None:
+        self.file = file
+        self.interactive = interactive
         self.bar: Optional[Any] = None
+        self.eval_bar: Optional[Any] = None
+        self._stream: Optional[IO[str]] = None
+        self._tty = False
+        self._start: Optional[float] = None
+        self._start_step = 0
+
+    def _setup(self) -> None:
+        self._stream = self.file or sys.stderr
+        self._tty = self.interactive if self.interactive is not None else is_interactive(self._stream)
 
     def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
-        if state.is_world_process_zero:
+        if not state.is_world_process_zero:
+            return
+        self._setup()
+        self._start, self._start_step = time.monotonic(), state.global_step
+        if self._tty:
             from tqdm.auto import tqdm
 
-            interactive = sys.stderr.isatty()
-            # In a log file, redraw rarely so the file does not fill with carriage-return lines.
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True,
-                            mininterval=0.1 if interactive else 30.0, desc="train")
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
+                            dynamic_ncols=True, file=self._stream)
+        else:
+            start = f" from step {state.global_step}" if state.global_step else ""
+            self._print(f"training {state.max_steps} steps{start}")
 
     def on_step_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
         if self.bar is not None:
             self.bar.update(state.global_step - self.bar.n)
 
+    def on_prediction_step(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl",
+                           **kw: Any) -> None:
+        if not (state.is_world_process_zero and self._tty):
+            return
+        loader = kw.get("eval_dataloader")
+        if self.eval_bar is None:
+            try:
+                total: Optional[int] = len(loader)  # type: ignore[arg-type]
+            except TypeError:
+                total = None
+            from tqdm.auto import tqdm
+
+            self.eval_bar = tqdm(total=total, desc="eval", unit="batch", leave=self.bar is None,
+                                 dynamic_ncols=True, file=self._stream)
+        self.eval_bar.update(1)
+
+    def _close_eval(self) -> None:
+        if self.eval_bar is not None:
+            self.eval_bar.close()
+            self.eval_bar = None
+
+    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        self._close_eval()
+
+    def on_predict(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        self._close_eval()
+
     def on_log(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        if self._stream is None:
+            self._setup()
         logs = kw.get("logs") or {}
+        line = format_logs(logs)
         if self.bar is not None:
-            shown = {k: logs[k] for k in ("loss", "learning_rate", "eval_loss") if k in logs}
+            shown = {k: _value(logs[k]) for k in POSTFIX if k in logs}
             if shown:
-                self.bar.set_postfix(_fmt(shown), refresh=False)
-            if "train_runtime" in logs or "eval_loss" in logs:
-                self.bar.write(str(_fmt(logs)))
+                self.bar.set_postfix(shown, refresh=False)
+            self.bar.write(line, file=self._stream)
+        elif self._tty:
+            from tqdm.auto import tqdm
+
+            tqdm.write(line, file=self._stream)
+        else:
+            self._print(f"[{self._position(state)}] {line}")
+
+    def _position(self, state: "TrainerState") -> str:
+        step, total = state.global_step, state.max_steps
+        if not total or self._start is None:
+            return f"step {step}"
+        elapsed = time.monotonic() - self._start
+        done = step - self._start_step
+        eta = elapsed / done * (total - step) if done > 0 else None
+        times = f"{timedelta(seconds=int(elapsed))}<{timedelta(seconds=int(eta)) if eta is not None else '?'}"
+        return f"step {step}/{total} {100 * step // total:3d}% {times}"
+
+    def _print(self, text: str) -> None:
+        print(text, file=self._stream, flush=True)
 
     def on_train_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        self._close_eval()
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self._start = None
 
 
 class PrinterCallback(Callback):
-    """Prints each log dict when the progress bar is disabled."""
+    """Prints each log dict (HF's behaviour with `disable_tqdm`), on the global main process."""
+
+    def __init__(self, file: Optional[IO[str]] = None) -> None:
+        self.file = file
 
     def on_log(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
         if state.is_world_process_zero:
-            print(_fmt(kw.get("logs") or {}), flush=True)
+            logs = {k: v for k, v in (kw.get("logs") or {}).items() if k != "total_flos"}
+            print(logs, file=self.file or sys.stdout, flush=True)
 
 
 def console_callbacks(config: "DictConfig") -> list[Callback]:
-    """The progress bar, or printed logs when `log.disable_tqdm` is set."""
-    return [PrinterCallback()] if config.log.disable_tqdm else [ProgressCallback()]
+    """PrinterCallback when `log.disable_tqdm` is set, else ProgressCallback. Unset follows HF: the bar
+    is on unless the log level is above warning (error, critical)."""
+    disable = config.log.disable_tqdm
+    if disable is None:
+        disable = config.log.level in ("error", "critical")
+    return [PrinterCallback()] if disable else [ProgressCallback()]

@@ -16,6 +16,7 @@ import math
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
+from omegaconf import OmegaConf
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
@@ -360,8 +361,8 @@ def _check_kwargs(name: str, kwargs: dict[str, Any], target: Callable[..., Any])
 
 
 def get_scheduler(
-    name: str, optimizer: Optimizer, num_warmup_steps: int = 0, num_training_steps: int = None, **kwargs: Any
-) -> Union[LRScheduler, Any]:
+    name: str, optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, **kwargs: Any
+) -> Union[LRScheduler, GreedyLR]:
     """The schedule named `name` (HF's `lr_scheduler_type`), with HF's `lr_scheduler_kwargs` as kwargs."""
     name = str(getattr(name, "value", name))  # also accepts HF's SchedulerType enum
     factory = SCHEDULERS.get(name)
@@ -378,9 +379,7 @@ def warmup_steps_for(sched_cfg: Any, num_training_steps: int) -> int:
 def build_scheduler(optimizer: Optimizer, sched_cfg: Any, num_training_steps: int) -> Union[LRScheduler, GreedyLR]:
     """The schedule the `scheduler` config group (SchedulerConfig, DictConfig or mapping) asks for."""
     kwargs = _field(sched_cfg, "kwargs", None) or {}
-    if hasattr(kwargs, "_metadata"):  # an OmegaConf node: hand the schedule plain Python values
-        from omegaconf import OmegaConf
-
+    if OmegaConf.is_config(kwargs):  # hand the schedule plain Python values (lists, not ListConfig)
         kwargs = OmegaConf.to_container(kwargs, resolve=True)
     name, warmup = str(_field(sched_cfg, "name", "linear")), warmup_steps_for(sched_cfg, num_training_steps)
     if warmup > 0 and name.lower() in ("constant", "reduce_lr_on_plateau", "greedy"):

@@ -60,7 +60,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         n = state["numpy"]
         np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state per visible device; a resume that sees fewer devices restores those it has.
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
 
 
 def _py_state_to_plain(st: tuple[Any, ...]) -> list[Any]:

@@ -17,6 +17,7 @@ from kiln.engine.callbacks import Callback, CallbackHandler, DefaultFlowCallback
 from kiln.engine.checkpoint import CheckpointManager, list_checkpoints, resolve_resume
 from kiln.engine.data import build_dataloader
 from kiln.engine.dispatch import StepDispatcher
+from kiln.engine.distributed import configure_logging
 from kiln.engine.errors import KilnError
 from kiln.engine.loops import FitLoop, TrainOutput
 from kiln.engine.module import (
@@ -28,6 +29,7 @@ from kiln.engine.state import TrainerControl, TrainerState
 from kiln.engine.trainer_eval import EvaluationMixin
 from kiln.precision import build_precision
 from kiln.strategies import build_strategy
+from kiln.strategies.environment import load_with_launcher_settings
 
 
 class Trainer(EvaluationMixin):
@@ -54,7 +56,7 @@ class Trainer(EvaluationMixin):
         overrides: Iterable[str] = (),
     ) -> None:
         config, strategy, precision = _pop_objects(config, strategy, precision)
-        self.config = load_config(config, list(overrides))
+        self.config = load_with_launcher_settings(config, list(overrides))  # accelerate launch fills unset keys
         cfg = self.config
         set_seed(cfg.seed, cfg.full_determinism)
         if model is None:
@@ -68,6 +70,7 @@ class Trainer(EvaluationMixin):
         self.precision = precision if precision is not None and not isinstance(precision, type) else build_precision(cfg, precision)
         self.strategy = build_strategy(cfg, self.precision, strategy)
         self.strategy.setup_environment()
+        configure_logging(cfg, self.strategy)  # log.level on the main process, log.level_replica elsewhere
         self.precision = self.strategy.connect_precision(self.precision)
         self.precision.check_device(self.strategy.root_device)
         self.args = cfg  # HF code reads trainer.args
@@ -87,6 +90,9 @@ class Trainer(EvaluationMixin):
         self._forward_names = None if self._training_module else forward_argument_names(model)
         self._accepts_num_items = not self._training_module and accepts_kwarg(model, "num_items_in_batch") and \
             self._forward_names is not None and "num_items_in_batch" in self._forward_names
+        # plain copies of settings read per micro-batch (OmegaConf lookups cost microseconds)
+        self._label_smoothing = float(cfg.train.label_smoothing_factor)
+        self._remove_columns = bool(cfg.data.remove_unused_columns)
         self._loss_weight: Any = None
         self._num_items: Any = None
         self._scheduler_needs_metrics = False
@@ -206,8 +212,8 @@ class Trainer(EvaluationMixin):
         total = torch.stack(counts).sum()
         if dp > 1:
             total = self.strategy.reduce(total, "sum")
-        if self._accepts_num_items:
-            return [None] * len(window), total  # the model divides by num_items_in_batch itself
+        if self._accepts_num_items:  # the model divides by the global N itself; DDP's averaging divides by dp again
+            return [None if dp == 1 else dp] * len(window), total
         return [c * dp / total for c in counts], total
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
@@ -219,19 +225,19 @@ class Trainer(EvaluationMixin):
                 raise TypeError("HF-contract models are called as model(**batch): the batch must be a dict of tensors.")
             inputs = self._remove_unused(inputs)
             kwargs = {"num_items_in_batch": num_items_in_batch} if self._accepts_num_items and num_items_in_batch is not None else {}
-            if self.config.train.label_smoothing_factor and "labels" in inputs:
+            if self._label_smoothing and "labels" in inputs:
                 from kiln.engine.label_smoothing import smoothed_loss
 
                 labels = inputs["labels"]
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, **kwargs)
-                loss = smoothed_loss(self.model, outputs, labels, self.config.train.label_smoothing_factor)
+                loss = smoothed_loss(self.model, outputs, labels, self._label_smoothing)
                 return (loss, outputs) if return_outputs else loss
             outputs = model(**inputs, **kwargs)
         loss = loss_from_output(outputs)
         return (loss, outputs) if return_outputs else loss
 
     def _remove_unused(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
-        if not self.config.data.remove_unused_columns or self._forward_names is None:
+        if not self._remove_columns or self._forward_names is None:
             return inputs
         return {k: v for k, v in inputs.items() if k in self._forward_names}
 
@@ -257,6 +263,7 @@ class Trainer(EvaluationMixin):
                     "Resume with resume_from_checkpoint=true, pick another output_dir, or set overwrite_output_dir=true."
                 )
         self._ignore_keys_for_eval = ignore_keys_for_eval
+        self._check_eval_setup()
         self.is_in_train = True
         try:
             return FitLoop(self).run(path)

@@ -1,221 +1,299 @@
-"""The evaluation half of the Trainer: `evaluate`, `predict`, `prediction_step` (HF override
-points), evaluation during training, best-model tracking and HF's metric files."""
+"""The evaluation half of the Trainer: `evaluate`, `predict`, `evaluation_loop`, `prediction_step`
+(HF's override points), evaluation during training, best-model tracking and HF's metric files.
+
+One eval step, as data flows (the tensor logic lives in `kiln.engine.gather`):
+
+    batch -> strategy.batch_to_device -> precision.convert_input -> prediction_step -> (loss, logits, labels)
+          -> preprocess_logits_for_metrics(logits, labels) -> EvalAccumulator.add({losses, predictions,
+             label_ids[, inputs]})  (gathered across ranks, moved to CPU numpy every eval_accumulation_steps)
+    end:  arrays in dataset order -> compute_metrics(EvalPrediction) -> metrics prefixed `<prefix>_`
+
+With `batch_eval_metrics`, `compute_metrics(EvalPrediction, compute_result=is_last_batch)` is called
+on every batch instead and predictions are not kept (except by `predict`, as in HF).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
 import torch
 
 from kiln.engine.errors import KilnError
-from kiln.engine.gather import EvalAccumulator, OrderedGatherer, SequentialDistributedSampler, nested_detach
+from kiln.engine.gather import EvalAccumulator, OrderedGatherer, gather_across_processes, nested_detach
+from kiln.engine.data import SequentialDistributedSampler
 from kiln.engine.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput
 from kiln.engine.tensors import batch_size_of
 
 if TYPE_CHECKING:
     from kiln.engine.trainer import Trainer
 
+logger = logging.getLogger(__name__)
+
 
 class EvaluationMixin:
     """Mixed into Trainer; `self` is the Trainer."""
 
-    # -- dataloaders ------------------------------------------------------------------------
-    def get_eval_dataloader(self: "Trainer", eval_dataset: Any = None) -> Any:
+    # -- dataloaders (HF override points) ---------------------------------------------------
+    def get_eval_dataloader(self: "Trainer", eval_dataset: Any = None) -> Iterable[Any]:
+        """The eval DataLoader: in order, sharded contiguously over ranks (see SequentialDistributedSampler).
+        `eval_dataset` may be a dataset, or the name of one in a dict passed to the Trainer."""
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, Mapping) or eval_dataset not in self.eval_dataset:
+                names = ", ".join(self.eval_dataset) if isinstance(self.eval_dataset, Mapping) else "none"
+                raise KilnError(f"No eval dataset named {eval_dataset!r}; the Trainer's eval_dataset dict has: {names}.")
+            eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise KilnError("evaluate() needs an eval_dataset: pass one to Trainer(...) or to evaluate().")
+        if isinstance(dataset, Mapping):
+            raise KilnError("get_eval_dataloader takes one dataset; evaluate() runs a dict of them one by one.")
         return self._sequential_loader(dataset)
 
-    def get_test_dataloader(self: "Trainer", test_dataset: Any) -> Any:
+    def get_test_dataloader(self: "Trainer", test_dataset: Any) -> Iterable[Any]:
+        if test_dataset is None:
+            raise KilnError("predict() needs a test_dataset.")
         return self._sequential_loader(test_dataset)
 
-    def _sequential_loader(self: "Trainer", dataset: Any) -> Any:
+    def _sequential_loader(self: "Trainer", dataset: Any) -> Iterable[Any]:
         from kiln.engine.data import build_dataloader, is_sized
 
+        s = self.strategy
         if isinstance(dataset, torch.utils.data.DataLoader):
-            return dataset
-        cfg, s = self.config, self.strategy
+            return s.process_dataloader(dataset)  # used as given
+        cfg = self.config
+        batch_size, drop_last = cfg.data.per_device_eval_batch_size, cfg.data.dataloader_drop_last
         sampler = None
         if is_sized(dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
-            sampler = SequentialDistributedSampler(len(dataset), s.data_parallel_size, s.data_parallel_rank)
-        return build_dataloader(dataset, cfg.data.per_device_eval_batch_size, self.data_collator, cfg.data, cfg.seed,
-                                shuffle=False, num_replicas=s.data_parallel_size, rank=s.data_parallel_rank, sampler=sampler)
+            sampler = SequentialDistributedSampler(len(dataset), s.data_parallel_size, s.data_parallel_rank,
+                                                   batch_size if drop_last else None, drop_last)
+        loader = build_dataloader(dataset, batch_size, self.data_collator, cfg.data, cfg.seed, shuffle=False,
+                                  num_replicas=s.data_parallel_size, rank=s.data_parallel_rank, sampler=sampler,
+                                  drop_last=None if sampler is None else False)  # the sampler already dropped
+        return s.process_dataloader(loader)
 
     # -- public API -------------------------------------------------------------------------
     def evaluate(self: "Trainer", eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
-                 metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Run evaluation; a dict of datasets is evaluated one by one (`eval_<name>_loss`, ...)."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+                 metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]:
+        """Metrics `<prefix>_loss`, `compute_metrics`' keys prefixed, speed and `epoch`; logged and
+        passed to `on_evaluate`. A dict of datasets is evaluated one by one as `<prefix>_<name>_*`.
+        `gen_kwargs` go to `model.generate` with `predict_with_generate`."""
+        override = eval_dataset is not None
+        dataset = eval_dataset if override else self.eval_dataset
         if isinstance(dataset, Mapping):
             metrics: dict[str, float] = {}
             for name, ds in dataset.items():
-                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+                metrics.update(self.evaluate(ds if override else name, ignore_keys, f"{metric_key_prefix}_{name}", **gen_kwargs))
             return metrics
+        self._gen_kwargs = gen_kwargs
         loader = self.get_eval_dataloader(dataset)
-        start = time.perf_counter()
+        start = time.time()
         output = self.evaluation_loop(loader, "Evaluation", prediction_loss_only=True if self.compute_metrics is None else None,
                                       ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        output.metrics.update(_speed(metric_key_prefix, start, output.num_samples, math.ceil(output.num_samples / max(self.config.data.per_device_eval_batch_size * self.strategy.data_parallel_size, 1))))
-        self.log(dict(output.metrics))
-        self.control = self.callback_handler.call("on_evaluate", self.config, self.state, self.control, metrics=output.metrics)
-        return output.metrics
+        metrics = output.metrics
+        metrics.update(self._speed_metrics(metric_key_prefix, start, output.num_samples, loader))
+        self.log(metrics)  # adds "epoch" to this very dict, so the caller sees it too (as in HF)
+        self.control = self.callback_handler.call("on_evaluate", self.config, self.state, self.control, metrics=metrics)
+        return metrics
 
     def predict(self: "Trainer", test_dataset: Any, ignore_keys: Optional[list[str]] = None,
-                metric_key_prefix: str = "test") -> PredictionOutput:
+                metric_key_prefix: str = "test", **gen_kwargs: Any) -> PredictionOutput:
+        """Numpy predictions and label_ids in dataset order (ragged sequences right-padded with
+        `eval.padding_index`) and metrics (`<prefix>_loss` etc. when the data has labels)."""
+        self._gen_kwargs = gen_kwargs
         loader = self.get_test_dataloader(test_dataset)
-        start = time.perf_counter()
-        output = self.evaluation_loop(loader, "Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, step="predict_step")
-        output.metrics.update(_speed(metric_key_prefix, start, output.num_samples, None))
+        start = time.time()
+        output = self.evaluation_loop(loader, "Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        output.metrics.update(self._speed_metrics(metric_key_prefix, start, output.num_samples, loader))
         self.control = self.callback_handler.call("on_predict", self.config, self.state, self.control, metrics=output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
-    # -- the loop ---------------------------------------------------------------------------
-    def evaluation_loop(self: "Trainer", dataloader: Any, description: str, prediction_loss_only: Optional[bool] = None,
-                        ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval",
-                        step: str = "validation_step") -> EvalLoopOutput:
-        cfg, s = self.config, self.strategy
-        e = cfg.eval
-        loss_only = prediction_loss_only if prediction_loss_only is not None else e.prediction_loss_only
-        model = self._setup_model()
-        cast = self.precision.eval_dtype if not self.is_in_train else None
-        if cast is not None:
-            self.model.to(cast)
-        was_training = model.training
-        model.eval()
-        sampler = getattr(dataloader, "sampler", None)
-        distributed = s.data_parallel_size > 1 and isinstance(sampler, SequentialDistributedSampler)
-        gatherer = OrderedGatherer.for_sampler(sampler, e.padding_index) if distributed else None
-        acc = EvalAccumulator(e.padding_index, e.do_concat_batches, e.accumulation_steps,
-                              gather_fn=s.all_gather if distributed and not e.batch_eval_metrics else None,
-                              gatherer=gatherer if not e.batch_eval_metrics else None)
-        metrics: dict[str, Any] = {}
-        losses_sum, samples = 0.0, 0
-        self._eval_step_name = step
-        n_batches = len(dataloader) if hasattr(dataloader, "__len__") else None
-        try:
-            for i, batch in enumerate(dataloader):
-                batch = s.batch_to_device(batch)
-                bs = batch_size_of(batch)
-                loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys)
-                inputs = batch.get("input_ids") if e.include_inputs_for_metrics and isinstance(batch, Mapping) else None
-                if logits is not None and self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, labels)
-                outputs = {k: v for k, v in (("losses", None if loss is None else loss.detach().float().reshape(1).repeat(bs)),
-                                             ("predictions", logits), ("label_ids", labels), ("inputs", inputs)) if v is not None}
-                if e.batch_eval_metrics:
-                    if distributed:
-                        from kiln.engine.gather import gather_across_processes
+    def _speed_metrics(self: "Trainer", prefix: str, start: float, num_samples: int, loader: Any) -> dict[str, float]:
+        from kiln.loggers.metrics import speed_metrics
 
-                        rows_before = i * bs
-                        outputs = gatherer.drop_duplicates(gather_across_processes(outputs, s.all_gather, e.padding_index), rows_before)  # type: ignore[union-attr]
-                    if "losses" in outputs:
-                        losses_sum += float(outputs["losses"].double().sum())
-                        samples += int(outputs["losses"].numel())
-                    if self.compute_metrics is not None and "predictions" in outputs and "label_ids" in outputs:
-                        last = n_batches is not None and i == n_batches - 1
-                        metrics = self.compute_metrics(_prediction(outputs), compute_result=last) or {}
-                else:
-                    acc.add(outputs)
-                self.control = self.callback_handler.call("on_prediction_step", cfg, self.state, self.control)
+        batch_size = getattr(loader, "batch_size", None) or self.config.data.per_device_eval_batch_size
+        steps = math.ceil(num_samples / (batch_size * self.strategy.data_parallel_size))
+        return speed_metrics(prefix, start, num_samples=num_samples, num_steps=steps)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def evaluation_loop(self: "Trainer", dataloader: Iterable[Any], description: str, prediction_loss_only: Optional[bool] = None,
+                        ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """Shared by evaluate ("Evaluation": TrainingModule.validation_step) and predict
+        ("Prediction": predict_step). Works with or without labels."""
+        cfg, s, e = self.config, self.strategy, self.config.eval
+        loss_only = e.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        model = self._setup_model()
+        sampler = _sampler_of(dataloader)
+        distributed = s.data_parallel_size > 1 and isinstance(sampler, SequentialDistributedSampler)
+        if s.data_parallel_size > 1 and not distributed:
+            logger.warning("Evaluating a loader without kiln's eval sampler on %d ranks: each rank reports its own shard.",
+                           s.data_parallel_size)
+        per_batch, predicting = e.batch_eval_metrics, description == "Prediction"
+        gatherer = OrderedGatherer.for_sampler(sampler, e.padding_index) if distributed else None
+        acc = EvalAccumulator(e.padding_index, e.do_concat_batches, e.accumulation_steps, gatherer=gatherer,
+                              gather_fn=s.all_gather if distributed and not per_batch else None)
+        metrics: Any = {}
+        observed = 0
+        dtype = self.precision.eval_dtype if not self.is_in_train else None  # HF: full-eval casting outside train()
+        was_training = model.training
+        self._eval_step_name = "predict_step" if predicting else "validation_step"
+        model.eval()
+        try:
+            with _cast_for_eval(self.model, dtype):
+                for batch, is_last in _with_last(dataloader):
+                    batch = self.precision.convert_input(s.batch_to_device(batch))
+                    if dtype is not None:
+                        from kiln.precision.base import cast_floating
+
+                        batch = cast_floating(batch, dtype)
+                    bs = batch_size_of(batch)
+                    loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys)
+                    if logits is not None and self.preprocess_logits_for_metrics is not None:
+                        logits = self.preprocess_logits_for_metrics(logits, labels)
+                    inputs = self._inputs_for_metrics(batch) if e.include_inputs_for_metrics else None
+                    outputs = _step_outputs(loss, logits, labels, inputs, bs)
+                    if per_batch:
+                        if distributed:  # gathered here, once: rank-major, duplicates still in
+                            outputs = gather_across_processes(outputs, s.all_gather, e.padding_index)
+                        acc.add(outputs if predicting else {k: v for k, v in outputs.items() if k == "losses"})
+                        if self.compute_metrics is not None and "predictions" in outputs and "label_ids" in outputs:
+                            current = gatherer.drop_duplicates(outputs, observed) if gatherer is not None else outputs
+                            metrics = self.compute_metrics(_prediction(current), compute_result=is_last)
+                    else:
+                        acc.add(outputs)
+                    observed += bs
+                    self.control = self.callback_handler.call("on_prediction_step", cfg, self.state, self.control)
         finally:
-            if cast is not None:
-                self.model.to(torch.float32)
             model.train(was_training)
-        arrays = acc.get_arrays() if not e.batch_eval_metrics else None
-        predictions = label_ids = None
-        if isinstance(arrays, Mapping):
-            predictions, label_ids = arrays.get("predictions"), arrays.get("label_ids")
-            if "losses" in arrays:
-                metrics_loss = arrays["losses"]
-                losses_sum, samples = float(metrics_loss.astype("float64").sum()), int(metrics_loss.size)
-            if self.compute_metrics is not None and predictions is not None and label_ids is not None:
-                metrics = self.compute_metrics(_prediction(arrays)) or {}
-        elif isinstance(arrays, list) and arrays:  # do_concat_batches=False: one entry per batch
-            predictions = [a.get("predictions") for a in arrays]
-            label_ids = [a.get("label_ids") for a in arrays]
-            losses = [a["losses"] for a in arrays if "losses" in a]
-            if losses:
-                losses_sum, samples = float(sum(l.astype("float64").sum() for l in losses)), sum(l.size for l in losses)
-            if self.compute_metrics is not None and predictions[0] is not None and label_ids[0] is not None:
-                metrics = self.compute_metrics(EvalPrediction(predictions, label_ids)) or {}
-        metrics = {k: (v.item() if hasattr(v, "item") else v) for k, v in dict(metrics).items()}
-        if samples:
-            metrics["loss"] = losses_sum / samples
-        num_samples = samples or (len(dataloader.dataset) if hasattr(getattr(dataloader, "dataset", None), "__len__") else 0)
-        prefixed = {(k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}"): v for k, v in metrics.items()}
-        return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=prefixed, num_samples=num_samples)
+        arrays = acc.get_arrays()
+        pick = (lambda key: [a[key] for a in arrays] if arrays and key in arrays[0] else None) if isinstance(arrays, list) \
+            else (lambda key: arrays.get(key) if arrays else None)
+        predictions, label_ids, losses = pick("predictions"), pick("label_ids"), pick("losses")
+        if not per_batch and self.compute_metrics is not None and predictions is not None and label_ids is not None:
+            metrics = self.compute_metrics(EvalPrediction(predictions, label_ids, inputs=pick("inputs")))
+        metrics = {k: _plain(v) for k, v in dict(metrics or {}).items()}
+        if losses is not None:
+            flat = np.concatenate(losses) if isinstance(losses, list) else losses
+            if flat.size:
+                metrics["loss"] = float(flat.astype(np.float64).mean())
+        prefix = f"{metric_key_prefix}_"
+        metrics = {(k if k.startswith(prefix) else prefix + k): v for k, v in metrics.items()}
+        num_samples = sampler.num_examples if isinstance(sampler, SequentialDistributedSampler) else observed
+        return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics, num_samples=num_samples)
+
+    def _inputs_for_metrics(self: "Trainer", batch: Any) -> Any:
+        """The model's main input (`model.main_input_name`, default "input_ids") for EvalPrediction.inputs."""
+        name = getattr(self.model, "main_input_name", "input_ids")
+        if isinstance(batch, Mapping):
+            if name not in batch:
+                raise KilnError(f"include_inputs_for_metrics: the batch has no {name!r} (keys: {', '.join(map(str, batch))}); "
+                                "set `main_input_name` on the model to the key that holds its inputs.")
+            return batch[name]
+        if isinstance(batch, (list, tuple)) and batch:
+            return batch[0]
+        return batch
 
     def prediction_step(self: "Trainer", model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: Optional[list[str]] = None) -> tuple[Any, Any, Any]:
-        """(loss, logits, labels) for one batch, each possibly None."""
+        """(loss, logits, labels) for one batch, each possibly None (HF override point)."""
         with torch.no_grad(), self.precision.eval_context():
             if self._training_module:
-                out = model(inputs, step=getattr(self, "_eval_step_name", "validation_step"))
-                if isinstance(out, torch.Tensor):
-                    return out.detach(), None, None
-                loss = out.get("loss")
-                logits = out.get("logits", out.get("predictions"))
-                labels = out.get("labels")
-                if prediction_loss_only:
-                    return (loss.detach() if loss is not None else None), None, None
-                return (loss.detach() if loss is not None else None), nested_detach(logits), nested_detach(labels)
+                return self._module_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
             return self._hf_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
-    def _hf_prediction_step(self: "Trainer", model: Any, inputs: Any, loss_only: bool, ignore_keys: Optional[list[str]]) -> tuple[Any, Any, Any]:
+    def _module_prediction_step(self: "Trainer", model: Any, inputs: Any, loss_only: bool,
+                                ignore_keys: Optional[list[str]]) -> tuple[Any, Any, Any]:
+        step = getattr(self, "_eval_step_name", "validation_step")
+        out = model(inputs, step=step)
+        if isinstance(out, torch.Tensor):
+            out = {"loss": out}
+        if not isinstance(out, Mapping):
+            raise TypeError(f"{step} must return a loss tensor or a dict with 'loss', 'logits' or 'predictions' "
+                            f"and 'labels'; got {type(out).__name__}.")
+        loss = out.get("loss")
+        loss = loss.detach() if isinstance(loss, torch.Tensor) else None
+        if loss_only:
+            return loss, None, None
+        logits = out["logits"] if out.get("logits") is not None else out.get("predictions")
+        if ignore_keys and isinstance(logits, Mapping):
+            logits = {k: v for k, v in logits.items() if k not in ignore_keys}
+        labels = out.get("labels")
+        if labels is None:  # as for HF models: labels straight from the batch
+            labels = self._labels_from(inputs)
+        return loss, nested_detach(logits), nested_detach(labels)
+
+    def _labels_from(self: "Trainer", inputs: Any) -> Any:
+        if not isinstance(inputs, Mapping) or not self.label_names or any(inputs.get(k) is None for k in self.label_names):
+            return None
+        labels = tuple(inputs[k].detach() for k in self.label_names)
+        return labels[0] if len(labels) == 1 else labels
+
+    def _hf_prediction_step(self: "Trainer", model: Any, inputs: Any, loss_only: bool,
+                            ignore_keys: Optional[list[str]]) -> tuple[Any, Any, Any]:
         if ignore_keys is None:
-            ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []) or [])
-        has_labels = all(inputs.get(k) is not None for k in self.label_names)
-        labels = None
-        if has_labels:
-            labels = tuple(inputs[k].detach() for k in self.label_names)
-            labels = labels[0] if len(labels) == 1 else labels
+            ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", None) or [])
+        labels = self._labels_from(inputs)
         loss = None
-        if has_labels:
+        if labels is not None:
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
             loss = loss.mean().detach()
         else:
             outputs = model(**self._remove_unused(inputs))
         if loss_only:
             return loss, None, None
-        if self.config.eval.predict_with_generate and hasattr(self.model, "generate"):
+        if self.config.eval.predict_with_generate:
             from kiln.engine.generation import generate_predictions
 
-            return loss, generate_predictions(self, inputs), labels
-        if isinstance(outputs, Mapping) or hasattr(outputs, "keys"):
-            logits = tuple(v for k, v in outputs.items() if k not in ignore_keys + ["loss"] and v is not None)
+            return loss, generate_predictions(self, inputs, getattr(self, "_gen_kwargs", {})), labels
+        if isinstance(outputs, Mapping):  # dicts and Transformers ModelOutputs
+            logits: Any = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"] and v is not None)
+        elif isinstance(outputs, (tuple, list)):
+            logits = tuple(outputs[1:] if labels is not None else outputs)
         else:
-            logits = tuple(outputs[1:] if has_labels else outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+            logits = (outputs,)
         logits = nested_detach(logits)
         return loss, (logits[0] if len(logits) == 1 else logits), labels
 
     # -- during training --------------------------------------------------------------------
-    def _evaluate_during_training(self: "Trainer") -> dict[str, float]:
+    def _check_eval_setup(self: "Trainer") -> None:
+        """Before training: evaluation during training needs something to evaluate on (HF fails at init)."""
+        e = self.config.eval
+        custom_loader = type(self).get_eval_dataloader is not EvaluationMixin.get_eval_dataloader
+        if (e.strategy != "no" or e.on_start) and self.eval_dataset is None and not custom_loader:
+            raise KilnError(f"eval.strategy is {e.strategy!r}{' with eval_on_start' if e.on_start else ''} but the Trainer "
+                            "has no eval_dataset: pass eval_dataset=... or set eval_strategy='no'.")
+
+    def _evaluate_during_training(self: "Trainer", on_start: bool = False) -> dict[str, float]:
+        """Evaluate, then update the best metric, `save_strategy: best` and a metric-driven scheduler.
+        The sanity evaluation of `eval_on_start` does neither (HF)."""
         metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
+        if on_start:
+            return metrics
         improved = self._update_best(metrics)
         if self.config.save.strategy == "best":
             self.control.should_save = improved
         if self._scheduler_needs_metrics and self.lr_scheduler is not None:
             self.lr_scheduler.step(metrics[self._best_metric_key(metrics)])
-        self.model_wrapped.train()
         return metrics
 
     def _best_metric_key(self: "Trainer", metrics: Mapping[str, float]) -> str:
         name = self.config.eval.metric_for_best_model or "loss"
-        key = name if name.startswith("eval_") else f"eval_{name}"
+        key = best_metric_key(name)
         if key not in metrics:
-            raise KilnError(f"metric_for_best_model is {name!r} but evaluation returned no {key!r} (it returned: {', '.join(sorted(metrics))}).")
+            raise KilnError(f"metric_for_best_model is {name!r} but evaluation returned no {key!r} "
+                            f"(it returned: {', '.join(sorted(metrics))}).")
         return key
 
     def greater_is_better(self: "Trainer") -> bool:
-        e = self.config.eval
-        if e.greater_is_better is not None:
-            return bool(e.greater_is_better)
-        return (e.metric_for_best_model or "loss") not in ("loss", "eval_loss")
+        return resolve_greater_is_better(self.config.eval)
 
     def _update_best(self: "Trainer", metrics: Mapping[str, float]) -> bool:
         e = self.config.eval
@@ -231,46 +309,120 @@ class EvaluationMixin:
     def _load_best_model(self: "Trainer") -> None:
         path = self.state.best_model_checkpoint
         if not path or not os.path.isdir(path):
+            logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the last weights.")
             return
         self.strategy.checkpoint_io().load(path, self.model, None, load_optimizer=False)
 
     # -- HF metric helpers ------------------------------------------------------------------
     def metrics_format(self: "Trainer", metrics: Mapping[str, float]) -> dict[str, Any]:
+        """Human-readable values (runtimes as h:mm:ss.xx, memory in MB, floats to 4 places)."""
         from kiln.loggers.metrics import metrics_format
 
         return metrics_format(dict(metrics))
 
     def log_metrics(self: "Trainer", split: str, metrics: Mapping[str, float]) -> None:
+        """Print `***** <split> metrics *****` and aligned `key = value` lines, on global rank 0."""
         if self.strategy.is_global_zero:
             from kiln.loggers.metrics import format_log_metrics
 
             print(format_log_metrics(split, dict(metrics)), flush=True)
 
     def save_metrics(self: "Trainer", split: str, metrics: Mapping[str, float], combined: bool = True) -> None:
-        """Write `<split>_results.json` (and merge into all_results.json), raw numbers, rank 0."""
+        """Write raw `<split>_results.json` (and merge it into `all_results.json`), on global rank 0."""
         if not self.strategy.is_global_zero:
             return
-        os.makedirs(self.config.output_dir, exist_ok=True)
-        with open(os.path.join(self.config.output_dir, f"{split}_results.json"), "w") as fh:
-            json.dump(dict(metrics), fh, indent=4, sort_keys=True)
+        out = self.config.output_dir
+        os.makedirs(out, exist_ok=True)
+        plain = {k: _plain(v) for k, v in metrics.items()}
+        _write_json(os.path.join(out, f"{split}_results.json"), plain)
         if combined:
-            path = os.path.join(self.config.output_dir, "all_results.json")
-            merged = json.load(open(path)) if os.path.exists(path) else {}
-            merged.update(metrics)
-            with open(path, "w") as fh:
-                json.dump(merged, fh, indent=4, sort_keys=True)
+            path = os.path.join(out, "all_results.json")
+            merged: dict[str, Any] = {}
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as fh:
+                    merged = json.load(fh)
+            merged.update(plain)
+            _write_json(path, merged)
 
 
-def _prediction(arrays: Mapping[str, Any]) -> EvalPrediction:
-    return EvalPrediction(predictions=arrays.get("predictions"), label_ids=arrays.get("label_ids"), inputs=arrays.get("inputs"),
-                          losses=arrays.get("losses"))
+# -- shared with EarlyStoppingCallback ----------------------------------------------------------
+def best_metric_key(name: str) -> str:
+    """`metric_for_best_model` with or without "eval_" -> the key in evaluate()'s metrics."""
+    return name if name.startswith("eval_") else f"eval_{name}"
 
 
-def _speed(prefix: str, start: float, num_samples: Optional[int], num_steps: Optional[int]) -> dict[str, float]:
-    runtime = time.perf_counter() - start
-    out = {f"{prefix}_runtime": round(runtime, 4)}
-    if num_samples:
-        out[f"{prefix}_samples_per_second"] = round(num_samples / runtime, 3)
-    if num_steps:
-        out[f"{prefix}_steps_per_second"] = round(num_steps / runtime, 3)
+def resolve_greater_is_better(eval_config: Any) -> bool:
+    """HF's default: False for a loss (unset, "loss", "eval_loss", "eval_<dataset>_loss", any name
+    ending in "loss", as current Transformers decides), True for every other metric."""
+    if eval_config.greater_is_better is not None:
+        return bool(eval_config.greater_is_better)
+    return not (eval_config.metric_for_best_model or "loss").endswith("loss")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _step_outputs(loss: Any, logits: Any, labels: Any, inputs: Any, batch_size: int) -> dict[str, Any]:
+    """One step's outputs under the accumulator's keys. The loss becomes one value per sample (the
+    batch mean repeated, as HF), so the final mean weights batches by their size."""
+    out: dict[str, Any] = {}
+    if loss is not None:
+        loss = loss.detach().float()
+        out["losses"] = loss if loss.ndim == 1 and loss.numel() == batch_size else loss.mean().repeat(batch_size)
+    for key, value in (("predictions", logits), ("label_ids", labels), ("inputs", inputs)):
+        if value is not None:
+            out[key] = value
     return out
+
+
+def _prediction(outputs: Mapping[str, Any]) -> EvalPrediction:
+    # losses stay out: EvalPrediction would append them to its tuple and break `preds, labels = p`
+    return EvalPrediction(outputs.get("predictions"), outputs.get("label_ids"), inputs=outputs.get("inputs"))
+
+
+def _plain(value: Any) -> Any:
+    """numpy / torch scalars -> Python numbers (JSON and loggers want plain values)."""
+    if isinstance(value, np.generic) or (isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 0):
+        return value.item()
+    return value
+
+
+def _write_json(path: str, data: Mapping[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(dict(data), fh, indent=4, sort_keys=True)
+
+
+def _sampler_of(loader: Any) -> Any:
+    """The sampler of a DataLoader, also through a device-feeding wrapper (XLA's `_loader`)."""
+    sampler = getattr(loader, "sampler", None)
+    return sampler if sampler is not None else getattr(getattr(loader, "_loader", None), "sampler", None)
+
+
+def _with_last(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """(item, is_last) pairs, looking one item ahead: works for loaders without a length."""
+    it = iter(iterable)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield current, False
+        current = item
+    yield current, True
+
+
+@contextlib.contextmanager
+def _cast_for_eval(module: torch.nn.Module, dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """HF's fp16_full_eval / bf16_full_eval, undone afterwards: floating parameters and buffers are
+    cast to `dtype` for the evaluation and their original tensors put back bit for bit. Originals of
+    accelerator tensors wait on the CPU, so the device really holds only the half-size copy."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if dtype is not None:
+        with torch.no_grad():
+            for t in itertools.chain(module.parameters(), module.buffers()):
+                if t.is_floating_point() and t.dtype != dtype:
+                    saved.append((t, t.data if t.device.type == "cpu" else t.data.to("cpu")))
+                    t.data = t.data.to(dtype)
+    try:
+        yield
+    finally:
+        for t, original in saved:
+            t.data = original.to(t.device)

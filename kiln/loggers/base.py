@@ -1,21 +1,40 @@
-"""The Logger interface. Loggers are built on the global rank-0 process only (the Trainer builds
-none elsewhere), so exactly one tracker run exists per job by construction."""
+"""The Logger interface, plus the small helpers every logger shares.
+
+Loggers are built on the global rank-0 process only (the Trainer builds none elsewhere), so exactly
+one tracker run exists per job by construction and no logger contains rank logic. A logger checks
+that its package is installed when it is built (before training starts) but opens its run lazily,
+on first use, so that building one has no side effect."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional
+
+from kiln.engine.errors import KilnError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 
+class MissingPackageError(KilnError, ImportError):
+    """A logger named in `log.report_to` needs a package that is not installed."""
+
+
 class Logger:
-    """Receives flat `{name: number}` metrics with the global step, and the resolved config once."""
+    """Receives flat `{name: number}` metrics with the global step, and the resolved config once.
+
+    Life cycle, driven by LoggerCallback: `set_trial` (hyperparameter search only), `resume(step)` when
+    training starts, `log_hyperparams` once per run, `log_metrics` on every log event, `finalize` when
+    training ends. A logger used again after `finalize` (an evaluate() after fit()) continues the same
+    run, unless `set_trial` named a new trial, which starts a new run."""
 
     name: ClassVar[str] = "base"
 
     def __init__(self, config: "DictConfig") -> None:
         self.config = config
+        self.trial_name: Optional[str] = None
+        self.trial_params: Optional[dict[str, Any]] = None
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """`params` is the resolved config, flattened to dotted keys."""
@@ -24,7 +43,17 @@ class Logger:
         raise NotImplementedError
 
     def log_artifact(self, path: str) -> None:
-        """Attach a file or folder (the final model) where the tracker supports it."""
+        """Attach a file or folder (a checkpoint, the final model) where the tracker supports it."""
+
+    def resume(self, step: int) -> None:
+        """Training (re)starts at `step`. A history a killed job left behind keeps what it logged up
+        to `step` (the checkpoint's step) and drops the rest, so kill-and-resume ends with the same
+        history as a run that never stopped; `step == 0` is a fresh start."""
+
+    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+        """A hyperparameter-search trial begins: the next run is this trial's run."""
+        self.trial_name = name
+        self.trial_params = dict(params) if params else None
 
     def finalize(self, status: str) -> None:
         """Flush and close; `status` is "success", "failed" or "interrupted"."""
@@ -42,3 +71,57 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def grouped_name(key: str) -> str:
+    """HF's `rewrite_logs` for dashboards with sections: eval_loss -> eval/loss, test_acc -> test/acc,
+    anything else -> train/<key>. TensorBoard and W&B use it; files and MLflow keep the raw names."""
+    for prefix in ("eval", "test"):
+        if key.startswith(prefix + "_"):
+            return f"{prefix}/{key[len(prefix) + 1:]}"
+    return f"train/{key}"
+
+
+def require(package: str, extra: str, what: str) -> None:
+    """Fail now (for a logger: when it is built, before training) if `package` is missing; importing
+    it is left to first use, as tracker packages take seconds to import. `what` names the feature."""
+    if importlib.util.find_spec(package) is None:
+        raise MissingPackageError(
+            f"{what} needs the `{package}` package, which is not installed: pip install kiln[{extra}]"
+        )
+
+
+def setting(config: "DictConfig", key: str, env: Optional[str] = None, default: Any = None) -> Any:
+    """A tracker option: `log.<key>` when the config has it and it is set, else the environment variable
+    the outside world sets for that tracker (HF's names, e.g. MLFLOW_EXPERIMENT_NAME), else `default`.
+    A boolean default parses the variable as 1/true/yes."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(config, f"log.{key}", default=None)
+    if value is not None:
+        return value
+    raw = os.environ.get(env) if env else None
+    if raw is None or raw == "":
+        return default
+    if isinstance(default, bool):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return raw
+
+
+def run_name(config: "DictConfig") -> str:
+    """`run_name`, or the output directory's name as HF does."""
+    name = config.get("run_name")
+    return str(name) if name else os.path.basename(os.path.abspath(str(config.output_dir)))
+
+
+def history_step(value: Any) -> Optional[int]:
+    """The step stored in one history row, or None for a row that cannot be read (a torn last line)."""
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def keep_on_resume(row_step: Optional[int], resume_step: int) -> bool:
+    """Whether a row a previous job wrote survives `resume(resume_step)`."""
+    return resume_step > 0 and row_step is not None and row_step <= resume_step

@@ -1,59 +1,183 @@
-"""Connects the Logger objects to the loop: a callback built on global rank 0 only."""
+"""Connects the Logger objects to the loop: a callback the Trainer builds on global rank 0 only.
+
+It turns the loop's events into the Logger life cycle: on_train_begin tells every logger the step
+training (re)starts from (a resume truncates the local histories), then logs the resolved config once
+per run; on_log sends the numeric entries of each log dict with `state.global_step`; on_save and
+on_train_end upload checkpoints when `log.log_artifacts` asks; on_train_end finalizes. A process that
+exits without on_train_end (an exception in training) marks its runs failed."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import atexit
+import functools
+import importlib.util
+import os
+import weakref
+from numbers import Number
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from kiln.engine.callbacks import Callback
 from kiln.loggers import LOGGERS, TRACKERS
-from kiln.loggers.base import Logger, flatten
+from kiln.loggers.base import Logger, MissingPackageError, flatten, setting
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from kiln.engine.state import TrainerControl, TrainerState
 
+#: the environment variables HF's integrations read for "upload the model": per tracker
+_ARTIFACT_ENV = {"mlflow": "HF_MLFLOW_LOG_ARTIFACTS", "wandb": "WANDB_LOG_MODEL"}
+
 
 def logger_names(config: "DictConfig") -> list[str]:
-    """`report_to` (with `all` / `none`) plus the local history files, without duplicates."""
-    import importlib.util
-
+    """`report_to` (with HF's `all` = every installed tracker, `none` = none) plus the local history
+    files (`log.history`), without duplicates, in order."""
     names: list[str] = []
-    for name in list(config.log.report_to) + list(config.log.history):
+    for name in [*config.log.report_to, *config.log.history]:
+        name = str(name).lower()
         if name == "none":
             continue
         if name == "all":
-            names += [t for t in TRACKERS if importlib.util.find_spec(t if t != "tensorboard" else "tensorboard") is not None]
+            names += [t for t in TRACKERS if importlib.util.find_spec(t) is not None]
         else:
             names.append(name)
     return list(dict.fromkeys(names))
 
 
-def build_loggers(config: "DictConfig") -> list[Logger]:
-    return [LOGGERS.get(name)(config) for name in logger_names(config)]
+def build_loggers(config: "DictConfig", *, is_global_zero: bool = True) -> list[Logger]:
+    """The loggers the config names; `[]` off global rank 0. Every name is checked and every package
+    found before anything is built, and building opens no run, so a bad `report_to` fails in one
+    sentence before training and leaves nothing behind."""
+    if not is_global_zero:
+        return []
+    names = logger_names(config)
+    for name in names:
+        LOGGERS.check(name)
+    classes: list[Any] = [LOGGERS.get(name) for name in names]
+    loggers: list[Logger] = []
+    missing: list[tuple[str, MissingPackageError]] = []
+    for cls in classes:
+        try:
+            loggers.append(cls(config))
+        except MissingPackageError as err:
+            missing.append((cls.name, err))
+    if len(missing) == 1:
+        raise missing[0][1]
+    if missing:
+        names = [name for name, _ in missing]
+        raise MissingPackageError(
+            f"report_to: {', '.join(names)} need packages that are not installed: pip install kiln[{','.join(names)}]"
+        )
+    return loggers
+
+
+def artifact_mode(config: "DictConfig", logger: str) -> str:
+    """"false", "end" (the best or last checkpoint when training ends) or "checkpoint" (every saved
+    checkpoint): `log.log_artifacts`, else HF's variable for that tracker."""
+    value = setting(config, "log_artifacts", _ARTIFACT_ENV.get(logger), "false")
+    value = str(value).strip().lower()
+    if value in ("1", "true", "yes"):  # HF_MLFLOW_LOG_ARTIFACTS=1 means every checkpoint; WANDB_LOG_MODEL=true the end
+        return "checkpoint" if logger == "mlflow" else "end"
+    return value if value in ("end", "checkpoint") else "false"
+
+
+def scalar_metrics(logs: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric entries of a log dict (numbers, numpy scalars, one-element tensors); bools, strings
+    and containers are left out."""
+    out: dict[str, float] = {}
+    for key, value in logs.items():
+        if isinstance(value, (bool, str, bytes)):
+            continue
+        if isinstance(value, Number):
+            out[key] = value  # type: ignore[assignment]
+        elif hasattr(value, "item"):
+            size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+            if size == 1:
+                out[key] = value.item()
+    return out
+
+
+def _checkpoint_dir(config: "DictConfig", state: "TrainerState", at_end: bool) -> Optional[str]:
+    if at_end and state.best_model_checkpoint and os.path.isdir(state.best_model_checkpoint):
+        return state.best_model_checkpoint
+    path = os.path.join(str(config.output_dir), f"checkpoint-{state.global_step}")
+    return path if os.path.isdir(path) else None
 
 
 class LoggerCallback(Callback):
     def __init__(self, config: "DictConfig", loggers: list[Logger]) -> None:
+        self.config = config
         self.loggers = loggers
-        self._params_logged = False
+        self.artifacts = {id(lg): artifact_mode(config, lg.name) for lg in loggers}
+        self._params_run: Any = _NOT_LOGGED  # the trial whose run has the config logged
+        self._trial: Optional[str] = None
+        self._training = False
+        self._exit_hook = functools.partial(_finalize_at_exit, weakref.ref(self))
+        self._register_exit_hook()
+
+    def _register_exit_hook(self) -> None:
+        """(Re-)register the exit hook, so it runs before the hooks trackers register when their runs
+        start (atexit runs the newest first): a run must be finished while its tracker still works."""
+        atexit.unregister(self._exit_hook)
+        atexit.register(self._exit_hook)
 
     def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
-        if self._params_logged:
-            return
-        from omegaconf import OmegaConf
-
-        params = flatten(OmegaConf.to_container(config, resolve=True))  # type: ignore[arg-type]
+        trial = state.trial_name if (state.is_hyper_param_search or state.trial_name) else None
+        if trial != self._trial:
+            for logger in self.loggers:
+                logger.set_trial(trial, state.trial_params)
+            self._trial = trial
         for logger in self.loggers:
-            logger.log_hyperparams(params)
-        self._params_logged = True
+            logger.resume(state.global_step)
+        if self._params_run != trial:
+            from omegaconf import DictConfig, OmegaConf
+
+            tree = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
+            params = flatten(tree)  # type: ignore[arg-type]
+            for logger in self.loggers:
+                logger.log_hyperparams(params)
+            self._params_run = trial
+        self._training = True
+        self._register_exit_hook()
 
     def on_log(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
-        logs = kw.get("logs") or {}
-        metrics = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
-        for logger in self.loggers:
-            logger.log_metrics(metrics, state.global_step)
+        metrics = scalar_metrics(kw.get("logs") or {})
+        if metrics:
+            for logger in self.loggers:
+                logger.log_metrics(metrics, state.global_step)
+            self._register_exit_hook()
+
+    def on_save(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        self._upload(config, state, "checkpoint")
 
     def on_train_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        self._upload(config, state, "end")
+        self.finalize("success")
+
+    def _upload(self, config: "DictConfig", state: "TrainerState", when: str) -> None:
+        targets = [lg for lg in self.loggers if self.artifacts[id(lg)] == when]
+        path = _checkpoint_dir(config, state, at_end=when == "end") if targets else None
+        for logger in targets if path else ():
+            logger.log_artifact(path)  # type: ignore[arg-type]
+
+    def log_artifact(self, path: str) -> None:
+        """Upload a file or folder (e.g. what save_model wrote) to every tracker that stores artifacts."""
         for logger in self.loggers:
-            logger.finalize("success")
+            logger.log_artifact(path)
+
+    def finalize(self, status: str) -> None:
+        """Close every run; "success", "failed" or "interrupted". Safe to call more than once."""
+        for logger in self.loggers:
+            logger.finalize(status)
+        self._training = False
+
+
+_NOT_LOGGED = object()
+
+
+def _finalize_at_exit(ref: "weakref.ref[LoggerCallback]") -> None:
+    callback = ref()
+    if callback is not None:
+        callback.finalize("failed" if callback._training else "success")
+
+

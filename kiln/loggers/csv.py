@@ -1,13 +1,17 @@
-"""`metrics.csv` in the output directory: one row per log call, columns grow as new metrics appear."""
+"""`metrics.csv` in the output directory: one row per log call, a `step` column first, then one column
+per metric in the order the names first appear. A new name grows the header (the file is rewritten
+once); other rows are appended. A resumed run keeps the rows logged up to its checkpoint's step and
+drops the rest, so a killed-and-resumed run ends with the same file as one that never stopped."""
 
 from __future__ import annotations
 
 import csv
+import io
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kiln.loggers import LOGGERS
-from kiln.loggers.base import Logger
+from kiln.loggers.base import Logger, history_step, keep_on_resume
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -20,31 +24,50 @@ class CSVLogger(Logger):
 
     def __init__(self, config: "DictConfig") -> None:
         super().__init__(config)
-        self.path = os.path.join(config.output_dir, self.filename)
-        self.rows: list[dict[str, Any]] = []
+        self.path = os.path.join(str(config.output_dir), self.filename)
+        # Rows are kept as the strings the file holds, so rewriting the file reproduces it byte for byte.
+        self.previous: list[dict[str, str]] = []  # rows an earlier job wrote
+        self.rows: list[dict[str, Any]] = []  # rows this process wrote
         self.columns: list[str] = ["step"]
-        if os.path.exists(self.path):  # a resumed run continues its file
+        self.dirty = False  # the file ends in a torn row and must be rewritten before appending
+        if os.path.exists(self.path):
             with open(self.path, newline="") as fh:
-                reader = csv.DictReader(fh)
-                self.columns = list(reader.fieldnames or ["step"])
-                self.rows = list(reader)
+                text = fh.read()
+            complete = text if text.endswith("\n") or not text else text[: text.rfind("\n") + 1]
+            self.dirty = complete != text
+            reader = csv.DictReader(io.StringIO(complete, newline=""))
+            self.columns = list(reader.fieldnames or ["step"])
+            self.previous = [row for row in reader if history_step(row.get("step")) is not None]
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         row = {"step": step, **metrics}
-        new = [k for k in row if k not in self.columns]
         self.rows.append(row)
-        if new or not os.path.exists(self.path):
+        new = [k for k in row if k not in self.columns]
+        if new or self.dirty or not os.path.exists(self.path):
             self.columns += new
             self._rewrite()
         else:
             with open(self.path, "a", newline="") as fh:
                 csv.DictWriter(fh, self.columns).writerow(row)
 
+    def resume(self, step: int) -> None:
+        kept = [row for row in self.previous if keep_on_resume(history_step(row["step"]), step)]
+        if len(kept) == len(self.previous) and not self.dirty:
+            return
+        self.previous = kept
+        # The header is what an uninterrupted run would have: names in order of first appearance.
+        columns = ["step"]
+        for row in [*kept, *self.rows]:
+            columns += [k for k, v in row.items() if k is not None and k not in columns and v not in ("", None)]
+        self.columns = columns
+        self._rewrite()
+
     def _rewrite(self) -> None:
+        self.dirty = False
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = self.path + ".tmp"
         with open(tmp, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, self.columns)
+            writer = csv.DictWriter(fh, self.columns, extrasaction="ignore")
             writer.writeheader()
-            writer.writerows(self.rows)
+            writer.writerows([*self.previous, *self.rows])
         os.replace(tmp, self.path)

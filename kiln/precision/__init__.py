@@ -10,17 +10,36 @@ for _names, _module in (
     (("fp16", "16-mixed", "16", "bf16", "bf16-mixed"), "kiln.precision.amp"),
     (("fp16-true", "16-true", "bf16-true"), "kiln.precision.half"),
     (("apex",), "kiln.precision.apex"),
+    (("tf32",), "kiln.precision.tf32"),
 ):
     for _name in _names:
         PRECISIONS.add_lazy(_name, _module)
 
 
 def build_precision(config, override=None):  # type: ignore[no-untyped-def]
-    """Instantiate the plugin the config names; `override` may be a Precision class or instance."""
-    from kiln.precision.base import Precision
+    """Instantiate the plugin the config names; `override` may be a Precision class or instance.
+
+    HF's `fp16: true` with `half_precision_backend: apex` means Apex AMP, so an fp16 name with that
+    backend builds the apex plugin; bf16 has no apex path and is rejected rather than swapped."""
+    from kiln.precision.base import Precision, PrecisionError
 
     if isinstance(override, Precision):
         return override
     if isinstance(override, type) and issubclass(override, Precision):
         return override(config)
-    return PRECISIONS.get(config.precision.name)(config)
+    name = config.precision.name
+    cls = PRECISIONS.get(name)
+    backend = config.precision.half_precision_backend
+    if backend == "apex" and cls.name in ("fp16", "bf16"):
+        if cls.name == "bf16":
+            raise PrecisionError(
+                f"precision {name!r} cannot use half_precision_backend 'apex': apex AMP is fp16-only; "
+                "set half_precision_backend to 'auto' for bf16, or use precision: fp16 with apex."
+            )
+        cls = PRECISIONS.get("apex")
+    elif cls.name == "apex" and backend in ("cpu_amp", "cuda_amp"):
+        raise PrecisionError(
+            f"precision 'apex' contradicts half_precision_backend {backend!r}; use precision: fp16 for torch.amp, "
+            "or set half_precision_backend to 'auto' or 'apex'."
+        )
+    return cls(config)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Optional
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -47,18 +48,18 @@ class Precision:
 
     name: ClassVar[str] = "fp32"
     #: dtype of parameters after `convert_module` (None: unchanged)
-    param_dtype: ClassVar[Optional[torch.dtype]] = None
+    param_dtype: ClassVar[torch.dtype | None] = None
     #: dtype that matmuls run in (autocast dtype for mixed plugins, None for fp32). FSDP/DeepSpeed read it.
-    compute_dtype: ClassVar[Optional[torch.dtype]] = None
+    compute_dtype: ClassVar[torch.dtype | None] = None
     #: whether the plugin scales the loss (fp16); a strategy that takes over must then scale too
     uses_grad_scaler: ClassVar[bool] = False
 
     #: optimizer steps skipped because of inf/nan gradients (the loop may log it; saved in checkpoints)
     skipped_steps: int = 0
-    _device: Optional[torch.device] = None
-    _tf32_saved: "Optional[TF32State]" = None
+    _device: torch.device | None = None
+    _tf32_saved: TF32State | None = None
 
-    def __init__(self, config: "DictConfig | None" = None) -> None:
+    def __init__(self, config: DictConfig | None = None) -> None:
         self.config = config
         self.skipped_steps = 0
 
@@ -70,12 +71,12 @@ class Precision:
         return default if value is None else value
 
     @property
-    def tf32(self) -> Optional[bool]:
+    def tf32(self) -> bool | None:
         """`precision.tf32`: True/False set the TF32 flags for the run, None leaves them alone."""
         return self.option("tf32")
 
     @property
-    def eval_dtype(self) -> Optional[torch.dtype]:
+    def eval_dtype(self) -> torch.dtype | None:
         """dtype the model is cast to for evaluation outside training (`precision.full_eval`, HF's
         `fp16_full_eval` / `bf16_full_eval`), or None to evaluate with the training precision."""
         full_eval = self.option("full_eval")
@@ -130,11 +131,11 @@ class Precision:
         """Cast a (device-placed) batch for the forward pass; true-half plugins cast float tensors."""
         return batch
 
-    def forward_context(self) -> ContextManager[Any]:
+    def forward_context(self) -> AbstractContextManager[Any]:
         """Context for the forward pass and loss computation (autocast for mixed precision)."""
         return contextlib.nullcontext()
 
-    def eval_context(self) -> ContextManager[Any]:
+    def eval_context(self) -> AbstractContextManager[Any]:
         """Context for evaluation forward passes; the same as training unless a plugin differs."""
         return self.forward_context()
 

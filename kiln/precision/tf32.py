@@ -13,7 +13,7 @@ of the legacy and new APIs"). We write with the API the process already uses: th
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -43,23 +43,31 @@ _NEW = (
 _NEW_TF32 = ("cuda.matmul.fp32_precision", "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision")
 
 
-def _resolve(path: str) -> tuple[Any, str]:
+_MISSING = object()
+
+
+def _get(path: str) -> Any:
+    """The flag's value, `_UNREADABLE` if torch refuses to read it (APIs mixed), `_MISSING` if this
+    torch does not have it."""
     *parents, attr = path.split(".")
-    return functools.reduce(getattr, parents, torch.backends), attr
-
-
-def _exists(path: str) -> bool:
     try:
-        owner, attr = _resolve(path)
+        owner = functools.reduce(getattr, parents, torch.backends)
+        return getattr(owner, attr)
     except AttributeError:
-        return False
-    return hasattr(type(owner), attr) or attr in vars(owner)
+        return _MISSING
+    except RuntimeError:  # "you have used mix of the legacy and new APIs"
+        return _UNREADABLE
 
 
-def _read(getter: Callable[[], Any]) -> Any:
+def _set(path: str, value: Any) -> None:
+    *parents, attr = path.split(".")
+    setattr(functools.reduce(getattr, parents, torch.backends), attr, value)
+
+
+def _matmul_precision() -> str:
     try:
-        return getter()
-    except RuntimeError:  # torch refuses to read one API after the other was used
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
         return _UNREADABLE
 
 
@@ -67,20 +75,15 @@ def tf32_state() -> TF32State:
     """Every TF32-related flag of this process (unreadable ones recorded as such)."""
     state: TF32State = {}
     for path in _LEGACY + _NEW:
-        if _exists(path):
-            owner, attr = _resolve(path)
-            state[path] = _read(lambda: getattr(owner, attr))
-    state[_MATMUL_PRECISION] = _read(torch.get_float32_matmul_precision)
+        value = _get(path)
+        if value is not _MISSING:
+            state[path] = value
+    state[_MATMUL_PRECISION] = _matmul_precision()
     return state
 
 
-def _write(path: str, value: Any) -> None:
-    owner, attr = _resolve(path)
-    setattr(owner, attr, value)
-
-
 def _legacy_readable(state: TF32State) -> bool:
-    return all(state.get(path) != _UNREADABLE for path in _LEGACY)
+    return all(state.get(path, _UNREADABLE) != _UNREADABLE for path in _LEGACY)
 
 
 def set_tf32(enabled: bool) -> TF32State:
@@ -92,8 +95,8 @@ def set_tf32(enabled: bool) -> TF32State:
         torch.backends.cudnn.allow_tf32 = enabled
     else:
         for path in _NEW_TF32:
-            if _exists(path):
-                _write(path, "tf32" if enabled else "ieee")
+            if _get(path) is not _MISSING:
+                _set(path, "tf32" if enabled else "ieee")
     return saved
 
 
@@ -103,15 +106,13 @@ def restore_tf32(saved: TF32State) -> None:
     if _legacy_readable(saved):
         for path in _LEGACY:
             if path in saved:
-                _write(path, saved[path])
-        matmul = saved.get(_MATMUL_PRECISION)
-        if matmul not in (None, _UNREADABLE) and _read(torch.get_float32_matmul_precision) != matmul:
+                _set(path, saved[path])
+        matmul = saved[_MATMUL_PRECISION]
+        if matmul != _UNREADABLE and _matmul_precision() != matmul:
             torch.set_float32_matmul_precision(matmul)
     for path in _NEW:
-        if path in saved and saved[path] != _UNREADABLE:
-            owner, attr = _resolve(path)
-            if getattr(owner, attr) != saved[path]:
-                setattr(owner, attr, saved[path])
+        if saved.get(path, _UNREADABLE) != _UNREADABLE and _get(path) != saved[path]:
+            _set(path, saved[path])
 
 
 def check_tf32_device(device: torch.device) -> None:

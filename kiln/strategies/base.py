@@ -81,8 +81,9 @@ class Strategy:
         return module.to(self.root_device)
 
     def setup_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Hook for strategies that wrap model and optimizer together (DeepSpeed)."""
-        return module, optimizer
+        """Hook for strategies that wrap model and optimizer together (DeepSpeed); by default the
+        precision plugin gets to connect them (apex's amp.initialize)."""
+        return self.precision.connect(module, optimizer)
 
     def setup(self, module: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap the module, then build the optimizer over the wrapped parameters (FSDP shards them
@@ -100,7 +101,8 @@ class Strategy:
         return dataloader
 
     def batch_to_device(self, batch: Any) -> Any:
-        return move_to_device(batch, self.root_device)
+        """Move to the device, then let the precision plugin cast inputs (true half precision)."""
+        return self.precision.convert_input(move_to_device(batch, self.root_device))
 
     # -- step -------------------------------------------------------------------------------
     def no_sync(self, module: nn.Module, enabled: bool) -> ContextManager[Any]:

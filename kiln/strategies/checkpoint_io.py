@@ -50,15 +50,15 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
     safe = os.path.join(directory, WEIGHTS_SAFE)
     if os.path.exists(safe):
         from safetensors import safe_open
-        from safetensors.torch import load_file
 
         try:
-            state = load_file(safe)
             with safe_open(safe, framework="pt") as fh:
                 meta = fh.metadata() or {}
+                state = {name: fh.get_tensor(name) for name in fh.keys()}
+            aliases = json.loads(meta.get("kiln_aliases", "{}"))
         except Exception as err:  # safetensors raises its own error types for truncated files
             raise CheckpointError(f"{safe} is corrupt or truncated ({err}); resume from another checkpoint.") from None
-        for alias, source in json.loads(meta.get("kiln_aliases", "{}")).items():
+        for alias, source in aliases.items():
             state[alias] = state[source]
         return state
     binary = os.path.join(directory, WEIGHTS_BIN)

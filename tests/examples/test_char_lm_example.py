@@ -13,8 +13,9 @@ import torch
 from examples.char_lm.data import SKIP_DIRS, UNK, CharVocab, build_data, char_accuracy, list_sources, stdlib_dir
 from examples.char_lm.model import CharGPT
 from examples.char_lm.sampling import SampleTextCallback
+from kiln import EvalPrediction
 
-SMALL = dict(block_size=32, max_chars=60_000, eval_fraction=0.1, min_char_count=2)
+SMALL = {"block_size": 32, "max_chars": 200_000, "eval_fraction": 0.1, "min_char_count": 2}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def data() -> dict:
 
 def tiny_model(data: dict, **kw) -> CharGPT:
     torch.manual_seed(0)
-    args = dict(n_layer=1, n_head=2, n_embd=32, **data["model_args"])
+    args = {"n_layer": 1, "n_head": 2, "n_embd": 32, **data["model_args"]}
     args.update(kw)
     return CharGPT(**args)
 
@@ -54,7 +55,7 @@ def test_split_is_by_file_and_windows_are_shifted(data: dict) -> None:
     train, evals = data["train_dataset"], data["eval_dataset"]
     assert not set(train.files) & set(evals.files)
     total = len(train.ids) + len(evals.ids)
-    assert 0.1 <= len(evals.ids) / total < 0.5
+    assert 0.05 <= len(evals.ids) / total <= 0.1
     assert len(train) == (len(train.ids) - 33) // 32 + 1
     item = train[len(train) - 1]
     assert set(item) == {"input_ids", "labels"}
@@ -102,16 +103,16 @@ def test_steps_follow_the_module_contract(data: dict) -> None:
 def test_generate_returns_requested_length(data: dict) -> None:
     model = tiny_model(data)
     model.train()
-    ids = model.generate(torch.tensor([1, 2, 3]), max_new_tokens=40, temperature=1.0, top_k=5)
-    assert ids.shape == (43,) and torch.equal(ids[:3], torch.tensor([1, 2, 3]))
+    ids = model.generate(torch.tensor([1, 2, 3]), max_new_tokens=12, temperature=1.0, top_k=5)
+    assert ids.shape == (15,) and torch.equal(ids[:3], torch.tensor([1, 2, 3]))
     assert model.training  # restored
     batch = model.generate(torch.zeros(2, 40, dtype=torch.long), max_new_tokens=5)  # longer than block_size
     assert batch.shape == (2, 45)
     text = model.generate("import ", max_new_tokens=10)
     assert isinstance(text, str) and len(text) == 17 and text.startswith("import ")
-    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-    assert model.generate("x", 20, generator=g()) == model.generate("x", 20, generator=g())
-    assert model.generate("x", 20, temperature=0) == model.generate("x", 20, temperature=0)
+    same_seed = [model.generate("x", 8, generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert same_seed[0] == same_seed[1]
+    assert model.generate("x", 8, temperature=0) == model.generate("x", 8, temperature=0)
     with pytest.raises(ValueError, match="without `vocab`"):
         CharGPT(vocab_size=10, n_layer=1, n_head=2, n_embd=16).generate("x", 1)
 
@@ -146,6 +147,6 @@ def test_sample_callback_prints_on_the_main_process_only(data: dict, capsys: pyt
 def test_char_accuracy_ignores_padding() -> None:
     preds = np.array([[1, 2, 3, 4]])
     labels = np.array([[1, 0, 3, -100]])
-    assert char_accuracy(SimpleNamespace(predictions=preds, label_ids=labels)) == {"accuracy": pytest.approx(2 / 3)}
+    assert char_accuracy(EvalPrediction(preds, labels)) == {"accuracy": pytest.approx(2 / 3)}
     logits = np.eye(5)[preds]  # logits are reduced by argmax
     assert char_accuracy((logits, labels)) == {"accuracy": pytest.approx(2 / 3)}

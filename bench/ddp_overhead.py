@@ -1,0 +1,175 @@
+"""kiln DDP vs a hand-written DDP loop: per-step time ratio on 2 processes (gloo on CPU, NCCL on GPUs).
+
+    python bench/ddp_overhead.py [--steps 200] [--repeats 5] [--nproc 2]
+
+Starts itself under `torch.distributed.run --standalone`. Both loops use the same process group,
+model, per-device batch, DistributedSampler-style sharding, DDP settings (find_unused_parameters
+off, as a hand-written loop would have it), clipping to 1.0, AdamW and a linear schedule. kiln runs
+with its defaults otherwise (progress bar, logging every 50 steps, the per-step all-reduce of item
+counts that makes token-level losses exact). Runs are interleaved (raw, kiln, raw, kiln, ...) and the
+median seconds per step after a warm-up are compared on rank 0. A last line shows kiln with HF's
+default `find_unused_parameters=True` (what `strategy: ddp` does when the option is unset).
+Target: ratio <= 1.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+WARMUP = 20
+TARGET = 1.05
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": F.cross_entropy(self.net(x), labels)}
+
+
+class SmallTransformer(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 128, layers: int = 2, seq: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.body(self.emb(input_ids) + self.pos, mask=self.mask, is_causal=True)
+        return {"loss": F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())}
+
+
+def mlp_data(n: int = 8192) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+    return [{"x": x[i], "labels": y[i]} for i in range(n)]
+
+
+def lm_data(n: int = 1024, seq: int = 64) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (n, seq + 1), generator=g)
+    return [{"input_ids": ids[i, :-1], "labels": ids[i, 1:]} for i in range(n)]
+
+
+def device() -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def raw_loop(model: nn.Module, data: list, batch: int, steps: int) -> float:
+    """A hand-written DDP loop; seconds per step after the warm-up."""
+    dev = device()
+    model = model.to(dev)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (steps - s) / steps))
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler, drop_last=True)
+    ddp.train()
+    step, t0, epoch = 0, 0.0, 0
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for b in loader:
+            if step == WARMUP:
+                t0 = time.perf_counter()
+            b = {k: v.to(dev, non_blocking=True) for k, v in b.items()}
+            loss = ddp(**b)["loss"]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if step == steps:
+                break
+        epoch += 1
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (steps - WARMUP)
+
+
+def kiln_loop(model: nn.Module, data: list, batch: int, steps: int, find_unused: bool = False) -> float:
+    from kiln import Callback, Trainer
+
+    marks: dict[str, float] = {}
+
+    class Clock(Callback):
+        def on_step_begin(self, config, state, control, **kw):  # type: ignore[no-untyped-def]
+            if state.global_step == WARMUP:
+                marks["start"] = time.perf_counter()
+
+        def on_step_end(self, config, state, control, **kw):  # type: ignore[no-untyped-def]
+            if state.global_step == steps:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                marks["end"] = time.perf_counter()
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": 1e-4,
+               "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "log": {"history": []},
+               "strategy": {"name": "ddp", "find_unused_parameters": find_unused}}
+        Trainer(model, cfg, train_dataset=data, callbacks=[Clock()]).fit()
+    return (marks["end"] - marks["start"]) / (steps - WARMUP)
+
+
+def worker(steps: int, repeats: int) -> None:
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # kiln reuses this group
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device())
+    rank0 = dist.get_rank() == 0
+    cases = [("MLP 64-256-256-10", MLP, mlp_data(), 64, steps), ("transformer 2x128", SmallTransformer, lm_data(), 8, max(60, steps // 3))]
+    if rank0:
+        print(f"world size {dist.get_world_size()}, backend {dist.get_backend()}, {torch.get_num_threads()} threads per process,"
+              f" {repeats} interleaved repeats", flush=True)
+    for name, model_fn, data, batch, n in cases:
+        raw_t, kiln_t = [], []
+        for _ in range(repeats):
+            torch.manual_seed(0)
+            raw_t.append(raw_loop(model_fn(), data, batch, n))
+            torch.manual_seed(0)
+            kiln_t.append(kiln_loop(model_fn(), data, batch, n))
+        torch.manual_seed(0)
+        hf_default = kiln_loop(model_fn(), data, batch, n, find_unused=True)
+        if rank0:
+            r, k = statistics.median(raw_t), statistics.median(kiln_t)
+            verdict = "OK" if k / r <= TARGET else "OVER TARGET"
+            print(f"{name:18s} raw DDP {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} ms/step   ratio {k / r:.3f} "
+                  f"(target <= {TARGET}) {verdict}   [raw runs {', '.join(f'{t * 1e3:.2f}' for t in raw_t)}; "
+                  f"kiln runs {', '.join(f'{t * 1e3:.2f}' for t in kiln_t)}]", flush=True)
+            print(f"{'':18s} kiln with find_unused_parameters=True (HF default): {hf_default * 1e3:.3f} ms/step, "
+                  f"ratio {hf_default / r:.3f}", flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--nproc", type=int, default=2)
+    args = parser.parse_args()
+    if "WORLD_SIZE" in os.environ:
+        worker(args.steps, args.repeats)
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
+           "--steps", str(args.steps), "--repeats", str(args.repeats)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))}
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+if __name__ == "__main__":
+    main()

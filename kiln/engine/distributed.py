@@ -1,0 +1,97 @@
+"""Rank-aware behaviour that is not a collective: per-rank log levels (HF's `log_level`,
+`log_level_replica`, `log_on_each_node`) and `main_process_first`.
+
+Which process is "main" for logging follows HF's `should_log`: each node's local rank 0 when
+`log.on_each_node` (the default), otherwise only global rank 0. Progress bars and logger runs are
+rank 0 only by construction elsewhere (ProgressCallback, LoggerCallback)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from kiln.strategies.base import Strategy
+
+log = logging.getLogger(__name__)
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
+          "critical": logging.CRITICAL}
+
+
+def should_log(config: "DictConfig", strategy: "Strategy") -> bool:
+    """Whether this process logs at the main level (`log.level`) rather than `log.level_replica`."""
+    return strategy.is_local_zero if config.log.on_each_node else strategy.is_global_zero
+
+
+def process_log_level(config: "DictConfig", strategy: "Strategy") -> Optional[int]:
+    """The `logging` level for this process, or None for "passive" (leave the level alone)."""
+    name = config.log.level if should_log(config, strategy) else config.log.level_replica
+    return LEVELS.get(str(name))
+
+
+def configure_logging(config: "DictConfig", strategy: "Strategy") -> Optional[int]:
+    """Apply this process's level to kiln's logger (and to Transformers' if it is already imported,
+    as HF's Trainer does). Returns the level set, or None when passive."""
+    level = process_log_level(config, strategy)
+    if level is None:
+        return None
+    logging.getLogger("kiln").setLevel(level)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(level)
+    return level
+
+
+@contextlib.contextmanager
+def main_process_first(local: bool = True, desc: str = "work", strategy: Optional["Strategy"] = None) -> Iterator[None]:
+    """Run the block on the main process first, then on the others (HF's `main_process_first`):
+    e.g. dataset preprocessing that writes a cache the replicas then read.
+
+    `local=True`: each node's local rank 0 goes first (node-local caches); `local=False`: only global
+    rank 0 (a shared filesystem). Pass `strategy=trainer.strategy` once a Trainer exists; before that
+    the launcher's environment is used and the process group is created if needed (the DDP strategy
+    then reuses it). If the main process raises inside the block, the others are not released: they
+    stop with the job (the launcher ends them, or their wait fails when the main process exits)."""
+    rank, local_rank, world, barrier = _topology(strategy)
+    if world <= 1:
+        yield
+        return
+    is_main = local_rank == 0 if local else rank == 0
+    who = "main local process" if local else "main process"
+    if not is_main:
+        log.debug("%d: waiting for the %s to perform %s", rank, who, desc)
+        barrier()
+    yield
+    if is_main:
+        log.debug("%d: %s completed %s, releasing all replicas", rank, who, desc)
+        barrier()
+
+
+def _topology(strategy: Optional["Strategy"]) -> tuple[int, int, int, Any]:
+    if strategy is not None:
+        return strategy.global_rank, strategy.local_rank, strategy.world_size, strategy.barrier
+    from kiln.strategies.environment import detect
+
+    env = detect()
+    if not env.distributed:
+        return env.rank, env.local_rank, env.world_size, None
+    import torch
+    import torch.distributed as dist
+
+    from kiln.strategies.ddp import default_backend, init_process_group, pick_device
+
+    device = pick_device(env, None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_process_group(env, default_backend(device), timeout_s=1800)
+
+    def barrier() -> None:
+        dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+
+    return env.rank, env.local_rank, env.world_size, barrier

@@ -1,0 +1,87 @@
+"""HF's `EarlyStoppingCallback`: stop training once `metric_for_best_model` has failed to improve on
+the best value so far for `early_stopping_patience` evaluations in a row.
+
+An evaluation counts as an improvement when it beats `state.best_metric` (in the direction
+`greater_is_better` gives) by more than `early_stopping_threshold`. `on_evaluate` runs before the
+Trainer records the new best, so each evaluation is compared with the best of the earlier ones.
+The patience counter is saved in every checkpoint (`state_dict`) and restored on resume, so a
+resumed run stops at the same step as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from kiln.engine.callbacks import Callback
+from kiln.engine.errors import KilnError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from kiln.engine.state import TrainerControl, TrainerState
+
+logger = logging.getLogger(__name__)
+
+
+class EarlyStoppingCallback(Callback):
+    """Stop when `metric_for_best_model` has not improved for `early_stopping_patience` evaluations.
+
+    Needs `eval.metric_for_best_model` and an `eval.strategy` other than "no". With a dict of eval
+    datasets, name the metric with its dataset (`metric_for_best_model: eval_<name>_loss`); the other
+    datasets' evaluations are not counted."""
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: Optional[float] = 0.0) -> None:
+        if early_stopping_patience < 1:
+            raise ValueError(f"early_stopping_patience must be >= 1, got {early_stopping_patience}.")
+        self.early_stopping_patience = early_stopping_patience
+        self.early_stopping_threshold = early_stopping_threshold or 0.0
+        self.early_stopping_patience_counter = 0
+        self._warned_missing = False
+
+    def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        e = config.eval
+        if not e.metric_for_best_model:
+            raise KilnError("EarlyStoppingCallback needs eval.metric_for_best_model (metric_for_best_model), "
+                            "e.g. 'loss' or 'accuracy'.")
+        if e.strategy == "no":
+            raise KilnError("EarlyStoppingCallback needs evaluation during training: set eval.strategy "
+                            "(eval_strategy) to 'steps' or 'epoch'.")
+
+    def check_metric_value(self, config: "DictConfig", state: "TrainerState", metric_value: float) -> None:
+        """Reset the counter on an improvement beyond the threshold, count one more evaluation otherwise."""
+        from kiln.engine.trainer_eval import resolve_greater_is_better
+
+        best = state.best_metric
+        if best is None:
+            improved = True
+        else:
+            better = metric_value > best if resolve_greater_is_better(config.eval) else metric_value < best
+            improved = better and abs(metric_value - best) > self.early_stopping_threshold
+        self.early_stopping_patience_counter = 0 if improved else self.early_stopping_patience_counter + 1
+
+    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        from kiln.engine.trainer_eval import best_metric_key
+
+        key = best_metric_key(config.eval.metric_for_best_model)
+        value = (kw.get("metrics") or {}).get(key)
+        if value is None:  # e.g. another dataset of an eval dict: not this callback's metric
+            if not self._warned_missing:
+                logger.warning("EarlyStoppingCallback: evaluation returned no %r; such evaluations are not counted.", key)
+                self._warned_missing = True
+            return
+        self.check_metric_value(config, state, float(value))
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
+            control.should_training_stop = True
+
+    # -- saved in every checkpoint ----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "early_stopping_patience": self.early_stopping_patience,
+            "early_stopping_threshold": self.early_stopping_threshold,
+            "early_stopping_patience_counter": self.early_stopping_patience_counter,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counter; patience and threshold stay as this run was configured."""
+        self.early_stopping_patience_counter = int(state.get("early_stopping_patience_counter", 0))

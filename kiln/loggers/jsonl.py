@@ -1,0 +1,65 @@
+"""`metrics.jsonl` in the output directory: one JSON object per log call, `{"step": N, **metrics}`,
+appended and flushed as it happens (`tail -f` works). Non-finite values are written as NaN/Infinity,
+as Python's json and trainer_state.json do. Resume drops the lines a killed job logged after the
+checkpoint's step, like the CSV file."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Mapping, Optional
+
+from kiln.loggers import LOGGERS
+from kiln.loggers.base import Logger, history_step, keep_on_resume
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+
+def _line_step(line: str) -> Optional[int]:
+    try:
+        return history_step(json.loads(line).get("step"))
+    except (ValueError, AttributeError):
+        return None  # a torn last line from a killed job
+
+
+@LOGGERS.register("jsonl")
+class JSONLLogger(Logger):
+    name = "jsonl"
+    filename = "metrics.jsonl"
+
+    def __init__(self, config: "DictConfig") -> None:
+        super().__init__(config)
+        self.path = os.path.join(str(config.output_dir), self.filename)
+        self.previous: list[str] = []  # lines an earlier job wrote, verbatim
+        self.written: list[str] = []  # lines this process wrote
+        self.dirty = False  # the file holds a torn line and must be rewritten before appending
+        if os.path.exists(self.path):
+            with open(self.path, encoding="utf-8") as fh:
+                lines = fh.read().splitlines(keepends=True)
+            self.previous = [line.rstrip("\n") for line in lines if line.endswith("\n") and _line_step(line) is not None]
+            self.dirty = len(self.previous) != len(lines)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        line = json.dumps({"step": step, **metrics})
+        self.written.append(line)
+        if self.dirty:
+            self._rewrite()
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+
+    def resume(self, step: int) -> None:
+        kept = [line for line in self.previous if keep_on_resume(_line_step(line), step)]
+        if len(kept) != len(self.previous) or self.dirty:
+            self.previous = kept
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        self.dirty = False
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.writelines(line + "\n" for line in [*self.previous, *self.written])
+        os.replace(tmp, self.path)

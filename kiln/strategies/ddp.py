@@ -1,0 +1,221 @@
+"""`strategy: ddp`: every process holds the whole model; torch's `DistributedDataParallel`
+averages gradients during backward. One process per device, started by a launcher (torchrun,
+`kiln fit --nproc N`, `accelerate launch`, SLURM's srun); see `environment.py` for how the
+topology is read.
+
+Options (HF names in brackets): `strategy.backend` [ddp_backend] (default nccl on CUDA, gloo on
+CPU), `strategy.timeout` [ddp_timeout] seconds before a collective gives up,
+`strategy.find_unused_parameters` and `strategy.broadcast_buffers` [ddp_find_unused_parameters,
+ddp_broadcast_buffers] (HF defaults: False with gradient checkpointing, True otherwise; the name
+`ddp_find_unused_parameters_true` forces True), `strategy.bucket_cap_mb` [ddp_bucket_cap_mb],
+`strategy.static_graph`.
+
+Why the loop's loss weights look the way they do: DDP *averages* gradients over ranks, so the
+loop scales each micro-batch's mean loss by n_i * world / N (N summed over ranks), which makes the
+averaged gradient that of the mean over every item of the global window.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from kiln.strategies import STRATEGIES
+from kiln.strategies.base import Strategy
+from kiln.strategies.environment import ClusterEnvironment, detect, visible_devices
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from kiln.precision.base import Precision
+
+log = logging.getLogger(__name__)
+
+_OPS = ("sum", "mean", "max", "min")
+
+
+def default_backend(device: torch.device) -> str:
+    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
+
+
+def pick_device(env: ClusterEnvironment, requested: Optional[str]) -> torch.device:
+    """cuda:<local_rank> when CUDA is usable (CUDA_VISIBLE_DEVICES already remaps the indices), else
+    the CPU. `requested` is `strategy.device` ("cpu" forces the CPU on a GPU machine)."""
+    if requested is not None and torch.device(requested).type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if requested is not None and torch.device(requested).type == "cuda":
+            raise RuntimeError(f"strategy.device is {requested!r} but CUDA is not available; use strategy.device=cpu.")
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if env.local_rank < count:
+        return torch.device("cuda", env.local_rank)
+    if count == 1 and env.source == "slurm":  # srun bound one GPU to each task
+        return torch.device("cuda", 0)
+    raise RuntimeError(
+        f"Local rank {env.local_rank} has no CUDA device: {count} visible (CUDA_VISIBLE_DEVICES="
+        f"{visible_devices() or 'unset'}). Start at most {count} processes per node, or make more devices visible."
+    )
+
+
+def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) -> bool:
+    """Create the default process group from the launcher's environment; False if one exists.
+
+    Without a launcher (plain `python`, world size 1) a private in-memory store is used, so DDP
+    also runs in one process (useful for debugging) without picking a port."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    timeout = timedelta(seconds=timeout_s)
+    if env.world_size == 1 and not env.rendezvous:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    return True
+
+
+def _buffers_keyword() -> str:
+    """torch 2.13 renamed DDP's `broadcast_buffers` to `forward_sync_buffers` (same meaning, except
+    that buffers are always synced once at construction, which kiln wants anyway)."""
+    import inspect
+
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+
+
+def _ddp(module: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:
+    """The DDP wrapper inside `module` (which may be torch.compile's wrapper around it)."""
+    module = getattr(module, "_orig_mod", module)
+    return module if isinstance(module, nn.parallel.DistributedDataParallel) else None
+
+
+@STRATEGIES.register("ddp", "ddp_find_unused_parameters_true")
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
+        super().__init__(config, precision)
+        self.cluster = detect()
+        self.world_size = self.cluster.world_size
+        self.global_rank = self.cluster.rank
+        self.local_rank = self.cluster.local_rank
+        self.node_rank = self.cluster.node_rank
+        self._device = pick_device(self.cluster, config.strategy.device)
+        self.backend: str = config.strategy.backend or default_backend(self._device)
+        self._owns_group = False
+
+    @property
+    def root_device(self) -> torch.device:
+        return self._device
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        import torch.distributed as dist
+
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        if init_process_group(self.cluster, self.backend, self.config.strategy.timeout):
+            self._owns_group = True
+            atexit.register(self.teardown)  # evaluate/predict may follow fit, so not before exit
+            if self.cluster.source == "none":
+                log.warning("strategy 'ddp' without a launcher runs one process; start several with "
+                            "`kiln fit --nproc N`, torchrun or accelerate launch.")
+        else:  # a group the user (or another Trainer) made: it decides the topology
+            self.world_size, self.global_rank = dist.get_world_size(), dist.get_rank()
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for DistributedDataParallel, with Hugging Face's defaults."""
+        s = self.config.strategy
+        checkpointing = bool(self.config.train.gradient_checkpointing)
+        find = s.find_unused_parameters
+        if find is None:
+            find = True if s.name == "ddp_find_unused_parameters_true" else not checkpointing
+        broadcast = s.broadcast_buffers if s.broadcast_buffers is not None else not checkpointing
+        kwargs: dict[str, Any] = {"find_unused_parameters": find, _buffers_keyword(): broadcast, "static_graph": s.static_graph}
+        if s.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = s.bucket_cap_mb
+        return kwargs
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = module.to(self.root_device)
+        device_ids = [self._device.index] if self._device.type == "cuda" else None  # CPU: no device_ids
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs())
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        ddp = _ddp(module)
+        return ddp.module if ddp is not None else getattr(module, "_orig_mod", module)
+
+    # -- step -------------------------------------------------------------------------------
+    def no_sync(self, module: nn.Module, enabled: bool) -> ContextManager[Any]:
+        ddp = _ddp(module)
+        if enabled and ddp is not None:
+            return ddp.no_sync()
+        return contextlib.nullcontext()
+
+    # -- collectives ------------------------------------------------------------------------
+    def _comm(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy on the device the backend communicates from (NCCL: the GPU)."""
+        device = self._device if self.backend == "nccl" else tensor.device
+        return tensor.detach().to(device, copy=True).contiguous()
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        import torch.distributed as dist
+
+        if op not in _OPS:
+            raise ValueError(f"reduce op must be one of {', '.join(_OPS)}, got {op!r}.")
+        t = self._comm(torch.as_tensor(tensor))
+        if op == "mean" and not t.is_floating_point():
+            t = t.double()
+        dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM))
+        if op == "mean":
+            t = t / self.world_size
+        return t.to(torch.as_tensor(tensor).device)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = self._comm(tensor)
+        is_bool = t.dtype == torch.bool
+        if is_bool:  # gloo has no bool collectives
+            t = t.to(torch.uint8)
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t)
+        out = torch.stack(parts)
+        return (out.bool() if is_bool else out).to(tensor.device)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self, name: str | None = None) -> None:
+        import torch.distributed as dist
+
+        if self._device.type == "cuda" and self.backend == "nccl":
+            dist.barrier(device_ids=[self._device.index])
+        else:
+            dist.barrier()
+
+    def teardown(self) -> None:
+        """Destroy the process group if this strategy created it (idempotent)."""
+        import torch.distributed as dist
+
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False

@@ -1,0 +1,105 @@
+"""A training process for the fault-injection test, driven over stdin/stdout.
+
+Start it once (it imports torch and kiln, which takes seconds), then send `run OUT RESULT` lines: each
+forks a fresh child that trains with `resume_from_checkpoint=True` into OUT and, if it finishes, writes
+its final weights and numeric log history to RESULT. The worker answers `pid <pid>` at once and
+`exit <status>` when the child ends; the test kills children with SIGKILL at random moments.
+
+The child slows training down a little (a sleep after every step, one between the weights and the
+optimizer file, and one before the marker), so that a run lasts long enough to be killed many times
+and kills land inside a write often, and it creates `began-<pid>` when training begins, so the test can
+time kills from there. These hooks live only here; none changes the numerics."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from typing import Any
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+import kiln.engine.checkpoint as checkpoint  # noqa: E402
+from kiln.engine.callbacks import Callback  # noqa: E402
+from kiln.strategies.checkpoint_io import FullStateCheckpointIO  # noqa: E402
+
+from tests.checkpoint.checkpoint_helpers import config, make_model, numeric_history, regression_data  # noqa: E402
+
+WRITE_DELAY = 0.004
+STEP_DELAY = 0.01
+CONFIG = {"max_steps": 72, "save_steps": 4, "logging_steps": 4, "save_total_limit": 2, "learning_rate": 0.02,
+          "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}
+
+
+def _slow_writes() -> None:
+    save, fsync_tree = FullStateCheckpointIO.save, checkpoint._fsync_tree
+
+    def slow_save(self, directory, *args, **kwargs):  # type: ignore[no-untyped-def]
+        save(self, directory, *args, **kwargs)
+        time.sleep(WRITE_DELAY)
+
+    def slow_fsync(directory):  # type: ignore[no-untyped-def]
+        sizes = fsync_tree(directory)
+        time.sleep(WRITE_DELAY)
+        return sizes
+
+    FullStateCheckpointIO.save, checkpoint._fsync_tree = slow_save, slow_fsync
+
+
+class Pace(Callback):
+    def __init__(self, began: str) -> None:
+        self.began = began
+
+    def on_train_begin(self, config: Any, state: Any, control: Any, **kw: Any) -> None:
+        open(self.began, "w").close()
+
+    def on_step_end(self, config: Any, state: Any, control: Any, **kw: Any) -> None:
+        time.sleep(STEP_DELAY)
+
+
+def child(out: str, result: str) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    torch.set_num_threads(1)
+    _slow_writes()
+    from kiln.engine.trainer import Trainer
+
+    resumed = checkpoint.latest_checkpoint(out)
+    run_dir = os.path.dirname(out)
+    with open(os.path.join(run_dir, "resumes.log"), "a") as fh:
+        fh.write(f"{os.getpid()} {os.path.basename(resumed) if resumed else 'fresh'}\n")
+    trainer = Trainer(make_model(seed=0, width=256), config(out, **CONFIG), train_dataset=regression_data(200),
+                      callbacks=[Pace(os.path.join(run_dir, f"began-{os.getpid()}"))])
+    trainer.fit(resume_from_checkpoint=True)
+    payload = {"weights": trainer.model.state_dict(), "history": numeric_history(trainer)}
+    torch.save(payload, result + ".tmp")
+    os.replace(result + ".tmp", result)
+
+
+def main() -> None:
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)])  # pay torch's lazy optimizer imports once, here
+    print("ready", flush=True)
+    for line in sys.stdin:
+        parts = line.split()
+        if not parts or parts[0] != "run":
+            continue
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                child(parts[1], parts[2])
+                code = 0
+            finally:
+                os._exit(code)
+        print(f"pid {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"exit {os.waitstatus_to_exitcode(status)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

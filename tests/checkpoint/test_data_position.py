@@ -1,0 +1,102 @@
+"""The position inside the epoch on resume: kiln's sampler jumps straight to the batch (skipped
+samples are never loaded), iterable datasets restore their own `state_dict()`, anything else is
+iterated past with a note, and `ignore_data_skip` starts the epoch over."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.checkpoint.checkpoint_helpers import Crash, StatefulStream, Stream, regression_data, train
+
+# 40 samples, batch 4: 10 batches per epoch. Step 13 is 3 batches into the second epoch.
+CFG = {"max_steps": 16, "save_steps": 13}
+
+
+class Counting(list):
+    """A map-style dataset that records every index it is asked for."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.seen: list[int] = []
+
+    def __getitem__(self, index):
+        self.seen.append(index)
+        return super().__getitem__(index)
+
+
+def crash_then_resume(tmp_path, data_factory, **cfg):
+    out = str(tmp_path / "run")
+    with pytest.raises(Crash):
+        train(out, {**CFG, **cfg}, data_factory, crash_at=13)
+    holder = {}
+
+    def make():
+        holder["data"] = data_factory()
+        return holder["data"]
+
+    trainer = train(out, {**CFG, **cfg}, make, model_seed=3, resume=True)
+    return trainer, holder["data"]
+
+
+def epoch_order(epoch: int, seed: int = 7) -> list[int]:
+    return torch.randperm(40, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def test_map_style_resume_jumps_without_loading_skipped_samples(tmp_path):
+    trainer, data = crash_then_resume(tmp_path, lambda: Counting(regression_data()))
+    assert trainer.state.global_step == 16
+    assert data.seen == epoch_order(1)[12:24]  # exactly the 3 remaining batches, nothing before them
+
+
+def test_ignore_data_skip_starts_the_epoch_over(tmp_path):
+    trainer, data = crash_then_resume(tmp_path, lambda: Counting(regression_data()), ignore_data_skip=True)
+    assert trainer.state.global_step == 16
+    assert data.seen == epoch_order(1)[:12]
+
+
+class CountingStream(StatefulStream):
+    def __init__(self):
+        super().__init__(n=40)
+        self.yielded = 0
+        self.restored = None
+
+    def load_state_dict(self, state):
+        self.restored = dict(state)
+        super().load_state_dict(state)
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self.yielded += 1
+            yield item
+
+
+def test_iterable_dataset_restores_its_own_state(tmp_path):
+    trainer, data = crash_then_resume(tmp_path, CountingStream)
+    assert data.restored == {"pos": 12}  # 3 batches of 4 into the second pass
+    assert data.yielded == 12  # nothing re-read
+
+
+def test_iterable_dataset_without_state_is_iterated_past_with_a_note(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.checkpoint"):
+        trainer, _ = crash_then_resume(tmp_path, lambda: Stream(n=40))
+    assert trainer.state.global_step == 16
+    assert "skipping the first 3 batches of the epoch by iterating over them" in caplog.text
+    assert "ignore_data_skip" in caplog.text
+
+
+def test_jump_cost_does_not_depend_on_the_position():
+    """The sampler's work to start at batch b is one permutation, whatever b is."""
+    from kiln.engine.data import ResumableSampler
+
+    calls = []
+    sampler = ResumableSampler(100_000, seed=0)
+    real = sampler.indices
+    sampler.indices = lambda: calls.append(1) or real()  # type: ignore[method-assign]
+    for start in (8, 99_992):
+        sampler.set_start(start)
+        first = next(iter(sampler))
+        assert first == real()[start]
+    assert len(calls) == 2

@@ -1,0 +1,47 @@
+"""Two simulated nodes (two torchrun agents with one process each, on this machine): node ranks are
+read from the launcher, `save_on_each_node` makes each node's local rank 0 write a complete
+checkpoint to its own disk, and `log_on_each_node` decides which processes log at `log_level`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.conftest import HERE, REPO
+
+pytestmark = pytest.mark.distributed
+
+
+def test_two_nodes_save_and_log_per_node(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+         "--rdzv_backend=static", "--master_addr=127.0.0.1", f"--master_port={port}", str(HERE / "worker_nodes.py"), str(tmp_path)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(err[-3000:] for _, err in outputs)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert (r1["node_rank"], r1["num_nodes"], r1["local_rank"], r1["rank"]) == (1, 2, 0, 1)
+
+    for node in (0, 1):  # save_on_each_node: every node holds a complete checkpoint
+        files = set(os.listdir(tmp_path / f"node{node}" / "checkpoint-2"))
+        assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "COMPLETE", f"rng_state_{node}.pth"} <= files
+    shared = set(os.listdir(tmp_path / "shared" / "checkpoint-2"))  # one writer, every rank's RNG
+    assert {"model.safetensors", "COMPLETE", "rng_state_0.pth", "rng_state_1.pth"} <= shared
+
+    assert r0["each_node"] == {"level": logging.INFO, "world_zero": True, "local_zero": True}
+    assert r1["each_node"] == {"level": logging.INFO, "world_zero": False, "local_zero": True}
+    assert r0["shared"]["level"] == logging.INFO and r1["shared"]["level"] == logging.ERROR

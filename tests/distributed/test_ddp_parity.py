@@ -1,0 +1,57 @@
+"""DDP on 2 processes x batch b ends where 1 process with batch 2b ends (with and without
+accumulation, with token-level losses whose item counts differ per rank), logs the same losses, and
+gathers evaluation predictions in dataset order from an uneven dataset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed import toy
+from tests.distributed.conftest import torchrun
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parity")
+    torchrun("worker_parity.py", out)
+    return json.loads((out / "results.json").read_text()), load_file(str(out / "results.safetensors"))
+
+
+@pytest.mark.parametrize("name", list(toy.SCENARIOS))
+def test_ddp_matches_one_process_with_double_batch(ddp, tmp_path, name):
+    results, tensors = ddp
+    trainer, model = toy.train_scenario(name, str(tmp_path), world=1)
+    assert results[name]["strategy"] == "DDPStrategy" and results[name]["wrapped"] == "DistributedDataParallel"
+    assert results[name]["ranks_identical"]
+    torch.testing.assert_close(tensors[name], toy.flat_params(model), rtol=1e-5, atol=1e-6)
+    # logged losses are the mean over every item of the global batch, not a mean of rank means
+    assert results[name]["losses"] == pytest.approx(toy.losses(trainer), rel=1e-5)
+    assert results[name]["train_loss"] == pytest.approx(trainer.state.log_history[-1]["train_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_eval_gathers_predictions_in_dataset_order(ddp, batch):
+    results, tensors = ddp
+    model = toy.Regressor()
+    torch.nn.utils.vector_to_parameters(tensors["eval_params"], model.parameters())
+    data = toy.regression_data(7, seed=11)
+    x = torch.stack([d["x"] for d in data])
+    y = torch.stack([d["y"] for d in data])
+    with torch.no_grad():
+        expected = model(x)
+    assert results[f"eval_b{batch}"]["num_predictions"] == 7  # the sampler's padding duplicate is dropped
+    torch.testing.assert_close(tensors[f"pred_b{batch}"], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tensors[f"labels_b{batch}"], y)
+    if batch == 1:  # one sample per batch: the eval loss is exactly the mean over the 7 samples
+        assert results["eval_b1"]["eval_loss"] == pytest.approx(float(((expected - y) ** 2).mean()), rel=1e-5)
+
+
+def test_rank_queries(ddp):
+    results, _ = ddp
+    assert results["ranks"] == [{"rank": 0, "world": True, "local": True}, {"rank": 1, "world": False, "local": False}]

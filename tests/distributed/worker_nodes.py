@@ -1,0 +1,31 @@
+"""Worker for a simulated 2-node job (two torchrun agents, one process each, static rendezvous):
+checkpoint writers with and without save_on_each_node, and log levels with and without
+log_on_each_node. Each node saves under OUT/node<N> (a node-local disk) or OUT/shared.
+Usage: worker_nodes.py OUT"""
+
+import json
+import logging
+import os
+import sys
+
+import torch
+
+import toy
+from kiln import Trainer
+from kiln.strategies.environment import detect
+
+out = sys.argv[1]
+env = detect()
+report = {"node_rank": env.node_rank, "num_nodes": env.num_nodes, "local_rank": env.local_rank, "rank": env.rank}
+for name, on_each_node, output_dir in (("each_node", True, os.path.join(out, f"node{env.node_rank}")),
+                                       ("shared", False, os.path.join(out, "shared"))):
+    torch.manual_seed(0)
+    cfg = toy.scenario_config("plain", output_dir, world=2, max_steps=2, save={"strategy": "steps", "steps": 2,
+                              "on_each_node": on_each_node}, log_level="info", log_level_replica="error",
+                              log_on_each_node=on_each_node)
+    trainer = Trainer(toy.Regressor(), cfg, train_dataset=toy.regression_data(32))
+    trainer.fit()
+    report[name] = {"level": logging.getLogger("kiln").getEffectiveLevel(), "world_zero": trainer.is_world_process_zero(),
+                    "local_zero": trainer.is_local_process_zero()}
+with open(os.path.join(out, f"rank{env.rank}.json"), "w") as fh:
+    json.dump(report, fh)

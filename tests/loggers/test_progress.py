@@ -1,0 +1,76 @@
+"""Console output: a bar in a terminal, plain lines in a log file, dicts with disable_tqdm."""
+
+from __future__ import annotations
+
+import io
+
+from kiln.engine.progress import PrinterCallback, ProgressCallback, console_callbacks, is_interactive
+from kiln.engine.state import TrainerControl, TrainerState
+from tests.loggers.conftest import make_config
+
+
+def run_loop(callback, steps=200, log_every=50, eval_batches=0):
+    state, control, cfg = TrainerState(max_steps=steps), TrainerControl(), None
+    callback.on_train_begin(cfg, state, control)
+    for step in range(1, steps + 1):
+        state.global_step = step
+        callback.on_step_end(cfg, state, control)
+        if step % log_every == 0:
+            callback.on_log(cfg, state, control, logs={"loss": 1.0 / step, "learning_rate": 1e-3, "epoch": step / steps})
+            for _ in range(eval_batches):
+                callback.on_prediction_step(cfg, state, control, eval_dataloader=[0] * eval_batches)
+            if eval_batches:
+                callback.on_evaluate(cfg, state, control, metrics={})
+    callback.on_log(cfg, state, control, logs={"train_runtime": 1.0, "total_flos": 5.0})
+    callback.on_train_end(cfg, state, control)
+    return state
+
+
+def test_a_log_file_gets_one_plain_line_per_log_and_no_carriage_returns():
+    stream = io.StringIO()  # not a TTY, like a job's log file
+    assert not is_interactive(stream)
+    run_loop(ProgressCallback(file=stream), steps=2000, log_every=500, eval_batches=3)
+    text = stream.getvalue()
+    assert "\r" not in text and "\x1b" not in text
+    lines = text.splitlines()
+    assert len(lines) == 1 + 4 + 1  # header, one per log, the final summary
+    assert lines[0] == "training 2000 steps"
+    assert lines[2].startswith("[step 1000/2000  50% ") and "loss=0.001 learning_rate=0.001 epoch=0.5" in lines[2]
+    assert "total_flos" not in lines[-1] and "train_runtime=1" in lines[-1]
+
+
+def test_a_terminal_gets_a_bar_with_loss_and_lr():
+    stream = io.StringIO()
+    callback = ProgressCallback(file=stream, interactive=True)
+    run_loop(callback, steps=100, log_every=50, eval_batches=2)
+    text = stream.getvalue()
+    assert "train" in text and "100/100" in text and "loss=0.02" in text and "learning_rate=0.001" in text
+    assert "eval" in text  # the evaluation bar
+
+
+def test_only_the_main_process_prints():
+    stream = io.StringIO()
+    callback = ProgressCallback(file=stream)
+    state, control = TrainerState(max_steps=10, is_world_process_zero=False), TrainerControl()
+    callback.on_train_begin(None, state, control)
+    callback.on_log(None, state, control, logs={"loss": 1.0})
+    callback.on_train_end(None, state, control)
+    printer_out = io.StringIO()
+    PrinterCallback(file=printer_out).on_log(None, state, control, logs={"loss": 1.0})
+    assert stream.getvalue() == printer_out.getvalue() == ""
+
+
+def test_printer_prints_the_log_dict():
+    out = io.StringIO()
+    PrinterCallback(file=out).on_log(None, TrainerState(), TrainerControl(), logs={"loss": 0.5, "total_flos": 1.0})
+    assert out.getvalue() == "{'loss': 0.5}\n"
+
+
+def test_console_callbacks_follow_disable_tqdm_and_the_log_level(tmp_path):
+    def kinds(**log):
+        return [type(cb).__name__ for cb in console_callbacks(make_config(tmp_path, log=log))]
+
+    assert kinds() == ["ProgressCallback"]
+    assert kinds(disable_tqdm=True) == ["PrinterCallback"]
+    assert kinds(level="error") == ["PrinterCallback"]
+    assert kinds(level="error", disable_tqdm=False) == ["ProgressCallback"]
