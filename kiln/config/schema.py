@@ -126,6 +126,9 @@ class LogConfig:
     skip_memory_metrics: bool = opt(True, "Skip memory metrics (they slow training).")
     include_tokens_per_second: bool = opt(False, "Report tokens per second.")
     history: List[str] = opt(["csv", "jsonl"], "Local history files written to output_dir (csv, jsonl).")
+    project: Optional[str] = opt(None, "W&B project / MLflow experiment (default WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, then 'kiln').")
+    log_artifacts: Optional[str] = opt(None, "Upload the model to trackers: false, end or checkpoint (default HF_MLFLOW_LOG_ARTIFACTS / WANDB_LOG_MODEL).")
+    nested_run: Optional[bool] = opt(None, "MLflow: open the run as a child of the caller's active run (default MLFLOW_NESTED_RUN).")
 
 
 @dataclass

@@ -62,6 +62,8 @@ def validate(cfg: DictConfig) -> None:
         _choice("precision.full_eval", cfg.precision.full_eval, ("fp16", "bf16"))
     _choice("precision.fp16_opt_level", cfg.precision.fp16_opt_level, ("O0", "O1", "O2", "O3"))
     _choice("precision.half_precision_backend", cfg.precision.half_precision_backend, ("auto", "cpu_amp", "cuda_amp", "apex"))
+    if lg.log_artifacts is not None:
+        _choice("log.log_artifacts", str(lg.log_artifacts).lower(), ("false", "end", "checkpoint"))
     _check_names(cfg)
     _check_best_model(cfg)
 

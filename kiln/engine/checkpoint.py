@@ -302,7 +302,9 @@ class CheckpointManager:
         self._check_config(path)
         io.load(path, t.model, t.optimizer)
         sched = os.path.join(path, "scheduler.pt")
-        if t.lr_scheduler is not None and os.path.exists(sched):
+        if t.lr_scheduler is not None and not os.path.exists(sched):
+            warnings.warn(f"{sched} is missing: the learning-rate schedule restarts from its beginning.", stacklevel=2)
+        elif t.lr_scheduler is not None:
             try:
                 t.lr_scheduler.load_state_dict(safe_torch_load(sched))
             except (KeyError, ValueError, TypeError, AttributeError) as err:

@@ -90,6 +90,9 @@ class FitLoop:
         self.max_grad_norm = float(cfg.train.max_grad_norm or 0.0)
         self.nan_inf_filter = bool(cfg.log.nan_inf_filter)
         self.count_tokens_seen = bool(cfg.train.include_num_input_tokens_seen)
+        self.model_flops = getattr(t.model, "floating_point_ops", None)
+        self.flops_per_token = 6.0 * sum(p.numel() for p in t.model.parameters())
+        self.local_flos = 0.0
         control = t.callback_handler.call("on_train_begin", cfg, state, t.control)
         if cfg.eval.on_start and not resume_path:
             t._evaluate_during_training(on_start=True)
@@ -176,6 +179,8 @@ class FitLoop:
             ids = batch.get("input_ids") if isinstance(batch, dict) else None
             if isinstance(ids, torch.Tensor):
                 self.tokens += ids.numel()
+                # total_flos: the model's own count (Transformers), else HF's 6 x tokens x parameters
+                self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * ids.numel()
             t._loss_weight, t._num_items = weights[i], total
             with strategy.no_sync(model, enabled=i < last):
                 step_loss = step_loss + t.training_step(model, batch, num_items_in_batch=total)
@@ -208,9 +213,19 @@ class FitLoop:
         return sum(b["input_ids"].numel() for b in window if isinstance(b, dict) and isinstance(b.get("input_ids"), torch.Tensor))
 
     # -- cadence ----------------------------------------------------------------------------
+    def _flush_flos(self) -> None:
+        """Add this window's FLOPs, summed over ranks, to state.total_flos (before logs and saves)."""
+        t = self.trainer
+        if t.strategy.world_size > 1:
+            self.local_flos = float(t.strategy.reduce(torch.tensor(self.local_flos, dtype=torch.float64, device=t.strategy.root_device), "sum").item())
+        t.state.total_flos += self.local_flos
+        self.local_flos = 0.0
+
     def _log_save_evaluate(self, tr_loss: torch.Tensor) -> torch.Tensor:
         t = self.trainer
         control, state = t.control, t.state
+        if control.should_log or control.should_save:
+            self._flush_flos()
         if control.should_log and state.global_step > self.last_logged:
             steps = state.global_step - self.last_logged
             loss = t.strategy.reduce(tr_loss, "mean").item() / steps
@@ -245,6 +260,7 @@ class FitLoop:
         t = self.trainer
         state, cfg = t.state, t.config
         runtime = time.perf_counter() - start
+        self._flush_flos()
         steps = max(self.steps_before_resume + self.steps_this_run, 1)
         train_loss = t.strategy.reduce(self.total_loss.float(), "mean").item() / steps
         world = t.strategy.data_parallel_size
@@ -259,6 +275,7 @@ class FitLoop:
             metrics["train_tokens_per_second"] = self.tokens * world / max(runtime, 1e-9)
         if cfg.eval.load_best_model_at_end:
             t._load_best_model()
+        t._memory.stop_and_update("train", metrics)
         t.log(dict(metrics))
         t.control = t.callback_handler.call("on_train_end", cfg, state, t.control)
         return TrainOutput(state.global_step, train_loss, metrics)

@@ -11,7 +11,7 @@ Arrays are numpy (or nested tuples/lists/dicts of numpy arrays) once the loop ha
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
@@ -81,3 +81,31 @@ class EvalLoopOutput(NamedTuple):
     label_ids: Optional[Arrays]
     metrics: Optional[dict[str, float]]
     num_samples: Optional[int]
+
+
+# -- helpers of the evaluation loop --------------------------------------------------------------
+def step_outputs(loss: Any, logits: Any, labels: Any, inputs: Any, batch_size: int) -> dict[str, Any]:
+    """One eval step's (nested) tensors under the keys the loop accumulates: `losses`, `predictions`,
+    `label_ids`, `inputs`; None values are left out. A scalar loss becomes one value per sample (the
+    batch mean repeated, as HF), so the final mean weights every batch by its size."""
+    out: dict[str, Any] = {}
+    if loss is not None:
+        loss = loss.detach().float()
+        out["losses"] = loss if loss.ndim == 1 and loss.numel() == batch_size else loss.mean().repeat(batch_size)
+    for key, value in (("predictions", logits), ("label_ids", labels), ("inputs", inputs)):
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def eval_prediction(outputs: Mapping[str, Any]) -> EvalPrediction:
+    """The `compute_metrics` argument for accumulated outputs. Losses stay out: EvalPrediction would
+    append them to its tuple and break `predictions, labels = eval_pred`."""
+    return EvalPrediction(outputs.get("predictions"), outputs.get("label_ids"), inputs=outputs.get("inputs"))
+
+
+def to_python(value: Any) -> Any:
+    """numpy / torch scalars (0-d arrays too) -> Python numbers, for JSON files and loggers."""
+    if isinstance(value, np.generic) or (getattr(value, "ndim", None) == 0 and hasattr(value, "item")):
+        return value.item()
+    return value

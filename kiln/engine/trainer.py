@@ -58,6 +58,10 @@ class Trainer(EvaluationMixin):
         config, strategy, precision = _pop_objects(config, strategy, precision)
         self.config = load_with_launcher_settings(config, list(overrides))  # accelerate launch fills unset keys
         cfg = self.config
+        from kiln.loggers.metrics import MemoryTracker
+
+        self._memory = MemoryTracker.from_config(cfg)  # HF's *_mem_* metrics; a no-op by default
+        self._memory.start("init")
         set_seed(cfg.seed, cfg.full_determinism)
         if model is None:
             if model_init is None:
@@ -102,6 +106,7 @@ class Trainer(EvaluationMixin):
         for cb in callbacks or ():
             self.callback_handler.add(cb)
         self.control = self.callback_handler.call("on_init_end", cfg, self.state, self.control)
+        self._memory.stop("init")
 
     def _default_callbacks(self) -> list[Callback]:
         from kiln.engine.progress import console_callbacks
@@ -265,6 +270,7 @@ class Trainer(EvaluationMixin):
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self._check_eval_setup()
         self.is_in_train = True
+        self._memory.start("train")
         try:
             return FitLoop(self).run(path)
         finally:

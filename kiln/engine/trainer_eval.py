@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
+from kiln.engine.data import SequentialDistributedSampler
 from kiln.engine.errors import KilnError
 from kiln.engine.gather import EvalAccumulator, OrderedGatherer, gather_across_processes, nested_detach
-from kiln.engine.data import SequentialDistributedSampler
-from kiln.engine.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput
+from kiln.engine.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, eval_prediction, step_outputs, to_python
 from kiln.engine.tensors import batch_size_of
+from kiln.precision.base import cast_floating
 
 if TYPE_CHECKING:
     from kiln.engine.trainer import Trainer
@@ -151,39 +152,33 @@ class EvaluationMixin:
                 for batch, is_last in _with_last(dataloader):
                     batch = self.precision.convert_input(s.batch_to_device(batch))
                     if dtype is not None:
-                        from kiln.precision.base import cast_floating
-
                         batch = cast_floating(batch, dtype)
                     bs = batch_size_of(batch)
                     loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys)
                     if logits is not None and self.preprocess_logits_for_metrics is not None:
                         logits = self.preprocess_logits_for_metrics(logits, labels)
                     inputs = self._inputs_for_metrics(batch) if e.include_inputs_for_metrics else None
-                    outputs = _step_outputs(loss, logits, labels, inputs, bs)
+                    outputs = step_outputs(loss, logits, labels, inputs, bs)
                     if per_batch:
                         if distributed:  # gathered here, once: rank-major, duplicates still in
                             outputs = gather_across_processes(outputs, s.all_gather, e.padding_index)
                         acc.add(outputs if predicting else {k: v for k, v in outputs.items() if k == "losses"})
                         if self.compute_metrics is not None and "predictions" in outputs and "label_ids" in outputs:
                             current = gatherer.drop_duplicates(outputs, observed) if gatherer is not None else outputs
-                            metrics = self.compute_metrics(_prediction(current), compute_result=is_last)
+                            metrics = self.compute_metrics(eval_prediction(current), compute_result=is_last)
                     else:
                         acc.add(outputs)
                     observed += bs
                     self.control = self.callback_handler.call("on_prediction_step", cfg, self.state, self.control)
         finally:
             model.train(was_training)
-        arrays = acc.get_arrays()
-        pick = (lambda key: [a[key] for a in arrays] if arrays and key in arrays[0] else None) if isinstance(arrays, list) \
-            else (lambda key: arrays.get(key) if arrays else None)
-        predictions, label_ids, losses = pick("predictions"), pick("label_ids"), pick("losses")
+        collected = _collected(acc.get_arrays())
+        predictions, label_ids, losses = collected.get("predictions"), collected.get("label_ids"), collected.get("losses")
         if not per_batch and self.compute_metrics is not None and predictions is not None and label_ids is not None:
-            metrics = self.compute_metrics(EvalPrediction(predictions, label_ids, inputs=pick("inputs")))
-        metrics = {k: _plain(v) for k, v in dict(metrics or {}).items()}
-        if losses is not None:
-            flat = np.concatenate(losses) if isinstance(losses, list) else losses
-            if flat.size:
-                metrics["loss"] = float(flat.astype(np.float64).mean())
+            metrics = self.compute_metrics(EvalPrediction(predictions, label_ids, inputs=collected.get("inputs")))
+        metrics = {k: to_python(v) for k, v in dict(metrics or {}).items()}
+        if losses is not None and losses.size:
+            metrics["loss"] = float(losses.astype(np.float64).mean())
         prefix = f"{metric_key_prefix}_"
         metrics = {(k if k.startswith(prefix) else prefix + k): v for k, v in metrics.items()}
         num_samples = sampler.num_examples if isinstance(sampler, SequentialDistributedSampler) else observed
@@ -333,7 +328,7 @@ class EvaluationMixin:
             return
         out = self.config.output_dir
         os.makedirs(out, exist_ok=True)
-        plain = {k: _plain(v) for k, v in metrics.items()}
+        plain = {k: to_python(v) for k, v in metrics.items()}
         _write_json(os.path.join(out, f"{split}_results.json"), plain)
         if combined:
             path = os.path.join(out, "all_results.json")
@@ -360,34 +355,22 @@ def resolve_greater_is_better(eval_config: Any) -> bool:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def _step_outputs(loss: Any, logits: Any, labels: Any, inputs: Any, batch_size: int) -> dict[str, Any]:
-    """One step's outputs under the accumulator's keys. The loss becomes one value per sample (the
-    batch mean repeated, as HF), so the final mean weights batches by their size."""
-    out: dict[str, Any] = {}
-    if loss is not None:
-        loss = loss.detach().float()
-        out["losses"] = loss if loss.ndim == 1 and loss.numel() == batch_size else loss.mean().repeat(batch_size)
-    for key, value in (("predictions", logits), ("label_ids", labels), ("inputs", inputs)):
-        if value is not None:
-            out[key] = value
-    return out
-
-
-def _prediction(outputs: Mapping[str, Any]) -> EvalPrediction:
-    # losses stay out: EvalPrediction would append them to its tuple and break `preds, labels = p`
-    return EvalPrediction(outputs.get("predictions"), outputs.get("label_ids"), inputs=outputs.get("inputs"))
-
-
-def _plain(value: Any) -> Any:
-    """numpy / torch scalars -> Python numbers (JSON and loggers want plain values)."""
-    if isinstance(value, np.generic) or (isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 0):
-        return value.item()
-    return value
-
-
 def _write_json(path: str, data: Mapping[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(dict(data), fh, indent=4, sort_keys=True)
+
+
+def _collected(arrays: Any) -> dict[str, Any]:
+    """The accumulator's result by key. With do_concat_batches=False each value is a list with one
+    entry per batch, except the losses, which are joined for the mean."""
+    if not arrays:
+        return {}
+    if isinstance(arrays, Mapping):
+        return dict(arrays)
+    out = {key: [batch[key] for batch in arrays] for key in arrays[0]}
+    if "losses" in out:
+        out["losses"] = np.concatenate(out["losses"])
+    return out
 
 
 def _sampler_of(loader: Any) -> Any:

@@ -59,11 +59,16 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
         except Exception as err:  # safetensors raises its own error types for truncated files
             raise CheckpointError(f"{safe} is corrupt or truncated ({err}); resume from another checkpoint.") from None
         for alias, source in aliases.items():
+            if source not in state:
+                raise CheckpointError(f"{safe} is damaged: tied weight {alias!r} points at {source!r}, which it does not hold.")
             state[alias] = state[source]
         return state
     binary = os.path.join(directory, WEIGHTS_BIN)
     if os.path.exists(binary):
-        return safe_torch_load(binary)
+        state = safe_torch_load(binary)
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{binary} does not hold a state dict (a mapping of names to tensors).")
+        return state
     raise CheckpointError(f"No model weights ({WEIGHTS_SAFE} or {WEIGHTS_BIN}) in {directory}.")
 
 

@@ -31,7 +31,7 @@ from tests.checkpoint.checkpoint_helpers import config, make_model, numeric_hist
 
 WRITE_DELAY = 0.004
 STEP_DELAY = 0.01
-CONFIG = {"max_steps": 72, "save_steps": 4, "logging_steps": 4, "save_total_limit": 2, "learning_rate": 0.02,
+CONFIG = {"max_steps": 64, "save_steps": 4, "logging_steps": 4, "save_total_limit": 2, "learning_rate": 0.02,
           "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}
 
 

@@ -17,7 +17,7 @@ import torch
 from kiln.engine.checkpoint import is_complete, latest_checkpoint, list_checkpoints
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_worker.py")
-KILLS = 12
+KILLS = 10
 KINDS = ("training", "write", "setup", "write", "training", "write")
 
 

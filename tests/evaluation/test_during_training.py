@@ -54,7 +54,7 @@ def test_model_is_back_in_train_mode_and_eval_does_not_touch_training(tmp_path: 
     for strategy in ("no", "steps"):
         model = make_model("module")
         original = model.training_step
-        model.training_step = lambda batch: modes.append(model.training) or original(batch)  # type: ignore[method-assign]
+        model.training_step = lambda batch, m=model, step=original: modes.append(m.training) or step(batch)  # type: ignore
         model.net.insert(1, torch.nn.Dropout(0.2))  # randomness that evaluation must not shift
         cfg = config(tmp_path / strategy, per_device_train_batch_size=16, max_steps=6, eval_strategy=strategy, eval_steps=2)
         Trainer(model, cfg, train_dataset=train, eval_dataset=evals).fit()

@@ -1,0 +1,123 @@
+"""Checkpoint save/load throughput vs. writing the same tensors with safetensors directly.
+
+    python bench/checkpoint_io.py [--params 50] [--repeats 3]
+
+A model of `--params` million fp32 parameters takes one AdamW step (so the optimizer holds two more
+tensors per parameter); then, interleaved `--repeats` times:
+
+- kiln save: `trainer._save_checkpoint()`: weights (safetensors), optimizer, scheduler, RNG, trainer
+  state, config, every file fsynced, the COMPLETE marker, the atomic rename;
+- kiln load: `CheckpointManager.load()` into the same trainer (validation included);
+- raw save: `safetensors.torch.save_file` of the same tensors (weights + optimizer moments) into one
+  file, once without and once with an fsync (kiln always fsyncs: a checkpoint must survive a crash);
+- raw load: `safetensors.torch.load_file` of that file, copied into the live model and optimizer
+  tensors (what loading a checkpoint must end with; load_file alone only maps the file).
+
+MB/s is checkpoint bytes / seconds (median). Files are read back from the page cache in both cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kiln.engine.module import TrainingModule  # noqa: E402
+from kiln.engine.trainer import Trainer  # noqa: E402
+
+
+class Wide(TrainingModule):
+    def __init__(self, params_m: float, width: int = 2048) -> None:
+        super().__init__()
+        layers = max(1, round(params_m * 1e6 / (width * width + width)))
+        self.body = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+    def training_step(self, batch):  # type: ignore[no-untyped-def]
+        return self.body(batch["x"]).pow(2).mean()
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def raw_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in trainer.model.state_dict().items()}
+    for i, state in trainer.optimizer.state_dict()["state"].items():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.ndim:
+                tensors[f"optim.{i}.{k}"] = v.contiguous()
+    return tensors
+
+
+def timed(fn) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=50, help="model size in millions of parameters")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KILN_BENCH_DIR")) as tmp:
+        out = os.path.join(tmp, "run")
+        model = Wide(args.params)
+        data = [{"x": torch.randn(2048)} for _ in range(2)]
+        cfg = {"output_dir": out, "max_steps": 1, "per_device_train_batch_size": 2, "save_strategy": "no",
+               "report_to": "none", "disable_tqdm": True, "log": {"history": [], "level": "error"}}
+        trainer = Trainer(model, cfg, train_dataset=data)
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.fit()
+        tensors = raw_tensors(trainer)
+        raw_path = os.path.join(tmp, "raw.safetensors")
+
+        def raw_save(fsync: bool) -> None:
+            save_file(tensors, raw_path)
+            if fsync:
+                with open(raw_path, "rb") as fh:
+                    os.fsync(fh.fileno())
+
+        def raw_load() -> None:
+            with torch.no_grad():
+                for name, value in load_file(raw_path).items():
+                    tensors[name].copy_(value)
+
+        times: dict[str, list[float]] = {k: [] for k in ("kiln save", "kiln load", "raw save", "raw save+fsync", "raw load")}
+        size = 0
+        for r in range(args.repeats):
+            path = os.path.join(out, f"checkpoint-{trainer.state.global_step}")
+            shutil.rmtree(path, ignore_errors=True)
+            times["kiln save"].append(timed(trainer._save_checkpoint))
+            size = folder_bytes(path)
+            times["kiln load"].append(timed(lambda: trainer.checkpoints.load(path)))
+            times["raw save"].append(timed(lambda: raw_save(False)))
+            times["raw save+fsync"].append(timed(lambda: raw_save(True)))
+            times["raw load"].append(timed(lambda: raw_load()))
+        raw_size = os.path.getsize(raw_path)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    n = sum(p.numel() for p in model.parameters())
+    print(f"model: {n / 1e6:.1f} M fp32 params + AdamW moments; kiln checkpoint {size / 2**20:.0f} MiB, "
+          f"raw safetensors {raw_size / 2**20:.0f} MiB; median of {args.repeats}")
+    for key in times:
+        nbytes = raw_size if key.startswith("raw") else size
+        print(f"{key:>15}: {med[key] * 1000:8.1f} ms  {nbytes / 2**20 / med[key]:8.0f} MiB/s")
+    print(f"save ratio kiln / raw+fsync: {med['kiln save'] / med['raw save+fsync']:.2f}  "
+          f"(kiln / raw without fsync: {med['kiln save'] / med['raw save']:.2f})")
+    print(f"load ratio kiln / raw:       {med['kiln load'] / med['raw load']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
