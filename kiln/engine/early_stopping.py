@@ -24,6 +24,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# -- what metric_for_best_model means (shared with the Trainer's best-model tracking) -------------
+def best_metric_key(name: str) -> str:
+    """`metric_for_best_model` with or without "eval_" -> the key in evaluate()'s metrics."""
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def resolve_greater_is_better(eval_config: Any) -> bool:
+    """HF's default: False for a loss (unset, "loss", "eval_loss", "eval_<dataset>_loss", any name
+    ending in "loss", as current Transformers decides), True for every other metric."""
+    if eval_config.greater_is_better is not None:
+        return bool(eval_config.greater_is_better)
+    return not (eval_config.metric_for_best_model or "loss").endswith("loss")
+
+
 class EarlyStoppingCallback(Callback):
     """Stop when `metric_for_best_model` has not improved for `early_stopping_patience` evaluations.
 
@@ -50,8 +64,6 @@ class EarlyStoppingCallback(Callback):
 
     def check_metric_value(self, config: "DictConfig", state: "TrainerState", metric_value: float) -> None:
         """Reset the counter on an improvement beyond the threshold, count one more evaluation otherwise."""
-        from kiln.engine.trainer_eval import resolve_greater_is_better
-
         best = state.best_metric
         if best is None:
             improved = True
@@ -61,8 +73,6 @@ class EarlyStoppingCallback(Callback):
         self.early_stopping_patience_counter = 0 if improved else self.early_stopping_patience_counter + 1
 
     def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
-        from kiln.engine.trainer_eval import best_metric_key
-
         key = best_metric_key(config.eval.metric_for_best_model)
         value = (kw.get("metrics") or {}).get(key)
         if value is None:  # e.g. another dataset of an eval dict: not this callback's metric

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kiln.engine.data import SequentialDistributedSampler
+from kiln.engine.early_stopping import best_metric_key, resolve_greater_is_better
 from kiln.engine.errors import KilnError
 from kiln.engine.gather import EvalAccumulator, OrderedGatherer, gather_across_processes, nested_detach
 from kiln.engine.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, eval_prediction, step_outputs, to_python
@@ -338,20 +339,6 @@ class EvaluationMixin:
                     merged = json.load(fh)
             merged.update(plain)
             _write_json(path, merged)
-
-
-# -- shared with EarlyStoppingCallback ----------------------------------------------------------
-def best_metric_key(name: str) -> str:
-    """`metric_for_best_model` with or without "eval_" -> the key in evaluate()'s metrics."""
-    return name if name.startswith("eval_") else f"eval_{name}"
-
-
-def resolve_greater_is_better(eval_config: Any) -> bool:
-    """HF's default: False for a loss (unset, "loss", "eval_loss", "eval_<dataset>_loss", any name
-    ending in "loss", as current Transformers decides), True for every other metric."""
-    if eval_config.greater_is_better is not None:
-        return bool(eval_config.greater_is_better)
-    return not (eval_config.metric_for_best_model or "loss").endswith("loss")
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -138,7 +138,11 @@ def test_transformers_model_from_config(tmp_path):
     assert out.global_step == 8 and math.isfinite(out.training_loss)
     assert "train_tokens_per_second" in out.metrics
     n_tokens = 8 * 8 * 16  # steps x batch x sequence
-    assert out.metrics["total_flos"] == pytest.approx(model.floating_point_ops({"input_ids": torch.zeros(1, n_tokens)}))
+    if hasattr(model, "floating_point_ops"):
+        expected = model.floating_point_ops({"input_ids": torch.zeros(1, n_tokens)})
+    else:  # HF's estimate: 6 x tokens x parameters
+        expected = 6 * n_tokens * sum(p.numel() for p in model.parameters())
+    assert out.metrics["total_flos"] == pytest.approx(expected)
 
 
 def test_dataloader_is_used_as_given(tmp_path):
