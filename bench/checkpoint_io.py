@@ -10,8 +10,9 @@ tensors per parameter); then, interleaved `--repeats` times:
 - kiln load: `CheckpointManager.load()` into the same trainer (validation included);
 - raw save: `safetensors.torch.save_file` of the same tensors (weights + optimizer moments) into one
   file, once without and once with an fsync (kiln always fsyncs: a checkpoint must survive a crash);
-- raw load: `safetensors.torch.load_file` of that file, copied into the live model and optimizer
-  tensors (what loading a checkpoint must end with; load_file alone only maps the file).
+- raw load: `safetensors.torch.load_file` of that file, the weights copied into the live parameters
+  and the optimizer moments into fresh tensors (what a resuming process must end with: its model
+  exists, its optimizer has no state yet; load_file alone only maps the file).
 
 MB/s is checkpoint bytes / seconds (median). Files are read back from the page cache in both cases.
 """
@@ -34,8 +35,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kiln.engine.module import TrainingModule  # noqa: E402
-from kiln.engine.trainer import Trainer  # noqa: E402
+from kiln.engine.module import TrainingModule
+from kiln.engine.trainer import Trainer
 
 
 class Wide(TrainingModule):
@@ -90,10 +91,15 @@ def main() -> None:
                 with open(raw_path, "rb") as fh:
                     os.fsync(fh.fileno())
 
-        def raw_load() -> None:
+        def raw_load() -> dict[str, torch.Tensor]:
+            moments = {}
             with torch.no_grad():
                 for name, value in load_file(raw_path).items():
-                    tensors[name].copy_(value)
+                    if name.startswith("model."):
+                        tensors[name].copy_(value)
+                    else:
+                        moments[name] = value.clone()
+            return moments
 
         times: dict[str, list[float]] = {k: [] for k in ("kiln save", "kiln load", "raw save", "raw save+fsync", "raw load")}
         size = 0
@@ -102,7 +108,7 @@ def main() -> None:
             shutil.rmtree(path, ignore_errors=True)
             times["kiln save"].append(timed(trainer._save_checkpoint))
             size = folder_bytes(path)
-            times["kiln load"].append(timed(lambda: trainer.checkpoints.load(path)))
+            times["kiln load"].append(timed(lambda path=path: trainer.checkpoints.load(path)))
             times["raw save"].append(timed(lambda: raw_save(False)))
             times["raw save+fsync"].append(timed(lambda: raw_save(True)))
             times["raw load"].append(timed(lambda: raw_load()))

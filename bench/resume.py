@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,9 +32,9 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kiln.engine.checkpoint import MARKER  # noqa: E402
-from kiln.engine.module import TrainingModule  # noqa: E402
-from kiln.engine.trainer import Trainer  # noqa: E402
+from kiln.engine.checkpoint import MARKER
+from kiln.engine.module import TrainingModule
+from kiln.engine.trainer import Trainer
 
 BATCH = 8
 
@@ -72,13 +73,13 @@ def move_position(src: str, dst: str, step: int) -> None:
     """Copy checkpoint `src` to `dst` with its position set to `step` batches into epoch 0."""
     shutil.copytree(src, dst)
     state_path = os.path.join(dst, "trainer_state.json")
-    state = json.load(open(state_path))
+    state = json.loads(Path(state_path).read_text())
     state.update(global_step=step, batches_into_epoch=step, epoch_index=0, log_history=[])
-    json.dump(state, open(state_path, "w"))
-    marker = json.load(open(os.path.join(dst, MARKER)))
+    Path(state_path).write_text(json.dumps(state))
+    marker = json.loads(Path(os.path.join(dst, MARKER)).read_text())
     marker["step"] = step
     marker["files"] = {f: os.path.getsize(os.path.join(dst, f)) for f in marker["files"]}
-    json.dump(marker, open(os.path.join(dst, MARKER), "w"))
+    Path(os.path.join(dst, MARKER)).write_text(json.dumps(marker))
 
 
 def time_resume(dataset: Dataset, ckpt: str, step: int, out: str) -> float:

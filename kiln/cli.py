@@ -21,6 +21,7 @@ commands:
 
 options for fit/evaluate/predict:
   --nproc N     start N local processes (data parallel) with torch's elastic launcher
+  --accelerate-config FILE   honour an `accelerate config` YAML (mixed precision, FSDP, DeepSpeed, num_processes)
   -h, --help    list every config key with its default and meaning
 
 examples:
@@ -140,6 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog=f"kiln {command}", add_help=False)
     parser.add_argument("config", nargs="?")
     parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--accelerate-config", dest="accelerate_config", default=None)
     parser.add_argument("-h", "--help", action="store_true")
     ns, overrides = parser.parse_known_args(rest)
     if ns.help or not ns.config:
@@ -151,10 +153,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if bad:
         print(f"kiln: error: unrecognised argument {bad[0]!r}; overrides look like key=value.", file=sys.stderr)
         return 2
-    if ns.nproc > 1:
+    if ns.nproc > 1 or ns.accelerate_config:
         from kiln.strategies.launch import launch_local
 
-        return launch_local(ns.nproc, ["-m", "kiln.cli", "fit" if command == "train" else command, ns.config, *overrides])
+        return launch_local(ns.nproc if ns.nproc > 1 else 0, ["-m", "kiln.cli", "fit" if command == "train" else command, ns.config, *overrides], accelerate_config=ns.accelerate_config)
     return _run("fit" if command == "train" else command, ns.config, overrides)
 
 

@@ -20,8 +20,9 @@ from torch.utils.data import Dataset
 from examples.char_lm.sampling import SampleTextCallback
 
 UNK = "\ufffd"  # id 0; also what undecodable bytes become, so both map to the same id
-# installed packages, test suites, and `encodings/` (mostly generated codec tables, not code)
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
+# installed packages, test suites, and generated data that is not code: codec tables (`encodings/`) and
+# the 750k characters of quoted help text in `pydoc_data/`
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
 
 
 def stdlib_dir() -> str:

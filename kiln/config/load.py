@@ -92,6 +92,11 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
         extra = {k: strat.pop(k) for k in list(strat) if k not in _STRATEGY_FIELDS}
         if extra:
             strat.setdefault("options", {}).update(extra)
+    # YAML 1.1 reads a bare `no` as False: `save.strategy=no` on the command line means "no".
+    for group in ("eval", "save", "log"):
+        node = tree.get(group)
+        if isinstance(node, dict) and node.get("strategy") is False:
+            node["strategy"] = "no"
     if isinstance(tree.get("log", {}).get("report_to"), str):
         tree["log"]["report_to"] = [tree["log"]["report_to"]]
     return tree

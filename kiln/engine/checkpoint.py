@@ -18,7 +18,8 @@ import os
 import re
 import shutil
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -156,7 +157,7 @@ def stateful_dataset(loader: Iterable[Any]) -> Any:
     from torch.utils.data import IterableDataset
 
     dataset = getattr(loader, "dataset", None)
-    if not isinstance(dataset, IterableDataset) or getattr(loader, "num_workers", 0):
+    if not isinstance(dataset, IterableDataset) or int(getattr(loader, "num_workers", 0) or 0):
         return None
     if callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None)):
         return dataset
@@ -166,20 +167,22 @@ def stateful_dataset(loader: Iterable[Any]) -> Any:
 class CheckpointManager:
     """Saves, rotates and loads checkpoints for one Trainer."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        self.loop: Optional["FitLoop"] = None
+        self.loop: Optional[FitLoop] = None
         self.loader: Optional[Iterable[Any]] = None
         self.pending_rng: Optional[dict[str, Any]] = None
         self.pending_loop: Optional[dict[str, Any]] = None
         self._debris_cleared = False
 
-    def attach(self, loop: "FitLoop", loader: Iterable[Any]) -> None:
+    def attach(self, loop: FitLoop, loader: Iterable[Any]) -> None:
         """The fit loop registers itself and its train loader: both have per-rank state to save."""
         self.loop, self.loader = loop, loader
 
     # -- save -------------------------------------------------------------------------------
     def save(self, metrics: Optional[dict[str, float]] = None) -> str:
+        """Write `checkpoint-<global_step>` atomically (every rank calls this); returns its path.
+        `metrics` is accepted for HF's signature: the best metric is already in the state."""
         t = self.trainer
         cfg, strategy, state = t.config, t.strategy, t.state
         out = cfg.output_dir
@@ -192,47 +195,58 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         strategy.barrier("checkpoint-mkdir")
-        only_model = cfg.save.only_model
-        io = strategy.checkpoint_io()
-        io.save(tmp, t.model, t.optimizer, save_optimizer=not only_model, safetensors=cfg.save.safetensors, writer=writer)
-        if not only_model:
-            rank = strategy.global_rank
-            torch.save(rng_state(), os.path.join(tmp, RNG.format(rank=rank)))
-            torch.save(self._loop_state(), os.path.join(tmp, LOOP.format(rank=rank)))
         if state.best_global_step == state.global_step:  # every rank: load_best_model_at_end needs it
             state.best_model_checkpoint = final
-        if writer:
-            if not only_model:
-                if t.lr_scheduler is not None:
-                    torch.save(t.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-                torch.save(t.precision.state_dict(), os.path.join(tmp, "precision.pt"))
-            state.stateful_callbacks = t.callback_handler.state_dict()
-            state.save_to_json(os.path.join(tmp, STATE))
-            from omegaconf import OmegaConf
-
-            OmegaConf.save(t.config, os.path.join(tmp, CONFIG))
-            hf_config = getattr(t.model, "config", None)
-            if callable(getattr(hf_config, "to_json_file", None)):  # Transformers: from_pretrained(checkpoint) works
-                hf_config.to_json_file(os.path.join(tmp, "config.json"))
+        io = strategy.checkpoint_io()
+        self._write(tmp, io, writer)
         strategy.barrier("checkpoint-written")
         if writer:
-            meta = {"step": state.global_step, "world_size": strategy.world_size, "format": io.format,
-                    "resumable": not only_model, "files": _fsync_tree(tmp)}
-            with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as fh:
-                json.dump(meta, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            _fsync_dir(tmp)
-            old = os.path.join(out, f".{PREFIX}{state.global_step}.old")
-            if os.path.exists(final):  # same step saved twice (e.g. a step save and the epoch-end save)
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(out)
-            shutil.rmtree(old, ignore_errors=True)
+            self._publish(tmp, final, {"step": state.global_step, "world_size": strategy.world_size,
+                                       "format": io.format, "resumable": not cfg.save.only_model})
             self.rotate()
         strategy.barrier("checkpoint-done")
         return final
+
+    def _write(self, tmp: str, io: Any, writer: bool) -> None:
+        """Every file of the checkpoint: per-rank state on every rank, the rest on the writer."""
+        t = self.trainer
+        only_model = t.config.save.only_model
+        io.save(tmp, t.model, t.optimizer, save_optimizer=not only_model, safetensors=t.config.save.safetensors, writer=writer)
+        if not only_model:
+            rank = t.strategy.global_rank
+            torch.save(rng_state(), os.path.join(tmp, RNG.format(rank=rank)))
+            torch.save(self._loop_state(), os.path.join(tmp, LOOP.format(rank=rank)))
+        if not writer:
+            return
+        if not only_model:
+            if t.lr_scheduler is not None:
+                torch.save(t.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+            torch.save(t.precision.state_dict(), os.path.join(tmp, "precision.pt"))
+        t.state.stateful_callbacks = t.callback_handler.state_dict()
+        t.state.save_to_json(os.path.join(tmp, STATE))
+        from omegaconf import OmegaConf
+
+        OmegaConf.save(t.config, os.path.join(tmp, CONFIG))
+        to_json_file = getattr(getattr(t.model, "config", None), "to_json_file", None)
+        if callable(to_json_file):  # Transformers: from_pretrained(checkpoint) works
+            to_json_file(os.path.join(tmp, "config.json"))
+
+    def _publish(self, tmp: str, final: str, meta: dict[str, Any]) -> None:
+        """fsync everything, write the marker last, then rename the folder into place."""
+        meta["files"] = _fsync_tree(tmp)
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as fh:
+            json.dump(meta, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        out = os.path.dirname(final)
+        old = os.path.join(out, f".{os.path.basename(final)}.old")
+        if os.path.exists(final):  # same step saved twice (e.g. a step save and the epoch-end save)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(out)
+        shutil.rmtree(old, ignore_errors=True)
 
     def _clear_debris(self, out: str) -> None:
         """Remove hidden leftovers of a run killed while saving or rotating (once per process)."""
@@ -341,7 +355,7 @@ class CheckpointManager:
 
         try:
             saved = OmegaConf.load(file)  # YAML safe loading: plain values only
-        except Exception as err:  # noqa: BLE001 - any YAML error means the same thing here
+        except Exception as err:
             raise CheckpointError(f"{file} is unreadable ({err}).") from None
         changed = []
         for key in _POSITION_KEYS:
@@ -353,7 +367,7 @@ class CheckpointManager:
                           "checkpoint no longer points at the same samples, so the run will not match an uninterrupted one.",
                           stacklevel=3)
 
-    def restore_loop(self, loop: "FitLoop") -> None:
+    def restore_loop(self, loop: FitLoop) -> None:
         """Called by the loop once its accumulators exist: put back the saved running sums."""
         if self.pending_loop is not None and self.pending_loop.get("loop") is not None:
             loop.load_state_dict(self.pending_loop["loop"])
@@ -380,8 +394,11 @@ class CheckpointManager:
         t = self.trainer
         zero = t.strategy.is_global_zero
         if zero:
-            log.warning("Resuming: skipping the first %d batches of the epoch by iterating over them (the dataset has no "
-                        "state_dict(); set ignore_data_skip=true to start the epoch over instead).", skip)
+            dataset = getattr(loader, "dataset", None)
+            why = ("its state_dict() is not used with dataloader_num_workers > 0" if callable(getattr(dataset, "state_dict", None))
+                   else "the dataset has no state_dict()")
+            log.warning("Resuming: skipping the first %d batches of the epoch by iterating over them (%s; set "
+                        "ignore_data_skip=true to start the epoch over instead).", skip, why)
         it = iter(loader)
         bar = None
         if zero and not t.config.log.disable_tqdm and skip >= 1000:

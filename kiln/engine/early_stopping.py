@@ -6,6 +6,9 @@ An evaluation counts as an improvement when it beats `state.best_metric` (in the
 Trainer records the new best, so each evaluation is compared with the best of the earlier ones.
 The patience counter is saved in every checkpoint (`state_dict`) and restored on resume, so a
 resumed run stops at the same step as one that never stopped.
+
+What `metric_for_best_model` and `greater_is_better` mean is defined here once (`best_metric_key`,
+`resolve_greater_is_better`) and shared with the Trainer's best-model tracking.
 """
 
 from __future__ import annotations

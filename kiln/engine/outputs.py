@@ -4,6 +4,8 @@
 - `EvalPrediction` is the single argument of `compute_metrics`.
 - `PredictionOutput` is what `Trainer.predict` returns.
 - `EvalLoopOutput` is what the evaluation loop returns to `evaluate`/`predict`.
+- `step_outputs`, `eval_prediction`, `to_python` turn one step's tensors into the loop's keys, build
+  the `compute_metrics` argument, and make metric values plain numbers.
 
 Arrays are numpy (or nested tuples/lists/dicts of numpy arrays) once the loop has gathered them; with
 `batch_eval_metrics` they are the current batch's tensors instead, exactly as in HF.

@@ -49,10 +49,10 @@ class EvaluationMixin:
         """The eval DataLoader: in order, sharded contiguously over ranks (see SequentialDistributedSampler).
         `eval_dataset` may be a dataset, or the name of one in a dict passed to the Trainer."""
         if isinstance(eval_dataset, str):
-            if not isinstance(self.eval_dataset, Mapping) or eval_dataset not in self.eval_dataset:
-                names = ", ".join(self.eval_dataset) if isinstance(self.eval_dataset, Mapping) else "none"
-                raise KilnError(f"No eval dataset named {eval_dataset!r}; the Trainer's eval_dataset dict has: {names}.")
-            eval_dataset = self.eval_dataset[eval_dataset]
+            named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
+            if eval_dataset not in named:
+                raise KilnError(f"No eval dataset named {eval_dataset!r}; the Trainer's eval_dataset dict has: {', '.join(named) or 'none'}.")
+            eval_dataset = named[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise KilnError("evaluate() needs an eval_dataset: pass one to Trainer(...) or to evaluate().")
@@ -98,10 +98,12 @@ class EvaluationMixin:
         self._gen_kwargs = gen_kwargs
         loader = self.get_eval_dataloader(dataset)
         start = time.time()
-        output = self.evaluation_loop(loader, "Evaluation", prediction_loss_only=True if self.compute_metrics is None else None,
-                                      ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        with self._memory_stage("eval"):  # ignored inside fit(): the train stage counts it
+            output = self.evaluation_loop(loader, "Evaluation", prediction_loss_only=True if self.compute_metrics is None else None,
+                                          ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         metrics = output.metrics
         metrics.update(self._speed_metrics(metric_key_prefix, start, output.num_samples, loader))
+        self._memory.stop_and_update("eval", metrics)
         self.log(metrics)  # adds "epoch" to this very dict, so the caller sees it too (as in HF)
         self.control = self.callback_handler.call("on_evaluate", self.config, self.state, self.control, metrics=metrics)
         return metrics
@@ -113,10 +115,22 @@ class EvaluationMixin:
         self._gen_kwargs = gen_kwargs
         loader = self.get_test_dataloader(test_dataset)
         start = time.time()
-        output = self.evaluation_loop(loader, "Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        with self._memory_stage("test"):
+            output = self.evaluation_loop(loader, "Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         output.metrics.update(self._speed_metrics(metric_key_prefix, start, output.num_samples, loader))
+        self._memory.stop_and_update("test", output.metrics)
         self.control = self.callback_handler.call("on_predict", self.config, self.state, self.control, metrics=output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
+
+    @contextlib.contextmanager
+    def _memory_stage(self: "Trainer", stage: str) -> Iterator[None]:
+        """HF's memory tracker stage around a loop; `stop_and_update(stage, metrics)` reports it after."""
+        self._memory.start(stage)
+        try:
+            yield
+        except BaseException:
+            self._memory.stop(stage)
+            raise
 
     def _speed_metrics(self: "Trainer", prefix: str, start: float, num_samples: int, loader: Any) -> dict[str, float]:
         from kiln.loggers.metrics import speed_metrics
@@ -237,18 +251,18 @@ class EvaluationMixin:
         if ignore_keys is None:
             ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", None) or [])
         labels = self._labels_from(inputs)
-        loss = None
+        loss = outputs = None
         if labels is not None:
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
             loss = loss.mean().detach()
-        else:
-            outputs = model(**self._remove_unused(inputs))
         if loss_only:
             return loss, None, None
-        if self.config.eval.predict_with_generate:
+        if self.config.eval.predict_with_generate:  # no forward without labels: decoders need targets
             from kiln.engine.generation import generate_predictions
 
             return loss, generate_predictions(self, inputs, getattr(self, "_gen_kwargs", {})), labels
+        if outputs is None:
+            outputs = model(**self._remove_unused(inputs))
         if isinstance(outputs, Mapping):  # dicts and Transformers ModelOutputs
             logits: Any = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"] and v is not None)
         elif isinstance(outputs, (tuple, list)):

@@ -32,7 +32,7 @@ def save_weights(state: dict[str, torch.Tensor], directory: str, safetensors: bo
 
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
     for name, tensor in state.items():
         t = tensor.detach()
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
@@ -54,7 +54,7 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
         try:
             with safe_open(safe, framework="pt") as fh:
                 meta = fh.metadata() or {}
-                state = {name: fh.get_tensor(name) for name in fh.keys()}
+                state = {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118 - safe_open is no dict
             aliases = json.loads(meta.get("kiln_aliases", "{}"))
         except Exception as err:  # safetensors raises its own error types for truncated files
             raise CheckpointError(f"{safe} is corrupt or truncated ({err}); resume from another checkpoint.") from None
@@ -97,7 +97,7 @@ class FullStateCheckpointIO:
 
     format = "full"
 
-    def __init__(self, strategy: "Strategy") -> None:
+    def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
 
     def save(self, directory: str, module: nn.Module, optimizer: Any, save_optimizer: bool, safetensors: bool, writer: bool) -> None:

@@ -47,10 +47,14 @@ def default_backend(device: torch.device) -> str:
 def pick_device(env: ClusterEnvironment, requested: Optional[str]) -> torch.device:
     """cuda:<local_rank> when CUDA is usable (CUDA_VISIBLE_DEVICES already remaps the indices), else
     the CPU. `requested` is `strategy.device` ("cpu" forces the CPU on a GPU machine)."""
-    if requested is not None and torch.device(requested).type == "cpu":
+    kind = torch.device(requested).type if requested is not None else None
+    if kind == "cpu":
         return torch.device("cpu")
+    if kind not in (None, "cuda"):
+        raise RuntimeError(f"strategy 'ddp' runs on CPUs or CUDA GPUs, not on strategy.device={requested!r}; "
+                           f"use strategy: {kind} (one device) or strategy.device=cpu.")
     if not torch.cuda.is_available():
-        if requested is not None and torch.device(requested).type == "cuda":
+        if kind == "cuda":
             raise RuntimeError(f"strategy.device is {requested!r} but CUDA is not available; use strategy.device=cpu.")
         return torch.device("cpu")
     count = torch.cuda.device_count()
@@ -124,7 +128,7 @@ class DDPStrategy(Strategy):
         if init_process_group(self.cluster, self.backend, self.config.strategy.timeout):
             self._owns_group = True
             atexit.register(self.teardown)  # evaluate/predict may follow fit, so not before exit
-            if self.cluster.source == "none":
+            if not self.cluster.launched:
                 log.warning("strategy 'ddp' without a launcher runs one process; start several with "
                             "`kiln fit --nproc N`, torchrun or accelerate launch.")
         else:  # a group the user (or another Trainer) made: it decides the topology

@@ -251,7 +251,7 @@ def explicit_keys(source: Any = None, overrides: Sequence[str] | Mapping[str, An
     elif isinstance(source, Mapping):
         keys |= set(_flatten(normalise(dict(source))))
     elif isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
-        loaded = OmegaConf.to_container(OmegaConf.load(source), resolve=True)
+        loaded = OmegaConf.to_container(OmegaConf.load(os.fspath(source)), resolve=True)
         if isinstance(loaded, dict):
             keys |= set(_flatten(normalise(loaded)))  # type: ignore[arg-type]
     extra = overrides if isinstance(overrides, Mapping) else parse_dotlist(list(overrides))

@@ -155,7 +155,8 @@ class _Tail:
     message the program printed before exiting (kiln's CLI prints `kiln: error: ...`)."""
 
     def __init__(self, stream: TextIO, limit: int = 4000) -> None:
-        self.stream, self.limit, self.parts, self.size = stream, limit, deque(), 0
+        self.stream, self.limit, self.size = stream, limit, 0
+        self.parts: deque[str] = deque()
 
     def write(self, text: str) -> int:
         self.parts.append(text)

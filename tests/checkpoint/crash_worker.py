@@ -7,15 +7,15 @@ its final weights and numeric log history to RESULT. The worker answers `pid <pi
 
 The child slows training down a little (a sleep after every step, one between the weights and the
 optimizer file, and one before the marker), so that a run lasts long enough to be killed many times
-and kills land inside a write often, and it creates `began-<pid>` when training begins, so the test can
-time kills from there. These hooks live only here; none changes the numerics."""
+and kills land inside a write often. When training begins it appends `<pid> <checkpoint it loaded>`
+to `resumes.log` and creates `began-<pid>`, so the test can check the choice and time kills from
+there. These hooks live only here; none changes the numerics."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
-
 from typing import Any
 
 import torch
@@ -23,11 +23,10 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-import kiln.engine.checkpoint as checkpoint  # noqa: E402
-from kiln.engine.callbacks import Callback  # noqa: E402
-from kiln.strategies.checkpoint_io import FullStateCheckpointIO  # noqa: E402
-
-from tests.checkpoint.checkpoint_helpers import config, make_model, numeric_history, regression_data  # noqa: E402
+from kiln.engine import checkpoint
+from kiln.engine.callbacks import Callback
+from kiln.strategies.checkpoint_io import FullStateCheckpointIO
+from tests.checkpoint.checkpoint_helpers import config, make_model, numeric_history, regression_data
 
 WRITE_DELAY = 0.004
 STEP_DELAY = 0.01
@@ -51,11 +50,17 @@ def _slow_writes() -> None:
 
 
 class Pace(Callback):
-    def __init__(self, began: str) -> None:
-        self.began = began
+    """Marks the start of training (and records which checkpoint the Trainer really loaded), then
+    sleeps a little after every step."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.loaded = "fresh"
 
     def on_train_begin(self, config: Any, state: Any, control: Any, **kw: Any) -> None:
-        open(self.began, "w").close()
+        with open(os.path.join(self.run_dir, "resumes.log"), "a") as fh:
+            fh.write(f"{os.getpid()} {self.loaded}\n")
+        open(os.path.join(self.run_dir, f"began-{os.getpid()}"), "w").close()
 
     def on_step_end(self, config: Any, state: Any, control: Any, **kw: Any) -> None:
         time.sleep(STEP_DELAY)
@@ -69,12 +74,16 @@ def child(out: str, result: str) -> None:
     _slow_writes()
     from kiln.engine.trainer import Trainer
 
-    resumed = checkpoint.latest_checkpoint(out)
-    run_dir = os.path.dirname(out)
-    with open(os.path.join(run_dir, "resumes.log"), "a") as fh:
-        fh.write(f"{os.getpid()} {os.path.basename(resumed) if resumed else 'fresh'}\n")
+    pace = Pace(os.path.dirname(out))
+    load = checkpoint.CheckpointManager.load
+
+    def recording_load(self, path):  # type: ignore[no-untyped-def]
+        pace.loaded = os.path.basename(path)
+        return load(self, path)
+
+    checkpoint.CheckpointManager.load = recording_load  # type: ignore[method-assign]
     trainer = Trainer(make_model(seed=0, width=256), config(out, **CONFIG), train_dataset=regression_data(200),
-                      callbacks=[Pace(os.path.join(run_dir, f"began-{os.getpid()}"))])
+                      callbacks=[pace])
     trainer.fit(resume_from_checkpoint=True)
     payload = {"weights": trainer.model.state_dict(), "history": numeric_history(trainer)}
     torch.save(payload, result + ".tmp")

@@ -74,7 +74,7 @@ class CountingStream(StatefulStream):
 
 
 def test_iterable_dataset_restores_its_own_state(tmp_path):
-    trainer, data = crash_then_resume(tmp_path, CountingStream)
+    _, data = crash_then_resume(tmp_path, CountingStream)
     assert data.restored == {"pos": 12}  # 3 batches of 4 into the second pass
     assert data.yielded == 12  # nothing re-read
 

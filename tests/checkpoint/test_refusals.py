@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,9 +41,9 @@ def out(run, tmp_path):
 def remark(ckpt: str) -> None:
     """Rewrite the marker so its sizes match the (tampered) files: an attacker controls the folder."""
     path = os.path.join(ckpt, MARKER)
-    meta = json.load(open(path))
+    meta = json.loads(Path(path).read_text())
     meta["files"] = {f: os.path.getsize(os.path.join(ckpt, f)) for f in meta["files"]}
-    json.dump(meta, open(path, "w"))
+    Path(path).write_text(json.dumps(meta))
 
 
 # -- a different model ----------------------------------------------------------------------------
@@ -77,8 +78,8 @@ def test_missing_and_unexpected_keys_are_named(out):
 
 # -- corrupt files --------------------------------------------------------------------------------
 def truncate(path: str) -> None:
-    data = open(path, "rb").read()
-    open(path, "wb").write(data[: len(data) // 2])
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) // 2])
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt"])
@@ -109,9 +110,9 @@ def test_corrupt_file_with_a_matching_marker_is_refused(out, name, message):
 def test_garbled_safetensors_header_is_refused(out):
     ckpt = os.path.join(out, "checkpoint-4")
     path = os.path.join(ckpt, "model.safetensors")
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     data[8:40] = b"\xff" * 32  # inside the JSON header
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         train(out, CFG, resume=ckpt)
 
@@ -187,9 +188,9 @@ def test_world_size_change_is_refused_for_a_non_resharding_format(tmp_path):
     train(out, CFG, strategy=ShardedStrategy)
     ckpt = os.path.join(out, "checkpoint-4")
     marker = os.path.join(ckpt, MARKER)
-    meta = json.load(open(marker))
+    meta = json.loads(Path(marker).read_text())
     meta["world_size"] = 4  # saved by four processes
-    json.dump(meta, open(marker, "w"))
+    Path(marker).write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="holds shards for 4 processes but this run has 1.*resume with 4 processes"):
         train(out, CFG, resume=ckpt, strategy=ShardedStrategy)
     with pytest.raises(CheckpointError, match="'test-shards' checkpoint format, but this run uses 'full'"):
@@ -198,9 +199,9 @@ def test_world_size_change_is_refused_for_a_non_resharding_format(tmp_path):
 
 def test_world_size_change_for_the_full_format_warns(out):
     ckpt = os.path.join(out, "checkpoint-2")
-    meta = json.load(open(os.path.join(ckpt, MARKER)))
+    meta = json.loads(Path(os.path.join(ckpt, MARKER)).read_text())
     meta["world_size"] = 2
-    json.dump(meta, open(os.path.join(ckpt, MARKER), "w"))
+    Path(os.path.join(ckpt, MARKER)).write_text(json.dumps(meta))
     with pytest.warns(UserWarning, match="saved by 2 processes and this run has 1"):
         train(out, CFG, resume=ckpt)
 

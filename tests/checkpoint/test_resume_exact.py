@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint.checkpoint_helpers import StatefulStream, Stream, numeric_history, regression_data, straight_vs_resumed, weights
+from tests.checkpoint.checkpoint_helpers import (
+    StatefulStream,
+    Stream,
+    numeric_history,
+    regression_data,
+    straight_vs_resumed,
+    weights,
+)
 
 
 def small_eval():

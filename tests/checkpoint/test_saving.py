@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_checkpoint_contents(tmp_path):
     rng = torch.load(os.path.join(ckpt, "rng_state_0.pth"), weights_only=True)
     assert {"python", "numpy", "torch"} <= set(rng)
     assert ("cuda" in rng) == torch.cuda.is_available()
-    state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
+    state = json.loads(Path(os.path.join(ckpt, "trainer_state.json")).read_text())
     assert state["global_step"] == 6 and state["best_metric"] is not None and state["best_global_step"] in (3, 6)
     assert any("loss" in e for e in state["log_history"]) and any("eval_loss" in e for e in state["log_history"])
     assert state["stateful_callbacks"]["Counter"] == {"steps": 6}
@@ -147,7 +148,7 @@ def test_debris_of_a_killed_save_is_cleared_and_never_trusted(tmp_path):
     os.rename(out / "checkpoint-4", out / ".checkpoint-4.tmp")  # as if killed before the rename
     (out / ".checkpoint-2.deleting").mkdir()  # as if killed while rotating
     trainer = train(str(out), {"max_steps": 6, "save_steps": 2}, resume=True)
-    assert json.load(open(out / "checkpoint-4" / "trainer_state.json"))["global_step"] == 4
+    assert json.loads(Path(out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
     assert trainer.state.global_step == 6
     assert folders(str(out)) == {"checkpoint-2", "checkpoint-4", "checkpoint-6"}
 

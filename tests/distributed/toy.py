@@ -86,6 +86,16 @@ def token_data(n: int = 32, length: int = 10, vocab: int = 11, seed: int = 0) ->
     return out
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset (no length): kiln shards it per rank, every `world`-th item."""
+
+    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
+        self.items = items
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.items)
+
+
 # name -> (model factory, data, config); `per_device` is the batch of ONE of two DDP ranks
 SCENARIOS: dict[str, dict[str, Any]] = {
     "plain": {"model": Regressor, "data": lambda: regression_data(32), "per_device": 4, "accum": 1, "max_steps": 6,
@@ -94,6 +104,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
               "extra": {}},
     "tokens": {"model": TokenLM, "data": lambda: token_data(32), "per_device": 2, "accum": 2, "max_steps": 6,
                "extra": {}},
+    "iterable": {"model": Regressor, "data": lambda: Stream(regression_data(32)), "per_device": 4, "accum": 1,
+                 "max_steps": 6, "extra": {}},
     # SGD without clipping: any wrong scale of the loss shows directly in the weights
     "hf_num_items": {"model": HFTokenLM, "data": lambda: token_data(32), "per_device": 2, "accum": 2, "max_steps": 6,
                      "extra": {"optim": {"name": "sgd"}, "max_grad_norm": 0.0, "learning_rate": 0.5}},

@@ -115,3 +115,8 @@ def test_model_without_loss_is_explained(tmp_path):
 
     with pytest.raises(ValueError, match="has no 'loss'"):
         Trainer(NoLoss(), base_config(tmp_path, max_steps=1), train_dataset=regression_data(8)).fit()
+
+
+def test_bare_no_on_the_command_line_means_no():
+    cfg = load_config(None, ["save.strategy=no", "eval_strategy=no", "logging_strategy=no"])
+    assert cfg.save.strategy == cfg.eval.strategy == cfg.log.strategy == "no"

@@ -62,3 +62,13 @@ def test_save_state(trainer: Trainer, tmp_path: Any) -> None:
     assert state["global_step"] == 2
     assert any("eval_loss" in entry for entry in state["log_history"])
     assert state["log_history"] == json.loads(json.dumps(trainer.state.log_history))
+
+
+def test_memory_metrics(tmp_path: Any) -> None:
+    pytest.importorskip("psutil")
+    _, evals = digits(n_eval=32)
+    trainer = Trainer(make_model("module"), config(tmp_path, skip_memory_metrics=False), eval_dataset=evals)
+    metrics = trainer.evaluate()
+    assert {"eval_mem_cpu_alloc_delta", "eval_mem_cpu_peaked_delta"} <= set(metrics)
+    assert {"test_mem_cpu_alloc_delta", "test_mem_cpu_peaked_delta"} <= set(trainer.predict(evals).metrics)
+    assert "eval_mem_cpu_alloc_delta" not in Trainer(make_model("module"), config(tmp_path), eval_dataset=evals).evaluate()

@@ -103,3 +103,16 @@ def test_generation_kwargs_precedence(tmp_path: Any) -> None:
     assert generation_kwargs(e, {"max_length": None}) == {"max_length": 20, "num_beams": 4, "do_sample": False}
     plain = load_config({"output_dir": str(tmp_path)}).eval
     assert generation_kwargs(plain, {}) == {}  # the model's generation_config decides
+
+
+def test_generate_without_labels_needs_no_forward(tmp_path: Any) -> None:
+    """T5's forward fails without decoder inputs: unlabeled data must only be generated from."""
+    cfg = transformers.T5Config(vocab_size=24, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    torch.manual_seed(0)
+    t5 = transformers.T5ForConditionalGeneration(cfg).eval()
+    rows = [{"input_ids": torch.arange(3, 9) + i, "attention_mask": torch.ones(6, dtype=torch.long)} for i in range(4)]
+    out = Trainer(t5, config(tmp_path, per_device_eval_batch_size=BATCH, predict_with_generate=True,
+                             generation_max_length=4)).predict(rows)
+    assert out.label_ids is None and "test_loss" not in out.metrics
+    np.testing.assert_array_equal(out.predictions, concat_padded([g.numpy() for g in by_hand(t5, rows, max_length=4)], -100))

@@ -97,6 +97,11 @@ def test_batch_eval_metrics_sees_each_sample_once(tmp_path: Any) -> None:
         assert metrics["eval_rows"] == 16  # the two duplicates of rank 2 are not counted
         assert sorted(seen[rank]) == sorted(evals.labels.tolist())
 
+    seen.clear()  # predict() still returns every prediction, in dataset order
+    for rank, out in enumerate(world.run(lambda r: ranks[r].predict(evals))):
+        np.testing.assert_array_equal(out.label_ids, evals.labels.numpy())
+        assert out.predictions.shape == (16, 10) and out.metrics["test_rows"] == 16
+
 
 def test_drop_last_keeps_whole_global_batches(tmp_path: Any) -> None:
     _, evals = digits(n_eval=16)
@@ -104,3 +109,18 @@ def test_drop_last_keeps_whole_global_batches(tmp_path: Any) -> None:
     ranks = trainers(tmp_path, world, dataloader_drop_last=True)
     for out in world.run(lambda r: ranks[r].predict(evals)):
         np.testing.assert_array_equal(out.label_ids, evals.labels[:12].numpy())  # 16 // (2 * 3) * 6 rows
+
+
+def test_sampler_drop_last_layout() -> None:
+    from kiln.engine.data import SequentialDistributedSampler
+    from kiln.engine.gather import OrderedGatherer
+
+    shards = [list(SequentialDistributedSampler(16, 3, r, batch_size=2, drop_last=True)) for r in range(3)]
+    assert shards == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # whole global batches, nothing repeated
+    sampler = SequentialDistributedSampler(16, 3, 0, batch_size=2, drop_last=True)
+    gatherer = OrderedGatherer.for_sampler(sampler)
+    assert (sampler.num_examples, gatherer.num_samples, gatherer.process_length) == (12, 12, 4)
+    assert SequentialDistributedSampler(16, 3, 0).num_examples == 16
+    assert len(SequentialDistributedSampler(5, 3, 0, batch_size=2, drop_last=True)) == 0
+    with pytest.raises(ValueError, match="batch_size"):
+        SequentialDistributedSampler(16, 3, 0, drop_last=True)

@@ -73,6 +73,8 @@ def test_backend_and_device_defaults(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         pick_device(ClusterEnvironment(), "cuda")
+    with pytest.raises(RuntimeError, match="use strategy: mps"):
+        pick_device(ClusterEnvironment(), "mps")
 
 
 def test_cuda_device_follows_local_rank_and_names_cuda_visible_devices(monkeypatch):
