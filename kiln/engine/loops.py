@@ -103,6 +103,7 @@ class FitLoop:
         self.last_logged, self.window_start = state.global_step, start
         self.samples_at_log, self.tokens_at_log = 0, 0
         self.tr_loss, self.steps_before_resume = tr_loss, 0
+        self.pending: list[torch.Tensor] = []  # step losses not yet folded into tr_loss / total_loss
         t.checkpoints.restore_loop(self)  # resumed: the running loss sums exactly as they were saved
         tr_loss = self.tr_loss
         model.train()
@@ -172,7 +173,7 @@ class FitLoop:
         control = t.callback_handler.call("on_step_begin", cfg, state, t.control)
         window = [strategy.batch_to_device(b) for b in window]
         weights, total = t._loss_weights(window)
-        step_loss = torch.zeros((), device=strategy.root_device)
+        losses = []
         last = len(window) - 1
         for i, batch in enumerate(window):
             self.samples += batch_size_of(batch)
@@ -183,7 +184,7 @@ class FitLoop:
                 self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * ids.numel()
             t._loss_weight, t._num_items = weights[i], total
             with strategy.no_sync(model, enabled=i < last):
-                step_loss = step_loss + t.training_step(model, batch, num_items_in_batch=total)
+                losses.append(t.training_step(model, batch, num_items_in_batch=total))
             if i < last:
                 control = t.callback_handler.call("on_substep_end", cfg, state, control)
         if self.count_tokens_seen:
@@ -200,13 +201,30 @@ class FitLoop:
         strategy.zero_grad(model, opt)
         state.global_step += 1
         self.steps_this_run += 1
-        if self.nan_inf_filter:
-            # A nan/inf step loss counts as the window's mean so far (HF), without a host sync;
-            # train_loss at the end uses the same filtered values.
-            mean_so_far = tr_loss / (1 + state.global_step - 1 - self.last_logged)
-            step_loss = torch.where(torch.isfinite(step_loss), step_loss, mean_so_far)
-        self.total_loss += step_loss.double()
-        return tr_loss + step_loss
+        # The step loss is only queued: folding it into the sums costs several tiny tensor ops, which
+        # are done once per log/save instead of once per step.
+        self.pending.append(sum(losses[1:], losses[0]))
+        return tr_loss
+
+    def _fold(self, tr_loss: torch.Tensor) -> torch.Tensor:
+        """Add the queued step losses to tr_loss and total_loss (before logs, saves and the end).
+
+        With `nan_inf_filter`, a nan/inf step loss counts as the logging window's mean so far (HF's
+        rule); train_loss uses the same filtered values."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return tr_loss
+        stacked = torch.stack(pending)
+        if not self.nan_inf_filter or bool(torch.isfinite(stacked).all()):
+            self.total_loss += stacked.double().sum()
+            return tr_loss + stacked.sum()
+        first_step = self.trainer.state.global_step - len(pending) + 1
+        for j, value in enumerate(pending):
+            steps_before = first_step + j - 1 - self.last_logged
+            value = torch.where(torch.isfinite(value), value, tr_loss / (1 + steps_before))
+            self.total_loss += value.double()
+            tr_loss = tr_loss + value
+        return tr_loss
 
     @staticmethod
     def tokens_in(window: list[Any]) -> int:
@@ -226,6 +244,7 @@ class FitLoop:
         control, state = t.control, t.state
         if control.should_log or control.should_save:
             self._flush_flos()
+            tr_loss = self._fold(tr_loss)
         if control.should_log and state.global_step > self.last_logged:
             steps = state.global_step - self.last_logged
             loss = t.strategy.reduce(tr_loss, "mean").item() / steps
@@ -261,6 +280,7 @@ class FitLoop:
         state, cfg = t.state, t.config
         runtime = time.perf_counter() - start
         self._flush_flos()
+        self._fold(tr_loss)
         steps = max(self.steps_before_resume + self.steps_this_run, 1)
         train_loss = t.strategy.reduce(self.total_loss.float(), "mean").item() / steps
         world = t.strategy.data_parallel_size

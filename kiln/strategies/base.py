@@ -116,7 +116,7 @@ class Strategy:
         """Unscale, then clip all gradients to `max_norm`; returns the total norm before clipping."""
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def optimizer_step(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         """Step; returns False when the precision plugin skipped the step (inf/nan gradients)."""
