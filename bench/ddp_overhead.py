@@ -28,32 +28,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.models import MLP, SmallTransformer  # noqa: E402
+
 WARMUP = 20
 TARGET = 1.05
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": F.cross_entropy(self.net(x), labels)}
-
-
-class SmallTransformer(nn.Module):
-    def __init__(self, vocab: int = 256, dim: int = 128, layers: int = 2, seq: int = 64) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(seq, dim))
-        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
-        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        h = self.body(self.emb(input_ids) + self.pos, mask=self.mask, is_causal=True)
-        return {"loss": F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())}
 
 
 def mlp_data(n: int = 8192) -> list[dict[str, torch.Tensor]]:
@@ -133,7 +112,7 @@ def worker(steps: int, repeats: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
     rank0 = dist.get_rank() == 0
-    cases = [("MLP 64-256-256-10", MLP, mlp_data(), 64, steps), ("transformer 2x128", SmallTransformer, lm_data(), 8, max(60, steps // 3))]
+    cases = [("MLP 64-256-256-10", lambda: MLP(64, 256, 10), mlp_data(), 64, steps), ("transformer 2x128", lambda: SmallTransformer(dim=128, layers=2, seq=64), lm_data(), 8, max(60, steps // 3))]
     if rank0:
         print(f"world size {dist.get_world_size()}, backend {dist.get_backend()}, {torch.get_num_threads()} threads per process,"
               f" {repeats} interleaved repeats", flush=True)

@@ -12,6 +12,7 @@ Targets: ratio <= 1.10 on the tiny MLP (overhead-dominated), <= 1.02 on the smal
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -22,31 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.models import MLP, SmallTransformer  # noqa: E402
+
 WARMUP = 20
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": F.cross_entropy(self.net(x), labels)}
-
-
-class SmallTransformer(nn.Module):
-    def __init__(self, vocab: int = 256, dim: int = 256, layers: int = 4, seq: int = 128) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(seq, dim))
-        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
-        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, vocab)
-        self.mask = nn.Transformer.generate_square_subsequent_mask(seq)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        h = self.body(self.emb(input_ids) + self.pos, mask=self.mask, is_causal=True)
-        return {"loss": F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())}
 
 
 def mlp_data(n: int = 4096) -> list[dict[str, torch.Tensor]]:

@@ -17,6 +17,11 @@ from kiln import Callback, TrainingModule
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+if REPO not in sys.path:  # worker scripts run with only their own folder on sys.path
+    sys.path.insert(0, REPO)
+from tests import helpers  # noqa: E402
+from tests.helpers import flat_params  # noqa: E402,F401  (re-exported for the workers)
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
@@ -67,23 +72,12 @@ class HFTokenLM(nn.Module):
 
 
 def regression_data(n: int = 32, d_in: int = 6, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d_in, generator=g)
-    y = x @ torch.randn(d_in, generator=g) + 0.1 * torch.randn(n, generator=g)
-    return [{"x": x[i], "y": y[i]} for i in range(n)]
+    return helpers.regression_data(n, d_in, seed)
 
 
 def token_data(n: int = 32, length: int = 10, vocab: int = 11, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Sequences with 1..length real tokens, so item counts differ between micro-batches and ranks."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        real = int(torch.randint(1, length + 1, (1,), generator=g))
-        ids = torch.randint(0, vocab, (length,), generator=g)
-        labels = ids.roll(-1).clone()
-        labels[real:] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return helpers.padded_token_data(n, length, vocab, seed)
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -124,10 +118,6 @@ def scenario_config(name: str, output_dir: str, world: int, **extra: Any) -> dic
     cfg.update(sc["extra"])
     cfg.update(extra)
     return cfg
-
-
-def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def train_scenario(name: str, output_dir: str, world: int) -> tuple[Any, nn.Module]:
