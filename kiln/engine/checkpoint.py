@@ -23,6 +23,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from kiln.engine.checkpoint_files import (  # noqa: F401  (re-exported: the Trainer and tests import them from here)
+    MARKER, PREFIX, _fsync_dir, _fsync_tree, _remove, is_complete, latest_checkpoint, list_checkpoints, read_marker,
+    resolve_resume,
+)
 from kiln.engine.errors import CheckpointError, safe_torch_load
 from kiln.engine.seed import rng_state, set_rng_state
 from kiln.engine.state import TrainerState
@@ -33,108 +37,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PREFIX = "checkpoint-"
-MARKER = "COMPLETE"
 STATE = "trainer_state.json"
 CONFIG = "config.yaml"
 RNG = "rng_state_{rank}.pth"
 LOOP = "loop_state_{rank}.pt"
-_STEP = re.compile(rf"^{PREFIX}(\d+)$")
 _DEBRIS = re.compile(rf"^\.{PREFIX}\d+\.(tmp|old|deleting)$")
 #: config keys whose change makes the saved data position mean something else (warned about on resume)
 _POSITION_KEYS = ("data.per_device_train_batch_size", "train.gradient_accumulation_steps", "seed", "data_seed",
                   "data.dataloader_drop_last", "data.group_by_length")
-
-
-# -- files on disk -------------------------------------------------------------------------------
-def _fsync_tree(directory: str) -> dict[str, int]:
-    """fsync every file (so the marker never outlives its data after a crash); return sizes."""
-    sizes: dict[str, int] = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-            sizes[os.path.relpath(path, directory)] = os.path.getsize(path)
-    return sizes
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(path: str) -> None:
-    """Delete a checkpoint folder so that a crash half-way never leaves a half-deleted
-    `checkpoint-<step>`: it is renamed to a hidden name first, then removed."""
-    parent, name = os.path.split(path)
-    doomed = os.path.join(parent, f".{name}.deleting")
-    shutil.rmtree(doomed, ignore_errors=True)
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def is_complete(path: str) -> bool:
-    """True when `path` has a marker and every file it lists exists with the recorded size."""
-    try:
-        meta = read_marker(path)
-        return bool(meta["files"]) and all(
-            os.path.getsize(os.path.join(path, f)) == size for f, size in meta["files"].items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
-        return False
-
-
-def read_marker(path: str) -> dict[str, Any]:
-    try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as fh:
-            meta = json.load(fh)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} has no readable {MARKER} marker ({err}); it is incomplete or damaged.") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}/{MARKER} is damaged (not a JSON object).")
-    return meta
-
-
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every `checkpoint-<step>` folder, oldest first (complete or not)."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
-             if (m := _STEP.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
-    return sorted(found)
-
-
-def latest_checkpoint(output_dir: str) -> Optional[str]:
-    """Newest complete checkpoint; incomplete ones are skipped with a warning."""
-    for _, path in reversed(list_checkpoints(output_dir)):
-        if is_complete(path):
-            return path
-        warnings.warn(f"Ignoring incomplete checkpoint {path} (its {MARKER} marker is missing or does not match its files).",
-                      stacklevel=2)
-    return None
-
-
-def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
-    """`True` / "true" -> newest complete checkpoint (None if there is none); a path -> that path."""
-    if resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false", "none")):
-        return None
-    if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
-        path = latest_checkpoint(output_dir)
-        if path is None:
-            warnings.warn(f"resume_from_checkpoint=True but {output_dir} has no complete checkpoint: starting fresh.", stacklevel=2)
-        return path
-    path = os.fspath(resume)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"resume_from_checkpoint={path!r} is not a folder.")
-    if not is_complete(path):
-        raise CheckpointError(
-            f"{path} is incomplete or damaged (its {MARKER} marker is missing or does not match its files); "
-            "resume from another checkpoint, or use resume_from_checkpoint=true to pick the newest complete one."
-        )
-    return path
 
 
 def _plain(value: Any) -> bool:

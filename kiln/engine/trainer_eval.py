@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
+from kiln.engine.best_model import BestModelMixin
 from kiln.engine.data import SequentialDistributedSampler
-from kiln.engine.early_stopping import best_metric_key, resolve_greater_is_better
 from kiln.engine.errors import KilnError
 from kiln.engine.gather import EvalAccumulator, OrderedGatherer, gather_across_processes, nested_detach
 from kiln.engine.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, eval_prediction, step_outputs, to_python
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class EvaluationMixin:
+class EvaluationMixin(BestModelMixin):
     """Mixed into Trainer; `self` is the Trainer."""
 
     # -- dataloaders (HF override points) ---------------------------------------------------
@@ -280,48 +280,6 @@ class EvaluationMixin:
         if (e.strategy != "no" or e.on_start) and self.eval_dataset is None and not custom_loader:
             raise KilnError(f"eval.strategy is {e.strategy!r}{' with eval_on_start' if e.on_start else ''} but the Trainer "
                             "has no eval_dataset: pass eval_dataset=... or set eval_strategy='no'.")
-
-    def _evaluate_during_training(self: "Trainer", on_start: bool = False) -> dict[str, float]:
-        """Evaluate, then update the best metric, `save_strategy: best` and a metric-driven scheduler.
-        The sanity evaluation of `eval_on_start` does neither (HF)."""
-        metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
-        if on_start:
-            return metrics
-        improved = self._update_best(metrics)
-        if self.config.save.strategy == "best":
-            self.control.should_save = improved
-        if self._scheduler_needs_metrics and self.lr_scheduler is not None:
-            self.lr_scheduler.step(metrics[self._best_metric_key(metrics)])
-        return metrics
-
-    def _best_metric_key(self: "Trainer", metrics: Mapping[str, float]) -> str:
-        name = self.config.eval.metric_for_best_model or "loss"
-        key = best_metric_key(name)
-        if key not in metrics:
-            raise KilnError(f"metric_for_best_model is {name!r} but evaluation returned no {key!r} "
-                            f"(it returned: {', '.join(sorted(metrics))}).")
-        return key
-
-    def greater_is_better(self: "Trainer") -> bool:
-        return resolve_greater_is_better(self.config.eval)
-
-    def _update_best(self: "Trainer", metrics: Mapping[str, float]) -> bool:
-        e = self.config.eval
-        if not (e.metric_for_best_model or e.load_best_model_at_end or self.config.save.strategy == "best"):
-            return False
-        value = float(metrics[self._best_metric_key(metrics)])
-        best = self.state.best_metric
-        better = best is None or (value > best if self.greater_is_better() else value < best)
-        if better:
-            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
-        return better
-
-    def _load_best_model(self: "Trainer") -> None:
-        path = self.state.best_model_checkpoint
-        if not path or not os.path.isdir(path):
-            logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the last weights.")
-            return
-        self.strategy.checkpoint_io().load(path, self.model, None, load_optimizer=False)
 
     # -- HF metric helpers ------------------------------------------------------------------
     def metrics_format(self: "Trainer", metrics: Mapping[str, float]) -> dict[str, Any]:
