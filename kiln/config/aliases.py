@@ -23,6 +23,7 @@ PATHS: dict[str, str] = {
     "ignore_data_skip": "train.ignore_data_skip",
     "label_smoothing_factor": "train.label_smoothing_factor",
     "include_num_input_tokens_seen": "train.include_num_input_tokens_seen",
+    "average_tokens_across_devices": "train.average_tokens_across_devices",
     # data
     "per_device_train_batch_size": "data.per_device_train_batch_size",
     "per_device_eval_batch_size": "data.per_device_eval_batch_size",

@@ -93,6 +93,9 @@ def _check_names(cfg: DictConfig) -> None:
 
 def _check_best_model(cfg: DictConfig) -> None:
     e, s = cfg.eval, cfg.save
+    if s.strategy == "best" and e.strategy == "no":  # it would train to the end without saving anything
+        raise ConfigError("save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy "
+                          "is 'no': set eval.strategy to 'steps' or 'epoch', or save on 'steps' or 'epoch'.")
     if not e.load_best_model_at_end:
         return
     if e.strategy == "no":

@@ -19,7 +19,9 @@ from torch.utils.data._utils.collate import default_collate
 
 def default_data_collator(features: list[Any]) -> Any:
     """torch's default_collate, plus HF's renaming of a `label`/`label_ids` key to `labels`."""
-    if features and isinstance(features[0], Mapping):
+    first = features[0] if features else None
+    # like HF, the first feature decides (copying every feature's dict costs ~1 us each per batch)
+    if isinstance(first, Mapping) and "labels" not in first and ("label" in first or "label_ids" in first):
         renamed = []
         for f in features:
             f = dict(f)

@@ -172,7 +172,8 @@ class FitLoop:
         cfg, strategy, state, opt = t.config, t.strategy, t.state, t.optimizer
         control = t.callback_handler.call("on_step_begin", cfg, state, t.control)
         window = [strategy.batch_to_device(b) for b in window]
-        weights, total = t._loss_weights(window)
+        t._window = weights = t._loss_weights(window)
+        num_items = weights.total if weights is not None and t._wants_num_items else None
         losses = []
         last = len(window) - 1
         for i, batch in enumerate(window):
@@ -182,11 +183,12 @@ class FitLoop:
                 self.tokens += ids.numel()
                 # total_flos: the model's own count (Transformers), else HF's 6 x tokens x parameters
                 self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * ids.numel()
-            t._loss_weight, t._num_items = weights[i], total
+            t._micro = i
             with strategy.no_sync(model, enabled=i < last):
-                losses.append(t.training_step(model, batch, num_items_in_batch=total))
+                losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
             if i < last:
                 control = t.callback_handler.call("on_substep_end", cfg, state, control)
+        t._window = None
         if self.count_tokens_seen:
             state.num_input_tokens_seen += int(strategy.reduce(torch.tensor(self.tokens_in(window), device=strategy.root_device), "sum").item())
         control = t.callback_handler.call("on_pre_optimizer_step", cfg, state, control)

@@ -20,6 +20,7 @@ from kiln.engine.dispatch import StepDispatcher
 from kiln.engine.distributed import configure_logging
 from kiln.engine.errors import KilnError
 from kiln.engine.loops import FitLoop, TrainOutput
+from kiln.engine.loss_weights import WindowWeights
 from kiln.engine.module import (
     accepts_kwarg, count_items, default_label_names, forward_argument_names, is_training_module, loss_from_output,
 )
@@ -97,8 +98,13 @@ class Trainer(EvaluationMixin):
         # plain copies of settings read per micro-batch (OmegaConf lookups cost microseconds)
         self._label_smoothing = float(cfg.train.label_smoothing_factor)
         self._remove_columns = bool(cfg.data.remove_unused_columns)
-        self._loss_weight: Any = None
-        self._num_items: Any = None
+        self._global_mean = bool(cfg.train.average_tokens_across_devices)
+        self._window: Optional[WindowWeights] = None  # the current window's loss weights, and which micro-batch runs
+        self._micro = 0
+        # num_items_in_batch is only worth waiting for (it is summed over ranks) when something reads
+        # it; otherwise the all-reduce runs while the first forward does
+        self._wants_num_items = self._accepts_num_items or type(self).compute_loss is not Trainer.compute_loss or \
+            type(self).training_step is not Trainer.training_step
         self._scheduler_needs_metrics = False
         self.model_wrapped: nn.Module = model
         self._wrapped = False
@@ -204,22 +210,18 @@ class Trainer(EvaluationMixin):
         self.precision.setup()
 
     # -- one micro-batch (HF override points) -----------------------------------------------
-    def _loss_weights(self, window: list[Any]) -> tuple[list[Any], Any]:
-        """Per-micro-batch loss weights n_i / N so the window's gradient is that of its mean loss.
-
-        N is summed over data-parallel ranks (which then average gradients), so the result is the
-        mean over every item of the global window, not a mean of per-rank means."""
+    def _loss_weights(self, window: list[Any]) -> Optional[WindowWeights]:
+        """Per-micro-batch loss weights for this window (None: one micro-batch on one process, whose
+        mean loss needs no weighting). See kiln.engine.loss_weights."""
         dp = self.strategy.data_parallel_size
-        if len(window) == 1 and dp == 1 and not self._accepts_num_items:
-            return [None], None  # one micro-batch, one process: the loss is already the mean
+        if len(window) == 1 and (dp == 1 or not self._global_mean) and not self._accepts_num_items:
+            return None
         counter = self.model.num_items if self._training_module else (lambda b: count_items(b, self.label_names))
         counts = [torch.as_tensor(counter(b), device=self.strategy.root_device) for b in window]
         total = torch.stack(counts).sum()
-        if dp > 1:
-            total = self.strategy.reduce(total, "sum")
-        if self._accepts_num_items:  # the model divides by the global N itself; DDP's averaging divides by dp again
-            return [None if dp == 1 else dp] * len(window), total
-        return [c * dp / total for c in counts], total
+        global_mean = self._global_mean and dp > 1
+        wait_total = self.strategy.reduce_async(total, "sum") if global_mean else (lambda: total)
+        return WindowWeights(counts, dp, wait_total, global_mean=global_mean, model_divides=self._accepts_num_items)
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
         """The loss of one micro-batch (mean over its items); override for a custom loss."""
@@ -250,8 +252,9 @@ class Trainer(EvaluationMixin):
         """Forward, loss, backward for one micro-batch; returns its detached (weighted) loss."""
         with self.precision.forward_context():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        if self._loss_weight is not None:
-            loss = loss * self._loss_weight
+        weight = self._window.weight(self._micro) if self._window is not None else None
+        if weight is not None:
+            loss = loss * weight
         self.strategy.backward(loss, model)
         return loss.detach()
 

@@ -129,6 +129,12 @@ class Strategy:
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         return tensor
 
+    def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+        """Start `reduce` and return a function that waits for it and gives the result, so the
+        communication overlaps with the caller's work (e.g. a forward pass) instead of stalling it."""
+        done = self.reduce(tensor, op)
+        return lambda: done
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stack `tensor` from every rank along a new first dimension."""
         return tensor.unsqueeze(0)

@@ -11,8 +11,9 @@ ddp_broadcast_buffers] (HF defaults: False with gradient checkpointing, True oth
 `strategy.static_graph`.
 
 Why the loop's loss weights look the way they do: DDP *averages* gradients over ranks, so the
-loop scales each micro-batch's mean loss by n_i * world / N (N summed over ranks), which makes the
-averaged gradient that of the mean over every item of the global window.
+loop scales each micro-batch's mean loss by n_i * world / N (N summed over ranks, with
+`average_tokens_across_devices`, the default), which makes the averaged gradient that of the mean
+over every item of the global window (see kiln/engine/loss_weights.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import atexit
 import contextlib
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ContextManager, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -181,6 +182,21 @@ class DDPStrategy(Strategy):
         if op == "mean":
             t = t / self.world_size
         return t.to(torch.as_tensor(tensor).device)
+
+    def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+        import torch.distributed as dist
+
+        if op != "sum":  # only sums are needed in the background; the others take the plain path
+            return super().reduce_async(tensor, op)
+        t = self._comm(torch.as_tensor(tensor))
+        work = dist.all_reduce(t, async_op=True)
+        device = torch.as_tensor(tensor).device
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return t.to(device)
+
+        return wait
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist

@@ -103,6 +103,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # SGD without clipping: any wrong scale of the loss shows directly in the weights
     "hf_num_items": {"model": HFTokenLM, "data": lambda: token_data(32), "per_device": 2, "accum": 2, "max_steps": 6,
                      "extra": {"optim": {"name": "sgd"}, "max_grad_norm": 0.0, "learning_rate": 0.5}},
+    # each rank's own mean, averaged over ranks (no item-count all-reduce): checked against a hand-computed
+    # mean of rank means, not against one process
+    "tokens_rank_means": {"model": TokenLM, "data": lambda: token_data(32), "per_device": 2, "accum": 1, "max_steps": 1,
+                          "extra": {"optim": {"name": "sgd"}, "max_grad_norm": 0.0, "learning_rate": 0.5,
+                                    "average_tokens_across_devices": False}, "reference": "rank_means"},
 }
 
 

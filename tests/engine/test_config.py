@@ -58,6 +58,7 @@ def test_strategy_mapping_keeps_unknown_keys_as_options():
     ({"report_to": ["tensorbord"]}, "Unknown logger 'tensorbord'"),
     ({"push_to_hub": True}, "push_to_hub is not supported"),
     ({"load_best_model_at_end": True}, "load_best_model_at_end needs evaluation during training"),
+    ({"save_strategy": "best"}, "save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy is 'no'"),
     ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 5},
      "save.steps (5) to be a multiple of eval.steps (3)"),
 ])
@@ -120,3 +121,13 @@ def test_model_without_loss_is_explained(tmp_path):
 def test_bare_no_on_the_command_line_means_no():
     cfg = load_config(None, ["save.strategy=no", "eval_strategy=no", "logging_strategy=no"])
     assert cfg.save.strategy == cfg.eval.strategy == cfg.log.strategy == "no"
+
+
+def test_docs_config_reference_is_current():
+    """docs/config.md is generated; a new or changed option must be regenerated with `kiln config-docs`."""
+    import pathlib
+
+    from kiln.config.docs import config_markdown
+
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert doc.read_text() == config_markdown(), "docs/config.md is stale: run `kiln config-docs > docs/config.md`"

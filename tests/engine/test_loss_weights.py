@@ -1,0 +1,62 @@
+"""Micro-batch loss weights: the global mean over the items of every rank (the default, HF's
+average_tokens_across_devices) or each rank's own mean, and when the item-count all-reduce runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import Trainer
+from kiln.engine.loss_weights import WindowWeights
+from tests.helpers import TokenModel, base_config, padded_token_data
+
+
+def test_global_mean_waits_for_the_reduced_count_lazily_and_once():
+    calls = []
+
+    def wait():
+        calls.append(1)
+        return torch.tensor(20)
+
+    w = WindowWeights([torch.tensor(3), torch.tensor(5)], 2, wait, global_mean=True, model_divides=False)
+    assert calls == []  # nothing waits before the first weight is needed (after the first forward)
+    assert float(w.weight(0)) == pytest.approx(3 * 2 / 20) and float(w.weight(1)) == pytest.approx(5 * 2 / 20)
+    assert int(w.total) == 20 and calls == [1]
+
+
+def test_rank_mean_weights_by_local_counts():
+    local = torch.tensor(8)
+    w = WindowWeights([torch.tensor(3), torch.tensor(5)], 2, lambda: local, global_mean=False, model_divides=False)
+    assert [float(w.weight(i)) for i in (0, 1)] == pytest.approx([3 / 8, 5 / 8])
+
+
+@pytest.mark.parametrize("global_mean, expected", [(True, 2), (False, None)])
+def test_models_that_divide_by_num_items_get_only_the_dp_factor(global_mean, expected):
+    w = WindowWeights([torch.tensor(3)], 2, lambda: torch.tensor(9), global_mean=global_mean, model_divides=True)
+    assert w.weight(0) == expected
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_trainer_reduces_item_counts_only_for_the_global_mean(tmp_path, monkeypatch, average):
+    data = padded_token_data(n=8)
+    cfg = base_config(tmp_path, max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                      average_tokens_across_devices=average)
+    trainer = Trainer(TokenModel(), cfg, train_dataset=data)
+    reduced = []
+
+    def reduce_async(tensor, op="sum"):
+        reduced.append(int(tensor))
+        return lambda: tensor * 2  # what a second rank with the same counts would add
+
+    monkeypatch.setattr(type(trainer.strategy), "data_parallel_size", property(lambda self: 2))
+    monkeypatch.setattr(trainer.strategy, "reduce_async", reduce_async)
+    window = [torch.utils.data.default_collate(data[i:i + 2]) for i in (0, 2)]
+    counts = [int(b["labels"].ne(-100).sum()) for b in window]
+    weights = trainer._loss_weights(window)
+    got = [float(weights.weight(i)) for i in (0, 1)]
+    if average:
+        assert reduced == [sum(counts)]
+        assert got == pytest.approx([c * 2 / (2 * sum(counts)) for c in counts])
+    else:
+        assert reduced == []
+        assert got == pytest.approx([c / sum(counts) for c in counts])
