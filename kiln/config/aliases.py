@@ -20,6 +20,7 @@ PATHS: dict[str, str] = {
     "torch_compile": "train.torch_compile",
     "torch_compile_backend": "train.torch_compile_backend",
     "torch_compile_mode": "train.torch_compile_mode",
+    "torchdynamo": "train.torch_compile_backend",  # HF's older name
     "ignore_data_skip": "train.ignore_data_skip",
     "label_smoothing_factor": "train.label_smoothing_factor",
     "include_num_input_tokens_seen": "train.include_num_input_tokens_seen",
@@ -103,8 +104,43 @@ PATHS: dict[str, str] = {
     "fp16_backend": "precision.half_precision_backend",
 }
 
-# HF arguments that the Trainer itself does not use (scripts read them); accepted and dropped.
-IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "use_mps_device", "ray_scope"}
+# HF arguments that the Trainer itself does not use (scripts read them) or that only matter for a
+# feature that is off (hub settings without push_to_hub); accepted and dropped.
+IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "use_mps_device", "ray_scope",
+           "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
+           "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"}
+
+# HF arguments kiln does not implement: accepted while off (their HF default), refused with the reason
+# and the alternative when switched on.
+UNSUPPORTED = {
+    "jit_mode_eval": "TorchScript tracing is deprecated in PyTorch; set torch_compile: true instead",
+    "use_ipex": "use bf16 and torch_compile for the CPU speed-ups instead of Intel Extension for PyTorch",
+    "use_liger_kernel": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
+    "liger_kernel_config": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
+    "optim_target_modules": "GaLore optimizers are not available; pick another optim",
+    "past_index": "kiln does not feed `mems` back to the model (TransformerXL, XLNet); drop past_index",
+    "debug": "kiln logs grad_norm and filters nan/inf losses (log.nan_inf_filter) instead of HF's "
+             "underflow_overflow / tpu_metrics_debug options",
+    "tpu_metrics_debug": "there are no TPU debug metrics",
+    "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",
+    "sharded_ddp": "FairScale sharded DDP is gone from HF too; use strategy: fsdp or deepspeed",
+    "mp_parameters": "SageMaker model parallelism is not available",
+    "sortish_sampler": "use group_by_length: true (batches of similar length, shuffled)",
+    "accelerator_config": "kiln builds its own dataloaders and process group (every rank gets the same number "
+                          "of batches, samples are seeded per epoch); drop accelerator_config",
+    "split_batches": "per_device_train_batch_size is per process in kiln; divide your global batch by the world size",
+    "dispatch_batches": "every rank loads its own shard in kiln; drop dispatch_batches",
+}
+
+
+def _unsupported(name: str) -> Callable[[Any], dict[str, Any]]:
+    def refuse(value: Any) -> dict[str, Any]:
+        off = value is None or value is False or value in ("", [], {}) or (name == "past_index" and value == -1)
+        if not off:
+            raise ValueError(f"{name}={value!r} is not supported by kiln: {UNSUPPORTED[name]}.")
+        return {}
+
+    return refuse
 
 
 def _flag(path: str, value_if_true: Any) -> Callable[[Any], dict[str, Any]]:
@@ -161,6 +197,7 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "fsdp_config": lambda v: {"strategy.options.fsdp_config": v} if v else {},
     "report_to": _report_to,
     "push_to_hub": _push_to_hub,
+    **{name: _unsupported(name) for name in UNSUPPORTED},
 }
 
 

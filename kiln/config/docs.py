@@ -30,7 +30,7 @@ def config_help() -> str:
             lines.append(f"\n{key}:  {help_}")
         else:
             lines.append(f"  {key} = {default}\n      {help_}")
-    hf = ", ".join(sorted(set(aliases.PATHS) | set(aliases.REWRITES)))
+    hf = ", ".join(sorted(set(aliases.PATHS) | set(aliases.REWRITES) - set(aliases.UNSUPPORTED)))
     lines.append(f"\nHugging Face TrainingArguments names accepted as aliases:\n  {hf}")
     return "\n".join(lines)
 
@@ -47,5 +47,10 @@ def config_markdown() -> str:
             out.append(f"| `{key}` | `{kind}` | `{default}` | {help_} |")
     out += ["", "## Hugging Face names", "", "| HF name | kiln key |", "|---|---|"]
     out += [f"| `{k}` | `{v}` |" for k, v in sorted(aliases.PATHS.items())]
-    out += [f"| `{k}` | (switches a plugin; see kiln/config/aliases.py) |" for k in sorted(aliases.REWRITES)]
+    out += [f"| `{k}` | (switches a plugin; see kiln/config/aliases.py) |" for k in sorted(aliases.REWRITES)
+            if k not in aliases.UNSUPPORTED]
+    out += ["", "Accepted and dropped: " + ", ".join(f"`{k}`" for k in sorted(aliases.IGNORED)) + ".", "",
+            "Accepted only while off (their HF default); switched on they are refused with the alternative:", "",
+            "| HF name | instead |", "|---|---|"]
+    out += [f"| `{k}` | {reason} |" for k, reason in sorted(aliases.UNSUPPORTED.items())]
     return "\n".join(out) + "\n"

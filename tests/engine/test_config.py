@@ -58,6 +58,9 @@ def test_strategy_mapping_keeps_unknown_keys_as_options():
     ({"report_to": ["tensorbord"]}, "Unknown logger 'tensorbord'"),
     ({"push_to_hub": True}, "push_to_hub is not supported"),
     ({"load_best_model_at_end": True}, "load_best_model_at_end needs evaluation during training"),
+    ({"jit_mode_eval": True}, "jit_mode_eval=True is not supported by kiln: TorchScript tracing is deprecated"),
+    ({"past_index": 2}, "past_index=2 is not supported by kiln"),
+    ({"accelerator_config": {"split_batches": True}}, "accelerator_config={'split_batches': True} is not supported"),
     ({"save_strategy": "best"}, "save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy is 'no'"),
     ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 5},
      "save.steps (5) to be a multiple of eval.steps (3)"),
@@ -131,3 +134,12 @@ def test_docs_config_reference_is_current():
 
     doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert doc.read_text() == config_markdown(), "docs/config.md is stale: run `kiln config-docs > docs/config.md`"
+
+
+def test_hf_arguments_kiln_lacks_are_accepted_while_off():
+    """An HF TrainingArguments dump (every feature at its default) loads; hub settings without push_to_hub
+    are dropped, and torchdynamo is the older name of torch_compile_backend."""
+    cfg = load_config({"jit_mode_eval": False, "use_ipex": False, "past_index": -1, "debug": "", "split_batches": None,
+                       "accelerator_config": None, "hub_model_id": "me/model", "hub_strategy": "every_save",
+                       "torchdynamo": "inductor"})
+    assert cfg.train.torch_compile_backend == "inductor"
