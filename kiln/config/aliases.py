@@ -25,6 +25,7 @@ PATHS: dict[str, str] = {
     "label_smoothing_factor": "train.label_smoothing_factor",
     "include_num_input_tokens_seen": "train.include_num_input_tokens_seen",
     "average_tokens_across_devices": "train.average_tokens_across_devices",
+    "neftune_noise_alpha": "train.neftune_noise_alpha",
     # data
     "per_device_train_batch_size": "data.per_device_train_batch_size",
     "per_device_eval_batch_size": "data.per_device_eval_batch_size",

@@ -31,6 +31,8 @@ class TrainConfig:
     ignore_data_skip: bool = opt(False, "On resume, start the epoch's data from the beginning instead of skipping.")
     label_smoothing_factor: float = opt(0.0, "Label smoothing for HF-contract classification/LM models.")
     include_num_input_tokens_seen: bool = opt(False, "Track num_input_tokens_seen in the state.")
+    neftune_noise_alpha: Optional[float] = opt(
+        None, "NEFTune: add uniform noise of size alpha / sqrt(seq_len * hidden) to the input embeddings while training.")
     average_tokens_across_devices: bool = opt(
         True, "Normalise the loss by the items (tokens with a label) summed over all data-parallel ranks, so the "
         "gradient is that of the global mean (one scalar all-reduce per step); false: each rank's own mean, averaged.")

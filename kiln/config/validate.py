@@ -41,6 +41,8 @@ def validate(cfg: DictConfig) -> None:
     _positive("train.num_train_epochs", t.num_train_epochs, allow_zero=True)
     if t.max_steps == 0 or t.max_steps < -1:
         raise ConfigError(f"Config key 'train.max_steps' must be > 0, or -1 to use num_train_epochs; got {t.max_steps}.")
+    if t.neftune_noise_alpha is not None:
+        _positive("train.neftune_noise_alpha", t.neftune_noise_alpha)
     _positive("data.per_device_train_batch_size", cfg.data.per_device_train_batch_size)
     _positive("data.per_device_eval_batch_size", cfg.data.per_device_eval_batch_size)
     _positive("data.dataloader_num_workers", cfg.data.dataloader_num_workers, allow_zero=True)

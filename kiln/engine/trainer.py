@@ -21,6 +21,7 @@ from kiln.engine.distributed import configure_logging
 from kiln.engine.errors import KilnError
 from kiln.engine.loops import FitLoop, TrainOutput
 from kiln.engine.loss_weights import WindowWeights
+from kiln.engine.neftune import neftune
 from kiln.engine.module import (
     accepts_kwarg, count_items, default_label_names, forward_argument_names, is_training_module, loss_from_output,
 )
@@ -275,7 +276,8 @@ class Trainer(EvaluationMixin):
         self.is_in_train = True
         self._memory.start("train")
         try:
-            return FitLoop(self).run(path)
+            with neftune(self.model, cfg.train.neftune_noise_alpha):
+                return FitLoop(self).run(path)
         finally:
             self.is_in_train = False
             self.precision.teardown()
