@@ -38,6 +38,7 @@ PATHS: dict[str, str] = {
     "dataloader_drop_last": "data.dataloader_drop_last",
     "dataloader_persistent_workers": "data.dataloader_persistent_workers",
     "dataloader_prefetch_factor": "data.dataloader_prefetch_factor",
+    "auto_find_batch_size": "data.auto_find_batch_size",
     "group_by_length": "data.group_by_length",
     "length_column_name": "data.length_column_name",
     "remove_unused_columns": "data.remove_unused_columns",

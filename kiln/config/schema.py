@@ -49,6 +49,8 @@ class DataConfig:
     dataloader_drop_last: bool = opt(False, "Drop the last incomplete batch.")
     dataloader_persistent_workers: bool = opt(False, "Keep workers alive between epochs.")
     dataloader_prefetch_factor: Optional[int] = opt(None, "Batches each worker loads ahead.")
+    auto_find_batch_size: bool = opt(
+        False, "Before training, lower per_device_train_batch_size by 10% steps until the first step fits in memory.")
     group_by_length: bool = opt(False, "Group samples of similar length into batches (less padding).")
     length_column_name: str = opt("length", "Key holding precomputed lengths for group_by_length.")
     remove_unused_columns: bool = opt(True, "Drop batch keys the model's forward() does not accept (HF models).")

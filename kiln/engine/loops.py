@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -69,7 +69,7 @@ class FitLoop:
     def run(self, resume_path: Optional[str]) -> TrainOutput:
         t = self.trainer
         cfg, strategy = t.config, t.strategy
-        loader = t.get_train_dataloader()
+        loader = self._train_dataloader(resume_path)
         t.checkpoints.attach(self, loader)  # the loop's sums and the data position go into checkpoints
         batches_per_epoch = loader_length(loader)
         max_steps, num_epochs, per_epoch = plan_steps(cfg, batches_per_epoch)
@@ -156,6 +156,18 @@ class FitLoop:
         self.tr_loss = state["tr_loss"].to(device)
         self.total_loss = state["total_loss"].to(device)
         self.last_logged, self.steps_before_resume = int(state["last_logged"]), int(state["steps"])
+
+    def _train_dataloader(self, resume_path: Optional[str]) -> Iterable[Any]:
+        t = self.trainer
+        if not t.config.data.auto_find_batch_size:
+            return t.get_train_dataloader()
+        from kiln.engine.batch_size import find_batch_size, saved_batch_size
+
+        saved = saved_batch_size(resume_path) if resume_path else None
+        if saved is None:
+            return find_batch_size(t)
+        t.config.data.per_device_train_batch_size = saved  # the size the checkpoint's data position counts in
+        return t.get_train_dataloader()
 
     # -- one optimizer step -----------------------------------------------------------------
     def _next_window(self, iterator: Iterator[Any], k: int) -> list[Any]:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kiln.config import load_config
+from kiln.engine.batch_size import is_out_of_memory
 from kiln.engine.callbacks import Callback, CallbackHandler, DefaultFlowCallback
 from kiln.engine.checkpoint import CheckpointManager, list_checkpoints, resolve_resume
 from kiln.engine.data import build_dataloader
@@ -201,12 +202,15 @@ class Trainer(EvaluationMixin):
             self._wrapped = True
         return self.model_wrapped
 
-    def _setup_training(self, max_steps: int) -> None:
+    def _setup_model_and_optimizer(self) -> None:
         wrapped = self._setup_model()
         if not getattr(self, "_optimizer_ready", False):
             self.create_optimizer()
             self.model_wrapped, self.optimizer = self.strategy.setup_optimizer(wrapped, self.optimizer)
             self._optimizer_ready = True
+
+    def _setup_training(self, max_steps: int) -> None:
+        self._setup_model_and_optimizer()
         self.create_scheduler(max_steps, self.optimizer)
         self.precision.setup()
 
@@ -278,6 +282,14 @@ class Trainer(EvaluationMixin):
         try:
             with neftune(self.model, cfg.train.neftune_noise_alpha):
                 return FitLoop(self).run(path)
+        except Exception as err:
+            if cfg.data.auto_find_batch_size and is_out_of_memory(err):
+                raise KilnError(
+                    f"Out of memory during training with per_device_train_batch_size={cfg.data.per_device_train_batch_size}, "
+                    "which auto_find_batch_size found to fit the first step (a later batch can be longer): resume from "
+                    "the last checkpoint or restart with a smaller per_device_train_batch_size."
+                ) from err
+            raise
         finally:
             self.is_in_train = False
             self.precision.teardown()
