@@ -21,6 +21,7 @@ _EXPORTS = {
     "EvalPrediction": "kiln.engine.outputs",
     "PredictionOutput": "kiln.engine.outputs",
     "EarlyStoppingCallback": "kiln.engine.early_stopping",
+    "BestRun": "kiln.engine.hp_search",
     "Strategy": "kiln.strategies.base",
     "Precision": "kiln.precision.base",
     "Logger": "kiln.loggers.base",

@@ -26,6 +26,7 @@ class BestModelMixin:
         metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
         if on_start:
             return metrics
+        self._report_to_trial(metrics)  # hyperparameter_search: the objective so far, and pruning
         improved = self._update_best(metrics)
         if self.config.save.strategy == "best":
             self.control.should_save = improved

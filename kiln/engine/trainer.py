@@ -21,6 +21,7 @@ from kiln.engine.dispatch import StepDispatcher
 from kiln.engine.distributed import configure_logging
 from kiln.engine.errors import KilnError
 from kiln.engine.loops import FitLoop, TrainOutput
+from kiln.engine.hp_search import HyperparameterSearchMixin, call_model_init
 from kiln.engine.loss_weights import WindowWeights
 from kiln.engine.neftune import neftune
 from kiln.engine.module import (
@@ -35,7 +36,7 @@ from kiln.strategies import build_strategy
 from kiln.strategies.environment import load_with_launcher_settings
 
 
-class Trainer(EvaluationMixin):
+class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     """Train, evaluate and predict with a TrainingModule or an HF-contract nn.Module.
 
     `config` is a TrainingConfig, dict (HF flat names allowed), YAML path or DictConfig. `strategy`
@@ -69,11 +70,18 @@ class Trainer(EvaluationMixin):
         if model is None:
             if model_init is None:
                 raise KilnError("Trainer needs a model: pass `model=` or `model_init=` (a callable returning the model).")
-            model = model_init()
+            model = call_model_init(model_init)  # model_init(None) when it takes the trial (HF)
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}.")
         self.model_init = model_init
         self.model = model
+        # what a hyperparameter-search trial needs to build a sibling Trainer
+        self._init_kwargs = dict(train_dataset=train_dataset, eval_dataset=eval_dataset, data_collator=data_collator,
+                                 compute_metrics=compute_metrics, callbacks=list(callbacks or ()),
+                                 preprocess_logits_for_metrics=preprocess_logits_for_metrics, strategy=strategy,
+                                 precision=precision, processing_class=processing_class)
+        self._trial: Any = None  # the Optuna trial this Trainer trains (hyperparameter_search)
+        self._objective: Any = None
         self.precision = precision if precision is not None and not isinstance(precision, type) else build_precision(cfg, precision)
         self.strategy = build_strategy(cfg, self.precision, strategy)
         self.strategy.setup_environment()
@@ -275,6 +283,9 @@ class Trainer(EvaluationMixin):
                     f"output_dir {cfg.output_dir!r} already holds checkpoints ({os.path.basename(existing[-1])}, ...). "
                     "Resume with resume_from_checkpoint=true, pick another output_dir, or set overwrite_output_dir=true."
                 )
+        if trial is not None and trial is not self._trial:
+            raise KilnError("fit(trial=...) is driven by hyperparameter_search. To train with found hyperparameters, "
+                            "build Trainer(model_init=..., config={**config, **best_run.hyperparameters}).")
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self._check_eval_setup()
         self.is_in_train = True
