@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kiln.engine.module import TrainingModule
+from kiln.engine.model.module import TrainingModule
 from kiln.engine.trainer import Trainer
 
 

@@ -32,8 +32,8 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kiln.engine.checkpoint import MARKER
-from kiln.engine.module import TrainingModule
+from kiln.engine.checkpoint.manager import MARKER
+from kiln.engine.model.module import TrainingModule
 from kiln.engine.trainer import Trainer
 
 BATCH = 8

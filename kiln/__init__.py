@@ -10,25 +10,25 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Trainer": "kiln.engine.trainer",
-    "TrainOutput": "kiln.engine.loops",
-    "TrainingModule": "kiln.engine.module",
+    "TrainOutput": "kiln.engine.loop.fit",
+    "TrainingModule": "kiln.engine.model.module",
     "TrainingConfig": "kiln.config.schema",
     "load_config": "kiln.config.load",
     "ConfigError": "kiln.config.load",
-    "Callback": "kiln.engine.callbacks",
-    "TrainerState": "kiln.engine.state",
-    "TrainerControl": "kiln.engine.state",
-    "EvalPrediction": "kiln.engine.outputs",
-    "PredictionOutput": "kiln.engine.outputs",
-    "EarlyStoppingCallback": "kiln.engine.early_stopping",
+    "Callback": "kiln.engine.callbacks.base",
+    "TrainerState": "kiln.engine.callbacks.state",
+    "TrainerControl": "kiln.engine.callbacks.state",
+    "EvalPrediction": "kiln.engine.evaluation.outputs",
+    "PredictionOutput": "kiln.engine.evaluation.outputs",
+    "EarlyStoppingCallback": "kiln.engine.callbacks.early_stopping",
     "BestRun": "kiln.engine.hp_search",
     "Strategy": "kiln.strategies.base",
     "Precision": "kiln.precision.base",
     "Logger": "kiln.loggers.base",
     "set_seed": "kiln.engine.seed",
-    "CheckpointError": "kiln.engine.errors",
-    "KilnError": "kiln.engine.errors",
-    "default_data_collator": "kiln.engine.data",
+    "CheckpointError": "kiln.utils.errors",
+    "KilnError": "kiln.utils.errors",
+    "default_data_collator": "kiln.engine.data.loaders",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -36,15 +36,15 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from kiln.config.load import ConfigError, load_config
     from kiln.config.schema import TrainingConfig
-    from kiln.engine.callbacks import Callback
-    from kiln.engine.data import default_data_collator
-    from kiln.engine.early_stopping import EarlyStoppingCallback
-    from kiln.engine.errors import CheckpointError, KilnError
-    from kiln.engine.loops import TrainOutput
-    from kiln.engine.module import TrainingModule
-    from kiln.engine.outputs import EvalPrediction, PredictionOutput
+    from kiln.engine.callbacks.base import Callback
+    from kiln.engine.data.loaders import default_data_collator
+    from kiln.engine.callbacks.early_stopping import EarlyStoppingCallback
+    from kiln.utils.errors import CheckpointError, KilnError
+    from kiln.engine.loop.fit import TrainOutput
+    from kiln.engine.model.module import TrainingModule
+    from kiln.engine.evaluation.outputs import EvalPrediction, PredictionOutput
     from kiln.engine.seed import set_seed
-    from kiln.engine.state import TrainerControl, TrainerState
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
     from kiln.engine.trainer import Trainer
     from kiln.loggers.base import Logger
     from kiln.precision.base import Precision

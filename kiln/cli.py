@@ -72,7 +72,7 @@ def _trainer(cfg: Any) -> tuple[Any, dict[str, Any]]:
 
 def _run(command: str, config: str, overrides: list[str]) -> int:
     from kiln.config import ConfigError
-    from kiln.engine.errors import KilnError
+    from kiln.utils.errors import KilnError
     from kiln.registry import UnknownNameError
     from kiln.strategies.environment import load_with_launcher_settings
 

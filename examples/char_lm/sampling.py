@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from kiln.engine.callbacks import Callback
+from kiln.engine.callbacks.base import Callback
 
 if TYPE_CHECKING:
     from examples.char_lm.data import CharVocab

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.engine.module import TrainingModule
+from kiln.engine.model.module import TrainingModule
 
 
 class MLPClassifier(TrainingModule):

@@ -12,13 +12,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kiln.config import aliases
+from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
 
 ConfigSource = Union[None, TrainingConfig, DictConfig, Mapping[str, Any], str, "os.PathLike[str]"]
-
-
-class ConfigError(ValueError):
-    """A config value or key is wrong; the message names it and says how to fix it."""
 
 
 def valid_keys() -> list[str]:

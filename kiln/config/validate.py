@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from kiln.config.load import ConfigError
+from kiln.utils.errors import ConfigError
 
 INTERVALS = ("no", "steps", "epoch")
 LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
@@ -80,7 +80,7 @@ def _check_names(cfg: DictConfig) -> None:
 
         STRATEGIES.check(cfg.strategy.name)
         PRECISIONS.check(cfg.precision.name)
-        from kiln.engine.optim import OPTIMIZERS, SCHEDULERS
+        from kiln.engine.optim.optimizers import OPTIMIZERS, SCHEDULERS
 
         OPTIMIZERS.check(cfg.optim.name)
         SCHEDULERS.check(cfg.scheduler.name)

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from kiln.engine.errors import KilnError
+from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
     from torch import nn

@@ -13,23 +13,23 @@ import torch
 from torch import nn
 
 from kiln.config import load_config
-from kiln.engine.batch_size import is_out_of_memory
-from kiln.engine.callbacks import Callback, CallbackHandler, DefaultFlowCallback
-from kiln.engine.checkpoint import CheckpointManager, list_checkpoints, resolve_resume
-from kiln.engine.data import build_dataloader
-from kiln.engine.dispatch import StepDispatcher
+from kiln.engine.loop.batch_size import is_out_of_memory
+from kiln.engine.callbacks.base import Callback, CallbackHandler, DefaultFlowCallback
+from kiln.engine.checkpoint.manager import CheckpointManager, list_checkpoints, resolve_resume
+from kiln.engine.data.loaders import build_dataloader
+from kiln.engine.model.dispatch import StepDispatcher
 from kiln.engine.distributed import configure_logging
-from kiln.engine.errors import KilnError
-from kiln.engine.loops import FitLoop, TrainOutput
+from kiln.utils.errors import KilnError
+from kiln.engine.loop.fit import FitLoop, TrainOutput
 from kiln.engine.hp_search import HyperparameterSearchMixin, call_model_init
-from kiln.engine.loss_weights import WindowWeights
-from kiln.engine.neftune import neftune
-from kiln.engine.module import (
+from kiln.engine.loop.loss_weights import WindowWeights
+from kiln.engine.model.neftune import neftune
+from kiln.engine.model.module import (
     accepts_kwarg, count_items, default_label_names, forward_argument_names, is_training_module, loss_from_output,
 )
-from kiln.engine.optim import build_optimizer, build_scheduler, scheduler_needs_metrics
+from kiln.engine.optim.optimizers import build_optimizer, build_scheduler, scheduler_needs_metrics
 from kiln.engine.seed import set_seed
-from kiln.engine.state import TrainerControl, TrainerState
+from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.trainer_eval import EvaluationMixin
 from kiln.precision import build_precision
 from kiln.strategies import build_strategy
@@ -125,7 +125,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self._memory.stop("init")
 
     def _default_callbacks(self) -> list[Callback]:
-        from kiln.engine.progress import console_callbacks
+        from kiln.engine.callbacks.progress import console_callbacks
 
         cbs: list[Callback] = [DefaultFlowCallback(), *console_callbacks(self.config)]
         if self.strategy.is_global_zero:  # exactly one tracker run per job, by construction
@@ -169,7 +169,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     def _length_grouped_sampler(self, seed: int) -> Any:
         if not self.config.data.group_by_length:
             return None
-        from kiln.engine.length_grouping import LengthGroupedSampler
+        from kiln.engine.data.length_grouping import LengthGroupedSampler
 
         return LengthGroupedSampler.for_dataset(self.train_dataset, self.config, seed, self.strategy)
 
@@ -225,7 +225,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     # -- one micro-batch (HF override points) -----------------------------------------------
     def _loss_weights(self, window: list[Any]) -> Optional[WindowWeights]:
         """Per-micro-batch loss weights for this window (None: one micro-batch on one process, whose
-        mean loss needs no weighting). See kiln.engine.loss_weights."""
+        mean loss needs no weighting). See kiln.engine.loop.loss_weights."""
         dp = self.strategy.data_parallel_size
         if len(window) == 1 and (dp == 1 or not self._global_mean) and not self._accepts_num_items:
             return None
@@ -246,7 +246,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             inputs = self._remove_unused(inputs)
             kwargs = {"num_items_in_batch": num_items_in_batch} if self._accepts_num_items and num_items_in_batch is not None else {}
             if self._label_smoothing and "labels" in inputs:
-                from kiln.engine.label_smoothing import smoothed_loss
+                from kiln.engine.model.label_smoothing import smoothed_loss
 
                 labels = inputs["labels"]
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, **kwargs)
@@ -326,7 +326,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     def save_model(self, output_dir: Optional[str] = None) -> str:
         """Export full weights (safetensors) plus config; loadable without kiln, and with
         `from_pretrained` for Transformers models."""
-        from kiln.engine.export import export_model
+        from kiln.engine.checkpoint.export import export_model
 
         return export_model(self, output_dir or self.config.output_dir)
 

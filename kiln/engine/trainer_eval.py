@@ -1,7 +1,7 @@
 """The evaluation half of the Trainer: `evaluate`, `predict`, `evaluation_loop`, `prediction_step`
 (HF's override points), evaluation during training, best-model tracking and HF's metric files.
 
-One eval step, as data flows (the tensor logic lives in `kiln.engine.gather`):
+One eval step, as data flows (the tensor logic lives in `kiln.engine.evaluation.gather`):
 
     batch -> strategy.batch_to_device -> precision.convert_input -> prediction_step -> (loss, logits, labels)
           -> preprocess_logits_for_metrics(logits, labels) -> EvalAccumulator.add({losses, predictions,
@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from kiln.engine.best_model import BestModelMixin
-from kiln.engine.data import SequentialDistributedSampler
-from kiln.engine.errors import KilnError
-from kiln.engine.gather import EvalAccumulator, OrderedGatherer, gather_across_processes, nested_detach
-from kiln.engine.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, eval_prediction, step_outputs, to_python
-from kiln.engine.tensors import batch_size_of
+from kiln.engine.checkpoint.best_model import BestModelMixin
+from kiln.engine.data.loaders import SequentialDistributedSampler
+from kiln.utils.errors import KilnError
+from kiln.engine.evaluation.gather import EvalAccumulator, OrderedGatherer, gather_across_processes, nested_detach
+from kiln.engine.evaluation.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, eval_prediction, step_outputs, to_python
+from kiln.utils.tensors import batch_size_of
 from kiln.precision.base import cast_floating
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class EvaluationMixin(BestModelMixin):
         return self._sequential_loader(test_dataset)
 
     def _sequential_loader(self: "Trainer", dataset: Any) -> Iterable[Any]:
-        from kiln.engine.data import build_dataloader, is_sized
+        from kiln.engine.data.loaders import build_dataloader, is_sized
 
         s = self.strategy
         if isinstance(dataset, torch.utils.data.DataLoader):
@@ -258,7 +258,7 @@ class EvaluationMixin(BestModelMixin):
         if loss_only:
             return loss, None, None
         if self.config.eval.predict_with_generate:  # no forward without labels: decoders need targets
-            from kiln.engine.generation import generate_predictions
+            from kiln.engine.evaluation.generation import generate_predictions
 
             return loss, generate_predictions(self, inputs, getattr(self, "_gen_kwargs", {})), labels
         if outputs is None:

@@ -11,7 +11,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional
 
-from kiln.engine.errors import KilnError
+from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

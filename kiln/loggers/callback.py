@@ -16,14 +16,14 @@ import weakref
 from numbers import Number
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from kiln.engine.callbacks import Callback
+from kiln.engine.callbacks.base import Callback
 from kiln.loggers import LOGGERS, TRACKERS
 from kiln.loggers.base import Logger, MissingPackageError, flatten, setting
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from kiln.engine.state import TrainerControl, TrainerState
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 #: the environment variables HF's integrations read for "upload the model": per tracker
 _ARTIFACT_ENV = {"mlflow": "HF_MLFLOW_LOG_ARTIFACTS", "wandb": "WANDB_LOG_MODEL"}

@@ -26,18 +26,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from kiln.utils.errors import PrecisionError
+
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from kiln.precision.tf32 import TF32State
+    from kiln.precision.tf32_flags import TF32State
 
 #: `precision.full_eval` values -> the dtype the model is cast to for evaluation
 EVAL_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class PrecisionError(ValueError):
-    """A precision setting cannot work on this machine or with these options; the message says why
-    and what to use instead. Raised before training starts."""
 
 
 class Precision:
@@ -96,7 +95,7 @@ class Precision:
         Also remembers `device`: mixed plugins autocast for its type."""
         self._device = torch.device(device)
         if self.tf32:
-            from kiln.precision.tf32 import check_tf32_device
+            from kiln.precision.tf32_flags import check_tf32_device
 
             check_tf32_device(self._device)
         if self.eval_dtype is not None:
@@ -105,14 +104,14 @@ class Precision:
     def setup(self) -> None:
         """Apply process-wide settings (TF32 flags); undone by `teardown`. Idempotent."""
         if self.tf32 is not None and self._tf32_saved is None:
-            from kiln.precision.tf32 import set_tf32
+            from kiln.precision.tf32_flags import set_tf32
 
             self._tf32_saved = set_tf32(self.tf32)
 
     def teardown(self) -> None:
         """Restore exactly what `setup` changed."""
         if self._tf32_saved is not None:
-            from kiln.precision.tf32 import restore_tf32
+            from kiln.precision.tf32_flags import restore_tf32
 
             restore_tf32(self._tf32_saved)
             self._tf32_saved = None

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Itera
 import torch
 from torch import nn
 
-from kiln.engine.tensors import move_to_device
+from kiln.utils.tensors import move_to_device
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

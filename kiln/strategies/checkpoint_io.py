@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kiln.engine.errors import CheckpointError, safe_torch_load
+from kiln.utils.errors import CheckpointError, safe_torch_load
 
 if TYPE_CHECKING:
     from kiln.strategies.base import Strategy

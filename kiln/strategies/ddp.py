@@ -13,7 +13,7 @@ ddp_broadcast_buffers] (HF defaults: False with gradient checkpointing, True oth
 Why the loop's loss weights look the way they do: DDP *averages* gradients over ranks, so the
 loop scales each micro-batch's mean loss by n_i * world / N (N summed over ranks, with
 `average_tokens_across_devices`, the default), which makes the averaged gradient that of the mean
-over every item of the global window (see kiln/engine/loss_weights.py).
+over every item of the global window (see kiln/engine/loop/loss_weights.py).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from kiln.engine.callbacks import Callback
-from kiln.engine.module import TrainingModule
+from kiln.engine.callbacks.base import Callback
+from kiln.engine.model.module import TrainingModule
 from kiln.engine.trainer import Trainer
 
 #: log keys that are pure numerics (timings such as samples_per_second differ between any two runs)

@@ -23,8 +23,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from kiln.engine import checkpoint
-from kiln.engine.callbacks import Callback
+from kiln.engine.checkpoint import manager as checkpoint
+from kiln.engine.callbacks.base import Callback
 from kiln.strategies.checkpoint_io import FullStateCheckpointIO
 from tests.checkpoint.checkpoint_helpers import config, make_model, numeric_history, regression_data
 

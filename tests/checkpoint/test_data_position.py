@@ -80,7 +80,7 @@ def test_iterable_dataset_restores_its_own_state(tmp_path):
 
 
 def test_iterable_dataset_without_state_is_iterated_past_with_a_note(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="kiln.engine.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.checkpoint.manager"):
         trainer, _ = crash_then_resume(tmp_path, lambda: Stream(n=40))
     assert trainer.state.global_step == 16
     assert "skipping the first 3 batches of the epoch by iterating over them" in caplog.text
@@ -89,7 +89,7 @@ def test_iterable_dataset_without_state_is_iterated_past_with_a_note(tmp_path, c
 
 def test_jump_cost_does_not_depend_on_the_position():
     """The sampler's work to start at batch b is one permutation, whatever b is."""
-    from kiln.engine.data import ResumableSampler
+    from kiln.engine.data.loaders import ResumableSampler
 
     calls = []
     sampler = ResumableSampler(100_000, seed=0)

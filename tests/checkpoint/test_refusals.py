@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.engine.checkpoint import MARKER, is_complete, latest_checkpoint
-from kiln.engine.errors import CheckpointError, KilnError, safe_torch_load
+from kiln.engine.checkpoint.manager import MARKER, is_complete, latest_checkpoint
+from kiln.utils.errors import CheckpointError, KilnError, safe_torch_load
 from kiln.strategies.checkpoint_io import FullStateCheckpointIO
 from kiln.strategies.single import SingleDeviceStrategy
 from tests.checkpoint.checkpoint_helpers import folders, train

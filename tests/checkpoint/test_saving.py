@@ -12,9 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kiln.engine.callbacks import Callback
-from kiln.engine.checkpoint import is_complete, read_marker
-from kiln.engine.errors import CheckpointError
+from kiln.engine.callbacks.base import Callback
+from kiln.engine.checkpoint.manager import is_complete, read_marker
+from kiln.utils.errors import CheckpointError
 from kiln.strategies.single import SingleDeviceStrategy
 from tests.checkpoint.checkpoint_helpers import Scripted, folders, regression_data, train, weights
 

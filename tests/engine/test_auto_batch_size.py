@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kiln import Trainer
-from kiln.engine.batch_size import is_out_of_memory
-from kiln.engine.errors import KilnError
+from kiln.engine.loop.batch_size import is_out_of_memory
+from kiln.utils.errors import KilnError
 from tests.helpers import TinyRegressor, base_config, regression_data
 
 

@@ -89,7 +89,7 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
 
 
 def test_trainer_errors_before_any_work(tmp_path):
-    from kiln.engine.errors import KilnError
+    from kiln.utils.errors import KilnError
 
     with pytest.raises(ConfigError):
         Trainer(TinyRegressor(), {"learning_rat": 1})

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.engine.gather import (
+from kiln.engine.evaluation.gather import (
     EvalAccumulator,
     OrderedGatherer,
     SequentialDistributedSampler,
@@ -28,7 +28,7 @@ from kiln.engine.gather import (
     pad_and_concat,
     restore_order,
 )
-from kiln.engine.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput
+from kiln.engine.evaluation.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput
 
 
 # -- a simulated world --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln import Callback, Trainer
-from kiln.engine.errors import KilnError
+from kiln.utils.errors import KilnError
 from kiln.engine.hp_search import BestRun, default_compute_objective
 from tests.helpers import TinyRegressor, base_config, regression_data
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln import Trainer
-from kiln.engine.loss_weights import WindowWeights
+from kiln.engine.loop.loss_weights import WindowWeights
 from tests.helpers import TokenModel, base_config, padded_token_data
 
 

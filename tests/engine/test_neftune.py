@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kiln import Trainer
 from kiln.config.load import ConfigError, load_config
-from kiln.engine.errors import KilnError
+from kiln.utils.errors import KilnError
 from tests.helpers import TinyRegressor, TokenModel, base_config, padded_token_data
 
 ALPHA = 5.0

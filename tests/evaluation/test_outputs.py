@@ -13,7 +13,7 @@ from sklearn.metrics import accuracy_score
 
 from kiln import EvalPrediction, KilnError, Trainer, TrainingModule
 from kiln.engine import trainer_eval
-from kiln.engine.gather import EvalAccumulator
+from kiln.engine.evaluation.gather import EvalAccumulator
 from tests.evaluation.common import accuracy, config, digits, hand_logits, make_model
 
 LENGTHS = [1 + (3 * i) % 7 for i in range(10)]  # sequence lengths 1..7, in no particular order

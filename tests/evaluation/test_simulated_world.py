@@ -112,8 +112,8 @@ def test_drop_last_keeps_whole_global_batches(tmp_path: Any) -> None:
 
 
 def test_sampler_drop_last_layout() -> None:
-    from kiln.engine.data import SequentialDistributedSampler
-    from kiln.engine.gather import OrderedGatherer
+    from kiln.engine.data.loaders import SequentialDistributedSampler
+    from kiln.engine.evaluation.gather import OrderedGatherer
 
     shards = [list(SequentialDistributedSampler(16, 3, r, batch_size=2, drop_last=True)) for r in range(3)]
     assert shards == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # whole global batches, nothing repeated

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional
 import pytest
 
 from kiln.config import load_config
-from kiln.engine.state import TrainerControl, TrainerState
+from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.loggers.callback import LoggerCallback
 
 #: (step, logs) in the order the loop would log them: train windows, an eval, the final summary

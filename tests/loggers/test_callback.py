@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.engine.state import TrainerControl, TrainerState
+from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.loggers.base import Logger, MissingPackageError, flatten, grouped_name
 from kiln.loggers.callback import LoggerCallback, artifact_mode, build_loggers, logger_names, scalar_metrics
 from kiln.registry import UnknownNameError
@@ -89,7 +89,7 @@ def test_all_skips_trackers_that_are_not_installed(tmp_path, monkeypatch):
 
 
 def test_import_kiln_does_not_import_trackers():
-    code = ("import sys, kiln, kiln.loggers, kiln.loggers.callback, kiln.loggers.metrics, kiln.engine.progress, kiln.plot\n"
+    code = ("import sys, kiln, kiln.loggers, kiln.loggers.callback, kiln.loggers.metrics, kiln.engine.callbacks.progress, kiln.plot\n"
             "from omegaconf import OmegaConf\n"
             "from kiln.config.schema import TrainingConfig\n"
             "from kiln.loggers.callback import build_loggers\n"

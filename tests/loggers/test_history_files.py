@@ -82,7 +82,7 @@ def test_a_fresh_start_replaces_a_stale_history_but_keeps_this_process_rows(tmp_
     cfg = make_config(tmp_path, log={"history": [kind]})
     drive(LoggerCallback(cfg, build_loggers(cfg)), cfg)  # an earlier job in the same output_dir
     callback = LoggerCallback(cfg, build_loggers(cfg))
-    from kiln.engine.state import TrainerControl, TrainerState
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
     callback.on_log(cfg, TrainerState(global_step=0), TrainerControl(), logs={"eval_loss": 3.0})  # evaluate() before fit()
     drive(callback, cfg, SEQUENCE[:2])

@@ -13,7 +13,7 @@ import pytest
 mlflow = pytest.importorskip("mlflow", reason="pip install kiln[mlflow]")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from kiln.engine.state import TrainerState  # noqa: E402
+from kiln.engine.callbacks.state import TrainerState  # noqa: E402
 from kiln.loggers.callback import LoggerCallback, build_loggers  # noqa: E402
 from kiln.loggers.mlflow import MLflowLogger, metric_key  # noqa: E402
 from tests.loggers.conftest import SEQUENCE, drive, expected_points, make_config  # noqa: E402
@@ -113,7 +113,7 @@ def test_checkpoints_uploaded_when_asked(tmp_path, store, clean_env):
     ckpt = os.path.join(cfg.output_dir, "checkpoint-2")
     os.makedirs(ckpt)
     open(os.path.join(ckpt, "trainer_state.json"), "w").write("{}")
-    from kiln.engine.state import TrainerControl
+    from kiln.engine.callbacks.state import TrainerControl
 
     state = drive(callback, cfg, SEQUENCE[:2], end=False)
     state.global_step = 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from kiln.engine.progress import PrinterCallback, ProgressCallback, console_callbacks, is_interactive
-from kiln.engine.state import TrainerControl, TrainerState
+from kiln.engine.callbacks.progress import PrinterCallback, ProgressCallback, console_callbacks, is_interactive
+from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from tests.loggers.conftest import make_config
 
 

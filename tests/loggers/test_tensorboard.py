@@ -83,7 +83,7 @@ def test_resume_purges_what_the_killed_job_wrote_after_the_checkpoint(tmp_path):
 
 
 def test_trials_get_their_own_folders(tmp_path):
-    from kiln.engine.state import TrainerState
+    from kiln.engine.callbacks.state import TrainerState
 
     cfg = make_config(tmp_path, log={"logging_dir": str(tmp_path / "tb")}, report_to=["tensorboard"])
     callback = LoggerCallback(cfg, build_loggers(cfg))

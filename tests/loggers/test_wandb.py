@@ -8,7 +8,7 @@ import pytest
 
 wandb = pytest.importorskip("wandb", reason="pip install kiln[wandb]")
 
-from kiln.engine.state import TrainerState  # noqa: E402
+from kiln.engine.callbacks.state import TrainerState  # noqa: E402
 from kiln.loggers.base import grouped_name  # noqa: E402
 from kiln.loggers.callback import LoggerCallback, build_loggers  # noqa: E402
 from kiln.loggers.wandb import WandbLogger, has_credentials  # noqa: E402
@@ -105,7 +105,7 @@ def test_a_crashed_job_finishes_its_run_as_failed(tmp_path):
     code = f"""
 from omegaconf import OmegaConf
 from kiln.config.schema import TrainingConfig
-from kiln.engine.state import TrainerControl, TrainerState
+from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.loggers.callback import LoggerCallback, build_loggers
 cfg = OmegaConf.merge(OmegaConf.structured(TrainingConfig),
                       {{"output_dir": {str(out)!r}, "log": {{"report_to": ["wandb"], "history": []}}}})  # no torch import

@@ -6,7 +6,7 @@ entry is a small factory `OptimConfig -> (optimizer class, keyword arguments)`; 
 the parameter groups and the user's `optim_args`, so a new optimizer is one registry line
 (`OPTIMIZERS.add("lion", lambda cfg: (Lion, {"lr": cfg.lr}))`).
 
-The learning-rate schedules live in `kiln.engine.schedulers` and are re-exported here, so the engine
+The learning-rate schedules live in `kiln.engine.optim.schedulers` and are re-exported here, so the engine
 imports both from one place.
 """
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kiln.config.schema import OptimConfig
-from kiln.engine.schedulers import (
+from kiln.engine.optim.schedulers import (
     SCHEDULERS,
     GreedyLR,
     build_scheduler,
@@ -130,7 +130,7 @@ for _name, _instead in {
                      "apollo_adamw_layerwise", "lomo", "adalomo", "grokadamw", "stable_adamw", "ademamix",
                      "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit", "schedule_free_adamw",
                      "schedule_free_radam", "schedule_free_sgd"),
-                    "register it with kiln.engine.optim.OPTIMIZERS.add(name, factory), or " + _USE_ADAMW),
+                    "register it with kiln.engine.optim.optimizers.OPTIMIZERS.add(name, factory), or " + _USE_ADAMW),
 }.items():
     OPTIMIZERS.add(_name, _unsupported(_name, _instead))
 

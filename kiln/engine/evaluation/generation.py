@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln.engine.errors import KilnError
+from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
     from kiln.engine.trainer import Trainer

@@ -14,6 +14,20 @@ class CheckpointError(KilnError):
     """A checkpoint is missing, incomplete, corrupt, unsafe, or does not fit this run."""
 
 
+class ConfigError(ValueError):
+    """A config key, value or combination is invalid; the message names the key and the fix."""
+
+
+class PrecisionError(ValueError):
+    """A precision setting cannot work on this machine or with these options; the message says why
+    and what to use instead. Raised before training starts."""
+
+
+class CapabilityError(KilnError):
+    """A strategy, precision and device were combined in a way that cannot work; raised before any
+    process group starts, with the sentence that says why and what to use instead."""
+
+
 def _reason(err: BaseException) -> str:
     """The informative line of a torch.load error (torch puts a long generic preamble first, which
     also suggests `weights_only=False`: advice kiln must never pass on)."""

@@ -23,16 +23,16 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from kiln.engine.checkpoint_files import (  # noqa: F401  (re-exported: the Trainer and tests import them from here)
+from kiln.engine.checkpoint.files import (  # noqa: F401  (re-exported: the Trainer and tests import them from here)
     MARKER, PREFIX, _fsync_dir, _fsync_tree, _remove, is_complete, latest_checkpoint, list_checkpoints, read_marker,
     resolve_resume,
 )
-from kiln.engine.errors import CheckpointError, safe_torch_load
+from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.engine.seed import rng_state, set_rng_state
-from kiln.engine.state import TrainerState
+from kiln.engine.callbacks.state import TrainerState
 
 if TYPE_CHECKING:
-    from kiln.engine.loops import FitLoop
+    from kiln.engine.loop.fit import FitLoop
     from kiln.engine.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class CheckpointManager:
         """An iterator over `loader` starting `skip` batches into the epoch, by the cheapest exact route:
         kiln's sampler jumps to the batch; an iterable dataset with `state_dict()` restores its saved
         position; anything else is iterated past, with a progress note."""
-        from kiln.engine.data import ResumableSampler, skip_batches
+        from kiln.engine.data.loaders import ResumableSampler, skip_batches
 
         saved = (self.pending_loop or {}).get("dataset")
         self.pending_loop = None

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from kiln.engine.module import TrainingModule
+from kiln.engine.model.module import TrainingModule
 
 
 class StepDispatcher(nn.Module):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from kiln.engine.state import TrainerControl, TrainerState
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 EVENTS = (
     "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
-from kiln.engine.callbacks import interval
-from kiln.engine.data import loader_length, set_epoch
-from kiln.engine.tensors import batch_size_of
+from kiln.engine.callbacks.base import interval
+from kiln.engine.data.loaders import loader_length, set_epoch
+from kiln.utils.tensors import batch_size_of
 
 if TYPE_CHECKING:
     from kiln.engine.trainer import Trainer
@@ -161,7 +161,7 @@ class FitLoop:
         t = self.trainer
         if not t.config.data.auto_find_batch_size:
             return t.get_train_dataloader()
-        from kiln.engine.batch_size import find_batch_size, saved_batch_size
+        from kiln.engine.loop.batch_size import find_batch_size, saved_batch_size
 
         saved = saved_batch_size(resume_path) if resume_path else None
         if saved is None:

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from kiln.engine.errors import KilnError
+from kiln.utils.errors import KilnError
 
 
 def input_embeddings(model: nn.Module) -> nn.Module:

@@ -8,8 +8,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from kiln.engine.early_stopping import best_metric_key, resolve_greater_is_better
-from kiln.engine.errors import KilnError
+from kiln.engine.callbacks.early_stopping import best_metric_key, resolve_greater_is_better
+from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
     from kiln.engine.trainer import Trainer

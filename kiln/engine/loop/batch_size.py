@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from kiln.engine.errors import KilnError
+from kiln.utils.errors import KilnError
 from kiln.engine.seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def saved_batch_size(checkpoint: str) -> int | None:
     """The per-device batch size a checkpoint was trained with (its config.yaml)."""
     from omegaconf import OmegaConf
 
-    from kiln.engine.checkpoint import CONFIG
+    from kiln.engine.checkpoint.manager import CONFIG
 
     path = os.path.join(checkpoint, CONFIG)
     if not os.path.exists(path):

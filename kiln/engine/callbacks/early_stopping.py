@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
-from kiln.engine.callbacks import Callback
-from kiln.engine.errors import KilnError
+from kiln.engine.callbacks.base import Callback
+from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from kiln.engine.state import TrainerControl, TrainerState
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 logger = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ import time
 from datetime import timedelta
 from typing import IO, TYPE_CHECKING, Any, Mapping, Optional
 
-from kiln.engine.callbacks import Callback
+from kiln.engine.callbacks.base import Callback
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from kiln.engine.state import TrainerControl, TrainerState
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 #: log keys shown on the bar itself; the full dict is written above it
 POSTFIX = ("loss", "learning_rate", "eval_loss")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from kiln.engine.data import ResumableSampler
+from kiln.engine.data.loaders import ResumableSampler
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

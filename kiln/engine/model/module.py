@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from kiln.engine.tensors import batch_size_of
+from kiln.utils.tensors import batch_size_of
 
 StepOutput = Union[torch.Tensor, Mapping[str, Any]]
 

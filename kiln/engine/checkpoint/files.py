@@ -12,7 +12,7 @@ import shutil
 import warnings
 from typing import Any, Optional
 
-from kiln.engine.errors import CheckpointError
+from kiln.utils.errors import CheckpointError
 
 PREFIX = "checkpoint-"
 MARKER = "COMPLETE"

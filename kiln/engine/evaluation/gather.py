@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import numpy as np
 import torch
 
-from kiln.engine.data import SequentialDistributedSampler  # re-exported: the loop's sampler and its gatherer
+from kiln.engine.data.loaders import SequentialDistributedSampler  # re-exported: the loop's sampler and its gatherer
 
 logger = logging.getLogger(__name__)
 
