@@ -115,9 +115,9 @@ def _run(command: str, config: str, overrides: list[str]) -> int:
 def _load_weights(trainer: Any) -> None:
     path = trainer.config.resume_from_checkpoint
     if path:
-        from kiln.strategies.checkpoint_io import apply_weights, load_weights
+        from kiln.engine.checkpoint.weights import load_weights_for_eval
 
-        apply_weights(trainer.model, load_weights(path), path)
+        load_weights_for_eval(trainer, path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -82,16 +82,12 @@ def _topology(strategy: Optional["Strategy"]) -> tuple[int, int, int, Any]:
     if not env.distributed:
         return env.rank, env.local_rank, env.world_size, None
     import torch
-    import torch.distributed as dist
 
-    from kiln.strategies.ddp import default_backend, init_process_group, pick_device
+    from kiln.strategies.process_group import barrier, default_backend, init_process_group, pick_device
 
     device = pick_device(env, None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_process_group(env, default_backend(device), timeout_s=1800)
-
-    def barrier() -> None:
-        dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
-
-    return env.rank, env.local_rank, env.world_size, barrier
+    backend = default_backend(device)
+    init_process_group(env, backend, timeout_s=1800)
+    return env.rank, env.local_rank, env.world_size, lambda: barrier(device, backend)

@@ -1,5 +1,6 @@
 """Seeding and RNG state capture, so two runs with one config are identical and a resumed run
-continues every random stream (python, numpy, torch CPU, CUDA) exactly where it stopped."""
+continues every random stream (python, numpy, torch CPU, and each accelerator's: CUDA, MPS, XLA)
+exactly where it stopped. Device streams go through `kiln.accelerators`."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
     except ImportError:  # numpy is optional for kiln itself
         pass
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
+    from kiln.accelerators import available_accelerators
+
+    for accelerator in available_accelerators():
+        accelerator.manual_seed(seed)
     if deterministic:
         enable_full_determinism()
 
@@ -46,8 +49,12 @@ def rng_state() -> dict[str, Any]:
                           "has_gauss": int(has_gauss), "cached": float(cached)}
     except ImportError:
         pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    from kiln.accelerators import available_accelerators
+
+    for accelerator in available_accelerators():  # saved under the device kind: "cuda", "mps", "xla"
+        device_state = accelerator.rng_state()
+        if device_state is not None:
+            state[accelerator.name] = device_state
     return state
 
 
@@ -59,10 +66,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
         n = state["numpy"]
         np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
-    if "cuda" in state and torch.cuda.is_available():
-        # One state per visible device; a resume that sees fewer devices restores those it has.
-        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, index)
+    from kiln.accelerators import available_accelerators
+
+    for accelerator in available_accelerators():
+        if accelerator.name in state:
+            accelerator.set_rng_state(state[accelerator.name])
 
 
 def _py_state_to_plain(st: tuple[Any, ...]) -> list[Any]:

@@ -22,7 +22,7 @@ from kiln.engine.distributed import configure_logging
 from kiln.utils.errors import KilnError
 from kiln.engine.loop.fit import FitLoop, TrainOutput
 from kiln.engine.hp_search import HyperparameterSearchMixin, call_model_init
-from kiln.engine.loop.loss_weights import WindowWeights
+from kiln.engine.loop.loss_weights import MicroBatch, WindowWeights
 from kiln.engine.model.neftune import neftune
 from kiln.engine.model.module import (
     accepts_kwarg, count_items, default_label_names, forward_argument_names, is_training_module, loss_from_output,
@@ -32,7 +32,7 @@ from kiln.engine.seed import set_seed
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.trainer_eval import EvaluationMixin
 from kiln.precision import build_precision
-from kiln.strategies import build_strategy
+from kiln.strategies import build_strategy, check_run_compatible
 from kiln.strategies.environment import load_with_launcher_settings
 
 
@@ -66,11 +66,20 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
 
         self._memory = MemoryTracker.from_config(cfg)  # HF's *_mem_* metrics; a no-op by default
         self._memory.start("init")
+        # The strategy comes first: it decides where (and how sharded) a model the Trainer builds lives.
+        self.precision = precision if precision is not None and not isinstance(precision, type) else build_precision(cfg, precision)
+        self.strategy = build_strategy(cfg, self.precision, strategy)
+        check_run_compatible(self.strategy, self.precision, cfg, user_optimizer=optimizers[0] is not None)
+        self.strategy.setup_environment()
+        configure_logging(cfg, self.strategy)  # log.level on the main process, log.level_replica elsewhere
+        self.precision = self.strategy.connect_precision(self.precision)
+        self.precision.check_device(self.strategy.root_device)
         set_seed(cfg.seed, cfg.full_determinism)
         if model is None:
             if model_init is None:
                 raise KilnError("Trainer needs a model: pass `model=` or `model_init=` (a callable returning the model).")
-            model = call_model_init(model_init)  # model_init(None) when it takes the trial (HF)
+            with self.strategy.module_init_context():
+                model = call_model_init(model_init)  # model_init(None) when it takes the trial (HF)
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}.")
         self.model_init = model_init
@@ -82,12 +91,6 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
                                  precision=precision, processing_class=processing_class)
         self._trial: Any = None  # the Optuna trial this Trainer trains (hyperparameter_search)
         self._objective: Any = None
-        self.precision = precision if precision is not None and not isinstance(precision, type) else build_precision(cfg, precision)
-        self.strategy = build_strategy(cfg, self.precision, strategy)
-        self.strategy.setup_environment()
-        configure_logging(cfg, self.strategy)  # log.level on the main process, log.level_replica elsewhere
-        self.precision = self.strategy.connect_precision(self.precision)
-        self.precision.check_device(self.strategy.root_device)
         self.args = cfg  # HF code reads trainer.args
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator, self.processing_class = data_collator, processing_class
@@ -109,15 +112,16 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self._label_smoothing = float(cfg.train.label_smoothing_factor)
         self._remove_columns = bool(cfg.data.remove_unused_columns)
         self._global_mean = bool(cfg.train.average_tokens_across_devices)
-        self._window: Optional[WindowWeights] = None  # the current window's loss weights, and which micro-batch runs
-        self._micro = 0
+        #: the micro-batch `training_step` is running (set by the fit loop; also passed as `micro_batch=`)
+        self.current_micro_batch: Optional[MicroBatch] = None
         # num_items_in_batch is only worth waiting for (it is summed over ranks) when something reads
         # it; otherwise the all-reduce runs while the first forward does
         self._wants_num_items = self._accepts_num_items or type(self).compute_loss is not Trainer.compute_loss or \
             type(self).training_step is not Trainer.training_step
         self._scheduler_needs_metrics = False
         self.model_wrapped: nn.Module = model
-        self._wrapped = False
+        self._setup_stage: Optional[str] = None  # None, "eval" (module only) or "train" (module + optimizer)
+        self._forward_module: Optional[nn.Module] = None
         self.callback_handler = CallbackHandler(self._default_callbacks(), model=model, processing_class=processing_class)
         for cb in callbacks or ():
             self.callback_handler.add(cb)
@@ -161,7 +165,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
         loader = build_dataloader(
             self.train_dataset, cfg.data.per_device_train_batch_size, self.data_collator, cfg.data, seed, shuffle=True,
-            num_replicas=self.strategy.data_parallel_size, rank=self.strategy.data_parallel_rank,
+            num_replicas=self.strategy.data_shards, rank=self.strategy.data_shard_rank,
             sampler=self._length_grouped_sampler(seed),
         )
         return self.strategy.process_dataloader(loader)
@@ -195,46 +199,51 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self.create_optimizer()
         self.create_scheduler(num_training_steps, self.optimizer)
 
-    def _setup_model(self) -> nn.Module:
-        """Convert precision, then let the strategy place/wrap the module (once)."""
-        if not self._wrapped:
+    def _module_to_set_up(self) -> nn.Module:
+        """The module the strategy sets up: a TrainingModule behind its StepDispatcher (so wrappers
+        that hook forward see every step), with gradient checkpointing enabled first."""
+        if self._forward_module is None:
             if self.config.train.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
                 kwargs = self.config.train.gradient_checkpointing_kwargs or {}
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(kwargs))
-            self.model = self.precision.convert_module(self.model)
-            forward_module = StepDispatcher(self.model) if self._training_module else self.model
-            self.model_wrapped = self.strategy.setup_module(forward_module)
-            if self.config.train.torch_compile or self.config.train.torch_compile_backend or self.config.train.torch_compile_mode:
-                self.model_wrapped = torch.compile(self.model_wrapped, backend=self.config.train.torch_compile_backend or "inductor",
-                                                   mode=self.config.train.torch_compile_mode)
-            self._wrapped = True
+            self._forward_module = StepDispatcher(self.model) if self._training_module else self.model
+        return self._forward_module
+
+    def setup_model(self) -> nn.Module:
+        """The module set up by the strategy for evaluation (before training: without an optimizer)."""
+        if self._setup_stage is None:
+            self.model_wrapped = self.strategy.setup(self._module_to_set_up()).model
+            self._setup_stage = "eval"
         return self.model_wrapped
 
-    def _setup_model_and_optimizer(self) -> None:
-        wrapped = self._setup_model()
-        if not getattr(self, "_optimizer_ready", False):
-            self.create_optimizer()
-            self.model_wrapped, self.optimizer = self.strategy.setup_optimizer(wrapped, self.optimizer)
-            self._optimizer_ready = True
-
-    def _setup_training(self, max_steps: int) -> None:
-        self._setup_model_and_optimizer()
-        self.create_scheduler(max_steps, self.optimizer)
-        self.precision.setup()
+    def setup_training(self, max_steps: Optional[int] = None) -> None:
+        """Module, optimizer and (given the step count) scheduler, set up by the strategy in one call."""
+        if self._setup_stage != "train":
+            schedule = (lambda optimizer: self.create_scheduler(max_steps, optimizer)) if max_steps is not None else None
+            setup = self.strategy.setup(self._module_to_set_up(), lambda _model: self.create_optimizer(), schedule)
+            self.model_wrapped, self.optimizer = setup.model, setup.optimizer
+            if setup.scheduler is not None:
+                self.lr_scheduler = setup.scheduler
+            self._setup_stage = "train"
+        elif max_steps is not None and self.lr_scheduler is None:  # set up earlier without a step count (auto batch size)
+            self.create_scheduler(max_steps, self.optimizer)
+        elif max_steps is not None:
+            self._scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
+        if max_steps is not None:
+            self.precision.setup()
 
     # -- one micro-batch (HF override points) -----------------------------------------------
-    def _loss_weights(self, window: list[Any]) -> Optional[WindowWeights]:
-        """Per-micro-batch loss weights for this window (None: one micro-batch on one process, whose
+    def loss_weights(self, window: list[Any]) -> Optional[WindowWeights]:
+        """Per-micro-batch loss weights for this window (None: one micro-batch on one shard, whose
         mean loss needs no weighting). See kiln.engine.loop.loss_weights."""
-        dp = self.strategy.data_parallel_size
-        if len(window) == 1 and (dp == 1 or not self._global_mean) and not self._accepts_num_items:
+        s = self.strategy
+        if len(window) == 1 and (s.data_shards == 1 or not self._global_mean) and not self._accepts_num_items:
             return None
         counter = self.model.num_items if self._training_module else (lambda b: count_items(b, self.label_names))
-        counts = [torch.as_tensor(counter(b), device=self.strategy.root_device) for b in window]
-        total = torch.stack(counts).sum()
-        global_mean = self._global_mean and dp > 1
-        wait_total = self.strategy.reduce_async(total, "sum") if global_mean else (lambda: total)
-        return WindowWeights(counts, dp, wait_total, global_mean=global_mean, model_divides=self._accepts_num_items)
+        counts = [torch.as_tensor(counter(b), device=s.root_device) for b in window]
+        return WindowWeights.for_window(counts, data_shards=s.data_shards, grad_divisor=s.grad_divisor,
+                                        global_mean=self._global_mean, model_divides=self._accepts_num_items,
+                                        reduce_async=s.reduce_async)
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
         """The loss of one micro-batch (mean over its items); override for a custom loss."""
@@ -261,14 +270,20 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             return inputs
         return {k: v for k, v in inputs.items() if k in self._forward_names}
 
-    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        """Forward, loss, backward for one micro-batch; returns its detached (weighted) loss."""
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None,
+                      micro_batch: Optional[MicroBatch] = None) -> torch.Tensor:
+        """Forward, loss, backward for one micro-batch; returns its detached (weighted) loss.
+
+        `micro_batch` (its loss weight and whether it ends the accumulation window) defaults to the
+        fit loop's `current_micro_batch`, so HF-style overrides that call
+        `super().training_step(model, inputs, num_items_in_batch)` keep exact weighting."""
+        micro_batch = micro_batch if micro_batch is not None else self.current_micro_batch
         with self.precision.forward_context():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        weight = self._window.weight(self._micro) if self._window is not None else None
+        weight = micro_batch.weight if micro_batch is not None else None
         if weight is not None:
             loss = loss * weight
-        self.strategy.backward(loss, model)
+        self.strategy.backward(loss, model, boundary=micro_batch.boundary if micro_batch is not None else True)
         return loss.detach()
 
     # -- fit --------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ on every batch instead and predictions are not kept (except by `predict`, as in 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -75,10 +74,10 @@ class EvaluationMixin(BestModelMixin):
         batch_size, drop_last = cfg.data.per_device_eval_batch_size, cfg.data.dataloader_drop_last
         sampler = None
         if is_sized(dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
-            sampler = SequentialDistributedSampler(len(dataset), s.data_parallel_size, s.data_parallel_rank,
+            sampler = SequentialDistributedSampler(len(dataset), s.data_shards, s.data_shard_rank,
                                                    batch_size if drop_last else None, drop_last)
         loader = build_dataloader(dataset, batch_size, self.data_collator, cfg.data, cfg.seed, shuffle=False,
-                                  num_replicas=s.data_parallel_size, rank=s.data_parallel_rank, sampler=sampler,
+                                  num_replicas=s.data_shards, rank=s.data_shard_rank, sampler=sampler,
                                   drop_last=None if sampler is None else False)  # the sampler already dropped
         return s.process_dataloader(loader)
 
@@ -136,7 +135,7 @@ class EvaluationMixin(BestModelMixin):
         from kiln.loggers.metrics import speed_metrics
 
         batch_size = getattr(loader, "batch_size", None) or self.config.data.per_device_eval_batch_size
-        steps = math.ceil(num_samples / (batch_size * self.strategy.data_parallel_size))
+        steps = math.ceil(num_samples / (batch_size * self.strategy.data_shards))
         return speed_metrics(prefix, start, num_samples=num_samples, num_steps=steps)
 
     # -- the loop ---------------------------------------------------------------------------
@@ -146,12 +145,12 @@ class EvaluationMixin(BestModelMixin):
         ("Prediction": predict_step). Works with or without labels."""
         cfg, s, e = self.config, self.strategy, self.config.eval
         loss_only = e.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
-        model = self._setup_model()
+        model = self.setup_model()
         sampler = _sampler_of(dataloader)
-        distributed = s.data_parallel_size > 1 and isinstance(sampler, SequentialDistributedSampler)
-        if s.data_parallel_size > 1 and not distributed:
+        distributed = s.data_shards > 1 and isinstance(sampler, SequentialDistributedSampler)
+        if s.data_shards > 1 and not distributed:
             logger.warning("Evaluating a loader without kiln's eval sampler on %d ranks: each rank reports its own shard.",
-                           s.data_parallel_size)
+                           s.data_shards)
         per_batch, predicting = e.batch_eval_metrics, description == "Prediction"
         gatherer = OrderedGatherer.for_sampler(sampler, e.padding_index) if distributed else None
         acc = EvalAccumulator(e.padding_index, e.do_concat_batches, e.accumulation_steps, gatherer=gatherer,
@@ -163,7 +162,7 @@ class EvaluationMixin(BestModelMixin):
         self._eval_step_name = "predict_step" if predicting else "validation_step"
         model.eval()
         try:
-            with _cast_for_eval(self.model, dtype):
+            with s.eval_cast_context(self.model, dtype):
                 for batch, is_last in _with_last(dataloader):
                     batch = self.precision.convert_input(s.batch_to_device(batch))
                     if dtype is not None:
@@ -349,22 +348,3 @@ def _with_last(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
         yield current, False
         current = item
     yield current, True
-
-
-@contextlib.contextmanager
-def _cast_for_eval(module: torch.nn.Module, dtype: Optional[torch.dtype]) -> Iterator[None]:
-    """HF's fp16_full_eval / bf16_full_eval, undone afterwards: floating parameters and buffers are
-    cast to `dtype` for the evaluation and their original tensors put back bit for bit. Originals of
-    accelerator tensors wait on the CPU, so the device really holds only the half-size copy."""
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if dtype is not None:
-        with torch.no_grad():
-            for t in itertools.chain(module.parameters(), module.buffers()):
-                if t.is_floating_point() and t.dtype != dtype:
-                    saved.append((t, t.data if t.device.type == "cpu" else t.data.to("cpu")))
-                    t.data = t.data.to(dtype)
-    try:
-        yield
-    finally:
-        for t, original in saved:
-            t.data = original.to(t.device)

@@ -117,20 +117,16 @@ class MemoryTracker:
     def from_config(cls, config: Any) -> "MemoryTracker":
         return cls(skip_memory_metrics=bool(config.log.skip_memory_metrics))
 
-    # -- accelerator counters (device 0 of whatever torch runs on) ------------------------------
+    # -- accelerator counters (the first accelerator of this process that keeps them) --------------
     @staticmethod
     def _device() -> Any:
         import sys
 
-        torch = sys.modules.get("torch")  # no accelerator counters without torch already in use
-        if torch is None:
+        if "torch" not in sys.modules:  # no accelerator counters without torch already in use
             return None
-        if torch.cuda.is_available():
-            return torch.cuda
-        xpu = getattr(torch, "xpu", None)
-        if xpu is not None and xpu.is_available():
-            return xpu
-        return None
+        from kiln.accelerators import available_accelerators
+
+        return next((a for a in available_accelerators() if a.has_memory_stats()), None)
 
     def _rss(self) -> int:
         return int(self.process.memory_info().rss)

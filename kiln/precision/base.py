@@ -173,34 +173,19 @@ def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
     return batch
 
 
-def cpu_supports_fp16() -> bool:
-    """Whether oneDNN has fp16 kernels on this CPU (AVX512-FP16 / AMX-FP16). A function so tests can
-    pretend either way."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def cuda_supports_bf16() -> bool:
-    """Native bf16 on the current GPU (Ampere or newer); emulated bf16 is too slow to train with."""
-    try:
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:  # torch without the argument
-        return bool(torch.cuda.is_bf16_supported())
-
-
 def check_dtype_on_device(dtype: torch.dtype, device: torch.device, setting: str) -> None:
-    """Reject a half dtype on a device that cannot compute in it, naming `setting` and the alternative."""
-    if dtype is torch.float16 and device.type == "cpu" and not cpu_supports_fp16():
-        raise PrecisionError(
-            f"{setting} needs fp16 support on the CPU (AVX512-FP16 or AMX-FP16), which this CPU lacks "
-            "(torch.ops.mkldnn._is_mkldnn_fp16_supported() is False); use bf16 instead (precision: bf16), "
-            "or train on a CUDA GPU."
-        )
-    if dtype is torch.bfloat16 and device.type == "cuda" and not cuda_supports_bf16():
-        name = torch.cuda.get_device_name(device)
-        raise PrecisionError(
-            f"{setting} needs bf16, which this GPU ({name}) does not support (bf16 needs Ampere or newer); "
-            "use fp16 instead (precision: fp16)."
-        )
+    """Reject a half dtype on a device that cannot compute in it, naming `setting` and the alternative
+    (the device's accelerator knows what it supports)."""
+    from kiln.accelerators import accelerator_for
+
+    reason = accelerator_for(device).dtype_unsupported(dtype, torch.device(device))
+    if reason is None:
+        return
+    other = "bf16 instead (precision: bf16)" if dtype is torch.float16 else "fp16 instead (precision: fp16)"
+    where = " or train on a CUDA GPU" if torch.device(device).type == "cpu" else ""
+    place = _DEVICE_WORDS.get(torch.device(device).type, torch.device(device).type)
+    raise PrecisionError(f"{setting} needs {_DTYPE_NAMES[dtype]} support on the {place}, but {reason}; use {other}{where}.")
+
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DEVICE_WORDS = {"cpu": "CPU", "cuda": "GPU", "mps": "Apple GPU (MPS)", "xla": "XLA device"}

@@ -38,3 +38,13 @@ def build_strategy(config: "DictConfig", precision: "Precision", override: Any =
     if getattr(cls, "resolve", None) is not None and not issubclass(cls, Strategy):
         cls = cls.resolve(config)  # `auto` picks a concrete class
     return cls(config, precision)
+
+
+def check_run_compatible(strategy: "Strategy", precision: "Precision", config: "DictConfig", *, user_optimizer: bool) -> None:
+    """Refuse an impossible strategy x precision x device x options combination before any process
+    group starts (see kiln.strategies.capabilities)."""
+    from kiln.strategies.capabilities import check_compatible
+
+    check_compatible(strategy.name, type(strategy).capabilities, precision=precision.name, device=strategy.root_device,
+                     full_eval=precision.eval_dtype is not None, auto_batch_size=bool(config.data.auto_find_batch_size),
+                     user_optimizer=user_optimizer)

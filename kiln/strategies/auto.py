@@ -1,4 +1,5 @@
-"""`strategy: auto`: DDP when a launcher started several processes, otherwise one device."""
+"""`strategy: auto`: DDP when a launcher started several processes, the Apple GPU on a Mac that has
+one, otherwise one device (a CUDA GPU if present, else the CPU)."""
 
 from __future__ import annotations
 
@@ -19,4 +20,8 @@ class AutoStrategy:
     def resolve(config: "DictConfig") -> type:
         if detect().distributed:
             return STRATEGIES.get("ddp")
+        from kiln.accelerators import ACCELERATORS
+
+        if config.strategy.device is None and ACCELERATORS.get("mps").is_available():
+            return STRATEGIES.get("mps")
         return STRATEGIES.get("single")

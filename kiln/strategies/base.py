@@ -1,48 +1,123 @@
-"""The Strategy interface: where the model lives, how it is replicated or sharded, and how
-gradients, optimizer steps, collectives and checkpoints work across processes.
+"""The Strategy contract: where the model lives, how it is replicated or sharded, and how gradients,
+optimizer steps, collectives and checkpoints work across processes and devices.
 
-The engine calls only these methods, in this order, for every strategy (single, DDP, FSDP,
-DeepSpeed, XLA, MPS); a new strategy is one file implementing them plus a registry line:
+A new strategy is one file that subclasses `Strategy`, declares its `capabilities` and `options`,
+and registers its names (`@STRATEGIES.register("name")` plus one `add_lazy` line in
+`kiln/strategies/__init__.py`). `kiln/engine/` never changes for it: the engine calls only these
+methods, in this order, for every strategy:
 
-    strategy.setup_environment()                       # process group, device
-    wrapped, opt = strategy.setup(module, make_optimizer)
-    per micro-batch:  batch_to_device -> (no_sync) -> backward
-    per step:         clip_grad_norm -> optimizer_step -> zero_grad
-    checkpoints:      save_checkpoint / load_checkpoint / model_state_for_export
+    strategy = cls(config, precision)          # cheap: reads the topology, picks the device, no process group
+    check_compatible(...)                      # capabilities vs precision/device/options, before anything starts
+    strategy.setup_environment()               # process group, current device
+    precision = strategy.connect_precision(precision)   # may substitute its own flavour (and log it)
+    with strategy.module_init_context():       # meta device / deepspeed.zero.Init / nothing
+        model = model_init()                   # only when the Trainer builds the model
+    setup = strategy.setup(module, optimizer_factory, scheduler_factory)   # once, joint; evaluation
+        # before training calls it without factories, and training calls it again with them
+    loader = strategy.process_dataloader(loader)
+    per micro-batch:  batch = strategy.batch_to_device(batch)
+                      with strategy.micro_batch_context(model, boundary=...):    # DDP's no_sync
+                          loss = forward ...; strategy.backward(loss, model, boundary=...)
+                      strategy.on_micro_batch_end()                              # XLA's mark_step
+    per step:         result = strategy.optimizer_step(model, optimizer, max_grad_norm)
+                          # owns unscale -> reduce -> clip -> step -> skip-on-inf; StepResult(stepped, grad_norm)
+                      strategy.zero_grad(model, optimizer); strategy.on_step_end()
+    checkpoints:      strategy.checkpoint_io() -> CheckpointIO (save / load / load_weights_only)
+    export:           strategy.model_state_for_export(module)
     strategy.teardown()
+
+Sizes: `data_shards` processes read distinct data (the sampler's replicas; counts summed over them);
+`grad_divisor` is what the gradient reduction divides by (DDP averages over its world; SPMD runs one
+process whose gradients are already global, so 1); `num_devices` counts the devices doing the work.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterable, Optional
 
 import torch
 from torch import nn
 
+from kiln.strategies.capabilities import Capabilities
+from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO
+from kiln.utils.errors import ConfigError
 from kiln.utils.tensors import move_to_device
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from kiln.accelerators.base import Accelerator
     from kiln.precision.base import Precision
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. `grad_norm` (the total norm before clipping, or None when not
+    clipped) stays a device tensor: the loop reads it only on logging steps."""
+
+    stepped: bool
+    grad_norm: Optional[torch.Tensor] = None
+
+
+@dataclass
+class Setup:
+    """What `Strategy.setup` hands back: the module to run forward on, and the optimizer and
+    scheduler to train with (the strategy's own wrappers where it has them; None when set up for
+    evaluation only)."""
+
+    model: nn.Module
+    optimizer: Optional[torch.optim.Optimizer] = None
+    scheduler: Any = None
 
 
 class Strategy:
     """Single-process defaults; distributed strategies override the collective and wrapping parts."""
 
     name: ClassVar[str] = "base"
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: strategy-specific options a config may set under `strategy:` beyond the common fields
+    #: (name -> one line of help); anything else there is refused with a suggestion
+    options: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         self.config = config
         self.precision = precision
+        self._wrapped: Optional[nn.Module] = None
+        self._check_options()
+
+    def _check_options(self) -> None:
+        import difflib
+
+        given = dict(self.config.strategy.get("options") or {}) if self.config is not None else {}
+        for key in given:
+            if key not in self.options:
+                close = difflib.get_close_matches(key, [*self.options, *_COMMON_FIELDS], n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                known = ", ".join(sorted(self.options)) or "none beyond the common fields"
+                raise ConfigError(f"Unknown option strategy.{key} for strategy {self.name!r}.{hint} "
+                                  f"Its options: {known}.")
+
+    def option(self, key: str, default: Any = None) -> Any:
+        """A declared strategy-specific option (`strategy.<key>` in the config)."""
+        value = (self.config.strategy.get("options") or {}).get(key) if self.config is not None else None
+        return default if value is None else value
 
     # -- topology ---------------------------------------------------------------------------
     @property
     def root_device(self) -> torch.device:
         raise NotImplementedError
+
+    @property
+    def accelerator(self) -> "Accelerator":
+        """The device kind's accelerator (RNG, memory counters, cache, pin-memory default)."""
+        from kiln.accelerators import accelerator_for
+
+        return accelerator_for(self.root_device)
 
     world_size: int = 1
     global_rank: int = 0
@@ -58,13 +133,23 @@ class Strategy:
         return self.local_rank == 0
 
     @property
-    def data_parallel_size(self) -> int:
-        """Number of distinct data shards (ranks that see different batches)."""
+    def data_shards(self) -> int:
+        """Processes that read distinct batches (the train sampler's replicas)."""
         return self.world_size
 
     @property
-    def data_parallel_rank(self) -> int:
+    def data_shard_rank(self) -> int:
         return self.global_rank
+
+    @property
+    def grad_divisor(self) -> int:
+        """What the gradient reduction divides by (1: gradients are summed, or there is none)."""
+        return self.world_size
+
+    @property
+    def num_devices(self) -> int:
+        """Devices doing the work (for throughput per device)."""
+        return self.world_size
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -76,25 +161,49 @@ class Strategy:
         self.precision = precision
         return precision
 
+    def module_init_context(self) -> ContextManager[Any]:
+        """Where the Trainer builds a model it creates itself (`model_init`, a config-named class):
+        a sharded strategy may build it on the meta device or partitioned."""
+        return contextlib.nullcontext()
+
+    def setup(self, module: nn.Module, optimizer_factory: Optional[OptimizerFactory] = None,
+              scheduler_factory: Optional[SchedulerFactory] = None) -> Setup:
+        """Set up module, optimizer and scheduler together. Without factories (evaluation before
+        training) only the module is set up; a later call with factories reuses it.
+
+        Default order: precision casts the module, the strategy wraps it (`setup_module`, then
+        torch.compile if configured), the optimizer is built over the wrapped parameters (FSDP has
+        sharded them by then), and `setup_optimizer` lets the precision plugin connect both."""
+        if self._wrapped is None:
+            module = self.precision.convert_module(module)
+            self._wrapped = self.compile(self.setup_module(module))
+        if optimizer_factory is None:
+            return Setup(self._wrapped)
+        optimizer = optimizer_factory(self._wrapped)
+        model, optimizer = self.setup_optimizer(self._wrapped, optimizer)
+        self._wrapped = model
+        scheduler = scheduler_factory(optimizer) if scheduler_factory is not None else None
+        return Setup(model, optimizer, scheduler)
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move to the device and wrap (DDP, FSDP...). Returns the module to run forward on."""
         return module.to(self.root_device)
 
-    def setup_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Hook for strategies that wrap model and optimizer together (DeepSpeed); by default the
-        precision plugin gets to connect them (apex's amp.initialize)."""
-        return self.precision.connect(module, optimizer)
+    def compile(self, model: nn.Module) -> nn.Module:
+        """torch.compile the wrapped module when the config asks for it (`train.torch_compile*`)."""
+        train = self.config.train if self.config is not None else None
+        if train is None or not (train.torch_compile or train.torch_compile_backend or train.torch_compile_mode):
+            return model
+        return torch.compile(model, backend=train.torch_compile_backend or "inductor", mode=train.torch_compile_mode)
 
-    def setup(self, module: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Wrap the module, then build the optimizer over the wrapped parameters (FSDP shards them
-        first), then let the strategy wrap both."""
-        wrapped = self.setup_module(module)
-        optimizer = make_optimizer(wrapped)
-        return self.setup_optimizer(wrapped, optimizer)
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Hook for wrapping model and optimizer together; by default the precision plugin gets to
+        connect them (apex's amp.initialize)."""
+        return self.precision.connect(model, optimizer)
 
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        """The user's module inside whatever wrapper `setup_module` added."""
-        return module
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The module inside whatever wrapper `setup_module` (and torch.compile) added."""
+        return getattr(model, "_orig_mod", model)
 
     def process_dataloader(self, dataloader: Iterable[Any]) -> Iterable[Any]:
         """Hook for device-feeding loaders (XLA's MpDeviceLoader)."""
@@ -105,25 +214,53 @@ class Strategy:
         return self.precision.convert_input(move_to_device(batch, self.root_device))
 
     # -- step -------------------------------------------------------------------------------
-    def no_sync(self, module: nn.Module, enabled: bool) -> ContextManager[Any]:
-        """Skip gradient synchronisation for micro-batches that are not the last of a window."""
+    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
+        """Around one micro-batch's forward and backward; `boundary` is True for the last
+        micro-batch of an accumulation window (DDP skips the gradient all-reduce on the others)."""
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+    def backward(self, loss: torch.Tensor, model: nn.Module, *, boundary: bool = True) -> None:
+        """Backward of an already-normalised loss (kiln weights each micro-batch itself: a strategy
+        must not divide by the accumulation steps again)."""
         self.precision.backward(loss)
 
-    def clip_grad_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Unscale, then clip all gradients to `max_norm`; returns the total norm before clipping."""
-        self.precision.unscale_gradients(optimizer)
+    def on_micro_batch_end(self) -> None:
+        """After each micro-batch's backward (XLA cuts its graph here)."""
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       max_grad_norm: Optional[float]) -> StepResult:
+        """The whole step: unscale, (reduce), clip to `max_grad_norm` (None or 0: no clipping), step
+        unless the gradients hold inf/nan. Returns whether it stepped and the pre-clip norm."""
+        grad_norm = None
+        if max_grad_norm:
+            self.precision.unscale_gradients(optimizer)
+            grad_norm = self.clip_gradients(model, optimizer, max_grad_norm)
+        stepped = self.precision.optimizer_step(optimizer)
+        return StepResult(stepped, grad_norm)
+
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip all (unscaled) gradients to `max_norm`; returns the total norm before clipping."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    def optimizer_step(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        """Step; returns False when the precision plugin skipped the step (inf/nan gradients)."""
-        return self.precision.optimizer_step(optimizer)
-
-    def zero_grad(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
+
+    def on_step_end(self) -> None:
+        """After each optimizer step and zero_grad (XLA cuts its graph here)."""
+
+    # -- evaluation and probing -------------------------------------------------------------
+    def probe_module(self, model: nn.Module) -> nn.Module:
+        """The module `auto_find_batch_size` runs its out-of-memory probe on: without gradient
+        synchronisation, so a rank that runs out of memory cannot leave another in a collective."""
+        return self.unwrap(model)
+
+    def eval_cast_context(self, module: nn.Module, dtype: Optional[torch.dtype]) -> ContextManager[Any]:
+        """HF's fp16_full_eval / bf16_full_eval: the module cast to `dtype` for one evaluation and
+        put back bit for bit afterwards (only where `capabilities.full_eval_cast`)."""
+        from kiln.utils.cast import cast_module_temporarily
+
+        return cast_module_temporarily(module, dtype)
 
     # -- collectives (identity on one process) ----------------------------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -148,16 +285,20 @@ class Strategy:
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank."""
 
-    # -- checkpoints ------------------------------------------------------------------------
-    def checkpoint_io(self) -> "Any":
+    # -- checkpoints and export -------------------------------------------------------------
+    def checkpoint_io(self) -> CheckpointIO:
         """The object that writes/reads this strategy's model and optimizer files."""
-        from kiln.strategies.checkpoint_io import FullStateCheckpointIO
-
         return FullStateCheckpointIO(self)
 
     def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights of the user's module (called on every rank; used on rank 0)."""
-        return self.unwrap(module).state_dict()
+        """Full, unsharded weights of the user's `module` (called on every rank; written by rank 0),
+        with the module's own key names."""
+        return module.state_dict()
 
     def teardown(self) -> None:
         """Release the process group and device state."""
+
+
+#: fields every strategy config has (kiln.config.schema.StrategyConfig), offered in suggestions
+_COMMON_FIELDS = ("name", "device", "backend", "timeout", "find_unused_parameters", "bucket_cap_mb",
+                  "broadcast_buffers", "static_graph")

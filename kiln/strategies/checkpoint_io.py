@@ -1,5 +1,6 @@
-"""Model and optimizer files for strategies whose ranks each hold the full model (single, DDP).
-Sharding strategies (FSDP, DeepSpeed) provide their own CheckpointIO with the same methods.
+"""The CheckpointIO contract, and its implementation for strategies whose ranks each hold the full
+model (single, DDP). Sharding strategies (FSDP, DeepSpeed, XLA) subclass `CheckpointIO` in their own
+file with their own format.
 
 Weights go to `model.safetensors` (tied weights stored once, aliases recorded in the metadata) or
 `pytorch_model.bin`; the optimizer to `optimizer.pt`. Loading never unpickles arbitrary objects."""
@@ -8,15 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 
 from kiln.utils.errors import CheckpointError, safe_torch_load
-
-if TYPE_CHECKING:
-    from kiln.strategies.base import Strategy
 
 WEIGHTS_SAFE = "model.safetensors"
 WEIGHTS_BIN = "pytorch_model.bin"
@@ -92,22 +90,60 @@ def apply_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str
     module.load_state_dict(state, strict=True)
 
 
-class FullStateCheckpointIO:
-    """Every rank holds the whole model: one writer saves it, every rank loads it."""
+class CheckpointIO:
+    """Writes and reads a strategy's model and optimizer files inside a checkpoint folder.
+
+    The engine owns everything else in the folder (trainer state, RNG, scheduler, the COMPLETE
+    marker written after every rank returned from `save`) and calls these on every rank:
+
+    - `save(directory, model=, module=, optimizer=, save_optimizer=, safetensors=, writer=)`:
+      `model` is the module as the strategy set it up (wrapped), `module` the user's module inside it,
+      whose key names files use; `writer` says whether this rank writes the files of a format that
+      is not `sharded` (rank 0, or each node's local rank 0 with save_on_each_node).
+    - `load(directory, model=, module=, optimizer=, load_optimizer=)`: restore for resuming.
+    - `load_weights_only(directory, model=, module=)`: weights alone (the CLI's evaluate/predict,
+      load_best_model_at_end); any format this IO reads, also a plain exported model folder.
+
+    `format` is recorded in the marker; `reshardable` says whether a checkpoint saved by N processes
+    loads on M (the engine refuses a world-size change otherwise); `sharded` says every rank writes
+    its own files."""
+
+    format: ClassVar[str] = "full"
+    reshardable: ClassVar[bool] = True
+    sharded: ClassVar[bool] = False
+
+    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+        raise NotImplementedError
+
+    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             load_optimizer: bool = True) -> None:
+        raise NotImplementedError
+
+    def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
+        self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
+
+
+class FullStateCheckpointIO(CheckpointIO):
+    """Every rank holds the whole model: one writer saves it, every rank loads it. A full checkpoint
+    loads on any number of processes."""
 
     format = "full"
+    reshardable = True
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: Any = None) -> None:
         self.strategy = strategy
 
-    def save(self, directory: str, module: nn.Module, optimizer: Any, save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
         if not writer:
             return
         save_weights(module.state_dict(), directory, safetensors)
         if save_optimizer and optimizer is not None:
             torch.save(optimizer.state_dict(), os.path.join(directory, OPTIMIZER))
 
-    def load(self, directory: str, module: nn.Module, optimizer: Any, load_optimizer: bool = True) -> None:
+    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             load_optimizer: bool = True) -> None:
         apply_weights(module, load_weights(directory), directory)
         if load_optimizer and optimizer is not None:
             path = os.path.join(directory, OPTIMIZER)

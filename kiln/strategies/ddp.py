@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 import torch
@@ -29,7 +28,9 @@ from torch import nn
 
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import Strategy
-from kiln.strategies.environment import ClusterEnvironment, detect, visible_devices
+from kiln.strategies.capabilities import Capabilities
+from kiln.strategies.environment import detect
+from kiln.strategies.process_group import barrier, default_backend, init_process_group, pick_device  # noqa: F401
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -39,51 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _OPS = ("sum", "mean", "max", "min")
-
-
-def default_backend(device: torch.device) -> str:
-    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
-
-
-def pick_device(env: ClusterEnvironment, requested: Optional[str]) -> torch.device:
-    """cuda:<local_rank> when CUDA is usable (CUDA_VISIBLE_DEVICES already remaps the indices), else
-    the CPU. `requested` is `strategy.device` ("cpu" forces the CPU on a GPU machine)."""
-    kind = torch.device(requested).type if requested is not None else None
-    if kind == "cpu":
-        return torch.device("cpu")
-    if kind not in (None, "cuda"):
-        raise RuntimeError(f"strategy 'ddp' runs on CPUs or CUDA GPUs, not on strategy.device={requested!r}; "
-                           f"use strategy: {kind} (one device) or strategy.device=cpu.")
-    if not torch.cuda.is_available():
-        if kind == "cuda":
-            raise RuntimeError(f"strategy.device is {requested!r} but CUDA is not available; use strategy.device=cpu.")
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if env.local_rank < count:
-        return torch.device("cuda", env.local_rank)
-    if count == 1 and env.source == "slurm":  # srun bound one GPU to each task
-        return torch.device("cuda", 0)
-    raise RuntimeError(
-        f"Local rank {env.local_rank} has no CUDA device: {count} visible (CUDA_VISIBLE_DEVICES="
-        f"{visible_devices() or 'unset'}). Start at most {count} processes per node, or make more devices visible."
-    )
-
-
-def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) -> bool:
-    """Create the default process group from the launcher's environment; False if one exists.
-
-    Without a launcher (plain `python`, world size 1) a private in-memory store is used, so DDP
-    also runs in one process (useful for debugging) without picking a port."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return False
-    timeout = timedelta(seconds=timeout_s)
-    if env.world_size == 1 and not env.rendezvous:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    else:
-        dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    return True
 
 
 def _buffers_keyword() -> str:
@@ -104,6 +60,11 @@ def _ddp(module: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:
 @STRATEGIES.register("ddp", "ddp_find_unused_parameters_true")
 class DDPStrategy(Strategy):
     name = "ddp"
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        reasons={"mps": "DDP needs gloo or NCCL collectives, which Apple GPUs do not have (one MPS device: strategy mps)",
+                 "xla": "XLA devices synchronise through XLA's own collectives (use strategy xla or xla_fsdp)"},
+    )
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         super().__init__(config, precision)
@@ -153,14 +114,16 @@ class DDPStrategy(Strategy):
         device_ids = [self._device.index] if self._device.type == "cuda" else None  # CPU: no device_ids
         return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs())
 
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        ddp = _ddp(module)
-        return ddp.module if ddp is not None else getattr(module, "_orig_mod", module)
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        ddp = _ddp(model)
+        return ddp.module if ddp is not None else getattr(model, "_orig_mod", model)
 
     # -- step -------------------------------------------------------------------------------
-    def no_sync(self, module: nn.Module, enabled: bool) -> ContextManager[Any]:
-        ddp = _ddp(module)
-        if enabled and ddp is not None:
+    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
+        """No gradient all-reduce except on the window's last micro-batch (DDP decides at forward
+        time, so this wraps forward and backward)."""
+        ddp = _ddp(model)
+        if not boundary and ddp is not None:
             return ddp.no_sync()
         return contextlib.nullcontext()
 
@@ -225,12 +188,7 @@ class DDPStrategy(Strategy):
         return box[0]
 
     def barrier(self, name: str | None = None) -> None:
-        import torch.distributed as dist
-
-        if self._device.type == "cuda" and self.backend == "nccl":
-            dist.barrier(device_ids=[self._device.index])
-        else:
-            dist.barrier()
+        barrier(self._device, self.backend)
 
     def teardown(self) -> None:
         """Destroy the process group if this strategy created it (idempotent)."""

@@ -8,6 +8,8 @@ import torch
 
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import Strategy
+from kiln.strategies.capabilities import Capabilities
+from kiln.strategies.devices import resolve_device
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -15,27 +17,18 @@ if TYPE_CHECKING:
     from kiln.precision.base import Precision
 
 
-def default_device(requested: str | None) -> torch.device:
-    if requested:
-        device = torch.device(requested)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(
-                f"strategy.device is {requested!r} but CUDA is not available on this machine; use strategy.device=cpu."
-            )
-        return device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 @STRATEGIES.register("single", "cpu", "cuda")
 class SingleDeviceStrategy(Strategy):
     name = "single"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}),
+                                reasons={"mps": "Apple GPUs have their own strategy", "xla": "XLA devices have their own strategy"})
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         super().__init__(config, precision)
         requested = config.strategy.device
         if requested is None and config.strategy.name in ("cpu", "cuda"):
             requested = config.strategy.name
-        self._device = default_device(requested)
+        self._device = resolve_device(requested)
 
     @property
     def root_device(self) -> torch.device:

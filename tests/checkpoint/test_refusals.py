@@ -175,7 +175,8 @@ def test_safe_torch_load_never_suggests_weights_only_false(tmp_path):
 
 # -- world size and format ------------------------------------------------------------------------
 class ShardedIO(FullStateCheckpointIO):
-    format = "test-shards"  # a format that cannot be resharded (like DCP shards per rank)
+    format = "test-shards"
+    reshardable = False  # like per-rank shards without a resharding loader
 
 
 class ShardedStrategy(SingleDeviceStrategy):

@@ -26,13 +26,13 @@ def test_global_mean_waits_for_the_reduced_count_lazily_and_once():
 
 def test_rank_mean_weights_by_local_counts():
     local = torch.tensor(8)
-    w = WindowWeights([torch.tensor(3), torch.tensor(5)], 2, lambda: local, global_mean=False, model_divides=False)
+    w = WindowWeights([torch.tensor(3), torch.tensor(5)], 1, lambda: local, global_mean=False, model_divides=False)
     assert [float(w.weight(i)) for i in (0, 1)] == pytest.approx([3 / 8, 5 / 8])
 
 
-@pytest.mark.parametrize("global_mean, expected", [(True, 2), (False, None)])
-def test_models_that_divide_by_num_items_get_only_the_dp_factor(global_mean, expected):
-    w = WindowWeights([torch.tensor(3)], 2, lambda: torch.tensor(9), global_mean=global_mean, model_divides=True)
+@pytest.mark.parametrize("global_mean, scale, expected", [(True, 2, 2), (False, 1, None)])
+def test_models_that_divide_by_num_items_get_only_the_dp_factor(global_mean, scale, expected):
+    w = WindowWeights([torch.tensor(3)], scale, lambda: torch.tensor(9), global_mean=global_mean, model_divides=True)
     assert w.weight(0) == expected
 
 
@@ -48,11 +48,12 @@ def test_trainer_reduces_item_counts_only_for_the_global_mean(tmp_path, monkeypa
         reduced.append(int(tensor))
         return lambda: tensor * 2  # what a second rank with the same counts would add
 
-    monkeypatch.setattr(type(trainer.strategy), "data_parallel_size", property(lambda self: 2))
+    monkeypatch.setattr(type(trainer.strategy), "data_shards", property(lambda self: 2))
+    monkeypatch.setattr(type(trainer.strategy), "grad_divisor", property(lambda self: 2))
     monkeypatch.setattr(trainer.strategy, "reduce_async", reduce_async)
     window = [torch.utils.data.default_collate(data[i:i + 2]) for i in (0, 2)]
     counts = [int(b["labels"].ne(-100).sum()) for b in window]
-    weights = trainer._loss_weights(window)
+    weights = trainer.loss_weights(window)
     got = [float(weights.weight(i)) for i in (0, 1)]
     if average:
         assert reduced == [sum(counts)]

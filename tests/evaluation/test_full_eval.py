@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kiln.accelerators.cpu
 import kiln.precision.base
 from kiln import Trainer
 from tests.evaluation.common import DigitsModule, accuracy, config, digits, hand_logits, make_model
@@ -42,7 +43,7 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("flag, dtype", [("bf16_full_eval", torch.bfloat16), ("fp16_full_eval", torch.float16)])
 def test_cast_for_evaluation_only_and_restored(tmp_path: Any, monkeypatch: Any, flag: str, dtype: torch.dtype) -> None:
-    monkeypatch.setattr(kiln.precision.base, "cpu_supports_fp16", lambda: True)  # fp16 kernels exist, if slow
+    monkeypatch.setattr(kiln.accelerators.cpu, "cpu_supports_fp16", lambda: True)  # fp16 kernels exist, if slow
     _, evals = digits(n_eval=64)
     model = probe()
     before = snapshot(model)

@@ -31,7 +31,7 @@ def make_config() -> Callable[..., DictConfig]:
 def fp16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend this CPU has oneDNN fp16 kernels, so the fp16 rules let fp16 run here (autocast fp16
     and GradScaler('cpu') work without them, only more slowly)."""
-    monkeypatch.setattr("kiln.precision.base.cpu_supports_fp16", lambda: True)
+    monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: True)
 
 
 @pytest.fixture(autouse=True)

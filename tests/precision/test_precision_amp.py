@@ -166,7 +166,7 @@ def test_fp16_scaler_state_moves_to_the_checked_device(make_config, fp16_cpu):
 
 
 def test_fp16_on_a_cpu_without_fp16_kernels_is_rejected(make_config, monkeypatch):
-    monkeypatch.setattr("kiln.precision.base.cpu_supports_fp16", lambda: False)
+    monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: False)
     with pytest.raises(PrecisionError) as err:
         FP16MixedPrecision(make_config(name="fp16")).check_device(CPU)
     msg = str(err.value)
@@ -226,7 +226,7 @@ def test_bf16_autocasts_the_forward_and_keeps_fp32_params(make_config):
 
 
 def test_bf16_on_a_gpu_without_bf16_is_rejected(monkeypatch):
-    monkeypatch.setattr("kiln.precision.base.cuda_supports_bf16", lambda: False)
+    monkeypatch.setattr("kiln.accelerators.cuda.cuda_supports_bf16", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
     with pytest.raises(PrecisionError) as err:
         check_dtype_on_device(torch.bfloat16, torch.device("cuda", 0), "precision 'bf16'")

@@ -74,7 +74,7 @@ def test_forward_context_restores_the_default_dtype_on_error(make_config):
 
 
 def test_fp16_true_on_a_cpu_without_fp16_kernels_is_rejected(make_config, monkeypatch):
-    monkeypatch.setattr("kiln.precision.base.cpu_supports_fp16", lambda: False)
+    monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: False)
     with pytest.raises(PrecisionError, match="precision 'fp16-true' needs fp16 support on the CPU.*precision: bf16"):
         FP16TruePrecision(make_config()).check_device(CPU)
 
@@ -124,6 +124,6 @@ def test_full_eval_casts_model_and_inputs_for_evaluation(make_config):
 
 
 def test_fp16_full_eval_on_a_cpu_without_fp16_is_rejected(make_config, monkeypatch):
-    monkeypatch.setattr("kiln.precision.base.cpu_supports_fp16", lambda: False)
+    monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: False)
     with pytest.raises(PrecisionError, match="precision.full_eval=fp16 needs fp16 support on the CPU"):
         BF16MixedPrecision(make_config(full_eval="fp16")).check_device(CPU)

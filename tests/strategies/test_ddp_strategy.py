@@ -126,11 +126,11 @@ def test_wrap_unwrap_and_no_sync():
     inner = nn.Linear(3, 1)
     wrapped = s.setup_module(inner)
     assert isinstance(wrapped, nn.parallel.DistributedDataParallel) and s.unwrap(wrapped) is inner
-    with s.no_sync(wrapped, enabled=True):
+    with s.micro_batch_context(wrapped, boundary=False):
         assert not wrapped.require_backward_grad_sync
-    with s.no_sync(wrapped, enabled=False):
+    with s.micro_batch_context(wrapped, boundary=True):
         assert wrapped.require_backward_grad_sync
-    with s.no_sync(inner, enabled=True):  # nothing to skip on an unwrapped module
+    with s.micro_batch_context(inner, boundary=False):  # nothing to skip on an unwrapped module
         pass
 
 

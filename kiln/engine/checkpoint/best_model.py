@@ -61,4 +61,4 @@ class BestModelMixin:
         if not path or not os.path.isdir(path):
             logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the last weights.")
             return
-        self.strategy.checkpoint_io().load(path, self.model, None, load_optimizer=False)
+        self.strategy.checkpoint_io().load_weights_only(path, model=self.model_wrapped, module=self.model)

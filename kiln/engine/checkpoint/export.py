@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 
 def export_model(trainer: "Trainer", output_dir: str) -> str:
     strategy = trainer.strategy
-    state = strategy.model_state_for_export(trainer.model_wrapped if trainer._wrapped else trainer.model)
-    state = {k[len("module."):] if k.startswith("module.") and trainer._training_module else k: v for k, v in state.items()}
+    state = strategy.model_state_for_export(trainer.model)  # the user's module, gathered if sharded
     writer = strategy.is_global_zero or (trainer.config.save.on_each_node and strategy.is_local_zero)
     if writer:
         os.makedirs(output_dir, exist_ok=True)

@@ -121,7 +121,8 @@ class CheckpointManager:
         """Every file of the checkpoint: per-rank state on every rank, the rest on the writer."""
         t = self.trainer
         only_model = t.config.save.only_model
-        io.save(tmp, t.model, t.optimizer, save_optimizer=not only_model, safetensors=t.config.save.safetensors, writer=writer)
+        io.save(tmp, model=t.model_wrapped, module=t.model, optimizer=t.optimizer, save_optimizer=not only_model,
+                safetensors=t.config.save.safetensors, writer=writer)
         if not only_model:
             rank = t.strategy.global_rank
             torch.save(rng_state(), os.path.join(tmp, RNG.format(rank=rank)))
@@ -214,7 +215,7 @@ class CheckpointManager:
             )
         saved_world = meta.get("world_size")
         if saved_world != t.strategy.world_size:
-            if io.format != "full":
+            if not io.reshardable:
                 raise CheckpointError(
                     f"{path} holds shards for {saved_world} processes but this run has {t.strategy.world_size}; "
                     f"the {io.format!r} format cannot be resharded: resume with {saved_world} processes."
@@ -224,7 +225,7 @@ class CheckpointManager:
                 "and schedule are restored, but each rank's data position and random streams cannot be, so the run "
                 "will not match an uninterrupted one.", stacklevel=2)
         self._check_config(path)
-        io.load(path, t.model, t.optimizer)
+        io.load(path, model=t.model_wrapped, module=t.model, optimizer=t.optimizer)
         sched = os.path.join(path, "scheduler.pt")
         if t.lr_scheduler is not None and not os.path.exists(sched):
             warnings.warn(f"{sched} is missing: the learning-rate schedule restarts from its beginning.", stacklevel=2)

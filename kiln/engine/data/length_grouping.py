@@ -45,8 +45,8 @@ class LengthGroupedSampler(ResumableSampler):
     @classmethod
     def for_dataset(cls, dataset: Any, config: "DictConfig", seed: int, strategy: "Strategy") -> "LengthGroupedSampler":
         lengths = sample_lengths(dataset, config.data.length_column_name)
-        return cls(lengths, config.data.per_device_train_batch_size, seed, strategy.data_parallel_size,
-                   strategy.data_parallel_rank, config.data.dataloader_drop_last)
+        return cls(lengths, config.data.per_device_train_batch_size, seed, strategy.data_shards,
+                   strategy.data_shard_rank, config.data.dataloader_drop_last)
 
     def indices(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)

@@ -7,9 +7,10 @@ changing a weight. Afterwards the gradients, the optimizer state and every RNG s
 so training starts exactly as if the found size had been configured. On out-of-memory the size
 decays by 10% (accelerate's `find_executable_batch_size`, which HF uses).
 
-Under DDP the attempt runs on the unwrapped module (no gradient all-reduce, so a rank that runs
-out of memory cannot leave another waiting in a collective) and one all-reduce per attempt makes
-every rank agree. A resumed run takes the size its checkpoint was trained with instead of searching.
+The attempt runs on the strategy's `probe_module` (for DDP the unwrapped module: no gradient
+all-reduce, so a rank that runs out of memory cannot leave another waiting in a collective) and one
+all-reduce per attempt makes every rank agree. Strategies that cannot probe this way declare it in
+their capabilities, and the combination is refused before training. A resumed run takes the size its checkpoint was trained with instead of searching.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def find_batch_size(trainer: "Trainer") -> Iterable[Any]:
     if isinstance(t.train_dataset, torch.utils.data.DataLoader):
         raise KilnError("auto_find_batch_size needs kiln to build the train dataloader: a DataLoader passed as "
                         "train_dataset has a fixed batch size. Pass the dataset instead.")
-    t._setup_model_and_optimizer()
+    t.setup_training()
     size = int(cfg.data.per_device_train_batch_size)
     saved = rng_state()
     while True:
@@ -85,7 +86,7 @@ def _attempt(t: "Trainer", loader: Iterable[Any]) -> bool:
     """One window at the loader's batch size; True if it ran out of memory. Leaves no gradients,
     no optimizer state and unchanged weights behind."""
     strategy, opt = t.strategy, t.optimizer
-    module = strategy.unwrap(t.model_wrapped)
+    module = strategy.probe_module(t.model_wrapped)
     iterator = iter(loader)
     window = [b for _, b in zip(range(int(t.config.train.gradient_accumulation_steps)), iterator)]
     del iterator  # stops dataloader workers
@@ -112,5 +113,4 @@ def _attempt(t: "Trainer", loader: Iterable[Any]) -> bool:
         opt.zero_grad(set_to_none=True)
         del window
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        strategy.accelerator.empty_cache()

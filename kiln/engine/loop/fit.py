@@ -3,9 +3,15 @@
 One optimizer step, as the loop runs it (every hardware difference is a strategy/precision call):
 
     window = next k micro-batches               (k = gradient_accumulation_steps, fewer at epoch end)
-    N = items in the whole window               (summed over data-parallel ranks)
-    for each micro-batch (no_sync but the last): trainer.training_step -> loss * n_i / N -> backward
-    clip_grad_norm -> optimizer_step -> scheduler.step (unless the step was skipped) -> zero_grad
+    N = items in the whole window               (summed over the strategy's data shards)
+    for each micro-batch:  with strategy.micro_batch_context(boundary=last):
+                               trainer.training_step -> loss * weight -> strategy.backward(boundary)
+                           strategy.on_micro_batch_end()
+    strategy.optimizer_step(max_grad_norm) -> StepResult(stepped, grad_norm)   # unscale, clip, step, skip
+    scheduler.step (if stepped) -> strategy.zero_grad -> strategy.on_step_end
+
+Nothing here reads a device value back to the host between logging steps: the step loss and the
+grad norm stay tensors until a log or save folds them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from kiln.engine.callbacks.base import interval
 from kiln.engine.data.loaders import loader_length, set_epoch
+from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.utils.tensors import batch_size_of
 
 if TYPE_CHECKING:
@@ -73,7 +80,7 @@ class FitLoop:
         t.checkpoints.attach(self, loader)  # the loop's sums and the data position go into checkpoints
         batches_per_epoch = loader_length(loader)
         max_steps, num_epochs, per_epoch = plan_steps(cfg, batches_per_epoch)
-        t._setup_training(max_steps)
+        t.setup_training(max_steps)
         state = t.state
         if resume_path:
             t.checkpoints.load(resume_path)
@@ -184,7 +191,7 @@ class FitLoop:
         cfg, strategy, state, opt = t.config, t.strategy, t.state, t.optimizer
         control = t.callback_handler.call("on_step_begin", cfg, state, t.control)
         window = [strategy.batch_to_device(b) for b in window]
-        t._window = weights = t._loss_weights(window)
+        weights = t.loss_weights(window)
         num_items = weights.total if weights is not None and t._wants_num_items else None
         losses = []
         last = len(window) - 1
@@ -195,24 +202,23 @@ class FitLoop:
                 self.tokens += ids.numel()
                 # total_flos: the model's own count (Transformers), else HF's 6 x tokens x parameters
                 self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * ids.numel()
-            t._micro = i
-            with strategy.no_sync(model, enabled=i < last):
+            t.current_micro_batch = micro = MicroBatch(i, i == last, weights)
+            with strategy.micro_batch_context(model, boundary=micro.boundary):
                 losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
+            strategy.on_micro_batch_end()
             if i < last:
                 control = t.callback_handler.call("on_substep_end", cfg, state, control)
-        t._window = None
+        t.current_micro_batch = None
         if self.count_tokens_seen:
             state.num_input_tokens_seen += int(strategy.reduce(torch.tensor(self.tokens_in(window), device=strategy.root_device), "sum").item())
         control = t.callback_handler.call("on_pre_optimizer_step", cfg, state, control)
-        if self.max_grad_norm > 0:
-            self.grad_norm: Optional[torch.Tensor] = strategy.clip_grad_norm(model, opt, self.max_grad_norm)
-        else:
-            self.grad_norm = None
-        stepped = strategy.optimizer_step(model, opt)
+        result = strategy.optimizer_step(model, opt, self.max_grad_norm)
+        self.grad_norm: Optional[torch.Tensor] = result.grad_norm
         control = t.callback_handler.call("on_optimizer_step", cfg, state, control)
-        if stepped and t.lr_scheduler is not None and not t._scheduler_needs_metrics:
+        if result.stepped and t.lr_scheduler is not None and not t._scheduler_needs_metrics:
             t.lr_scheduler.step()
         strategy.zero_grad(model, opt)
+        strategy.on_step_end()
         state.global_step += 1
         self.steps_this_run += 1
         # The step loss is only queued: folding it into the sums costs several tiny tensor ops, which
@@ -270,7 +276,7 @@ class FitLoop:
                 logs["skipped_steps"] = float(t.precision.skipped_steps)  # inf/nan steps the scaler skipped
             now = time.perf_counter()
             elapsed = max(now - self.window_start, 1e-9)
-            world = t.strategy.data_parallel_size
+            world = t.strategy.data_shards
             logs["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
             logs["steps_per_second"] = steps / elapsed
             if self.tokens > self.tokens_at_log:
@@ -297,7 +303,7 @@ class FitLoop:
         self._fold(tr_loss)
         steps = max(self.steps_before_resume + self.steps_this_run, 1)
         train_loss = t.strategy.reduce(self.total_loss.float(), "mean").item() / steps
-        world = t.strategy.data_parallel_size
+        world = t.strategy.data_shards
         metrics = {
             "train_runtime": runtime,
             "train_samples_per_second": self.samples * world / max(runtime, 1e-9),

@@ -1,0 +1,69 @@
+"""What each strategy can do, declared as data, and the compatibility check built on it.
+
+Every strategy class carries a `Capabilities`. Before any process group starts, the Trainer asks
+`check_compatible` whether the chosen strategy, precision plugin, device and run options can work
+together; an impossible combination is refused with one sentence that says why and what to use,
+instead of failing halfway through the first step. The same table is what docs/strategies.md shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from kiln.utils.errors import CapabilityError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    #: device types the strategy runs on ("cpu", "cuda", "mps", "xla")
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    #: precision plugin names it accepts (None: every plugin)
+    precisions: Optional[frozenset[str]] = None
+    #: parameters are sharded across ranks (export and checkpoints must gather them)
+    sharded_parameters: bool = False
+    #: `auto_find_batch_size` can probe on `probe_module` (an OOM on one rank must not hang the others)
+    auto_batch_size: bool = True
+    #: `precision.full_eval` can cast the module's parameters in place for evaluation
+    full_eval_cast: bool = True
+    #: an optimizer built by the user before the Trainer (`optimizers=(opt, sched)`) can be used
+    user_optimizer: bool = True
+    #: the strategy wraps the optimizer itself (apex's amp.initialize cannot wrap it again)
+    wraps_optimizer: bool = False
+    #: the strategy needs the optimizer in `setup` (DeepSpeed's joint initialize); evaluation before
+    #: training then sets up without one and training sets up again
+    needs_optimizer_at_setup: bool = False
+    #: why a device or precision is refused, keyed by name, for messages that say more than "no"
+    reasons: dict[str, str] = field(default_factory=dict)
+
+
+def check_compatible(strategy_name: str, caps: Capabilities, *, precision: str, device: "torch.device",
+                     full_eval: bool = False, auto_batch_size: bool = False, user_optimizer: bool = False) -> None:
+    """Raise CapabilityError for the first impossible pairing, naming both sides and the fix."""
+    if device.type not in caps.devices:
+        why = caps.reasons.get(device.type, f"it runs on {', '.join(sorted(caps.devices))}")
+        raise CapabilityError(f"strategy {strategy_name!r} cannot run on {device.type!r}: {why}. "
+                              f"Use strategy: {_one_device_strategy(device.type)} on this device.")
+    if caps.precisions is not None and precision not in caps.precisions:
+        why = caps.reasons.get(precision, f"it supports {', '.join(sorted(caps.precisions))}")
+        raise CapabilityError(f"strategy {strategy_name!r} cannot train with precision {precision!r}: {why}.")
+    if precision == "apex" and caps.wraps_optimizer:
+        raise CapabilityError(f"precision 'apex' cannot be used with strategy {strategy_name!r}, which wraps the optimizer "
+                              "itself (apex's amp.initialize would wrap it twice); use precision: fp16 or bf16.")
+    if full_eval and not caps.full_eval_cast:
+        raise CapabilityError(f"precision.full_eval (fp16_full_eval / bf16_full_eval) casts the whole model in place, "
+                              f"which strategy {strategy_name!r} cannot do with its sharded parameters; remove full_eval.")
+    if auto_batch_size and not caps.auto_batch_size:
+        raise CapabilityError(f"auto_find_batch_size is not supported with strategy {strategy_name!r} (an out-of-memory "
+                              "probe on one rank would leave the others waiting); set per_device_train_batch_size yourself.")
+    if user_optimizer and not caps.user_optimizer:
+        raise CapabilityError(f"strategy {strategy_name!r} must build the optimizer over the parameters it sets up, so an "
+                              "optimizer passed as optimizers=(...) cannot be used; configure optim.* instead "
+                              "(or override Trainer.create_optimizer).")
+
+
+def _one_device_strategy(device_type: str) -> str:
+    return {"mps": "mps", "xla": "xla"}.get(device_type, "single")

@@ -1,0 +1,65 @@
+"""Creating the default process group and picking each rank's device from the launcher's topology.
+Used by the DDP-family strategies and by `main_process_first` before a Trainer exists."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from kiln.strategies.environment import ClusterEnvironment, visible_devices
+
+
+def default_backend(device: torch.device) -> str:
+    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
+
+
+def pick_device(env: ClusterEnvironment, requested: Optional[str], strategy: str = "ddp") -> torch.device:
+    """cuda:<local_rank> when CUDA is usable (CUDA_VISIBLE_DEVICES already remaps the indices), else
+    the CPU. `requested` is `strategy.device` ("cpu" forces the CPU on a GPU machine)."""
+    kind = torch.device(requested).type if requested is not None else None
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind not in (None, "cuda"):
+        raise RuntimeError(f"strategy {strategy!r} runs on CPUs or CUDA GPUs, not on strategy.device={requested!r}; "
+                           f"use strategy: {kind} (one device) or strategy.device=cpu.")
+    if not torch.cuda.is_available():
+        if kind == "cuda":
+            raise RuntimeError(f"strategy.device is {requested!r} but CUDA is not available; use strategy.device=cpu.")
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if env.local_rank < count:
+        return torch.device("cuda", env.local_rank)
+    if count == 1 and env.source == "slurm":  # srun bound one GPU to each task
+        return torch.device("cuda", 0)
+    raise RuntimeError(
+        f"Local rank {env.local_rank} has no CUDA device: {count} visible (CUDA_VISIBLE_DEVICES="
+        f"{visible_devices() or 'unset'}). Start at most {count} processes per node, or make more devices visible."
+    )
+
+
+def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) -> bool:
+    """Create the default process group from the launcher's environment; False if one exists.
+
+    Without a launcher (plain `python`, world size 1) a private in-memory store is used, so a
+    process-group strategy also runs in one process (useful for debugging) without picking a port."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    timeout = timedelta(seconds=timeout_s)
+    if env.world_size == 1 and not env.rendezvous:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    return True
+
+
+def barrier(device: torch.device, backend: str) -> None:
+    import torch.distributed as dist
+
+    if device.type == "cuda" and backend == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()

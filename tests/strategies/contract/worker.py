@@ -1,0 +1,21 @@
+"""Runs the contract scenarios on every rank of a multi-process strategy; rank 0 writes the results.
+Usage: torchrun --nproc_per_node=2 worker.py STRATEGY OUT"""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
+
+from safetensors.torch import save_file  # noqa: E402
+
+from tests.strategies.contract.scenarios import run_all  # noqa: E402
+
+strategy, out = sys.argv[1], sys.argv[2]
+world = int(os.environ.get("WORLD_SIZE", "1"))
+results, tensors = run_all(strategy, os.path.join(out, "runs"), world)
+if int(os.environ.get("RANK", "0")) == 0:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "tensors.safetensors"))
+    with open(os.path.join(out, "results.json"), "w") as fh:
+        json.dump(results, fh)
