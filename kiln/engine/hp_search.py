@@ -19,7 +19,7 @@ from kiln.utils.errors import KilnError
 if TYPE_CHECKING:
     from torch import nn
 
-    from kiln.engine.trainer import Trainer
+    from kiln.engine.protocols import TrainerLike
 
 
 @dataclass
@@ -66,7 +66,7 @@ def call_model_init(model_init: Callable[..., "nn.Module"], trial: Any = None) -
 
 class HyperparameterSearchMixin:
     def hyperparameter_search(
-        self: "Trainer",
+        self: "TrainerLike",
         hp_space: Optional[Callable[[Any], dict[str, Any]]] = None,
         compute_objective: Optional[Callable[[dict[str, float]], Union[float, list[float]]]] = None,
         n_trials: int = 20,
@@ -111,8 +111,8 @@ class HyperparameterSearchMixin:
         best = study.best_trial
         return BestRun(str(best.number), best.value, best.params)
 
-    def _trial_trainer(self: "Trainer", trial: Any, params: dict[str, Any], hp_name: Optional[Callable[[Any], str]],
-                       compute_objective: Callable[[dict[str, float]], Any], prune: bool) -> "Trainer":
+    def _trial_trainer(self: "TrainerLike", trial: Any, params: dict[str, Any], hp_name: Optional[Callable[[Any], str]],
+                       compute_objective: Callable[[dict[str, float]], Any], prune: bool) -> "TrainerLike":
         """A fresh Trainer of the same class for one trial: the config with `params` applied (HF
         names or dotted keys), its own output folder, a fresh model from model_init(trial)."""
         from omegaconf import OmegaConf
@@ -130,7 +130,7 @@ class HyperparameterSearchMixin:
         child._trial, child._compute_objective, child._prune = trial, compute_objective, prune
         return child
 
-    def _report_to_trial(self: "Trainer", metrics: dict[str, float]) -> None:
+    def _report_to_trial(self: "TrainerLike", metrics: dict[str, float]) -> None:
         """After each evaluation during a trial: record the objective and let Optuna prune."""
         trial = getattr(self, "_trial", None)
         if trial is None:

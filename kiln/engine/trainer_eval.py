@@ -35,7 +35,7 @@ from kiln.utils.tensors import batch_size_of
 from kiln.precision.base import cast_floating
 
 if TYPE_CHECKING:
-    from kiln.engine.trainer import Trainer
+    from kiln.engine.protocols import TrainerLike
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class EvaluationMixin(BestModelMixin):
     """Mixed into Trainer; `self` is the Trainer."""
 
     # -- dataloaders (HF override points) ---------------------------------------------------
-    def get_eval_dataloader(self: "Trainer", eval_dataset: Any = None) -> Iterable[Any]:
+    def get_eval_dataloader(self: "TrainerLike", eval_dataset: Any = None) -> Iterable[Any]:
         """The eval DataLoader: in order, sharded contiguously over ranks (see SequentialDistributedSampler).
         `eval_dataset` may be a dataset, or the name of one in a dict passed to the Trainer."""
         if isinstance(eval_dataset, str):
@@ -59,12 +59,12 @@ class EvaluationMixin(BestModelMixin):
             raise KilnError("get_eval_dataloader takes one dataset; evaluate() runs a dict of them one by one.")
         return self._sequential_loader(dataset)
 
-    def get_test_dataloader(self: "Trainer", test_dataset: Any) -> Iterable[Any]:
+    def get_test_dataloader(self: "TrainerLike", test_dataset: Any) -> Iterable[Any]:
         if test_dataset is None:
             raise KilnError("predict() needs a test_dataset.")
         return self._sequential_loader(test_dataset)
 
-    def _sequential_loader(self: "Trainer", dataset: Any) -> Iterable[Any]:
+    def _sequential_loader(self: "TrainerLike", dataset: Any) -> Iterable[Any]:
         from kiln.engine.data.loaders import build_dataloader, is_sized
 
         s = self.strategy
@@ -82,7 +82,7 @@ class EvaluationMixin(BestModelMixin):
         return s.process_dataloader(loader)
 
     # -- public API -------------------------------------------------------------------------
-    def evaluate(self: "Trainer", eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
+    def evaluate(self: "TrainerLike", eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
                  metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]:
         """Metrics `<prefix>_loss`, `compute_metrics`' keys prefixed, speed and `epoch`; logged and
         passed to `on_evaluate`. A dict of datasets is evaluated one by one as `<prefix>_<name>_*`.
@@ -107,7 +107,7 @@ class EvaluationMixin(BestModelMixin):
         self.control = self.callback_handler.call("on_evaluate", self.config, self.state, self.control, metrics=metrics)
         return metrics
 
-    def predict(self: "Trainer", test_dataset: Any, ignore_keys: Optional[list[str]] = None,
+    def predict(self: "TrainerLike", test_dataset: Any, ignore_keys: Optional[list[str]] = None,
                 metric_key_prefix: str = "test", **gen_kwargs: Any) -> PredictionOutput:
         """Numpy predictions and label_ids in dataset order (ragged sequences right-padded with
         `eval.padding_index`) and metrics (`<prefix>_loss` etc. when the data has labels)."""
@@ -122,7 +122,7 @@ class EvaluationMixin(BestModelMixin):
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
     @contextlib.contextmanager
-    def _memory_stage(self: "Trainer", stage: str) -> Iterator[None]:
+    def _memory_stage(self: "TrainerLike", stage: str) -> Iterator[None]:
         """HF's memory tracker stage around a loop; `stop_and_update(stage, metrics)` reports it after."""
         self._memory.start(stage)
         try:
@@ -131,7 +131,7 @@ class EvaluationMixin(BestModelMixin):
             self._memory.stop(stage)
             raise
 
-    def _speed_metrics(self: "Trainer", prefix: str, start: float, num_samples: int, loader: Any) -> dict[str, float]:
+    def _speed_metrics(self: "TrainerLike", prefix: str, start: float, num_samples: int, loader: Any) -> dict[str, float]:
         from kiln.loggers.metrics import speed_metrics
 
         batch_size = getattr(loader, "batch_size", None) or self.config.data.per_device_eval_batch_size
@@ -139,7 +139,7 @@ class EvaluationMixin(BestModelMixin):
         return speed_metrics(prefix, start, num_samples=num_samples, num_steps=steps)
 
     # -- the loop ---------------------------------------------------------------------------
-    def evaluation_loop(self: "Trainer", dataloader: Iterable[Any], description: str, prediction_loss_only: Optional[bool] = None,
+    def evaluation_loop(self: "TrainerLike", dataloader: Iterable[Any], description: str, prediction_loss_only: Optional[bool] = None,
                         ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """Shared by evaluate ("Evaluation": TrainingModule.validation_step) and predict
         ("Prediction": predict_step). Works with or without labels."""
@@ -198,7 +198,7 @@ class EvaluationMixin(BestModelMixin):
         num_samples = sampler.num_examples if isinstance(sampler, SequentialDistributedSampler) else observed
         return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics, num_samples=num_samples)
 
-    def _inputs_for_metrics(self: "Trainer", batch: Any) -> Any:
+    def _inputs_for_metrics(self: "TrainerLike", batch: Any) -> Any:
         """The model's main input (`model.main_input_name`, default "input_ids") for EvalPrediction.inputs."""
         name = getattr(self.model, "main_input_name", "input_ids")
         if isinstance(batch, Mapping):
@@ -210,7 +210,7 @@ class EvaluationMixin(BestModelMixin):
             return batch[0]
         return batch
 
-    def prediction_step(self: "Trainer", model: Any, inputs: Any, prediction_loss_only: bool,
+    def prediction_step(self: "TrainerLike", model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: Optional[list[str]] = None) -> tuple[Any, Any, Any]:
         """(loss, logits, labels) for one batch, each possibly None (HF override point)."""
         with torch.no_grad(), self.precision.eval_context():
@@ -218,7 +218,7 @@ class EvaluationMixin(BestModelMixin):
                 return self._module_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
             return self._hf_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
-    def _module_prediction_step(self: "Trainer", model: Any, inputs: Any, loss_only: bool,
+    def _module_prediction_step(self: "TrainerLike", model: Any, inputs: Any, loss_only: bool,
                                 ignore_keys: Optional[list[str]]) -> tuple[Any, Any, Any]:
         step = getattr(self, "_eval_step_name", "validation_step")
         out = model(inputs, step=step)
@@ -239,13 +239,13 @@ class EvaluationMixin(BestModelMixin):
             labels = self._labels_from(inputs)
         return loss, nested_detach(logits), nested_detach(labels)
 
-    def _labels_from(self: "Trainer", inputs: Any) -> Any:
+    def _labels_from(self: "TrainerLike", inputs: Any) -> Any:
         if not isinstance(inputs, Mapping) or not self.label_names or any(inputs.get(k) is None for k in self.label_names):
             return None
         labels = tuple(inputs[k].detach() for k in self.label_names)
         return labels[0] if len(labels) == 1 else labels
 
-    def _hf_prediction_step(self: "Trainer", model: Any, inputs: Any, loss_only: bool,
+    def _hf_prediction_step(self: "TrainerLike", model: Any, inputs: Any, loss_only: bool,
                             ignore_keys: Optional[list[str]]) -> tuple[Any, Any, Any]:
         if ignore_keys is None:
             ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", None) or [])
@@ -272,7 +272,7 @@ class EvaluationMixin(BestModelMixin):
         return loss, (logits[0] if len(logits) == 1 else logits), labels
 
     # -- during training --------------------------------------------------------------------
-    def _check_eval_setup(self: "Trainer") -> None:
+    def _check_eval_setup(self: "TrainerLike") -> None:
         """Before training: evaluation during training needs something to evaluate on (HF fails at init)."""
         e = self.config.eval
         custom_loader = type(self).get_eval_dataloader is not EvaluationMixin.get_eval_dataloader
@@ -281,20 +281,20 @@ class EvaluationMixin(BestModelMixin):
                             "has no eval_dataset: pass eval_dataset=... or set eval_strategy='no'.")
 
     # -- HF metric helpers ------------------------------------------------------------------
-    def metrics_format(self: "Trainer", metrics: Mapping[str, float]) -> dict[str, Any]:
+    def metrics_format(self: "TrainerLike", metrics: Mapping[str, float]) -> dict[str, Any]:
         """Human-readable values (runtimes as h:mm:ss.xx, memory in MB, floats to 4 places)."""
         from kiln.loggers.metrics import metrics_format
 
         return metrics_format(dict(metrics))
 
-    def log_metrics(self: "Trainer", split: str, metrics: Mapping[str, float]) -> None:
+    def log_metrics(self: "TrainerLike", split: str, metrics: Mapping[str, float]) -> None:
         """Print `***** <split> metrics *****` and aligned `key = value` lines, on global rank 0."""
         if self.strategy.is_global_zero:
             from kiln.loggers.metrics import format_log_metrics
 
             print(format_log_metrics(split, dict(metrics)), flush=True)
 
-    def save_metrics(self: "Trainer", split: str, metrics: Mapping[str, float], combined: bool = True) -> None:
+    def save_metrics(self: "TrainerLike", split: str, metrics: Mapping[str, float], combined: bool = True) -> None:
         """Write raw `<split>_results.json` (and merge it into `all_results.json`), on global rank 0."""
         if not self.strategy.is_global_zero:
             return

@@ -12,7 +12,7 @@ from kiln.engine.callbacks.early_stopping import best_metric_key, resolve_greate
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
-    from kiln.engine.trainer import Trainer
+    from kiln.engine.protocols import TrainerLike
 
 logger = logging.getLogger("kiln.engine.trainer_eval")
 
@@ -20,7 +20,7 @@ logger = logging.getLogger("kiln.engine.trainer_eval")
 class BestModelMixin:
     """Mixed into Trainer (through EvaluationMixin); `self` is the Trainer."""
 
-    def _evaluate_during_training(self: "Trainer", on_start: bool = False) -> dict[str, float]:
+    def _evaluate_during_training(self: "TrainerLike", on_start: bool = False) -> dict[str, float]:
         """Evaluate, then update the best metric, `save_strategy: best` and a metric-driven scheduler.
         The sanity evaluation of `eval_on_start` does neither (HF)."""
         metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
@@ -34,7 +34,7 @@ class BestModelMixin:
             self.lr_scheduler.step(metrics[self._best_metric_key(metrics)])
         return metrics
 
-    def _best_metric_key(self: "Trainer", metrics: Mapping[str, float]) -> str:
+    def _best_metric_key(self: "TrainerLike", metrics: Mapping[str, float]) -> str:
         name = self.config.eval.metric_for_best_model or "loss"
         key = best_metric_key(name)
         if key not in metrics:
@@ -42,10 +42,10 @@ class BestModelMixin:
                             f"(it returned: {', '.join(sorted(metrics))}).")
         return key
 
-    def greater_is_better(self: "Trainer") -> bool:
+    def greater_is_better(self: "TrainerLike") -> bool:
         return resolve_greater_is_better(self.config.eval)
 
-    def _update_best(self: "Trainer", metrics: Mapping[str, float]) -> bool:
+    def _update_best(self: "TrainerLike", metrics: Mapping[str, float]) -> bool:
         e = self.config.eval
         if not (e.metric_for_best_model or e.load_best_model_at_end or self.config.save.strategy == "best"):
             return False
@@ -56,7 +56,7 @@ class BestModelMixin:
             self.state.best_metric, self.state.best_global_step = value, self.state.global_step
         return better
 
-    def _load_best_model(self: "Trainer") -> None:
+    def _load_best_model(self: "TrainerLike") -> None:
         path = self.state.best_model_checkpoint
         if not path or not os.path.isdir(path):
             logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the last weights.")

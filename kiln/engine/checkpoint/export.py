@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 from kiln.strategies.checkpoint_io import save_weights
 
 if TYPE_CHECKING:
-    from kiln.engine.trainer import Trainer
+    from kiln.engine.protocols import TrainerLike
 
 
-def export_model(trainer: "Trainer", output_dir: str) -> str:
+def export_model(trainer: "TrainerLike", output_dir: str) -> str:
     strategy = trainer.strategy
     state = strategy.model_state_for_export(trainer.model)  # the user's module, gathered if sharded
     writer = strategy.is_global_zero or (trainer.config.save.on_each_node and strategy.is_local_zero)

@@ -32,8 +32,7 @@ from kiln.engine.seed import rng_state, set_rng_state
 from kiln.engine.callbacks.state import TrainerState
 
 if TYPE_CHECKING:
-    from kiln.engine.loop.fit import FitLoop
-    from kiln.engine.trainer import Trainer
+    from kiln.engine.protocols import Stateful, TrainerLike
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +76,15 @@ def stateful_dataset(loader: Iterable[Any]) -> Any:
 class CheckpointManager:
     """Saves, rotates and loads checkpoints for one Trainer."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: TrainerLike) -> None:
         self.trainer = trainer
-        self.loop: Optional[FitLoop] = None
+        self.loop: Optional[Stateful] = None
         self.loader: Optional[Iterable[Any]] = None
         self.pending_rng: Optional[dict[str, Any]] = None
         self.pending_loop: Optional[dict[str, Any]] = None
         self._debris_cleared = False
 
-    def attach(self, loop: FitLoop, loader: Iterable[Any]) -> None:
+    def attach(self, loop: Stateful, loader: Iterable[Any]) -> None:
         """The fit loop registers itself and its train loader: both have per-rank state to save."""
         self.loop, self.loader = loop, loader
 
@@ -278,7 +277,7 @@ class CheckpointManager:
                           "checkpoint no longer points at the same samples, so the run will not match an uninterrupted one.",
                           stacklevel=3)
 
-    def restore_loop(self, loop: FitLoop) -> None:
+    def restore_loop(self, loop: Stateful) -> None:
         """Called by the loop once its accumulators exist: put back the saved running sums."""
         if self.pending_loop is not None and self.pending_loop.get("loop") is not None:
             loop.load_state_dict(self.pending_loop["loop"])

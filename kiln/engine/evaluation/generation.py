@@ -17,7 +17,7 @@ import torch
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
-    from kiln.engine.trainer import Trainer
+    from kiln.engine.protocols import TrainerLike
 
 _LENGTH_KEYS = ("max_length", "max_new_tokens")
 # inputs that describe the target side: generate() builds the decoder inputs itself
@@ -39,7 +39,7 @@ def generation_kwargs(eval_config: Any, call_kwargs: Mapping[str, Any]) -> dict[
     return kwargs
 
 
-def generate_predictions(trainer: "Trainer", inputs: Mapping[str, Any], call_kwargs: Mapping[str, Any]) -> torch.Tensor:
+def generate_predictions(trainer: "TrainerLike", inputs: Mapping[str, Any], call_kwargs: Mapping[str, Any]) -> torch.Tensor:
     """Generated token ids `[batch, length]` for one batch (labels and decoder inputs removed)."""
     model = trainer.model
     if not hasattr(model, "generate"):

@@ -26,7 +26,7 @@ from kiln.utils.errors import KilnError
 from kiln.engine.seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:
-    from kiln.engine.trainer import Trainer
+    from kiln.engine.protocols import TrainerLike
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def saved_batch_size(checkpoint: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def find_batch_size(trainer: "Trainer") -> Iterable[Any]:
+def find_batch_size(trainer: "TrainerLike") -> Iterable[Any]:
     """Set `data.per_device_train_batch_size` to the largest size (from the configured one down) whose
     first accumulation window and optimizer step fit in memory; returns the train dataloader for it."""
     t, cfg = trainer, trainer.config
@@ -82,7 +82,7 @@ def find_batch_size(trainer: "Trainer") -> Iterable[Any]:
         cfg.data.per_device_train_batch_size = size
 
 
-def _attempt(t: "Trainer", loader: Iterable[Any]) -> bool:
+def _attempt(t: "TrainerLike", loader: Iterable[Any]) -> bool:
     """One window at the loader's batch size; True if it ran out of memory. Leaves no gradients,
     no optimizer state and unchanged weights behind."""
     strategy, opt = t.strategy, t.optimizer

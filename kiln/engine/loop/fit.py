@@ -29,7 +29,7 @@ from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.utils.tensors import batch_size_of
 
 if TYPE_CHECKING:
-    from kiln.engine.trainer import Trainer
+    from kiln.engine.protocols import TrainerLike
 
 
 class TrainOutput(tuple):
@@ -70,7 +70,7 @@ def plan_steps(cfg: Any, batches_per_epoch: Optional[int]) -> tuple[int, int, in
 
 
 class FitLoop:
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: "TrainerLike") -> None:
         self.trainer = trainer
 
     def run(self, resume_path: Optional[str]) -> TrainOutput:

@@ -3,7 +3,9 @@ before it starts (a CapabilityError from the Trainer's constructor, matching its
 
 `run_all(strategy, root, world)` runs every scenario and returns plain results and tensors; the
 1-process strategies run it in the test process, the multi-process ones in `worker.py` on each rank.
-The global batch is the same for every world size (the per-device batch scales as 2 / world).
+The global batch is the same for every world size (the per-device batch scales as 2 / world), and
+evaluation runs one sample per batch: the eval loss is a mean of batch means (as in HF), which
+depends on how the ranks' shards cut the batches.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def config(root: str, name: str, world: int, **extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "output_dir": os.path.join(root, name), "seed": 5, "learning_rate": 0.05, "max_steps": STEPS,
         "per_device_train_batch_size": 4 // world,
-        "per_device_eval_batch_size": 3, "gradient_accumulation_steps": 2, "max_grad_norm": 0.5,
+        "per_device_eval_batch_size": 1, "gradient_accumulation_steps": 2, "max_grad_norm": 0.5,
         "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
         "strategy": {"device": "cpu"},
     }
@@ -137,7 +139,7 @@ def _export(strategy: Any, root: str, world: int) -> tuple[dict, dict]:
 def _auto_batch_size(strategy: Any, root: str, world: int) -> tuple[dict, dict]:
     trainer = trainer_for(strategy, root, "auto_batch_size", world, auto_find_batch_size=True)
     trainer.fit()
-    return {"batch_size": trainer.config.data.per_device_train_batch_size}, full_weights(trainer)
+    return {"global_batch": trainer.config.data.per_device_train_batch_size * trainer.strategy.data_shards}, full_weights(trainer)
 
 
 def _full_eval(strategy: Any, root: str, world: int) -> tuple[dict, dict]:
