@@ -81,13 +81,7 @@ def _topology(strategy: Optional["Strategy"]) -> tuple[int, int, int, Any]:
     env = detect()
     if not env.distributed:
         return env.rank, env.local_rank, env.world_size, None
-    import torch
+    from kiln.strategies.process_group import barrier, join_default_group
 
-    from kiln.strategies.process_group import barrier, default_backend, init_process_group, pick_device
-
-    device = pick_device(env, None)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = default_backend(device)
-    init_process_group(env, backend, timeout_s=1800)
+    device, backend = join_default_group(env)
     return env.rank, env.local_rank, env.world_size, lambda: barrier(device, backend)

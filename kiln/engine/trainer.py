@@ -166,7 +166,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         loader = build_dataloader(
             self.train_dataset, cfg.data.per_device_train_batch_size, self.data_collator, cfg.data, seed, shuffle=True,
             num_replicas=self.strategy.data_shards, rank=self.strategy.data_shard_rank,
-            sampler=self._length_grouped_sampler(seed),
+            sampler=self._length_grouped_sampler(seed), pin_memory=self.strategy.accelerator.pin_memory,
         )
         return self.strategy.process_dataloader(loader)
 

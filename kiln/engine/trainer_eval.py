@@ -78,7 +78,8 @@ class EvaluationMixin(BestModelMixin):
                                                    batch_size if drop_last else None, drop_last)
         loader = build_dataloader(dataset, batch_size, self.data_collator, cfg.data, cfg.seed, shuffle=False,
                                   num_replicas=s.data_shards, rank=s.data_shard_rank, sampler=sampler,
-                                  drop_last=None if sampler is None else False)  # the sampler already dropped
+                                  drop_last=None if sampler is None else False,  # the sampler already dropped
+                                  pin_memory=s.accelerator.pin_memory)
         return s.process_dataloader(loader)
 
     # -- public API -------------------------------------------------------------------------

@@ -39,6 +39,17 @@ def pick_device(env: ClusterEnvironment, requested: Optional[str], strategy: str
     )
 
 
+def join_default_group(env: ClusterEnvironment, timeout_s: float = 1800) -> tuple[torch.device, str]:
+    """Pick this rank's device, make it current and create the default group if none exists (for
+    work before any strategy exists, e.g. `main_process_first`); returns (device, backend)."""
+    device = pick_device(env, None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = default_backend(device)
+    init_process_group(env, backend, timeout_s)
+    return device, backend
+
+
 def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) -> bool:
     """Create the default process group from the launcher's environment; False if one exists.
 

@@ -123,14 +123,17 @@ def build_dataloader(
     rank: int = 0,
     sampler: Optional[Sampler[int]] = None,
     drop_last: Optional[bool] = None,
+    pin_memory: bool = False,
 ) -> DataLoader:
-    """A DataLoader over `dataset` with kiln's sampler (map-style) or rank sharding (iterable)."""
+    """A DataLoader over `dataset` with kiln's sampler (map-style) or rank sharding (iterable).
+    `pin_memory` says whether the device benefits (its accelerator's answer); `dataloader_pin_memory`
+    can only switch it off."""
     drop_last = data_cfg.dataloader_drop_last if drop_last is None else drop_last
     kwargs: dict[str, Any] = dict(
         batch_size=batch_size,
         collate_fn=collate_fn or default_data_collator,
         num_workers=data_cfg.dataloader_num_workers,
-        pin_memory=data_cfg.dataloader_pin_memory and torch.cuda.is_available(),
+        pin_memory=bool(data_cfg.dataloader_pin_memory and pin_memory),
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(seed),
     )

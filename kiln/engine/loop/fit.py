@@ -209,8 +209,11 @@ class FitLoop:
             if i < last:
                 control = t.callback_handler.call("on_substep_end", cfg, state, control)
         t.current_micro_batch = None
-        if self.count_tokens_seen:
-            state.num_input_tokens_seen += int(strategy.reduce(torch.tensor(self.tokens_in(window), device=strategy.root_device), "sum").item())
+        if self.count_tokens_seen:  # a host read per step only when several shards must be summed (as HF)
+            tokens = self.tokens_in(window)
+            if strategy.data_shards > 1:
+                tokens = int(strategy.reduce(torch.tensor(tokens, device=strategy.root_device), "sum").item())
+            state.num_input_tokens_seen += tokens
         control = t.callback_handler.call("on_pre_optimizer_step", cfg, state, control)
         result = strategy.optimizer_step(model, opt, self.max_grad_norm)
         self.grad_norm: Optional[torch.Tensor] = result.grad_norm
