@@ -122,3 +122,24 @@ def test_train_loss_uses_the_filtered_values(tmp_path: Any):
     trainer = Trainer(Scripted(values), cfg, train_dataset=data(8))
     out = trainer.fit()
     assert out.training_loss == pytest.approx(sum(hand_rule(values, 1, 4)) * 4 / 8, rel=1e-6)
+
+
+# -- evaluation: HF drops non-finite per-sample losses from eval_loss under the same flag ----------
+def eval_loss(tmp_path, values: list[float], flt: bool, hf: bool = False) -> float:
+    """eval_loss over 6 samples in batches of 2; `values` are the 3 batch losses."""
+    if hf:
+        transformers = pytest.importorskip("transformers")
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_eval_batch_size=2,
+                                              report_to="none", use_cpu=True, disable_tqdm=True,
+                                              logging_nan_inf_filter=flt, dataloader_pin_memory=False)
+        return transformers.Trainer(model=Scripted(values), args=args).evaluate(data(6))["eval_loss"]
+    cfg = base_config(tmp_path, per_device_eval_batch_size=2, logging_nan_inf_filter=flt)
+    return Trainer(Scripted(values), cfg).evaluate(data(6))["eval_loss"]
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["kiln", "hf"])
+def test_eval_loss_drops_non_finite_batches(tmp_path, hf):
+    assert eval_loss(tmp_path, [1.0, NAN, 4.0], flt=True, hf=hf) == pytest.approx(2.5)
+    assert eval_loss(tmp_path, [1.0, INF, 4.0], flt=True, hf=hf) == pytest.approx(2.5)
+    assert math.isnan(eval_loss(tmp_path, [1.0, NAN, 4.0], flt=False, hf=hf))
+    assert math.isnan(eval_loss(tmp_path, [NAN, NAN, NAN], flt=True, hf=hf))  # nothing finite: nothing to keep
