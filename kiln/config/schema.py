@@ -123,7 +123,8 @@ class LogConfig:
     strategy: str = opt("steps", "When to log: no, steps or epoch.")
     steps: float = opt(500, "Steps between logs (int, or a ratio < 1 of total steps).")
     first_step: bool = opt(False, "Also log the first optimizer step.")
-    nan_inf_filter: bool = opt(True, "Replace a nan/inf step loss by the window's mean in the logs.")
+    nan_inf_filter: bool = opt(True, "Replace a nan/inf step loss by the window's mean in the logs, and leave nan/inf "
+                               "batches out of eval_loss (HF's logging_nan_inf_filter).")
     report_to: List[str] = opt(["none"], "Trackers: tensorboard, mlflow, wandb, csv, jsonl, all or none.")
     logging_dir: Optional[str] = opt(None, "TensorBoard directory (default output_dir/runs/<date>_<host>).")
     level: str = opt("passive", "Log level on the main process: debug, info, warning, error, critical, passive.")

@@ -193,7 +193,11 @@ class EvaluationMixin(BestModelMixin):
             metrics = self.compute_metrics(EvalPrediction(predictions, label_ids, inputs=collected.get("inputs")))
         metrics = {k: to_python(v) for k, v in dict(metrics or {}).items()}
         if losses is not None and losses.size:
-            metrics["loss"] = float(losses.astype(np.float64).mean())
+            losses = losses.astype(np.float64)
+            finite = np.isfinite(losses)
+            if cfg.log.nan_inf_filter and finite.any():  # HF: nan/inf batches are left out of the mean
+                losses = losses[finite]
+            metrics["loss"] = float(losses.mean())
         prefix = f"{metric_key_prefix}_"
         metrics = {(k if k.startswith(prefix) else prefix + k): v for k, v in metrics.items()}
         num_samples = sampler.num_examples if isinstance(sampler, SequentialDistributedSampler) else observed

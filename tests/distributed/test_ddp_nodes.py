@@ -1,6 +1,7 @@
 """Two simulated nodes (two torchrun agents with one process each, on this machine): node ranks are
 read from the launcher, `save_on_each_node` makes each node's local rank 0 write a complete
-checkpoint to its own disk, and `log_on_each_node` decides which processes log at `log_level`."""
+checkpoint to its own disk, `log_on_each_node` decides which processes log at `log_level`, and only
+global rank 0 writes tracker runs and history files (node 1's local rank 0 writes none)."""
 
 from __future__ import annotations
 
@@ -49,12 +50,18 @@ def test_two_nodes_save_and_log_per_node(tmp_path):
     agent_logs = "\n".join((tmp_path / f"agent{node}.log").read_text()[-3000:] for node in (0, 1))
     assert all(r.exists() for r in results), agent_logs
     assert all(p.returncode in (0, -9) for p in procs), agent_logs  # -9: killed after the grace period
+    # the grace period must not hide a worker that died at exit (e.g. abort: "terminate called ...", -6)
+    assert "terminate called" not in agent_logs and "ChildFailedError" not in agent_logs, agent_logs
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (r1["node_rank"], r1["num_nodes"], r1["local_rank"], r1["rank"]) == (1, 2, 0, 1)
 
     for node in (0, 1):  # save_on_each_node: every node holds a complete checkpoint
         files = set(os.listdir(tmp_path / f"node{node}" / "checkpoint-2"))
         assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "COMPLETE", f"rng_state_{node}.pth"} <= files
+    # loggers: node 1's local rank 0 opens no tracker run and writes no history, on its own disk or elsewhere
+    assert sorted(os.listdir(tmp_path / "node1")) == ["checkpoint-2"]
+    assert {"metrics.csv", "metrics.jsonl", "runs"} <= set(os.listdir(tmp_path / "node0"))
+    assert len(os.listdir(tmp_path / "node0" / "runs")) == 1 and len(os.listdir(tmp_path / "shared" / "runs")) == 1
     shared = set(os.listdir(tmp_path / "shared" / "checkpoint-2"))  # one writer, every rank's RNG
     assert {"model.safetensors", "COMPLETE", "rng_state_0.pth", "rng_state_1.pth"} <= shared
 

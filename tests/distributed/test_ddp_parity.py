@@ -82,3 +82,13 @@ def test_eval_gathers_predictions_in_dataset_order(ddp, batch):
 def test_rank_queries(ddp):
     results, _ = ddp
     assert results["ranks"] == [{"rank": 0, "world": True, "local": True}, {"rank": 1, "world": False, "local": False}]
+
+
+@pytest.mark.parametrize("name", ["short_window", "tokens_short_window"])
+def test_short_window_scenarios_end_each_epoch_on_a_window_of_one(tmp_path, name):
+    """The scenarios above only cover the short window if every epoch really ends on one: 5
+    micro-batches per epoch with accumulation 2 are windows of 2, 2, 1, so 3 steps per epoch."""
+    trainer, _ = toy.train_scenario(name, str(tmp_path), world=1)
+    epochs = {h["step"]: h["epoch"] for h in trainer.state.log_history if "loss" in h}
+    assert len(toy.SCENARIOS[name]["data"]()) == 20
+    assert epochs[3] == 1.0 and epochs[6] == 2.0 and epochs[2] == pytest.approx(0.8)

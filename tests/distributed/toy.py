@@ -100,6 +100,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                "extra": {}},
     "iterable": {"model": Regressor, "data": lambda: Stream(regression_data(32)), "per_device": 4, "accum": 1,
                  "max_steps": 6, "extra": {}},
+    # 20 samples / (2 ranks x batch 2) = 5 micro-batches per rank: windows of 2, 2 and a short 1 each
+    # epoch. The short window must synchronise gradients too (not run entirely under no_sync).
+    "short_window": {"model": Regressor, "data": lambda: regression_data(20), "per_device": 2, "accum": 2,
+                     "max_steps": 6, "extra": {}},
+    "tokens_short_window": {"model": TokenLM, "data": lambda: token_data(20), "per_device": 2, "accum": 2,
+                            "max_steps": 6, "extra": {}},
     # SGD without clipping: any wrong scale of the loss shows directly in the weights
     "hf_num_items": {"model": HFTokenLM, "data": lambda: token_data(32), "per_device": 2, "accum": 2, "max_steps": 6,
                      "extra": {"optim": {"name": "sgd"}, "max_grad_norm": 0.0, "learning_rate": 0.5}},
