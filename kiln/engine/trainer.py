@@ -23,9 +23,10 @@ from kiln.utils.errors import KilnError
 from kiln.engine.loop.fit import FitLoop, TrainOutput
 from kiln.engine.hp_search import HyperparameterSearchMixin, call_model_init
 from kiln.engine.loop.loss_weights import WindowWeights
+from kiln.engine.model.label_smoothing import label_smoothing_factor
 from kiln.engine.model.neftune import neftune
 from kiln.engine.model.module import (
-    accepts_kwarg, count_items, default_label_names, forward_argument_names, is_training_module, loss_from_output,
+    default_label_names, forward_argument_names, is_training_module, item_counter, loss_from_output, model_accepts_loss_kwargs,
 )
 from kiln.engine.optim.optimizers import build_optimizer, build_scheduler, scheduler_needs_metrics
 from kiln.engine.seed import set_seed
@@ -103,10 +104,10 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self.label_names = list(cfg.data.label_names) if cfg.data.label_names else (
             ["labels"] if self._training_module else default_label_names(model))
         self._forward_names = None if self._training_module else forward_argument_names(model)
-        self._accepts_num_items = not self._training_module and accepts_kwarg(model, "num_items_in_batch") and \
-            self._forward_names is not None and "num_items_in_batch" in self._forward_names
+        self._accepts_num_items = not self._training_module and model_accepts_loss_kwargs(model)  # HF's rule
+        self._count_items = model.num_items if self._training_module else item_counter(model, self.label_names)
         # plain copies of settings read per micro-batch (OmegaConf lookups cost microseconds)
-        self._label_smoothing = float(cfg.train.label_smoothing_factor)
+        self._label_smoothing = label_smoothing_factor(model, cfg.train.label_smoothing_factor)  # 0 for multi-label (HF)
         self._remove_columns = bool(cfg.data.remove_unused_columns)
         self._global_mean = bool(cfg.train.average_tokens_across_devices)
         self._window: Optional[WindowWeights] = None  # the current window's loss weights, and which micro-batch runs
@@ -229,12 +230,15 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         dp = self.strategy.data_parallel_size
         if len(window) == 1 and (dp == 1 or not self._global_mean) and not self._accepts_num_items:
             return None
-        counter = self.model.num_items if self._training_module else (lambda b: count_items(b, self.label_names))
-        counts = [torch.as_tensor(counter(b), device=self.strategy.root_device) for b in window]
+        counts = [torch.as_tensor(self._count_items(b), device=self.strategy.root_device) for b in window]
         total = torch.stack(counts).sum()
         global_mean = self._global_mean and dp > 1
         wait_total = self.strategy.reduce_async(total, "sum") if global_mean else (lambda: total)
-        return WindowWeights(counts, dp, wait_total, global_mean=global_mean, model_divides=self._accepts_num_items)
+        return WindowWeights(counts, dp, wait_total, global_mean=global_mean, model_divides=self._model_divides(window))
+
+    def _model_divides(self, window: list[Any]) -> bool:
+        """HF passes num_items_in_batch (and the model divides by it) only when the batch has `labels`."""
+        return self._accepts_num_items and isinstance(window[0], Mapping) and "labels" in window[0]
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
         """The loss of one micro-batch (mean over its items); override for a custom loss."""
@@ -244,13 +248,13 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             if not isinstance(inputs, Mapping):
                 raise TypeError("HF-contract models are called as model(**batch): the batch must be a dict of tensors.")
             inputs = self._remove_unused(inputs)
-            kwargs = {"num_items_in_batch": num_items_in_batch} if self._accepts_num_items and num_items_in_batch is not None else {}
+            kwargs = {"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None and self._model_divides([inputs]) else {}
             if self._label_smoothing and "labels" in inputs:
                 from kiln.engine.model.label_smoothing import smoothed_loss
 
                 labels = inputs["labels"]
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, **kwargs)
-                loss = smoothed_loss(self.model, outputs, labels, self._label_smoothing)
+                loss = smoothed_loss(self.model, outputs, labels, self._label_smoothing, kwargs.get("num_items_in_batch"))
                 return (loss, outputs) if return_outputs else loss
             outputs = model(**inputs, **kwargs)
         loss = loss_from_output(outputs)

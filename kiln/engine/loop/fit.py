@@ -210,6 +210,7 @@ class FitLoop:
             self.grad_norm = None
         stepped = strategy.optimizer_step(model, opt)
         control = t.callback_handler.call("on_optimizer_step", cfg, state, control)
+        self.step_lr = t._current_lr()  # the rate this step used: logged as learning_rate (HF), not the next one's
         if stepped and t.lr_scheduler is not None and not t._scheduler_needs_metrics:
             t.lr_scheduler.step()
         strategy.zero_grad(model, opt)
@@ -265,7 +266,7 @@ class FitLoop:
             logs: dict[str, float] = {"loss": loss}
             if self.grad_norm is not None:
                 logs["grad_norm"] = float(self.grad_norm.item())
-            logs["learning_rate"] = t._current_lr()
+            logs["learning_rate"] = self.step_lr
             if t.precision.uses_grad_scaler:
                 logs["skipped_steps"] = float(t.precision.skipped_steps)  # inf/nan steps the scaler skipped
             now = time.perf_counter()
