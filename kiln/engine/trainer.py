@@ -343,7 +343,25 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def get_learning_rates(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
+        """The learning rate of each optimizer param group (HF); an error before the optimizer exists."""
+        return [group["lr"] for group in self._require_optimizer().param_groups]
+
+    def get_optimizer_group(self, param: Union[str, nn.Parameter, None] = None) -> Any:
+        """HF's API: the param group holding `param` (a Parameter or its name), else every group's params."""
+        groups = self._require_optimizer().param_groups
+        if isinstance(param, str):
+            param = dict(self.model.named_parameters()).get(param)
+        if param is not None:
+            for group in groups:
+                if any(p is param for p in group["params"]):
+                    return group
+        return [group["params"] for group in groups]
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before "
+                             "(call create_optimizer() or train() first).")
+        return self.optimizer
 
 
 def _pop_objects(config: Any, strategy: Any, precision: Any) -> tuple[Any, Any, Any]:
