@@ -122,9 +122,9 @@ class HyperparameterSearchMixin:
         run_name = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
         base = OmegaConf.to_container(self.config, resolve=True)
         config = load_config({**base, **params, "output_dir": os.path.join(self.config.output_dir, run_name)})
-        # built by the child's __init__ (seed, then model_init), exactly as a plain Trainer builds its model
+        # built by kiln's own __init__ (seed, then model_init), exactly as a plain Trainer builds its model
         model_init = functools.partial(call_model_init, self.model_init, trial)
-        child = type(self)(None, config, model_init=model_init, **self._init_kwargs)
+        child = _sibling(self, config, model_init)
         child.state.is_hyper_param_search, child.state.trial_name = True, run_name
         child.state.trial_params = dict(params)
         child._trial, child._compute_objective, child._prune = trial, compute_objective, prune
@@ -143,3 +143,21 @@ class HyperparameterSearchMixin:
             if trial.should_prune():
                 self.control = self.callback_handler.call("on_train_end", self.config, self.state, self.control)
                 raise optuna.TrialPruned()
+
+
+def _sibling(parent: "Trainer", config: Any, model_init: Callable[..., "nn.Module"]) -> "Trainer":
+    """A Trainer of the parent's (sub)class for one trial, without calling the subclass's own `__init__`,
+    whose signature kiln cannot know (HF reuses its one Trainer instead). kiln's `__init__` builds the
+    trial's model, state, strategy and callbacks; whatever else the subclass's `__init__` set on the parent
+    (attributes, callbacks it added) is carried over, so its overrides work in every trial."""
+    from kiln.engine.trainer import Trainer
+
+    child = type(parent).__new__(type(parent))
+    Trainer.__init__(child, None, config, model_init=model_init, **parent._init_kwargs)
+    for key, value in vars(parent).items():
+        child.__dict__.setdefault(key, value)
+    present = {type(cb) for cb in child.callback_handler.callbacks}
+    for cb in parent.callback_handler.callbacks:
+        if type(cb) not in present:
+            child.add_callback(cb)
+    return child

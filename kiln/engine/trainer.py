@@ -23,9 +23,10 @@ from kiln.utils.errors import KilnError
 from kiln.engine.loop.fit import FitLoop, TrainOutput
 from kiln.engine.hp_search import HyperparameterSearchMixin, call_model_init
 from kiln.engine.loop.loss_weights import MicroBatch, WindowWeights
+from kiln.engine.model.label_smoothing import label_smoothing_factor
 from kiln.engine.model.neftune import neftune
 from kiln.engine.model.module import (
-    accepts_kwarg, count_items, default_label_names, forward_argument_names, is_training_module, loss_from_output,
+    default_label_names, forward_argument_names, is_training_module, item_counter, loss_from_output, model_accepts_loss_kwargs,
 )
 from kiln.engine.optim.optimizers import build_optimizer, build_scheduler, scheduler_needs_metrics
 from kiln.engine.seed import set_seed
@@ -106,10 +107,10 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self.label_names = list(cfg.data.label_names) if cfg.data.label_names else (
             ["labels"] if self._training_module else default_label_names(model))
         self._forward_names = None if self._training_module else forward_argument_names(model)
-        self._accepts_num_items = not self._training_module and accepts_kwarg(model, "num_items_in_batch") and \
-            self._forward_names is not None and "num_items_in_batch" in self._forward_names
+        self._accepts_num_items = not self._training_module and model_accepts_loss_kwargs(model)  # HF's rule
+        self._count_items = model.num_items if self._training_module else item_counter(model, self.label_names)
         # plain copies of settings read per micro-batch (OmegaConf lookups cost microseconds)
-        self._label_smoothing = float(cfg.train.label_smoothing_factor)
+        self._label_smoothing = label_smoothing_factor(model, cfg.train.label_smoothing_factor)  # 0 for multi-label (HF)
         self._remove_columns = bool(cfg.data.remove_unused_columns)
         self._global_mean = bool(cfg.train.average_tokens_across_devices)
         #: the micro-batch `training_step` is running (set by the fit loop; also passed as `micro_batch=`)
@@ -239,11 +240,14 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         s = self.strategy
         if len(window) == 1 and (s.data_shards == 1 or not self._global_mean) and not self._accepts_num_items:
             return None
-        counter = self.model.num_items if self._training_module else (lambda b: count_items(b, self.label_names))
-        counts = [torch.as_tensor(counter(b), device=s.root_device) for b in window]
+        counts = [torch.as_tensor(self._count_items(b), device=s.root_device) for b in window]
         return WindowWeights.for_window(counts, data_shards=s.data_shards, grad_divisor=s.grad_divisor,
-                                        global_mean=self._global_mean, model_divides=self._accepts_num_items,
+                                        global_mean=self._global_mean, model_divides=self._model_divides(window),
                                         reduce_async=s.reduce_async)
+
+    def _model_divides(self, window: list[Any]) -> bool:
+        """HF passes num_items_in_batch (and the model divides by it) only when the batch has `labels`."""
+        return self._accepts_num_items and isinstance(window[0], Mapping) and "labels" in window[0]
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
         """The loss of one micro-batch (mean over its items); override for a custom loss."""
@@ -253,13 +257,13 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             if not isinstance(inputs, Mapping):
                 raise TypeError("HF-contract models are called as model(**batch): the batch must be a dict of tensors.")
             inputs = self._remove_unused(inputs)
-            kwargs = {"num_items_in_batch": num_items_in_batch} if self._accepts_num_items and num_items_in_batch is not None else {}
+            kwargs = {"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None and self._model_divides([inputs]) else {}
             if self._label_smoothing and "labels" in inputs:
                 from kiln.engine.model.label_smoothing import smoothed_loss
 
                 labels = inputs["labels"]
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, **kwargs)
-                loss = smoothed_loss(self.model, outputs, labels, self._label_smoothing)
+                loss = smoothed_loss(self.model, outputs, labels, self._label_smoothing, kwargs.get("num_items_in_batch"))
                 return (loss, outputs) if return_outputs else loss
             outputs = model(**inputs, **kwargs)
         loss = loss_from_output(outputs)
@@ -354,7 +358,25 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def get_learning_rates(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
+        """The learning rate of each optimizer param group (HF); an error before the optimizer exists."""
+        return [group["lr"] for group in self._require_optimizer().param_groups]
+
+    def get_optimizer_group(self, param: Union[str, nn.Parameter, None] = None) -> Any:
+        """HF's API: the param group holding `param` (a Parameter or its name), else every group's params."""
+        groups = self._require_optimizer().param_groups
+        if isinstance(param, str):
+            param = dict(self.model.named_parameters()).get(param)
+        if param is not None:
+            for group in groups:
+                if any(p is param for p in group["params"]):
+                    return group
+        return [group["params"] for group in groups]
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before "
+                             "(call create_optimizer() or train() first).")
+        return self.optimizer
 
 
 def _pop_objects(config: Any, strategy: Any, precision: Any) -> tuple[Any, Any, Any]:

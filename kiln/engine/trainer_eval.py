@@ -46,7 +46,21 @@ class EvaluationMixin(BestModelMixin):
     # -- dataloaders (HF override points) ---------------------------------------------------
     def get_eval_dataloader(self: "TrainerLike", eval_dataset: Any = None) -> Iterable[Any]:
         """The eval DataLoader: in order, sharded contiguously over ranks (see SequentialDistributedSampler).
-        `eval_dataset` may be a dataset, or the name of one in a dict passed to the Trainer."""
+        `eval_dataset` may be a dataset, or the name of one in a dict passed to the Trainer.
+
+        With `dataloader_persistent_workers`, the loader of the Trainer's own eval dataset (or of a named
+        one) is built once and reused (HF), so its workers live from one evaluation to the next."""
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval" if eval_dataset is None else None
+        persistent = self.config.data.dataloader_persistent_workers and key is not None
+        cache = self.__dict__.setdefault("_eval_dataloaders", {})
+        if persistent and key in cache:
+            return cache[key]
+        loader = self._build_eval_dataloader(eval_dataset)
+        if persistent:
+            cache[key] = loader
+        return loader
+
+    def _build_eval_dataloader(self: "Trainer", eval_dataset: Any) -> Iterable[Any]:
         if isinstance(eval_dataset, str):
             named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
             if eval_dataset not in named:
@@ -96,7 +110,7 @@ class EvaluationMixin(BestModelMixin):
                 metrics.update(self.evaluate(ds if override else name, ignore_keys, f"{metric_key_prefix}_{name}", **gen_kwargs))
             return metrics
         self._gen_kwargs = gen_kwargs
-        loader = self.get_eval_dataloader(dataset)
+        loader = self.get_eval_dataloader(eval_dataset)  # None: the Trainer's own (its loader may be reused)
         start = time.time()
         with self._memory_stage("eval"):  # ignored inside fit(): the train stage counts it
             output = self.evaluation_loop(loader, "Evaluation", prediction_loss_only=True if self.compute_metrics is None else None,

@@ -118,3 +118,31 @@ def test_misuse_is_refused(tmp_path):
                 train_dataset=regression_data(n=8)).hyperparameter_search(n_trials=1)
     with pytest.raises(KilnError, match="fit\\(trial=...\\) is driven by hyperparameter_search"):
         _trainer(tmp_path).fit(trial={"learning_rate": 0.1})
+
+
+def test_trials_work_for_a_subclass_with_its_own_init(tmp_path):
+    """A Trainer subclass whose __init__ takes other arguments (and adds a callback) still runs trials, and
+    its overrides and attributes are used in each trial."""
+    seen = []
+
+    class Marker(Callback):
+        def on_train_begin(self, config, state, control, **kw):
+            seen.append(("train_begin", config.output_dir))
+
+    class Weighted(Trainer):
+        def __init__(self, loss_scale, *, data):
+            super().__init__(None, _config(tmp_path), model_init=TinyRegressor, train_dataset=data[:32], eval_dataset=data[32:])
+            self.loss_scale = loss_scale
+            self.add_callback(Marker())
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append(("loss", self.loss_scale))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    trainer = Weighted(2.0, data=regression_data(n=48))
+    best = trainer.hyperparameter_search(hp_space=lambda t: {"learning_rate": t.suggest_categorical("learning_rate", [0.0, 0.05])},
+                                         n_trials=2, sampler=_grid(learning_rate=[0.0, 0.05]))
+    assert best.hyperparameters == {"learning_rate": 0.05}
+    out = str(tmp_path / "out")
+    assert sorted(s[1] for s in seen if s[0] == "train_begin") == [f"{out}/run-0", f"{out}/run-1"]
+    assert {s[1] for s in seen if s[0] == "loss"} == {2.0}

@@ -25,14 +25,14 @@ def fit(tmp_path: Any, eval_dataset: Any = None, **overrides: Any) -> tuple[Trai
 
 
 @pytest.mark.parametrize("overrides, steps", [
-    ({"eval_strategy": "steps", "eval_steps": 3, "max_steps": 7}, [3, 6]),
-    ({"eval_strategy": "steps", "logging_steps": 2, "max_steps": 5}, [2, 4]),  # eval_steps defaults to logging_steps
+    ({"eval_strategy": "steps", "eval_steps": 3, "max_steps": 7}, [3, 6, 7]),  # and the final step (HF)
+    ({"eval_strategy": "steps", "logging_steps": 2, "max_steps": 5}, [2, 4, 5]),  # eval_steps defaults to logging_steps
     ({"eval_strategy": "steps", "eval_steps": 0.25, "max_steps": 8}, [2, 4, 6, 8]),  # a ratio of max_steps
     ({"eval_strategy": "steps", "eval_steps": 2, "eval_delay": 4, "max_steps": 8}, [4, 6, 8]),
     ({"eval_strategy": "epoch", "num_train_epochs": 3}, [4, 8, 12]),
     ({"eval_strategy": "epoch", "num_train_epochs": 3, "eval_delay": 2}, [8, 12]),
     ({"eval_strategy": "no", "max_steps": 4}, []),
-    ({"eval_strategy": "steps", "eval_steps": 3, "max_steps": 4, "eval_on_start": True}, [0, 3]),
+    ({"eval_strategy": "steps", "eval_steps": 3, "max_steps": 4, "eval_on_start": True}, [0, 3, 4]),
 ])
 def test_when_evaluation_runs(tmp_path: Any, overrides: dict[str, Any], steps: list[int]) -> None:
     trainer, recorder = fit(tmp_path, **overrides)

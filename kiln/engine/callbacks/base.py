@@ -135,7 +135,11 @@ class DefaultFlowCallback(Callback):
             control.should_save = True
         if step >= state.max_steps:
             control.should_training_stop = True
-            if self.save_strategy not in ("no", "best"):  # HF saves at the end of training whatever the interval
+            # HF also evaluates the final step when it is off the eval_steps grid (never twice)
+            if self.eval_strategy == "steps" and step % state.eval_steps != 0 and self.eval_delay <= step:
+                control.should_evaluate = True
+            # and saves it with save_strategy steps; with epoch, on_epoch_end saves it (once)
+            if self.save_strategy == "steps":
                 control.should_save = True
         return control
 

@@ -218,6 +218,7 @@ class FitLoop:
         result = strategy.optimizer_step(model, opt, self.max_grad_norm)
         self.grad_norm: Optional[torch.Tensor] = result.grad_norm
         control = t.callback_handler.call("on_optimizer_step", cfg, state, control)
+        self.step_lr = t._current_lr()  # the rate this step used: logged as learning_rate (HF), not the next one's
         if result.stepped and t.lr_scheduler is not None and not t._scheduler_needs_metrics:
             t.lr_scheduler.step()
         strategy.zero_grad(model, opt)
@@ -274,7 +275,7 @@ class FitLoop:
             logs: dict[str, float] = {"loss": loss}
             if self.grad_norm is not None:
                 logs["grad_norm"] = float(self.grad_norm.item())
-            logs["learning_rate"] = t._current_lr()
+            logs["learning_rate"] = self.step_lr
             if t.precision.uses_grad_scaler:
                 logs["skipped_steps"] = float(t.precision.skipped_steps)  # inf/nan steps the scaler skipped
             now = time.perf_counter()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -85,6 +85,50 @@ def accepts_kwarg(model: nn.Module, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def model_accepts_loss_kwargs(model: nn.Module) -> bool:
+    """Whether the model divides its loss by `num_items_in_batch` itself, by HF's rule: the model's own
+    `accepts_loss_kwargs` attribute when it has one, else whether `forward` takes `num_items_in_batch`
+    or `**kwargs` (every Transformers 5 model). kiln then passes the window's item count to the model
+    and does not weight the loss again. Set `model.accepts_loss_kwargs = False` on a model whose loss
+    ignores the count (as in HF)."""
+    declared = getattr(model, "accepts_loss_kwargs", None)
+    if declared is not None:
+        return bool(declared)
+    return accepts_kwarg(model, "num_items_in_batch")
+
+
+def loss_shifts_labels(model: nn.Module) -> bool:
+    """HF's rule for counting items: a decoder-only Transformers model whose `loss_type` maps to the
+    causal-LM loss predicts label t+1 from token t, so position 0 of each row is never a target."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is None:
+        return False
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return False
+    encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and not encoder_decoder
+
+
+def item_counter(model: nn.Module, label_names: Sequence[str]) -> Callable[[Any], Union[int, torch.Tensor]]:
+    """Items in one micro-batch of an HF-contract model, counted as HF counts `num_items_in_batch`:
+    a batch's `shift_labels` if it has them, else the labels (without position 0 for causal LMs)."""
+    shifts = loss_shifts_labels(model)
+
+    def count(batch: Any) -> Union[int, torch.Tensor]:
+        if isinstance(batch, Mapping):
+            shifted = batch.get("shift_labels")
+            if isinstance(shifted, torch.Tensor):
+                return shifted.ne(-100).sum()
+            labels = batch.get("labels")
+            if shifts and isinstance(labels, torch.Tensor) and not labels.is_floating_point():
+                return labels[..., 1:].ne(-100).sum()
+        return count_items(batch, label_names)
+
+    return count
 
 
 def forward_argument_names(model: nn.Module) -> Optional[set[str]]:

@@ -388,8 +388,19 @@ def build_scheduler(optimizer: Optimizer, sched_cfg: Any, num_training_steps: in
 
 
 def scheduler_needs_metrics(scheduler: Any) -> bool:
-    """True when the loop must step `scheduler` with the eval metric after evaluating, not every step."""
-    return isinstance(scheduler, (ReduceLROnPlateau, GreedyLR))
+    """True when the loop must step `scheduler` with the eval metric after evaluating, not every step:
+    whatever its class (torch's ReduceLROnPlateau, Transformers' GreedyLR, a user's own), a `step` whose
+    first argument has no default takes the metric."""
+    if scheduler is None:
+        return False
+    if isinstance(scheduler, (ReduceLROnPlateau, GreedyLR)):
+        return True
+    try:
+        params = list(inspect.signature(scheduler.step).parameters.values())
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return bool(params) and params[0].default is params[0].empty and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _field(cfg: Any, key: str, default: Any) -> Any:
