@@ -145,15 +145,13 @@ class HyperparameterSearchMixin:
                 raise optuna.TrialPruned()
 
 
-def _sibling(parent: "Trainer", config: Any, model_init: Callable[..., "nn.Module"]) -> "Trainer":
+def _sibling(parent: "TrainerLike", config: Any, model_init: Callable[..., "nn.Module"]) -> "TrainerLike":
     """A Trainer of the parent's (sub)class for one trial, without calling the subclass's own `__init__`,
     whose signature kiln cannot know (HF reuses its one Trainer instead). kiln's `__init__` builds the
     trial's model, state, strategy and callbacks; whatever else the subclass's `__init__` set on the parent
     (attributes, callbacks it added) is carried over, so its overrides work in every trial."""
-    from kiln.engine.trainer import Trainer
-
     child = type(parent).__new__(type(parent))
-    Trainer.__init__(child, None, config, model_init=model_init, **parent._init_kwargs)
+    type(parent).kiln_init(child, None, config, model_init=model_init, **parent._init_kwargs)
     for key, value in vars(parent).items():
         child.__dict__.setdefault(key, value)
     present = {type(cb) for cb in child.callback_handler.callbacks}

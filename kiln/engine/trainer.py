@@ -129,6 +129,10 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self.control = self.callback_handler.call("on_init_end", cfg, self.state, self.control)
         self._memory.stop("init")
 
+    #: kiln's own constructor, reachable from subclasses that define another `__init__` (a
+    #: hyperparameter-search trial builds its Trainer with it)
+    kiln_init = __init__
+
     def _default_callbacks(self) -> list[Callback]:
         from kiln.engine.callbacks.progress import console_callbacks
 
