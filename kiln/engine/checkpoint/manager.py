@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE = "trainer_state.json"
+#: kiln's loop position (epoch, batches into it): kept out of trainer_state.json, whose schema is HF's
+POSITION = "kiln_loop_position.json"
 CONFIG = "config.yaml"
 RNG = "rng_state_{rank}.pth"
 LOOP = "loop_state_{rank}.pt"
@@ -134,6 +136,8 @@ class CheckpointManager:
             torch.save(t.precision.state_dict(), os.path.join(tmp, "precision.pt"))
         t.state.stateful_callbacks = t.callback_handler.state_dict()
         t.state.save_to_json(os.path.join(tmp, STATE))
+        with open(os.path.join(tmp, POSITION), "w", encoding="utf-8") as fh:
+            json.dump(t.state.loop_position(), fh)
         from omegaconf import OmegaConf
 
         OmegaConf.save(t.config, os.path.join(tmp, CONFIG))
@@ -241,6 +245,7 @@ class CheckpointManager:
             t.state = TrainerState.load_from_json(os.path.join(path, STATE))
         except (OSError, ValueError, TypeError) as err:
             raise CheckpointError(f"{path}/{STATE} is unreadable ({err}).") from None
+        self._load_position(path)
         # Callback state (early-stopping patience, ...) is part of exact resume.
         t.callback_handler.load_state_dict(t.state.stateful_callbacks)
         rank = t.strategy.global_rank
@@ -255,6 +260,18 @@ class CheckpointManager:
         st = t.state
         log.info("Resuming from %s: step %d, epoch %d, %d batches into the epoch.", path, st.global_step,
                  st.epoch_index, st.batches_into_epoch)
+
+    def _load_position(self, path: str) -> None:
+        """The loop position from its own file; checkpoints of older kiln versions kept it inside
+        trainer_state.json, which `TrainerState.load_from_json` has already read."""
+        file = os.path.join(path, POSITION)
+        if not os.path.exists(file):
+            return
+        try:
+            with open(file, encoding="utf-8") as fh:
+                self.trainer.state.set_loop_position(json.load(fh))
+        except (OSError, ValueError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{file} is unreadable ({err}).") from None
 
     def _check_config(self, path: str) -> None:
         """Warn when a setting that decides the data position changed since the checkpoint."""
