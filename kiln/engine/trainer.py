@@ -318,6 +318,9 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
+        # figures the fit loop hands to the loggers but keeps out of log_history (throughput)
+        extra, self._logger_only = getattr(self, "_logger_only", None), None
+        logs = {**logs, **extra} if extra else logs
         self.control = self.callback_handler.call("on_log", self.config, self.state, self.control, logs=logs)
 
     def _save_checkpoint(self, metrics: Optional[dict[str, float]] = None) -> str:

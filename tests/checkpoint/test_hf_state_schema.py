@@ -55,3 +55,18 @@ def test_old_kiln_checkpoint_with_position_in_trainer_state_still_resumes_exactl
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert numeric_history(resumed) == numeric_history(straight)
+
+
+def test_log_history_of_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """Step entries hold HF's keys only (throughput goes to the loggers), so nothing timing-dependent
+    separates the two histories but the end-of-training summary."""
+    cfg = {"max_steps": 12, "save_steps": 5}
+    straight = train(str(tmp_path / "straight"), cfg)
+    out = str(tmp_path / "crashed")
+    with pytest.raises(Crash):
+        train(out, cfg, crash_at=5)
+    resumed = train(out, cfg, model_seed=99, resume=True)
+    steps = [e for e in straight.state.log_history if "loss" in e]
+    assert steps and all(set(e) == {"loss", "grad_norm", "learning_rate", "epoch", "step"} for e in steps)
+    assert resumed.state.log_history[:-1] == straight.state.log_history[:-1]
+    assert "train_runtime" in straight.state.log_history[-1]

@@ -266,18 +266,22 @@ class FitLoop:
             if self.grad_norm is not None:
                 logs["grad_norm"] = float(self.grad_norm.item())
             logs["learning_rate"] = t._current_lr()
+            # Throughput goes to the loggers only: log_history keeps HF's keys, so a resumed run's equals an
+            # uninterrupted one's.
+            run: dict[str, float] = {}
             if t.precision.uses_grad_scaler:
-                logs["skipped_steps"] = float(t.precision.skipped_steps)  # inf/nan steps the scaler skipped
+                run["skipped_steps"] = float(t.precision.skipped_steps)  # inf/nan steps the scaler skipped
             now = time.perf_counter()
             elapsed = max(now - self.window_start, 1e-9)
             world = t.strategy.data_parallel_size
-            logs["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
-            logs["steps_per_second"] = steps / elapsed
+            run["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
+            run["steps_per_second"] = steps / elapsed
             if self.tokens > self.tokens_at_log:
-                logs["tokens_per_second"] = (self.tokens - self.tokens_at_log) * world / elapsed
+                run["tokens_per_second"] = (self.tokens - self.tokens_at_log) * world / elapsed
             self.window_start, self.samples_at_log, self.tokens_at_log = now, self.samples, self.tokens
             self.last_logged = state.global_step
             tr_loss = torch.zeros_like(tr_loss)
+            t._logger_only = run
             t.log(logs)
         metrics = None
         if control.should_evaluate:
