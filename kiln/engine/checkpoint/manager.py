@@ -47,6 +47,8 @@ _DEBRIS = re.compile(rf"^\.{PREFIX}\d+\.(tmp|old|deleting)$")
 #: config keys whose change makes the saved data position mean something else (warned about on resume)
 _POSITION_KEYS = ("data.per_device_train_batch_size", "train.gradient_accumulation_steps", "seed", "data_seed",
                   "data.dataloader_drop_last", "data.group_by_length")
+#: further settings HF compares with the checkpoint's on resume (`compare_trainer_and_checkpoint_args`)
+_CADENCE_KEYS = ("log.steps", "eval.steps", "save.steps")
 
 
 def _plain(value: Any) -> bool:
@@ -246,8 +248,12 @@ class CheckpointManager:
         except (OSError, ValueError, TypeError) as err:
             raise CheckpointError(f"{path}/{STATE} is unreadable ({err}).") from None
         self._load_position(path)
-        # Callback state (early-stopping patience, ...) is part of exact resume.
-        t.callback_handler.load_state_dict(t.state.stateful_callbacks)
+        # Callback state (early-stopping counters, ...) is part of exact resume.
+        missing = t.callback_handler.load_state_dict(t.state.stateful_callbacks,
+                                                     restore_args=bool(t.config.save.restore_callback_states_from_checkpoint))
+        if missing:
+            warnings.warn(f"{path} holds state for callbacks this run does not have ({', '.join(missing)}); it is ignored.",
+                          stacklevel=2)
         rank = t.strategy.global_rank
         rng = os.path.join(path, RNG.format(rank=rank))
         if os.path.exists(rng):
@@ -284,15 +290,17 @@ class CheckpointManager:
             saved = OmegaConf.load(file)  # YAML safe loading: plain values only
         except Exception as err:
             raise CheckpointError(f"{file} is unreadable ({err}).") from None
-        changed = []
-        for key in _POSITION_KEYS:
-            old, new = OmegaConf.select(saved, key), OmegaConf.select(self.trainer.config, key)
-            if old != new:
-                changed.append(f"{key} {old!r} -> {new!r}")
-        if changed:
-            warnings.warn(f"Resuming {path} with changed settings ({'; '.join(changed)}): the data position saved in the "
+        def changed(keys: tuple[str, ...]) -> list[str]:
+            pairs = ((key, OmegaConf.select(saved, key), OmegaConf.select(self.trainer.config, key)) for key in keys)
+            return [f"{key} {old!r} -> {new!r}" for key, old, new in pairs if old != new]
+
+        if moved := changed(_POSITION_KEYS):
+            warnings.warn(f"Resuming {path} with changed settings ({'; '.join(moved)}): the data position saved in the "
                           "checkpoint no longer points at the same samples, so the run will not match an uninterrupted one.",
                           stacklevel=3)
+        if cadence := changed(_CADENCE_KEYS):
+            warnings.warn(f"Resuming {path} with settings that differ from the checkpoint's ({'; '.join(cadence)}): "
+                          "the run continues with this run's values.", stacklevel=3)
 
     def restore_loop(self, loop: FitLoop) -> None:
         """Called by the loop once its accumulators exist: put back the saved running sums."""
