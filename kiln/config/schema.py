@@ -113,7 +113,10 @@ class SaveConfig:
     only_model: bool = opt(False, "Save only the weights (such checkpoints cannot be resumed).")
     safetensors: bool = opt(True, "Save weights as safetensors.")
     on_each_node: bool = opt(False, "Save on every node's local rank 0, not only on global rank 0.")
-    restore_callback_states_from_checkpoint: bool = opt(False, "Restore callback state on resume.")
+    restore_callback_states_from_checkpoint: bool = opt(
+        False, "On resume, also rebuild ExportableState callbacks from their saved args (their counters are always restored).")
+    on_preemption: bool = opt(
+        False, "On SIGTERM, save a checkpoint at the next step boundary on every rank and exit 0 (enable_jit_checkpoint).")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from kiln.engine.callbacks.base import Callback, CallbackHandler, DefaultFlowCal
 from kiln.engine.checkpoint.manager import CheckpointManager, list_checkpoints, resolve_resume
 from kiln.engine.data.loaders import build_dataloader
 from kiln.engine.model.dispatch import StepDispatcher
-from kiln.engine.distributed import configure_logging
+from kiln.engine.distributed import check_same_output_dir, configure_logging
 from kiln.utils.errors import KilnError
 from kiln.engine.loop.fit import FitLoop, TrainOutput
 from kiln.engine.hp_search import HyperparameterSearchMixin, call_model_init
@@ -274,6 +274,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     # -- fit --------------------------------------------------------------------------------
     def fit(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Optional[list[str]] = None) -> TrainOutput:
         cfg = self.config
+        check_same_output_dir(cfg, self.strategy)  # one collective: a mismatch fails here, not inside a save
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
         path = resolve_resume(resume, cfg.output_dir)
         if path is None and not cfg.overwrite_output_dir and cfg.save.strategy != "no":

@@ -87,6 +87,7 @@ class CheckpointManager:
         self.loader: Optional[Iterable[Any]] = None
         self.pending_rng: Optional[dict[str, Any]] = None
         self.pending_loop: Optional[dict[str, Any]] = None
+        self.saved_step: Optional[int] = None  # the step of the last checkpoint this process wrote
         self._debris_cleared = False
 
     def attach(self, loop: FitLoop, loader: Iterable[Any]) -> None:
@@ -119,6 +120,7 @@ class CheckpointManager:
                                        "format": io.format, "resumable": not cfg.save.only_model})
             self.rotate()
         strategy.barrier("checkpoint-done")
+        self.saved_step = state.global_step
         return final
 
     def _write(self, tmp: str, io: Any, writer: bool) -> None:

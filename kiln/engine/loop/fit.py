@@ -19,6 +19,7 @@ import torch
 
 from kiln.engine.callbacks.base import interval
 from kiln.engine.data.loaders import loader_length, set_epoch
+from kiln.engine.loop.preemption import Preemption
 from kiln.utils.tensors import batch_size_of
 
 if TYPE_CHECKING:
@@ -67,6 +68,10 @@ class FitLoop:
         self.trainer = trainer
 
     def run(self, resume_path: Optional[str]) -> TrainOutput:
+        with Preemption(self.trainer.strategy, bool(self.trainer.config.save.on_preemption)) as self.preemption:
+            return self._run(resume_path)
+
+    def _run(self, resume_path: Optional[str]) -> TrainOutput:
         t = self.trainer
         cfg, strategy = t.config, t.strategy
         loader = self._train_dataloader(resume_path)
@@ -130,7 +135,11 @@ class FitLoop:
                 else:
                     state.epoch = epoch + 1.0
                 control = t.callback_handler.call("on_step_end", cfg, state, control)
+                if self.preemption.requested():  # SIGTERM on some rank: save this step everywhere, then exit 0
+                    control.should_save = control.should_training_stop = True
                 tr_loss = self._log_save_evaluate(tr_loss)
+                if self.preemption.triggered:
+                    self._save_and_exit(tr_loss)
                 if state.global_step >= max_steps:
                     control.should_training_stop = True
             if batches_per_epoch is None and not control.should_training_stop and state.batches_into_epoch == 0:
@@ -292,6 +301,14 @@ class FitLoop:
             t.control = t.callback_handler.call("on_save", t.config, state, t.control)
         t.control._new_step()
         return tr_loss
+
+    def _save_and_exit(self, tr_loss: torch.Tensor) -> None:
+        """Preempted: make sure this step is saved (save_strategy 'best' may have declined), then exit 0."""
+        t = self.trainer
+        if t.checkpoints.saved_step != t.state.global_step:
+            self.tr_loss = tr_loss
+            t._save_checkpoint()
+        self.preemption.exit(t.state.global_step)
 
     def _finish(self, start: float, tr_loss: torch.Tensor) -> TrainOutput:
         t = self.trainer
