@@ -327,12 +327,13 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     def _save_checkpoint(self, metrics: Optional[dict[str, float]] = None) -> str:
         return self.checkpoints.save(metrics)
 
-    def save_model(self, output_dir: Optional[str] = None) -> str:
+    def save_model(self, output_dir: Optional[str] = None, max_shard_size: Optional[Union[int, str]] = None) -> str:
         """Export full weights (safetensors) plus config; loadable without kiln, and with
-        `from_pretrained` for Transformers models."""
+        `from_pretrained` for Transformers models. Above `max_shard_size` (bytes or "5GB", as
+        `save_pretrained`) the weights are split into shards with a `model.safetensors.index.json`."""
         from kiln.engine.checkpoint.export import export_model
 
-        return export_model(self, output_dir or self.config.output_dir)
+        return export_model(self, output_dir or self.config.output_dir, max_shard_size)
 
     def save_state(self) -> None:
         if self.strategy.is_global_zero:

@@ -17,6 +17,7 @@ from kiln.utils.errors import CheckpointError
 PREFIX = "checkpoint-"
 MARKER = "COMPLETE"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
+_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
 # -- files on disk -------------------------------------------------------------------------------
@@ -51,13 +52,24 @@ def _remove(path: str) -> None:
 
 
 def is_complete(path: str) -> bool:
-    """True when `path` has a marker and every file it lists exists with the recorded size."""
+    """True when `path` has a marker and every file it lists exists with the recorded size.
+
+    One deliberate change is not damage: weights re-saved as sharded safetensors (an index and
+    intact shards in place of the single weights file the marker lists)."""
     try:
         meta = read_marker(path)
-        return bool(meta["files"]) and all(
-            os.path.getsize(os.path.join(path, f)) == size for f, size in meta["files"].items())
+        return bool(meta["files"]) and all(_file_matches(path, f, size) for f, size in meta["files"].items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
         return False
+
+
+def _file_matches(path: str, name: str, size: int) -> bool:
+    file = os.path.join(path, name)
+    if os.path.exists(file):
+        return os.path.getsize(file) == size
+    from kiln.strategies.weights_files import sharded_weights_intact
+
+    return name in _WEIGHTS and sharded_weights_intact(path)
 
 
 def read_marker(path: str) -> dict[str, Any]:
