@@ -92,10 +92,17 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def is_hf_checkpoint(path: str) -> bool:
+    from kiln.engine.checkpoint.hf_checkpoint import is_hf_checkpoint as check
+
+    return check(path)
+
+
 def latest_checkpoint(output_dir: str) -> Optional[str]:
-    """Newest complete checkpoint; incomplete ones are skipped with a warning."""
+    """Newest complete checkpoint (or one written by HF's Trainer, which has no marker); incomplete
+    ones are skipped with a warning."""
     for _, path in reversed(list_checkpoints(output_dir)):
-        if is_complete(path):
+        if is_complete(path) or is_hf_checkpoint(path):
             return path
         warnings.warn(f"Ignoring incomplete checkpoint {path} (its {MARKER} marker is missing or does not match its files).",
                       stacklevel=2)
@@ -114,7 +121,7 @@ def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
     path = os.fspath(resume)
     if not os.path.isdir(path):
         raise CheckpointError(f"resume_from_checkpoint={path!r} is not a folder.")
-    if not is_complete(path):
+    if not is_complete(path) and not is_hf_checkpoint(path):
         raise CheckpointError(
             f"{path} is incomplete or damaged (its {MARKER} marker is missing or does not match its files); "
             "resume from another checkpoint, or use resume_from_checkpoint=true to pick the newest complete one."

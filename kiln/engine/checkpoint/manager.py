@@ -211,6 +211,10 @@ class CheckpointManager:
     def load(self, path: str) -> None:
         """Restore everything a checkpoint holds into the (already set-up) trainer."""
         t = self.trainer
+        from kiln.engine.checkpoint.hf_checkpoint import is_hf_checkpoint, load_hf_checkpoint
+
+        if is_hf_checkpoint(path):  # written by HF's Trainer: restore what it holds, say what it does not
+            return load_hf_checkpoint(self, path)
         meta = read_marker(path)
         if not meta.get("resumable", True):
             raise CheckpointError(f"{path} was saved with save_only_model=true and cannot be resumed; load its weights instead.")
@@ -251,7 +255,8 @@ class CheckpointManager:
             raise CheckpointError(f"{path}/{STATE} is unreadable ({err}).") from None
         self._load_position(path)
         # Callback state (early-stopping counters, ...) is part of exact resume.
-        missing = t.callback_handler.load_state_dict(t.state.stateful_callbacks,
+        callbacks = {k: v for k, v in (t.state.stateful_callbacks or {}).items() if k != "TrainerControl"}  # HF's; not kept
+        missing = t.callback_handler.load_state_dict(callbacks,
                                                      restore_args=bool(t.config.save.restore_callback_states_from_checkpoint))
         if missing:
             warnings.warn(f"{path} holds state for callbacks this run does not have ({', '.join(missing)}); it is ignored.",
