@@ -94,6 +94,9 @@ class EvalConfig:
     do_concat_batches: bool = opt(True, "Concatenate per-batch predictions (False keeps a list per batch).")
     batch_eval_metrics: bool = opt(False, "Call compute_metrics per batch with compute_result.")
     padding_index: int = opt(-100, "Value used to pad predictions of different lengths.")
+    use_gather_object: bool = opt(
+        False, "Gather outputs across ranks as Python objects (all_gather_object), for predictions that are not "
+        "tensors (e.g. decoded strings); slower, opt-in (eval_use_gather_object).")
     metric_for_best_model: Optional[str] = opt(None, "Metric that picks the best checkpoint (with or without 'eval_').")
     greater_is_better: Optional[bool] = opt(None, "Whether a larger metric is better (HF default by metric name).")
     load_best_model_at_end: bool = opt(False, "Restore the best checkpoint's weights when training ends.")
