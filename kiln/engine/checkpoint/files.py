@@ -93,9 +93,10 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 
 def is_hf_checkpoint(path: str) -> bool:
-    from kiln.engine.checkpoint.hf_checkpoint import is_hf_checkpoint as check
-
-    return check(path)
+    """A folder HF's Trainer wrote: its trainer_state.json and none of kiln's own files (a kiln
+    checkpoint without its marker is damaged, not foreign)."""
+    return (os.path.isfile(os.path.join(path, "trainer_state.json"))
+            and not any(os.path.exists(os.path.join(path, f)) for f in (MARKER, "config.yaml", "loop_state_0.pt")))
 
 
 def latest_checkpoint(output_dir: str) -> Optional[str]:

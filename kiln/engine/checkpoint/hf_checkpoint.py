@@ -13,24 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from kiln.engine.callbacks.state import TrainerState
+from kiln.engine.checkpoint.files import is_hf_checkpoint  # noqa: F401  (re-exported: the manager asks here)
 from kiln.engine.data.loaders import loader_length
 from kiln.engine.seed import _py_state_to_plain
 from kiln.utils.errors import CheckpointError, safe_torch_load
 
-if TYPE_CHECKING:
-    from kiln.engine.checkpoint.manager import CheckpointManager
-
 log = logging.getLogger(__name__)
-_KILN_FILES = ("COMPLETE", "config.yaml", "loop_state_0.pt")
-
-
-def is_hf_checkpoint(path: str) -> bool:
-    """A folder HF's Trainer wrote: its trainer_state.json and none of kiln's own files."""
-    return (os.path.isfile(os.path.join(path, "trainer_state.json"))
-            and not any(os.path.exists(os.path.join(path, f)) for f in _KILN_FILES))
 
 
 def _hf_rng(path: str) -> Optional[dict[str, Any]]:
@@ -56,7 +47,7 @@ def _hf_rng(path: str) -> Optional[dict[str, Any]]:
     return state
 
 
-def load_hf_checkpoint(manager: "CheckpointManager", path: str) -> None:
+def load_hf_checkpoint(manager: Any, path: str) -> None:
     """Restore what an HF checkpoint holds into the (already set-up) trainer, and say what was not."""
     t = manager.trainer
     restored, missing = ["weights"], []
@@ -122,7 +113,7 @@ def _compare_cadence(t: Any, path: str) -> None:
                       "the run continues with this run's values.", stacklevel=4)
 
 
-def _set_position(manager: "CheckpointManager") -> None:
+def _set_position(manager: Any) -> None:
     """HF's rule: `global_step` full epochs of `ceil(batches / k)` steps, then the remainder in windows of k."""
     import math
 
