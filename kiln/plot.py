@@ -52,8 +52,8 @@ def history_file(run: str) -> str:
     """The file `read_history` uses for a run folder (or the file itself)."""
     if os.path.isfile(run):
         return run
-    for name in ("metrics.jsonl", "metrics.csv", "trainer_state.json"):
-        if os.path.isfile(os.path.join(run, name)):
+    for name in ("runs/metrics.jsonl", "runs/metrics.csv", "metrics.jsonl", "metrics.csv", "trainer_state.json"):
+        if os.path.isfile(os.path.join(run, name)):  # run files live in output_dir/runs (older runs: output_dir)
             return os.path.join(run, name)
     states = glob.glob(os.path.join(run, "checkpoint-*", "trainer_state.json"))
     numbered = [(int(m.group(1)), p) for p in states if (m := re.search(r"checkpoint-(\d+)", p))]

@@ -81,6 +81,8 @@ PATHS: dict[str, str] = {
     "save_safetensors": "save.safetensors",
     "save_on_each_node": "save.on_each_node",
     "restore_callback_states_from_checkpoint": "save.restore_callback_states_from_checkpoint",
+    "enable_jit_checkpoint": "save.on_preemption",
+    "eval_use_gather_object": "eval.use_gather_object",
     # log
     "logging_strategy": "log.strategy",
     "logging_steps": "log.steps",

@@ -94,6 +94,9 @@ class EvalConfig:
     do_concat_batches: bool = opt(True, "Concatenate per-batch predictions (False keeps a list per batch).")
     batch_eval_metrics: bool = opt(False, "Call compute_metrics per batch with compute_result.")
     padding_index: int = opt(-100, "Value used to pad predictions of different lengths.")
+    use_gather_object: bool = opt(
+        False, "Gather outputs across ranks as Python objects (all_gather_object), for predictions that are not "
+        "tensors (e.g. decoded strings); slower, opt-in (eval_use_gather_object).")
     metric_for_best_model: Optional[str] = opt(None, "Metric that picks the best checkpoint (with or without 'eval_').")
     greater_is_better: Optional[bool] = opt(None, "Whether a larger metric is better (HF default by metric name).")
     load_best_model_at_end: bool = opt(False, "Restore the best checkpoint's weights when training ends.")
@@ -113,7 +116,10 @@ class SaveConfig:
     only_model: bool = opt(False, "Save only the weights (such checkpoints cannot be resumed).")
     safetensors: bool = opt(True, "Save weights as safetensors.")
     on_each_node: bool = opt(False, "Save on every node's local rank 0, not only on global rank 0.")
-    restore_callback_states_from_checkpoint: bool = opt(False, "Restore callback state on resume.")
+    restore_callback_states_from_checkpoint: bool = opt(
+        False, "On resume, also rebuild ExportableState callbacks from their saved args (their counters are always restored).")
+    on_preemption: bool = opt(
+        False, "On SIGTERM, save a checkpoint at the next step boundary on every rank and exit 0 (enable_jit_checkpoint).")
 
 
 @dataclass
@@ -126,14 +132,14 @@ class LogConfig:
     nan_inf_filter: bool = opt(True, "Replace a nan/inf step loss by the window's mean in the logs, and leave nan/inf "
                                "batches out of eval_loss (HF's logging_nan_inf_filter).")
     report_to: List[str] = opt(["none"], "Trackers: tensorboard, mlflow, wandb, csv, jsonl, all or none.")
-    logging_dir: Optional[str] = opt(None, "TensorBoard directory (default output_dir/runs/<date>_<host>).")
+    logging_dir: Optional[str] = opt(None, "Run files (metrics.csv/jsonl; default output_dir/runs) and TensorBoard events (default output_dir/runs/<date>_<host>).")
     level: str = opt("passive", "Log level on the main process: debug, info, warning, error, critical, passive.")
     level_replica: str = opt("warning", "Log level on the other processes.")
     on_each_node: bool = opt(True, "Apply `level` on each node's main process, not only node 0.")
     disable_tqdm: Optional[bool] = opt(None, "Disable the progress bar.")
     skip_memory_metrics: bool = opt(True, "Skip memory metrics (they slow training).")
     include_tokens_per_second: bool = opt(False, "Report tokens per second.")
-    history: List[str] = opt(["csv", "jsonl"], "Local history files written to output_dir (csv, jsonl).")
+    history: List[str] = opt(["csv", "jsonl"], "Local history files (csv, jsonl) written to logging_dir, default output_dir/runs.")
     project: Optional[str] = opt(None, "W&B project / MLflow experiment (default WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, then 'kiln').")
     log_artifacts: Optional[str] = opt(None, "Upload the model to trackers: false, end or checkpoint (default HF_MLFLOW_LOG_ARTIFACTS / WANDB_LOG_MODEL).")
     nested_run: Optional[bool] = opt(None, "MLflow: open the run as a child of the caller's active run (default MLFLOW_NESTED_RUN).")

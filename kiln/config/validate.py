@@ -98,6 +98,10 @@ def _check_best_model(cfg: DictConfig) -> None:
     if s.strategy == "best" and e.strategy == "no":  # it would train to the end without saving anything
         raise ConfigError("save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy "
                           "is 'no': set eval.strategy to 'steps' or 'epoch', or save on 'steps' or 'epoch'.")
+    # HF raises too; with load_best_model_at_end HF's arguments default the metric to the loss (as kiln does)
+    if s.strategy == "best" and not e.metric_for_best_model and not e.load_best_model_at_end:
+        raise ConfigError("save.strategy 'best' needs eval.metric_for_best_model (metric_for_best_model) to know which "
+                          "evaluation is best: set it, e.g. to 'loss' or 'accuracy'.")
     if not e.load_best_model_at_end:
         return
     if e.strategy == "no":

@@ -73,6 +73,21 @@ def main_process_first(local: bool = True, desc: str = "work", strategy: Optiona
         barrier()
 
 
+def check_same_output_dir(config: "DictConfig", strategy: "Strategy") -> None:
+    """Every rank must write into one output_dir (checkpoints are assembled there from every rank's
+    files); refuse a mismatch before training instead of failing later inside a save."""
+    if strategy.world_size <= 1:
+        return
+    import os
+
+    from kiln.utils.errors import ConfigError
+
+    dirs = strategy.all_gather_object(os.path.normpath(str(config.output_dir)))
+    if len(set(dirs)) > 1:
+        shown = ", ".join(f"rank {r}: {d!r}" for r, d in enumerate(dirs))
+        raise ConfigError(f"output_dir differs between ranks ({shown}); give every rank the same output_dir.")
+
+
 def _topology(strategy: Optional["Strategy"]) -> tuple[int, int, int, Any]:
     if strategy is not None:
         return strategy.global_rank, strategy.local_rank, strategy.world_size, strategy.barrier

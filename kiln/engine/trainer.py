@@ -18,7 +18,7 @@ from kiln.engine.callbacks.base import Callback, CallbackHandler, DefaultFlowCal
 from kiln.engine.checkpoint.manager import CheckpointManager, list_checkpoints, resolve_resume
 from kiln.engine.data.loaders import build_dataloader
 from kiln.engine.model.dispatch import StepDispatcher
-from kiln.engine.distributed import configure_logging
+from kiln.engine.distributed import check_same_output_dir, configure_logging
 from kiln.utils.errors import KilnError
 from kiln.engine.loop.fit import FitLoop, TrainOutput
 from kiln.engine.hp_search import HyperparameterSearchMixin, call_model_init
@@ -297,6 +297,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     # -- fit --------------------------------------------------------------------------------
     def fit(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Optional[list[str]] = None) -> TrainOutput:
         cfg = self.config
+        check_same_output_dir(cfg, self.strategy)  # one collective: a mismatch fails here, not inside a save
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
         path = resolve_resume(resume, cfg.output_dir)
         if path is None and not cfg.overwrite_output_dir and cfg.save.strategy != "no":
@@ -341,17 +342,21 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
+        # figures the fit loop hands to the loggers but keeps out of log_history (throughput)
+        extra, self._logger_only = getattr(self, "_logger_only", None), None
+        logs = {**logs, **extra} if extra else logs
         self.control = self.callback_handler.call("on_log", self.config, self.state, self.control, logs=logs)
 
     def _save_checkpoint(self, metrics: Optional[dict[str, float]] = None) -> str:
         return self.checkpoints.save(metrics)
 
-    def save_model(self, output_dir: Optional[str] = None) -> str:
+    def save_model(self, output_dir: Optional[str] = None, max_shard_size: Optional[Union[int, str]] = None) -> str:
         """Export full weights (safetensors) plus config; loadable without kiln, and with
-        `from_pretrained` for Transformers models."""
+        `from_pretrained` for Transformers models. Above `max_shard_size` (bytes or "5GB", as
+        `save_pretrained`) the weights are split into shards with a `model.safetensors.index.json`."""
         from kiln.engine.checkpoint.export import export_model
 
-        return export_model(self, output_dir or self.config.output_dir)
+        return export_model(self, output_dir or self.config.output_dir, max_shard_size)
 
     def save_state(self) -> None:
         if self.strategy.is_global_zero:

@@ -30,6 +30,7 @@ from kiln.engine.checkpoint.best_model import BestModelMixin
 from kiln.engine.data.loaders import SequentialDistributedSampler
 from kiln.utils.errors import KilnError
 from kiln.engine.evaluation.gather import EvalAccumulator, OrderedGatherer, gather_across_processes, nested_detach
+from kiln.engine.evaluation.object_gather import ObjectAccumulator
 from kiln.engine.evaluation.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, eval_prediction, step_outputs, to_python
 from kiln.utils.tensors import batch_size_of
 from kiln.precision.base import cast_floating
@@ -170,6 +171,9 @@ class EvaluationMixin(BestModelMixin):
         gatherer = OrderedGatherer.for_sampler(sampler, e.padding_index) if distributed else None
         acc = EvalAccumulator(e.padding_index, e.do_concat_batches, e.accumulation_steps, gatherer=gatherer,
                               gather_fn=s.all_gather if distributed and not per_batch else None)
+        if e.use_gather_object and not per_batch:  # non-tensor outputs: one all_gather_object at the end
+            acc = ObjectAccumulator(s.all_gather_object if distributed else None,
+                                    sampler.num_examples if distributed else None, e.padding_index)
         metrics: Any = {}
         observed = 0
         dtype = self.precision.eval_dtype if not self.is_in_train else None  # HF: full-eval casting outside train()

@@ -114,6 +114,14 @@ def run_name(config: "DictConfig") -> str:
     return str(name) if name else os.path.basename(os.path.abspath(str(config.output_dir)))
 
 
+def run_files_dir(config: "DictConfig") -> str:
+    """Where the run files (metrics.csv, metrics.jsonl) go: `log.logging_dir`, else `output_dir/runs`,
+    the folder HF's logging dir lives in. Never `output_dir` itself, beside the checkpoint folders.
+    Fixed (no date stamp), so a resumed job finds and continues the killed job's files."""
+    configured = config.log.get("logging_dir")
+    return str(configured) if configured else os.path.join(str(config.output_dir), "runs")
+
+
 def history_step(value: Any) -> Optional[int]:
     """The step stored in one history row, or None for a row that cannot be read (a torn last line)."""
     try:

@@ -1,4 +1,4 @@
-"""`metrics.csv` in the output directory: one row per log call, a `step` column first, then one column
+"""`metrics.csv` in the run-files directory (`log.logging_dir`, else `output_dir/runs`): one row per log call, a `step` column first, then one column
 per metric in the order the names first appear. A new name grows the header (the file is rewritten
 once); other rows are appended. A resumed run keeps the rows logged up to its checkpoint's step and
 drops the rest, so a killed-and-resumed run ends with the same file as one that never stopped."""
@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kiln.loggers import LOGGERS
-from kiln.loggers.base import Logger, history_step, keep_on_resume
+from kiln.loggers.base import Logger, history_step, keep_on_resume, run_files_dir
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -24,7 +24,7 @@ class CSVLogger(Logger):
 
     def __init__(self, config: "DictConfig") -> None:
         super().__init__(config)
-        self.path = os.path.join(str(config.output_dir), self.filename)
+        self.path = os.path.join(run_files_dir(config), self.filename)
         # Rows are kept as the strings the file holds, so rewriting the file reproduces it byte for byte.
         self.previous: list[dict[str, str]] = []  # rows an earlier job wrote
         self.rows: list[dict[str, Any]] = []  # rows this process wrote

@@ -1,4 +1,4 @@
-"""`metrics.jsonl` in the output directory: one JSON object per log call, `{"step": N, **metrics}`,
+"""`metrics.jsonl` in the run-files directory (`log.logging_dir`, else `output_dir/runs`): one JSON object per log call, `{"step": N, **metrics}`,
 appended and flushed as it happens (`tail -f` works). Non-finite values are written as NaN/Infinity,
 as Python's json and trainer_state.json do. Resume drops the lines a killed job logged after the
 checkpoint's step, like the CSV file."""
@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from kiln.loggers import LOGGERS
-from kiln.loggers.base import Logger, history_step, keep_on_resume
+from kiln.loggers.base import Logger, history_step, keep_on_resume, run_files_dir
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -30,7 +30,7 @@ class JSONLLogger(Logger):
 
     def __init__(self, config: "DictConfig") -> None:
         super().__init__(config)
-        self.path = os.path.join(str(config.output_dir), self.filename)
+        self.path = os.path.join(run_files_dir(config), self.filename)
         self.previous: list[str] = []  # lines an earlier job wrote, verbatim
         self.written: list[str] = []  # lines this process wrote
         self.dirty = False  # the file holds a torn line and must be rewritten before appending

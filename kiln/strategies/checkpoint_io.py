@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 from torch import nn
 
+from kiln.strategies.weights_files import INDEX, load_sharded, parse_size, save_sharded
 from kiln.utils.errors import CheckpointError, safe_torch_load
 
 WEIGHTS_SAFE = "model.safetensors"
@@ -21,8 +22,10 @@ WEIGHTS_BIN = "pytorch_model.bin"
 OPTIMIZER = "optimizer.pt"
 
 
-def save_weights(state: dict[str, torch.Tensor], directory: str, safetensors: bool = True) -> str:
-    """Write a full state dict; returns the file name written."""
+def save_weights(state: dict[str, torch.Tensor], directory: str, safetensors: bool = True,
+                 max_shard_size: Optional[Union[int, str]] = None) -> str:
+    """Write a full state dict; returns the file name written (the index when sharded: with
+    `max_shard_size`, weights above it are split into HF-layout shards)."""
     if not safetensors:
         torch.save(state, os.path.join(directory, WEIGHTS_BIN))
         return WEIGHTS_BIN
@@ -39,7 +42,11 @@ def save_weights(state: dict[str, torch.Tensor], directory: str, safetensors: bo
             continue
         seen[key] = name
         tensors[name] = t.to("cpu").contiguous()
-    save_file(tensors, os.path.join(directory, WEIGHTS_SAFE), metadata={"format": "pt", "kiln_aliases": json.dumps(aliases)})
+    meta = {"format": "pt", "kiln_aliases": json.dumps(aliases)}
+    if max_shard_size is not None and sum(t.numel() * t.element_size() for t in tensors.values()) > parse_size(max_shard_size):
+        save_sharded(tensors, directory, max_shard_size, metadata={"kiln_aliases": meta["kiln_aliases"]})
+        return INDEX
+    save_file(tensors, os.path.join(directory, WEIGHTS_SAFE), metadata=meta)
     return WEIGHTS_SAFE
 
 
@@ -61,17 +68,34 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"{safe} is damaged: tied weight {alias!r} points at {source!r}, which it does not hold.")
             state[alias] = state[source]
         return state
+    if os.path.exists(os.path.join(directory, INDEX)):  # sharded (save_pretrained / save_model with max_shard_size)
+        state, meta = load_sharded(directory)
+        for alias, source in json.loads(meta.get("kiln_aliases", "{}")).items():
+            if source not in state:
+                raise CheckpointError(f"{directory}/{INDEX} is damaged: tied weight {alias!r} points at {source!r}, which no shard holds.")
+            state[alias] = state[source]
+        return state
     binary = os.path.join(directory, WEIGHTS_BIN)
     if os.path.exists(binary):
         state = safe_torch_load(binary)
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise CheckpointError(f"{binary} does not hold a state dict (a mapping of names to tensors).")
         return state
-    raise CheckpointError(f"No model weights ({WEIGHTS_SAFE} or {WEIGHTS_BIN}) in {directory}.")
+    raise CheckpointError(f"No model weights ({WEIGHTS_SAFE}, {INDEX} with its shards, or {WEIGHTS_BIN}) in {directory}.")
 
 
 def apply_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Load `state` into `module`, naming every missing, unexpected or mis-shaped key on mismatch."""
+    """Load `state` into `module`, naming every missing, unexpected or mis-shaped key on mismatch.
+
+    A model that overrides `load_state_dict` (e.g. it resizes a buffer grown during training) is
+    loaded through its own method, as HF does: kiln's shape pre-check would wrongly refuse it."""
+    if type(module).load_state_dict is not nn.Module.load_state_dict:
+        try:
+            module.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"{type(module).__name__}.load_state_dict refused the checkpoint {source} ({first}).") from None
+        return
     own = module.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))

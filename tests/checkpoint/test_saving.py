@@ -69,7 +69,7 @@ def test_checkpoint_contents(tmp_path):
     ckpt = os.path.join(out, "checkpoint-6")
     assert sorted(os.listdir(ckpt)) == sorted([
         "model.safetensors", "optimizer.pt", "scheduler.pt", "precision.pt", "rng_state_0.pth", "loop_state_0.pt",
-        "trainer_state.json", "config.yaml", "COMPLETE"])
+        "trainer_state.json", "kiln_loop_position.json", "config.yaml", "COMPLETE"])
     marker = read_marker(ckpt)
     assert marker["step"] == 6 and marker["world_size"] == 1 and marker["resumable"]
     assert set(marker["files"]) == set(os.listdir(ckpt)) - {"COMPLETE"}
@@ -93,7 +93,7 @@ def test_save_only_model_cannot_be_resumed(tmp_path):
     out = str(tmp_path / "run")
     train(out, {"max_steps": 4, "save_steps": 2, "save_only_model": True})
     ckpt = os.path.join(out, "checkpoint-4")
-    assert sorted(os.listdir(ckpt)) == ["COMPLETE", "config.yaml", "model.safetensors", "trainer_state.json"]
+    assert sorted(os.listdir(ckpt)) == ["COMPLETE", "config.yaml", "kiln_loop_position.json", "model.safetensors", "trainer_state.json"]
     with pytest.raises(CheckpointError, match="save_only_model"):
         train(out, {"max_steps": 6, "save_steps": 2, "save_only_model": True}, resume=ckpt)
 

@@ -62,6 +62,7 @@ def test_strategy_mapping_keeps_unknown_keys_as_options():
     ({"past_index": 2}, "past_index=2 is not supported by kiln"),
     ({"accelerator_config": {"split_batches": True}}, "accelerator_config={'split_batches': True} is not supported"),
     ({"save_strategy": "best"}, "save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy is 'no'"),
+    ({"save_strategy": "best", "eval_strategy": "steps"}, "save.strategy 'best' needs eval.metric_for_best_model"),
     ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 5},
      "save.steps (5) to be a multiple of eval.steps (3)"),
 ])
@@ -70,6 +71,11 @@ def test_bad_inputs_give_one_clear_sentence(source, fragment):
         load_config(source)
     assert fragment in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_save_best_without_metric_is_fine_with_load_best_model_at_end():
+    """HF's arguments default metric_for_best_model to the loss under load_best_model_at_end."""
+    load_config({"save_strategy": "best", "eval_strategy": "steps", "load_best_model_at_end": True})
 
 
 def test_unknown_name_lists_valid_names():

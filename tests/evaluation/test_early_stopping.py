@@ -106,7 +106,8 @@ def test_counter_survives_resume(tmp_path: Any) -> None:
     out = tmp_path / "crash" / "out"
     with open(out / "checkpoint-4" / "trainer_state.json") as fh:
         saved = json.load(fh)["stateful_callbacks"]["EarlyStoppingCallback"]
-    assert saved["early_stopping_patience_counter"] == 1
+    assert saved == {"args": {"early_stopping_patience": 3, "early_stopping_threshold": 0.0},
+                     "attributes": {"early_stopping_patience_counter": 1}}  # HF's ExportableState layout
 
     resumed_cb = EarlyStoppingCallback(3)
     resumed = run(tmp_path / "crash", resumed_cb, resume=True, **settings)

@@ -33,7 +33,7 @@ def test_example_config_runs_through_kiln_fit(name: str, tmp_path: Path, monkeyp
 
     results = json.loads((tmp_path / "all_results.json").read_text())
     assert results["eval_loss"] > 0 and 0 <= results["eval_accuracy"] <= 1
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4, 5]
     assert (tmp_path / "model.safetensors").exists()
     if name == "char_lm":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 
@@ -44,10 +45,17 @@ def test_history_files_through_the_callback(tmp_path):
     cfg = make_config(tmp_path, log={"history": ["csv", "jsonl"]})
     callback = LoggerCallback(cfg, build_loggers(cfg))
     drive(callback, cfg)
-    header, rows = read_csv(f"{cfg.output_dir}/metrics.csv")
+    header, rows = read_csv(f"{cfg.output_dir}/runs/metrics.csv")  # under the logging dir, not beside checkpoints
     assert header[:5] == ["step", "loss", "grad_norm", "learning_rate", "epoch"]
     assert rows == expected_rows()
-    assert read_jsonl(f"{cfg.output_dir}/metrics.jsonl") == [{"step": s, **logs} for s, logs in SEQUENCE]
+    assert read_jsonl(f"{cfg.output_dir}/runs/metrics.jsonl") == [{"step": s, **logs} for s, logs in SEQUENCE]
+
+
+def test_history_files_follow_logging_dir(tmp_path):
+    cfg = make_config(tmp_path, log={"history": ["csv", "jsonl"], "logging_dir": str(tmp_path / "logs")})
+    drive(LoggerCallback(cfg, build_loggers(cfg)), cfg)
+    assert read_jsonl(str(tmp_path / "logs" / "metrics.jsonl")) == [{"step": s, **logs} for s, logs in SEQUENCE]
+    assert os.path.exists(tmp_path / "logs" / "metrics.csv") and not os.path.exists(f"{cfg.output_dir}/runs")
 
 
 def test_jsonl_one_object_per_call_with_non_finite_values(config):
@@ -74,7 +82,7 @@ def test_kill_and_resume_gives_the_uninterrupted_file(tmp_path, kind):
     drive(resumed, killed, SEQUENCE[5:], start_step=4)
 
     name = f"metrics.{kind}"
-    assert open(f"{killed.output_dir}/{name}").read() == open(f"{full.output_dir}/{name}").read()
+    assert open(f"{killed.output_dir}/runs/{name}").read() == open(f"{full.output_dir}/runs/{name}").read()
 
 
 @pytest.mark.parametrize("kind", ["csv", "jsonl"])
@@ -86,7 +94,7 @@ def test_a_fresh_start_replaces_a_stale_history_but_keeps_this_process_rows(tmp_
 
     callback.on_log(cfg, TrainerState(global_step=0), TrainerControl(), logs={"eval_loss": 3.0})  # evaluate() before fit()
     drive(callback, cfg, SEQUENCE[:2])
-    path = f"{cfg.output_dir}/metrics.{kind}"
+    path = f"{cfg.output_dir}/runs/metrics.{kind}"
     rows = read_csv(path)[1] if kind == "csv" else [{k: float(v) for k, v in r.items()} for r in read_jsonl(path)]
     assert rows == [{"step": 0, "eval_loss": 3.0}, *expected_rows(SEQUENCE[:2])]
 
@@ -95,7 +103,7 @@ def test_a_fresh_start_replaces_a_stale_history_but_keeps_this_process_rows(tmp_
 def test_a_torn_last_line_is_dropped_before_appending(tmp_path, kind):
     cfg = make_config(tmp_path, log={"history": [kind]})
     drive(LoggerCallback(cfg, build_loggers(cfg)), cfg, SEQUENCE[:2], end=False)
-    path = f"{cfg.output_dir}/metrics.{kind}"
+    path = f"{cfg.output_dir}/runs/metrics.{kind}"
     with open(path, "a") as fh:
         fh.write('4,1.5' if kind == "csv" else '{"step": 4, "lo')  # killed mid-write
     drive(LoggerCallback(cfg, build_loggers(cfg)), cfg, SEQUENCE[2:3], start_step=2)

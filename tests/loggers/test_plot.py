@@ -13,11 +13,12 @@ from kiln.plot import main, plot_runs, read_history  # noqa: E402
 
 
 def write_runs(tmp_path):
-    """Run a (metrics.jsonl), run b (metrics.csv), run c (only a checkpoint's trainer_state.json)."""
+    """Run a (runs/metrics.jsonl, where kiln writes it), run b (metrics.csv at the top, as older kiln
+    versions wrote it), run c (only a checkpoint's trainer_state.json)."""
     a, b, c = (tmp_path / name for name in ("run-a", "run-b", "run-c"))
-    for d in (a, b, c / "checkpoint-10", c / "checkpoint-30"):
+    for d in (a / "runs", b, c / "checkpoint-10", c / "checkpoint-30"):
         d.mkdir(parents=True)
-    with open(a / "metrics.jsonl", "w") as fh:
+    with open(a / "runs" / "metrics.jsonl", "w") as fh:
         for step in range(1, 41):
             fh.write(json.dumps({"step": step, "loss": 2.0 / step, "learning_rate": 1e-3 * (1 - step / 40)}) + "\n")
             if step % 10 == 0:

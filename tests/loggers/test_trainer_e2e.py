@@ -1,5 +1,6 @@
-"""A short real Trainer run: every file a logger wrote holds exactly `trainer.state.log_history`,
-and a killed-and-resumed run writes the same histories as one that never stopped."""
+"""A short real Trainer run: every file a logger wrote holds exactly `trainer.state.log_history` plus the
+throughput figures (which log_history leaves out, as HF does), the run files live under the logging
+directory, and a killed-and-resumed run writes the same histories as one that never stopped."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def read_csv_rows(path):
 def tensorboard_scalars(output_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    [run] = glob.glob(os.path.join(output_dir, "runs", "*"))
+    [run] = [d for d in glob.glob(os.path.join(output_dir, "runs", "*")) if os.path.isdir(d)]
     acc = EventAccumulator(run, size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
@@ -61,13 +62,21 @@ def test_every_file_matches_the_log_history(tmp_path):
     assert any("eval_loss" in h for h in history) and "train_runtime" in history[-1]
     out = trainer.config.output_dir
 
-    assert read_jsonl(f"{out}/metrics.jsonl") == [{"step": h["step"], **h} for h in history]
-    assert read_csv_rows(f"{out}/metrics.csv") == [{k: float(v) for k, v in h.items()} for h in history]
+    assert not os.path.exists(f"{out}/metrics.jsonl") and not os.path.exists(f"{out}/metrics.csv")  # not beside checkpoints
+    steps = [h for h in history if "loss" in h]
+    assert steps and all(set(h) == {"loss", "grad_norm", "learning_rate", "epoch", "step"} for h in steps)  # HF's keys
+    rows = read_jsonl(f"{out}/runs/metrics.jsonl")
+    assert [{k: v for k, v in r.items() if k in h or k == "step"} for r, h in zip(rows, history)] == \
+        [{"step": h["step"], **h} for h in history] and len(rows) == len(history)
+    assert all("samples_per_second" in r and "steps_per_second" in r for r in rows if "loss" in r)  # loggers keep throughput
+    csv_rows = read_csv_rows(f"{out}/runs/metrics.csv")
+    assert [{k: v for k, v in r.items() if k in h} for r, h in zip(csv_rows, history)] == \
+        [{k: float(v) for k, v in h.items()} for h in history]
     scalars = tensorboard_scalars(out)
-    names = {k for h in history for k in h if k != "step"}
+    names = {k for r in rows for k in r if k != "step"}
     assert set(scalars) == {grouped_name(k) for k in names}
     for name in names:
-        want = [(h["step"], h[name]) for h in history if name in h]
+        want = [(h["step"], h[name]) for h in rows if name in h]
         got = scalars[grouped_name(name)]
         assert [s for s, _ in got] == [s for s, _ in want], name
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), name  # float32 events
@@ -92,16 +101,16 @@ def test_kill_and_resume_writes_the_uninterrupted_histories(tmp_path):
     cfg = config(tmp_path / "b", save=save)
     with pytest.raises(KeyboardInterrupt):
         Trainer(TinyRegressor(), cfg, train_dataset=data, eval_dataset=evals, callbacks=[Kill()]).fit()
-    killed = read_jsonl(f"{cfg['output_dir']}/metrics.jsonl")
+    killed = read_jsonl(f"{cfg['output_dir']}/runs/metrics.jsonl")
     assert max(r["step"] for r in killed) == 6  # logged past the checkpoint at step 4
     Trainer(TinyRegressor(), cfg, train_dataset=data, eval_dataset=evals).fit(resume_from_checkpoint=True)
 
-    a, b = (read_jsonl(f"{tmp_path / d}/out/metrics.jsonl") for d in "ab")
+    a, b = (read_jsonl(f"{tmp_path / d}/out/runs/metrics.jsonl") for d in "ab")
     assert [r["step"] for r in b] == [r["step"] for r in a]
     assert [sorted(r) for r in b] == [sorted(r) for r in a]
     for ra, rb in zip(without_timing(a), without_timing(b), strict=True):
         assert rb == pytest.approx(ra, rel=1e-5, abs=1e-8)
-    header = lambda d: open(f"{tmp_path / d}/out/metrics.csv").readline()  # noqa: E731
+    header = lambda d: open(f"{tmp_path / d}/out/runs/metrics.csv").readline()  # noqa: E731
     assert header("b") == header("a")
     tb_a, tb_b = (tensorboard_scalars(f"{tmp_path / d}/out") for d in "ab")
     assert {k: [s for s, _ in v] for k, v in tb_b.items()} == {k: [s for s, _ in v] for k, v in tb_a.items()}

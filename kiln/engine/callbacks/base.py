@@ -8,6 +8,7 @@ control flags ask. Callbacks observe and set flags; they never change the loop's
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 if TYPE_CHECKING:
@@ -27,8 +28,10 @@ class Callback:
     TrainerControl (or None). kwargs carry `model`, `optimizer`, `lr_scheduler`, `train_dataloader`,
     `logs` / `metrics` where relevant.
 
-    A callback that implements `state_dict()` / `load_state_dict()` has that state saved in every
-    checkpoint and restored on resume."""
+    A callback with state has it saved in every checkpoint and restored on resume, in either form:
+    HF's `ExportableState` (`state()` returning `{"args": {...}, "attributes": {...}}`; on resume the
+    attributes are set back, and with `restore_callback_states_from_checkpoint` the callback is rebuilt
+    from the saved args first, as HF does) or kiln's `state_dict()` / `load_state_dict()`."""
 
     def on_init_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
     def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
@@ -62,6 +65,10 @@ class CallbackHandler:
 
     def add(self, callback: CallbackLike) -> None:
         cb = callback() if isinstance(callback, type) else callback
+        if any(type(c) is type(cb) for c in self.callbacks):  # HF warns too: usually a mistake (events run twice)
+            names = ", ".join(type(c).__name__ for c in self.callbacks)
+            warnings.warn(f"Adding a second {type(cb).__name__} to the callbacks (already: {names}); its events will "
+                          "run twice. Remove one, or pass a single instance.", stacklevel=3)
         self.callbacks.append(cb)
         self._index()
 
@@ -93,13 +100,60 @@ class CallbackHandler:
 
     # -- callback state in checkpoints ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {type(cb).__name__: cb.state_dict() for cb in self.callbacks if hasattr(cb, "state_dict")}
-
-    def load_state_dict(self, states: dict[str, Any]) -> None:
+        """`trainer_state.json`'s `stateful_callbacks`, in HF's layout: class name -> state, or a list of
+        states when several callbacks share a class."""
+        states: dict[str, Any] = {}
         for cb in self.callbacks:
+            state = _export(cb)
+            if state is None:
+                continue
             name = type(cb).__name__
-            if name in states and hasattr(cb, "load_state_dict"):
-                cb.load_state_dict(states[name])
+            if name in states:
+                states[name] = [*(states[name] if isinstance(states[name], list) else [states[name]]), state]
+            else:
+                states[name] = state
+        return states
+
+    def load_state_dict(self, states: dict[str, Any], restore_args: bool = False) -> list[str]:
+        """Give each callback its saved state back; returns the saved class names no callback has.
+
+        `restore_args` (HF's `restore_callback_states_from_checkpoint`) rebuilds an ExportableState
+        callback from its saved `args` (e.g. EarlyStoppingCallback's patience) before setting the
+        attributes; without it the attributes (counters) come back and this run's arguments stay."""
+        missing = []
+        for name, data in (states or {}).items():
+            matching = [i for i, cb in enumerate(self.callbacks) if type(cb).__name__ == name]
+            if not matching:
+                missing.append(name)
+                continue
+            for index, entry in zip(matching, data if isinstance(data, list) else [data]):
+                self.callbacks[index] = _restore(self.callbacks[index], entry, restore_args)
+        self._index()
+        return missing
+
+
+def _export(cb: Any) -> Optional[Any]:
+    if callable(getattr(cb, "state", None)):  # HF's ExportableState
+        return cb.state()
+    if callable(getattr(cb, "state_dict", None)):
+        return cb.state_dict()
+    return None
+
+
+def _is_exported(entry: Any) -> bool:
+    return isinstance(entry, dict) and "attributes" in entry and set(entry) <= {"args", "attributes"}
+
+
+def _restore(cb: Any, entry: Any, restore_args: bool) -> Any:
+    """The callback with `entry` restored (a new instance when rebuilt from the saved args)."""
+    if _is_exported(entry):
+        if restore_args and isinstance(entry.get("args"), dict):
+            cb = type(cb)(**entry["args"])
+        for key, value in entry["attributes"].items():
+            setattr(cb, key, value)
+    elif callable(getattr(cb, "load_state_dict", None)):
+        cb.load_state_dict(entry)
+    return cb
 
 
 def interval(value: Optional[float], max_steps: int, default: int) -> int:

@@ -4,8 +4,9 @@ the best value so far for `early_stopping_patience` evaluations in a row.
 An evaluation counts as an improvement when it beats `state.best_metric` (in the direction
 `greater_is_better` gives) by more than `early_stopping_threshold`. `on_evaluate` runs before the
 Trainer records the new best, so each evaluation is compared with the best of the earlier ones.
-The patience counter is saved in every checkpoint (`state_dict`) and restored on resume, so a
-resumed run stops at the same step as one that never stopped.
+The patience counter is saved in every checkpoint (HF's `state()` layout) and restored on resume, so
+a resumed run stops at the same step as one that never stopped; with
+`restore_callback_states_from_checkpoint`, patience and threshold come back from the checkpoint too.
 
 What `metric_for_best_model` and `greater_is_better` mean is defined here once (`best_metric_key`,
 `resolve_greater_is_better`) and shared with the Trainer's best-model tracking.
@@ -87,14 +88,14 @@ class EarlyStoppingCallback(Callback):
         if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True
 
-    # -- saved in every checkpoint ----------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    # -- saved in every checkpoint (HF's ExportableState layout) -----------------------------
+    def state(self) -> dict[str, Any]:
         return {
-            "early_stopping_patience": self.early_stopping_patience,
-            "early_stopping_threshold": self.early_stopping_threshold,
-            "early_stopping_patience_counter": self.early_stopping_patience_counter,
+            "args": {"early_stopping_patience": self.early_stopping_patience,
+                     "early_stopping_threshold": self.early_stopping_threshold},
+            "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counter; patience and threshold stay as this run was configured."""
+        """Checkpoints of older kiln versions: the counter from a flat dict (patience stays as configured)."""
         self.early_stopping_patience_counter = int(state.get("early_stopping_patience_counter", 0))

@@ -1,6 +1,10 @@
 """`TrainerState` (everything the loop knows, saved as trainer_state.json in every checkpoint) and
 `TrainerControl` (flags callbacks set to make the loop log, evaluate, save or stop). Field names
-and meanings follow Hugging Face so that HF callbacks read the same attributes."""
+and meanings follow Hugging Face so that HF callbacks read the same attributes.
+
+trainer_state.json holds exactly HF's keys, so `transformers.TrainerState.load_from_json` (and every
+HF tool built on it) reads a kiln checkpoint. kiln's own loop position (`LOOP_POSITION` fields) lives
+on the same object for the loop's convenience but is written to a separate file by the checkpoint."""
 
 from __future__ import annotations
 
@@ -8,6 +12,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+
+#: kiln's fields that trainer_state.json does not hold (HF's TrainerState(**json) would refuse them)
+LOOP_POSITION = ("epoch_index", "batches_into_epoch", "steps_into_epoch")
 
 
 @dataclass
@@ -32,13 +40,22 @@ class TrainerState:
     trial_name: Optional[str] = None
     trial_params: Optional[dict[str, Any]] = None
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)
-    # kiln: where inside the epoch the loop stands, so a resume jumps straight there
+    # kiln: where inside the epoch the loop stands, so a resume jumps straight there (not in trainer_state.json)
     epoch_index: int = 0
     batches_into_epoch: int = 0
     steps_into_epoch: int = 0
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, allow_nan=True) + "\n"
+        """HF's schema only: the loop position is saved apart (`loop_position()`)."""
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in LOOP_POSITION}
+        return json.dumps(data, indent=2, sort_keys=True, allow_nan=True) + "\n"
+
+    def loop_position(self) -> dict[str, int]:
+        return {k: int(getattr(self, k)) for k in LOOP_POSITION}
+
+    def set_loop_position(self, position: dict[str, Any]) -> None:
+        for k in LOOP_POSITION:
+            setattr(self, k, int(position.get(k, 0)))
 
     def save_to_json(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as fh:

@@ -17,6 +17,7 @@ from kiln.utils.errors import CheckpointError
 PREFIX = "checkpoint-"
 MARKER = "COMPLETE"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
+_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
 # -- files on disk -------------------------------------------------------------------------------
@@ -51,13 +52,24 @@ def _remove(path: str) -> None:
 
 
 def is_complete(path: str) -> bool:
-    """True when `path` has a marker and every file it lists exists with the recorded size."""
+    """True when `path` has a marker and every file it lists exists with the recorded size.
+
+    One deliberate change is not damage: weights re-saved as sharded safetensors (an index and
+    intact shards in place of the single weights file the marker lists)."""
     try:
         meta = read_marker(path)
-        return bool(meta["files"]) and all(
-            os.path.getsize(os.path.join(path, f)) == size for f, size in meta["files"].items())
+        return bool(meta["files"]) and all(_file_matches(path, f, size) for f, size in meta["files"].items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
         return False
+
+
+def _file_matches(path: str, name: str, size: int) -> bool:
+    file = os.path.join(path, name)
+    if os.path.exists(file):
+        return os.path.getsize(file) == size
+    from kiln.strategies.weights_files import sharded_weights_intact
+
+    return name in _WEIGHTS and sharded_weights_intact(path)
 
 
 def read_marker(path: str) -> dict[str, Any]:
@@ -80,10 +92,18 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def is_hf_checkpoint(path: str) -> bool:
+    """A folder HF's Trainer wrote: its trainer_state.json and none of kiln's own files (a kiln
+    checkpoint without its marker is damaged, not foreign)."""
+    return (os.path.isfile(os.path.join(path, "trainer_state.json"))
+            and not any(os.path.exists(os.path.join(path, f)) for f in (MARKER, "config.yaml", "loop_state_0.pt")))
+
+
 def latest_checkpoint(output_dir: str) -> Optional[str]:
-    """Newest complete checkpoint; incomplete ones are skipped with a warning."""
+    """Newest complete checkpoint (or one written by HF's Trainer, which has no marker); incomplete
+    ones are skipped with a warning."""
     for _, path in reversed(list_checkpoints(output_dir)):
-        if is_complete(path):
+        if is_complete(path) or is_hf_checkpoint(path):
             return path
         warnings.warn(f"Ignoring incomplete checkpoint {path} (its {MARKER} marker is missing or does not match its files).",
                       stacklevel=2)
@@ -102,7 +122,7 @@ def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
     path = os.fspath(resume)
     if not os.path.isdir(path):
         raise CheckpointError(f"resume_from_checkpoint={path!r} is not a folder.")
-    if not is_complete(path):
+    if not is_complete(path) and not is_hf_checkpoint(path):
         raise CheckpointError(
             f"{path} is incomplete or damaged (its {MARKER} marker is missing or does not match its files); "
             "resume from another checkpoint, or use resume_from_checkpoint=true to pick the newest complete one."

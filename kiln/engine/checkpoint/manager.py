@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE = "trainer_state.json"
+#: kiln's loop position (epoch, batches into it): kept out of trainer_state.json, whose schema is HF's
+POSITION = "kiln_loop_position.json"
 CONFIG = "config.yaml"
 RNG = "rng_state_{rank}.pth"
 LOOP = "loop_state_{rank}.pt"
@@ -44,6 +46,8 @@ _DEBRIS = re.compile(rf"^\.{PREFIX}\d+\.(tmp|old|deleting)$")
 #: config keys whose change makes the saved data position mean something else (warned about on resume)
 _POSITION_KEYS = ("data.per_device_train_batch_size", "train.gradient_accumulation_steps", "seed", "data_seed",
                   "data.dataloader_drop_last", "data.group_by_length")
+#: further settings HF compares with the checkpoint's on resume (`compare_trainer_and_checkpoint_args`)
+_CADENCE_KEYS = ("log.steps", "eval.steps", "save.steps")
 
 
 def _plain(value: Any) -> bool:
@@ -82,6 +86,7 @@ class CheckpointManager:
         self.loader: Optional[Iterable[Any]] = None
         self.pending_rng: Optional[dict[str, Any]] = None
         self.pending_loop: Optional[dict[str, Any]] = None
+        self.saved_step: Optional[int] = None  # the step of the last checkpoint this process wrote
         self._debris_cleared = False
 
     def attach(self, loop: Stateful, loader: Iterable[Any]) -> None:
@@ -114,6 +119,7 @@ class CheckpointManager:
                                        "format": io.format, "resumable": not cfg.save.only_model})
             self.rotate()
         strategy.barrier("checkpoint-done")
+        self.saved_step = state.global_step
         return final
 
     def _write(self, tmp: str, io: Any, writer: bool) -> None:
@@ -134,6 +140,8 @@ class CheckpointManager:
             torch.save(t.precision.state_dict(), os.path.join(tmp, "precision.pt"))
         t.state.stateful_callbacks = t.callback_handler.state_dict()
         t.state.save_to_json(os.path.join(tmp, STATE))
+        with open(os.path.join(tmp, POSITION), "w", encoding="utf-8") as fh:
+            json.dump(t.state.loop_position(), fh)
         from omegaconf import OmegaConf
 
         OmegaConf.save(t.config, os.path.join(tmp, CONFIG))
@@ -203,6 +211,10 @@ class CheckpointManager:
     def load(self, path: str) -> None:
         """Restore everything a checkpoint holds into the (already set-up) trainer."""
         t = self.trainer
+        from kiln.engine.checkpoint.hf_checkpoint import is_hf_checkpoint, load_hf_checkpoint
+
+        if is_hf_checkpoint(path):  # written by HF's Trainer: restore what it holds, say what it does not
+            return load_hf_checkpoint(self, path)
         meta = read_marker(path)
         if not meta.get("resumable", True):
             raise CheckpointError(f"{path} was saved with save_only_model=true and cannot be resumed; load its weights instead.")
@@ -241,8 +253,14 @@ class CheckpointManager:
             t.state = TrainerState.load_from_json(os.path.join(path, STATE))
         except (OSError, ValueError, TypeError) as err:
             raise CheckpointError(f"{path}/{STATE} is unreadable ({err}).") from None
-        # Callback state (early-stopping patience, ...) is part of exact resume.
-        t.callback_handler.load_state_dict(t.state.stateful_callbacks)
+        self._load_position(path)
+        # Callback state (early-stopping counters, ...) is part of exact resume.
+        callbacks = {k: v for k, v in (t.state.stateful_callbacks or {}).items() if k != "TrainerControl"}  # HF's; not kept
+        missing = t.callback_handler.load_state_dict(callbacks,
+                                                     restore_args=bool(t.config.save.restore_callback_states_from_checkpoint))
+        if missing:
+            warnings.warn(f"{path} holds state for callbacks this run does not have ({', '.join(missing)}); it is ignored.",
+                          stacklevel=2)
         rank = t.strategy.global_rank
         rng = os.path.join(path, RNG.format(rank=rank))
         if os.path.exists(rng):
@@ -256,6 +274,18 @@ class CheckpointManager:
         log.info("Resuming from %s: step %d, epoch %d, %d batches into the epoch.", path, st.global_step,
                  st.epoch_index, st.batches_into_epoch)
 
+    def _load_position(self, path: str) -> None:
+        """The loop position from its own file; checkpoints of older kiln versions kept it inside
+        trainer_state.json, which `TrainerState.load_from_json` has already read."""
+        file = os.path.join(path, POSITION)
+        if not os.path.exists(file):
+            return
+        try:
+            with open(file, encoding="utf-8") as fh:
+                self.trainer.state.set_loop_position(json.load(fh))
+        except (OSError, ValueError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{file} is unreadable ({err}).") from None
+
     def _check_config(self, path: str) -> None:
         """Warn when a setting that decides the data position changed since the checkpoint."""
         file = os.path.join(path, CONFIG)
@@ -267,15 +297,17 @@ class CheckpointManager:
             saved = OmegaConf.load(file)  # YAML safe loading: plain values only
         except Exception as err:
             raise CheckpointError(f"{file} is unreadable ({err}).") from None
-        changed = []
-        for key in _POSITION_KEYS:
-            old, new = OmegaConf.select(saved, key), OmegaConf.select(self.trainer.config, key)
-            if old != new:
-                changed.append(f"{key} {old!r} -> {new!r}")
-        if changed:
-            warnings.warn(f"Resuming {path} with changed settings ({'; '.join(changed)}): the data position saved in the "
+        def changed(keys: tuple[str, ...]) -> list[str]:
+            pairs = ((key, OmegaConf.select(saved, key), OmegaConf.select(self.trainer.config, key)) for key in keys)
+            return [f"{key} {old!r} -> {new!r}" for key, old, new in pairs if old != new]
+
+        if moved := changed(_POSITION_KEYS):
+            warnings.warn(f"Resuming {path} with changed settings ({'; '.join(moved)}): the data position saved in the "
                           "checkpoint no longer points at the same samples, so the run will not match an uninterrupted one.",
                           stacklevel=3)
+        if cadence := changed(_CADENCE_KEYS):
+            warnings.warn(f"Resuming {path} with settings that differ from the checkpoint's ({'; '.join(cadence)}): "
+                          "the run continues with this run's values.", stacklevel=3)
 
     def restore_loop(self, loop: Stateful) -> None:
         """Called by the loop once its accumulators exist: put back the saved running sums."""

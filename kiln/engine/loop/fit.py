@@ -26,6 +26,7 @@ import torch
 from kiln.engine.callbacks.base import interval
 from kiln.engine.data.loaders import loader_length, set_epoch
 from kiln.engine.loop.loss_weights import MicroBatch
+from kiln.engine.loop.preemption import Preemption
 from kiln.utils.tensors import batch_size_of
 
 if TYPE_CHECKING:
@@ -74,6 +75,10 @@ class FitLoop:
         self.trainer = trainer
 
     def run(self, resume_path: Optional[str]) -> TrainOutput:
+        with Preemption(self.trainer.strategy, bool(self.trainer.config.save.on_preemption)) as self.preemption:
+            return self._run(resume_path)
+
+    def _run(self, resume_path: Optional[str]) -> TrainOutput:
         t = self.trainer
         cfg, strategy = t.config, t.strategy
         loader = self._train_dataloader(resume_path)
@@ -137,7 +142,11 @@ class FitLoop:
                 else:
                     state.epoch = epoch + 1.0
                 control = t.callback_handler.call("on_step_end", cfg, state, control)
+                if self.preemption.requested():  # SIGTERM on some rank: save this step everywhere, then exit 0
+                    control.should_save = control.should_training_stop = True
                 tr_loss = self._log_save_evaluate(tr_loss)
+                if self.preemption.triggered:
+                    self._save_and_exit(tr_loss)
                 if state.global_step >= max_steps:
                     control.should_training_stop = True
             if batches_per_epoch is None and not control.should_training_stop and state.batches_into_epoch == 0:
@@ -276,18 +285,22 @@ class FitLoop:
             if self.grad_norm is not None:
                 logs["grad_norm"] = float(self.grad_norm.item())
             logs["learning_rate"] = self.step_lr
+            # Throughput goes to the loggers only: log_history keeps HF's keys, so a resumed run's equals an
+            # uninterrupted one's.
+            run: dict[str, float] = {}
             if t.precision.uses_grad_scaler:
-                logs["skipped_steps"] = float(t.precision.skipped_steps)  # inf/nan steps the scaler skipped
+                run["skipped_steps"] = float(t.precision.skipped_steps)  # inf/nan steps the scaler skipped
             now = time.perf_counter()
             elapsed = max(now - self.window_start, 1e-9)
             world = t.strategy.data_shards
-            logs["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
-            logs["steps_per_second"] = steps / elapsed
+            run["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
+            run["steps_per_second"] = steps / elapsed
             if self.tokens > self.tokens_at_log:
-                logs["tokens_per_second"] = (self.tokens - self.tokens_at_log) * world / elapsed
+                run["tokens_per_second"] = (self.tokens - self.tokens_at_log) * world / elapsed
             self.window_start, self.samples_at_log, self.tokens_at_log = now, self.samples, self.tokens
             self.last_logged = state.global_step
             tr_loss = torch.zeros_like(tr_loss)
+            t._logger_only = run
             t.log(logs)
         metrics = None
         if control.should_evaluate:
@@ -298,6 +311,14 @@ class FitLoop:
             t.control = t.callback_handler.call("on_save", t.config, state, t.control)
         t.control._new_step()
         return tr_loss
+
+    def _save_and_exit(self, tr_loss: torch.Tensor) -> None:
+        """Preempted: make sure this step is saved (save_strategy 'best' may have declined), then exit 0."""
+        t = self.trainer
+        if t.checkpoints.saved_step != t.state.global_step:
+            self.tr_loss = tr_loss
+            t._save_checkpoint()
+        self.preemption.exit(t.state.global_step)
 
     def _finish(self, start: float, tr_loss: torch.Tensor) -> TrainOutput:
         t = self.trainer

@@ -1,0 +1,70 @@
+"""Preemption (HF's `enable_jit_checkpoint`, kiln's `save.on_preemption`): when the cluster sends
+SIGTERM, save a checkpoint at the next step boundary on every rank, finish writing it, and exit 0.
+
+The signal handler only sets a flag: nothing unsafe (I/O, collectives) runs inside it. At each step
+boundary the loop asks `requested()`, which agrees across ranks with one scalar max-reduce, because
+a cluster signals each rank at a slightly different moment and every rank must save the same step
+(a rank that saved alone would wait forever in the checkpoint's barriers). That all-reduce is the
+feature's only cost, paid only when it is switched on. The checkpoint is an ordinary one, so the
+resumed run is exactly the uninterrupted one."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from kiln.strategies.base import Strategy
+
+log = logging.getLogger(__name__)
+
+
+class Preemption:
+    """Install with `with Preemption(strategy, enabled):` around training; the previous SIGTERM
+    handler is put back on exit."""
+
+    def __init__(self, strategy: "Strategy", enabled: bool) -> None:
+        self.strategy = strategy
+        self.enabled = enabled
+        self.signalled = False  # this process got SIGTERM
+        self.triggered = False  # every rank agreed to save and stop
+        self._previous: Any = None
+
+    def __enter__(self) -> "Preemption":
+        if self.enabled:
+            if threading.current_thread() is not threading.main_thread():
+                log.warning("save.on_preemption is ignored: fit() does not run in the main thread, where Python "
+                            "delivers signals.")
+                self.enabled = False
+            else:
+                self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled and self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _on_sigterm(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.signalled = True
+
+    def requested(self) -> bool:
+        """Whether any rank got SIGTERM (the same answer on every rank; a collective when distributed)."""
+        if not self.enabled:
+            return False
+        flag = torch.tensor(1.0 if self.signalled else 0.0, device=self.strategy.root_device)
+        if self.strategy.world_size > 1:
+            flag = self.strategy.reduce(flag, "max")
+        self.triggered = bool(flag.item() > 0)
+        return self.triggered
+
+    def exit(self, step: int) -> None:
+        """After the checkpoint is complete on every rank: leave with exit code 0, as a preempted job should."""
+        log.warning("Preempted (SIGTERM): saved checkpoint-%d on every rank; exiting with code 0. Resume with "
+                    "resume_from_checkpoint=true.", step)
+        raise SystemExit(0)

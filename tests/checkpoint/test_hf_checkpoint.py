@@ -1,0 +1,95 @@
+"""Resume from a checkpoint written by Hugging Face's own Trainer (a user switching mid-training): a
+tiny BERT built from a config (no downloads) is trained 3 steps by `transformers.Trainer`, then kiln
+resumes its checkpoint-3 and says what it restored and what it could not."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.engine.callbacks.base import Callback  # noqa: E402
+from kiln.engine.checkpoint.files import latest_checkpoint, resolve_resume  # noqa: E402
+from kiln.engine.trainer import Trainer  # noqa: E402
+from kiln.strategies.checkpoint_io import load_weights  # noqa: E402
+
+HYPER = {"max_steps": 6, "save_steps": 3, "per_device_train_batch_size": 4, "learning_rate": 1e-3, "logging_steps": 1}
+
+
+def tiny_bert(seed: int):
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    torch.manual_seed(seed)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, 50, (8,), generator=g), "labels": torch.tensor(i % 2)} for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("hf") / "out")
+    args = transformers.TrainingArguments(output_dir=out, report_to="none", use_cpu=True, disable_tqdm=True,
+                                          save_only_model=False, **{**HYPER, "max_steps": 3})
+    transformers.Trainer(model=tiny_bert(0), args=args, train_dataset=data()).train()
+    return out
+
+
+class FirstStep(Callback):
+    """What the model and optimizer hold when the first resumed step begins."""
+
+    def on_step_begin(self, config, state, control, **kw):
+        if not hasattr(self, "weights"):
+            self.step = state.global_step
+            self.weights = {k: v.detach().clone() for k, v in kw["model"].state_dict().items()}
+            self.torch_rng = torch.get_rng_state()  # kiln's sampler has its own generator: untouched since restore
+
+
+def test_kiln_resumes_an_hf_trainer_checkpoint_and_says_what_it_could_not_restore(hf_run, tmp_path):
+    ckpt = os.path.join(hf_run, "checkpoint-3")
+    assert resolve_resume(ckpt, hf_run) == ckpt and latest_checkpoint(hf_run) == ckpt  # no marker needed
+    probe = FirstStep()
+    trainer = Trainer(tiny_bert(seed=123), {**HYPER, "output_dir": str(tmp_path / "kiln"), "report_to": "none",
+                                            "disable_tqdm": True, "log": {"history": []}},
+                      train_dataset=data(), callbacks=[probe])
+    with pytest.warns(UserWarning) as record:
+        trainer.fit(resume_from_checkpoint=ckpt)
+    [note] = [str(w.message) for w in record if "Hugging Face checkpoint" in str(w.message)]
+    assert "restored weights, optimizer, scheduler, trainer state" in note and "RNG state" in note.split("not restored")[0]
+    assert "not restored: the sampler position" in note and "loss sums" in note
+
+    assert probe.step == 3  # continued at HF's step, then trained to max_steps
+    saved = load_weights(ckpt)
+    assert all(torch.equal(probe.weights[k], saved[k]) for k in saved)
+    hf_rng = torch.load(os.path.join(ckpt, "rng_state.pth"), weights_only=False)  # the test trusts its own file
+    assert torch.equal(probe.torch_rng, hf_rng["cpu"])
+    assert trainer.state.global_step == 6
+    hf_state = transformers.TrainerState.load_from_json(os.path.join(ckpt, "trainer_state.json"))
+    assert trainer.state.log_history[: len(hf_state.log_history)] == hf_state.log_history  # HF's history kept
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e][-3:] == [4, 5, 6]
+
+
+def test_optimizer_and_schedule_continue_from_the_hf_checkpoint(hf_run, tmp_path):
+    ckpt = os.path.join(hf_run, "checkpoint-3")
+    trainer = Trainer(tiny_bert(seed=5), {**HYPER, "output_dir": str(tmp_path / "k"), "report_to": "none",
+                                          "disable_tqdm": True, "log": {"history": []}, "max_steps": 3},
+                      train_dataset=data())
+    with pytest.warns(UserWarning, match="Hugging Face checkpoint"):
+        trainer.fit(resume_from_checkpoint=ckpt)  # max_steps reached: only loads
+    hf_opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True)
+    ours = trainer.optimizer.state_dict()
+    assert all(torch.equal(ours["state"][i]["exp_avg"], hf_opt["state"][i]["exp_avg"]) for i in hf_opt["state"])
+    assert trainer.lr_scheduler.last_epoch == 3
+
+
+def test_changed_intervals_are_named(hf_run, tmp_path):
+    trainer = Trainer(tiny_bert(seed=5), {**HYPER, "output_dir": str(tmp_path / "k"), "report_to": "none",
+                                          "disable_tqdm": True, "log": {"history": []}, "max_steps": 3, "logging_steps": 2},
+                      train_dataset=data())
+    with pytest.warns(UserWarning, match=r"differ from the checkpoint's \(logging_steps 1 -> 2(\.0)?\)"):
+        trainer.fit(resume_from_checkpoint=os.path.join(hf_run, "checkpoint-3"))
