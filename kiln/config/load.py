@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kiln.config import aliases
+from kiln.config import aliases, hf_args
 from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
 
@@ -60,6 +60,7 @@ _STRATEGY_FIELDS = {f.name for f in dataclasses.fields(StrategyConfig)}
 def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     """Rewrite HF flat names and shorthand (`strategy: ddp`) into the nested tree layout."""
     tree: dict[str, Any] = {}
+    aliased: dict[str, tuple[str, Any]] = {}  # path -> the HF name (and its value) that set it
     groups = {f.name for f in dataclasses.fields(TrainingConfig)}
     for key, value in raw.items():
         key = str(key)
@@ -78,6 +79,7 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
         elif aliases.is_alias(key):
             try:
                 for path, v in aliases.rewrite(key, value).items():
+                    _check_conflict(tree, aliased, path, key, value, v)
                     _set_path(tree, path, v)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
@@ -99,6 +101,23 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     return tree
 
 
+def _check_conflict(tree: dict[str, Any], aliased: dict[str, tuple[str, Any]], path: str, key: str, value: Any,
+                    new: Any) -> None:
+    """Two HF names that set one key differently (`fp16: true` with `bf16: true`) are refused, as HF
+    does, instead of the later one winning silently."""
+    node: Any = tree
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            aliased[path] = (key, value)
+            return
+        node = node[part]
+    if node != new:
+        other, other_value = aliased.get(path, (path, node))
+        raise ConfigError(f"{other}={other_value!r} and {key}={value!r} ask for different {path} ({node!r} vs {new!r}); "
+                          "keep one of them.")
+    aliased[path] = (key, value)
+
+
 def _to_plain(source: ConfigSource) -> dict[str, Any]:
     if source is None:
         return {}
@@ -108,6 +127,8 @@ def _to_plain(source: ConfigSource) -> dict[str, Any]:
         return OmegaConf.to_container(source, resolve=True)  # type: ignore[return-value]
     if isinstance(source, Mapping):
         return dict(source)
+    if hf_args.is_training_arguments(source):  # Trainer(model, args=TrainingArguments(...))
+        return hf_args.training_arguments_to_dict(source)
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if not os.path.isfile(path):
@@ -120,7 +141,7 @@ def _to_plain(source: ConfigSource) -> dict[str, Any]:
             raise ConfigError(f"Config file {path!r} must hold a mapping of keys to values.")
         return OmegaConf.to_container(loaded, resolve=True)  # type: ignore[return-value]
     raise ConfigError(
-        f"Config must be a TrainingConfig, dict, DictConfig or YAML path, not {type(source).__name__}."
+        f"Config must be a TrainingConfig, transformers TrainingArguments, dict, DictConfig or YAML path, not {type(source).__name__}."
     )
 
 

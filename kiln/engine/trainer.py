@@ -39,8 +39,9 @@ from kiln.strategies.environment import load_with_launcher_settings
 class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     """Train, evaluate and predict with a TrainingModule or an HF-contract nn.Module.
 
-    `config` is a TrainingConfig, dict (HF flat names allowed), YAML path or DictConfig. `strategy`
-    and `precision` may also be passed as objects (a Strategy/Precision class or instance)."""
+    `config` is a TrainingConfig, dict (HF flat names allowed), YAML path, DictConfig or a
+    `transformers.TrainingArguments`; HF's keyword `args=` is accepted for it. `strategy` and
+    `precision` may also be passed as objects (a Strategy/Precision class or instance)."""
 
     def __init__(
         self,
@@ -58,7 +59,9 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         precision: Any = None,
         processing_class: Any = None,
         overrides: Iterable[str] = (),
+        args: Any = None,
     ) -> None:
+        config = _config_or_args(config, args)
         config, strategy, precision = _pop_objects(config, strategy, precision)
         self.config = load_with_launcher_settings(config, list(overrides))  # accelerate launch fills unset keys
         cfg = self.config
@@ -340,6 +343,15 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
 
     def get_learning_rates(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
+
+
+def _config_or_args(config: Any, args: Any) -> Any:
+    """`args=` is HF's name for the settings (a TrainingArguments, or anything `config=` takes)."""
+    if args is None:
+        return config
+    if config is not None:
+        raise KilnError("Trainer got both `config=` and `args=`; pass the settings once (args= is HF's name for config=).")
+    return args
 
 
 def _pop_objects(config: Any, strategy: Any, precision: Any) -> tuple[Any, Any, Any]:
