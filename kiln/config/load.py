@@ -54,6 +54,7 @@ def _unknown(key: str) -> ConfigError:
     return ConfigError(f"Unknown config key {key!r}.{hint}")
 
 
+_EXAMPLES = {"strategy": "ddp", "precision": "bf16 or 16", "optim": "adamw_torch", "scheduler": "cosine"}
 _STRATEGY_FIELDS = {f.name for f in dataclasses.fields(StrategyConfig)}
 
 
@@ -72,8 +73,12 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
         elif key in groups and isinstance(value, Mapping):
             for sub_key, sub_value in value.items():
                 _set_path(tree, f"{key}.{sub_key}", sub_value)
+        elif key == "precision" and _precision_word(value) is not None:  # `precision: 16` reads as an int
+            _set_path(tree, "precision.name", _precision_word(value))
         elif key in ("strategy", "precision", "optim", "scheduler") and isinstance(value, str):
             _set_path(tree, f"{key}.name", value)
+        elif key in ("strategy", "precision", "optim", "scheduler") and value is not None:
+            raise ConfigError(f"Config key {key!r} takes a name (e.g. {_EXAMPLES[key]}) or a mapping with `name:`, got {value!r}.")
         elif key in groups:
             _set_path(tree, key, value)
         elif aliases.is_alias(key):
@@ -91,6 +96,9 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
         extra = {k: strat.pop(k) for k in list(strat) if k not in _STRATEGY_FIELDS}
         if extra:
             strat.setdefault("options", {}).update(extra)
+    prec = tree.get("precision")
+    if isinstance(prec, dict) and _precision_word(prec.get("name")) is not None:
+        prec["name"] = _precision_word(prec["name"])
     # YAML 1.1 reads a bare `no` as False: `save.strategy=no` on the command line means "no".
     for group in ("eval", "save", "log"):
         node = tree.get(group)
@@ -99,6 +107,16 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(tree.get("log", {}).get("report_to"), str):
         tree["log"]["report_to"] = [tree["log"]["report_to"]]
     return tree
+
+
+def _precision_word(value: Any) -> Any:
+    """The precision name YAML or the command line turned into a number or boolean (`16`, `32`,
+    `no`), as the string the registry knows; None for anything else."""
+    if value is False:
+        return "no"
+    if isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return None
 
 
 def _check_conflict(tree: dict[str, Any], aliased: dict[str, tuple[str, Any]], path: str, key: str, value: Any,

@@ -102,3 +102,4 @@ def test_trainer_takes_args_keyword_and_matches_hf_trainer(tmp_path):
 def test_args_and_config_together_are_refused(tmp_path):
     with pytest.raises(Exception, match="both `config=` and `args=`"):
         Trainer(HFRegressor(), {"max_steps": 1}, args=_args(tmp_path))
+
