@@ -7,14 +7,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints
 from kiln.strategies.checkpoint_io import WEIGHTS_BIN, WEIGHTS_SAFE
 from kiln.utils.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from kiln.engine.trainer import Trainer
 
 STATE = "trainer_state.json"
 
@@ -34,9 +31,10 @@ class EvalWeights:
         return f"{self.origin} {self.path} ({step})"
 
 
-def load_weights_for_eval(trainer: "Trainer", path: str) -> None:
+def load_weights_for_eval(trainer: Any, path: str) -> None:
     """Load the model weights in `path` (a checkpoint or a save_model folder) into `trainer.model`,
-    leaving optimizer and scheduler alone. The one place evaluation-time weight loading happens."""
+    leaving optimizer and scheduler alone. The one place evaluation-time weight loading happens.
+    `trainer` is a Trainer (typed loosely so that this floor does not import the Trainer)."""
     trainer.strategy.checkpoint_io().load(path, trainer.model, None, load_optimizer=False)
 
 
