@@ -245,7 +245,10 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             outputs = model(inputs)
         else:
             if not isinstance(inputs, Mapping):
-                raise TypeError("HF-contract models are called as model(**batch): the batch must be a dict of tensors.")
+                from kiln.engine.data.checks import describe
+
+                raise KilnError(f"HF-contract models are called as model(**batch), so the batch must be a dict of tensors, "
+                                f"not a {describe(inputs)}: return dicts from the dataset or the data_collator.")
             inputs = self._remove_unused(inputs)
             kwargs = {"num_items_in_batch": num_items_in_batch} if self._accepts_num_items and num_items_in_batch is not None else {}
             if self._label_smoothing and "labels" in inputs:
@@ -291,6 +294,9 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
                             "build Trainer(model_init=..., config={**config, **best_run.hyperparameters}).")
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self._check_eval_setup()
+        from kiln.engine.data.checks import check_first_item
+
+        check_first_item(self.train_dataset, self.data_collator, self._training_module)  # before any model work
         self.is_in_train = True
         self._memory.start("train")
         try:
