@@ -297,6 +297,10 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         from kiln.engine.data.checks import check_first_item
 
         check_first_item(self.train_dataset, self.data_collator, self._training_module)  # before any model work
+        if self.strategy.is_global_zero and cfg.log.level not in ("error", "critical"):  # quiet runs stay quiet
+            from kiln.engine.model.summary import model_summary
+
+            print(f"kiln: {model_summary(self.model, self.strategy, self.precision)}", flush=True)
         self.is_in_train = True
         self._memory.start("train")
         try:
