@@ -6,55 +6,58 @@ OmegaConf dotlist syntax, and Hugging Face TrainingArguments names work as keys.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Any, Callable, Optional, Sequence
+
+from kiln.task_import import TaskError
 
 USAGE = """kiln: train PyTorch models from a YAML config.
 
 commands:
   kiln fit CONFIG.yaml [key=value ...]        train (then evaluate and export the model)
-  kiln evaluate CONFIG.yaml [key=value ...]   evaluate a model (resume_from_checkpoint=PATH to load weights)
-  kiln predict CONFIG.yaml [key=value ...]    predict on the eval/test data, write predictions.npy
+  kiln evaluate CONFIG.yaml [key=value ...]   evaluate the run's trained weights (or --weights PATH)
+  kiln predict CONFIG.yaml [key=value ...]    predict on the test/eval data with them, write predictions.npy
   kiln plot RUN_DIR [RUN_DIR ...] [-o PNG]    plot a run's curves
   kiln config-docs                            print the config reference (markdown)
+  kiln --version                              print kiln's version
 
 options for fit/evaluate/predict:
-  --nproc N     start N local processes (data parallel) with torch's elastic launcher
+  --nproc N                  start N local processes (data parallel) with torch's elastic launcher
   --accelerate-config FILE   honour an `accelerate config` YAML (mixed precision, FSDP, DeepSpeed, num_processes)
-  -h, --help    list every config key with its default and meaning
+  -h, --help                 list every config key with its default and meaning
+
+options for evaluate/predict:
+  --weights PATH             a checkpoint-<step> folder or a folder written by save_model; default: the run's
+                             best checkpoint, else its exported model, else its newest checkpoint (in output_dir)
+  --random-weights           score the untrained model (refused unless asked for)
 
 examples:
-  kiln fit examples/char_lm/config.yaml
   kiln fit examples/digits/config.yaml learning_rate=1e-3 train.max_steps=200 precision=bf16
+  kiln evaluate examples/digits/config.yaml                    # the weights kiln fit left in runs/digits
+  kiln predict examples/digits/config.yaml --weights runs/digits/checkpoint-400
 """
 
 
-def _import(path: str, key: str) -> Callable[..., Any]:
-    import os
-
-    if os.getcwd() not in sys.path:  # like `python -m`: modules next to where kiln is run are importable
-        sys.path.insert(0, os.getcwd())
-    module_name, _, attr = path.partition(":")
-    if not attr:
-        module_name, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise SystemExit(f"kiln: cannot import {key}={path!r} ({err}). Use 'package.module:callable'.") from None
-
-
 def _build(cfg: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
-    """Import task.data (called now) and task.model (called by the Trainer after seeding)."""
-    if not cfg.task.data or not cfg.task.model:
-        raise SystemExit("kiln: the config must name task.model and task.data ('package.module:callable').")
+    """Import task.data (called now) and task.model (called by the Trainer after seeding); every
+    keyword argument is checked against the callables before anything is built."""
     from omegaconf import OmegaConf
 
-    data = _import(cfg.task.data, "task.data")(**OmegaConf.to_container(cfg.task.data_args))
+    from kiln.task_import import check_kwargs, import_callable
+
+    if not cfg.task.data or not cfg.task.model:
+        raise TaskError("the config must name task.model and task.data ('package.module:callable').")
+    model_fn = import_callable(cfg.task.model, "task.model")
+    data_fn = import_callable(cfg.task.data, "task.data")
+    model_args = OmegaConf.to_container(cfg.task.model_args)
+    data_args = OmegaConf.to_container(cfg.task.data_args)
+    check_kwargs(model_fn, model_args, "task.model_args", cfg.task.model)
+    check_kwargs(data_fn, data_args, "task.data_args", cfg.task.data)
+    data = data_fn(**data_args)
     if not isinstance(data, dict) or "train_dataset" not in data and "eval_dataset" not in data:
-        raise SystemExit("kiln: task.data must return a dict with train_dataset (and optionally eval_dataset, ...).")
-    model_fn = _import(cfg.task.model, "task.model")
-    kwargs = {**OmegaConf.to_container(cfg.task.model_args), **data.get("model_args", {})}
+        raise TaskError("task.data must return a dict with train_dataset (and optionally eval_dataset, ...).")
+    kwargs = {**model_args, **data.get("model_args", {})}
+    check_kwargs(model_fn, kwargs, f"task.model_args (with the model_args {cfg.task.data} returned)", cfg.task.model)
     return (lambda: model_fn(**kwargs)), data
 
 
@@ -70,60 +73,133 @@ def _trainer(cfg: Any) -> tuple[Any, dict[str, Any]]:
     return trainer, data
 
 
-def _run(command: str, config: str, overrides: list[str]) -> int:
+def _run(command: str, config: str, overrides: list[str], weights: Optional[str] = None, random_weights: bool = False) -> int:
     from kiln.config import ConfigError
-    from kiln.utils.errors import KilnError
     from kiln.registry import UnknownNameError
     from kiln.strategies.environment import load_with_launcher_settings
+    from kiln.utils.errors import KilnError
 
     try:
+        if command != "fit":  # scoring weights must not touch the training run's history files or trackers
+            overrides = [*overrides, "log.history=[]", "log.report_to=none"]
         cfg = load_with_launcher_settings(config, overrides)  # accelerate launch fills keys the config leaves unset
+        chosen = None if command == "fit" else _pick_weights(cfg, weights, random_weights)
         trainer, data = _trainer(cfg)
         if command == "fit":
-            result = trainer.fit()
-            trainer.log_metrics("train", result.metrics)
-            trainer.save_metrics("train", result.metrics)
-            if data.get("eval_dataset") is not None:
-                metrics = trainer.evaluate()
-                trainer.log_metrics("eval", metrics)
-                trainer.save_metrics("eval", metrics)
-            trainer.save_model()
-            trainer.save_state()
-        elif command == "evaluate":
-            _load_weights(trainer)
-            metrics = trainer.evaluate()
-            trainer.log_metrics("eval", metrics)
-            trainer.save_metrics("eval", metrics)
+            _fit(trainer, data)
         else:
-            _load_weights(trainer)
-            dataset = data.get("test_dataset", data.get("eval_dataset"))
-            out = trainer.predict(dataset)
-            if trainer.is_world_process_zero():
-                import os
-
-                import numpy as np
-
-                os.makedirs(cfg.output_dir, exist_ok=True)
-                np.save(os.path.join(cfg.output_dir, "predictions.npy"), out.predictions)
-            trainer.log_metrics("test", out.metrics)
-    except (ConfigError, KilnError, UnknownNameError, ValueError) as err:
+            _score(command, trainer, data, chosen)
+    except (ConfigError, KilnError, UnknownNameError, TaskError, ValueError) as err:
         print(f"kiln: error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def _load_weights(trainer: Any) -> None:
-    path = trainer.config.resume_from_checkpoint
-    if path:
-        from kiln.engine.checkpoint.weights import load_weights_for_eval
+def _fit(trainer: Any, data: dict[str, Any]) -> None:
+    result = trainer.fit()
+    trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics)
+    if data.get("eval_dataset") is not None:
+        metrics = trainer.evaluate()
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+    trainer.save_model()
+    trainer.save_state()
 
-        load_weights_for_eval(trainer, path)
+
+def _pick_weights(cfg: Any, weights: Optional[str], random_weights: bool) -> Any:
+    """The weights evaluate/predict score: --weights, resume_from_checkpoint=PATH, or the run's own;
+    None only with --random-weights. Chosen before the model and data are built."""
+    from kiln.engine.checkpoint.weights import find_run_weights, given_weights
+    from kiln.utils.errors import KilnError
+
+    resume = cfg.resume_from_checkpoint
+    if weights is None and resume and str(resume).lower() not in ("true", "false", "none"):
+        weights = str(resume)  # `resume_from_checkpoint=PATH` names the weights too
+    if random_weights:
+        if weights is not None:
+            raise KilnError("--random-weights and --weights contradict each other; pass one of them.")
+        return None
+    if weights is not None:
+        return given_weights(weights)
+    found = find_run_weights(cfg.output_dir)
+    if found is None:
+        import os
+
+        where = "" if os.path.isabs(cfg.output_dir) else f" (in {os.getcwd()})"
+        raise KilnError(f"output_dir {cfg.output_dir!r}{where} holds no checkpoint or exported model to score; pass --weights PATH "
+                        "(a checkpoint-<step> folder or a save_model folder), or --random-weights for the untrained model.")
+    return found
+
+
+def _score(command: str, trainer: Any, data: dict[str, Any], weights: Any) -> None:
+    """evaluate / predict with `weights`, writing the results into the weights' folder."""
+    import json
+    import os
+
+    from kiln.engine.checkpoint.weights import load_weights_for_eval
+
+    if weights is not None:
+        load_weights_for_eval(trainer, weights.path)
+        trainer.state.global_step, trainer.state.epoch = weights.step or 0, weights.epoch  # reported with the metrics
+        where, about = weights.path, {"weights": weights.path, "step": weights.step}
+    else:
+        where, about = os.path.join(trainer.config.output_dir, "random-weights"), {"weights": None, "step": 0}
+    zero = trainer.is_world_process_zero()
+    if zero:
+        verb = "evaluating" if command == "evaluate" else "predicting with"
+        print(f"kiln: {verb} the {weights.describe()}" if weights is not None else
+              f"kiln: {verb} the untrained model (--random-weights); results go to {where}", flush=True)
+    if command == "evaluate":
+        metrics = trainer.evaluate()
+        trainer.log_metrics("eval", metrics)
+        name = "evaluate_results.json"
+    else:
+        dataset = data.get("test_dataset", data.get("eval_dataset"))
+        out = trainer.predict(dataset)
+        metrics = out.metrics
+        trainer.log_metrics("test", metrics)
+        name = "predict_results.json"
+        if zero:
+            import numpy as np
+
+            os.makedirs(where, exist_ok=True)
+            np.save(os.path.join(where, "predictions.npy"), out.predictions)
+    if zero:
+        from kiln.engine.evaluation.outputs import to_python
+
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, name), "w", encoding="utf-8") as fh:
+            json.dump({**about, **{k: to_python(v) for k, v in metrics.items()}}, fh, indent=2)
+        print(f"kiln: wrote {os.path.join(where, name)}", flush=True)
+
+
+def _help(command: str) -> str:
+    from kiln.config.docs import config_help
+
+    scoring = command in ("evaluate", "predict")
+    lines = [f"usage: kiln {command} CONFIG.yaml [--nproc N] [--accelerate-config FILE]"
+             f"{' [--weights PATH | --random-weights]' if scoring else ''} [key=value ...]", "",
+             "options:",
+             "  --nproc N                  start N local processes (data parallel)",
+             "  --accelerate-config FILE   honour an `accelerate config` YAML"]
+    if scoring:
+        lines += ["  --weights PATH             a checkpoint-<step> folder or a save_model folder (default: the run's best",
+                  "                             checkpoint, else its exported model, else its newest checkpoint)",
+                  "  --random-weights           score the untrained model"]
+    lines += ["", "config keys (in the YAML, or key=value on the command line):", "", config_help()]
+    return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
+        return 0
+    if args[0] in ("--version", "-V", "version"):
+        from kiln import __version__
+
+        print(f"kiln {__version__}")
         return 0
     command, rest = args[0], args[1:]
     if command == "plot":
@@ -138,26 +214,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command not in ("fit", "train", "evaluate", "predict"):
         print(f"kiln: unknown command {command!r}.\n\n{USAGE}", file=sys.stderr)
         return 2
+    command = "fit" if command == "train" else command
     parser = argparse.ArgumentParser(prog=f"kiln {command}", add_help=False)
     parser.add_argument("config", nargs="?")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--accelerate-config", dest="accelerate_config", default=None)
+    if command != "fit":
+        parser.add_argument("--weights", default=None)
+        parser.add_argument("--random-weights", dest="random_weights", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     ns, overrides = parser.parse_known_args(rest)
     if ns.help or not ns.config:
-        from kiln.config.docs import config_help
-
-        print(f"usage: kiln {command} CONFIG.yaml [--nproc N] [key=value ...]\n\nconfig keys:{config_help()}")
+        print(_help(command))
         return 0 if ns.help else 2
     bad = [o for o in overrides if "=" not in o]
     if bad:
         print(f"kiln: error: unrecognised argument {bad[0]!r}; overrides look like key=value.", file=sys.stderr)
         return 2
+    weights, random_weights = getattr(ns, "weights", None), getattr(ns, "random_weights", False)
     if ns.nproc > 1 or ns.accelerate_config:
         from kiln.strategies.launch import launch_local
 
-        return launch_local(ns.nproc if ns.nproc > 1 else 0, ["-m", "kiln.cli", "fit" if command == "train" else command, ns.config, *overrides], accelerate_config=ns.accelerate_config)
-    return _run("fit" if command == "train" else command, ns.config, overrides)
+        flags = ([f"--weights={weights}"] if weights else []) + (["--random-weights"] if random_weights else [])
+        return launch_local(ns.nproc if ns.nproc > 1 else 0, ["-m", "kiln.cli", command, ns.config, *flags, *overrides],
+                            accelerate_config=ns.accelerate_config)
+    return _run(command, ns.config, overrides, weights, random_weights)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from kiln.config import hf_args
+from kiln.config.hf_args import accelerator_config_is_default
+
 # flat HF name -> dotted path in TrainingConfig
 PATHS: dict[str, str] = {
     # train
@@ -23,7 +26,6 @@ PATHS: dict[str, str] = {
     "torchdynamo": "train.torch_compile_backend",  # HF's older name
     "ignore_data_skip": "train.ignore_data_skip",
     "label_smoothing_factor": "train.label_smoothing_factor",
-    "include_num_input_tokens_seen": "train.include_num_input_tokens_seen",
     "average_tokens_across_devices": "train.average_tokens_across_devices",
     "neftune_noise_alpha": "train.neftune_noise_alpha",
     # data
@@ -53,8 +55,6 @@ PATHS: dict[str, str] = {
     "optim_args": "optim.optim_args",
     # scheduler
     "lr_scheduler_type": "scheduler.name",
-    "lr_scheduler_kwargs": "scheduler.kwargs",
-    "warmup_steps": "scheduler.warmup_steps",
     "warmup_ratio": "scheduler.warmup_ratio",
     # eval
     "eval_strategy": "eval.strategy",
@@ -112,7 +112,9 @@ PATHS: dict[str, str] = {
 # feature that is off (hub settings without push_to_hub); accepted and dropped.
 IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "use_mps_device", "ray_scope",
            "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
-           "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"}
+           "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token",
+           # Trackio settings (transformers 5): `report_to: trackio` itself is refused as an unknown tracker
+           "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id"}
 
 # HF arguments kiln does not implement: accepted while off (their HF default), refused with the reason
 # and the alternative when switched on.
@@ -134,12 +136,30 @@ UNSUPPORTED = {
                           "of batches, samples are seeded per epoch); drop accelerator_config",
     "split_batches": "per_device_train_batch_size is per process in kiln; divide your global batch by the world size",
     "dispatch_batches": "every rank loads its own shard in kiln; drop dispatch_batches",
+    # transformers 5
+    "use_cache": "kiln leaves model.config.use_cache as the model sets it; set it on the model instead",
+    "torch_empty_cache_steps": "kiln does not empty the device cache during training; lower the batch size or "
+                               "enable gradient_checkpointing",
+    "eval_use_gather_object": "kiln gathers evaluation outputs as tensors; return tensors (or dicts/tuples of them)",
+    "enable_jit_checkpoint": "kiln does not checkpoint on SIGTERM; save every few steps (save.steps) and resume "
+                             "with resume_from_checkpoint=true",
+    "parallelism_config": "use strategy: fsdp or deepspeed for sharded training",
+    "dataloader_multiprocessing_context": "dataloader workers use PyTorch's default start method",
+    "dataloader_in_order": "batches always arrive in dataset order (this is what makes resume exact)",
 }
+
+# the value each UNSUPPORTED name holds while off, where that is not None / False / empty
+_OFF = {"past_index": -1, "dataloader_in_order": True}
 
 
 def _unsupported(name: str) -> Callable[[Any], dict[str, Any]]:
     def refuse(value: Any) -> dict[str, Any]:
-        off = value is None or value is False or value in ("", [], {}) or (name == "past_index" and value == -1)
+        if name in _OFF:
+            off = value is None or value == _OFF[name]
+        else:
+            off = value is None or value is False or value in ("", [], {})
+        if name == "accelerator_config":
+            off = off or accelerator_config_is_default(value)
         if not off:
             raise ValueError(f"{name}={value!r} is not supported by kiln: {UNSUPPORTED[name]}.")
         return {}
@@ -201,6 +221,16 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "fsdp_config": lambda v: {"strategy.options.fsdp_config": v} if v else {},
     "report_to": _report_to,
     "push_to_hub": _push_to_hub,
+    # transformers 5 names whose values need translating (kiln.config.hf_args)
+    "activation_checkpointing": _flag("train.gradient_checkpointing", True),
+    "activation_checkpointing_kwargs": hf_args.activation_checkpointing_kwargs,
+    "warmup_steps": hf_args.warmup_steps,
+    "lr_scheduler_kwargs": hf_args.scheduler_kwargs,
+    "include_num_input_tokens_seen": hf_args.tokens_seen,
+    "include_for_metrics": hf_args.include_for_metrics,
+    "train_sampling_strategy": hf_args.train_sampling_strategy,
+    "ddp_static_graph": hf_args.ddp_static_graph,
+    "generation_config": hf_args.generation_config,
     **{name: _unsupported(name) for name in UNSUPPORTED},
 }
 

@@ -23,8 +23,8 @@ def _rows(obj: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
 
 
 def config_help() -> str:
-    """Plain-text listing of every key with its default and help."""
-    lines = []
+    """Plain-text listing of every key with its default and help (starts on its own line)."""
+    lines = ["top level:"]
     for key, kind, default, help_ in _rows(TrainingConfig()):
         if kind == "group":
             lines.append(f"\n{key}:  {help_}")
@@ -39,7 +39,8 @@ def config_markdown() -> str:
     """docs/config.md: one table per group."""
     out = ["# Config reference", "", "Generated from `kiln/config/schema.py` (`kiln config-docs`). "
            "Every key can be set in YAML, as `key=value` on the command line, or in the Python API; "
-           "Hugging Face `TrainingArguments` names work too (table at the end).", ""]
+           "Hugging Face `TrainingArguments` names work too (table at the end).", "", "## Top level", "",
+           "| key | type | default | meaning |", "|---|---|---|---|"]
     for key, kind, default, help_ in _rows(TrainingConfig()):
         if kind == "group":
             out += ["", f"## `{key}`", "", help_, "", "| key | type | default | meaning |", "|---|---|---|---|"]

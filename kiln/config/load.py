@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kiln.config import aliases
+from kiln.config import aliases, hf_args
 from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
 
@@ -54,12 +54,14 @@ def _unknown(key: str) -> ConfigError:
     return ConfigError(f"Unknown config key {key!r}.{hint}")
 
 
+_EXAMPLES = {"strategy": "ddp", "precision": "bf16 or 16", "optim": "adamw_torch", "scheduler": "cosine"}
 _STRATEGY_FIELDS = {f.name for f in dataclasses.fields(StrategyConfig)}
 
 
 def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     """Rewrite HF flat names and shorthand (`strategy: ddp`) into the nested tree layout."""
     tree: dict[str, Any] = {}
+    aliased: dict[str, tuple[str, Any]] = {}  # path -> the HF name (and its value) that set it
     groups = {f.name for f in dataclasses.fields(TrainingConfig)}
     for key, value in raw.items():
         key = str(key)
@@ -71,13 +73,18 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
         elif key in groups and isinstance(value, Mapping):
             for sub_key, sub_value in value.items():
                 _set_path(tree, f"{key}.{sub_key}", sub_value)
+        elif key == "precision" and _precision_word(value) is not None:  # `precision: 16` reads as an int
+            _set_path(tree, "precision.name", _precision_word(value))
         elif key in ("strategy", "precision", "optim", "scheduler") and isinstance(value, str):
             _set_path(tree, f"{key}.name", value)
+        elif key in ("strategy", "precision", "optim", "scheduler") and value is not None:
+            raise ConfigError(f"Config key {key!r} takes a name (e.g. {_EXAMPLES[key]}) or a mapping with `name:`, got {value!r}.")
         elif key in groups:
             _set_path(tree, key, value)
         elif aliases.is_alias(key):
             try:
                 for path, v in aliases.rewrite(key, value).items():
+                    _check_conflict(tree, aliased, path, key, value, v)
                     _set_path(tree, path, v)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
@@ -89,6 +96,9 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
         extra = {k: strat.pop(k) for k in list(strat) if k not in _STRATEGY_FIELDS}
         if extra:
             strat.setdefault("options", {}).update(extra)
+    prec = tree.get("precision")
+    if isinstance(prec, dict) and _precision_word(prec.get("name")) is not None:
+        prec["name"] = _precision_word(prec["name"])
     # YAML 1.1 reads a bare `no` as False: `save.strategy=no` on the command line means "no".
     for group in ("eval", "save", "log"):
         node = tree.get(group)
@@ -97,6 +107,33 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(tree.get("log", {}).get("report_to"), str):
         tree["log"]["report_to"] = [tree["log"]["report_to"]]
     return tree
+
+
+def _precision_word(value: Any) -> Any:
+    """The precision name YAML or the command line turned into a number or boolean (`16`, `32`,
+    `no`), as the string the registry knows; None for anything else."""
+    if value is False:
+        return "no"
+    if isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return None
+
+
+def _check_conflict(tree: dict[str, Any], aliased: dict[str, tuple[str, Any]], path: str, key: str, value: Any,
+                    new: Any) -> None:
+    """Two HF names that set one key differently (`fp16: true` with `bf16: true`) are refused, as HF
+    does, instead of the later one winning silently."""
+    node: Any = tree
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            aliased[path] = (key, value)
+            return
+        node = node[part]
+    if node != new:
+        other, other_value = aliased.get(path, (path, node))
+        raise ConfigError(f"{other}={other_value!r} and {key}={value!r} ask for different {path} ({node!r} vs {new!r}); "
+                          "keep one of them.")
+    aliased[path] = (key, value)
 
 
 def _to_plain(source: ConfigSource) -> dict[str, Any]:
@@ -108,6 +145,8 @@ def _to_plain(source: ConfigSource) -> dict[str, Any]:
         return OmegaConf.to_container(source, resolve=True)  # type: ignore[return-value]
     if isinstance(source, Mapping):
         return dict(source)
+    if hf_args.is_training_arguments(source):  # Trainer(model, args=TrainingArguments(...))
+        return hf_args.training_arguments_to_dict(source)
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if not os.path.isfile(path):
@@ -120,7 +159,7 @@ def _to_plain(source: ConfigSource) -> dict[str, Any]:
             raise ConfigError(f"Config file {path!r} must hold a mapping of keys to values.")
         return OmegaConf.to_container(loaded, resolve=True)  # type: ignore[return-value]
     raise ConfigError(
-        f"Config must be a TrainingConfig, dict, DictConfig or YAML path, not {type(source).__name__}."
+        f"Config must be a TrainingConfig, transformers TrainingArguments, dict, DictConfig or YAML path, not {type(source).__name__}."
     )
 
 

@@ -40,8 +40,9 @@ from kiln.strategies.environment import load_with_launcher_settings
 class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     """Train, evaluate and predict with a TrainingModule or an HF-contract nn.Module.
 
-    `config` is a TrainingConfig, dict (HF flat names allowed), YAML path or DictConfig. `strategy`
-    and `precision` may also be passed as objects (a Strategy/Precision class or instance)."""
+    `config` is a TrainingConfig, dict (HF flat names allowed), YAML path, DictConfig or a
+    `transformers.TrainingArguments`; HF's keyword `args=` is accepted for it. `strategy` and
+    `precision` may also be passed as objects (a Strategy/Precision class or instance)."""
 
     def __init__(
         self,
@@ -59,7 +60,9 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         precision: Any = None,
         processing_class: Any = None,
         overrides: Iterable[str] = (),
+        args: Any = None,
     ) -> None:
+        config = _config_or_args(config, args)
         config, strategy, precision = _pop_objects(config, strategy, precision)
         self.config = load_with_launcher_settings(config, list(overrides))  # accelerate launch fills unset keys
         cfg = self.config
@@ -259,7 +262,10 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             outputs = model(inputs)
         else:
             if not isinstance(inputs, Mapping):
-                raise TypeError("HF-contract models are called as model(**batch): the batch must be a dict of tensors.")
+                from kiln.engine.data.checks import describe
+
+                raise KilnError(f"HF-contract models are called as model(**batch), so the batch must be a dict of tensors, "
+                                f"not a {describe(inputs)}: return dicts from the dataset or the data_collator.")
             inputs = self._remove_unused(inputs)
             kwargs = {"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None and self._model_divides([inputs]) else {}
             if self._label_smoothing and "labels" in inputs:
@@ -312,6 +318,13 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
                             "build Trainer(model_init=..., config={**config, **best_run.hyperparameters}).")
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self._check_eval_setup()
+        from kiln.engine.data.checks import check_first_item
+
+        check_first_item(self.train_dataset, self.data_collator, self._training_module)  # before any model work
+        if self.strategy.is_global_zero and cfg.log.level not in ("error", "critical"):  # quiet runs stay quiet
+            from kiln.engine.model.summary import model_summary
+
+            print(f"kiln: {model_summary(self.model, self.strategy, self.precision)}", flush=True)
         self.is_in_train = True
         self._memory.start("train")
         try:
@@ -386,6 +399,15 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before "
                              "(call create_optimizer() or train() first).")
         return self.optimizer
+
+
+def _config_or_args(config: Any, args: Any) -> Any:
+    """`args=` is HF's name for the settings (a TrainingArguments, or anything `config=` takes)."""
+    if args is None:
+        return config
+    if config is not None:
+        raise KilnError("Trainer got both `config=` and `args=`; pass the settings once (args= is HF's name for config=).")
+    return args
 
 
 def _pop_objects(config: Any, strategy: Any, precision: Any) -> tuple[Any, Any, Any]:

@@ -9,11 +9,13 @@ halves the memory of weights, gradients and optimizer states, for memory-bound f
   match the weights.
 - Optimizer states follow the parameters: an optimizer built over half parameters keeps its states
   (Adam's moments) in half too. There are no fp32 master weights and no loss scaling: prefer bf16-true;
-  with fp16-true, Adam's default epsilon 1e-8 underflows to 0 in fp16, so use adam_epsilon >= 1e-4."""
+  with fp16-true, Adam's default epsilon 1e-8 underflows to 0 in fp16, so use adam_epsilon >= 1e-4
+  (a warning says so when the optimizer's eps would vanish)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -22,6 +24,17 @@ from torch import nn
 
 from kiln.precision import PRECISIONS
 from kiln.precision.base import Precision, cast_floating, check_dtype_on_device
+
+log = logging.getLogger(__name__)
+
+#: the epsilon to suggest for fp16 optimizer states: a round number above fp16's smallest normal (6.1e-05)
+FP16_SAFE_EPS = 1e-4
+
+
+def vanishing_eps(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> list[float]:
+    """The `eps` values of the optimizer's parameter groups that round to zero in `dtype`."""
+    return sorted({float(g["eps"]) for g in optimizer.param_groups
+                   if isinstance(g.get("eps"), float) and g["eps"] > 0 and float(torch.tensor(g["eps"], dtype=dtype)) == 0})
 
 
 @contextlib.contextmanager
@@ -66,3 +79,11 @@ class FP16TruePrecision(HalfPrecision):
     name = "fp16-true"
     param_dtype = torch.float16
     compute_dtype = torch.float16
+
+    def connect(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        # Adam-style updates divide by sqrt(v) + eps in the parameters' dtype: an eps that is 0 in
+        # fp16 lets a zero second moment blow the update up to inf
+        for eps in vanishing_eps(optimizer, self.param_dtype):
+            log.warning("precision 'fp16-true': the optimizer's eps=%g rounds to 0 in fp16; set adam_epsilon: %g "
+                        "(or use bf16-true).", eps, FP16_SAFE_EPS)
+        return super().connect(module, optimizer)

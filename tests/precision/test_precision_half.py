@@ -127,3 +127,19 @@ def test_fp16_full_eval_on_a_cpu_without_fp16_is_rejected(make_config, monkeypat
     monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: False)
     with pytest.raises(PrecisionError, match="precision.full_eval=fp16 needs fp16 support on the CPU"):
         BF16MixedPrecision(make_config(full_eval="fp16")).check_device(CPU)
+
+
+def test_fp16_true_warns_when_adam_epsilon_vanishes_in_fp16(make_config, caplog):
+    """Adam's default eps 1e-8 is 0 in fp16; the warning names the value and the one to use."""
+    model = Net().half()
+    plugin = FP16TruePrecision(make_config())
+    with caplog.at_level("WARNING", logger="kiln.precision.half"):
+        plugin.connect(model, torch.optim.AdamW(model.parameters(), eps=1e-8))
+    assert [r.getMessage() for r in caplog.records] == [
+        "precision 'fp16-true': the optimizer's eps=1e-08 rounds to 0 in fp16; set adam_epsilon: 0.0001 (or use bf16-true)."]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kiln.precision.half"):
+        plugin.connect(model, torch.optim.AdamW(model.parameters(), eps=1e-4))
+        BF16TruePrecision(make_config()).connect(model, torch.optim.AdamW(model.parameters(), eps=1e-8))
+    assert caplog.records == []
+    assert float(torch.tensor(1e-4, dtype=torch.float16)) > 0

@@ -61,4 +61,6 @@ class BestModelMixin:
         if not path or not os.path.isdir(path):
             logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the last weights.")
             return
-        self.strategy.checkpoint_io().load_weights_only(path, model=self.model_wrapped, module=self.model)
+        from kiln.engine.checkpoint.weights import load_weights_for_eval
+
+        load_weights_for_eval(self, path)

@@ -1,13 +1,95 @@
-"""Loading weights alone (no optimizer, no trainer state) into a Trainer's model, through its
-strategy's CheckpointIO: for `kiln evaluate` / `kiln predict` and anything else that scores a
-saved model. Works for a checkpoint folder of the strategy's format and for an exported model."""
+"""Which trained weights `kiln evaluate` / `kiln predict` score, and loading them without optimizer
+state. A run's weights are, in order of preference: the best checkpoint its trainer state records,
+the model `kiln fit` exported into output_dir at the end, the newest complete checkpoint."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints
+from kiln.strategies.checkpoint_io import WEIGHTS_BIN, WEIGHTS_SAFE
+from kiln.utils.errors import CheckpointError
+
+STATE = "trainer_state.json"
+
+
+@dataclass(frozen=True)
+class EvalWeights:
+    """A folder holding model weights, the optimizer step they were saved at (None: unknown) and
+    why it was chosen ('given', 'best checkpoint', 'exported model', 'last checkpoint')."""
+
+    path: str
+    step: Optional[int]
+    origin: str
+    epoch: Optional[float] = None
+
+    def describe(self) -> str:
+        step = f"step {self.step}" if self.step is not None else "step unknown"
+        return f"{self.origin} {self.path} ({step})"
 
 
 def load_weights_for_eval(trainer: Any, path: str) -> None:
-    """Set the model up for evaluation (as the strategy places it), then load `path`'s weights."""
+    """Load the model weights in `path` (a checkpoint or a save_model folder) into the trainer's
+    model as its strategy placed it, through the strategy's CheckpointIO (`load_weights_only`),
+    leaving optimizer and scheduler alone. The one place evaluation-time weight loading happens.
+    `trainer` is a Trainer (typed loosely so that this floor does not import the Trainer)."""
     model = trainer.setup_model()
     trainer.strategy.checkpoint_io().load_weights_only(path, model=model, module=trainer.model)
+
+
+def _state(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, STATE), encoding="utf-8") as fh:
+            state = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _holds_weights(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, name)) for name in (WEIGHTS_SAFE, WEIGHTS_BIN, f"{WEIGHTS_SAFE}.index.json"))
+
+
+def weights_step(path: str) -> Optional[int]:
+    """The global step of the weights in `path`: its trainer_state.json, else its checkpoint-<N> name."""
+    step = _state(path).get("global_step")
+    if isinstance(step, int):
+        return step
+    name = os.path.basename(os.path.normpath(path))
+    return int(name.rsplit("-", 1)[1]) if name.startswith("checkpoint-") and name.rsplit("-", 1)[1].isdigit() else None
+
+
+def _weights(path: str, origin: str) -> EvalWeights:
+    epoch = _state(path).get("epoch")
+    return EvalWeights(path, weights_step(path), origin, float(epoch) if isinstance(epoch, (int, float)) else None)
+
+
+def given_weights(path: str) -> EvalWeights:
+    """`--weights PATH`: a complete checkpoint or a folder written by save_model."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--weights {path!r} is not a folder; pass a checkpoint-<step> folder or one written by "
+                              "trainer.save_model() / kiln fit.")
+    if os.path.exists(os.path.join(path, MARKER)) and not is_complete(path):
+        raise CheckpointError(f"--weights {path!r} is an incomplete or damaged checkpoint (its {MARKER} marker does not "
+                              "match its files); pass another checkpoint.")
+    return _weights(path, "given weights")
+
+
+def find_run_weights(output_dir: str) -> Optional[EvalWeights]:
+    """The run's best checkpoint, else its exported model, else its newest complete checkpoint."""
+    complete = [path for _, path in list_checkpoints(output_dir) if is_complete(path)]
+    states = [_state(output_dir)] + [_state(path) for path in reversed(complete)]
+    for state in states:
+        best = state.get("best_model_checkpoint")
+        if isinstance(best, str):
+            for path in complete:  # recorded absolute or relative; the run folder may have moved
+                if os.path.basename(path) == os.path.basename(os.path.normpath(best)):
+                    return _weights(path, "best checkpoint")
+    if _holds_weights(output_dir):
+        return _weights(output_dir, "exported model")
+    if complete:
+        return _weights(complete[-1], "last checkpoint")
+    return None

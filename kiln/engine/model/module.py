@@ -61,7 +61,7 @@ def is_training_module(model: nn.Module) -> bool:
 def loss_from_output(output: Any) -> torch.Tensor:
     """The loss inside a step or model output (tensor, dict/ModelOutput with "loss", or tuple)."""
     if isinstance(output, torch.Tensor):
-        return output
+        return _scalar(output, "The model returned a bare tensor")
     if isinstance(output, Mapping):
         if "loss" not in output or output["loss"] is None:
             keys = ", ".join(map(str, output.keys()))
@@ -69,13 +69,25 @@ def loss_from_output(output: Any) -> torch.Tensor:
                 f"The model output has no 'loss' (keys: {keys}). Pass labels in the batch so the model computes "
                 "its loss, return {'loss': ...} from training_step, or override Trainer.compute_loss."
             )
-        return output["loss"]
+        return _scalar(output["loss"], "The model output's 'loss'")
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
+        return _scalar(output[0], "The first element of the model's output tuple (taken as the loss)")
     raise TypeError(
         f"Cannot find a loss in a model output of type {type(output).__name__}: return a tensor, a dict with "
         "'loss', or a tuple whose first element is the loss."
     )
+
+
+def _scalar(loss: Any, what: str) -> torch.Tensor:
+    """The loss must be one number (a mean over the batch); logits or per-item losses would be
+    back-propagated as if summed, or fail deep inside autograd."""
+    if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+        raise ValueError(
+            f"{what} has shape {tuple(loss.shape)}, not a single loss value: training_step (or an HF-contract model's "
+            "forward) must return the batch's mean loss as a 0-dim tensor, a dict with 'loss', or a tuple whose first "
+            "element is the loss (reduce per-item losses with .mean())."
+        )
+    return loss
 
 
 def accepts_kwarg(model: nn.Module, name: str) -> bool:

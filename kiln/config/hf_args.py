@@ -1,0 +1,123 @@
+"""Hugging Face `TrainingArguments` as a kiln config: the object itself (`Trainer(model, args=...)`)
+and the keys transformers 5 added to `TrainingArguments().to_dict()` (a JSON dump of one loads too).
+
+The object is recognised by its class name and module, so transformers is imported only when a user
+hands one over. Its `to_dict()` is the same flat-name mapping that `kiln.config.aliases` already
+rewrites into the tree; the functions here translate the transformers-5 keys whose values need more
+than a path (`warmup_steps` as a ratio, `include_num_input_tokens_seen: "no"`, ...)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+# accelerate's AcceleratorConfig defaults, which kiln's own dataloaders and process group behave as
+ACCELERATOR_DEFAULTS: dict[str, Any] = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                                        "use_seedable_sampler": True, "non_blocking": False,
+                                        "gradient_accumulation_kwargs": None}
+
+
+def is_training_arguments(obj: Any) -> bool:
+    """True for `transformers.TrainingArguments` and its subclasses (Seq2SeqTrainingArguments, TRL's
+    configs), without importing transformers."""
+    return any(cls.__name__ == "TrainingArguments" and cls.__module__.startswith("transformers")
+               for cls in type(obj).__mro__)
+
+
+def training_arguments_to_dict(args: Any) -> dict[str, Any]:
+    """The flat HF names and values of `args` (its `to_dict()`: enums as strings, tokens redacted)."""
+    values = dict(args.to_dict())
+    values.pop("hub_token", None)  # redacted ('<HUB_TOKEN>'); kiln never talks to the Hub
+    return values
+
+
+def warmup_steps(value: Any) -> dict[str, Any]:
+    """transformers 5 folds warmup_ratio into warmup_steps: a value below 1 is a fraction of the steps."""
+    if value is None:
+        return {}
+    if 0 < float(value) < 1:
+        return {"scheduler.warmup_ratio": float(value)}
+    return {"scheduler.warmup_steps": value}
+
+
+def scheduler_kwargs(value: Any) -> dict[str, Any]:
+    """`lr_scheduler_kwargs`: HF's default is None, and a JSON string is accepted as on HF's command line."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"lr_scheduler_kwargs must be a mapping or a JSON object, got {value!r}.") from None
+    return {"scheduler.kwargs": value}
+
+
+def tokens_seen(value: Any) -> dict[str, Any]:
+    """`include_num_input_tokens_seen`: HF 5 takes 'no' / 'all' / 'non_padding' or a bool."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word == "non_padding":
+            raise ValueError("include_num_input_tokens_seen='non_padding' is not supported by kiln: it counts every "
+                             "input_ids element ('all'); use include_num_input_tokens_seen: all.")
+        if word not in ("no", "all", "true", "false"):
+            raise ValueError(f"include_num_input_tokens_seen must be 'no', 'all' or a boolean, got {value!r}.")
+        return {"train.include_num_input_tokens_seen": word in ("all", "true")}
+    return {"train.include_num_input_tokens_seen": bool(value)}
+
+
+def include_for_metrics(value: Any) -> dict[str, Any]:
+    """`include_for_metrics: [inputs]` is kiln's eval.include_inputs_for_metrics; 'loss' is not kept."""
+    items = [value] if isinstance(value, str) else list(value or [])
+    unknown = [item for item in items if item != "inputs"]
+    if unknown:
+        raise ValueError(f"include_for_metrics={items!r} is not supported by kiln: only 'inputs' is passed to "
+                         "compute_metrics (the mean loss is reported as eval_loss); use include_for_metrics: [inputs].")
+    return {"eval.include_inputs_for_metrics": True} if items else {}
+
+
+def train_sampling_strategy(value: Any) -> dict[str, Any]:
+    """HF 5's sampler choice: 'random' (kiln's seeded shuffle) or 'group_by_length'."""
+    if value in (None, "random"):
+        return {}
+    if value == "group_by_length":
+        return {"data.group_by_length": True}
+    raise ValueError(f"train_sampling_strategy={value!r} is not supported by kiln; use 'random' or 'group_by_length'.")
+
+
+def ddp_static_graph(value: Any) -> dict[str, Any]:
+    return {} if value is None else {"strategy.static_graph": value}
+
+
+def activation_checkpointing_kwargs(value: Any) -> dict[str, Any]:
+    """HF 5's name for gradient_checkpointing_kwargs; its every_n_layers / offload have no kiln equivalent."""
+    if not value:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"activation_checkpointing_kwargs must be a mapping, got {value!r}.")
+    extra = sorted(set(value) & {"every_n_layers", "offload"})
+    if extra:
+        raise ValueError(f"activation_checkpointing_kwargs {', '.join(extra)} is not supported by kiln (every layer "
+                         "is checkpointed, on the device); drop it.")
+    return {"train.gradient_checkpointing_kwargs": dict(value)}
+
+
+def generation_config(value: Any) -> dict[str, Any]:
+    """Seq2SeqTrainingArguments.generation_config: a mapping becomes eval.generation_kwargs."""
+    if value is None:
+        return {}
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if not isinstance(value, Mapping):
+        raise ValueError(f"generation_config={value!r} is not supported by kiln (it loads nothing from the Hub or "
+                         "disk); put the generate() arguments in generation_kwargs.")
+    return {"eval.generation_kwargs": dict(value)}
+
+
+def accelerator_config_is_default(value: Any) -> bool:
+    """accelerator_config holding accelerate's defaults asks for nothing kiln does not already do."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if not isinstance(value, Mapping):
+        return False
+    return all(key in ACCELERATOR_DEFAULTS and ACCELERATOR_DEFAULTS[key] == v for key, v in value.items())

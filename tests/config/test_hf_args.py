@@ -1,0 +1,105 @@
+"""`Trainer(model, args=TrainingArguments(...))`: the HF object (or a JSON dump of its to_dict()) is a
+kiln config; transformers-5 keys load, on-by-user features kiln lacks are refused in one sentence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from kiln import Trainer
+from kiln.config import ConfigError, load_config
+
+transformers = pytest.importorskip("transformers")
+
+
+class HFRegressor(nn.Module):
+    """An HF-contract model (called as model(**batch), returns a dict with the loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": nn.functional.mse_loss(self.net(x).squeeze(-1), labels)}
+
+
+def _data(n: int = 16) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    y = x.sum(-1)
+    return [{"x": x[i], "labels": y[i]} for i in range(n)]
+
+
+def _args(tmp_path, **kw):
+    return transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", **kw)
+
+
+@pytest.mark.parametrize("cls", ["TrainingArguments", "Seq2SeqTrainingArguments"])
+def test_every_default_key_loads_from_object_and_json_dump(tmp_path, cls):
+    args = getattr(transformers, cls)(output_dir=str(tmp_path))
+    from_object = load_config(args)
+    from_dump = load_config(json.loads(json.dumps(args.to_dict())))
+    assert from_object == from_dump
+    assert from_object.optim.name == "adamw_torch_fused" and from_object.output_dir == str(tmp_path)  # HF 5 default
+
+
+def test_transformers5_values_are_converted(tmp_path):
+    cfg = load_config(_args(tmp_path, learning_rate=3e-4, warmup_steps=0.1, include_num_input_tokens_seen=True,
+                            activation_checkpointing=True, train_sampling_strategy="group_by_length",
+                            ddp_static_graph=True, include_for_metrics=["inputs"], lr_scheduler_kwargs={"power": 2.0},
+                            per_device_train_batch_size=4, bf16=True, use_cpu=True))
+    assert cfg.optim.lr == 3e-4 and cfg.scheduler.warmup_ratio == 0.1 and cfg.scheduler.warmup_steps == 0
+    assert cfg.train.include_num_input_tokens_seen is True and cfg.train.gradient_checkpointing is True
+    assert cfg.data.group_by_length is True and cfg.strategy.static_graph is True
+    assert cfg.eval.include_inputs_for_metrics is True and cfg.scheduler.kwargs == {"power": 2.0}
+    assert cfg.data.per_device_train_batch_size == 4 and cfg.precision.name == "bf16" and cfg.strategy.device == "cpu"
+    assert load_config({"warmup_steps": 30}).scheduler.warmup_steps == 30
+    assert load_config({"include_num_input_tokens_seen": "no"}).train.include_num_input_tokens_seen is False
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"torch_empty_cache_steps": 5}, "torch_empty_cache_steps=5 is not supported"),
+    ({"accelerator_config": {"even_batches": False}}, "accelerator_config="),
+    ({"include_for_metrics": ["loss"]}, "only 'inputs'"),
+    ({"train_sampling_strategy": "sequential"}, "use 'random' or 'group_by_length'"),
+    ({"enable_jit_checkpoint": True}, "does not checkpoint on SIGTERM"),
+    ({"dataloader_in_order": False}, "dataloader_in_order=False is not supported"),
+])
+def test_features_kiln_lacks_are_refused_when_on(tmp_path, kw, words):
+    with pytest.raises(ConfigError, match="^[^\n]*$") as err:
+        load_config(_args(tmp_path, **kw))
+    assert words in str(err.value)
+
+
+def test_fp16_and_bf16_together_are_refused():
+    with pytest.raises(ConfigError, match=r"fp16=True and bf16=True ask for different precision.name"):
+        load_config({"fp16": True, "bf16": True})
+    with pytest.raises(ConfigError, match="keep one of them"):
+        load_config({"precision": "bf16", "fp16": True})
+    assert load_config({"fp16": False, "bf16": True}).precision.name == "bf16"
+
+
+def test_trainer_takes_args_keyword_and_matches_hf_trainer(tmp_path):
+    """The same TrainingArguments give the same weights in kiln and in HF's Trainer (one batch holds the
+    whole dataset, so the two samplers' different orders cannot matter)."""
+    data = _data()
+    kw = dict(learning_rate=0.05, per_device_train_batch_size=16, max_steps=4, save_strategy="no", logging_steps=1,
+              warmup_steps=1, weight_decay=0.01, disable_tqdm=True)
+    torch.manual_seed(0)
+    hf_model = HFRegressor()
+    kiln_model = HFRegressor()
+    kiln_model.load_state_dict(hf_model.state_dict())
+    transformers.Trainer(model=hf_model, args=_args(tmp_path / "hf", **kw), train_dataset=data).train()
+    Trainer(model=kiln_model, args=_args(tmp_path / "kiln", **kw), train_dataset=data).train()
+    for (name, a), b in zip(hf_model.state_dict().items(), kiln_model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(kiln_model.net[0].weight, HFRegressor().net[0].weight)  # it did train
+
+
+def test_args_and_config_together_are_refused(tmp_path):
+    with pytest.raises(Exception, match="both `config=` and `args=`"):
+        Trainer(HFRegressor(), {"max_steps": 1}, args=_args(tmp_path))
+
