@@ -140,9 +140,6 @@ UNSUPPORTED = {
     "use_cache": "kiln leaves model.config.use_cache as the model sets it; set it on the model instead",
     "torch_empty_cache_steps": "kiln does not empty the device cache during training; lower the batch size or "
                                "enable gradient_checkpointing",
-    "eval_use_gather_object": "kiln gathers evaluation outputs as tensors; return tensors (or dicts/tuples of them)",
-    "enable_jit_checkpoint": "kiln does not checkpoint on SIGTERM; save every few steps (save.steps) and resume "
-                             "with resume_from_checkpoint=true",
     "parallelism_config": "use strategy: fsdp or deepspeed for sharded training",
     "dataloader_multiprocessing_context": "dataloader workers use PyTorch's default start method",
     "dataloader_in_order": "batches always arrive in dataset order (this is what makes resume exact)",
