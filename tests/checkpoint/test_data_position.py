@@ -48,13 +48,15 @@ def epoch_order(epoch: int, seed: int = 7) -> list[int]:
 def test_map_style_resume_jumps_without_loading_skipped_samples(tmp_path):
     trainer, data = crash_then_resume(tmp_path, lambda: Counting(regression_data()))
     assert trainer.state.global_step == 16
-    assert data.seen == epoch_order(1)[12:24]  # exactly the 3 remaining batches, nothing before them
+    # sample 0 once, by the Trainer's first-item check at construction; then exactly the 3 remaining
+    # batches of the epoch, nothing before them
+    assert data.seen == [0] + epoch_order(1)[12:24]
 
 
 def test_ignore_data_skip_starts_the_epoch_over(tmp_path):
     trainer, data = crash_then_resume(tmp_path, lambda: Counting(regression_data()), ignore_data_skip=True)
     assert trainer.state.global_step == 16
-    assert data.seen == epoch_order(1)[:12]
+    assert data.seen == [0] + epoch_order(1)[:12]  # the first-item check, then the epoch from its start
 
 
 class CountingStream(StatefulStream):

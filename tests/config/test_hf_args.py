@@ -65,7 +65,6 @@ def test_transformers5_values_are_converted(tmp_path):
     ({"accelerator_config": {"even_batches": False}}, "accelerator_config="),
     ({"include_for_metrics": ["loss"]}, "only 'inputs'"),
     ({"train_sampling_strategy": "sequential"}, "use 'random' or 'group_by_length'"),
-    ({"enable_jit_checkpoint": True}, "does not checkpoint on SIGTERM"),
     ({"dataloader_in_order": False}, "dataloader_in_order=False is not supported"),
 ])
 def test_features_kiln_lacks_are_refused_when_on(tmp_path, kw, words):
