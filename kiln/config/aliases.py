@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from kiln.config import hf_rewrites
+
 # flat HF name -> dotted path in TrainingConfig
 PATHS: dict[str, str] = {
     # train
@@ -26,6 +28,8 @@ PATHS: dict[str, str] = {
     "include_num_input_tokens_seen": "train.include_num_input_tokens_seen",
     "average_tokens_across_devices": "train.average_tokens_across_devices",
     "neftune_noise_alpha": "train.neftune_noise_alpha",
+    "torch_empty_cache_steps": "train.torch_empty_cache_steps",
+    "use_cache": "train.use_cache",
     # data
     "per_device_train_batch_size": "data.per_device_train_batch_size",
     "per_device_eval_batch_size": "data.per_device_eval_batch_size",
@@ -43,6 +47,8 @@ PATHS: dict[str, str] = {
     "length_column_name": "data.length_column_name",
     "remove_unused_columns": "data.remove_unused_columns",
     "label_names": "data.label_names",
+    "dataloader_multiprocessing_context": "data.dataloader_multiprocessing_context",
+    "dataloader_in_order": "data.dataloader_in_order",
     # optim
     "optim": "optim.name",
     "learning_rate": "optim.lr",
@@ -51,6 +57,7 @@ PATHS: dict[str, str] = {
     "adam_beta2": "optim.adam_beta2",
     "adam_epsilon": "optim.adam_epsilon",
     "optim_args": "optim.optim_args",
+    "optim_target_modules": "optim.target_modules",
     # scheduler
     "lr_scheduler_type": "scheduler.name",
     "lr_scheduler_kwargs": "scheduler.kwargs",
@@ -108,7 +115,9 @@ PATHS: dict[str, str] = {
 
 # HF arguments that the Trainer itself does not use (scripts read them) or that only matter for a
 # feature that is off (hub settings without push_to_hub); accepted and dropped.
-IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "use_mps_device", "ray_scope",
+IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "ray_scope",
+           # Trackio settings (HF's `project` is only read by Trackio; kiln's trackers use log.project)
+           "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
            "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
            "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"}
 
@@ -119,19 +128,16 @@ UNSUPPORTED = {
     "use_ipex": "use bf16 and torch_compile for the CPU speed-ups instead of Intel Extension for PyTorch",
     "use_liger_kernel": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
     "liger_kernel_config": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
-    "optim_target_modules": "GaLore optimizers are not available; pick another optim",
     "past_index": "kiln does not feed `mems` back to the model (TransformerXL, XLNet); drop past_index",
-    "debug": "kiln logs grad_norm and filters nan/inf losses (log.nan_inf_filter) instead of HF's "
-             "underflow_overflow / tpu_metrics_debug options",
-    "tpu_metrics_debug": "there are no TPU debug metrics",
     "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",
     "sharded_ddp": "FairScale sharded DDP is gone from HF too; use strategy: fsdp or deepspeed",
     "mp_parameters": "SageMaker model parallelism is not available",
     "sortish_sampler": "use group_by_length: true (batches of similar length, shuffled)",
-    "accelerator_config": "kiln builds its own dataloaders and process group (every rank gets the same number "
-                          "of batches, samples are seeded per epoch); drop accelerator_config",
-    "split_batches": "per_device_train_batch_size is per process in kiln; divide your global batch by the world size",
-    "dispatch_batches": "every rank loads its own shard in kiln; drop dispatch_batches",
+    "activation_checkpointing": "use gradient_checkpointing: true (with gradient_checkpointing_kwargs)",
+    "activation_checkpointing_kwargs": "use gradient_checkpointing: true (with gradient_checkpointing_kwargs)",
+    "eval_use_gather_object": "kiln gathers tensors; return tensors from the model or preprocess_logits_for_metrics",
+    "enable_jit_checkpoint": "kiln does not save on SIGTERM; save every few steps (save.steps) and resume",
+    "parallelism_config": "use strategy: fsdp or deepspeed for sharded data parallelism",
 }
 
 
@@ -199,6 +205,7 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "fsdp_config": lambda v: {"strategy.options.fsdp_config": v} if v else {},
     "report_to": _report_to,
     "push_to_hub": _push_to_hub,
+    **hf_rewrites.REWRITES,
     **{name: _unsupported(name) for name in UNSUPPORTED},
 }
 

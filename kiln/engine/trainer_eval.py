@@ -66,6 +66,7 @@ class EvaluationMixin(BestModelMixin):
         return self._sequential_loader(test_dataset)
 
     def _sequential_loader(self: "Trainer", dataset: Any) -> Iterable[Any]:
+        from kiln.engine.data.dispatch import per_rank_batch_size
         from kiln.engine.data.loaders import build_dataloader, is_sized
 
         s = self.strategy
@@ -73,6 +74,8 @@ class EvaluationMixin(BestModelMixin):
             return s.process_dataloader(dataset)  # used as given
         cfg = self.config
         batch_size, drop_last = cfg.data.per_device_eval_batch_size, cfg.data.dataloader_drop_last
+        batch_size = per_rank_batch_size(batch_size, cfg.data.split_batches, s.data_parallel_size,
+                                         "per_device_eval_batch_size")
         sampler = None
         if is_sized(dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
             sampler = SequentialDistributedSampler(len(dataset), s.data_parallel_size, s.data_parallel_rank,
