@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
+from kiln.engine.optim.optional import optimizer_mode
 from kiln.engine.checkpoint.best_model import BestModelMixin
 from kiln.engine.data.loaders import SequentialDistributedSampler
 from kiln.utils.errors import KilnError
@@ -165,6 +166,7 @@ class EvaluationMixin(BestModelMixin):
         was_training = model.training
         self._eval_step_name = "predict_step" if predicting else "validation_step"
         model.eval()
+        optimizer_mode(self.optimizer, "eval")  # schedule-free: evaluate the averaged weights, as HF does
         try:
             with _cast_for_eval(self.model, dtype):
                 for batch, is_last in _with_last(dataloader):
@@ -190,6 +192,8 @@ class EvaluationMixin(BestModelMixin):
                     self.control = self.callback_handler.call("on_prediction_step", cfg, self.state, self.control)
         finally:
             model.train(was_training)
+            if self.is_in_train:  # outside fit() it stays in eval mode, as in HF
+                optimizer_mode(self.optimizer, "train")
         collected = _collected(acc.get_arrays())
         predictions, label_ids, losses = collected.get("predictions"), collected.get("label_ids"), collected.get("losses")
         if not per_batch and self.compute_metrics is not None and predictions is not None and label_ids is not None:
