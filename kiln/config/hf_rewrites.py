@@ -1,6 +1,6 @@
 """Translations of the HF `TrainingArguments` names that do not map one-to-one onto a config key:
 `accelerator_config` (and its flat legacy names), `debug`, `tpu_metrics_debug`, `use_mps_device`,
-`include_for_metrics`, `train_sampling_strategy` and `ddp_static_graph`.
+`include_for_metrics`, `train_sampling_strategy`, `ddp_static_graph` and Seq2Seq's `generation_config`.
 
 Each function takes the HF value and returns `{dotted.path: value}` entries for the tree (empty when
 the value is HF's default); a value kiln cannot honour raises ValueError with one sentence."""
@@ -121,6 +121,18 @@ def train_sampling_strategy(value: Any) -> dict[str, Any]:
     raise ValueError(f"train_sampling_strategy={value!r} is not supported; use 'random' or 'group_by_length'.")
 
 
+def generation_config(value: Any) -> dict[str, Any]:
+    """Seq2Seq's `generation_config` (a GenerationConfig or a dict) becomes generate() keyword arguments."""
+    if value is None:
+        return {}
+    if hasattr(value, "to_diff_dict"):  # only what differs from GenerationConfig's defaults
+        value = {k: v for k, v in value.to_diff_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"generation_config={value!r} must be a GenerationConfig or a dict; load a saved one with "
+                         "GenerationConfig.from_pretrained(path) first.")
+    return {"eval.generation_kwargs": dict(value)}
+
+
 REWRITES: dict[str, Rewrite] = {
     "use_mps_device": use_mps_device,
     "debug": debug,
@@ -130,4 +142,5 @@ REWRITES: dict[str, Rewrite] = {
     "include_for_metrics": include_for_metrics,
     "train_sampling_strategy": train_sampling_strategy,
     "ddp_static_graph": _optional_bool("strategy.static_graph"),
+    "generation_config": generation_config,
 }

@@ -16,7 +16,7 @@ from kiln.utils.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
-HF_FIELDS = [f for f in dataclasses.fields(transformers.TrainingArguments) if f.init]
+HF_FIELDS = [f for f in dataclasses.fields(transformers.Seq2SeqTrainingArguments) if f.init]  # TrainingArguments + Seq2Seq
 TOP_LEVEL = {f.name for f in dataclasses.fields(TrainingConfig)}
 
 
@@ -200,3 +200,13 @@ def test_push_to_hub_is_refused_with_how_to_upload():
     with pytest.raises(ConfigError, match=r"^push_to_hub is not supported: kiln runs offline\. Save with "
                                           r"trainer\.save_model\(\) and upload the folder yourself\.$"):
         load_config({"push_to_hub": True})
+
+
+def test_generation_config_becomes_generate_kwargs():
+    from transformers import GenerationConfig
+
+    kwargs = load_config({"generation_config": GenerationConfig(num_beams=3, max_new_tokens=7)}).eval.generation_kwargs
+    assert dict(kwargs) == {"num_beams": 3, "max_new_tokens": 7}
+    assert dict(load_config({"generation_config": {"do_sample": False}}).eval.generation_kwargs) == {"do_sample": False}
+    with pytest.raises(ConfigError, match=r"^generation_config='t5-small' must be a GenerationConfig or a dict"):
+        load_config({"generation_config": "t5-small"})
