@@ -36,6 +36,8 @@ def test_two_ranks_match_one_process_on_the_global_batch(ddp, tmp_path, name):
 
 def test_split_batches_loads_a_share_of_the_configured_batch(ddp):
     assert [r["batch_size"] for r in ddp[0]["split"]["per_rank"]] == [4, 4]
+    assert ddp[0]["split"]["eval_batch_size"] == 4  # per_device_eval_batch_size 8 is global too
+    assert ddp[0]["uneven"]["eval_batch_size"] == 8  # without split_batches it is per rank
 
 
 def test_even_batches_repeats_a_sample_so_it_differs_from_one_process(ddp, tmp_path):

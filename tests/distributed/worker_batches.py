@@ -26,6 +26,7 @@ for name in batches_toy.SCENARIOS:
         "losses": toy.losses(trainer),
         "per_rank": trainer.strategy.all_gather_object({"iterations": len(batches_toy.ITERATIONS),
                                                         "batch_size": getattr(loader, "batch_size", None)}),
+        "eval_batch_size": trainer.get_eval_dataloader(toy.regression_data(8)).batch_size,
     }
     tensors[name] = flat
     first = next(iter(loader))["x"]  # every rank iterates (dispatch broadcasts), so this is collective-safe
