@@ -285,8 +285,10 @@ def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
     cls, kwargs = factory(cfg)
     # an entry may carry HF's defaults for settings optim_args can override, and its own param groups
     extra = {**getattr(factory, "defaults", {}), **parse_optim_args(cfg.optim_args)}
+    groups = parameter_groups(model, cfg.weight_decay)
     make_groups = getattr(factory, "param_groups", None)
-    groups = make_groups(model, cfg, extra) if make_groups else parameter_groups(model, cfg.weight_decay)
+    if make_groups is not None:
+        groups = make_groups(model, cfg, extra, groups)
     _check_optim_args(cfg.name, cls, kwargs, extra)
     try:
         return cls(groups, **kwargs, **extra)

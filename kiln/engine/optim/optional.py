@@ -116,14 +116,14 @@ class LowRank(PackageOptimizer):
         torch.serialization.add_safe_globals(allowed)
         return cls, {**kwargs, **self.fixed}
 
-    def param_groups(self, model: nn.Module, cfg: OptimConfig, extra: dict[str, Any]) -> list[dict[str, Any]]:
-        """Projection settings (rank, update_proj_gap, scale, proj_type, ...) are taken out of optim_args."""
-        from kiln.engine.optim.optimizers import parameter_groups
-
+    def param_groups(self, model: nn.Module, cfg: OptimConfig, extra: dict[str, Any],
+                     groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """kiln's decay / no-decay `groups` without the targets, then the targets with the projection
+        settings (rank, update_proj_gap, scale, proj_type, ...), which are taken out of optim_args."""
         projection = {key: extra.pop(key, default) for key, default in self.projection.items()}
         targets = {id(p) for n, p in model.named_parameters() if n in set(_targets(model, cfg.target_modules, self.name))}
         groups = [{**g, "params": [p for p in g["params"] if id(p) not in targets]}
-                  for g in parameter_groups(model, cfg.weight_decay)]
+                  for g in groups]
         chosen = [p for p in model.parameters() if id(p) in targets and p.requires_grad]
         adam = _adam(cfg) if self.adam_in_targets else {}  # APOLLO: HF gives the Adam settings to the targets only
         adam.pop("lr", None)
