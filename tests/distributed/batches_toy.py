@@ -51,7 +51,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-def train(name: str, output_dir: str, world: int) -> tuple[Any, torch.nn.Module]:
+def train(name: str, output_dir: str, world: int, resume: Any = None, **extra: Any) -> tuple[Any, torch.nn.Module]:
     from kiln import Trainer
 
     sc = SCENARIOS[name]
@@ -60,7 +60,7 @@ def train(name: str, output_dir: str, world: int) -> tuple[Any, torch.nn.Module]
         "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
         "strategy": {"name": "ddp" if world > 1 else "single", "device": "cpu"},
         **({"max_steps": sc["max_steps"]} if "max_steps" in sc else {"num_train_epochs": sc["epochs"]}),
-        **(sc["two"] if world > 1 else sc["one"]),
+        **(sc["two"] if world > 1 else sc["one"]), **extra,
     }
     data = sc["data"]()
     if world == 1 and "one_data" in sc:  # the samples the 2-rank run trains on, in its sampler's order
@@ -71,5 +71,5 @@ def train(name: str, output_dir: str, world: int) -> tuple[Any, torch.nn.Module]
     torch.manual_seed(0)
     model = toy.Regressor()
     trainer = Trainer(model, cfg, train_dataset=data)
-    trainer.fit()
+    trainer.fit(resume_from_checkpoint=resume)
     return trainer, model

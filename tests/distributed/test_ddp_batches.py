@@ -80,3 +80,9 @@ def test_uneven_sampler_shards_without_repeats():
     assert sorted(shards[0] + shards[1]) == list(range(23)) and [len(s) for s in shards] == [12, 11]
     short = [ResumableSampler(21, seed=1, num_replicas=2, rank=r, even=False, batch_size=2) for r in (0, 1)]
     assert [len(s) for s in short] == [10, 10] and len(set(short[0].indices()) | set(short[1].indices())) == 20
+
+
+@pytest.mark.parametrize("name", ["dispatch", "split"])
+def test_resume_mid_epoch_is_exact(ddp, name):
+    """Saved at step 3 of 6 and resumed: the same weights as the run that never stopped."""
+    assert ddp[0][f"{name}_resume_exact"]

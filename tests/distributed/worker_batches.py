@@ -3,6 +3,7 @@ DDP; rank 0 writes the weights and per-rank facts to OUT. Usage: torchrun ... wo
 
 import json
 import os
+import shutil
 import sys
 
 import torch.distributed as dist
@@ -32,6 +33,16 @@ for name in batches_toy.SCENARIOS:
     first = next(iter(loader))["x"]  # every rank iterates (dispatch broadcasts), so this is collective-safe
     for rank, x in enumerate(trainer.strategy.all_gather_object(first)):
         tensors[f"{name}_first_{rank}"] = x
+# resume mid-epoch from a dispatched stream: rank 0 reads past the first 3 batches, every rank follows
+for name in ("dispatch", "split"):
+    full = os.path.join(out, f"{name}_full")
+    _, model = batches_toy.train(name, full, world=2, save_steps=3, save_strategy="steps")
+    resumed_dir = os.path.join(out, f"{name}_resumed")
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(full, "checkpoint-3"), os.path.join(resumed_dir, "checkpoint-3"))
+    dist.barrier()
+    _, resumed = batches_toy.train(name, resumed_dir, world=2, resume=True, save_steps=3, save_strategy="steps")
+    results[f"{name}_resume_exact"] = bool(toy.flat_params(resumed).equal(toy.flat_params(model)))
 if dist.get_rank() == 0:
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "results.safetensors"))
     with open(os.path.join(out, "results.json"), "w") as fh:
