@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kiln.config import hf_args
-from kiln.config.hf_args import accelerator_config_is_default
+from kiln.config import hf_args, hf_rewrites
 
 # flat HF name -> dotted path in TrainingConfig
 PATHS: dict[str, str] = {
@@ -28,6 +27,8 @@ PATHS: dict[str, str] = {
     "label_smoothing_factor": "train.label_smoothing_factor",
     "average_tokens_across_devices": "train.average_tokens_across_devices",
     "neftune_noise_alpha": "train.neftune_noise_alpha",
+    "torch_empty_cache_steps": "train.torch_empty_cache_steps",
+    "use_cache": "train.use_cache",
     # data
     "per_device_train_batch_size": "data.per_device_train_batch_size",
     "per_device_eval_batch_size": "data.per_device_eval_batch_size",
@@ -45,6 +46,8 @@ PATHS: dict[str, str] = {
     "length_column_name": "data.length_column_name",
     "remove_unused_columns": "data.remove_unused_columns",
     "label_names": "data.label_names",
+    "dataloader_multiprocessing_context": "data.dataloader_multiprocessing_context",
+    "dataloader_in_order": "data.dataloader_in_order",
     # optim
     "optim": "optim.name",
     "learning_rate": "optim.lr",
@@ -53,6 +56,7 @@ PATHS: dict[str, str] = {
     "adam_beta2": "optim.adam_beta2",
     "adam_epsilon": "optim.adam_epsilon",
     "optim_args": "optim.optim_args",
+    "optim_target_modules": "optim.target_modules",
     # scheduler
     "lr_scheduler_type": "scheduler.name",
     "warmup_ratio": "scheduler.warmup_ratio",
@@ -110,11 +114,11 @@ PATHS: dict[str, str] = {
 
 # HF arguments that the Trainer itself does not use (scripts read them) or that only matter for a
 # feature that is off (hub settings without push_to_hub); accepted and dropped.
-IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "use_mps_device", "ray_scope",
+IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "ray_scope",
+           # Trackio settings (HF's `project` is only read by Trackio; kiln's trackers use log.project)
+           "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
            "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
-           "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token",
-           # Trackio settings (transformers 5): `report_to: trackio` itself is refused as an unknown tracker
-           "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id"}
+           "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"}
 
 # HF arguments kiln does not implement: accepted while off (their HF default), refused with the reason
 # and the alternative when switched on.
@@ -123,26 +127,13 @@ UNSUPPORTED = {
     "use_ipex": "use bf16 and torch_compile for the CPU speed-ups instead of Intel Extension for PyTorch",
     "use_liger_kernel": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
     "liger_kernel_config": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
-    "optim_target_modules": "GaLore optimizers are not available; pick another optim",
-    "past_index": "kiln does not feed `mems` back to the model (TransformerXL, XLNet); drop past_index",
-    "debug": "kiln logs grad_norm and filters nan/inf losses (log.nan_inf_filter) instead of HF's "
-             "underflow_overflow / tpu_metrics_debug options",
-    "tpu_metrics_debug": "there are no TPU debug metrics",
+    "past_index": "transformers 5 removed it with the TransformerXL-style models that read `mems`; drop past_index",
     "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",
     "sharded_ddp": "FairScale sharded DDP is gone from HF too; use strategy: fsdp or deepspeed",
     "mp_parameters": "SageMaker model parallelism is not available",
-    "sortish_sampler": "use group_by_length: true (batches of similar length, shuffled)",
-    "accelerator_config": "kiln builds its own dataloaders and process group (every rank gets the same number "
-                          "of batches, samples are seeded per epoch); drop accelerator_config",
-    "split_batches": "per_device_train_batch_size is per process in kiln; divide your global batch by the world size",
-    "dispatch_batches": "every rank loads its own shard in kiln; drop dispatch_batches",
-    # transformers 5
-    "use_cache": "kiln leaves model.config.use_cache as the model sets it; set it on the model instead",
-    "torch_empty_cache_steps": "kiln does not empty the device cache during training; lower the batch size or "
-                               "enable gradient_checkpointing",
-    "parallelism_config": "use strategy: fsdp or deepspeed for sharded training",
-    "dataloader_multiprocessing_context": "dataloader workers use PyTorch's default start method",
-    "dataloader_in_order": "batches always arrive in dataset order (this is what makes resume exact)",
+    "sortish_sampler": "HF's Seq2SeqTrainer ignores it too (it served the old Seq2SeqDataset); use group_by_length: "
+                       "true (batches of similar length, shuffled)",
+    "parallelism_config": "use strategy: fsdp or deepspeed for sharded data parallelism",
 }
 
 # the value each UNSUPPORTED name holds while off, where that is not None / False / empty
@@ -155,8 +146,6 @@ def _unsupported(name: str) -> Callable[[Any], dict[str, Any]]:
             off = value is None or value == _OFF[name]
         else:
             off = value is None or value is False or value in ("", [], {})
-        if name == "accelerator_config":
-            off = off or accelerator_config_is_default(value)
         if not off:
             raise ValueError(f"{name}={value!r} is not supported by kiln: {UNSUPPORTED[name]}.")
         return {}
@@ -218,16 +207,13 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "fsdp_config": lambda v: {"strategy.options.fsdp_config": v} if v else {},
     "report_to": _report_to,
     "push_to_hub": _push_to_hub,
-    # transformers 5 names whose values need translating (kiln.config.hf_args)
+    # transformers 5 names whose values need translating (kiln.config.hf_args, kiln.config.hf_rewrites)
     "activation_checkpointing": _flag("train.gradient_checkpointing", True),
     "activation_checkpointing_kwargs": hf_args.activation_checkpointing_kwargs,
     "warmup_steps": hf_args.warmup_steps,
     "lr_scheduler_kwargs": hf_args.scheduler_kwargs,
     "include_num_input_tokens_seen": hf_args.tokens_seen,
-    "include_for_metrics": hf_args.include_for_metrics,
-    "train_sampling_strategy": hf_args.train_sampling_strategy,
-    "ddp_static_graph": hf_args.ddp_static_graph,
-    "generation_config": hf_args.generation_config,
+    **hf_rewrites.REWRITES,
     **{name: _unsupported(name) for name in UNSUPPORTED},
 }
 

@@ -66,27 +66,7 @@ def tokens_seen(value: Any) -> dict[str, Any]:
     return {"train.include_num_input_tokens_seen": bool(value)}
 
 
-def include_for_metrics(value: Any) -> dict[str, Any]:
-    """`include_for_metrics: [inputs]` is kiln's eval.include_inputs_for_metrics; 'loss' is not kept."""
-    items = [value] if isinstance(value, str) else list(value or [])
-    unknown = [item for item in items if item != "inputs"]
-    if unknown:
-        raise ValueError(f"include_for_metrics={items!r} is not supported by kiln: only 'inputs' is passed to "
-                         "compute_metrics (the mean loss is reported as eval_loss); use include_for_metrics: [inputs].")
-    return {"eval.include_inputs_for_metrics": True} if items else {}
 
-
-def train_sampling_strategy(value: Any) -> dict[str, Any]:
-    """HF 5's sampler choice: 'random' (kiln's seeded shuffle) or 'group_by_length'."""
-    if value in (None, "random"):
-        return {}
-    if value == "group_by_length":
-        return {"data.group_by_length": True}
-    raise ValueError(f"train_sampling_strategy={value!r} is not supported by kiln; use 'random' or 'group_by_length'.")
-
-
-def ddp_static_graph(value: Any) -> dict[str, Any]:
-    return {} if value is None else {"strategy.static_graph": value}
 
 
 def activation_checkpointing_kwargs(value: Any) -> dict[str, Any]:
@@ -100,24 +80,3 @@ def activation_checkpointing_kwargs(value: Any) -> dict[str, Any]:
         raise ValueError(f"activation_checkpointing_kwargs {', '.join(extra)} is not supported by kiln (every layer "
                          "is checkpointed, on the device); drop it.")
     return {"train.gradient_checkpointing_kwargs": dict(value)}
-
-
-def generation_config(value: Any) -> dict[str, Any]:
-    """Seq2SeqTrainingArguments.generation_config: a mapping becomes eval.generation_kwargs."""
-    if value is None:
-        return {}
-    if hasattr(value, "to_dict"):
-        value = value.to_dict()
-    if not isinstance(value, Mapping):
-        raise ValueError(f"generation_config={value!r} is not supported by kiln (it loads nothing from the Hub or "
-                         "disk); put the generate() arguments in generation_kwargs.")
-    return {"eval.generation_kwargs": dict(value)}
-
-
-def accelerator_config_is_default(value: Any) -> bool:
-    """accelerator_config holding accelerate's defaults asks for nothing kiln does not already do."""
-    if hasattr(value, "to_dict"):
-        value = value.to_dict()
-    if not isinstance(value, Mapping):
-        return False
-    return all(key in ACCELERATOR_DEFAULTS and ACCELERATOR_DEFAULTS[key] == v for key, v in value.items())

@@ -36,6 +36,12 @@ class TrainConfig:
     average_tokens_across_devices: bool = opt(
         True, "Normalise the loss by the items (tokens with a label) summed over all data-parallel ranks, so the "
         "gradient is that of the global mean (one scalar all-reduce per step); false: each rank's own mean, averaged.")
+    debug: List[str] = opt(
+        [], "HF debug features: underflow_overflow (stop at the first inf/nan activation or weight and print the "
+        "frames before it), tpu_metrics_debug (XLA strategies only).")
+    use_cache: Optional[bool] = opt(
+        None, "Set the model's config.use_cache (HF's TrainingArguments default is false); unset leaves the model's own.")
+    torch_empty_cache_steps: Optional[int] = opt(None, "Empty the accelerator's memory cache every N optimizer steps.")
 
 
 @dataclass
@@ -55,6 +61,20 @@ class DataConfig:
     length_column_name: str = opt("length", "Key holding precomputed lengths for group_by_length.")
     remove_unused_columns: bool = opt(True, "Drop batch keys the model's forward() does not accept (HF models).")
     label_names: Optional[List[str]] = opt(None, "Batch keys that hold labels (default: 'labels'-like keys).")
+    split_batches: bool = opt(
+        False, "The configured batch sizes are global: each of the N data-parallel ranks gets batch_size / N "
+        "(which must divide evenly).")
+    dispatch_batches: bool = opt(
+        False, "Rank 0 alone iterates the training data and sends every rank its slice of each global batch "
+        "(for streaming datasets that cannot shard themselves).")
+    even_batches: bool = opt(
+        True, "Pad every rank's shard with samples from the start so that all ranks get equal batches; false: no "
+        "sample is repeated and the last global batch is smaller instead.")
+    use_seedable_sampler: bool = opt(
+        True, "Shuffle with an order that depends only on (data_seed, epoch), the same on every rank "
+        "(kiln's sampler always is; false is refused because resume could not reproduce the order).")
+    dataloader_multiprocessing_context: Optional[str] = opt(None, "Start method of the worker processes: fork, spawn or forkserver.")
+    dataloader_in_order: bool = opt(True, "Yield batches in order; false yields each as soon as a worker has it.")
 
 
 @dataclass
@@ -68,6 +88,9 @@ class OptimConfig:
     adam_beta2: float = opt(0.999, "Adam beta2.")
     adam_epsilon: float = opt(1e-8, "Adam epsilon.")
     optim_args: Optional[str] = opt(None, "Extra optimizer arguments, 'key=value,key=value'.")
+    target_modules: Any = opt(
+        None, "GaLore/APOLLO: module names (a list, or one regex) whose 2-D weights get the low-rank optimizer "
+        "(optim_target_modules).")
 
 
 @dataclass

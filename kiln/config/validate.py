@@ -67,6 +67,7 @@ def validate(cfg: DictConfig) -> None:
     if lg.log_artifacts is not None:
         _choice("log.log_artifacts", str(lg.log_artifacts).lower(), ("false", "end", "checkpoint"))
     _check_names(cfg)
+    _check_data_and_debug(cfg)
     _check_best_model(cfg)
     _check_output_dir(cfg.output_dir)
     _check_device(cfg.strategy.device or (cfg.strategy.name if cfg.strategy.name in ("cuda", "mps") else None))
@@ -93,6 +94,22 @@ def _check_names(cfg: DictConfig) -> None:
                 LOGGERS.check(name)
     except UnknownNameError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_data_and_debug(cfg: DictConfig) -> None:
+    """accelerator_config's data options and `debug` values kiln cannot honour."""
+    if not cfg.data.use_seedable_sampler:
+        raise ConfigError("data.use_seedable_sampler=false would draw the shuffle order from the global RNG, which a "
+                          "resumed run cannot reproduce; drop it (kiln's order depends only on data_seed and epoch).")
+    for item in cfg.train.debug:
+        _choice("train.debug", item, ("underflow_overflow", "tpu_metrics_debug"))
+    if "tpu_metrics_debug" in cfg.train.debug and cfg.strategy.name not in ("xla", "xla_fsdp"):
+        raise ConfigError(f"debug 'tpu_metrics_debug' prints the XLA metrics report, but strategy is "
+                          f"{cfg.strategy.name!r}; use strategy xla or xla_fsdp, or drop it.")
+    _positive("train.torch_empty_cache_steps", cfg.train.torch_empty_cache_steps)
+    if cfg.data.dataloader_multiprocessing_context is not None:
+        _choice("data.dataloader_multiprocessing_context", cfg.data.dataloader_multiprocessing_context,
+                ("fork", "spawn", "forkserver"))
 
 
 def _check_best_model(cfg: DictConfig) -> None:

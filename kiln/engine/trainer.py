@@ -88,6 +88,8 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             raise TypeError(f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}.")
         self.model_init = model_init
         self.model = model
+        if cfg.train.use_cache is not None and getattr(model, "config", None) is not None:
+            model.config.use_cache = cfg.train.use_cache  # HF sets it from TrainingArguments.use_cache
         # what a hyperparameter-search trial needs to build a sibling Trainer
         self._init_kwargs = dict(train_dataset=train_dataset, eval_dataset=eval_dataset, data_collator=data_collator,
                                  compute_metrics=compute_metrics, callbacks=list(callbacks or ()),
@@ -140,10 +142,25 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         from kiln.engine.callbacks.progress import console_callbacks
 
         cbs: list[Callback] = [DefaultFlowCallback(), *console_callbacks(self.config)]
+        cbs += self._debug_callbacks()
         if self.strategy.is_global_zero:  # exactly one tracker run per job, by construction
             from kiln.loggers.callback import LoggerCallback, build_loggers
 
             cbs.append(LoggerCallback(self.config, build_loggers(self.config)))
+        return cbs
+
+    def _debug_callbacks(self) -> list[Callback]:
+        """`debug: underflow_overflow` and `torch_empty_cache_steps` (HF's TrainingArguments)."""
+        cbs: list[Callback] = []
+        if "underflow_overflow" in self.config.train.debug:
+            from kiln.engine.callbacks.debug_overflow import DebugUnderflowOverflow
+
+            cbs.append(DebugUnderflowOverflow())
+        if self.config.train.torch_empty_cache_steps:
+            from kiln.engine.callbacks.empty_cache import EmptyCacheCallback, device_empty_cache
+
+            cbs.append(EmptyCacheCallback(self.config.train.torch_empty_cache_steps,
+                                          device_empty_cache(self.strategy.root_device)))
         return cbs
 
     # -- callbacks (HF API) -----------------------------------------------------------------
@@ -175,6 +192,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             self.train_dataset, cfg.data.per_device_train_batch_size, self.data_collator, cfg.data, seed, shuffle=True,
             num_replicas=self.strategy.data_shards, rank=self.strategy.data_shard_rank,
             sampler=self._length_grouped_sampler(seed), pin_memory=self.strategy.accelerator.pin_memory,
+            broadcast=self.strategy.broadcast_object,
         )
         return self.strategy.process_dataloader(loader)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
+from kiln.engine.optim.optional import optimizer_mode
 from kiln.engine.checkpoint.best_model import BestModelMixin
 from kiln.engine.data.loaders import SequentialDistributedSampler
 from kiln.utils.errors import KilnError
@@ -61,7 +62,7 @@ class EvaluationMixin(BestModelMixin):
             cache[key] = loader
         return loader
 
-    def _build_eval_dataloader(self: "Trainer", eval_dataset: Any) -> Iterable[Any]:
+    def _build_eval_dataloader(self: "TrainerLike", eval_dataset: Any) -> Iterable[Any]:
         if isinstance(eval_dataset, str):
             named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
             if eval_dataset not in named:
@@ -80,6 +81,7 @@ class EvaluationMixin(BestModelMixin):
         return self._sequential_loader(test_dataset)
 
     def _sequential_loader(self: "TrainerLike", dataset: Any) -> Iterable[Any]:
+        from kiln.engine.data.dispatch import per_rank_batch_size
         from kiln.engine.data.loaders import build_dataloader, is_sized
 
         s = self.strategy
@@ -87,6 +89,8 @@ class EvaluationMixin(BestModelMixin):
             return s.process_dataloader(dataset)  # used as given
         cfg = self.config
         batch_size, drop_last = cfg.data.per_device_eval_batch_size, cfg.data.dataloader_drop_last
+        batch_size = per_rank_batch_size(batch_size, cfg.data.split_batches, s.data_shards,
+                                         "per_device_eval_batch_size")
         sampler = None
         if is_sized(dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
             sampler = SequentialDistributedSampler(len(dataset), s.data_shards, s.data_shard_rank,
@@ -180,6 +184,7 @@ class EvaluationMixin(BestModelMixin):
         was_training = model.training
         self._eval_step_name = "predict_step" if predicting else "validation_step"
         model.eval()
+        optimizer_mode(self.optimizer, "eval")  # schedule-free: evaluate the averaged weights, as HF does
         try:
             with s.eval_cast_context(self.model, dtype):
                 for batch, is_last in _with_last(dataloader):
@@ -205,6 +210,8 @@ class EvaluationMixin(BestModelMixin):
                     self.control = self.callback_handler.call("on_prediction_step", cfg, self.state, self.control)
         finally:
             model.train(was_training)
+            if self.is_in_train:  # outside fit() it stays in eval mode, as in HF
+                optimizer_mode(self.optimizer, "train")
         collected = _collected(acc.get_arrays())
         predictions, label_ids, losses = collected.get("predictions"), collected.get("label_ids"), collected.get("losses")
         if not per_batch and self.compute_metrics is not None and predictions is not None and label_ids is not None:

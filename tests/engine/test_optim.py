@@ -264,7 +264,7 @@ def test_xla_optimizer_without_torch_xla_says_what_to_install() -> None:
 
 
 @pytest.mark.parametrize("name,instead", [
-    ("galore_adamw", "register it with kiln.engine.optim.optimizers.OPTIMIZERS.add"),
+    ("stable_adamw", "register it with kiln.engine.optim.optimizers.OPTIMIZERS.add"),
     ("adamw_apex_fused", "use adamw_torch_fused"),
 ])
 def test_unsupported_optimizer_says_what_to_use(name: str, instead: str) -> None:

@@ -48,6 +48,8 @@ class ResumableSampler(Sampler[int]):
         num_replicas: int = 1,
         rank: int = 0,
         drop_last: bool = False,
+        even: bool = True,
+        batch_size: int = 1,
     ) -> None:
         self.n = num_samples
         self.seed = seed
@@ -57,10 +59,19 @@ class ResumableSampler(Sampler[int]):
         self.drop_last = drop_last
         self.epoch = 0
         self.start = 0  # indices of this rank's shard to skip, once (resume)
+        self.even = even or drop_last or num_replicas == 1
         if drop_last and num_samples % num_replicas:
             self.per_rank = num_samples // num_replicas
-        else:
+        elif self.even:
             self.per_rank = math.ceil(num_samples / num_replicas)
+        else:
+            # even_batches=false: no repeated samples, so shards differ by one; every rank stops after the
+            # last rank's batch count (a rank past it would wait alone in the gradient all-reduce). That
+            # leaves out at most num_replicas - 1 samples, and only when the last global batch has fewer
+            # samples than there are ranks.
+            mine = len(range(rank, num_samples, num_replicas))
+            fewest = num_samples // num_replicas
+            self.per_rank = min(mine, math.ceil(fewest / batch_size) * batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -74,6 +85,8 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.n, generator=g).tolist()
         else:
             order = list(range(self.n))
+        if not self.even:
+            return order[self.rank :: self.num_replicas][: self.per_rank]
         total = self.per_rank * self.num_replicas
         if total > len(order):
             order += (order * math.ceil(total / max(len(order), 1)))[: total - len(order)]
@@ -124,11 +137,25 @@ def build_dataloader(
     sampler: Optional[Sampler[int]] = None,
     drop_last: Optional[bool] = None,
     pin_memory: bool = False,
-) -> DataLoader:
+    broadcast: Optional[Callable[[Any], Any]] = None,
+) -> Any:
     """A DataLoader over `dataset` with kiln's sampler (map-style) or rank sharding (iterable).
+
     `pin_memory` says whether the device benefits (its accelerator's answer); `dataloader_pin_memory`
-    can only switch it off."""
+    can only switch it off. With `broadcast` (the strategy's broadcast_object; given for training
+    loaders), `data.split_batches` makes `batch_size` global and `data.dispatch_batches` has rank 0
+    alone read the data (see kiln.engine.data.dispatch)."""
     drop_last = data_cfg.dataloader_drop_last if drop_last is None else drop_last
+    even = bool(getattr(data_cfg, "even_batches", True))
+    if broadcast is not None:
+        from kiln.engine.data.dispatch import DispatchedLoader, per_rank_batch_size
+
+        batch_size = per_rank_batch_size(batch_size, bool(getattr(data_cfg, "split_batches", False)), num_replicas,
+                                         "per_device_train_batch_size")
+        if getattr(data_cfg, "dispatch_batches", False) and num_replicas > 1 and sampler is None:
+            loader = build_dataloader(dataset, batch_size * num_replicas, collate_fn, data_cfg, seed, shuffle,
+                                      drop_last=drop_last)  # the whole data, in global batches
+            return DispatchedLoader(loader, broadcast, num_replicas, rank, even)
     kwargs: dict[str, Any] = dict(
         batch_size=batch_size,
         collate_fn=collate_fn or default_data_collator,
@@ -137,6 +164,10 @@ def build_dataloader(
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(seed),
     )
+    if getattr(data_cfg, "dataloader_multiprocessing_context", None) and data_cfg.dataloader_num_workers > 0:
+        kwargs["multiprocessing_context"] = data_cfg.dataloader_multiprocessing_context
+    if not getattr(data_cfg, "dataloader_in_order", True):
+        kwargs["in_order"] = False
     if data_cfg.dataloader_num_workers > 0:
         kwargs["persistent_workers"] = data_cfg.dataloader_persistent_workers
         if data_cfg.dataloader_prefetch_factor is not None:
@@ -146,7 +177,7 @@ def build_dataloader(
             dataset = ShardedIterable(dataset, num_replicas, rank)
         return DataLoader(dataset, **kwargs)
     if sampler is None:
-        sampler = ResumableSampler(len(dataset), seed, shuffle, num_replicas, rank, drop_last)
+        sampler = ResumableSampler(len(dataset), seed, shuffle, num_replicas, rank, drop_last, even, batch_size)
     return DataLoader(dataset, sampler=sampler, **kwargs)
 
 

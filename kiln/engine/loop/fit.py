@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
+from kiln.engine.optim.optional import optimizer_mode
 from kiln.engine.callbacks.base import interval
 from kiln.engine.data.loaders import loader_length, set_epoch
 from kiln.engine.loop.loss_weights import MicroBatch
@@ -119,6 +120,7 @@ class FitLoop:
         t.checkpoints.restore_loop(self)  # resumed: the running loss sums exactly as they were saved
         tr_loss = self.tr_loss
         model.train()
+        optimizer_mode(t.optimizer, "train")  # schedule-free optimizers step only in train mode
         seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
         if state.global_step >= max_steps:  # resumed from the final checkpoint: nothing left to train
             return self._finish(start, tr_loss)

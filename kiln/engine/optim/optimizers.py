@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kiln.config.schema import OptimConfig
+from kiln.engine.optim import optional as _optional
 from kiln.engine.optim.schedulers import (
     SCHEDULERS,
     GreedyLR,
@@ -124,15 +125,18 @@ for _name, _instead in {
     "adamw_apex_fused": "use adamw_torch_fused (torch's fused AdamW kernel)",
     "adamw_torch_npu_fused": _USE_ADAMW,
     "adamw_anyprecision": _USE_ADAMW + " with precision bf16-true",
-    "adamw_torch_4bit": _USE_ADAMW, "adamw_torch_8bit": "use adamw_bnb_8bit (needs bitsandbytes)",
-    **dict.fromkeys(("galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise",
-                     "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise", "apollo_adamw",
-                     "apollo_adamw_layerwise", "lomo", "adalomo", "grokadamw", "stable_adamw", "ademamix",
-                     "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit", "schedule_free_adamw",
-                     "schedule_free_radam", "schedule_free_sgd"),
+    # these step each parameter inside backward (a hook per parameter, or LOMO's fused_backward), which
+    # leaves nothing for kiln's step (accumulation, clipping, the precision plugin's inf check) to do
+    **dict.fromkeys(("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
+                     "apollo_adamw_layerwise"), "use the same name without _layerwise"),
+    **dict.fromkeys(("lomo", "adalomo"), "LOMO fuses backward and step into one call, which kiln's step path "
+                                         "does not offer; " + _USE_ADAMW + ", or galore_adamw for low memory"),
+    **dict.fromkeys(("stable_adamw", "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit"),
                     "register it with kiln.engine.optim.optimizers.OPTIMIZERS.add(name, factory), or " + _USE_ADAMW),
 }.items():
     OPTIMIZERS.add(_name, _unsupported(_name, _instead))
+
+_optional.register(OPTIMIZERS)  # schedule-free, GrokAdamW, torchao low-bit, GaLore, APOLLO
 
 
 # ----------------------------------------------------------------------------- optim_args
@@ -277,10 +281,15 @@ def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
     Weight decay goes to weights only, never to biases or normalisation weights; `optim_args` become
     extra keyword arguments. Errors name the config key to fix."""
     cfg = _as_optim_config(optim_cfg)
-    cls, kwargs = OPTIMIZERS.get(cfg.name)(cfg)
-    extra = parse_optim_args(cfg.optim_args)
-    _check_optim_args(cfg.name, cls, kwargs, extra)
+    factory = OPTIMIZERS.get(cfg.name)
+    cls, kwargs = factory(cfg)
+    # an entry may carry HF's defaults for settings optim_args can override, and its own param groups
+    extra = {**getattr(factory, "defaults", {}), **parse_optim_args(cfg.optim_args)}
     groups = parameter_groups(model, cfg.weight_decay)
+    make_groups = getattr(factory, "param_groups", None)
+    if make_groups is not None:
+        groups = make_groups(model, cfg, extra, groups)
+    _check_optim_args(cfg.name, cls, kwargs, extra)
     try:
         return cls(groups, **kwargs, **extra)
     except (TypeError, ValueError) as err:
