@@ -70,7 +70,6 @@ def validate(cfg: DictConfig) -> None:
     _check_data_and_debug(cfg)
     _check_best_model(cfg)
     _check_output_dir(cfg.output_dir)
-    _check_device(cfg.strategy.device or (cfg.strategy.name if cfg.strategy.name in ("cuda", "mps") else None))
 
 
 def _check_names(cfg: DictConfig) -> None:
@@ -149,26 +148,3 @@ def _check_output_dir(path: str) -> None:
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"output_dir {path!r} is a file, not a folder; pick another output_dir.")
-
-
-def _check_device(requested: Any) -> None:
-    """`strategy.device` must name a device this machine has, so that a cuda/mps config on a CPU
-    machine fails now rather than when the model is moved."""
-    if requested is None:
-        return
-    import torch
-
-    try:
-        device = torch.device(str(requested))
-    except RuntimeError:
-        raise ConfigError(f"strategy.device {requested!r} is not a device; use cpu, cuda, cuda:<index> or mps.") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"strategy.device is {requested!r} but CUDA is not available on this machine; "
-                              "use strategy.device=cpu (or leave it unset to pick the best device).")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"strategy.device is {requested!r} but this machine has {torch.cuda.device_count()} CUDA "
-                              "device(s); pick an index below that.")
-    if device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise ConfigError(f"strategy.device is {requested!r} but MPS (Apple silicon GPUs) is not available on this "
-                          "machine; use strategy.device=cpu (or leave it unset to pick the best device).")

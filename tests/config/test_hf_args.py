@@ -60,12 +60,28 @@ def test_transformers5_values_are_converted(tmp_path):
     assert load_config({"include_num_input_tokens_seen": "no"}).train.include_num_input_tokens_seen is False
 
 
+def test_lr_scheduler_kwargs_accepts_mappings_and_json_strings(tmp_path):
+    assert load_config(_args(tmp_path, lr_scheduler_kwargs={"power": 2.0})).scheduler.kwargs == {"power": 2.0}
+    assert load_config({"lr_scheduler_kwargs": '{"power": 3.0}'}).scheduler.kwargs == {"power": 3.0}
+    assert load_config({"lr_scheduler_kwargs": None}).scheduler.kwargs == {}
+
+
+def test_activation_checkpointing_and_activation_checkpointing_kwargs_mean_gradient_checkpointing(tmp_path):
+    cfg = load_config(_args(tmp_path, activation_checkpointing=True,
+                            activation_checkpointing_kwargs={"use_reentrant": False}))
+    assert cfg.train.gradient_checkpointing is True
+    assert dict(cfg.train.gradient_checkpointing_kwargs) == {"use_reentrant": False}
+    assert load_config(_args(tmp_path, activation_checkpointing=False)).train.gradient_checkpointing is False
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), ("all", True), ("no", False), (False, False)])
+def test_include_num_input_tokens_seen_takes_hf5_strings(value, expected):
+    assert load_config({"include_num_input_tokens_seen": value}).train.include_num_input_tokens_seen is expected
+
+
 @pytest.mark.parametrize("kw, words", [
-    ({"torch_empty_cache_steps": 5}, "torch_empty_cache_steps=5 is not supported"),
-    ({"accelerator_config": {"even_batches": False}}, "accelerator_config="),
     ({"include_for_metrics": ["loss"]}, "only 'inputs'"),
     ({"train_sampling_strategy": "sequential"}, "use 'random' or 'group_by_length'"),
-    ({"dataloader_in_order": False}, "dataloader_in_order=False is not supported"),
 ])
 def test_features_kiln_lacks_are_refused_when_on(tmp_path, kw, words):
     with pytest.raises(ConfigError, match="^[^\n]*$") as err:

@@ -47,7 +47,7 @@ def test_tuple_items_for_an_hf_model_are_refused_before_the_model_is_placed(tmp_
         "HF-contract model is called as model(**batch) and needs a dict: return dicts such as {'input_ids': ..., "
         "'labels': ...} from __getitem__, pass a data_collator that builds one, or wrap the model in a TrainingModule "
         "whose training_step(batch) takes the tuple.")
-    assert not trainer._wrapped and trainer.state.global_step == 0
+    assert trainer.model_wrapped is trainer.model and trainer.state.global_step == 0  # never set up
 
 
 def test_tuple_items_with_a_mapping_collator_say_what_the_collator_expects(tmp_path):
@@ -103,19 +103,28 @@ def test_output_dir_that_is_a_file(tmp_path):
     assert built == []  # refused before the model was built
 
 
+def _refused_before_the_model(config):
+    """The Trainer's constructor refuses `config` before it builds the model (the strategy picks the
+    device first); a config file itself still loads on any machine."""
+    load_config(config)
+    built = []
+    with pytest.raises(ConfigError) as err:
+        Trainer(model_init=lambda: built.append(1) or HFModel(), config=config)
+    assert built == []
+    return err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_device_without_cuda():
-    with pytest.raises(ConfigError) as err:
-        load_config({"strategy": {"device": "cuda"}})
+    err = _refused_before_the_model({"strategy": {"device": "cuda"}})
     assert _one_line(err).startswith("strategy.device is 'cuda' but CUDA is not available on this machine; use strategy.device=cpu")
-    with pytest.raises(ConfigError, match="CUDA is not available"):
-        load_config({"strategy": "cuda"})
+    assert "CUDA is not available" in _one_line(_refused_before_the_model({"strategy": "cuda"}))
 
 
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS")
 def test_mps_device_without_mps():
-    with pytest.raises(ConfigError) as err:
-        load_config({"strategy": {"device": "mps"}})
+    err = _refused_before_the_model({"strategy": {"device": "mps"}})
     assert _one_line(err).startswith("strategy.device is 'mps' but MPS (Apple silicon GPUs) is not available")
-    with pytest.raises(ConfigError, match="is not a device; use cpu, cuda, cuda:<index> or mps"):
-        load_config({"strategy": {"device": "gpu"}})
+    assert "MPS (Apple silicon GPUs) is not available" in _one_line(_refused_before_the_model({"strategy": "mps"}))
+    err = _refused_before_the_model({"strategy": {"device": "gpu"}})
+    assert "is not a device; use cpu, cuda, cuda:<index> or mps" in _one_line(err)
