@@ -100,14 +100,8 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self.control = TrainerControl()
         self.checkpoints = CheckpointManager(self)
         self.is_in_train = False
-        self._training_module = is_training_module(model)
-        self.label_names = list(cfg.data.label_names) if cfg.data.label_names else (
-            ["labels"] if self._training_module else default_label_names(model))
-        self._forward_names = None if self._training_module else forward_argument_names(model)
-        self._accepts_num_items = not self._training_module and model_accepts_loss_kwargs(model)  # HF's rule
-        self._count_items = model.num_items if self._training_module else item_counter(model, self.label_names)
+        self._adopt_model(model)
         # plain copies of settings read per micro-batch (OmegaConf lookups cost microseconds)
-        self._label_smoothing = label_smoothing_factor(model, cfg.train.label_smoothing_factor)  # 0 for multi-label (HF)
         self._remove_columns = bool(cfg.data.remove_unused_columns)
         self._global_mean = bool(cfg.train.average_tokens_across_devices)
         self._window: Optional[WindowWeights] = None  # the current window's loss weights, and which micro-batch runs
@@ -124,6 +118,17 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             self.callback_handler.add(cb)
         self.control = self.callback_handler.call("on_init_end", cfg, self.state, self.control)
         self._memory.stop("init")
+
+    def _adopt_model(self, model: nn.Module) -> None:
+        """What the Trainer derives from its model (also for the fresh model of a new run)."""
+        cfg = self.config
+        self._training_module = is_training_module(model)
+        self.label_names = list(cfg.data.label_names) if cfg.data.label_names else (
+            ["labels"] if self._training_module else default_label_names(model))
+        self._forward_names = None if self._training_module else forward_argument_names(model)
+        self._accepts_num_items = not self._training_module and model_accepts_loss_kwargs(model)  # HF's rule
+        self._count_items = model.num_items if self._training_module else item_counter(model, self.label_names)
+        self._label_smoothing = label_smoothing_factor(model, cfg.train.label_smoothing_factor)  # 0 for multi-label (HF)
 
     def _default_callbacks(self) -> list[Callback]:
         from kiln.engine.callbacks.progress import console_callbacks
@@ -189,6 +194,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     def create_scheduler(self, num_training_steps: int, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
         if self.lr_scheduler is None:
             self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.config.scheduler, num_training_steps)
+            self._created_lr_scheduler = True  # a new run builds it again for its own length (HF)
         self._scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
         return self.lr_scheduler
 
@@ -292,6 +298,11 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
                             "build Trainer(model_init=..., config={**config, **best_run.hyperparameters}).")
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self._check_eval_setup()
+        if getattr(self, "_runs_started", 0):  # HF: every train() is a new run, not a resume of the last
+            from kiln.engine.loop.new_run import start_new_run
+
+            start_new_run(self, trial)
+        self._runs_started = getattr(self, "_runs_started", 0) + 1
         self.is_in_train = True
         self._memory.start("train")
         try:
