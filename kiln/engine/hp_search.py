@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+from kiln.engine.model.model_init import call_model_init
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
@@ -51,17 +51,6 @@ def default_compute_objective(metrics: dict[str, float]) -> float:
     for key in [k for k in metrics if k.endswith(("_runtime", "_per_second", "_compilation_time"))]:
         metrics.pop(key)
     return loss if not metrics else sum(metrics.values())  # type: ignore[return-value]
-
-
-def call_model_init(model_init: Callable[..., "nn.Module"], trial: Any = None) -> "nn.Module":
-    """`model_init()` or `model_init(trial)`, so a trial can change the architecture (HF)."""
-    params = list(inspect.signature(model_init).parameters.values())
-    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(required) == 1 or (not required and len(params) == 1):
-        return model_init(trial)
-    if not required:
-        return model_init()
-    raise KilnError("model_init must take no argument or one (the trial).")
 
 
 class HyperparameterSearchMixin:
@@ -150,10 +139,10 @@ def _sibling(parent: "Trainer", config: Any, model_init: Callable[..., "nn.Modul
     whose signature kiln cannot know (HF reuses its one Trainer instead). kiln's `__init__` builds the
     trial's model, state, strategy and callbacks; whatever else the subclass's `__init__` set on the parent
     (attributes, callbacks it added) is carried over, so its overrides work in every trial."""
-    from kiln.engine.trainer import Trainer
-
+    # kiln's Trainer: the class in the MRO that mixes this search in (no import of the Trainer module)
+    trainer_cls = next(c for c in type(parent).__mro__ if HyperparameterSearchMixin in c.__bases__)
     child = type(parent).__new__(type(parent))
-    Trainer.__init__(child, None, config, model_init=model_init, **parent._init_kwargs)
+    trainer_cls.__init__(child, None, config, model_init=model_init, **parent._init_kwargs)
     for key, value in vars(parent).items():
         child.__dict__.setdefault(key, value)
     present = {type(cb) for cb in child.callback_handler.callbacks}

@@ -17,8 +17,7 @@ if TYPE_CHECKING:
 def start_new_run(trainer: "Trainer", trial: Any = None) -> None:
     """Reset `trainer` for another run (called by fit() from its second call on)."""
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
-    from kiln.engine.checkpoint.manager import CheckpointManager
-    from kiln.engine.hp_search import call_model_init
+    from kiln.engine.model.model_init import call_model_init
     from kiln.engine.seed import set_seed
 
     t, cfg = trainer, trainer.config
@@ -35,4 +34,4 @@ def start_new_run(trainer: "Trainer", trial: Any = None) -> None:
     t._created_lr_scheduler = False
     t.state = TrainerState(is_world_process_zero=t.strategy.is_global_zero, is_local_process_zero=t.strategy.is_local_zero)
     t.control = TrainerControl()
-    t.checkpoints = CheckpointManager(t)
+    t.checkpoints = type(t.checkpoints)(t)  # nothing pending from the previous run
