@@ -7,6 +7,7 @@ shift dropout masks after a resume)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Mapping
@@ -135,6 +136,12 @@ def build_dataloader(
         generator=torch.Generator().manual_seed(seed),
     )
     if data_cfg.dataloader_num_workers > 0:
+        from kiln.engine.data.worker_seeding import SeededSamples, seed_worker
+
+        # different random streams on every rank and worker, exact on resume (see worker_seeding)
+        kwargs["worker_init_fn"] = functools.partial(seed_worker, num_workers=data_cfg.dataloader_num_workers, rank=rank)
+        if not isinstance(dataset, IterableDataset) and is_sized(dataset):
+            dataset = SeededSamples.wrap(dataset, rank)
         kwargs["persistent_workers"] = data_cfg.dataloader_persistent_workers
         if data_cfg.dataloader_prefetch_factor is not None:
             kwargs["prefetch_factor"] = data_cfg.dataloader_prefetch_factor
