@@ -134,6 +134,11 @@ class HyperparameterSearchMixin:
                 raise optuna.TrialPruned()
 
 
+#: attributes kiln sets on a Trainer while it trains or evaluates (not by __init__): never carried into a trial
+_RUN_STATE = frozenset({"_optimizer_ready", "_runs_started", "_created_lr_scheduler", "_eval_dataloaders",
+                        "_ignore_keys_for_eval", "_gen_kwargs", "_eval_step_name", "_window", "_micro"})
+
+
 def _sibling(parent: "Trainer", config: Any, model_init: Callable[..., "nn.Module"]) -> "Trainer":
     """A Trainer of the parent's (sub)class for one trial, without calling the subclass's own `__init__`,
     whose signature kiln cannot know (HF reuses its one Trainer instead). kiln's `__init__` builds the
@@ -144,7 +149,8 @@ def _sibling(parent: "Trainer", config: Any, model_init: Callable[..., "nn.Modul
     child = type(parent).__new__(type(parent))
     trainer_cls.__init__(child, None, config, model_init=model_init, **parent._init_kwargs)
     for key, value in vars(parent).items():
-        child.__dict__.setdefault(key, value)
+        if key not in _RUN_STATE:  # the parent's own runs (a fit() before the search) stay the parent's
+            child.__dict__.setdefault(key, value)
     present = {type(cb) for cb in child.callback_handler.callbacks}
     for cb in parent.callback_handler.callbacks:
         if type(cb) not in present:
