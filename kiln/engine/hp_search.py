@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+from kiln.engine.model.model_init import call_model_init
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
@@ -51,17 +51,6 @@ def default_compute_objective(metrics: dict[str, float]) -> float:
     for key in [k for k in metrics if k.endswith(("_runtime", "_per_second", "_compilation_time"))]:
         metrics.pop(key)
     return loss if not metrics else sum(metrics.values())  # type: ignore[return-value]
-
-
-def call_model_init(model_init: Callable[..., "nn.Module"], trial: Any = None) -> "nn.Module":
-    """`model_init()` or `model_init(trial)`, so a trial can change the architecture (HF)."""
-    params = list(inspect.signature(model_init).parameters.values())
-    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(required) == 1 or (not required and len(params) == 1):
-        return model_init(trial)
-    if not required:
-        return model_init()
-    raise KilnError("model_init must take no argument or one (the trial).")
 
 
 class HyperparameterSearchMixin:
@@ -145,6 +134,11 @@ class HyperparameterSearchMixin:
                 raise optuna.TrialPruned()
 
 
+#: attributes kiln sets on a Trainer while it trains or evaluates (not by __init__): never carried into a trial
+_RUN_STATE = frozenset({"_runs_started", "_created_lr_scheduler", "_eval_dataloaders",
+                        "_ignore_keys_for_eval", "_gen_kwargs", "_eval_step_name"})
+
+
 def _sibling(parent: "TrainerLike", config: Any, model_init: Callable[..., "nn.Module"]) -> "TrainerLike":
     """A Trainer of the parent's (sub)class for one trial, without calling the subclass's own `__init__`,
     whose signature kiln cannot know (HF reuses its one Trainer instead). kiln's `__init__` builds the
@@ -153,7 +147,8 @@ def _sibling(parent: "TrainerLike", config: Any, model_init: Callable[..., "nn.M
     child = type(parent).__new__(type(parent))
     type(parent).kiln_init(child, None, config, model_init=model_init, **parent._init_kwargs)
     for key, value in vars(parent).items():
-        child.__dict__.setdefault(key, value)
+        if key not in _RUN_STATE:  # the parent's own runs (a fit() before the search) stay the parent's
+            child.__dict__.setdefault(key, value)
     present = {type(cb) for cb in child.callback_handler.callbacks}
     for cb in parent.callback_handler.callbacks:
         if type(cb) not in present:

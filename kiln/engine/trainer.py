@@ -108,14 +108,8 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self.control = TrainerControl()
         self.checkpoints = CheckpointManager(self)
         self.is_in_train = False
-        self._training_module = is_training_module(model)
-        self.label_names = list(cfg.data.label_names) if cfg.data.label_names else (
-            ["labels"] if self._training_module else default_label_names(model))
-        self._forward_names = None if self._training_module else forward_argument_names(model)
-        self._accepts_num_items = not self._training_module and model_accepts_loss_kwargs(model)  # HF's rule
-        self._count_items = model.num_items if self._training_module else item_counter(model, self.label_names)
+        self._adopt_model(model)
         # plain copies of settings read per micro-batch (OmegaConf lookups cost microseconds)
-        self._label_smoothing = label_smoothing_factor(model, cfg.train.label_smoothing_factor)  # 0 for multi-label (HF)
         self._remove_columns = bool(cfg.data.remove_unused_columns)
         self._global_mean = bool(cfg.train.average_tokens_across_devices)
         #: the micro-batch `training_step` is running (set by the fit loop; also passed as `micro_batch=`)
@@ -137,6 +131,16 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     #: kiln's own constructor, reachable from subclasses that define another `__init__` (a
     #: hyperparameter-search trial builds its Trainer with it)
     kiln_init = __init__
+    def _adopt_model(self, model: nn.Module) -> None:
+        """What the Trainer derives from its model (also for the fresh model of a new run)."""
+        cfg = self.config
+        self._training_module = is_training_module(model)
+        self.label_names = list(cfg.data.label_names) if cfg.data.label_names else (
+            ["labels"] if self._training_module else default_label_names(model))
+        self._forward_names = None if self._training_module else forward_argument_names(model)
+        self._accepts_num_items = not self._training_module and model_accepts_loss_kwargs(model)  # HF's rule
+        self._count_items = model.num_items if self._training_module else item_counter(model, self.label_names)
+        self._label_smoothing = label_smoothing_factor(model, cfg.train.label_smoothing_factor)  # 0 for multi-label (HF)
 
     def _default_callbacks(self) -> list[Callback]:
         from kiln.engine.callbacks.progress import console_callbacks
@@ -218,6 +222,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     def create_scheduler(self, num_training_steps: int, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
         if self.lr_scheduler is None:
             self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.config.scheduler, num_training_steps)
+            self._created_lr_scheduler = True  # a new run builds it again for its own length (HF)
         self._scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
         return self.lr_scheduler
 
@@ -343,6 +348,11 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             from kiln.engine.model.summary import model_summary
 
             print(f"kiln: {model_summary(self.model, self.strategy, self.precision)}", flush=True)
+        if getattr(self, "_runs_started", 0):  # HF: every train() is a new run, not a resume of the last
+            from kiln.engine.loop.new_run import start_new_run
+
+            start_new_run(self, trial)
+        self._runs_started = getattr(self, "_runs_started", 0) + 1
         self.is_in_train = True
         self._memory.start("train")
         try:

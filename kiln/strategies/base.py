@@ -88,6 +88,7 @@ class Strategy:
         self.config = config
         self.precision = precision
         self._wrapped: Optional[nn.Module] = None
+        self._source: Optional[nn.Module] = None  # the module `_wrapped` was set up from
         self._check_options()
 
     def _check_options(self) -> None:
@@ -171,10 +172,12 @@ class Strategy:
         """Set up module, optimizer and scheduler together. Without factories (evaluation before
         training) only the module is set up; a later call with factories reuses it.
 
-        Default order: precision casts the module, the strategy wraps it (`setup_module`, then
+        A different `module` than the last call's (a second `train()` with `model_init`) is set up
+        from scratch. Default order: precision casts the module, the strategy wraps it (`setup_module`, then
         torch.compile if configured), the optimizer is built over the wrapped parameters (FSDP has
         sharded them by then), and `setup_optimizer` lets the precision plugin connect both."""
-        if self._wrapped is None:
+        if self._wrapped is None or self._source is not module:  # a new module (a new run) is set up anew
+            self._source = module
             module = self.precision.convert_module(module)
             self._wrapped = self.compile(self.setup_module(module))
         if optimizer_factory is None:

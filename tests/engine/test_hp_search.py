@@ -131,7 +131,8 @@ def test_trials_work_for_a_subclass_with_its_own_init(tmp_path):
 
     class Weighted(Trainer):
         def __init__(self, loss_scale, *, data):
-            super().__init__(None, _config(tmp_path), model_init=TinyRegressor, train_dataset=data[:32], eval_dataset=data[32:])
+            super().__init__(None, _config(tmp_path), model_init=lambda: seen.append(("built",)) or TinyRegressor(),
+                             train_dataset=data[:32], eval_dataset=data[32:])
             self.loss_scale = loss_scale
             self.add_callback(Marker())
 
@@ -140,9 +141,12 @@ def test_trials_work_for_a_subclass_with_its_own_init(tmp_path):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     trainer = Weighted(2.0, data=regression_data(n=48))
+    trainer.fit()  # a run of its own first: its optimizer and run state must not leak into the trials
+    seen.clear()
     best = trainer.hyperparameter_search(hp_space=lambda t: {"learning_rate": t.suggest_categorical("learning_rate", [0.0, 0.05])},
                                          n_trials=2, sampler=_grid(learning_rate=[0.0, 0.05]))
     assert best.hyperparameters == {"learning_rate": 0.05}
     out = str(tmp_path / "out")
     assert sorted(s[1] for s in seen if s[0] == "train_begin") == [f"{out}/run-0", f"{out}/run-1"]
     assert {s[1] for s in seen if s[0] == "loss"} == {2.0}
+    assert seen.count(("built",)) == 2  # one model per trial: the parent's run state is not carried over

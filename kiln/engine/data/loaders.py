@@ -7,6 +7,7 @@ shift dropout masks after a resume)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Mapping
@@ -169,20 +170,30 @@ def build_dataloader(
     if not getattr(data_cfg, "dataloader_in_order", True):
         kwargs["in_order"] = False
     if data_cfg.dataloader_num_workers > 0:
+        from kiln.engine.data.worker_seeding import SeededSamples, seed_worker
+
+        # different random streams on every rank and worker, exact on resume (see worker_seeding)
+        kwargs["worker_init_fn"] = functools.partial(seed_worker, num_workers=data_cfg.dataloader_num_workers, rank=rank)
+        if not isinstance(dataset, IterableDataset) and is_sized(dataset):
+            dataset = SeededSamples.wrap(dataset, rank)
         kwargs["persistent_workers"] = data_cfg.dataloader_persistent_workers
         if data_cfg.dataloader_prefetch_factor is not None:
             kwargs["prefetch_factor"] = data_cfg.dataloader_prefetch_factor
     if isinstance(dataset, IterableDataset) or not is_sized(dataset):
         if num_replicas > 1 and not getattr(dataset, "shards_itself", False):
             dataset = ShardedIterable(dataset, num_replicas, rank)
-        return DataLoader(dataset, **kwargs)
-    if sampler is None:
-        sampler = ResumableSampler(len(dataset), seed, shuffle, num_replicas, rank, drop_last, even, batch_size)
-    return DataLoader(dataset, sampler=sampler, **kwargs)
+        loader = DataLoader(dataset, **kwargs)
+    else:
+        if sampler is None:
+            sampler = ResumableSampler(len(dataset), seed, shuffle, num_replicas, rank, drop_last, even, batch_size)
+        loader = DataLoader(dataset, sampler=sampler, **kwargs)
+    loader.kiln_built = True  # set_epoch re-seeds only the generators kiln made
+    return loader
 
 
 def set_epoch(loader: Iterable[Any], epoch: int, seed: int) -> None:
-    """Re-seed the loader for `epoch`: sampler order, worker seeds, and iterable datasets."""
+    """Prepare the loader for `epoch`: sampler order, iterable datasets, and the worker seeds of a loader kiln
+    built (a user's DataLoader keeps its generator's stream, as it would on its own)."""
     sampler = getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
@@ -190,8 +201,8 @@ def set_epoch(loader: Iterable[Any], epoch: int, seed: int) -> None:
     if hasattr(getattr(batch_sampler, "sampler", None), "set_epoch") and batch_sampler.sampler is not sampler:
         batch_sampler.sampler.set_epoch(epoch)
     generator = getattr(loader, "generator", None)
-    if isinstance(generator, torch.Generator):
-        generator.manual_seed(seed + epoch)
+    if isinstance(generator, torch.Generator) and getattr(loader, "kiln_built", False):
+        generator.manual_seed(seed + epoch)  # a user's loader keeps its own stream (see epoch_rng)
     dataset = getattr(loader, "dataset", None)
     if dataset is not None and hasattr(dataset, "set_epoch"):
         dataset.set_epoch(epoch)

@@ -25,6 +25,7 @@ import torch
 
 from kiln.engine.optim.optional import optimizer_mode
 from kiln.engine.callbacks.base import interval
+from kiln.engine.data.epoch_rng import EpochRandomState
 from kiln.engine.data.loaders import loader_length, set_epoch
 from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.engine.loop.preemption import Preemption
@@ -117,6 +118,7 @@ class FitLoop:
         self.samples_at_log, self.tokens_at_log = 0, 0
         self.tr_loss, self.steps_before_resume = tr_loss, 0
         self.pending: list[torch.Tensor] = []  # step losses not yet folded into tr_loss / total_loss
+        self.epoch_rng = EpochRandomState(loader)
         t.checkpoints.restore_loop(self)  # resumed: the running loss sums exactly as they were saved
         tr_loss = self.tr_loss
         model.train()
@@ -129,6 +131,9 @@ class FitLoop:
             skip = state.batches_into_epoch if epoch == state.epoch_index else 0
             if skip and cfg.train.ignore_data_skip:
                 skip = 0
+            if not skip:  # the iterator draws its epoch order from the restored RNG, as the uninterrupted run's did
+                t.checkpoints.restore_rng()
+            self.epoch_rng.begin_epoch(skip)  # resumed mid-epoch: the epoch start's RNG, for the same order
             iterator = t.checkpoints.resume_iterator(loader, skip)  # jumps; never re-iterates map-style data
             state.epoch_index, state.batches_into_epoch = epoch, skip
             t.checkpoints.restore_rng()  # right before the first batch: nothing in between draws
@@ -167,13 +172,15 @@ class FitLoop:
     def state_dict(self) -> dict[str, Any]:
         """The running sums behind logged losses and `train_loss`, so a resumed run logs the same numbers."""
         return {"tr_loss": self.tr_loss.detach().cpu(), "total_loss": self.total_loss.detach().cpu(),
-                "last_logged": self.last_logged, "steps": self.steps_before_resume + self.steps_this_run}
+                "last_logged": self.last_logged, "steps": self.steps_before_resume + self.steps_this_run,
+                "epoch_rng": self.epoch_rng.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         device = self.trainer.strategy.root_device
         self.tr_loss = state["tr_loss"].to(device)
         self.total_loss = state["total_loss"].to(device)
         self.last_logged, self.steps_before_resume = int(state["last_logged"]), int(state["steps"])
+        self.epoch_rng.load_state_dict(state.get("epoch_rng"))
 
     def _train_dataloader(self, resume_path: Optional[str]) -> Iterable[Any]:
         t = self.trainer

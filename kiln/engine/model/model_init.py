@@ -1,0 +1,22 @@
+"""Calling a user's `model_init` the way HF does (with or without the hyperparameter-search trial)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any, Callable
+
+from kiln.utils.errors import KilnError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def call_model_init(model_init: Callable[..., "nn.Module"], trial: Any = None) -> "nn.Module":
+    """`model_init()` or `model_init(trial)`, so a trial can change the architecture (HF)."""
+    params = list(inspect.signature(model_init).parameters.values())
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) == 1 or (not required and len(params) == 1):
+        return model_init(trial)
+    if not required:
+        return model_init()
+    raise KilnError("model_init must take no argument or one (the trial).")
