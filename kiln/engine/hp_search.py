@@ -110,7 +110,8 @@ class HyperparameterSearchMixin:
 
         run_name = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
         base = OmegaConf.to_container(self.config, resolve=True)
-        config = load_config({**base, **params, "output_dir": os.path.join(self.config.output_dir, run_name)})
+        # the trial's values (HF names or dotted kiln keys) are a layer on top of the config, so they win
+        config = load_config(base, {**params, "output_dir": os.path.join(self.config.output_dir, run_name)})
         # built by kiln's own __init__ (seed, then model_init), exactly as a plain Trainer builds its model
         model_init = functools.partial(call_model_init, self.model_init, trial)
         child = _sibling(self, config, model_init)

@@ -17,7 +17,7 @@ from tests.helpers import TinyRegressor, base_config, flat_params, regression_da
 
 def _cfg(tmp_path, **kw):
     return base_config(tmp_path, **{"max_steps": 4, "per_device_train_batch_size": 8, "learning_rate": 1e-2,
-                                    "logging_steps": 1, "warmup_steps": 1, **kw})
+                                    "log": {"history": [], "disable_tqdm": True, "steps": 1}, "warmup_steps": 1, **kw})
 
 
 def test_second_train_with_model_init_is_a_fresh_reseeded_run(tmp_path):
