@@ -12,7 +12,9 @@ import torch
 
 from kiln.engine.trainer import Trainer
 from kiln.strategies.checkpoint_io import load_weights
-from tests.checkpoint.checkpoint_helpers import Crash, Scripted, config, folders, make_model, regression_data, weights
+from tests.checkpoint.checkpoint_helpers import (
+    Crash, CrashAfterSave, Scripted, config, folders, make_model, regression_data, weights,
+)
 
 # spellings of one relative folder; None leaves output_dir unset (the default, tmp_trainer)
 SPELLINGS = ["run", "./run", "run/", "sub/../run", None]
@@ -21,8 +23,6 @@ SPELLINGS = ["run", "./run", "run/", "sub/../run", None]
 def best_run(output_dir: Optional[str], scores: list[float], resume: Any = None, crash_at: Optional[int] = None,
              **overrides: Any) -> Trainer:
     """Evaluate and save every 2 steps; `scores` are the scripted metric values (greater is better)."""
-    from tests.checkpoint.checkpoint_helpers import CrashAfterSave
-
     cfg = config(output_dir or "unused", **{"max_steps": 2 * len(scores), "save_steps": 2, "eval_strategy": "steps",
                                              "eval_steps": 2, "metric_for_best_model": "score", **overrides})
     if output_dir is None:

@@ -115,3 +115,16 @@ def test_counter_survives_resume(tmp_path: Any) -> None:
     assert resumed_cb.early_stopping_patience_counter == 3
     assert [e["step"] for e in eval_logs(resumed)] == [2, 4, 6, 8]
     assert os.path.isdir(out / "checkpoint-8")
+
+
+@pytest.mark.parametrize("values, greater, stop_step", [
+    ([0.5, 0.75, 0.75, 0.75], True, 2),  # exactly the threshold better: not an improvement (HF's strict >)
+    ([0.5, 0.25, 0.25, 0.25], False, 2),  # the same when lower is better
+    ([0.5, 0.76, 0.76, 0.76], True, 3),  # beyond the threshold: an improvement, the counter resets
+    ([0.5, 0.5, 0.5, 0.5], True, 2),  # equal is never better, even with threshold 0
+])
+def test_an_improvement_of_exactly_the_threshold_does_not_count(tmp_path: Any, values, greater, stop_step) -> None:
+    threshold = 0.0 if values[1] == values[0] else 0.25
+    cb = EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=threshold)
+    trainer = run(tmp_path, cb, scripted(values), metric_for_best_model="score", greater_is_better=greater, eval_steps=1)
+    assert trainer.state.global_step == stop_step

@@ -12,7 +12,6 @@ import torch
 from torch.utils.data._utils.collate import default_collate
 
 from kiln import Trainer
-from kiln.engine.data.loaders import ResumableSampler
 from tests.helpers import TinyRegressor, base_config, flat_params, regression_data
 
 LR, CLIP, SEED, STEPS = 0.05, 1.0, 3, 10
@@ -25,9 +24,8 @@ def hand_fp16_loop(model, data, batch: int, accum: int) -> tuple[torch.nn.Module
     scaler = torch.amp.GradScaler("cpu")
     norms, step, epoch = [], 0, 0
     while step < STEPS:
-        sampler = ResumableSampler(len(data), seed=SEED)
-        sampler.set_epoch(epoch)
-        order = sampler.indices()
+        # kiln's documented sample order: randperm seeded with seed + epoch
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
         batches = [default_collate([data[i] for i in order[j:j + batch]]) for j in range(0, len(order), batch)]
         for w in range(0, len(batches), accum):
             window = batches[w:w + accum]
