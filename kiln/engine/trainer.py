@@ -119,6 +119,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self._wants_num_items = self._accepts_num_items or type(self).compute_loss is not Trainer.compute_loss or \
             type(self).training_step is not Trainer.training_step
         self._scheduler_needs_metrics = False
+        self._logger_only: Optional[dict[str, float]] = None  # throughput the next log() sends to loggers only
         self.model_wrapped: nn.Module = model
         self._setup_stage: Optional[str] = None  # None, "eval" (module only) or "train" (module + optimizer)
         self._forward_module: Optional[nn.Module] = None
@@ -384,7 +385,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
         # figures the fit loop hands to the loggers but keeps out of log_history (throughput)
-        extra, self._logger_only = getattr(self, "_logger_only", None), None
+        extra, self._logger_only = self._logger_only, None
         logs = {**logs, **extra} if extra else logs
         self.control = self.callback_handler.call("on_log", self.config, self.state, self.control, logs=logs)
 

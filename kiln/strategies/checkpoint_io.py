@@ -98,6 +98,12 @@ def apply_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str
         return
     own = module.state_dict()
     missing = sorted(set(own) - set(state))
+    # Tied weights HF's save_pretrained stores once (GPT-2's lm_head.weight is wte.weight): a key the
+    # file lacks is fine when the model ties it to one the file has; loading that one fills both.
+    where = lambda t: (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))  # noqa: E731
+    present = {where(own[k]) for k in own if k in state}
+    tied = {k for k in missing if own[k].numel() and where(own[k]) in present}
+    missing = [k for k in missing if k not in tied]
     unexpected = sorted(set(state) - set(own))
     shapes = sorted(f"{k} (checkpoint {tuple(state[k].shape)}, model {tuple(own[k].shape)})"
                     for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
@@ -111,7 +117,7 @@ def apply_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str
             f"The checkpoint {source} does not fit this model ({'; '.join(parts)}). "
             "It was saved from a different model: resume with the model it was trained with, or start a fresh output_dir."
         )
-    module.load_state_dict(state, strict=True)
+    module.load_state_dict(state, strict=not tied)
 
 
 class CheckpointIO:

@@ -93,3 +93,19 @@ def test_changed_intervals_are_named(hf_run, tmp_path):
                       train_dataset=data())
     with pytest.warns(UserWarning, match=r"differ from the checkpoint's \(logging_steps 1 -> 2(\.0)?\)"):
         trainer.fit(resume_from_checkpoint=os.path.join(hf_run, "checkpoint-3"))
+
+
+def test_weights_saved_without_their_tied_copy_load(tmp_path):
+    """save_pretrained stores GPT-2's lm_head.weight once, as wte.weight: loading must not call it missing."""
+    from kiln.strategies.checkpoint_io import apply_weights
+
+    cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    torch.manual_seed(0)
+    source = transformers.GPT2LMHeadModel(cfg)
+    source.save_pretrained(str(tmp_path / "gpt2"))
+    state = load_weights(str(tmp_path / "gpt2"))
+    assert "lm_head.weight" not in state
+    torch.manual_seed(1)
+    target = transformers.GPT2LMHeadModel(cfg)
+    apply_weights(target, state, str(tmp_path / "gpt2"))
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in target.state_dict().items())
