@@ -92,6 +92,12 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
     except (ConfigError, KilnError, UnknownNameError, TaskError, ValueError) as err:
         print(f"kiln: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # Ctrl-C: one line from one process, the shell's exit code for SIGINT
+        import os
+
+        if os.environ.get("RANK", "0") == "0":
+            print(f"kiln: {err or 'interrupted'}", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 

@@ -122,7 +122,11 @@ def _precision_word(value: Any) -> Any:
 def _check_conflict(tree: dict[str, Any], aliased: dict[str, tuple[str, Any]], path: str, key: str, value: Any,
                     new: Any) -> None:
     """Two HF names that set one key differently (`fp16: true` with `bf16: true`) are refused, as HF
-    does, instead of the later one winning silently."""
+    does, instead of the later one winning silently. A flat name over a nested key (`{**config,
+    "learning_rate": x}` over `optim: {lr: ...}`) is an override and stays allowed."""
+    if path not in aliased:
+        aliased[path] = (key, value)
+        return
     node: Any = tree
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -130,7 +134,7 @@ def _check_conflict(tree: dict[str, Any], aliased: dict[str, tuple[str, Any]], p
             return
         node = node[part]
     if node != new:
-        other, other_value = aliased.get(path, (path, node))
+        other, other_value = aliased[path]
         raise ConfigError(f"{other}={other_value!r} and {key}={value!r} ask for different {path} ({node!r} vs {new!r}); "
                           "keep one of them.")
     aliased[path] = (key, value)

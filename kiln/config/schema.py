@@ -176,7 +176,8 @@ class StrategyConfig:
     device: Optional[str] = opt(None, "Device for the single strategy (cpu, cuda, cuda:1); default the best available.")
     backend: Optional[str] = opt(None, "torch.distributed backend (nccl, gloo, ...); default by device.")
     timeout: int = opt(1800, "Seconds before a collective times out (ddp_timeout).")
-    find_unused_parameters: Optional[bool] = opt(None, "DDP find_unused_parameters.")
+    find_unused_parameters: Optional[bool] = opt(
+        None, "DDP find_unused_parameters; unset: on only if the first step leaves a parameter without a gradient.")
     bucket_cap_mb: Optional[int] = opt(None, "DDP bucket size in MB.")
     broadcast_buffers: Optional[bool] = opt(None, "DDP broadcast_buffers.")
     static_graph: bool = opt(False, "DDP static_graph.")

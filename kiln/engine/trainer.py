@@ -359,6 +359,12 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         try:
             with neftune(self.model, cfg.train.neftune_noise_alpha):
                 return FitLoop(self).run(path)
+        except KeyboardInterrupt:
+            from kiln.engine.checkpoint.files import latest_checkpoint
+            from kiln.utils.errors import TrainingInterrupted
+
+            last = latest_checkpoint(cfg.output_dir) if os.path.isdir(cfg.output_dir) else None
+            raise TrainingInterrupted(f"interrupted at step {self.state.global_step}; last checkpoint: {last or 'none'}") from None
         except Exception as err:
             if cfg.data.auto_find_batch_size and is_out_of_memory(err):
                 raise KilnError(

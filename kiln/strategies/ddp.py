@@ -6,8 +6,8 @@ topology is read.
 Options (HF names in brackets): `strategy.backend` [ddp_backend] (default nccl on CUDA, gloo on
 CPU), `strategy.timeout` [ddp_timeout] seconds before a collective gives up,
 `strategy.find_unused_parameters` and `strategy.broadcast_buffers` [ddp_find_unused_parameters,
-ddp_broadcast_buffers] (HF defaults: False with gradient checkpointing, True otherwise; the name
-`ddp_find_unused_parameters_true` forces True), `strategy.bucket_cap_mb` [ddp_bucket_cap_mb],
+ddp_broadcast_buffers] (unset: find_unused_parameters is chosen on the first step, see ddp_unused.py
+(HF: True); False with gradient checkpointing; the name `ddp_find_unused_parameters_true` forces True), `strategy.bucket_cap_mb` [ddp_bucket_cap_mb],
 `strategy.static_graph`.
 
 Why the loop's loss weights look the way they do: DDP *averages* gradients over ranks, so the
@@ -102,7 +102,8 @@ class DDPStrategy(Strategy):
         checkpointing = bool(self.config.train.gradient_checkpointing)
         find = s.find_unused_parameters
         if find is None:
-            find = True if s.name == "ddp_find_unused_parameters_true" else not checkpointing
+            # unset: False, then chosen on the first step (choose_unused_on_first_step); HF's default is True
+            find = s.name == "ddp_find_unused_parameters_true"
         broadcast = s.broadcast_buffers if s.broadcast_buffers is not None else not checkpointing
         kwargs: dict[str, Any] = {"find_unused_parameters": find, _buffers_keyword(): broadcast, "static_graph": s.static_graph}
         if s.bucket_cap_mb is not None:
@@ -112,7 +113,29 @@ class DDPStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = module.to(self.root_device)
         device_ids = [self._device.index] if self._device.type == "cuda" else None  # CPU: no device_ids
+        self._choose_unused = self.choose_unused_on_first_step()
         return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs())
+
+    # -- find_unused_parameters left unset: decided on the first step (see ddp_unused.py) ----------
+    def choose_unused_on_first_step(self) -> bool:
+        """Whether find_unused_parameters is left for the first step to decide (unset, and neither
+        gradient checkpointing nor a static graph, which settle it already)."""
+        s = self.config.strategy
+        return (s.find_unused_parameters is None and s.name != "ddp_find_unused_parameters_true"
+                and not self.config.train.gradient_checkpointing and not s.static_graph)
+
+    def _first_step_chooser(self, ddp: nn.parallel.DistributedDataParallel) -> ContextManager[Any]:
+        from kiln.strategies.ddp_unused import first_boundary
+
+        self._choose_unused = False  # once
+        device_ids = [self._device.index] if self._device.type == "cuda" else None
+        kwargs = {**self.ddp_kwargs(), "find_unused_parameters": True}
+
+        def say(line: str) -> None:
+            if self.is_global_zero and self.config.log.level not in ("error", "critical"):
+                print(f"kiln: {line}", flush=True)
+
+        return first_boundary(ddp, self.world_size, lambda m: nn.parallel.DistributedDataParallel(m, device_ids=device_ids, **kwargs), say)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         ddp = _ddp(model)
@@ -125,6 +148,8 @@ class DDPStrategy(Strategy):
         ddp = _ddp(model)
         if not boundary and ddp is not None:
             return ddp.no_sync()
+        if ddp is not None and getattr(self, "_choose_unused", False):
+            return self._first_step_chooser(ddp)
         return contextlib.nullcontext()
 
     # -- collectives ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import shutil
 import signal
@@ -69,18 +70,49 @@ def launch_local(
         rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=monitor_interval, start_method="spawn",
     )
     args = ["-u", "-m", "kiln.strategies.launch", *argv]
+    quiet = _QuietCtrlC()
+    for name in _AGENT_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         elastic_launch(config, sys.executable)(*args)
         return 0
     except ChildFailedError as err:
+        if _interrupted(err):
+            return 130  # Ctrl-C: rank 0 printed the one line; the others' exits are its echo
         return _report(err, report_dir)
+    except KeyboardInterrupt:  # Ctrl-C reached the launcher too (the terminal signals the whole group)
+        return 130
+    except Exception as err:  # noqa: BLE001 - torch's SignalException (SIGINT/SIGTERM to the launcher)
+        if type(err).__name__ == "SignalException":
+            return 130 if getattr(err, "sigval", None) == signal.SIGINT else 128 + int(getattr(err, "sigval", 15))
+        raise
     finally:
+        for name in _AGENT_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
         shutil.rmtree(report_dir, ignore_errors=True)
+
+
+_AGENT_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+class _QuietCtrlC(logging.Filter):
+    """Drops the elastic agent's lines about forwarding Ctrl-C (SIGINT) to the workers: rank 0 says
+    where training stopped, and that one line is all a user who pressed Ctrl-C needs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Received 2 death signal" in message or "closing signal SIGINT" in message)
+
+
+def _interrupted(err: Any) -> bool:
+    """Every failed rank exited with 130 (Ctrl-C) or was stopped by a signal after one did."""
+    codes = [f.exitcode for f in err.failures.values()]
+    return 130 in codes and all(c == 130 or c < 0 for c in codes)
 
 
 def _report(err: Any, report_dir: str) -> int:
@@ -199,9 +231,11 @@ def run_worker(argv: Sequence[str]) -> None:
             sys.argv = list(argv)
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
+    except KeyboardInterrupt:  # Ctrl-C outside fit (imports, data building): no traceback from every rank
+        raise SystemExit(130) from None
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-        if code:
+        if code and code != 130:
             lines = [line for line in tail.text().strip().splitlines() if line.strip()]
             last = lines[-1].removeprefix("kiln: ") if lines else "no message"
             _write_report(last, "", code)

@@ -10,6 +10,11 @@ class KilnError(RuntimeError):
     """Base for errors that explain a user-fixable problem."""
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during fit(): still a KeyboardInterrupt, with the sentence to print instead of a
+    traceback ("interrupted at step N; last checkpoint: PATH")."""
+
+
 class CheckpointError(KilnError):
     """A checkpoint is missing, incomplete, corrupt, unsafe, or does not fit this run."""
 

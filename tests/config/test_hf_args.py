@@ -93,7 +93,9 @@ def test_fp16_and_bf16_together_are_refused():
     with pytest.raises(ConfigError, match=r"fp16=True and bf16=True ask for different precision.name"):
         load_config({"fp16": True, "bf16": True})
     with pytest.raises(ConfigError, match="keep one of them"):
-        load_config({"precision": "bf16", "fp16": True})
+        load_config({"deepspeed": "ds.json", "fsdp": "full_shard"})
+    # a flat HF name over a nested key is an override (hyperparameter_search's {**config, **best.hyperparameters})
+    assert load_config({"optim": {"lr": 0.01}, "learning_rate": 0.05}).optim.lr == 0.05
     assert load_config({"fp16": False, "bf16": True}).precision.name == "bf16"
 
 

@@ -41,6 +41,14 @@ class Regressor(TrainingModule):
         return {"loss": F.mse_loss(pred, batch["y"]), "predictions": pred, "labels": batch["y"]}
 
 
+class WithUnused(Regressor):
+    """A layer that forward never calls: no gradient on any rank (DDP's find_unused_parameters case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(3, 3)
+
+
 class TokenLM(TrainingModule):
     """Token-level loss over padded sequences: its items are the labels that are not -100."""
 

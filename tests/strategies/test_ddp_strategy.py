@@ -44,11 +44,13 @@ def buffers(kwargs):
 
 
 def test_hf_defaults_for_ddp_options():
-    kw = make().ddp_kwargs()
-    assert kw["find_unused_parameters"] is True and buffers(kw) is True and kw["static_graph"] is False
+    kw = make().ddp_kwargs()  # find_unused_parameters unset: off, decided on the first step (test_ddp_unused.py)
+    assert kw["find_unused_parameters"] is False and buffers(kw) is True and kw["static_graph"] is False
+    assert make().choose_unused_on_first_step() and not make({"find_unused_parameters": True}).choose_unused_on_first_step()
     assert "bucket_cap_mb" not in kw
     checkpointing = make(gradient_checkpointing=True).ddp_kwargs()
     assert checkpointing["find_unused_parameters"] is False and buffers(checkpointing) is False
+    assert not make(gradient_checkpointing=True).choose_unused_on_first_step()
 
 
 def test_explicit_ddp_options_and_the_find_unused_alias():
