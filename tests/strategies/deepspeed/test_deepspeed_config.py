@@ -83,3 +83,34 @@ def test_unreadable_configs_are_one_sentence(tmp_path):
         read_user_config(str(tmp_path / "missing.json"))
     with pytest.raises(ConfigError, match="hidden_size"):
         finalize({"zero_optimization": {"reduce_bucket_size": "auto"}}, SimpleNamespace(), cfg=_cfg())
+
+
+def test_missing_deepspeed_and_missing_compiler_are_one_sentence(monkeypatch):
+    import subprocess
+    import sys
+
+    from kiln.strategies.deepspeed import _compiling, import_deepspeed
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(ConfigError, match=r"pip install kiln\[deepspeed\]"):
+        import_deepspeed()
+
+    def no_compiler():
+        raise subprocess.CalledProcessError(1, ["/bin/false", "--version"])
+
+    with pytest.raises(ConfigError, match="install g\\+\\+"):
+        _compiling(no_compiler)
+
+    def no_ninja():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    with pytest.raises(ConfigError, match="pip install ninja"):
+        _compiling(no_ninja)
+
+
+def test_offload_without_a_deepspeed_optimizer_is_refused_for_non_adam():
+    from kiln.strategies.deepspeed import _ds_optimizer_from_kiln
+
+    with pytest.raises(ConfigError, match="ZeRO-Offload needs a DeepSpeed optimizer"):
+        _ds_optimizer_from_kiln(_cfg(optim="sgd"))
+    assert _ds_optimizer_from_kiln(_cfg())["params"]["lr"] == 0.01
