@@ -19,6 +19,7 @@ commands:
   kiln predict CONFIG.yaml [key=value ...]    predict on the test/eval data with them, write predictions.npy
   kiln plot RUN_DIR [RUN_DIR ...] [-o PNG]    plot a run's curves
   kiln config-docs                            print the config reference (markdown)
+  kiln convert CHECKPOINT OUT                 a checkpoint's full weights (e.g. merged ZeRO shards) as OUT/model.safetensors
   kiln --version                              print kiln's version
 
 options for fit/evaluate/predict:
@@ -216,6 +217,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from kiln.config.docs import config_markdown
 
         print(config_markdown(), end="")
+        return 0
+    if command == "convert":
+        if len(rest) != 2:
+            print("usage: kiln convert CHECKPOINT OUT", file=sys.stderr)
+            return 2
+        from kiln.engine.checkpoint.convert import convert
+        from kiln.utils.errors import CheckpointError
+
+        try:
+            print(convert(rest[0], rest[1]))
+        except CheckpointError as err:
+            print(f"kiln convert: {err}", file=sys.stderr)
+            return 1
         return 0
     if command not in ("fit", "train", "evaluate", "predict"):
         print(f"kiln: unknown command {command!r}.\n\n{USAGE}", file=sys.stderr)

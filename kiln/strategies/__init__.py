@@ -19,7 +19,8 @@ for _names, _module in (
     (("single", "cpu", "cuda"), "kiln.strategies.single"),
     (("ddp", "ddp_find_unused_parameters_true"), "kiln.strategies.ddp"),
     (("fsdp", "fsdp2"), "kiln.strategies.fsdp"),
-    (("deepspeed",), "kiln.strategies.deepspeed"),
+    (("deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_2_offload",
+      "deepspeed_stage_3_offload"), "kiln.strategies.deepspeed"),
     (("xla_fsdp", "xla"), "kiln.strategies.xla_fsdp"),
     (("mps",), "kiln.strategies.mps"),
     (("auto",), "kiln.strategies.auto"),
@@ -34,6 +35,12 @@ def build_strategy(config: "DictConfig", precision: "Precision", override: Any =
 
     if isinstance(override, Strategy):
         return override
+    if isinstance(override, str):  # Trainer(strategy="deepspeed_stage_3"): a name, as the config would hold it
+        from omegaconf import open_dict
+
+        with open_dict(config):
+            config.strategy.name = override
+        override = None
     cls = override if isinstance(override, type) else STRATEGIES.get(config.strategy.name)
     if getattr(cls, "resolve", None) is not None and not issubclass(cls, Strategy):
         cls = cls.resolve(config)  # `auto` picks a concrete class

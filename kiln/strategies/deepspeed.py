@@ -1,0 +1,280 @@
+"""`strategy: deepspeed` (and `deepspeed_stage_1/2/3`, `deepspeed_stage_2_offload`,
+`deepspeed_stage_3_offload`): the model, optimizer and scheduler go through one
+`deepspeed.initialize`, and DeepSpeed's engine owns the optimizer step, gradient reduction,
+clipping, fp16 loss scaling and ZeRO partitioning (stages 0-3, CPU offload).
+
+The DeepSpeed config comes from `strategy.config` (HF's `deepspeed` argument: a JSON path or a
+mapping; accelerate launch's DeepSpeed settings arrive the same way) and is completed by
+`deepspeed_config.py` from kiln's config, which stays the single source of truth for accumulation
+and clipping: kiln decides the accumulation boundary (`set_gradient_accumulation_boundary`) and
+has already weighted the loss by the global item count, so the engine's backward does not divide
+by the accumulation steps again (`scale_wrt_gas=False`). DeepSpeed averages gradients over the
+world like DDP, so the loop's loss weights are DDP's.
+
+Optimizer and scheduler follow HF's mixing rules: DeepSpeed's own when the config names them,
+else kiln's (`zero_allow_untested_optimizer` set, as HF does). ZeRO-Offload needs a DeepSpeed
+optimizer: with none in the config, kiln's Adam-family optimizer is translated into one (logged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from kiln.precision.base import Precision, cast_floating
+from kiln.strategies import STRATEGIES
+from kiln.strategies.base import OptimizerFactory, SchedulerFactory, Setup, StepResult
+from kiln.strategies.capabilities import Capabilities
+from kiln.strategies.checkpoint_io import CheckpointIO
+from kiln.strategies.ddp import DDPStrategy
+from kiln.strategies.deepspeed_config import NAMED_STAGES, dtype_of, finalize, process, read_user_config
+from kiln.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def import_deepspeed() -> Any:
+    """deepspeed, or one sentence saying how to install it."""
+    try:
+        import deepspeed
+    except ImportError:
+        raise ConfigError("strategy 'deepspeed' needs the deepspeed package: pip install kiln[deepspeed].") from None
+    return deepspeed
+
+
+class DeepSpeedPrecision(Precision):
+    """What the precision plugin becomes under DeepSpeed: the engine casts the module and scales
+    the loss itself (the `fp16` / `bf16` sections of its config), so the plugin only casts float
+    inputs to the engine's dtype and reports the fp16 steps the engine skipped."""
+
+    def __init__(self, original: Precision, dtype: Optional[str], strategy: "DeepSpeedStrategy") -> None:
+        super().__init__(original.config)
+        self.name = original.name  # type: ignore[misc]  # the run still reports the plugin it asked for
+        self.dtype = _DTYPES.get(dtype or "")
+        self.param_dtype = self.compute_dtype = self.dtype  # type: ignore[misc]
+        self.uses_grad_scaler = dtype == "fp16"  # type: ignore[misc]
+        self._strategy = strategy
+
+    @property  # type: ignore[override]
+    def skipped_steps(self) -> int:
+        engine = self._strategy.engine
+        return int(getattr(engine, "skipped_steps", 0)) if engine is not None else 0
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:  # the base class sets it; the engine owns it
+        pass
+
+    def convert_input(self, batch: Any) -> Any:
+        return cast_floating(batch, self.dtype) if self.dtype is not None else batch
+
+
+@STRATEGIES.register("deepspeed", *[n for n in NAMED_STAGES if n != "deepspeed"])
+class DeepSpeedStrategy(DDPStrategy):
+    name = "deepspeed"
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        precisions=frozenset({"fp32", "fp16", "bf16", "fp16-true", "bf16-true"}),
+        sharded_parameters=True, auto_batch_size=False, full_eval_cast=False, user_optimizer=False,
+        wraps_optimizer=True, needs_optimizer_at_setup=True,
+        reasons={"mps": "DeepSpeed has no Apple GPU accelerator", "xla": "DeepSpeed does not run on XLA devices",
+                 "apex": "DeepSpeed does its own fp16 loss scaling"},
+    )
+    options = {
+        "config": "DeepSpeed config: a JSON file path or a mapping (HF's `deepspeed` argument); \"auto\" values are filled from kiln's config.",
+        "zero3_init_flag": "Build models the Trainer creates partitioned under deepspeed.zero.Init (ZeRO-3; default true).",
+        "export_fp32": "save_model() under ZeRO writes the fp32 master weights instead of the 16-bit gathered ones (default false).",
+    }
+
+    def __init__(self, config: "DictConfig", precision: Precision) -> None:
+        super().__init__(config, precision)
+        if self._device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed guesses and warns
+        user = read_user_config(self.option("config"))
+        self.ds_config = process(config, user, world_size=self.world_size, precision=precision.name, name=config.strategy.name)
+        self.stage = int(self.ds_config["zero_optimization"].get("stage", 0))
+        self.engine: Any = None
+        self._eval_module: Optional[nn.Module] = None
+        self._scheduler: Any = None
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        deepspeed = import_deepspeed()
+        _compiling(lambda: deepspeed.init_distributed(dist_backend=self.backend))
+
+    def connect_precision(self, precision: Precision) -> Precision:
+        dtype = dtype_of(self.ds_config)
+        if not isinstance(precision, DeepSpeedPrecision):
+            log.info("strategy deepspeed: precision %r is applied by DeepSpeed's engine (%s) instead of kiln's plugin.",
+                     precision.name, f"{dtype}.enabled" if dtype else "fp32")
+            precision = DeepSpeedPrecision(precision, dtype, self)
+        self.precision = precision
+        return precision
+
+    def module_init_context(self) -> ContextManager[Any]:
+        """ZeRO-3 builds the model partitioned (HF's zero3_init_flag), so a model larger than one
+        process's share fits."""
+        if self.stage != 3 or not self.option("zero3_init_flag", True):
+            return contextlib.nullcontext()
+        return import_deepspeed().zero.Init(config_dict_or_path=self.ds_config)
+
+    def setup(self, module: nn.Module, optimizer_factory: Optional[OptimizerFactory] = None,
+              scheduler_factory: Optional[SchedulerFactory] = None) -> Setup:
+        if self.engine is not None:
+            return Setup(self.engine, self.engine.optimizer, self._scheduler)
+        if optimizer_factory is None:  # evaluation before training: no engine yet
+            return Setup(self._eval_setup(module))
+        deepspeed = import_deepspeed()
+        ds = finalize(dict(self.ds_config), _inner(module), cfg=self.config)
+        params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = None
+        if "optimizer" not in ds:
+            if _offloads_optimizer(ds):
+                ds["optimizer"] = _ds_optimizer_from_kiln(self.config)
+            else:
+                optimizer = optimizer_factory(module)
+                ds["zero_allow_untested_optimizer"] = True  # HF's rule for a Trainer-made optimizer
+        module = module if _partitioned(module) else module.to(self.root_device)
+        try:
+            engine, ds_optimizer, _, ds_scheduler = _compiling(lambda: deepspeed.initialize(
+                model=module, model_parameters=params, optimizer=optimizer, config=ds))
+        except (AssertionError, ValueError) as err:  # DeepSpeed rejects a combination with an assert
+            raise ConfigError(f"DeepSpeed refused this config ({err}); check zero_optimization's stage and offload settings.") from None
+        except Exception as err:
+            if type(err).__name__ == "ZeRORuntimeException":
+                raise ConfigError(f"DeepSpeed refused this config: {err}") from None
+            raise
+        self.engine, self.ds_config = engine, ds
+        if ds_scheduler is not None:  # kiln steps it after each applied step, like its own
+            engine.lr_scheduler = None
+            self._scheduler = ds_scheduler
+        elif scheduler_factory is not None:
+            self._scheduler = scheduler_factory(getattr(engine, "basic_optimizer", None) or optimizer or ds_optimizer)
+        self._eval_module = None
+        return Setup(engine, engine.optimizer, self._scheduler)
+
+    def _eval_setup(self, module: nn.Module) -> nn.Module:
+        if self._eval_module is None:
+            if _partitioned(module):  # built under zero.Init: only an engine can run it
+                deepspeed = import_deepspeed()
+                ds = {k: v for k, v in self.ds_config.items() if k not in ("optimizer", "scheduler")}
+                self._eval_module = _compiling(lambda: deepspeed.initialize(model=module, config=ds))[0]
+            else:
+                self._eval_module = module.to(self.root_device)
+        return self._eval_module
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if _is_engine(model) else model
+
+    def probe_module(self, model: nn.Module) -> nn.Module:
+        return self.unwrap(model)
+
+    # -- step -------------------------------------------------------------------------------
+    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
+        if _is_engine(model):  # ZeRO reduces (or not) from backward hooks, so tell it before the forward
+            model.set_gradient_accumulation_boundary(boundary)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, model: nn.Module, *, boundary: bool = True) -> None:
+        engine = self._engine_of(model)
+        engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(loss, scale_wrt_gas=False)  # kiln already weighted the loss over the window
+
+    def optimizer_step(self, model: nn.Module, optimizer: Any, max_grad_norm: Optional[float]) -> StepResult:
+        engine = self._engine_of(model)
+        clip = float(engine.gradient_clipping() or 0.0)
+        if abs(clip - float(max_grad_norm or 0.0)) > 1e-12:  # cannot happen unless someone edits one copy
+            raise ConfigError(f"DeepSpeed gradient_clipping={clip} but kiln's max_grad_norm={max_grad_norm}; they must agree.")
+        own_norm = None
+        if clip and not (self.stage or engine.fp16_enabled() or engine.bfloat16_enabled()):
+            # ZeRO-0 fp32 clips torch's way without keeping the norm: measure it (after the all-reduce)
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            own_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        skipped = engine.skipped_steps
+        engine.step()
+        stepped = engine.skipped_steps == skipped
+        if not clip:
+            return StepResult(stepped, None)
+        norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
+        return StepResult(stepped, None if norm is None else torch.as_tensor(norm, dtype=torch.float32).detach())
+
+    def zero_grad(self, model: nn.Module, optimizer: Any) -> None:
+        """The engine zeroes (or keeps partitioned) gradients inside its own step."""
+
+    def _engine_of(self, model: nn.Module) -> Any:
+        if _is_engine(model):
+            return model
+        if self.engine is not None:
+            return self.engine
+        raise RuntimeError("strategy deepspeed: training must run through the engine that setup() returned.")
+
+    # -- checkpoints and export -------------------------------------------------------------
+    def checkpoint_io(self) -> CheckpointIO:
+        from kiln.strategies.deepspeed_checkpoint_io import DeepSpeedCheckpointIO
+
+        return DeepSpeedCheckpointIO(self)
+
+    def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Full weights on every rank: ZeRO-3's partitioned parameters are gathered (16-bit, the
+        engine's dtype), or with `export_fp32` the optimizer's fp32 master weights."""
+        from kiln.strategies.deepspeed_checkpoint_io import gathered_state
+
+        return gathered_state(module, fp32=bool(self.option("export_fp32", False)) and self.engine is not None)
+
+
+def _is_engine(model: Any) -> bool:
+    return hasattr(model, "set_gradient_accumulation_boundary") and hasattr(model, "module")
+
+
+def _inner(module: nn.Module) -> nn.Module:
+    """The user's model inside kiln's StepDispatcher (for its `config.hidden_size`)."""
+    return module if hasattr(module, "config") else getattr(module, "module", module)
+
+
+def _partitioned(module: nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _offloads_optimizer(ds: dict[str, Any]) -> bool:
+    device = (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
+    return str(device).lower() not in ("none", "")
+
+
+def _ds_optimizer_from_kiln(cfg: Any) -> dict[str, Any]:
+    """ZeRO-Offload steps on the CPU with DeepSpeed's own Adam: kiln's Adam-family settings become
+    the DeepSpeed config's optimizer section (what HF users write by hand)."""
+    name = str(cfg.optim.name).lower()
+    if not name.startswith("adam"):
+        raise ConfigError(f"ZeRO-Offload needs a DeepSpeed optimizer, and kiln's optim.name={cfg.optim.name!r} has none; "
+                          "add an \"optimizer\" section to the DeepSpeed config or use optim.name: adamw_torch.")
+    kind = "Adam" if name in ("adam", "adam_torch") else "AdamW"
+    log.info("ZeRO-Offload: kiln's optimizer %r runs as DeepSpeed's %s (DeepSpeedCPUAdam).", cfg.optim.name, kind)
+    return {"type": kind, "params": {"lr": float(cfg.optim.lr), "betas": [float(cfg.optim.adam_beta1), float(cfg.optim.adam_beta2)],
+                                     "eps": float(cfg.optim.adam_epsilon), "weight_decay": float(cfg.optim.weight_decay)}}
+
+
+def _compiling(call: Any) -> Any:
+    """Run a DeepSpeed call that may JIT-compile a C++ op; a missing compiler or ninja becomes one
+    sentence naming the package to install."""
+    import subprocess
+
+    try:
+        return call()
+    except (subprocess.CalledProcessError, FileNotFoundError, RuntimeError) as err:
+        text = str(err)
+        if "ninja" in text.lower():
+            raise ConfigError("DeepSpeed JIT-compiles its C++ ops and needs ninja: pip install ninja.") from None
+        if isinstance(err, (subprocess.CalledProcessError, FileNotFoundError)) or "c++" in text.lower() or "compiler" in text.lower():
+            raise ConfigError("DeepSpeed JIT-compiles its C++ ops and found no working C++ compiler: install g++ "
+                              f"(apt-get install g++) or set CXX ({text.splitlines()[0] if text else type(err).__name__}).") from None
+        raise

@@ -1,0 +1,150 @@
+"""DeepSpeed checkpoints inside kiln's `checkpoint-<step>/` folders, full-weight export under ZeRO-3,
+and `convert_deepspeed` (ZeRO shards -> one `model.safetensors`, without the original process count).
+
+Every rank calls the engine's `save_checkpoint` into the folder (tag `ds`: `ds/mp_rank_00_model_states.pt`
+and, under ZeRO, one `*_optim_states.pt` per rank); the engine owns the files, kiln's manager writes
+its own state beside them and the COMPLETE marker after every rank returned. Resuming loads the same
+files with the same process count (DeepSpeed's ZeRO shards are not reshardable here; `kiln convert`
+gives full weights for any count). DeepSpeed's files are pickles read by DeepSpeed itself, so resume
+only from checkpoints you trust."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO, apply_weights, save_weights
+from kiln.utils.errors import CheckpointError
+
+TAG = "ds"
+FORMAT = "deepspeed"
+
+
+def is_deepspeed_checkpoint(directory: str) -> bool:
+    return os.path.isdir(os.path.join(directory, TAG)) and bool(glob.glob(os.path.join(directory, TAG, "*model_states.pt")))
+
+
+def _prefix(engine_module: nn.Module, module: nn.Module) -> str:
+    """How the engine's key names start relative to the user's `module` (kiln's StepDispatcher adds `module.`)."""
+    for name, child in engine_module.named_modules():
+        if child is module:
+            return f"{name}." if name else ""
+    return ""
+
+
+def consolidated_state(directory: str) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of a DeepSpeed checkpoint folder, with the engine's key names: ZeRO 1-3 shards
+    merged by DeepSpeed's zero_to_fp32 (any process count), ZeRO-0's module file as it is."""
+    root = os.path.join(directory, TAG)
+    if glob.glob(os.path.join(root, "*optim_states.pt")) and _zero_stage(root) > 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(directory, tag=TAG))
+    files = sorted(glob.glob(os.path.join(root, "*model_states.pt")))
+    if not files:
+        raise CheckpointError(f"{directory} holds no DeepSpeed model states ({TAG}/*model_states.pt).")
+    state = torch.load(files[0], map_location="cpu", weights_only=False)  # DeepSpeed's own pickle
+    return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}
+
+
+def _zero_stage(root: str) -> int:
+    files = sorted(glob.glob(os.path.join(root, "*optim_states.pt")))
+    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    osd = state.get("optimizer_state_dict", {})
+    return int(osd.get("zero_stage", 0)) if isinstance(osd, dict) else 0
+
+
+def gathered_state(module: nn.Module, fp32: bool = False) -> dict[str, torch.Tensor]:
+    """The full state dict of `module` on every rank: ZeRO-3's partitioned parameters are gathered
+    (a no-op for whole ones); with `fp32`, parameters come from the optimizer's fp32 master copy."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        if fp32:
+            for name, param in module.named_parameters():
+                full = safe_get_full_fp32_param(param)
+                if full is not None:
+                    state[name] = full.detach().cpu().clone().view_as(state[name]) if full.numel() == state[name].numel() else state[name]
+    return state
+
+
+def _load_into(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy a full state dict into `module`, whose parameters may be ZeRO-3 partitioned."""
+    import deepspeed
+
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        own = module.state_dict()
+        apply_weights(module, {k: v.to(own[k].dtype) if k in own else v for k, v in state.items()}, source)
+
+
+class DeepSpeedCheckpointIO(CheckpointIO):
+    format: ClassVar[str] = FORMAT
+    reshardable: ClassVar[bool] = False
+    sharded: ClassVar[bool] = True
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def _engine(self, model: nn.Module) -> Any:
+        engine = self.strategy.engine
+        if engine is None:
+            raise CheckpointError("A DeepSpeed checkpoint is saved and resumed through the training engine; train first.")
+        return engine
+
+    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+        engine = self._engine(model)
+        if save_optimizer:  # every rank writes its shard; the manager's marker follows all of them
+            engine.save_checkpoint(directory, tag=TAG, save_latest=False)
+        if not save_optimizer or self.strategy.stage == 3:
+            # save_only_model, and ZeRO-3 (whose model file holds no weights): full weights too, so
+            # the folder loads with from_pretrained / the plain model (gathering is a collective)
+            state = self.strategy.model_state_for_export(module)
+            if writer:
+                save_weights(state, directory, safetensors)
+
+    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             load_optimizer: bool = True) -> None:
+        if not load_optimizer:
+            return self.load_weights_only(directory, model=model, module=module)
+        if not is_deepspeed_checkpoint(directory):
+            raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint ({TAG}/ is missing); it cannot be resumed "
+                                  "with strategy deepspeed.")
+        engine = self._engine(model)
+        path, _ = engine.load_checkpoint(directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {directory}.")
+
+    def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
+        if not is_deepspeed_checkpoint(directory):  # an exported folder or a full checkpoint
+            from kiln.strategies.checkpoint_io import load_weights
+
+            return _load_into(module, load_weights(directory), directory)
+        state = consolidated_state(directory)
+        engine_module = model.module if hasattr(model, "module") else model
+        prefix = _prefix(engine_module, module)
+        _load_into(module, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, directory)
+        engine = self.strategy.engine
+        if engine is not None and self.strategy.stage in (1, 2):  # the fp32 master copy must follow the weights
+            engine.optimizer.refresh_fp32_params()
+
+
+def convert_deepspeed(checkpoint: str, out: str, safetensors: bool = True) -> str:
+    """`kiln convert` for a DeepSpeed checkpoint: its full fp32 weights (merged from every ZeRO shard,
+    whatever the process count was) as one file in `out`, with the user's module's key names."""
+    state = consolidated_state(checkpoint)
+    if state and all(k.startswith("module.") for k in state):  # kiln's StepDispatcher around a TrainingModule
+        state = {k[len("module."):]: v for k, v in state.items()}
+    os.makedirs(out, exist_ok=True)
+    return os.path.join(out, save_weights(state, out, safetensors))
+
+
+__all__ = ["DeepSpeedCheckpointIO", "FullStateCheckpointIO", "consolidated_state", "convert_deepspeed", "gathered_state"]

@@ -1,0 +1,116 @@
+"""The DeepSpeed config kiln builds: HF's "auto" filling, one error for disagreeing values, kiln's
+defaults taking the DeepSpeed values (accelerate's plugin route), named stages. No processes."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from kiln.config import load_config
+from kiln.strategies.deepspeed_config import finalize, process, read_user_config
+from kiln.utils.errors import ConfigError
+
+
+def _cfg(**extra):
+    return load_config({"learning_rate": 0.01, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+                        "max_grad_norm": 0.5, "weight_decay": 0.1, "adam_epsilon": 1e-7, "warmup_steps": 3,
+                        "max_steps": 20, **extra})
+
+
+AUTO = {
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto"},
+}
+
+
+def test_every_auto_value_is_filled_as_hf_documents():
+    cfg = _cfg(bf16=True)
+    ds = process(cfg, json.loads(json.dumps(AUTO)), world_size=2, precision="bf16", name="deepspeed")
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=16))
+    ds = finalize(ds, model, cfg=cfg)
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2
+    assert ds["train_batch_size"] == 16 and ds["gradient_clipping"] == 0.5
+    assert ds["optimizer"]["params"] == {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-7, "weight_decay": 0.1}
+    assert ds["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 3, "total_num_steps": 20}
+    assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
+    zero = ds["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 256 and zero["stage3_prefetch_bucket_size"] == int(0.9 * 256)
+    assert zero["stage3_param_persistence_threshold"] == 160
+
+
+def test_absent_values_come_from_kiln_so_deepspeed_defaults_cannot_drift():
+    ds = process(_cfg(), {}, world_size=2, precision="fp32", name="deepspeed_stage_3")
+    assert ds["gradient_clipping"] == 0.5  # DeepSpeed's own default would be 1.0
+    assert ds["gradient_accumulation_steps"] == 2 and ds["zero_optimization"]["stage"] == 3
+    off = process(_cfg(), {}, world_size=1, precision="fp32", name="deepspeed_stage_3_offload")["zero_optimization"]
+    assert off["offload_optimizer"] == {"device": "cpu"} and off["offload_param"] == {"device": "cpu"}
+
+
+def test_values_set_on_both_sides_that_differ_are_one_error_naming_both():
+    user = {"gradient_clipping": 1.0, "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+            "fp16": {"enabled": True}}
+    with pytest.raises(ConfigError) as err:
+        process(_cfg(bf16=True), user, world_size=2, precision="bf16", name="deepspeed")
+    text = str(err.value)
+    for part in ("gradient_clipping=1.0", "max_grad_norm=0.5", "gradient_accumulation_steps=4", "optimizer.params.lr=0.5",
+                 "optim.lr=0.01", "fp16.enabled", "precision.name='bf16'"):
+        assert part in text, text
+    assert "\n" not in text
+
+
+def test_a_kiln_value_at_its_default_takes_the_deepspeed_value():
+    """accelerate's plugin settings (gradient_clipping: 0.7, gradient_accumulation_steps) arrive in the
+    DeepSpeed config; kiln's config then holds them, so there is one copy."""
+    cfg = load_config({"max_steps": 4})
+    ds = process(cfg, {"gradient_clipping": 0.7, "gradient_accumulation_steps": 3}, world_size=2, precision="fp32", name="deepspeed")
+    assert cfg.train.max_grad_norm == 0.7 and cfg.train.gradient_accumulation_steps == 3
+    assert ds["train_batch_size"] == 2 * 3 * cfg.data.per_device_train_batch_size
+
+
+def test_unreadable_configs_are_one_sentence(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        read_user_config(str(bad))
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_user_config(str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="hidden_size"):
+        finalize({"zero_optimization": {"reduce_bucket_size": "auto"}}, SimpleNamespace(), cfg=_cfg())
+
+
+def test_missing_deepspeed_and_missing_compiler_are_one_sentence(monkeypatch):
+    import subprocess
+    import sys
+
+    from kiln.strategies.deepspeed import _compiling, import_deepspeed
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(ConfigError, match=r"pip install kiln\[deepspeed\]"):
+        import_deepspeed()
+
+    def no_compiler():
+        raise subprocess.CalledProcessError(1, ["/bin/false", "--version"])
+
+    with pytest.raises(ConfigError, match="install g\\+\\+"):
+        _compiling(no_compiler)
+
+    def no_ninja():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    with pytest.raises(ConfigError, match="pip install ninja"):
+        _compiling(no_ninja)
+
+
+def test_offload_without_a_deepspeed_optimizer_is_refused_for_non_adam():
+    from kiln.strategies.deepspeed import _ds_optimizer_from_kiln
+
+    with pytest.raises(ConfigError, match="ZeRO-Offload needs a DeepSpeed optimizer"):
+        _ds_optimizer_from_kiln(_cfg(optim="sgd"))
+    assert _ds_optimizer_from_kiln(_cfg())["params"]["lr"] == 0.01
