@@ -68,8 +68,8 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         cfg = self.config
         from kiln.loggers.metrics import MemoryTracker
 
-        self._memory = MemoryTracker.from_config(cfg)  # HF's *_mem_* metrics; a no-op by default
-        self._memory.start("init")
+        self.memory_tracker = MemoryTracker.from_config(cfg)  # HF's *_mem_* metrics; a no-op by default
+        self.memory_tracker.start("init")
         # The strategy comes first: it decides where (and how sharded) a model the Trainer builds lives.
         self.precision = precision if precision is not None and not isinstance(precision, type) else build_precision(cfg, precision)
         self.strategy = build_strategy(cfg, self.precision, strategy)
@@ -116,10 +116,10 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self.current_micro_batch: Optional[MicroBatch] = None
         # num_items_in_batch is only worth waiting for (it is summed over ranks) when something reads
         # it; otherwise the all-reduce runs while the first forward does
-        self._wants_num_items = self._accepts_num_items or type(self).compute_loss is not Trainer.compute_loss or \
+        self.wants_num_items = self._accepts_num_items or type(self).compute_loss is not Trainer.compute_loss or \
             type(self).training_step is not Trainer.training_step
-        self._scheduler_needs_metrics = False
-        self._logger_only: Optional[dict[str, float]] = None  # throughput the next log() sends to loggers only
+        self.scheduler_needs_metrics = False
+        self.log_to_loggers_only: Optional[dict[str, float]] = None  # throughput the next log() sends to loggers only
         self.model_wrapped: nn.Module = model
         self._setup_stage: Optional[str] = None  # None, "eval" (module only) or "train" (module + optimizer)
         self._forward_module: Optional[nn.Module] = None
@@ -127,7 +127,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         for cb in callbacks or ():
             self.callback_handler.add(cb)
         self.control = self.callback_handler.call("on_init_end", cfg, self.state, self.control)
-        self._memory.stop("init")
+        self.memory_tracker.stop("init")
 
     #: kiln's own constructor, reachable from subclasses that define another `__init__` (a
     #: hyperparameter-search trial builds its Trainer with it)
@@ -224,7 +224,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         if self.lr_scheduler is None:
             self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.config.scheduler, num_training_steps)
             self._created_lr_scheduler = True  # a new run builds it again for its own length (HF)
-        self._scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
+        self.scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
         return self.lr_scheduler
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
@@ -260,7 +260,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         elif max_steps is not None and self.lr_scheduler is None:  # set up earlier without a step count (auto batch size)
             self.create_scheduler(max_steps, self.optimizer)
         elif max_steps is not None:
-            self._scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
+            self.scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
         if max_steps is not None:
             self.precision.setup()
 
@@ -290,7 +290,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
 
                 raise KilnError(f"HF-contract models are called as model(**batch), so the batch must be a dict of tensors, "
                                 f"not a {describe(inputs)}: return dicts from the dataset or the data_collator.")
-            inputs = self._remove_unused(inputs)
+            inputs = self.forward_inputs(inputs)
             kwargs = {"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None and self._model_divides([inputs]) else {}
             if self._label_smoothing and "labels" in inputs:
                 from kiln.engine.model.label_smoothing import smoothed_loss
@@ -303,7 +303,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         loss = loss_from_output(outputs)
         return (loss, outputs) if return_outputs else loss
 
-    def _remove_unused(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+    def forward_inputs(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
         if not self._remove_columns or self._forward_names is None:
             return inputs
         return {k: v for k, v in inputs.items() if k in self._forward_names}
@@ -355,7 +355,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             start_new_run(self, trial)
         self._runs_started = getattr(self, "_runs_started", 0) + 1
         self.is_in_train = True
-        self._memory.start("train")
+        self.memory_tracker.start("train")
         try:
             with neftune(self.model, cfg.train.neftune_noise_alpha):
                 return FitLoop(self).run(path)
@@ -380,8 +380,8 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
     train = fit  # HF name
 
     # -- logging & saving -------------------------------------------------------------------
-    def _current_lr(self) -> float:
-        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "get_last_lr") and not self._scheduler_needs_metrics:
+    def current_learning_rate(self) -> float:
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "get_last_lr") and not self.scheduler_needs_metrics:
             return float(self.lr_scheduler.get_last_lr()[0])
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
 
@@ -391,7 +391,7 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
         # figures the fit loop hands to the loggers but keeps out of log_history (throughput)
-        extra, self._logger_only = self._logger_only, None
+        extra, self.log_to_loggers_only = self.log_to_loggers_only, None
         logs = {**logs, **extra} if extra else logs
         self.control = self.callback_handler.call("on_log", self.config, self.state, self.control, logs=logs)
 

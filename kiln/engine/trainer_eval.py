@@ -122,7 +122,7 @@ class EvaluationMixin(BestModelMixin):
                                           ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         metrics = output.metrics
         metrics.update(self._speed_metrics(metric_key_prefix, start, output.num_samples, loader))
-        self._memory.stop_and_update("eval", metrics)
+        self.memory_tracker.stop_and_update("eval", metrics)
         self.log(metrics)  # adds "epoch" to this very dict, so the caller sees it too (as in HF)
         self.control = self.callback_handler.call("on_evaluate", self.config, self.state, self.control, metrics=metrics)
         return metrics
@@ -137,18 +137,18 @@ class EvaluationMixin(BestModelMixin):
         with self._memory_stage("test"):
             output = self.evaluation_loop(loader, "Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         output.metrics.update(self._speed_metrics(metric_key_prefix, start, output.num_samples, loader))
-        self._memory.stop_and_update("test", output.metrics)
+        self.memory_tracker.stop_and_update("test", output.metrics)
         self.control = self.callback_handler.call("on_predict", self.config, self.state, self.control, metrics=output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
     @contextlib.contextmanager
     def _memory_stage(self: "TrainerLike", stage: str) -> Iterator[None]:
         """HF's memory tracker stage around a loop; `stop_and_update(stage, metrics)` reports it after."""
-        self._memory.start(stage)
+        self.memory_tracker.start(stage)
         try:
             yield
         except BaseException:
-            self._memory.stop(stage)
+            self.memory_tracker.stop(stage)
             raise
 
     def _speed_metrics(self: "TrainerLike", prefix: str, start: float, num_samples: int, loader: Any) -> dict[str, float]:
@@ -291,7 +291,7 @@ class EvaluationMixin(BestModelMixin):
 
             return loss, generate_predictions(self, inputs, getattr(self, "_gen_kwargs", {})), labels
         if outputs is None:
-            outputs = model(**self._remove_unused(inputs))
+            outputs = model(**self.forward_inputs(inputs))
         if isinstance(outputs, Mapping):  # dicts and Transformers ModelOutputs
             logits: Any = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"] and v is not None)
         elif isinstance(outputs, (tuple, list)):

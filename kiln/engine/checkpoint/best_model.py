@@ -20,7 +20,7 @@ logger = logging.getLogger("kiln.engine.trainer_eval")
 class BestModelMixin:
     """Mixed into Trainer (through EvaluationMixin); `self` is the Trainer."""
 
-    def _evaluate_during_training(self: "TrainerLike", on_start: bool = False) -> dict[str, float]:
+    def evaluate_during_training(self: "TrainerLike", on_start: bool = False) -> dict[str, float]:
         """Evaluate, then update the best metric, `save_strategy: best` and a metric-driven scheduler.
         The sanity evaluation of `eval_on_start` does neither (HF)."""
         metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
@@ -30,7 +30,7 @@ class BestModelMixin:
         improved = self._update_best(metrics)
         if self.config.save.strategy == "best":
             self.control.should_save = improved
-        if self._scheduler_needs_metrics and self.lr_scheduler is not None:
+        if self.scheduler_needs_metrics and self.lr_scheduler is not None:
             self.lr_scheduler.step(metrics[self._best_metric_key(metrics)])
         return metrics
 

@@ -50,5 +50,5 @@ def generate_predictions(trainer: "TrainerLike", inputs: Mapping[str, Any], call
     if not isinstance(inputs, Mapping):
         raise TypeError("predict_with_generate needs dict batches (model.generate(**batch)).")
     skip = set(trainer.label_names) | set(_TARGET_KEYS)
-    gen_inputs = {k: v for k, v in trainer._remove_unused(inputs).items() if k not in skip}
+    gen_inputs = {k: v for k, v in trainer.forward_inputs(inputs).items() if k not in skip}
     return model.generate(**gen_inputs, **generation_kwargs(trainer.config.eval, call_kwargs))

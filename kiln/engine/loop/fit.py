@@ -109,7 +109,7 @@ class FitLoop:
         self.local_flos = 0.0
         control = t.callback_handler.call("on_train_begin", cfg, state, t.control)
         if cfg.eval.on_start and not resume_path:
-            t._evaluate_during_training(on_start=True)
+            t.evaluate_during_training(on_start=True)
         start = time.perf_counter()
         tr_loss = torch.zeros((), device=strategy.root_device)
         self.total_loss = torch.zeros((), device=strategy.root_device, dtype=torch.float64)
@@ -210,7 +210,7 @@ class FitLoop:
         control = t.callback_handler.call("on_step_begin", cfg, state, t.control)
         window = [strategy.batch_to_device(b) for b in window]
         weights = t.loss_weights(window)
-        num_items = weights.total if weights is not None and t._wants_num_items else None
+        num_items = weights.total if weights is not None and t.wants_num_items else None
         losses = []
         last = len(window) - 1
         for i, batch in enumerate(window):
@@ -236,8 +236,8 @@ class FitLoop:
         result = strategy.optimizer_step(model, opt, self.max_grad_norm)
         self.grad_norm: Optional[torch.Tensor] = result.grad_norm
         control = t.callback_handler.call("on_optimizer_step", cfg, state, control)
-        self.step_lr = t._current_lr()  # the rate this step used: logged as learning_rate (HF), not the next one's
-        if result.stepped and t.lr_scheduler is not None and not t._scheduler_needs_metrics:
+        self.step_lr = t.current_learning_rate()  # the rate this step used: logged as learning_rate (HF), not the next one's
+        if result.stepped and t.lr_scheduler is not None and not t.scheduler_needs_metrics:
             t.lr_scheduler.step()
         strategy.zero_grad(model, opt)
         strategy.on_step_end()
@@ -309,11 +309,11 @@ class FitLoop:
             self.window_start, self.samples_at_log, self.tokens_at_log = now, self.samples, self.tokens
             self.last_logged = state.global_step
             tr_loss = torch.zeros_like(tr_loss)
-            t._logger_only = run
+            t.log_to_loggers_only = run
             t.log(logs)
         metrics = None
         if control.should_evaluate:
-            metrics = t._evaluate_during_training()
+            metrics = t.evaluate_during_training()
         if control.should_save:
             self.tr_loss = tr_loss  # saved with the checkpoint: a resumed run logs the same averages
             t._save_checkpoint(metrics)
@@ -349,7 +349,7 @@ class FitLoop:
             metrics["train_tokens_per_second"] = self.tokens * world / max(runtime, 1e-9)
         if cfg.eval.load_best_model_at_end:
             t._load_best_model()
-        t._memory.stop_and_update("train", metrics)
+        t.memory_tracker.stop_and_update("train", metrics)
         t.log(dict(metrics))
         t.control = t.callback_handler.call("on_train_end", cfg, state, t.control)
         return TrainOutput(state.global_step, train_loss, metrics)
