@@ -18,6 +18,7 @@ commands:
   kiln predict CONFIG.yaml [key=value ...]    predict on the eval/test data, write predictions.npy
   kiln plot RUN_DIR [RUN_DIR ...] [-o PNG]    plot a run's curves
   kiln config-docs                            print the config reference (markdown)
+  kiln convert CHECKPOINT OUT                 write a checkpoint's full weights (also a sharded FSDP one) to OUT/model.safetensors
 
 options for fit/evaluate/predict:
   --nproc N     start N local processes (data parallel) with torch's elastic launcher
@@ -120,6 +121,21 @@ def _load_weights(trainer: Any) -> None:
         load_weights_for_eval(trainer, path)
 
 
+def _convert(rest: list[str]) -> int:
+    if len(rest) != 2 or rest[0].startswith("-"):
+        print("usage: kiln convert CHECKPOINT OUT", file=sys.stderr)
+        return 2
+    from kiln.engine.checkpoint.convert import convert_checkpoint
+    from kiln.utils.errors import KilnError
+
+    try:
+        print(convert_checkpoint(rest[0], rest[1]))
+    except KilnError as err:
+        print(f"kiln convert: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -135,6 +151,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(config_markdown(), end="")
         return 0
+    if command == "convert":
+        return _convert(rest)
     if command not in ("fit", "train", "evaluate", "predict"):
         print(f"kiln: unknown command {command!r}.\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -34,7 +34,9 @@ def build_strategy(config: "DictConfig", precision: "Precision", override: Any =
 
     if isinstance(override, Strategy):
         return override
-    cls = override if isinstance(override, type) else STRATEGIES.get(config.strategy.name)
+    # a name passed as Trainer(strategy="fsdp") counts like the config's strategy.name
+    name = override if isinstance(override, str) else config.strategy.name
+    cls = override if isinstance(override, type) else STRATEGIES.get(name)
     if getattr(cls, "resolve", None) is not None and not issubclass(cls, Strategy):
         cls = cls.resolve(config)  # `auto` picks a concrete class
     return cls(config, precision)

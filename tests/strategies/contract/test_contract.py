@@ -25,6 +25,7 @@ REPO = HERE.parents[2]
 #: id -> (strategy as the Trainer takes it, processes, tolerance against `single`)
 STRATEGIES = {
     "ddp": ("ddp", 2, 1e-5),
+    "fsdp": ("fsdp", 2, 1e-5),
     "fake_own_step": (OwnStepStrategy, 1, 0.0),
     "fake_spmd": (SpmdSizesStrategy, 1, 0.0),
 }
