@@ -20,4 +20,5 @@ trainer = cases.trainer_for("full_shard", out, world, **extra)
 trainer.fit()
 weights = cases.full_weights(trainer)
 if trainer.strategy.is_global_zero:
+    os.makedirs(out, exist_ok=True)
     save_file(weights, os.path.join(out, "final.safetensors"))
