@@ -44,13 +44,15 @@ class FSDPStrategy(DDPStrategy):
     name = "fsdp"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
+        precisions=frozenset({"fp32", "tf32", "bf16", "fp16", "bf16-true", "fp16-true"}),
         sharded_parameters=True,
         auto_batch_size=False,
         full_eval_cast=False,
         user_optimizer=False,
         reasons={"mps": "FSDP needs gloo or NCCL collectives and DTensor support, which Apple GPUs do not have "
                         "(one MPS device: strategy mps)",
-                 "xla": "XLA devices shard through XLA's own FSDP (use strategy xla_fsdp)"},
+                 "xla": "XLA devices shard through XLA's own FSDP (use strategy xla_fsdp)",
+                 "apex": "apex's amp cannot handle FSDP's sharded DTensor parameters; use precision: bf16 or fp16"},
     )
     options = dict(NATIVE)
 

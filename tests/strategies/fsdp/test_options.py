@@ -121,3 +121,8 @@ def test_hybrid_shard_with_a_world_the_mesh_cannot_factor_is_refused():
 def test_fsdp_on_mps_is_refused_by_its_capabilities():
     with pytest.raises(CapabilityError, match="cannot run on 'mps'.*Use strategy: mps"):
         check_compatible("fsdp", FSDPStrategy.capabilities, precision="fp32", device=torch.device("mps"))
+
+
+def test_apex_is_refused_by_its_capabilities():
+    with pytest.raises(CapabilityError, match="apex's amp cannot handle FSDP"):
+        check_compatible("fsdp", FSDPStrategy.capabilities, precision="apex", device=torch.device("cpu"))
