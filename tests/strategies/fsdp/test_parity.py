@@ -70,3 +70,10 @@ def test_bf16_mixed_precision_trains_close_to_fp32(runs):
     assert results["bf16"]["precision"] == "FSDPBF16MixedPrecision"  # autocast replaced by the FSDP policy
     _assert_weights(weights["bf16"], weights["ddp"], 6e-2)
     assert results["bf16"]["losses"] == pytest.approx(results["ddp"]["losses"], abs=2e-2)
+
+
+def test_no_reduce_scatter_inside_an_accumulation_window(tmp_path):
+    """6 optimizer steps x 2 micro-batches, 3 FSDP units: one reduce-scatter per unit per step (not
+    per micro-batch)."""
+    torchrun(2, "worker_sync.py", tmp_path)
+    assert json.loads((tmp_path / "count.json").read_text()) == {"reduce_scatters": 6 * 3, "steps": 6}
