@@ -42,3 +42,10 @@ if trainer.strategy.is_global_zero:
     save_file({k: v.detach().clone().contiguous() for k, v in weights.items()}, os.path.join(out, "live.safetensors"))
     with open(os.path.join(out, "result.json"), "w") as fh:
         json.dump({"tied_after_training": tied, "step": trainer.state.global_step}, fh)
+
+# leave the process group before interpreter shutdown (an abort at exit was seen once, see the report)
+import torch.distributed as _dist  # noqa: E402
+
+if _dist.is_initialized():
+    _dist.barrier()
+    _dist.destroy_process_group()

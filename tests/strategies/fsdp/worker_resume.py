@@ -22,3 +22,10 @@ weights = cases.full_weights(trainer)
 if trainer.strategy.is_global_zero:
     os.makedirs(out, exist_ok=True)
     save_file(weights, os.path.join(out, "final.safetensors"))
+
+# leave the process group before interpreter shutdown (an abort at exit was seen once, see the report)
+import torch.distributed as _dist  # noqa: E402
+
+if _dist.is_initialized():
+    _dist.barrier()
+    _dist.destroy_process_group()

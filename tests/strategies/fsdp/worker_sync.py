@@ -30,3 +30,10 @@ if dist.get_rank() == 0:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "count.json"), "w") as fh:
         json.dump({"reduce_scatters": len(calls), "steps": trainer.state.global_step}, fh)
+
+# leave the process group before interpreter shutdown (an abort at exit was seen once, see the report)
+import torch.distributed as _dist  # noqa: E402
+
+if _dist.is_initialized():
+    _dist.barrier()
+    _dist.destroy_process_group()
