@@ -19,7 +19,7 @@ commands:
   kiln predict CONFIG.yaml [key=value ...]    predict on the test/eval data with them, write predictions.npy
   kiln plot RUN_DIR [RUN_DIR ...] [-o PNG]    plot a run's curves
   kiln config-docs                            print the config reference (markdown)
-  kiln convert CHECKPOINT OUT                 a checkpoint's full weights (e.g. merged ZeRO shards) as OUT/model.safetensors
+  kiln convert CHECKPOINT OUT                 a checkpoint's full weights (FSDP or ZeRO shards merged) as OUT/model.safetensors
   kiln --version                              print kiln's version
 
 options for fit/evaluate/predict:
@@ -198,6 +198,21 @@ def _help(command: str) -> str:
     return "\n".join(lines)
 
 
+def _convert(rest: list[str]) -> int:
+    if len(rest) != 2 or rest[0].startswith("-"):
+        print("usage: kiln convert CHECKPOINT OUT", file=sys.stderr)
+        return 2
+    from kiln.engine.checkpoint.convert import convert_checkpoint
+    from kiln.utils.errors import KilnError
+
+    try:
+        print(convert_checkpoint(rest[0], rest[1]))
+    except KilnError as err:
+        print(f"kiln convert: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -219,18 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(config_markdown(), end="")
         return 0
     if command == "convert":
-        if len(rest) != 2:
-            print("usage: kiln convert CHECKPOINT OUT", file=sys.stderr)
-            return 2
-        from kiln.engine.checkpoint.convert import convert
-        from kiln.utils.errors import CheckpointError
-
-        try:
-            print(convert(rest[0], rest[1]))
-        except CheckpointError as err:
-            print(f"kiln convert: {err}", file=sys.stderr)
-            return 1
-        return 0
+        return _convert(rest)
     if command not in ("fit", "train", "evaluate", "predict"):
         print(f"kiln: unknown command {command!r}.\n\n{USAGE}", file=sys.stderr)
         return 2

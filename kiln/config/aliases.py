@@ -205,6 +205,9 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "deepspeed": _deepspeed,
     "fsdp": _fsdp,
     "fsdp_config": lambda v: {"strategy.options.fsdp_config": v} if v else {},
+    # older HF top-level forms of two fsdp_config keys
+    "fsdp_min_num_params": lambda v: {"strategy.options.min_num_params": int(v)} if v else {},
+    "fsdp_transformer_layer_cls_to_wrap": lambda v: {"strategy.options.wrap": [v] if isinstance(v, str) else list(v)} if v else {},
     "report_to": _report_to,
     "push_to_hub": _push_to_hub,
     # transformers 5 names whose values need translating (kiln.config.hf_args, kiln.config.hf_rewrites)

@@ -1,28 +1,47 @@
-"""`kiln convert CHECKPOINT OUT`: a checkpoint's full model weights as one `model.safetensors` in OUT,
-whatever strategy and process count wrote it. Dispatches on the format its COMPLETE marker records;
-each sharded format's strategy file provides the merge (DeepSpeed: `convert_deepspeed`)."""
+"""`kiln convert CHECKPOINT OUT`: one `model.safetensors` from any kiln checkpoint, in this process,
+whatever strategy and number of processes saved it. The checkpoint's COMPLETE marker names its
+format; each format says how its full weights are read (FSDP's DCP shards are merged here,
+DeepSpeed's ZeRO shards by `zero_to_fp32` in its strategy's files)."""
 
 from __future__ import annotations
 
 import os
+from typing import Callable
+
+import torch
 
 from kiln.engine.checkpoint.files import read_marker
+from kiln.strategies.checkpoint_io import load_weights, save_weights
 from kiln.utils.errors import CheckpointError
 
 
-def convert(checkpoint: str, out: str) -> str:
-    """Write the consolidated weights of `checkpoint` into `out`; returns the file written."""
+def _sharded_fsdp(path: str) -> dict[str, torch.Tensor]:
+    from kiln.strategies.fsdp_checkpoint_io import consolidate
+
+    return consolidate(path)
+
+
+#: checkpoint format (the marker's "format") -> reader of its full weights
+READERS: dict[str, Callable[[str], dict[str, torch.Tensor]]] = {
+    "full": load_weights,
+    "fsdp-full": load_weights,
+    "fsdp-sharded": _sharded_fsdp,
+}
+
+
+def convert_checkpoint(checkpoint: str, output_dir: str) -> str:
+    """Write the checkpoint's full weights to `output_dir/model.safetensors`; returns the file path."""
     if not os.path.isdir(checkpoint):
         raise CheckpointError(f"{checkpoint} is not a checkpoint folder.")
     fmt = read_marker(checkpoint).get("format", "full")
-    if fmt == "deepspeed":
+    if fmt == "deepspeed":  # zero_to_fp32 writes the file itself
         from kiln.strategies.deepspeed_checkpoint_io import convert_deepspeed
 
-        return convert_deepspeed(checkpoint, out)
-    if fmt == "full":
-        from kiln.strategies.checkpoint_io import load_weights, save_weights
-
-        os.makedirs(out, exist_ok=True)
-        return os.path.join(out, save_weights(load_weights(checkpoint), out))
-    raise CheckpointError(f"kiln convert does not know checkpoint format {fmt!r} (from {checkpoint}); "
-                          "it converts 'full' and 'deepspeed' checkpoints.")
+        return convert_deepspeed(checkpoint, output_dir)
+    reader = READERS.get(fmt)
+    if reader is None:
+        known = ", ".join(sorted([*READERS, "deepspeed"]))
+        raise CheckpointError(f"kiln convert cannot read checkpoints of format {fmt!r}; it reads {known}.")
+    state = reader(checkpoint)
+    os.makedirs(output_dir, exist_ok=True)
+    return os.path.join(output_dir, save_weights(state, output_dir, safetensors=True))

@@ -25,6 +25,7 @@ REPO = HERE.parents[2]
 #: id -> (strategy as the Trainer takes it, processes, tolerance against `single`)
 STRATEGIES = {
     "ddp": ("ddp", 2, 1e-5),
+    "fsdp": ("fsdp", 2, 1e-5),
     "deepspeed": ("deepspeed", 2, 1e-5),  # ZeRO-2
     "deepspeed_stage_3": ("deepspeed_stage_3", 2, 1e-5),
     "fake_own_step": (OwnStepStrategy, 1, 0.0),

@@ -49,7 +49,7 @@ if "bf16" in checks:
                         "moved": max(float((after[k] - before[k]).abs().max()) for k in before)}
 
 if "resume" in checks:
-    from kiln.engine.checkpoint.convert import convert
+    from kiln.engine.checkpoint.convert import convert_checkpoint as convert
 
     save = {"save": {"strategy": "steps", "steps": 2}}
     for stage in (2, 3):

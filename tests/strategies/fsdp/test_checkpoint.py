@@ -1,0 +1,90 @@
+"""FSDP checkpoints: an interrupted run resumed from a sharded or full checkpoint ends bitwise where
+the uninterrupted one does; a 2-process sharded checkpoint resumes on 1 process and a 1-process one
+on 2 (DCP reshards); `kiln convert` turns a sharded checkpoint into one model.safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.strategies.fsdp.conftest import torchrun
+
+pytestmark = pytest.mark.distributed
+
+
+def _equal(a: dict, b: dict, tol: float = 0.0) -> None:
+    assert set(a) == set(b) and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=lambda m, n=k: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_resume_is_exact(tmp_path, kind):
+    first, second = tmp_path / "first", tmp_path / "second"
+    torchrun(2, "worker_resume.py", first, kind)
+    ckpt = first / "full_shard" / "checkpoint-2"
+    marker = json.loads((ckpt / "COMPLETE").read_text())
+    assert marker["format"] == f"fsdp-{kind}" and marker["world_size"] == 2
+    if kind == "sharded":  # every rank wrote its own shard
+        assert {f for f in os.listdir(ckpt / "fsdp_dcp") if f.endswith(".distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    else:
+        assert (ckpt / "model.safetensors").exists() and (ckpt / "optimizer.pt").exists()
+    torchrun(2, "worker_resume.py", second, kind, ckpt, 6)
+    _equal(load_file(str(second / "final.safetensors")), load_file(str(first / "final.safetensors")))
+
+
+def test_sharded_checkpoint_reshards_between_process_counts(tmp_path):
+    from kiln.strategies.fsdp_checkpoint_io import consolidate
+
+    two, one = tmp_path / "two", tmp_path / "one"
+    torchrun(2, "worker_resume.py", two, "sharded")
+    torchrun(1, "worker_resume.py", one, "sharded")
+    # 2 -> 1: loading alone restores the saved weights exactly; training on reaches the 2-process result
+    ckpt2 = two / "full_shard" / "checkpoint-4"
+    torchrun(1, "worker_resume.py", tmp_path / "2to1_load", "sharded", ckpt2, 4)
+    _equal(load_file(str(tmp_path / "2to1_load" / "final.safetensors")), {k: v.float() for k, v in consolidate(str(ckpt2)).items()})
+    torchrun(1, "worker_resume.py", tmp_path / "2to1", "sharded", ckpt2, 6)
+    _equal(load_file(str(tmp_path / "2to1" / "final.safetensors")), load_file(str(two / "final.safetensors")), 1e-5)
+    # 1 -> 2
+    ckpt1 = one / "full_shard" / "checkpoint-4"
+    torchrun(2, "worker_resume.py", tmp_path / "1to2", "sharded", ckpt1, 6)
+    _equal(load_file(str(tmp_path / "1to2" / "final.safetensors")), load_file(str(one / "final.safetensors")), 1e-5)
+
+
+def test_tied_gpt2_keeps_its_tie_through_training_checkpoint_export_and_convert(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from tests.distributed.conftest import kiln_cli
+
+    torchrun(2, "worker_gpt2.py", tmp_path, timeout=900)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result == {"tied_after_training": True, "step": 4}
+    live = load_file(str(tmp_path / "live.safetensors"))
+    # export: from_pretrained works, the tie holds, the weights are the trained ones
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "export"))
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    state = loaded.state_dict()
+    for name, value in live.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    # convert: the sharded last checkpoint becomes one file holding the same weights, in this process
+    kiln_cli("convert", tmp_path / "run" / "checkpoint-4", tmp_path / "converted")
+    converted = load_file(str(tmp_path / "converted" / "model.safetensors"))
+    plain = GPT2LMHeadModel(loaded.config)
+    missing, unexpected = plain.load_state_dict(converted, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    plain.tie_weights()
+    assert plain.lm_head.weight.data_ptr() == plain.transformer.wte.weight.data_ptr()
+    for name, value in live.items():
+        torch.testing.assert_close(plain.state_dict()[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_convert_refuses_a_folder_without_marker(tmp_path):
+    from tests.distributed.conftest import kiln_cli
+
+    proc = kiln_cli("convert", tmp_path, tmp_path / "out", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and "COMPLETE" in proc.stderr

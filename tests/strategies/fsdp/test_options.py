@@ -1,0 +1,128 @@
+"""The three ways to ask for FSDP (kiln keys, HF `fsdp`/`fsdp_config`, accelerate's FSDP settings)
+resolve to the same settings; settings FSDP2 lacks are logged once as having no effect; bad input
+is one sentence. These need no process group."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kiln.config.load import load_config
+from kiln.strategies.capabilities import check_compatible
+from kiln.strategies.environment import accelerate_settings
+from kiln.strategies.fsdp import FSDPStrategy
+from kiln.strategies.fsdp_options import FSDPSettings
+from kiln.strategies.fsdp_wrap import blocks_to_wrap
+from kiln.utils.errors import CapabilityError, ConfigError
+from tests.strategies.fsdp.cases import TinyLM
+
+
+def _settings(cfg: dict) -> FSDPSettings:
+    from kiln.precision.fp32 import FP32Precision
+
+    return FSDPStrategy(load_config({**cfg, "strategy": {**cfg.get("strategy", {}), "device": "cpu"}}), FP32Precision()).settings
+
+
+NATIVE = {"strategy": {"name": "fsdp", "sharding": "shard_grad_op", "wrap": ["Block"], "offload": True,
+                       "state_dict_type": "full", "activation_checkpointing": True}}
+
+
+def test_hf_flags_and_fsdp_config_mean_the_native_config(tmp_path):
+    want = _settings(NATIVE)
+    assert (want.sharding, want.wrap, want.offload, want.state_dict_type, want.reshard) == \
+        ("shard_grad_op", ["Block"], True, "full", False)
+    mapping = {"fsdp_transformer_layer_cls_to_wrap": ["Block"], "state_dict_type": "FULL_STATE_DICT",
+               "fsdp_activation_checkpointing": True}
+    path = tmp_path / "fsdp.json"
+    path.write_text(json.dumps(mapping))
+    for fsdp in ("shard_grad_op auto_wrap offload", ["shard_grad_op", "auto_wrap", "offload"]):
+        for cfg in (mapping, str(path)):
+            assert _settings({"fsdp": fsdp, "fsdp_config": cfg}) == want
+    # the older top-level HF names
+    assert _settings({"fsdp": "full_shard", "fsdp_min_num_params": 1000}).min_num_params == 1000
+    assert _settings({"fsdp": "full_shard", "fsdp_transformer_layer_cls_to_wrap": "Block"}).wrap == ["Block"]
+
+
+def test_accelerate_fsdp_settings_mean_the_native_config():
+    """The HF guide's FSDP accelerate config, as `accelerate launch` exports it."""
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_SHARDING_STRATEGY": "2", "FSDP_OFFLOAD_PARAMS": "true",
+           "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block",
+           "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT", "FSDP_ACTIVATION_CHECKPOINTING": "true",
+           "FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE", "FSDP_USE_ORIG_PARAMS": "true", "FSDP_SYNC_MODULE_STATES": "true",
+           "FSDP_FORWARD_PREFETCH": "false"}
+    (setting,) = [s for s in accelerate_settings(env) if s.key == "strategy.name"]
+    values = setting.values
+    got = _settings({"strategy": {"name": "fsdp", "fsdp": values["strategy.options.fsdp"],
+                                  "fsdp_config": values["strategy.options.fsdp_config"]}})
+    want = _settings(NATIVE)
+    want.sync_module_states = True
+    want.no_effect = {"use_orig_params": got.no_effect["use_orig_params"]}
+    assert got == want
+
+
+def test_settings_without_fsdp2_equivalent_are_logged_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="kiln.strategies.fsdp"):
+        s = _settings({"fsdp": "full_shard", "fsdp_config": {"use_orig_params": True, "limit_all_gathers": True,
+                                                              "backward_prefetch": "backward_post"}})
+    assert set(s.no_effect) == {"use_orig_params", "limit_all_gathers", "backward_prefetch"}
+    lines = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert len(lines) == 3 and all(line.count(".") >= 1 for line in lines)
+
+
+def test_native_keys_win_over_fsdp_config_and_the_conflict_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="kiln.strategies.fsdp_options"):
+        s = _settings({"strategy": {"name": "fsdp", "sharding": "no_shard", "fsdp_config": {"sharding_strategy": "FULL_SHARD"}}})
+    assert s.sharding == "no_shard"
+    assert any("overrides" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"fsdp": "full_shard sideways"}, "fsdp flag 'sideways'"),
+    ({"strategy": {"name": "fsdp", "sharding": "quarter"}}, "sharding 'quarter'"),
+    ({"strategy": {"name": "fsdp", "state_dict_type": "local_png"}}, "state_dict_type"),
+    ({"fsdp": "full_shard", "fsdp_config": "/nonexistent/fsdp.json"}, "neither a mapping nor an existing JSON file"),
+    ({"fsdp": "full_shard", "fsdp_config": {"wrap_everything": True}}, "'wrap_everything'"),
+    ({"strategy": {"name": "fsdp", "wrap": ["Block"], "min_num_params": 10}}, "set only one"),
+])
+def test_bad_settings_are_one_sentence(cfg, words):
+    with pytest.raises(ConfigError) as err:
+        _settings(cfg)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_wrap_class_not_found_lists_the_candidates():
+    with pytest.raises(ConfigError) as err:
+        blocks_to_wrap(TinyLM(), ["GPT2Block"], None)
+    msg = str(err.value)
+    assert "GPT2Block is not in the model" in msg and "classes are: Block, Embedding" in msg and "\n" not in msg
+
+
+def test_wrap_default_is_no_split_modules_and_keeps_tied_modules_together():
+    model = TinyLM()
+    assert blocks_to_wrap(model, None, None) == [model.blocks[1], model.blocks[0]] or \
+        set(map(id, blocks_to_wrap(model, None, None))) == {id(model.blocks[0]), id(model.blocks[1])}
+    model.blocks[1].up.weight = model.blocks[0].up.weight  # a weight shared across two blocks
+    assert blocks_to_wrap(model, None, None) == []  # both stay in the root unit: the tie survives
+
+
+def test_hybrid_shard_with_a_world_the_mesh_cannot_factor_is_refused():
+    from kiln.precision.fp32 import FP32Precision
+
+    strategy = FSDPStrategy(load_config({"strategy": {"name": "fsdp", "device": "cpu", "sharding": "hybrid_shard",
+                                                      "shard_size": 2}}), FP32Precision())
+    strategy.world_size = 3
+    with pytest.raises(ConfigError, match=r"world size \(3\) to be a multiple of the shard group size \(2\)"):
+        strategy.mesh()
+
+
+def test_fsdp_on_mps_is_refused_by_its_capabilities():
+    with pytest.raises(CapabilityError, match="cannot run on 'mps'.*Use strategy: mps"):
+        check_compatible("fsdp", FSDPStrategy.capabilities, precision="fp32", device=torch.device("mps"))
+
+
+def test_apex_is_refused_by_its_capabilities():
+    with pytest.raises(CapabilityError, match="apex's amp cannot handle FSDP"):
+        check_compatible("fsdp", FSDPStrategy.capabilities, precision="apex", device=torch.device("cpu"))

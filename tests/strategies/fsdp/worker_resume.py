@@ -1,0 +1,31 @@
+"""Checkpoint runs of the full_shard case. Rank 0 writes the final full weights to OUT/final.safetensors.
+Usage: torchrun --nproc_per_node=N worker_resume.py OUT STATE_DICT_TYPE [CHECKPOINT MAX_STEPS]"""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
+
+from safetensors.torch import save_file  # noqa: E402
+
+from tests.strategies.fsdp import cases  # noqa: E402
+
+out, kind = sys.argv[1], sys.argv[2]
+world = int(os.environ.get("WORLD_SIZE", "1"))
+extra = {"save": {"strategy": "steps", "steps": 2}, "strategy": {**cases.FSDP, "state_dict_type": kind}}
+if len(sys.argv) > 3:
+    extra.update(resume_from_checkpoint=sys.argv[3], max_steps=int(sys.argv[4]))
+trainer = cases.trainer_for("full_shard", out, world, **extra)
+trainer.fit()
+weights = cases.full_weights(trainer)
+if trainer.strategy.is_global_zero:
+    os.makedirs(out, exist_ok=True)
+    save_file(weights, os.path.join(out, "final.safetensors"))
+
+# leave the process group before interpreter shutdown (an abort at exit was seen once, see the report)
+import torch.distributed as _dist  # noqa: E402
+
+if _dist.is_initialized():
+    _dist.barrier()
+    _dist.destroy_process_group()
