@@ -74,16 +74,17 @@ def _trainer(cfg: Any) -> tuple[Any, dict[str, Any]]:
     return trainer, data
 
 
-def _run(command: str, config: str, overrides: list[str], weights: Optional[str] = None, random_weights: bool = False) -> int:
+def _run(command: str, config: str, overrides: list[str], weights: Optional[str] = None, random_weights: bool = False,
+         launcher: Optional[list[Any]] = None) -> int:
     from kiln.config import ConfigError
     from kiln.registry import UnknownNameError
-    from kiln.strategies.environment import load_with_launcher_settings
+    from kiln.strategies.launcher_settings import load_with_launcher_settings
     from kiln.utils.errors import KilnError
 
     try:
         if command != "fit":  # scoring weights must not touch the training run's history files or trackers
             overrides = [*overrides, "log.history=[]", "log.report_to=none"]
-        cfg = load_with_launcher_settings(config, overrides)  # accelerate launch fills keys the config leaves unset
+        cfg = load_with_launcher_settings(config, overrides, launcher)  # a launcher fills keys the config leaves unset
         chosen = None if command == "fit" else _pick_weights(cfg, weights, random_weights)
         trainer, data = _trainer(cfg)
         if command == "fit":
@@ -94,9 +95,9 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
         print(f"kiln: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C: one line from one process, the shell's exit code for SIGINT
-        import os
+        from kiln.strategies.environment import detect
 
-        if os.environ.get("RANK", "0") == "0":
+        if detect().rank == 0:
             print(f"kiln: {err or 'interrupted'}", file=sys.stderr, flush=True)
         return 130
     return 0
@@ -243,6 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("config", nargs="?")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--accelerate-config", dest="accelerate_config", default=None)
+    parser.add_argument("--launcher-settings", dest="launcher_settings", default=None, help=argparse.SUPPRESS)
     if command != "fit":
         parser.add_argument("--weights", default=None)
         parser.add_argument("--random-weights", dest="random_weights", action="store_true")
@@ -257,12 +259,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     weights, random_weights = getattr(ns, "weights", None), getattr(ns, "random_weights", False)
     if ns.nproc > 1 or ns.accelerate_config:
-        from kiln.strategies.launch import launch_local
+        from kiln.strategies.launch import accelerate_config_settings, launch_local
+        from kiln.strategies.launcher_settings import settings_to_json
 
         flags = ([f"--weights={weights}"] if weights else []) + (["--random-weights"] if random_weights else [])
-        return launch_local(ns.nproc if ns.nproc > 1 else 0, ["-m", "kiln.cli", command, ns.config, *flags, *overrides],
-                            accelerate_config=ns.accelerate_config)
-    return _run(command, ns.config, overrides, weights, random_weights)
+        nproc, devices = ns.nproc if ns.nproc > 1 else 0, {}
+        if ns.accelerate_config:  # its settings travel to the workers as an argument, not as variables
+            num, settings, devices = accelerate_config_settings(ns.accelerate_config)
+            nproc = nproc or num
+            flags.append(f"--launcher-settings={settings_to_json(settings)}")
+        return launch_local(nproc, ["-m", "kiln.cli", command, ns.config, *flags, *overrides], extra_env=devices)
+    settings = None
+    if ns.launcher_settings:
+        from kiln.strategies.launcher_settings import settings_from_json
+
+        settings = settings_from_json(ns.launcher_settings)
+    return _run(command, ns.config, overrides, weights, random_weights, settings)
 
 
 if __name__ == "__main__":

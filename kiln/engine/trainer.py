@@ -34,7 +34,7 @@ from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.trainer_eval import EvaluationMixin
 from kiln.precision import build_precision
 from kiln.strategies import build_strategy, check_run_compatible
-from kiln.strategies.environment import load_with_launcher_settings
+from kiln.strategies.launcher_settings import load_with_launcher_settings
 
 
 class Trainer(EvaluationMixin, HyperparameterSearchMixin):

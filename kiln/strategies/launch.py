@@ -9,8 +9,9 @@ time and message of its own failure; after the job, `launch_local` prints the fa
 
 An accelerate config file (the YAML that `accelerate config` writes, e.g. the multi-GPU, FSDP and
 DeepSpeed examples in the Hugging Face docs) can be honoured without accelerate installed: its
-settings are exported to the workers as the same variables `accelerate launch` would set, so they
-reach the Trainer through the one path that reads them (`environment.launcher_overrides`).
+settings are read as `accelerate launch` would export them, turned into kiln settings once, and
+handed to the workers as an argument (`--launcher-settings`), where the same precedence rule as for
+a real `accelerate launch` applies (`launcher_settings.launcher_overrides`).
 """
 
 from __future__ import annotations
@@ -37,23 +38,20 @@ def launch_local(
     nproc: int,
     argv: Sequence[str],
     *,
-    accelerate_config: Optional[str] = None,
+    extra_env: Optional[dict[str, str]] = None,
     monitor_interval: float = 0.1,
 ) -> int:
     """Run `python <argv>` (e.g. `["-m", "kiln.cli", "fit", "cfg.yaml"]`, or a script path and its
     arguments) in `nproc` local processes; returns 0, or the exit code of the first failure.
 
-    `accelerate_config`: an accelerate config YAML whose settings the workers should see; its
-    `num_processes` is used when `nproc` is 0."""
+    `extra_env`: variables the outside world reads in the workers (CUDA_VISIBLE_DEVICES); kiln's own
+    settings travel as arguments (see `accelerate_config_settings`)."""
     from kiln.strategies.environment import detect
 
     if detect().distributed:
         raise RuntimeError("kiln --nproc was used inside an already launched job (WORLD_SIZE is set); "
                            "drop --nproc, the launcher already started the processes.")
-    extra_env: dict[str, str] = {}
-    if accelerate_config:
-        num, extra_env = accelerate_config_env(accelerate_config)
-        nproc = nproc or num
+    extra_env = dict(extra_env or {})
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}.")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -140,6 +138,16 @@ def _report(err: Any, report_dir: str) -> int:
     rank, failure = err.get_first_failure()
     print(f"kiln: rank {rank} failed (exit code {failure.exitcode}).", file=sys.stderr, flush=True)
     return failure.exitcode if failure.exitcode > 0 else 1
+
+
+def accelerate_config_settings(path: str) -> tuple[int, list[Any], dict[str, str]]:
+    """(num_processes, the kiln settings an `accelerate config` file asks for, the device variables
+    the workers' torch must see): what `kiln fit --accelerate-config FILE` hands its workers."""
+    from kiln.strategies.launcher_settings import accelerate_settings
+
+    num, env = accelerate_config_env(path)
+    devices = {k: v for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES"}
+    return num, accelerate_settings(env), devices
 
 
 def accelerate_config_env(path: str) -> tuple[int, dict[str, str]]:

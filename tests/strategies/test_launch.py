@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kiln.strategies import launch
-from kiln.strategies.environment import accelerate_settings
+from kiln.strategies.launcher_settings import accelerate_settings
 
 # The accelerate config files of the Hugging Face docs (multi-GPU DDP, FSDP, DeepSpeed file / inline).
 MULTI_GPU = """compute_environment: LOCAL_MACHINE

@@ -12,7 +12,7 @@ import torch
 
 from kiln.config.load import load_config
 from kiln.strategies.capabilities import check_compatible
-from kiln.strategies.environment import accelerate_settings
+from kiln.strategies.launcher_settings import accelerate_settings
 from kiln.strategies.fsdp import FSDPStrategy
 from kiln.strategies.fsdp_options import FSDPSettings
 from kiln.strategies.fsdp_wrap import blocks_to_wrap
