@@ -85,13 +85,7 @@ CASES = {
 }
 
 
-PER_MICRO_BATCH = pytest.mark.xfail(strict=True, reason=(
-    "kiln applies the rule to the whole step's loss (FitLoop._optimizer_step queues one sum per step), HF to each "
-    "micro-batch: with accumulation a nan micro-batch also drops its window's finite ones. The fix changes what "
-    "_optimizer_step queues, which the strategy-seams redesign owns."))
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=PER_MICRO_BATCH) if CASES[c][1] > 1 else c for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_logged_loss_follows_hfs_rule(tmp_path, case):
     values, accum = CASES[case]
     steps = len(values) // accum

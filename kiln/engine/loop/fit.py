@@ -117,7 +117,7 @@ class FitLoop:
         self.last_logged, self.window_start = state.global_step, start
         self.samples_at_log, self.tokens_at_log = 0, 0
         self.tr_loss, self.steps_before_resume = tr_loss, 0
-        self.pending: list[torch.Tensor] = []  # step losses not yet folded into tr_loss / total_loss
+        self.pending: list[torch.Tensor] = []  # per step, its micro-batch losses not yet folded into the sums
         self.epoch_rng = EpochRandomState(loader)
         t.checkpoints.restore_loop(self)  # resumed: the running loss sums exactly as they were saved
         tr_loss = self.tr_loss
@@ -243,29 +243,31 @@ class FitLoop:
         strategy.on_step_end()
         state.global_step += 1
         self.steps_this_run += 1
-        # The step loss is only queued: folding it into the sums costs several tiny tensor ops, which
-        # are done once per log/save instead of once per step.
-        self.pending.append(sum(losses[1:], losses[0]))
+        # The micro-batch losses are only queued: folding them into the sums costs several tiny tensor
+        # ops, which are done once per log/save instead of once per step.
+        self.pending.append(torch.stack(losses))
         return tr_loss
 
     def _fold(self, tr_loss: torch.Tensor) -> torch.Tensor:
-        """Add the queued step losses to tr_loss and total_loss (before logs, saves and the end).
+        """Add the queued micro-batch losses to tr_loss and total_loss (before logs, saves and the end).
 
-        With `nan_inf_filter`, a nan/inf step loss counts as the logging window's mean so far (HF's
-        rule); train_loss uses the same filtered values."""
+        With `nan_inf_filter`, a nan/inf micro-batch loss counts as the logging window's mean so far,
+        per micro-batch as in HF (the finite micro-batches of the same window still count);
+        train_loss uses the same filtered values."""
         pending, self.pending = self.pending, []
         if not pending:
             return tr_loss
-        stacked = torch.stack(pending)
-        if not self.nan_inf_filter or bool(torch.isfinite(stacked).all()):
-            self.total_loss += stacked.double().sum()
-            return tr_loss + stacked.sum()
+        flat = torch.cat(pending)
+        if not self.nan_inf_filter or bool(torch.isfinite(flat).all()):
+            self.total_loss += flat.double().sum()
+            return tr_loss + flat.sum()
         first_step = self.trainer.state.global_step - len(pending) + 1
-        for j, value in enumerate(pending):
-            steps_before = first_step + j - 1 - self.last_logged
-            value = torch.where(torch.isfinite(value), value, tr_loss / (1 + steps_before))
-            self.total_loss += value.double()
-            tr_loss = tr_loss + value
+        for j, micro_losses in enumerate(pending):
+            steps_before = first_step + j - 1 - self.last_logged  # completed steps in this logging window
+            for value in micro_losses:
+                value = torch.where(torch.isfinite(value), value, tr_loss / (1 + steps_before))
+                self.total_loss += value.double()
+                tr_loss = tr_loss + value
         return tr_loss
 
     @staticmethod
