@@ -125,23 +125,45 @@ TABLE: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
     ("fp16_opt_level", "O2", {"precision.fp16_opt_level": "O2"}, {}),
     ("half_precision_backend", "cpu_amp", {"precision.half_precision_backend": "cpu_amp"}, {}),
     ("fp16_backend", "cpu_amp", {"precision.half_precision_backend": "cpu_amp"}, {}),
+    # HF names implemented after this table was first written (issues 15, 16, 19, FSDP)
+    ("use_mps_device", True, {"strategy.name": "mps"}, {}),
+    ("optim_target_modules", ["attn"], {"optim.target_modules": ["attn"]}, {}),
+    ("debug", "underflow_overflow", {"train.debug": ["underflow_overflow"]}, {}),
+    ("accelerator_config", {"split_batches": True}, {"data.split_batches": True}, {}),
+    ("split_batches", True, {"data.split_batches": True}, {}),
+    ("dispatch_batches", True, {"data.dispatch_batches": True}, {}),
+    ("even_batches", False, {"data.even_batches": False}, {}),
+    ("use_seedable_sampler", True, {}, {}),  # what kiln's sampler always is; False is refused below
+    ("activation_checkpointing", True, {"train.gradient_checkpointing": True}, {}),
+    ("activation_checkpointing_kwargs", {"use_reentrant": False},
+     {"train.gradient_checkpointing_kwargs": {"use_reentrant": False}}, {}),
+    ("dataloader_in_order", True, {}, {}),  # kiln's batches always arrive in order
+    ("dataloader_multiprocessing_context", "spawn", {"data.dataloader_multiprocessing_context": "spawn"}, {}),
+    ("torch_empty_cache_steps", 5, {"train.torch_empty_cache_steps": 5}, {}),
+    ("use_cache", False, {"train.use_cache": False}, {}),
+    ("ddp_static_graph", True, {"strategy.static_graph": True}, {}),
+    ("generation_config", {"max_new_tokens": 5}, {"eval.generation_kwargs": {"max_new_tokens": 5}}, {}),
+    ("include_for_metrics", ["inputs"], {"eval.include_inputs_for_metrics": True}, {}),
+    ("train_sampling_strategy", "group_by_length", {"data.group_by_length": True}, {}),
+    ("fsdp_min_num_params", 100, {"strategy.options": {"min_num_params": 100}}, {}),
+    ("fsdp_transformer_layer_cls_to_wrap", "Block", {"strategy.options": {"wrap": ["Block"]}}, {}),
+    ("enable_jit_checkpoint", True, {"save.on_preemption": True}, {}),
+    ("eval_use_gather_object", True, {"eval.use_gather_object": True}, {}),
 ]
 
 # accepted and dropped: scripts read them, the Trainer does not (or a feature that is off)
-IGNORED = ["do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "use_mps_device", "ray_scope",
-           "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
+IGNORED = ["do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "ray_scope",
+           "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
            "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"]
 
 # not implemented: accepted while off, refused (naming the argument) when on
 REFUSED_WHEN_ON = {
     "jit_mode_eval": True, "use_ipex": True, "use_liger_kernel": True, "liger_kernel_config": {"rms_norm": True},
-    "optim_target_modules": ["attn"], "past_index": 2, "debug": "underflow_overflow", "tpu_metrics_debug": True,
+    "past_index": 2, "tpu_metrics_debug": True,  # the XLA metrics report: refused without an XLA strategy
     "use_legacy_prediction_loop": True, "sharded_ddp": "simple", "mp_parameters": "x", "sortish_sampler": True,
-    "accelerator_config": {"split_batches": True}, "split_batches": True, "dispatch_batches": True,
-    "push_to_hub": True,
+    "push_to_hub": True, "parallelism_config": {"tp_size": 2},
 }
-OFF = {"past_index": -1, "debug": "", "mp_parameters": "", "accelerator_config": None, "liger_kernel_config": None,
-       "optim_target_modules": None, "sharded_ddp": ""}
+OFF = {"past_index": -1, "mp_parameters": "", "liger_kernel_config": None, "sharded_ddp": "", "parallelism_config": None}
 
 
 def _plain(cfg: Any) -> dict[str, Any]:

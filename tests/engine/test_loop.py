@@ -39,8 +39,7 @@ def test_logging_steps_first_step_and_history(tmp_path):
     steps = [h["step"] for h in trainer.state.log_history if "loss" in h]
     assert steps == [1, 4, 8]
     first = trainer.state.log_history[0]
-    for key in ("loss", "grad_norm", "learning_rate", "epoch", "samples_per_second", "steps_per_second"):
-        assert key in first
+    assert set(first) == {"loss", "grad_norm", "learning_rate", "epoch", "step"}  # HF's keys; throughput goes to loggers
     assert "train_runtime" in trainer.state.log_history[-1] and "train_loss" in trainer.state.log_history[-1]
 
 
