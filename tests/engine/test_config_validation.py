@@ -69,7 +69,7 @@ GOOD: list[dict[str, Any]] = [
     {"warmup_ratio": 1.0}, {"warmup_ratio": 0.0}, {"max_grad_norm": 0.0}, {"num_train_epochs": 0.0},
     {"max_steps": -1}, {"dataloader_num_workers": 0}, {"learning_rate": 0.0}, {"weight_decay": 0.0},
     {"warmup_steps": 0}, {"eval_steps": 0.5}, {"save_steps": 1}, {"logging_steps": 0.01}, {"save_steps": 3.0},
-    {"neftune_noise_alpha": 5.0}, {"save_strategy": "best", "eval_strategy": "epoch"}, {"log_level": "critical"},
+    {"neftune_noise_alpha": 5.0}, {"save_strategy": "best", "eval_strategy": "epoch", "metric_for_best_model": "loss"}, {"log_level": "critical"},
     {"precision": {"full_eval": "bf16"}}, {"half_precision_backend": "cpu_amp"}, {"log": {"log_artifacts": "END"}},
     {"report_to": ["all"]}, {"save_total_limit": 1}, {"eval_accumulation_steps": 1},
     {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 6},
