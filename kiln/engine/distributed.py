@@ -75,17 +75,25 @@ def main_process_first(local: bool = True, desc: str = "work", strategy: Optiona
 
 def check_same_output_dir(config: "DictConfig", strategy: "Strategy") -> None:
     """Every rank must write into one output_dir (checkpoints are assembled there from every rank's
-    files); refuse a mismatch before training instead of failing later inside a save."""
+    files); refuse a mismatch before training instead of failing later inside a save. With
+    `save_on_each_node` each node writes its own copy (no shared filesystem), so only ranks of one
+    node must agree."""
     if strategy.world_size <= 1:
         return
     import os
 
     from kiln.utils.errors import ConfigError
 
-    dirs = strategy.all_gather_object(os.path.normpath(str(config.output_dir)))
-    if len(set(dirs)) > 1:
-        shown = ", ".join(f"rank {r}: {d!r}" for r, d in enumerate(dirs))
-        raise ConfigError(f"output_dir differs between ranks ({shown}); give every rank the same output_dir.")
+    per_node = bool(config.save.on_each_node)
+    mine = (strategy.node_rank if per_node else 0, os.path.normpath(str(config.output_dir)))
+    everyone = strategy.all_gather_object(mine)
+    groups: dict[int, set[str]] = {}
+    for node, path in everyone:
+        groups.setdefault(node, set()).add(path)
+    if any(len(paths) > 1 for paths in groups.values()):
+        shown = ", ".join(f"rank {r}: {d!r}" for r, (_, d) in enumerate(everyone))
+        where = "ranks of one node" if per_node else "ranks"
+        raise ConfigError(f"output_dir differs between {where} ({shown}); give every rank the same output_dir.")
 
 
 def _topology(strategy: Optional["Strategy"]) -> tuple[int, int, int, Any]:

@@ -60,8 +60,10 @@ def test_two_nodes_save_and_log_per_node(tmp_path):
         assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "COMPLETE", f"rng_state_{node}.pth"} <= files
     # loggers: node 1's local rank 0 opens no tracker run and writes no history, on its own disk or elsewhere
     assert sorted(os.listdir(tmp_path / "node1")) == ["checkpoint-2"]
-    assert {"metrics.csv", "metrics.jsonl", "runs"} <= set(os.listdir(tmp_path / "node0"))
-    assert len(os.listdir(tmp_path / "node0" / "runs")) == 1 and len(os.listdir(tmp_path / "shared" / "runs")) == 1
+    runs = tmp_path / "node0" / "runs"  # the logging dir: history files and one tensorboard run
+    assert {"metrics.csv", "metrics.jsonl"} <= set(os.listdir(runs))
+    assert len([d for d in runs.iterdir() if d.is_dir()]) == 1
+    assert len([d for d in (tmp_path / "shared" / "runs").iterdir() if d.is_dir()]) == 1
     shared = set(os.listdir(tmp_path / "shared" / "checkpoint-2"))  # one writer, every rank's RNG
     assert {"model.safetensors", "COMPLETE", "rng_state_0.pth", "rng_state_1.pth"} <= shared
 
