@@ -19,6 +19,7 @@ from torch import nn
 
 from kiln import TrainingModule
 from kiln.utils.errors import CapabilityError
+from tests.helpers import padded_token_data
 
 SCENARIOS = ("fit", "evaluate", "predict", "resume", "export", "auto_batch_size", "full_eval")
 STEPS = 6
@@ -45,16 +46,8 @@ class ContractNet(TrainingModule):
         return {"loss": loss, "logits": logits, "labels": batch["labels"]}
 
 
-def token_data(n: int, seed: int, length: int = 10, vocab: int = 11) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        real = int(torch.randint(1, length + 1, (1,), generator=g))
-        ids = torch.randint(0, vocab, (length,), generator=g)
-        labels = ids.roll(-1).clone()
-        labels[real:] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+def token_data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    return padded_token_data(n, length=10, seed=seed)
 
 
 def config(root: str, name: str, world: int, **extra: Any) -> dict[str, Any]:
