@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -114,12 +115,22 @@ def kiln_loop(model: nn.Module, data: list, batch: int, steps: int, find_unused:
                 torch.cuda.synchronize()
             ends.append((time.perf_counter(), time.process_time()))
 
-    with tempfile.TemporaryDirectory() as out:
+    import torch.distributed as dist
+
+    # one output_dir for every rank (kiln refuses ranks that disagree), made by rank 0
+    made = [tempfile.mkdtemp(prefix="kiln-ddp-bench-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, src=0)
+    out = made[0]
+    try:
         cfg = {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": 1e-4,
                "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "log": {"history": []},
                "strategy": {"name": "ddp", "find_unused_parameters": find_unused},
                "average_tokens_across_devices": token_exact}
         Trainer(model, cfg, train_dataset=data, callbacks=[Clock()]).fit()
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(out, ignore_errors=True)
     return _durations(ends)
 
 
