@@ -12,17 +12,15 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from kiln.config import load_config
 from kiln.engine.loop.batch_size import is_out_of_memory
 from kiln.engine.callbacks.base import Callback, CallbackHandler, DefaultFlowCallback
 from kiln.engine.checkpoint.manager import CheckpointManager, list_checkpoints, resolve_resume
 from kiln.engine.data.loaders import build_dataloader
-from kiln.engine.model.dispatch import StepDispatcher
 from kiln.engine.distributed import check_same_output_dir, configure_logging
 from kiln.utils.errors import KilnError
 from kiln.engine.loop.fit import FitLoop, TrainOutput
 from kiln.engine.hp_search import HyperparameterSearchMixin, call_model_init
-from kiln.engine.loop.loss_weights import MicroBatch, WindowWeights
+from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.engine.model.label_smoothing import label_smoothing_factor
 from kiln.engine.model.neftune import neftune
 from kiln.engine.model.module import (
@@ -32,12 +30,13 @@ from kiln.engine.optim.optimizers import build_optimizer, build_scheduler, sched
 from kiln.engine.seed import set_seed
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.trainer_eval import EvaluationMixin
+from kiln.engine.trainer_setup import SetupMixin, _config_or_args, _pop_objects
 from kiln.precision import build_precision
 from kiln.strategies import build_strategy, check_run_compatible
 from kiln.strategies.launcher_settings import load_with_launcher_settings
 
 
-class Trainer(EvaluationMixin, HyperparameterSearchMixin):
+class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
     """Train, evaluate and predict with a TrainingModule or an HF-contract nn.Module.
 
     `config` is a TrainingConfig, dict (HF flat names allowed), YAML path, DictConfig or a
@@ -231,55 +230,6 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
         self.create_optimizer()
         self.create_scheduler(num_training_steps, self.optimizer)
 
-    def _module_to_set_up(self) -> nn.Module:
-        """The module the strategy sets up: a TrainingModule behind its StepDispatcher (so wrappers
-        that hook forward see every step), with gradient checkpointing enabled first."""
-        if self._forward_module is None:
-            if self.config.train.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
-                kwargs = self.config.train.gradient_checkpointing_kwargs or {}
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(kwargs))
-            self._forward_module = StepDispatcher(self.model) if self._training_module else self.model
-        return self._forward_module
-
-    def setup_model(self) -> nn.Module:
-        """The module set up by the strategy for evaluation (before training: without an optimizer)."""
-        if self._setup_stage is None:
-            self.model_wrapped = self.strategy.setup(self._module_to_set_up()).model
-            self._setup_stage = "eval"
-        return self.model_wrapped
-
-    def setup_training(self, max_steps: Optional[int] = None) -> None:
-        """Module, optimizer and (given the step count) scheduler, set up by the strategy in one call."""
-        if self._setup_stage != "train":
-            schedule = (lambda optimizer: self.create_scheduler(max_steps, optimizer)) if max_steps is not None else None
-            setup = self.strategy.setup(self._module_to_set_up(), lambda _model: self.create_optimizer(), schedule)
-            self.model_wrapped, self.optimizer = setup.model, setup.optimizer
-            if setup.scheduler is not None:
-                self.lr_scheduler = setup.scheduler
-            self._setup_stage = "train"
-        elif max_steps is not None and self.lr_scheduler is None:  # set up earlier without a step count (auto batch size)
-            self.create_scheduler(max_steps, self.optimizer)
-        elif max_steps is not None:
-            self.scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
-        if max_steps is not None:
-            self.precision.setup()
-
-    # -- one micro-batch (HF override points) -----------------------------------------------
-    def loss_weights(self, window: list[Any]) -> Optional[WindowWeights]:
-        """Per-micro-batch loss weights for this window (None: one micro-batch on one shard, whose
-        mean loss needs no weighting). See kiln.engine.loop.loss_weights."""
-        s = self.strategy
-        if len(window) == 1 and (s.data_shards == 1 or not self._global_mean) and not self._accepts_num_items:
-            return None
-        counts = [torch.as_tensor(self._count_items(b), device=s.root_device) for b in window]
-        return WindowWeights.for_window(counts, data_shards=s.data_shards, grad_divisor=s.grad_divisor,
-                                        global_mean=self._global_mean, model_divides=self._model_divides(window),
-                                        reduce_async=s.reduce_async)
-
-    def _model_divides(self, window: list[Any]) -> bool:
-        """HF passes num_items_in_batch (and the model divides by it) only when the batch has `labels`."""
-        return self._accepts_num_items and isinstance(window[0], Mapping) and "labels" in window[0]
-
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
         """The loss of one micro-batch (mean over its items); override for a custom loss."""
         if self._training_module:
@@ -434,27 +384,3 @@ class Trainer(EvaluationMixin, HyperparameterSearchMixin):
             raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before "
                              "(call create_optimizer() or train() first).")
         return self.optimizer
-
-
-def _config_or_args(config: Any, args: Any) -> Any:
-    """`args=` is HF's name for the settings (a TrainingArguments, or anything `config=` takes)."""
-    if args is None:
-        return config
-    if config is not None:
-        raise KilnError("Trainer got both `config=` and `args=`; pass the settings once (args= is HF's name for config=).")
-    return args
-
-
-def _pop_objects(config: Any, strategy: Any, precision: Any) -> tuple[Any, Any, Any]:
-    """Allow `{"strategy": MyStrategy(), ...}` in a dict config: objects travel beside the config."""
-    if isinstance(config, Mapping):
-        config = dict(config)
-        for key in ("strategy", "precision"):
-            value = config.get(key)
-            if value is not None and not isinstance(value, (str, Mapping)):
-                config.pop(key)
-                if key == "strategy":
-                    strategy = strategy or value
-                else:
-                    precision = precision or value
-    return config, strategy, precision

@@ -8,8 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from kiln import Trainer
 from tests.helpers import TinyRegressor, base_config, flat_params, regression_data
@@ -40,17 +38,9 @@ def test_second_train_with_model_init_is_a_fresh_reseeded_run(tmp_path):
     assert not torch.equal(flat_params(trainer.model), first)
 
 
-class Lin(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 1)
-
-    def forward(self, x, labels=None):
-        return {"loss": F.mse_loss(self.lin(x).squeeze(-1), labels)}
-
-
 def test_second_train_without_model_init_matches_hf_trainer(tmp_path):
     transformers = pytest.importorskip("transformers")
+    from tests.engine.test_flow_vs_hf import Lin  # the same plain HF-contract model
     rows = [{"x": d["x"], "labels": d["y"]} for d in regression_data(16)]
     torch.manual_seed(0)
     model = Lin()
