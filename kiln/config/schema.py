@@ -56,7 +56,8 @@ class DataConfig:
     dataloader_persistent_workers: bool = opt(False, "Keep workers alive between epochs.")
     dataloader_prefetch_factor: Optional[int] = opt(None, "Batches each worker loads ahead.")
     auto_find_batch_size: bool = opt(
-        False, "Before training, lower per_device_train_batch_size by 10% steps until the first step fits in memory.")
+        False, "Before training, lower per_device_train_batch_size by 10% steps until the first step fits in memory; a later "
+        "out-of-memory error (one process) redoes its step with smaller micro-batches and more accumulation.")
     group_by_length: bool = opt(False, "Group samples of similar length into batches (less padding).")
     length_column_name: str = opt("length", "Key holding precomputed lengths for group_by_length.")
     remove_unused_columns: bool = opt(True, "Drop batch keys the model's forward() does not accept (HF models).")

@@ -10,7 +10,9 @@ decays by 10% (accelerate's `find_executable_batch_size`, which HF uses).
 The attempt runs on the strategy's `probe_module` (for DDP the unwrapped module: no gradient
 all-reduce, so a rank that runs out of memory cannot leave another waiting in a collective) and one
 all-reduce per attempt makes every rank agree. Strategies that cannot probe this way declare it in
-their capabilities, and the combination is refused before training. A resumed run takes the size its checkpoint was trained with instead of searching.
+their capabilities, and the combination is refused before training. A resumed run takes the size
+(and accumulation) its checkpoint was trained with instead of searching. An out-of-memory error
+later in training is handled by `oom_recovery`.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and len(err.args) == 1 and any(m in str(err.args[0]) for m in _OOM_MESSAGES)
 
 
-def saved_batch_size(checkpoint: str) -> int | None:
-    """The per-device batch size a checkpoint was trained with (its config.yaml)."""
+def saved_batch_size(checkpoint: str) -> tuple[int, int] | None:
+    """The (per-device batch size, gradient accumulation steps) a checkpoint was trained with (its
+    config.yaml): the accumulation too, since an out-of-memory error during training may have changed both."""
     from omegaconf import OmegaConf
 
     from kiln.engine.checkpoint.manager import CONFIG
@@ -51,8 +54,9 @@ def saved_batch_size(checkpoint: str) -> int | None:
     path = os.path.join(checkpoint, CONFIG)
     if not os.path.exists(path):
         return None
-    value = OmegaConf.select(OmegaConf.load(path), "data.per_device_train_batch_size")
-    return int(value) if value is not None else None
+    saved = OmegaConf.load(path)
+    size, k = OmegaConf.select(saved, "data.per_device_train_batch_size"), OmegaConf.select(saved, "train.gradient_accumulation_steps")
+    return (int(size), int(k)) if size is not None and k is not None else None
 
 
 def find_batch_size(trainer: "TrainerLike") -> Iterable[Any]:

@@ -28,6 +28,7 @@ from kiln.engine.callbacks.base import interval
 from kiln.engine.data.epoch_rng import EpochRandomState
 from kiln.engine.data.loaders import loader_length, set_epoch
 from kiln.engine.loop.loss_weights import MicroBatch
+from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
 from kiln.engine.loop.preemption import Preemption
 from kiln.utils.tensors import batch_size_of
 
@@ -119,6 +120,7 @@ class FitLoop:
         self.tr_loss, self.steps_before_resume = tr_loss, 0
         self.pending: list[torch.Tensor] = []  # per step, its micro-batch losses not yet folded into the sums
         self.epoch_rng = EpochRandomState(loader)
+        self.oom = OomRecovery(self)  # auto_find_batch_size: a later out-of-memory shrinks the micro-batch
         t.checkpoints.restore_loop(self)  # resumed: the running loss sums exactly as they were saved
         tr_loss = self.tr_loss
         model.train()
@@ -142,7 +144,13 @@ class FitLoop:
                 window = self._next_window(iterator, k)
                 if not window:
                     break
-                tr_loss = self._optimizer_step(window, model, tr_loss)
+                try:
+                    tr_loss = self._optimizer_step(window, model, tr_loss)
+                except WindowOutOfMemory:
+                    del window, iterator  # frees the batches and the old loader's workers
+                    loader, iterator, k = self.oom.recover(epoch, seed)  # same samples, smaller micro-batches
+                    batches_per_epoch = loader_length(loader)
+                    continue
                 state.batches_into_epoch += len(window)
                 if batches_per_epoch:
                     state.epoch = epoch + state.batches_into_epoch / batches_per_epoch
@@ -191,7 +199,8 @@ class FitLoop:
         saved = saved_batch_size(resume_path) if resume_path else None
         if saved is None:
             return find_batch_size(t)
-        t.config.data.per_device_train_batch_size = saved  # the size the checkpoint's data position counts in
+        # the sizes the checkpoint's data position counts in (oom_recovery may have changed both)
+        t.config.data.per_device_train_batch_size, t.config.train.gradient_accumulation_steps = saved
         return t.get_train_dataloader()
 
     # -- one optimizer step -----------------------------------------------------------------
@@ -213,19 +222,20 @@ class FitLoop:
         num_items = weights.total if weights is not None and t.wants_num_items else None
         losses = []
         last = len(window) - 1
-        for i, batch in enumerate(window):
-            self.samples += batch_size_of(batch)
-            ids = batch.get("input_ids") if isinstance(batch, dict) else None
-            if isinstance(ids, torch.Tensor):
-                self.tokens += ids.numel()
-                # total_flos: the model's own count (Transformers), else HF's 6 x tokens x parameters
-                self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * ids.numel()
-            t.current_micro_batch = micro = MicroBatch(i, i == last, weights)
-            with strategy.micro_batch_context(model, boundary=micro.boundary):
-                losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
-            strategy.on_micro_batch_end()
-            if i < last:
-                control = t.callback_handler.call("on_substep_end", cfg, state, control)
+        with self.oom.guard(model):  # auto_find_batch_size: out of memory here redoes the step smaller
+            for i, batch in enumerate(window):
+                self.samples += batch_size_of(batch)
+                ids = batch.get("input_ids") if isinstance(batch, dict) else None
+                if isinstance(ids, torch.Tensor):
+                    self.tokens += ids.numel()
+                    # total_flos: the model's own count (Transformers), else HF's 6 x tokens x parameters
+                    self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * ids.numel()
+                t.current_micro_batch = micro = MicroBatch(i, i == last, weights)
+                with strategy.micro_batch_context(model, boundary=micro.boundary):
+                    losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
+                strategy.on_micro_batch_end()
+                if i < last:
+                    control = t.callback_handler.call("on_substep_end", cfg, state, control)
         t.current_micro_batch = None
         if self.count_tokens_seen:  # a host read per step only when several shards must be summed (as HF)
             tokens = self.tokens_in(window)
