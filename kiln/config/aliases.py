@@ -66,6 +66,7 @@ PATHS: dict[str, str] = {
     "eval_steps": "eval.steps",
     "eval_delay": "eval.delay",
     "eval_on_start": "eval.on_start",
+    "jit_mode_eval": "eval.compile",  # TorchScript is deprecated: the evaluation forward is compiled instead
     "eval_accumulation_steps": "eval.accumulation_steps",
     "prediction_loss_only": "eval.prediction_loss_only",
     "include_inputs_for_metrics": "eval.include_inputs_for_metrics",
@@ -123,7 +124,6 @@ IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "
 # HF arguments kiln does not implement: accepted while off (their HF default), refused with the reason
 # and the alternative when switched on.
 UNSUPPORTED = {
-    "jit_mode_eval": "TorchScript tracing is deprecated in PyTorch; set torch_compile: true instead",
     "use_ipex": "use bf16 and torch_compile for the CPU speed-ups instead of Intel Extension for PyTorch",
     "use_liger_kernel": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
     "liger_kernel_config": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",

@@ -118,6 +118,9 @@ class EvalConfig:
     do_concat_batches: bool = opt(True, "Concatenate per-batch predictions (False keeps a list per batch).")
     batch_eval_metrics: bool = opt(False, "Call compute_metrics per batch with compute_result.")
     padding_index: int = opt(-100, "Value used to pad predictions of different lengths.")
+    compile: bool = opt(
+        False, "Run the evaluation/prediction forward through torch.compile, with train.torch_compile_backend and "
+        "torch_compile_mode (jit_mode_eval: HF's TorchScript tracing, which PyTorch deprecated).")
     use_gather_object: bool = opt(
         False, "Gather outputs across ranks as Python objects (all_gather_object), for predictions that are not "
         "tensors (e.g. decoded strings); slower, opt-in (eval_use_gather_object).")

@@ -166,6 +166,12 @@ class EvaluationMixin(BestModelMixin):
         cfg, s, e = self.config, self.strategy, self.config.eval
         loss_only = e.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
         model = self.setup_model()
+        if cfg.eval.compile:  # jit_mode_eval: the forward below runs through torch.compile
+            if getattr(self, "_eval_compiler", None) is None:
+                from kiln.engine.evaluation.compiled import EvalCompiler
+
+                self._eval_compiler = EvalCompiler()
+            model = self._eval_compiler(model, cfg.train)
         sampler = _sampler_of(dataloader)
         distributed = s.data_shards > 1 and isinstance(sampler, SequentialDistributedSampler)
         if s.data_shards > 1 and not distributed:

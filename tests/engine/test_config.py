@@ -58,7 +58,6 @@ def test_strategy_mapping_keeps_unknown_keys_as_options():
     ({"report_to": ["tensorbord"]}, "Unknown logger 'tensorbord'"),
     ({"push_to_hub": True}, "push_to_hub is not supported"),
     ({"load_best_model_at_end": True}, "load_best_model_at_end needs evaluation during training"),
-    ({"jit_mode_eval": True}, "jit_mode_eval=True is not supported by kiln: TorchScript tracing is deprecated"),
     ({"past_index": 2}, "past_index=2 is not supported by kiln"),
     ({"accelerator_config": {"gradient_accumulation_kwargs": {"num_steps": 2}}},
      "accelerator_config gradient_accumulation_kwargs={'num_steps': 2} is not supported: use train.gradient_accumulation_steps"),

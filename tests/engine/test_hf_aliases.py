@@ -148,6 +148,7 @@ TABLE: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
     ("fsdp_min_num_params", 100, {"strategy.options": {"min_num_params": 100}}, {}),
     ("fsdp_transformer_layer_cls_to_wrap", "Block", {"strategy.options": {"wrap": ["Block"]}}, {}),
     ("enable_jit_checkpoint", True, {"save.on_preemption": True}, {}),
+    ("jit_mode_eval", True, {"eval.compile": True}, {}),
     ("eval_use_gather_object", True, {"eval.use_gather_object": True}, {}),
 ]
 
@@ -158,7 +159,7 @@ IGNORED = ["do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "
 
 # not implemented: accepted while off, refused (naming the argument) when on
 REFUSED_WHEN_ON = {
-    "jit_mode_eval": True, "use_ipex": True, "use_liger_kernel": True, "liger_kernel_config": {"rms_norm": True},
+    "use_ipex": True, "use_liger_kernel": True, "liger_kernel_config": {"rms_norm": True},
     "past_index": 2, "tpu_metrics_debug": True,  # the XLA metrics report: refused without an XLA strategy
     "use_legacy_prediction_loop": True, "sharded_ddp": "simple", "mp_parameters": "x", "sortish_sampler": True,
     "push_to_hub": True, "parallelism_config": {"tp_size": 2},
