@@ -185,6 +185,7 @@ class Strategy:
         optimizer = optimizer_factory(self._wrapped)
         model, optimizer = self.setup_optimizer(self._wrapped, optimizer)
         self._wrapped = model
+        self._backward_owner = self._optimizer_owning_backward(optimizer)
         scheduler = scheduler_factory(optimizer) if scheduler_factory is not None else None
         return Setup(model, optimizer, scheduler)
 
@@ -222,9 +223,29 @@ class Strategy:
         micro-batch of an accumulation window (DDP skips the gradient all-reduce on the others)."""
         return contextlib.nullcontext()
 
+    #: an optimizer that updates the parameters inside backward (`owns_backward`, e.g. LOMO), or None
+    _backward_owner: Any = None
+
+    def _optimizer_owning_backward(self, optimizer: Any) -> Any:
+        """`optimizer` if it owns backward (`owns_backward = True` and `backward_and_step(loss)`): the
+        loss goes to it instead of to `loss.backward()`, and `optimizer_step` has nothing left to do."""
+        if not getattr(optimizer, "owns_backward", False):
+            return None
+        name = type(optimizer).__name__
+        if self.world_size > 1:
+            raise ConfigError(f"{name} updates each parameter inside backward, before gradients could be averaged "
+                              "across processes, so the ranks would drift apart; run it on one process.")
+        if self.precision.uses_grad_scaler:
+            raise ConfigError(f"{name} updates each parameter inside backward, before a gradient scaler could unscale "
+                              "or skip the step; use precision bf16 or fp32 (LOMO scales an fp16 loss itself).")
+        return optimizer
+
     def backward(self, loss: torch.Tensor, model: nn.Module, *, boundary: bool = True) -> None:
         """Backward of an already-normalised loss (kiln weights each micro-batch itself: a strategy
         must not divide by the accumulation steps again)."""
+        if self._backward_owner is not None:
+            self._backward_owner.backward_and_step(loss)
+            return
         self.precision.backward(loss)
 
     def on_micro_batch_end(self) -> None:
@@ -234,6 +255,9 @@ class Strategy:
                        max_grad_norm: Optional[float]) -> StepResult:
         """The whole step: unscale, (reduce), clip to `max_grad_norm` (None or 0: no clipping), step
         unless the gradients hold inf/nan. Returns whether it stepped and the pre-clip norm."""
+        if self._backward_owner is not None:  # it stepped inside backward; no gradients are left to clip
+            optimizer.step()  # a no-op, which the scheduler's step counter still expects first
+            return StepResult(True, None)
         grad_norm = None
         if max_grad_norm:
             self.precision.unscale_gradients(optimizer)

@@ -23,6 +23,7 @@ from torch import nn
 
 from kiln.config.schema import OptimConfig
 from kiln.engine.optim import optional as _optional
+from kiln.engine.optim import lomo as _lomo
 from kiln.engine.optim.schedulers import (
     SCHEDULERS,
     GreedyLR,
@@ -125,18 +126,17 @@ for _name, _instead in {
     "adamw_apex_fused": "use adamw_torch_fused (torch's fused AdamW kernel)",
     "adamw_torch_npu_fused": _USE_ADAMW,
     "adamw_anyprecision": _USE_ADAMW + " with precision bf16-true",
-    # these step each parameter inside backward (a hook per parameter, or LOMO's fused_backward), which
-    # leaves nothing for kiln's step (accumulation, clipping, the precision plugin's inf check) to do
+    # these step each parameter inside a per-parameter hook of their own, which leaves nothing for kiln's
+    # step (accumulation, clipping, the precision plugin's inf check) to do (LOMO: see lomo.py)
     **dict.fromkeys(("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
                      "apollo_adamw_layerwise"), "use the same name without _layerwise"),
-    **dict.fromkeys(("lomo", "adalomo"), "LOMO fuses backward and step into one call, which kiln's step path "
-                                         "does not offer; " + _USE_ADAMW + ", or galore_adamw for low memory"),
     **dict.fromkeys(("stable_adamw", "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit"),
                     "register it with kiln.engine.optim.optimizers.OPTIMIZERS.add(name, factory), or " + _USE_ADAMW),
 }.items():
     OPTIMIZERS.add(_name, _unsupported(_name, _instead))
 
 _optional.register(OPTIMIZERS)  # schedule-free, GrokAdamW, torchao low-bit, GaLore, APOLLO
+_lomo.register(OPTIMIZERS)  # LOMO / AdaLomo: they own backward
 
 
 # ----------------------------------------------------------------------------- optim_args
