@@ -89,6 +89,17 @@ def test_a_micro_batch_of_one_cannot_be_halved(tmp_path):
     assert model.sizes == [2, 2, 1]
 
 
+def test_a_loader_that_ignores_the_new_size_is_one_sentence(tmp_path):
+    class FixedLoader(Trainer):
+        def get_train_dataloader(self):
+            return torch.utils.data.DataLoader(self.train_dataset, batch_size=8)
+
+    cfg = _config(tmp_path, "fixed", 8, 2, auto_find_batch_size=True)
+    trainer = FixedLoader(OomAt(at=(4,)), cfg, train_dataset=regression_data(n=64))
+    with pytest.raises(KilnError, match="get_train_dataloader\\(\\) still returns batches of 8 after per_device_train_batch_size was set to 4"):
+        trainer.fit()
+
+
 def test_out_of_memory_in_the_optimizer_step_is_not_redone(tmp_path):
     """The optimizer may have updated some parameters already: the run stops with the size and the fix."""
 

@@ -88,6 +88,10 @@ class OomRecovery:
         cfg.data.per_device_train_batch_size, cfg.train.gradient_accumulation_steps = new_size, new_k
         state.train_batch_size = new_size
         loader = t.get_train_dataloader()
+        if getattr(loader, "batch_size", new_size) != new_size:  # an override that ignores the setting
+            raise KilnError(f"auto_find_batch_size: out of memory at step {state.global_step + 1}, but get_train_dataloader() "
+                            f"still returns batches of {loader.batch_size} after per_device_train_batch_size was set to "
+                            f"{new_size}; build the loader from config.data.per_device_train_batch_size.")
         t.checkpoints.attach(loop, loader)
         start = loop.epoch_rng.start
         loop.epoch_rng = EpochRandomState(loader)
