@@ -17,8 +17,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -50,6 +51,26 @@ def _shard_batch_dim(output: Any, mesh: Any) -> None:
         tensor = output.get("logits", next(iter(output.values()), None)) if hasattr(output, "get") else None
     if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and tensor.device.type == "xla":
         xs.mark_sharding(tensor, mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
+
+
+@contextlib.contextmanager
+def _original_parameters(wrapped: nn.Module) -> Iterator[None]:
+    """Register the classic wrapper's full parameters back on the modules they came from, for the
+    time of the `with` block (XlaFullyShardedDataParallel keeps them in `full_param_infos`)."""
+    placed = []
+    for unit in wrapped.modules():
+        for (_name, owner, attr), param in zip(getattr(unit, "full_param_infos", ()), getattr(unit, "full_params", ())):
+            owner._parameters[attr] = param
+            placed.append((owner, attr, param))
+        for _name, _shared_name, owner, attr, shared_owner, shared_attr in getattr(unit, "shared_full_param_infos", ()):
+            owner._parameters[attr] = getattr(shared_owner, shared_attr)
+            placed.append((owner, attr, getattr(shared_owner, shared_attr)))
+    try:
+        yield
+    finally:
+        for owner, attr, param in placed:
+            owner._parameters.pop(attr, None)
+            object.__setattr__(owner, attr, param)
 
 
 @STRATEGIES.register("xla_fsdp")
@@ -104,6 +125,23 @@ class XLAFSDPStrategy(XLAStrategy):
         return self._mesh
 
     # -- set-up -----------------------------------------------------------------------------
+    def setup(self, module: nn.Module, optimizer_factory: Optional[Any] = None, scheduler_factory: Optional[Any] = None) -> Any:
+        """The classic wrapper takes the parameters away from the user's module and registers flat
+        shards on itself. The optimizer is still built by the user's factory over the user's
+        parameters (so weight-decay groups stay what they are), with them registered back for that
+        call, and each group then points at the shards."""
+        if self.spmd or optimizer_factory is None:
+            return super().setup(module, optimizer_factory, scheduler_factory)
+
+        def factory(wrapped: nn.Module) -> torch.optim.Optimizer:
+            with _original_parameters(wrapped):
+                optimizer = optimizer_factory(wrapped)
+            for group in optimizer.param_groups:
+                group["params"] = [getattr(p, "_sharded_param", p) for p in group["params"]]
+            return optimizer
+
+        return super().setup(module, factory, scheduler_factory)
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         from kiln.strategies.fsdp_wrap import blocks_to_wrap
 
