@@ -103,3 +103,13 @@ def test_refusals_are_one_sentence(tmp_path):
         Trainer(TinyRegressor(), cfg, train_dataset=regression_data(n=8))
     with pytest.raises(ConfigError, match="torch_compile"):
         Trainer(TinyRegressor(), _config(tmp_path, "compile", torch_compile=True), train_dataset=regression_data(n=8)).fit()
+
+
+def test_tpu_metrics_debug_prints_the_xla_report_after_evaluation_and_training(tmp_path, capsys):
+    torch.manual_seed(0)
+    cfg = _config(tmp_path, "report", max_steps=2, tpu_metrics_debug=True)
+    trainer = Trainer(TinyRegressor(), cfg, train_dataset=regression_data(n=64), eval_dataset=regression_data(n=16))
+    trainer.evaluate()
+    assert capsys.readouterr().out.count("Metric: CompileTime") == 1
+    trainer.fit()
+    assert capsys.readouterr().out.count("Metric: CompileTime") == 1
