@@ -113,3 +113,9 @@ def test_tpu_metrics_debug_prints_the_xla_report_after_evaluation_and_training(t
     assert capsys.readouterr().out.count("Metric: CompileTime") == 1
     trainer.fit()
     assert capsys.readouterr().out.count("Metric: CompileTime") == 1
+
+
+def test_bf16_autocast_trains_on_xla(tmp_path):
+    trainer, out = _train(tmp_path, "bf16", max_steps=2, bf16=True)
+    assert trainer.precision.name == "bf16"
+    assert torch.isfinite(torch.tensor(out.training_loss))
