@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from kiln.config.hf_xla import read_fsdp_config
+from kiln.strategies.fsdp_options import _names, _truthy
 from kiln.utils.errors import ConfigError
 
 WRAPPERS = ("spmd", "classic")
@@ -47,16 +48,6 @@ class XLAFSDPSettings:
     settings: dict[str, Any] = field(default_factory=dict)
     #: settings given that have no effect here (name -> why), logged once by the strategy
     no_effect: dict[str, str] = field(default_factory=dict)
-
-
-def _truthy(value: Any) -> bool:
-    return value.strip().lower() in {"1", "true", "yes", "on"} if isinstance(value, str) else bool(value)
-
-
-def _names(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return [str(v) for v in value]
 
 
 def _flags(value: Any, out: dict[str, Any]) -> None:
