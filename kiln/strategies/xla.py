@@ -71,7 +71,10 @@ def sync() -> None:
 @STRATEGIES.register("xla")
 class XLAStrategy(Strategy):
     name = "xla"
-    capabilities = Capabilities(devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, reasons=XLA_REASONS)
+    # auto_find_batch_size, full-eval casts and a user-built optimizer have not been run on XLA (an XLA
+    # out-of-memory error is no torch.OutOfMemoryError, so the probe could not see it): refused
+    capabilities = Capabilities(devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, auto_batch_size=False,
+                                full_eval_cast=False, user_optimizer=False, reasons=XLA_REASONS)
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         super().__init__(config, precision)

@@ -184,7 +184,10 @@ class XLAFSDPStrategy(XLAStrategy):
                               f"does not take ({err}); fix the settings.") from None
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return getattr(model, "module", model) if not isinstance(model, torch.nn.Sequential) else model
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+        return model.module if isinstance(model, (SpmdFullyShardedDataParallel, XlaFullyShardedDataParallel)) else model
 
     def process_dataloader(self, dataloader: Iterable[Any]) -> Iterable[Any]:
         if not self.spmd:
