@@ -29,7 +29,7 @@ def test_xla_suite_passes_in_the_xla_environment():
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
     env.pop("CPU_NUM_DEVICES", None)  # the SPMD tests set it for their own subprocesses
     proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/xla"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     summary = out.strip().splitlines()[-1]
