@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -117,7 +117,11 @@ class XLAStrategy(Strategy):
         if isinstance(dataloader, XLADeviceLoader) or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader  # a loader the user built for the device, or plain batches (moved per batch)
         static_shape_warning(dataloader)
-        return XLADeviceLoader(dataloader, self.root_device)
+        return XLADeviceLoader(dataloader, self.root_device, prepare=self.prepare_batch())
+
+    def prepare_batch(self) -> Optional[Callable[[Any], Any]]:
+        """What is done to each batch once it is on the device (SPMD marks its sharding); None: nothing."""
+        return None
 
     # -- step -------------------------------------------------------------------------------
     def on_micro_batch_end(self) -> None:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
 from kiln.strategies import STRATEGIES
+from kiln.strategies.base import StepResult
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.xla import XLA_PRECISIONS, XLA_REASONS, XLAStrategy
@@ -189,15 +190,8 @@ class XLAFSDPStrategy(XLAStrategy):
 
         return model.module if isinstance(model, (SpmdFullyShardedDataParallel, XlaFullyShardedDataParallel)) else model
 
-    def process_dataloader(self, dataloader: Iterable[Any]) -> Iterable[Any]:
-        if not self.spmd:
-            return super().process_dataloader(dataloader)
-        from kiln.strategies.xla_loader import XLADeviceLoader, static_shape_warning
-
-        if isinstance(dataloader, XLADeviceLoader) or not isinstance(dataloader, torch.utils.data.DataLoader):
-            return dataloader
-        static_shape_warning(dataloader)
-        return XLADeviceLoader(dataloader, self.root_device, prepare=self.shard_batch)
+    def prepare_batch(self) -> Optional[Callable[[Any], Any]]:
+        return self.shard_batch if self.spmd else None
 
     def shard_batch(self, batch: Any) -> Any:
         """Every tensor of the batch split over the fsdp axis on its first (batch) dimension."""
@@ -224,11 +218,9 @@ class XLAFSDPStrategy(XLAStrategy):
 
     # -- step -------------------------------------------------------------------------------
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       max_grad_norm: Optional[float]) -> Any:
+                       max_grad_norm: Optional[float]) -> StepResult:
         """SPMD: the gradients are global already. Classic: the wrapper reduce-scattered them in
         backward, and its own clip_grad_norm_ reduces the norm over the shards."""
-        from kiln.strategies.base import StepResult
-
         self.precision.unscale_gradients(optimizer)
         grad_norm = None
         if max_grad_norm:
