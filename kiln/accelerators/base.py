@@ -53,6 +53,12 @@ class Accelerator:
     def reset_peak_memory_stats(self) -> None:
         """Start a new peak window."""
 
+    # -- debugging ---------------------------------------------------------------------------
+    def metrics_report(self) -> str | None:
+        """The device runtime's own counters as text (XLA: compilations, transfers), for
+        `debug: tpu_metrics_debug`; None where the device keeps none."""
+        return None
+
     # -- numerics ----------------------------------------------------------------------------
     def dtype_unsupported(self, dtype: torch.dtype, device: torch.device) -> str | None:
         """None if the device computes in `dtype`, else the reason it does not (one clause)."""

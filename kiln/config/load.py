@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kiln.config import aliases, hf_args
+from kiln.config import aliases, hf_args, hf_xla
 from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
 
@@ -96,6 +96,7 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
         extra = {k: strat.pop(k) for k in list(strat) if k not in _STRATEGY_FIELDS}
         if extra:
             strat.setdefault("options", {}).update(extra)
+    hf_xla.route_xla_fsdp(tree)  # HF's fsdp + fsdp_config.xla: true
     prec = tree.get("precision")
     if isinstance(prec, dict) and _precision_word(prec.get("name")) is not None:
         prec["name"] = _precision_word(prec["name"])

@@ -176,7 +176,7 @@ class LogConfig:
 class StrategyConfig:
     """How the model is placed and replicated. `name` picks the class; the other fields are its options."""
 
-    name: str = opt("auto", "single, ddp, fsdp, deepspeed, xla_fsdp, mps or auto.")
+    name: str = opt("auto", "single, ddp, fsdp, deepspeed, xla, xla_fsdp, mps or auto.")
     device: Optional[str] = opt(None, "Device for the single strategy (cpu, cuda, cuda:1); default the best available.")
     backend: Optional[str] = opt(None, "torch.distributed backend (nccl, gloo, ...); default by device.")
     timeout: int = opt(1800, "Seconds before a collective times out (ddp_timeout).")

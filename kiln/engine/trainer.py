@@ -154,12 +154,16 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         return cbs
 
     def _debug_callbacks(self) -> list[Callback]:
-        """`debug: underflow_overflow` and `torch_empty_cache_steps` (HF's TrainingArguments)."""
+        """`debug: underflow_overflow` / `tpu_metrics_debug` and `torch_empty_cache_steps` (HF's TrainingArguments)."""
         cbs: list[Callback] = []
         if "underflow_overflow" in self.config.train.debug:
             from kiln.engine.callbacks.debug_overflow import DebugUnderflowOverflow
 
             cbs.append(DebugUnderflowOverflow())
+        if "tpu_metrics_debug" in self.config.train.debug:  # validated: only with a device that keeps a report
+            from kiln.engine.callbacks.device_metrics import DeviceMetricsReport
+
+            cbs.append(DeviceMetricsReport(self.strategy.accelerator.metrics_report, self.strategy.is_global_zero))
         if self.config.train.torch_empty_cache_steps:
             from kiln.engine.callbacks.empty_cache import EmptyCacheCallback, device_empty_cache
 

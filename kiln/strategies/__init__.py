@@ -21,7 +21,8 @@ for _names, _module in (
     (("fsdp", "fsdp2"), "kiln.strategies.fsdp"),
     (("deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_2_offload",
       "deepspeed_stage_3_offload"), "kiln.strategies.deepspeed"),
-    (("xla_fsdp", "xla"), "kiln.strategies.xla_fsdp"),
+    (("xla",), "kiln.strategies.xla"),
+    (("xla_fsdp",), "kiln.strategies.xla_fsdp"),
     (("mps",), "kiln.strategies.mps"),
     (("auto",), "kiln.strategies.auto"),
 ):

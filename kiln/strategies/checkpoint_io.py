@@ -100,7 +100,7 @@ def apply_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str
     missing = sorted(set(own) - set(state))
     # Tied weights HF's save_pretrained stores once (GPT-2's lm_head.weight is wte.weight): a key the
     # file lacks is fine when the model ties it to one the file has; loading that one fills both.
-    where = lambda t: (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))  # noqa: E731
+    where = _storage_key
     present = {where(own[k]) for k in own if k in state}
     tied = {k for k in missing if own[k].numel() and where(own[k]) in present}
     missing = [k for k in missing if k not in tied]
@@ -118,6 +118,15 @@ def apply_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str
             "It was saved from a different model: resume with the model it was trained with, or start a fresh output_dir."
         )
     module.load_state_dict(state, strict=not tied)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where a tensor's data lives, so that two names of one storage (a tie) compare equal. Device
+    tensors without host-visible storage (XLA) are told apart by identity."""
+    try:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+    except RuntimeError:
+        return (id(t), 0, tuple(t.shape))
 
 
 class CheckpointIO:

@@ -158,16 +158,16 @@ class FullFSDPCheckpointIO(ShardedFSDPCheckpointIO):
             set_optimizer_state_dict(module, optimizer, safe_torch_load(path), options=_options(full_state_dict=True))
 
 
-def consolidate(directory: str) -> dict[str, torch.Tensor]:
-    """The full model weights of a sharded checkpoint, read in this process without a process group
-    (any number of processes may have saved it)."""
+def consolidate(directory: str, subdir: str = DCP_DIR) -> dict[str, torch.Tensor]:
+    """The full model weights of a sharded checkpoint (the DCP folder `subdir` in it), read in this
+    process without a process group (any number of processes may have saved it)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    path = os.path.join(directory, DCP_DIR)
+    path = os.path.join(directory, subdir)
     if not os.path.isdir(path):
-        raise CheckpointError(f"{directory} has no {DCP_DIR}/ folder, so it is not a sharded FSDP checkpoint.")
+        raise CheckpointError(f"{directory} has no {subdir}/ folder, so it is not a sharded checkpoint of that kind.")
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     model = state.get("model")

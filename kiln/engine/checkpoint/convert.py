@@ -21,11 +21,26 @@ def _sharded_fsdp(path: str) -> dict[str, torch.Tensor]:
     return consolidate(path)
 
 
+def _xla_spmd(path: str) -> dict[str, torch.Tensor]:
+    from kiln.strategies.xla_fsdp_checkpoint_io import consolidate_spmd
+
+    return consolidate_spmd(path)
+
+
+def _xla_classic(path: str) -> dict[str, torch.Tensor]:
+    from kiln.strategies.xla_fsdp_checkpoint_io import consolidate_classic
+
+    return consolidate_classic(path)
+
+
 #: checkpoint format (the marker's "format") -> reader of its full weights
 READERS: dict[str, Callable[[str], dict[str, torch.Tensor]]] = {
     "full": load_weights,
     "fsdp-full": load_weights,
     "fsdp-sharded": _sharded_fsdp,
+    "xla-full": load_weights,
+    "xla-spmd-sharded": _xla_spmd,
+    "xla-fsdp-classic": _xla_classic,
 }
 
 

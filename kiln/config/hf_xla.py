@@ -1,0 +1,48 @@
+"""HF's way of asking for XLA FSDP: `fsdp: full_shard` plus `fsdp_config: {xla: true, ...}`.
+
+The two arguments are translated one by one (`fsdp` -> strategy fsdp, `fsdp_config` -> its options);
+this pass, run on the translated tree, routes the pair to `strategy: xla_fsdp` when `fsdp_config`
+says `xla: true`, and refuses the XLA-only keys without it (HF documents they need `xla: true`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from kiln.utils.errors import ConfigError
+
+XLA_ONLY = ("xla_fsdp_v2", "xla_fsdp_settings", "xla_fsdp_grad_ckpt")
+
+
+def _truthy(value: Any) -> bool:
+    return value.strip().lower() in {"1", "true", "yes", "on"} if isinstance(value, str) else bool(value)
+
+
+def read_fsdp_config(value: Any) -> dict[str, Any]:
+    """`fsdp_config` as a dict with the `fsdp_` prefixes dropped (a mapping, or a JSON file path;
+    anything else is left to the strategy's own checks, which name the problem)."""
+    if isinstance(value, str) and os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as fh:
+                value = json.load(fh)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"fsdp_config file {value!r} is not valid JSON ({err}); fix the file.") from None
+    if not hasattr(value, "items"):
+        return {}
+    return {(str(k)[len("fsdp_"):] if str(k).startswith("fsdp_") else str(k)): v for k, v in value.items()}
+
+
+def route_xla_fsdp(tree: dict[str, Any]) -> None:
+    """`strategy: fsdp` whose fsdp_config has `xla: true` becomes `strategy: xla_fsdp` (in place)."""
+    strategy = tree.get("strategy")
+    if not isinstance(strategy, dict) or strategy.get("name") != "fsdp":
+        return
+    cfg = read_fsdp_config((strategy.get("options") or {}).get("fsdp_config"))
+    if _truthy(cfg.get("xla", False)):
+        strategy["name"] = "xla_fsdp"
+        return
+    for key in XLA_ONLY:
+        if key in cfg and _truthy(cfg[key]):
+            raise ConfigError(f"fsdp_config {key!r} applies to XLA FSDP only; add \"xla\": true to fsdp_config "
+                              f"(strategy xla_fsdp), or drop {key}.")
