@@ -29,3 +29,12 @@ def test_the_api_page_covers_every_exported_name():
     wanted = {f"{getattr(kiln, name).__module__}.{name}" for name in kiln.__all__}
     assert wanted - entries == set(), f"docs/api.md lacks exported names: {sorted(wanted - entries)}"
     assert entries - wanted == set(), f"docs/api.md documents names kiln does not export: {sorted(entries - wanted)}"
+
+
+def test_the_versioning_page_lists_every_exported_name():
+    import kiln
+
+    text = (REPO / "docs" / "versioning.md").read_text()
+    listed = text[text.index("**The names `kiln/__init__.py` exports**"):text.index("- **Config keys**")]
+    assert set(re.findall(r"`(\w+)`", listed)) - {"__init__"} == set(kiln.__all__), \
+        "docs/versioning.md's list of public names differs from kiln.__all__"
