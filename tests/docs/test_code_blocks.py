@@ -25,7 +25,15 @@ def block_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     namespace(tmp_path)  # writes the stand-in config.yaml that shell blocks name
-    return tmp_path
+    from kiln.loggers import LOGGERS
+    from kiln.precision import PRECISIONS
+    from kiln.strategies import STRATEGIES
+
+    yield tmp_path
+    for registry in (LOGGERS, PRECISIONS, STRATEGIES):  # a page that registers a plugin must not leak it
+        for name, obj in list(registry._entries.items()):
+            if not getattr(obj, "__module__", "").startswith("kiln."):
+                del registry._entries[name]
 
 
 def _run_python(block: Block, code: str, folder) -> None:
