@@ -47,7 +47,7 @@ class EvalPrediction:
 
     @property
     def elements(self) -> tuple[Any, ...]:
-        """The tuple view: (predictions, label_ids[, inputs][, losses])."""
+        """The tuple view: `(predictions, label_ids[, inputs][, losses])`."""
         extra = tuple(x for x in (self.inputs, self.losses) if x is not None)
         return (self.predictions, self.label_ids, *extra)
 
