@@ -8,8 +8,8 @@ exits without on_train_end (an exception in training) marks its runs failed.
 
 Every logger call runs on the background writer (kiln/loggers/writer.py), in order: the training
 thread only builds the record. It waits for the writer before a checkpoint is saved (so a resumed
-run finds every record up to its checkpoint on disk), before uploading artifacts, and when training
-ends."""
+run finds every record up to its checkpoint on disk), before uploading artifacts, when training ends
+and when an evaluate() outside training returns."""
 
 from __future__ import annotations
 
@@ -172,6 +172,10 @@ class LoggerCallback(Callback):
             logger.log_metrics(metrics, step)
         # here, on the writer thread: a tracker opens its run (and registers its own exit hook) on first use
         self._register_exit_hook()
+
+    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        if self.loggers and not self._training:  # evaluate() on its own: its record is on disk when it returns
+            self.writer.flush()
 
     def on_save(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
         self._upload(config, state, "checkpoint")

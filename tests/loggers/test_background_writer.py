@@ -60,9 +60,11 @@ def test_normal_end_writes_every_record_and_never_on_the_training_thread(tmp_pat
             monkeypatch.setattr(cls, name, spy)
     slow_writes(monkeypatch)
     recorder = Recorder()
-    train(tmp_path / "out", recorder)
+    trainer = train(tmp_path / "out", recorder)
     assert len(recorder.records) == 7  # steps 2..12 and the final summary
     assert files(tmp_path / "out") == (recorder.records, recorder.records)
+    trainer.evaluate(regression_data(8, seed=1))  # on its own: its record is on disk when it returns
+    assert len(recorder.records) == 8 and files(tmp_path / "out") == (recorder.records, recorder.records)
     assert writers and set(writers) == {"kiln-log-writer"}, writers
 
 
