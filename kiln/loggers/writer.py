@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any, Callable, Optional
 
 #: queued writes the training thread may run ahead of the writer by
@@ -37,10 +38,6 @@ class BackgroundWriter:
         self._busy = False  # the thread is running a task it has taken off the queue
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
-
-    @property
-    def thread(self) -> Optional[threading.Thread]:
-        return self._thread
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue `fn(*args)`; waits while the queue is full. Raises an earlier write's error."""
@@ -59,8 +56,6 @@ class BackgroundWriter:
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every queued write has run (or `timeout` seconds); raises the first error one of
         them raised."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._thread is not None and self._thread is not threading.current_thread():
             # The condition's lock is re-entrant: a SIGTERM handler flushing while the training thread
