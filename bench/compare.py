@@ -241,7 +241,10 @@ def main() -> None:
         jobs = [(f, m) for m in args.models for f in frameworks]
         rng.shuffle(jobs)
         for framework, model in jobs:
-            runs.setdefault((model, framework), []).append(one_run(framework, model, steps[model]))
+            run = one_run(framework, model, steps[model])
+            runs.setdefault((model, framework), []).append(run)
+            print(f"  {LABELS[framework]} on {MODELS[model][0]}: {run['per_step'] * 1e3:.3f} ms/step, "
+                  f"start-up {run['startup']:.2f} s", file=sys.stderr, flush=True)
         imports["torch"].append(import_time("import torch"))
         imports["kiln"].append(import_time("import torch; import kiln") - imports["torch"][-1])
         imports["trainer"].append(import_time("import torch; from kiln import Trainer") - imports["torch"][-1])
