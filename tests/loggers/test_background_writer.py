@@ -82,31 +82,42 @@ def test_an_exception_mid_run_keeps_every_record_logged_before_it(tmp_path, monk
     assert files(tmp_path / "out") == (recorder.records, recorder.records)
 
 
-def run_worker(out, how):
-    result = subprocess.run([sys.executable, "-m", "tests.loggers.writer_worker", str(out), how], cwd=REPO,
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
-    logged = [json.loads(line[4:]) for line in result.stdout.splitlines() if line.startswith("LOG ")]
-    return result, logged
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Both signalled runs, started together (each spends most of its time importing torch):
+    {how: (output dir, exit code, stderr, the records it handed to the loggers)}."""
+    procs = {}
+    for how in ("sigterm", "sigkill"):
+        out = tmp_path_factory.mktemp(how) / "out"
+        procs[how] = out, subprocess.Popen([sys.executable, "-m", "tests.loggers.writer_worker", str(out), how], cwd=REPO,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           env={**os.environ, "PYTHONPATH": REPO})
+    results = {}
+    for how, (out, proc) in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        logged = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("LOG ")]
+        results[how] = out, proc.returncode, stderr[-2000:], logged
+    return results
 
 
-def test_sigterm_flushes_the_queue_and_still_dies_of_sigterm(tmp_path):
-    result, logged = run_worker(tmp_path / "out", "sigterm")
-    assert result.returncode == -signal.SIGTERM, result.stderr[-2000:]
+def test_sigterm_flushes_the_queue_and_still_dies_of_sigterm(workers):
+    out, code, stderr, logged = workers["sigterm"]
+    assert code == -signal.SIGTERM, stderr
     assert [r["step"] for r in logged] == [2, 4, 6]
-    assert files(tmp_path / "out") == (logged, logged)
+    assert files(out) == (logged, logged)
 
 
-def test_kill_and_resume_gives_the_uninterrupted_files(tmp_path, monkeypatch):
-    result, logged = run_worker(tmp_path / "killed", "sigkill")
-    assert result.returncode == -signal.SIGKILL and [r["step"] for r in logged] == [2, 4], result.stderr[-2000:]
-    assert files(tmp_path / "killed") == (logged, logged)  # flushed before the checkpoint was written
+def test_kill_and_resume_gives_the_uninterrupted_files(tmp_path, monkeypatch, workers):
+    killed_dir, code, stderr, logged = workers["sigkill"]
+    assert code == -signal.SIGKILL and [r["step"] for r in logged] == [2, 4], stderr
+    assert files(killed_dir) == (logged, logged)  # flushed before the checkpoint was written
     slow_writes(monkeypatch)
-    train(tmp_path / "killed", resume=True)
+    train(killed_dir, resume=True)
     train(tmp_path / "full")
-    killed, full = files(tmp_path / "killed"), files(tmp_path / "full")
+    killed, full = files(killed_dir), files(tmp_path / "full")
     assert [r["step"] for r in full[0]] == [2, 4, 6, 8, 10, 12, 12]
     assert without_timing(killed[0]) == without_timing(full[0]) and without_timing(killed[1]) == without_timing(full[1])
-    with open(tmp_path / "killed" / "runs" / "metrics.csv") as a, open(tmp_path / "full" / "runs" / "metrics.csv") as b:
+    with open(killed_dir / "runs" / "metrics.csv") as a, open(tmp_path / "full" / "runs" / "metrics.csv") as b:
         assert a.readline() == b.readline()  # the same header, in the same order
 
 
