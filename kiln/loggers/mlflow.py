@@ -107,7 +107,6 @@ class MLflowLogger(Logger):
         if self.run_id is not None:
             return self.run_id
         self.live = True
-        import mlflow
         from mlflow.tracking import MlflowClient
 
         uri = self.tracking_uri
