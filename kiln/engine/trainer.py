@@ -6,6 +6,7 @@ call so that subclassing works as HF users expect."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -330,6 +331,9 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         finally:
             self.is_in_train = False
             self.precision.teardown()
+            from kiln.loggers.writer import flush_after_fit
+
+            flush_after_fit(sys.exc_info()[1])  # an exception or the preemption exit skips on_train_end
 
     train = fit  # HF name
 

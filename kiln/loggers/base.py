@@ -24,17 +24,28 @@ class MissingPackageError(KilnError, ImportError):
 class Logger:
     """Receives flat `{name: number}` metrics with the global step, and the resolved config once.
 
-    Life cycle, driven by LoggerCallback: `set_trial` (hyperparameter search only), `resume(step)` when
+    Life cycle, driven by LoggerCallback (every call but `capture` on its background writer thread):
+    `capture` on the training thread, `set_trial` (hyperparameter search only), `resume(step)` when
     training starts, `log_hyperparams` once per run, `log_metrics` on every log event, `finalize` when
     training ends. A logger used again after `finalize` (an evaluate() after fit()) continues the same
     run, unless `set_trial` named a new trial, which starts a new run."""
 
     name: ClassVar[str] = "base"
+    #: the tracker's package, imported when training starts (None: nothing to import)
+    package: ClassVar[Optional[str]] = None
 
     def __init__(self, config: "DictConfig") -> None:
         self.config = config
         self.trial_name: Optional[str] = None
         self.trial_params: Optional[dict[str, Any]] = None
+
+    def capture(self) -> None:
+        """Called on the training thread when training starts, before any call the background writer
+        runs: imports the tracker's `package` here (an import on the writer thread could still be
+        running when a crash starts interpreter shutdown, where imports fail), and reads what a
+        tracker keeps per thread (MLflow's active run)."""
+        if self.package:
+            importlib.import_module(self.package)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """`params` is the resolved config, flattened to dotted keys."""

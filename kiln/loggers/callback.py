@@ -4,7 +4,12 @@ It turns the loop's events into the Logger life cycle: on_train_begin tells ever
 training (re)starts from (a resume truncates the local histories), then logs the resolved config once
 per run; on_log sends the numeric entries of each log dict with `state.global_step`; on_save and
 on_train_end upload checkpoints when `log.log_artifacts` asks; on_train_end finalizes. A process that
-exits without on_train_end (an exception in training) marks its runs failed."""
+exits without on_train_end (an exception in training) marks its runs failed.
+
+Every logger call runs on the background writer (kiln/loggers/writer.py), in order: the training
+thread only builds the record. It waits for the writer before a checkpoint is saved (so a resumed
+run finds every record up to its checkpoint on disk), before uploading artifacts, when training ends
+and when an evaluate() outside training returns."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from kiln.engine.callbacks.base import Callback
 from kiln.loggers import LOGGERS, TRACKERS
 from kiln.loggers.base import Logger, MissingPackageError, flatten, setting
+from kiln.loggers.writer import flush_writes, shared_writer
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -50,6 +56,7 @@ def build_loggers(config: "DictConfig", *, is_global_zero: bool = True) -> list[
     sentence before training and leaves nothing behind."""
     if not is_global_zero:
         return []
+    flush_writes()  # loggers read the history files an earlier run in this process may still be writing
     names = logger_names(config)
     for name in names:
         LOGGERS.check(name)
@@ -113,6 +120,7 @@ class LoggerCallback(Callback):
         self._trial: Optional[str] = None
         self._training = False
         self._exit_hook = functools.partial(_finalize_at_exit, weakref.ref(self))
+        self.writer = shared_writer()
         self._register_exit_hook()
 
     def _register_exit_hook(self) -> None:
@@ -122,30 +130,52 @@ class LoggerCallback(Callback):
         atexit.register(self._exit_hook)
 
     def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        if not self.loggers:  # nothing to write: no writer thread, no SIGTERM handler
+            return
         trial = state.trial_name if (state.is_hyper_param_search or state.trial_name) else None
-        if trial != self._trial:
-            for logger in self.loggers:
-                logger.set_trial(trial, state.trial_params)
-            self._trial = trial
-        for logger in self.loggers:
-            logger.resume(state.global_step)
+        params = None
         if self._params_run != trial:
             from omegaconf import DictConfig, OmegaConf
 
             tree = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
             params = flatten(tree)  # type: ignore[arg-type]
+            self._params_run = trial
+        new_trial = trial != self._trial
+        self._trial = trial
+        for logger in self.loggers:
+            logger.capture()
+        self.writer.submit(self._begin, trial if new_trial else _SAME, state.trial_params, state.global_step, params)
+        self._training = True
+
+    def _begin(self, trial: Any, trial_params: Any, step: int, params: Optional[dict[str, Any]]) -> None:
+        if trial is not _SAME:
+            for logger in self.loggers:
+                logger.set_trial(trial, trial_params)
+        for logger in self.loggers:
+            logger.resume(step)
+        if params is not None:
             for logger in self.loggers:
                 logger.log_hyperparams(params)
-            self._params_run = trial
-        self._training = True
         self._register_exit_hook()
 
     def on_log(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        if not self.loggers:
+            return
         metrics = scalar_metrics(kw.get("logs") or {})
         if metrics:
-            for logger in self.loggers:
-                logger.log_metrics(metrics, state.global_step)
-            self._register_exit_hook()
+            self.writer.submit(self._write, metrics, state.global_step)
+        if control.should_save:  # a checkpoint follows: every record up to its step must be on disk first
+            self.writer.flush()
+
+    def _write(self, metrics: dict[str, float], step: int) -> None:
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step)
+        # here, on the writer thread: a tracker opens its run (and registers its own exit hook) on first use
+        self._register_exit_hook()
+
+    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        if self.loggers and not self._training:  # evaluate() on its own: its record is on disk when it returns
+            self.writer.flush()
 
     def on_save(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
         self._upload(config, state, "checkpoint")
@@ -157,22 +187,33 @@ class LoggerCallback(Callback):
     def _upload(self, config: "DictConfig", state: "TrainerState", when: str) -> None:
         targets = [lg for lg in self.loggers if self.artifacts[id(lg)] == when]
         path = _checkpoint_dir(config, state, at_end=when == "end") if targets else None
-        for logger in targets if path else ():
-            logger.log_artifact(path)  # type: ignore[arg-type]
+        if targets and path:
+            # on this thread, after the queued records: a rotated-out checkpoint must not vanish mid-upload
+            self.writer.flush()
+            for logger in targets:
+                logger.log_artifact(path)
 
     def log_artifact(self, path: str) -> None:
         """Upload a file or folder (e.g. what save_model wrote) to every tracker that stores artifacts."""
+        self.writer.flush()
         for logger in self.loggers:
             logger.log_artifact(path)
 
     def finalize(self, status: str) -> None:
-        """Close every run; "success", "failed" or "interrupted". Safe to call more than once."""
+        """Close every run, after every queued record; "success", "failed" or "interrupted". Safe to call
+        more than once."""
+        self._training = False
+        if self.loggers:
+            self.writer.submit(self._finalize, status)
+            self.writer.flush()
+
+    def _finalize(self, status: str) -> None:
         for logger in self.loggers:
             logger.finalize(status)
-        self._training = False
 
 
 _NOT_LOGGED = object()
+_SAME = object()  # on_train_begin: the trial has not changed
 
 
 def _finalize_at_exit(ref: "weakref.ref[LoggerCallback]") -> None:

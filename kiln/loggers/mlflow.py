@@ -51,6 +51,7 @@ def metric_key(key: str) -> str:
 @LOGGERS.register("mlflow")
 class MLflowLogger(Logger):
     name = "mlflow"
+    package = "mlflow"
 
     def __init__(self, config: "DictConfig") -> None:
         super().__init__(config)
@@ -65,8 +66,19 @@ class MLflowLogger(Logger):
         self.owns_run = False  # False when logging into a run the caller started (they end it)
         self.live = False  # started or resumed, and not yet finalized
         self.resumed_from: Optional[int] = None
+        self.caller_run: Any = None  # the run the caller started on the training thread (MLflow's is per thread)
 
     # -- the run ------------------------------------------------------------------------------
+    def capture(self) -> None:
+        super().capture()
+        import mlflow
+
+        self.caller_run = mlflow.active_run()
+
+    def _active_run(self) -> Any:
+        import mlflow
+
+        return mlflow.active_run() or self.caller_run
     @property
     def local_uri(self) -> str:
         return "sqlite:///" + os.path.join(self.output_dir, "mlflow.db")
@@ -76,7 +88,7 @@ class MLflowLogger(Logger):
         import mlflow
 
         uri_set = getattr(mlflow, "is_tracking_uri_set", lambda: False)()
-        if os.environ.get("MLFLOW_TRACKING_URI") or uri_set or mlflow.active_run():
+        if os.environ.get("MLFLOW_TRACKING_URI") or uri_set or self._active_run():
             return mlflow.get_tracking_uri()
         return self.local_uri
 
@@ -95,14 +107,13 @@ class MLflowLogger(Logger):
         if self.run_id is not None:
             return self.run_id
         self.live = True
-        import mlflow
         from mlflow.tracking import MlflowClient
 
         uri = self.tracking_uri
         if uri.startswith("sqlite:///"):
             os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri)
-        active = mlflow.active_run()
+        active = self._active_run()
         if self.continue_run_id:
             self.run_id, self.owns_run = self.continue_run_id, True
             self.client.update_run(self.run_id, status="RUNNING")

@@ -50,6 +50,7 @@ def _hparam_value(value: Any) -> Any:
 @LOGGERS.register("tensorboard")
 class TensorBoardLogger(Logger):
     name = "tensorboard"
+    package = "torch.utils.tensorboard"
 
     def __init__(self, config: "DictConfig") -> None:
         super().__init__(config)

@@ -40,6 +40,7 @@ def has_credentials() -> bool:
 @LOGGERS.register("wandb")
 class WandbLogger(Logger):
     name = "wandb"
+    package = "wandb"
 
     def __init__(self, config: "DictConfig") -> None:
         super().__init__(config)

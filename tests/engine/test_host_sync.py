@@ -55,14 +55,15 @@ def counter(monkeypatch):
     return c
 
 
-@pytest.mark.parametrize("precision, accumulation, model", [
-    ("fp32", 1, "regressor"), ("fp32", 3, "tokens"), ("bf16", 2, "tokens")])
-def test_no_host_reads_between_logging_steps(tmp_path, counter, precision, accumulation, model):
+@pytest.mark.parametrize("precision, accumulation, model, preemption", [
+    ("fp32", 1, "regressor", False), ("fp32", 3, "tokens", False), ("bf16", 2, "tokens", False),
+    ("fp32", 1, "regressor", True)])  # save.on_preemption: one process has no flag to agree on, so no read
+def test_no_host_reads_between_logging_steps(tmp_path, counter, precision, accumulation, model, preemption):
     log_every = 5
     net, data = (TinyRegressor(), regression_data(64)) if model == "regressor" else (TokenModel(), padded_token_data(64))
     cfg = base_config(tmp_path, max_steps=12, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
                       max_grad_norm=1.0, precision=precision, log={"history": [], "disable_tqdm": True, "steps": log_every},
-                      save={"strategy": "steps", "steps": 6})
+                      save={"strategy": "steps", "steps": 6, "on_preemption": preemption})
     trainer = Trainer(net, cfg, train_dataset=data, callbacks=[counter])
     trainer.fit()
     busy = {s for s in range(1, 13) if s % log_every == 0 or s % 6 == 0 or s == 12}  # log, save, the end

@@ -10,6 +10,7 @@ import pytest
 from kiln.config import load_config
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.loggers.callback import LoggerCallback
+from kiln.loggers.writer import flush_writes
 
 #: (step, logs) in the order the loop would log them: train windows, an eval, the final summary
 SEQUENCE: list[tuple[int, dict[str, float]]] = [
@@ -45,6 +46,8 @@ def drive(callback: LoggerCallback, config, sequence: Iterable[tuple[int, dict[s
         callback.on_log(config, state, control, logs=dict(logs))
     if end:
         callback.on_train_end(config, state, control)
+    else:  # a job that stops here: what it logged has reached the files (the writer runs in the background)
+        flush_writes()
     return state
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 from kiln.engine.callbacks.progress import PrinterCallback, ProgressCallback, console_callbacks, is_interactive
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
@@ -46,6 +47,25 @@ def test_a_terminal_gets_a_bar_with_loss_and_lr():
     text = stream.getvalue()
     assert "train" in text and "100/100" in text and "loss=0.02" in text and "learning_rate=0.001" in text
     assert "eval" in text  # the evaluation bar
+
+
+def test_the_bar_redraws_at_most_every_refresh_interval_not_every_step():
+    stream = io.StringIO()
+    callback = ProgressCallback(file=stream, interactive=True)
+    state, control = TrainerState(max_steps=10_000), TrainerControl()
+    callback.on_train_begin(None, state, control)
+    now = [time.time()]
+    callback.bar._time = lambda: now[0]  # tqdm's clock, frozen: what a burst of fast steps sees
+    callback.bar.last_print_t = now[0]
+    drawn = len(stream.getvalue())
+    for step in range(1, 1001):
+        state.global_step = step
+        callback.on_step_end(None, state, control)
+    assert len(stream.getvalue()) == drawn and callback.bar.n == 1000  # counted, never drawn
+    now[0] += 0.11
+    state.global_step += 1
+    callback.on_step_end(None, state, control)
+    assert "1001/10000" in stream.getvalue()[drawn:]  # drawn once the interval has passed
 
 
 def test_only_the_main_process_prints():

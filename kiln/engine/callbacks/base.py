@@ -91,7 +91,7 @@ class CallbackHandler:
         handlers = self._by_event[event]
         if not handlers:
             return control
-        kw = {**self.objects, **kw}
+        kw = {**self.objects, **kw} if kw else self.objects  # the per-step events pass no kwargs: no dict built
         for handler in handlers:
             result = handler(config, state, control, **kw)
             if result is not None:

@@ -118,7 +118,7 @@ class FitLoop:
         self.last_logged, self.window_start = state.global_step, start
         self.samples_at_log, self.tokens_at_log = 0, 0
         self.tr_loss, self.steps_before_resume = tr_loss, 0
-        self.pending: list[torch.Tensor] = []  # per step, its micro-batch losses not yet folded into the sums
+        self.pending: list[list[torch.Tensor]] = []  # per step, its micro-batch losses not yet folded into the sums
         self.epoch_rng = EpochRandomState(loader)
         self.oom = OomRecovery(self)  # auto_find_batch_size: a later out-of-memory shrinks the micro-batch
         t.checkpoints.restore_loop(self)  # resumed: the running loss sums exactly as they were saved
@@ -253,9 +253,9 @@ class FitLoop:
         strategy.on_step_end()
         state.global_step += 1
         self.steps_this_run += 1
-        # The micro-batch losses are only queued: folding them into the sums costs several tiny tensor
-        # ops, which are done once per log/save instead of once per step.
-        self.pending.append(torch.stack(losses))
+        # The micro-batch losses are only queued (a list, not a tensor op): folding them into the sums
+        # costs several tiny tensor ops, which are done once per log/save instead of once per step.
+        self.pending.append(losses)
         return tr_loss
 
     def _fold(self, tr_loss: torch.Tensor) -> torch.Tensor:
@@ -267,7 +267,7 @@ class FitLoop:
         pending, self.pending = self.pending, []
         if not pending:
             return tr_loss
-        flat = torch.cat(pending)
+        flat = torch.stack([loss for micro_losses in pending for loss in micro_losses])
         if not self.nan_inf_filter or bool(torch.isfinite(flat).all()):
             self.total_loss += flat.double().sum()
             return tr_loss + flat.sum()

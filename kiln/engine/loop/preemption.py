@@ -5,7 +5,7 @@ The signal handler only sets a flag: nothing unsafe (I/O, collectives) runs insi
 boundary the loop asks `requested()`, which agrees across ranks with one scalar max-reduce, because
 a cluster signals each rank at a slightly different moment and every rank must save the same step
 (a rank that saved alone would wait forever in the checkpoint's barriers). That all-reduce is the
-feature's only cost, paid only when it is switched on. The checkpoint is an ordinary one, so the
+feature's only cost, paid only when it is switched on and only with more than one process. The checkpoint is an ordinary one, so the
 resumed run is exactly the uninterrupted one."""
 
 from __future__ import annotations
@@ -57,10 +57,11 @@ class Preemption:
         """Whether any rank got SIGTERM (the same answer on every rank; a collective when distributed)."""
         if not self.enabled:
             return False
+        if self.strategy.world_size == 1:  # nothing to agree on: no tensor, no device read, every step
+            self.triggered = self.signalled
+            return self.triggered
         flag = torch.tensor(1.0 if self.signalled else 0.0, device=self.strategy.root_device)
-        if self.strategy.world_size > 1:
-            flag = self.strategy.reduce(flag, "max")
-        self.triggered = bool(flag.item() > 0)
+        self.triggered = bool(self.strategy.reduce(flag, "max").item() > 0)
         return self.triggered
 
     def exit(self, step: int) -> None:

@@ -1,0 +1,272 @@
+"""kiln, a hand-written loop, HF Trainer and Lightning side by side on the same work.
+
+    python bench/compare.py --rounds 7            # the figures in docs/benchmarks.md
+    python bench/compare.py --rounds 1 --steps 40 --models mlp   # a quick check that everything runs
+
+Every framework trains the same model on the same data: batch 64 (8 sequences of 128 tokens for the
+transformer), AdamW, a linear schedule, gradient clipping at 1.0, a log event every 10 steps with the
+progress output on, and, where the framework has them, csv + jsonl history files (kiln: both; Lightning:
+its CSVLogger; HF Trainer: none, it only prints). The hand-written loop reads its loss every 10 steps,
+as logging would. HF Trainer and Lightning run only where installed (`pip install kiln[bench]`).
+
+Each round runs every framework once, each in its own fresh process, in a new random order per round
+(interleaved, so a slow moment of the machine hits all of them alike). Per run: the time per step over
+the steps after a warm-up, and the start-up time, from process start to the end of the first step
+(imports, building, the first step). Each round also times `import torch` and `import torch; import kiln`
+(and `from kiln import Trainer`) in fresh interpreters. Printed: one markdown table of medians with their
+spread (min-max over the rounds) and the ratio to the hand-written loop. Runs use one CPU thread."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH))
+
+WARMUP = 10
+LOG_EVERY = 10
+LR = 1e-3
+FRAMEWORKS = ("hand-written", "kiln", "hf", "lightning")
+LABELS = {"hand-written": "hand-written loop", "kiln": "kiln", "hf": "HF Trainer", "lightning": "Lightning"}
+MODELS = {"mlp": ("tiny MLP", 64), "transformer": ("small transformer", 8)}
+
+
+# -- one run (in its own process) ------------------------------------------------------------
+class Clock:
+    """Step marks: the end of the first step, the start of step WARMUP+1 and the end of the last."""
+
+    def __init__(self, launched: float, steps: int) -> None:
+        self.launched, self.steps = launched, steps
+        self.first = self.start = self.end = 0.0
+
+    def step_begin(self, done: int) -> None:
+        if done == WARMUP:
+            self.start = time.perf_counter()
+
+    def step_end(self, done: int) -> None:
+        if done == 1:
+            self.first = time.time()
+        if done == self.steps:
+            self.end = time.perf_counter()
+
+    def result(self) -> dict[str, float]:
+        return {"startup": self.first - self.launched, "per_step": (self.end - self.start) / (self.steps - WARMUP)}
+
+
+def build(model: str) -> tuple[Any, list[dict[str, Any]]]:
+    import torch
+
+    from bench.models import MLP, SmallTransformer
+    from bench.overhead import lm_data, mlp_data
+
+    torch.manual_seed(0)
+    return (MLP(), mlp_data()) if model == "mlp" else (SmallTransformer(), lm_data())
+
+
+def linear(steps: int) -> Callable[[int], float]:
+    return lambda s: max(0.0, (steps - s) / steps)
+
+
+def run_hand_written(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
+    import torch
+
+    net, data = build(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, linear(steps))
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
+    net.train()
+    step = 0
+    while step < steps:
+        for b in loader:
+            clock.step_begin(step)
+            loss = net(**b)["loss"]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if step % LOG_EVERY == 0:
+                loss.item()  # what logging costs at least: reading the loss
+            clock.step_end(step)
+            if step == steps:
+                break
+
+
+def run_kiln(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
+    from kiln import Callback, Trainer
+
+    class Marks(Callback):
+        def on_step_begin(self, config, state, control, **kw):  # type: ignore[no-untyped-def]
+            clock.step_begin(state.global_step)
+
+        def on_step_end(self, config, state, control, **kw):  # type: ignore[no-untyped-def]
+            clock.step_end(state.global_step)
+
+    net, data = build(model)
+    cfg = {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
+           "lr_scheduler_type": "linear", "max_grad_norm": 1.0, "dataloader_drop_last": True,
+           "log": {"steps": LOG_EVERY, "history": ["csv", "jsonl"], "disable_tqdm": False},
+           "save": {"strategy": "no"}, "strategy": {"device": "cpu"}}
+    Trainer(net, cfg, train_dataset=data, callbacks=[Marks()]).fit()
+
+
+def run_hf(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Marks(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            clock.step_begin(state.global_step)
+
+        def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            clock.step_end(state.global_step)
+
+    net, data = build(model)
+    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=LR,
+                             lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=LOG_EVERY, report_to=[],
+                             save_strategy="no", use_cpu=True, dataloader_drop_last=True, disable_tqdm=False)
+    Trainer(model=net, args=args, train_dataset=data, callbacks=[Marks()]).train()
+
+
+def run_lightning(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    net, data = build(model)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = self.net(**batch)["loss"]
+            self.log("loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=LR)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, linear(steps))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class Marks(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            clock.step_begin(trainer.global_step)
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+            clock.step_end(trainer.global_step)
+
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, gradient_clip_val=1.0,
+                        log_every_n_steps=LOG_EVERY, logger=CSVLogger(out), enable_checkpointing=False,
+                        enable_progress_bar=True, enable_model_summary=False, callbacks=[Marks()], default_root_dir=out)
+    trainer.fit(Module(), loader)
+
+
+RUNNERS = {"hand-written": run_hand_written, "kiln": run_kiln, "hf": run_hf, "lightning": run_lightning}
+
+
+def worker(framework: str, model: str, steps: int, launched: float) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    clock = Clock(launched, steps)
+    with tempfile.TemporaryDirectory() as out:
+        RUNNERS[framework](model, MODELS[model][1], steps, clock, out)
+    print("RESULT " + json.dumps(clock.result()), flush=True)
+
+
+# -- the driver ------------------------------------------------------------------------------
+def one_run(framework: str, model: str, steps: int) -> dict[str, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(BENCH), "TOKENIZERS_PARALLELISM": "false"}
+    launched = time.time()
+    proc = subprocess.run([sys.executable, __file__, "--worker", framework, "--models", model, "--steps", str(steps),
+                           "--launched", repr(launched)], capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{framework} on {model} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def import_time(stmt: str) -> float:
+    code = f"import time; t = time.perf_counter(); {stmt}; print(time.perf_counter() - t)"
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def installed(framework: str) -> bool:
+    import importlib.util
+
+    package = {"hf": "transformers", "lightning": "lightning"}.get(framework)
+    return package is None or importlib.util.find_spec(package) is not None
+
+
+def spread(values: list[float], fmt: str) -> str:
+    med = statistics.median(values)
+    return f"{med:{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})" if len(values) > 1 else f"{med:{fmt}}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300, help="MLP steps per run; the transformer runs a sixth (>= 30)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=list(FRAMEWORKS))
+    parser.add_argument("--worker", choices=list(FRAMEWORKS), help=argparse.SUPPRESS)
+    parser.add_argument("--launched", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.models[0], args.steps, args.launched)
+
+    frameworks = [f for f in args.frameworks if installed(f)]
+    if "hand-written" not in frameworks:
+        frameworks.insert(0, "hand-written")
+    skipped = [f for f in args.frameworks if f not in frameworks]
+    steps = {"mlp": args.steps, "transformer": max(30, args.steps // 6)}
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    imports: dict[str, list[float]] = {"torch": [], "kiln": [], "trainer": []}
+    rng = random.Random(0)
+    for r in range(args.rounds):
+        jobs = [(f, m) for m in args.models for f in frameworks]
+        rng.shuffle(jobs)
+        for framework, model in jobs:
+            run = one_run(framework, model, steps[model])
+            runs.setdefault((model, framework), []).append(run)
+            print(f"  {LABELS[framework]} on {MODELS[model][0]}: {run['per_step'] * 1e3:.3f} ms/step, "
+                  f"start-up {run['startup']:.2f} s", file=sys.stderr, flush=True)
+        imports["torch"].append(import_time("import torch"))
+        imports["kiln"].append(import_time("import torch; import kiln") - imports["torch"][-1])
+        imports["trainer"].append(import_time("import torch; from kiln import Trainer") - imports["torch"][-1])
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+
+    print(f"{args.rounds} round(s); medians (min–max over rounds); one CPU thread; {WARMUP} warm-up steps not timed\n")
+    print("| model | framework | ms / step | ratio to hand-written | start-up to first step (s) | start-up over hand-written (s) |")
+    print("|---|---|---|---|---|---|")
+    for model in args.models:
+        base = runs[(model, "hand-written")]
+        for framework in frameworks:
+            these = runs[(model, framework)]
+            ratios = [t["per_step"] / b["per_step"] for t, b in zip(these, base)]
+            extra = [t["startup"] - b["startup"] for t, b in zip(these, base)]
+            print(f"| {MODELS[model][0]} ({steps[model]} steps) | {LABELS[framework]} | "
+                  f"{spread([t['per_step'] * 1e3 for t in these], '.3f')} | {spread(ratios, '.3f')} | "
+                  f"{spread([t['startup'] for t in these], '.2f')} | {spread(extra, '+.2f')} |")
+    print(f"\n`import torch`: {spread(imports['torch'], '.3f')} s; `import kiln` adds {spread(imports['kiln'], '+.3f')} s; "
+          f"`from kiln import Trainer` adds {spread(imports['trainer'], '+.3f')} s.")
+    if skipped:
+        print(f"\nNot installed, skipped: {', '.join(LABELS[f] for f in skipped)} (pip install kiln[bench]).")
+
+
+if __name__ == "__main__":
+    main()

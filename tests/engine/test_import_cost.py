@@ -1,0 +1,33 @@
+"""`import kiln` stays cheap: it imports neither torch nor the config machinery (omegaconf, yaml) nor
+any optional package, and `from kiln import Trainer` imports no optional package either: trackers,
+DeepSpeed, Transformers, Optuna and safetensors load when a run uses them. Checked with sys.modules in
+a fresh interpreter, not with timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OPTIONAL = ("transformers", "deepspeed", "accelerate", "tensorboard", "torch.utils.tensorboard", "mlflow", "wandb",
+            "optuna", "safetensors", "lightning", "datasets", "matplotlib", "pandas")
+CODE = f"""
+import json, sys
+names = {(*OPTIONAL, "torch", "omegaconf", "yaml")!r}
+import kiln
+after_import = [m for m in names if m in sys.modules]
+from kiln import Trainer, TrainingModule, Callback, load_config
+after_trainer = [m for m in names if m in sys.modules]
+print(json.dumps([after_import, after_trainer]))
+"""
+
+
+def test_import_kiln_pulls_in_nothing_heavy_and_trainer_nothing_optional():
+    result = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    after_import, after_trainer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert after_import == []
+    assert [m for m in after_trainer if m in OPTIONAL] == []
