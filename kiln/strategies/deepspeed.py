@@ -129,13 +129,13 @@ class DeepSpeedStrategy(DDPStrategy):
         return import_deepspeed().zero.Init(config_dict_or_path=self.ds_config)
 
     def setup(self, module: nn.Module, optimizer_factory: Optional[OptimizerFactory] = None,
-              scheduler_factory: Optional[SchedulerFactory] = None) -> Setup:
+              scheduler_factory: Optional[SchedulerFactory] = None, *, max_steps: Optional[int] = None) -> Setup:
         if self.engine is not None:
             return Setup(self.engine, self.engine.optimizer, self._scheduler)
         if optimizer_factory is None:  # evaluation before training: no engine yet
             return Setup(self._eval_setup(module))
         deepspeed = import_deepspeed()
-        ds = finalize(dict(self.ds_config), _inner(module), cfg=self.config)
+        ds = finalize(dict(self.ds_config), _inner(module), cfg=self.config, max_steps=max_steps)
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = None
         if "optimizer" not in ds:
