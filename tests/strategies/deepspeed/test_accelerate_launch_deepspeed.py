@@ -15,57 +15,26 @@ from safetensors.torch import load_file
 from tests.distributed.conftest import kiln_cli, run
 from tests.distributed.test_accelerate_launch import _free_port
 from tests.distributed.toy import write_cli_config
+from tests.strategies.test_launch import DS_FILE, DS_INLINE
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 
-# docs: https://huggingface.co/docs/transformers/deepspeed (accelerate config with a DeepSpeed file),
-# num_processes 4 -> 2, use_cpu: true
-ACCELERATE_DS_FILE = """\
-compute_environment: LOCAL_MACHINE
-deepspeed_config:
-  deepspeed_config_file: {path}
-  zero3_init_flag: true
-distributed_type: DEEPSPEED
-downcast_bf16: 'no'
-machine_rank: 0
-main_training_function: main
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-use_cpu: true
-main_process_port: {port}
-"""
+# the HF guide's accelerate config with a DeepSpeed file (test_launch's DS_FILE): 2 CPU processes, a free port
+ACCELERATE_DS_FILE = DS_FILE.replace("/home/user/configs/ds_zero3_config.json", "{path}").replace(
+    "num_processes: 4", "num_processes: 2").replace("use_cpu: false", "use_cpu: true\nmain_process_port: {port}")
 # HF's ds_config_zero3.json, less what this model cannot fill (no hidden_size: bucket sizes) and kiln's optimizer
 DS_ZERO3 = {"zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
                                   "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
                                   "stage3_gather_16bit_weights_on_model_save": True, "stage3_param_persistence_threshold": 0},
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
             "train_micro_batch_size_per_gpu": "auto", "steps_per_print": 2000, "wall_clock_breakdown": False}
-# docs: the same guide's accelerate config with the DeepSpeed plugin settings, num_processes 2, use_cpu: true
-ACCELERATE_DS_PLUGIN = """\
-compute_environment: LOCAL_MACHINE
-deepspeed_config:
-  gradient_accumulation_steps: 2
-  gradient_clipping: 0.7
-  offload_optimizer_device: cpu
-  offload_param_device: cpu
-  zero3_init_flag: false
-  zero_stage: 2
-distributed_type: DEEPSPEED
-downcast_bf16: 'no'
-machine_rank: 0
-main_training_function: main
-mixed_precision: bf16
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-use_cpu: true
-main_process_port: {port}
-"""
+# the same guide's accelerate config with DeepSpeed plugin settings (test_launch's DS_INLINE) in the form
+# the issue names: ZeRO-2, accumulation 2, clipping 0.7, CPU offload, bf16; 2 CPU processes, a free port
+ACCELERATE_DS_PLUGIN = DS_INLINE.replace("gradient_accumulation_steps: 1", "gradient_accumulation_steps: 2").replace(
+    "zero_stage: 3", "zero_stage: 2").replace("num_processes: 4", "num_processes: 2").replace(
+    "use_cpu: false", "use_cpu: true\nmain_process_port: {port}")
 
 
 def _launch(tmp_path, name: str, accelerate_yaml: str) -> dict:
