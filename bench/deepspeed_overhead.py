@@ -24,18 +24,16 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ddp_overhead import _durations, device, lm_data  # noqa: E402
+from bench.ddp_overhead import _durations, device, lm_data, timed_fit  # noqa: E402
 from bench.models import SmallTransformer  # noqa: E402
 
 TARGET = 1.05
@@ -75,29 +73,10 @@ def raw_loop(model: torch.nn.Module, data: list, batch: int, steps: int) -> list
 
 
 def kiln_run(model_fn, data: list, batch: int, steps: int, strategy: str, **extra) -> tuple[list[tuple[float, float]], object]:
-    from kiln import Callback, Trainer
-
-    ends: list[tuple[float, float]] = []
-
-    class Clock(Callback):
-        def on_step_end(self, config, state, control, **kw):  # type: ignore[no-untyped-def]
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            ends.append((time.perf_counter(), time.process_time()))
-
-    made = [tempfile.mkdtemp(prefix="kiln-ds-bench-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(made, src=0)
-    try:
-        cfg = {"output_dir": made[0], "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
-               "max_grad_norm": 1.0, "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True,
-               "log": {"history": [], "disable_tqdm": True}, "average_tokens_across_devices": False, "strategy": {"name": strategy}, **extra}
-        trainer = Trainer(model_fn(), cfg, train_dataset=data, callbacks=[Clock()])
-        trainer.fit()
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(made[0], ignore_errors=True)
-    return _durations(ends), trainer
+    cfg = {"max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR, "max_grad_norm": 1.0,
+           "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "log": {"history": [], "disable_tqdm": True},
+           "average_tokens_across_devices": False, "strategy": {"name": strategy}, **extra}
+    return timed_fit(model_fn(), data, cfg)
 
 
 def overhead(steps: int, repeats: int, dim: int) -> None:
