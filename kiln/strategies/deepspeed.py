@@ -123,7 +123,7 @@ class DeepSpeedStrategy(DDPStrategy):
         gathered weights, and `generate()` keeps the ranks stepping together (`synced_gpus`). HF's
         Trainer registers it from TrainingArguments; the registry holds a weak reference, so the
         strategy keeps the object. Only when transformers is already imported (it is heavy)."""
-        if "transformers" not in sys.modules or getattr(self, "_hf_config", None) is not None:
+        if "transformers" not in sys.modules or self._hf_config is not None:
             return
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
