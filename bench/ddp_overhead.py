@@ -103,8 +103,9 @@ def raw_loop(model: nn.Module, data: list, batch: int, steps: int, token_exact: 
     return _durations(ends)
 
 
-def kiln_loop(model: nn.Module, data: list, batch: int, steps: int, find_unused: bool = False,
-              token_exact: bool = True) -> list[tuple[float, float]]:
+def timed_fit(model: nn.Module, data: list, cfg: dict) -> tuple[list[tuple[float, float]], object]:
+    """kiln's Trainer.fit over `data` with `cfg` (and an output_dir made here); (wall, cpu) seconds of
+    each step after the warm-up, and the Trainer."""
     from kiln import Callback, Trainer
 
     ends: list[tuple[float, float]] = []
@@ -115,23 +116,27 @@ def kiln_loop(model: nn.Module, data: list, batch: int, steps: int, find_unused:
                 torch.cuda.synchronize()
             ends.append((time.perf_counter(), time.process_time()))
 
-    import torch.distributed as dist
-
     # one output_dir for every rank (kiln refuses ranks that disagree), made by rank 0
-    made = [tempfile.mkdtemp(prefix="kiln-ddp-bench-") if dist.get_rank() == 0 else None]
+    made = [tempfile.mkdtemp(prefix="kiln-bench-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(made, src=0)
     out = made[0]
     try:
-        cfg = {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": 1e-4,
-               "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "log": {"history": []},
-               "strategy": {"name": "ddp", "find_unused_parameters": find_unused},
-               "average_tokens_across_devices": token_exact}
-        Trainer(model, cfg, train_dataset=data, callbacks=[Clock()]).fit()
+        trainer = Trainer(model, {"output_dir": out, **cfg}, train_dataset=data, callbacks=[Clock()])
+        trainer.fit()
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(out, ignore_errors=True)
-    return _durations(ends)
+    return _durations(ends), trainer
+
+
+def kiln_loop(model: nn.Module, data: list, batch: int, steps: int, find_unused: bool = False,
+              token_exact: bool = True) -> list[tuple[float, float]]:
+    cfg = {"max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": 1e-4,
+           "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "log": {"history": []},
+           "strategy": {"name": "ddp", "find_unused_parameters": find_unused},
+           "average_tokens_across_devices": token_exact}
+    return timed_fit(model, data, cfg)[0]
 
 
 def worker(steps: int, repeats: int) -> None:

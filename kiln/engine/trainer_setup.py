@@ -43,7 +43,8 @@ class SetupMixin:
         """Module, optimizer and (given the step count) scheduler, set up by the strategy in one call."""
         if self._setup_stage != "train":
             schedule = (lambda optimizer: self.create_scheduler(max_steps, optimizer)) if max_steps is not None else None
-            setup = self.strategy.setup(self._module_to_set_up(), lambda _model: self.create_optimizer(), schedule)
+            setup = self.strategy.setup(self._module_to_set_up(), lambda _model: self.create_optimizer(), schedule,
+                                        max_steps=max_steps)
             self.model_wrapped, self.optimizer = setup.model, setup.optimizer
             if setup.scheduler is not None:
                 self.lr_scheduler = setup.scheduler

@@ -12,8 +12,9 @@ methods, in this order, for every strategy:
     precision = strategy.connect_precision(precision)   # may substitute its own flavour (and log it)
     with strategy.module_init_context():       # meta device / deepspeed.zero.Init / nothing
         model = model_init()                   # only when the Trainer builds the model
-    setup = strategy.setup(module, optimizer_factory, scheduler_factory)   # once, joint; evaluation
-        # before training calls it without factories, and training calls it again with them
+    setup = strategy.setup(module, optimizer_factory, scheduler_factory, max_steps=N)   # once, joint;
+        # evaluation before training calls it without factories, and training calls it again with
+        # them and the run's optimizer step count (None when not known yet: auto_find_batch_size)
     loader = strategy.process_dataloader(loader)
     per micro-batch:  batch = strategy.batch_to_device(batch)
                       with strategy.micro_batch_context(model, boundary=...):    # DDP's no_sync
@@ -168,9 +169,11 @@ class Strategy:
         return contextlib.nullcontext()
 
     def setup(self, module: nn.Module, optimizer_factory: Optional[OptimizerFactory] = None,
-              scheduler_factory: Optional[SchedulerFactory] = None) -> Setup:
+              scheduler_factory: Optional[SchedulerFactory] = None, *, max_steps: Optional[int] = None) -> Setup:
         """Set up module, optimizer and scheduler together. Without factories (evaluation before
-        training) only the module is set up; a later call with factories reuses it.
+        training) only the module is set up; a later call with factories reuses it. `max_steps` is
+        the run's optimizer step count (what `scheduler_factory` builds the schedule for; None when
+        unknown yet): a strategy whose own config needs it (DeepSpeed's "auto" scheduler steps) reads it here.
 
         A different `module` than the last call's (a second `train()` with `model_init`) is set up
         from scratch. Default order: precision casts the module, the strategy wraps it (`setup_module`, then

@@ -13,7 +13,9 @@ world like DDP, so the loop's loss weights are DDP's.
 
 Optimizer and scheduler follow HF's mixing rules: DeepSpeed's own when the config names them,
 else kiln's (`zero_allow_untested_optimizer` set, as HF does). ZeRO-Offload needs a DeepSpeed
-optimizer: with none in the config, kiln's Adam-family optimizer is translated into one (logged).
+optimizer: with none in the config, kiln's Adam-family optimizer is translated into one (logged:
+DeepSpeedCPUAdam, a JIT-compiled op), unless the config sets `zero_force_ds_cpu_optimizer: false`,
+which keeps kiln's torch optimizer stepping the CPU partition (no compile).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
 import torch
@@ -105,12 +108,26 @@ class DeepSpeedStrategy(DDPStrategy):
         self.engine: Any = None
         self._eval_module: Optional[nn.Module] = None
         self._scheduler: Any = None
+        self._hf_config: Any = None
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_environment(self) -> None:
         super().setup_environment()
         deepspeed = import_deepspeed()
         _compiling(lambda: deepspeed.init_distributed(dist_backend=self.backend))
+        self._share_with_transformers()
+
+    def _share_with_transformers(self) -> None:
+        """Transformers reads the DeepSpeed config from a registry (`is_deepspeed_zero3_enabled`):
+        under ZeRO-3 its `from_config`/`from_pretrained` build partitioned and initialise the
+        gathered weights, and `generate()` keeps the ranks stepping together (`synced_gpus`). HF's
+        Trainer registers it from TrainingArguments; the registry holds a weak reference, so the
+        strategy keeps the object. Only when transformers is already imported (it is heavy)."""
+        if "transformers" not in sys.modules or self._hf_config is not None:
+            return
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+        self._hf_config = HfDeepSpeedConfig(self.ds_config)
 
     def connect_precision(self, precision: Precision) -> Precision:
         dtype = dtype_of(self.ds_config)
@@ -124,22 +141,23 @@ class DeepSpeedStrategy(DDPStrategy):
     def module_init_context(self) -> ContextManager[Any]:
         """ZeRO-3 builds the model partitioned (HF's zero3_init_flag), so a model larger than one
         process's share fits."""
+        self._share_with_transformers()  # a Transformers model built from its config partitions itself too
         if self.stage != 3 or not self.option("zero3_init_flag", True):
             return contextlib.nullcontext()
         return import_deepspeed().zero.Init(config_dict_or_path=self.ds_config)
 
     def setup(self, module: nn.Module, optimizer_factory: Optional[OptimizerFactory] = None,
-              scheduler_factory: Optional[SchedulerFactory] = None) -> Setup:
+              scheduler_factory: Optional[SchedulerFactory] = None, *, max_steps: Optional[int] = None) -> Setup:
         if self.engine is not None:
             return Setup(self.engine, self.engine.optimizer, self._scheduler)
         if optimizer_factory is None:  # evaluation before training: no engine yet
             return Setup(self._eval_setup(module))
         deepspeed = import_deepspeed()
-        ds = finalize(dict(self.ds_config), _inner(module), cfg=self.config)
+        ds = finalize(dict(self.ds_config), _inner(module), cfg=self.config, max_steps=max_steps)
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = None
         if "optimizer" not in ds:
-            if _offloads_optimizer(ds):
+            if _offloads_optimizer(ds) and ds.get("zero_force_ds_cpu_optimizer", True):
                 ds["optimizer"] = _ds_optimizer_from_kiln(self.config)
             else:
                 optimizer = optimizer_factory(module)

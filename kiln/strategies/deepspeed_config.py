@@ -220,9 +220,9 @@ def hidden_size(model: Any) -> Optional[int]:
     return None
 
 
-def finalize(ds: dict[str, Any], model: Any, *, cfg: Any) -> dict[str, Any]:
-    """HF's `trainer_config_finalize`: the hidden-size based bucket sizes and the scheduler's steps.
-    The step count comes from `max_steps` (a strategy's setup does not see the computed count)."""
+def finalize(ds: dict[str, Any], model: Any, *, cfg: Any, max_steps: Optional[int]) -> dict[str, Any]:
+    """HF's `trainer_config_finalize`: the hidden-size based bucket sizes and the scheduler's steps
+    (`max_steps`: the run's optimizer step count as the loop computed it, HF's num_training_steps)."""
     zero = ds.get("zero_optimization", {})
     keys = ["reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"]
     auto = [k for k in keys if zero.get(k) == "auto"]
@@ -238,17 +238,31 @@ def finalize(ds: dict[str, Any], model: Any, *, cfg: Any) -> dict[str, Any]:
                 zero["stage3_prefetch_bucket_size"] = int(0.9 * size * size)
             if zero.get("stage3_param_persistence_threshold") == "auto":
                 zero["stage3_param_persistence_threshold"] = 10 * size
-    params = ds.get("scheduler", {}).get("params", {}) if isinstance(ds.get("scheduler"), dict) else {}
-    needs = [k for k in ("total_num_steps", "warmup_num_steps") if params.get(k) == "auto"]
-    if needs:
-        steps = int(_kiln(cfg, "train.max_steps") or -1)
-        if steps <= 0:
-            raise ConfigError("The DeepSpeed scheduler's \"auto\" total_num_steps/warmup_num_steps need the step count "
-                              "before training: set max_steps in kiln's config, or give the DeepSpeed values as numbers.")
-        if params.get("total_num_steps") == "auto":
-            params["total_num_steps"] = steps
-        if params.get("warmup_num_steps") == "auto":  # HF's get_warmup_steps, kept positive as HF does
-            warmup = int(cfg.scheduler.warmup_steps or 0)
-            warmup = warmup if warmup > 0 else math.ceil(float(cfg.scheduler.warmup_ratio or 0.0) * steps)
-            params["warmup_num_steps"] = max(1, warmup)
+    _scheduler_steps(ds, cfg, max_steps)
     return ds
+
+
+def _scheduler_steps(ds: dict[str, Any], cfg: Any, max_steps: Optional[int]) -> None:
+    """HF's rule for WarmupLR / WarmupDecayLR / WarmupCosineLR: `total_num_steps` is the run's step
+    count and `warmup_num_steps` is `get_warmup_steps(count)` kept at least 1; "auto" is filled, a
+    number that differs is a mismatch (a warmup number is kept while kiln's warmup is at its default)."""
+    params = ds.get("scheduler", {}).get("params") if isinstance(ds.get("scheduler"), dict) else None
+    if not isinstance(params, dict) or not {"total_num_steps", "warmup_num_steps"} & set(params):
+        return
+    if max_steps is None or max_steps <= 0:
+        if "auto" in (params.get("total_num_steps"), params.get("warmup_num_steps")):
+            raise ConfigError("The DeepSpeed scheduler's \"auto\" total_num_steps/warmup_num_steps need the run's step "
+                              "count, which is not known yet (auto_find_batch_size?); give them as numbers.")
+        return
+    warmup = int(cfg.scheduler.warmup_steps or 0)
+    warmup = warmup if warmup > 0 else math.ceil(float(cfg.scheduler.warmup_ratio or 0.0) * max_steps)
+    warmup_is_default = not cfg.scheduler.warmup_steps and not cfg.scheduler.warmup_ratio
+    bad = Mismatches()
+    for key, value, kiln_key in (("total_num_steps", max_steps, "the run's optimizer steps (max_steps or epochs x steps per epoch)"),
+                                 ("warmup_num_steps", max(1, warmup), "scheduler.warmup_steps/warmup_ratio")):
+        current = params.get(key)
+        if current == "auto":
+            params[key] = value
+        elif current is not None and not _same(current, value) and not (key == "warmup_num_steps" and warmup_is_default):
+            bad.add(f"scheduler.params.{key}", current, kiln_key, value)
+    bad.raise_if_any()

@@ -89,7 +89,8 @@ class OwnStepStrategy(Strategy):
     def root_device(self) -> torch.device:
         return torch.device("cpu")
 
-    def setup(self, module: nn.Module, optimizer_factory: Any = None, scheduler_factory: Any = None) -> Setup:
+    def setup(self, module: nn.Module, optimizer_factory: Any = None, scheduler_factory: Any = None, *,
+              max_steps: Any = None) -> Setup:
         module = self.precision.convert_module(module).to(self.root_device)
         if optimizer_factory is None:
             return Setup(module)

@@ -34,7 +34,7 @@ def test_every_auto_value_is_filled_as_hf_documents():
     cfg = _cfg(bf16=True)
     ds = process(cfg, json.loads(json.dumps(AUTO)), world_size=2, precision="bf16", name="deepspeed")
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=16))
-    ds = finalize(ds, model, cfg=cfg)
+    ds = finalize(ds, model, cfg=cfg, max_steps=20)
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2
     assert ds["train_batch_size"] == 16 and ds["gradient_clipping"] == 0.5
     assert ds["optimizer"]["params"] == {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-7, "weight_decay": 0.1}
@@ -82,7 +82,7 @@ def test_unreadable_configs_are_one_sentence(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         read_user_config(str(tmp_path / "missing.json"))
     with pytest.raises(ConfigError, match="hidden_size"):
-        finalize({"zero_optimization": {"reduce_bucket_size": "auto"}}, SimpleNamespace(), cfg=_cfg())
+        finalize({"zero_optimization": {"reduce_bucket_size": "auto"}}, SimpleNamespace(), cfg=_cfg(), max_steps=20)
 
 
 def test_missing_deepspeed_and_missing_compiler_are_one_sentence(monkeypatch):
@@ -114,3 +114,32 @@ def test_offload_without_a_deepspeed_optimizer_is_refused_for_non_adam():
     with pytest.raises(ConfigError, match="ZeRO-Offload needs a DeepSpeed optimizer"):
         _ds_optimizer_from_kiln(_cfg(optim="sgd"))
     assert _ds_optimizer_from_kiln(_cfg())["params"]["lr"] == 0.01
+
+
+@pytest.mark.parametrize("warmup", [{"warmup_steps": 7}, {"warmup_steps": 0.25}, {"warmup_steps": 0.1}, {}])
+@pytest.mark.parametrize("steps", [13, 40])
+def test_auto_scheduler_steps_follow_hf_rule(warmup, steps):
+    """total_num_steps / warmup_num_steps as HF's `trainer_config_finalize` fills them (run here on
+    the same values), from the step count the loop passes to setup (not `max_steps` in the config:
+    an epoch-based run has none)."""
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    hf_args = TrainingArguments(output_dir="unused", report_to=[], **warmup)
+    scheduler = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}
+    hf = HfTrainerDeepSpeedConfig({"scheduler": json.loads(json.dumps(scheduler))})
+    hf.trainer_config_finalize(hf_args, SimpleNamespace(config=None), steps)
+    cfg = load_config({"num_train_epochs": 2, **warmup})
+    ours = finalize({"scheduler": json.loads(json.dumps(scheduler)), "zero_optimization": {}}, None, cfg=cfg, max_steps=steps)
+    assert ours["scheduler"]["params"] == hf.config["scheduler"]["params"]
+
+
+def test_scheduler_step_numbers_that_disagree_with_the_run_are_one_error():
+    user = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 99}}, "zero_optimization": {}}
+    with pytest.raises(ConfigError) as err:
+        finalize(user, None, cfg=_cfg(), max_steps=20)
+    assert "total_num_steps=99" in str(err.value) and "warmup_num_steps=5" in str(err.value)
+    kept = finalize({"scheduler": {"params": {"warmup_num_steps": 5, "total_num_steps": 20}}}, None, cfg=_cfg(warmup_steps=0), max_steps=20)
+    assert kept["scheduler"]["params"] == {"warmup_num_steps": 5, "total_num_steps": 20}  # kiln's warmup at its default
+    with pytest.raises(ConfigError, match="not known yet"):
+        finalize({"scheduler": {"params": {"total_num_steps": "auto"}}}, None, cfg=_cfg(), max_steps=None)

@@ -2,33 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
+from tests.strategies.deepspeed.launch import launch_worker
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[2]
+pytest.importorskip("deepspeed")
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ds")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "worker.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
-    if proc.returncode != 0:
-        pytest.fail(f"worker exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    from safetensors.torch import load_file
-
-    return json.loads((out / "results.json").read_text()), load_file(str(out / "tensors.safetensors"))
+    return launch_worker("worker.py", tmp_path_factory.mktemp("ds"))
 
 
 def _weights(tensors, prefix):
