@@ -161,6 +161,9 @@ class DeepSpeedStrategy(DDPStrategy):
                 ds["optimizer"] = _ds_optimizer_from_kiln(self.config)
             else:
                 optimizer = optimizer_factory(module)
+                if getattr(optimizer, "owns_backward", False):  # LOMO: DeepSpeed's engine runs backward itself
+                    raise ConfigError(f"{type(optimizer).__name__} updates parameters inside backward, which DeepSpeed's "
+                                      "engine runs itself; use strategy single (LOMO runs on one process).")
                 ds["zero_allow_untested_optimizer"] = True  # HF's rule for a Trainer-made optimizer
         module = module if _partitioned(module) else module.to(self.root_device)
         try:

@@ -126,13 +126,14 @@ class XLAFSDPStrategy(XLAStrategy):
         return self._mesh
 
     # -- set-up -----------------------------------------------------------------------------
-    def setup(self, module: nn.Module, optimizer_factory: Optional[Any] = None, scheduler_factory: Optional[Any] = None) -> Any:
+    def setup(self, module: nn.Module, optimizer_factory: Optional[Any] = None, scheduler_factory: Optional[Any] = None,
+              *, max_steps: Optional[int] = None) -> Any:
         """The classic wrapper takes the parameters away from the user's module and registers flat
         shards on itself. The optimizer is still built by the user's factory over the user's
         parameters (so weight-decay groups stay what they are), with them registered back for that
         call, and each group then points at the shards."""
         if self.spmd or optimizer_factory is None:
-            return super().setup(module, optimizer_factory, scheduler_factory)
+            return super().setup(module, optimizer_factory, scheduler_factory, max_steps=max_steps)
 
         def factory(wrapped: nn.Module) -> torch.optim.Optimizer:
             with _original_parameters(wrapped):
@@ -141,7 +142,7 @@ class XLAFSDPStrategy(XLAStrategy):
                 group["params"] = [getattr(p, "_sharded_param", p) for p in group["params"]]
             return optimizer
 
-        return super().setup(module, factory, scheduler_factory)
+        return super().setup(module, factory, scheduler_factory, max_steps=max_steps)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from kiln.strategies.fsdp_wrap import blocks_to_wrap

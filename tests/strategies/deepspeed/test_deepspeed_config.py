@@ -143,3 +143,21 @@ def test_scheduler_step_numbers_that_disagree_with_the_run_are_one_error():
     assert kept["scheduler"]["params"] == {"warmup_num_steps": 5, "total_num_steps": 20}  # kiln's warmup at its default
     with pytest.raises(ConfigError, match="not known yet"):
         finalize({"scheduler": {"params": {"total_num_steps": "auto"}}}, None, cfg=_cfg(), max_steps=None)
+
+
+def test_an_optimizer_that_owns_backward_is_refused_before_deepspeed_starts():
+    """LOMO updates parameters inside backward, which DeepSpeed's engine runs itself."""
+    import torch
+
+    from kiln.precision import build_precision
+    from kiln.strategies import build_strategy
+
+    cfg = _cfg(strategy="deepspeed", deepspeed={"zero_optimization": {"stage": 2}})
+    strategy = build_strategy(cfg, build_precision(cfg))
+
+    class OwnsBackward(torch.optim.SGD):
+        owns_backward = True
+
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="OwnsBackward updates parameters inside backward, which DeepSpeed"):
+        strategy.setup(module, lambda m: OwnsBackward(m.parameters(), lr=0.1), max_steps=20)
