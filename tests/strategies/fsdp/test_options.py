@@ -126,3 +126,20 @@ def test_fsdp_on_mps_is_refused_by_its_capabilities():
 def test_apex_is_refused_by_its_capabilities():
     with pytest.raises(CapabilityError, match="apex's amp cannot handle FSDP"):
         check_compatible("fsdp", FSDPStrategy.capabilities, precision="apex", device=torch.device("cpu"))
+
+
+def test_offload_with_pinned_memory_on_a_machine_without_an_accelerator_is_refused():
+    from kiln.precision.fp32 import FP32Precision
+
+    cfg = {"strategy": {"name": "fsdp", "device": "cpu", "offload": True, "offload_pin_memory": True}}
+    with pytest.raises(ConfigError) as err:
+        FSDPStrategy(load_config(cfg), FP32Precision())
+    assert "needs an accelerator" in str(err.value) and "offload_pin_memory: false" in str(err.value)
+    assert "\n" not in str(err.value)
+    cfg["strategy"]["offload_pin_memory"] = False  # the fix named in the message
+    assert FSDPStrategy(load_config(cfg), FP32Precision()).settings.offload_pin_memory is False
+
+
+def test_cpu_ram_efficient_loading_is_a_setting_with_effect():
+    s = _settings({"fsdp": "full_shard", "fsdp_config": {"fsdp_cpu_ram_efficient_loading": "true"}})
+    assert s.cpu_ram_efficient_loading and "cpu_ram_efficient_loading" not in s.no_effect
