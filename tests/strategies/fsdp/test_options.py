@@ -143,3 +143,34 @@ def test_offload_with_pinned_memory_on_a_machine_without_an_accelerator_is_refus
 def test_cpu_ram_efficient_loading_is_a_setting_with_effect():
     s = _settings({"fsdp": "full_shard", "fsdp_config": {"fsdp_cpu_ram_efficient_loading": "true"}})
     assert s.cpu_ram_efficient_loading and "cpu_ram_efficient_loading" not in s.no_effect
+
+
+@pytest.mark.parametrize("flag, sharding", [("1", "full_shard"), ("2", "shard_grad_op"), ("SHARD_GRAD_OP", "shard_grad_op")])
+def test_accelerate_command_line_flags_mean_the_native_config(flag, sharding):
+    """`accelerate launch --use_fsdp --fsdp_sharding_strategy=N ...` as accelerate itself exports it
+    (its CLI also always exports FSDP_RESHARD_AFTER_FORWARD=true, which FSDP1 configs do not use)."""
+    pytest.importorskip("accelerate")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    argv = ["--use_fsdp", "--num_processes", "2", f"--fsdp_sharding_strategy={flag}", "--fsdp_auto_wrap_policy",
+            "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block", "--fsdp_offload_params", "true",
+            "--fsdp_state_dict_type", "FULL_STATE_DICT", "--fsdp_activation_checkpointing", "true", "train.py"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    (setting,) = [s for s in accelerate_settings(prepare_multi_gpu_env(args)) if s.key == "strategy.name"]
+    got = _settings({"strategy": {"name": "fsdp", "fsdp": setting.values["strategy.options.fsdp"],
+                                  "fsdp_config": setting.values["strategy.options.fsdp_config"]}})
+    # accelerate's command-line defaults: --fsdp_sync_module_states and --fsdp_cpu_ram_efficient_loading true
+    want = _settings({"strategy": {**NATIVE["strategy"], "sharding": sharding, "sync_module_states": True,
+                                   "cpu_ram_efficient_loading": True}})
+    want.no_effect = got.no_effect  # use_orig_params and version 1, each logged as having no effect
+    assert set(got.no_effect) == {"use_orig_params", "version"}
+    assert got == want
+
+
+def test_an_fsdp2_accelerate_config_uses_reshard_after_forward():
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"}
+    (setting,) = [s for s in accelerate_settings(env) if s.key == "strategy.name"]
+    got = _settings({"strategy": {"name": "fsdp", "fsdp": setting.values["strategy.options.fsdp"],
+                                  "fsdp_config": setting.values["strategy.options.fsdp_config"]}})
+    assert (got.sharding, got.reshard) == ("full_shard", False)

@@ -60,7 +60,8 @@ trainer = Trainer(model(), {"output_dir": os.path.join(out, "run"), "per_device_
 pred = trainer.predict(rows, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
 if dist.get_rank() == 0:
     with open(os.path.join(out, "result.json"), "w") as fh:
-        json.dump({"predictions": pred.predictions.tolist(), "by_hand": by_hand, "prompts": ids.tolist(), "eos": eos, "imbalance": imbalance(eos),
+        json.dump({"predictions": pred.predictions.tolist(), "by_hand": by_hand, "prompts": ids.tolist(), "eos": eos,
+                   "imbalance": imbalance(eos),
                    "sharded": type(trainer.strategy).__name__}, fh)
 dist.barrier()
 dist.destroy_process_group()
