@@ -21,12 +21,9 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,78 +31,19 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ddp_overhead import TARGET, _durations, device, lm_data  # noqa: E402
+from bench.ddp_overhead import TARGET, device, kiln_loop, lm_data, raw_loop  # noqa: E402
 from bench.models import SmallTransformer  # noqa: E402
 
 MEMORY_TARGET = 0.6
 
 
-def raw_loop(model: nn.Module, data: list, batch: int, steps: int) -> list[tuple[float, float]]:
-    """A hand-written FSDP2 loop doing kiln's work; (wall, cpu) seconds per step after the warm-up."""
+def fsdp_wrap(model: nn.Module) -> nn.Module:
+    """What a hand-written FSDP2 loop does: each encoder layer one unit, then the root."""
     from torch.distributed.fsdp import fully_shard
 
-    dev = device()
-    model = model.to(dev)
     for layer in model.body.layers:
         fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (steps - s) / steps))
-    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
-    loader = torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler, drop_last=True)
-    model.train()
-    step, epoch, ends = 0, 0, []
-    while step < steps:
-        sampler.set_epoch(epoch)
-        for b in loader:
-            b = {k: v.to(dev, non_blocking=True) for k, v in b.items()}
-            local = b["labels"].ne(-100).sum()
-            total = local.clone()
-            dist.all_reduce(total)
-            loss = model(**b)["loss"] * (local * dist.get_world_size() / total)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            ends.append((time.perf_counter(), time.process_time()))
-            if step == steps:
-                break
-        epoch += 1
-    return _durations(ends)
-
-
-def _shared_tmpdir(prefix: str) -> str:
-    made = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(made, src=0)  # one output_dir for every rank (kiln refuses ranks that disagree)
-    return str(made[0])
-
-
-def kiln_run(model: nn.Module, data: list, batch: int, steps: int, strategy: dict) -> list[tuple[float, float]]:
-    from kiln import Callback, Trainer
-
-    ends: list[tuple[float, float]] = []
-
-    class Clock(Callback):
-        def on_step_end(self, config, state, control, **kw):  # type: ignore[no-untyped-def]
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            ends.append((time.perf_counter(), time.process_time()))
-
-    out = _shared_tmpdir("kiln-fsdp-bench-")
-    try:
-        cfg = {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": 1e-4,
-               "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "log": {"history": []},
-               "strategy": strategy}
-        Trainer(model, cfg, train_dataset=data, callbacks=[Clock()]).fit()
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(out, ignore_errors=True)
-    return _durations(ends)
+    return fully_shard(model)
 
 
 def overhead(steps: int, repeats: int) -> None:
@@ -116,9 +54,9 @@ def overhead(steps: int, repeats: int) -> None:
     kiln_t: list[tuple[float, float]] = []
     for _ in range(repeats):
         torch.manual_seed(0)
-        raw_t += raw_loop(SmallTransformer(dim=128, layers=2, seq=64), data, 8, steps)
+        raw_t += raw_loop(SmallTransformer(dim=128, layers=2, seq=64), data, 8, steps, token_exact=True, wrap=fsdp_wrap)
         torch.manual_seed(0)
-        kiln_t += kiln_run(SmallTransformer(dim=128, layers=2, seq=64), data, 8, steps, fsdp)
+        kiln_t += kiln_loop(SmallTransformer(dim=128, layers=2, seq=64), data, 8, steps, strategy=fsdp)
     if rank0:
         for i, clock in ((0, "wall"), (1, "cpu ")):
             r, k = statistics.median(t[i] for t in raw_t), statistics.median(t[i] for t in kiln_t)
@@ -151,7 +89,7 @@ def peak_memory(kind: str, dim: int, layers: int) -> None:
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     strategy = {"name": kind, **({"wrap": ["Linear"]} if kind == "fsdp" else {})}
-    kiln_run(Wide(dim, layers), data, 2, 3 + 1, strategy)
+    kiln_loop(Wide(dim, layers), data, 2, 4, token_exact=False, strategy=strategy)
     peak = (torch.cuda.max_memory_allocated() if dev.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - base
     every = [None] * dist.get_world_size()

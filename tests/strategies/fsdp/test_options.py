@@ -174,3 +174,13 @@ def test_an_fsdp2_accelerate_config_uses_reshard_after_forward():
     got = _settings({"strategy": {"name": "fsdp", "fsdp": setting.values["strategy.options.fsdp"],
                                   "fsdp_config": setting.values["strategy.options.fsdp_config"]}})
     assert (got.sharding, got.reshard) == ("full_shard", False)
+
+
+def test_a_model_on_the_meta_device_is_refused_with_the_fix():
+    from kiln.precision.fp32 import FP32Precision
+
+    strategy = FSDPStrategy(load_config({"strategy": {"name": "fsdp", "device": "cpu"}}), FP32Precision())
+    with torch.device("meta"):
+        model = TinyLM()
+    with pytest.raises(ConfigError, match="meta device; build it with real weights, or let the Trainer build it"):
+        strategy.setup_module(model)
