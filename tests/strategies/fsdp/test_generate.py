@@ -9,14 +9,12 @@ import json
 
 import pytest
 
-from tests.strategies.fsdp.conftest import torchrun
 
 pytestmark = pytest.mark.distributed
 
 
-def test_predict_with_generate_equals_one_process(tmp_path):
-    torchrun(2, "worker_generate.py", tmp_path, timeout=300)
-    r = json.loads((tmp_path / "result.json").read_text())
+def test_predict_with_generate_equals_one_process(shared_job):  # worker_generate.py, in conftest.shared_job
+    r = json.loads((shared_job / "generate" / "result.json").read_text())
     assert r["sharded"] == "FSDPStrategy" and r["imbalance"] > 0  # the ranks really generate different lengths
     by_row = {int(key.strip("(),")): gen[0] for key, gen in r["by_hand"].items()}
     preds = r["predictions"]

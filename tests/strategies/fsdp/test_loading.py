@@ -11,15 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.strategies.fsdp.conftest import torchrun
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def loading(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_loading")
-    torchrun(2, "worker_loading.py", out, timeout=600)
+def loading(shared_job):
+    out = shared_job / "loading"  # worker_loading.py, in the job conftest.shared_job starts
     return json.loads((out / "result.json").read_text()), load_file(str(out / "weights.safetensors"))
 
 

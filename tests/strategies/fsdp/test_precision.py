@@ -10,16 +10,13 @@ import math
 
 import pytest
 
-from tests.strategies.fsdp.conftest import torchrun
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def precision_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_precision")
-    torchrun(2, "worker_precision.py", out, timeout=600)
-    return json.loads((out / "result.json").read_text())
+def precision_runs(shared_job):  # worker_precision.py, in the job conftest.shared_job starts
+    return json.loads((shared_job / "precision" / "result.json").read_text())
 
 
 def test_fp16_inf_on_one_rank_skips_the_step_everywhere_and_halves_the_scale(precision_runs):

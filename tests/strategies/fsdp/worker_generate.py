@@ -17,7 +17,6 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from kiln import Trainer  # noqa: E402
 
-out = sys.argv[1]
 NEW = 6
 
 
@@ -54,14 +53,20 @@ def imbalance(token):
 eos = max(range(1, 64), key=imbalance)
 by_hand = {str(b): generate(b, eos_token_id=eos).tolist() for batches in BATCHES.values() for b in batches}
 
-trainer = Trainer(model(), {"output_dir": os.path.join(out, "run"), "per_device_eval_batch_size": 1,
-                            "predict_with_generate": True, "log": {"disable_tqdm": True},
-                            "strategy": {"name": "fsdp", "device": "cpu"}})
-pred = trainer.predict(rows, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
-if dist.get_rank() == 0:
-    with open(os.path.join(out, "result.json"), "w") as fh:
-        json.dump({"predictions": pred.predictions.tolist(), "by_hand": by_hand, "prompts": ids.tolist(), "eos": eos,
-                   "imbalance": imbalance(eos),
-                   "sharded": type(trainer.strategy).__name__}, fh)
-dist.barrier()
-dist.destroy_process_group()
+
+def main(out: str) -> None:
+    trainer = Trainer(model(), {"output_dir": os.path.join(out, "run"), "per_device_eval_batch_size": 1,
+                                "predict_with_generate": True, "log": {"disable_tqdm": True},
+                                "strategy": {"name": "fsdp", "device": "cpu"}})
+    pred = trainer.predict(rows, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "result.json"), "w") as fh:
+            json.dump({"predictions": pred.predictions.tolist(), "by_hand": by_hand, "prompts": ids.tolist(), "eos": eos,
+                       "imbalance": imbalance(eos),
+                       "sharded": type(trainer.strategy).__name__}, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    dist.barrier()
+    dist.destroy_process_group()

@@ -22,7 +22,6 @@ from kiln import Trainer  # noqa: E402
 from tests.helpers import padded_token_data  # noqa: E402
 from tests.strategies.fsdp import cases  # noqa: E402
 
-out = sys.argv[1]
 
 
 class LiveElements(TorchDispatchMode):
@@ -63,7 +62,7 @@ def gpt2_data():
     return [{"input_ids": (ids := torch.randint(0, 64, (12,), generator=g)), "labels": ids.clone()} for _ in range(16)]
 
 
-def run(name, build, data, efficient):
+def run(out, name, build, data, efficient):
     seen = {}
 
     def model_init():
@@ -95,15 +94,20 @@ def run(name, build, data, efficient):
     return dist.all_gather_object(every := [None] * dist.get_world_size(), facts) or every, weights
 
 
-result, tensors = {}, {}
-for name, build, data in (("tiny", tiny, padded_token_data(16, 10, 64, seed=1)), ("gpt2", gpt2, gpt2_data())):
-    for efficient in (False, True):
-        key = f"{name}_{'efficient' if efficient else 'normal'}"
-        result[key], weights = run(key, build, data, efficient)
-        tensors.update({f"{key}/{k}": v.contiguous() for k, v in weights.items()})
-if dist.get_rank() == 0:
-    save_file(tensors, os.path.join(out, "weights.safetensors"))
-    with open(os.path.join(out, "result.json"), "w") as fh:
-        json.dump(result, fh)
-dist.barrier()
-dist.destroy_process_group()
+def main(out: str) -> None:
+    result, tensors = {}, {}
+    for name, build, data in (("tiny", tiny, padded_token_data(16, 10, 64, seed=1)), ("gpt2", gpt2, gpt2_data())):
+        for efficient in (False, True):
+            key = f"{name}_{'efficient' if efficient else 'normal'}"
+            result[key], weights = run(out, key, build, data, efficient)
+            tensors.update({f"{key}/{k}": v.contiguous() for k, v in weights.items()})
+    if dist.get_rank() == 0:
+        save_file(tensors, os.path.join(out, "weights.safetensors"))
+        with open(os.path.join(out, "result.json"), "w") as fh:
+            json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    dist.barrier()
+    dist.destroy_process_group()

@@ -17,7 +17,6 @@ from kiln import Callback  # noqa: E402
 from kiln.accelerators import cpu  # noqa: E402
 from tests.strategies.fsdp import cases  # noqa: E402
 
-out = sys.argv[1]
 INF_STEP = 1
 # torch computes fp16 on any CPU (slowly, without AVX512-FP16); kiln refuses it there for speed only
 cpu.cpu_supports_fp16 = lambda: True  # global_step before the poisoned optimizer step
@@ -46,7 +45,7 @@ class Watch(Callback):
         self.steps.append({"changed": changed, "scale_before": scale, "scale_after": scaler.get_scale() if scaler else None})
 
 
-def run(name: str, poison: bool, **extra):
+def run(out: str, name: str, poison: bool, **extra):
     trainer = cases.trainer_for("full_shard", os.path.join(out, name), 2, max_grad_norm=0.0, **extra)
     watch = Watch(trainer, poison)
     trainer.add_callback(watch)
@@ -62,9 +61,16 @@ def run(name: str, poison: bool, **extra):
     return every
 
 
-result = {"fp16": run("fp16", True, fp16=True), "bf16-true": run("bf16_true", False, precision="bf16-true")}
-if dist.get_rank() == 0:
-    with open(os.path.join(out, "result.json"), "w") as fh:
-        json.dump(result, fh)
-dist.barrier()
-dist.destroy_process_group()
+def main(out: str) -> None:
+    # torch computes fp16 on any CPU (slowly, without AVX512-FP16); kiln refuses it there for speed only
+    cpu.cpu_supports_fp16 = lambda: True
+    result = {"fp16": run(out, "fp16", True, fp16=True), "bf16-true": run(out, "bf16_true", False, precision="bf16-true")}
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "result.json"), "w") as fh:
+            json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    dist.barrier()
+    dist.destroy_process_group()
