@@ -83,6 +83,10 @@ def peak_memory(kind: str, dim: int, layers: int) -> None:
     dev = device()
     g = torch.Generator().manual_seed(0)
     data = [{"x": torch.randn(dim, generator=g), "labels": torch.randn(dim, generator=g)} for _ in range(16)]
+    import kiln.strategies.ddp  # noqa: F401  (both strategies' code loaded before the baseline: imports
+    import kiln.strategies.fsdp  # noqa: F401  are resident memory too, and FSDP's pull in DTensor and DCP)
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
