@@ -1,6 +1,7 @@
 """cpu_ram_efficient_loading on 2 processes, for kiln's TinyLM and a tied GPT-2 built from a config:
 rank 1 builds the model on the meta device and never holds more parameter elements than its own
-shard (counted over every floating-point storage it creates while building and sharding), while
+shard (GPT-2: plus one slice of its tied embedding; counted over every floating-point storage it
+creates while building and sharding), while
 rank 0 and a normal run hold the full model; training then ends exactly where a normal run does."""
 
 from __future__ import annotations
