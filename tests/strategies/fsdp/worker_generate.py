@@ -2,7 +2,7 @@
 config, next to generate() called by hand on the same (unsharded) model in this process. The
 end-of-sequence id is picked so that one rank's batches stop early and the other's run on: the
 ranks call forward a different number of times unless generation is synced across them.
-Rank 0 writes OUT/result.json.  Usage: torchrun --nproc_per_node=2 worker_generate.py OUT"""
+Rank 0 writes OUT/result.json.  Run by worker_many.py (`main(OUT)` on every rank)"""
 
 import json
 import os
@@ -65,8 +65,3 @@ def main(out: str) -> None:
                        "imbalance": imbalance(eos),
                        "sharded": type(trainer.strategy).__name__}, fh)
 
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-    dist.barrier()
-    dist.destroy_process_group()

@@ -2,7 +2,7 @@
 model_init: each is trained twice (normal FSDP, then efficient loading). During model building and
 set-up a dispatch-mode counter records the peak number of floating-point elements alive in real
 (non-meta) storage. Rank 0 writes OUT/result.json (both ranks' counts) and OUT/weights.safetensors.
-Usage: torchrun --nproc_per_node=2 worker_loading.py OUT"""
+Run by worker_many.py (`main(OUT)` on every rank)"""
 
 import json
 import os
@@ -106,8 +106,3 @@ def main(out: str) -> None:
         with open(os.path.join(out, "result.json"), "w") as fh:
             json.dump(result, fh)
 
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-    dist.barrier()
-    dist.destroy_process_group()

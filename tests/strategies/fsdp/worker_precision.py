@@ -1,7 +1,7 @@
 """fp16 (with its loss scaler) and bf16-true under FSDP on every rank. In the fp16 run an inf is put
 into ONE element of rank 0's gradient shard before step 2's optimizer step, so only rank 0 can see it
 locally. Rank 0 writes OUT/result.json with every rank's observations.
-Usage: torchrun --nproc_per_node=2 worker_precision.py OUT"""
+Run by worker_many.py (`main(OUT)` on every rank)"""
 
 import json
 import os
@@ -69,8 +69,3 @@ def main(out: str) -> None:
         with open(os.path.join(out, "result.json"), "w") as fh:
             json.dump(result, fh)
 
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-    dist.barrier()
-    dist.destroy_process_group()
