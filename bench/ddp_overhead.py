@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,16 +62,22 @@ def _durations(ends: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(ends[WARMUP:], ends[WARMUP + 1:])]
 
 
-def raw_loop(model: nn.Module, data: list, batch: int, steps: int, token_exact: bool = False) -> list[tuple[float, float]]:
+def ddp_wrap(model: nn.Module) -> nn.Module:
+    dev = device()
+    return nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+
+
+def raw_loop(model: nn.Module, data: list, batch: int, steps: int, token_exact: bool = False,
+             wrap: Callable[[nn.Module], nn.Module] = ddp_wrap) -> list[tuple[float, float]]:
     """A hand-written DDP loop; (wall, cpu) seconds of each step after the warm-up. CPU time (this
     process) is insensitive to other jobs on a shared machine; wall time is what users wait for.
 
     token_exact: normalise by the labelled items summed over ranks, as kiln (and HF's
     average_tokens_across_devices) does by default: one scalar all-reduce per step, written the way
-    one would by hand (counted and reduced before the forward)."""
+    one would by hand (counted and reduced before the forward). `wrap`: DDP, or another wrapper
+    (bench/fsdp_overhead.py's fully_shard)."""
     dev = device()
-    model = model.to(dev)
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    ddp = wrap(model.to(dev))
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (steps - s) / steps))
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
@@ -131,10 +138,10 @@ def timed_fit(model: nn.Module, data: list, cfg: dict) -> tuple[list[tuple[float
 
 
 def kiln_loop(model: nn.Module, data: list, batch: int, steps: int, find_unused: bool = False,
-              token_exact: bool = True) -> list[tuple[float, float]]:
+              token_exact: bool = True, strategy: Optional[dict] = None) -> list[tuple[float, float]]:
     cfg = {"max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": 1e-4,
            "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "log": {"history": []},
-           "strategy": {"name": "ddp", "find_unused_parameters": find_unused},
+           "strategy": strategy or {"name": "ddp", "find_unused_parameters": find_unused},
            "average_tokens_across_devices": token_exact}
     return timed_fit(model, data, cfg)[0]
 

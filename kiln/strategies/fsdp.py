@@ -61,6 +61,9 @@ class FSDPStrategy(DDPStrategy):
         self.settings: FSDPSettings = resolve(self.option)
         for key, why in self.settings.no_effect.items():
             log.warning("FSDP setting %r has no effect: %s.", key, why)
+        if self.settings.offload and self.settings.offload_pin_memory and self.root_device.type == "cpu":
+            raise ConfigError("FSDP offload with pinned memory needs an accelerator, but this run is on the CPU; "
+                              "set strategy.offload_pin_memory: false (or run on a GPU).")
         self._mp_policy: Any = None
         self._root: Optional[nn.Module] = None
 
@@ -73,6 +76,15 @@ class FSDPStrategy(DDPStrategy):
 
         self.precision, self._mp_policy = fsdp_precision(precision, self.root_device)
         return self.precision
+
+    def module_init_context(self) -> ContextManager[Any]:
+        """cpu_ram_efficient_loading: a model the Trainer builds exists in full on rank 0 only; the
+        other ranks build it on the meta device and receive their shards in `setup_module`."""
+        from kiln.strategies.fsdp_loading import built_on_rank0
+
+        if self.settings.cpu_ram_efficient_loading and self.world_size > 1:
+            return built_on_rank0(self.global_rank, self.root_device)
+        return contextlib.nullcontext()
 
     def mesh(self) -> Any:
         """The device mesh for the sharding option (1-D, or 2-D (replicate, shard) for hybrid/no_shard)."""
@@ -93,22 +105,37 @@ class FSDPStrategy(DDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        from kiln.strategies.fsdp_loading import has_meta_tensors, rank0_parameters, scatter_from_rank0
         from kiln.strategies.fsdp_wrap import apply_activation_checkpointing, blocks_to_wrap, sync_module_states
 
         s = self.settings
-        module = module.to(self.root_device)
-        if s.sync_module_states and self.world_size > 1:
+        on_meta = has_meta_tensors(module)
+        if on_meta and (self.is_global_zero or not s.cpu_ram_efficient_loading):
+            raise ConfigError("The model has parameters on the meta device; build it with real weights, or let "
+                              "the Trainer build it (model_init) with strategy.cpu_ram_efficient_loading: true.")
+        if not on_meta:
+            module = module.to(self.root_device)
+        efficient = s.cpu_ram_efficient_loading and self.world_size > 1
+        if efficient:  # rank 0's values are sent shard by shard after sharding
+            full = rank0_parameters(module) if self.is_global_zero else {}
+        elif s.sync_module_states and self.world_size > 1:
             sync_module_states(module)
         blocks = blocks_to_wrap(module, s.wrap, s.min_num_params)
         if s.activation_checkpointing:
             apply_activation_checkpointing(blocks)
-        offload = CPUOffloadPolicy(pin_memory=self.accelerator.pin_memory) if s.offload else OffloadPolicy()
+        pin = self.accelerator.pin_memory if s.offload_pin_memory is None else s.offload_pin_memory
+        offload = CPUOffloadPolicy(pin_memory=pin) if s.offload else OffloadPolicy()
         kwargs: dict[str, Any] = {"mesh": self.mesh(), "reshard_after_forward": s.reshard, "offload_policy": offload}
         if self._mp_policy is not None:
             kwargs["mp_policy"] = self._mp_policy
         for block in blocks:  # inner units first: fully_shard on the root then skips their parameters
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
+        if efficient:
+            if on_meta:  # only this rank's shards are materialised
+                module.to_empty(device="cpu" if s.offload else self.root_device)
+            scatter_from_rank0(module, full, self.root_device)
+            del full
         if s.forward_prefetch:
             for current, following in zip(blocks, blocks[1:]):
                 current.set_modules_to_forward_prefetch([following])

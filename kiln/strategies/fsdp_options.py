@@ -35,7 +35,6 @@ NO_EFFECT = {
     "xla_fsdp_grad_ckpt": "kiln's fsdp strategy runs on CPU and CUDA",
     "xla_fsdp_settings": "kiln's fsdp strategy runs on CPU and CUDA",
     "version": "kiln's fsdp strategy is always FSDP2 (fully_shard)",
-    "cpu_ram_efficient_loading": "kiln does not yet build the model on the meta device for FSDP; every rank loads it",
 }
 
 #: kiln-native option -> help (the strategy's declared `options`, beside the HF forms)
@@ -45,6 +44,7 @@ NATIVE = {
             "default: the model's _no_split_modules",
     "min_num_params": "wrap every submodule holding at least this many not-yet-wrapped parameters instead of by class",
     "offload": "keep parameters, gradients and optimizer state on the CPU (CPUOffloadPolicy)",
+    "offload_pin_memory": "pin the offloaded host memory (default: when the device is an accelerator; needs one)",
     "reshard_after_forward": "free the gathered parameters after forward (default: true for full_shard/hybrid_shard)",
     "shard_size": "processes per shard group for hybrid_shard (default: processes per node)",
     "state_dict_type": "checkpoint format: sharded (torch.distributed.checkpoint, default) or full (safetensors)",
@@ -52,7 +52,8 @@ NATIVE = {
     "forward_prefetch": "all-gather the next block's parameters during the current block's forward",
     "backward_prefetch": "backward_pre (FSDP2's default) or backward_post (no effect in FSDP2)",
     "sync_module_states": "broadcast rank 0's parameters and buffers before sharding",
-    "cpu_ram_efficient_loading": "(accepted; no effect yet)",
+    "cpu_ram_efficient_loading": "a model the Trainer builds (model_init) is built on rank 0 only, the other ranks on "
+                                 "the meta device, and rank 0's values are scattered into the shards (implies sync_module_states)",
     "use_orig_params": "(accepted; no effect in FSDP2)",
     "limit_all_gathers": "(accepted; no effect in FSDP2)",
     "version": "(accepted; kiln always uses FSDP2)",
@@ -67,12 +68,15 @@ class FSDPSettings:
     wrap: Optional[list[str]] = None
     min_num_params: Optional[int] = None
     offload: bool = False
+    #: None: pin when the device is an accelerator
+    offload_pin_memory: Optional[bool] = None
     reshard_after_forward: Optional[bool] = None
     shard_size: Optional[int] = None
     state_dict_type: str = "sharded"
     activation_checkpointing: bool = False
     forward_prefetch: bool = False
     sync_module_states: bool = False
+    cpu_ram_efficient_loading: bool = False
     #: settings given that have no effect (name -> why), logged once by the strategy
     no_effect: dict[str, str] = field(default_factory=dict)
 
@@ -165,7 +169,8 @@ def resolve(option: Callable[[str], Any]) -> FSDPSettings:
             s.wrap = _names(value) or None
         elif key == "min_num_params":
             s.min_num_params = int(value) or None
-        elif key in ("offload", "activation_checkpointing", "forward_prefetch", "sync_module_states"):
+        elif key in ("offload", "activation_checkpointing", "forward_prefetch", "sync_module_states",
+                     "cpu_ram_efficient_loading", "offload_pin_memory"):
             setattr(s, key, _truthy(value))
         elif key in ("reshard_after_forward",):
             s.reshard_after_forward = _truthy(value)

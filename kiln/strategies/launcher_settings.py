@@ -86,8 +86,11 @@ def _fsdp_values(env: Env) -> dict[str, Any]:
         cfg["backward_prefetch"] = env["FSDP_BACKWARD_PREFETCH"].lower()
     if env.get("FSDP_STATE_DICT_TYPE"):
         cfg["state_dict_type"] = env["FSDP_STATE_DICT_TYPE"].upper()
+    # accelerate's command line always exports FSDP_RESHARD_AFTER_FORWARD (default true); only FSDP2
+    # configs use it, FSDP1 ones say it with the sharding strategy (2 = SHARD_GRAD_OP: no reshard)
+    fsdp2 = env.get("FSDP_VERSION", "1").strip() == "2"
     for key in ("forward_prefetch", "use_orig_params", "cpu_ram_efficient_loading", "sync_module_states",
-                "activation_checkpointing", "reshard_after_forward"):
+                "activation_checkpointing", *(("reshard_after_forward",) if fsdp2 else ())):
         value = env.get(f"FSDP_{key.upper()}")
         if value is not None and value.lower() in ("true", "false"):
             cfg[key] = _truthy(value)

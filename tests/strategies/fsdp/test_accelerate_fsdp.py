@@ -1,6 +1,8 @@
-"""`accelerate launch` with the Hugging Face guide's FSDP config file (adapted to 2 CPU processes and
-to this model's block class) runs kiln's FSDP exactly like `kiln fit --nproc 2` with the same
-settings written as kiln keys."""
+"""The accelerate forms of FSDP run kiln's FSDP exactly like `kiln fit --nproc 2` with the same
+settings written as kiln keys: `accelerate launch` with the Hugging Face guide's FSDP config file
+(adapted to 2 CPU processes and to this model's block class), `kiln fit --accelerate-config` with
+that file, and `accelerate launch --use_fsdp --fsdp_sharding_strategy=1 ...` (the command-line
+form, whose defaults also turn on cpu_ram_efficient_loading: ranks > 0 build on the meta device)."""
 
 from __future__ import annotations
 
@@ -51,14 +53,47 @@ NATIVE = ["strategy.name=fsdp", "strategy.sharding=full_shard", "strategy.wrap=[
           "strategy.sync_module_states=true"]
 
 
-def test_accelerate_fsdp_config_runs_like_the_native_config(tmp_path):
+CLI_FLAGS = ["--use_fsdp", "--num_processes", "2", "--fsdp_sharding_strategy=1", "--fsdp_auto_wrap_policy",
+             "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Linear", "--fsdp_offload_params", "true",
+             "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--mixed_precision", "no"]
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native")
+    kiln_cli("fit", write_cli_config(str(root / "own.yaml"), str(root / "own")), "--nproc", "2", *NATIVE, timeout=300)
+    return load_file(str(root / "own" / "model.safetensors"))
+
+
+def _same_run(folder, expected) -> None:
+    assert OmegaConf.load(folder / "kiln_config.yaml").strategy.name == "fsdp"
+    got = load_file(str(folder / "model.safetensors"))
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def _accelerate_launch(*args: str, timeout: float = 300):
+    return run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", *args], timeout=timeout)
+
+
+def test_accelerate_fsdp_config_runs_like_the_native_config(tmp_path, native):
     conf = tmp_path / "accelerate.yaml"
     conf.write_text(ACCELERATE_FSDP.format(port=_free_port()))
-    acc = run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(conf),
-               "-m", "kiln.cli", "fit", write_cli_config(str(tmp_path / "acc.yaml"), str(tmp_path / "acc"))], timeout=300)
+    acc = _accelerate_launch("--config_file", str(conf), "-m", "kiln.cli", "fit",
+                             write_cli_config(str(tmp_path / "acc.yaml"), str(tmp_path / "acc")))
     assert "has no effect" in acc.stderr  # use_orig_params, said once per rank, not dropped silently
-    kiln_cli("fit", write_cli_config(str(tmp_path / "own.yaml"), str(tmp_path / "own")), "--nproc", "2", *NATIVE, timeout=300)
-    for name in ("acc", "own"):
-        assert OmegaConf.load(tmp_path / name / "kiln_config.yaml").strategy.name == "fsdp"
-    expected, got = load_file(str(tmp_path / "own" / "model.safetensors")), load_file(str(tmp_path / "acc" / "model.safetensors"))
-    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    _same_run(tmp_path / "acc", native)
+
+
+def test_kiln_fit_with_the_accelerate_config_file_runs_like_the_native_config(tmp_path, native):
+    conf = tmp_path / "accelerate.yaml"
+    conf.write_text(ACCELERATE_FSDP.format(port=_free_port()))
+    kiln_cli("fit", write_cli_config(str(tmp_path / "kiln.yaml"), str(tmp_path / "kiln")), "--accelerate-config", conf,
+             timeout=300)
+    _same_run(tmp_path / "kiln", native)
+
+
+def test_accelerate_command_line_flags_run_like_the_native_config(tmp_path, native):
+    flags = _accelerate_launch(*CLI_FLAGS, "--main_process_port", str(_free_port()), "-m", "kiln.cli", "fit",
+                               write_cli_config(str(tmp_path / "flags.yaml"), str(tmp_path / "flags")))
+    assert "'cpu_ram_efficient_loading'" not in flags.stderr  # it has an effect now: not logged as ignored
+    _same_run(tmp_path / "flags", native)

@@ -126,3 +126,61 @@ def test_fsdp_on_mps_is_refused_by_its_capabilities():
 def test_apex_is_refused_by_its_capabilities():
     with pytest.raises(CapabilityError, match="apex's amp cannot handle FSDP"):
         check_compatible("fsdp", FSDPStrategy.capabilities, precision="apex", device=torch.device("cpu"))
+
+
+def test_offload_with_pinned_memory_on_a_machine_without_an_accelerator_is_refused():
+    from kiln.precision.fp32 import FP32Precision
+
+    cfg = {"strategy": {"name": "fsdp", "device": "cpu", "offload": True, "offload_pin_memory": True}}
+    with pytest.raises(ConfigError) as err:
+        FSDPStrategy(load_config(cfg), FP32Precision())
+    assert "needs an accelerator" in str(err.value) and "offload_pin_memory: false" in str(err.value)
+    assert "\n" not in str(err.value)
+    cfg["strategy"]["offload_pin_memory"] = False  # the fix named in the message
+    assert FSDPStrategy(load_config(cfg), FP32Precision()).settings.offload_pin_memory is False
+
+
+def test_cpu_ram_efficient_loading_is_a_setting_with_effect():
+    s = _settings({"fsdp": "full_shard", "fsdp_config": {"fsdp_cpu_ram_efficient_loading": "true"}})
+    assert s.cpu_ram_efficient_loading and "cpu_ram_efficient_loading" not in s.no_effect
+
+
+@pytest.mark.parametrize("flag, sharding", [("1", "full_shard"), ("2", "shard_grad_op"), ("SHARD_GRAD_OP", "shard_grad_op")])
+def test_accelerate_command_line_flags_mean_the_native_config(flag, sharding):
+    """`accelerate launch --use_fsdp --fsdp_sharding_strategy=N ...` as accelerate itself exports it
+    (its CLI also always exports FSDP_RESHARD_AFTER_FORWARD=true, which FSDP1 configs do not use)."""
+    pytest.importorskip("accelerate")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    argv = ["--use_fsdp", "--num_processes", "2", f"--fsdp_sharding_strategy={flag}", "--fsdp_auto_wrap_policy",
+            "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block", "--fsdp_offload_params", "true",
+            "--fsdp_state_dict_type", "FULL_STATE_DICT", "--fsdp_activation_checkpointing", "true", "train.py"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    (setting,) = [s for s in accelerate_settings(prepare_multi_gpu_env(args)) if s.key == "strategy.name"]
+    got = _settings({"strategy": {"name": "fsdp", "fsdp": setting.values["strategy.options.fsdp"],
+                                  "fsdp_config": setting.values["strategy.options.fsdp_config"]}})
+    # accelerate's command-line defaults: --fsdp_sync_module_states and --fsdp_cpu_ram_efficient_loading true
+    want = _settings({"strategy": {**NATIVE["strategy"], "sharding": sharding, "sync_module_states": True,
+                                   "cpu_ram_efficient_loading": True}})
+    want.no_effect = got.no_effect  # use_orig_params and version 1, each logged as having no effect
+    assert set(got.no_effect) == {"use_orig_params", "version"}
+    assert got == want
+
+
+def test_an_fsdp2_accelerate_config_uses_reshard_after_forward():
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"}
+    (setting,) = [s for s in accelerate_settings(env) if s.key == "strategy.name"]
+    got = _settings({"strategy": {"name": "fsdp", "fsdp": setting.values["strategy.options.fsdp"],
+                                  "fsdp_config": setting.values["strategy.options.fsdp_config"]}})
+    assert (got.sharding, got.reshard) == ("full_shard", False)
+
+
+def test_a_model_on_the_meta_device_is_refused_with_the_fix():
+    from kiln.precision.fp32 import FP32Precision
+
+    strategy = FSDPStrategy(load_config({"strategy": {"name": "fsdp", "device": "cpu"}}), FP32Precision())
+    with torch.device("meta"):
+        model = TinyLM()
+    with pytest.raises(ConfigError, match="meta device; build it with real weights, or let the Trainer build it"):
+        strategy.setup_module(model)
