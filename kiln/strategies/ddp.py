@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 import torch
@@ -221,4 +222,12 @@ class DDPStrategy(Strategy):
 
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+            if self.backend == "gloo":
+                # Mitigation, not a proven fix (issue 16): a gloo worker thread drops its reference to
+                # the last collective's tensors just after signalling completion. If that happens
+                # once the interpreter is finalizing, CPython ends the thread on its GIL request and
+                # the process dies with "terminate called without an active exception" (cf.
+                # pytorch/pytorch#190489). Yielding briefly here, while the interpreter is still
+                # whole, lets the idle workers finish releasing first.
+                time.sleep(0.1)
         self._owns_group = False
