@@ -1,6 +1,7 @@
 """kiln's DeepSpeed strategy vs a hand-written `deepspeed.initialize` loop, and ZeRO-3's memory per rank.
 
     python bench/deepspeed_overhead.py [--steps 90] [--repeats 3] [--nproc 2] [--dim 128] [--mem-dim 512]
+        [--parts overhead,ddp,deepspeed] [--allocator fixed-mmap|default]
 
 Starts itself under `torch.distributed.run --standalone`, once per part:
 
@@ -14,7 +15,9 @@ Starts itself under `torch.distributed.run --standalone`, once per part:
   and Adam state dominate (built whole on each rank, then partitioned by `deepspeed.initialize`:
   nn.TransformerEncoder deep-copies its layers, which DeepSpeed's zero.Init cannot partition) (the transformer at `--mem-dim`), each in its
   own launch: on CUDA `max_memory_allocated`, on CPU the peak resident set size above the process's
-  size before the model was built.
+  size before the model was built. On CPU the memory launches pin glibc's mmap threshold
+  (MALLOC_MMAP_THRESHOLD_=65536) so that the resident size tracks live tensors rather than freed blocks
+  kept in per-thread heaps (see bench/fsdp_overhead.py); `--allocator default` keeps glibc's default.
 
 The figures must be taken on a quiet machine (on a shared one, only the CPU-time ratio means much).
 """
@@ -127,6 +130,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--dim", type=int, default=128, help="width of the transformer in the overhead part")
     parser.add_argument("--mem-dim", type=int, default=512, help="width of the transformer in the memory part")
+    parser.add_argument("--parts", default="overhead,ddp,deepspeed", help="comma-separated: overhead, ddp, deepspeed")
+    parser.add_argument("--allocator", choices=["fixed-mmap", "default"], default="fixed-mmap",
+                        help="CPU memory runs: pin glibc's mmap threshold or keep its default")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
@@ -143,11 +149,14 @@ def main() -> None:
         dist.destroy_process_group()
         return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))}
-    for part in ("overhead", "ddp", "deepspeed"):  # the memory runs each in a fresh process: peaks do not mix
+    for part in args.parts.split(","):  # the memory runs each in a fresh process: peaks do not mix
+        part_env = dict(env)
+        if part != "overhead" and args.allocator == "fixed-mmap" and not torch.cuda.is_available():
+            part_env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
                "--steps", str(args.steps), "--repeats", str(args.repeats), "--dim", str(args.dim), "--mem-dim", str(args.mem_dim),
                "--part", part]
-        code = subprocess.call(cmd, env=env)
+        code = subprocess.call(cmd, env=part_env)
         if code:
             sys.exit(code)
 
