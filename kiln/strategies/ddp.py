@@ -31,7 +31,8 @@ from kiln.strategies import STRATEGIES
 from kiln.strategies.base import Strategy
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.environment import detect
-from kiln.strategies.process_group import barrier, default_backend, init_process_group, pick_device  # noqa: F401
+from kiln.strategies.process_group import (  # noqa: F401
+    barrier, default_backend, destroy_default_group, init_process_group, pick_device, register_group_user)
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -50,6 +51,18 @@ def _buffers_keyword() -> str:
 
     params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
     return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+
+
+def _release_ddp(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Drop a DDP wrapper's hold on the process group: the same attributes DDP's own __getstate__
+    leaves out (the reducer keeps a C++ reference to the group)."""
+    for name in ("reducer", "logger", "process_group"):
+        ddp.__dict__.pop(name, None)
+
+
+def _tracked(ddp: nn.parallel.DistributedDataParallel) -> nn.parallel.DistributedDataParallel:
+    register_group_user(ddp, _release_ddp)
+    return ddp
 
 
 def _ddp(module: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:
@@ -115,7 +128,7 @@ class DDPStrategy(Strategy):
         module = module.to(self.root_device)
         device_ids = [self._device.index] if self._device.type == "cuda" else None  # CPU: no device_ids
         self._choose_unused = self.choose_unused_on_first_step()
-        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs())
+        return _tracked(nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs()))
 
     # -- find_unused_parameters left unset: decided on the first step (see ddp_unused.py) ----------
     def choose_unused_on_first_step(self) -> bool:
@@ -136,7 +149,7 @@ class DDPStrategy(Strategy):
             if self.is_global_zero and self.config.log.level not in ("error", "critical"):
                 print(f"kiln: {line}", flush=True)
 
-        return first_boundary(ddp, self.world_size, lambda m: nn.parallel.DistributedDataParallel(m, device_ids=device_ids, **kwargs), say)
+        return first_boundary(ddp, self.world_size, lambda m: _tracked(nn.parallel.DistributedDataParallel(m, device_ids=device_ids, **kwargs)), say)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         ddp = _ddp(model)
@@ -221,13 +234,11 @@ class DDPStrategy(Strategy):
         import torch.distributed as dist
 
         if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-            if self.backend == "gloo":
-                # Mitigation, not a proven fix (issue 16): a gloo worker thread drops its reference to
-                # the last collective's tensors just after signalling completion. If that happens
-                # once the interpreter is finalizing, CPython ends the thread on its GIL request and
-                # the process dies with "terminate called without an active exception" (cf.
-                # pytorch/pytorch#190489). Yielding briefly here, while the interpreter is still
-                # whole, lets the idle workers finish releasing first.
+            self._wrapped = self._source = None
+            if not destroy_default_group() and self.backend == "gloo":
+                # Something outside kiln still holds the group, so its gloo workers outlive it: yield
+                # briefly while the interpreter is whole so they finish releasing the last collective's
+                # tensors (see destroy_default_group). Not reached by kiln's own wrappers.
+                log.debug("the process group outlives destroy_process_group (referenced elsewhere)")
                 time.sleep(0.1)
         self._owns_group = False

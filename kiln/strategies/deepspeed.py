@@ -112,8 +112,10 @@ class DeepSpeedStrategy(DDPStrategy):
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        super().setup_environment()
+        # imported before the group exists: deepspeed.comm binds `GroupMember.WORLD` as a default
+        # argument at import, which would keep the group alive past teardown (see destroy_default_group)
         deepspeed = import_deepspeed()
+        super().setup_environment()
         _compiling(lambda: deepspeed.init_distributed(dist_backend=self.backend))
         self._share_with_transformers()
 

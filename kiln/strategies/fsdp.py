@@ -28,6 +28,7 @@ from kiln.strategies import STRATEGIES
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.ddp import DDPStrategy
+from kiln.strategies.process_group import register_group_user
 from kiln.strategies.fsdp_options import NATIVE, FSDPSettings, resolve
 from kiln.utils.errors import ConfigError
 
@@ -125,12 +126,15 @@ class FSDPStrategy(DDPStrategy):
             apply_activation_checkpointing(blocks)
         pin = self.accelerator.pin_memory if s.offload_pin_memory is None else s.offload_pin_memory
         offload = CPUOffloadPolicy(pin_memory=pin) if s.offload else OffloadPolicy()
-        kwargs: dict[str, Any] = {"mesh": self.mesh(), "reshard_after_forward": s.reshard, "offload_policy": offload}
+        mesh = self.mesh()
+        register_group_user(mesh, _release_mesh_groups)
+        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": s.reshard, "offload_policy": offload}
         if self._mp_policy is not None:
             kwargs["mp_policy"] = self._mp_policy
         for block in blocks:  # inner units first: fully_shard on the root then skips their parameters
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
+        register_group_user(module, _release_groups)
         if efficient:
             if on_meta:  # only this rank's shards are materialised
                 module.to_empty(device="cpu" if s.offload else self.root_device)
@@ -188,3 +192,23 @@ class FSDPStrategy(DDPStrategy):
 
         every_rank = bool(self.config.save.on_each_node) if self.config is not None else False
         return full_model_state(self.unwrap(module), every_rank=every_rank)
+
+
+def _release_groups(module: nn.Module) -> None:
+    """Drop the sharded module's hold on the process group at teardown (see destroy_default_group):
+    FSDP2 keeps the group objects in each unit's mesh info, which live as long as the module does."""
+    for sub in module.modules():
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if get_state is not None else None
+        for info in (getattr(group, "mesh_info", None), getattr(group, "post_forward_mesh_info", None)):
+            for name in ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group"):
+                if info is not None:
+                    vars(info).pop(name, None)
+
+
+def _release_mesh_groups(mesh: Any) -> None:
+    """A DeviceMesh keeps its groups in a registry of its own (torch >= 2.9); the module's DTensors
+    keep the mesh."""
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()

@@ -3,8 +3,10 @@ Used by the DDP-family strategies and by `main_process_first` before a Trainer e
 
 from __future__ import annotations
 
+import gc
+import weakref
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -59,6 +61,12 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) 
 
     if dist.is_initialized():
         return False
+    # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is first
+    # imported (torch._dynamo imports it, e.g. while DDP is built). Imported after the group exists,
+    # those defaults hold the group for good, so destroying it could not free it (see
+    # destroy_default_group). Imported first, the defaults are None. It costs ~5 ms.
+    import torch.distributed.nn.functional  # noqa: F401
+
     timeout = timedelta(seconds=timeout_s)
     if env.world_size == 1 and not env.rendezvous:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -74,3 +82,42 @@ def barrier(device: torch.device, backend: str) -> None:
         dist.barrier(device_ids=[device.index])
     else:
         dist.barrier()
+
+
+# Objects holding the default group that the group's owner releases at teardown: (object, release).
+_GROUP_USERS: list[tuple["weakref.ref[Any]", Callable[[Any], None]]] = []
+
+
+def register_group_user(obj: Any, release: Callable[[Any], None]) -> None:
+    """Let `destroy_default_group` call `release(obj)` (drop its references to the group) if `obj`
+    is still alive then, e.g. a DDP wrapper the Trainer keeps after training."""
+    _GROUP_USERS.append((weakref.ref(obj), release))
+
+
+def destroy_default_group() -> bool:
+    """Destroy the default group (and every group made from it) and free them now; True when all
+    were freed.
+
+    Why freeing matters (issue 16): a gloo worker thread drops its reference to a collective's
+    tensors just after the collective completes. When the caller has already let go of a tensor,
+    that last drop frees it, which needs the GIL; if the interpreter is finalizing by then, CPython
+    ends the thread inside a noexcept C++ frame and the process dies with "terminate called without
+    an active exception". Freeing the group runs ProcessGroupGloo's destructor, which drains the
+    queue and joins the workers (with the GIL released), so nothing is left in flight at exit."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.distributed_c10d import _world
+
+        live = list(_world.pg_map)
+    except (ImportError, AttributeError):  # another torch layout: the default group at least
+        live = [dist.group.WORLD]
+    groups = [weakref.ref(g) for g in live]
+    for ref, release in _GROUP_USERS:
+        obj = ref()
+        if obj is not None:
+            release(obj)
+    _GROUP_USERS.clear()
+    dist.destroy_process_group()
+    gc.collect()  # wrappers in reference cycles (modules, hooks) hold the group too
+    return all(g() is None for g in groups)
