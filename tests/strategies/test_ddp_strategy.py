@@ -154,3 +154,20 @@ def test_one_process_ddp_fit_is_bit_identical_to_single(tmp_path):
             assert set(load_file(f"{export}/model.safetensors")) == set(model.state_dict())
     assert torch.equal(results["ddp"][0], results["single"][0])
     assert results["ddp"][1] == results["single"][1]
+
+
+def test_a_misspelt_strategy_option_is_refused_with_a_suggestion():
+    from kiln.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"Unknown option strategy\.find_unsed_parameters for strategy 'ddp'\. "
+                                          r"Did you mean 'find_unused_parameters'\?"):
+        make({"find_unsed_parameters": True})
+
+
+def test_an_option_of_another_strategy_is_refused():
+    from kiln.strategies.single import SingleDeviceStrategy
+    from kiln.utils.errors import ConfigError
+
+    config = load_config({"strategy": {"name": "single", "sharding": "full_shard"}})
+    with pytest.raises(ConfigError, match=r"Unknown option strategy\.sharding for strategy 'single'"):
+        SingleDeviceStrategy(config, build_precision(config))
