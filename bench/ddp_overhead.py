@@ -13,7 +13,9 @@ averaged by DDP) against the plain hand-written loop. Runs are interleaved (raw,
 ...) and the medians of the per-step times after a warm-up (pooled over repeats) are compared on
 rank 0, both in wall-clock time and in this process's CPU time (which other jobs on a shared machine
 do not inflate). A last line per model shows kiln with HF's default `find_unused_parameters=True`
-(what `strategy: ddp` does when the option is unset).
+(what `strategy: ddp` did when the option was unset, before kiln chose it on the first step).
+`--unused-only` compares instead find_unused_parameters unset (kiln's choice on the first step),
+true and false, on the MLP and on the MLP with an unused head.
 Target: ratio <= 1.05.
 """
 
@@ -62,13 +64,14 @@ def _durations(ends: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(ends[WARMUP:], ends[WARMUP + 1:])]
 
 
-def ddp_wrap(model: nn.Module) -> nn.Module:
+def ddp_wrap(model: nn.Module, find_unused: bool = False) -> nn.Module:
     dev = device()
-    return nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    return nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                               find_unused_parameters=find_unused)
 
 
 def raw_loop(model: nn.Module, data: list, batch: int, steps: int, token_exact: bool = False,
-             wrap: Callable[[nn.Module], nn.Module] = ddp_wrap) -> list[tuple[float, float]]:
+             wrap: Callable[[nn.Module], nn.Module] = ddp_wrap, find_unused: bool = False) -> list[tuple[float, float]]:
     """A hand-written DDP loop; (wall, cpu) seconds of each step after the warm-up. CPU time (this
     process) is insensitive to other jobs on a shared machine; wall time is what users wait for.
 
@@ -77,7 +80,7 @@ def raw_loop(model: nn.Module, data: list, batch: int, steps: int, token_exact: 
     one would by hand (counted and reduced before the forward). `wrap`: DDP, or another wrapper
     (bench/fsdp_overhead.py's fully_shard)."""
     dev = device()
-    ddp = wrap(model.to(dev))
+    ddp = ddp_wrap(model.to(dev), find_unused=True) if find_unused else wrap(model.to(dev))
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (steps - s) / steps))
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
@@ -137,7 +140,42 @@ def timed_fit(model: nn.Module, data: list, cfg: dict) -> tuple[list[tuple[float
     return _durations(ends), trainer
 
 
-def kiln_loop(model: nn.Module, data: list, batch: int, steps: int, find_unused: bool = False,
+class MLPWithUnusedHead(nn.Module):
+    """The MLP plus a head that forward never uses: DDP needs find_unused_parameters for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP(64, 256, 10)
+        self.unused_head = nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.mlp(x, labels)
+
+
+def unused_choice(steps: int, repeats: int, rank0: bool) -> None:
+    """find_unused_parameters left unset (kiln decides on the first step) against forcing it either
+    way, on a model where every parameter gets a gradient and on one with an unused head; the
+    hand-written loop (flag off, or on where the model needs it) is the reference."""
+    data, batch = mlp_data(), 64
+    cases = [("MLP, all used", lambda: MLP(64, 256, 10), False, (None, False, True)),
+             ("MLP + unused head", MLPWithUnusedHead, True, (None, True))]
+    for name, model_fn, needs, choices in cases:
+        times: dict[str, list[tuple[float, float]]] = {"hand-written": []}
+        for _ in range(repeats):
+            torch.manual_seed(0)
+            times["hand-written"] += raw_loop(model_fn(), data, batch, steps, find_unused=needs)
+            for choice in choices:
+                torch.manual_seed(0)
+                times.setdefault(f"kiln find_unused={'unset' if choice is None else choice}", []).extend(
+                    kiln_loop(model_fn(), data, batch, steps, find_unused=choice))
+        if rank0:
+            ref = statistics.median(t[0] for t in times["hand-written"])
+            for label, ts in times.items():
+                m = statistics.median(t[0] for t in ts)
+                print(f"{name:18s} {label:26s} {m * 1e3:8.3f} ms/step wall   ratio {m / ref:.3f}", flush=True)
+
+
+def kiln_loop(model: nn.Module, data: list, batch: int, steps: int, find_unused: Optional[bool] = False,
               token_exact: bool = True, strategy: Optional[dict] = None) -> list[tuple[float, float]]:
     cfg = {"max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": 1e-4,
            "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "log": {"history": []},
@@ -146,11 +184,15 @@ def kiln_loop(model: nn.Module, data: list, batch: int, steps: int, find_unused:
     return timed_fit(model, data, cfg)[0]
 
 
-def worker(steps: int, repeats: int) -> None:
+def worker(steps: int, repeats: int, unused_only: bool = False) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # kiln reuses this group
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
     rank0 = dist.get_rank() == 0
+    if unused_only:
+        unused_choice(steps, repeats, rank0)
+        dist.destroy_process_group()
+        return
     cases = [("MLP 64-256-256-10", lambda: MLP(64, 256, 10), mlp_data(), 64, steps), ("transformer 2x128", lambda: SmallTransformer(dim=128, layers=2, seq=64), lm_data(), 8, max(60, steps // 3))]
     if rank0:
         print(f"world size {dist.get_world_size()}, backend {dist.get_backend()}, {torch.get_num_threads()} threads per process,"
@@ -195,12 +237,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--unused-only", action="store_true",
+                        help="only compare find_unused_parameters unset / true / false, with and without unused parameters")
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
-        worker(args.steps, args.repeats)
+        worker(args.steps, args.repeats, args.unused_only)
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
-           "--steps", str(args.steps), "--repeats", str(args.repeats)]
+           "--steps", str(args.steps), "--repeats", str(args.repeats)] + (["--unused-only"] if args.unused_only else [])
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))}
     sys.exit(subprocess.call(cmd, env=env))
 
