@@ -6,8 +6,10 @@ torch_xla records operations lazily and compiles each recorded graph once per sh
   step (`on_micro_batch_end` / `on_step_end`): every step then replays the same few cached graphs;
 - nothing on the per-step path reads a value back to the host: the loss and the gradient norm stay
   device tensors, and the loop reads them only on logging steps (the test counts transfers);
-- batches are uploaded by torch_xla's `MpDeviceLoader` in a background thread (xla_loader.py), and a
-  short last batch is reported once, because it costs one more compilation (drop_last avoids it);
+- batches are uploaded by torch_xla's `MpDeviceLoader` in a background thread (xla_loader.py);
+- static shapes (`static_shapes = True`): the Trainer drops each epoch's short last training batch
+  and pads a short accumulation window's item counts, so no epoch end compiles a new graph (a
+  DataLoader the user built keeps its short batch, reported once, as it costs one more compilation);
 - with several replicas (a TPU host's cores, one process each), gradients are averaged with
   `xm.reduce_gradients` before clipping, like DDP, so the loop's loss weights are DDP's.
   Only one replica has been run (PJRT CPU has no cross-process collectives): see docs/xla.md.
@@ -75,6 +77,7 @@ class XLAStrategy(Strategy):
     # out-of-memory error is no torch.OutOfMemoryError, so the probe could not see it): refused
     capabilities = Capabilities(devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, auto_batch_size=False,
                                 full_eval_cast=False, user_optimizer=False, reasons=XLA_REASONS)
+    static_shapes = True  # one graph per input shape: see kiln.engine.data.static_shapes
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         super().__init__(config, precision)
