@@ -66,8 +66,11 @@ class SetupMixin:
         slots = self.config.train.gradient_accumulation_steps if s.static_shapes else len(window)
         if slots == 1 and (s.data_shards == 1 or not self._global_mean) and not self._accepts_num_items:
             return None
-        counts = [torch.as_tensor(self._count_items(b), device=s.root_device) for b in window]
-        counts += [torch.as_tensor(0, device=s.root_device) for _ in range(slots - len(window))]
+        raw = [self._count_items(b) for b in window] + [0] * (slots - len(window))
+        if any(isinstance(c, torch.Tensor) for c in raw):
+            counts = [torch.as_tensor(c, device=s.root_device) for c in raw]
+        else:  # one upload for the window (XLA would make a 0-dim 0 or 1 a graph constant, not an input)
+            counts = list(torch.tensor(raw, device=s.root_device).unbind())
         return WindowWeights.for_window(counts, data_shards=s.data_shards, grad_divisor=s.grad_divisor,
                                         global_mean=self._global_mean, model_divides=self._model_divides(window),
                                         reduce_async=s.reduce_async)

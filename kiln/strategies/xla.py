@@ -70,6 +70,21 @@ def sync() -> None:
     torch_xla.sync()
 
 
+def zero_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """A zero gradient, sharded like its parameter (SPMD), for every trainable parameter that has
+    none yet, made device data at once so that the first step replays the later steps' graphs."""
+    import torch_xla
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+                sharding = torch_xla._XLAC._get_xla_op_sharding(param)
+                if sharding:
+                    torch_xla._XLAC._xla_mark_sharding(param.grad, sharding)
+    sync()
+
+
 @STRATEGIES.register("xla")
 class XLAStrategy(Strategy):
     name = "xla"
@@ -113,6 +128,23 @@ class XLAStrategy(Strategy):
             raise ConfigError(f"torch_compile cannot be used with strategy {self.name!r}: XLA already compiles every "
                               "step into one graph; drop torch_compile.")
         return model
+
+    #: Gradients stay allocated between steps (zeroed in place, never None), so every micro-batch's
+    #: backward is the same accumulating graph and the optimizer step always reads gradients made by
+    #: it: with None, the first micro-batch of a window is another graph, and the step after a window
+    #: of one micro-batch (an epoch's short last window) would see differently laid-out gradients and
+    #: compile again. Also what makes a resumed run replay the uninterrupted run's graphs.
+    persistent_gradients: bool = True
+
+    def setup(self, module: nn.Module, optimizer_factory: Optional[Any] = None,
+              scheduler_factory: Optional[Any] = None, *, max_steps: Optional[int] = None) -> Any:
+        setup = super().setup(module, optimizer_factory, scheduler_factory, max_steps=max_steps)
+        if setup.optimizer is not None and self.persistent_gradients:
+            zero_gradients(setup.optimizer)
+        return setup
+
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=not self.persistent_gradients)
 
     def process_dataloader(self, dataloader: Iterable[Any]) -> Iterable[Any]:
         from kiln.strategies.xla_loader import XLADeviceLoader, static_shape_warning

@@ -107,6 +107,10 @@ class XLAFSDPStrategy(XLAStrategy):
         return self.settings.wrapper == "spmd"
 
     @property
+    def persistent_gradients(self) -> bool:  # type: ignore[override]
+        return self.spmd  # the classic wrapper hands its reduced shards to the optimizer itself
+
+    @property
     def num_devices(self) -> int:
         if not self.spmd:
             return self.world_size

@@ -64,11 +64,7 @@ class SPMDCheckpointIO(CheckpointIO):
             apply_weights(module, load_weights(directory), directory)  # an exported model folder
             return
         if with_optim and not optimizer.state:
-            prime_optimizer(optimizer)
-            # prime_optimizer leaves its zero gradients on the parameters; the next backward would add to
-            # them, a different graph from the uninterrupted run's (whose zero_grad set them to None), which
-            # XLA fuses differently: net.0.weight came out 9e-10 apart after one step. None, as in-run.
-            optimizer.zero_grad(set_to_none=True)
+            prime_optimizer(optimizer)  # leaves zero gradients sharded like their parameters, as in-run
         state: dict[str, Any] = {"model": module.state_dict()}
         if with_optim:
             state["optim"] = optimizer.state_dict()
