@@ -70,21 +70,6 @@ def sync() -> None:
     torch_xla.sync()
 
 
-def zero_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """A zero gradient, sharded like its parameter (SPMD), for every trainable parameter that has
-    none yet, made device data at once so that the first step replays the later steps' graphs."""
-    import torch_xla
-
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
-                sharding = torch_xla._XLAC._get_xla_op_sharding(param)
-                if sharding:
-                    torch_xla._XLAC._xla_mark_sharding(param.grad, sharding)
-    sync()
-
-
 @STRATEGIES.register("xla")
 class XLAStrategy(Strategy):
     name = "xla"
@@ -129,19 +114,27 @@ class XLAStrategy(Strategy):
                               "step into one graph; drop torch_compile.")
         return model
 
-    #: Gradients stay allocated between steps (zeroed in place, never None), so every micro-batch's
-    #: backward is the same accumulating graph and the optimizer step always reads gradients made by
-    #: it: with None, the first micro-batch of a window is another graph, and the step after a window
-    #: of one micro-batch (an epoch's short last window) would see differently laid-out gradients and
-    #: compile again. Also what makes a resumed run replay the uninterrupted run's graphs.
+    #: Gradients stay allocated between steps, zeroed in place (xla_gradients.py): every backward is
+    #: then one graph, an epoch's short last window compiles nothing new, and a resumed run replays
+    #: the uninterrupted run's graphs.
     persistent_gradients: bool = True
 
     def setup(self, module: nn.Module, optimizer_factory: Optional[Any] = None,
               scheduler_factory: Optional[Any] = None, *, max_steps: Optional[int] = None) -> Any:
         setup = super().setup(module, optimizer_factory, scheduler_factory, max_steps=max_steps)
         if setup.optimizer is not None and self.persistent_gradients:
-            zero_gradients(setup.optimizer)
+            from kiln.strategies.xla_gradients import PersistentGradients
+
+            self._gradients = PersistentGradients()
+            self._gradients.attach(setup.optimizer)
         return setup
+
+    _gradients: Any = None  # the PersistentGradients of the run being trained
+
+    def settle_gradients(self) -> None:
+        """Before an optimizer step: parameters no backward reached lose their zero gradient (once)."""
+        if self._gradients is not None:
+            self._gradients.settle()
 
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=not self.persistent_gradients)
@@ -166,6 +159,7 @@ class XLAStrategy(Strategy):
                        max_grad_norm: Optional[float]) -> StepResult:
         """Average the replicas' gradients (before clipping, so the norm is the global one), clip,
         step; all on the device: the norm stays a device tensor."""
+        self.settle_gradients()
         self.precision.unscale_gradients(optimizer)
         if self.world_size > 1:
             import torch_xla.core.xla_model as xm
