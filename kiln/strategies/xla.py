@@ -144,7 +144,8 @@ class XLAStrategy(Strategy):
 
         if isinstance(dataloader, XLADeviceLoader) or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader  # a loader the user built for the device, or plain batches (moved per batch)
-        static_shape_warning(dataloader)
+        if not getattr(dataloader, "kiln_built", False):  # kiln's training loaders drop it (static_shapes)
+            static_shape_warning(dataloader)
         return XLADeviceLoader(dataloader, self.root_device, prepare=self.prepare_batch())
 
     def prepare_batch(self) -> Optional[Callable[[Any], Any]]:

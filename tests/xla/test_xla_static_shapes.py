@@ -64,3 +64,15 @@ def test_short_last_batch_and_window_compile_nothing_new_and_match_the_cpu(tmp_p
     # the same maths on another backend: equal to float32 rounding
     assert torch.allclose(flat_params(xla.model).cpu(), flat_params(cpu.model), atol=1e-6, rtol=1e-5)
     assert out.training_loss == pytest.approx(out_cpu.training_loss, rel=1e-5)
+
+
+def test_only_a_users_dataloader_with_a_short_batch_is_warned_about(tmp_path, caplog):
+    from torch.utils.data import DataLoader
+
+    trainer = Trainer(TinyRegressor(), _config(tmp_path, "warn", "xla"), train_dataset=regression_data(n=N),
+                      eval_dataset=regression_data(n=12))
+    with caplog.at_level(logging.WARNING, logger="kiln.strategies.xla_loader"):
+        assert len(trainer.get_eval_dataloader()) == 2  # kiln's evaluation keeps its short batch, silently
+        assert not caplog.records
+        trainer.strategy.process_dataloader(DataLoader(regression_data(n=12), batch_size=BATCH))
+    assert "4 rows instead of 8" in caplog.text and "drop_last=True" in caplog.text
