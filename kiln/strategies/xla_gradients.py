@@ -48,7 +48,7 @@ class PersistentGradients:
         self._reached.add(id(param))
 
     def settle(self) -> None:
-        """Before the first optimizer step (and the first after a checkpoint load, which may give every
+        """Before the first optimizer step (after any checkpoint load, which may have given every
         parameter a zero gradient again): drop the gradients of parameters no backward reached."""
         if not self._hooks:
             return
