@@ -64,6 +64,7 @@ def test_resume_from_the_sharded_checkpoint_is_exact(runs):
     # optimizer priming's zero gradients, left in place, made the first one a different graph: 9e-10)
     full, resumed = results["full"], results["resumed"]
     assert full.keys() == resumed.keys() and all(torch.equal(resumed[k], full[k]) for k in full)
+    assert results["resumed_compiled"] == 0  # the same graphs: every step after the load was a cache hit
 
 
 def test_convert_and_save_model_give_the_full_weights(runs, tmp_path):
