@@ -195,15 +195,19 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
             raise KilnError("Trainer.fit() needs a train_dataset (or override get_train_dataloader).")
         if isinstance(self.train_dataset, torch.utils.data.DataLoader):
             return self.strategy.process_dataloader(self.train_dataset)  # used as given
-        cfg = self.config
+        cfg, strategy = self.config, self.strategy
         seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
+        drop_last = bool(cfg.data.dataloader_drop_last or strategy.static_shapes)  # see kiln.engine.data.static_shapes
         loader = build_dataloader(
             self.train_dataset, cfg.data.per_device_train_batch_size, self.data_collator, cfg.data, seed, shuffle=True,
-            num_replicas=self.strategy.data_shards, rank=self.strategy.data_shard_rank,
-            sampler=self._length_grouped_sampler(seed), pin_memory=self.strategy.accelerator.pin_memory,
-            broadcast=self.strategy.broadcast_object,
+            num_replicas=strategy.data_shards, rank=strategy.data_shard_rank, sampler=self._length_grouped_sampler(seed),
+            drop_last=drop_last, pin_memory=strategy.accelerator.pin_memory, broadcast=strategy.broadcast_object,
         )
-        return self.strategy.process_dataloader(loader)
+        if drop_last and not cfg.data.dataloader_drop_last:
+            from kiln.engine.data.static_shapes import report_drop_last
+
+            report_drop_last(self.train_dataset, loader, strategy.data_shards, strategy.name)
+        return strategy.process_dataloader(loader)
 
     def _length_grouped_sampler(self, seed: int) -> Any:
         if not self.config.data.group_by_length:

@@ -61,9 +61,16 @@ class SetupMixin:
         """Per-micro-batch loss weights for this window (None: one micro-batch on one shard, whose
         mean loss needs no weighting). See kiln.engine.loop.loss_weights."""
         s = self.strategy
-        if len(window) == 1 and (s.data_shards == 1 or not self._global_mean) and not self._accepts_num_items:
+        # static shapes: a short window is weighed like a full one whose missing micro-batches count zero
+        # items (zeros uploaded like the other counts, so its first micro-batch replays a full window's graph)
+        slots = self.config.train.gradient_accumulation_steps if s.static_shapes else len(window)
+        if slots == 1 and (s.data_shards == 1 or not self._global_mean) and not self._accepts_num_items:
             return None
-        counts = [torch.as_tensor(self._count_items(b), device=s.root_device) for b in window]
+        raw = [self._count_items(b) for b in window] + [0] * (slots - len(window))
+        if any(isinstance(c, torch.Tensor) for c in raw):
+            counts = [torch.as_tensor(c, device=s.root_device) for c in raw]
+        else:  # one upload for the window (XLA would make a 0-dim 0 or 1 a graph constant, not an input)
+            counts = list(torch.tensor(raw, device=s.root_device).unbind())
         return WindowWeights.for_window(counts, data_shards=s.data_shards, grad_divisor=s.grad_divisor,
                                         global_mean=self._global_mean, model_divides=self._model_divides(window),
                                         reduce_async=s.reduce_async)

@@ -153,6 +153,12 @@ class Strategy:
         """Devices doing the work (for throughput per device)."""
         return self.world_size
 
+    #: Whether every training step must see the same shapes (XLA compiles one graph per input shape).
+    #: The Trainer then drops each epoch's short last training batch (as `dataloader_drop_last`, saying
+    #: how many samples in one log line) and pads a short accumulation window's item counts with zero
+    #: counts on the device, so the epoch's last window replays the graphs of a full one.
+    static_shapes: ClassVar[bool] = False
+
     # -- set-up -----------------------------------------------------------------------------
     def setup_environment(self) -> None:
         """Initialise the process group / device. Safe to call more than once."""

@@ -6,8 +6,10 @@ torch_xla records operations lazily and compiles each recorded graph once per sh
   step (`on_micro_batch_end` / `on_step_end`): every step then replays the same few cached graphs;
 - nothing on the per-step path reads a value back to the host: the loss and the gradient norm stay
   device tensors, and the loop reads them only on logging steps (the test counts transfers);
-- batches are uploaded by torch_xla's `MpDeviceLoader` in a background thread (xla_loader.py), and a
-  short last batch is reported once, because it costs one more compilation (drop_last avoids it);
+- batches are uploaded by torch_xla's `MpDeviceLoader` in a background thread (xla_loader.py);
+- static shapes (`static_shapes = True`): the Trainer drops each epoch's short last training batch
+  and pads a short accumulation window's item counts, so no epoch end compiles a new graph (a
+  DataLoader the user built keeps its short batch, reported once, as it costs one more compilation);
 - with several replicas (a TPU host's cores, one process each), gradients are averaged with
   `xm.reduce_gradients` before clipping, like DDP, so the loop's loss weights are DDP's.
   Only one replica has been run (PJRT CPU has no cross-process collectives): see docs/xla.md.
@@ -75,6 +77,7 @@ class XLAStrategy(Strategy):
     # out-of-memory error is no torch.OutOfMemoryError, so the probe could not see it): refused
     capabilities = Capabilities(devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, auto_batch_size=False,
                                 full_eval_cast=False, user_optimizer=False, reasons=XLA_REASONS)
+    static_shapes = True  # one graph per input shape: see kiln.engine.data.static_shapes
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         super().__init__(config, precision)
@@ -111,12 +114,38 @@ class XLAStrategy(Strategy):
                               "step into one graph; drop torch_compile.")
         return model
 
+    #: Gradients stay allocated between steps, zeroed in place (xla_gradients.py): every backward is
+    #: then one graph, an epoch's short last window compiles nothing new, and a resumed run replays
+    #: the uninterrupted run's graphs.
+    persistent_gradients: bool = True
+
+    def setup(self, module: nn.Module, optimizer_factory: Optional[Any] = None,
+              scheduler_factory: Optional[Any] = None, *, max_steps: Optional[int] = None) -> Any:
+        setup = super().setup(module, optimizer_factory, scheduler_factory, max_steps=max_steps)
+        if setup.optimizer is not None and self.persistent_gradients:
+            from kiln.strategies.xla_gradients import PersistentGradients
+
+            self._gradients = PersistentGradients()
+            self._gradients.attach(setup.optimizer)
+        return setup
+
+    _gradients: Any = None  # the PersistentGradients of the run being trained
+
+    def settle_gradients(self) -> None:
+        """Before an optimizer step: parameters no backward reached lose their zero gradient (once)."""
+        if self._gradients is not None:
+            self._gradients.settle()
+
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=not self.persistent_gradients)
+
     def process_dataloader(self, dataloader: Iterable[Any]) -> Iterable[Any]:
         from kiln.strategies.xla_loader import XLADeviceLoader, static_shape_warning
 
         if isinstance(dataloader, XLADeviceLoader) or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader  # a loader the user built for the device, or plain batches (moved per batch)
-        static_shape_warning(dataloader)
+        if not getattr(dataloader, "kiln_built", False):  # kiln's training loaders drop it (static_shapes)
+            static_shape_warning(dataloader)
         return XLADeviceLoader(dataloader, self.root_device, prepare=self.prepare_batch())
 
     def prepare_batch(self) -> Optional[Callable[[Any], Any]]:
@@ -131,6 +160,7 @@ class XLAStrategy(Strategy):
                        max_grad_norm: Optional[float]) -> StepResult:
         """Average the replicas' gradients (before clipping, so the norm is the global one), clip,
         step; all on the device: the norm stays a device tensor."""
+        self.settle_gradients()
         self.precision.unscale_gradients(optimizer)
         if self.world_size > 1:
             import torch_xla.core.xla_model as xm

@@ -107,6 +107,10 @@ class XLAFSDPStrategy(XLAStrategy):
         return self.settings.wrapper == "spmd"
 
     @property
+    def persistent_gradients(self) -> bool:  # type: ignore[override]
+        return self.spmd  # the classic wrapper hands its reduced shards to the optimizer itself
+
+    @property
     def num_devices(self) -> int:
         if not self.spmd:
             return self.world_size
@@ -222,6 +226,7 @@ class XLAFSDPStrategy(XLAStrategy):
                        max_grad_norm: Optional[float]) -> StepResult:
         """SPMD: the gradients are global already. Classic: the wrapper reduce-scattered them in
         backward, and its own clip_grad_norm_ reduces the norm over the shards."""
+        self.settle_gradients()
         self.precision.unscale_gradients(optimizer)
         grad_norm = None
         if max_grad_norm:

@@ -5,7 +5,8 @@
   SPMDLoadPlanner). The files are plain DCP, so `kiln convert` merges them without torch_xla.
   An optimizer has no state before its first step, and DCP loads in place, so resuming first
   creates the state with torch_xla's `prime_optimizer` (one zero-gradient step that the load then
-  overwrites, parameters included).
+  overwrites, parameters included). It leaves zero gradients on the parameters, as a run keeps them
+  (xla_gradients.py), so the steps after the load replay the uninterrupted run's graphs: bit for bit.
 - classic wrapper (format "xla-fsdp-classic"): `xla_fsdp_classic/rank<r>-of-<w>.pt` per process
   (the wrapper's flat shards and the optimizer state, on the CPU) with `rank<r>-of-<w>.json` beside
   it (`get_shard_metadata()`: how shards unflatten into the user's parameters). Resuming needs the
@@ -63,7 +64,7 @@ class SPMDCheckpointIO(CheckpointIO):
             apply_weights(module, load_weights(directory), directory)  # an exported model folder
             return
         if with_optim and not optimizer.state:
-            prime_optimizer(optimizer)
+            prime_optimizer(optimizer)  # leaves zero gradients sharded like their parameters, as in-run
         state: dict[str, Any] = {"model": module.state_dict()}
         if with_optim:
             state["optim"] = optimizer.state_dict()

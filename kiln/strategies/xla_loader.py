@@ -3,9 +3,10 @@ background thread uploads the next batches while the device runs the current ste
 wrapper that still looks like the user's DataLoader to the loop (length, sampler, `set_epoch`,
 resume skipping), so `kiln/engine/` never knows it is there.
 
-Static shapes: XLA compiles one graph per input shape. A short last batch (the dataset length not a
-multiple of the batch size) costs one more compilation, once (the graph is cached for later epochs);
-`dataloader_drop_last: true` avoids it. `static_shape_warning` says so once, before training."""
+Static shapes: XLA compiles one graph per input shape. The loaders kiln builds drop the short last
+batch (`Strategy.static_shapes`, kiln.engine.data.static_shapes); a DataLoader the user built is used
+as given, and its short last batch (the dataset length not a multiple of the batch size) costs one
+more compilation, once (the graph is cached for later epochs). `static_shape_warning` says so once."""
 
 from __future__ import annotations
 
@@ -60,4 +61,4 @@ def static_shape_warning(loader: Any) -> None:
     short = short_last_batch(loader)
     if short is not None:
         log.warning("XLA: the last batch of each epoch has %d rows instead of %d, so XLA compiles one more graph "
-                    "for it (once); set dataloader_drop_last: true to keep a single shape.", *short)
+                    "for it (once); build the DataLoader with drop_last=True to keep a single shape.", *short)

@@ -25,4 +25,4 @@ def test_a_short_last_batch_is_found_and_reported(caplog):
     assert short_last_batch(DataLoader(list(range(12)), batch_size=4)) is None
     with caplog.at_level(logging.WARNING, logger="kiln.strategies.xla_loader"):
         static_shape_warning(DataLoader(list(range(10)), batch_size=4))
-    assert "2 rows instead of 4" in caplog.text and "dataloader_drop_last: true" in caplog.text
+    assert "2 rows instead of 4" in caplog.text and "drop_last=True" in caplog.text

@@ -125,3 +125,24 @@ def test_bf16_and_bf16_true_train_on_xla(tmp_path):
         out = trainer.fit()
         assert set(seen) == {torch.bfloat16}, precision  # the matmuls ran in bf16 on the XLA device
         assert torch.isfinite(torch.tensor(out.training_loss))
+
+
+class _WithUnusedHead(TinyRegressor):
+    """A parameter no loss reaches: with weight decay it must still stay untouched, as on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Linear(4, 4)
+
+
+def test_a_parameter_without_gradients_is_not_stepped(tmp_path):
+    trained = {}
+    for strategy in ("xla", "single"):
+        torch.manual_seed(0)
+        model = _WithUnusedHead()
+        before = model.unused.weight.detach().clone()
+        trainer = Trainer(model, _config(tmp_path, strategy, strategy, weight_decay=0.1), train_dataset=regression_data(n=64))
+        trainer.fit()
+        assert torch.equal(model.unused.weight.detach().cpu(), before), strategy  # weight decay did not shrink it
+        trained[strategy] = flat_params(model).cpu()
+    assert torch.allclose(trained["xla"], trained["single"], atol=1e-6, rtol=1e-5)
