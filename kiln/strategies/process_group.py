@@ -109,10 +109,9 @@ def destroy_default_group() -> bool:
     try:
         from torch.distributed.distributed_c10d import _world
 
-        live = list(_world.pg_map)
+        groups = [weakref.ref(g) for g in _world.pg_map]  # no strong reference kept here
     except (ImportError, AttributeError):  # another torch layout: the default group at least
-        live = [dist.group.WORLD]
-    groups = [weakref.ref(g) for g in live]
+        groups = [weakref.ref(dist.group.WORLD)]
     for ref, release in _GROUP_USERS:
         obj = ref()
         if obj is not None:
