@@ -268,8 +268,12 @@ class FitLoop:
         if not pending:
             return tr_loss
         flat = torch.stack([loss for micro_losses in pending for loss in micro_losses])
-        if not self.nan_inf_filter or bool(torch.isfinite(flat).all()):
-            self.total_loss += flat.double().sum()
+        total = flat.double().sum()
+        # One check on the float64 sum, not one per loss: the sum is finite exactly when every loss is
+        # (float32 losses cannot overflow a float64 sum), and it is needed anyway. Without the filter
+        # nothing is read, so the sums stay on the device until a log step reads the loss.
+        if not self.nan_inf_filter or bool(torch.isfinite(total)):
+            self.total_loss += total
             return tr_loss + flat.sum()
         first_step = self.trainer.state.global_step - len(pending) + 1
         for j, micro_losses in enumerate(pending):
