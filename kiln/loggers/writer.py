@@ -2,12 +2,17 @@
 were queued, so a log event costs the training thread only building its record (a CSV row is ~40 µs,
 a TensorBoard scalar ~0.6 ms, an MLflow metric over sqlite ~50 ms; see bench/log_cost.py).
 
-One writer per process (`shared_writer()`), started on first use. The queue is bounded: a logger slower
-than the log rate makes the training thread wait, instead of holding an unbounded backlog in memory.
-`flush()` waits until every queued write has run; the LoggerCallback flushes before a checkpoint is
-saved and when training ends, the Trainer when fit() leaves (an exception, the preemption exit), and
-the exit hook at interpreter exit, so no record is lost. A write that raised is re-raised on the
-training thread at its next call, as the write itself would have.
+One writer per process (`shared_writer()`), started on first use. `submit` only appends to a deque (a
+GIL-atomic operation): it takes no lock and wakes no one, because waking the writer on every record
+makes it compete with the training thread for the GIL right when the next step starts. The writer wakes
+by itself every `WAKE_S` seconds and runs what has piled up. The queue is bounded: a logger slower than
+the log rate makes the training thread wake the writer and wait, instead of holding an unbounded
+backlog in memory.
+
+`flush()` wakes the writer at once and waits until every queued write has run; the LoggerCallback
+flushes before a checkpoint is saved and when training ends, the Trainer when fit() leaves (an
+exception, the preemption exit), and the exit hook at interpreter exit, so no record is lost. A write
+that raised is re-raised on the training thread at its next call, as the write itself would have.
 
 SIGTERM: where nothing else handles it (the default action, which kills the process at once), the
 writer installs a handler that flushes (at most `SIGTERM_FLUSH_S` seconds) and then dies of SIGTERM as
@@ -26,16 +31,21 @@ from typing import Any, Callable, Optional
 
 #: queued writes the training thread may run ahead of the writer by
 QUEUE_SIZE = 1024
+#: how often the writer wakes by itself to run what was queued (records reach disk at most this late)
+WAKE_S = 0.25
 #: how long a SIGTERM waits for queued writes (a tracker server that hangs must not keep the process alive)
 SIGTERM_FLUSH_S = 30.0
 
 
 class BackgroundWriter:
-    def __init__(self, maxsize: int = QUEUE_SIZE) -> None:
+    def __init__(self, maxsize: int = QUEUE_SIZE, wake_s: float = WAKE_S) -> None:
         self.maxsize = maxsize
+        self.wake_s = wake_s
         self._tasks: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        # Re-entrant: a SIGTERM handler flushing while the training thread waits for room in submit()
+        # (holding it) must not deadlock.
         self._cond = threading.Condition(threading.RLock())
-        self._busy = False  # the thread is running a task it has taken off the queue
+        self._busy = False  # the thread is running tasks it has taken off the queue
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -47,25 +57,30 @@ class BackgroundWriter:
             self.flush()
             fn(*args)
             return
-        with self._cond:
-            while len(self._tasks) >= self.maxsize:
-                self._cond.wait()
-            self._tasks.append((fn, args))
-            self._cond.notify_all()
+        if len(self._tasks) >= self.maxsize:
+            self._wait_for_room()
+        self._tasks.append((fn, args))
 
     def flush(self, timeout: Optional[float] = None) -> None:
-        """Wait until every queued write has run (or `timeout` seconds); raises the first error one of
-        them raised."""
+        """Run every queued write now and wait until they are done (or `timeout` seconds); raises the
+        first error one of them raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._thread is not None and self._thread is not threading.current_thread():
-            # The condition's lock is re-entrant: a SIGTERM handler flushing while the training thread
-            # is inside submit() (holding it) waits here instead of deadlocking.
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
             with self._cond:
-                while (self._tasks or self._busy) and self._thread.is_alive():
+                self._cond.notify_all()  # wake the writer now instead of at its next tick
+                while (self._tasks or self._busy) and thread.is_alive():
                     if deadline is not None and time.monotonic() > deadline:
                         break
                     self._cond.wait(0.1)
         self._raise_error()
+
+    def _wait_for_room(self) -> None:
+        thread = self._thread
+        with self._cond:
+            self._cond.notify_all()
+            while len(self._tasks) >= self.maxsize and thread is not None and thread.is_alive():
+                self._cond.wait(0.1)
 
     def _raise_error(self) -> None:
         error, self._error = self._error, None
@@ -84,18 +99,22 @@ class BackgroundWriter:
         return True
 
     def _run(self) -> None:
+        tasks = self._tasks
         while True:
             with self._cond:
-                while not self._tasks:
-                    self._cond.wait()
-                fn, args = self._tasks.popleft()
+                if not tasks:
+                    self._cond.wait(self.wake_s)  # a flush or a full queue wakes it early
+                if not tasks:
+                    continue
                 self._busy = True
-                self._cond.notify_all()
             try:
-                fn(*args)
-            except BaseException as err:  # kept for the training thread, which decides what it means
-                if self._error is None:
-                    self._error = err
+                while tasks:
+                    fn, args = tasks.popleft()
+                    try:
+                        fn(*args)
+                    except BaseException as err:  # kept for the training thread, which decides what it means
+                        if self._error is None:
+                            self._error = err
             finally:
                 with self._cond:
                     self._busy = False

@@ -227,6 +227,19 @@ class Strategy:
         return self.precision.convert_input(move_to_device(batch, self.root_device))
 
     # -- step -------------------------------------------------------------------------------
+    #: the per-step hooks whose base versions do nothing; `overrides` tells a loop which it may skip
+    STEP_HOOKS = ("micro_batch_context", "on_micro_batch_end", "on_step_end")
+
+    def overrides(self, hook: str) -> bool:
+        """Whether this strategy replaces the base no-op `hook` (one of STEP_HOOKS), on its class or
+        on the instance. A loop resolves this once at set-up and skips the no-ops on every step: on a
+        tiny model each call of an empty hook is a measurable share of the framework's overhead."""
+        if hook not in self.STEP_HOOKS:
+            raise ValueError(f"{hook!r} is not a per-step strategy hook; use one of {', '.join(self.STEP_HOOKS)}.")
+        if hook in vars(self):
+            return True
+        return getattr(type(self), hook) is not getattr(Strategy, hook)
+
     def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
         """Around one micro-batch's forward and backward; `boundary` is True for the last
         micro-batch of an accumulation window (DDP skips the gradient all-reduce on the others)."""

@@ -187,3 +187,50 @@ def test_warmup_and_schedule_reach_the_optimizer(tmp_path):
                       train_dataset=regression_data(64), callbacks=[LR()])
     trainer.fit()
     assert lrs == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25])
+
+
+class _HookedStrategy:
+    """Built lazily (the strategies package is imported by the test only): a single-device strategy
+    that records its per-step hooks."""
+
+    @staticmethod
+    def make(calls: list[str]):
+        import contextlib
+
+        from kiln.strategies.single import SingleDeviceStrategy
+
+        class Hooked(SingleDeviceStrategy):
+            def micro_batch_context(self, model, *, boundary):
+                calls.append(f"context boundary={boundary}")
+                return contextlib.nullcontext()
+
+            def on_micro_batch_end(self):
+                calls.append("micro_batch_end")
+
+            def on_step_end(self):
+                calls.append("step_end")
+
+        return Hooked
+
+
+def test_strategy_step_hooks_run_where_overridden_and_base_no_ops_are_skipped(tmp_path, monkeypatch):
+    from kiln.strategies.base import Strategy
+    from kiln.strategies.single import SingleDeviceStrategy
+
+    calls: list[str] = []
+    cfg = base_config(tmp_path, max_steps=2, gradient_accumulation_steps=2, learning_rate=1e-3)
+    trainer = Trainer(TinyRegressor(), cfg, train_dataset=regression_data(32), strategy=_HookedStrategy.make(calls))
+    trainer.fit()
+    step = ["context boundary=False", "micro_batch_end", "context boundary=True", "micro_batch_end", "step_end"]
+    assert calls == step * 2
+
+    for hook in Strategy.STEP_HOOKS:  # the base no-ops are resolved once and never called per step
+        monkeypatch.setattr(Strategy, hook, lambda *a, _hook=hook, **k: pytest.fail(f"the no-op {_hook} was called"))
+    plain = Trainer(TinyRegressor(), base_config(tmp_path / "b", max_steps=2, learning_rate=1e-3),
+                    train_dataset=regression_data(32))
+    assert type(plain.strategy) is SingleDeviceStrategy
+    assert not any(plain.strategy.overrides(h) for h in Strategy.STEP_HOOKS)
+    plain.fit()
+    assert plain.state.global_step == 2
+    with pytest.raises(ValueError, match="not a per-step strategy hook"):
+        plain.strategy.overrides("backward")

@@ -134,3 +134,37 @@ def test_a_failed_write_is_raised_on_the_training_thread():
         writer.flush()
     assert done == [1]
     writer.flush()  # reported once
+
+
+def test_submit_does_not_wake_the_writer_and_flush_does():
+    writer = writer_module.BackgroundWriter(wake_s=3600.0)
+    ran = threading.Event()
+    writer.submit(lambda: None)
+    writer.flush()  # the thread is up and idle, waiting for its (hour-long) tick
+    writer.submit(ran.set)
+    assert not ran.wait(0.5), "submit woke the writer: it should only append to the queue"
+    writer.flush(timeout=60)
+    assert ran.is_set(), "flush did not wake the writer"
+
+
+def test_the_writer_wakes_by_itself_without_a_flush():
+    writer = writer_module.BackgroundWriter(wake_s=0.01)
+    ran = threading.Event()
+    writer.submit(ran.set)
+    assert ran.wait(60)
+
+
+def test_a_full_queue_wakes_the_writer_instead_of_waiting_for_its_tick():
+    writer = writer_module.BackgroundWriter(maxsize=2, wake_s=3600.0)
+    done: list[int] = []
+
+    def produce():  # would wait an hour at the third submit if a full queue did not wake the writer
+        for i in range(7):
+            writer.submit(done.append, i)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    producer.join(60)
+    assert not producer.is_alive(), "submit on a full queue waited for the writer's tick"
+    writer.flush(timeout=60)
+    assert done == list(range(7))

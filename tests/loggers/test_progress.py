@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import io
 import time
+from datetime import timedelta
 
-from kiln.engine.callbacks.progress import PrinterCallback, ProgressCallback, console_callbacks, is_interactive
+from kiln.engine.callbacks.progress import PrinterCallback, clock, ProgressCallback, console_callbacks, is_interactive
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from tests.loggers.conftest import make_config
 
@@ -94,3 +95,8 @@ def test_console_callbacks_follow_disable_tqdm_and_the_log_level(tmp_path):
     assert kinds(disable_tqdm=True) == ["PrinterCallback"]
     assert kinds(level="error") == ["PrinterCallback"]
     assert kinds(level="error", disable_tqdm=False) == ["ProgressCallback"]
+
+
+def test_eta_clock_reads_like_timedelta():
+    for seconds in (0, 0.9, 5, 59, 60, 65, 3599, 3600, 3661.7, 86399, 86400, 90061, 2 * 86400 + 5, 400 * 86400 + 3723):
+        assert clock(seconds) == str(timedelta(seconds=int(seconds))), seconds

@@ -108,6 +108,10 @@ class FitLoop:
         self.model_flops = getattr(t.model, "floating_point_ops", None)
         self.flops_per_token = 6.0 * sum(p.numel() for p in t.model.parameters())
         self.local_flos = 0.0
+        # The strategy's per-step hooks that are the base no-ops are not called at all (resolved once here).
+        self.micro_batch_context = strategy.micro_batch_context if strategy.overrides("micro_batch_context") else None
+        self.on_micro_batch_end = strategy.on_micro_batch_end if strategy.overrides("on_micro_batch_end") else None
+        self.on_strategy_step_end = strategy.on_step_end if strategy.overrides("on_step_end") else None
         control = t.callback_handler.call("on_train_begin", cfg, state, t.control)
         if cfg.eval.on_start and not resume_path:
             t.evaluate_during_training(on_start=True)
@@ -231,9 +235,13 @@ class FitLoop:
                     # total_flos: the model's own count (Transformers), else HF's 6 x tokens x parameters
                     self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * ids.numel()
                 t.current_micro_batch = micro = MicroBatch(i, i == last, weights)
-                with strategy.micro_batch_context(model, boundary=micro.boundary):
+                if self.micro_batch_context is None:
                     losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
-                strategy.on_micro_batch_end()
+                else:
+                    with self.micro_batch_context(model, boundary=micro.boundary):
+                        losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
+                if self.on_micro_batch_end is not None:
+                    self.on_micro_batch_end()
                 if i < last:
                     control = t.callback_handler.call("on_substep_end", cfg, state, control)
         t.current_micro_batch = None
@@ -250,7 +258,8 @@ class FitLoop:
         if result.stepped and t.lr_scheduler is not None and not t.scheduler_needs_metrics:
             t.lr_scheduler.step()
         strategy.zero_grad(model, opt)
-        strategy.on_step_end()
+        if self.on_strategy_step_end is not None:
+            self.on_strategy_step_end()
         state.global_step += 1
         self.steps_this_run += 1
         # The micro-batch losses are only queued (a list, not a tensor op): folding them into the sums
@@ -268,8 +277,12 @@ class FitLoop:
         if not pending:
             return tr_loss
         flat = torch.stack([loss for micro_losses in pending for loss in micro_losses])
-        if not self.nan_inf_filter or bool(torch.isfinite(flat).all()):
-            self.total_loss += flat.double().sum()
+        total = flat.double().sum()
+        # One check on the float64 sum, not one per loss: the sum is finite exactly when every loss is
+        # (float32 losses cannot overflow a float64 sum), and it is needed anyway. Without the filter
+        # nothing is read, so the sums stay on the device until a log step reads the loss.
+        if not self.nan_inf_filter or bool(torch.isfinite(total)):
+            self.total_loss += total
             return tr_loss + flat.sum()
         first_step = self.trainer.state.global_step - len(pending) + 1
         for j, micro_losses in enumerate(pending):

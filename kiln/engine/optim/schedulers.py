@@ -16,7 +16,6 @@ import math
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
-from omegaconf import OmegaConf
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
@@ -379,6 +378,8 @@ def warmup_steps_for(sched_cfg: Any, num_training_steps: int) -> int:
 def build_scheduler(optimizer: Optimizer, sched_cfg: Any, num_training_steps: int) -> Union[LRScheduler, GreedyLR]:
     """The schedule the `scheduler` config group (SchedulerConfig, DictConfig or mapping) asks for."""
     kwargs = _field(sched_cfg, "kwargs", None) or {}
+    from omegaconf import OmegaConf  # lazy: importing kiln must not pay for omegaconf
+
     if OmegaConf.is_config(kwargs):  # hand the schedule plain Python values (lists, not ListConfig)
         kwargs = OmegaConf.to_container(kwargs, resolve=True)
     name, warmup = str(_field(sched_cfg, "name", "linear")), warmup_steps_for(sched_cfg, num_training_steps)
