@@ -47,6 +47,7 @@ def no_launcher(monkeypatch):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_teardown_frees_the_group_and_joins_gloo_workers(tmp_path, strategy, caplog):
+    gc.collect()  # groups an earlier test left in reference cycles
     before = gloo_workers()
     cfg = base_config(tmp_path, strategy={"name": strategy, "device": "cpu"}, train={"max_steps": 2})
     trainer = Trainer(TinyRegressor(), config=cfg, train_dataset=regression_data(16))
@@ -59,7 +60,7 @@ def test_teardown_frees_the_group_and_joins_gloo_workers(tmp_path, strategy, cap
     gc.collect()
     # the Trainer (and its wrapped model) is still alive here, as it is in a script at exit
     assert group() is None, "the process group outlived teardown"
-    assert gloo_workers() == before
+    assert gloo_workers() <= before  # its workers were joined (fewer: an earlier test's leftovers freed too)
 
 
 def test_group_is_freed_when_dynamo_is_first_imported_after_it(tmp_path):
