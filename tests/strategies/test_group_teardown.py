@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from kiln import Trainer
 from tests.helpers import TinyRegressor, base_config, regression_data
+from tests.strategies.test_ddp_strategy import LAUNCH_VARS, no_launcher  # noqa: F401 (autouse fixture)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 
-LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_FSDP")
 
 
 def gloo_workers() -> int:
@@ -34,15 +34,6 @@ def gloo_workers() -> int:
         except FileNotFoundError:  # a thread that ended while listing
             pass
     return names.count("pt_gloo_runloop")
-
-
-@pytest.fixture(autouse=True)
-def no_launcher(monkeypatch):
-    for key in LAUNCH_VARS:
-        monkeypatch.delenv(key, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
