@@ -91,6 +91,7 @@ _GROUP_USERS: list[tuple["weakref.ref[Any]", Callable[[Any], None]]] = []
 def register_group_user(obj: Any, release: Callable[[Any], None]) -> None:
     """Let `destroy_default_group` call `release(obj)` (drop its references to the group) if `obj`
     is still alive then, e.g. a DDP wrapper the Trainer keeps after training."""
+    _GROUP_USERS[:] = [(ref, fn) for ref, fn in _GROUP_USERS if ref() is not None]  # runs come and go (hp search)
     _GROUP_USERS.append((weakref.ref(obj), release))
 
 
