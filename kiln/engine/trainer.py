@@ -263,9 +263,10 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         return (loss, outputs) if return_outputs else loss
 
     def forward_inputs(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
-        if not self._remove_columns or self._forward_names is None:
+        names = self._forward_names
+        if not self._remove_columns or names is None or inputs.keys() <= names:  # nothing to drop: no new dict
             return inputs
-        return {k: v for k, v in inputs.items() if k in self._forward_names}
+        return {k: v for k, v in inputs.items() if k in names}
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None,
                       micro_batch: Optional[MicroBatch] = None) -> torch.Tensor:

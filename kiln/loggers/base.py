@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Mapping, Optional
 
 from kiln.utils.errors import KilnError
 
@@ -68,6 +68,37 @@ class Logger:
 
     def finalize(self, status: str) -> None:
         """Flush and close; `status` is "success", "failed" or "interrupted"."""
+
+
+class AppendFile:
+    """A history file held open for appending between writes. Each write is flushed at once (`tail -f`
+    shows it, a kill loses nothing written), but the file is opened once, not per record: opening,
+    checking and closing it cost several times what the write does, on the writer thread, which holds
+    the GIL the training thread needs. `close()` before the file is replaced or the run ends; the next
+    write opens it again (creating its folder if it is gone)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.handle: Optional[IO[str]] = None
+
+    def open(self) -> IO[str]:
+        if self.handle is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self.handle = open(self.path, "a", encoding="utf-8", newline="")
+        return self.handle
+
+    def write(self, text: str) -> None:
+        handle = self.open()
+        handle.write(text)
+        handle.flush()
+
+    def close(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kiln.loggers import LOGGERS
-from kiln.loggers.base import Logger, history_step, keep_on_resume, run_files_dir
+from kiln.loggers.base import AppendFile, Logger, history_step, keep_on_resume, run_files_dir
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -25,6 +25,8 @@ class CSVLogger(Logger):
     def __init__(self, config: "DictConfig") -> None:
         super().__init__(config)
         self.path = os.path.join(run_files_dir(config), self.filename)
+        self.file = AppendFile(self.path)
+        self._writer: Any = None  # a DictWriter on the open file, for the current columns
         # Rows are kept as the strings the file holds, so rewriting the file reproduces it byte for byte.
         self.previous: list[dict[str, str]] = []  # rows an earlier job wrote
         self.rows: list[dict[str, Any]] = []  # rows this process wrote
@@ -43,12 +45,14 @@ class CSVLogger(Logger):
         row = {"step": step, **metrics}
         self.rows.append(row)
         new = [k for k in row if k not in self.columns]
-        if new or self.dirty or not os.path.exists(self.path):
+        if new or self.dirty or (self.file.handle is None and not os.path.exists(self.path)):
             self.columns += new
             self._rewrite()
-        else:
-            with open(self.path, "a", newline="") as fh:
-                csv.DictWriter(fh, self.columns).writerow(row)
+            return
+        if self._writer is None or self.file.handle is None:
+            self._writer = csv.DictWriter(self.file.open(), self.columns)
+        self._writer.writerow(row)
+        self.file.handle.flush()  # type: ignore[union-attr]
 
     def resume(self, step: int) -> None:
         kept = [row for row in self.previous if keep_on_resume(history_step(row["step"]), step)]
@@ -62,11 +66,16 @@ class CSVLogger(Logger):
         self.columns = columns
         self._rewrite()
 
+    def finalize(self, status: str) -> None:
+        self.file.close()
+
     def _rewrite(self) -> None:
+        self.file.close()  # the file is replaced (and its columns may change): the next row opens the new one
+        self._writer = None
         self.dirty = False
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="") as fh:
+        with open(tmp, "w", encoding="utf-8", newline="") as fh:
             writer = csv.DictWriter(fh, self.columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows([*self.previous, *self.rows])

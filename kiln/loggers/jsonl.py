@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from kiln.loggers import LOGGERS
-from kiln.loggers.base import Logger, history_step, keep_on_resume, run_files_dir
+from kiln.loggers.base import AppendFile, Logger, history_step, keep_on_resume, run_files_dir
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -31,6 +31,7 @@ class JSONLLogger(Logger):
     def __init__(self, config: "DictConfig") -> None:
         super().__init__(config)
         self.path = os.path.join(run_files_dir(config), self.filename)
+        self.file = AppendFile(self.path)
         self.previous: list[str] = []  # lines an earlier job wrote, verbatim
         self.written: list[str] = []  # lines this process wrote
         self.dirty = False  # the file holds a torn line and must be rewritten before appending
@@ -46,9 +47,7 @@ class JSONLLogger(Logger):
         if self.dirty:
             self._rewrite()
             return
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
+        self.file.write(line + "\n")
 
     def resume(self, step: int) -> None:
         kept = [line for line in self.previous if keep_on_resume(_line_step(line), step)]
@@ -56,7 +55,11 @@ class JSONLLogger(Logger):
             self.previous = kept
             self._rewrite()
 
+    def finalize(self, status: str) -> None:
+        self.file.close()
+
     def _rewrite(self) -> None:
+        self.file.close()  # the file is replaced: the next append opens the new one
         self.dirty = False
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = self.path + ".tmp"

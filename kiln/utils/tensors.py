@@ -13,14 +13,15 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
 
     A tensor already there is returned as is: `.to()` would return it too, but only after a trip through
     the dispatcher that costs microseconds per tensor per step, which the hot path of a small model feels."""
+    if type(batch) is dict:  # the usual batch, a dict of tensors: no recursion for the tensors themselves
+        return {k: v if type(v) is torch.Tensor and v.device == device else move_to_device(v, device)
+                for k, v in batch.items()}
     if isinstance(batch, torch.Tensor):
         if batch.device == device:
             return batch
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
-        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()}) if type(batch) is not dict else {
-            k: move_to_device(v, device) for k, v in batch.items()
-        }
+        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(move_to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -30,6 +31,12 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
 
 def batch_size_of(batch: Any) -> int:
     """Number of samples in a batch: the first dimension of its first tensor."""
+    if type(batch) is dict:  # the usual batch: read its tensors here instead of one call each
+        for value in batch.values():
+            n = (int(value.shape[0]) if value.dim() else 1) if type(value) is torch.Tensor else batch_size_of(value)
+            if n:
+                return n
+        return 0
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     if isinstance(batch, Mapping):

@@ -145,7 +145,9 @@ class ProgressCallback(Callback):
         return f"step {step}/{total} {100 * step // total:3d}% {times}"
 
     def _print(self, text: str) -> None:
-        print(text, file=self._stream, flush=True)
+        stream = self._stream
+        stream.write(text + "\n")  # one write, then flush: a job log shows each line as it happens
+        stream.flush()
 
     def on_train_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
         self._close_eval()

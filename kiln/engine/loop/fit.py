@@ -10,8 +10,9 @@ One optimizer step, as the loop runs it (every hardware difference is a strategy
     strategy.optimizer_step(max_grad_norm) -> StepResult(stepped, grad_norm)   # unscale, clip, step, skip
     scheduler.step (if stepped) -> strategy.zero_grad -> strategy.on_step_end
 
-Nothing here reads a device value back to the host between logging steps: the step loss and the
-grad norm stay tensors until a log or save folds them.
+Nothing here reads a device value back to the host between logging steps: the step losses and the
+grad norm stay tensors until a log or save step reads them, all the losses in one transfer; from there
+the running sums are host floats (float64), as HF's `_total_loss_scalar` is.
 """
 
 from __future__ import annotations
@@ -116,22 +117,21 @@ class FitLoop:
         if cfg.eval.on_start and not resume_path:
             t.evaluate_during_training(on_start=True)
         start = time.perf_counter()
-        tr_loss = torch.zeros((), device=strategy.root_device)
-        self.total_loss = torch.zeros((), device=strategy.root_device, dtype=torch.float64)
+        self.tr_loss = 0.0  # the loss sum of the steps since the last log (HF's tr_loss), folded in
+        self.total_loss = 0.0  # the loss sum of every step, for train_loss (HF's _total_loss_scalar)
         self.steps_this_run, self.samples, self.tokens = 0, 0, 0
         self.last_logged, self.window_start = state.global_step, start
         self.samples_at_log, self.tokens_at_log = 0, 0
-        self.tr_loss, self.steps_before_resume = tr_loss, 0
+        self.steps_before_resume = 0
         self.pending: list[list[torch.Tensor]] = []  # per step, its micro-batch losses not yet folded into the sums
         self.epoch_rng = EpochRandomState(loader)
         self.oom = OomRecovery(self)  # auto_find_batch_size: a later out-of-memory shrinks the micro-batch
         t.checkpoints.restore_loop(self)  # resumed: the running loss sums exactly as they were saved
-        tr_loss = self.tr_loss
         model.train()
         optimizer_mode(t.optimizer, "train")  # schedule-free optimizers step only in train mode
         seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
         if state.global_step >= max_steps:  # resumed from the final checkpoint: nothing left to train
-            return self._finish(start, tr_loss)
+            return self._finish(start)
         for epoch in range(state.epoch_index, num_epochs):
             set_epoch(loader, epoch, seed)
             skip = state.batches_into_epoch if epoch == state.epoch_index else 0
@@ -149,7 +149,7 @@ class FitLoop:
                 if not window:
                     break
                 try:
-                    tr_loss = self._optimizer_step(window, model, tr_loss)
+                    self._optimizer_step(window, model)
                 except WindowOutOfMemory:
                     del window, iterator  # frees the batches and the old loader's workers
                     loader, iterator, k = self.oom.recover(epoch, seed)  # same samples, smaller micro-batches
@@ -163,9 +163,9 @@ class FitLoop:
                 control = t.callback_handler.call("on_step_end", cfg, state, control)
                 if self.preemption.requested():  # SIGTERM on some rank: save this step everywhere, then exit 0
                     control.should_save = control.should_training_stop = True
-                tr_loss = self._log_save_evaluate(tr_loss)
+                self._log_save_evaluate()
                 if self.preemption.triggered:
-                    self._save_and_exit(tr_loss)
+                    self._save_and_exit()
                 if state.global_step >= max_steps:
                     control.should_training_stop = True
             if batches_per_epoch is None and not control.should_training_stop and state.batches_into_epoch == 0:
@@ -175,22 +175,22 @@ class FitLoop:
                 state.epoch_index, state.batches_into_epoch = epoch + 1, 0
             control = t.callback_handler.call("on_epoch_end", cfg, state, control)
             control.should_epoch_stop = False
-            tr_loss = self._log_save_evaluate(tr_loss)
+            self._log_save_evaluate()
             if control.should_training_stop:
                 break
-        return self._finish(start, tr_loss)
+        return self._finish(start)
 
     # -- checkpoint state (per rank) ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The running sums behind logged losses and `train_loss`, so a resumed run logs the same numbers."""
-        return {"tr_loss": self.tr_loss.detach().cpu(), "total_loss": self.total_loss.detach().cpu(),
+        # float64 tensors (checkpoints before host sums held a float32 tr_loss; both load)
+        return {"tr_loss": torch.tensor(self.tr_loss, dtype=torch.float64),
+                "total_loss": torch.tensor(self.total_loss, dtype=torch.float64),
                 "last_logged": self.last_logged, "steps": self.steps_before_resume + self.steps_this_run,
                 "epoch_rng": self.epoch_rng.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        device = self.trainer.strategy.root_device
-        self.tr_loss = state["tr_loss"].to(device)
-        self.total_loss = state["total_loss"].to(device)
+        self.tr_loss, self.total_loss = float(state["tr_loss"]), float(state["total_loss"])
         self.last_logged, self.steps_before_resume = int(state["last_logged"]), int(state["steps"])
         self.epoch_rng.load_state_dict(state.get("epoch_rng"))
 
@@ -217,34 +217,18 @@ class FitLoop:
             window.append(batch)
         return window
 
-    def _optimizer_step(self, window: list[Any], model: Any, tr_loss: torch.Tensor) -> torch.Tensor:
+    def _optimizer_step(self, window: list[Any], model: Any) -> None:
         t = self.trainer
         cfg, strategy, state, opt = t.config, t.strategy, t.state, t.optimizer
         control = t.callback_handler.call("on_step_begin", cfg, state, t.control)
         window = [strategy.batch_to_device(b) for b in window]
         weights = t.loss_weights(window)
         num_items = weights.total if weights is not None and t.wants_num_items else None
-        losses = []
-        last = len(window) - 1
-        with self.oom.guard(model):  # auto_find_batch_size: out of memory here redoes the step smaller
-            for i, batch in enumerate(window):
-                self.samples += batch_size_of(batch)
-                ids = batch.get("input_ids") if isinstance(batch, dict) else None
-                if isinstance(ids, torch.Tensor):
-                    self.tokens += ids.numel()
-                    # total_flos: the model's own count (Transformers), else HF's 6 x tokens x parameters
-                    self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * ids.numel()
-                t.current_micro_batch = micro = MicroBatch(i, i == last, weights)
-                if self.micro_batch_context is None:
-                    losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
-                else:
-                    with self.micro_batch_context(model, boundary=micro.boundary):
-                        losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
-                if self.on_micro_batch_end is not None:
-                    self.on_micro_batch_end()
-                if i < last:
-                    control = t.callback_handler.call("on_substep_end", cfg, state, control)
-        t.current_micro_batch = None
+        if self.oom.enabled:
+            with self.oom.guard(model):  # auto_find_batch_size: out of memory here redoes the step smaller
+                losses, control = self._micro_batches(window, model, weights, num_items, control)
+        else:
+            losses, control = self._micro_batches(window, model, weights, num_items, control)
         if self.count_tokens_seen:  # a host read per step only when several shards must be summed (as HF)
             tokens = self.tokens_in(window)
             if strategy.data_shards > 1:
@@ -262,36 +246,72 @@ class FitLoop:
             self.on_strategy_step_end()
         state.global_step += 1
         self.steps_this_run += 1
-        # The micro-batch losses are only queued (a list, not a tensor op): folding them into the sums
-        # costs several tiny tensor ops, which are done once per log/save instead of once per step.
+        # The micro-batch losses are only queued (a list, not a tensor op): reading them is done once
+        # per log/save step, in one transfer, instead of once per step.
         self.pending.append(losses)
-        return tr_loss
 
-    def _fold(self, tr_loss: torch.Tensor) -> torch.Tensor:
+    def _micro_batches(self, window: list[Any], model: Any, weights: Any, num_items: Any,
+                       control: Any) -> tuple[list[torch.Tensor], Any]:
+        """Forward and backward of each micro-batch of the window: their detached losses, and the
+        control as the on_substep_end callbacks left it."""
+        t = self.trainer
+        losses = []
+        last = len(window) - 1
+        for i, batch in enumerate(window):
+            self.samples += batch_size_of(batch)
+            ids = batch.get("input_ids") if isinstance(batch, dict) else None
+            if isinstance(ids, torch.Tensor):
+                self.tokens += ids.numel()
+                # total_flos: the model's own count (Transformers), else HF's 6 x tokens x parameters
+                self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * ids.numel()
+            t.current_micro_batch = micro = MicroBatch(i, i == last, weights)
+            if self.micro_batch_context is None:
+                losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
+            else:
+                with self.micro_batch_context(model, boundary=micro.boundary):
+                    losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
+            if self.on_micro_batch_end is not None:
+                self.on_micro_batch_end()
+            if i < last:
+                control = t.callback_handler.call("on_substep_end", t.config, t.state, control)
+        t.current_micro_batch = None
+        return losses, control
+
+    def _fold(self) -> None:
         """Add the queued micro-batch losses to tr_loss and total_loss (before logs, saves and the end).
 
-        With `nan_inf_filter`, a nan/inf micro-batch loss counts as the logging window's mean so far,
-        per micro-batch as in HF (the finite micro-batches of the same window still count);
-        train_loss uses the same filtered values."""
+        The losses come to the host in one transfer (a stack, then one read): a log step reads the
+        loss anyway, and summing a few floats on the host costs less than the tensor ops that would
+        keep the sums on the device. With `nan_inf_filter`, a nan/inf micro-batch loss counts as the
+        logging window's mean so far, per micro-batch as in HF (the finite micro-batches of the same
+        window still count); train_loss uses the same filtered values."""
         pending, self.pending = self.pending, []
         if not pending:
-            return tr_loss
+            return
         flat = torch.stack([loss for micro_losses in pending for loss in micro_losses])
-        total = flat.double().sum()
-        # One check on the float64 sum, not one per loss: the sum is finite exactly when every loss is
-        # (float32 losses cannot overflow a float64 sum), and it is needed anyway. Without the filter
-        # nothing is read, so the sums stay on the device until a log step reads the loss.
-        if not self.nan_inf_filter or bool(torch.isfinite(total)):
+        values = (flat if flat.dim() == 1 else flat.reshape(-1)).tolist()  # a custom step may return shape (1,)
+        total = sum(values)  # finite exactly when every loss is (float32 losses cannot overflow a float64 sum)
+        if not self.nan_inf_filter or math.isfinite(total):
+            self.tr_loss += total
             self.total_loss += total
-            return tr_loss + flat.sum()
+            return
+        values.reverse()
         first_step = self.trainer.state.global_step - len(pending) + 1
         for j, micro_losses in enumerate(pending):
             steps_before = first_step + j - 1 - self.last_logged  # completed steps in this logging window
-            for value in micro_losses:
-                value = torch.where(torch.isfinite(value), value, tr_loss / (1 + steps_before))
-                self.total_loss += value.double()
-                tr_loss = tr_loss + value
-        return tr_loss
+            for _ in micro_losses:
+                value = values.pop()
+                if not math.isfinite(value):
+                    value = self.tr_loss / (1 + steps_before)
+                self.tr_loss += value
+                self.total_loss += value
+
+    def _mean_over_ranks(self, value: float) -> float:
+        """`value` averaged over the processes (one collective; none on a single process)."""
+        strategy = self.trainer.strategy
+        if strategy.world_size == 1:
+            return value
+        return float(strategy.reduce(torch.tensor(value, dtype=torch.float64), "mean").item())
 
     @staticmethod
     def tokens_in(window: list[Any]) -> int:
@@ -306,15 +326,15 @@ class FitLoop:
         t.state.total_flos += self.local_flos
         self.local_flos = 0.0
 
-    def _log_save_evaluate(self, tr_loss: torch.Tensor) -> torch.Tensor:
+    def _log_save_evaluate(self) -> None:
         t = self.trainer
         control, state = t.control, t.state
         if control.should_log or control.should_save:
             self._flush_flos()
-            tr_loss = self._fold(tr_loss)
+            self._fold()
         if control.should_log and state.global_step > self.last_logged:
             steps = state.global_step - self.last_logged
-            loss = t.strategy.reduce(tr_loss, "mean").item() / steps
+            loss = self._mean_over_ranks(self.tr_loss) / steps
             logs: dict[str, float] = {"loss": loss}
             if self.grad_norm is not None:
                 logs["grad_norm"] = float(self.grad_norm.item())
@@ -333,35 +353,33 @@ class FitLoop:
                 run["tokens_per_second"] = (self.tokens - self.tokens_at_log) * world / elapsed
             self.window_start, self.samples_at_log, self.tokens_at_log = now, self.samples, self.tokens
             self.last_logged = state.global_step
-            tr_loss = torch.zeros_like(tr_loss)
+            self.tr_loss = 0.0
             t.log_to_loggers_only = run
             t.log(logs)
         metrics = None
         if control.should_evaluate:
             metrics = t.evaluate_during_training()
-        if control.should_save:
-            self.tr_loss = tr_loss  # saved with the checkpoint: a resumed run logs the same averages
+        if control.should_save:  # the loop's sums go with it: a resumed run logs the same averages
             t._save_checkpoint(metrics)
             t.control = t.callback_handler.call("on_save", t.config, state, t.control)
         t.control._new_step()
-        return tr_loss
 
-    def _save_and_exit(self, tr_loss: torch.Tensor) -> None:
+    def _save_and_exit(self) -> None:
         """Preempted: make sure this step is saved (save_strategy 'best' may have declined), then exit 0."""
         t = self.trainer
         if t.checkpoints.saved_step != t.state.global_step:
-            self.tr_loss = tr_loss
+            self._fold()
             t._save_checkpoint()
         self.preemption.exit(t.state.global_step)
 
-    def _finish(self, start: float, tr_loss: torch.Tensor) -> TrainOutput:
+    def _finish(self, start: float) -> TrainOutput:
         t = self.trainer
         state, cfg = t.state, t.config
         runtime = time.perf_counter() - start
         self._flush_flos()
-        self._fold(tr_loss)
+        self._fold()
         steps = max(self.steps_before_resume + self.steps_this_run, 1)
-        train_loss = t.strategy.reduce(self.total_loss.float(), "mean").item() / steps
+        train_loss = self._mean_over_ranks(self.total_loss) / steps
         world = t.strategy.data_shards
         metrics = {
             "train_runtime": runtime,

@@ -60,6 +60,10 @@ def is_training_module(model: nn.Module) -> bool:
 
 def loss_from_output(output: Any) -> torch.Tensor:
     """The loss inside a step or model output (tensor, dict/ModelOutput with "loss", or tuple)."""
+    if type(output) is dict:  # the usual case, checked without the general path's isinstance calls
+        loss = output.get("loss")
+        if type(loss) is torch.Tensor and not loss.dim():
+            return loss
     if isinstance(output, torch.Tensor):
         return _scalar(output, "The model returned a bare tensor")
     if isinstance(output, Mapping):
