@@ -64,6 +64,25 @@ def test_logged_loss_is_mean_of_step_losses(tmp_path):
     assert logged == pytest.approx([sum(losses[:3]) / 3, sum(losses[3:6]) / 3], rel=1e-6)
 
 
+def test_a_loss_of_shape_one_is_logged_like_a_scalar(tmp_path):
+    """The queued losses are read in one stacked transfer; a step returning shape (1,) still logs its mean."""
+    losses = []
+
+    class M(TinyRegressor):
+        def training_step(self, batch):
+            loss = super().training_step(batch).reshape(1)
+            losses.append(loss.item())
+            return loss
+
+    cfg = base_config(tmp_path, max_steps=4, learning_rate=1e-3)
+    cfg["log"]["steps"] = 2
+    trainer = Trainer(M(), cfg, train_dataset=regression_data(64))
+    out = trainer.fit()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert logged == pytest.approx([sum(losses[:2]) / 2, sum(losses[2:4]) / 2], rel=1e-6)
+    assert out.training_loss == pytest.approx(sum(losses) / 4, rel=1e-6)
+
+
 def test_nan_loss_is_filtered_in_logs_only(tmp_path):
     calls = {"n": 0}
 
