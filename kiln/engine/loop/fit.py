@@ -246,8 +246,7 @@ class FitLoop:
             self.on_strategy_step_end()
         state.global_step += 1
         self.steps_this_run += 1
-        # The micro-batch losses are only queued (a list, not a tensor op): reading them is done once
-        # per log/save step, in one transfer, instead of once per step.
+        # only queued (no tensor op): read once per log/save step, in one transfer
         self.pending.append(losses)
 
     def _micro_batches(self, window: list[Any], model: Any, weights: Any, num_items: Any,
