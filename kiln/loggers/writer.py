@@ -17,7 +17,8 @@ that raised is re-raised on the training thread at its next call, as the write i
 SIGTERM: where nothing else handles it (the default action, which kills the process at once), the
 writer installs a handler that flushes (at most `SIGTERM_FLUSH_S` seconds) and then dies of SIGTERM as
 before, so the exit status is unchanged. The handler is checked when a record is queued behind an
-empty queue (once per batch of records: reading it costs more than queueing the record). Where `save.on_preemption` handles it, the loop saves and
+empty queue (once per batch of records: reading it costs more than queueing the record). Where
+`save.on_preemption` handles it, the loop saves and
 leaves through SystemExit, and the Trainer flushes on its way out."""
 
 from __future__ import annotations
