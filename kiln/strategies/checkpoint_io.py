@@ -16,6 +16,7 @@ from torch import nn
 
 from kiln.strategies.weights_files import INDEX, load_sharded, parse_size, save_sharded
 from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.param_groups import regroup_optimizer_state
 
 WEIGHTS_SAFE = "model.safetensors"
 WEIGHTS_BIN = "pytorch_model.bin"
@@ -189,7 +190,7 @@ class FullStateCheckpointIO(CheckpointIO):
             if not os.path.exists(path):
                 raise CheckpointError(f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?).")
             try:
-                optimizer.load_state_dict(safe_torch_load(path))
+                optimizer.load_state_dict(regroup_optimizer_state(safe_torch_load(path), optimizer.param_groups))
             except (ValueError, KeyError) as err:
                 raise CheckpointError(
                     f"The optimizer state in {path} does not fit this optimizer ({err}); "

@@ -58,6 +58,26 @@ def _zero_stage(root: str) -> int:
     return int(osd.get("zero_stage", 0)) if isinstance(osd, dict) else 0
 
 
+def _check_group_count(directory: str, engine: Any) -> None:
+    """Refuse, before DeepSpeed fails on it with an unrelated message, optimizer state saved in another
+    number of param groups: DeepSpeed partitions the state per group, so it cannot be regrouped as
+    kiln.utils.param_groups does for a torch optimizer's state."""
+    files = sorted(glob.glob(os.path.join(directory, TAG, "*model_states.pt")))
+    optimizer = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    if not files or optimizer is None:
+        return
+    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)  # DeepSpeed's own pickle
+    shapes, plain = state.get("param_shapes"), state.get("optimizer")
+    saved = len(shapes) if isinstance(shapes, list) else len(plain.get("param_groups", [])) if isinstance(plain, dict) else 0
+    current = len(optimizer.param_groups)
+    if saved and saved != current:
+        raise CheckpointError(
+            f"{directory} holds DeepSpeed optimizer state in {saved} parameter groups and this run's optimizer has "
+            f"{current} (kiln uses one group when weight_decay is 0 and two otherwise; kiln before 2026-11-25 always "
+            "used two), and DeepSpeed's partitioned state cannot be regrouped: resume with the weight_decay and the "
+            "kiln version that saved it.")
+
+
 def gathered_state(module: nn.Module, fp32: bool = False) -> dict[str, torch.Tensor]:
     """The full state dict of `module` on every rank: ZeRO-3's partitioned parameters are gathered
     (a no-op for whole ones); with `fp32`, parameters come from the optimizer's fp32 master copy."""
@@ -119,6 +139,7 @@ class DeepSpeedCheckpointIO(CheckpointIO):
             raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint ({TAG}/ is missing); it cannot be resumed "
                                   "with strategy deepspeed.")
         engine = self._engine(model)
+        _check_group_count(directory, engine)
         path, _ = engine.load_checkpoint(directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {directory}.")

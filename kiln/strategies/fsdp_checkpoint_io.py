@@ -20,6 +20,7 @@ from torch import nn
 
 from kiln.strategies.checkpoint_io import OPTIMIZER, CheckpointIO, apply_weights, load_weights, save_weights
 from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.param_groups import regroup_optimizer_state
 
 DCP_DIR = "fsdp_dcp"
 
@@ -56,6 +57,17 @@ def _check_keys(module: nn.Module, state: dict[str, torch.Tensor], source: str) 
         shell = {k: torch.empty(_full_shape(v), device="meta") for k, v in own.items()}
         probe = _Probe(shell)
         apply_weights(probe, state, source)  # raises CheckpointError naming the keys
+
+
+def _saved_group_count(dcp: Any, path: str) -> Optional[int]:
+    """How many optimizer param groups the DCP checkpoint at `path` holds (None: no optimizer state
+    or no readable metadata; dcp.load then reports what is wrong)."""
+    try:
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:
+        return None
+    indices = {key.split(".")[2] for key in keys if key.startswith("optim.param_groups.")}
+    return len(indices) or None
 
 
 def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -112,6 +124,10 @@ class ShardedFSDPCheckpointIO(CheckpointIO):
         with_optim = load_optimizer and optimizer is not None
         if with_optim:
             state["optim"] = get_optimizer_state_dict(module, optimizer)
+            groups = state["optim"]["param_groups"]
+            saved_groups = _saved_group_count(dcp, path)
+            if saved_groups and saved_groups != len(groups):  # the other param-group layout: load its groups whole
+                state["optim"]["param_groups"] = [dict(groups[0]) for _ in range(saved_groups)]
         try:
             dcp.load(state, checkpoint_id=path)
         except Exception as err:  # DCP wraps per-rank failures in its own exception types
@@ -120,7 +136,11 @@ class ShardedFSDPCheckpointIO(CheckpointIO):
             raise CheckpointError(f"The sharded checkpoint {path} {what} ({str(err).splitlines()[0][:300]}).") from None
         set_model_state_dict(module, state["model"])
         if with_optim:
-            set_optimizer_state_dict(module, optimizer, state["optim"])
+            try:
+                regrouped = regroup_optimizer_state(state["optim"], groups)
+            except ValueError as err:
+                raise CheckpointError(f"The optimizer state in {path} does not fit this optimizer ({err}).") from None
+            set_optimizer_state_dict(module, optimizer, regrouped)
 
     def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
         self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
@@ -155,7 +175,11 @@ class FullFSDPCheckpointIO(ShardedFSDPCheckpointIO):
             path = os.path.join(directory, OPTIMIZER)
             if not os.path.exists(path):
                 raise CheckpointError(f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?).")
-            set_optimizer_state_dict(module, optimizer, safe_torch_load(path), options=_options(full_state_dict=True))
+            try:
+                saved = regroup_optimizer_state(safe_torch_load(path), optimizer.param_groups)
+            except ValueError as err:
+                raise CheckpointError(f"The optimizer state in {path} does not fit this optimizer ({err}).") from None
+            set_optimizer_state_dict(module, optimizer, saved, options=_options(full_state_dict=True))
 
 
 def consolidate(directory: str, subdir: str = DCP_DIR) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from torch import nn
 from kiln.strategies.checkpoint_io import CheckpointIO, apply_weights, load_weights
 from kiln.strategies.xla_checkpoint_io import to_cpu
 from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.param_groups import regroup_optimizer_state
 
 SPMD_DIR = "xla_dcp"
 CLASSIC_DIR = "xla_fsdp_classic"
@@ -76,7 +77,7 @@ class SPMDCheckpointIO(CheckpointIO):
             raise CheckpointError(f"The sharded checkpoint {path} {what} ({str(err).splitlines()[0][:300]}).") from None
         module.load_state_dict(state["model"])
         if with_optim:
-            optimizer.load_state_dict(state["optim"])
+            optimizer.load_state_dict(regroup_optimizer_state(state["optim"], optimizer.param_groups))
         sync()  # the loaded values become device data, so the next step compiles the same graph as before the save
 
 
@@ -189,4 +190,4 @@ class ClassicXLAFSDPCheckpointIO(CheckpointIO):
         if load_optimizer and optimizer is not None:
             if "optimizer" not in payload:
                 raise CheckpointError(f"{weights} has no optimizer state (saved with save_only_model?); it cannot be resumed.")
-            optimizer.load_state_dict(payload["optimizer"])
+            optimizer.load_state_dict(regroup_optimizer_state(payload["optimizer"], optimizer.param_groups))

@@ -20,6 +20,7 @@ from kiln.engine.checkpoint.files import is_hf_checkpoint  # noqa: F401  (re-exp
 from kiln.engine.data.loaders import loader_length
 from kiln.engine.seed import _py_state_to_plain
 from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.param_groups import regroup_optimizer_state, regroup_scheduler_state
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ def load_hf_checkpoint(manager: Any, path: str) -> None:
     io.load_weights_only(path, model=t.model_wrapped, module=t.model)
     if t.optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
         try:
-            t.optimizer.load_state_dict(safe_torch_load(os.path.join(path, "optimizer.pt")))
+            saved = safe_torch_load(os.path.join(path, "optimizer.pt"))  # HF: two groups, even without decay
+            t.optimizer.load_state_dict(regroup_optimizer_state(saved, t.optimizer.param_groups))
             restored.append("optimizer")
         except (ValueError, KeyError) as err:
             raise CheckpointError(f"{path}/optimizer.pt does not fit this run's optimizer ({err}); use the optim and "
@@ -65,7 +67,10 @@ def load_hf_checkpoint(manager: Any, path: str) -> None:
     sched = os.path.join(path, "scheduler.pt")
     if t.lr_scheduler is not None and os.path.exists(sched):
         try:
-            t.lr_scheduler.load_state_dict(safe_torch_load(sched))
+            saved = safe_torch_load(sched)
+            if t.optimizer is not None:
+                saved = regroup_scheduler_state(saved, len(t.optimizer.param_groups))
+            t.lr_scheduler.load_state_dict(saved)
             restored.append("scheduler")
         except (KeyError, ValueError, TypeError, AttributeError) as err:
             raise CheckpointError(f"{sched} does not fit this run's scheduler {type(t.lr_scheduler).__name__} ({err}); "

@@ -28,6 +28,7 @@ from kiln.engine.checkpoint.files import (  # noqa: F401  (re-exported: the Trai
     resolve_resume,
 )
 from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.param_groups import regroup_scheduler_state
 from kiln.engine.seed import rng_state, set_rng_state
 from kiln.engine.callbacks.state import TrainerState
 
@@ -242,7 +243,10 @@ class CheckpointManager:
             warnings.warn(f"{sched} is missing: the learning-rate schedule restarts from its beginning.", stacklevel=2)
         elif t.lr_scheduler is not None:
             try:
-                t.lr_scheduler.load_state_dict(safe_torch_load(sched))
+                saved = safe_torch_load(sched)
+                if t.optimizer is not None:  # saved in the other param-group layout (kiln.utils.param_groups)
+                    saved = regroup_scheduler_state(saved, len(t.optimizer.param_groups))
+                t.lr_scheduler.load_state_dict(saved)
             except (KeyError, ValueError, TypeError, AttributeError) as err:
                 raise CheckpointError(f"{sched} does not fit this run's scheduler {type(t.lr_scheduler).__name__} ({err}); "
                                       "was scheduler.name changed?") from None

@@ -1,6 +1,6 @@
 """One 2-process launch runs every DeepSpeed check (they share the 2 CPU cores): fp32 parity of ZeRO
 0-3 with DDP (accumulation 2, clipping, uneven token counts), bf16 under ZeRO-2/3, resume under ZeRO-2/3
-and `kiln convert`. Rank 0 writes results.json and tensors.safetensors.
+and `kiln convert`, and the refusal of a checkpoint in another optimizer param-group layout. Rank 0 writes results.json and tensors.safetensors.
 Usage: torchrun --nproc_per_node=2 worker.py OUT [CHECK ...]"""
 
 import json
@@ -17,7 +17,7 @@ from safetensors.torch import save_file  # noqa: E402
 from tests.strategies.contract.scenarios import full_weights, trainer_for  # noqa: E402
 
 out = sys.argv[1]
-checks = sys.argv[2:] or ["parity", "bf16", "resume"]
+checks = sys.argv[2:] or ["parity", "bf16", "resume", "layouts"]
 world = int(os.environ["WORLD_SIZE"])
 rank = int(os.environ["RANK"])
 root = os.path.join(out, "runs")
@@ -68,6 +68,32 @@ if "resume" in checks:
             from safetensors.torch import load_file
 
             tensors.update({f"{key}/converted/{k}": v for k, v in load_file(path).items()})
+
+if "layouts" in checks:  # a checkpoint of kiln's old two-group layout (HF's) resumed in today's one group
+    from kiln.engine.optim import optimizers
+
+    def two_groups(model, weight_decay):
+        decay, no_decay = optimizers._split_parameters(model)
+        return [{"params": [p for _, p in decay], "weight_decay": weight_decay},
+                {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
+
+    one_group, save = optimizers.parameter_groups, {"save": {"strategy": "steps", "steps": 2}}
+    for stage in (0, 3):
+        key = f"layout_zero{stage}"
+        optimizers.parameter_groups = two_groups
+        old = trainer_for("deepspeed", root, key, world, **save, **ds(stage))
+        old.fit()
+        optimizers.parameter_groups = one_group
+        try:
+            resumed = trainer_for("deepspeed", root, key + "_b", world, resume_from_checkpoint=os.path.join(root, key, "checkpoint-2"),
+                                  **ds(stage))
+            resumed.fit()
+            results[key] = {"error": None, "groups": len(resumed.optimizer.param_groups)}
+            tensors.update({f"{key}/resumed/{k}": v for k, v in full_weights(resumed).items()})
+        except Exception as err:  # noqa: BLE001
+            results[key] = {"error": f"{type(err).__name__}: {err}"}
+            torch.distributed.barrier()
+        tensors.update({f"{key}/whole/{k}": v for k, v in full_weights(old).items()})
 
 if rank == 0:
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "tensors.safetensors"))

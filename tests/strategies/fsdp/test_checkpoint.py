@@ -37,6 +37,20 @@ def test_resume_is_exact(tmp_path, kind):
     _equal(load_file(str(second / "final.safetensors")), load_file(str(first / "final.safetensors")))
 
 
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
+    """kiln.utils.param_groups: one optimizer group without weight decay, HF's two with it."""
+    two, one, decay = tmp_path / "two_groups", tmp_path / "one_group", tmp_path / "decay"
+    torchrun(2, "worker_resume.py", two, kind, env={"KILN_TEST_TWO_GROUPS": "1"})
+    # saved in two groups (HF's layout, kiln's before), resumed in one: ends where the uninterrupted run does
+    torchrun(2, "worker_resume.py", one, kind, two / "full_shard" / "checkpoint-2", 6)
+    _equal(load_file(str(one / "final.safetensors")), load_file(str(two / "final.safetensors")))
+    # saved in one group, resumed with weight decay set (two groups): the saved settings, no decay, win
+    torchrun(2, "worker_resume.py", decay, kind, one / "full_shard" / "checkpoint-4", 6,
+             env={"KILN_TEST_WEIGHT_DECAY": "0.01"})
+    _equal(load_file(str(decay / "final.safetensors")), load_file(str(two / "final.safetensors")))
+
+
 def test_sharded_checkpoint_reshards_between_process_counts(tmp_path):
     from kiln.strategies.fsdp_checkpoint_io import consolidate
 
