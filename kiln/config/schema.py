@@ -84,7 +84,10 @@ class OptimConfig:
 
     name: str = opt("adamw_torch", "Optimizer name, e.g. adamw_torch, adamw_torch_fused, sgd, adafactor.")
     lr: float = opt(5e-5, "Peak learning rate.")
-    weight_decay: float = opt(0.0, "Decoupled weight decay; never applied to biases and norm weights.")
+    weight_decay: float = opt(0.0, "Decoupled weight decay; never applied to biases and norm weights. With decay the "
+                                   "optimizer has HF's two param groups (decayed weights, then biases and norm weights); at 0 "
+                                   "it has one, in the same parameter order (one pass of per-group optimizer code less per "
+                                   "step). Checkpoints resume across both layouts ([checkpoints](checkpoints.md)).")
     adam_beta1: float = opt(0.9, "Adam beta1.")
     adam_beta2: float = opt(0.999, "Adam beta2.")
     adam_epsilon: float = opt(1e-8, "Adam epsilon.")

@@ -276,8 +276,11 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         fit loop's `current_micro_batch`, so HF-style overrides that call
         `super().training_step(model, inputs, num_items_in_batch)` keep exact weighting."""
         micro_batch = micro_batch if micro_batch is not None else self.current_micro_batch
-        with self.precision.forward_context():
+        if self.precision.plain_forward:  # fp32 and true-half plugins: no context to enter every step
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        else:
+            with self.precision.forward_context():
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         weight = micro_batch.weight if micro_batch is not None else None
         if weight is not None:
             loss = loss * weight

@@ -134,6 +134,11 @@ class Precision:
         """Context for the forward pass and loss computation (autocast for mixed precision)."""
         return contextlib.nullcontext()
 
+    @property
+    def plain_forward(self) -> bool:
+        """True when `forward_context` is this base class's empty one, so a training step may skip it."""
+        return type(self).forward_context is Precision.forward_context and "forward_context" not in vars(self)
+
     def eval_context(self) -> AbstractContextManager[Any]:
         """Context for evaluation forward passes; the same as training unless a plugin differs."""
         return self.forward_context()

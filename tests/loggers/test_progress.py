@@ -100,3 +100,57 @@ def test_console_callbacks_follow_disable_tqdm_and_the_log_level(tmp_path):
 def test_eta_clock_reads_like_timedelta():
     for seconds in (0, 0.9, 5, 59, 60, 65, 3599, 3600, 3661.7, 86399, 86400, 90061, 2 * 86400 + 5, 400 * 86400 + 3723):
         assert clock(seconds) == str(timedelta(seconds=int(seconds))), seconds
+
+
+def test_plain_lines_are_written_off_the_training_thread_in_order_and_outside_fit_at_once():
+    from kiln.loggers.writer import flush_writes
+
+    stream = io.StringIO()
+    callback = ProgressCallback(file=stream)
+    state, control = TrainerState(max_steps=100), TrainerControl()
+    callback.on_train_begin(None, state, control)
+    for step in range(1, 41):
+        state.global_step = step
+        callback.on_log(None, state, control, logs={"loss": float(step)})
+        if step % 7 == 0:
+            flush_writes()  # what a save or the end of fit does: everything queued is on the stream
+            assert stream.getvalue().splitlines()[-1].endswith(f"loss={step}")
+    callback.on_train_end(None, state, control)
+    lines = stream.getvalue().splitlines()
+    assert [line.rsplit("loss=", 1)[1] for line in lines[1:]] == [str(s) for s in range(1, 41)]
+    callback.on_log(None, state, control, logs={"eval_loss": 0.5})  # evaluate() after fit: written at once
+    assert stream.getvalue().splitlines()[-1].endswith("eval_loss=0.5")
+
+
+def test_lines_logged_before_a_failure_reach_the_stream(tmp_path):
+    import pytest
+    import torch
+
+    from kiln import Callback, Trainer
+
+    class Boom(Callback):
+        def on_step_end(self, config, state, control, **kw):
+            if state.global_step == 5:
+                raise RuntimeError("boom")
+
+    stream = io.StringIO()
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4), "labels": torch.tensor(0)} for _ in range(32)]
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x, labels):
+            return {"loss": torch.nn.functional.cross_entropy(self.lin(x), labels)}
+
+    cfg = {"output_dir": str(tmp_path), "max_steps": 10, "per_device_train_batch_size": 4, "logging_steps": 1,
+           "save_strategy": "no", "report_to": "none", "disable_tqdm": False, "log": {"history": []}}
+    trainer = Trainer(Net(), cfg, train_dataset=data, callbacks=[Boom()])
+    trainer.callback_handler.callbacks = [ProgressCallback(file=stream) if isinstance(cb, ProgressCallback) else cb
+                                          for cb in trainer.callback_handler.callbacks]
+    trainer.callback_handler._index()
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    assert [line.split()[1] for line in stream.getvalue().splitlines()[1:]] == [f"{s}/10" for s in range(1, 5)]
