@@ -70,6 +70,14 @@ def _saved_group_count(dcp: Any, path: str) -> Optional[int]:
     return len(indices) or None
 
 
+def _regrouped(saved: Any, groups: Any, path: str) -> Any:
+    """`saved` optimizer state in the running optimizer's param-group layout (kiln.utils.param_groups)."""
+    try:
+        return regroup_optimizer_state(saved, groups)
+    except ValueError as err:
+        raise CheckpointError(f"The optimizer state in {path} does not fit this optimizer ({err}).") from None
+
+
 def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)  # a DTensor's shape is already the full (global) shape
 
@@ -136,11 +144,7 @@ class ShardedFSDPCheckpointIO(CheckpointIO):
             raise CheckpointError(f"The sharded checkpoint {path} {what} ({str(err).splitlines()[0][:300]}).") from None
         set_model_state_dict(module, state["model"])
         if with_optim:
-            try:
-                regrouped = regroup_optimizer_state(state["optim"], groups)
-            except ValueError as err:
-                raise CheckpointError(f"The optimizer state in {path} does not fit this optimizer ({err}).") from None
-            set_optimizer_state_dict(module, optimizer, regrouped)
+            set_optimizer_state_dict(module, optimizer, _regrouped(state["optim"], groups, path))
 
     def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
         self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
@@ -175,10 +179,7 @@ class FullFSDPCheckpointIO(ShardedFSDPCheckpointIO):
             path = os.path.join(directory, OPTIMIZER)
             if not os.path.exists(path):
                 raise CheckpointError(f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?).")
-            try:
-                saved = regroup_optimizer_state(safe_torch_load(path), optimizer.param_groups)
-            except ValueError as err:
-                raise CheckpointError(f"The optimizer state in {path} does not fit this optimizer ({err}).") from None
+            saved = _regrouped(safe_torch_load(path), optimizer.param_groups, path)
             set_optimizer_state_dict(module, optimizer, saved, options=_options(full_state_dict=True))
 
 

@@ -246,8 +246,7 @@ class FitLoop:
             self.on_strategy_step_end()
         state.global_step += 1
         self.steps_this_run += 1
-        # only queued (no tensor op): read once per log/save step, in one transfer
-        self.pending.append(losses)
+        self.pending.append(losses)  # only queued (no tensor op): read at log/save steps, in one transfer
 
     def _micro_batches(self, window: list[Any], model: Any, weights: Any, num_items: Any,
                        control: Any) -> tuple[list[torch.Tensor], Any]:
@@ -263,7 +262,6 @@ class FitLoop:
                 self.tokens += ids.numel()
                 # total_flos: the model's own count (Transformers), else HF's 6 x tokens x parameters
                 self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * ids.numel()
-            # the usual window, one unweighted micro-batch, reuses one object (a dataclass costs ~1 µs a step)
             t.current_micro_batch = micro = _LONE if last == 0 and weights is None else MicroBatch(i, i == last, weights)
             if self.micro_batch_context is None:
                 losses.append(t.training_step(model, batch, num_items_in_batch=num_items))
@@ -399,4 +397,4 @@ class FitLoop:
 
 
 _END = object()
-_LONE = MicroBatch(0, True, None)
+_LONE = MicroBatch(0, True, None)  # the usual window's one unweighted micro-batch: no new object a step
