@@ -272,18 +272,16 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
                       micro_batch: Optional[MicroBatch] = None) -> torch.Tensor:
         """Forward, loss, backward for one micro-batch; returns its detached (weighted) loss.
 
-        `micro_batch` (its loss weight and whether it ends the accumulation window) defaults to the
-        fit loop's `current_micro_batch`, so HF-style overrides that call
-        `super().training_step(model, inputs, num_items_in_batch)` keep exact weighting."""
+        `micro_batch` (its loss weight, whether it ends the accumulation window) defaults to the loop's
+        `current_micro_batch`: HF-style `super().training_step(model, inputs, num_items_in_batch)` weighs exactly."""
         micro_batch = micro_batch if micro_batch is not None else self.current_micro_batch
         if self.precision.plain_forward:  # fp32 and true-half plugins: no context to enter every step
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         else:
             with self.precision.forward_context():
                 loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        weight = micro_batch.weight if micro_batch is not None else None
-        if weight is not None:
-            loss = loss * weight
+        weight = micro_batch.weight if micro_batch is not None else None  # read once: it may divide tensors
+        loss = loss * weight if weight is not None else loss
         self.strategy.backward(loss, model, boundary=micro_batch.boundary if micro_batch is not None else True)
         return loss.detach()
 
