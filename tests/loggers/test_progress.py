@@ -154,3 +154,25 @@ def test_lines_logged_before_a_failure_reach_the_stream(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit()
     assert [line.split()[1] for line in stream.getvalue().splitlines()[1:]] == [f"{s}/10" for s in range(1, 5)]
+
+
+def test_a_queued_line_shows_the_figures_and_the_time_of_its_log_event(monkeypatch):
+    """The writer thread formats the line later: what it shows must be what was true when it was logged."""
+    import types
+
+    import kiln.engine.callbacks.progress as progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    stream = io.StringIO()
+    callback = ProgressCallback(file=stream)
+    state, control = TrainerState(max_steps=100), TrainerControl()
+    callback.on_train_begin(None, state, control)
+    now[0] += 65
+    state.global_step = 50
+    logs = {"loss": 0.5}
+    callback.on_log(None, state, control, logs=logs)
+    logs["loss"], state.global_step = 9.0, 60  # after the event, before the writer's tick
+    now[0] += 3600
+    callback.on_train_end(None, state, control)
+    assert stream.getvalue().splitlines()[1] == "[step 50/100  50% 0:01:05<0:01:05] loss=0.5"

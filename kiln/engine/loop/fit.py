@@ -28,6 +28,7 @@ from kiln.engine.optim.optional import optimizer_mode
 from kiln.engine.callbacks.base import interval
 from kiln.engine.data.epoch_rng import EpochRandomState
 from kiln.engine.data.loaders import loader_length, set_epoch
+from kiln.engine.loop.loss_reads import loss_values
 from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
 from kiln.engine.loop.preemption import Preemption
@@ -278,16 +279,15 @@ class FitLoop:
     def _fold(self) -> None:
         """Add the queued micro-batch losses to tr_loss and total_loss (before logs, saves and the end).
 
-        The losses come to the host in one transfer (a stack, then one read): a log step reads the
-        loss anyway, and summing a few floats on the host costs less than the tensor ops that would
-        keep the sums on the device. With `nan_inf_filter`, a nan/inf micro-batch loss counts as the
+        The losses come to the host together (see loss_values): a log step reads the loss anyway, and
+        summing a few floats on the host costs less than the tensor ops that would keep the sums on
+        the device. With `nan_inf_filter`, a nan/inf micro-batch loss counts as the
         logging window's mean so far, per micro-batch as in HF (the finite micro-batches of the same
         window still count); train_loss uses the same filtered values."""
         pending, self.pending = self.pending, []
         if not pending:
             return
-        flat = torch.stack([loss for micro_losses in pending for loss in micro_losses])
-        values = (flat if flat.dim() == 1 else flat.reshape(-1)).tolist()  # a custom step may return shape (1,)
+        values = loss_values([loss for micro_losses in pending for loss in micro_losses])
         total = sum(values)  # finite exactly when every loss is (float32 losses cannot overflow a float64 sum)
         if not self.nan_inf_filter or math.isfinite(total):
             self.tr_loss += total
