@@ -64,7 +64,7 @@ class SetupMixin:
         # static shapes: a short window is weighed like a full one whose missing micro-batches count zero
         # items (zeros uploaded like the other counts, so its first micro-batch replays a full window's graph)
         slots = self.config.train.gradient_accumulation_steps if s.static_shapes else len(window)
-        if slots == 1 and (s.data_shards == 1 or not self._global_mean) and not self._accepts_num_items:
+        if slots == 1 and not self.windows_need_weights(1):
             return None
         raw = [self._count_items(b) for b in window] + [0] * (slots - len(window))
         if any(isinstance(c, torch.Tensor) for c in raw):
@@ -74,6 +74,13 @@ class SetupMixin:
         return WindowWeights.for_window(counts, data_shards=s.data_shards, grad_divisor=s.grad_divisor,
                                         global_mean=self._global_mean, model_divides=self._model_divides(window),
                                         reduce_async=s.reduce_async)
+
+    def windows_need_weights(self: "TrainerLike", micro_batches: int) -> bool:
+        """Whether `loss_weights` can return weights for windows of up to `micro_batches` micro-batches
+        (False: a lone micro-batch on one shard, or shards that average their own means, and a model
+        that takes no item count). The loop asks once per fit instead of building a window's weights."""
+        s = self.strategy
+        return micro_batches > 1 or (s.data_shards > 1 and self._global_mean) or self._accepts_num_items
 
     def _model_divides(self: "TrainerLike", window: list[Any]) -> bool:
         """HF passes num_items_in_batch (and the model divides by it) only when the batch has `labels`."""

@@ -53,6 +53,10 @@ class Logger:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         raise NotImplementedError
 
+    def flush(self) -> None:
+        """Push what `log_metrics` buffered to its destination; called after each batch of records
+        (the background writer's tick), so a file is flushed once per batch, not once per record."""
+
     def log_artifact(self, path: str) -> None:
         """Attach a file or folder (a checkpoint, the final model) where the tracker supports it."""
 
@@ -71,11 +75,12 @@ class Logger:
 
 
 class AppendFile:
-    """A history file held open for appending between writes. Each write is flushed at once (`tail -f`
-    shows it, a kill loses nothing written), but the file is opened once, not per record: opening,
-    checking and closing it cost several times what the write does, on the writer thread, which holds
-    the GIL the training thread needs. `close()` before the file is replaced or the run ends; the next
-    write opens it again (creating its folder if it is gone)."""
+    """A history file held open for appending between writes, flushed by `flush()` after each batch
+    of records (`tail -f` shows a batch as it is written; the writer writes one at least every
+    quarter second), and opened once, not per record: opening, checking and closing it cost several
+    times what the write does, on the writer thread, which holds the GIL the training thread needs.
+    `close()` before the file is replaced or the run ends; the next write opens it again (creating
+    its folder if it is gone)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -88,9 +93,11 @@ class AppendFile:
         return self.handle
 
     def write(self, text: str) -> None:
-        handle = self.open()
-        handle.write(text)
-        handle.flush()
+        self.open().write(text)
+
+    def flush(self) -> None:
+        if self.handle is not None:
+            self.handle.flush()
 
     def close(self) -> None:
         handle, self.handle = self.handle, None

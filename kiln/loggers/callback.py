@@ -14,6 +14,7 @@ and when an evaluate() outside training returns."""
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import importlib.util
 import os
@@ -122,6 +123,7 @@ class LoggerCallback(Callback):
         self._params_run: Any = _NOT_LOGGED  # the trial whose run has the config logged
         self._trial: Optional[str] = None
         self._training = False
+        self._records: collections.deque[tuple[dict[str, float], int]] = collections.deque()  # not yet written
         self._exit_hook = functools.partial(_finalize_at_exit, weakref.ref(self))
         self.writer = shared_writer()
         self._register_exit_hook()
@@ -166,15 +168,32 @@ class LoggerCallback(Callback):
             return
         metrics = scalar_metrics(kw.get("logs") or {})
         if metrics:
-            self.writer.submit(self._write, metrics, state.global_step)
+            self._records.append((metrics, state.global_step))
+            backlog = len(self._records)
+            if backlog == 1:  # the first of a batch: one task writes what piled up by the writer's tick
+                self.writer.submit(self._write)
+            elif backlog >= self.writer.maxsize:  # loggers slower than the log rate: wait, do not pile up
+                self.writer.flush()
         if control.should_save:  # a checkpoint follows: every record up to its step must be on disk first
             self.writer.flush()
 
-    def _write(self, metrics: dict[str, float], step: int) -> None:
+    def _write(self) -> None:
+        """Write the queued records, then flush each logger once (on the writer thread). Records queued
+        while this runs are written by it too: it stops only when the queue is empty."""
+        records, error = self._records, None
+        while records:
+            metrics, step = records.popleft()
+            for logger in self.loggers:
+                try:
+                    logger.log_metrics(metrics, step)
+                except Exception as err:  # the other loggers and records still go out; the first error is raised
+                    error = error or err
         for logger in self.loggers:
-            logger.log_metrics(metrics, step)
+            logger.flush()
         # here, on the writer thread: a tracker opens its run (and registers its own exit hook) on first use
         self._register_exit_hook()
+        if error is not None:
+            raise error
 
     def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
         if self.loggers and not self._training:  # evaluate() on its own: its record is on disk when it returns

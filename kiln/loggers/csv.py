@@ -52,7 +52,9 @@ class CSVLogger(Logger):
         if self._writer is None or self.file.handle is None:
             self._writer = csv.DictWriter(self.file.open(), self.columns)
         self._writer.writerow(row)
-        self.file.handle.flush()  # type: ignore[union-attr]
+
+    def flush(self) -> None:
+        self.file.flush()
 
     def resume(self, step: int) -> None:
         kept = [row for row in self.previous if keep_on_resume(history_step(row["step"]), step)]

@@ -49,6 +49,9 @@ class JSONLLogger(Logger):
             return
         self.file.write(line + "\n")
 
+    def flush(self) -> None:
+        self.file.flush()
+
     def resume(self, step: int) -> None:
         kept = [line for line in self.previous if keep_on_resume(_line_step(line), step)]
         if len(kept) != len(self.previous) or self.dirty:

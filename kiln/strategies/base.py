@@ -224,7 +224,8 @@ class Strategy:
 
     def batch_to_device(self, batch: Any) -> Any:
         """Move to the device, then let the precision plugin cast inputs (true half precision)."""
-        return self.precision.convert_input(move_to_device(batch, self.root_device))
+        batch = move_to_device(batch, self.root_device)
+        return batch if self.precision.plain_input else self.precision.convert_input(batch)
 
     # -- step -------------------------------------------------------------------------------
     #: the per-step hooks whose base versions do nothing; `overrides` tells a loop which it may skip
@@ -282,14 +283,16 @@ class Strategy:
             return StepResult(True, None)
         grad_norm = None
         if max_grad_norm:
-            self.precision.unscale_gradients(optimizer)
+            if not self.precision.plain_unscale:
+                self.precision.unscale_gradients(optimizer)
             grad_norm = self.clip_gradients(model, optimizer, max_grad_norm)
         stepped = self.precision.optimizer_step(optimizer)
         return StepResult(stepped, grad_norm)
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip all (unscaled) gradients to `max_norm`; returns the total norm before clipping."""
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        groups = optimizer.param_groups  # clip_grad_norm_ leaves out parameters without a gradient itself
+        params = groups[0]["params"] if len(groups) == 1 else [p for group in groups for p in group["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

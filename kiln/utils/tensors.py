@@ -14,8 +14,11 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     A tensor already there is returned as is: `.to()` would return it too, but only after a trip through
     the dispatcher that costs microseconds per tensor per step, which the hot path of a small model feels."""
     if type(batch) is dict:  # the usual batch, a dict of tensors: no recursion for the tensors themselves
-        return {k: v if type(v) is torch.Tensor and v.device == device else move_to_device(v, device)
-                for k, v in batch.items()}
+        for v in batch.values():
+            if type(v) is not torch.Tensor or v.device != device:
+                return {k: v if type(v) is torch.Tensor and v.device == device else move_to_device(v, device)
+                        for k, v in batch.items()}
+        return batch  # everything is there already (the CPU, or a loader that placed it): no new dict
     if isinstance(batch, torch.Tensor):
         if batch.device == device:
             return batch

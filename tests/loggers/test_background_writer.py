@@ -17,10 +17,14 @@ import pytest
 import torch
 
 from kiln import Callback, Trainer
+from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.loggers import writer as writer_module
+from kiln.loggers.base import Logger
+from kiln.loggers.callback import LoggerCallback
 from kiln.loggers.csv import CSVLogger
 from kiln.loggers.jsonl import JSONLLogger
 from tests.helpers import TinyRegressor, regression_data
+from tests.loggers.conftest import make_config
 from tests.loggers.writer_worker import Recorder, run_config, slow_writes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -168,3 +172,68 @@ def test_a_full_queue_wakes_the_writer_instead_of_waiting_for_its_tick():
     assert not producer.is_alive(), "submit on a full queue waited for the writer's tick"
     writer.flush(timeout=60)
     assert done == list(range(7))
+
+
+class CountingLogger(Logger):
+    """Records what it was handed, on which thread, and how often it was flushed."""
+
+    name = "counting"
+
+    def __init__(self, config, fail_at=None) -> None:
+        super().__init__(config)
+        self.points, self.flushes, self.fail_at = [], 0, fail_at
+
+    def log_metrics(self, metrics, step):
+        if step == self.fail_at:
+            raise OSError(f"cannot write step {step}")
+        self.points.append((step, metrics["loss"]))
+
+    def flush(self):
+        self.flushes += 1
+
+
+def log(callback, steps):
+    state, control = TrainerState(max_steps=100), TrainerControl()
+    for step in steps:
+        state.global_step = step
+        callback.on_log(None, state, control, logs={"loss": step / 10})
+
+
+def test_a_batch_of_records_is_one_write_task_and_one_flush_per_logger(tmp_path):
+    cfg = make_config(tmp_path)
+    loggers = [CountingLogger(cfg), CountingLogger(cfg)]
+    callback = LoggerCallback(cfg, loggers)
+    callback.writer = writer_module.BackgroundWriter(wake_s=3600.0)  # nothing runs before the flush
+    log(callback, range(1, 11))
+    assert len(callback.writer._tasks) == 1  # one task for the ten records
+    callback.writer.flush(timeout=60)
+    log(callback, [11])
+    callback.writer.flush(timeout=60)
+    for logger in loggers:
+        assert logger.points == [(s, s / 10) for s in range(1, 12)] and logger.flushes == 2
+
+
+def test_a_failing_record_loses_no_other_record_and_is_raised_on_the_training_thread(tmp_path):
+    cfg = make_config(tmp_path)
+    failing, healthy = CountingLogger(cfg, fail_at=3), CountingLogger(cfg)
+    callback = LoggerCallback(cfg, [failing, healthy])
+    callback.writer = writer_module.BackgroundWriter(wake_s=3600.0)
+    log(callback, range(1, 6))
+    with pytest.raises(OSError, match="cannot write step 3"):
+        callback.writer.flush(timeout=60)
+    assert failing.points == [(s, s / 10) for s in (1, 2, 4, 5)] and failing.flushes == 1
+    assert healthy.points == [(s, s / 10) for s in range(1, 6)]
+    log(callback, [6])  # the queue was emptied: the next record starts a new batch
+    callback.writer.flush(timeout=60)
+    assert healthy.points[-1] == (6, 0.6)
+
+
+def test_records_do_not_pile_up_behind_a_slow_logger(tmp_path):
+    cfg = make_config(tmp_path)
+    logger = CountingLogger(cfg)
+    callback = LoggerCallback(cfg, [logger])
+    callback.writer = writer_module.BackgroundWriter(maxsize=4, wake_s=3600.0)
+    log(callback, range(1, 10))  # the writer's tick is an hour away: only a full backlog makes it run
+    assert len(callback._records) < 4 and len(logger.points) >= 4
+    callback.writer.flush(timeout=60)
+    assert logger.points == [(s, s / 10) for s in range(1, 10)]

@@ -62,6 +62,7 @@ def test_jsonl_one_object_per_call_with_non_finite_values(config):
     logger = JSONLLogger(config)
     logger.log_metrics({"loss": float("nan"), "grad_norm": float("inf")}, 3)
     logger.log_metrics({"loss": 1.0}, 4)
+    logger.flush()  # what the callback does after each batch of records
     lines = open(logger.path).read().splitlines()
     assert len(lines) == 2
     first = json.loads(lines[0])

@@ -41,3 +41,13 @@ def test_tensor_on_another_device_is_moved_and_structure_kept(monkeypatch):
     assert type(moved) is OrderedDict and type(moved["a"]) is Pair and type(moved["b"]) is list
     assert all(t.device.type == "meta" for t in (moved["a"].x, moved["a"].y, moved["b"][0]))
     assert batch_size_of(moved) == 4
+
+
+def test_a_dict_batch_already_on_the_device_is_returned_as_is_and_a_mixed_one_is_copied(monkeypatch):
+    calls = _spy_to(monkeypatch)
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.zeros(2)}
+    assert move_to_device(batch, torch.device("cpu")) is batch and calls == []  # no new dict every step
+    mixed = {"x": torch.ones(2), "y": torch.ones(2, device="meta"), "n": 3}
+    moved = move_to_device(mixed, torch.device("meta"))
+    assert moved is not mixed and mixed["x"].device.type == "cpu"  # the loader's dict is left as it was
+    assert moved["x"].device.type == "meta" and moved["y"] is mixed["y"] and moved["n"] == 3 and len(calls) == 1

@@ -59,7 +59,7 @@ class CallbackHandler:
     def __init__(self, callbacks: Iterable[CallbackLike] = (), **objects: Any) -> None:
         self.callbacks: list[Callback] = []
         self.objects = objects  # model, optimizer, lr_scheduler, train_dataloader, ...
-        self._by_event: dict[str, list[Any]] = {}
+        self.by_event: dict[str, list[Any]] = {}  # event -> the handlers that override it (read-only; see _index)
         for cb in callbacks:
             self.add(cb)
 
@@ -82,13 +82,13 @@ class CallbackHandler:
 
     def _index(self) -> None:
         # Only callbacks that override an event are called for it: keeps the per-step cost small.
-        self._by_event = {
+        self.by_event = {
             event: [getattr(cb, event) for cb in self.callbacks if getattr(type(cb), event, None) is not getattr(Callback, event)]
             for event in EVENTS
         }
 
     def call(self, event: str, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> "TrainerControl":
-        handlers = self._by_event[event]
+        handlers = self.by_event[event]
         if not handlers:
             return control
         kw = {**self.objects, **kw} if kw else self.objects  # the per-step events pass no kwargs: no dict built

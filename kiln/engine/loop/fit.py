@@ -18,7 +18,6 @@ the running sums are host floats (float64), as HF's `_total_loss_scalar` is.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
@@ -31,6 +30,7 @@ from kiln.engine.data.loaders import loader_length, set_epoch
 from kiln.engine.loop.loss_reads import loss_values
 from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
+from kiln.engine.loop.plan import plan_steps
 from kiln.engine.loop.preemption import Preemption
 from kiln.utils.tensors import batch_size_of
 
@@ -50,29 +50,6 @@ class TrainOutput(tuple):
 
     def __repr__(self) -> str:
         return f"TrainOutput(global_step={self[0]}, training_loss={self[1]:.6g}, metrics={self[2]})"
-
-
-def plan_steps(cfg: Any, batches_per_epoch: Optional[int]) -> tuple[int, int, int]:
-    """(max_steps, num_epochs, updates_per_epoch) exactly as HF defines them.
-
-    An epoch of b micro-batches gives ceil(b / k) optimizer steps: the last, shorter window is
-    stepped too. `max_steps > 0` overrides epochs; fractional epochs round the step count up."""
-    k = cfg.train.gradient_accumulation_steps
-    if batches_per_epoch is None:
-        if cfg.train.max_steps <= 0:
-            raise ValueError(
-                "The training data has no length (an iterable dataset), so the number of steps cannot be derived "
-                "from num_train_epochs: set train.max_steps (max_steps) to a positive number."
-            )
-        return cfg.train.max_steps, sys.maxsize, cfg.train.max_steps
-    if batches_per_epoch == 0:
-        raise ValueError("The training dataloader is empty: check train_dataset and the batch size (drop_last?).")
-    per_epoch = max(math.ceil(batches_per_epoch / k), 1)
-    if cfg.train.max_steps > 0:
-        max_steps = cfg.train.max_steps
-        return max_steps, math.ceil(max_steps / per_epoch), per_epoch
-    max_steps = math.ceil(cfg.train.num_train_epochs * per_epoch)
-    return max_steps, math.ceil(cfg.train.num_train_epochs), per_epoch
 
 
 class FitLoop:
@@ -114,6 +91,7 @@ class FitLoop:
         self.micro_batch_context = strategy.micro_batch_context if strategy.overrides("micro_batch_context") else None
         self.on_micro_batch_end = strategy.on_micro_batch_end if strategy.overrides("on_micro_batch_end") else None
         self.on_strategy_step_end = strategy.on_step_end if strategy.overrides("on_step_end") else None
+        self.weighs = t.windows_need_weights(k)  # False: every window's loss weights are None
         control = t.callback_handler.call("on_train_begin", cfg, state, t.control)
         if cfg.eval.on_start and not resume_path:
             t.evaluate_during_training(on_start=True)
@@ -154,6 +132,7 @@ class FitLoop:
                 except WindowOutOfMemory:
                     del window, iterator  # frees the batches and the old loader's workers
                     loader, iterator, k = self.oom.recover(epoch, seed)  # same samples, smaller micro-batches
+                    self.weighs = t.windows_need_weights(k)
                     batches_per_epoch = loader_length(loader)
                     continue
                 state.batches_into_epoch += len(window)
@@ -162,7 +141,7 @@ class FitLoop:
                 else:
                     state.epoch = epoch + 1.0
                 control = t.callback_handler.call("on_step_end", cfg, state, control)
-                if self.preemption.requested():  # SIGTERM on some rank: save this step everywhere, then exit 0
+                if self.preemption.enabled and self.preemption.requested():  # SIGTERM on some rank: save, exit 0
                     control.should_save = control.should_training_stop = True
                 self._log_save_evaluate()
                 if self.preemption.triggered:
@@ -221,9 +200,10 @@ class FitLoop:
     def _optimizer_step(self, window: list[Any], model: Any) -> None:
         t = self.trainer
         cfg, strategy, state, opt = t.config, t.strategy, t.state, t.optimizer
-        control = t.callback_handler.call("on_step_begin", cfg, state, t.control)
-        window = [strategy.batch_to_device(b) for b in window]
-        weights = t.loss_weights(window)
+        callbacks = t.callback_handler
+        control = callbacks.call("on_step_begin", cfg, state, t.control)
+        window = list(map(strategy.batch_to_device, window))
+        weights = t.loss_weights(window) if self.weighs else None
         num_items = weights.total if weights is not None and t.wants_num_items else None
         if self.oom.enabled:
             with self.oom.guard(model):  # auto_find_batch_size: out of memory here redoes the step smaller
@@ -235,10 +215,13 @@ class FitLoop:
             if strategy.data_shards > 1:
                 tokens = int(strategy.reduce(torch.tensor(tokens, device=strategy.root_device), "sum").item())
             state.num_input_tokens_seen += tokens
-        control = t.callback_handler.call("on_pre_optimizer_step", cfg, state, control)
+        listeners = callbacks.by_event  # events no callback listens to are not called at all
+        if listeners["on_pre_optimizer_step"]:
+            control = callbacks.call("on_pre_optimizer_step", cfg, state, control)
         result = strategy.optimizer_step(model, opt, self.max_grad_norm)
         self.grad_norm: Optional[torch.Tensor] = result.grad_norm
-        control = t.callback_handler.call("on_optimizer_step", cfg, state, control)
+        if listeners["on_optimizer_step"]:
+            control = callbacks.call("on_optimizer_step", cfg, state, control)
         self.step_lr = t.current_learning_rate()  # the rate this step used: logged as learning_rate (HF), not the next one's
         if result.stepped and t.lr_scheduler is not None and not t.scheduler_needs_metrics:
             t.lr_scheduler.step()
