@@ -280,8 +280,7 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         else:
             with self.precision.forward_context():
                 loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        # read once (it may divide tensors), and only when the window has weights at all
-        weight = micro_batch.weight if micro_batch is not None and micro_batch.weights is not None else None
+        weight = micro_batch.weight if micro_batch is not None and micro_batch.weights is not None else None  # read once
         loss = loss * weight if weight is not None else loss
         self.strategy.backward(loss, model, boundary=micro_batch.boundary if micro_batch is not None else True)
         return loss.detach()
