@@ -262,10 +262,9 @@ class FitLoop:
     def _fold(self) -> None:
         """Add the queued micro-batch losses to tr_loss and total_loss (before logs, saves and the end).
 
-        The losses come to the host together (see loss_values): a log step reads the loss anyway, and
+        The losses are read here, all at once (see loss_values): a log step reads the loss anyway, and
         summing a few floats on the host costs less than the tensor ops that would keep the sums on
-        the device. With `nan_inf_filter`, a nan/inf micro-batch loss counts as the
-        logging window's mean so far, per micro-batch as in HF (the finite micro-batches of the same
+        the device. With `nan_inf_filter`, a nan/inf micro-batch loss counts as the logging window's mean so far, per micro-batch as in HF (the finite micro-batches of the same
         window still count); train_loss uses the same filtered values."""
         pending, self.pending = self.pending, []
         if not pending:
