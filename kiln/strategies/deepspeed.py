@@ -24,7 +24,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, ContextManager, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -116,7 +116,11 @@ class DeepSpeedStrategy(DDPStrategy):
         # argument at import, which would keep the group alive past teardown (see destroy_default_group)
         deepspeed = import_deepspeed()
         super().setup_environment()
-        _compiling(lambda: deepspeed.init_distributed(dist_backend=self.backend))
+        # DeepSpeed's engine asserts LOCAL_RANK, which torchrun and the deepspeed launcher export but a
+        # plain `python` (kiln's one-process group) or srun do not; kiln knows it from the cluster
+        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
+        with _without_shm_comm_op(deepspeed):
+            _compiling(lambda: deepspeed.init_distributed(dist_backend=self.backend))
         self._share_with_transformers()
 
     def _share_with_transformers(self) -> None:
@@ -284,6 +288,24 @@ def _ds_optimizer_from_kiln(cfg: Any) -> dict[str, Any]:
     log.info("ZeRO-Offload: kiln's optimizer %r runs as DeepSpeed's %s (DeepSpeedCPUAdam).", cfg.optim.name, kind)
     return {"type": kind, "params": {"lr": float(cfg.optim.lr), "betas": [float(cfg.optim.adam_beta1), float(cfg.optim.adam_beta2)],
                                      "eps": float(cfg.optim.adam_epsilon), "weight_decay": float(cfg.optim.weight_decay)}}
+
+
+@contextlib.contextmanager
+def _without_shm_comm_op(deepspeed: Any) -> Iterator[None]:
+    """On the CPU accelerator `init_distributed` JIT-compiles DeepSpeed's shared-memory all-reduce
+    (`deepspeed_shm_comm`, ~150-200 s on a fresh 2-core machine, before any message). Only
+    `inference_all_reduce` (AutoTP inference) uses it, never training, which falls back to
+    torch.distributed without it; so it is marked unavailable while the backend is created."""
+    if deepspeed.get_accelerator().device_name() != "cpu":
+        yield
+        return
+    ops = deepspeed.ops.__compatible_ops__  # probed once by DeepSpeed (cheap), then cached in its module
+    before = ops.get("deepspeed_shm_comm", False)
+    ops["deepspeed_shm_comm"] = False
+    try:
+        yield
+    finally:
+        ops["deepspeed_shm_comm"] = before
 
 
 def _compiling(call: Any) -> Any:
