@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kiln.config import aliases, hf_args, hf_xla
+from kiln.config import aliases, hf_args, hf_xla, redact
 from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
 
@@ -145,10 +146,11 @@ def _to_plain(source: ConfigSource) -> dict[str, Any]:
     if source is None:
         return {}
     if isinstance(source, TrainingConfig):
-        return OmegaConf.to_container(OmegaConf.structured(source), resolve=True)  # type: ignore[return-value]
+        return _resolved(OmegaConf.structured(source), "The TrainingConfig")
     if isinstance(source, DictConfig):
-        return OmegaConf.to_container(source, resolve=True)  # type: ignore[return-value]
+        return _resolved(source, "The config")
     if isinstance(source, Mapping):
+        redact.remember(source)
         return dict(source)
     if hf_args.is_training_arguments(source):  # Trainer(model, args=TrainingArguments(...))
         return hf_args.training_arguments_to_dict(source)
@@ -162,10 +164,32 @@ def _to_plain(source: ConfigSource) -> dict[str, Any]:
             raise ConfigError(f"Config file {path!r} is not valid YAML: {err}") from None
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"Config file {path!r} must hold a mapping of keys to values.")
-        return OmegaConf.to_container(loaded, resolve=True)  # type: ignore[return-value]
+        return _resolved(loaded, f"Config file {path!r}")
     raise ConfigError(
         f"Config must be a TrainingConfig, transformers TrainingArguments, dict, DictConfig or YAML path, not {type(source).__name__}."
     )
+
+
+def _resolved(tree: DictConfig, what: str) -> dict[str, Any]:
+    """`tree` as plain containers with its interpolations resolved, remembering the environment values
+    they read (saved configs and logged hyperparameters show `${oc.env:VAR}` instead: kiln.config.redact)."""
+    redact.remember(OmegaConf.to_container(tree, resolve=False))
+    try:
+        return OmegaConf.to_container(tree, resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise _unresolvable(err, what) from None
+
+
+def _unresolvable(err: OmegaConfBaseException, what: str, key: str = "") -> ConfigError:
+    """One sentence for an interpolation that cannot be resolved (an unset variable, above all)."""
+    key = key or getattr(err, "full_key", None) or "?"
+    first = str(err).splitlines()[0]
+    missing = re.search(r"Environment variable '([^']+)' not found", first)
+    if missing:
+        name = missing.group(1)
+        return ConfigError(f"{what} sets {key!r} from the environment variable {name}, which is not set: export {name}, or "
+                           f"give a default with ${{oc.env:{name},DEFAULT}}.")
+    return ConfigError(f"{what} sets {key!r} to an interpolation that cannot be resolved ({first}).")
 
 
 def parse_dotlist(overrides: Iterable[str]) -> dict[str, Any]:
@@ -175,8 +199,12 @@ def parse_dotlist(overrides: Iterable[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"Override {item!r} must look like key=value (e.g. learning_rate=1e-3).")
         key, _, text = item.partition("=")
-        value = OmegaConf.from_dotlist([f"v={text}"])["v"] if text != "" else None
-        out[key.strip()] = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+        redact.remember(text)
+        try:
+            value = OmegaConf.from_dotlist([f"v={text}"])["v"] if text != "" else None
+            out[key.strip()] = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+        except OmegaConfBaseException as err:
+            raise _unresolvable(err, "An override", key.strip()) from None
     return out
 
 

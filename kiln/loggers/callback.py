@@ -140,10 +140,9 @@ class LoggerCallback(Callback):
         trial = state.trial_name if (state.is_hyper_param_search or state.trial_name) else None
         params = None
         if self._params_run != trial:
-            from omegaconf import DictConfig, OmegaConf
+            from kiln.config.redact import config_for_saving
 
-            tree = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
-            params = flatten(tree)  # type: ignore[arg-type]
+            params = flatten(config_for_saving(config))  # values from ${oc.env:VAR} stay out of trackers
             self._params_run = trial
         new_trial = trial != self._trial
         self._trial = trial

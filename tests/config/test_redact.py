@@ -1,0 +1,95 @@
+"""Values from `${oc.env:VAR}` reach training but never a file kiln writes or a tracker: saved configs
+and logged hyperparameters keep the interpolation instead (issue 34, item 9)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kiln import Trainer
+from kiln.config import load_config
+from kiln.config.redact import config_for_saving
+from kiln.utils.errors import ConfigError
+from tests.helpers import TinyRegressor, regression_data
+
+SECRET = "tok-9f3a7c1e5b"
+OTHER = "pw-77d1e0a4"
+
+
+@pytest.fixture
+def secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SECRET_TOKEN", SECRET)
+    monkeypatch.setenv("OTHER_SECRET", OTHER)
+
+
+def _yaml(tmp_path: Path, **extra: str) -> Path:
+    lines = [f"output_dir: {tmp_path / 'out'}", "run_name: ${oc.env:SECRET_TOKEN}", "max_steps: 2",
+             "save_steps: 1", "logging_steps: 1", "strategy: {device: cpu}", "log: {disable_tqdm: true}"]
+    lines += [f"{k}: {v}" for k, v in extra.items()]
+    path = tmp_path / "cfg.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _files_holding(root: Path, *values: str) -> list[str]:
+    found = []
+    for path in root.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            found += [f"{path.relative_to(root)} holds {v!r}" for v in values if v.encode() in data]
+    return found
+
+
+def test_training_sees_the_value_saving_sees_the_interpolation(tmp_path: Path, secrets: None) -> None:
+    cfg = load_config(_yaml(tmp_path), ["task.model_args={token: '${oc.env:OTHER_SECRET}'}",
+                                        "eval.generation_kwargs={auth: 'Bearer ${oc.env:OTHER_SECRET}'}"])
+    assert cfg.run_name == SECRET and cfg.task.model_args.token == OTHER  # training reads the real values
+    saved = config_for_saving(cfg)
+    assert saved["run_name"] == "${oc.env:SECRET_TOKEN}"
+    assert saved["task"]["model_args"]["token"] == "${oc.env:OTHER_SECRET}"
+    assert saved["eval"]["generation_kwargs"]["auth"] == "Bearer ${oc.env:OTHER_SECRET}"  # inside a longer string too
+    assert SECRET not in str(saved) and OTHER not in str(saved)
+
+
+def test_short_env_values_are_masked_only_where_they_are_the_whole_value(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KILN_TEST_TWO", "2")
+    cfg = load_config({"output_dir": str(tmp_path / "run2"), "run_name": "${oc.env:KILN_TEST_TWO}"})
+    saved = config_for_saving(cfg)
+    assert saved["run_name"] == "${oc.env:KILN_TEST_TWO}" and saved["output_dir"].endswith("run2")
+
+
+def test_unset_variable_is_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SECRET_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=r"'run_name' from the environment variable SECRET_TOKEN, which is not set"):
+        load_config(_yaml(tmp_path))
+    with pytest.raises(ConfigError, match=r"'hub_token' from the environment variable SECRET_TOKEN"):
+        load_config(None, ["hub_token=${oc.env:SECRET_TOKEN}"])
+
+
+def test_trackers_never_get_the_value(tmp_path: Path, secrets: None) -> None:
+    """TensorBoard's hparams and the csv/jsonl history: the logger path (kiln/loggers)."""
+    path = _yaml(tmp_path, report_to="[tensorboard, csv, jsonl]", save_strategy="'no'")
+    trainer = Trainer(TinyRegressor(), str(path), overrides=["hub_token=${oc.env:OTHER_SECRET}"],
+                      train_dataset=regression_data(16))
+    assert trainer.config.run_name == SECRET
+    trainer.fit()
+    runs = tmp_path / "out" / "runs"
+    assert any(runs.rglob("events.out.tfevents.*"))
+    assert _files_holding(runs, SECRET, OTHER) == []
+
+
+def test_no_file_under_output_dir_holds_the_value(tmp_path: Path, secrets: None) -> None:
+    """Checkpoints' config.yaml and the exported kiln_config.yaml too (kiln/engine/checkpoint)."""
+    path = _yaml(tmp_path, report_to="[tensorboard, csv, jsonl]")
+    trainer = Trainer(TinyRegressor(), str(path), overrides=["hub_token=${oc.env:OTHER_SECRET}"],
+                      train_dataset=regression_data(16))
+    trainer.fit()
+    trainer.save_model()
+    out = tmp_path / "out"
+    assert (out / "checkpoint-2" / "config.yaml").exists() and (out / "kiln_config.yaml").exists()
+    assert _files_holding(out, SECRET, OTHER) == []
+    assert "${oc.env:SECRET_TOKEN}" in (out / "kiln_config.yaml").read_text()
+    assert os.environ["SECRET_TOKEN"] == SECRET
