@@ -178,7 +178,11 @@ def _fsdp(value: Any) -> dict[str, Any]:
 
 
 def _report_to(value: Any) -> dict[str, Any]:
-    return {"log.report_to": [value] if isinstance(value, str) else list(value)}
+    names = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if names is None or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"report_to is {value!r}; give a tracker name or a list of them (tensorboard, mlflow, wandb, csv, "
+                         "jsonl, all or none).")
+    return {"log.report_to": names}
 
 
 def _use_cpu(value: Any) -> dict[str, Any]:

@@ -35,11 +35,27 @@ def config_help() -> str:
     return "\n".join(lines)
 
 
+_TRUST = [
+    "## A config is code; what kiln saves of it", "",
+    "Treat a config file like a script: `task.model` and `task.data` name "
+    "Python callables (`package.module:callable`) that kiln imports and calls, so running a config runs code from the modules it names. Only run "
+    "configs you would run as code.", "",
+    "kiln resolves interpolations once, when it loads the config: training reads the values, and "
+    "`${oc.env:VAR}` reads the environment variable then (an unset one is refused by name unless a default is given, "
+    "`${oc.env:VAR,default}`). What kiln writes and logs of the config — every checkpoint's `config.yaml`, "
+    "`kiln_config.yaml` next to the exported model, and the hyperparameters sent to TensorBoard, MLflow and W&B — is "
+    "the resolved config, except that a value taken from the environment reads `${oc.env:VAR}` again wherever it "
+    "appears in a string (values under 6 characters only where they are the whole string). Pass tokens and passwords "
+    "that way, never as literal values: a literal is saved as written. A saved config resolves to the same run where "
+    "the same variables are set (`kiln.config.redact.config_for_saving` is the one function that makes this copy).",
+]
+
+
 def config_markdown() -> str:
     """docs/config.md: one table per group."""
     out = ["# Config reference", "", "Generated from `kiln/config/schema.py` (`kiln config-docs`). "
            "Every key can be set in YAML, as `key=value` on the command line, or in the Python API; "
-           "Hugging Face `TrainingArguments` names work too (table at the end).", "", "## Top level", "",
+           "Hugging Face `TrainingArguments` names work too (table at the end).", "", *_TRUST, "", "## Top level", "",
            "| key | type | default | meaning |", "|---|---|---|---|"]
     for key, kind, default, help_ in _rows(TrainingConfig()):
         if kind == "group":

@@ -42,6 +42,11 @@ class TrainConfig:
     use_cache: Optional[bool] = opt(
         None, "Set the model's config.use_cache (HF's TrainingArguments default is false); unset leaves the model's own.")
     torch_empty_cache_steps: Optional[int] = opt(None, "Empty the accelerator's memory cache every N optimizer steps.")
+    max_nonfinite_steps: int = opt(
+        10, "Stop with an error once the training loss has been nan/inf for this many consecutive optimizer steps "
+        "(0: never stop). The first non-finite loss is warned about; the losses are checked when a log or save step "
+        "reads them, so the run stops there, before saving, and a checkpoint or export made after non-finite steps says so. "
+        "HF has no such limit.")
 
 
 @dataclass

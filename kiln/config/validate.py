@@ -41,6 +41,15 @@ def validate(cfg: DictConfig) -> None:
     _positive("train.num_train_epochs", t.num_train_epochs, allow_zero=True)
     if t.max_steps == 0 or t.max_steps < -1:
         raise ConfigError(f"Config key 'train.max_steps' must be > 0, or -1 to use num_train_epochs; got {t.max_steps}.")
+    if t.num_train_epochs == 0 and t.max_steps < 0:  # HF trains 0 steps and reports success
+        raise ConfigError("train.num_train_epochs is 0 and train.max_steps is unset, so nothing would train: set "
+                          "num_train_epochs > 0 or max_steps > 0 (to score a model without training, use evaluate).")
+    _positive("train.max_nonfinite_steps", t.max_nonfinite_steps, allow_zero=True)
+    if cfg.strategy.timeout <= 0:
+        raise ConfigError(f"Config key 'strategy.timeout' (ddp_timeout) is the seconds a collective may wait and must be > 0, "
+                          f"got {cfg.strategy.timeout}.")
+    if t.torch_compile_backend is not None:
+        _check_compile_backend(t.torch_compile_backend)
     if t.neftune_noise_alpha is not None:
         _positive("train.neftune_noise_alpha", t.neftune_noise_alpha)
     _positive("data.per_device_train_batch_size", cfg.data.per_device_train_batch_size)
@@ -148,3 +157,14 @@ def _check_output_dir(path: str) -> None:
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"output_dir {path!r} is a file, not a folder; pick another output_dir.")
+
+
+def _check_compile_backend(name: str) -> None:
+    """An unknown torch.compile backend would fail at the first forward, after the model and data
+    were built. Importing torch._dynamo costs seconds, so only a config that compiles pays it."""
+    import torch._dynamo
+
+    if name not in torch._dynamo.list_backends(exclude_tags=()):  # registered ones, entry points included
+        raise ConfigError(f"Config key 'train.torch_compile_backend' is {name!r}, which torch.compile does not know; "
+                          f"choose one of {', '.join(torch._dynamo.list_backends())} (or register yours as a "
+                          "torch_dynamo_backends entry point).")

@@ -1,0 +1,35 @@
+"""Bad values that used to train silently or end in a traceback from deep inside torch or the
+alias table: one sentence at config validation, naming the key and the fix (issue 34, item 11)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.config import load_config
+from kiln.utils.errors import ConfigError
+
+
+@pytest.mark.parametrize("overrides, sentence", [
+    (["num_train_epochs=0"], r"num_train_epochs is 0 and train.max_steps is unset, so nothing would train"),
+    (["report_to=5"], r"report_to is 5; give a tracker name or a list of them"),
+    (["report_to=[tensorboard, 5]"], r"report_to is \['tensorboard', 5\]; give a tracker name"),
+    (["log.report_to=5"], r"'log.report_to' expects List\[str\], got 5"),
+    (["ddp_timeout=-5"], r"'strategy.timeout' \(ddp_timeout\) is the seconds a collective may wait and must be > 0, got -5"),
+    (["strategy.timeout=0"], r"must be > 0, got 0"),
+    (["torch_compile_backend=nonexistent"], r"'train.torch_compile_backend' is 'nonexistent', which torch.compile does "
+                                            r"not know; choose one of .*inductor"),
+    (["train.max_nonfinite_steps=-1"], r"'train.max_nonfinite_steps' must be >= 0"),
+])
+def test_one_sentence(overrides: list[str], sentence: str) -> None:
+    with pytest.raises(ConfigError, match=sentence) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_zero_epochs_is_fine_when_max_steps_decides() -> None:
+    cfg = load_config(None, ["num_train_epochs=0", "max_steps=3"])
+    assert cfg.train.max_steps == 3
+
+
+def test_known_compile_backend_passes() -> None:
+    assert load_config(None, ["torch_compile_backend=eager"]).train.torch_compile_backend == "eager"
