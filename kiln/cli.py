@@ -258,17 +258,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"kiln: error: unrecognised argument {bad[0]!r}; overrides look like key=value.", file=sys.stderr)
         return 2
     weights, random_weights = getattr(ns, "weights", None), getattr(ns, "random_weights", False)
-    if ns.nproc > 1 or ns.accelerate_config:
+    if ns.nproc != 1 or ns.accelerate_config:  # --nproc 0 / -1 reach launch_local, which refuses them
         from kiln.strategies.launch import accelerate_config_settings, launch_local
         from kiln.strategies.launcher_settings import settings_to_json
 
         flags = ([f"--weights={weights}"] if weights else []) + (["--random-weights"] if random_weights else [])
-        nproc, devices = ns.nproc if ns.nproc > 1 else 0, {}
-        if ns.accelerate_config:  # its settings travel to the workers as an argument, not as variables
-            num, settings, devices = accelerate_config_settings(ns.accelerate_config)
-            nproc = nproc or num
-            flags.append(f"--launcher-settings={settings_to_json(settings)}")
-        return launch_local(nproc, ["-m", "kiln.cli", command, ns.config, *flags, *overrides], extra_env=devices)
+        nproc, devices = ns.nproc if ns.nproc != 1 else 0, {}
+        try:
+            if ns.accelerate_config:  # its settings travel to the workers as an argument, not as variables
+                num, settings, devices = accelerate_config_settings(ns.accelerate_config)
+                nproc = num if ns.nproc == 1 else nproc
+                flags.append(f"--launcher-settings={settings_to_json(settings)}")
+            return launch_local(nproc, ["-m", "kiln.cli", command, ns.config, *flags, *overrides], extra_env=devices)
+        except ValueError as err:  # a launch setting that cannot work (the workers' errors are reported, not raised)
+            print(f"kiln: error: {err}", file=sys.stderr)
+            return 2
     settings = None
     if ns.launcher_settings:
         from kiln.strategies.launcher_settings import settings_from_json

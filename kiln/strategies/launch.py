@@ -22,16 +22,22 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
 from collections import deque
 from typing import Any, Optional, Sequence, TextIO
 
-#: set by `launch_local` for its workers only: where each failing rank writes its report
+from kiln.strategies.launcher_settings import accelerate_config_env, accelerate_config_settings  # noqa: F401 (the CLI's)
+
+#: set by `launch_local` for its workers only: where each rank writes its pid and, failing, its report
 REPORT_DIR = "KILN_LAUNCH_REPORT_DIR"
+#: set by `launch_local` for its workers only: the launcher's pid; a worker does not outlive it
+LAUNCHER_PID = "KILN_LAUNCHER_PID"
 
 
 def launch_local(
@@ -58,14 +64,18 @@ def launch_local(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     report_dir = tempfile.mkdtemp(prefix="kiln-launch-")
-    saved = {k: os.environ.get(k) for k in [REPORT_DIR, "OMP_NUM_THREADS", *extra_env]}
+    extra_env.update(_loopback_only())
+    saved = {k: os.environ.get(k) for k in [REPORT_DIR, LAUNCHER_PID, "OMP_NUM_THREADS", *extra_env]}
     os.environ.update(extra_env)
     os.environ[REPORT_DIR] = report_dir
+    os.environ[LAUNCHER_PID] = str(os.getpid())
     # torchrun sets 1 thread per worker; sharing the cores is better for CPU training and harmless on GPUs.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    sigterm = _ForwardSigterm(report_dir, nproc)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=monitor_interval, start_method="spawn",
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()), rdzv_backend=_register_loopback(),
+        local_addr="127.0.0.1", max_restarts=0, monitor_interval=monitor_interval, start_method="spawn",
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT" if sigterm.install() else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     )
     args = ["-u", "-m", "kiln.strategies.launch", *argv]
     quiet = _QuietCtrlC()
@@ -77,6 +87,10 @@ def launch_local(
     except ChildFailedError as err:
         if _interrupted(err):
             return 130  # Ctrl-C: rank 0 printed the one line; the others' exits are its echo
+        if sigterm.received and all(f.exitcode == -signal.SIGTERM for f in err.failures.values()):
+            print("kiln: stopped by SIGTERM before a checkpoint could be saved; set save.on_preemption: true to save "
+                  "one on SIGTERM.", file=sys.stderr, flush=True)
+            return 128 + signal.SIGTERM
         return _report(err, report_dir)
     except KeyboardInterrupt:  # Ctrl-C reached the launcher too (the terminal signals the whole group)
         return 130
@@ -85,6 +99,7 @@ def launch_local(
             return 130 if getattr(err, "sigval", None) == signal.SIGINT else 128 + int(getattr(err, "sigval", 15))
         raise
     finally:
+        sigterm.uninstall()
         for name in _AGENT_LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
         for key, value in saved.items():
@@ -93,6 +108,108 @@ def launch_local(
             else:
                 os.environ[key] = value
         shutil.rmtree(report_dir, ignore_errors=True)
+
+
+class _ForwardSigterm:
+    """The launcher's SIGTERM handler: hands the signal to each worker and lets them finish.
+
+    Why not torch's: its agent answers SIGTERM by signalling the workers and SIGKILLing them 30 s
+    later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), so a run whose step plus checkpoint takes longer never
+    saves, and the launcher exits 143 even when every worker saved and exited 0. Here the first
+    SIGTERM goes to each worker's main process only (its data-loader workers must live on until the
+    checkpoint is written) and the launcher waits without a kill timer: the cluster that sent the
+    signal bounds the wait with its own SIGKILL. When the workers are not all running yet (nothing
+    to save) or on a second SIGTERM, torch's way is taken: stop everything now."""
+
+    def __init__(self, report_dir: str, nproc: int) -> None:
+        self.report_dir, self.nproc = report_dir, nproc
+        self.received = False
+        self._previous: Any = None
+
+    def install(self) -> bool:
+        """Install as the SIGTERM handler; False where signals cannot be handled (not the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        self._previous = signal.signal(signal.SIGTERM, self)
+        return True
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        pids = []
+        for path in glob.glob(os.path.join(self.report_dir, "pid_*")):
+            with open(path, encoding="utf-8") as fh:
+                pids.append(int(fh.read()))
+        if self.received or len(pids) < self.nproc:
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        self.received = True
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:  # already gone; the agent reports it
+                pass
+
+
+def _loopback_only() -> dict[str, str]:
+    """Variables that keep the workers' collective sockets on the loopback interface: every rank
+    runs on this machine, so nothing needs to be reachable from the network (gloo and NCCL otherwise
+    listen on the address the host name resolves to). A value the user set is kept."""
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)
+    if loopback is None:
+        return {}
+    return {k: os.environ.get(k, loopback) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+
+
+_LOOPBACK_BACKEND = "kiln-loopback"
+
+
+def _register_loopback() -> str:
+    """Register (once) and name torch's c10d rendezvous, hosted on 127.0.0.1 only.
+
+    torch's TCPStore listens on every interface whatever host it is given, so the `c10d` backend
+    with `localhost:0` (what torchrun --standalone uses) leaves two stores (the rendezvous and the
+    one it shares with the workers) open to the network for the whole job. A store created on a
+    socket bound to 127.0.0.1 (`master_listen_fd`) is reachable from this machine only, which is
+    where every rank of a `--nproc` job runs."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(_LOOPBACK_BACKEND, _loopback_handler)  # the same creator again: a no-op
+    return _LOOPBACK_BACKEND
+
+
+def _loopback_handler(params: Any) -> Any:
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    class Backend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # torch checks that the handler names the backend it was asked for
+            return _LOOPBACK_BACKEND
+
+    store = _loopback_store()
+    handler = create_handler(store, Backend(store, params.run_id), params)
+    if hasattr(handler, "_create_tcp_store_server"):  # the store torch shares with the workers (torch >= 2.4)
+        handler._create_tcp_store_server = lambda *args, **kwargs: _loopback_store()  # noqa: SLF001
+    return handler
+
+
+def _loopback_store() -> Any:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False, multi_tenant=True,
+                    master_listen_fd=sock.detach())
 
 
 _AGENT_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
@@ -140,55 +257,6 @@ def _report(err: Any, report_dir: str) -> int:
     return failure.exitcode if failure.exitcode > 0 else 1
 
 
-def accelerate_config_settings(path: str) -> tuple[int, list[Any], dict[str, str]]:
-    """(num_processes, the kiln settings an `accelerate config` file asks for, the device variables
-    the workers' torch must see): what `kiln fit --accelerate-config FILE` hands its workers."""
-    from kiln.strategies.launcher_settings import accelerate_settings
-
-    num, env = accelerate_config_env(path)
-    devices = {k: v for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES"}
-    return num, accelerate_settings(env), devices
-
-
-def accelerate_config_env(path: str) -> tuple[int, dict[str, str]]:
-    """(num_processes, the variables `accelerate launch --config_file PATH` would export)."""
-    from omegaconf import OmegaConf
-
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    if not isinstance(raw, dict):
-        raise ValueError(f"accelerate config {path!r} must hold a mapping.")
-    if int(raw.get("num_machines", 1) or 1) > 1:
-        raise ValueError(f"accelerate config {path!r} describes {raw['num_machines']} machines, but `kiln --nproc` starts "
-                         "processes on this machine only: run `accelerate launch` (or torchrun) on every node instead.")
-    env = {"ACCELERATE_MIXED_PRECISION": str(raw.get("mixed_precision") or "no").lower(),
-           "ACCELERATE_USE_CPU": str(bool(raw.get("use_cpu", False))).lower()}
-    kind = str(raw.get("distributed_type", "NO")).upper()
-    if kind == "FSDP":
-        env["ACCELERATE_USE_FSDP"] = "true"
-        renamed = {"FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP": "FSDP_TRANSFORMER_CLS_TO_WRAP",
-                   "FSDP_BACKWARD_PREFETCH_POLICY": "FSDP_BACKWARD_PREFETCH"}
-        for key, value in (raw.get("fsdp_config") or {}).items():
-            name = key.upper() if key.upper().startswith("FSDP_") else f"FSDP_{key.upper()}"
-            env[renamed.get(name, name)] = str(value).lower() if isinstance(value, bool) else str(value)
-    elif kind == "DEEPSPEED":
-        env["ACCELERATE_USE_DEEPSPEED"] = "true"
-        names = {"deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE", "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
-                 "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-                 "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-                 "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
-                 "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING"}
-        env.update({names[k]: str(v) for k, v in (raw.get("deepspeed_config") or {}).items() if k in names and v is not None})
-    dynamo = raw.get("dynamo_config") or {}
-    if dynamo.get("dynamo_backend"):
-        env["ACCELERATE_DYNAMO_BACKEND"] = str(dynamo["dynamo_backend"]).upper()
-        if dynamo.get("dynamo_mode"):
-            env["ACCELERATE_DYNAMO_MODE"] = str(dynamo["dynamo_mode"])
-    gpu_ids = raw.get("gpu_ids")
-    if gpu_ids not in (None, "", "all") and not raw.get("use_cpu"):
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
-    return int(raw.get("num_processes") or 1), env
-
-
 # -- the worker shim -------------------------------------------------------------------------------
 class _Tail:
     """Forwards writes to a stream and keeps the last few KB, so a failure report can quote the
@@ -224,10 +292,69 @@ def _write_report(error: str, detail: str, exitcode: int) -> None:
     os.replace(tmp, os.path.join(directory, f"rank_{rank}.json"))
 
 
+def _die_with_launcher() -> None:
+    """End this worker when the launcher that started it dies, even by SIGKILL.
+
+    The agent starts each worker in a session of its own, so nothing else stops it: a worker whose
+    launcher was killed would train on, writing checkpoints and the export, for as long as the job
+    lasts. On Linux the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG); "parent" is the
+    thread that started the worker, which in `launch_local` is the one running the agent, and it
+    returns only after the workers are gone. The launcher may die before the signal is armed, so the
+    parent is checked again right after. SIGKILL, not SIGTERM: SIGTERM would start a preemption
+    checkpoint, and the job it belonged to is over. Elsewhere (or when the launcher is not the direct
+    parent) a daemon thread polls the launcher's pid instead."""
+    raw = os.environ.get(LAUNCHER_PID)
+    if not raw:
+        return
+    launcher, parent = int(raw), os.getppid()
+    if parent == launcher and _parent_death_signal(signal.SIGKILL):
+        if os.getppid() != launcher:  # it died before the signal was armed
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+    threading.Thread(target=_watch_launcher, args=(launcher, parent), name="kiln-launcher-watch", daemon=True).start()
+
+
+def _parent_death_signal(sig: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_launcher(launcher: int, parent: int, interval: float = 1.0) -> None:
+    while True:
+        time.sleep(interval)
+        try:
+            os.kill(launcher, 0)
+            alive = os.getppid() == parent
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:  # exists, owned by someone else
+            alive = os.getppid() == parent
+        if not alive:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _announce() -> None:
+    """Write this worker's pid where the launcher forwards SIGTERM from (`_ForwardSigterm`)."""
+    directory, rank = os.environ.get(REPORT_DIR), os.environ.get("RANK")
+    if directory and rank is not None:
+        tmp = os.path.join(directory, f".pid_{rank}")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(str(os.getpid()))
+        os.replace(tmp, os.path.join(directory, f"pid_{rank}"))
+
+
 def run_worker(argv: Sequence[str]) -> None:
     """Run `python <argv>` in this process (`-m module args` or `script.py args`), reporting a failure."""
     import runpy
 
+    _die_with_launcher()
+    _announce()
     argv = list(argv)
     tail = _Tail(sys.stderr)
     sys.stderr = tail  # type: ignore[assignment]

@@ -224,3 +224,51 @@ def _lookup(config: Any, key: str) -> Any:
             return None
         node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
     return node
+
+
+# -- accelerate config files (`kiln fit --accelerate-config FILE`) ---------------------------------
+def accelerate_config_settings(path: str) -> tuple[int, list[Any], dict[str, str]]:
+    """(num_processes, the kiln settings an `accelerate config` file asks for, the device variables
+    the workers' torch must see): what `kiln fit --accelerate-config FILE` hands its workers."""
+    num, env = accelerate_config_env(path)
+    devices = {k: v for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES"}
+    return num, accelerate_settings(env), devices
+
+
+def accelerate_config_env(path: str) -> tuple[int, dict[str, str]]:
+    """(num_processes, the variables `accelerate launch --config_file PATH` would export)."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(raw, dict):
+        raise ValueError(f"accelerate config {path!r} must hold a mapping.")
+    if int(raw.get("num_machines", 1) or 1) > 1:
+        raise ValueError(f"accelerate config {path!r} describes {raw['num_machines']} machines, but `kiln --nproc` starts "
+                         "processes on this machine only: run `accelerate launch` (or torchrun) on every node instead.")
+    env = {"ACCELERATE_MIXED_PRECISION": str(raw.get("mixed_precision") or "no").lower(),
+           "ACCELERATE_USE_CPU": str(bool(raw.get("use_cpu", False))).lower()}
+    kind = str(raw.get("distributed_type", "NO")).upper()
+    if kind == "FSDP":
+        env["ACCELERATE_USE_FSDP"] = "true"
+        renamed = {"FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+                   "FSDP_BACKWARD_PREFETCH_POLICY": "FSDP_BACKWARD_PREFETCH"}
+        for key, value in (raw.get("fsdp_config") or {}).items():
+            name = key.upper() if key.upper().startswith("FSDP_") else f"FSDP_{key.upper()}"
+            env[renamed.get(name, name)] = str(value).lower() if isinstance(value, bool) else str(value)
+    elif kind == "DEEPSPEED":
+        env["ACCELERATE_USE_DEEPSPEED"] = "true"
+        names = {"deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE", "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+                 "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+                 "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+                 "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+                 "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING"}
+        env.update({names[k]: str(v) for k, v in (raw.get("deepspeed_config") or {}).items() if k in names and v is not None})
+    dynamo = raw.get("dynamo_config") or {}
+    if dynamo.get("dynamo_backend"):
+        env["ACCELERATE_DYNAMO_BACKEND"] = str(dynamo["dynamo_backend"]).upper()
+        if dynamo.get("dynamo_mode"):
+            env["ACCELERATE_DYNAMO_MODE"] = str(dynamo["dynamo_mode"])
+    gpu_ids = raw.get("gpu_ids")
+    if gpu_ids not in (None, "", "all") and not raw.get("use_cpu"):
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
+    return int(raw.get("num_processes") or 1), env

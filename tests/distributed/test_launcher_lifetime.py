@@ -1,0 +1,125 @@
+"""The `kiln fit --nproc 2` launcher and its workers live and die together (issue 34): kill -9 of the
+launcher ends the workers; SIGTERM to the launcher alone (what Kubernetes sends the container's first
+process) gives the workers the time a preemption checkpoint needs and the launcher exits 0; every
+socket the job listens on is on the loopback interface. Also: `--nproc 0` is refused in one line."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.distributed.conftest import REPO, kiln_cli
+from tests.distributed.lifetime_toy import gone, wait_for, workers_of, write_config
+
+START = 180  # seconds until both workers train; a loaded machine needs ~20
+
+
+def _launch(cfg: str, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "kiln.cli", "fit", cfg, "--nproc", "2", *overrides], cwd=REPO,
+                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _training(beacons: Path, proc: subprocess.Popen) -> list[int]:
+    """The two worker pids, once both have finished a step (see lifetime_toy.Beacon)."""
+    def both() -> list[int]:
+        files = [beacons / f"rank{r}" for r in (0, 1)]
+        return [int(f.read_text()) for f in files] if all(f.exists() for f in files) else []
+
+    return wait_for(both, START, "both workers training", proc)
+
+
+def _stop(proc: subprocess.Popen, pids: list[int]) -> None:
+    """Test cleanup: nothing this test started may outlive it (not even when the fix is broken)."""
+    for pid in [proc.pid, *pids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=60)
+
+
+def _checkpoints(out: Path) -> set[str]:
+    return {p.name for p in out.iterdir() if p.name.startswith("checkpoint-")} if out.exists() else set()
+
+
+@pytest.mark.distributed
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    beacons, out = tmp_path / "beacons", tmp_path / "run"
+    beacons.mkdir()
+    cfg = write_config(str(tmp_path / "c.yaml"), str(out), beacon=str(beacons), save_steps=20)
+    proc = _launch(cfg)
+    pids: list[int] = []
+    try:
+        pids = _training(beacons, proc)
+        assert sorted(pids) == sorted(p.pid for p in workers_of(proc.pid))  # the launcher is their direct parent
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        wait_for(lambda: all(gone(pid) for pid in pids), 20, "the workers ending after their launcher was killed")
+        after = _checkpoints(out)
+        assert not any(p.info["ppid"] in pids for p in psutil.process_iter(["ppid"]))  # no data-loader workers either
+        assert _checkpoints(out) == after  # nothing writes any more
+    finally:
+        _stop(proc, pids)
+
+
+@pytest.mark.distributed
+def test_sigterm_to_the_launcher_saves_exits_0_and_resumes(tmp_path):
+    """Steps of 3 s, against a shutdown grace of 1 s: torch's agent would SIGKILL the workers mid-step
+    (exit 143, no checkpoint); the launcher must wait for the checkpoint instead."""
+    beacons, out = tmp_path / "beacons", tmp_path / "run"
+    beacons.mkdir()
+    cfg = write_config(str(tmp_path / "c.yaml"), str(out), beacon=str(beacons), beacon_step=2, slow_after=2,
+                       slow_seconds=3.0, save_steps=1000)
+    proc = _launch(cfg, "save.on_preemption=true", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"})
+    pids: list[int] = []
+    try:
+        pids = _training(beacons, proc)
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher only, as a container runtime signals its first process
+        _, err = proc.communicate(timeout=180)
+    finally:
+        _stop(proc, pids)
+    assert proc.returncode == 0, err[-4000:]
+    saved = _checkpoints(out)
+    assert len(saved) == 1, (saved, err[-4000:])
+    step = int(saved.pop().split("-")[1])
+    assert step >= 3 and (out / f"checkpoint-{step}" / "COMPLETE").exists()
+    assert f"Preempted (SIGTERM): saved checkpoint-{step}" in err
+
+    kiln_cli("fit", cfg, "--nproc", "2", "resume_from_checkpoint=true", f"max_steps={step + 2}", "save_steps=1",
+             "task.data_args.slow_seconds=0", timeout=300)
+    assert _checkpoints(out) == {f"checkpoint-{s}" for s in (step, step + 1, step + 2)}  # went on from `step`
+
+
+@pytest.mark.distributed
+def test_a_single_node_job_listens_on_loopback_only(tmp_path):
+    beacons = tmp_path / "beacons"
+    beacons.mkdir()
+    cfg = write_config(str(tmp_path / "c.yaml"), str(tmp_path / "run"), beacon=str(beacons), save_steps=1000)
+    proc = _launch(cfg)
+    pids: list[int] = []
+    try:
+        pids = _training(beacons, proc)
+        listening = {}
+        for pid in [proc.pid, *pids]:
+            listening[pid] = [c.laddr for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert listening[proc.pid], listening  # the rendezvous stores
+        assert all(ipaddress.ip_address(addr.ip).is_loopback for addrs in listening.values() for addr in addrs), listening
+        assert {psutil.Process(pid).environ().get("MASTER_ADDR") for pid in pids} == {"127.0.0.1"}
+    finally:
+        _stop(proc, pids)
+
+
+@pytest.mark.parametrize("nproc", ["0", "-1"])
+def test_nproc_below_1_is_refused_in_one_line(tmp_path, nproc):
+    proc = kiln_cli("fit", str(tmp_path / "missing.yaml"), "--nproc", nproc, check=False, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"kiln: error: --nproc must be >= 1, got {nproc}."
