@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import re
 from typing import Any, Callable, Mapping, Union
 
 import torch
@@ -206,16 +207,30 @@ def is_norm_module(module: nn.Module) -> bool:
     return any("Norm" in cls.__name__ for cls in type(module).__mro__)
 
 
+#: HF's `Trainer.get_decay_parameter_names` patterns: a parameter whose FULL dotted name, lower-cased,
+#: matches one is not decayed. The full name matters: T5's `relative_attention_bias.weight`, MultiheadAttention's
+#: `in_proj_bias` / `bias_k`, BEiT's `q_bias` are biases that a test on the local name ("weight", or equality
+#: with "bias") would decay.
+NO_DECAY_NAME_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+_NO_DECAY_NAME = re.compile("|".join(f"(?:{p})" for p in NO_DECAY_NAME_PATTERNS))
+
+
 def _split_parameters(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """(decay, no_decay) lists of trainable (name, parameter), in `named_parameters()` order.
 
-    Walking the modules ourselves (as named_parameters does) tells us each parameter's owner; a shared
-    parameter is classified by its first owner and appears once."""
+    HF's rule: no decay when the full dotted name matches NO_DECAY_NAME_PATTERNS or when the parameter
+    lies inside a LayerNorm (at any depth, as HF's recursion tests each enclosing module). kiln also
+    treats every norm class (is_norm_module) as HF treats LayerNorm, so the result equals HF's wherever
+    HF recognises the norm. Walking the modules ourselves (as named_parameters does) tells us each
+    parameter's enclosing modules; a shared parameter is classified by its first name and appears once
+    (HF builds its groups from named_parameters(), which also keeps the first name)."""
     decay: list[tuple[str, nn.Parameter]] = []
     no_decay: list[tuple[str, nn.Parameter]] = []
     seen: set[int] = set()
+    in_norm: dict[str, bool] = {}  # module name -> it or an enclosing module is a norm
     for module_name, module in model.named_modules():
-        norm = is_norm_module(module)
+        parent = module_name.rpartition(".")[0] if module_name else None
+        norm = in_norm[module_name] = is_norm_module(module) or (parent is not None and in_norm[parent])
         for local, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
@@ -223,7 +238,7 @@ def _split_parameters(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]],
             if not param.requires_grad:
                 continue
             name = f"{module_name}.{local}" if module_name else local
-            (no_decay if norm or "bias" in local.lower() else decay).append((name, param))
+            (no_decay if norm or _NO_DECAY_NAME.search(name.lower()) else decay).append((name, param))
     return decay, no_decay
 
 
