@@ -27,7 +27,7 @@ from kiln.engine.optim.optional import optimizer_mode
 from kiln.engine.callbacks.base import interval
 from kiln.engine.data.epoch_rng import EpochRandomState
 from kiln.engine.data.loaders import loader_length, set_epoch
-from kiln.engine.loop.loss_reads import loss_values
+from kiln.engine.loop.loss_reads import NonFiniteGuard, loss_values
 from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
 from kiln.engine.loop.plan import plan_steps
@@ -83,6 +83,7 @@ class FitLoop:
         # Plain copies of the settings the per-step path reads (an OmegaConf lookup costs microseconds).
         self.max_grad_norm = float(cfg.train.max_grad_norm or 0.0)
         self.nan_inf_filter = bool(cfg.log.nan_inf_filter)
+        self.guard = NonFiniteGuard(int(cfg.train.max_nonfinite_steps))  # nan/inf losses: warn, then stop
         self.count_tokens_seen = bool(cfg.train.include_num_input_tokens_seen)
         self.model_flops = getattr(t.model, "floating_point_ops", None)
         self.flops_per_token = 6.0 * sum(p.numel() for p in t.model.parameters())
@@ -173,6 +174,7 @@ class FitLoop:
         self.tr_loss, self.total_loss = float(state["tr_loss"]), float(state["total_loss"])
         self.last_logged, self.steps_before_resume = int(state["last_logged"]), int(state["steps"])
         self.epoch_rng.load_state_dict(state.get("epoch_rng"))
+        self.guard.resumed()
 
     def _train_dataloader(self, resume_path: Optional[str]) -> Iterable[Any]:
         t = self.trainer
@@ -271,6 +273,14 @@ class FitLoop:
             return
         values = loss_values([loss for micro_losses in pending for loss in micro_losses])
         total = sum(values)  # finite exactly when every loss is (float32 losses cannot overflow a float64 sum)
+        if math.isfinite(total):
+            self.guard.all_finite()
+        else:
+            first, i = self.trainer.state.global_step - len(pending) + 1, 0
+            for j, micro_losses in enumerate(pending):
+                self.guard.step(first + j, values[i:i + len(micro_losses)])
+                i += len(micro_losses)
+        self.guard.check(self.trainer.strategy)  # too many nan/inf steps: stop here, before a log or save uses them
         if not self.nan_inf_filter or math.isfinite(total):
             self.tr_loss += total
             self.total_loss += total
@@ -315,6 +325,9 @@ class FitLoop:
         if control.should_log and state.global_step > self.last_logged:
             steps = state.global_step - self.last_logged
             loss = self._mean_over_ranks(self.tr_loss) / steps
+            if not self.guard.window_finite:  # all nan/inf: the filter's stand-in mean would read 0.0
+                loss = math.nan
+            self.guard.window_finite = False
             logs: dict[str, float] = {"loss": loss}
             if self.grad_norm is not None:
                 logs["grad_norm"] = float(self.grad_norm.item())
@@ -340,6 +353,7 @@ class FitLoop:
         if control.should_evaluate:
             metrics = t.evaluate_during_training()
         if control.should_save:  # the loop's sums go with it: a resumed run logs the same averages
+            self.guard.note_save(f"The checkpoint of step {state.global_step}")
             t._save_checkpoint(metrics)
             t.control = t.callback_handler.call("on_save", t.config, state, t.control)
         t.control._new_step()
@@ -360,6 +374,9 @@ class FitLoop:
         self._fold()
         steps = max(self.steps_before_resume + self.steps_this_run, 1)
         train_loss = self._mean_over_ranks(self.total_loss) / steps
+        if self.guard.warned and not self.guard.any_finite:
+            train_loss = math.nan
+        self.guard.note_save("The model this fit leaves (and any save_model after it)")
         world = t.strategy.data_shards
         metrics = {
             "train_runtime": runtime,

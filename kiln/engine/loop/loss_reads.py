@@ -1,8 +1,17 @@
-"""Reading the queued step losses back to the host, at a log or save step (never between them)."""
+"""Reading the queued step losses back to the host, at a log or save step (never between them), and
+watching them for nan/inf there."""
 
 from __future__ import annotations
 
+import logging
+import math
+from typing import Any
+
 import torch
+
+from kiln.utils.errors import KilnError
+
+log = logging.getLogger(__name__)
 
 
 def loss_values(losses: list[torch.Tensor]) -> list[float]:
@@ -16,3 +25,65 @@ def loss_values(losses: list[torch.Tensor]) -> list[float]:
         return [loss.item() for loss in losses]
     flat = torch.stack(losses)
     return (flat if flat.dim() == 1 else flat.reshape(-1)).tolist()  # a custom step may return shape (1,)
+
+
+class NonFiniteLossError(KilnError):
+    """The training loss stayed nan/inf for train.max_nonfinite_steps consecutive steps."""
+
+
+class NonFiniteGuard:
+    """Watches the step losses as they are read (at log and save steps, never in between, so it costs
+    the hot path nothing): warns at the first nan/inf loss, stops the run once `limit` consecutive steps
+    had one (HF trains on and logs 0.0), and knows whether a logging window or the whole run had any
+    finite loss, so that the filtered logs show nan rather than a made-up 0.0."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.consecutive = 0  # non-finite steps ending at the last step read
+        self.longest = 0  # the longest such run since the last check (it may have ended before the read)
+        self.warned = False
+        self.window_finite = False  # a finite loss since the last log
+        self.any_finite = False  # a finite loss in this run
+
+    def resumed(self) -> None:
+        """After a checkpoint's sums are restored: they were finite (the guard stops before saving others)."""
+        self.window_finite = self.any_finite = True
+
+    def all_finite(self) -> None:
+        """The usual case: every loss just read was finite."""
+        self.consecutive = 0
+        self.window_finite = self.any_finite = True
+
+    def step(self, global_step: int, values: list[float]) -> None:
+        """One optimizer step's micro-batch losses, in order."""
+        if all(map(math.isfinite, values)):
+            self.all_finite()
+            return
+        self.consecutive += 1
+        self.longest = max(self.longest, self.consecutive)
+        if not self.warned:
+            self.warned = True
+            stop = (f"kiln stops after {self.limit} consecutive non-finite steps (train.max_nonfinite_steps)"
+                    if self.limit else "train.max_nonfinite_steps is 0, so training goes on regardless")
+            log.warning("The training loss is %s at step %d: the weights may be nan/inf from here on; %s. Lower the "
+                        "learning rate, check the data for nan/inf, or use bf16 rather than fp16.",
+                        next(v for v in values if not math.isfinite(v)), global_step, stop)
+
+    def check(self, strategy: Any) -> None:
+        """Raise (on every rank at once) when some rank saw `limit` consecutive non-finite steps."""
+        longest, self.longest = self.longest, self.consecutive
+        if not self.limit:
+            return
+        if strategy.world_size > 1:  # one rank's nan must stop all of them, or the others hang in a collective
+            longest = int(strategy.reduce(torch.tensor(longest, device=strategy.root_device), "max").item())
+        if longest >= self.limit:
+            raise NonFiniteLossError(
+                f"The training loss was nan/inf for {longest} consecutive steps (train.max_nonfinite_steps={self.limit}), "
+                "so kiln stopped before saving nan/inf weights: lower the learning rate, check the data for nan/inf, "
+                "or use bf16 rather than fp16 (set train.max_nonfinite_steps=0 to train on regardless).")
+
+    def note_save(self, what: str) -> None:
+        """A checkpoint or the final model is written while the latest steps' loss was nan/inf: say so."""
+        if self.consecutive:
+            log.warning("%s comes after %d consecutive step(s) with a nan/inf training loss: its weights may be nan/inf.",
+                        what, self.consecutive)
