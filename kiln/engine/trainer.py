@@ -15,7 +15,9 @@ from torch import nn
 
 from kiln.engine.loop.batch_size import is_out_of_memory
 from kiln.engine.callbacks.base import Callback, CallbackHandler, DefaultFlowCallback
-from kiln.engine.checkpoint.manager import CheckpointManager, list_checkpoints, resolve_resume
+from kiln.engine.checkpoint.manager import CheckpointManager
+from kiln.engine.checkpoint.output_dir import refuse_overwrite, run_lock
+from kiln.engine.checkpoint.resume import choose_resume
 from kiln.engine.data.loaders import build_dataloader
 from kiln.engine.distributed import check_same_output_dir, configure_logging
 from kiln.utils.errors import KilnError
@@ -287,17 +289,16 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
 
     # -- fit --------------------------------------------------------------------------------
     def fit(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Optional[list[str]] = None) -> TrainOutput:
+        check_same_output_dir(self.config, self.strategy)  # one collective: a mismatch fails here, not inside a save
+        with run_lock(self.config, self.strategy):  # one run per output_dir at a time (checkpoint/output_dir.py)
+            return self._fit(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _fit(self, resume_from_checkpoint: Any, trial: Any, ignore_keys_for_eval: Optional[list[str]]) -> TrainOutput:
         cfg = self.config
-        check_same_output_dir(cfg, self.strategy)  # one collective: a mismatch fails here, not inside a save
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
-        path = resolve_resume(resume, cfg.output_dir)
-        if path is None and not cfg.overwrite_output_dir and cfg.save.strategy != "no":
-            existing = [p for _, p in list_checkpoints(cfg.output_dir)]
-            if existing:
-                raise KilnError(
-                    f"output_dir {cfg.output_dir!r} already holds checkpoints ({os.path.basename(existing[-1])}, ...). "
-                    "Resume with resume_from_checkpoint=true, pick another output_dir, or set overwrite_output_dir=true."
-                )
+        path = choose_resume(resume, cfg, self.strategy)
+        if path is None and not getattr(self, "_runs_started", 0):  # a second train() continues this Trainer's own files
+            refuse_overwrite(cfg)
         if trial is not None and trial is not self._trial:
             raise KilnError("fit(trial=...) is driven by hyperparameter_search. To train with found hyperparameters, "
                             "build Trainer(model_init=..., config={**config, **best_run.hyperparameters}).")

@@ -39,7 +39,8 @@ def _as_old_kiln_checkpoint(ckpt: str) -> None:
     with open(os.path.join(ckpt, MARKER), encoding="utf-8") as fh:
         marker = json.load(fh)
     os.remove(os.path.join(ckpt, MARKER))
-    marker["files"] = _fsync_tree(ckpt)
+    marker["files"], _ = _fsync_tree(ckpt)
+    marker.pop("xxh3_64", None)  # older kiln versions recorded sizes only
     with open(os.path.join(ckpt, MARKER), "w", encoding="utf-8") as fh:
         json.dump(marker, fh)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.engine.checkpoint.integrity import ALGORITHM, file_digest
 from kiln.engine.checkpoint.manager import MARKER, is_complete, latest_checkpoint
 from kiln.utils.errors import CheckpointError, KilnError, safe_torch_load
 from kiln.strategies.checkpoint_io import FullStateCheckpointIO
@@ -43,6 +44,7 @@ def remark(ckpt: str) -> None:
     path = os.path.join(ckpt, MARKER)
     meta = json.loads(Path(path).read_text())
     meta["files"] = {f: os.path.getsize(os.path.join(ckpt, f)) for f in meta["files"]}
+    meta[ALGORITHM] = {f: file_digest(os.path.join(ckpt, f)) for f in meta["files"]}  # checksums too
     Path(path).write_text(json.dumps(meta))
 
 
@@ -113,6 +115,7 @@ def test_garbled_safetensors_header_is_refused(out):
     data = bytearray(Path(path).read_bytes())
     data[8:40] = b"\xff" * 32  # inside the JSON header
     Path(path).write_bytes(bytes(data))
+    remark(ckpt)  # past the checksums too (test_integrity.py): the reader itself must refuse
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         train(out, CFG, resume=ckpt)
 

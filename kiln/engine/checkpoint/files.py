@@ -12,6 +12,7 @@ import shutil
 import warnings
 from typing import Any, Optional
 
+from kiln.engine.checkpoint.integrity import damage, fsync_and_digest
 from kiln.utils.errors import CheckpointError
 
 PREFIX = "checkpoint-"
@@ -21,16 +22,17 @@ _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
 # -- files on disk -------------------------------------------------------------------------------
-def _fsync_tree(directory: str) -> dict[str, int]:
-    """fsync every file (so the marker never outlives its data after a crash); return sizes."""
+def _fsync_tree(directory: str) -> tuple[dict[str, int], dict[str, str]]:
+    """fsync every file (so the marker never outlives its data after a crash); return each file's
+    size and checksum (kiln.engine.checkpoint.integrity)."""
     sizes: dict[str, int] = {}
+    digests: dict[str, str] = {}
     for root, _, files in os.walk(directory):
         for name in files:
             path = os.path.join(root, name)
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-            sizes[os.path.relpath(path, directory)] = os.path.getsize(path)
-    return sizes
+            rel = os.path.relpath(path, directory)
+            sizes[rel], digests[rel] = fsync_and_digest(path)
+    return sizes, digests
 
 
 def _fsync_dir(directory: str) -> None:
@@ -99,13 +101,29 @@ def is_hf_checkpoint(path: str) -> bool:
             and not any(os.path.exists(os.path.join(path, f)) for f in (MARKER, "config.yaml", "loop_state_0.pt")))
 
 
-def latest_checkpoint(output_dir: str) -> Optional[str]:
+def why_damaged(path: str) -> Optional[str]:
+    """Why a complete-looking kiln checkpoint must not be resumed (a checksum or step mismatch), or None."""
+    try:
+        return damage(path, read_marker(path))
+    except (OSError, CheckpointError) as err:
+        return str(err)
+
+
+def latest_checkpoint(output_dir: str, verify: bool = False) -> Optional[str]:
     """Newest complete checkpoint (or one written by HF's Trainer, which has no marker); incomplete
-    ones are skipped with a warning."""
+    ones are skipped with a warning. With `verify` (resume), every file's checksum and the step are
+    checked too, and a damaged checkpoint is skipped with a warning for the previous intact one."""
     for _, path in reversed(list_checkpoints(output_dir)):
-        if is_complete(path) or is_hf_checkpoint(path):
+        if is_hf_checkpoint(path):
             return path
-        warnings.warn(f"Ignoring incomplete checkpoint {path} (its {MARKER} marker is missing or does not match its files).",
+        if not is_complete(path):
+            warnings.warn(f"Ignoring incomplete checkpoint {path} (its {MARKER} marker is missing or does not match its files).",
+                          stacklevel=2)
+            continue
+        reason = why_damaged(path) if verify else None
+        if reason is None:
+            return path
+        warnings.warn(f"Ignoring damaged checkpoint {path}: {reason}. Resuming from the previous intact checkpoint instead.",
                       stacklevel=2)
     return None
 
@@ -115,7 +133,7 @@ def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
     if resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false", "none")):
         return None
     if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
-        path = latest_checkpoint(output_dir)
+        path = latest_checkpoint(output_dir, verify=True)
         if path is None:
             warnings.warn(f"resume_from_checkpoint=True but {output_dir} has no complete checkpoint: starting fresh.", stacklevel=2)
         return path
@@ -127,4 +145,8 @@ def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
             f"{path} is incomplete or damaged (its {MARKER} marker is missing or does not match its files); "
             "resume from another checkpoint, or use resume_from_checkpoint=true to pick the newest complete one."
         )
+    reason = None if is_hf_checkpoint(path) else why_damaged(path)
+    if reason is not None:
+        raise CheckpointError(f"{path} is damaged: {reason}. Resume from another checkpoint, or use "
+                              "resume_from_checkpoint=true to pick the newest intact one.")
     return path

@@ -27,6 +27,7 @@ from kiln.engine.checkpoint.files import (  # noqa: F401  (re-exported: the Trai
     MARKER, PREFIX, _fsync_dir, _fsync_tree, _remove, is_complete, latest_checkpoint, list_checkpoints, read_marker,
     resolve_resume,
 )
+from kiln.engine.checkpoint.integrity import ALGORITHM
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_scheduler_state
 from kiln.engine.seed import rng_state, set_rng_state
@@ -78,6 +79,24 @@ def stateful_dataset(loader: Iterable[Any]) -> Any:
     return None
 
 
+def disk_full(err: BaseException, directory: str) -> bool:
+    """Whether a failed write ran out of disk space. The writers say so differently (OSError errno 28,
+    safetensors' "os error 28", torch.save's bare "unexpected pos"), so the file system is asked too."""
+    import errno
+
+    seen: Optional[BaseException] = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen) or "os error 28" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(directory).free < (16 << 20)
+    except OSError:
+        return False
+
+
 class CheckpointManager:
     """Saves, rotates and loads checkpoints for one Trainer."""
 
@@ -113,11 +132,23 @@ class CheckpointManager:
         if state.best_global_step == state.global_step:  # every rank: load_best_model_at_end needs it
             state.best_model_checkpoint = final
         io = strategy.checkpoint_io()
-        self._write(tmp, io, writer)
-        strategy.barrier("checkpoint-written")
+        try:
+            self._write(tmp, io, writer)
+            strategy.barrier("checkpoint-written")
+            if writer:
+                self._publish(tmp, final, {"step": state.global_step, "world_size": strategy.world_size,
+                                           "format": io.format, "resumable": not cfg.save.only_model})
+        except Exception as err:
+            if disk_full(err, out):
+                shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoints are untouched
+                last = latest_checkpoint(out)
+                raise CheckpointError(
+                    f"No space left on device while writing {os.path.basename(final)} in {out}; "
+                    f"{'the previous checkpoint ' + os.path.basename(last) + ' is intact' if last else 'no earlier checkpoint exists'}. "
+                    "Free some space (or lower save.total_limit) and resume with resume_from_checkpoint=true."
+                ) from None
+            raise
         if writer:
-            self._publish(tmp, final, {"step": state.global_step, "world_size": strategy.world_size,
-                                       "format": io.format, "resumable": not cfg.save.only_model})
             self.rotate()
         strategy.barrier("checkpoint-done")
         self.saved_step = state.global_step
@@ -152,7 +183,7 @@ class CheckpointManager:
 
     def _publish(self, tmp: str, final: str, meta: dict[str, Any]) -> None:
         """fsync everything, write the marker last, then rename the folder into place."""
-        meta["files"] = _fsync_tree(tmp)
+        meta["files"], meta[ALGORITHM] = _fsync_tree(tmp)
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=1)
             fh.flush()
