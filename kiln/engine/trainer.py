@@ -287,7 +287,6 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         self.strategy.backward(loss, model, boundary=micro_batch.boundary if micro_batch is not None else True)
         return loss.detach()
 
-    # -- fit --------------------------------------------------------------------------------
     def fit(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Optional[list[str]] = None) -> TrainOutput:
         check_same_output_dir(self.config, self.strategy)  # one collective: a mismatch fails here, not inside a save
         with run_lock(self.config, self.strategy):  # one run per output_dir at a time (checkpoint/output_dir.py)
