@@ -7,8 +7,8 @@ set -euo pipefail
 VENV="${KILN_XLA_VENV:-$HOME/.cache/kiln/xla-venv}"
 PY="$VENV/bin/python"
 # What the tests need besides torch/torch-xla: kiln's core dependencies and pytest.
-DEPS=(omegaconf safetensors numpy tqdm psutil pytest pytest-timeout)
-CHECK='import torch, torch_xla, omegaconf, safetensors, tqdm, psutil, pytest; assert torch.__version__.startswith("2.9.1")'
+DEPS=(omegaconf safetensors numpy tqdm psutil xxhash pytest pytest-timeout)
+CHECK='import torch, torch_xla, omegaconf, safetensors, tqdm, psutil, xxhash, pytest; assert torch.__version__.startswith("2.9.1")'
 
 if [ -x "$PY" ] && "$PY" -c "$CHECK" >/dev/null 2>&1; then
     echo "$PY"
