@@ -25,6 +25,7 @@ commands:
 options for fit/evaluate/predict:
   --nproc N                  start N local processes (data parallel) with torch's elastic launcher
   --accelerate-config FILE   honour an `accelerate config` YAML (mixed precision, FSDP, DeepSpeed, num_processes)
+  --traceback                show the full traceback of an error (default: one line naming the problem)
   -h, --help                 list every config key with its default and meaning
 
 options for evaluate/predict:
@@ -59,7 +60,16 @@ def _build(cfg: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
         raise TaskError("task.data must return a dict with train_dataset (and optionally eval_dataset, ...).")
     kwargs = {**model_args, **data.get("model_args", {})}
     check_kwargs(model_fn, kwargs, f"task.model_args (with the model_args {cfg.task.data} returned)", cfg.task.model)
-    return (lambda: model_fn(**kwargs)), data
+    def build_model() -> Any:
+        import torch
+
+        model = model_fn(**kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise TaskError(f"task.model ({cfg.task.model}) returned a {type(model).__name__}, not a torch.nn.Module: "
+                            "return the model (a kiln TrainingModule, or a Transformers-style model that returns its loss).")
+        return model
+
+    return build_model, data
 
 
 def _trainer(cfg: Any) -> tuple[Any, dict[str, Any]]:
@@ -75,7 +85,7 @@ def _trainer(cfg: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def _run(command: str, config: str, overrides: list[str], weights: Optional[str] = None, random_weights: bool = False,
-         launcher: Optional[list[Any]] = None) -> int:
+         launcher: Optional[list[Any]] = None, show_traceback: bool = False) -> int:
     from kiln.config import ConfigError
     from kiln.registry import UnknownNameError
     from kiln.strategies.launcher_settings import load_with_launcher_settings
@@ -91,28 +101,55 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
             _fit(trainer, data)
         else:
             _score(command, trainer, data, chosen)
-    except (ConfigError, KilnError, UnknownNameError, TaskError, ValueError) as err:
-        print(f"kiln: error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt as err:  # Ctrl-C: one line from one process, the shell's exit code for SIGINT
         from kiln.strategies.environment import detect
 
         if detect().rank == 0:
             print(f"kiln: {err or 'interrupted'}", file=sys.stderr, flush=True)
         return 130
+    except Exception as err:  # noqa: BLE001 - user code kiln calls can raise anything: one line, unless --traceback
+        if show_traceback:
+            raise
+        known = isinstance(err, (ConfigError, KilnError, UnknownNameError, TaskError))
+        print(f"kiln: error: {err if known else error_line(err)}", file=sys.stderr)
+        return 2
     return 0
 
 
+def error_line(err: BaseException) -> str:
+    """One line for an error kiln did not phrase itself: kiln's own TypeError/ValueError sentences as
+    they are; anything else (raised in the user's task code, or in a library kiln called) as its type
+    and first line, where in the user's code it came from, and how to see the traceback."""
+    import os
+    import sysconfig
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    kiln_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    if frames and os.path.abspath(frames[-1].filename).startswith(kiln_dir) and first:
+        return first  # raised by kiln with its own sentence
+    libraries = tuple(os.path.abspath(p) + os.sep for p in {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+    user = [f for f in frames if not f.filename.startswith("<")
+            and not os.path.abspath(f.filename).startswith((kiln_dir, *libraries))]
+    where = f" (in {user[-1].name}, {user[-1].filename}:{user[-1].lineno})" if user else ""
+    what = f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return f"{what}{where}; rerun with --traceback for the full traceback."
+
+
 def _fit(trainer: Any, data: dict[str, Any]) -> None:
-    result = trainer.fit()
-    trainer.log_metrics("train", result.metrics)
-    trainer.save_metrics("train", result.metrics)
-    if data.get("eval_dataset") is not None:
-        metrics = trainer.evaluate()
-        trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
-    trainer.save_model()
-    trainer.save_state()
+    from kiln.engine.checkpoint.output_dir import run_lock
+
+    with run_lock(trainer.config, trainer.strategy):  # fit takes it too: held here until the export is written
+        result = trainer.fit()
+        trainer.log_metrics("train", result.metrics)
+        trainer.save_metrics("train", result.metrics)
+        if data.get("eval_dataset") is not None:
+            metrics = trainer.evaluate()
+            trainer.log_metrics("eval", metrics)
+            trainer.save_metrics("eval", metrics)
+        trainer.save_model()
+        trainer.save_state()
 
 
 def _pick_weights(cfg: Any, weights: Optional[str], random_weights: bool) -> Any:
@@ -190,7 +227,8 @@ def _help(command: str) -> str:
              f"{' [--weights PATH | --random-weights]' if scoring else ''} [key=value ...]", "",
              "options:",
              "  --nproc N                  start N local processes (data parallel)",
-             "  --accelerate-config FILE   honour an `accelerate config` YAML"]
+             "  --accelerate-config FILE   honour an `accelerate config` YAML",
+             "  --traceback                show the full traceback of an error, not one line"]
     if scoring:
         lines += ["  --weights PATH             a checkpoint-<step> folder or a save_model folder (default: the run's best",
                   "                             checkpoint, else its exported model, else its newest checkpoint)",
@@ -253,7 +291,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if ns.help or not ns.config:
         print(_help(command))
         return 0 if ns.help else 2
-    bad = [o for o in overrides if "=" not in o]
+    # --traceback rides along with the overrides, so kiln's launcher hands it to its workers unchanged
+    show_traceback = "--traceback" in overrides
+    bad = [o for o in overrides if "=" not in o and o != "--traceback"]
     if bad:
         print(f"kiln: error: unrecognised argument {bad[0]!r}; overrides look like key=value.", file=sys.stderr)
         return 2
@@ -278,7 +318,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from kiln.strategies.launcher_settings import settings_from_json
 
         settings = settings_from_json(ns.launcher_settings)
-    return _run(command, ns.config, overrides, weights, random_weights, settings)
+    overrides = [o for o in overrides if o != "--traceback"]
+    return _run(command, ns.config, overrides, weights, random_weights, settings, show_traceback)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,84 @@
+"""Errors from the user's code that kiln calls reach the CLI as one line naming the problem (and where
+in the user's code it came from), not a traceback; `--traceback` shows the full one (issue 34, item 11)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln import cli
+
+TASK = '''
+import torch
+from kiln import TrainingModule
+
+
+class Reg(TrainingModule):
+    def __init__(self, mode="ok"):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+        self.mode = mode
+
+    def training_step(self, batch):
+        if self.mode == "none":
+            return None
+        if self.mode == "divide":
+            return 1 / 0
+        return self.net(batch["x"]).pow(2).mean()
+
+
+def data(n=8):
+    return {"train_dataset": [{"x": torch.randn(4)} for _ in range(n)]}
+
+
+def not_a_model():
+    return "a string"
+'''
+
+
+@pytest.fixture
+def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "linetask.py").write_text(TASK)
+    (tmp_path / "cfg.yaml").write_text(f"output_dir: {tmp_path / 'out'}\ntask: {{model: 'linetask:Reg', data: 'linetask:data'}}\n"
+                                       "max_steps: 1\nsave_strategy: 'no'\nlog: {disable_tqdm: true, history: []}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def _line(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    assert cli.main(["fit", "cfg.yaml", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kiln: error: "), err
+    return last.removeprefix("kiln: error: ")
+
+
+def test_training_step_returning_none(task: Path, capsys: pytest.CaptureFixture) -> None:
+    assert _line(capsys, "task.model_args.mode=none").startswith("Cannot find a loss in a model output of type NoneType")
+
+
+def test_model_factory_of_the_wrong_type(task: Path, capsys: pytest.CaptureFixture) -> None:
+    assert _line(capsys, "task.model=linetask:not_a_model") == (
+        "task.model (linetask:not_a_model) returned a str, not a torch.nn.Module: return the model (a kiln "
+        "TrainingModule, or a Transformers-style model that returns its loss).")
+
+
+def test_an_exception_in_user_code_names_where(task: Path, capsys: pytest.CaptureFixture) -> None:
+    line = _line(capsys, "task.model_args.mode=divide")
+    assert line.startswith("ZeroDivisionError: division by zero (in training_step, ")
+    assert "linetask.py:16)" in line and line.endswith("rerun with --traceback for the full traceback.")
+
+
+def test_traceback_flag_shows_the_traceback(task: Path) -> None:
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["fit", "cfg.yaml", "task.model_args.mode=divide", "--traceback"])
+    with pytest.raises(TypeError, match="Cannot find a loss"):
+        cli.main(["fit", "cfg.yaml", "--traceback", "task.model_args.mode=none"])
+
+
+def test_help_lists_the_flag(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["fit", "--help"]) == 0
+    assert "--traceback" in capsys.readouterr().out
