@@ -1,6 +1,8 @@
 """A look at the first training item before any model is placed or process group used: items that
 the collator or the model cannot take (tuples where mappings are expected) fail with one sentence
-saying what the dataset returned and what is needed, instead of a traceback from a worker."""
+saying what the dataset returned and what is needed, instead of a traceback from a worker; and
+batches that a TrainingModule's training_step certainly cannot read (it subscripts keys the items
+lack, or unpacks dicts), instead of a KeyError from inside the user's code."""
 
 from __future__ import annotations
 
@@ -74,3 +76,75 @@ def check_first_item(dataset: Any, collator: Optional[Callable[[list[Any]], Any]
             "HF-contract model is called as model(**batch) and needs a dict: return dicts such as {'input_ids': ..., "
             "'labels': ...} from __getitem__, pass a data_collator that builds one, or wrap the model in a "
             "TrainingModule whose training_step(batch) takes the tuple.")
+
+
+def _step_reads(step: Callable[..., Any]) -> Optional[tuple[set[str], Optional[int]]]:
+    """What `training_step(batch)` reads of its batch, from its source: the string keys it subscripts
+    (`batch["x"]`) and the length it unpacks it into (`x, y = batch`, -1 with a starred target), or
+    None when that cannot be told (no source, the batch rebound, keys tested with `in` / `.get`), so
+    that the check only speaks when the step would certainly fail."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        name = next(iter(inspect.signature(step).parameters))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(step)))
+    except (TypeError, ValueError, OSError, SyntaxError, StopIteration):
+        return None
+    keys: set[str] = set()
+    unpacked: Optional[int] = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+            return None  # the batch is rebound: what is read later is something else
+        if isinstance(node, ast.Compare) and any(isinstance(c, ast.Name) and c.id == name for c in node.comparators):
+            return None  # `"labels" in batch`: optional keys
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == name:
+            if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+                keys.add(node.slice.value)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == name:
+            for target in node.targets:
+                if isinstance(target, (ast.Tuple, ast.List)):
+                    starred = any(isinstance(e, ast.Starred) for e in target.elts)
+                    unpacked = -1 if starred else len(target.elts)
+    return keys, unpacked
+
+
+def check_step_input(module: Any, dataset: Any, collator: Optional[Callable[[list[Any]], Any]]) -> None:
+    """Raise KilnError when a TrainingModule's training_step would fail on the first batch because
+    the data has the wrong shape for it (strings or tuples where it reads keys, a key the items lack,
+    dicts where it unpacks a tuple): one sentence about the data, not a KeyError from the user's code."""
+    from kiln.engine.model.module import TrainingModule
+
+    step = getattr(module, "training_step", None)
+    if not isinstance(module, TrainingModule) or getattr(type(module), "training_step", None) is TrainingModule.training_step:
+        return
+    item = _first_item(dataset)
+    reads = _step_reads(step) if item is not None else None
+    if reads is None:
+        return
+    keys, unpacked = reads
+    from kiln.engine.data.loaders import default_data_collator
+
+    try:
+        batch = _collate_quietly(collator or default_data_collator, item)
+    except Exception:  # noqa: BLE001 - the loader will report the collator's own failure
+        return
+    what = f"the dataset's items are {describe(item)}" + (f" with keys {sorted(map(str, item))}" if isinstance(item, Mapping) else "")
+    step_name = f"{type(module).__name__}.training_step"
+    if keys and not isinstance(batch, Mapping):
+        key = sorted(keys)[0]
+        raise KilnError(f"{step_name} reads batch[{key!r}], but {what}, which batch into a {type(batch).__name__}: return "
+                        f"dicts such as {{{key!r}: ...}} from the dataset's __getitem__, or pass a data_collator that builds them.")
+    if keys and isinstance(batch, Mapping):
+        missing = sorted(k for k in keys if k not in batch)
+        if missing:
+            raise KilnError(f"{step_name} reads batch[{missing[0]!r}], which the batches lack: {what}"
+                            f"{'' if collator is None else f' (batches: {sorted(map(str, batch))})'}; add {missing[0]!r} "
+                            "to the items, or pass a data_collator that adds it.")
+    if unpacked is not None and isinstance(batch, Mapping):
+        raise KilnError(f"{step_name} unpacks the batch as a sequence, but {what}, which batch into a dict (unpacking "
+                        "it gives its keys): read batch['key'] in training_step, or return tuples from the dataset.")
+    if unpacked not in (None, -1) and isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) != unpacked:
+        raise KilnError(f"{step_name} unpacks the batch into {unpacked} values, but {what}, which batch into "
+                        f"{len(batch)}: return {unpacked}-tuples from the dataset, or unpack what it returns.")
