@@ -4,6 +4,10 @@ Used by the DDP-family strategies and by `main_process_first` before a Trainer e
 from __future__ import annotations
 
 import gc
+import json
+import os
+import socket
+import sys
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -72,7 +76,99 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) 
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        _leave_identity(env)
     return True
+
+
+# -- naming a rank that died -----------------------------------------------------------------------
+# Without a launcher agent (srun, processes started by hand) nobody says which rank died: a survivor
+# only sees its collective fail ("Connection reset by peer" from gloo). Each rank therefore leaves its
+# host and pid in the job's store at start-up, under its host's name, so that a survivor can tell
+# which of the ranks on its own machine are gone. Ranks on other machines are named by their own
+# neighbours. The store is read only after an error, and only for this machine's ranks.
+_IDENTITY: dict[str, Any] = {}
+
+
+def _key(host: str, local_rank: int) -> str:
+    return f"kiln/ranks/{host}/{local_rank}"
+
+
+def _leave_identity(env: ClusterEnvironment) -> None:
+    import psutil
+
+    host, pid = socket.gethostname(), os.getpid()
+    store = _default_store()
+    if store is None:
+        return
+    store.set(_key(host, env.local_rank), json.dumps([env.rank, pid, psutil.Process(pid).create_time()]))
+    if env.rank == 0:  # without a launcher agent rank 0 hosts the store; with one, the agent does
+        port = getattr(getattr(store, "_underlying_non_prefix_store", None), "port", None)
+        listening = {c.laddr.port for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        store.set("kiln/ranks/store_on_rank0", "1" if port in listening else "0")
+    _IDENTITY.update(host=host, rank=env.rank, local_rank=env.local_rank, local_world_size=env.local_world_size,
+                     store_on_rank0=store.get("kiln/ranks/store_on_rank0") == b"1")
+    if not getattr(sys.excepthook, "_kiln_lost_peers", False):
+        sys.excepthook = _naming_excepthook(sys.excepthook)
+
+
+def _default_store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError):  # no default group (or another torch layout)
+        return None
+
+
+def lost_peer_note(timeout_s: float = 5.0) -> Optional[str]:
+    """One sentence naming the ranks of this machine that died (or the store's host, when the store
+    no longer answers), for an error that followed from their death; None when none can be named."""
+    import psutil
+
+    if not _IDENTITY or _default_store() is None:
+        return None
+    store, me = _default_store(), _IDENTITY
+    dead: list[str] = []
+    try:
+        store.set_timeout(timedelta(seconds=timeout_s))
+        for local_rank in range(me["local_world_size"]):
+            if local_rank == me["local_rank"]:
+                continue
+            rank, pid, started = json.loads(store.get(_key(me["host"], local_rank)))
+            try:
+                proc = psutil.Process(pid)
+                alive = abs(proc.create_time() - started) < 1 and proc.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                dead.append(f"rank {rank} (pid {pid})")
+    except Exception:  # noqa: BLE001 - the store is gone too (DistStoreError, timeouts, resets)
+        if me["store_on_rank0"] and me["rank"] != 0:
+            return (f"kiln: rank 0, which hosts the job's store, no longer answers; this error on rank {me['rank']} "
+                    "followed from losing it. Look at rank 0's output for the cause.")
+        return None
+    if not dead:
+        return None
+    return (f"kiln: {', '.join(dead)} on this machine died; this error on rank {me['rank']} followed from it. Look at "
+            "that rank's output for the cause (no output: it was killed, e.g. by the out-of-memory killer).")
+
+
+def _naming_excepthook(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """An uncaught collective error (a RuntimeError) gets a note naming the dead rank, printed under it."""
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, RuntimeError):
+            try:
+                note = lost_peer_note()
+            except Exception:  # noqa: BLE001 - the note is a courtesy; the error must still be printed
+                note = None
+            if note and hasattr(value, "add_note"):  # Python >= 3.11: printed under the error
+                value.add_note(note)
+            elif note:
+                print(note, file=sys.stderr)
+        previous(kind, value, tb)
+
+    hook._kiln_lost_peers = True  # type: ignore[attr-defined]
+    return hook
 
 
 def barrier(device: torch.device, backend: str) -> None:

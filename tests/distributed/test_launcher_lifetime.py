@@ -123,3 +123,37 @@ def test_nproc_below_1_is_refused_in_one_line(tmp_path, nproc):
     proc = kiln_cli("fit", str(tmp_path / "missing.yaml"), "--nproc", nproc, check=False, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"kiln: error: --nproc must be >= 1, got {nproc}."
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("die_rank", [1, 0])
+def test_without_an_agent_the_survivor_names_the_rank_that_died(tmp_path, die_rank):
+    """No launcher to report it (srun, processes started by hand): the survivor's error says which
+    rank died: by its pid when it ran on this machine, or as the store's host when rank 0 died."""
+    base = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "worker_dead_peer.py"), str(tmp_path), str(die_rank)],
+                              cwd=REPO, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    survivor = procs[1 - die_rank]
+    try:
+        _, err = survivor.communicate(timeout=150)
+        procs[die_rank].communicate(timeout=30)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[die_rank].returncode == -signal.SIGKILL and survivor.returncode != 0, err[-3000:]
+    if die_rank == 1:
+        pid = (tmp_path / "pid").read_text()
+        expected = f"kiln: rank 1 (pid {pid}) on this machine died; this error on rank 0 followed from it."
+    else:
+        expected = "kiln: rank 0, which hosts the job's store, no longer answers; this error on rank 1 followed from losing it."
+    assert expected in err, err[-3000:]
