@@ -10,6 +10,8 @@ tensors per parameter); then, interleaved `--repeats` times:
 - kiln load: `CheckpointManager.load()` into the same trainer (validation included);
 - raw save: `safetensors.torch.save_file` of the same tensors (weights + optimizer moments) into one
   file, once without and once with an fsync (kiln always fsyncs: a checkpoint must survive a crash);
+- checksums: the xxh3-64 digests kiln records in the marker (part of "kiln save"), timed alone over
+  the same files, to show their share of the save (issue 34's budget: at most 5 %);
 - raw load: `safetensors.torch.load_file` of that file, the weights copied into the live parameters
   and the optimizer moments into fresh tensors (what a resuming process must end with: its model
   exists, its optimizer has no state yet; load_file alone only maps the file).
@@ -35,6 +37,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kiln.engine.checkpoint import files
+from kiln.engine.checkpoint.integrity import file_digest
 from kiln.engine.model.module import TrainingModule
 from kiln.engine.trainer import Trainer
 
@@ -66,6 +70,17 @@ def timed(fn) -> float:  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def no_checksums():  # type: ignore[no-untyped-def]
+    """kiln's save with the checksum pass replaced by nothing: what the checksums add to a save."""
+    saved = files.digest_file
+    files.digest_file = lambda path: ""
+    try:
+        yield
+    finally:
+        files.digest_file = saved
 
 
 def main() -> None:
@@ -101,13 +116,19 @@ def main() -> None:
                         moments[name] = value.clone()
             return moments
 
-        times: dict[str, list[float]] = {k: [] for k in ("kiln save", "kiln load", "raw save", "raw save+fsync", "raw load")}
+        times: dict[str, list[float]] = {k: [] for k in ("kiln save", "kiln save, no checksums", "checksums", "kiln load",
+                                                         "raw save", "raw save+fsync", "raw load")}
         size = 0
         for r in range(args.repeats):
             path = os.path.join(out, f"checkpoint-{trainer.state.global_step}")
             shutil.rmtree(path, ignore_errors=True)
             times["kiln save"].append(timed(trainer._save_checkpoint))
             size = folder_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+            with no_checksums():
+                times["kiln save, no checksums"].append(timed(trainer._save_checkpoint))
+            times["checksums"].append(timed(lambda path=path: [file_digest(os.path.join(root, f))
+                                                                for root, _, files in os.walk(path) for f in files]))
             times["kiln load"].append(timed(lambda path=path: trainer.checkpoints.load(path)))
             times["raw save"].append(timed(lambda: raw_save(False)))
             times["raw save+fsync"].append(timed(lambda: raw_save(True)))
@@ -119,10 +140,13 @@ def main() -> None:
           f"raw safetensors {raw_size / 2**20:.0f} MiB; median of {args.repeats}")
     for key in times:
         nbytes = raw_size if key.startswith("raw") else size
-        print(f"{key:>15}: {med[key] * 1000:8.1f} ms  {nbytes / 2**20 / med[key]:8.0f} MiB/s")
+        print(f"{key:>24}: {med[key] * 1000:8.1f} ms  {nbytes / 2**20 / med[key]:8.0f} MiB/s")
     print(f"save ratio kiln / raw+fsync: {med['kiln save'] / med['raw save+fsync']:.2f}  "
           f"(kiln / raw without fsync: {med['kiln save'] / med['raw save']:.2f})")
     print(f"load ratio kiln / raw:       {med['kiln load'] / med['raw load']:.2f}")
+    added = med["kiln save"] - med["kiln save, no checksums"]
+    print(f"checksums: {100 * added / med['kiln save']:.1f} % of kiln save (timed alone: "
+          f"{100 * med['checksums'] / med['kiln save']:.1f} %)")
 
 
 if __name__ == "__main__":

@@ -166,3 +166,23 @@ def test_the_lock_is_reentrant_within_a_process_and_released_by_the_last_holder(
     holder.kill()
     holder.wait()
 
+
+
+def test_the_cli_holds_the_lock_until_the_export_is_written(tmp_path):
+    """Between `fit()` and `save_model()` another run must not slip in and have its files overwritten."""
+    from kiln.cli import _fit
+    from kiln.engine.trainer import Trainer
+    from tests.checkpoint.checkpoint_helpers import config, make_model, regression_data
+
+    out = str(tmp_path / "run")
+    seen = []
+
+    class Recording(Trainer):
+        def save_model(self, output_dir=None, max_shard_size=None):  # type: ignore[no-untyped-def]
+            probe = subprocess.run([sys.executable, "-c", HOLDER, out], input="", capture_output=True, text=True, timeout=60)
+            seen.append("is in use by another kiln run" in probe.stderr)
+            return super().save_model(output_dir, max_shard_size)
+
+    _fit(Recording(make_model(), config(out, max_steps=2), train_dataset=regression_data()), {})
+    assert seen == [True]
+    assert os.path.exists(os.path.join(out, "model.safetensors")) and not os.path.exists(os.path.join(out, LOCK))
