@@ -158,9 +158,12 @@ def setting(config: "DictConfig", key: str, env: Optional[str] = None, default: 
 
 
 def run_name(config: "DictConfig") -> str:
-    """`run_name`, or the output directory's name as HF does."""
+    """`run_name`, or the output directory's name as HF does; a value from `${oc.env:VAR}` is shown as
+    that interpolation, as in the logged hyperparameters (kiln.config.redact)."""
+    from kiln.config.redact import mask
+
     name = config.get("run_name")
-    return str(name) if name else os.path.basename(os.path.abspath(str(config.output_dir)))
+    return mask(str(name) if name else os.path.basename(os.path.abspath(str(config.output_dir))))  # type: ignore[no-any-return]
 
 
 def run_files_dir(config: "DictConfig") -> str:

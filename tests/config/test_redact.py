@@ -93,3 +93,11 @@ def test_no_file_under_output_dir_holds_the_value(tmp_path: Path, secrets: None)
     assert _files_holding(out, SECRET, OTHER) == []
     assert "${oc.env:SECRET_TOKEN}" in (out / "kiln_config.yaml").read_text()
     assert os.environ["SECRET_TOKEN"] == SECRET
+
+
+def test_tracker_run_names_are_masked_too(tmp_path: Path, secrets: None) -> None:
+    """W&B and MLflow name their runs after run_name."""
+    from kiln.loggers.base import run_name
+
+    cfg = load_config(_yaml(tmp_path))
+    assert cfg.run_name == SECRET and run_name(cfg) == "${oc.env:SECRET_TOKEN}"
