@@ -153,3 +153,15 @@ def test_torch_saves_bare_error_on_a_full_disk_is_recognised(small_disk):
     else:
         pytest.fail("torch.save fit on a full disk")
     assert not disk_full(RuntimeError("unexpected pos 1 vs 2"), os.path.dirname(small_disk))
+
+
+def test_evaluate_refuses_damaged_weights(out):
+    from kiln.engine.checkpoint.weights import find_run_weights, given_weights
+
+    ckpt = os.path.join(out, "checkpoint-4")
+    assert given_weights(ckpt).step == 4
+    flip(os.path.join(ckpt, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"--weights .*checkpoint-4' is damaged: model.safetensors does not match"):
+        given_weights(ckpt)
+    with pytest.raises(CheckpointError, match=r"the last checkpoint .*checkpoint-4' is damaged"):
+        find_run_weights(out)

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints
+from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints, why_damaged
 from kiln.strategies.checkpoint_io import WEIGHTS_BIN, WEIGHTS_SAFE
 from kiln.utils.errors import CheckpointError
 
@@ -75,7 +75,15 @@ def given_weights(path: str) -> EvalWeights:
     if os.path.exists(os.path.join(path, MARKER)) and not is_complete(path):
         raise CheckpointError(f"--weights {path!r} is an incomplete or damaged checkpoint (its {MARKER} marker does not "
                               "match its files); pass another checkpoint.")
+    _refuse_damaged(path, "--weights")
     return _weights(path, "given weights")
+
+
+def _refuse_damaged(path: str, what: str) -> None:
+    """Weights whose bytes changed since the checkpoint was written would score silently wrong."""
+    reason = why_damaged(path) if os.path.exists(os.path.join(path, MARKER)) else None
+    if reason is not None:
+        raise CheckpointError(f"{what} {path!r} is damaged: {reason}; pass another checkpoint with --weights.")
 
 
 def find_run_weights(output_dir: str) -> Optional[EvalWeights]:
@@ -87,9 +95,11 @@ def find_run_weights(output_dir: str) -> Optional[EvalWeights]:
         if isinstance(best, str):
             for path in complete:  # recorded absolute or relative; the run folder may have moved
                 if os.path.basename(path) == os.path.basename(os.path.normpath(best)):
+                    _refuse_damaged(path, "the best checkpoint")
                     return _weights(path, "best checkpoint")
     if _holds_weights(output_dir):
         return _weights(output_dir, "exported model")
     if complete:
+        _refuse_damaged(complete[-1], "the last checkpoint")
         return _weights(complete[-1], "last checkpoint")
     return None
