@@ -109,6 +109,7 @@ class DeepSpeedStrategy(DDPStrategy):
         self._eval_module: Optional[nn.Module] = None
         self._scheduler: Any = None
         self._hf_config: Any = None
+        self._unpatched_build = False  # a Transformers model may have been built under zero.Init unpatched
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -146,11 +147,30 @@ class DeepSpeedStrategy(DDPStrategy):
 
     def module_init_context(self) -> ContextManager[Any]:
         """ZeRO-3 builds the model partitioned (HF's zero3_init_flag), so a model larger than one
-        process's share fits."""
-        self._share_with_transformers()  # a Transformers model built from its config partitions itself too
-        if self.stage != 3 or not self.option("zero3_init_flag", True):
+        process's share fits; Transformers' weight initialisation is made to see the partitioned
+        parameters (`deepspeed_init.py`), so calling a model class and `from_config` both work."""
+        self._share_with_transformers()  # Transformers' from_pretrained loads into partitioned parameters
+        if self.stage != 3:
             return contextlib.nullcontext()
-        return import_deepspeed().zero.Init(config_dict_or_path=self.ds_config)
+        from kiln.strategies.deepspeed_init import zero_init
+
+        return zero_init(import_deepspeed(), self.ds_config, self._record_unpatched, partition=bool(self.option("zero3_init_flag", True)))
+
+    def _record_unpatched(self, unpatched: bool) -> None:
+        self._unpatched_build = unpatched
+
+    def _check_module(self, module: nn.Module) -> None:
+        """Refuse, before anything runs, a model whose partitioning kiln cannot train correctly."""
+        if not _partitioned(module):
+            return
+        if self.stage != 3:
+            raise ConfigError(f"The model's parameters are partitioned by deepspeed.zero.Init (ZeRO-3) but the DeepSpeed config "
+                              f"runs ZeRO-{self.stage}; use strategy deepspeed_stage_3 (zero_optimization.stage: 3) or build the "
+                              "model without zero.Init.")
+        if self._unpatched_build:
+            from kiln.strategies.deepspeed_init import refuse_unpatched
+
+            refuse_unpatched(module)
 
     def setup(self, module: nn.Module, optimizer_factory: Optional[OptimizerFactory] = None,
               scheduler_factory: Optional[SchedulerFactory] = None, *, max_steps: Optional[int] = None) -> Setup:
@@ -158,6 +178,7 @@ class DeepSpeedStrategy(DDPStrategy):
             return Setup(self.engine, self.engine.optimizer, self._scheduler)
         if optimizer_factory is None:  # evaluation before training: no engine yet
             return Setup(self._eval_setup(module))
+        self._check_module(module)
         deepspeed = import_deepspeed()
         ds = finalize(dict(self.ds_config), _inner(module), cfg=self.config, max_steps=max_steps)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -192,6 +213,7 @@ class DeepSpeedStrategy(DDPStrategy):
 
     def _eval_setup(self, module: nn.Module) -> nn.Module:
         if self._eval_module is None:
+            self._check_module(module)
             if _partitioned(module):  # built under zero.Init: only an engine can run it
                 deepspeed = import_deepspeed()
                 ds = {k: v for k, v in self.ds_config.items() if k not in ("optimizer", "scheduler")}
