@@ -5,8 +5,12 @@ Every rank calls the engine's `save_checkpoint` into the folder (tag `ds`: `ds/m
 and, under ZeRO, one `*_optim_states.pt` per rank); the engine owns the files, kiln's manager writes
 its own state beside them and the COMPLETE marker after every rank returned. Resuming loads the same
 files with the same process count (DeepSpeed's ZeRO shards are not reshardable here; `kiln convert`
-gives full weights for any count). DeepSpeed's files are pickles read by DeepSpeed itself, so resume
-only from checkpoints you trust."""
+gives full weights for any count).
+
+DeepSpeed reads its files with `torch.load(weights_only=False)` (its engine and `zero_to_fp32` alike),
+which would run a `__reduce__` planted in any of them. So kiln first reads every file under `ds/` itself
+with `weights_only=True`, admitting only the few plain-data classes DeepSpeed pickles (`DS_CLASSES`), and
+refuses the checkpoint before DeepSpeed opens anything that holds more."""
 
 from __future__ import annotations
 
@@ -18,10 +22,35 @@ import torch
 from torch import nn
 
 from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO, apply_weights, save_weights
-from kiln.utils.errors import CheckpointError
+from kiln.utils.errors import CheckpointError, safe_torch_load
 
 TAG = "ds"
 FORMAT = "deepspeed"
+
+#: (module, class) DeepSpeed pickles into its checkpoint files besides tensors and containers; found by
+#: saving ZeRO 0-3 checkpoints (DeepSpeed 0.19) and loading them with weights_only=True
+DS_CLASSES = (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+              ("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.utils.tensor_fragment", "fragment_address"))
+
+
+def _ds_classes() -> list[type]:
+    import importlib
+
+    return [getattr(importlib.import_module(module), name) for module, name in DS_CLASSES]
+
+
+def load_ds_file(path: str, mmap: bool = False) -> Any:
+    """One of DeepSpeed's checkpoint files, read without running code (`weights_only=True` + DS_CLASSES)."""
+    return safe_torch_load(path, allow=_ds_classes(), what="DeepSpeed's loss scaler, ZeRO stage, fragment records",
+                           mmap=mmap)
+
+
+def vet_ds_files(directory: str) -> None:
+    """Read every file DeepSpeed may load from `directory/ds/` the safe way first (tensors memory-mapped,
+    so the pass is cheap); raises CheckpointError, before DeepSpeed's own `torch.load`, for any file
+    holding more than DeepSpeed's plain data."""
+    for path in sorted(glob.glob(os.path.join(directory, TAG, "**", "*.pt"), recursive=True)):
+        load_ds_file(path, mmap=True)
 
 
 def is_deepspeed_checkpoint(directory: str) -> bool:
@@ -40,6 +69,7 @@ def consolidated_state(directory: str) -> dict[str, torch.Tensor]:
     """Full fp32 weights of a DeepSpeed checkpoint folder, with the engine's key names: ZeRO 1-3 shards
     merged by DeepSpeed's zero_to_fp32 (any process count), ZeRO-0's module file as it is."""
     root = os.path.join(directory, TAG)
+    vet_ds_files(directory)  # zero_to_fp32 reads with weights_only=False
     if glob.glob(os.path.join(root, "*optim_states.pt")) and _zero_stage(root) > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -47,13 +77,13 @@ def consolidated_state(directory: str) -> dict[str, torch.Tensor]:
     files = sorted(glob.glob(os.path.join(root, "*model_states.pt")))
     if not files:
         raise CheckpointError(f"{directory} holds no DeepSpeed model states ({TAG}/*model_states.pt).")
-    state = torch.load(files[0], map_location="cpu", weights_only=False)  # DeepSpeed's own pickle
+    state = load_ds_file(files[0])
     return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}
 
 
 def _zero_stage(root: str) -> int:
     files = sorted(glob.glob(os.path.join(root, "*optim_states.pt")))
-    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    state = load_ds_file(files[0], mmap=True)
     osd = state.get("optimizer_state_dict", {})
     return int(osd.get("zero_stage", 0)) if isinstance(osd, dict) else 0
 
@@ -66,7 +96,7 @@ def _check_group_count(directory: str, engine: Any) -> None:
     optimizer = getattr(engine, "basic_optimizer", None) or engine.optimizer
     if not files or optimizer is None:
         return
-    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)  # DeepSpeed's own pickle
+    state = load_ds_file(files[0], mmap=True)
     shapes, plain = state.get("param_shapes"), state.get("optimizer")
     saved = len(shapes) if isinstance(shapes, list) else len(plain.get("param_groups", [])) if isinstance(plain, dict) else 0
     current = len(optimizer.param_groups)
@@ -139,6 +169,7 @@ class DeepSpeedCheckpointIO(CheckpointIO):
             raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint ({TAG}/ is missing); it cannot be resumed "
                                   "with strategy deepspeed.")
         engine = self._engine(model)
+        vet_ds_files(directory)  # the engine's load_checkpoint reads with weights_only=False
         _check_group_count(directory, engine)
         path, _ = engine.load_checkpoint(directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:

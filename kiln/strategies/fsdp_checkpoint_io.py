@@ -21,6 +21,7 @@ from torch import nn
 from kiln.strategies.checkpoint_io import OPTIMIZER, CheckpointIO, apply_weights, load_weights, save_weights
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_optimizer_state
+from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder, weights_only_refusal
 
 DCP_DIR = "fsdp_dcp"
 
@@ -59,13 +60,10 @@ def _check_keys(module: nn.Module, state: dict[str, torch.Tensor], source: str) 
         apply_weights(probe, state, source)  # raises CheckpointError naming the keys
 
 
-def _saved_group_count(dcp: Any, path: str) -> Optional[int]:
-    """How many optimizer param groups the DCP checkpoint at `path` holds (None: no optimizer state
-    or no readable metadata; dcp.load then reports what is wrong)."""
-    try:
-        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception:
-        return None
+def _saved_group_count(metadata: Any) -> Optional[int]:
+    """How many optimizer param groups a DCP checkpoint holds, from its (vetted) metadata (None: no
+    optimizer state; dcp.load then reports what is wrong)."""
+    keys = metadata.state_dict_metadata
     indices = {key.split(".")[2] for key in keys if key.startswith("optim.param_groups.")}
     return len(indices) or None
 
@@ -128,20 +126,19 @@ class ShardedFSDPCheckpointIO(CheckpointIO):
                 raise CheckpointError(f"{path} is missing: {directory} is not a sharded FSDP checkpoint; resume with "
                                       "the strategy and state_dict_type that saved it.")
             return load_plain_weights(directory, module)
+        metadata = vet_dcp_folder(path)  # DCP unpickles .metadata and non-tensor entries unchecked: vet them first
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
         with_optim = load_optimizer and optimizer is not None
         if with_optim:
             state["optim"] = get_optimizer_state_dict(module, optimizer)
             groups = state["optim"]["param_groups"]
-            saved_groups = _saved_group_count(dcp, path)
+            saved_groups = _saved_group_count(metadata)
             if saved_groups and saved_groups != len(groups):  # the other param-group layout: load its groups whole
                 state["optim"]["param_groups"] = [dict(groups[0]) for _ in range(saved_groups)]
         try:
             dcp.load(state, checkpoint_id=path)
-        except Exception as err:  # DCP wraps per-rank failures in its own exception types
-            what = "has no optimizer state (saved with save_only_model?)" if with_optim and "optim" in str(err) else \
-                "does not fit this model"
-            raise CheckpointError(f"The sharded checkpoint {path} {what} ({str(err).splitlines()[0][:300]}).") from None
+        except (Exception, dcp.CheckpointException) as err:  # the latter is a BaseException
+            raise dcp_load_error(path, err, with_optim) from None
         set_model_state_dict(module, state["model"])
         if with_optim:
             set_optimizer_state_dict(module, optimizer, _regrouped(state["optim"], groups, path))
@@ -186,15 +183,21 @@ class FullFSDPCheckpointIO(ShardedFSDPCheckpointIO):
 def consolidate(directory: str, subdir: str = DCP_DIR) -> dict[str, torch.Tensor]:
     """The full model weights of a sharded checkpoint (the DCP folder `subdir` in it), read in this
     process without a process group (any number of processes may have saved it)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = os.path.join(directory, subdir)
     if not os.path.isdir(path):
         raise CheckpointError(f"{directory} has no {subdir}/ folder, so it is not a sharded checkpoint of that kind.")
+    vet_dcp_folder(path)  # DCP unpickles .metadata and non-tensor entries unchecked: vet them first
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    try:
+        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except (Exception, CheckpointException) as err:  # DCP's own type is a BaseException
+        if weights_only_refusal(err):
+            raise dcp_load_error(path, err, False) from None
+        raise CheckpointError(f"{path} cannot be read ({(str(err) or type(err).__name__).splitlines()[0][:300]}).") from None
     model = state.get("model")
     if not isinstance(model, dict):
         raise CheckpointError(f"{path} holds no model weights.")

@@ -27,6 +27,7 @@ from kiln.strategies.checkpoint_io import CheckpointIO, apply_weights, load_weig
 from kiln.strategies.xla_checkpoint_io import to_cpu
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_optimizer_state
+from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder
 
 SPMD_DIR = "xla_dcp"
 CLASSIC_DIR = "xla_fsdp_classic"
@@ -64,6 +65,7 @@ class SPMDCheckpointIO(CheckpointIO):
                                       "the strategy that saved it.")
             apply_weights(module, load_weights(directory), directory)  # an exported model folder
             return
+        vet_dcp_folder(path)  # DCP unpickles .metadata and non-tensor entries unchecked: vet them first
         if with_optim and not optimizer.state:
             prime_optimizer(optimizer)  # leaves zero gradients sharded like their parameters, as in-run
         state: dict[str, Any] = {"model": module.state_dict()}
@@ -71,10 +73,8 @@ class SPMDCheckpointIO(CheckpointIO):
             state["optim"] = optimizer.state_dict()
         try:
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=SPMDLoadPlanner(), no_dist=True)
-        except Exception as err:  # DCP wraps failures in its own exception types
-            what = "has no optimizer state (saved with save_only_model?)" if with_optim and "optim" in str(err) else \
-                "does not fit this model"
-            raise CheckpointError(f"The sharded checkpoint {path} {what} ({str(err).splitlines()[0][:300]}).") from None
+        except (Exception, dcp.CheckpointException) as err:  # DCP's own type is a BaseException
+            raise dcp_load_error(path, err, with_optim) from None
         module.load_state_dict(state["model"])
         if with_optim:
             optimizer.load_state_dict(regroup_optimizer_state(state["optim"], optimizer.param_groups))
@@ -91,7 +91,7 @@ def consolidate_spmd(directory: str) -> dict[str, torch.Tensor]:
     """The full weights of an SPMD checkpoint, read without torch_xla (for `kiln convert`)."""
     from kiln.strategies.fsdp_checkpoint_io import consolidate
 
-    return consolidate(directory, SPMD_DIR)
+    return consolidate(directory, SPMD_DIR)  # vets the DCP folder's pickles first
 
 
 # -- the classic wrapper ------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, Sequence
 
 
 class KilnError(RuntimeError):
@@ -39,25 +39,29 @@ def _reason(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     for line in lines:
         if any(key in line for key in ("GLOBAL", "Unsupported", "WeightsUnpickler", "miniz", "legacy")):
-            return line[:200]
+            # the global's name, without torch's advice to allow-list it
+            return line.replace("WeightsUnpickler error: ", "").split(" was not an allowed global")[0][:200]
     return (lines[0] if lines else type(err).__name__)[:200]
 
 
-def safe_torch_load(path: str) -> Any:
+def safe_torch_load(path: str, allow: Sequence[Any] = (), what: str = "", mmap: bool = False) -> Any:
     """torch.load with weights_only=True: tensors and plain containers only, never code.
 
     A file that holds arbitrary Python objects (a malicious or foreign pickle) is refused and nothing
-    from it runs; a truncated or garbled file raises CheckpointError naming the file."""
+    from it runs; a truncated or garbled file raises CheckpointError naming the file. `allow` admits a
+    few more classes that are known to be plain data (DeepSpeed's loss scaler, ZeRO stage enum...),
+    `what` names them in the refusal; `mmap` maps the tensors instead of reading them (for a pre-pass)."""
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         reason = _reason(err)
         if "Weights only load failed" in str(err) or "GLOBAL" in reason or "Unsupported" in reason:
             raise CheckpointError(
-                f"Refusing to load {path}: it contains Python objects other than tensors and plain containers "
-                f"({reason}). kiln never executes code from a checkpoint; re-create it with kiln."
+                f"Refusing to load {path}: it holds Python objects other than tensors{', ' + what if what else ''} "
+                f"and plain containers ({reason}); kiln never executes code from a checkpoint, so re-create it with kiln."
             ) from None
         raise CheckpointError(f"{path} is corrupt or truncated ({reason}).") from None
     except FileNotFoundError:
