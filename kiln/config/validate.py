@@ -41,9 +41,6 @@ def validate(cfg: DictConfig) -> None:
     _positive("train.num_train_epochs", t.num_train_epochs, allow_zero=True)
     if t.max_steps == 0 or t.max_steps < -1:
         raise ConfigError(f"Config key 'train.max_steps' must be > 0, or -1 to use num_train_epochs; got {t.max_steps}.")
-    if t.num_train_epochs == 0 and t.max_steps < 0:  # HF trains 0 steps and reports success
-        raise ConfigError("train.num_train_epochs is 0 and train.max_steps is unset, so nothing would train: set "
-                          "num_train_epochs > 0 or max_steps > 0 (to score a model without training, use evaluate).")
     _positive("train.max_nonfinite_steps", t.max_nonfinite_steps, allow_zero=True)
     if cfg.strategy.timeout <= 0:
         raise ConfigError(f"Config key 'strategy.timeout' (ddp_timeout) is the seconds a collective may wait and must be > 0, "

@@ -10,7 +10,6 @@ from kiln.utils.errors import ConfigError
 
 
 @pytest.mark.parametrize("overrides, sentence", [
-    (["num_train_epochs=0"], r"num_train_epochs is 0 and train.max_steps is unset, so nothing would train"),
     (["report_to=5"], r"report_to is 5; give a tracker name or a list of them"),
     (["report_to=[tensorboard, 5]"], r"report_to is \['tensorboard', 5\]; give a tracker name"),
     (["log.report_to=5"], r"'log.report_to' expects List\[str\], got 5"),
@@ -26,9 +25,18 @@ def test_one_sentence(overrides: list[str], sentence: str) -> None:
     assert "\n" not in str(err.value)
 
 
-def test_zero_epochs_is_fine_when_max_steps_decides() -> None:
-    cfg = load_config(None, ["num_train_epochs=0", "max_steps=3"])
-    assert cfg.train.max_steps == 3
+def test_zero_epochs_loads_for_evaluate_but_fit_refuses(tmp_path) -> None:
+    """HF trains 0 steps and reports success; kiln accepts the config (evaluate/predict need no epochs)
+    and refuses to fit it, before the model is set up."""
+    from kiln import Trainer
+    from tests.helpers import TinyRegressor, base_config, regression_data
+
+    assert load_config(None, ["num_train_epochs=0", "max_steps=3"]).train.max_steps == 3
+    trainer = Trainer(TinyRegressor(), base_config(tmp_path, num_train_epochs=0), train_dataset=regression_data(8))
+    with pytest.raises(ValueError, match=r"^train.num_train_epochs is 0 and train.max_steps is unset, so fit\(\) would "
+                                         r"train nothing: set num_train_epochs > 0 or max_steps > 0"):
+        trainer.fit()
+    assert trainer.state.global_step == 0 and trainer.optimizer is None
 
 
 def test_known_compile_backend_passes() -> None:

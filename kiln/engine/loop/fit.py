@@ -69,6 +69,9 @@ class FitLoop:
         t.checkpoints.attach(self, loader)  # the loop's sums and the data position go into checkpoints
         batches_per_epoch = loader_length(loader)
         max_steps, num_epochs, per_epoch = plan_steps(cfg, batches_per_epoch)
+        if max_steps <= 0:  # HF trains 0 steps and reports success; a config for evaluate/predict may say 0
+            raise ValueError("train.num_train_epochs is 0 and train.max_steps is unset, so fit() would train nothing: set "
+                             "num_train_epochs > 0 or max_steps > 0 (to score a model without training, use evaluate).")
         t.setup_training(max_steps)
         state = t.state
         if resume_path:
@@ -192,8 +195,7 @@ class FitLoop:
     def _next_window(self, iterator: Iterator[Any], k: int) -> list[Any]:
         window = []
         for _ in range(k):
-            batch = next(iterator, _END)
-            if batch is _END:
+            if (batch := next(iterator, _END)) is _END:
                 break
             window.append(batch)
         return window
