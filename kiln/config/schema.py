@@ -19,7 +19,8 @@ def opt(default: Any, help: str) -> Any:
 class TrainConfig:
     """How long to train and how one optimizer step is formed."""
 
-    num_train_epochs: float = opt(3.0, "Epochs to train; a fraction runs part of the last epoch.")
+    num_train_epochs: float = opt(3.0, "Epochs to train; a fraction runs part of the last epoch. 0 loads (a config for "
+                                       "evaluate/predict) but fit() refuses it unless max_steps is set (HF trains nothing).")
     max_steps: int = opt(-1, "If > 0, the number of optimizer steps; overrides num_train_epochs.")
     gradient_accumulation_steps: int = opt(1, "Micro-batches accumulated into one optimizer step.")
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).")
@@ -165,7 +166,8 @@ class LogConfig:
     steps: float = opt(500, "Steps between logs (int, or a ratio < 1 of total steps).")
     first_step: bool = opt(False, "Also log the first optimizer step.")
     nan_inf_filter: bool = opt(True, "Replace a nan/inf step loss by the window's mean in the logs, and leave nan/inf "
-                               "batches out of eval_loss (HF's logging_nan_inf_filter).")
+                               "batches out of eval_loss (HF's logging_nan_inf_filter); a window without a finite loss "
+                               "logs nan, not HF's 0.0 (see train.max_nonfinite_steps).")
     report_to: List[str] = opt(["none"], "Trackers: tensorboard, mlflow, wandb, csv, jsonl, all or none.")
     logging_dir: Optional[str] = opt(None, "Run files (metrics.csv/jsonl; default output_dir/runs) and TensorBoard events (default output_dir/runs/<date>_<host>).")
     level: str = opt("passive", "Log level on the main process: debug, info, warning, error, critical, passive.")
