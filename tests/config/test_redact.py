@@ -81,8 +81,6 @@ def test_trackers_never_get_the_value(tmp_path: Path, secrets: None) -> None:
     assert _files_holding(runs, SECRET, OTHER) == []
 
 
-@pytest.mark.xfail(strict=True, reason="until kiln/engine/checkpoint/manager.py and export.py save config_for_saving(config) "
-                   "(issue 34 item 9; remove this marker with that change)")
 def test_no_file_under_output_dir_holds_the_value(tmp_path: Path, secrets: None) -> None:
     """Checkpoints' config.yaml and the exported kiln_config.yaml too (kiln/engine/checkpoint)."""
     path = _yaml(tmp_path, report_to="[tensorboard, csv, jsonl]")

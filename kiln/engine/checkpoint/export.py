@@ -31,6 +31,7 @@ def export_model(trainer: "TrainerLike", output_dir: str, max_shard_size: Option
             trainer.processing_class.save_pretrained(output_dir)
         from omegaconf import OmegaConf
 
-        OmegaConf.save(trainer.config, os.path.join(output_dir, "kiln_config.yaml"))
+        from kiln.config.redact import config_for_saving
+        OmegaConf.save(config_for_saving(trainer.config), os.path.join(output_dir, "kiln_config.yaml"))
     strategy.barrier("save-model")
     return output_dir

@@ -176,7 +176,8 @@ class CheckpointManager:
             json.dump(t.state.loop_position(), fh)
         from omegaconf import OmegaConf
 
-        OmegaConf.save(t.config, os.path.join(tmp, CONFIG))
+        from kiln.config.redact import config_for_saving
+        OmegaConf.save(config_for_saving(t.config), os.path.join(tmp, CONFIG))  # ${oc.env:...} values masked
         to_json_file = getattr(getattr(t.model, "config", None), "to_json_file", None)
         if callable(to_json_file):  # Transformers: from_pretrained(checkpoint) works
             to_json_file(os.path.join(tmp, "config.json"))
