@@ -127,7 +127,7 @@ def error_line(err: BaseException) -> str:
     frames = traceback.extract_tb(err.__traceback__)
     first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
     kiln_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    if frames and os.path.abspath(frames[-1].filename).startswith(kiln_dir) and first:
+    if isinstance(err, (TypeError, ValueError)) and frames and first and os.path.abspath(frames[-1].filename).startswith(kiln_dir):
         return first  # raised by kiln with its own sentence
     libraries = tuple(os.path.abspath(p) + os.sep for p in {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
     user = [f for f in frames if not f.filename.startswith("<")
