@@ -12,6 +12,10 @@ DeepSpeed examples in the Hugging Face docs) can be honoured without accelerate 
 settings are read as `accelerate launch` would export them, turned into kiln settings once, and
 handed to the workers as an argument (`--launcher-settings`), where the same precedence rule as for
 a real `accelerate launch` applies (`launcher_settings.launcher_overrides`).
+
+Lifetime. The workers die with the launcher, even when it is killed with SIGKILL (`_die_with_launcher`);
+a SIGTERM to the launcher reaches every worker and the launcher waits for their preemption checkpoint
+(`_ForwardSigterm`); and nothing of the job listens beyond 127.0.0.1 (`_register_loopback`).
 """
 
 from __future__ import annotations
@@ -71,25 +75,26 @@ def launch_local(
     os.environ[LAUNCHER_PID] = str(os.getpid())
     # torchrun sets 1 thread per worker; sharing the cores is better for CPU training and harmless on GPUs.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    sigterm = _ForwardSigterm(report_dir, nproc)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()), rdzv_backend=_register_loopback(),
-        local_addr="127.0.0.1", max_restarts=0, monitor_interval=monitor_interval, start_method="spawn",
-        signals_to_handle="SIGINT,SIGHUP,SIGQUIT" if sigterm.install() else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-    )
     args = ["-u", "-m", "kiln.strategies.launch", *argv]
     quiet = _QuietCtrlC()
     for name in _AGENT_LOGGERS:
         logging.getLogger(name).addFilter(quiet)
+    sigterm = _ForwardSigterm(report_dir, nproc)
     try:
+        ours = sigterm.install()  # torch's agent handles SIGTERM only where kiln cannot (not the main thread)
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()), rdzv_backend=_register_loopback(),
+            local_addr="127.0.0.1", max_restarts=0, monitor_interval=monitor_interval, start_method="spawn",
+            signals_to_handle="SIGINT,SIGHUP,SIGQUIT" if ours else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        )
         elastic_launch(config, sys.executable)(*args)
         return 0
     except ChildFailedError as err:
         if _interrupted(err):
             return 130  # Ctrl-C: rank 0 printed the one line; the others' exits are its echo
         if sigterm.received and all(f.exitcode == -signal.SIGTERM for f in err.failures.values()):
-            print("kiln: stopped by SIGTERM before a checkpoint could be saved; set save.on_preemption: true to save "
-                  "one on SIGTERM.", file=sys.stderr, flush=True)
+            print("kiln: stopped by SIGTERM and no checkpoint was saved; save.on_preemption: true saves one on SIGTERM "
+                  "once training has started.", file=sys.stderr, flush=True)
             return 128 + signal.SIGTERM
         return _report(err, report_dir)
     except KeyboardInterrupt:  # Ctrl-C reached the launcher too (the terminal signals the whole group)

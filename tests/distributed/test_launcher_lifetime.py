@@ -157,3 +157,42 @@ def test_without_an_agent_the_survivor_names_the_rank_that_died(tmp_path, die_ra
     else:
         expected = "kiln: rank 0, which hosts the job's store, no longer answers; this error on rank 1 followed from losing it."
     assert expected in err, err[-3000:]
+
+
+def test_the_watchdog_ends_a_worker_whose_launcher_died():
+    """Where the parent-death signal is not available (not Linux, or the launcher is not the direct
+    parent), a thread polling the launcher's pid ends the worker."""
+    launcher = subprocess.Popen(["sleep", "120"])
+    code = f"import os; from kiln.strategies.launch import _watch_launcher; _watch_launcher({launcher.pid}, os.getppid(), 0.1)"
+    worker = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        launcher.kill()
+        launcher.wait(timeout=30)
+        assert worker.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        worker.kill()
+        launcher.kill()
+
+
+def test_a_sigterm_before_every_worker_runs_or_a_second_one_stops_them_at_once(tmp_path):
+    """The first SIGTERM is handed to the workers (they save, the launcher waits); with nothing to
+    save yet (a worker has not started), or on a second SIGTERM, torch's agent stops them now."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from kiln.strategies.launch import _ForwardSigterm
+
+    workers = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+    try:
+        (tmp_path / "pid_0").write_text(str(workers[0].pid))
+        forward = _ForwardSigterm(str(tmp_path), 2)
+        with pytest.raises(SignalException):
+            forward(signal.SIGTERM, None)
+        assert workers[0].poll() is None and not forward.received
+        (tmp_path / "pid_1").write_text(str(workers[1].pid))
+        forward(signal.SIGTERM, None)
+        assert [w.wait(timeout=30) for w in workers] == [-signal.SIGTERM] * 2 and forward.received
+        with pytest.raises(SignalException):
+            forward(signal.SIGTERM, None)
+    finally:
+        for w in workers:
+            w.kill()
