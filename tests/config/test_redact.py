@@ -101,3 +101,16 @@ def test_tracker_run_names_are_masked_too(tmp_path: Path, secrets: None) -> None
 
     cfg = load_config(_yaml(tmp_path))
     assert cfg.run_name == SECRET and run_name(cfg) == "${oc.env:SECRET_TOKEN}"
+
+
+def test_substring_masking_starts_at_six_characters_and_prefers_the_longest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.config.redact import mask
+
+    monkeypatch.setenv("KILN_T5", "q5w4e")
+    monkeypatch.setenv("KILN_T6", "z6x5c4")
+    monkeypatch.setenv("KILN_SHORT", "m0n1b2v3")
+    monkeypatch.setenv("KILN_LONG", "m0n1b2v3-ext")
+    load_config(None, ["run_name=${oc.env:KILN_T5}/${oc.env:KILN_T6}/${oc.env:KILN_SHORT}/${oc.env:KILN_LONG}"])
+    assert mask("a-q5w4e-b") == "a-q5w4e-b" and mask("q5w4e") == "${oc.env:KILN_T5}"  # 5: whole values only
+    assert mask("a-z6x5c4-b") == "a-${oc.env:KILN_T6}-b"  # 6: inside strings too
+    assert mask("url/m0n1b2v3-ext") == "url/${oc.env:KILN_LONG}"  # not "${oc.env:KILN_SHORT}-ext"
