@@ -8,8 +8,10 @@ import logging
 import math
 
 import pytest
+import torch
+
 from kiln import Trainer
-from kiln.engine.loop.loss_reads import NonFiniteLossError
+from kiln.engine.loop.loss_reads import NonFiniteGuard, NonFiniteLossError
 from tests.helpers import TinyRegressor, base_config, regression_data
 
 
@@ -67,3 +69,45 @@ def test_a_few_nan_steps_are_filtered_as_before(tmp_path, caplog) -> None:
         result = _trainer(tmp_path, range(3, 6), max_steps=8).fit()  # steps 3-5 are nan: 3 < 10
     assert "The training loss is nan at step 3" in caplog.text
     assert math.isfinite(result.training_loss)
+
+
+class _Ranks:
+    """A strategy stand-in: `world` processes, and the max the other ranks report."""
+
+    def __init__(self, world: int, others: int = 0) -> None:
+        self.world_size, self.others, self.root_device, self.reduced = world, others, torch.device("cpu"), 0
+
+    def reduce(self, tensor, op):
+        assert op == "max"
+        self.reduced += 1
+        return torch.maximum(tensor, torch.tensor(self.others))
+
+
+NAN = float("nan")
+
+
+def test_a_finite_step_restarts_the_count() -> None:
+    guard = NonFiniteGuard(10)
+    for step in range(1, 6):
+        guard.step(step, [NAN])
+    guard.step(6, [1.0])
+    for step in range(7, 16):
+        guard.step(step, [2.0, NAN])  # one nan micro-batch makes the step non-finite
+    guard.check(_Ranks(1))  # 5, then 9: never 10 in a row
+    guard.step(16, [NAN])
+    with pytest.raises(NonFiniteLossError, match="for 10 consecutive steps"):
+        guard.check(_Ranks(1))
+
+
+def test_every_rank_stops_together_and_one_process_needs_no_collective() -> None:
+    alone = _Ranks(1)
+    NonFiniteGuard(3).check(alone)
+    assert alone.reduced == 0
+    with pytest.raises(NonFiniteLossError, match="for 4 consecutive steps"):
+        NonFiniteGuard(3).check(_Ranks(2, others=4))  # this rank saw only finite losses, another saw 4 nan steps
+
+
+def test_resumed_sums_count_as_finite() -> None:
+    guard = NonFiniteGuard(10)
+    guard.resumed()
+    assert guard.window_finite and guard.any_finite
