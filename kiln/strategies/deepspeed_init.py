@@ -23,12 +23,17 @@ model built under a context entered before Transformers was imported is refused 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Any, Callable, Iterator
 
 from torch import nn
 
 from kiln.utils.errors import ConfigError
+
+
+_TORCH_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+                "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
 
 
 def not_available(param: Any) -> bool:
@@ -52,11 +57,42 @@ def zero_init(deepspeed: Any, ds_config: dict[str, Any], record: Callable[[bool]
 
             if had_transformers:
                 stack.enter_context(_transformers_gathered(deepspeed))
+            stack.enter_context(_torch_init_gathered(deepspeed))
             stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds_config))
         if had_transformers:
             stack.enter_context(_optional("transformers.modeling_utils", "set_zero3_state"))
         yield
     record(partition and not had_transformers and "transformers.modeling_utils" in sys.modules)
+
+
+@contextlib.contextmanager
+def _torch_init_gathered(deepspeed: Any) -> Iterator[None]:
+    """`torch.nn.init.*` called on a parameter zero.Init already partitioned (nanoGPT's
+    `for p in self.parameters(): nn.init.normal_(p, ...)` after building its blocks) gathers it, runs
+    on every rank and keeps rank 0's values. Functions imported by name before the context opened,
+    and writes through `.data` or `copy_`, are not seen (build whole: `zero3_init_flag: false`)."""
+    from torch.nn import init
+
+    originals = {name: getattr(init, name) for name in _TORCH_INITS if hasattr(init, name)}
+
+    def gathered(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if not not_available(tensor):
+                return fn(tensor, *args, **kwargs)
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
+                fn(tensor, *args, **kwargs)
+            return tensor
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(init, name, gathered(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(init, name, fn)
 
 
 @contextlib.contextmanager

@@ -40,6 +40,13 @@ def run(tmp_path_factory):
     return json.loads((out / "results.json").read_text()), load_file(str(out / "tensors.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory):
+    from tests.strategies.deepspeed.launch import launch_worker
+
+    return launch_worker("worker_model_building.py", tmp_path_factory.mktemp("ds_build2"), "gpt2", "plain", "pretrained")
+
+
 def _weights(tensors: dict, prefix: str) -> dict:
     found = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + "/")}
     assert found, f"no weights for {prefix}"
@@ -100,3 +107,16 @@ def test_one_process_without_launcher_skips_the_shm_op_build(run):
     results, _ = run
     assert results["world"] == 1
     assert results["shm_comm_op_built"] is False
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("way,zero_init", WAYS, ids=[f"{w}-zero_init{z}" for w, z in WAYS])
+def test_zero3_on_two_processes_trains_like_ddp(run2, way, zero_init):
+    """The same on 2 processes against DDP: every rank runs the initialisation (the RNG advances as
+    without ZeRO) and rank 0's values are kept, so each rank's partition is a slice of one tensor."""
+    results, tensors = run2
+    key, ref = f"{way}/zero3_init{zero_init}", f"{way}/reference"
+    assert results["world"] == 2 and results[key]["partitioned_at_build"] is bool(zero_init)
+    _close(_weights(tensors, f"{key}/initial"), _weights(tensors, f"{ref}/initial"), 1e-6, f"{key} initial")
+    assert results[key]["losses"] == pytest.approx(results[ref]["losses"], abs=1e-5)
+    _close(_weights(tensors, f"{key}/final"), _weights(tensors, f"{ref}/final"), 1e-4, f"{key} final")

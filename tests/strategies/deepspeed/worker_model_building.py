@@ -6,10 +6,11 @@ Checks, in this order (the first must run before anything imports Transformers):
 - late_import: a factory that imports Transformers itself and calls the class under zero.Init is refused;
 - gpt2: `GPT2LMHeadModel(config)` and `AutoModelForCausalLM.from_config(config)`, ZeRO-3 with and
   without zero.Init, against `single` (one process) or `ddp` (several);
-- plain: a TrainingModule initialising its children in its constructor (nanoGPT's `self.apply`);
+- plain: a TrainingModule initialising its children in its constructor (nanoGPT: `self.apply(init)`,
+  then `nn.init.normal_` on some parameters);
 - pretrained: `from_pretrained` under ZeRO-3 with and without zero.Init starts from the saved weights;
 - mismatch: a model partitioned by the user's own zero.Init handed to a ZeRO-2 strategy is refused.
-Usage: python worker_model_building.py OUT [CHECK ...]"""
+Usage: python worker_model_building.py OUT [CHECK ...] (or under torchrun --nproc_per_node=2)"""
 
 import json
 import os
@@ -102,7 +103,10 @@ class InitInConstructor(TrainingModule):
     def __init__(self) -> None:
         super().__init__()
         self.emb, self.mix, self.head = nn.Embedding(64, 16), nn.Linear(16, 16), nn.Linear(16, 64)
-        self.apply(self._init)
+        self.apply(self._init)  # DeepSpeed gathers around Module.apply itself
+        for name, p in self.named_parameters():  # nanoGPT's scaled init of its projections: kiln gathers it
+            if name == "mix.weight":
+                nn.init.normal_(p, std=0.05)
 
     @staticmethod
     def _init(module: nn.Module) -> None:
