@@ -318,10 +318,10 @@ def _without_shm_comm_op(deepspeed: Any) -> Iterator[None]:
     (`deepspeed_shm_comm`, ~150-200 s on a fresh 2-core machine, before any message). Only
     `inference_all_reduce` (AutoTP inference) uses it, never training, which falls back to
     torch.distributed without it; so it is marked unavailable while the backend is created."""
-    if deepspeed.get_accelerator().device_name() != "cpu":
+    ops = getattr(deepspeed.ops, "__compatible_ops__", None)  # probed once by DeepSpeed (cheap), then cached
+    if deepspeed.get_accelerator().device_name() != "cpu" or not isinstance(ops, dict):
         yield
         return
-    ops = deepspeed.ops.__compatible_ops__  # probed once by DeepSpeed (cheap), then cached in its module
     before = ops.get("deepspeed_shm_comm", False)
     ops["deepspeed_shm_comm"] = False
     try:
