@@ -9,14 +9,15 @@ Transformers initialises through its own recursion (`post_init` -> `initialize_w
 ZeRO-3 path. `GPT2LMHeadModel(config)` called under kiln's zero.Init therefore kept torch's default
 init (N(0, 1) embeddings tied to the head: loss 40, eval accuracy 0; issue 34). Here:
 
+- `torch.nn.init.*` called on a partitioned parameter gathers it (nanoGPT's scaled projections);
 - `_initialize_weights` gathers the module's partitioned parameters, runs on every rank (so the
   RNG advances as without ZeRO) and keeps rank 0's values, as DeepSpeed's `apply` wrapper does;
 - Transformers is told an outer zero.Init is open (its own `set_zero3_state`, which exists to stop
   a nested zero.Init), so `from_config` builds exactly like calling the class instead of deferring
   initialisation to after construction in another order.
 
-Both ways then give the weights of the same model built without ZeRO. The patches live only while
-the context is open, and only when Transformers is already imported (it is heavy): a Transformers
+Every way then gives the weights of the same model built without ZeRO. The patches live only while
+the context is open; Transformers' only when it is already imported (it is heavy), so a Transformers
 model built under a context entered before Transformers was imported is refused at set-up.
 """
 
