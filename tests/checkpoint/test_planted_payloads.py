@@ -183,14 +183,21 @@ def _check_family(family) -> None:
 
 
 def _check_convert(family) -> None:
+    """`kiln convert`'s reader in this process for every case; the CLI itself for the first one."""
     out, cases, markers, _ = family
-    for case in cases:
-        if not case.startswith(("fsdp-sharded", "zero")):  # full/DDP convert reads model.safetensors only
-            continue
+    converted = [case for case in cases if case.startswith(("fsdp-sharded", "zero"))]  # full/DDP: model.safetensors only
+    for case in converted:
+        ckpt = out / "convert_cases" / case / "checkpoint-2"
         with pytest.raises(CheckpointError) as err:
-            convert_checkpoint(str(out / "convert_cases" / case / "checkpoint-2"), str(out / "converted" / case))
+            convert_checkpoint(str(ckpt), str(out / "converted" / case))
         _refused(f"CheckpointError: {err.value}", markers[case]["convert"])
         assert not (out / "converted" / case / "model.safetensors").exists()
+    ckpt = out / "convert_cases" / converted[0] / "checkpoint-2"
+    proc = run([sys.executable, "-m", "kiln.cli", "convert", str(ckpt), str(out / "converted_cli")], timeout=300,
+               check=False, env={"DS_ACCELERATOR": "cpu"})
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "Refusing to load" in last, proc.stderr
+    assert not os.path.exists(markers[converted[0]]["convert"])
 
 
 @pytest.mark.distributed
