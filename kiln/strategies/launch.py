@@ -69,7 +69,9 @@ def launch_local(
 
     report_dir = tempfile.mkdtemp(prefix="kiln-launch-")
     extra_env.update(_loopback_only())
-    saved = {k: os.environ.get(k) for k in [REPORT_DIR, LAUNCHER_PID, "OMP_NUM_THREADS", *extra_env]}
+    # torch's launch_agent exports TORCHELASTIC_SIGNALS_TO_HANDLE; it is put back with the rest
+    saved = {k: os.environ.get(k) for k in [REPORT_DIR, LAUNCHER_PID, "OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                                            *extra_env]}
     os.environ.update(extra_env)
     os.environ[REPORT_DIR] = report_dir
     os.environ[LAUNCHER_PID] = str(os.getpid())
