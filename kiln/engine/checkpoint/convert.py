@@ -1,7 +1,9 @@
 """`kiln convert CHECKPOINT OUT`: one `model.safetensors` from any kiln checkpoint, in this process,
 whatever strategy and number of processes saved it. The checkpoint's COMPLETE marker names its
 format; each format says how its full weights are read (FSDP's DCP shards are merged here,
-DeepSpeed's ZeRO shards by `zero_to_fp32` in its strategy's files)."""
+DeepSpeed's ZeRO shards by `zero_to_fp32` in its strategy's files). Both readers vet every pickle first
+(kiln.utils.safe_pickle, deepspeed_checkpoint_io.vet_ds_files), since torch's DCP reader and
+`zero_to_fp32` would unpickle them unchecked: converting a checkpoint never runs code from it."""
 
 from __future__ import annotations
 
