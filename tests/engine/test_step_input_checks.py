@@ -31,6 +31,13 @@ class Optional_(TinyRegressor):
         return F.mse_loss(self(batch["x"]), batch["y"]) + extra
 
 
+class Scaled(TinyRegressor):
+    def training_step(self, batch):
+        scales = {"a": 2.0}
+        scale = scales["a"] if "a" in scales else 1.0  # a membership test on another name keeps the check on
+        return F.mse_loss(self(batch["x"]), batch["y"]) * scale
+
+
 def _pairs(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8), torch.randn(())) for _ in range(n)]
 
@@ -41,6 +48,7 @@ def _pairs(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     (TinyRegressor(), _pairs(), r"reads batch\['x'\], but the dataset's items are tuple \(tensor\[8\], tensor\[\]\)"),
     (TinyRegressor(), [{"x": torch.randn(8)}] * 4, r"reads batch\['y'\], which the batches lack: the dataset's items are "
                                                    r"dict with keys \['x'\]; add 'y' to the items"),
+    (Scaled(), [{"x": torch.randn(8)}] * 4, r"Scaled.training_step reads batch\['y'\], which the batches lack"),
     (Pairs(), regression_data(4), r"Pairs.training_step unpacks the batch as a sequence, but the dataset's items are dict "
                                   r"with keys \['x', 'y'\], which batch into a dict"),
     (Pairs(), [(torch.randn(8),)] * 4, r"unpacks the batch into 2 values, but the dataset's items are tuple \(tensor\[8\]\), "
