@@ -6,6 +6,7 @@ flat name is rewritten to its place in the tree before validation. Names that sw
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from kiln.config import hf_args, hf_rewrites
@@ -178,7 +179,7 @@ def _fsdp(value: Any) -> dict[str, Any]:
 
 
 def _report_to(value: Any) -> dict[str, Any]:
-    names = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    names = [value] if isinstance(value, str) else list(value) if isinstance(value, Sequence) else None  # ListConfig too
     if names is None or not all(isinstance(name, str) for name in names):
         raise ValueError(f"report_to is {value!r}; give a tracker name or a list of them (tensorboard, mlflow, wandb, csv, "
                          "jsonl, all or none).")

@@ -39,5 +39,10 @@ def test_zero_epochs_loads_for_evaluate_but_fit_refuses(tmp_path) -> None:
     assert trainer.state.global_step == 0 and trainer.optimizer is None
 
 
+@pytest.mark.parametrize("overrides", [["report_to=[tensorboard, csv]"], ["report_to=csv"], ["log.report_to=[csv]"]])
+def test_tracker_lists_from_the_command_line_pass(overrides: list[str]) -> None:
+    assert "csv" in load_config(None, overrides).log.report_to
+
+
 def test_known_compile_backend_passes() -> None:
     assert load_config(None, ["torch_compile_backend=eager"]).train.torch_compile_backend == "eager"
