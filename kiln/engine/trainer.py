@@ -303,9 +303,9 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
                             "build Trainer(model_init=..., config={**config, **best_run.hyperparameters}).")
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self._check_eval_setup()
-        from kiln.engine.data.checks import check_first_item
+        from kiln.engine.data.checks import check_training_data
 
-        check_first_item(self.train_dataset, self.data_collator, self._training_module)  # before any model work
+        check_training_data(self.train_dataset, self.data_collator, self.model, self._training_module)  # before model work
         if self.strategy.is_global_zero and cfg.log.level not in ("error", "critical"):  # quiet runs stay quiet
             from kiln.engine.model.summary import model_summary
 

@@ -53,9 +53,21 @@ def _collate_quietly(collator: Callable[[list[Any]], Any], item: Any) -> Any:
         np.random.set_state(npy)
 
 
-def check_first_item(dataset: Any, collator: Optional[Callable[[list[Any]], Any]], training_module: bool) -> None:
-    """Raise KilnError if the dataset's items (tuples/lists) cannot become what the model needs."""
+def check_training_data(dataset: Any, collator: Optional[Callable[[list[Any]], Any]], module: Any, training_module: bool) -> None:
+    """Both checks below on one read of the first item (reading a sample can be costly, and a resumed
+    run must not read more of the data than the batches it trains on)."""
     item = _first_item(dataset)
+    check_first_item(dataset, collator, training_module, item=item)
+    check_step_input(module, dataset, collator, item=item)
+
+
+_UNREAD = object()
+
+
+def check_first_item(dataset: Any, collator: Optional[Callable[[list[Any]], Any]], training_module: bool,
+                     item: Any = _UNREAD) -> None:
+    """Raise KilnError if the dataset's items (tuples/lists) cannot become what the model needs."""
+    item = _first_item(dataset) if item is _UNREAD else item
     if item is None or isinstance(item, Mapping) or not isinstance(item, Sequence) or isinstance(item, (str, bytes)):
         return
     if collator is None and training_module:
@@ -110,7 +122,7 @@ def _step_reads(step: Callable[..., Any]) -> Optional[tuple[set[str], Optional[i
     return keys, unpacked
 
 
-def check_step_input(module: Any, dataset: Any, collator: Optional[Callable[[list[Any]], Any]]) -> None:
+def check_step_input(module: Any, dataset: Any, collator: Optional[Callable[[list[Any]], Any]], item: Any = _UNREAD) -> None:
     """Raise KilnError when a TrainingModule's training_step would fail on the first batch because
     the data has the wrong shape for it (strings or tuples where it reads keys, a key the items lack,
     dicts where it unpacks a tuple): one sentence about the data, not a KeyError from the user's code."""
@@ -119,7 +131,7 @@ def check_step_input(module: Any, dataset: Any, collator: Optional[Callable[[lis
     step = getattr(module, "training_step", None)
     if not isinstance(module, TrainingModule) or getattr(type(module), "training_step", None) is TrainingModule.training_step:
         return
-    item = _first_item(dataset)
+    item = _first_item(dataset) if item is _UNREAD else item
     reads = _step_reads(step) if item is not None else None
     if reads is None:
         return

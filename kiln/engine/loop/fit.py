@@ -25,7 +25,6 @@ import torch
 
 from kiln.engine.optim.optional import optimizer_mode
 from kiln.engine.callbacks.base import interval
-from kiln.engine.data.checks import check_step_input
 from kiln.engine.data.epoch_rng import EpochRandomState
 from kiln.engine.data.loaders import loader_length, set_epoch
 from kiln.engine.loop.loss_reads import NonFiniteGuard, loss_values
@@ -64,7 +63,6 @@ class FitLoop:
     def _run(self, resume_path: Optional[str]) -> TrainOutput:
         t = self.trainer
         cfg, strategy = t.config, t.strategy
-        check_step_input(t.model, t.train_dataset, getattr(t, "data_collator", None))  # data vs what training_step reads
         loader = self._train_dataloader(resume_path)
         t.checkpoints.attach(self, loader)  # the loop's sums and the data position go into checkpoints
         batches_per_epoch = loader_length(loader)
