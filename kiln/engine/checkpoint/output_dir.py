@@ -45,25 +45,23 @@ class OutputDirInUse(KilnError):
     """Another live process holds the output_dir's run lock."""
 
 
-def _holder_text(fd: int) -> str:
-    try:
-        raw = os.pread(fd, 4096, 0)
-        info = json.loads(raw.decode("utf-8")) if raw else {}
-    except (OSError, ValueError):
-        return "another process"
-    if not isinstance(info, dict):
-        return "another process"
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"])) if isinstance(info.get("started"), (int, float)) else "?"
-    return f"pid {info.get('pid', '?')} on {info.get('host', '?')}, started {started}"
-
-
-def _previous_holder(fd: int) -> Optional[dict[str, Any]]:
+def _holder(fd: int) -> Optional[dict[str, Any]]:
+    """What the lock file says of the process that holds (or last held) it."""
     try:
         raw = os.pread(fd, 4096, 0)
         info = json.loads(raw.decode("utf-8")) if raw else None
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None
+
+
+def _holder_text(fd: int) -> str:
+    info = _holder(fd)
+    if info is None:
+        return "another process"
+    started = info.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return f"pid {info.get('pid', '?')} on {info.get('host', '?')}, started {when}"
 
 
 def acquire(output_dir: str) -> None:
@@ -96,7 +94,7 @@ def acquire(output_dir: str) -> None:
         if same:
             break
         os.close(fd)
-    previous = _previous_holder(fd)
+    previous = _holder(fd)
     if previous and previous.get("pid") != os.getpid():
         log.warning("Took over the run lock of %s left by pid %s on %s, which is no longer running (it crashed or was killed).",
                     output_dir, previous.get("pid", "?"), previous.get("host", "?"))
