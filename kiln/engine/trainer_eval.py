@@ -283,12 +283,14 @@ class EvaluationMixin(BestModelMixin):
 
     def _hf_prediction_step(self: "TrainerLike", model: Any, inputs: Any, loss_only: bool,
                             ignore_keys: Optional[list[str]]) -> tuple[Any, Any, Any]:
-        if ignore_keys is None:
-            ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", None) or [])
+        if ignore_keys is None:  # HF: the config's list, else the KV cache ("cache"; "past_key_values" before v5)
+            config = getattr(self.model, "config", None)
+            ignore_keys = [] if config is None else list(getattr(config, "keys_to_ignore_at_inference", ["cache"]))
         labels = self._labels_from(inputs)
         loss = outputs = None
-        if labels is not None:
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        if labels is not None:  # HF: the model divides its summed loss by this batch's label count
+            count = self._count_items(inputs) if self._model_divides([inputs]) else None
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=count)
             loss = loss.mean().detach()
         if loss_only:
             return loss, None, None

@@ -28,7 +28,11 @@ class TrainingModule(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch).")
 
     def validation_step(self, batch: Any) -> StepOutput:
-        """Return a dict with "loss" and optionally "logits"/"predictions" and "labels"."""
+        """Return a dict with "loss" and optionally "logits"/"predictions" and "labels".
+
+        "loss" is the batch's mean loss (a scalar: it counts once per sample of the batch, HF's rule, so
+        a short last batch weighs less) or one loss per sample (averaged as they are); `eval_loss` is
+        the mean over all samples either way."""
         out = self.training_step(batch)
         return out if isinstance(out, Mapping) else {"loss": out}
 
