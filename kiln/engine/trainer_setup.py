@@ -97,12 +97,13 @@ def _config_or_args(config: Any, args: Any) -> Any:
 
 
 def _pop_objects(config: Any, strategy: Any, precision: Any) -> tuple[Any, Any, Any]:
-    """Allow `{"strategy": MyStrategy(), ...}` in a dict config: objects travel beside the config."""
+    """Allow `{"strategy": MyStrategy(), ...}` in a dict config: objects travel beside the config.
+    Names stay in the config, numbers and booleans too (`{"precision": 16}`: the config reads them)."""
     if isinstance(config, Mapping):
         config = dict(config)
         for key in ("strategy", "precision"):
             value = config.get(key)
-            if value is not None and not isinstance(value, (str, Mapping)):
+            if value is not None and not isinstance(value, (str, Mapping, int, float)):
                 config.pop(key)
                 if key == "strategy":
                     strategy = strategy or value
