@@ -16,6 +16,12 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _numel(param: Any) -> int:
+    """Elements of the full parameter: ZeRO-3 leaves an empty tensor in the module and keeps the full
+    size in `ds_numel` (without this a partitioned model reports "0 parameters")."""
+    return int(getattr(param, "ds_numel", 0) or param.numel())
+
+
 def _dtype(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -25,8 +31,8 @@ def model_summary(model: nn.Module, strategy: Any, precision: Any) -> str:
     precision bf16 (float32 weights, bfloat16 compute)`. Parameter dtypes are the ones training uses
     (a true-half plugin casts the model when training starts)."""
     params = list(model.parameters())
-    total = sum(p.numel() for p in params)
-    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(_numel(p) for p in params)
+    trainable = sum(_numel(p) for p in params if p.requires_grad)
     weights = precision.param_dtype
     if weights is None:
         counts = Counter(p.dtype for p in params)

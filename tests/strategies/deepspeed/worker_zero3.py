@@ -110,7 +110,7 @@ if "generate" in checks:
     g = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(3, 24, (8, 6), generator=g), torch.randint(3, 24, (8, 5), generator=g)
     rows = [{"input_ids": ids[i], "attention_mask": torch.ones(6, dtype=torch.long), "labels": labels[i]} for i in range(8)]
-    gen = {"max_length": 8, "eos_token_id": 6}  # an id at which rows stop at different lengths: ranks finish at different steps
+    gen = {"max_length": 8, "eos_token_id": 7}  # an id at which rows stop at different lengths: ranks finish at different steps
     cfg = config(root, "generate", world, predict_with_generate=True, max_steps=2, learning_rate=0.01, **ds(3))
     trainer = Trainer(model_init=bart, config=cfg, train_dataset=rows, strategy="deepspeed")
     initial = full_weights(trainer)
