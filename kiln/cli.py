@@ -138,9 +138,16 @@ def error_line(err: BaseException) -> str:
 
 
 def _fit(trainer: Any, data: dict[str, Any]) -> None:
+    import os
+
     from kiln.engine.checkpoint.output_dir import run_lock
 
-    with run_lock(trainer.config, trainer.strategy):  # fit takes it too: held here until the export is written
+    cfg = trainer.config
+    where = os.path.abspath(cfg.output_dir)
+    say = trainer.is_world_process_zero() and cfg.log.level not in ("error", "critical")  # as the model summary
+    if say:
+        print(f"kiln: output_dir {where}", flush=True)
+    with run_lock(cfg, trainer.strategy):  # fit takes it too: held here until the export is written
         result = trainer.fit()
         trainer.log_metrics("train", result.metrics)
         trainer.save_metrics("train", result.metrics)
@@ -150,6 +157,8 @@ def _fit(trainer: Any, data: dict[str, Any]) -> None:
             trainer.save_metrics("eval", metrics)
         trainer.save_model()
         trainer.save_state()
+    if say:
+        print(f"kiln: done; the run's files are in {where}", flush=True)
 
 
 def _pick_weights(cfg: Any, weights: Optional[str], random_weights: bool) -> Any:
@@ -254,7 +263,10 @@ def _convert(rest: list[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:  # a usage error, as for any command-line tool: help on stderr, exit 2
+        print(USAGE, file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     if args[0] in ("--version", "-V", "version"):
