@@ -92,3 +92,23 @@ def test_eval_loss_is_hf_eval_loss_on_the_same_weights(build: Any, tmp_path: Any
                            "report_to": "none"}).evaluate(rows)["eval_loss"]
     hf = _hf_eval_loss(hf_model, rows, str(tmp_path / "hf"))
     assert kiln == pytest.approx(hf, abs=1e-6)
+
+
+def test_two_ranks_gather_the_logits_without_the_cache(tmp_path: Any) -> None:
+    """The same rule on every rank of a (simulated, threaded) two-rank world: predictions are the
+    single-process ones, in dataset order."""
+    from kiln import load_config
+    from tests.evaluation.test_simulated_world import SimulatedRank, World
+
+    rows, world = _rows(), World(2)
+    single = Trainer(_gpt2(), {"output_dir": str(tmp_path / "one"), "per_device_eval_batch_size": 2,
+                               "report_to": "none"}).predict(rows).predictions
+    ranks = []
+    for rank in range(2):
+        cfg = {"output_dir": str(tmp_path / str(rank)), "per_device_eval_batch_size": 2, "report_to": "none"}
+        model = _gpt2()
+        model.config.use_cache = True
+        ranks.append(Trainer(model, cfg, strategy=SimulatedRank(load_config(cfg), None, world, rank)))
+    outputs = world.run(lambda rank: ranks[rank].predict(rows))
+    for out in outputs:
+        np.testing.assert_allclose(out.predictions, single, rtol=1e-5, atol=1e-6)
