@@ -112,6 +112,12 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
             raise
         known = isinstance(err, (ConfigError, KilnError, UnknownNameError, TaskError))
         print(f"kiln: error: {err if known else error_line(err)}", file=sys.stderr)
+        if isinstance(err, RuntimeError) and "torch.distributed" in sys.modules:
+            from kiln.strategies.process_group import lost_peer_note
+
+            note = lost_peer_note()  # a collective that lost its peer: name the rank that died
+            if note:
+                print(note, file=sys.stderr)
         return 2
     return 0
 
