@@ -165,3 +165,19 @@ def test_evaluate_refuses_damaged_weights(out):
         given_weights(ckpt)
     with pytest.raises(CheckpointError, match=r"the last checkpoint .*checkpoint-4' is damaged"):
         find_run_weights(out)
+
+
+@pytest.mark.parametrize("size", [0, 1, (8 << 20) + 3, 3 * (8 << 20)])
+def test_the_digest_covers_every_byte(tmp_path, size):
+    """Hashed in chunks from a memory map: every chunk, the first and the last byte count."""
+    import xxhash
+
+    data = bytearray(os.urandom(size))
+    path = tmp_path / "f"
+    path.write_bytes(bytes(data))
+    assert file_digest(str(path)) == xxhash.xxh3_64(bytes(data)).hexdigest()
+    for where in {0, size // 2, size - 1} if size else set():
+        changed = bytearray(data)
+        changed[where] ^= 1
+        path.write_bytes(bytes(changed))
+        assert file_digest(str(path)) != xxhash.xxh3_64(bytes(data)).hexdigest()

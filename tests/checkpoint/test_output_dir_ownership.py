@@ -160,8 +160,13 @@ def test_the_lock_is_reentrant_within_a_process_and_released_by_the_last_holder(
     assert os.path.exists(os.path.join(out, LOCK))
     proc = subprocess.run([sys.executable, "-c", HOLDER, out], input="", capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "is in use by another kiln run" in proc.stderr
+    from kiln.engine.checkpoint.output_dir import _held
+
+    fd = _held[os.path.realpath(out)][0]
     release(out)
     assert not os.path.exists(os.path.join(out, LOCK))
+    with pytest.raises(OSError):  # the descriptor (and with it the flock) is gone, not just the file
+        os.fstat(fd)
     holder = hold_lock(out)  # free again for anyone
     holder.kill()
     holder.wait()
