@@ -65,8 +65,8 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         args: Any = None,
     ) -> None:
         config = _config_or_args(config, args)
-        config, strategy, precision = _pop_objects(config, strategy, precision)
-        self.config = load_with_launcher_settings(config, list(overrides))  # accelerate launch fills unset keys
+        config, strategy, precision, overrides = _pop_objects(config, strategy, precision, overrides)
+        self.config = load_with_launcher_settings(config, overrides)  # accelerate launch fills unset keys
         cfg = self.config
         from kiln.loggers.metrics import MemoryTracker
 

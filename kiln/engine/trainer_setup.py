@@ -4,7 +4,7 @@ optimizer and scheduler together for training) and the loss weights of each accu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -96,9 +96,14 @@ def _config_or_args(config: Any, args: Any) -> Any:
     return args
 
 
-def _pop_objects(config: Any, strategy: Any, precision: Any) -> tuple[Any, Any, Any]:
+def _pop_objects(config: Any, strategy: Any, precision: Any, overrides: Iterable[str]) -> tuple[Any, Any, Any, list[str]]:
     """Allow `{"strategy": MyStrategy(), ...}` in a dict config: objects travel beside the config.
-    Names stay in the config, numbers and booleans too (`{"precision": 16}`: the config reads them)."""
+    Names stay in the config, numbers and booleans too (`{"precision": 16}`: the config reads them);
+    a name or number given as the `precision=` keyword becomes the config's (`precision="bf16"`, `16`)."""
+    overrides = list(overrides)
+    if isinstance(precision, (str, int, float)) and not isinstance(precision, bool):
+        overrides.append(f"precision={precision}")
+        precision = None
     if isinstance(config, Mapping):
         config = dict(config)
         for key in ("strategy", "precision"):
@@ -109,4 +114,4 @@ def _pop_objects(config: Any, strategy: Any, precision: Any) -> tuple[Any, Any, 
                     strategy = strategy or value
                 else:
                     precision = precision or value
-    return config, strategy, precision
+    return config, strategy, precision, overrides

@@ -37,3 +37,10 @@ def test_precision_value_in_a_dict_config_picks_lightnings_plugin(value: Any, pl
 def test_double_precision_is_refused_by_name(value: Any, tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match=r"^Unknown precision plugin '64(-true)?' in `precision.name`"):
         _plugin(value, tmp_path)
+
+
+@pytest.mark.parametrize("value, plugin", [(32, "fp32"), ("bf16", "bf16"), ("bf16-true", "bf16-true")])
+def test_precision_keyword_given_as_a_name_or_number(value: Any, plugin: str, tmp_path: Any) -> None:
+    """`Trainer(..., precision="bf16")` names the plugin as the config would (it beats the config's)."""
+    trainer = Trainer(torch.nn.Linear(2, 2), {"output_dir": str(tmp_path), "precision": "fp32"}, precision=value)
+    assert trainer.precision.name == plugin
