@@ -131,12 +131,15 @@ def check_step_input(module: Any, dataset: Any, collator: Optional[Callable[[lis
     step = getattr(module, "training_step", None)
     if not isinstance(module, TrainingModule) or getattr(type(module), "training_step", None) is TrainingModule.training_step:
         return
+    from kiln.engine.data.loaders import default_data_collator
+
+    if collator is not None and collator is not default_data_collator:
+        return  # a user's collator may keep state or count calls: an extra call is not kiln's to make
     item = _first_item(dataset) if item is _UNREAD else item
     reads = _step_reads(step) if item is not None else None
     if reads is None:
         return
     keys, unpacked = reads
-    from kiln.engine.data.loaders import default_data_collator
 
     try:
         batch = _collate_quietly(collator or default_data_collator, item)
