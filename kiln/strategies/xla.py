@@ -131,6 +131,21 @@ class XLAStrategy(Strategy):
 
     _gradients: Any = None  # the PersistentGradients of the run being trained
 
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Move to the XLA device, keeping tied weights one Parameter: CPU and XLA tensors cannot share
+        a shallow copy, so `Module.to` makes a new Parameter per name and a tie (an LM head sharing the
+        embedding) would train as two weights."""
+        ties: dict[int, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            ties.setdefault(id(param), []).append(name)
+        moved = module.to(self.root_device)
+        for names in (group for group in ties.values() if len(group) > 1):
+            shared = moved.get_parameter(names[0])
+            for name in names[1:]:
+                owner, _, leaf = name.rpartition(".")
+                setattr(moved.get_submodule(owner), leaf, shared)
+        return moved
+
     def settle_gradients(self) -> None:
         """Before an optimizer step: parameters no backward reached lose their zero gradient (once)."""
         if self._gradients is not None:
