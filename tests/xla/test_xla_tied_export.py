@@ -39,14 +39,8 @@ def test_a_tied_weight_on_an_xla_device_is_saved_once(tmp_path):
     assert keys == ["emb.weight"] and json.loads(meta["kiln_aliases"]) == {"head.weight": "emb.weight"}
 
 
-class TiedLM(nn.Module):
+class TiedLM(Tied):
     """HF contract: model(**batch) returns a loss; the head shares the embedding's weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(5, 4)
-        self.head = nn.Linear(4, 5, bias=False)
-        self.head.weight = self.emb.weight
 
     def forward(self, input_ids, labels):  # type: ignore[no-untyped-def]
         return {"loss": nn.functional.cross_entropy(self.head(self.emb(input_ids)).flatten(0, 1), labels.flatten())}
