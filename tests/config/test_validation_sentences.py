@@ -46,3 +46,7 @@ def test_tracker_lists_from_the_command_line_pass(overrides: list[str]) -> None:
 
 def test_known_compile_backend_passes() -> None:
     assert load_config(None, ["torch_compile_backend=eager"]).train.torch_compile_backend == "eager"
+
+
+def test_a_one_second_timeout_is_accepted() -> None:
+    assert load_config(None, ["strategy.timeout=1"]).strategy.timeout == 1
