@@ -94,7 +94,7 @@ def peak_memory(kind: str, dim: int, layers: int) -> None:
     g = torch.Generator().manual_seed(0)
     data = [{"x": torch.randn(dim, generator=g), "labels": torch.randn(dim, generator=g)} for _ in range(16)]
     # both strategies' code loaded before the baseline: imports are resident memory too (FSDP's pull in DTensor, DCP)
-    for name in ("kiln.strategies.ddp", "kiln.strategies.fsdp", "torch.distributed.checkpoint.state_dict"):
+    for name in ("kiln.strategies.ddp.strategy", "kiln.strategies.fsdp.strategy", "torch.distributed.checkpoint.state_dict"):
         importlib.import_module(name)
 
     if dev.type == "cuda":

@@ -88,7 +88,7 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
          launcher: Optional[list[Any]] = None, show_traceback: bool = False) -> int:
     from kiln.config import ConfigError
     from kiln.registry import UnknownNameError
-    from kiln.strategies.launcher_settings import load_with_launcher_settings
+    from kiln.launch.settings import load_with_launcher_settings
     from kiln.utils.errors import KilnError
 
     try:
@@ -102,7 +102,7 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
         else:
             _score(command, trainer, data, chosen)
     except KeyboardInterrupt as err:  # Ctrl-C: one line from one process, the shell's exit code for SIGINT
-        from kiln.strategies.environment import detect
+        from kiln.launch.environment import detect
 
         if detect().rank == 0:
             print(f"kiln: {err or 'interrupted'}", file=sys.stderr, flush=True)
@@ -317,8 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     weights, random_weights = getattr(ns, "weights", None), getattr(ns, "random_weights", False)
     if ns.nproc != 1 or ns.accelerate_config:  # --nproc 0 / -1 reach launch_local, which refuses them
-        from kiln.strategies.launch import accelerate_config_settings, launch_local
-        from kiln.strategies.launcher_settings import settings_to_json
+        from kiln.launch.local import accelerate_config_settings, launch_local
+        from kiln.launch.settings import settings_to_json
 
         flags = ([f"--weights={weights}"] if weights else []) + (["--random-weights"] if random_weights else [])
         nproc, devices = ns.nproc if ns.nproc != 1 else 0, {}
@@ -333,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
     settings = None
     if ns.launcher_settings:
-        from kiln.strategies.launcher_settings import settings_from_json
+        from kiln.launch.settings import settings_from_json
 
         settings = settings_from_json(ns.launcher_settings)
     overrides = [o for o in overrides if o != "--traceback"]

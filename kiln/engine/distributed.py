@@ -99,7 +99,7 @@ def check_same_output_dir(config: "DictConfig", strategy: "Strategy") -> None:
 def _topology(strategy: Optional["Strategy"]) -> tuple[int, int, int, Any]:
     if strategy is not None:
         return strategy.global_rank, strategy.local_rank, strategy.world_size, strategy.barrier
-    from kiln.strategies.environment import detect
+    from kiln.launch.environment import detect
 
     env = detect()
     if not env.distributed:

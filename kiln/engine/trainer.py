@@ -36,7 +36,7 @@ from kiln.engine.trainer_eval import EvaluationMixin
 from kiln.engine.trainer_setup import SetupMixin, _config_or_args, _pop_objects
 from kiln.precision import build_precision
 from kiln.strategies import build_strategy, check_run_compatible
-from kiln.strategies.launcher_settings import load_with_launcher_settings
+from kiln.launch.settings import load_with_launcher_settings
 
 
 class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):

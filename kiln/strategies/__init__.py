@@ -17,12 +17,12 @@ STRATEGIES: Registry[type] = Registry("strategy", "strategy.name")
 
 for _names, _module in (
     (("single", "cpu", "cuda"), "kiln.strategies.single"),
-    (("ddp", "ddp_find_unused_parameters_true"), "kiln.strategies.ddp"),
-    (("fsdp", "fsdp2"), "kiln.strategies.fsdp"),
+    (("ddp", "ddp_find_unused_parameters_true"), "kiln.strategies.ddp.strategy"),
+    (("fsdp", "fsdp2"), "kiln.strategies.fsdp.strategy"),
     (("deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_2_offload",
-      "deepspeed_stage_3_offload"), "kiln.strategies.deepspeed"),
-    (("xla",), "kiln.strategies.xla"),
-    (("xla_fsdp",), "kiln.strategies.xla_fsdp"),
+      "deepspeed_stage_3_offload"), "kiln.strategies.deepspeed.strategy"),
+    (("xla",), "kiln.strategies.xla.strategy"),
+    (("xla_fsdp",), "kiln.strategies.xla.fsdp"),
     (("mps",), "kiln.strategies.mps"),
     (("auto",), "kiln.strategies.auto"),
 ):

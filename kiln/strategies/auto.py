@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kiln.strategies import STRATEGIES
-from kiln.strategies.environment import detect
+from kiln.launch.environment import detect
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

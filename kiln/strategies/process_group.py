@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kiln.strategies.environment import ClusterEnvironment, visible_devices
+from kiln.launch.environment import ClusterEnvironment, visible_devices
 
 
 def default_backend(device: torch.device) -> str:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.strategies.xla_fsdp_checkpoint_io import SPMD_DIR, SPMDCheckpointIO, consolidate_spmd
+from kiln.strategies.xla.fsdp_checkpoint_io import SPMD_DIR, SPMDCheckpointIO, consolidate_spmd
 from kiln.utils.errors import CheckpointError
 from kiln.utils.safe_pickle import DCPMetadataUnpickler, UnsafePickle, load_dcp_metadata, vet_dcp_folder
 from tests.checkpoint.test_planted_payloads import plant_dcp_entry, plant_dcp_metadata

@@ -30,7 +30,7 @@ def test_a_raising_rank_stops_kiln_fit_nproc_with_its_error(tmp_path):
 def test_a_killed_rank_stops_the_job_and_is_named(tmp_path):
     """SIGKILL (the OOM killer, an external kill) leaves no Python error behind: the launcher names the
     rank that died rather than the peer whose all-reduce then failed."""
-    code = f"import sys; from kiln.strategies.launch import launch_local; sys.exit(launch_local(2, [{str(HERE / 'worker_fail.py')!r}, {str(tmp_path)!r}]))"
+    code = f"import sys; from kiln.launch.local import launch_local; sys.exit(launch_local(2, [{str(HERE / 'worker_fail.py')!r}, {str(tmp_path)!r}]))"
     proc = run([sys.executable, "-c", code], timeout=BOUND + 30, check=False)
     assert proc.returncode != 0 and proc.elapsed < BOUND
     assert "unreachable" not in proc.stdout

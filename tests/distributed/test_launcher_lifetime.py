@@ -163,7 +163,7 @@ def test_the_watchdog_ends_a_worker_whose_launcher_died():
     """Where the parent-death signal is not available (not Linux, or the launcher is not the direct
     parent), a thread polling the launcher's pid ends the worker."""
     launcher = subprocess.Popen(["sleep", "120"])
-    code = f"import os; from kiln.strategies.launch import _watch_launcher; _watch_launcher({launcher.pid}, os.getppid(), 0.1)"
+    code = f"import os; from kiln.launch.local import _watch_launcher; _watch_launcher({launcher.pid}, os.getppid(), 0.1)"
     worker = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         launcher.kill()
@@ -179,7 +179,7 @@ def test_a_sigterm_before_every_worker_runs_or_a_second_one_stops_them_at_once(t
     save yet (a worker has not started), or on a second SIGTERM, torch's agent stops them now."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from kiln.strategies.launch import _ForwardSigterm
+    from kiln.launch.local import _ForwardSigterm
 
     workers = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
     try:

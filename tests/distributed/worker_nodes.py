@@ -12,7 +12,7 @@ import torch
 
 import toy
 from kiln import Trainer
-from kiln.strategies.environment import detect
+from kiln.launch.environment import detect
 
 out = sys.argv[1]
 env = detect()

@@ -12,8 +12,8 @@ from kiln import Trainer
 from kiln.config import load_config
 from kiln.precision import build_precision
 from kiln.strategies import STRATEGIES
-from kiln.strategies.ddp import DDPStrategy, default_backend, pick_device
-from kiln.strategies.environment import ClusterEnvironment
+from kiln.strategies.ddp.strategy import DDPStrategy, default_backend, pick_device
+from kiln.launch.environment import ClusterEnvironment
 from tests.distributed import toy
 
 LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID", "MASTER_ADDR", "MASTER_PORT",

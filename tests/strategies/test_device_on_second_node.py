@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.strategies.environment import detect
+from kiln.launch.environment import detect
 from kiln.strategies.process_group import pick_device
 
 #: global rank 3 of 4 = local rank 1 on node 1, as torchrun --nnodes=2 --nproc_per_node=2 sets it
@@ -42,7 +42,7 @@ def test_the_ddp_strategy_on_the_second_node_picks_the_local_device(monkeypatch)
     """The same through the strategy's constructor, which reads os.environ (no group is created)."""
     from kiln.config.load import load_config
     from kiln.precision.fp32 import FP32Precision
-    from kiln.strategies.ddp import DDPStrategy
+    from kiln.strategies.ddp.strategy import DDPStrategy
 
     _gpus(monkeypatch, 2)
     for key in ("SLURM_NTASKS", "SLURM_PROCID"):

@@ -45,7 +45,7 @@ def test_teardown_frees_the_group_and_joins_gloo_workers(tmp_path, strategy, cap
     trainer.fit()
     group = weakref.ref(dist.group.WORLD)
     assert gloo_workers() > before  # the run's group has its workers
-    with caplog.at_level(logging.DEBUG, logger="kiln.strategies.ddp"):
+    with caplog.at_level(logging.DEBUG, logger="kiln.strategies.ddp.strategy"):
         trainer.strategy.teardown()
     assert "outlives" not in caplog.text  # freed by teardown itself, not by the fallback
     gc.collect()
@@ -64,7 +64,7 @@ def test_group_is_freed_when_dynamo_is_first_imported_after_it(tmp_path):
         import torch.distributed as dist
         from kiln.config import load_config
         from kiln.precision import build_precision
-        from kiln.strategies.ddp import DDPStrategy
+        from kiln.strategies.ddp.strategy import DDPStrategy
         config = load_config({{"strategy": {{"name": "ddp", "device": "cpu"}}, "output_dir": {str(tmp_path)!r}}})
         strategy = DDPStrategy(config, build_precision(config))
         strategy.setup_environment()

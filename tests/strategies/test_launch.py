@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.strategies import launch
-from kiln.strategies.launcher_settings import accelerate_settings
+from kiln.launch import local as launch
+from kiln.launch.settings import accelerate_settings
 
 # The accelerate config files of the Hugging Face docs (multi-GPU DDP, FSDP, DeepSpeed file / inline).
 MULTI_GPU = """compute_environment: LOCAL_MACHINE

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from kiln.strategies.xla_checkpoint_io import XLACheckpointIO, to_cpu
+from kiln.strategies.xla.checkpoint_io import XLACheckpointIO, to_cpu
 
 
 def _stepped() -> tuple[nn.Module, torch.optim.Optimizer]:

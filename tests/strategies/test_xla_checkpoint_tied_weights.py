@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kiln.strategies.xla_checkpoint_io import XLACheckpointIO, module_state_cpu, to_cpu
+from kiln.strategies.xla.checkpoint_io import XLACheckpointIO, module_state_cpu, to_cpu
 
 
 class Tied(nn.Module):

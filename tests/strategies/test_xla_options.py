@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kiln.config.load import load_config
-from kiln.strategies.xla_fsdp_options import check_activation_checkpointing, resolve
+from kiln.strategies.xla.fsdp_options import check_activation_checkpointing, resolve
 from kiln.utils.errors import ConfigError
 
 

@@ -71,7 +71,7 @@ def test_only_a_users_dataloader_with_a_short_batch_is_warned_about(tmp_path, ca
 
     trainer = Trainer(TinyRegressor(), _config(tmp_path, "warn", "xla"), train_dataset=regression_data(n=N),
                       eval_dataset=regression_data(n=12))
-    with caplog.at_level(logging.WARNING, logger="kiln.strategies.xla_loader"):
+    with caplog.at_level(logging.WARNING, logger="kiln.strategies.xla.loader"):
         assert len(trainer.get_eval_dataloader()) == 2  # kiln's evaluation keeps its short batch, silently
         assert not caplog.records
         trainer.strategy.process_dataloader(DataLoader(regression_data(n=12), batch_size=BATCH))

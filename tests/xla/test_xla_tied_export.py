@@ -15,7 +15,7 @@ import torch_xla.core.xla_model as xm  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from torch import nn  # noqa: E402
 
-from kiln.strategies.xla_checkpoint_io import XLACheckpointIO, module_state_cpu  # noqa: E402
+from kiln.strategies.xla.checkpoint_io import XLACheckpointIO, module_state_cpu  # noqa: E402
 
 
 class Tied(nn.Module):

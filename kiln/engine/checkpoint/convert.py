@@ -18,19 +18,19 @@ from kiln.utils.errors import CheckpointError
 
 
 def _sharded_fsdp(path: str) -> dict[str, torch.Tensor]:
-    from kiln.strategies.fsdp_checkpoint_io import consolidate
+    from kiln.strategies.fsdp.checkpoint_io import consolidate
 
     return consolidate(path)
 
 
 def _xla_spmd(path: str) -> dict[str, torch.Tensor]:
-    from kiln.strategies.xla_fsdp_checkpoint_io import consolidate_spmd
+    from kiln.strategies.xla.fsdp_checkpoint_io import consolidate_spmd
 
     return consolidate_spmd(path)
 
 
 def _xla_classic(path: str) -> dict[str, torch.Tensor]:
-    from kiln.strategies.xla_fsdp_checkpoint_io import consolidate_classic
+    from kiln.strategies.xla.fsdp_checkpoint_io import consolidate_classic
 
     return consolidate_classic(path)
 
@@ -52,7 +52,7 @@ def convert_checkpoint(checkpoint: str, output_dir: str) -> str:
         raise CheckpointError(f"{checkpoint} is not a checkpoint folder.")
     fmt = read_marker(checkpoint).get("format", "full")
     if fmt == "deepspeed":  # zero_to_fp32 writes the file itself
-        from kiln.strategies.deepspeed_checkpoint_io import convert_deepspeed
+        from kiln.strategies.deepspeed.checkpoint_io import convert_deepspeed
 
         return convert_deepspeed(checkpoint, output_dir)
     reader = READERS.get(fmt)

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from kiln.strategies.deepspeed_config import process  # noqa: E402
-from kiln.strategies.launcher_settings import load_with_launcher_settings  # noqa: E402
+from kiln.strategies.deepspeed.config import process  # noqa: E402
+from kiln.launch.settings import load_with_launcher_settings  # noqa: E402
 from tests.strategies.test_launch import _accelerate_env  # noqa: E402
 
 BASE = {"learning_rate": 0.01, "per_device_train_batch_size": 2, "max_steps": 4}

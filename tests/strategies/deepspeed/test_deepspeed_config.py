@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kiln.config import load_config
-from kiln.strategies.deepspeed_config import finalize, process, read_user_config
+from kiln.strategies.deepspeed.config import finalize, process, read_user_config
 from kiln.utils.errors import ConfigError
 
 
@@ -89,7 +89,7 @@ def test_missing_deepspeed_and_missing_compiler_are_one_sentence(monkeypatch):
     import subprocess
     import sys
 
-    from kiln.strategies.deepspeed import _compiling, import_deepspeed
+    from kiln.strategies.deepspeed.strategy import _compiling, import_deepspeed
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ConfigError, match=r"pip install kiln\[deepspeed\]"):
@@ -109,7 +109,7 @@ def test_missing_deepspeed_and_missing_compiler_are_one_sentence(monkeypatch):
 
 
 def test_offload_without_a_deepspeed_optimizer_is_refused_for_non_adam():
-    from kiln.strategies.deepspeed import _ds_optimizer_from_kiln
+    from kiln.strategies.deepspeed.strategy import _ds_optimizer_from_kiln
 
     with pytest.raises(ConfigError, match="ZeRO-Offload needs a DeepSpeed optimizer"):
         _ds_optimizer_from_kiln(_cfg(optim="sgd"))

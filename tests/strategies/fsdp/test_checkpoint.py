@@ -52,7 +52,7 @@ def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
 
 
 def test_sharded_checkpoint_reshards_between_process_counts(tmp_path):
-    from kiln.strategies.fsdp_checkpoint_io import consolidate
+    from kiln.strategies.fsdp.checkpoint_io import consolidate
 
     two, one = tmp_path / "two", tmp_path / "one"
     torchrun(2, "worker_resume.py", two, "sharded")

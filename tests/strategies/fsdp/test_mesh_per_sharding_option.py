@@ -14,8 +14,8 @@ import pytest
 
 from kiln.config.load import load_config
 from kiln.precision.fp32 import FP32Precision
-from kiln.strategies.environment import ClusterEnvironment
-from kiln.strategies.fsdp import FSDPStrategy
+from kiln.launch.environment import ClusterEnvironment
+from kiln.strategies.fsdp.strategy import FSDPStrategy
 from tests.strategies.fsdp.conftest import torchrun
 
 

@@ -12,10 +12,10 @@ import torch
 
 from kiln.config.load import load_config
 from kiln.strategies.capabilities import check_compatible
-from kiln.strategies.launcher_settings import accelerate_settings
-from kiln.strategies.fsdp import FSDPStrategy
-from kiln.strategies.fsdp_options import FSDPSettings
-from kiln.strategies.fsdp_wrap import blocks_to_wrap
+from kiln.launch.settings import accelerate_settings
+from kiln.strategies.fsdp.strategy import FSDPStrategy
+from kiln.strategies.fsdp.options import FSDPSettings
+from kiln.strategies.fsdp.wrap import blocks_to_wrap
 from kiln.utils.errors import CapabilityError, ConfigError
 from tests.strategies.fsdp.cases import TinyLM
 
@@ -64,7 +64,7 @@ def test_accelerate_fsdp_settings_mean_the_native_config():
 
 
 def test_settings_without_fsdp2_equivalent_are_logged_once(caplog):
-    with caplog.at_level(logging.WARNING, logger="kiln.strategies.fsdp"):
+    with caplog.at_level(logging.WARNING, logger="kiln.strategies.fsdp.strategy"):
         s = _settings({"fsdp": "full_shard", "fsdp_config": {"use_orig_params": True, "limit_all_gathers": True,
                                                               "backward_prefetch": "backward_post"}})
     assert set(s.no_effect) == {"use_orig_params", "limit_all_gathers", "backward_prefetch"}
@@ -73,7 +73,7 @@ def test_settings_without_fsdp2_equivalent_are_logged_once(caplog):
 
 
 def test_native_keys_win_over_fsdp_config_and_the_conflict_is_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="kiln.strategies.fsdp_options"):
+    with caplog.at_level(logging.INFO, logger="kiln.strategies.fsdp.options"):
         s = _settings({"strategy": {"name": "fsdp", "sharding": "no_shard", "fsdp_config": {"sharding_strategy": "FULL_SHARD"}}})
     assert s.sharding == "no_shard"
     assert any("overrides" in r.getMessage() for r in caplog.records)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.strategies.fsdp_checkpoint_io import ShardedFSDPCheckpointIO
+from kiln.strategies.fsdp.checkpoint_io import ShardedFSDPCheckpointIO
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

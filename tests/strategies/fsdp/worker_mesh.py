@@ -13,7 +13,7 @@ from torch import nn  # noqa: E402
 
 from kiln.config.load import load_config  # noqa: E402
 from kiln.precision.fp32 import FP32Precision  # noqa: E402
-from kiln.strategies.fsdp import FSDPStrategy  # noqa: E402
+from kiln.strategies.fsdp.strategy import FSDPStrategy  # noqa: E402
 
 #: case name -> strategy settings beside name/device
 OPTIONS = {

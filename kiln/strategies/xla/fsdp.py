@@ -28,8 +28,8 @@ from kiln.strategies import STRATEGIES
 from kiln.strategies.base import StepResult
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
-from kiln.strategies.xla import XLA_PRECISIONS, XLA_REASONS, XLAStrategy
-from kiln.strategies.xla_fsdp_options import OPTIONS, XLAFSDPSettings, check_activation_checkpointing, resolve
+from kiln.strategies.xla.strategy import XLA_PRECISIONS, XLA_REASONS, XLAStrategy
+from kiln.strategies.xla.fsdp_options import OPTIONS, XLAFSDPSettings, check_activation_checkpointing, resolve
 from kiln.utils.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class XLAFSDPStrategy(XLAStrategy):
         return super().setup(module, factory, scheduler_factory, max_steps=max_steps)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        from kiln.strategies.fsdp_wrap import blocks_to_wrap
+        from kiln.strategies.fsdp.wrap import blocks_to_wrap
 
         self._prefixes = {id(m): name for name, m in module.named_modules()}
         module = module.to(self.root_device)
@@ -240,13 +240,13 @@ class XLAFSDPStrategy(XLAStrategy):
         return self._prefixes.get(id(module), "")
 
     def checkpoint_io(self) -> CheckpointIO:
-        from kiln.strategies.xla_fsdp_checkpoint_io import ClassicXLAFSDPCheckpointIO, SPMDCheckpointIO
+        from kiln.strategies.xla.fsdp_checkpoint_io import ClassicXLAFSDPCheckpointIO, SPMDCheckpointIO
 
         return SPMDCheckpointIO(self) if self.spmd else ClassicXLAFSDPCheckpointIO(self)
 
     def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
         if self.spmd:
             return super().model_state_for_export(module)  # CPU copies gather the shards
-        from kiln.strategies.xla_fsdp_checkpoint_io import classic_full_state
+        from kiln.strategies.xla.fsdp_checkpoint_io import classic_full_state
 
         return classic_full_state(self, self._wrapped, module)

@@ -30,7 +30,7 @@ from torch import nn
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import Strategy
 from kiln.strategies.capabilities import Capabilities
-from kiln.strategies.environment import detect
+from kiln.launch.environment import detect
 from kiln.strategies.process_group import (  # noqa: F401
     barrier, default_backend, destroy_default_group, init_process_group, pick_device, register_group_user)
 
@@ -139,7 +139,7 @@ class DDPStrategy(Strategy):
                 and not self.config.train.gradient_checkpointing and not s.static_graph)
 
     def _first_step_chooser(self, ddp: nn.parallel.DistributedDataParallel) -> ContextManager[Any]:
-        from kiln.strategies.ddp_unused import first_boundary
+        from kiln.strategies.ddp.unused_parameters import first_boundary
 
         self._choose_unused = False  # once
         device_ids = [self._device.index] if self._device.type == "cuda" else None

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from kiln.config.hf_xla import read_fsdp_config
-from kiln.strategies.fsdp_options import _names, _truthy
+from kiln.strategies.fsdp.options import _names, _truthy
 from kiln.utils.errors import ConfigError
 
 WRAPPERS = ("spmd", "classic")

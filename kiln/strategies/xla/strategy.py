@@ -123,7 +123,7 @@ class XLAStrategy(Strategy):
               scheduler_factory: Optional[Any] = None, *, max_steps: Optional[int] = None) -> Any:
         setup = super().setup(module, optimizer_factory, scheduler_factory, max_steps=max_steps)
         if setup.optimizer is not None and self.persistent_gradients:
-            from kiln.strategies.xla_gradients import PersistentGradients
+            from kiln.strategies.xla.gradients import PersistentGradients
 
             self._gradients = PersistentGradients()
             self._gradients.attach(setup.optimizer)
@@ -155,7 +155,7 @@ class XLAStrategy(Strategy):
         optimizer.zero_grad(set_to_none=not self.persistent_gradients)
 
     def process_dataloader(self, dataloader: Iterable[Any]) -> Iterable[Any]:
-        from kiln.strategies.xla_loader import XLADeviceLoader, static_shape_warning
+        from kiln.strategies.xla.loader import XLADeviceLoader, static_shape_warning
 
         if isinstance(dataloader, XLADeviceLoader) or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader  # a loader the user built for the device, or plain batches (moved per batch)
@@ -230,11 +230,11 @@ class XLAStrategy(Strategy):
 
     # -- checkpoints and export -------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:
-        from kiln.strategies.xla_checkpoint_io import XLACheckpointIO
+        from kiln.strategies.xla.checkpoint_io import XLACheckpointIO
 
         return XLACheckpointIO(self)
 
     def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        from kiln.strategies.xla_checkpoint_io import module_state_cpu
+        from kiln.strategies.xla.checkpoint_io import module_state_cpu
 
         return module_state_cpu(module)

@@ -27,9 +27,9 @@ from torch import nn
 from kiln.strategies import STRATEGIES
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
-from kiln.strategies.ddp import DDPStrategy
+from kiln.strategies.ddp.strategy import DDPStrategy
 from kiln.strategies.process_group import register_group_user
-from kiln.strategies.fsdp_options import NATIVE, FSDPSettings, resolve
+from kiln.strategies.fsdp.options import NATIVE, FSDPSettings, resolve
 from kiln.utils.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class FSDPStrategy(DDPStrategy):
         """Mixed precision (autocast) becomes FSDP's MixedPrecisionPolicy: parameters are gathered in
         the compute dtype, gradients reduced in fp32; fp16 keeps its loss scale with the sharded
         scaler. True half precision needs nothing: the half parameters are what gets sharded."""
-        from kiln.strategies.fsdp_precision import fsdp_precision
+        from kiln.strategies.fsdp.precision import fsdp_precision
 
         self.precision, self._mp_policy = fsdp_precision(precision, self.root_device)
         return self.precision
@@ -81,7 +81,7 @@ class FSDPStrategy(DDPStrategy):
     def module_init_context(self) -> ContextManager[Any]:
         """cpu_ram_efficient_loading: a model the Trainer builds exists in full on rank 0 only; the
         other ranks build it on the meta device and receive their shards in `setup_module`."""
-        from kiln.strategies.fsdp_loading import built_on_rank0
+        from kiln.strategies.fsdp.loading import built_on_rank0
 
         if self.settings.cpu_ram_efficient_loading and self.world_size > 1:
             return built_on_rank0(self.global_rank, self.root_device)
@@ -106,8 +106,8 @@ class FSDPStrategy(DDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        from kiln.strategies.fsdp_loading import has_meta_tensors, rank0_parameters, scatter_from_rank0
-        from kiln.strategies.fsdp_wrap import apply_activation_checkpointing, blocks_to_wrap, sync_module_states
+        from kiln.strategies.fsdp.loading import has_meta_tensors, rank0_parameters, scatter_from_rank0
+        from kiln.strategies.fsdp.wrap import apply_activation_checkpointing, blocks_to_wrap, sync_module_states
 
         s = self.settings
         on_meta = has_meta_tensors(module)
@@ -180,7 +180,7 @@ class FSDPStrategy(DDPStrategy):
 
     # -- checkpoints and export -------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:
-        from kiln.strategies.fsdp_checkpoint_io import FullFSDPCheckpointIO, ShardedFSDPCheckpointIO
+        from kiln.strategies.fsdp.checkpoint_io import FullFSDPCheckpointIO, ShardedFSDPCheckpointIO
 
         cls = ShardedFSDPCheckpointIO if self.settings.state_dict_type == "sharded" else FullFSDPCheckpointIO
         return cls(self)
@@ -188,7 +188,7 @@ class FSDPStrategy(DDPStrategy):
     def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The full weights with the module's own key names, gathered on CPU. Only rank 0 receives
         them (the others get an empty dict) unless every node writes (save.on_each_node)."""
-        from kiln.strategies.fsdp_checkpoint_io import full_model_state
+        from kiln.strategies.fsdp.checkpoint_io import full_model_state
 
         every_rank = bool(self.config.save.on_each_node) if self.config is not None else False
         return full_model_state(self.unwrap(module), every_rank=every_rank)

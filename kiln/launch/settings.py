@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from kiln.strategies.environment import Env, _env, _truthy, detect
+from kiln.launch.environment import Env, _env, _truthy, detect
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 
 Failure handling. If one rank raises or dies (even by SIGKILL), the elastic agent notices within
 0.1 s and stops the others, so every rank exits and `launch_local` returns non-zero within a bounded
-time. Each worker runs under a small shim (`python -m kiln.strategies.launch ...`) that records the
+time. Each worker runs under a small shim (`python -m kiln.launch.local ...`) that records the
 time and message of its own failure; after the job, `launch_local` prints the failure that happened
 *first*, because the errors of the other ranks (a collective that lost its peer) are consequences.
 
@@ -36,7 +36,7 @@ import uuid
 from collections import deque
 from typing import Any, Optional, Sequence, TextIO
 
-from kiln.strategies.launcher_settings import accelerate_config_env, accelerate_config_settings  # noqa: F401 (the CLI's)
+from kiln.launch.settings import accelerate_config_env, accelerate_config_settings  # noqa: F401 (the CLI's)
 
 #: set by `launch_local` for its workers only: where each rank writes its pid and, failing, its report
 REPORT_DIR = "KILN_LAUNCH_REPORT_DIR"
@@ -56,7 +56,7 @@ def launch_local(
 
     `extra_env`: variables the outside world reads in the workers (CUDA_VISIBLE_DEVICES); kiln's own
     settings travel as arguments (see `accelerate_config_settings`)."""
-    from kiln.strategies.environment import detect
+    from kiln.launch.environment import detect
 
     if detect().distributed:
         raise RuntimeError("kiln --nproc was used inside an already launched job (WORLD_SIZE is set); "
@@ -77,7 +77,7 @@ def launch_local(
     os.environ[LAUNCHER_PID] = str(os.getpid())
     # torchrun sets 1 thread per worker; sharing the cores is better for CPU training and harmless on GPUs.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    args = ["-u", "-m", "kiln.strategies.launch", *argv]
+    args = ["-u", "-m", "kiln.launch.local", *argv]
     quiet = _QuietCtrlC()
     for name in _AGENT_LOGGERS:
         logging.getLogger(name).addFilter(quiet)

@@ -34,8 +34,8 @@ from kiln.strategies import STRATEGIES
 from kiln.strategies.base import OptimizerFactory, SchedulerFactory, Setup, StepResult
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
-from kiln.strategies.ddp import DDPStrategy
-from kiln.strategies.deepspeed_config import NAMED_STAGES, dtype_of, finalize, process, read_user_config
+from kiln.strategies.ddp.strategy import DDPStrategy
+from kiln.strategies.deepspeed.config import NAMED_STAGES, dtype_of, finalize, process, read_user_config
 from kiln.utils.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ class DeepSpeedStrategy(DDPStrategy):
         self._share_with_transformers()  # Transformers' from_pretrained loads into partitioned parameters
         if self.stage != 3:
             return contextlib.nullcontext()
-        from kiln.strategies.deepspeed_init import zero_init
+        from kiln.strategies.deepspeed.zero_init import zero_init
 
         return zero_init(import_deepspeed(), self.ds_config, self._record_unpatched, partition=bool(self.option("zero3_init_flag", True)))
 
@@ -168,7 +168,7 @@ class DeepSpeedStrategy(DDPStrategy):
                               f"runs ZeRO-{self.stage}; use strategy deepspeed_stage_3 (zero_optimization.stage: 3) or build the "
                               "model without zero.Init.")
         if self._unpatched_build:
-            from kiln.strategies.deepspeed_init import refuse_unpatched
+            from kiln.strategies.deepspeed.zero_init import refuse_unpatched
 
             refuse_unpatched(module)
 
@@ -269,14 +269,14 @@ class DeepSpeedStrategy(DDPStrategy):
 
     # -- checkpoints and export -------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:
-        from kiln.strategies.deepspeed_checkpoint_io import DeepSpeedCheckpointIO
+        from kiln.strategies.deepspeed.checkpoint_io import DeepSpeedCheckpointIO
 
         return DeepSpeedCheckpointIO(self)
 
     def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full weights on every rank: ZeRO-3's partitioned parameters are gathered (16-bit, the
         engine's dtype), or with `export_fp32` the optimizer's fp32 master weights."""
-        from kiln.strategies.deepspeed_checkpoint_io import gathered_state
+        from kiln.strategies.deepspeed.checkpoint_io import gathered_state
 
         return gathered_state(module, fp32=bool(self.option("export_fp32", False)) and self.engine is not None)
 

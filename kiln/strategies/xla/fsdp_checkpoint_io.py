@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kiln.strategies.checkpoint_io import CheckpointIO, apply_weights, load_weights
-from kiln.strategies.xla_checkpoint_io import to_cpu
+from kiln.strategies.xla.checkpoint_io import to_cpu
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_optimizer_state
 from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder
@@ -89,7 +89,7 @@ def sync() -> None:
 
 def consolidate_spmd(directory: str) -> dict[str, torch.Tensor]:
     """The full weights of an SPMD checkpoint, read without torch_xla (for `kiln convert`)."""
-    from kiln.strategies.fsdp_checkpoint_io import consolidate
+    from kiln.strategies.fsdp.checkpoint_io import consolidate
 
     return consolidate(directory, SPMD_DIR)  # vets the DCP folder's pickles first
 
