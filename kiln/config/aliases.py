@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 from kiln.config import hf_args, hf_rewrites
+from kiln.utils.truthy import truthy
 
 # flat HF name -> dotted path in TrainingConfig
 PATHS: dict[str, str] = {
@@ -156,15 +157,9 @@ def _unsupported(name: str) -> Callable[[Any], dict[str, Any]]:
 
 def _flag(path: str, value_if_true: Any) -> Callable[[Any], dict[str, Any]]:
     def rewrite(value: Any) -> dict[str, Any]:
-        return {path: value_if_true} if _truthy(value) else {}
+        return {path: value_if_true} if truthy(value) else {}
 
     return rewrite
-
-
-def _truthy(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in {"1", "true", "yes", "on"}
-    return bool(value)
 
 
 def _deepspeed(value: Any) -> dict[str, Any]:
@@ -187,11 +182,11 @@ def _report_to(value: Any) -> dict[str, Any]:
 
 
 def _use_cpu(value: Any) -> dict[str, Any]:
-    return {"strategy.device": "cpu"} if _truthy(value) else {}
+    return {"strategy.device": "cpu"} if truthy(value) else {}
 
 
 def _push_to_hub(value: Any) -> dict[str, Any]:
-    if _truthy(value):
+    if truthy(value):
         raise ValueError(
             "push_to_hub is not supported: kiln runs offline. Save with trainer.save_model() and upload the folder yourself."
         )

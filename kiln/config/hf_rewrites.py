@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, Callable
 
+from kiln.utils.truthy import truthy
+
 Rewrite = Callable[[Any], dict[str, Any]]
 
 DEBUG_OPTIONS = ("underflow_overflow", "tpu_metrics_debug")
@@ -32,24 +34,18 @@ _ACCELERATOR_FIXED: dict[str, tuple[Any, str]] = {
 }
 
 
-def _truthy(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in {"1", "true", "yes", "on"}
-    return bool(value)
-
-
 def _optional_bool(path: str) -> Rewrite:
     """A boolean whose HF default is None ("decide for me"): None keeps kiln's default."""
 
     def rewrite(value: Any) -> dict[str, Any]:
-        return {} if value is None else {path: _truthy(value)}
+        return {} if value is None else {path: truthy(value)}
 
     return rewrite
 
 
 def use_mps_device(value: Any) -> dict[str, Any]:
     """HF's deprecated `use_mps_device: true` selects Apple's GPU: kiln's `mps` strategy."""
-    return {"strategy.name": "mps"} if _truthy(value) else {}
+    return {"strategy.name": "mps"} if truthy(value) else {}
 
 
 def debug(value: Any) -> dict[str, Any]:
@@ -65,7 +61,7 @@ def debug(value: Any) -> dict[str, Any]:
 
 def tpu_metrics_debug(value: Any) -> dict[str, Any]:
     """HF's older flag for `debug: tpu_metrics_debug`."""
-    return {"train.debug": ["tpu_metrics_debug"]} if _truthy(value) else {}
+    return {"train.debug": ["tpu_metrics_debug"]} if truthy(value) else {}
 
 
 def _accelerator_mapping(value: Any) -> Mapping[str, Any]:

@@ -11,12 +11,9 @@ import os
 from typing import Any
 
 from kiln.utils.errors import ConfigError
+from kiln.utils.truthy import truthy
 
 XLA_ONLY = ("xla_fsdp_v2", "xla_fsdp_settings", "xla_fsdp_grad_ckpt")
-
-
-def _truthy(value: Any) -> bool:
-    return value.strip().lower() in {"1", "true", "yes", "on"} if isinstance(value, str) else bool(value)
 
 
 def read_fsdp_config(value: Any) -> dict[str, Any]:
@@ -39,10 +36,10 @@ def route_xla_fsdp(tree: dict[str, Any]) -> None:
     if not isinstance(strategy, dict) or strategy.get("name") != "fsdp":
         return
     cfg = read_fsdp_config((strategy.get("options") or {}).get("fsdp_config"))
-    if _truthy(cfg.get("xla", False)):
+    if truthy(cfg.get("xla", False)):
         strategy["name"] = "xla_fsdp"
         return
     for key in XLA_ONLY:
-        if key in cfg and _truthy(cfg[key]):
+        if key in cfg and truthy(cfg[key]):
             raise ConfigError(f"fsdp_config {key!r} applies to XLA FSDP only; add \"xla\": true to fsdp_config "
                               f"(strategy xla_fsdp), or drop {key}.")

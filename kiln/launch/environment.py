@@ -55,10 +55,6 @@ def _env(env: Optional[Env]) -> Env:
     return os.environ if env is None else env
 
 
-def _truthy(value: Optional[str]) -> bool:
-    return str(value).strip().lower() in {"1", "true", "yes", "on"}
-
-
 def launched_by_accelerate(env: Optional[Env] = None) -> bool:
     env = _env(env)
     return any(k in env for k in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_CPU"))

@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from kiln.launch.environment import Env, _env, _truthy, detect
+from kiln.launch.environment import Env, _env, detect
+from kiln.utils.truthy import truthy
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,11 @@ def accelerate_settings(env: Optional[Env] = None) -> list[LauncherSetting]:
     elif mp:
         log.warning("accelerate launch asks for mixed precision %r (ACCELERATE_MIXED_PRECISION), which kiln does not "
                     "provide; the kiln config's precision is used.", mp)
-    if _truthy(env.get("ACCELERATE_USE_CPU")):
+    if truthy(env.get("ACCELERATE_USE_CPU")):
         out.append(LauncherSetting("strategy.device", {"strategy.device": "cpu"}, "ACCELERATE_USE_CPU=true"))
-    if _truthy(env.get("ACCELERATE_USE_FSDP")):
+    if truthy(env.get("ACCELERATE_USE_FSDP")):
         out.append(LauncherSetting("strategy.name", _fsdp_values(env), "ACCELERATE_USE_FSDP=true"))
-    elif _truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
+    elif truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
         out.append(LauncherSetting("strategy.name", _deepspeed_values(env), "ACCELERATE_USE_DEEPSPEED=true"))
     backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").strip().lower()
     if backend not in ("", "no"):
@@ -70,7 +71,7 @@ def _fsdp_values(env: Env) -> dict[str, Any]:
     else:
         sharding = raw.lower()
     flags = [sharding]
-    if _truthy(env.get("FSDP_OFFLOAD_PARAMS")):
+    if truthy(env.get("FSDP_OFFLOAD_PARAMS")):
         flags.append("offload")
     policy = env.get("FSDP_AUTO_WRAP_POLICY", "").upper()
     if policy in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"):
@@ -93,7 +94,7 @@ def _fsdp_values(env: Env) -> dict[str, Any]:
                 "activation_checkpointing", *(("reshard_after_forward",) if fsdp2 else ())):
         value = env.get(f"FSDP_{key.upper()}")
         if value is not None and value.lower() in ("true", "false"):
-            cfg[key] = _truthy(value)
+            cfg[key] = truthy(value)
     return {"strategy.name": "fsdp", "strategy.options.fsdp": flags, "strategy.options.fsdp_config": cfg}
 
 

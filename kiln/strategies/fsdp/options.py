@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from kiln.utils.errors import ConfigError
+from kiln.utils.truthy import truthy
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +119,6 @@ def _flags(value: Any) -> list[str]:
     return flags
 
 
-def _truthy(value: Any) -> bool:
-    return value.strip().lower() in {"1", "true", "yes", "on"} if isinstance(value, str) else bool(value)
-
-
 def _names(value: Any) -> list[str]:
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
@@ -158,7 +155,7 @@ def resolve(option: Callable[[str], Any]) -> FSDPSettings:
     s = FSDPSettings()
     for key, (value, _source) in merged.items():
         if key in NO_EFFECT:
-            if _truthy(value) or key == "version" and value not in (2, "2"):
+            if truthy(value) or key == "version" and value not in (2, "2"):
                 s.no_effect[key] = NO_EFFECT[key]
         elif key == "sharding":
             name = SHARDING[int(value) - 1] if str(value).isdigit() and 1 <= int(value) <= len(SHARDING) else str(value).lower()
@@ -171,9 +168,9 @@ def resolve(option: Callable[[str], Any]) -> FSDPSettings:
             s.min_num_params = int(value) or None
         elif key in ("offload", "activation_checkpointing", "forward_prefetch", "sync_module_states",
                      "cpu_ram_efficient_loading", "offload_pin_memory"):
-            setattr(s, key, _truthy(value))
+            setattr(s, key, truthy(value))
         elif key in ("reshard_after_forward",):
-            s.reshard_after_forward = _truthy(value)
+            s.reshard_after_forward = truthy(value)
         elif key == "shard_size":
             s.shard_size = int(value)
         elif key == "state_dict_type":

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from kiln.config.hf_xla import read_fsdp_config
-from kiln.strategies.fsdp.options import _names, _truthy
+from kiln.strategies.fsdp.options import _names
+from kiln.utils.truthy import truthy
 from kiln.utils.errors import ConfigError
 
 WRAPPERS = ("spmd", "classic")
@@ -69,7 +70,7 @@ def resolve(option: Callable[[str], Any]) -> XLAFSDPSettings:
         if key == "xla":
             continue
         if key == "xla_fsdp_v2":
-            merged["wrapper"] = "spmd" if _truthy(value) else "classic"
+            merged["wrapper"] = "spmd" if truthy(value) else "classic"
         elif key == "xla_fsdp_settings":
             merged["settings"] = {**merged.get("settings", {}), **dict(value or {})}
         elif key == "xla_fsdp_grad_ckpt":
@@ -92,7 +93,7 @@ def resolve(option: Callable[[str], Any]) -> XLAFSDPSettings:
         raise ConfigError(f"strategy.wrapper {merged['wrapper']!r} is not one of {', '.join(WRAPPERS)}; fix strategy.wrapper.")
     s.wrap = _names(merged["wrap"]) or None if merged.get("wrap") else None
     s.min_num_params = int(merged.get("min_num_params") or 0) or None
-    s.activation_checkpointing = _truthy(merged.get("activation_checkpointing", False))
+    s.activation_checkpointing = truthy(merged.get("activation_checkpointing", False))
     s.settings = dict(merged.get("settings") or {})
     if s.wrap and s.min_num_params:
         raise ConfigError("XLA FSDP wrap (transformer_layer_cls_to_wrap) and min_num_params are both set; set only one of them.")
