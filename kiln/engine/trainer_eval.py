@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from kiln.engine.optim.optional import optimizer_mode
+from kiln.optim.optimizers import optimizer_mode
 from kiln.engine.checkpoint.best_model import BestModelMixin
 from kiln.engine.data.loaders import SequentialDistributedSampler
 from kiln.utils.errors import KilnError
@@ -81,7 +81,7 @@ class EvaluationMixin(BestModelMixin):
         return self._sequential_loader(test_dataset)
 
     def _sequential_loader(self: "TrainerLike", dataset: Any) -> Iterable[Any]:
-        from kiln.engine.data.dispatch import per_rank_batch_size
+        from kiln.engine.data.dispatch_batches import per_rank_batch_size
         from kiln.engine.data.loaders import build_dataloader, is_sized
 
         s = self.strategy

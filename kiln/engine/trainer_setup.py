@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from kiln.engine.loop.loss_weights import WindowWeights
-from kiln.engine.model.dispatch import StepDispatcher
-from kiln.engine.optim.optimizers import scheduler_needs_metrics
+from kiln.engine.model.step_dispatcher import StepDispatcher
+from kiln.optim.schedulers import scheduler_needs_metrics
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:

@@ -64,7 +64,7 @@ def test_dispatch_batches_only_rank_zero_reads_the_stream(ddp, name):
 
 
 def test_split_batches_needs_a_multiple_of_the_world_size():
-    from kiln.engine.data.dispatch import per_rank_batch_size
+    from kiln.engine.data.dispatch_batches import per_rank_batch_size
     from kiln.utils.errors import ConfigError
 
     assert per_rank_batch_size(8, True, 2, "per_device_train_batch_size") == 4

@@ -145,11 +145,11 @@ def build_dataloader(
     `pin_memory` says whether the device benefits (its accelerator's answer); `dataloader_pin_memory`
     can only switch it off. With `broadcast` (the strategy's broadcast_object; given for training
     loaders), `data.split_batches` makes `batch_size` global and `data.dispatch_batches` has rank 0
-    alone read the data (see kiln.engine.data.dispatch)."""
+    alone read the data (see kiln.engine.data.dispatch_batches)."""
     drop_last = data_cfg.dataloader_drop_last if drop_last is None else drop_last
     even = bool(getattr(data_cfg, "even_batches", True))
     if broadcast is not None:
-        from kiln.engine.data.dispatch import DispatchedLoader, per_rank_batch_size
+        from kiln.engine.data.dispatch_batches import DispatchedLoader, per_rank_batch_size
 
         batch_size = per_rank_batch_size(batch_size, bool(getattr(data_cfg, "split_batches", False)), num_replicas,
                                          "per_device_train_batch_size")

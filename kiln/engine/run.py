@@ -1,0 +1,133 @@
+"""A `Run`: the state of one training run, from the model it starts with to what a checkpoint hands
+back for the loop to apply.
+
+The Trainer (the HF-compatible facade) holds one Run at a time. A second `fit()` starts a new Run
+instead of rewriting the Trainer's attributes one by one (see `Trainer._start_new_run`), and the
+loops and checkpoint code receive the Run rather than the Trainer. Its parts:
+
+- the model as the user gave it (`model`), the module the strategy sets up (`forward_module`: a
+  TrainingModule behind its StepDispatcher, so wrappers that hook `forward` see every step) and the
+  set-up module the loops run forward on (`wrapped`);
+- the optimizer and scheduler (`optimizer`, `scheduler`) and how far set-up has gone (`stage`:
+  None, "eval" with the module only, "train" with the optimizer too);
+- the live micro-batch size and accumulation (`micro_batch_size`, `accumulation`): the config's
+  values until `auto_find_batch_size` or an out-of-memory recovery changes them, which never
+  writes back into the config (a checkpoint's config.yaml records the live values);
+- an optimizer that updates the weights inside backward (`backward_owner`, LOMO).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from kiln.optim.schedulers import scheduler_needs_metrics
+from kiln.utils.errors import ConfigError
+
+
+@dataclass(eq=False)
+class Run:
+    model: nn.Module
+    micro_batch_size: int
+    accumulation: int
+    optimizer: Optional[torch.optim.Optimizer] = None
+    scheduler: Any = None
+    #: the optimizer came from the user (`optimizers=(opt, sched)`), not from kiln or the TrainingModule
+    user_optimizer: bool = False
+    #: the scheduler was built by kiln for this run's length (a new run builds it again, as HF does)
+    created_scheduler: bool = False
+    scheduler_needs_metrics: bool = False
+    forward_module: Optional[nn.Module] = None
+    wrapped: Optional[nn.Module] = None
+    stage: Optional[str] = None
+    backward_owner: Any = None
+    #: set-up modules -> their torch.compile wrappers (one compilation per set-up module)
+    _compiled: dict[int, nn.Module] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.wrapped is None:
+            self.wrapped = self.model
+
+    @property
+    def window_samples(self) -> int:
+        """Samples per optimizer step on one data shard (micro-batch size x accumulation)."""
+        return self.micro_batch_size * self.accumulation
+
+
+def module_to_set_up(run: Run, config: Any, training_module: bool) -> nn.Module:
+    """The module the strategy sets up: a TrainingModule behind its StepDispatcher, with gradient
+    checkpointing enabled first (HF enables it on the model before wrapping)."""
+    if run.forward_module is None:
+        from kiln.engine.model.step_dispatcher import StepDispatcher
+
+        if config.train.gradient_checkpointing and hasattr(run.model, "gradient_checkpointing_enable"):
+            kwargs = config.train.gradient_checkpointing_kwargs or {}
+            run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(kwargs))
+        run.forward_module = StepDispatcher(run.model) if training_module else run.model
+    return run.forward_module
+
+
+def setup_for_eval(run: Run, strategy: Any, config: Any, training_module: bool) -> nn.Module:
+    """The module set up by the strategy for evaluation (before training: without an optimizer)."""
+    if run.stage is None:
+        run.wrapped = compiled(run, strategy.setup(module_to_set_up(run, config, training_module)).model, config)
+        run.stage = "eval"
+    assert run.wrapped is not None
+    return run.wrapped
+
+
+def setup_for_training(run: Run, strategy: Any, precision: Any, config: Any, training_module: bool,
+                       create_optimizer: Callable[[], torch.optim.Optimizer],
+                       create_scheduler: Callable[[int, torch.optim.Optimizer], Any], max_steps: Optional[int]) -> None:
+    """Module, optimizer and (given the step count) scheduler, set up by the strategy in one call.
+    `create_optimizer` / `create_scheduler` are the Trainer's HF override points."""
+    if run.stage != "train":
+        schedule = (lambda optimizer: create_scheduler(max_steps, optimizer)) if max_steps is not None else None
+        setup = strategy.setup(module_to_set_up(run, config, training_module), lambda _model: create_optimizer(), schedule,
+                               max_steps=max_steps)
+        run.wrapped, run.optimizer = compiled(run, setup.model, config), setup.optimizer
+        if setup.scheduler is not None:
+            run.scheduler = setup.scheduler
+        run.backward_owner = backward_owner(run.optimizer, strategy, precision)
+        run.stage = "train"
+    elif max_steps is not None and run.scheduler is None:  # set up earlier without a step count (auto batch size)
+        assert run.optimizer is not None
+        create_scheduler(max_steps, run.optimizer)
+    run.scheduler_needs_metrics = scheduler_needs_metrics(run.scheduler)
+    if max_steps is not None:
+        precision.setup()
+
+
+def compiled(run: Run, model: nn.Module, config: Any) -> nn.Module:
+    """`model` through torch.compile when the config asks (`train.torch_compile*`), once per set-up
+    module. A model concern, not a strategy's: the strategy has wrapped (and sharded) the module by
+    now, and a strategy that cannot be compiled refuses the setting before the run starts."""
+    train = config.train
+    if not (train.torch_compile or train.torch_compile_backend or train.torch_compile_mode):
+        return model
+    if hasattr(model, "_orig_mod"):
+        return model
+    key = id(model)
+    if key not in run._compiled:
+        run._compiled = {key: torch.compile(model, backend=train.torch_compile_backend or "inductor",
+                                            mode=train.torch_compile_mode)}
+    return run._compiled[key]
+
+
+def backward_owner(optimizer: Any, strategy: Any, precision: Any) -> Any:
+    """`optimizer` if it updates the parameters inside backward (`owns_backward = True` and
+    `backward_and_step(loss)`, e.g. LOMO), else None: the step then hands it the loss instead of
+    calling the strategy's backward, and its optimizer step has nothing left to do."""
+    if not getattr(optimizer, "owns_backward", False):
+        return None
+    name = type(optimizer).__name__
+    if strategy.world_size > 1:
+        raise ConfigError(f"{name} updates each parameter inside backward, before gradients could be averaged "
+                          "across processes, so the ranks would drift apart; run it on one process.")
+    if precision.uses_grad_scaler:
+        raise ConfigError(f"{name} updates each parameter inside backward, before a gradient scaler could unscale "
+                          "or skip the step; use precision bf16 or fp32 (LOMO scales an fp16 loss itself).")
+    return optimizer
