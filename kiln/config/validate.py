@@ -88,7 +88,7 @@ def _check_names(cfg: DictConfig) -> None:
 
         STRATEGIES.check(cfg.strategy.name)
         PRECISIONS.check(cfg.precision.name)
-        from kiln.engine.optim.optimizers import OPTIMIZERS, SCHEDULERS
+        from kiln.optim.optimizers import OPTIMIZERS, SCHEDULERS
 
         OPTIMIZERS.check(cfg.optim.name)
         SCHEDULERS.check(cfg.scheduler.name)

@@ -29,7 +29,8 @@ from kiln.engine.model.neftune import neftune
 from kiln.engine.model.module import (
     default_label_names, forward_argument_names, is_training_module, item_counter, loss_from_output, model_accepts_loss_kwargs,
 )
-from kiln.engine.optim.optimizers import build_optimizer, build_scheduler, scheduler_needs_metrics
+from kiln.optim.optimizers import build_optimizer
+from kiln.optim.schedulers import build_scheduler, scheduler_needs_metrics
 from kiln.engine.seed import set_seed
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.trainer_eval import EvaluationMixin

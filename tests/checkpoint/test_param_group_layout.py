@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.engine.optim import optimizers
-from kiln.engine.optim.optimizers import parameter_groups
+from kiln.optim import optimizers
+from kiln.optim.optimizers import parameter_groups
 from kiln.utils.errors import CheckpointError
 from kiln.utils.param_groups import regroup_optimizer_state, regroup_scheduler_state
 from tests.checkpoint.checkpoint_helpers import Crash, make_model, numeric_history, train, weights

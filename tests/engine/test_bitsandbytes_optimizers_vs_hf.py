@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kiln.config.schema import OptimConfig
-from kiln.engine.optim.optimizers import build_optimizer
+from kiln.optim.optimizers import build_optimizer
 
 transformers = pytest.importorskip("transformers")
 

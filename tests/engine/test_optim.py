@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from kiln.config.schema import OptimConfig
-from kiln.engine.optim.optimizers import (
+from kiln.optim.optimizers import (
     OPTIMIZERS,
     build_optimizer,
     decay_parameter_names,
@@ -264,7 +264,7 @@ def test_xla_optimizer_without_torch_xla_says_what_to_install() -> None:
 
 
 @pytest.mark.parametrize("name,instead", [
-    ("stable_adamw", "register it with kiln.engine.optim.optimizers.OPTIMIZERS.add"),
+    ("stable_adamw", "register it with kiln.optim.optimizers.OPTIMIZERS.add"),
     ("adamw_apex_fused", "use adamw_torch_fused"),
 ])
 def test_unsupported_optimizer_says_what_to_use(name: str, instead: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from kiln.config.schema import OptimConfig
-from kiln.engine.optim.optimizers import build_optimizer
+from kiln.optim.optimizers import build_optimizer
 
 
 @pytest.mark.parametrize("name,own,from_config", [

@@ -1,4 +1,4 @@
-"""HF `optim` names from optional packages (kiln.engine.optim.optional): each one that installs here
+"""HF `optim` names from optional packages (kiln.optim.package_optimizers): each one that installs here
 trains a few steps with falling loss and resumes exactly from a checkpoint; optim_args reach it as
 in HF; a missing package is one sentence naming it."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln.config.schema import OptimConfig
-from kiln.engine.optim.optimizers import build_optimizer
+from kiln.optim.optimizers import build_optimizer
 from tests.distributed import toy
 
 PACKAGE = {"schedulefree": "schedulefree", "grokadamw": "grokadamw", "torchao": "torchao",

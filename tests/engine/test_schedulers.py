@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from kiln.config.schema import SchedulerConfig
-from kiln.engine.optim.optimizers import (
+from kiln.optim.schedulers import (
     SCHEDULERS,
     GreedyLR,
     build_scheduler,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln import Trainer
-from kiln.engine.optim.schedulers import scheduler_needs_metrics
+from kiln.optim.schedulers import scheduler_needs_metrics
 from tests.helpers import TinyRegressor, base_config, regression_data
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.engine.optim.optimizers import decay_parameter_names, parameter_groups
+from kiln.optim.optimizers import decay_parameter_names, parameter_groups
 
 transformers = pytest.importorskip("transformers")
 

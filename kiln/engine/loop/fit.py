@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
-from kiln.engine.optim.optional import optimizer_mode
+from kiln.optim.optimizers import optimizer_mode
 from kiln.engine.callbacks.base import interval
 from kiln.engine.data.epoch_rng import EpochRandomState
 from kiln.engine.data.loaders import loader_length, set_epoch

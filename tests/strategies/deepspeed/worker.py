@@ -70,7 +70,7 @@ if "resume" in checks:
             tensors.update({f"{key}/converted/{k}": v for k, v in load_file(path).items()})
 
 if "layouts" in checks:  # a checkpoint of kiln's old two-group layout (HF's) resumed in today's one group
-    from kiln.engine.optim import optimizers
+    from kiln.optim import optimizers
 
     def two_groups(model, weight_decay):
         decay, no_decay = optimizers._split_parameters(model)

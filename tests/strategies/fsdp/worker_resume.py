@@ -22,7 +22,7 @@ if len(sys.argv) > 3:
 if os.environ.get("KILN_TEST_WEIGHT_DECAY"):
     extra["weight_decay"] = float(os.environ["KILN_TEST_WEIGHT_DECAY"])
 if os.environ.get("KILN_TEST_TWO_GROUPS"):
-    from kiln.engine.optim import optimizers  # noqa: E402
+    from kiln.optim import optimizers  # noqa: E402
 
     def _two_groups(model, weight_decay):
         decay, no_decay = optimizers._split_parameters(model)

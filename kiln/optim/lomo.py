@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kiln.config.schema import OptimConfig
-from kiln.engine.optim.optional import PackageOptimizer, _package
+from kiln.optim.package_optimizers import PackageOptimizer, _package
 
 
 def _owning_backward(cls: type) -> type:

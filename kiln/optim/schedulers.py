@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Union
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
-from kiln.engine.optim.greedy_lr import GreedyLR
+from kiln.optim.greedy_lr import GreedyLR
 from kiln.registry import Registry
 
 logger = logging.getLogger(__name__)

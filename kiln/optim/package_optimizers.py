@@ -4,7 +4,7 @@
 is one sentence naming the `pip install`. Arguments and `optim_args` defaults follow
 `transformers.trainer_optimizer`, so an HF user's settings mean the same here.
 
-Importing this module registers the names (kiln.engine.optim.optimizers does so at its end)."""
+`register` adds the names to the registry (kiln.optim.optimizers calls it at its end)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch import nn
 
 from kiln.config.schema import OptimConfig
 
+
 def _package(module: str, pip_name: str, name: str) -> Any:
     try:
         return importlib.import_module(module)
@@ -26,14 +27,6 @@ def _package(module: str, pip_name: str, name: str) -> Any:
 
 def _adam(cfg: OptimConfig) -> dict[str, Any]:
     return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon}
-
-
-def optimizer_mode(optimizer: Any, mode: str) -> None:
-    """Schedule-free optimizers keep two weight sequences: `train()` before steps, `eval()` before
-    evaluation (HF calls these around its loops). Other optimizers have no such methods."""
-    switch = getattr(optimizer, mode, None)
-    if callable(switch):
-        switch()
 
 
 class PackageOptimizer:

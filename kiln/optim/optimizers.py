@@ -6,8 +6,7 @@ entry is a small factory `OptimConfig -> (optimizer class, keyword arguments)`; 
 the parameter groups and the user's `optim_args`, so a new optimizer is one registry line
 (`OPTIMIZERS.add("lion", lambda cfg: (Lion, {"lr": cfg.lr}))`).
 
-The learning-rate schedules live in `kiln.engine.optim.schedulers` and are re-exported here, so the engine
-imports both from one place.
+The learning-rate schedules live in `kiln.optim.schedulers`.
 """
 
 from __future__ import annotations
@@ -23,22 +22,13 @@ import torch
 from torch import nn
 
 from kiln.config.schema import OptimConfig
-from kiln.engine.optim import optional as _optional
-from kiln.engine.optim import lomo as _lomo
-from kiln.engine.optim.schedulers import (
-    SCHEDULERS,
-    GreedyLR,
-    build_scheduler,
-    get_scheduler,
-    scheduler_needs_metrics,
-    warmup_steps_for,
-)
+from kiln.optim import lomo as _lomo
+from kiln.optim import package_optimizers as _package_optimizers
 from kiln.registry import Registry
 
 __all__ = [
-    "OPTIMIZERS", "SCHEDULERS", "GreedyLR", "build_optimizer", "build_scheduler", "decay_parameter_names",
-    "get_scheduler", "is_norm_module", "parameter_groups", "parse_optim_args", "scheduler_needs_metrics",
-    "warmup_steps_for",
+    "OPTIMIZERS", "build_optimizer", "decay_parameter_names", "is_norm_module", "optimizer_mode", "parameter_groups",
+    "parse_optim_args",
 ]
 
 OptimizerFactory = Callable[[OptimConfig], "tuple[type[torch.optim.Optimizer], dict[str, Any]]"]
@@ -132,11 +122,11 @@ for _name, _instead in {
     **dict.fromkeys(("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
                      "apollo_adamw_layerwise"), "use the same name without _layerwise"),
     **dict.fromkeys(("stable_adamw", "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit"),
-                    "register it with kiln.engine.optim.optimizers.OPTIMIZERS.add(name, factory), or " + _USE_ADAMW),
+                    "register it with kiln.optim.optimizers.OPTIMIZERS.add(name, factory), or " + _USE_ADAMW),
 }.items():
     OPTIMIZERS.add(_name, _unsupported(_name, _instead))
 
-_optional.register(OPTIMIZERS)  # schedule-free, GrokAdamW, torchao low-bit, GaLore, APOLLO
+_package_optimizers.register(OPTIMIZERS)  # schedule-free, GrokAdamW, torchao low-bit, GaLore, APOLLO
 _lomo.register(OPTIMIZERS)  # LOMO / AdaLomo: they own backward
 
 
@@ -268,6 +258,14 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
 
 
 # ----------------------------------------------------------------------------- build
+
+
+def optimizer_mode(optimizer: Any, mode: str) -> None:
+    """Schedule-free optimizers keep two weight sequences: `train()` before steps, `eval()` before
+    evaluation (HF calls these around its loops). Other optimizers have no such methods."""
+    switch = getattr(optimizer, mode, None)
+    if callable(switch):
+        switch()
 
 
 def _as_optim_config(cfg: Any) -> OptimConfig:
