@@ -7,9 +7,6 @@ from typing import Any
 
 from kiln.precision import PRECISIONS
 from kiln.precision.fp32 import FP32Precision
-from kiln.precision.tf32_flags import (  # noqa: F401  (re-exported: the flag helpers' old home)
-    TF32State, check_tf32_device, restore_tf32, set_tf32, tf32_state,
-)
 from kiln.utils.errors import PrecisionError
 
 

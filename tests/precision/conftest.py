@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kiln.config.schema import TrainingConfig
-from kiln.precision.tf32 import tf32_state
+from kiln.precision.tf32_flags import tf32_state
 
 
 def precision_config(**precision: Any) -> DictConfig:

@@ -12,7 +12,8 @@ from kiln.precision.amp import BF16MixedPrecision
 from kiln.precision.base import PrecisionError
 from kiln.precision.fp32 import FP32Precision
 from kiln.precision.half import BF16TruePrecision
-from kiln.precision.tf32 import TF32Precision, restore_tf32, set_tf32, tf32_state
+from kiln.precision.tf32 import TF32Precision
+from kiln.precision.tf32_flags import restore_tf32, set_tf32, tf32_state
 
 b = torch.backends
 
