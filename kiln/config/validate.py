@@ -88,7 +88,8 @@ def _check_names(cfg: DictConfig) -> None:
 
         STRATEGIES.check(cfg.strategy.name)
         PRECISIONS.check(cfg.precision.name)
-        from kiln.optim.optimizers import OPTIMIZERS, SCHEDULERS
+        from kiln.optim.optimizers import OPTIMIZERS
+        from kiln.optim.schedulers import SCHEDULERS
 
         OPTIMIZERS.check(cfg.optim.name)
         SCHEDULERS.check(cfg.scheduler.name)
