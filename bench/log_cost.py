@@ -41,7 +41,8 @@ def main() -> None:
     from kiln.config import load_config
     from kiln.engine.callbacks.progress import ProgressCallback
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
-    from kiln.loggers.callback import LoggerCallback, build_loggers
+    from kiln.engine.callbacks.loggers import LoggerCallback
+    from kiln.loggers.build import build_loggers
 
     print("| what | µs per call (median) |\n|---|---|")
     for name in args.loggers:

@@ -152,7 +152,8 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         cbs: list[Callback] = [DefaultFlowCallback(), *console_callbacks(self.config)]
         cbs += self._debug_callbacks()
         if self.strategy.is_global_zero:  # exactly one tracker run per job, by construction
-            from kiln.loggers.callback import LoggerCallback, build_loggers
+            from kiln.engine.callbacks.loggers import LoggerCallback
+            from kiln.loggers.build import build_loggers
 
             cbs.append(LoggerCallback(self.config, build_loggers(self.config)))
         return cbs

@@ -9,7 +9,7 @@ import pytest
 
 from kiln.config import load_config
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
-from kiln.loggers.callback import LoggerCallback
+from kiln.engine.callbacks.loggers import LoggerCallback
 from kiln.loggers.writer import flush_writes
 
 #: (step, logs) in the order the loop would log them: train windows, an eval, the final summary

@@ -20,7 +20,7 @@ from kiln import Callback, Trainer
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.loggers import writer as writer_module
 from kiln.loggers.base import Logger
-from kiln.loggers.callback import LoggerCallback
+from kiln.engine.callbacks.loggers import LoggerCallback
 from kiln.loggers.csv import CSVLogger
 from kiln.loggers.jsonl import JSONLLogger
 from tests.helpers import TinyRegressor, regression_data

@@ -11,7 +11,8 @@ import torch
 
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.loggers.base import Logger, MissingPackageError, flatten, grouped_name
-from kiln.loggers.callback import LoggerCallback, artifact_mode, build_loggers, logger_names, scalar_metrics
+from kiln.engine.callbacks.loggers import LoggerCallback
+from kiln.loggers.build import artifact_mode, build_loggers, logger_names, scalar_metrics
 from kiln.registry import UnknownNameError
 from tests.loggers.conftest import SEQUENCE, drive, make_config
 
@@ -89,10 +90,10 @@ def test_all_skips_trackers_that_are_not_installed(tmp_path, monkeypatch):
 
 
 def test_import_kiln_does_not_import_trackers():
-    code = ("import sys, kiln, kiln.loggers, kiln.loggers.callback, kiln.loggers.metrics, kiln.engine.callbacks.progress, kiln.plot\n"
+    code = ("import sys, kiln, kiln.loggers, kiln.loggers.build, kiln.engine.callbacks.loggers, kiln.loggers.metrics, kiln.engine.callbacks.progress, kiln.plot\n"
             "from omegaconf import OmegaConf\n"
             "from kiln.config.schema import TrainingConfig\n"
-            "from kiln.loggers.callback import build_loggers\n"
+            "from kiln.loggers.build import build_loggers\n"
             "import tempfile\n"
             "log = {'report_to': ['tensorboard', 'mlflow', 'wandb']}\n"
             "cfg = OmegaConf.merge(OmegaConf.structured(TrainingConfig), {'output_dir': tempfile.mkdtemp(), 'log': log})\n"

@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from kiln.loggers.callback import LoggerCallback, build_loggers
+from kiln.engine.callbacks.loggers import LoggerCallback
+from kiln.loggers.build import build_loggers
 from kiln.loggers.csv import CSVLogger
 from kiln.loggers.jsonl import JSONLLogger
 from tests.loggers.conftest import SEQUENCE, drive, make_config

@@ -14,7 +14,8 @@ mlflow = pytest.importorskip("mlflow", reason="pip install kiln[mlflow]")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from kiln.engine.callbacks.state import TrainerState  # noqa: E402
-from kiln.loggers.callback import LoggerCallback, build_loggers  # noqa: E402
+from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
+from kiln.loggers.build import build_loggers  # noqa: E402
 from kiln.loggers.mlflow import MLflowLogger, metric_key  # noqa: E402
 from tests.loggers.conftest import SEQUENCE, drive, expected_points, make_config  # noqa: E402
 

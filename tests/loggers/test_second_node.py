@@ -11,7 +11,7 @@ import os
 import pytest
 
 from kiln import Trainer
-from kiln.loggers.callback import LoggerCallback
+from kiln.engine.callbacks.loggers import LoggerCallback
 from kiln.strategies.single import SingleDeviceStrategy
 from tests.helpers import TinyRegressor, regression_data
 
@@ -76,7 +76,7 @@ def test_local_rank_zero_of_node_one_opens_no_tracker_and_writes_no_history(sand
 def test_global_rank_zero_writes_them_all(sandbox, capsys):
     """The control: the same config on global rank 0 writes every history and tracker file (the
     trackers that need a service are checked to be built, without opening their runs here)."""
-    from kiln.loggers.callback import build_loggers, logger_names
+    from kiln.loggers.build import build_loggers, logger_names
 
     out = str(sandbox / "node0")
     trainer = _run(out, ["tensorboard"])

@@ -13,7 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2  # noqa: E402
 
 from kiln.loggers.base import grouped_name  # noqa: E402
-from kiln.loggers.callback import LoggerCallback, build_loggers  # noqa: E402
+from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
+from kiln.loggers.build import build_loggers  # noqa: E402
 from kiln.loggers.tensorboard import TensorBoardLogger  # noqa: E402
 from tests.loggers.conftest import SEQUENCE, drive, expected_points, make_config  # noqa: E402
 

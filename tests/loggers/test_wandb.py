@@ -10,7 +10,8 @@ wandb = pytest.importorskip("wandb", reason="pip install kiln[wandb]")
 
 from kiln.engine.callbacks.state import TrainerState  # noqa: E402
 from kiln.loggers.base import grouped_name  # noqa: E402
-from kiln.loggers.callback import LoggerCallback, build_loggers  # noqa: E402
+from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
+from kiln.loggers.build import build_loggers  # noqa: E402
 from kiln.loggers.wandb import WandbLogger, has_credentials  # noqa: E402
 from tests.loggers.conftest import SEQUENCE, drive, make_config  # noqa: E402
 from tests.loggers.wandb_reader import offline_runs, read_run  # noqa: E402
@@ -106,7 +107,8 @@ def test_a_crashed_job_finishes_its_run_as_failed(tmp_path):
 from omegaconf import OmegaConf
 from kiln.config.schema import TrainingConfig
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
-from kiln.loggers.callback import LoggerCallback, build_loggers
+from kiln.engine.callbacks.loggers import LoggerCallback
+from kiln.loggers.build import build_loggers
 cfg = OmegaConf.merge(OmegaConf.structured(TrainingConfig),
                       {{"output_dir": {str(out)!r}, "log": {{"report_to": ["wandb"], "history": []}}}})  # no torch import
 callback = LoggerCallback(cfg, build_loggers(cfg))

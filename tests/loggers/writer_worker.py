@@ -21,7 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from kiln import Callback  # noqa: E402
-from kiln.loggers.callback import scalar_metrics  # noqa: E402
+from kiln.loggers.build import scalar_metrics  # noqa: E402
 from kiln.loggers.csv import CSVLogger  # noqa: E402
 from kiln.loggers.jsonl import JSONLLogger  # noqa: E402
 
