@@ -17,7 +17,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from kiln.launch.environment import Env, _env, detect
+from kiln.launch.environment import detect
+from kiln.launch.environment.base import Env
+from kiln.launch.environment.base import current as _env
 from kiln.utils.truthy import truthy
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ import pytest
 from kiln.config import load_config
 from kiln.config.schema import PrecisionConfig, TrainingConfig
 from kiln.launch import settings as envmod
-from kiln.launch.environment import ClusterEnvironment, detect, first_host, slurm_port
+from kiln.launch.environment import ClusterEnvironment, detect
+from kiln.launch.environment.slurm import first_host, slurm_port
 from kiln.launch.settings import launcher_overrides
 
 TORCHRUN_NODE1 = {"WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",

@@ -1,0 +1,69 @@
+"""The value every caller receives (`ClusterEnvironment`: this process's place in the job) and the
+shape of a cluster kind (`ClusterKind`: a launcher or scheduler that recognises its own variables
+and reads the topology from them)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar, Mapping, Optional
+
+Env = Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class ClusterEnvironment:
+    """This process's place in the job. `main_address`/`main_port` are set only for launchers that
+    do not export MASTER_ADDR/MASTER_PORT themselves (SLURM); otherwise torch reads `env://`."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    source: str = "none"  # the `name` of the ClusterKind that read it: torchrun | accelerate | deepspeed | slurm | none
+    main_address: Optional[str] = None
+    main_port: Optional[int] = None
+    rendezvous: bool = False  # whether the launcher gave an address for the process group to meet at
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def launched(self) -> bool:
+        """Whether a launcher (rather than a plain `python`) started this process."""
+        return self.source != "none"
+
+    @property
+    def init_method(self) -> str:
+        """The `init_method` for `torch.distributed.init_process_group`."""
+        if self.main_address:
+            return f"tcp://{self.main_address}:{self.main_port}"
+        return "env://"
+
+
+class ClusterKind:
+    """One launcher or scheduler. Subclasses say whether the environment is theirs (`detects`) and
+    read the topology from it (`read`); `kiln.launch.environment.KINDS` asks them in order."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def detects(cls, env: Env) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def read(cls, env: Env) -> ClusterEnvironment:
+        raise NotImplementedError
+
+
+def current(env: Optional[Env]) -> Env:
+    """`env`, or this process's environment when None."""
+    return os.environ if env is None else env
+
+
+def visible_devices(env: Optional[Env] = None) -> Optional[str]:
+    """`CUDA_VISIBLE_DEVICES` as the user set it (None when unset), for error messages."""
+    return current(env).get("CUDA_VISIBLE_DEVICES")
