@@ -45,6 +45,14 @@ def _strategy_registry() -> Any:
     return STRATEGIES
 
 
+def sharded_parameters(cls: type) -> bool:
+    """Whether the strategy's parameters are sharded across ranks or devices: a checkpoint format it
+    writes has every rank write its own shard (kiln.strategies.checkpoint_io.FORMATS)."""
+    from kiln.strategies.checkpoint_io import FORMATS
+
+    return any(FORMATS.get(fmt).sharded for fmt in cls.checkpoint_formats)
+
+
 def verdict(name: str, cls: type, precision: str, device: str) -> str:
     """"trains", or "refused: <the sentence check_compatible raises>"."""
     import torch
@@ -108,7 +116,7 @@ def matrix_markdown(repo: Path) -> str:
     for name, cls, aliases in strats:
         caps = cls.capabilities
         out.append(f"| `{name}` | {', '.join(f'`{a}`' for a in aliases) or '—'} | {', '.join(sorted(caps.devices))} | "
-                   f"{yes[caps.sharded_parameters]} | {yes[caps.auto_batch_size]} | {yes[caps.full_eval_cast]} | "
+                   f"{yes[sharded_parameters(cls)]} | {yes[caps.auto_batch_size]} | {yes[caps.full_eval_cast]} | "
                    f"{yes[caps.user_optimizer]} |")
     out += ["", "Precision plugins: " + ", ".join(f"`{n}`" + (f" ({', '.join(a)})" if a else "") for n, a in precs) + ".",
             "", "## Strategy × precision × device", ""]

@@ -55,4 +55,10 @@ def check_run_compatible(strategy: "Strategy", precision: "Precision", config: "
 
     check_compatible(strategy.name, type(strategy).capabilities, precision=precision.name, device=strategy.root_device,
                      full_eval=precision.eval_dtype is not None, auto_batch_size=bool(config.data.auto_find_batch_size),
-                     user_optimizer=user_optimizer)
+                     user_optimizer=user_optimizer, torch_compile=_compiles(config))
+
+
+def _compiles(config: "DictConfig") -> bool:
+    """Whether the config asks the engine to torch.compile the module (any of train.torch_compile*)."""
+    train = config.get("train") if config is not None else None
+    return bool(train is not None and (train.torch_compile or train.torch_compile_backend or train.torch_compile_mode))

@@ -1,31 +1,41 @@
 """The Strategy contract: where the model lives, how it is replicated or sharded, and how gradients,
 optimizer steps, collectives and checkpoints work across processes and devices.
 
-A new strategy is one file that subclasses `Strategy`, declares its `capabilities` and `options`,
-and registers its names (`@STRATEGIES.register("name")` plus one `add_lazy` line in
-`kiln/strategies/__init__.py`). `kiln/engine/` never changes for it: the engine calls only these
-methods, in this order, for every strategy:
+A new strategy is one file that subclasses `Strategy` (plus `SingleProcessCollectives` when it runs
+one process), declares its `capabilities` and `options`, opts into the optional interfaces of
+`kiln/strategies/interfaces.py` it needs by inheriting them, and registers its names
+(`@STRATEGIES.register("name")` plus one `add_lazy` line where the registry is filled). `kiln/engine/`
+never changes for it: the engine calls only these methods, in this order, for every strategy
+(`[Interface]` marks a call made only when `isinstance(strategy, Interface)`):
 
     strategy = cls(config, precision)          # cheap: reads the topology, picks the device, no process group
     check_compatible(...)                      # capabilities vs precision/device/options, before anything starts
     strategy.setup_environment()               # process group, current device
     precision = strategy.connect_precision(precision)   # may substitute its own flavour (and log it)
-    with strategy.module_init_context():       # meta device / deepspeed.zero.Init / nothing
+    [ShardedModuleInit] with strategy.module_init_context():   # meta device / deepspeed.zero.Init
         model = model_init()                   # only when the Trainer builds the model
     setup = strategy.setup(module, optimizer_factory, scheduler_factory, max_steps=N)   # once, joint;
         # evaluation before training calls it without factories, and training calls it again with
         # them and the run's optimizer step count (None when not known yet: auto_find_batch_size)
-    loader = strategy.process_dataloader(loader)
+    loader = strategy.process_dataloader(loader)   # [StaticShapes]: the Trainer drops short batches
     per micro-batch:  batch = strategy.batch_to_device(batch)
-                      with strategy.micro_batch_context(model, boundary=...):    # DDP's no_sync
+                      [BackwardSyncControl] with strategy.micro_batch_context(model, boundary=...):
                           loss = forward ...; strategy.backward(loss, model, boundary=...)
-                      strategy.on_micro_batch_end()                              # XLA's mark_step
+                      [GraphBoundaries] strategy.on_micro_batch_end()            # XLA's sync
     per step:         result = strategy.optimizer_step(model, optimizer, max_grad_norm)
                           # owns unscale -> reduce -> clip -> step -> skip-on-inf; StepResult(stepped, grad_norm)
-                      strategy.zero_grad(model, optimizer); strategy.on_step_end()
-    checkpoints:      strategy.checkpoint_io() -> CheckpointIO (save / load / load_weights_only)
+                      strategy.zero_grad(model, optimizer); [GraphBoundaries] strategy.on_step_end()
+    checkpoints:      strategy.checkpoint_io() -> CheckpointIO (save / load / load_weights_only; its `format`)
     export:           strategy.model_state_for_export(module)
-    strategy.teardown()
+    strategy.teardown()                        # by the Trainer when its work is done (see teardown)
+
+What is not a strategy's business: torch.compile (the engine compiles the module `setup` returns;
+a strategy that cannot be compiled says so in `Capabilities.torch_compile`) and optimizers that update
+parameters inside backward (LOMO: the engine hands them the loss itself).
+
+Collectives have no default: a strategy spanning processes that forgot one would silently let ranks
+diverge, so a class that neither inherits `SingleProcessCollectives` nor implements every name in
+`COLLECTIVES` is refused when it is created (TypeError).
 
 Sizes: `data_shards` processes read distinct data (the sampler's replicas; counts summed over them);
 `grad_divisor` is what the gradient reduction divides by (DDP averages over its world; SPMD runs one
@@ -76,14 +86,32 @@ class Setup:
     scheduler: Any = None
 
 
+#: the collectives every strategy must implement (or inherit from SingleProcessCollectives)
+COLLECTIVES = ("reduce", "all_gather", "all_gather_object", "broadcast_object", "barrier")
+
+
 class Strategy:
-    """Single-process defaults; distributed strategies override the collective and wrapping parts."""
+    """The required core every strategy implements; see the module docstring for the call order."""
 
     name: ClassVar[str] = "base"
     capabilities: ClassVar[Capabilities] = Capabilities()
     #: strategy-specific options a config may set under `strategy:` beyond the common fields
     #: (name -> one line of help); anything else there is refused with a suggestion
     options: ClassVar[dict[str, str]] = {}
+    #: the checkpoint formats `checkpoint_io()` may return (names in kiln.strategies.checkpoint_io.FORMATS),
+    #: its default first: what the docs and `kiln convert` know this strategy writes
+    checkpoint_formats: ClassVar[tuple[str, ...]] = ("full",)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse, at class creation, a strategy whose collectives would silently be the identity."""
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in COLLECTIVES if getattr(cls, name) is getattr(Strategy, name)]
+        if missing:
+            raise TypeError(
+                f"strategy class {cls.__qualname__} does not implement the collective(s) {', '.join(missing)}. A strategy "
+                "that spans processes must implement every one of them (an identity default would let the ranks diverge "
+                "silently); a strategy that runs one process inherits kiln.strategies.base.SingleProcessCollectives "
+                "(listed before Strategy among its bases).")
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         self.config = config
@@ -153,12 +181,6 @@ class Strategy:
         """Devices doing the work (for throughput per device)."""
         return self.world_size
 
-    #: Whether every training step must see the same shapes (XLA compiles one graph per input shape).
-    #: The Trainer then drops each epoch's short last training batch (as `dataloader_drop_last`, saying
-    #: how many samples in one log line) and pads a short accumulation window's item counts with zero
-    #: counts on the device, so the epoch's last window replays the graphs of a full one.
-    static_shapes: ClassVar[bool] = False
-
     # -- set-up -----------------------------------------------------------------------------
     def setup_environment(self) -> None:
         """Initialise the process group / device. Safe to call more than once."""
@@ -169,11 +191,6 @@ class Strategy:
         self.precision = precision
         return precision
 
-    def module_init_context(self) -> ContextManager[Any]:
-        """Where the Trainer builds a model it creates itself (`model_init`, a config-named class):
-        a sharded strategy may build it on the meta device or partitioned."""
-        return contextlib.nullcontext()
-
     def setup(self, module: nn.Module, optimizer_factory: Optional[OptimizerFactory] = None,
               scheduler_factory: Optional[SchedulerFactory] = None, *, max_steps: Optional[int] = None) -> Setup:
         """Set up module, optimizer and scheduler together. Without factories (evaluation before
@@ -182,13 +199,13 @@ class Strategy:
         unknown yet): a strategy whose own config needs it (DeepSpeed's "auto" scheduler steps) reads it here.
 
         A different `module` than the last call's (a second `train()` with `model_init`) is set up
-        from scratch. Default order: precision casts the module, the strategy wraps it (`setup_module`, then
-        torch.compile if configured), the optimizer is built over the wrapped parameters (FSDP has
-        sharded them by then), and `setup_optimizer` lets the precision plugin connect both."""
+        from scratch. Default order: precision casts the module, the strategy wraps it (`setup_module`),
+        the optimizer is built over the wrapped parameters (FSDP has sharded them by then), and
+        `setup_optimizer` lets the precision plugin connect both."""
         if self._wrapped is None or self._source is not module:  # a new module (a new run) is set up anew
             self._source = module
             module = self.precision.convert_module(module)
-            self._wrapped = self.compile(self.setup_module(module))
+            self._wrapped = self._deprecated_compile(self.setup_module(module))
         if optimizer_factory is None:
             return Setup(self._wrapped)
         optimizer = optimizer_factory(self._wrapped)
@@ -202,20 +219,13 @@ class Strategy:
         """Move to the device and wrap (DDP, FSDP...). Returns the module to run forward on."""
         return module.to(self.root_device)
 
-    def compile(self, model: nn.Module) -> nn.Module:
-        """torch.compile the wrapped module when the config asks for it (`train.torch_compile*`)."""
-        train = self.config.train if self.config is not None else None
-        if train is None or not (train.torch_compile or train.torch_compile_backend or train.torch_compile_mode):
-            return model
-        return torch.compile(model, backend=train.torch_compile_backend or "inductor", mode=train.torch_compile_mode)
-
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Hook for wrapping model and optimizer together; by default the precision plugin gets to
         connect them (apex's amp.initialize)."""
         return self.precision.connect(model, optimizer)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The module inside whatever wrapper `setup_module` (and torch.compile) added."""
+        """The module inside whatever wrapper `setup_module` (and the engine's torch.compile) added."""
         return getattr(model, "_orig_mod", model)
 
     def process_dataloader(self, dataloader: Iterable[Any]) -> Iterable[Any]:
@@ -228,41 +238,6 @@ class Strategy:
         return batch if self.precision.plain_input else self.precision.convert_input(batch)
 
     # -- step -------------------------------------------------------------------------------
-    #: the per-step hooks whose base versions do nothing; `overrides` tells a loop which it may skip
-    STEP_HOOKS = ("micro_batch_context", "on_micro_batch_end", "on_step_end")
-
-    def overrides(self, hook: str) -> bool:
-        """Whether this strategy replaces the base no-op `hook` (one of STEP_HOOKS), on its class or
-        on the instance. A loop resolves this once at set-up and skips the no-ops on every step: on a
-        tiny model each call of an empty hook is a measurable share of the framework's overhead."""
-        if hook not in self.STEP_HOOKS:
-            raise ValueError(f"{hook!r} is not a per-step strategy hook; use one of {', '.join(self.STEP_HOOKS)}.")
-        if hook in vars(self):
-            return True
-        return getattr(type(self), hook) is not getattr(Strategy, hook)
-
-    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
-        """Around one micro-batch's forward and backward; `boundary` is True for the last
-        micro-batch of an accumulation window (DDP skips the gradient all-reduce on the others)."""
-        return contextlib.nullcontext()
-
-    #: an optimizer that updates the parameters inside backward (`owns_backward`, e.g. LOMO), or None
-    _backward_owner: Any = None
-
-    def _optimizer_owning_backward(self, optimizer: Any) -> Any:
-        """`optimizer` if it owns backward (`owns_backward = True` and `backward_and_step(loss)`): the
-        loss goes to it instead of to `loss.backward()`, and `optimizer_step` has nothing left to do."""
-        if not getattr(optimizer, "owns_backward", False):
-            return None
-        name = type(optimizer).__name__
-        if self.world_size > 1:
-            raise ConfigError(f"{name} updates each parameter inside backward, before gradients could be averaged "
-                              "across processes, so the ranks would drift apart; run it on one process.")
-        if self.precision.uses_grad_scaler:
-            raise ConfigError(f"{name} updates each parameter inside backward, before a gradient scaler could unscale "
-                              "or skip the step; use precision bf16 or fp32 (LOMO scales an fp16 loss itself).")
-        return optimizer
-
     def backward(self, loss: torch.Tensor, model: nn.Module, *, boundary: bool = True) -> None:
         """Backward of an already-normalised loss (kiln weights each micro-batch itself: a strategy
         must not divide by the accumulation steps again)."""
@@ -270,9 +245,6 @@ class Strategy:
             self._backward_owner.backward_and_step(loss)
             return
         self.precision.backward(loss)
-
-    def on_micro_batch_end(self) -> None:
-        """After each micro-batch's backward (XLA cuts its graph here)."""
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                        max_grad_norm: Optional[float]) -> StepResult:
@@ -298,9 +270,6 @@ class Strategy:
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
-    def on_step_end(self) -> None:
-        """After each optimizer step and zero_grad (XLA cuts its graph here)."""
-
     # -- evaluation and probing -------------------------------------------------------------
     def probe_module(self, model: nn.Module) -> nn.Module:
         """The module `auto_find_batch_size` runs its out-of-memory probe on: without gradient
@@ -314,28 +283,33 @@ class Strategy:
 
         return cast_module_temporarily(module, dtype)
 
-    # -- collectives (identity on one process) ----------------------------------------------
+    # -- collectives: called on every rank; no default (see SingleProcessCollectives) ---------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        return tensor
+        """`tensor` reduced over every rank with `op` (sum, mean, max, min)."""
+        raise NotImplementedError
 
     def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
         """Start `reduce` and return a function that waits for it and gives the result, so the
-        communication overlaps with the caller's work (e.g. a forward pass) instead of stalling it."""
+        communication overlaps with the caller's work (e.g. a forward pass). This fallback reduces
+        at once (correct, without the overlap)."""
         done = self.reduce(tensor, op)
         return lambda: done
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stack `tensor` from every rank along a new first dimension."""
-        return tensor.unsqueeze(0)
+        raise NotImplementedError
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
+        """Every rank's picklable `obj`, in rank order."""
+        raise NotImplementedError
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return obj
+        """Rank `src`'s `obj` on every rank."""
+        raise NotImplementedError
 
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank."""
+        raise NotImplementedError
 
     # -- checkpoints and export -------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:
@@ -348,7 +322,65 @@ class Strategy:
         return module.state_dict()
 
     def teardown(self) -> None:
-        """Release the process group and device state."""
+        """Release the process group and device state. The Trainer calls it once its work is done
+        (after `fit`, `evaluate` or `predict` returned, when no later call can reuse the strategy);
+        a strategy may also register it with `atexit` as a fallback. Must be idempotent."""
+
+    # -- deprecated: what the engine asked before the optional interfaces (kiln/strategies/interfaces.py).
+    #    Kept for one commit while kiln/engine/ switches to `isinstance(strategy, <Interface>)`.
+    def overrides(self, hook: str) -> bool:
+        from kiln.strategies.interfaces import BackwardSyncControl, GraphBoundaries
+
+        return isinstance(self, BackwardSyncControl if hook == "micro_batch_context" else GraphBoundaries)
+
+    def module_init_context(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    @property
+    def static_shapes(self) -> bool:
+        from kiln.strategies.interfaces import StaticShapes
+
+        return isinstance(self, StaticShapes)
+
+    def _deprecated_compile(self, model: nn.Module) -> nn.Module:
+        train = self.config.train if self.config is not None else None
+        if train is None or not (train.torch_compile or train.torch_compile_backend or train.torch_compile_mode):
+            return model
+        return torch.compile(model, backend=train.torch_compile_backend or "inductor", mode=train.torch_compile_mode)
+
+    _backward_owner: Any = None
+
+    def _optimizer_owning_backward(self, optimizer: Any) -> Any:
+        if not getattr(optimizer, "owns_backward", False):
+            return None
+        name = type(optimizer).__name__
+        if self.world_size > 1:
+            raise ConfigError(f"{name} updates each parameter inside backward, before gradients could be averaged "
+                              "across processes, so the ranks would drift apart; run it on one process.")
+        if self.precision.uses_grad_scaler:
+            raise ConfigError(f"{name} updates each parameter inside backward, before a gradient scaler could unscale "
+                              "or skip the step; use precision bf16 or fp32 (LOMO scales an fp16 loss itself).")
+        return optimizer
+
+
+class SingleProcessCollectives:
+    """The collectives of a strategy that runs one process: every one is the identity. Inherit it
+    before `Strategy` (`class MyStrategy(SingleProcessCollectives, Strategy)`)."""
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.unsqueeze(0)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self, name: str | None = None) -> None:
+        return None
 
 
 #: fields every strategy config has (kiln.config.schema.StrategyConfig), offered in suggestions

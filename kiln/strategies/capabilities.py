@@ -23,25 +23,23 @@ class Capabilities:
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     #: precision plugin names it accepts (None: every plugin)
     precisions: Optional[frozenset[str]] = None
-    #: parameters are sharded across ranks (export and checkpoints must gather them)
-    sharded_parameters: bool = False
     #: `auto_find_batch_size` can probe on `probe_module` (an OOM on one rank must not hang the others)
     auto_batch_size: bool = True
     #: `precision.full_eval` can cast the module's parameters in place for evaluation
     full_eval_cast: bool = True
     #: an optimizer built by the user before the Trainer (`optimizers=(opt, sched)`) can be used
     user_optimizer: bool = True
-    #: the strategy wraps the optimizer itself (apex's amp.initialize cannot wrap it again)
-    wraps_optimizer: bool = False
-    #: the strategy needs the optimizer in `setup` (DeepSpeed's joint initialize); evaluation before
-    #: training then sets up without one and training sets up again
-    needs_optimizer_at_setup: bool = False
-    #: why a device or precision is refused, keyed by name, for messages that say more than "no"
+    #: the module `setup` returns may be torch.compile'd by the engine (`train.torch_compile*`); the
+    #: reason for False is `reasons["torch_compile"]`
+    torch_compile: bool = True
+    #: why a device, precision or feature ("torch_compile") is refused, keyed by name, for messages
+    #: that say more than "no"
     reasons: dict[str, str] = field(default_factory=dict)
 
 
 def check_compatible(strategy_name: str, caps: Capabilities, *, precision: str, device: "torch.device",
-                     full_eval: bool = False, auto_batch_size: bool = False, user_optimizer: bool = False) -> None:
+                     full_eval: bool = False, auto_batch_size: bool = False, user_optimizer: bool = False,
+                     torch_compile: bool = False) -> None:
     """Raise CapabilityError for the first impossible pairing, naming both sides and the fix."""
     if device.type not in caps.devices:
         why = caps.reasons.get(device.type, f"it runs on {', '.join(sorted(caps.devices))}")
@@ -50,9 +48,6 @@ def check_compatible(strategy_name: str, caps: Capabilities, *, precision: str, 
     if caps.precisions is not None and precision not in caps.precisions:
         why = caps.reasons.get(precision, f"it supports {', '.join(sorted(caps.precisions))}")
         raise CapabilityError(f"strategy {strategy_name!r} cannot train with precision {precision!r}: {why}.")
-    if precision == "apex" and caps.wraps_optimizer:
-        raise CapabilityError(f"precision 'apex' cannot be used with strategy {strategy_name!r}, which wraps the optimizer "
-                              "itself (apex's amp.initialize would wrap it twice); use precision: fp16 or bf16.")
     if full_eval and not caps.full_eval_cast:
         raise CapabilityError(f"precision.full_eval (fp16_full_eval / bf16_full_eval) casts the whole model in place, "
                               f"which strategy {strategy_name!r} cannot do with its sharded parameters; remove full_eval.")
@@ -63,6 +58,9 @@ def check_compatible(strategy_name: str, caps: Capabilities, *, precision: str, 
         raise CapabilityError(f"strategy {strategy_name!r} must build the optimizer over the parameters it sets up, so an "
                               "optimizer passed as optimizers=(...) cannot be used; configure optim.* instead "
                               "(or override Trainer.create_optimizer).")
+    if torch_compile and not caps.torch_compile:
+        why = caps.reasons.get("torch_compile", "it cannot run a compiled module")
+        raise CapabilityError(f"torch_compile cannot be used with strategy {strategy_name!r}: {why}; drop torch_compile.")
 
 
 def _one_device_strategy(device_type: str) -> str:

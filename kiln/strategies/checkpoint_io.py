@@ -1,6 +1,11 @@
-"""The CheckpointIO contract, and its implementation for strategies whose ranks each hold the full
-model (single, DDP). Sharding strategies (FSDP, DeepSpeed, XLA) subclass `CheckpointIO` in their own
-file with their own format.
+"""The CheckpointIO contract, the registry of checkpoint formats, and the CheckpointIO of strategies
+whose ranks each hold the full model (single, DDP). Sharding strategies (FSDP, DeepSpeed, XLA)
+subclass `CheckpointIO` in their own file with their own format and register it there.
+
+`FORMATS` maps the format a checkpoint's COMPLETE marker names to its CheckpointIO class, whose
+`consolidate(path)` reads the folder's full weights in one process (what `kiln convert` writes). The
+built-in formats are registered lazily by module, like the strategies, so `kiln convert` imports
+only the one module the checkpoint needs; a plug-in registers its own with `@register_format`.
 
 Weights go to `model.safetensors` (tied weights stored once, aliases recorded in the metadata) or
 `pytorch_model.bin`; the optimizer to `optimizer.pt`. Loading never unpickles arbitrary objects."""
@@ -14,6 +19,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from torch import nn
 
+from kiln.registry import Registry
 from kiln.strategies.weights_files import INDEX, load_sharded, parse_size, save_sharded
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_optimizer_state
@@ -144,9 +150,11 @@ class CheckpointIO:
     - `load_weights_only(directory, model=, module=)`: weights alone (the CLI's evaluate/predict,
       load_best_model_at_end); any format this IO reads, also a plain exported model folder.
 
-    `format` is recorded in the marker; `reshardable` says whether a checkpoint saved by N processes
-    loads on M (the engine refuses a world-size change otherwise); `sharded` says every rank writes
-    its own files."""
+    `format` is recorded in the marker (and names the class in `FORMATS`); `reshardable` says whether
+    a checkpoint saved by N processes loads on M (the engine refuses a world-size change otherwise);
+    `sharded` says every rank writes its own files. `consolidate(path)` gives a folder's full weights
+    in one process without a process group (any process count may have saved it), vetting every
+    pickle it reads first: converting a checkpoint never runs code from it."""
 
     format: ClassVar[str] = "full"
     reshardable: ClassVar[bool] = True
@@ -163,7 +171,33 @@ class CheckpointIO:
     def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
         self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
 
+    @classmethod
+    def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
+        """The full weights of a checkpoint folder of this format, with the user's module's key names."""
+        raise NotImplementedError(f"checkpoint format {cls.format!r} does not say how to consolidate its files")
 
+
+#: checkpoint format (the COMPLETE marker's "format") -> its CheckpointIO class
+FORMATS: Registry[type[CheckpointIO]] = Registry("checkpoint format", "format")
+
+for _formats, _module in (
+    (("fsdp-full", "fsdp-sharded"), "kiln.strategies.fsdp.checkpoint_io"),
+    (("xla-full",), "kiln.strategies.xla.checkpoint_io"),
+    (("xla-spmd-sharded", "xla-fsdp-classic"), "kiln.strategies.xla.fsdp_checkpoint_io"),
+    (("deepspeed",), "kiln.strategies.deepspeed.checkpoint_io"),
+):
+    for _format in _formats:
+        FORMATS.add_lazy(_format, _module)
+
+
+def register_format(cls: type[CheckpointIO]) -> type[CheckpointIO]:
+    """Class decorator: register a CheckpointIO under its own `format` (a plug-in's file does this;
+    the built-in formats also have an `add_lazy` line above)."""
+    FORMATS.add(cls.format, cls)
+    return cls
+
+
+@register_format
 class FullStateCheckpointIO(CheckpointIO):
     """Every rank holds the whole model: one writer saves it, every rank loads it. A full checkpoint
     loads on any number of processes."""
@@ -173,6 +207,10 @@ class FullStateCheckpointIO(CheckpointIO):
 
     def __init__(self, strategy: Any = None) -> None:
         self.strategy = strategy
+
+    @classmethod
+    def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
+        return load_weights(directory)
 
     def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              save_optimizer: bool, safetensors: bool, writer: bool) -> None:

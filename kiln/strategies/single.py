@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kiln.strategies import STRATEGIES
-from kiln.strategies.base import Strategy
+from kiln.strategies.base import SingleProcessCollectives, Strategy
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.devices import resolve_device
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 @STRATEGIES.register("single", "cpu", "cuda")
-class SingleDeviceStrategy(Strategy):
+class SingleDeviceStrategy(SingleProcessCollectives, Strategy):
     name = "single"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}),
                                 reasons={"mps": "Apple GPUs have their own strategy", "xla": "XLA devices have their own strategy"})

@@ -30,6 +30,7 @@ from torch import nn
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import Strategy
 from kiln.strategies.capabilities import Capabilities
+from kiln.strategies.interfaces import BackwardSyncControl
 from kiln.launch.environment import detect
 from kiln.strategies.process_group import (  # noqa: F401
     barrier, default_backend, destroy_default_group, init_process_group, pick_device, register_group_user)
@@ -72,7 +73,7 @@ def _ddp(module: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:
 
 
 @STRATEGIES.register("ddp", "ddp_find_unused_parameters_true")
-class DDPStrategy(Strategy):
+class DDPStrategy(Strategy, BackwardSyncControl):
     name = "ddp"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),

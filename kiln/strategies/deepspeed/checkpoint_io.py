@@ -1,5 +1,5 @@
 """DeepSpeed checkpoints inside kiln's `checkpoint-<step>/` folders, full-weight export under ZeRO-3,
-and `convert_deepspeed` (ZeRO shards -> one `model.safetensors`, without the original process count).
+and `DeepSpeedCheckpointIO.consolidate` (ZeRO shards -> full weights, without the original process count).
 
 Every rank calls the engine's `save_checkpoint` into the folder (tag `ds`: `ds/mp_rank_00_model_states.pt`
 and, under ZeRO, one `*_optim_states.pt` per rank); the engine owns the files, kiln's manager writes
@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO, apply_weights, save_weights
+from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO, apply_weights, register_format, save_weights
 from kiln.utils.errors import CheckpointError, safe_torch_load
 
 TAG = "ds"
@@ -135,6 +135,7 @@ def _load_into(module: nn.Module, state: dict[str, torch.Tensor], source: str) -
         apply_weights(module, {k: v.to(own[k].dtype) if k in own else v for k, v in state.items()}, source)
 
 
+@register_format
 class DeepSpeedCheckpointIO(CheckpointIO):
     format: ClassVar[str] = FORMAT
     reshardable: ClassVar[bool] = False
@@ -142,6 +143,14 @@ class DeepSpeedCheckpointIO(CheckpointIO):
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
+
+    @classmethod
+    def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
+        """Full fp32 weights merged from every ZeRO shard (any process count), the user's key names."""
+        state = consolidated_state(directory)
+        if state and all(k.startswith("module.") for k in state):  # kiln's StepDispatcher around a TrainingModule
+            state = {k[len("module."):]: v for k, v in state.items()}
+        return state
 
     def _engine(self, model: nn.Module) -> Any:
         engine = self.strategy.engine
@@ -189,14 +198,4 @@ class DeepSpeedCheckpointIO(CheckpointIO):
             engine.optimizer.refresh_fp32_params()
 
 
-def convert_deepspeed(checkpoint: str, out: str, safetensors: bool = True) -> str:
-    """`kiln convert` for a DeepSpeed checkpoint: its full fp32 weights (merged from every ZeRO shard,
-    whatever the process count was) as one file in `out`, with the user's module's key names."""
-    state = consolidated_state(checkpoint)
-    if state and all(k.startswith("module.") for k in state):  # kiln's StepDispatcher around a TrainingModule
-        state = {k[len("module."):]: v for k, v in state.items()}
-    os.makedirs(out, exist_ok=True)
-    return os.path.join(out, save_weights(state, out, safetensors))
-
-
-__all__ = ["DeepSpeedCheckpointIO", "FullStateCheckpointIO", "consolidated_state", "convert_deepspeed", "gathered_state"]
+__all__ = ["DeepSpeedCheckpointIO", "FullStateCheckpointIO", "consolidated_state", "gathered_state"]

@@ -35,6 +35,7 @@ from kiln.strategies.base import OptimizerFactory, SchedulerFactory, Setup, Step
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.ddp.strategy import DDPStrategy
+from kiln.strategies.interfaces import OwnsOptimizerStep, ShardedModuleInit
 from kiln.strategies.deepspeed.config import NAMED_STAGES, dtype_of, finalize, process, read_user_config
 from kiln.utils.errors import ConfigError
 
@@ -82,16 +83,17 @@ class DeepSpeedPrecision(Precision):
 
 
 @STRATEGIES.register("deepspeed", *[n for n in NAMED_STAGES if n != "deepspeed"])
-class DeepSpeedStrategy(DDPStrategy):
+class DeepSpeedStrategy(DDPStrategy, ShardedModuleInit, OwnsOptimizerStep):
     name = "deepspeed"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         precisions=frozenset({"fp32", "fp16", "bf16", "fp16-true", "bf16-true"}),
-        sharded_parameters=True, auto_batch_size=False, full_eval_cast=False, user_optimizer=False,
-        wraps_optimizer=True, needs_optimizer_at_setup=True,
+        auto_batch_size=False, full_eval_cast=False, user_optimizer=False,
         reasons={"mps": "DeepSpeed has no Apple GPU accelerator", "xla": "DeepSpeed does not run on XLA devices",
-                 "apex": "DeepSpeed does its own fp16 loss scaling"},
+                 "apex": "DeepSpeed's engine wraps the optimizer and scales the fp16 loss itself (apex's amp.initialize "
+                         "would wrap the optimizer a second time); use precision: fp16 or bf16"},
     )
+    checkpoint_formats = ("deepspeed",)
     options = {
         "config": "DeepSpeed config: a JSON file path or a mapping (HF's `deepspeed` argument); \"auto\" values are filled from kiln's config.",
         "zero3_init_flag": "Build models the Trainer creates partitioned under deepspeed.zero.Init (ZeRO-3; default true).",
@@ -266,6 +268,20 @@ class DeepSpeedStrategy(DDPStrategy):
         if self.engine is not None:
             return self.engine
         raise RuntimeError("strategy deepspeed: training must run through the engine that setup() returned.")
+
+    def teardown(self) -> None:
+        """Unregister the DeepSpeed config from Transformers (else `is_deepspeed_zero3_enabled()` stays
+        true after the run, and a model built later in this process would be built partitioned), then
+        release the process group as DDP does. Idempotent; only a config this strategy registered is
+        unregistered."""
+        if self._hf_config is not None and "transformers" in sys.modules:
+            from transformers.integrations import deepspeed as hf_deepspeed
+
+            ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+            if ref is None or ref() is self._hf_config:
+                hf_deepspeed.unset_hf_deepspeed_config()
+        self._hf_config = None
+        super().teardown()
 
     # -- checkpoints and export -------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:

@@ -18,7 +18,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import OPTIMIZER, CheckpointIO, apply_weights, load_weights, save_weights
+from kiln.strategies.checkpoint_io import (OPTIMIZER, CheckpointIO, apply_weights, load_weights, register_format,
+                                           save_weights)
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_optimizer_state
 from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder, weights_only_refusal
@@ -96,6 +97,7 @@ def load_plain_weights(directory: str, module: nn.Module) -> None:
     set_full_model_state(module, load_weights(directory), directory)
 
 
+@register_format
 class ShardedFSDPCheckpointIO(CheckpointIO):
     format = "fsdp-sharded"
     reshardable = True
@@ -103,6 +105,10 @@ class ShardedFSDPCheckpointIO(CheckpointIO):
 
     def __init__(self, strategy: Any = None) -> None:
         self.strategy = strategy
+
+    @classmethod
+    def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
+        return consolidate(directory)  # vets the DCP folder's pickles first
 
     def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              save_optimizer: bool, safetensors: bool, writer: bool) -> None:
@@ -147,10 +153,15 @@ class ShardedFSDPCheckpointIO(CheckpointIO):
         self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
 
 
+@register_format
 class FullFSDPCheckpointIO(ShardedFSDPCheckpointIO):
     format = "fsdp-full"
     reshardable = True
     sharded = False
+
+    @classmethod
+    def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
+        return load_weights(directory)
 
     def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              save_optimizer: bool, safetensors: bool, writer: bool) -> None:

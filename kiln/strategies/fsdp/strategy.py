@@ -28,6 +28,7 @@ from kiln.strategies import STRATEGIES
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.ddp.strategy import DDPStrategy
+from kiln.strategies.interfaces import ShardedModuleInit
 from kiln.strategies.process_group import register_group_user
 from kiln.strategies.fsdp.options import NATIVE, FSDPSettings, resolve
 from kiln.utils.errors import ConfigError
@@ -41,12 +42,11 @@ log = logging.getLogger(__name__)
 
 
 @STRATEGIES.register("fsdp", "fsdp2")
-class FSDPStrategy(DDPStrategy):
+class FSDPStrategy(DDPStrategy, ShardedModuleInit):
     name = "fsdp"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         precisions=frozenset({"fp32", "tf32", "bf16", "fp16", "bf16-true", "fp16-true"}),
-        sharded_parameters=True,
         auto_batch_size=False,
         full_eval_cast=False,
         user_optimizer=False,
@@ -56,6 +56,7 @@ class FSDPStrategy(DDPStrategy):
                  "apex": "apex's amp cannot handle FSDP's sharded DTensor parameters; use precision: bf16 or fp16"},
     )
     options = dict(NATIVE)
+    checkpoint_formats = ("fsdp-sharded", "fsdp-full")  # strategy.state_dict_type: sharded (default) or full
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         super().__init__(config, precision)

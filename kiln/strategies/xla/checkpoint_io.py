@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import OPTIMIZER, FullStateCheckpointIO, save_weights
+from kiln.strategies.checkpoint_io import OPTIMIZER, FullStateCheckpointIO, register_format, save_weights
 
 
 def to_cpu(tree: Any, memo: Optional[dict[int, torch.Tensor]] = None) -> Any:
@@ -39,6 +39,7 @@ def module_state_cpu(module: nn.Module) -> dict[str, torch.Tensor]:
     return to_cpu(module.state_dict(keep_vars=True))
 
 
+@register_format
 class XLACheckpointIO(FullStateCheckpointIO):
     format = "xla-full"
     reshardable = True

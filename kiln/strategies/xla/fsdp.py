@@ -78,10 +78,11 @@ def _original_parameters(wrapped: nn.Module) -> Iterator[None]:
 class XLAFSDPStrategy(XLAStrategy):
     name = "xla_fsdp"
     capabilities = Capabilities(
-        devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, sharded_parameters=True, auto_batch_size=False,
-        full_eval_cast=False, user_optimizer=False, reasons=XLA_REASONS,
+        devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, auto_batch_size=False,
+        full_eval_cast=False, user_optimizer=False, torch_compile=False, reasons=XLA_REASONS,
     )
     options = dict(OPTIONS)
+    checkpoint_formats = ("xla-spmd-sharded", "xla-fsdp-classic")
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         self.settings: XLAFSDPSettings = XLAFSDPSettings()

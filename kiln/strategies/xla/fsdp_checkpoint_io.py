@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import CheckpointIO, apply_weights, load_weights
+from kiln.strategies.checkpoint_io import CheckpointIO, apply_weights, load_weights, register_format
 from kiln.strategies.xla.checkpoint_io import to_cpu
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_optimizer_state
@@ -33,6 +33,7 @@ SPMD_DIR = "xla_dcp"
 CLASSIC_DIR = "xla_fsdp_classic"
 
 
+@register_format
 class SPMDCheckpointIO(CheckpointIO):
     format = "xla-spmd-sharded"
     reshardable = True  # one process in every SPMD run; DCP places the shards on whatever mesh loads them
@@ -40,6 +41,10 @@ class SPMDCheckpointIO(CheckpointIO):
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
+
+    @classmethod
+    def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
+        return consolidate_spmd(directory)
 
     def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              save_optimizer: bool, safetensors: bool, writer: bool) -> None:
@@ -156,6 +161,7 @@ def consolidate_classic(directory: str) -> dict[str, torch.Tensor]:
     return _strip(unflatten_shards(states, first["shard_metadata"]), first["prefix"])
 
 
+@register_format
 class ClassicXLAFSDPCheckpointIO(CheckpointIO):
     format = "xla-fsdp-classic"
     reshardable = False  # the flat shards are cut for this number of processes
@@ -163,6 +169,10 @@ class ClassicXLAFSDPCheckpointIO(CheckpointIO):
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
+
+    @classmethod
+    def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
+        return consolidate_classic(directory)
 
     def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              save_optimizer: bool, safetensors: bool, writer: bool) -> None:

@@ -3,11 +3,11 @@
 torch_xla records operations lazily and compiles each recorded graph once per shape, so:
 
 - the graph is cut (`torch_xla.sync()`) after each micro-batch's backward and after each optimizer
-  step (`on_micro_batch_end` / `on_step_end`): every step then replays the same few cached graphs;
+  step (`GraphBoundaries`: `on_micro_batch_end` / `on_step_end`): every step then replays the same few cached graphs;
 - nothing on the per-step path reads a value back to the host: the loss and the gradient norm stay
   device tensors, and the loop reads them only on logging steps (the test counts transfers);
 - batches are uploaded by torch_xla's `MpDeviceLoader` in a background thread (xla_loader.py);
-- static shapes (`static_shapes = True`): the Trainer drops each epoch's short last training batch
+- static shapes (the `StaticShapes` interface): the Trainer drops each epoch's short last training batch
   and pads a short accumulation window's item counts, so no epoch end compiles a new graph (a
   DataLoader the user built keeps its short batch, reported once, as it costs one more compilation);
 - with several replicas (a TPU host's cores, one process each), gradients are averaged with
@@ -30,6 +30,7 @@ from torch import nn
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import StepResult, Strategy
 from kiln.strategies.capabilities import Capabilities
+from kiln.strategies.interfaces import GraphBoundaries, StaticShapes
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.utils.errors import ConfigError
 
@@ -49,6 +50,7 @@ XLA_REASONS = {
     "fp16-true": "XLA trains in bf16, not fp16; use precision: bf16-true",
     "apex": "apex is CUDA-only; use precision: bf16",
     "tf32": "TF32 is a mode of NVIDIA GPUs; use precision: fp32",
+    "torch_compile": "XLA already compiles every step into one graph",
 }
 XLA_PRECISIONS = frozenset({"fp32", "bf16", "bf16-true"})
 
@@ -71,13 +73,13 @@ def sync() -> None:
 
 
 @STRATEGIES.register("xla")
-class XLAStrategy(Strategy):
+class XLAStrategy(Strategy, GraphBoundaries, StaticShapes):
     name = "xla"
     # auto_find_batch_size, full-eval casts and a user-built optimizer have not been run on XLA (an XLA
     # out-of-memory error is no torch.OutOfMemoryError, so the probe could not see it): refused
     capabilities = Capabilities(devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, auto_batch_size=False,
-                                full_eval_cast=False, user_optimizer=False, reasons=XLA_REASONS)
-    static_shapes = True  # one graph per input shape: see kiln.engine.data.static_shapes
+                                full_eval_cast=False, user_optimizer=False, torch_compile=False, reasons=XLA_REASONS)
+    checkpoint_formats = ("xla-full",)
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         super().__init__(config, precision)
@@ -107,13 +109,6 @@ class XLAStrategy(Strategy):
         return self._device
 
     # -- set-up -----------------------------------------------------------------------------
-    def compile(self, model: nn.Module) -> nn.Module:
-        train = self.config.train if self.config is not None else None
-        if train is not None and (train.torch_compile or train.torch_compile_backend or train.torch_compile_mode):
-            raise ConfigError(f"torch_compile cannot be used with strategy {self.name!r}: XLA already compiles every "
-                              "step into one graph; drop torch_compile.")
-        return model
-
     #: Gradients stay allocated between steps, zeroed in place (xla_gradients.py): every backward is
     #: then one graph, an epoch's short last window compiles nothing new, and a resumed run replays
     #: the uninterrupted run's graphs.

@@ -18,9 +18,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from kiln.strategies.base import Setup, Strategy, StepResult
+from kiln.strategies.base import Setup, SingleProcessCollectives, Strategy, StepResult
 from kiln.strategies.capabilities import Capabilities
-from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO
+from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO, register_format
+from kiln.strategies.interfaces import OwnsOptimizerStep
 from kiln.strategies.single import SingleDeviceStrategy
 from kiln.utils.errors import CheckpointError, safe_torch_load
 
@@ -51,6 +52,7 @@ class Engine(nn.Module):
         return norm
 
 
+@register_format
 class EngineCheckpointIO(CheckpointIO):
     """One file with the engine's model and optimizer state (a format of its own)."""
 
@@ -75,11 +77,16 @@ class EngineCheckpointIO(CheckpointIO):
         if load_optimizer and optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
 
+    @classmethod
+    def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
+        return safe_torch_load(os.path.join(directory, cls.FILE))["module"]
 
-class OwnStepStrategy(Strategy):
+
+class OwnStepStrategy(SingleProcessCollectives, Strategy, OwnsOptimizerStep):
     name = "fake_own_step"
-    capabilities = Capabilities(devices=frozenset({"cpu"}), precisions=frozenset({"fp32"}), needs_optimizer_at_setup=True,
-                                wraps_optimizer=True, user_optimizer=False, auto_batch_size=False, full_eval_cast=False)
+    capabilities = Capabilities(devices=frozenset({"cpu"}), precisions=frozenset({"fp32"}), user_optimizer=False,
+                                auto_batch_size=False, full_eval_cast=False)
+    checkpoint_formats = (EngineCheckpointIO.format,)
 
     def __init__(self, config: Any, precision: Any) -> None:
         super().__init__(config, precision)

@@ -1,0 +1,77 @@
+"""What only some strategies do: optional interfaces a strategy opts into by inheriting them.
+
+The required core lives in `kiln/strategies/base.py`. Everything here is asked for by the engine with
+`isinstance(strategy, <Interface>)` once, at set-up, never by a strategy's name; a strategy that does
+not inherit an interface simply has nothing to do at that point (no no-op hook is called per step).
+
+- `BackwardSyncControl`: the strategy decides around each micro-batch whether gradients are
+  synchronised (DDP's `no_sync`, FSDP's `set_requires_gradient_sync`, DeepSpeed's boundary).
+- `GraphBoundaries`: the strategy cuts a lazily recorded graph after each micro-batch and after
+  each optimizer step (XLA's `torch_xla.sync()`).
+- `ShardedModuleInit`: a model the Trainer builds itself is built inside the strategy's context
+  (FSDP's meta device / rank-0 loading, DeepSpeed's `zero.Init`).
+- `StaticShapes`: every step must see the same shapes (the XLA family compiles one graph per shape).
+- `OwnsOptimizerStep`: the strategy's own engine steps, clips and scales (DeepSpeed); documentation
+  for readers and tests, the engine calls `optimizer_step` the same way for every strategy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ContextManager
+
+from torch import nn
+
+
+class BackwardSyncControl(ABC):
+    """Gradient synchronisation decided per micro-batch.
+
+    The loop wraps each micro-batch's forward *and* backward in `micro_batch_context(model,
+    boundary=...)`; `boundary` is True for the last micro-batch of an accumulation window. DDP decides
+    at forward time whether its backward all-reduces, so the context must open before the forward."""
+
+    @abstractmethod
+    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
+        """Around one micro-batch's forward and backward (skip the reduction unless `boundary`)."""
+
+
+class GraphBoundaries(ABC):
+    """A strategy that records operations lazily and runs them as one graph per cut (XLA).
+
+    The loop calls `on_micro_batch_end()` after each micro-batch's backward and `on_step_end()` after
+    each optimizer step and zero_grad, so every step replays the same few compiled graphs."""
+
+    @abstractmethod
+    def on_micro_batch_end(self) -> None:
+        """After each micro-batch's backward."""
+
+    @abstractmethod
+    def on_step_end(self) -> None:
+        """After each optimizer step and zero_grad."""
+
+
+class ShardedModuleInit(ABC):
+    """A model the Trainer creates itself (`model_init`, a config-named class) is built inside
+    `module_init_context()`: on the meta device, on rank 0 only, or partitioned as it is created, so
+    a model larger than one process's memory can be built at all."""
+
+    @abstractmethod
+    def module_init_context(self) -> ContextManager[Any]:
+        """The context the Trainer builds the model in (may be a null context for some settings)."""
+
+
+class StaticShapes:
+    """Marker: every training step must see the same shapes (one compiled graph per input shape).
+
+    The Trainer then drops each epoch's short last training batch (as `dataloader_drop_last`, saying
+    how many samples in one log line) and pads a short accumulation window's item counts with zero
+    counts on the device, so the epoch's last window replays the graphs of a full one."""
+
+
+class OwnsOptimizerStep:
+    """Marker: `setup` hands back the strategy's own engine wrapping module and optimizer together,
+    and its `optimizer_step` runs that engine's step (which clips, scales and may skip). The user's
+    optimizer factory may then be ignored in favour of one the strategy's config names (DeepSpeed)."""
+
+
+__all__ = ["BackwardSyncControl", "GraphBoundaries", "OwnsOptimizerStep", "ShardedModuleInit", "StaticShapes"]

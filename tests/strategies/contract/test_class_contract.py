@@ -1,0 +1,71 @@
+"""The contract a strategy class must meet when it is created and registered, checked without
+training: collectives have no identity default, the optional interfaces are real ABCs, and the
+checkpoint formats a strategy declares are in the format registry with a way to consolidate them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.registry import UnknownNameError
+from kiln.strategies import STRATEGIES
+from kiln.strategies.base import COLLECTIVES, SingleProcessCollectives, Strategy
+from kiln.strategies.checkpoint_io import FORMATS, CheckpointIO
+from kiln.strategies.ddp.strategy import DDPStrategy
+from kiln.strategies.interfaces import BackwardSyncControl
+
+
+@pytest.mark.parametrize("missing", COLLECTIVES)
+def test_a_multi_process_strategy_missing_a_collective_is_refused_at_class_creation(missing):
+    body = {name: (lambda self, *a, **k: None) for name in COLLECTIVES if name != missing}
+    with pytest.raises(TypeError, match=rf"does not implement the collective\(s\) {missing}\b.*SingleProcessCollectives"):
+        type("Forgetful", (Strategy,), body)
+
+
+def test_every_collective_defined_or_the_single_process_mixin_is_accepted():
+    type("Complete", (Strategy,), {name: (lambda self, *a, **k: None) for name in COLLECTIVES})
+    one = type("OneProcess", (SingleProcessCollectives, Strategy), {})
+    assert one.reduce(None, torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_the_mixin_after_strategy_does_not_count():
+    """Strategy's stubs come first in that MRO, so the identity versions would never be reached."""
+    with pytest.raises(TypeError, match="listed before Strategy"):
+        type("WrongOrder", (Strategy, SingleProcessCollectives), {})
+
+
+def test_a_subclass_of_a_multi_process_strategy_inherits_its_collectives():
+    sub = type("MyDDP", (DDPStrategy,), {})
+    assert sub.all_gather is DDPStrategy.all_gather and issubclass(sub, BackwardSyncControl)
+
+
+def test_an_optional_interface_must_be_implemented_to_be_claimed():
+    half = type("Claims", (SingleProcessCollectives, Strategy, BackwardSyncControl), {})
+    with pytest.raises(TypeError, match="micro_batch_context"):
+        half(None, None)
+
+
+def _strategy_classes() -> list[type]:
+    out = []
+    for name in STRATEGIES.names():
+        try:
+            cls = STRATEGIES.get(name)
+        except (UnknownNameError, ImportError):
+            continue
+        if isinstance(cls, type) and issubclass(cls, Strategy) and cls not in out:
+            out.append(cls)
+    return out
+
+
+@pytest.mark.parametrize("cls", _strategy_classes(), ids=lambda c: c.name)
+def test_declared_checkpoint_formats_are_registered_and_consolidate(cls):
+    assert cls.checkpoint_formats, f"{cls.name} declares no checkpoint format"
+    for fmt in cls.checkpoint_formats:
+        io = FORMATS.get(fmt)
+        assert io.format == fmt
+        assert io.consolidate.__func__ is not CheckpointIO.consolidate.__func__, f"{fmt} cannot be consolidated"
+
+
+def test_every_builtin_format_names_its_own_class():
+    for fmt in ("full", "fsdp-full", "fsdp-sharded", "xla-full", "xla-spmd-sharded", "xla-fsdp-classic", "deepspeed"):
+        assert FORMATS.get(fmt).format == fmt
