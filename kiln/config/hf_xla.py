@@ -6,28 +6,13 @@ says `xla: true`, and refuses the XLA-only keys without it (HF documents they ne
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
+from kiln.config.fsdp_config import read_fsdp_config
 from kiln.utils.errors import ConfigError
 from kiln.utils.truthy import truthy
 
 XLA_ONLY = ("xla_fsdp_v2", "xla_fsdp_settings", "xla_fsdp_grad_ckpt")
-
-
-def read_fsdp_config(value: Any) -> dict[str, Any]:
-    """`fsdp_config` as a dict with the `fsdp_` prefixes dropped (a mapping, or a JSON file path;
-    anything else is left to the strategy's own checks, which name the problem)."""
-    if isinstance(value, str) and os.path.isfile(value):
-        try:
-            with open(value, encoding="utf-8") as fh:
-                value = json.load(fh)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"fsdp_config file {value!r} is not valid JSON ({err}); fix the file.") from None
-    if not hasattr(value, "items"):
-        return {}
-    return {(str(k)[len("fsdp_"):] if str(k).startswith("fsdp_") else str(k)): v for k, v in value.items()}
 
 
 def route_xla_fsdp(tree: dict[str, Any]) -> None:
@@ -35,7 +20,7 @@ def route_xla_fsdp(tree: dict[str, Any]) -> None:
     strategy = tree.get("strategy")
     if not isinstance(strategy, dict) or strategy.get("name") != "fsdp":
         return
-    cfg = read_fsdp_config((strategy.get("options") or {}).get("fsdp_config"))
+    cfg = read_fsdp_config((strategy.get("options") or {}).get("fsdp_config"), strict=False)
     if truthy(cfg.get("xla", False)):
         strategy["name"] = "xla_fsdp"
         return

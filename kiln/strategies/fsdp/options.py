@@ -13,18 +13,16 @@ having no effect, so nothing is silently dropped."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from kiln.config.fsdp_config import SHARDING, read_fsdp_config, sharding_name
 from kiln.utils.errors import ConfigError
 from kiln.utils.truthy import truthy
 
 log = logging.getLogger(__name__)
 
-SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 STATE_DICT_TYPES = {"sharded": "sharded", "sharded_state_dict": "sharded", "full": "full", "full_state_dict": "full",
                     "local_state_dict": "sharded", "local": "sharded"}
 
@@ -88,26 +86,6 @@ class FSDPSettings:
         return self.sharding in ("full_shard", "hybrid_shard")
 
 
-def _read_fsdp_config(value: Any) -> dict[str, Any]:
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        if not os.path.isfile(value):
-            raise ConfigError(f"fsdp_config {value!r} is neither a mapping nor an existing JSON file; pass a dict or a file path.")
-        with open(value, encoding="utf-8") as fh:
-            try:
-                value = json.load(fh)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"fsdp_config file {value!r} is not valid JSON ({err}); fix the file.") from None
-    if not hasattr(value, "items"):
-        raise ConfigError(f"fsdp_config must be a mapping or a JSON file path, got {type(value).__name__}.")
-    out = {}
-    for key, v in dict(value).items():
-        k = str(key)
-        out[k[len("fsdp_"):] if k.startswith("fsdp_") else k] = v
-    return out
-
-
 def _flags(value: Any) -> list[str]:
     if value is None or value is False:
         return []
@@ -141,7 +119,7 @@ def resolve(option: Callable[[str], Any]) -> FSDPSettings:
             put("sharding", flag, "fsdp")
         elif flag == "offload":
             put("offload", True, "fsdp")
-    cfg = _read_fsdp_config(option("fsdp_config"))
+    cfg = read_fsdp_config(option("fsdp_config"), strict=True)
     for key, value in cfg.items():
         if key == "transformer_layer_cls_to_wrap":
             put("wrap", _names(value), "fsdp_config")
@@ -158,7 +136,7 @@ def resolve(option: Callable[[str], Any]) -> FSDPSettings:
             if truthy(value) or key == "version" and value not in (2, "2"):
                 s.no_effect[key] = NO_EFFECT[key]
         elif key == "sharding":
-            name = SHARDING[int(value) - 1] if str(value).isdigit() and 1 <= int(value) <= len(SHARDING) else str(value).lower()
+            name = sharding_name(value)
             if name not in SHARDING:
                 raise ConfigError(f"FSDP sharding {value!r} is not one of {', '.join(SHARDING)}; fix strategy.sharding.")
             s.sharding = name

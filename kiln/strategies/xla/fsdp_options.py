@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from kiln.config.hf_xla import read_fsdp_config
+from kiln.config.fsdp_config import read_fsdp_config
 from kiln.strategies.fsdp.options import _names
 from kiln.utils.truthy import truthy
 from kiln.utils.errors import ConfigError
@@ -66,7 +66,7 @@ def resolve(option: Callable[[str], Any]) -> XLAFSDPSettings:
     merged: dict[str, Any] = {}
     _flags(option("fsdp"), merged)
     no_effect: dict[str, str] = {}
-    for key, value in read_fsdp_config(option("fsdp_config")).items():
+    for key, value in read_fsdp_config(option("fsdp_config"), strict=False).items():
         if key == "xla":
             continue
         if key == "xla_fsdp_v2":
