@@ -82,19 +82,18 @@ def _check_names(cfg: DictConfig) -> None:
     """Unknown strategy/precision/optimizer/scheduler names fail here, listing the valid ones."""
     from kiln.registry import UnknownNameError
 
+    # every table here sits on a floor below the engine and the strategies (see tests/test_layering.py)
+    from kiln.config.strategy_names import check_strategy_name
+    from kiln.loggers import LOGGERS
+    from kiln.optim.optimizers import OPTIMIZERS
+    from kiln.optim.schedulers import SCHEDULERS
+    from kiln.precision import PRECISIONS
+
     try:
-        from kiln.precision import PRECISIONS
-        from kiln.strategies import STRATEGIES
-
-        STRATEGIES.check(cfg.strategy.name)
+        check_strategy_name(cfg.strategy.name)
         PRECISIONS.check(cfg.precision.name)
-        from kiln.optim.optimizers import OPTIMIZERS
-        from kiln.optim.schedulers import SCHEDULERS
-
         OPTIMIZERS.check(cfg.optim.name)
         SCHEDULERS.check(cfg.scheduler.name)
-        from kiln.loggers import LOGGERS
-
         for name in list(cfg.log.report_to) + list(cfg.log.history):
             if name not in ("all", "none"):
                 LOGGERS.check(name)
