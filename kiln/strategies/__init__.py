@@ -43,8 +43,8 @@ def build_strategy(config: "DictConfig", precision: "Precision", override: Any =
             config.strategy.name = override
         override = None
     cls = override if isinstance(override, type) else STRATEGIES.get(config.strategy.name)
-    if getattr(cls, "resolve", None) is not None and not issubclass(cls, Strategy):
-        cls = cls.resolve(config)  # `auto` picks a concrete class
+    if getattr(cls, "resolve", None) is not None:
+        cls = cls.resolve(config)  # `auto` and `xla_fsdp` pick a concrete class from the config
     return cls(config, precision)
 
 

@@ -18,8 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln import TrainingModule
+from kiln.strategies import STRATEGIES
 from kiln.utils.errors import CapabilityError
 from tests.helpers import padded_token_data
+
+STRATEGIES.add_lazy("two_d", "tests.strategies.plugins.two_d")  # the plug-in strategy: its only registry line
 
 SCENARIOS = ("fit", "evaluate", "predict", "resume", "export", "auto_batch_size", "full_eval")
 STEPS = 6
@@ -132,7 +135,7 @@ def _export(strategy: Any, root: str, world: int) -> tuple[dict, dict]:
 def _auto_batch_size(strategy: Any, root: str, world: int) -> tuple[dict, dict]:
     trainer = trainer_for(strategy, root, "auto_batch_size", world, auto_find_batch_size=True)
     trainer.fit()
-    return {"global_batch": trainer.config.data.per_device_train_batch_size * trainer.strategy.data_shards}, full_weights(trainer)
+    return {"global_batch": trainer._train_batch_size * trainer.strategy.data_shards}, full_weights(trainer)
 
 
 def _full_eval(strategy: Any, root: str, world: int) -> tuple[dict, dict]:

@@ -30,6 +30,7 @@ STRATEGIES = {
     "deepspeed_stage_3": ("deepspeed_stage_3", 2, 1e-5),
     "fake_own_step": (OwnStepStrategy, 1, 0.0),
     "fake_spmd": (SpmdSizesStrategy, 1, 0.0),
+    "two_d": ("two_d", 2, 1e-5),  # tests/strategies/plugins/two_d.py: a plug-in from outside kiln/
 }
 
 #: scenario -> the capability that allows it (None: every strategy must run it)
