@@ -72,3 +72,21 @@ def test_without_torch_xla_the_strategies_say_how_to_get_it(name, tmp_path):
     cfg = base_config(tmp_path, strategy={"name": name})
     with pytest.raises(ConfigError, match=r"pip install kiln\[xla\]"):
         Trainer(TinyRegressor(), cfg, train_dataset=regression_data(n=8))
+
+
+@pytest.mark.parametrize("options, chosen", [
+    ({}, "SPMDXLAFSDPStrategy"),
+    ({"wrapper": "classic"}, "ClassicXLAFSDPStrategy"),
+    ({"fsdp_config": {"xla": True, "xla_fsdp_v2": False}}, "ClassicXLAFSDPStrategy"),
+    ({"fsdp_config": {"xla": True, "xla_fsdp_v2": True}}, "SPMDXLAFSDPStrategy"),
+])
+def test_xla_fsdp_resolves_one_class_per_wrapper(options, chosen):
+    """`xla_fsdp` is one name for two classes; the options pick one before anything imports torch_xla."""
+    from omegaconf import OmegaConf
+
+    from kiln.strategies import STRATEGIES
+    from kiln.strategies.xla.fsdp_base import XLAFSDPBase
+
+    cls = STRATEGIES.get("xla_fsdp").resolve(OmegaConf.create({"strategy": {"name": "xla_fsdp", "options": options}}))
+    assert cls.__name__ == chosen and issubclass(cls, XLAFSDPBase) and cls.name == "xla_fsdp"
+    assert len(cls.checkpoint_formats) == 1 and cls.checkpoint_formats[0] in STRATEGIES.get("xla_fsdp").checkpoint_formats

@@ -1,5 +1,5 @@
 """`strategy: xla_fsdp`: fully sharded data parallel on XLA devices, in one of two classes chosen from
-the options (xla_fsdp_options.py) when the strategy is built (`resolve`):
+the options (xla_fsdp_options.py) when the strategy is built (`resolve`, as `auto` does):
 
 - `SPMDXLAFSDPStrategy` (fsdp_spmd.py; `wrapper: spmd`, the default; HF `xla_fsdp_v2: true`): SPMD
   FSDPv2, ONE process driving every device of the host through a mesh; the compiler inserts the
@@ -8,92 +8,34 @@ the options (xla_fsdp_options.py) when the strategy is built (`resolve`):
   `XlaFullyShardedDataParallel`, one process per device. Checkpoints: flat shards per process
   ("xla-fsdp-classic").
 
-What both share lives here: the options, the capabilities, choosing the blocks to wrap, and the
-bookkeeping of where the user's module sits inside the wrapped one (for export and checkpoint names).
+What both share is in fsdp_base.py. Neither file imports torch_xla until the strategy is built.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from kiln.strategies import STRATEGIES
-from kiln.strategies.capabilities import Capabilities
-from kiln.strategies.xla.fsdp_options import OPTIONS, XLAFSDPSettings, check_activation_checkpointing, resolve
-from kiln.strategies.xla.strategy import XLA_PRECISIONS, XLA_REASONS, XLAStrategy
+from kiln.strategies.xla.fsdp_base import XLAFSDPBase
+from kiln.strategies.xla.fsdp_classic import ClassicXLAFSDPStrategy
+from kiln.strategies.xla.fsdp_options import resolve
+from kiln.strategies.xla.fsdp_spmd import SPMDXLAFSDPStrategy
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from kiln.precision.base import Precision
-
-log = logging.getLogger(__name__)
-
 
 @STRATEGIES.register("xla_fsdp")
-class XLAFSDPStrategy(XLAStrategy):
-    """What the two XLA FSDP classes share; `resolve(config)` picks one of them (build_strategy asks)."""
+class XLAFSDPStrategy:
+    """Not a strategy itself: `resolve` returns the class for the configured wrapper. It carries the
+    declarations both classes share, for the docs and the compatibility table."""
 
-    name = "xla_fsdp"
-    capabilities = Capabilities(
-        devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, auto_batch_size=False,
-        full_eval_cast=False, user_optimizer=False, torch_compile=False, reasons=XLA_REASONS,
-    )
-    options = dict(OPTIONS)
-    checkpoint_formats = ("xla-spmd-sharded", "xla-fsdp-classic")
+    name = XLAFSDPBase.name
+    capabilities = XLAFSDPBase.capabilities
+    options = XLAFSDPBase.options
+    checkpoint_formats = (*SPMDXLAFSDPStrategy.checkpoint_formats, *ClassicXLAFSDPStrategy.checkpoint_formats)
 
-    @classmethod
-    def resolve(cls, config: "DictConfig") -> type["XLAFSDPStrategy"]:
-        """The class for the configured wrapper (a concrete class resolves to itself)."""
-        if cls is not XLAFSDPStrategy:
-            return cls
+    @staticmethod
+    def resolve(config: "DictConfig") -> type[XLAFSDPBase]:
         given = dict(config.strategy.get("options") or {}) if config is not None else {}
-        if resolve(given.get).wrapper == "classic":
-            from kiln.strategies.xla.fsdp_classic import ClassicXLAFSDPStrategy
-
-            return ClassicXLAFSDPStrategy
-        from kiln.strategies.xla.fsdp_spmd import SPMDXLAFSDPStrategy
-
-        return SPMDXLAFSDPStrategy
-
-    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
-        if type(self) is XLAFSDPStrategy:
-            raise TypeError("XLAFSDPStrategy is chosen through XLAFSDPStrategy.resolve(config); build the class it returns.")
-        self.settings: XLAFSDPSettings = XLAFSDPSettings()
-        self._prefixes: dict[int, str] = {}
-        super().__init__(config, precision)
-
-    def _init_topology(self, xr: Any) -> None:
-        self.settings = resolve(self.option)
-        for key, why in self.settings.no_effect.items():
-            log.warning("XLA FSDP setting %r has no effect: %s.", key, why)
-        self._init_devices(xr)
-
-    def _init_devices(self, xr: Any) -> None:
-        """One process per device (XLAStrategy's topology); SPMD's one process over all devices overrides it."""
-        super()._init_topology(xr)
-
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        from kiln.strategies.fsdp.wrap import blocks_to_wrap
-
-        self._prefixes = {id(m): name for name, m in module.named_modules()}
-        module = module.to(self.root_device)
-        blocks = blocks_to_wrap(module, self.settings.wrap, self.settings.min_num_params)
-        check_activation_checkpointing(self.settings, bool(blocks))
-        return self.wrap(module, blocks)
-
-    def wrap(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
-        """Shard `module` (on the device), each of `blocks` one unit."""
-        raise NotImplementedError
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
-
-        return model.module if isinstance(model, (SpmdFullyShardedDataParallel, XlaFullyShardedDataParallel)) else model
-
-    def prefix_of(self, module: nn.Module) -> str:
-        """Where the user's `module` sits in the module that was wrapped ("" when it is that module)."""
-        return self._prefixes.get(id(module), "")
+        return ClassicXLAFSDPStrategy if resolve(given.get).wrapper == "classic" else SPMDXLAFSDPStrategy

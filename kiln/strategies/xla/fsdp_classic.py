@@ -18,7 +18,7 @@ from torch import nn
 
 from kiln.strategies.base import StepResult
 from kiln.strategies.checkpoint_io import CheckpointIO
-from kiln.strategies.xla.fsdp import XLAFSDPStrategy
+from kiln.strategies.xla.fsdp_base import XLAFSDPBase
 from kiln.utils.errors import ConfigError
 
 
@@ -42,7 +42,7 @@ def _original_parameters(wrapped: nn.Module) -> Iterator[None]:
             object.__setattr__(owner, attr, param)
 
 
-class ClassicXLAFSDPStrategy(XLAFSDPStrategy):
+class ClassicXLAFSDPStrategy(XLAFSDPBase):
     checkpoint_formats = ("xla-fsdp-classic",)
     persistent_gradients = False  # the wrapper hands its reduced shards to the optimizer itself
 

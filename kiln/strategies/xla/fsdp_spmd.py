@@ -19,7 +19,7 @@ from torch import nn
 
 from kiln.strategies.base import StepResult
 from kiln.strategies.checkpoint_io import CheckpointIO
-from kiln.strategies.xla.fsdp import XLAFSDPStrategy
+from kiln.strategies.xla.fsdp_base import XLAFSDPBase
 from kiln.utils.errors import ConfigError
 
 
@@ -37,7 +37,7 @@ def _shard_batch_dim(output: Any, mesh: Any) -> None:
         xs.mark_sharding(tensor, mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
 
 
-class SPMDXLAFSDPStrategy(XLAFSDPStrategy):
+class SPMDXLAFSDPStrategy(XLAFSDPBase):
     checkpoint_formats = ("xla-spmd-sharded",)
     _mesh: Any = None
 
