@@ -238,23 +238,21 @@ def decay_parameter_names(model: nn.Module) -> list[str]:
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """The optimizer's param groups: decayed weights, then biases and norm weights without decay.
+    """The optimizer's param groups, HF's layout whatever the decay: decayed weights, then biases and
+    norm weights without decay.
 
-    With weight_decay 0 the two would differ in nothing, so they are one group holding the same
-    parameters in the same order: each group costs the optimizer a pass of per-group Python every
-    step (about 3% of a tiny model's step). The flat order, which keys the optimizer state_dict, is
-    the same in both layouts (see kiln.utils.param_groups), and is deterministic so checkpoints
-    resume across runs; empty groups are dropped because some optimizers reject them."""
+    Two groups even with weight_decay 0, and even when one is empty, as `transformers.Trainer` builds
+    them: HF's Trainer can then resume a kiln checkpoint (and kiln one of HF's) with no regrouping,
+    and `get_learning_rates()` gives one rate per group as HF's does. The flat order keys the
+    optimizer state_dict and is deterministic, so checkpoints resume across runs; a checkpoint of an
+    older kiln that used one group when weight_decay was 0 is re-cut on load (kiln.utils.param_groups)."""
     decay, no_decay = _split_parameters(model)
     if not decay and not no_decay:
         raise ValueError("The model has no trainable parameters (all have requires_grad=False); nothing to optimise.")
-    if not weight_decay:
-        return [{"params": [p for _, p in decay + no_decay], "weight_decay": 0.0}]
-    groups = [
+    return [
         {"params": [p for _, p in decay], "weight_decay": weight_decay},
         {"params": [p for _, p in no_decay], "weight_decay": 0.0},
     ]
-    return [g for g in groups if g["params"]]
 
 
 # ----------------------------------------------------------------------------- build

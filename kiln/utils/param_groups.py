@@ -1,15 +1,13 @@
 """Saved optimizer and scheduler state in the running optimizer's param-group layout.
 
-kiln puts every trainable parameter in one param group when weight decay is 0 (a group costs a
-pass of the optimizer's per-group Python on every step), and in HF's two groups (decayed weights,
-then biases and norm weights) otherwise. Both layouts list the parameters in the same flat order,
-so a torch optimizer state_dict, whose per-parameter state is keyed by that flat index, fits
-either layout once its `param_groups` are re-cut. That lets a run resume a checkpoint saved in the
-other layout: one from HF's Trainer or from an older kiln (two groups with equal settings), or one
-saved with weight_decay 0 and resumed with a decay (the saved settings win, as they always do in
-`Optimizer.load_state_dict`). Groups whose settings differ cannot be merged without changing the
-optimisation, so that case raises ValueError, which the loaders turn into a CheckpointError.
-"""
+kiln builds HF's two groups (decayed weights, then biases and norm weights) whatever the weight
+decay, as `transformers.Trainer` does. kiln before HF-parity round 3 put every parameter in one group
+when weight decay was 0. Both layouts list the parameters in the same flat order, so a torch
+optimizer state_dict, whose per-parameter state is keyed by that flat index, fits either layout once
+its `param_groups` are re-cut. That lets a run resume a checkpoint saved in the other layout (one of
+that older kiln; the saved settings win, as they always do in `Optimizer.load_state_dict`). Groups
+whose settings differ cannot be merged without changing the optimisation, so that case raises
+ValueError, which the loaders turn into a CheckpointError."""
 
 from __future__ import annotations
 
