@@ -317,8 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     weights, random_weights = getattr(ns, "weights", None), getattr(ns, "random_weights", False)
     if ns.nproc != 1 or ns.accelerate_config:  # --nproc 0 / -1 reach launch_local, which refuses them
-        from kiln.launch.local import accelerate_config_settings, launch_local
-        from kiln.launch.settings import settings_to_json
+        from kiln.launch.local import launch_local
+        from kiln.launch.settings import accelerate_config_settings, settings_to_json
 
         flags = ([f"--weights={weights}"] if weights else []) + (["--random-weights"] if random_weights else [])
         nproc, devices = ns.nproc if ns.nproc != 1 else 0, {}

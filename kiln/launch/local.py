@@ -11,7 +11,7 @@ An accelerate config file (the YAML that `accelerate config` writes, e.g. the mu
 DeepSpeed examples in the Hugging Face docs) can be honoured without accelerate installed: its
 settings are read as `accelerate launch` would export them, turned into kiln settings once, and
 handed to the workers as an argument (`--launcher-settings`), where the same precedence rule as for
-a real `accelerate launch` applies (`launcher_settings.launcher_overrides`).
+a real `accelerate launch` applies (`kiln.launch.settings.launcher_overrides`).
 
 Lifetime. The workers die with the launcher, even when it is killed with SIGKILL (`_die_with_launcher`);
 a SIGTERM to the launcher reaches every worker and the launcher waits for their preemption checkpoint
@@ -36,7 +36,6 @@ import uuid
 from collections import deque
 from typing import Any, Optional, Sequence, TextIO
 
-from kiln.launch.settings import accelerate_config_env, accelerate_config_settings  # noqa: F401 (the CLI's)
 
 #: set by `launch_local` for its workers only: where each rank writes its pid and, failing, its report
 REPORT_DIR = "KILN_LAUNCH_REPORT_DIR"

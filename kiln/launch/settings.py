@@ -1,8 +1,9 @@
 """What a launcher asks of the run's settings, and how that meets the kiln config.
 
-`accelerate launch` exports its config file or flags as ACCELERATE_* / FSDP_* variables; this module
-turns them into kiln config keys (`accelerate_settings`). kiln's own launcher (`kiln fit
---accelerate-config FILE`) computes the same settings from the file and hands them to its workers as
+An accelerate configuration reaches kiln as a file (`kiln fit --accelerate-config FILE`) or as the
+ACCELERATE_* / FSDP_* variables `accelerate launch` exports; both are read into one `AccelerateConfig`
+(accelerate_config.py), and `settings_of` is the one place that says what it means in kiln config
+keys. kiln's own launcher computes the settings once, from the file, and hands them to its workers as
 an argument, not through variables of its own.
 
 Precedence between a launcher and the kiln config: the launcher's value is used for a key only when
@@ -17,6 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from kiln.launch.accelerate_config import AccelerateConfig
 from kiln.launch.environment import detect
 from kiln.launch.environment.base import Env
 from kiln.launch.environment.base import current as _env
@@ -40,79 +42,84 @@ _SHARDING = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_
 
 def accelerate_settings(env: Optional[Env] = None) -> list[LauncherSetting]:
     """What `accelerate launch` (its config file or flags, exported as ACCELERATE_* / FSDP_* variables)
-    asks of the run, as kiln config keys. FSDP and DeepSpeed settings are handed over in Hugging
-    Face's `fsdp` / `fsdp_config` / `deepspeed` format, which the FSDP and DeepSpeed strategies read."""
-    env = _env(env)
+    asks of the run, as kiln config keys; [] when accelerate did not start this process."""
+    config = AccelerateConfig.from_env(_env(env))
+    return [] if config is None else settings_of(config)
+
+
+def settings_of(config: AccelerateConfig) -> list[LauncherSetting]:
+    """An accelerate configuration (from its file or its variables) as kiln config keys. FSDP and
+    DeepSpeed settings are handed over in Hugging Face's `fsdp` / `fsdp_config` / `deepspeed` format,
+    which the FSDP and DeepSpeed strategies read."""
     out: list[LauncherSetting] = []
-    mp = env.get("ACCELERATE_MIXED_PRECISION", "").strip().lower()
+    mp = config.mixed_precision
     if mp in _PRECISIONS:
         out.append(LauncherSetting("precision.name", {"precision.name": _PRECISIONS[mp]}, f"ACCELERATE_MIXED_PRECISION={mp}"))
-    elif mp:
+    elif mp and detect().rank == 0:
         log.warning("accelerate launch asks for mixed precision %r (ACCELERATE_MIXED_PRECISION), which kiln does not "
                     "provide; the kiln config's precision is used.", mp)
-    if truthy(env.get("ACCELERATE_USE_CPU")):
+    if config.use_cpu:
         out.append(LauncherSetting("strategy.device", {"strategy.device": "cpu"}, "ACCELERATE_USE_CPU=true"))
-    if truthy(env.get("ACCELERATE_USE_FSDP")):
-        out.append(LauncherSetting("strategy.name", _fsdp_values(env), "ACCELERATE_USE_FSDP=true"))
-    elif truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
-        out.append(LauncherSetting("strategy.name", _deepspeed_values(env), "ACCELERATE_USE_DEEPSPEED=true"))
-    backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").strip().lower()
-    if backend not in ("", "no"):
+    if config.distributed_type == "FSDP":
+        out.append(LauncherSetting("strategy.name", _fsdp_values(config.fsdp), "ACCELERATE_USE_FSDP=true"))
+    elif config.distributed_type == "DEEPSPEED":
+        out.append(LauncherSetting("strategy.name", _deepspeed_values(config.deepspeed), "ACCELERATE_USE_DEEPSPEED=true"))
+    backend = config.dynamo_backend
+    if backend:
         values: dict[str, Any] = {"train.torch_compile_backend": backend}
-        mode = env.get("ACCELERATE_DYNAMO_MODE")
-        if mode:
-            values["train.torch_compile_mode"] = mode
+        if config.dynamo_mode:
+            values["train.torch_compile_mode"] = config.dynamo_mode
         out.append(LauncherSetting("train.torch_compile_backend", values, f"ACCELERATE_DYNAMO_BACKEND={backend}"))
     return out
 
 
-def _fsdp_values(env: Env) -> dict[str, Any]:
-    raw = env.get("FSDP_SHARDING_STRATEGY", "1").strip()
+def _fsdp_values(fsdp: Mapping[str, str]) -> dict[str, Any]:
+    raw = fsdp.get("sharding_strategy", "1").strip()
     if raw.isdigit():
         sharding = _SHARDING[int(raw) - 1] if 1 <= int(raw) <= len(_SHARDING) else "full_shard"
     else:
         sharding = raw.lower()
     flags = [sharding]
-    if truthy(env.get("FSDP_OFFLOAD_PARAMS")):
+    if truthy(fsdp.get("offload_params")):
         flags.append("offload")
-    policy = env.get("FSDP_AUTO_WRAP_POLICY", "").upper()
+    policy = fsdp.get("auto_wrap_policy", "").upper()
     if policy in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"):
         flags.append("auto_wrap")
     cfg: dict[str, Any] = {}
-    if env.get("FSDP_VERSION"):
-        cfg["version"] = int(env["FSDP_VERSION"])
-    if env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") and policy != "SIZE_BASED_WRAP":
-        cfg["transformer_layer_cls_to_wrap"] = [c.strip() for c in env["FSDP_TRANSFORMER_CLS_TO_WRAP"].split(",") if c.strip()]
-    if policy == "SIZE_BASED_WRAP" and env.get("FSDP_MIN_NUM_PARAMS"):
-        cfg["min_num_params"] = int(env["FSDP_MIN_NUM_PARAMS"])
-    if env.get("FSDP_BACKWARD_PREFETCH") and env["FSDP_BACKWARD_PREFETCH"].upper() != "NO_PREFETCH":
-        cfg["backward_prefetch"] = env["FSDP_BACKWARD_PREFETCH"].lower()
-    if env.get("FSDP_STATE_DICT_TYPE"):
-        cfg["state_dict_type"] = env["FSDP_STATE_DICT_TYPE"].upper()
+    if fsdp.get("version"):
+        cfg["version"] = int(fsdp["version"])
+    if fsdp.get("transformer_layer_cls_to_wrap") and policy != "SIZE_BASED_WRAP":
+        cfg["transformer_layer_cls_to_wrap"] = [c.strip() for c in fsdp["transformer_layer_cls_to_wrap"].split(",") if c.strip()]
+    if policy == "SIZE_BASED_WRAP" and fsdp.get("min_num_params"):
+        cfg["min_num_params"] = int(fsdp["min_num_params"])
+    if fsdp.get("backward_prefetch") and fsdp["backward_prefetch"].upper() != "NO_PREFETCH":
+        cfg["backward_prefetch"] = fsdp["backward_prefetch"].lower()
+    if fsdp.get("state_dict_type"):
+        cfg["state_dict_type"] = fsdp["state_dict_type"].upper()
     # accelerate's command line always exports FSDP_RESHARD_AFTER_FORWARD (default true); only FSDP2
     # configs use it, FSDP1 ones say it with the sharding strategy (2 = SHARD_GRAD_OP: no reshard)
-    fsdp2 = env.get("FSDP_VERSION", "1").strip() == "2"
+    fsdp2 = fsdp.get("version", "1").strip() == "2"
     for key in ("forward_prefetch", "use_orig_params", "cpu_ram_efficient_loading", "sync_module_states",
                 "activation_checkpointing", *(("reshard_after_forward",) if fsdp2 else ())):
-        value = env.get(f"FSDP_{key.upper()}")
+        value = fsdp.get(key)
         if value is not None and value.lower() in ("true", "false"):
             cfg[key] = truthy(value)
     return {"strategy.name": "fsdp", "strategy.options.fsdp": flags, "strategy.options.fsdp_config": cfg}
 
 
-def _deepspeed_values(env: Env) -> dict[str, Any]:
-    path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+def _deepspeed_values(ds_config: Mapping[str, str]) -> dict[str, Any]:
+    path = ds_config.get("deepspeed_config_file")
     if path and path.lower() != "none":
         return {"strategy.name": "deepspeed", "strategy.options.config": path}
-    zero: dict[str, Any] = {"stage": int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))}
+    zero: dict[str, Any] = {"stage": int(ds_config.get("zero_stage", "2"))}
     for kind in ("optimizer", "param"):
-        device = env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind.upper()}_DEVICE", "none").lower()
+        device = ds_config.get(f"offload_{kind}_device", "none").lower()
         if device not in ("", "none"):
             zero[f"offload_{kind}"] = {"device": device}
     ds: dict[str, Any] = {"zero_optimization": zero}
-    if env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
-        ds["gradient_accumulation_steps"] = int(env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])
-    clip = env.get("ACCELERATE_GRADIENT_CLIPPING", "none").lower()
+    if ds_config.get("gradient_accumulation_steps"):
+        ds["gradient_accumulation_steps"] = int(ds_config["gradient_accumulation_steps"])
+    clip = ds_config.get("gradient_clipping", "none").lower()
     if clip not in ("", "none"):
         ds["gradient_clipping"] = float(clip)
     return {"strategy.name": "deepspeed", "strategy.options.config": ds}
@@ -230,48 +237,12 @@ def _lookup(config: Any, key: str) -> Any:
 
 
 # -- accelerate config files (`kiln fit --accelerate-config FILE`) ---------------------------------
-def accelerate_config_settings(path: str) -> tuple[int, list[Any], dict[str, str]]:
+def accelerate_config_settings(path: str) -> tuple[int, list[LauncherSetting], dict[str, str]]:
     """(num_processes, the kiln settings an `accelerate config` file asks for, the device variables
     the workers' torch must see): what `kiln fit --accelerate-config FILE` hands its workers."""
-    num, env = accelerate_config_env(path)
-    devices = {k: v for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES"}
-    return num, accelerate_settings(env), devices
-
-
-def accelerate_config_env(path: str) -> tuple[int, dict[str, str]]:
-    """(num_processes, the variables `accelerate launch --config_file PATH` would export)."""
-    from omegaconf import OmegaConf
-
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    if not isinstance(raw, dict):
-        raise ValueError(f"accelerate config {path!r} must hold a mapping.")
-    if int(raw.get("num_machines", 1) or 1) > 1:
-        raise ValueError(f"accelerate config {path!r} describes {raw['num_machines']} machines, but `kiln --nproc` starts "
+    config = AccelerateConfig.from_file(path)
+    if config.num_machines > 1:
+        raise ValueError(f"accelerate config {path!r} describes {config.num_machines} machines, but `kiln --nproc` starts "
                          "processes on this machine only: run `accelerate launch` (or torchrun) on every node instead.")
-    env = {"ACCELERATE_MIXED_PRECISION": str(raw.get("mixed_precision") or "no").lower(),
-           "ACCELERATE_USE_CPU": str(bool(raw.get("use_cpu", False))).lower()}
-    kind = str(raw.get("distributed_type", "NO")).upper()
-    if kind == "FSDP":
-        env["ACCELERATE_USE_FSDP"] = "true"
-        renamed = {"FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP": "FSDP_TRANSFORMER_CLS_TO_WRAP",
-                   "FSDP_BACKWARD_PREFETCH_POLICY": "FSDP_BACKWARD_PREFETCH"}
-        for key, value in (raw.get("fsdp_config") or {}).items():
-            name = key.upper() if key.upper().startswith("FSDP_") else f"FSDP_{key.upper()}"
-            env[renamed.get(name, name)] = str(value).lower() if isinstance(value, bool) else str(value)
-    elif kind == "DEEPSPEED":
-        env["ACCELERATE_USE_DEEPSPEED"] = "true"
-        names = {"deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE", "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
-                 "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-                 "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-                 "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
-                 "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING"}
-        env.update({names[k]: str(v) for k, v in (raw.get("deepspeed_config") or {}).items() if k in names and v is not None})
-    dynamo = raw.get("dynamo_config") or {}
-    if dynamo.get("dynamo_backend"):
-        env["ACCELERATE_DYNAMO_BACKEND"] = str(dynamo["dynamo_backend"]).upper()
-        if dynamo.get("dynamo_mode"):
-            env["ACCELERATE_DYNAMO_MODE"] = str(dynamo["dynamo_mode"])
-    gpu_ids = raw.get("gpu_ids")
-    if gpu_ids not in (None, "", "all") and not raw.get("use_cpu"):
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
-    return int(raw.get("num_processes") or 1), env
+    devices = {"CUDA_VISIBLE_DEVICES": config.gpu_ids} if config.gpu_ids is not None else {}
+    return config.num_processes, settings_of(config), devices

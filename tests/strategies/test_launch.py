@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from kiln.launch import local as launch
-from kiln.launch.settings import accelerate_settings
+from kiln.launch.accelerate_config import AccelerateConfig
+from kiln.launch.settings import accelerate_config_settings, accelerate_settings, settings_of
 
 # The accelerate config files of the Hugging Face docs (multi-GPU DDP, FSDP, DeepSpeed file / inline).
 MULTI_GPU = """compute_environment: LOCAL_MACHINE
@@ -87,10 +88,10 @@ use_cpu: false
 """
 
 
-def _kiln_view(env: dict) -> dict:
-    """What kiln takes from a set of launcher variables."""
+def _kiln_view(settings: list) -> dict:
+    """What kiln takes from an accelerate configuration."""
     out = {}
-    for setting in accelerate_settings(env):
+    for setting in settings:
         out.update(setting.values)
     cfg = out.pop("strategy.options.fsdp_config", {})
     out.update({f"fsdp_config.{k}": cfg[k] for k in ("transformer_layer_cls_to_wrap", "state_dict_type", "use_orig_params") if k in cfg})
@@ -123,24 +124,38 @@ def _accelerate_env(path: str) -> dict:
 def test_accelerate_config_files_mean_what_accelerate_launch_makes_of_them(tmp_path, text, nproc, expected):
     path = tmp_path / "accelerate.yaml"
     path.write_text(text)
-    num, env = launch.accelerate_config_env(str(path))
-    assert num == nproc
-    assert _kiln_view(env) == expected
-    assert _kiln_view(_accelerate_env(str(path))) == expected  # same result as through accelerate itself
+    num, settings, devices = accelerate_config_settings(str(path))
+    assert num == nproc and devices == {}
+    assert _kiln_view(settings) == expected
+    assert _kiln_view(accelerate_settings(_accelerate_env(str(path)))) == expected  # same result as through accelerate itself
+
+
+@pytest.mark.parametrize("text", [FSDP, DS_FILE, DS_INLINE])
+def test_the_file_and_accelerates_variables_read_into_one_structure(tmp_path, text):
+    """Both ways an accelerate config reaches kiln give the same AccelerateConfig in what kiln reads."""
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    from_file, from_env = AccelerateConfig.from_file(str(path)), AccelerateConfig.from_env(_accelerate_env(str(path)))
+    for name in ("mixed_precision", "use_cpu", "distributed_type", "dynamo_backend"):
+        assert getattr(from_file, name) == getattr(from_env, name), name
+    assert {k: v for k, v in from_env.fsdp.items() if k in from_file.fsdp} == from_file.fsdp
+    assert from_env.deepspeed.items() >= {k: v for k, v in from_file.deepspeed.items() if k != "zero3_init_flag"}.items()
+    # accelerate adds its defaults for what the file leaves out (cpu_ram_efficient_loading, ...): kiln's view above
+    assert _kiln_view(settings_of(from_file)) == _kiln_view(settings_of(from_env))
 
 
 def test_a_multi_machine_accelerate_config_is_refused(tmp_path):
     path = tmp_path / "a.yaml"
     path.write_text(MULTI_GPU)
     with pytest.raises(ValueError, match="2 machines"):
-        launch.accelerate_config_env(str(path))
+        accelerate_config_settings(str(path))
 
 
 def test_single_machine_multi_gpu_config_sets_gpus(tmp_path):
     path = tmp_path / "a.yaml"
     path.write_text(MULTI_GPU.replace("num_machines: 2", "num_machines: 1").replace("gpu_ids: all", "gpu_ids: 0,2"))
-    num, env = launch.accelerate_config_env(str(path))
-    assert num == 8 and env["CUDA_VISIBLE_DEVICES"] == "0,2" and env["ACCELERATE_MIXED_PRECISION"] == "fp16"
+    num, settings, devices = accelerate_config_settings(str(path))
+    assert num == 8 and devices == {"CUDA_VISIBLE_DEVICES": "0,2"} and _kiln_view(settings) == {"precision.name": "fp16"}
 
 
 def test_launch_refuses_to_nest(monkeypatch):
