@@ -44,7 +44,6 @@ process whose gradients are already global, so 1); `num_devices` counts the devi
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterable, Optional
 
@@ -205,13 +204,12 @@ class Strategy:
         if self._wrapped is None or self._source is not module:  # a new module (a new run) is set up anew
             self._source = module
             module = self.precision.convert_module(module)
-            self._wrapped = self._deprecated_compile(self.setup_module(module))
+            self._wrapped = self.setup_module(module)
         if optimizer_factory is None:
             return Setup(self._wrapped)
         optimizer = optimizer_factory(self._wrapped)
         model, optimizer = self.setup_optimizer(self._wrapped, optimizer)
         self._wrapped = model
-        self._backward_owner = self._optimizer_owning_backward(optimizer)
         scheduler = scheduler_factory(optimizer) if scheduler_factory is not None else None
         return Setup(model, optimizer, scheduler)
 
@@ -241,18 +239,12 @@ class Strategy:
     def backward(self, loss: torch.Tensor, model: nn.Module, *, boundary: bool = True) -> None:
         """Backward of an already-normalised loss (kiln weights each micro-batch itself: a strategy
         must not divide by the accumulation steps again)."""
-        if self._backward_owner is not None:
-            self._backward_owner.backward_and_step(loss)
-            return
         self.precision.backward(loss)
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                        max_grad_norm: Optional[float]) -> StepResult:
         """The whole step: unscale, (reduce), clip to `max_grad_norm` (None or 0: no clipping), step
         unless the gradients hold inf/nan. Returns whether it stepped and the pre-clip norm."""
-        if self._backward_owner is not None:  # it stepped inside backward; no gradients are left to clip
-            optimizer.step()  # a no-op, which the scheduler's step counter still expects first
-            return StepResult(True, None)
         grad_norm = None
         if max_grad_norm:
             if not self.precision.plain_unscale:
@@ -325,42 +317,6 @@ class Strategy:
         """Release the process group and device state. The Trainer calls it once its work is done
         (after `fit`, `evaluate` or `predict` returned, when no later call can reuse the strategy);
         a strategy may also register it with `atexit` as a fallback. Must be idempotent."""
-
-    # -- deprecated: what the engine asked before the optional interfaces (kiln/strategies/interfaces.py).
-    #    Kept for one commit while kiln/engine/ switches to `isinstance(strategy, <Interface>)`.
-    def overrides(self, hook: str) -> bool:
-        from kiln.strategies.interfaces import BackwardSyncControl, GraphBoundaries
-
-        return isinstance(self, BackwardSyncControl if hook == "micro_batch_context" else GraphBoundaries)
-
-    def module_init_context(self) -> ContextManager[Any]:
-        return contextlib.nullcontext()
-
-    @property
-    def static_shapes(self) -> bool:
-        from kiln.strategies.interfaces import StaticShapes
-
-        return isinstance(self, StaticShapes)
-
-    def _deprecated_compile(self, model: nn.Module) -> nn.Module:
-        train = self.config.train if self.config is not None else None
-        if train is None or not (train.torch_compile or train.torch_compile_backend or train.torch_compile_mode):
-            return model
-        return torch.compile(model, backend=train.torch_compile_backend or "inductor", mode=train.torch_compile_mode)
-
-    _backward_owner: Any = None
-
-    def _optimizer_owning_backward(self, optimizer: Any) -> Any:
-        if not getattr(optimizer, "owns_backward", False):
-            return None
-        name = type(optimizer).__name__
-        if self.world_size > 1:
-            raise ConfigError(f"{name} updates each parameter inside backward, before gradients could be averaged "
-                              "across processes, so the ranks would drift apart; run it on one process.")
-        if self.precision.uses_grad_scaler:
-            raise ConfigError(f"{name} updates each parameter inside backward, before a gradient scaler could unscale "
-                              "or skip the step; use precision bf16 or fp32 (LOMO scales an fp16 loss itself).")
-        return optimizer
 
 
 class SingleProcessCollectives:

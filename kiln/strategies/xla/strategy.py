@@ -154,7 +154,7 @@ class XLAStrategy(Strategy, GraphBoundaries, StaticShapes):
 
         if isinstance(dataloader, XLADeviceLoader) or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader  # a loader the user built for the device, or plain batches (moved per batch)
-        if not getattr(dataloader, "kiln_built", False):  # kiln's training loaders drop it (static_shapes)
+        if not getattr(dataloader, "kiln_built", False):  # kiln's training loaders drop it (StaticShapes)
             static_shape_warning(dataloader)
         return XLADeviceLoader(dataloader, self.root_device, prepare=self.prepare_batch())
 
