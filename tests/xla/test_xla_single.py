@@ -101,8 +101,10 @@ def test_refusals_are_one_sentence(tmp_path):
         cfg = _config(tmp_path, "dev")
         cfg["strategy"]["device"] = "cpu"
         Trainer(TinyRegressor(), cfg, train_dataset=regression_data(n=8))
-    with pytest.raises(ConfigError, match="torch_compile"):
-        Trainer(TinyRegressor(), _config(tmp_path, "compile", torch_compile=True), train_dataset=regression_data(n=8)).fit()
+    # declared (Capabilities.torch_compile), so refused by the constructor, before anything starts
+    with pytest.raises(CapabilityError, match=r"^torch_compile cannot be used with strategy 'xla': XLA already compiles "
+                                              r"every step into one graph; drop torch_compile\.$"):
+        Trainer(TinyRegressor(), _config(tmp_path, "compile", torch_compile=True), train_dataset=regression_data(n=8))
 
 
 def test_tpu_metrics_debug_prints_the_xla_report_after_evaluation_and_training(tmp_path, capsys):

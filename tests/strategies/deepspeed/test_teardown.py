@@ -1,0 +1,44 @@
+"""DeepSpeed's teardown unregisters its config from Transformers: before it, a model built later in the
+same process (another Trainer, a plain from_config) would still be built partitioned for ZeRO-3."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+
+def _stage3(stage: str = "deepspeed_stage_3"):
+    from kiln.config import load_config
+    from kiln.precision import build_precision
+    from kiln.strategies import build_strategy
+
+    cfg = load_config({"max_steps": 2, "strategy": {"name": stage, "device": "cpu"}})
+    return build_strategy(cfg, build_precision(cfg))
+
+
+def test_teardown_unregisters_the_deepspeed_config_from_transformers_and_is_idempotent():
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    strategy = _stage3()
+    strategy._share_with_transformers()  # what setup_environment / module_init_context do
+    held = strategy._hf_config  # Transformers holds it weakly; something else may hold it strongly
+    assert is_deepspeed_zero3_enabled()
+    strategy.teardown()
+    assert not is_deepspeed_zero3_enabled()
+    strategy.teardown()  # twice (the Trainer, then atexit): nothing left to do
+    assert not is_deepspeed_zero3_enabled() and held is not None
+
+
+def test_teardown_leaves_a_config_another_strategy_registered_since():
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    first, second = _stage3(), _stage3()
+    first._share_with_transformers()
+    second._share_with_transformers()  # the later Trainer's config is the one Transformers holds now
+    first.teardown()
+    assert is_deepspeed_zero3_enabled()
+    second.teardown()
+    assert not is_deepspeed_zero3_enabled()
+    unset_hf_deepspeed_config()
