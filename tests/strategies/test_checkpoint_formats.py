@@ -1,0 +1,66 @@
+"""Checkpoint formats as a registry: `kiln convert` looks the COMPLETE marker's format up in
+kiln.strategies.checkpoint_io.FORMATS and imports only that format's module; an unknown format is one
+sentence listing the known ones."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.engine.checkpoint.convert import convert_checkpoint
+from kiln.strategies.checkpoint_io import FORMATS, save_weights
+from kiln.utils.errors import CheckpointError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _checkpoint(folder: Path, fmt: str) -> dict[str, torch.Tensor]:
+    folder.mkdir(parents=True)
+    weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)}
+    save_weights(weights, str(folder))
+    (folder / "COMPLETE").write_text(json.dumps({"format": fmt}))
+    return weights
+
+
+def test_convert_imports_only_the_module_of_the_format_it_reads(tmp_path):
+    _checkpoint(tmp_path / "ckpt", "fsdp-full")
+    code = ("import sys; from kiln.engine.checkpoint.convert import convert_checkpoint; "
+            f"convert_checkpoint({str(tmp_path / 'ckpt')!r}, {str(tmp_path / 'out')!r}); "
+            "print(sorted(m for m in sys.modules if m.startswith('kiln.strategies.') and 'checkpoint_io' in m))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['kiln.strategies.checkpoint_io', 'kiln.strategies.fsdp.checkpoint_io']"
+
+
+def test_convert_writes_the_full_weights_and_refuses_an_unknown_format(tmp_path):
+    weights = _checkpoint(tmp_path / "ckpt", "xla-full")
+    from safetensors.torch import load_file
+
+    converted = load_file(convert_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out")))
+    assert converted.keys() == weights.keys() and all(torch.equal(converted[k], weights[k]) for k in weights)
+    (tmp_path / "ckpt" / "COMPLETE").write_text(json.dumps({"format": "martian"}))
+    with pytest.raises(CheckpointError, match=r"^kiln convert cannot read checkpoints of format 'martian'; it reads "
+                                              r"deepspeed, fsdp-full, fsdp-sharded, full, .*xla-spmd-sharded\.$"):
+        convert_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out2"))
+
+
+def test_a_format_registered_by_a_plug_in_is_converted(tmp_path):
+    from kiln.strategies.checkpoint_io import CheckpointIO, register_format
+
+    @register_format
+    class Doubled(CheckpointIO):
+        format = "test-doubled"
+
+        @classmethod
+        def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
+            return {k: v * 2 for k, v in FORMATS.get("full").consolidate(directory).items()}
+
+    weights = _checkpoint(tmp_path / "ckpt", "test-doubled")
+    from safetensors.torch import load_file
+
+    converted = load_file(convert_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out")))
+    assert torch.equal(converted["w"], weights["w"] * 2)
