@@ -69,3 +69,26 @@ def test_declared_checkpoint_formats_are_registered_and_consolidate(cls):
 def test_every_builtin_format_names_its_own_class():
     for fmt in ("full", "fsdp-full", "fsdp-sharded", "xla-full", "xla-spmd-sharded", "xla-fsdp-classic", "deepspeed"):
         assert FORMATS.get(fmt).format == fmt
+
+
+def test_a_strategy_that_cannot_be_compiled_refuses_torch_compile_from_the_config():
+    """Declared as data (Capabilities.torch_compile + its reason), checked before anything starts."""
+    from kiln.config import load_config
+    from kiln.precision import build_precision
+    from kiln.strategies import check_run_compatible
+    from kiln.strategies.capabilities import Capabilities
+    from kiln.strategies.single import SingleDeviceStrategy
+    from kiln.utils.errors import CapabilityError
+
+    class Uncompilable(SingleDeviceStrategy):
+        name = "uncompilable"
+        capabilities = Capabilities(torch_compile=False, reasons={"torch_compile": "it compiles itself"})
+
+    for compiles in ({"torch_compile": True}, {"torch_compile_backend": "eager"}):
+        cfg = load_config({"strategy": {"device": "cpu"}, **compiles})
+        strategy = Uncompilable(cfg, build_precision(cfg))
+        with pytest.raises(CapabilityError, match=r"^torch_compile cannot be used with strategy 'uncompilable': it compiles "
+                                                  r"itself; drop torch_compile\.$"):
+            check_run_compatible(strategy, strategy.precision, cfg, user_optimizer=False)
+    cfg = load_config({"strategy": {"device": "cpu"}})
+    check_run_compatible(Uncompilable(cfg, build_precision(cfg)), build_precision(cfg), cfg, user_optimizer=False)
