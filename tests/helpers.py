@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,3 +71,11 @@ def base_config(tmp_path, **overrides) -> dict:
 
 def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def train_step_of(trainer: Any) -> Any:
+    """The fit loop's TrainStep for `trainer` (its loss weights, outside a fit)."""
+    from kiln.engine.loop.step import TrainStep
+
+    return TrainStep(trainer.run, trainer.strategy, trainer.run.facts, trainer.config, trainer.training_step,
+                     trainer.current_learning_rate, wants_num_items=trainer.wants_num_items)

@@ -1,25 +1,26 @@
-"""`Trainer.hyperparameter_search` (HF) with Optuna: every trial trains a fresh model from
-`model_init` with the trial's hyperparameters applied to the config, in `output_dir/run-<n>`, and is
-scored by `compute_objective` on its evaluation metrics. Evaluations during training report to the
-trial, so Optuna's pruners can stop a poor trial early (single objective only, as in Optuna).
+"""`Trainer.hyperparameter_search` (HF) with Optuna: every trial is a new run of the same Trainer, as
+in HF: a fresh model from `model_init(trial)`, the trial's hyperparameters applied to the config, its
+files in `output_dir/run-<n>`, scored by `compute_objective` on its evaluation metrics. Evaluations
+during training report to the trial, so Optuna's pruners can stop a poor trial early (single
+objective only, as in Optuna). The Trainer's own config comes back when the search ends.
 
 Ray Tune and SigOpt, HF's other backends, are not available; the search runs in one process."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import functools
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
-from kiln.engine.model.model_init import call_model_init
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
-    from torch import nn
-
-    from kiln.engine.protocols import TrainerLike
+    from kiln.engine.callbacks.base import CallbackHandler
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
+    from kiln.engine.run import Run
+    from kiln.strategies.base import Strategy
 
 
 @dataclass
@@ -54,8 +55,30 @@ def default_compute_objective(metrics: dict[str, float]) -> float:
 
 
 class HyperparameterSearchMixin:
+    """HF's `hyperparameter_search` on the Trainer (the class these methods live on is
+    `kiln.engine.trainer.Trainer`); the attributes below are the Trainer's that the search uses."""
+
+    config: Any
+    args: Any
+    strategy: "Strategy"
+    run: "Run"
+    state: "TrainerState"
+    control: "TrainerControl"
+    callback_handler: "CallbackHandler"
+    model_init: Optional[Callable[..., Any]]
+    _trial: Any
+    _objective: Any
+    _trial_params: dict[str, Any]
+    _trial_name: str
+
+    if TYPE_CHECKING:  # the Trainer's
+        def fit(self, resume_from_checkpoint: Any = None, trial: Any = None,
+                ignore_keys_for_eval: Optional[list[str]] = None) -> Any: ...
+        def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
+                     metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]: ...
+
     def hyperparameter_search(
-        self: "TrainerLike",
+        self,
         hp_space: Optional[Callable[[Any], dict[str, Any]]] = None,
         compute_objective: Optional[Callable[[dict[str, float]], Union[float, list[float]]]] = None,
         n_trials: int = 20,
@@ -70,7 +93,7 @@ class HyperparameterSearchMixin:
             raise KilnError(f"hyperparameter_search backend {backend!r} is not available: kiln searches with optuna.")
         if self.model_init is None:
             raise KilnError("hyperparameter_search needs model_init= (a callable building a fresh model for each trial).")
-        if self._user_optimizer:
+        if self.run.user_optimizer:
             raise KilnError("hyperparameter_search cannot reuse the optimizer passed in optimizers=: override "
                             "create_optimizer (or use the config's optim) so each trial builds its own.")
         if self.strategy.world_size > 1:
@@ -88,11 +111,12 @@ class HyperparameterSearchMixin:
 
         def objective(trial: Any) -> Union[float, list[float]]:
             params = hp_space(trial)
-            child = self._trial_trainer(trial, params, hp_name, compute_objective, prune=not several)
-            child.fit(trial=trial)
-            if child._objective is None:  # no evaluation during training: evaluate once at the end
-                child._objective = compute_objective(child.evaluate())
-            return child._objective
+            config = self._trial_config(trial, params, hp_name)
+            with self._trial_settings(config, params, trial, compute_objective, prune=not several):
+                self.fit(trial=trial)  # a new run: model_init(trial), its own optimizer, state and folder
+                if self._objective is None:  # no evaluation during training: evaluate once at the end
+                    self._objective = compute_objective(self.evaluate())
+                return self._objective
 
         study.optimize(objective, n_trials=n_trials)
         if several:
@@ -100,29 +124,53 @@ class HyperparameterSearchMixin:
         best = study.best_trial
         return BestRun(str(best.number), best.value, best.params)
 
-    def _trial_trainer(self: "TrainerLike", trial: Any, params: dict[str, Any], hp_name: Optional[Callable[[Any], str]],
-                       compute_objective: Callable[[dict[str, float]], Any], prune: bool) -> "TrainerLike":
-        """A fresh Trainer of the same class for one trial: the config with `params` applied (HF
-        names or dotted keys), its own output folder, a fresh model from model_init(trial)."""
+    def _trial_config(self, trial: Any, params: dict[str, Any], hp_name: Optional[Callable[[Any], str]]) -> Any:
+        """The config with `params` applied (HF names or dotted keys) and the trial's own output folder."""
         from omegaconf import OmegaConf
 
         from kiln.config.load import load_config
 
         run_name = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
         base = OmegaConf.to_container(self.config, resolve=True)
-        # the trial's values (HF names or dotted kiln keys) are a layer on top of the config, so they win
+        # the trial's values are a layer on top of the config, so they win
         config = load_config(base, {**params, "output_dir": os.path.join(self.config.output_dir, run_name)})
-        # built by kiln's own __init__ (seed, then model_init), exactly as a plain Trainer builds its model
-        model_init = functools.partial(call_model_init, self.model_init, trial)
-        child = _sibling(self, config, model_init)
-        child.state.is_hyper_param_search, child.state.trial_name = True, run_name
-        child.state.trial_params = dict(params)
-        child._trial, child._compute_objective, child._prune = trial, compute_objective, prune
-        return child
+        for section in ("strategy", "precision"):  # built once, with the Trainer
+            if OmegaConf.to_container(config[section]) != OmegaConf.to_container(self.config[section]):
+                raise KilnError(f"hyperparameter_search cannot change the {section} per trial (the Trainer set it up "
+                                f"once); search the {section} by running one search per {section}.")
+        return config
 
-    def _report_to_trial(self: "TrainerLike", metrics: dict[str, float]) -> None:
+    @contextlib.contextmanager
+    def _trial_settings(self, config: Any, params: dict[str, Any], trial: Any,
+                        compute_objective: Callable[[dict[str, float]], Any], prune: bool) -> Iterator[None]:
+        """The Trainer as one trial runs it: the trial's config (also for the loggers, whose files go in
+        the trial's folder), the trial to report to; everything is put back afterwards."""
+        from kiln.engine.callbacks.defaults import logger_callback
+        from kiln.engine.callbacks.loggers import LoggerCallback
+
+        saved = self.config, self.args
+        handler = self.callback_handler
+        old_loggers = [cb for cb in handler.callbacks if isinstance(cb, LoggerCallback)]
+        for cb in old_loggers:
+            handler.pop(cb)
+        if old_loggers:
+            handler.add(logger_callback(config))
+        self.config = self.args = config
+        self._trial, self._compute_objective, self._prune, self._objective = trial, compute_objective, prune, None
+        self._trial_params, self._trial_name = dict(params), os.path.basename(config.output_dir)
+        try:
+            yield
+        finally:
+            for cb in [cb for cb in handler.callbacks if isinstance(cb, LoggerCallback)]:
+                handler.pop(cb)
+            for cb in old_loggers:
+                handler.add(cb)
+            self.config, self.args = saved
+            self._trial = None
+
+    def _report_to_trial(self, metrics: dict[str, float]) -> None:
         """After each evaluation during a trial: record the objective and let Optuna prune."""
-        trial = getattr(self, "_trial", None)
+        trial = self._trial
         if trial is None:
             return
         self._objective = self._compute_objective(metrics)
@@ -133,25 +181,3 @@ class HyperparameterSearchMixin:
             if trial.should_prune():
                 self.control = self.callback_handler.call("on_train_end", self.config, self.state, self.control)
                 raise optuna.TrialPruned()
-
-
-#: attributes kiln sets on a Trainer while it trains or evaluates (not by __init__): never carried into a trial
-_RUN_STATE = frozenset({"_runs_started", "_created_lr_scheduler", "_eval_dataloaders",
-                        "_ignore_keys_for_eval", "_gen_kwargs", "_eval_step_name"})
-
-
-def _sibling(parent: "TrainerLike", config: Any, model_init: Callable[..., "nn.Module"]) -> "TrainerLike":
-    """A Trainer of the parent's (sub)class for one trial, without calling the subclass's own `__init__`,
-    whose signature kiln cannot know (HF reuses its one Trainer instead). kiln's `__init__` builds the
-    trial's model, state, strategy and callbacks; whatever else the subclass's `__init__` set on the parent
-    (attributes, callbacks it added) is carried over, so its overrides work in every trial."""
-    child = type(parent).__new__(type(parent))
-    type(parent).kiln_init(child, None, config, model_init=model_init, **parent._init_kwargs)
-    for key, value in vars(parent).items():
-        if key not in _RUN_STATE:  # the parent's own runs (a fit() before the search) stay the parent's
-            child.__dict__.setdefault(key, value)
-    present = {type(cb) for cb in child.callback_handler.callbacks}
-    for cb in parent.callback_handler.callbacks:
-        if type(cb) not in present:
-            child.add_callback(cb)
-    return child

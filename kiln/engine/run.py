@@ -13,7 +13,8 @@ loops and checkpoint code receive the Run rather than the Trainer. Its parts:
 - the live micro-batch size and accumulation (`micro_batch_size`, `accumulation`): the config's
   values until `auto_find_batch_size` or an out-of-memory recovery changes them, which never
   writes back into the config (a checkpoint's config.yaml records the live values);
-- an optimizer that updates the weights inside backward (`backward_owner`, LOMO).
+- an optimizer that updates the weights inside backward (`backward_owner`, LOMO);
+- what the engine derives from the model (`facts`: labels, item counting, call convention).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from kiln.engine.model.facts import ModelFacts
 from kiln.optim.schedulers import scheduler_needs_metrics
 from kiln.utils.errors import ConfigError
 
@@ -31,6 +33,7 @@ from kiln.utils.errors import ConfigError
 @dataclass(eq=False)
 class Run:
     model: nn.Module
+    facts: ModelFacts
     micro_batch_size: int
     accumulation: int
     optimizer: Optional[torch.optim.Optimizer] = None
@@ -44,6 +47,8 @@ class Run:
     wrapped: Optional[nn.Module] = None
     stage: Optional[str] = None
     backward_owner: Any = None
+    #: the micro-batch `training_step` is running, for an override with HF's signature (see loop/step.py)
+    micro_batch: Any = None
     #: set-up modules -> their torch.compile wrappers (one compilation per set-up module)
     _compiled: dict[int, nn.Module] = field(default_factory=dict)
 
@@ -57,7 +62,7 @@ class Run:
         return self.micro_batch_size * self.accumulation
 
 
-def module_to_set_up(run: Run, config: Any, training_module: bool) -> nn.Module:
+def module_to_set_up(run: Run, config: Any) -> nn.Module:
     """The module the strategy sets up: a TrainingModule behind its StepDispatcher, with gradient
     checkpointing enabled first (HF enables it on the model before wrapping)."""
     if run.forward_module is None:
@@ -66,27 +71,27 @@ def module_to_set_up(run: Run, config: Any, training_module: bool) -> nn.Module:
         if config.train.gradient_checkpointing and hasattr(run.model, "gradient_checkpointing_enable"):
             kwargs = config.train.gradient_checkpointing_kwargs or {}
             run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(kwargs))
-        run.forward_module = StepDispatcher(run.model) if training_module else run.model
+        run.forward_module = StepDispatcher(run.model) if run.facts.training_module else run.model
     return run.forward_module
 
 
-def setup_for_eval(run: Run, strategy: Any, config: Any, training_module: bool) -> nn.Module:
+def setup_for_eval(run: Run, strategy: Any, config: Any) -> nn.Module:
     """The module set up by the strategy for evaluation (before training: without an optimizer)."""
     if run.stage is None:
-        run.wrapped = compiled(run, strategy.setup(module_to_set_up(run, config, training_module)).model, config)
+        run.wrapped = compiled(run, strategy.setup(module_to_set_up(run, config)).model, config)
         run.stage = "eval"
     assert run.wrapped is not None
     return run.wrapped
 
 
-def setup_for_training(run: Run, strategy: Any, precision: Any, config: Any, training_module: bool,
+def setup_for_training(run: Run, strategy: Any, precision: Any, config: Any,
                        create_optimizer: Callable[[], torch.optim.Optimizer],
                        create_scheduler: Callable[[int, torch.optim.Optimizer], Any], max_steps: Optional[int]) -> None:
     """Module, optimizer and (given the step count) scheduler, set up by the strategy in one call.
     `create_optimizer` / `create_scheduler` are the Trainer's HF override points."""
     if run.stage != "train":
         schedule = (lambda optimizer: create_scheduler(max_steps, optimizer)) if max_steps is not None else None
-        setup = strategy.setup(module_to_set_up(run, config, training_module), lambda _model: create_optimizer(), schedule,
+        setup = strategy.setup(module_to_set_up(run, config), lambda _model: create_optimizer(), schedule,
                                max_steps=max_steps)
         run.wrapped, run.optimizer = compiled(run, setup.model, config), setup.optimizer
         if setup.scheduler is not None:

@@ -8,44 +8,55 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
 
-from kiln.engine.loop.batch_size import is_out_of_memory
-from kiln.engine.callbacks.base import Callback, CallbackHandler, DefaultFlowCallback
+from kiln.engine.arguments import config_or_args, pop_objects
+from kiln.engine.callbacks.base import Callback, CallbackHandler
+from kiln.engine.callbacks.defaults import default_callbacks
+from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.checkpoint.manager import CheckpointManager
 from kiln.engine.checkpoint.output_dir import refuse_overwrite, run_lock
 from kiln.engine.checkpoint.resume import choose_resume
 from kiln.engine.data.loaders import build_dataloader
 from kiln.engine.distributed import check_same_output_dir, configure_logging
-from kiln.utils.errors import KilnError
+from kiln.engine.evaluation.compiled import EvalCompiler
+from kiln.engine.hp_search import HyperparameterSearchMixin
+from kiln.engine.loop.batch_size import is_out_of_memory
 from kiln.engine.loop.fit import FitLoop, TrainOutput
-from kiln.engine.hp_search import HyperparameterSearchMixin, call_model_init
 from kiln.engine.loop.loss_weights import MicroBatch
-from kiln.engine.model.label_smoothing import label_smoothing_factor
+from kiln.engine.model.facts import ModelFacts
+from kiln.engine.model.model_init import call_model_init
+from kiln.engine.model.module import loss_from_output
 from kiln.engine.model.neftune import neftune
-from kiln.engine.model.module import (
-    default_label_names, forward_argument_names, is_training_module, item_counter, loss_from_output, model_accepts_loss_kwargs,
-)
+from kiln.engine.run import Run
+from kiln.engine.trainer_attributes import RunAttributes
+from kiln.engine.seed import set_seed
+from kiln.engine.trainer_eval import EvaluationMixin
+from kiln.launch.settings import load_with_launcher_settings
 from kiln.optim.optimizers import build_optimizer
 from kiln.optim.schedulers import build_scheduler, scheduler_needs_metrics
-from kiln.engine.seed import set_seed
-from kiln.engine.callbacks.state import TrainerControl, TrainerState
-from kiln.engine.trainer_eval import EvaluationMixin
-from kiln.engine.trainer_setup import SetupMixin, _config_or_args, _pop_objects
 from kiln.precision import build_precision
 from kiln.strategies import build_strategy, check_run_compatible
-from kiln.launch.settings import load_with_launcher_settings
+from kiln.strategies.interfaces import ShardedModuleInit, StaticShapes
+from kiln.utils.errors import KilnError
 
 
-class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
+class Trainer(RunAttributes, EvaluationMixin, HyperparameterSearchMixin):
     """Train, evaluate and predict with a TrainingModule or an HF-contract nn.Module.
 
     `config` is a TrainingConfig, dict (HF flat names allowed), YAML path, DictConfig or a
     `transformers.TrainingArguments`; HF's keyword `args=` is accepted for it. `strategy` and
-    `precision` may also be passed as objects (a Strategy/Precision class or instance)."""
+    `precision` may also be passed as objects (a Strategy/Precision class or instance).
+
+    The per-run state (model, optimizer, scheduler, set-up module, live batch sizes) lives in
+    `self.run` (kiln.engine.run.Run); the HF attributes `model`, `model_wrapped`, `optimizer` and
+    `lr_scheduler` read and write it. Call `teardown()` (or use the Trainer as a context manager)
+    when done with it: it releases the process group and restores global flags; otherwise that
+    happens when the interpreter exits."""
 
     def __init__(
         self,
@@ -65,8 +76,8 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         overrides: Iterable[str] = (),
         args: Any = None,
     ) -> None:
-        config = _config_or_args(config, args)
-        config, strategy, precision, overrides = _pop_objects(config, strategy, precision, overrides)
+        config = config_or_args(config, args)
+        config, strategy, precision, overrides = pop_objects(config, strategy, precision, overrides)
         self.config = load_with_launcher_settings(config, overrides)  # accelerate launch fills unset keys
         cfg = self.config
         from kiln.loggers.metrics import MemoryTracker
@@ -82,22 +93,15 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         self.precision = self.strategy.connect_precision(self.precision)
         self.precision.check_device(self.strategy.root_device)
         set_seed(cfg.seed, cfg.full_determinism)
+        self.model_init = model_init
         if model is None:
             if model_init is None:
                 raise KilnError("Trainer needs a model: pass `model=` or `model_init=` (a callable returning the model).")
-            with self.strategy.module_init_context():
-                model = call_model_init(model_init)  # model_init(None) when it takes the trial (HF)
+            model = self._build_model()
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}.")
-        self.model_init = model_init
-        self.model = model
         if cfg.train.use_cache is not None and getattr(model, "config", None) is not None:
             model.config.use_cache = cfg.train.use_cache  # HF sets it from TrainingArguments.use_cache
-        # what a hyperparameter-search trial needs to build a sibling Trainer
-        self._init_kwargs = dict(train_dataset=train_dataset, eval_dataset=eval_dataset, data_collator=data_collator,
-                                 compute_metrics=compute_metrics, callbacks=list(callbacks or ()),
-                                 preprocess_logits_for_metrics=preprocess_logits_for_metrics, strategy=strategy,
-                                 precision=precision, processing_class=processing_class)
         self._trial: Any = None  # the Optuna trial this Trainer trains (hyperparameter_search)
         self._objective: Any = None
         self.args = cfg  # HF code reads trainer.args
@@ -105,76 +109,41 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         self.data_collator, self.processing_class = data_collator, processing_class
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
-        self.optimizer, self.lr_scheduler = optimizers
-        self._user_optimizer = optimizers[0] is not None
+        self.run = self._new_run(model, optimizers)
         self.state = TrainerState(is_world_process_zero=self.strategy.is_global_zero, is_local_process_zero=self.strategy.is_local_zero)
         self.control = TrainerControl()
-        self.checkpoints = CheckpointManager(self)
         self.is_in_train = False
-        self._adopt_model(model)
-        # plain copies of settings read per micro-batch (OmegaConf lookups cost microseconds)
-        self._remove_columns = bool(cfg.data.remove_unused_columns)
-        self._global_mean = bool(cfg.train.average_tokens_across_devices)
-        #: the micro-batch `training_step` is running (set by the fit loop; also passed as `micro_batch=`)
-        self.current_micro_batch: Optional[MicroBatch] = None
+        self._runs_started = 0
+        self._remove_columns = bool(cfg.data.remove_unused_columns)  # read per micro-batch: a plain copy
         # num_items_in_batch is only worth waiting for (it is summed over ranks) when something reads
         # it; otherwise the all-reduce runs while the first forward does
-        self.wants_num_items = self._accepts_num_items or type(self).compute_loss is not Trainer.compute_loss or \
+        self.wants_num_items = type(self).compute_loss is not Trainer.compute_loss or \
             type(self).training_step is not Trainer.training_step
-        self.scheduler_needs_metrics = False
         self.log_to_loggers_only: Optional[dict[str, float]] = None  # throughput the next log() sends to loggers only
-        self.model_wrapped: nn.Module = model
-        self._setup_stage: Optional[str] = None  # None, "eval" (module only) or "train" (module + optimizer)
-        self._forward_module: Optional[nn.Module] = None
-        self.callback_handler = CallbackHandler(self._default_callbacks(), model=model, processing_class=processing_class)
+        # evaluation's settings of the current call (HF keeps them on the Trainer too)
+        self._gen_kwargs: dict[str, Any] = {}
+        self._eval_step_name = "validation_step"
+        self._ignore_keys_for_eval: Optional[list[str]] = None
+        self._eval_dataloaders: dict[str, Any] = {}  # reused loaders (dataloader_persistent_workers)
+        self._eval_compiler = EvalCompiler()  # eval.compile (jit_mode_eval)
+        self.callback_handler = CallbackHandler(default_callbacks(cfg, self.strategy), model=model, processing_class=processing_class)
         for cb in callbacks or ():
             self.callback_handler.add(cb)
+        self.checkpoints = CheckpointManager(cfg, self.strategy, self.precision, self.callback_handler, self.run)
         self.control = self.callback_handler.call("on_init_end", cfg, self.state, self.control)
         self.memory_tracker.stop("init")
 
-    #: kiln's own constructor, reachable from subclasses that define another `__init__` (a
-    #: hyperparameter-search trial builds its Trainer with it)
-    kiln_init = __init__
-    def _adopt_model(self, model: nn.Module) -> None:
-        """What the Trainer derives from its model (also for the fresh model of a new run)."""
+    def _new_run(self, model: nn.Module, optimizers: tuple[Any, Any] = (None, None)) -> Run:
         cfg = self.config
-        self._training_module = is_training_module(model)
-        self.label_names = list(cfg.data.label_names) if cfg.data.label_names else (
-            ["labels"] if self._training_module else default_label_names(model))
-        self._forward_names = None if self._training_module else forward_argument_names(model)
-        self._accepts_num_items = not self._training_module and model_accepts_loss_kwargs(model)  # HF's rule
-        self._count_items = model.num_items if self._training_module else item_counter(model, self.label_names)
-        self._label_smoothing = label_smoothing_factor(model, cfg.train.label_smoothing_factor)  # 0 for multi-label (HF)
+        return Run(model, ModelFacts.of(model, cfg), int(cfg.data.per_device_train_batch_size),
+                   int(cfg.train.gradient_accumulation_steps), optimizer=optimizers[0], scheduler=optimizers[1],
+                   user_optimizer=optimizers[0] is not None)
 
-    def _default_callbacks(self) -> list[Callback]:
-        from kiln.engine.callbacks.progress import console_callbacks
-
-        cbs: list[Callback] = [DefaultFlowCallback(), *console_callbacks(self.config)]
-        cbs += self._debug_callbacks()
-        if self.strategy.is_global_zero:  # exactly one tracker run per job, by construction
-            from kiln.engine.callbacks.loggers import LoggerCallback
-            from kiln.loggers.build import build_loggers
-
-            cbs.append(LoggerCallback(self.config, build_loggers(self.config)))
-        return cbs
-
-    def _debug_callbacks(self) -> list[Callback]:
-        """`debug: underflow_overflow` / `tpu_metrics_debug` and `torch_empty_cache_steps` (HF's TrainingArguments)."""
-        cbs: list[Callback] = []
-        if "underflow_overflow" in self.config.train.debug:
-            from kiln.engine.callbacks.debug_overflow import DebugUnderflowOverflow
-
-            cbs.append(DebugUnderflowOverflow())
-        if "tpu_metrics_debug" in self.config.train.debug:  # validated: only with a device that keeps a report
-            from kiln.engine.callbacks.device_metrics import DeviceMetricsReport
-
-            cbs.append(DeviceMetricsReport(self.strategy.accelerator.metrics_report, self.strategy.is_global_zero))
-        if self.config.train.torch_empty_cache_steps:
-            from kiln.engine.callbacks.empty_cache import EmptyCacheCallback, device_empty_cache
-
-            cbs.append(EmptyCacheCallback(self.config.train.torch_empty_cache_steps,
-                                          device_empty_cache(self.strategy.root_device)))
-        return cbs
+    def _adopt(self, model: nn.Module) -> None:
+        """A new run for `model` (assigned to `trainer.model`): set up anew, without the old optimizer."""
+        self.run = self._new_run(model)
+        self.checkpoints = CheckpointManager(self.config, self.strategy, self.precision, self.callback_handler, self.run)
+        self.callback_handler.objects["model"] = model
 
     # -- callbacks (HF API) -----------------------------------------------------------------
     def add_callback(self, callback: Union[Callback, type]) -> None:
@@ -201,9 +170,9 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
             return self.strategy.process_dataloader(self.train_dataset)  # used as given
         cfg, strategy = self.config, self.strategy
         seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
-        drop_last = bool(cfg.data.dataloader_drop_last or strategy.static_shapes)  # see kiln.engine.data.static_shapes
+        drop_last = bool(cfg.data.dataloader_drop_last or isinstance(strategy, StaticShapes))  # see kiln.engine.data.static_shapes
         loader = build_dataloader(
-            self.train_dataset, cfg.data.per_device_train_batch_size, self.data_collator, cfg.data, seed, shuffle=True,
+            self.train_dataset, self.run.micro_batch_size, self.data_collator, cfg.data, seed, shuffle=True,
             num_replicas=strategy.data_shards, rank=strategy.data_shard_rank, sampler=self._length_grouped_sampler(seed),
             drop_last=drop_last, pin_memory=strategy.accelerator.pin_memory, broadcast=strategy.broadcast_object,
         )
@@ -223,7 +192,7 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
     # -- optimizer & scheduler (HF override points) -----------------------------------------
     def create_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            configured = self.model.configure_optimizers() if self._training_module else None
+            configured = self.model.configure_optimizers() if self.run.facts.training_module else None
             if isinstance(configured, (tuple, list)):
                 self.optimizer, self.lr_scheduler = configured[0], configured[1] if len(configured) > 1 else None
             elif configured is not None:
@@ -235,8 +204,8 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
     def create_scheduler(self, num_training_steps: int, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
         if self.lr_scheduler is None:
             self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.config.scheduler, num_training_steps)
-            self._created_lr_scheduler = True  # a new run builds it again for its own length (HF)
-        self.scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
+            self.run.created_scheduler = True  # a new run builds it again for its own length (HF)
+        self.run.scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
         return self.lr_scheduler
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
@@ -245,7 +214,8 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
         """The loss of one micro-batch (mean over its items); override for a custom loss."""
-        if self._training_module:
+        facts = self.run.facts
+        if facts.training_module:
             outputs = model(inputs)
         else:
             if not isinstance(inputs, Mapping):
@@ -254,20 +224,20 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
                 raise KilnError(f"HF-contract models are called as model(**batch), so the batch must be a dict of tensors, "
                                 f"not a {describe(inputs)}: return dicts from the dataset or the data_collator.")
             inputs = self.forward_inputs(inputs)
-            kwargs = {"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None and self._model_divides([inputs]) else {}
-            if self._label_smoothing and "labels" in inputs:
+            kwargs = {"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None and facts.model_divides(inputs) else {}
+            if facts.label_smoothing and "labels" in inputs:
                 from kiln.engine.model.label_smoothing import smoothed_loss
 
                 labels = inputs["labels"]
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, **kwargs)
-                loss = smoothed_loss(self.model, outputs, labels, self._label_smoothing, kwargs.get("num_items_in_batch"))
+                loss = smoothed_loss(self.model, outputs, labels, facts.label_smoothing, kwargs.get("num_items_in_batch"))
                 return (loss, outputs) if return_outputs else loss
             outputs = model(**inputs, **kwargs)
         loss = loss_from_output(outputs)
         return (loss, outputs) if return_outputs else loss
 
     def forward_inputs(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
-        names = self._forward_names
+        names = self.run.facts.forward_names
         if not self._remove_columns or names is None or inputs.keys() <= names:  # nothing to drop: no new dict
             return inputs
         return {k: v for k, v in inputs.items() if k in names}
@@ -276,9 +246,10 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
                       micro_batch: Optional[MicroBatch] = None) -> torch.Tensor:
         """Forward, loss, backward for one micro-batch; returns its detached (weighted) loss.
 
-        `micro_batch` (its loss weight, whether it ends the accumulation window) defaults to the loop's
-        `current_micro_batch`: HF-style `super().training_step(model, inputs, num_items_in_batch)` weighs exactly."""
-        micro_batch = micro_batch if micro_batch is not None else self.current_micro_batch
+        `micro_batch` (its loss weight, whether it ends the accumulation window) is passed by the loop; an
+        override with HF's signature calling `super().training_step(model, inputs, num_items_in_batch)`
+        gets the one in flight (`Run.micro_batch`), so it weighs exactly too."""
+        micro_batch = micro_batch if micro_batch is not None else self.run.micro_batch
         if self.precision.plain_forward:  # fp32 and true-half plugins: no context to enter every step
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         else:
@@ -286,7 +257,10 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
                 loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         weight = micro_batch.weight if micro_batch is not None and micro_batch.weights is not None else None  # read once
         loss = loss * weight if weight is not None else loss
-        self.strategy.backward(loss, model, boundary=micro_batch.boundary if micro_batch is not None else True)
+        if self.run.backward_owner is not None:  # LOMO: the optimizer updates the weights inside backward
+            self.run.backward_owner.backward_and_step(loss)
+        else:
+            self.strategy.backward(loss, model, boundary=micro_batch.boundary if micro_batch is not None else True)
         return loss.detach()
 
     def fit(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Optional[list[str]] = None) -> TrainOutput:
@@ -298,7 +272,7 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         cfg = self.config
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
         path = choose_resume(resume, cfg, self.strategy)
-        if path is None and not getattr(self, "_runs_started", 0):  # a second train() continues this Trainer's own files
+        if path is None and not self._runs_started:  # a second train() continues this Trainer's own files
             refuse_overwrite(cfg)
         if trial is not None and trial is not self._trial:
             raise KilnError("fit(trial=...) is driven by hyperparameter_search. To train with found hyperparameters, "
@@ -307,21 +281,24 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         self._check_eval_setup()
         from kiln.engine.data.checks import check_training_data
 
-        check_training_data(self.train_dataset, self.data_collator, self.model, self._training_module)  # before model work
+        check_training_data(self.train_dataset, self.data_collator, self.model, self.run.facts.training_module)  # before model work
         if self.strategy.is_global_zero and cfg.log.level not in ("error", "critical"):  # quiet runs stay quiet
             from kiln.engine.model.summary import model_summary
 
             print(f"kiln: {model_summary(self.model, self.strategy, self.precision)}", flush=True)
-        if getattr(self, "_runs_started", 0):  # HF: every train() is a new run, not a resume of the last
-            from kiln.engine.loop.new_run import start_new_run
-
-            start_new_run(self, trial)
-        self._runs_started = getattr(self, "_runs_started", 0) + 1
+        if self._runs_started or trial is not None:  # HF: every train() is a new run, not a resume of the last
+            self._start_new_run(trial)
+        if trial is not None:
+            self.state.is_hyper_param_search, self.state.trial_name = True, self._trial_name
+            self.state.trial_params = dict(self._trial_params)
+        self._runs_started += 1
         self.is_in_train = True
         self.memory_tracker.start("train")
         try:
             with neftune(self.model, cfg.train.neftune_noise_alpha):
-                return FitLoop(self).run(path)
+                loop = FitLoop(self, self.run, self.strategy, self.precision, self.callback_handler, self.checkpoints, cfg,
+                               self.memory_tracker, wants_num_items=self.wants_num_items or self.run.facts.accepts_num_items)
+                return loop.run_fit(path)
         except KeyboardInterrupt:
             from kiln.engine.checkpoint.files import latest_checkpoint
             from kiln.utils.errors import TrainingInterrupted
@@ -331,7 +308,7 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         except Exception as err:
             if cfg.data.auto_find_batch_size and is_out_of_memory(err):
                 raise KilnError(
-                    f"Out of memory during training with per_device_train_batch_size={cfg.data.per_device_train_batch_size}, "
+                    f"Out of memory during training with per_device_train_batch_size={self.run.micro_batch_size}, "
                     "which auto_find_batch_size found to fit the first step (a later batch can be longer): resume from "
                     "the last checkpoint or restart with a smaller per_device_train_batch_size."
                 ) from err
@@ -345,9 +322,51 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
 
     train = fit  # HF name
 
+    def _start_new_run(self, trial: Any = None) -> None:
+        """A second `fit()` starts a new run, as in HF. With `model_init`, the seed (possibly changed in
+        the config since) is set again and a fresh model is built, with a fresh optimizer and schedule
+        (HF drops a given pair too); without it, training continues from the current weights with the
+        same optimizer. Either way the state starts over (step 0, empty log history, no best metric),
+        and a schedule the Trainer built itself is built again for the new run's length."""
+        cfg, old = self.config, self.run
+        if self.model_init is not None:
+            set_seed(cfg.seed, cfg.full_determinism)  # before the model is built, so its init follows the seed
+            self.run = self._new_run(self._build_model(trial))
+            self.callback_handler.objects["model"] = self.run.model
+        else:
+            self.run = Run(old.model, old.facts, int(cfg.data.per_device_train_batch_size),
+                           int(cfg.train.gradient_accumulation_steps), optimizer=old.optimizer,
+                           scheduler=None if old.created_scheduler else old.scheduler, user_optimizer=old.user_optimizer,
+                           forward_module=old.forward_module, wrapped=old.wrapped, stage=old.stage,
+                           backward_owner=old.backward_owner)
+        self.state = TrainerState(is_world_process_zero=self.strategy.is_global_zero,
+                                  is_local_process_zero=self.strategy.is_local_zero)
+        self.control = TrainerControl()
+        self.checkpoints = CheckpointManager(cfg, self.strategy, self.precision, self.callback_handler, self.run)
+
+    def _build_model(self, trial: Any = None) -> nn.Module:
+        """`model_init(trial)` (or `model_init()`), inside a sharding strategy's context where it has one."""
+        context = self.strategy.module_init_context() if isinstance(self.strategy, ShardedModuleInit) else nullcontext()
+        with context:
+            return call_model_init(self.model_init, trial)
+
+    def teardown(self) -> None:
+        """Release what this Trainer holds outside Python objects: the strategy's process group and
+        device state, and the precision plugin's global flags. Call it when done with the Trainer
+        (`with Trainer(...) as trainer:` does); `kiln fit/evaluate/predict` call it at the end. A
+        Trainer that is never torn down is torn down when the interpreter exits (an atexit fallback)."""
+        self.precision.teardown()
+        self.strategy.teardown()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.teardown()
+
     # -- logging & saving -------------------------------------------------------------------
     def current_learning_rate(self) -> float:
-        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "get_last_lr") and not self.scheduler_needs_metrics:
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "get_last_lr") and not self.run.scheduler_needs_metrics:
             return float(self.lr_scheduler.get_last_lr()[0])
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
 
@@ -362,7 +381,9 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         self.control = self.callback_handler.call("on_log", self.config, self.state, self.control, logs=logs)
 
     def _save_checkpoint(self, metrics: Optional[dict[str, float]] = None) -> str:
-        return self.checkpoints.save(metrics)
+        """Write `checkpoint-<global_step>` (HF's override point; `metrics` is accepted for HF's signature:
+        the best metric is already in the state)."""
+        return self.checkpoints.save(self.state)
 
     def save_model(self, output_dir: Optional[str] = None, max_shard_size: Optional[Union[int, str]] = None) -> str:
         """Export full weights (safetensors) plus config; loadable without kiln, and with
@@ -370,33 +391,10 @@ class Trainer(SetupMixin, EvaluationMixin, HyperparameterSearchMixin):
         `save_pretrained`) the weights are split into shards with a `model.safetensors.index.json`."""
         from kiln.engine.checkpoint.export import export_model
 
-        return export_model(self, output_dir or self.config.output_dir, max_shard_size)
+        return export_model(self.model, self.strategy, self.config, self.processing_class,
+                            output_dir or self.config.output_dir, max_shard_size)
 
     def save_state(self) -> None:
         if self.strategy.is_global_zero:
             os.makedirs(self.config.output_dir, exist_ok=True)
             self.state.save_to_json(os.path.join(self.config.output_dir, "trainer_state.json"))
-
-    def get_num_trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
-    def get_learning_rates(self) -> list[float]:
-        """The learning rate of each optimizer param group (HF); an error before the optimizer exists."""
-        return [group["lr"] for group in self._require_optimizer().param_groups]
-
-    def get_optimizer_group(self, param: Union[str, nn.Parameter, None] = None) -> Any:
-        """HF's API: the param group holding `param` (a Parameter or its name), else every group's params."""
-        groups = self._require_optimizer().param_groups
-        if isinstance(param, str):
-            param = dict(self.model.named_parameters()).get(param)
-        if param is not None:
-            for group in groups:
-                if any(p is param for p in group["params"]):
-                    return group
-        return [group["params"] for group in groups]
-
-    def _require_optimizer(self) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before "
-                             "(call create_optimizer() or train() first).")
-        return self.optimizer

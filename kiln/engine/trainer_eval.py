@@ -15,7 +15,6 @@ on every batch instead and predictions are not kept (except by `predict`, as in 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -27,26 +26,70 @@ import numpy as np
 import torch
 
 from kiln.optim.optimizers import optimizer_mode
-from kiln.engine.checkpoint.best_model import BestModelMixin
+from kiln.engine.checkpoint.best_model import metric_key, update_best
+from kiln.engine.callbacks.early_stopping import resolve_greater_is_better
 from kiln.engine.data.loaders import SequentialDistributedSampler
+from kiln.engine.run import setup_for_eval
 from kiln.utils.errors import KilnError
 from kiln.engine.evaluation.gather import EvalAccumulator, OrderedGatherer, gather_across_processes, nested_detach
+from kiln.engine.evaluation.batches import collected, inputs_for_metrics, sampler_of, with_last, write_metrics
 from kiln.engine.evaluation.object_gather import ObjectAccumulator
 from kiln.engine.evaluation.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, eval_prediction, step_outputs, to_python
 from kiln.utils.tensors import batch_size_of
 from kiln.precision.base import cast_floating
 
 if TYPE_CHECKING:
-    from kiln.engine.protocols import TrainerLike
+    from torch import nn
+
+    from kiln.engine.callbacks.base import CallbackHandler
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
+    from kiln.engine.evaluation.compiled import EvalCompiler
+    from kiln.engine.run import Run
+    from kiln.precision.base import Precision
+    from kiln.strategies.base import Strategy
 
 logger = logging.getLogger(__name__)
 
 
-class EvaluationMixin(BestModelMixin):
-    """Mixed into Trainer; `self` is the Trainer."""
+class EvaluationMixin:
+    """HF's evaluation API of the Trainer (the class these methods live on is `kiln.engine.trainer.Trainer`).
+    The attributes below are the Trainer's that evaluation uses."""
+
+    config: Any
+    strategy: "Strategy"
+    precision: "Precision"
+    run: "Run"
+    state: "TrainerState"
+    control: "TrainerControl"
+    callback_handler: "CallbackHandler"
+    memory_tracker: Any
+    model: "nn.Module"
+    optimizer: Any
+    lr_scheduler: Any
+    label_names: list[str]
+    eval_dataset: Any
+    data_collator: Any
+    compute_metrics: Any
+    preprocess_logits_for_metrics: Any
+    is_in_train: bool
+    _eval_compiler: "EvalCompiler"
+    _eval_dataloaders: dict[str, Any]
+    _gen_kwargs: dict[str, Any]
+    _eval_step_name: str
+    _ignore_keys_for_eval: Optional[list[str]]
+
+    if TYPE_CHECKING:  # the Trainer's (and hyperparameter search's) methods that evaluation calls
+        def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None: ...
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any: ...
+        def forward_inputs(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]: ...
+        def _report_to_trial(self, metrics: dict[str, float]) -> None: ...
+
+    def setup_model(self) -> "nn.Module":
+        """The module set up by the strategy for evaluation (before training: without an optimizer)."""
+        return setup_for_eval(self.run, self.strategy, self.config)
 
     # -- dataloaders (HF override points) ---------------------------------------------------
-    def get_eval_dataloader(self: "TrainerLike", eval_dataset: Any = None) -> Iterable[Any]:
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Iterable[Any]:
         """The eval DataLoader: in order, sharded contiguously over ranks (see SequentialDistributedSampler).
         `eval_dataset` may be a dataset, or the name of one in a dict passed to the Trainer.
 
@@ -54,7 +97,7 @@ class EvaluationMixin(BestModelMixin):
         one) is built once and reused (HF), so its workers live from one evaluation to the next."""
         key = eval_dataset if isinstance(eval_dataset, str) else "eval" if eval_dataset is None else None
         persistent = self.config.data.dataloader_persistent_workers and key is not None
-        cache = self.__dict__.setdefault("_eval_dataloaders", {})
+        cache = self._eval_dataloaders
         if persistent and key in cache:
             return cache[key]
         loader = self._build_eval_dataloader(eval_dataset)
@@ -62,7 +105,7 @@ class EvaluationMixin(BestModelMixin):
             cache[key] = loader
         return loader
 
-    def _build_eval_dataloader(self: "TrainerLike", eval_dataset: Any) -> Iterable[Any]:
+    def _build_eval_dataloader(self, eval_dataset: Any) -> Iterable[Any]:
         if isinstance(eval_dataset, str):
             named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
             if eval_dataset not in named:
@@ -75,12 +118,12 @@ class EvaluationMixin(BestModelMixin):
             raise KilnError("get_eval_dataloader takes one dataset; evaluate() runs a dict of them one by one.")
         return self._sequential_loader(dataset)
 
-    def get_test_dataloader(self: "TrainerLike", test_dataset: Any) -> Iterable[Any]:
+    def get_test_dataloader(self, test_dataset: Any) -> Iterable[Any]:
         if test_dataset is None:
             raise KilnError("predict() needs a test_dataset.")
         return self._sequential_loader(test_dataset)
 
-    def _sequential_loader(self: "TrainerLike", dataset: Any) -> Iterable[Any]:
+    def _sequential_loader(self, dataset: Any) -> Iterable[Any]:
         from kiln.engine.data.dispatch_batches import per_rank_batch_size
         from kiln.engine.data.loaders import build_dataloader, is_sized
 
@@ -102,7 +145,7 @@ class EvaluationMixin(BestModelMixin):
         return s.process_dataloader(loader)
 
     # -- public API -------------------------------------------------------------------------
-    def evaluate(self: "TrainerLike", eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
                  metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]:
         """Metrics `<prefix>_loss`, `compute_metrics`' keys prefixed, speed and `epoch`; logged and
         passed to `on_evaluate`. A dict of datasets is evaluated one by one as `<prefix>_<name>_*`.
@@ -127,7 +170,7 @@ class EvaluationMixin(BestModelMixin):
         self.control = self.callback_handler.call("on_evaluate", self.config, self.state, self.control, metrics=metrics)
         return metrics
 
-    def predict(self: "TrainerLike", test_dataset: Any, ignore_keys: Optional[list[str]] = None,
+    def predict(self, test_dataset: Any, ignore_keys: Optional[list[str]] = None,
                 metric_key_prefix: str = "test", **gen_kwargs: Any) -> PredictionOutput:
         """Numpy predictions and label_ids in dataset order (ragged sequences right-padded with
         `eval.padding_index`) and metrics (`<prefix>_loss` etc. when the data has labels)."""
@@ -142,7 +185,7 @@ class EvaluationMixin(BestModelMixin):
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
     @contextlib.contextmanager
-    def _memory_stage(self: "TrainerLike", stage: str) -> Iterator[None]:
+    def _memory_stage(self, stage: str) -> Iterator[None]:
         """HF's memory tracker stage around a loop; `stop_and_update(stage, metrics)` reports it after."""
         self.memory_tracker.start(stage)
         try:
@@ -151,7 +194,7 @@ class EvaluationMixin(BestModelMixin):
             self.memory_tracker.stop(stage)
             raise
 
-    def _speed_metrics(self: "TrainerLike", prefix: str, start: float, num_samples: int, loader: Any) -> dict[str, float]:
+    def _speed_metrics(self, prefix: str, start: float, num_samples: int, loader: Any) -> dict[str, float]:
         from kiln.loggers.metrics import speed_metrics
 
         batch_size = getattr(loader, "batch_size", None) or self.config.data.per_device_eval_batch_size
@@ -159,7 +202,7 @@ class EvaluationMixin(BestModelMixin):
         return speed_metrics(prefix, start, num_samples=num_samples, num_steps=steps)
 
     # -- the loop ---------------------------------------------------------------------------
-    def evaluation_loop(self: "TrainerLike", dataloader: Iterable[Any], description: str, prediction_loss_only: Optional[bool] = None,
+    def evaluation_loop(self, dataloader: Iterable[Any], description: str, prediction_loss_only: Optional[bool] = None,
                         ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """Shared by evaluate ("Evaluation": TrainingModule.validation_step) and predict
         ("Prediction": predict_step). Works with or without labels."""
@@ -167,12 +210,8 @@ class EvaluationMixin(BestModelMixin):
         loss_only = e.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
         model = self.setup_model()
         if cfg.eval.compile:  # jit_mode_eval: the forward below runs through torch.compile
-            if getattr(self, "_eval_compiler", None) is None:
-                from kiln.engine.evaluation.compiled import EvalCompiler
-
-                self._eval_compiler = EvalCompiler()
             model = self._eval_compiler(model, cfg.train)
-        sampler = _sampler_of(dataloader)
+        sampler = sampler_of(dataloader)
         distributed = s.data_shards > 1 and isinstance(sampler, SequentialDistributedSampler)
         if s.data_shards > 1 and not distributed:
             logger.warning("Evaluating a loader without kiln's eval sampler on %d ranks: each rank reports its own shard.",
@@ -193,15 +232,15 @@ class EvaluationMixin(BestModelMixin):
         optimizer_mode(self.optimizer, "eval")  # schedule-free: evaluate the averaged weights, as HF does
         try:
             with s.eval_cast_context(self.model, dtype):
-                for batch, is_last in _with_last(dataloader):
-                    batch = self.precision.convert_input(s.batch_to_device(batch))
+                for batch, is_last in with_last(dataloader):
+                    batch = s.batch_to_device(batch)  # the precision plugin's input conversion included
                     if dtype is not None:
                         batch = cast_floating(batch, dtype)
                     bs = batch_size_of(batch)
                     loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys)
                     if logits is not None and self.preprocess_logits_for_metrics is not None:
                         logits = self.preprocess_logits_for_metrics(logits, labels)
-                    inputs = self._inputs_for_metrics(batch) if e.include_inputs_for_metrics else None
+                    inputs = inputs_for_metrics(self.model, batch) if e.include_inputs_for_metrics else None
                     outputs = step_outputs(loss, logits, labels, inputs, bs)
                     if per_batch:
                         if distributed:  # gathered here, once: rank-major, duplicates still in
@@ -218,10 +257,10 @@ class EvaluationMixin(BestModelMixin):
             model.train(was_training)
             if self.is_in_train:  # outside fit() it stays in eval mode, as in HF
                 optimizer_mode(self.optimizer, "train")
-        collected = _collected(acc.get_arrays())
-        predictions, label_ids, losses = collected.get("predictions"), collected.get("label_ids"), collected.get("losses")
+        arrays = collected(acc.get_arrays())
+        predictions, label_ids, losses = arrays.get("predictions"), arrays.get("label_ids"), arrays.get("losses")
         if not per_batch and self.compute_metrics is not None and predictions is not None and label_ids is not None:
-            metrics = self.compute_metrics(EvalPrediction(predictions, label_ids, inputs=collected.get("inputs")))
+            metrics = self.compute_metrics(EvalPrediction(predictions, label_ids, inputs=arrays.get("inputs")))
         metrics = {k: to_python(v) for k, v in dict(metrics or {}).items()}
         if losses is not None and losses.size:
             losses = losses.astype(np.float64)
@@ -234,29 +273,17 @@ class EvaluationMixin(BestModelMixin):
         num_samples = sampler.num_examples if isinstance(sampler, SequentialDistributedSampler) else observed
         return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics, num_samples=num_samples)
 
-    def _inputs_for_metrics(self: "TrainerLike", batch: Any) -> Any:
-        """The model's main input (`model.main_input_name`, default "input_ids") for EvalPrediction.inputs."""
-        name = getattr(self.model, "main_input_name", "input_ids")
-        if isinstance(batch, Mapping):
-            if name not in batch:
-                raise KilnError(f"include_inputs_for_metrics: the batch has no {name!r} (keys: {', '.join(map(str, batch))}); "
-                                "set `main_input_name` on the model to the key that holds its inputs.")
-            return batch[name]
-        if isinstance(batch, (list, tuple)) and batch:
-            return batch[0]
-        return batch
-
-    def prediction_step(self: "TrainerLike", model: Any, inputs: Any, prediction_loss_only: bool,
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: Optional[list[str]] = None) -> tuple[Any, Any, Any]:
         """(loss, logits, labels) for one batch, each possibly None (HF override point)."""
         with torch.no_grad(), self.precision.eval_context():
-            if self._training_module:
+            if self.run.facts.training_module:
                 return self._module_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
             return self._hf_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
-    def _module_prediction_step(self: "TrainerLike", model: Any, inputs: Any, loss_only: bool,
+    def _module_prediction_step(self, model: Any, inputs: Any, loss_only: bool,
                                 ignore_keys: Optional[list[str]]) -> tuple[Any, Any, Any]:
-        step = getattr(self, "_eval_step_name", "validation_step")
+        step = self._eval_step_name
         out = model(inputs, step=step)
         if isinstance(out, torch.Tensor):
             out = {"loss": out}
@@ -275,13 +302,13 @@ class EvaluationMixin(BestModelMixin):
             labels = self._labels_from(inputs)
         return loss, nested_detach(logits), nested_detach(labels)
 
-    def _labels_from(self: "TrainerLike", inputs: Any) -> Any:
+    def _labels_from(self, inputs: Any) -> Any:
         if not isinstance(inputs, Mapping) or not self.label_names or any(inputs.get(k) is None for k in self.label_names):
             return None
         labels = tuple(inputs[k].detach() for k in self.label_names)
         return labels[0] if len(labels) == 1 else labels
 
-    def _hf_prediction_step(self: "TrainerLike", model: Any, inputs: Any, loss_only: bool,
+    def _hf_prediction_step(self, model: Any, inputs: Any, loss_only: bool,
                             ignore_keys: Optional[list[str]]) -> tuple[Any, Any, Any]:
         if ignore_keys is None:  # HF: the config's list, else the KV cache ("cache"; "past_key_values" before v5)
             config = getattr(self.model, "config", None)
@@ -289,7 +316,7 @@ class EvaluationMixin(BestModelMixin):
         labels = self._labels_from(inputs)
         loss = outputs = None
         if labels is not None:  # HF: the model divides its summed loss by this batch's label count
-            count = self._count_items(inputs) if self._model_divides([inputs]) else None
+            count = self.run.facts.count_items(inputs) if self.run.facts.model_divides(inputs) else None
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=count)
             loss = loss.mean().detach()
         if loss_only:
@@ -297,7 +324,8 @@ class EvaluationMixin(BestModelMixin):
         if self.config.eval.predict_with_generate:  # no forward without labels: decoders need targets
             from kiln.engine.evaluation.generation import generate_predictions
 
-            return loss, generate_predictions(self, inputs, getattr(self, "_gen_kwargs", {})), labels
+            return loss, generate_predictions(self.model, self.forward_inputs(inputs) if isinstance(inputs, Mapping) else inputs,
+                                              set(self.label_names), self.config.eval, self._gen_kwargs), labels
         if outputs is None:
             outputs = model(**self.forward_inputs(inputs))
         if isinstance(outputs, Mapping):  # dicts and Transformers ModelOutputs
@@ -310,7 +338,37 @@ class EvaluationMixin(BestModelMixin):
         return loss, (logits[0] if len(logits) == 1 else logits), labels
 
     # -- during training --------------------------------------------------------------------
-    def _check_eval_setup(self: "TrainerLike") -> None:
+    def evaluate_during_training(self, on_start: bool = False) -> dict[str, float]:
+        """Evaluate, then update the best metric, `save_strategy: best` and a metric-driven scheduler.
+        The sanity evaluation of `eval_on_start` does neither (HF)."""
+        metrics = self.evaluate(ignore_keys=self._ignore_keys_for_eval)
+        if on_start:
+            return metrics
+        self._report_to_trial(metrics)  # hyperparameter_search: the objective so far, and pruning
+        improved = update_best(self.state, self.config, metrics)
+        if self.config.save.strategy == "best":
+            self.control.should_save = improved
+        if self.run.scheduler_needs_metrics and self.lr_scheduler is not None:
+            self.lr_scheduler.step(metrics[metric_key(self.config, metrics)])
+        return metrics
+
+    def greater_is_better(self) -> bool:
+        return resolve_greater_is_better(self.config.eval)
+
+    def _load_best_model(self) -> None:
+        path = self.state.best_model_checkpoint
+        if not path or not os.path.isdir(path):
+            logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the last weights.")
+            return
+        self._load_from_checkpoint(path)
+
+    def _load_from_checkpoint(self, path: str) -> None:
+        """The model weights of `path` (a checkpoint or a save_model folder), without optimizer state (HF's name)."""
+        from kiln.engine.checkpoint.weights import load_weights_for_eval
+
+        load_weights_for_eval(self.strategy, self.setup_model(), self.model, path)
+
+    def _check_eval_setup(self) -> None:
         """Before training: evaluation during training needs something to evaluate on (HF fails at init)."""
         e = self.config.eval
         custom_loader = type(self).get_eval_dataloader is not EvaluationMixin.get_eval_dataloader
@@ -319,70 +377,20 @@ class EvaluationMixin(BestModelMixin):
                             "has no eval_dataset: pass eval_dataset=... or set eval_strategy='no'.")
 
     # -- HF metric helpers ------------------------------------------------------------------
-    def metrics_format(self: "TrainerLike", metrics: Mapping[str, float]) -> dict[str, Any]:
+    def metrics_format(self, metrics: Mapping[str, float]) -> dict[str, Any]:
         """Human-readable values (runtimes as h:mm:ss.xx, memory in MB, floats to 4 places)."""
         from kiln.loggers.metrics import metrics_format
 
         return metrics_format(dict(metrics))
 
-    def log_metrics(self: "TrainerLike", split: str, metrics: Mapping[str, float]) -> None:
+    def log_metrics(self, split: str, metrics: Mapping[str, float]) -> None:
         """Print `***** <split> metrics *****` and aligned `key = value` lines, on global rank 0."""
         if self.strategy.is_global_zero:
             from kiln.loggers.metrics import format_log_metrics
 
             print(format_log_metrics(split, dict(metrics)), flush=True)
 
-    def save_metrics(self: "TrainerLike", split: str, metrics: Mapping[str, float], combined: bool = True) -> None:
+    def save_metrics(self, split: str, metrics: Mapping[str, float], combined: bool = True) -> None:
         """Write raw `<split>_results.json` (and merge it into `all_results.json`), on global rank 0."""
-        if not self.strategy.is_global_zero:
-            return
-        out = self.config.output_dir
-        os.makedirs(out, exist_ok=True)
-        plain = {k: to_python(v) for k, v in metrics.items()}
-        _write_json(os.path.join(out, f"{split}_results.json"), plain)
-        if combined:
-            path = os.path.join(out, "all_results.json")
-            merged: dict[str, Any] = {}
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as fh:
-                    merged = json.load(fh)
-            merged.update(plain)
-            _write_json(path, merged)
-
-
-# -- helpers ------------------------------------------------------------------------------------
-def _write_json(path: str, data: Mapping[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(dict(data), fh, indent=4, sort_keys=True)
-
-
-def _collected(arrays: Any) -> dict[str, Any]:
-    """The accumulator's result by key. With do_concat_batches=False each value is a list with one
-    entry per batch, except the losses, which are joined for the mean."""
-    if not arrays:
-        return {}
-    if isinstance(arrays, Mapping):
-        return dict(arrays)
-    out = {key: [batch[key] for batch in arrays] for key in arrays[0]}
-    if "losses" in out:
-        out["losses"] = np.concatenate(out["losses"])
-    return out
-
-
-def _sampler_of(loader: Any) -> Any:
-    """The sampler of a DataLoader, also through a device-feeding wrapper (XLA's `_loader`)."""
-    sampler = getattr(loader, "sampler", None)
-    return sampler if sampler is not None else getattr(getattr(loader, "_loader", None), "sampler", None)
-
-
-def _with_last(iterable: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-    """(item, is_last) pairs, looking one item ahead: works for loaders without a length."""
-    it = iter(iterable)
-    try:
-        current = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield current, False
-        current = item
-    yield current, True
+        if self.strategy.is_global_zero:
+            write_metrics(self.config.output_dir, split, metrics, combined)

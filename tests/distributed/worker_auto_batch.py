@@ -35,7 +35,7 @@ def run(name: str, batch: int, auto: bool):
 
 auto, auto_params = run("auto", 8, True)
 fixed, fixed_params = run("fixed", 5, False)
-sizes = auto.strategy.all_gather_object(auto.config.data.per_device_train_batch_size)
+sizes = auto.strategy.all_gather_object(auto._train_batch_size)
 if dist.get_rank() == 0:
     with open(os.path.join(out, "results.json"), "w") as fh:
         json.dump({"sizes": sizes, "equal": bool(torch.equal(auto_params, fixed_params))}, fh)

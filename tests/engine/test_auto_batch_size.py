@@ -43,7 +43,7 @@ def test_found_size_trains_exactly_like_that_size_configured(tmp_path, caplog):
     model = MemoryBound(limit=10)
     trainer = Trainer(model, _config(tmp_path, "auto", 16, auto_find_batch_size=True), train_dataset=data)
     out = trainer.fit()
-    assert trainer.config.data.per_device_train_batch_size == 10  # 16 -> 14 -> 12 -> 10 (x0.9, as accelerate)
+    assert trainer._train_batch_size == 10  # 16 -> 14 -> 12 -> 10 (x0.9, as accelerate)
     assert trainer.state.train_batch_size == 10
     assert "per_device_train_batch_size=16 ran out of memory; trying 14" in caplog.text
 
@@ -72,14 +72,14 @@ def test_the_search_includes_the_optimizer_step(tmp_path):
     trainer = Trainer(TightOptimizer(limit=12), _config(tmp_path, "opt", 16, auto_find_batch_size=True),
                       train_dataset=regression_data(n=64))
     trainer.fit()
-    assert trainer.config.data.per_device_train_batch_size == 10
+    assert trainer._train_batch_size == 10
 
 
 def test_a_size_that_fits_is_kept_and_checked_once(tmp_path):
     model = MemoryBound(limit=64)
     trainer = Trainer(model, _config(tmp_path, "fits", 8, auto_find_batch_size=True), train_dataset=regression_data(n=32))
     trainer.fit()
-    assert trainer.config.data.per_device_train_batch_size == 8
+    assert trainer._train_batch_size == 8
     assert model.forwards == 2 + 6 * 2  # one probe window of 2 micro-batches, then 6 steps of 2
 
 
@@ -99,7 +99,7 @@ def test_resume_reuses_the_checkpoints_size(tmp_path):
     resumed = Trainer(model, _config(tmp_path, "run", 16, auto_find_batch_size=True, save={"strategy": "steps", "steps": 3}),
                       train_dataset=data)
     resumed.fit(resume_from_checkpoint=str(tmp_path / "run" / "out" / "checkpoint-3"))
-    assert resumed.config.data.per_device_train_batch_size == 10
+    assert resumed._train_batch_size == 10
     assert model.forwards == 1 + 2 + 2  # steps 4..6 only (step 4 is the epoch's short last window): no search
 
 

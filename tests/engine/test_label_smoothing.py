@@ -46,7 +46,7 @@ def test_multi_label_turns_smoothing_off_with_hfs_warning(tmp_path):
 
 def test_single_label_keeps_smoothing(tmp_path):
     trainer = Trainer(_bert("single_label_classification"), base_config(tmp_path, label_smoothing_factor=0.1))
-    assert trainer._label_smoothing == 0.1
+    assert trainer.run.facts.label_smoothing == 0.1
 
 
 def test_float_labels_with_smoothing_fail_with_one_sentence():

@@ -210,15 +210,16 @@ def test_warmup_and_schedule_reach_the_optimizer(tmp_path):
 
 class _HookedStrategy:
     """Built lazily (the strategies package is imported by the test only): a single-device strategy
-    that records its per-step hooks."""
+    that opts into the per-step interfaces and records their calls."""
 
     @staticmethod
     def make(calls: list[str]):
         import contextlib
 
+        from kiln.strategies.interfaces import BackwardSyncControl, GraphBoundaries
         from kiln.strategies.single import SingleDeviceStrategy
 
-        class Hooked(SingleDeviceStrategy):
+        class Hooked(SingleDeviceStrategy, BackwardSyncControl, GraphBoundaries):
             def micro_batch_context(self, model, *, boundary):
                 calls.append(f"context boundary={boundary}")
                 return contextlib.nullcontext()
@@ -232,8 +233,8 @@ class _HookedStrategy:
         return Hooked
 
 
-def test_strategy_step_hooks_run_where_overridden_and_base_no_ops_are_skipped(tmp_path, monkeypatch):
-    from kiln.strategies.base import Strategy
+def test_strategy_step_interfaces_are_called_in_order_and_only_for_strategies_that_have_them(tmp_path):
+    from kiln.strategies.interfaces import BackwardSyncControl, GraphBoundaries
     from kiln.strategies.single import SingleDeviceStrategy
 
     calls: list[str] = []
@@ -243,13 +244,10 @@ def test_strategy_step_hooks_run_where_overridden_and_base_no_ops_are_skipped(tm
     step = ["context boundary=False", "micro_batch_end", "context boundary=True", "micro_batch_end", "step_end"]
     assert calls == step * 2
 
-    for hook in Strategy.STEP_HOOKS:  # the base no-ops are resolved once and never called per step
-        monkeypatch.setattr(Strategy, hook, lambda *a, _hook=hook, **k: pytest.fail(f"the no-op {_hook} was called"))
     plain = Trainer(TinyRegressor(), base_config(tmp_path / "b", max_steps=2, learning_rate=1e-3),
                     train_dataset=regression_data(32))
     assert type(plain.strategy) is SingleDeviceStrategy
-    assert not any(plain.strategy.overrides(h) for h in Strategy.STEP_HOOKS)
+    assert not isinstance(plain.strategy, (BackwardSyncControl, GraphBoundaries))  # nothing to call per step
+    assert not hasattr(plain.strategy, "micro_batch_context") and not hasattr(plain.strategy, "on_step_end")
     plain.fit()
     assert plain.state.global_step == 2
-    with pytest.raises(ValueError, match="not a per-step strategy hook"):
-        plain.strategy.overrides("backward")

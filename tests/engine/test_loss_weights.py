@@ -8,7 +8,7 @@ import torch
 
 from kiln import Trainer
 from kiln.engine.loop.loss_weights import WindowWeights
-from tests.helpers import TokenModel, base_config, padded_token_data
+from tests.helpers import TokenModel, base_config, padded_token_data, train_step_of
 
 
 def test_global_mean_waits_for_the_reduced_count_lazily_and_once():
@@ -53,7 +53,7 @@ def test_trainer_reduces_item_counts_only_for_the_global_mean(tmp_path, monkeypa
     monkeypatch.setattr(trainer.strategy, "reduce_async", reduce_async)
     window = [torch.utils.data.default_collate(data[i:i + 2]) for i in (0, 2)]
     counts = [int(b["labels"].ne(-100).sum()) for b in window]
-    weights = trainer.loss_weights(window)
+    weights = train_step_of(trainer).loss_weights(window)
     got = [float(weights.weight(i)) for i in (0, 1)]
     if average:
         assert reduced == [sum(counts)]

@@ -53,7 +53,7 @@ def test_out_of_memory_mid_window_redoes_the_step_with_smaller_micro_batches(tmp
     oom_at = accumulation * 3 + accumulation
     model = OomAt(at=(oom_at,))
     trainer, out = _train(tmp_path, "recovered", model, batch, accumulation, auto_find_batch_size=True)
-    assert (trainer.config.data.per_device_train_batch_size, trainer.config.train.gradient_accumulation_steps) == (smaller, more)
+    assert (trainer._train_batch_size, trainer.run.accumulation) == (smaller, more)
     assert trainer.state.train_batch_size == smaller
     assert f"Out of memory at step 3 with per_device_train_batch_size={batch}: redoing the step with " \
            f"per_device_train_batch_size={smaller} and gradient_accumulation_steps={more}" in caplog.text
@@ -77,7 +77,7 @@ def test_a_checkpoint_after_the_change_resumes_with_the_new_sizes(tmp_path):
     resumed = Trainer(resumed_model, _config(tmp_path, "run", 8, 2, auto_find_batch_size=True, save=save),
                       train_dataset=regression_data(n=64))
     resumed.fit(resume_from_checkpoint=str(tmp_path / "run" / "out" / "checkpoint-4"))
-    assert (resumed.config.data.per_device_train_batch_size, resumed.config.train.gradient_accumulation_steps) == (4, 4)
+    assert (resumed._train_batch_size, resumed.run.accumulation) == (4, 4)
     assert resumed_model.sizes == [4] * 8  # steps 5 and 6 only, 4 micro-batches of 4 each: no search, no replay
     torch.testing.assert_close(flat_params(resumed_model), flat_params(model), rtol=0, atol=0)
 

@@ -1,4 +1,4 @@
-"""The static-shapes seam (`Strategy.static_shapes`, which the XLA strategies set): the Trainer drops
+"""The static-shapes seam (the `StaticShapes` interface, which the XLA strategies inherit): the Trainer drops
 each epoch's short last training batch with one log line, and weighs a short accumulation window like
 a full one whose missing micro-batches count zero items. Run here with a CPU strategy that sets it;
 tests/xla/test_xla_static_shapes.py shows that XLA then compiles nothing new at an epoch's end."""
@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from kiln import Trainer
+from kiln.strategies import interfaces
 from kiln.strategies.single import SingleDeviceStrategy
-from tests.helpers import TinyRegressor, base_config, flat_params, regression_data
+from tests.helpers import TinyRegressor, base_config, flat_params, regression_data, train_step_of
 
 
-class StaticShapes(SingleDeviceStrategy):
-    static_shapes = True
+class StaticShapes(SingleDeviceStrategy, interfaces.StaticShapes):
+    pass
 
 
 def _trainer(tmp_path, name, strategy=None, **over):
@@ -47,15 +48,15 @@ def test_static_shapes_drop_the_short_last_batch_with_one_log_line(tmp_path, cap
 def test_a_short_window_counts_zero_items_for_its_missing_micro_batches(tmp_path):
     full, half = {"x": torch.randn(8, 8), "y": torch.randn(8)}, {"x": torch.randn(4, 8), "y": torch.randn(4)}
     static = _trainer(tmp_path, "static", StaticShapes, gradient_accumulation_steps=3)
-    weights = static.loss_weights([full])
+    weights = train_step_of(static).loss_weights([full])
     assert [int(c) for c in weights.counts] == [8, 0, 0] and float(weights.weight(0)) == 1.0
-    weights = static.loss_weights([full, half])
+    weights = train_step_of(static).loss_weights([full, half])
     assert [int(c) for c in weights.counts] == [8, 4, 0]
     assert [float(weights.weight(i)) for i in (0, 1)] == pytest.approx([8 / 12, 4 / 12])
     # without static shapes a lone micro-batch needs no weight, and a window is only as long as it is
     plain = _trainer(tmp_path, "plain", gradient_accumulation_steps=3)
-    assert plain.loss_weights([full]) is None
-    assert [int(c) for c in plain.loss_weights([full, half]).counts] == [8, 4]
+    assert train_step_of(plain).loss_weights([full]) is None
+    assert [int(c) for c in train_step_of(plain).loss_weights([full, half]).counts] == [8, 4]
 
 
 def test_a_strategy_without_static_shapes_keeps_the_short_last_batch(tmp_path, caplog):

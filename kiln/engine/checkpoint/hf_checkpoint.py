@@ -16,11 +16,11 @@ import warnings
 from typing import Any, Optional
 
 from kiln.engine.callbacks.state import TrainerState
-from kiln.engine.checkpoint.files import is_hf_checkpoint  # noqa: F401  (re-exported: the manager asks here)
+from kiln.engine.checkpoint.restored import Restored
 from kiln.engine.data.loaders import loader_length
 from kiln.engine.seed import _py_state_to_plain
 from kiln.utils.errors import CheckpointError, safe_torch_load
-from kiln.utils.param_groups import regroup_optimizer_state, regroup_scheduler_state
+from kiln.utils.param_groups import regroup_optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -48,67 +48,55 @@ def _hf_rng(path: str) -> Optional[dict[str, Any]]:
     return state
 
 
-def load_hf_checkpoint(manager: Any, path: str) -> None:
-    """Restore what an HF checkpoint holds into the (already set-up) trainer, and say what was not."""
-    t = manager.trainer
+def load_hf_checkpoint(manager: Any, path: str) -> Restored:
+    """Restore what an HF checkpoint holds into the (already set-up) run, and say what was not.
+    `manager` is the run's CheckpointManager; returns its `Restored`."""
+    run = manager.run
     restored, missing = ["weights"], []
-    io = t.strategy.checkpoint_io()
-    io.load_weights_only(path, model=t.model_wrapped, module=t.model)
-    if t.optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
+    io = manager.strategy.checkpoint_io()
+    io.load_weights_only(path, model=run.wrapped, module=run.model)
+    if run.optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
         try:
             saved = safe_torch_load(os.path.join(path, "optimizer.pt"))  # HF: two groups, even without decay
-            t.optimizer.load_state_dict(regroup_optimizer_state(saved, t.optimizer.param_groups))
+            run.optimizer.load_state_dict(regroup_optimizer_state(saved, run.optimizer.param_groups))
             restored.append("optimizer")
         except (ValueError, KeyError) as err:
             raise CheckpointError(f"{path}/optimizer.pt does not fit this run's optimizer ({err}); use the optim and "
                                   "weight_decay the HF run used.") from None
     else:
         missing.append("optimizer state")
-    sched = os.path.join(path, "scheduler.pt")
-    if t.lr_scheduler is not None and os.path.exists(sched):
-        try:
-            saved = safe_torch_load(sched)
-            if t.optimizer is not None:
-                saved = regroup_scheduler_state(saved, len(t.optimizer.param_groups))
-            t.lr_scheduler.load_state_dict(saved)
-            restored.append("scheduler")
-        except (KeyError, ValueError, TypeError, AttributeError) as err:
-            raise CheckpointError(f"{sched} does not fit this run's scheduler {type(t.lr_scheduler).__name__} ({err}); "
-                                  "use the lr_scheduler_type the HF run used.") from None
-    elif t.lr_scheduler is not None:
+    if run.scheduler is not None and os.path.exists(os.path.join(path, "scheduler.pt")):
+        manager.load_scheduler(path, "use the lr_scheduler_type the HF run used.")
+        restored.append("scheduler")
+    elif run.scheduler is not None:
         missing.append("scheduler state")
     try:
-        t.state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
+        state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
     except (OSError, ValueError, TypeError) as err:
         raise CheckpointError(f"{path}/trainer_state.json is unreadable ({err}).") from None
     restored.append("trainer state (step, log history, best metric)")
-    _compare_cadence(t, path)
-    callbacks = {k: v for k, v in (t.state.stateful_callbacks or {}).items() if k != "TrainerControl"}
-    gone = t.callback_handler.load_state_dict(callbacks, restore_args=bool(t.config.save.restore_callback_states_from_checkpoint))
-    if gone:
-        warnings.warn(f"{path} holds state for callbacks this run does not have ({', '.join(gone)}); it is ignored.", stacklevel=3)
-    if callbacks:
+    _compare_cadence(state, manager.config, path)
+    if manager.load_callback_state(path, state):
         restored.append("callback state")
-    rank = t.strategy.global_rank
+    rank = manager.strategy.global_rank
     rng_file = next((os.path.join(path, n) for n in (f"rng_state_{rank}.pth", "rng_state.pth")
                      if os.path.exists(os.path.join(path, n))), None)
-    manager.pending_rng = _hf_rng(rng_file) if rng_file else None
-    (restored if manager.pending_rng is not None else missing).append("RNG state")
-    manager.pending_loop = None
-    _set_position(manager)
+    rng = _hf_rng(rng_file) if rng_file else None
+    (restored if rng is not None else missing).append("RNG state")
+    _set_position(state, run.accumulation, manager.loader)
     missing += ["the sampler position (kiln's sampler orders samples differently from HF's; the epoch position is kept)",
                 "the running loss sums of the interrupted logging window"]
     if os.path.exists(os.path.join(path, "scaler.pt")):
         missing.append("the fp16 grad scaler (scaler.pt)")
-    warnings.warn(f"Resumed from Hugging Face checkpoint {path} at step {t.state.global_step}: restored "
+    warnings.warn(f"Resumed from Hugging Face checkpoint {path} at step {state.global_step}: restored "
                   f"{', '.join(restored)}; not restored: {'; '.join(missing)}. The run continues from here but will "
                   "not match the HF run it came from exactly.", stacklevel=3)
+    return Restored(state, rng)
 
 
-def _compare_cadence(t: Any, path: str) -> None:
+def _compare_cadence(st: TrainerState, cfg: Any, path: str) -> None:
     """HF's `compare_trainer_and_checkpoint_args`: warn, naming them, when the logging, eval or save
     interval differs from the one the checkpoint was trained with."""
-    st, cfg = t.state, t.config
     pairs = (("logging_steps", st.logging_steps, cfg.log.steps), ("eval_steps", st.eval_steps, cfg.eval.steps),
              ("save_steps", st.save_steps, cfg.save.steps))
     changed = [f"{name} {old!r} -> {new!r}" for name, old, new in pairs
@@ -118,14 +106,11 @@ def _compare_cadence(t: Any, path: str) -> None:
                       "the run continues with this run's values.", stacklevel=4)
 
 
-def _set_position(manager: Any) -> None:
+def _set_position(st: TrainerState, k: int, loader: Any) -> None:
     """HF's rule: `global_step` full epochs of `ceil(batches / k)` steps, then the remainder in windows of k."""
     import math
 
-    t = manager.trainer
-    st = t.state
-    k = int(t.config.train.gradient_accumulation_steps)
-    batches = loader_length(manager.loader) if manager.loader is not None else None
+    batches = loader_length(loader) if loader is not None else None
     if not batches:
         st.set_loop_position({"epoch_index": 0, "batches_into_epoch": 0})
         return

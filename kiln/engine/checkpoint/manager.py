@@ -18,23 +18,30 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from kiln.engine.checkpoint.files import (  # noqa: F401  (re-exported: the Trainer and tests import them from here)
+from kiln.engine.checkpoint.data_position import stateful_dataset
+from kiln.engine.checkpoint.files import (
     MARKER, PREFIX, _fsync_dir, _fsync_tree, _remove, is_complete, latest_checkpoint, list_checkpoints, read_marker,
-    resolve_resume,
 )
 from kiln.engine.checkpoint.integrity import ALGORITHM
+from kiln.engine.checkpoint.restored import Restored
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_scheduler_state
-from kiln.engine.seed import rng_state, set_rng_state
+from kiln.engine.seed import rng_state
 from kiln.engine.callbacks.state import TrainerState
 
 if TYPE_CHECKING:
-    from kiln.engine.protocols import Stateful, TrainerLike
+    from omegaconf import DictConfig
+
+    from kiln.engine.callbacks.base import CallbackHandler
+    from kiln.engine.hooks import Stateful
+    from kiln.engine.run import Run
+    from kiln.precision.base import Precision
+    from kiln.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -63,22 +70,6 @@ def _plain(value: Any) -> bool:
     return False
 
 
-# -- iterable datasets ---------------------------------------------------------------------------
-def stateful_dataset(loader: Iterable[Any]) -> Any:
-    """The loader's iterable dataset when it can save and restore its own position, else None.
-
-    Only with `dataloader_num_workers=0`: worker processes prefetch, so the main process's copy of
-    the dataset would not know how far the loop really got."""
-    from torch.utils.data import IterableDataset
-
-    dataset = getattr(loader, "dataset", None)
-    if not isinstance(dataset, IterableDataset) or int(getattr(loader, "num_workers", 0) or 0):
-        return None
-    if callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None)):
-        return dataset
-    return None
-
-
 def disk_full(err: BaseException, directory: str) -> bool:
     """Whether a failed write ran out of disk space. The writers say so differently (OSError errno 28,
     safetensors' "os error 28", torch.save's bare "unexpected pos"), so the file system is asked too."""
@@ -98,14 +89,13 @@ def disk_full(err: BaseException, directory: str) -> bool:
 
 
 class CheckpointManager:
-    """Saves, rotates and loads checkpoints for one Trainer."""
+    """Saves, rotates and loads the checkpoints of one training run."""
 
-    def __init__(self, trainer: TrainerLike) -> None:
-        self.trainer = trainer
+    def __init__(self, config: "DictConfig", strategy: "Strategy", precision: "Precision", callbacks: "CallbackHandler",
+                 run: "Run") -> None:
+        self.config, self.strategy, self.precision, self.callbacks, self.run = config, strategy, precision, callbacks, run
         self.loop: Optional[Stateful] = None
         self.loader: Optional[Iterable[Any]] = None
-        self.pending_rng: Optional[dict[str, Any]] = None
-        self.pending_loop: Optional[dict[str, Any]] = None
         self.saved_step: Optional[int] = None  # the step of the last checkpoint this process wrote
         self._debris_cleared = False
 
@@ -114,11 +104,9 @@ class CheckpointManager:
         self.loop, self.loader = loop, loader
 
     # -- save -------------------------------------------------------------------------------
-    def save(self, metrics: Optional[dict[str, float]] = None) -> str:
-        """Write `checkpoint-<global_step>` atomically (every rank calls this); returns its path.
-        `metrics` is accepted for HF's signature: the best metric is already in the state."""
-        t = self.trainer
-        cfg, strategy, state = t.config, t.strategy, t.state
+    def save(self, state: TrainerState) -> str:
+        """Write `checkpoint-<global_step>` atomically (every rank calls this); returns its path."""
+        cfg, strategy = self.config, self.strategy
         out = cfg.output_dir
         final = os.path.join(out, f"{PREFIX}{state.global_step}")
         tmp = os.path.join(out, f".{PREFIX}{state.global_step}.tmp")
@@ -133,7 +121,7 @@ class CheckpointManager:
             state.best_model_checkpoint = final
         io = strategy.checkpoint_io()
         try:
-            self._write(tmp, io, writer)
+            self._write(tmp, io, writer, state)
             strategy.barrier("checkpoint-written")
             if writer:
                 self._publish(tmp, final, {"step": state.global_step, "world_size": strategy.world_size,
@@ -149,38 +137,49 @@ class CheckpointManager:
                 ) from None
             raise
         if writer:
-            self.rotate()
+            self.rotate(state)
         strategy.barrier("checkpoint-done")
         self.saved_step = state.global_step
         return final
 
-    def _write(self, tmp: str, io: Any, writer: bool) -> None:
+    def _write(self, tmp: str, io: Any, writer: bool, state: TrainerState) -> None:
         """Every file of the checkpoint: per-rank state on every rank, the rest on the writer."""
-        t = self.trainer
-        only_model = t.config.save.only_model
-        io.save(tmp, model=t.model_wrapped, module=t.model, optimizer=t.optimizer, save_optimizer=not only_model,
-                safetensors=t.config.save.safetensors, writer=writer)
+        cfg, run = self.config, self.run
+        only_model = cfg.save.only_model
+        io.save(tmp, model=run.wrapped, module=run.model, optimizer=run.optimizer, save_optimizer=not only_model,
+                safetensors=cfg.save.safetensors, writer=writer)
         if not only_model:
-            rank = t.strategy.global_rank
+            rank = self.strategy.global_rank
             torch.save(rng_state(), os.path.join(tmp, RNG.format(rank=rank)))
             torch.save(self._loop_state(), os.path.join(tmp, LOOP.format(rank=rank)))
         if not writer:
             return
         if not only_model:
-            if t.lr_scheduler is not None:
-                torch.save(t.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-            torch.save(t.precision.state_dict(), os.path.join(tmp, "precision.pt"))
-        t.state.stateful_callbacks = t.callback_handler.state_dict()
-        t.state.save_to_json(os.path.join(tmp, STATE))
+            if run.scheduler is not None:
+                torch.save(run.scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+            torch.save(self.precision.state_dict(), os.path.join(tmp, "precision.pt"))
+        state.stateful_callbacks = self.callbacks.state_dict()
+        state.save_to_json(os.path.join(tmp, STATE))
         with open(os.path.join(tmp, POSITION), "w", encoding="utf-8") as fh:
-            json.dump(t.state.loop_position(), fh)
+            json.dump(state.loop_position(), fh)
+        from omegaconf import OmegaConf
+
+        OmegaConf.save(self.config_to_save(), os.path.join(tmp, CONFIG))
+        to_json_file = getattr(getattr(run.model, "config", None), "to_json_file", None)
+        if callable(to_json_file):  # Transformers: from_pretrained(checkpoint) works
+            to_json_file(os.path.join(tmp, "config.json"))
+
+    def config_to_save(self) -> Any:
+        """The run's config as config.yaml keeps it: `${oc.env:...}` values masked, and the live micro-batch
+        size and accumulation (auto_find_batch_size may have changed them), which a resumed run adopts."""
         from omegaconf import OmegaConf
 
         from kiln.config.redact import config_for_saving
-        OmegaConf.save(config_for_saving(t.config), os.path.join(tmp, CONFIG))  # ${oc.env:...} values masked
-        to_json_file = getattr(getattr(t.model, "config", None), "to_json_file", None)
-        if callable(to_json_file):  # Transformers: from_pretrained(checkpoint) works
-            to_json_file(os.path.join(tmp, "config.json"))
+
+        saved = config_for_saving(self.config)
+        saved["data"]["per_device_train_batch_size"] = self.run.micro_batch_size
+        saved["train"]["gradient_accumulation_steps"] = self.run.accumulation
+        return OmegaConf.create(saved)
 
     def _publish(self, tmp: str, final: str, meta: dict[str, Any]) -> None:
         """fsync everything, write the marker last, then rename the folder into place."""
@@ -222,11 +221,11 @@ class CheckpointManager:
             state["dataset"] = ds_state
         return state
 
-    def rotate(self) -> None:
+    def rotate(self, state: TrainerState) -> None:
         """Keep the newest `total_limit` complete checkpoints; the best one is always kept, and counts
         towards the limit unless the limit is 1 (HF: limit 5 keeps the 4 newest plus the best; limit 1
         keeps the newest and the best)."""
-        cfg, state = self.trainer.config, self.trainer.state
+        cfg = self.config
         limit = cfg.save.total_limit
         if not limit:
             return
@@ -241,76 +240,89 @@ class CheckpointManager:
                 _remove(path)
 
     # -- load -------------------------------------------------------------------------------
-    def load(self, path: str) -> None:
-        """Restore everything a checkpoint holds into the (already set-up) trainer."""
-        t = self.trainer
-        from kiln.engine.checkpoint.hf_checkpoint import is_hf_checkpoint, load_hf_checkpoint
+    def load(self, path: str) -> Restored:
+        """Load the weights, optimizer, schedule and precision state of `path` into the (already set-up)
+        run; return the trainer state and what the loop applies later (see Restored)."""
+        from kiln.engine.checkpoint.files import is_hf_checkpoint
+        from kiln.engine.checkpoint.hf_checkpoint import load_hf_checkpoint
 
         if is_hf_checkpoint(path):  # written by HF's Trainer: restore what it holds, say what it does not
             return load_hf_checkpoint(self, path)
+        strategy, run = self.strategy, self.run
         meta = read_marker(path)
         if not meta.get("resumable", True):
             raise CheckpointError(f"{path} was saved with save_only_model=true and cannot be resumed; load its weights instead.")
-        io = t.strategy.checkpoint_io()
+        io = strategy.checkpoint_io()
         if meta.get("format", "full") != io.format:
             raise CheckpointError(
                 f"{path} was saved by a strategy with the {meta.get('format')!r} checkpoint format, but this run uses "
                 f"{io.format!r}; resume with the strategy that saved it."
             )
         saved_world = meta.get("world_size")
-        if saved_world != t.strategy.world_size:
+        if saved_world != strategy.world_size:
             if not io.reshardable:
                 raise CheckpointError(
-                    f"{path} holds shards for {saved_world} processes but this run has {t.strategy.world_size}; "
+                    f"{path} holds shards for {saved_world} processes but this run has {strategy.world_size}; "
                     f"the {io.format!r} format cannot be resharded: resume with {saved_world} processes."
                 )
             warnings.warn(
-                f"{path} was saved by {saved_world} processes and this run has {t.strategy.world_size}: weights, optimizer "
+                f"{path} was saved by {saved_world} processes and this run has {strategy.world_size}: weights, optimizer "
                 "and schedule are restored, but each rank's data position and random streams cannot be, so the run "
                 "will not match an uninterrupted one.", stacklevel=2)
         self._check_config(path)
-        io.load(path, model=t.model_wrapped, module=t.model, optimizer=t.optimizer)
-        sched = os.path.join(path, "scheduler.pt")
-        if t.lr_scheduler is not None and not os.path.exists(sched):
-            warnings.warn(f"{sched} is missing: the learning-rate schedule restarts from its beginning.", stacklevel=2)
-        elif t.lr_scheduler is not None:
-            try:
-                saved = safe_torch_load(sched)
-                if t.optimizer is not None:  # saved in the other param-group layout (kiln.utils.param_groups)
-                    saved = regroup_scheduler_state(saved, len(t.optimizer.param_groups))
-                t.lr_scheduler.load_state_dict(saved)
-            except (KeyError, ValueError, TypeError, AttributeError) as err:
-                raise CheckpointError(f"{sched} does not fit this run's scheduler {type(t.lr_scheduler).__name__} ({err}); "
-                                      "was scheduler.name changed?") from None
+        io.load(path, model=run.wrapped, module=run.model, optimizer=run.optimizer)
+        self.load_scheduler(path, "was scheduler.name changed?")
         prec = os.path.join(path, "precision.pt")
         if os.path.exists(prec):
-            t.precision.load_state_dict(safe_torch_load(prec))
+            self.precision.load_state_dict(safe_torch_load(prec))
         try:
-            t.state = TrainerState.load_from_json(os.path.join(path, STATE))
+            state = TrainerState.load_from_json(os.path.join(path, STATE))
         except (OSError, ValueError, TypeError) as err:
             raise CheckpointError(f"{path}/{STATE} is unreadable ({err}).") from None
-        self._load_position(path)
-        # Callback state (early-stopping counters, ...) is part of exact resume.
-        callbacks = {k: v for k, v in (t.state.stateful_callbacks or {}).items() if k != "TrainerControl"}  # HF's; not kept
-        missing = t.callback_handler.load_state_dict(callbacks,
-                                                     restore_args=bool(t.config.save.restore_callback_states_from_checkpoint))
+        self._load_position(path, state)
+        self.load_callback_state(path, state)  # early-stopping counters, ...: part of exact resume
+        rank = strategy.global_rank
+        rng_file = os.path.join(path, RNG.format(rank=rank))
+        rng = safe_torch_load(rng_file) if os.path.exists(rng_file) else None
+        if rng is None:
+            warnings.warn(f"{rng_file} is missing: random streams are not restored, results will differ from an "
+                          "uninterrupted run.", stacklevel=2)
+        loop_file = os.path.join(path, LOOP.format(rank=rank))
+        loop = safe_torch_load(loop_file) if os.path.exists(loop_file) else {}
+        log.info("Resuming from %s: step %d, epoch %d, %d batches into the epoch.", path, state.global_step,
+                 state.epoch_index, state.batches_into_epoch)
+        return Restored(state, rng, loop.get("loop"), loop.get("dataset"))
+
+    def load_scheduler(self, path: str, hint: str) -> bool:
+        """The schedule's state from `path/scheduler.pt` (in either param-group layout); False when absent."""
+        run = self.run
+        sched = os.path.join(path, "scheduler.pt")
+        if run.scheduler is None:
+            return False
+        if not os.path.exists(sched):
+            warnings.warn(f"{sched} is missing: the learning-rate schedule restarts from its beginning.", stacklevel=3)
+            return False
+        try:
+            saved = safe_torch_load(sched)
+            if run.optimizer is not None:  # saved in the other param-group layout (kiln.utils.param_groups)
+                saved = regroup_scheduler_state(saved, len(run.optimizer.param_groups))
+            run.scheduler.load_state_dict(saved)
+        except (KeyError, ValueError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{sched} does not fit this run's scheduler {type(run.scheduler).__name__} ({err}); "
+                                  f"{hint}") from None
+        return True
+
+    def load_callback_state(self, path: str, state: TrainerState) -> bool:
+        """Give each callback its saved state; warn about state no callback of this run takes."""
+        callbacks = {k: v for k, v in (state.stateful_callbacks or {}).items() if k != "TrainerControl"}  # HF's; not kept
+        missing = self.callbacks.load_state_dict(callbacks,
+                                                 restore_args=bool(self.config.save.restore_callback_states_from_checkpoint))
         if missing:
             warnings.warn(f"{path} holds state for callbacks this run does not have ({', '.join(missing)}); it is ignored.",
-                          stacklevel=2)
-        rank = t.strategy.global_rank
-        rng = os.path.join(path, RNG.format(rank=rank))
-        if os.path.exists(rng):
-            self.pending_rng = safe_torch_load(rng)
-        else:
-            warnings.warn(f"{rng} is missing: random streams are not restored, results will differ from an uninterrupted run.",
-                          stacklevel=2)
-        loop = os.path.join(path, LOOP.format(rank=rank))
-        self.pending_loop = safe_torch_load(loop) if os.path.exists(loop) else None
-        st = t.state
-        log.info("Resuming from %s: step %d, epoch %d, %d batches into the epoch.", path, st.global_step,
-                 st.epoch_index, st.batches_into_epoch)
+                          stacklevel=3)
+        return bool(callbacks)
 
-    def _load_position(self, path: str) -> None:
+    def _load_position(self, path: str, state: TrainerState) -> None:
         """The loop position from its own file; checkpoints of older kiln versions kept it inside
         trainer_state.json, which `TrainerState.load_from_json` has already read."""
         file = os.path.join(path, POSITION)
@@ -318,7 +330,7 @@ class CheckpointManager:
             return
         try:
             with open(file, encoding="utf-8") as fh:
-                self.trainer.state.set_loop_position(json.load(fh))
+                state.set_loop_position(json.load(fh))
         except (OSError, ValueError, TypeError, AttributeError) as err:
             raise CheckpointError(f"{file} is unreadable ({err}).") from None
 
@@ -333,8 +345,10 @@ class CheckpointManager:
             saved = OmegaConf.load(file)  # YAML safe loading: plain values only
         except Exception as err:
             raise CheckpointError(f"{file} is unreadable ({err}).") from None
+        current = self.config_to_save()
+
         def changed(keys: tuple[str, ...]) -> list[str]:
-            pairs = ((key, OmegaConf.select(saved, key), OmegaConf.select(self.trainer.config, key)) for key in keys)
+            pairs = ((key, OmegaConf.select(saved, key), OmegaConf.select(current, key)) for key in keys)
             return [f"{key} {old!r} -> {new!r}" for key, old, new in pairs if old != new]
 
         if moved := changed(_POSITION_KEYS):
@@ -344,56 +358,3 @@ class CheckpointManager:
         if cadence := changed(_CADENCE_KEYS):
             warnings.warn(f"Resuming {path} with settings that differ from the checkpoint's ({'; '.join(cadence)}): "
                           "the run continues with this run's values.", stacklevel=3)
-
-    def restore_loop(self, loop: Stateful) -> None:
-        """Called by the loop once its accumulators exist: put back the saved running sums."""
-        if self.pending_loop is not None and self.pending_loop.get("loop") is not None:
-            loop.load_state_dict(self.pending_loop["loop"])
-
-    def resume_iterator(self, loader: Iterable[Any], skip: int) -> Iterator[Any]:
-        """An iterator over `loader` starting `skip` batches into the epoch, by the cheapest exact route:
-        kiln's sampler jumps to the batch; an iterable dataset with `state_dict()` restores its saved
-        position; anything else is iterated past, with a progress note."""
-        from kiln.engine.data.loaders import ResumableSampler, skip_batches
-
-        saved = (self.pending_loop or {}).get("dataset")
-        self.pending_loop = None
-        if skip == 0:
-            return iter(loader)
-        dataset = stateful_dataset(loader)
-        if dataset is not None and saved is not None:
-            dataset.load_state_dict(saved)
-            return iter(loader)
-        if isinstance(getattr(loader, "sampler", None), ResumableSampler) and getattr(loader, "batch_size", None):
-            return skip_batches(loader, skip)[0]
-        return self._iterate_past(loader, skip)
-
-    def _iterate_past(self, loader: Iterable[Any], skip: int) -> Iterator[Any]:
-        t = self.trainer
-        zero = t.strategy.is_global_zero
-        if zero:
-            dataset = getattr(loader, "dataset", None)
-            why = ("its state_dict() is not used with dataloader_num_workers > 0" if callable(getattr(dataset, "state_dict", None))
-                   else "the dataset has no state_dict()")
-            log.warning("Resuming: skipping the first %d batches of the epoch by iterating over them (%s; set "
-                        "ignore_data_skip=true to start the epoch over instead).", skip, why)
-        it = iter(loader)
-        bar = None
-        if zero and not t.config.log.disable_tqdm and skip >= 1000:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=skip, desc="skipping batches", unit="batch")
-        for i in range(skip):
-            next(it, None)
-            if bar is not None and (i + 1) % 100 == 0:
-                bar.update(100)
-        if bar is not None:
-            bar.update(skip - bar.n)
-            bar.close()
-        return it
-
-    def restore_rng(self) -> None:
-        """Called by the loop right before the first resumed batch, so nothing in between draws."""
-        if self.pending_rng is not None:
-            set_rng_state(self.pending_rng)
-            self.pending_rng = None

@@ -7,11 +7,16 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints, why_damaged
 from kiln.strategies.checkpoint_io import WEIGHTS_BIN, WEIGHTS_SAFE
 from kiln.utils.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from kiln.strategies.base import Strategy
 
 STATE = "trainer_state.json"
 
@@ -31,13 +36,12 @@ class EvalWeights:
         return f"{self.origin} {self.path} ({step})"
 
 
-def load_weights_for_eval(trainer: Any, path: str) -> None:
-    """Load the model weights in `path` (a checkpoint or a save_model folder) into the trainer's
-    model as its strategy placed it, through the strategy's CheckpointIO (`load_weights_only`),
-    leaving optimizer and scheduler alone. The one place evaluation-time weight loading happens.
-    `trainer` is a Trainer (typed loosely so that this floor does not import the Trainer)."""
-    model = trainer.setup_model()
-    trainer.strategy.checkpoint_io().load_weights_only(path, model=model, module=trainer.model)
+def load_weights_for_eval(strategy: "Strategy", wrapped: "nn.Module", module: "nn.Module", path: str) -> None:
+    """Load the model weights in `path` (a checkpoint or a save_model folder) into `module` (the
+    user's model) as the strategy placed it (`wrapped`, its set-up module), through the strategy's
+    CheckpointIO (`load_weights_only`), leaving optimizer and scheduler alone. The one place
+    evaluation-time weight loading happens (`Trainer._load_from_checkpoint`)."""
+    strategy.checkpoint_io().load_weights_only(path, model=wrapped, module=module)
 
 
 def _state(path: str) -> dict[str, Any]:

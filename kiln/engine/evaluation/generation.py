@@ -17,7 +17,7 @@ import torch
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
-    from kiln.engine.protocols import TrainerLike
+    from torch import nn
 
 _LENGTH_KEYS = ("max_length", "max_new_tokens")
 # inputs that describe the target side: generate() builds the decoder inputs itself
@@ -39,9 +39,10 @@ def generation_kwargs(eval_config: Any, call_kwargs: Mapping[str, Any]) -> dict[
     return kwargs
 
 
-def generate_predictions(trainer: "TrainerLike", inputs: Mapping[str, Any], call_kwargs: Mapping[str, Any]) -> torch.Tensor:
-    """Generated token ids `[batch, length]` for one batch (labels and decoder inputs removed)."""
-    model = trainer.model
+def generate_predictions(model: "nn.Module", inputs: Mapping[str, Any], skip: set[str], eval_config: Any,
+                         call_kwargs: Mapping[str, Any]) -> torch.Tensor:
+    """Generated token ids `[batch, length]` for one batch. `inputs` are the forward's inputs; the
+    label keys in `skip` and the decoder inputs are left out (generate builds the decoder side)."""
     if not hasattr(model, "generate"):
         raise KilnError(
             f"eval.predict_with_generate is set but {type(model).__name__} has no generate() method; "
@@ -49,6 +50,5 @@ def generate_predictions(trainer: "TrainerLike", inputs: Mapping[str, Any], call
         )
     if not isinstance(inputs, Mapping):
         raise TypeError("predict_with_generate needs dict batches (model.generate(**batch)).")
-    skip = set(trainer.label_names) | set(_TARGET_KEYS)
-    gen_inputs = {k: v for k, v in trainer.forward_inputs(inputs).items() if k not in skip}
-    return model.generate(**gen_inputs, **generation_kwargs(trainer.config.eval, call_kwargs))
+    gen_inputs = {k: v for k, v in inputs.items() if k not in skip and k not in _TARGET_KEYS}
+    return model.generate(**gen_inputs, **generation_kwargs(eval_config, call_kwargs))

@@ -20,15 +20,13 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import torch
 
 from kiln.utils.errors import KilnError
 from kiln.engine.seed import rng_state, set_rng_state
 
-if TYPE_CHECKING:
-    from kiln.engine.protocols import TrainerLike
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +57,24 @@ def saved_batch_size(checkpoint: str) -> tuple[int, int] | None:
     return (int(size), int(k)) if size is not None and k is not None else None
 
 
-def find_batch_size(trainer: "TrainerLike") -> Iterable[Any]:
-    """Set `data.per_device_train_batch_size` to the largest size (from the configured one down) whose
-    first accumulation window and optimizer step fit in memory; returns the train dataloader for it."""
-    t, cfg = trainer, trainer.config
-    if isinstance(t.train_dataset, torch.utils.data.DataLoader):
+def find_batch_size(loop: Any) -> Iterable[Any]:  # the FitLoop (not imported: it imports this module)
+    """Set the run's micro-batch size to the largest (from the configured one down) whose first
+    accumulation window and optimizer step fit in memory; returns the train dataloader for it."""
+    from kiln.engine.run import setup_for_training
+
+    run, hooks, strategy = loop.run, loop.hooks, loop.strategy
+    if isinstance(hooks.train_dataset, torch.utils.data.DataLoader):
         raise KilnError("auto_find_batch_size needs kiln to build the train dataloader: a DataLoader passed as "
                         "train_dataset has a fixed batch size. Pass the dataset instead.")
-    t.setup_training()
-    size = int(cfg.data.per_device_train_batch_size)
+    setup_for_training(run, strategy, loop.precision, loop.config, hooks.create_optimizer, hooks.create_scheduler, None)
+    size = run.micro_batch_size
     saved = rng_state()
     while True:
-        loader = t.get_train_dataloader()
-        failed = _attempt(t, loader)
+        loader = hooks.get_train_dataloader()
+        failed = _attempt(loop, loader)
         set_rng_state(saved)  # the attempt drew dropout masks and the loader's seed
-        if t.strategy.world_size > 1:
-            failed = bool(t.strategy.reduce(torch.tensor(float(failed), device=t.strategy.root_device), "max") > 0)
+        if strategy.world_size > 1:
+            failed = bool(strategy.reduce(torch.tensor(float(failed), device=strategy.root_device), "max") > 0)
         if not failed:
             return loader
         if size == 1:
@@ -82,22 +82,22 @@ def find_batch_size(trainer: "TrainerLike") -> Iterable[Any]:
                             "model, gradient_checkpointing, lower precision, or shard the model (strategy: fsdp).")
         new = max(1, int(size * 0.9))
         log.warning("auto_find_batch_size: per_device_train_batch_size=%d ran out of memory; trying %d.", size, new)
-        size = new
-        cfg.data.per_device_train_batch_size = size
+        size = run.micro_batch_size = new
 
 
-def _attempt(t: "TrainerLike", loader: Iterable[Any]) -> bool:
+def _attempt(loop: Any, loader: Iterable[Any]) -> bool:
     """One window at the loader's batch size; True if it ran out of memory. Leaves no gradients,
     no optimizer state and unchanged weights behind."""
-    strategy, opt = t.strategy, t.optimizer
-    module = strategy.probe_module(t.model_wrapped)
+    strategy, opt = loop.strategy, loop.run.optimizer
+    assert opt is not None
+    module = strategy.probe_module(loop.run.wrapped)
     iterator = iter(loader)
-    window = [b for _, b in zip(range(int(t.config.train.gradient_accumulation_steps)), iterator)]
+    window = [b for _, b in zip(range(loop.run.accumulation), iterator)]
     del iterator  # stops dataloader workers
     lrs = [group["lr"] for group in opt.param_groups]
     try:
         for batch in window:
-            t.training_step(module, strategy.batch_to_device(batch))
+            loop.hooks.training_step(module, strategy.batch_to_device(batch))
         for group in opt.param_groups:  # a step that allocates the optimizer state and moves nothing
             group["lr"] = 0.0
         for group in opt.param_groups:

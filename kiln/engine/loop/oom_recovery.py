@@ -29,6 +29,7 @@ from kiln.engine.loop.batch_size import is_out_of_memory
 from kiln.utils.errors import KilnError
 
 log = logging.getLogger(__name__)
+_NULL = nullcontext()
 
 
 class WindowOutOfMemory(Exception):
@@ -51,48 +52,45 @@ class OomRecovery:
     """Created per fit: `guard` wraps a window's micro-batches, `recover` rebuilds the data for the redo."""
 
     def __init__(self, loop: Any) -> None:  # the FitLoop (not imported: it imports this module)
-        t = loop.trainer
         self.loop = loop
         # several processes: an OOM on one rank leaves the others in a collective (see the module docstring)
-        self.enabled = bool(t.config.data.auto_find_batch_size) and t.strategy.world_size == 1
+        self.enabled = bool(loop.config.data.auto_find_batch_size) and loop.strategy.world_size == 1
 
     def guard(self, model: Any) -> ContextManager[None]:
-        return self._guard(model) if self.enabled else nullcontext()
+        return self._guard(model) if self.enabled else _NULL
 
     @contextmanager
     def _guard(self, model: Any) -> Iterator[None]:
         loop = self.loop
-        counters = loop.samples, loop.tokens, loop.local_flos
         try:
             yield
         except Exception as err:  # noqa: BLE001 - anything but out-of-memory propagates unchanged
             if not is_out_of_memory(err):
                 raise
-            t = loop.trainer
-            t.current_micro_batch = None
-            t.strategy.zero_grad(model, t.optimizer)  # the partial window's gradients
-            loop.samples, loop.tokens, loop.local_flos = counters  # the redo counts these micro-batches again
+            loop.run.micro_batch = None
+            loop.strategy.zero_grad(model, loop.run.optimizer)  # the partial window's gradients
             raise WindowOutOfMemory(str(err)) from err
 
-    def recover(self, epoch: int, seed: int) -> tuple[Iterable[Any], Iterator[Any], int]:
-        """Shrink the micro-batch and return (loader, iterator at the failed window's first sample, accumulation)."""
-        t, loop = self.loop.trainer, self.loop
-        cfg, state = t.config, t.state
-        size, k = int(cfg.data.per_device_train_batch_size), int(cfg.train.gradient_accumulation_steps)
+    def recover(self, epoch: int, seed: int) -> tuple[Iterable[Any], Iterator[Any]]:
+        """Shrink the run's micro-batch (raising its accumulation) and return (loader, iterator at the
+        failed window's first sample)."""
+        loop = self.loop
+        run, state = loop.run, loop.hooks.state
+        size, k = run.micro_batch_size, run.accumulation
         new_size = smaller_micro_batch(size, k)
         new_k = size * k // new_size
         # windows before this one in the epoch were full, so the window starts at sample batches_into_epoch * size
         first_sample = state.batches_into_epoch * size
         gc.collect()  # the failed window's activations
-        t.strategy.accelerator.empty_cache()
-        cfg.data.per_device_train_batch_size, cfg.train.gradient_accumulation_steps = new_size, new_k
+        loop.strategy.accelerator.empty_cache()
+        run.micro_batch_size, run.accumulation = new_size, new_k
         state.train_batch_size = new_size
-        loader = t.get_train_dataloader()
+        loader = loop.hooks.get_train_dataloader()
         if getattr(loader, "batch_size", new_size) != new_size:  # an override that ignores the setting
             raise KilnError(f"auto_find_batch_size: out of memory at step {state.global_step + 1}, but get_train_dataloader() "
                             f"still returns batches of {loader.batch_size} after per_device_train_batch_size was set to "
-                            f"{new_size}; build the loader from config.data.per_device_train_batch_size.")
-        t.checkpoints.attach(loop, loader)
+                            f"{new_size}; build the loader with the Trainer's `_train_batch_size` (HF's name for the run's live size).")
+        loop.checkpoints.attach(loop, loader)
         start = loop.epoch_rng.start
         loop.epoch_rng = EpochRandomState(loader)
         loop.epoch_rng.start = start  # the epoch began where it began: checkpoints keep saving that state
@@ -102,4 +100,4 @@ class OomRecovery:
         log.warning("Out of memory at step %d with per_device_train_batch_size=%d: redoing the step with "
                     "per_device_train_batch_size=%d and gradient_accumulation_steps=%d (the same %d samples per step).",
                     state.global_step + 1, size, new_size, new_k, size * k)
-        return loader, iterator, new_k
+        return loader, iterator

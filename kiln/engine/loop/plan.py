@@ -7,12 +7,11 @@ import sys
 from typing import Any, Optional
 
 
-def plan_steps(cfg: Any, batches_per_epoch: Optional[int]) -> tuple[int, int, int]:
+def plan_steps(cfg: Any, k: int, batches_per_epoch: Optional[int]) -> tuple[int, int, int]:
     """(max_steps, num_epochs, updates_per_epoch) exactly as HF defines them.
 
-    An epoch of b micro-batches gives ceil(b / k) optimizer steps: the last, shorter window is
-    stepped too. `max_steps > 0` overrides epochs; fractional epochs round the step count up."""
-    k = cfg.train.gradient_accumulation_steps
+    An epoch of b micro-batches gives ceil(b / k) optimizer steps (k: the run's accumulation): the
+    last, shorter window is stepped too. `max_steps > 0` overrides epochs; fractional epochs round the step count up."""
     if batches_per_epoch is None:
         if cfg.train.max_steps <= 0:
             raise ValueError(

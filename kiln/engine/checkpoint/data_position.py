@@ -1,0 +1,67 @@
+"""Where a resumed run picks its data up: an iterator over the train loader that starts `skip`
+batches into the epoch, by the cheapest exact route, and the iterable-dataset position a checkpoint
+keeps (for datasets that can save and restore their own position)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+
+def stateful_dataset(loader: Iterable[Any]) -> Any:
+    """The loader's iterable dataset when it can save and restore its own position, else None.
+
+    Only with `dataloader_num_workers=0`: worker processes prefetch, so the main process's copy of
+    the dataset would not know how far the loop really got."""
+    from torch.utils.data import IterableDataset
+
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(dataset, IterableDataset) or int(getattr(loader, "num_workers", 0) or 0):
+        return None
+    if callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None)):
+        return dataset
+    return None
+
+
+def resume_iterator(loader: Iterable[Any], skip: int, saved_dataset: Optional[dict[str, Any]], *, main: bool,
+                    progress: bool) -> Iterator[Any]:
+    """An iterator over `loader` starting `skip` batches into the epoch: kiln's sampler jumps to the
+    batch; an iterable dataset with `state_dict()` restores its saved position (`saved_dataset`);
+    anything else is iterated past, with a note (and a progress bar on the main process)."""
+    from kiln.engine.data.loaders import ResumableSampler, skip_batches
+
+    if skip == 0:
+        return iter(loader)
+    dataset = stateful_dataset(loader)
+    if dataset is not None and saved_dataset is not None:
+        dataset.load_state_dict(saved_dataset)
+        return iter(loader)
+    if isinstance(getattr(loader, "sampler", None), ResumableSampler) and getattr(loader, "batch_size", None):
+        return skip_batches(loader, skip)[0]
+    return _iterate_past(loader, skip, main=main, progress=progress)
+
+
+def _iterate_past(loader: Iterable[Any], skip: int, *, main: bool, progress: bool) -> Iterator[Any]:
+    if main:
+        dataset = getattr(loader, "dataset", None)
+        why = ("its state_dict() is not used with dataloader_num_workers > 0" if callable(getattr(dataset, "state_dict", None))
+               else "the dataset has no state_dict()")
+        log.warning("Resuming: skipping the first %d batches of the epoch by iterating over them (%s; set "
+                    "ignore_data_skip=true to start the epoch over instead).", skip, why)
+    it = iter(loader)
+    bar = None
+    if main and progress and skip >= 1000:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=skip, desc="skipping batches", unit="batch")
+    for i in range(skip):
+        next(it, None)
+        if bar is not None and (i + 1) % 100 == 0:
+            bar.update(100)
+    if bar is not None:
+        bar.update(skip - bar.n)
+        bar.close()
+    return it

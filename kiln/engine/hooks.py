@@ -1,0 +1,51 @@
+"""What the fit loop uses of the Trainer, written as a Protocol so that the loop depends on this page
+rather than on `trainer.py` (the Trainer is the top floor; nothing below imports it back).
+
+These are Hugging Face's override points that the loop must call through the Trainer, so that a
+subclass's override is honoured, plus the two objects HF keeps on the Trainer (`state`, `control`).
+Everything else the loop needs (the Run, the strategy, the precision plugin, the callbacks, the
+checkpoint manager, the config) it receives as its own typed arguments."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
+
+
+class TrainerHooks(Protocol):
+    state: "TrainerState"
+    control: "TrainerControl"
+    #: throughput figures the next `log()` sends to the loggers only (kept out of log_history)
+    log_to_loggers_only: Optional[dict[str, float]]
+    train_dataset: Any
+
+    def create_optimizer(self) -> "torch.optim.Optimizer": ...
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Optional["torch.optim.Optimizer"] = None) -> Any: ...
+
+    def get_train_dataloader(self) -> Iterable[Any]: ...
+
+    def training_step(self, model: "nn.Module", inputs: Any, num_items_in_batch: Any = None) -> "torch.Tensor": ...
+
+    def current_learning_rate(self) -> float: ...
+
+    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None: ...
+
+    def evaluate_during_training(self, on_start: bool = False) -> dict[str, float]: ...
+
+    def _save_checkpoint(self, metrics: Optional[dict[str, float]] = None) -> str: ...
+
+    def _load_best_model(self) -> None: ...
+
+
+class Stateful(Protocol):
+    """Something whose per-rank state goes into checkpoints (the fit loop's running sums)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

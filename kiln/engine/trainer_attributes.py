@@ -1,0 +1,93 @@
+"""HF's Trainer attributes (`model`, `model_wrapped`, `optimizer`, `lr_scheduler`, `label_names`,
+`_train_batch_size`) and introspection (`get_learning_rates`, `get_optimizer_group`,
+`get_num_trainable_parameters`), read from and written to the Trainer's current `Run`: one place
+holds each piece of run state, and HF code that reads or assigns these attributes keeps working."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from torch import nn
+
+from kiln.engine.loop.loss_weights import MicroBatch
+
+if TYPE_CHECKING:
+    from kiln.engine.run import Run
+
+
+class RunAttributes:
+    run: "Run"
+
+    def _adopt(self, model: nn.Module) -> None:
+        raise NotImplementedError  # the Trainer's: a new run for `model`
+
+    # -- HF's attributes, over the run ------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self.run.model
+
+    @model.setter
+    def model(self, model: nn.Module) -> None:
+        """A new model is set up anew by the strategy, without the previous one's optimizer."""
+        self._adopt(model)
+
+    @property
+    def model_wrapped(self) -> nn.Module:
+        """The model as the strategy set it up (DDP, FSDP, DeepSpeed's engine...), as in HF."""
+        assert self.run.wrapped is not None
+        return self.run.wrapped
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        return self.run.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        self.run.optimizer = optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.run.scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        self.run.scheduler = scheduler
+
+    @property
+    def label_names(self) -> list[str]:
+        return self.run.facts.label_names
+
+    @property
+    def _train_batch_size(self) -> int:
+        """HF's name for the live per-device batch size (auto_find_batch_size may lower it)."""
+        return self.run.micro_batch_size
+
+    @property
+    def current_micro_batch(self) -> Optional[MicroBatch]:
+        """The micro-batch an override with HF's `training_step` signature is running (see loop/step.py)."""
+        return self.run.micro_batch
+
+    def get_num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def get_learning_rates(self) -> list[float]:
+        """The learning rate of each optimizer param group (HF); an error before the optimizer exists."""
+        return [group["lr"] for group in self._require_optimizer().param_groups]
+
+    def get_optimizer_group(self, param: Union[str, nn.Parameter, None] = None) -> Any:
+        """HF's API: the param group holding `param` (a Parameter or its name), else every group's params."""
+        groups = self._require_optimizer().param_groups
+        if isinstance(param, str):
+            param = dict(self.model.named_parameters()).get(param)
+        if param is not None:
+            for group in groups:
+                if any(p is param for p in group["params"]):
+                    return group
+        return [group["params"] for group in groups]
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before "
+                             "(call create_optimizer() or train() first).")
+        return self.optimizer
