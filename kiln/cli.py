@@ -97,10 +97,11 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
         cfg = load_with_launcher_settings(config, overrides, launcher)  # a launcher fills keys the config leaves unset
         chosen = None if command == "fit" else _pick_weights(cfg, weights, random_weights)
         trainer, data = _trainer(cfg)
-        if command == "fit":
-            _fit(trainer, data)
-        else:
-            _score(command, trainer, data, chosen)
+        with trainer:  # torn down at the end of the command: the process group and global flags are released here
+            if command == "fit":
+                _fit(trainer, data)
+            else:
+                _score(command, trainer, data, chosen)
     except KeyboardInterrupt as err:  # Ctrl-C: one line from one process, the shell's exit code for SIGINT
         from kiln.launch.environment import detect
 
@@ -197,10 +198,8 @@ def _score(command: str, trainer: Any, data: dict[str, Any], weights: Any) -> No
     import json
     import os
 
-    from kiln.engine.checkpoint.weights import load_weights_for_eval
-
     if weights is not None:
-        load_weights_for_eval(trainer, weights.path)
+        trainer._load_from_checkpoint(weights.path)
         trainer.state.global_step, trainer.state.epoch = weights.step or 0, weights.epoch  # reported with the metrics
         where, about = weights.path, {"weights": weights.path, "step": weights.step}
     else:

@@ -102,13 +102,12 @@ def test_load_best_model_at_end_reads_resharded_checkpoints(tmp_path):
 
 def test_kiln_evaluate_loads_sharded_weights(tmp_path):
     from kiln import Trainer
-    from kiln.engine.checkpoint.weights import load_weights_for_eval
 
     out = str(tmp_path / "run")
     trainer = train(out, {"max_steps": 3, "save_strategy": "no"})
     trainer.save_model(str(tmp_path / "export"), max_shard_size=300)
     fresh = Trainer(Net(), {"output_dir": str(tmp_path / "eval"), "strategy": {"device": "cpu"}})
-    load_weights_for_eval(fresh, str(tmp_path / "export"))  # what kiln evaluate/predict call
+    fresh._load_from_checkpoint(str(tmp_path / "export"))  # what kiln evaluate/predict call
     assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in weights(trainer).items())
 
 

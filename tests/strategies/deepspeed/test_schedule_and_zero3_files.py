@@ -53,7 +53,6 @@ def test_a_zero3_checkpoint_loads_without_deepspeed(run, tmp_path):
     from safetensors.torch import load_file
 
     from kiln import Trainer
-    from kiln.engine.checkpoint.weights import load_weights_for_eval
     from tests.strategies.contract.scenarios import ContractNet, config
 
     results, tensors = run
@@ -67,6 +66,6 @@ def test_a_zero3_checkpoint_loads_without_deepspeed(run, tmp_path):
         torch.testing.assert_close(plain.state_dict()[name].float(), value, rtol=0, atol=0, msg=name)
     # as `kiln evaluate` loads it: through a one-process strategy's CheckpointIO, no DeepSpeed engine
     trainer = Trainer(ContractNet(), config(str(tmp_path), "eval", 1, strategy={"name": "single", "device": "cpu"}))
-    load_weights_for_eval(trainer, ckpt)
+    trainer._load_from_checkpoint(ckpt)
     for name, value in live.items():
         torch.testing.assert_close(trainer.model.state_dict()[name].float(), value, rtol=0, atol=0, msg=name)
