@@ -188,16 +188,38 @@ def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
 
 def check_dtype_on_device(dtype: torch.dtype, device: torch.device, setting: str) -> None:
     """Reject a half dtype on a device that cannot compute in it, naming `setting` and the alternative
-    (the device's accelerator knows what it supports)."""
+    (the device's accelerator knows what it supports).
+
+    fp16 on a CPU without native fp16 kernels is the exception: torch still computes it (autocast,
+    GradScaler('cpu') and half tensors all work there, through slower fallback kernels) and HF's
+    Trainer accepts `fp16` / `fp16_full_eval` on such a CPU, so it runs, with one warning per process."""
     from kiln.accelerators import accelerator_for
 
     reason = accelerator_for(device).dtype_unsupported(dtype, torch.device(device))
     if reason is None:
         return
+    if dtype is torch.float16 and torch.device(device).type == "cpu":
+        _warn_slow_cpu_fp16(reason)
+        return
     other = "bf16 instead (precision: bf16)" if dtype is torch.float16 else "fp16 instead (precision: fp16)"
     where = " or train on a CUDA GPU" if torch.device(device).type == "cpu" else ""
     place = _DEVICE_WORDS.get(torch.device(device).type, torch.device(device).type)
     raise PrecisionError(f"{setting} needs {_DTYPE_NAMES[dtype]} support on the {place}, but {reason}; use {other}{where}.")
+
+
+#: whether the slow-fp16-on-CPU warning was given: a run checks fp16 for training and for full_eval
+#: (and every Trainer of a hyperparameter search again), and one warning says all there is to say
+_SLOW_FP16_WARNED = [False]
+
+
+def _warn_slow_cpu_fp16(reason: str) -> None:
+    if _SLOW_FP16_WARNED[0]:
+        return
+    _SLOW_FP16_WARNED[0] = True
+    import warnings
+
+    warnings.warn(f"fp16 runs on this CPU, but slowly: {reason}, so torch computes fp16 through fallback "
+                  "kernels, often slower than fp32; precision: bf16 (or fp32) is faster here.", UserWarning, stacklevel=3)
 
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}

@@ -34,6 +34,14 @@ def fp16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: True)
 
 
+@pytest.fixture
+def no_fp16_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without oneDNN fp16 kernels (this machine's kind), with the once-per-process slow-fp16
+    warning not yet given."""
+    monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: False)
+    monkeypatch.setattr("kiln.precision.base._SLOW_FP16_WARNED", [False])
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """These tensors are tiny: a second intra-op thread only adds contention (10x slower on a busy

@@ -165,12 +165,23 @@ def test_fp16_scaler_state_moves_to_the_checked_device(make_config, fp16_cpu):
     assert plugin.scaler.get_scale() == 256.0 and plugin.skipped_steps == 3
 
 
-def test_fp16_on_a_cpu_without_fp16_kernels_is_rejected(make_config, monkeypatch):
-    monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: False)
-    with pytest.raises(PrecisionError) as err:
-        FP16MixedPrecision(make_config(name="fp16")).check_device(CPU)
-    msg = str(err.value)
-    assert "precision 'fp16'" in msg and "_is_mkldnn_fp16_supported" in msg and "precision: bf16" in msg
+def test_fp16_on_a_cpu_without_fp16_kernels_warns_once_and_runs(make_config, no_fp16_kernels):
+    """HF's Trainer accepts fp16 on such a CPU; kiln runs it (autocast and GradScaler('cpu') work
+    there, slowly) and says so once, even when full_eval checks fp16 a second time."""
+    with pytest.warns(UserWarning) as record:
+        plugin = FP16MixedPrecision(make_config(name="fp16", full_eval="fp16"))
+        plugin.check_device(CPU)
+        FP16MixedPrecision(make_config(name="fp16")).check_device(CPU)  # a second Trainer in the process
+    [msg] = [str(w.message) for w in record if "fp16" in str(w.message)]
+    assert "slowly" in msg and "_is_mkldnn_fp16_supported" in msg and "precision: bf16" in msg
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with plugin.forward_context():
+        out = model(torch.randn(8, 4))
+    assert out.dtype == torch.float16 and plugin.scaler.is_enabled()
+    plugin.backward(out.float().pow(2).mean())
+    before = model.weight.detach().clone()
+    assert plugin.optimizer_step(opt) and not torch.equal(model.weight, before)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kiln.precision.amp import BF16MixedPrecision
-from kiln.precision.base import PrecisionError, cast_floating
+from kiln.precision.base import cast_floating
 from kiln.precision.fp32 import FP32Precision
 from kiln.precision.half import BF16TruePrecision, FP16TruePrecision
 
@@ -73,9 +73,8 @@ def test_forward_context_restores_the_default_dtype_on_error(make_config):
     assert torch.get_default_dtype() == torch.float32
 
 
-def test_fp16_true_on_a_cpu_without_fp16_kernels_is_rejected(make_config, monkeypatch):
-    monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: False)
-    with pytest.raises(PrecisionError, match="precision 'fp16-true' needs fp16 support on the CPU.*precision: bf16"):
+def test_fp16_true_on_a_cpu_without_fp16_kernels_runs_with_a_warning(make_config, no_fp16_kernels):
+    with pytest.warns(UserWarning, match="fp16 runs on this CPU, but slowly.*precision: bf16"):
         FP16TruePrecision(make_config()).check_device(CPU)
 
 
@@ -123,9 +122,8 @@ def test_full_eval_casts_model_and_inputs_for_evaluation(make_config):
     assert out.dtype == torch.bfloat16
 
 
-def test_fp16_full_eval_on_a_cpu_without_fp16_is_rejected(make_config, monkeypatch):
-    monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: False)
-    with pytest.raises(PrecisionError, match="precision.full_eval=fp16 needs fp16 support on the CPU"):
+def test_fp16_full_eval_on_a_cpu_without_fp16_runs_with_a_warning(make_config, no_fp16_kernels):
+    with pytest.warns(UserWarning, match="fp16 runs on this CPU, but slowly"):
         BF16MixedPrecision(make_config(full_eval="fp16")).check_device(CPU)
 
 
