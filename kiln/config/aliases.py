@@ -6,6 +6,7 @@ flat name is rewritten to its place in the tree before validation. Names that sw
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -133,10 +134,25 @@ UNSUPPORTED = {
     "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",
     "sharded_ddp": "FairScale sharded DDP is gone from HF too; use strategy: fsdp or deepspeed",
     "mp_parameters": "SageMaker model parallelism is not available",
-    "sortish_sampler": "HF's Seq2SeqTrainer ignores it too (it served the old Seq2SeqDataset); use group_by_length: "
-                       "true (batches of similar length, shuffled)",
     "parallelism_config": "use strategy: fsdp or deepspeed for sharded data parallelism",
 }
+
+# HF arguments that HF itself accepts and ignores: accepted with any value, and one log line says it has
+# no effect when it is switched on (dropping it silently would hide that it does nothing)
+NO_EFFECT = {
+    "sortish_sampler": "HF's Seq2SeqTrainer ignores it too (it served the old Seq2SeqDataset); group_by_length: "
+                       "true gives batches of similar length, shuffled",
+}
+
+
+def _no_effect(name: str) -> Callable[[Any], dict[str, Any]]:
+    def note(value: Any) -> dict[str, Any]:
+        if truthy(value):
+            logging.getLogger(__name__).warning("%s=%r has no effect: %s.", name, value, NO_EFFECT[name])
+        return {}
+
+    return note
+
 
 # the value each UNSUPPORTED name holds while off, where that is not None / False / empty
 _OFF = {"past_index": -1, "dataloader_in_order": True}
@@ -218,6 +234,7 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "include_num_input_tokens_seen": hf_args.tokens_seen,
     **hf_rewrites.REWRITES,
     **{name: _unsupported(name) for name in UNSUPPORTED},
+    **{name: _no_effect(name) for name in NO_EFFECT},
 }
 
 

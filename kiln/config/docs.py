@@ -65,8 +65,11 @@ def config_markdown() -> str:
     out += ["", "## Hugging Face names", "", "| HF name | kiln key |", "|---|---|"]
     out += [f"| `{k}` | `{v}` |" for k, v in sorted(aliases.PATHS.items())]
     out += [f"| `{k}` | (switches a plugin; see kiln/config/aliases.py) |" for k in sorted(aliases.REWRITES)
-            if k not in aliases.UNSUPPORTED]
-    out += ["", "Accepted and dropped: " + ", ".join(f"`{k}`" for k in sorted(aliases.IGNORED)) + ".", "",
+            if k not in aliases.UNSUPPORTED and k not in aliases.NO_EFFECT]
+    out += ["", "Accepted and dropped: " + ", ".join(f"`{k}`" for k in sorted(aliases.IGNORED)) + ".", ""]
+    out += ["Accepted with any value; switched on, one log line says it has no effect:", ""]
+    out += [f"- `{k}`: {reason}." for k, reason in sorted(aliases.NO_EFFECT.items())]
+    out += ["",
             "Accepted only while off (their HF default); switched on they are refused with the alternative:", "",
             "| HF name | instead |", "|---|---|"]
     out += [f"| `{k}` | {reason} |" for k, reason in sorted(aliases.UNSUPPORTED.items())]
