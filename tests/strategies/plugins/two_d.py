@@ -143,7 +143,10 @@ class TwoDStrategy(DDPStrategy):
 
         mesh = init_device_mesh(self.root_device.type, (1, self.world_size), mesh_dim_names=("replicate", "shard"))
         register_group_user(mesh, _release_mesh_groups)
-        module = fully_shard(module.to(self.root_device), mesh=mesh)
+        # reshard_after_forward explicitly: FSDP2 otherwise keeps the root unsharded after a forward, and a
+        # no-grad forward (evaluation before training) would leave unsharded views that later evaluations
+        # read without re-gathering the trained shards
+        module = fully_shard(module.to(self.root_device), mesh=mesh, reshard_after_forward=True)
         register_group_user(module, _release_groups)
         return module
 
