@@ -176,7 +176,9 @@ class LogConfig:
     disable_tqdm: Optional[bool] = opt(None, "Disable the progress bar.")
     skip_memory_metrics: bool = opt(True, "Skip memory metrics (they slow training).")
     include_tokens_per_second: bool = opt(False, "Report tokens per second.")
-    history: List[str] = opt(["csv", "jsonl"], "Local history files (csv, jsonl) written to logging_dir, default output_dir/runs.")
+    history: Optional[List[str]] = opt(None, "Local history files (csv, jsonl) written to logging_dir, default output_dir/runs. "
+                                       "Unset: csv and jsonl, except with report_to none (HF's default), which writes "
+                                       "nothing there, as HF does; [] for none.")
     project: Optional[str] = opt(None, "W&B project / MLflow experiment (default WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, then 'kiln').")
     log_artifacts: Optional[str] = opt(None, "Upload the model to trackers: false, end or checkpoint (default HF_MLFLOW_LOG_ARTIFACTS / WANDB_LOG_MODEL).")
     nested_run: Optional[bool] = opt(None, "MLflow: open the run as a child of the caller's active run (default MLFLOW_NESTED_RUN).")

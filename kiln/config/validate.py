@@ -94,7 +94,7 @@ def _check_names(cfg: DictConfig) -> None:
         PRECISIONS.check(cfg.precision.name)
         OPTIMIZERS.check(cfg.optim.name)
         SCHEDULERS.check(cfg.scheduler.name)
-        for name in list(cfg.log.report_to) + list(cfg.log.history):
+        for name in list(cfg.log.report_to) + list(cfg.log.history or []):
             if name not in ("all", "none"):
                 LOGGERS.check(name)
     except UnknownNameError as err:

@@ -18,11 +18,20 @@ if TYPE_CHECKING:
 _ARTIFACT_ENV = {"mlflow": "HF_MLFLOW_LOG_ARTIFACTS", "wandb": "WANDB_LOG_MODEL"}
 
 
+def history_names(config: "DictConfig") -> list[str]:
+    """The local history files: `log.history` when set; unset, csv and jsonl unless `report_to` is
+    none (HF's default), where HF writes nothing under output_dir/runs and neither does kiln."""
+    if config.log.history is not None:
+        return [str(name) for name in config.log.history]
+    reported = [str(name).lower() for name in config.log.report_to]
+    return [] if not reported or reported == ["none"] else ["csv", "jsonl"]
+
+
 def logger_names(config: "DictConfig") -> list[str]:
     """`report_to` (with HF's `all` = every installed tracker, `none` = none) plus the local history
-    files (`log.history`), without duplicates, in order."""
+    files (history_names), without duplicates, in order."""
     names: list[str] = []
-    for name in [*config.log.report_to, *config.log.history]:
+    for name in [*config.log.report_to, *history_names(config)]:
         name = str(name).lower()
         if name == "none":
             continue
