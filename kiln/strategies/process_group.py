@@ -3,6 +3,7 @@ Used by the DDP-family strategies and by `main_process_first` before a Trainer e
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -63,7 +64,8 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) 
     process-group strategy also runs in one process (useful for debugging) without picking a port."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    _destroy_at_exit()
+    if dist.is_initialized():  # made by the user, or by Transformers' TrainingArguments (accelerate's PartialState)
         return False
     # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is first
     # imported (torch._dynamo imports it, e.g. while DDP is built). Imported after the group exists,
@@ -214,6 +216,49 @@ def destroy_default_group() -> bool:
         if obj is not None:
             release(obj)
     _GROUP_USERS.clear()
-    dist.destroy_process_group()
+    if dist.is_initialized():  # else destroyed already, e.g. by a script's own destroy_process_group()
+        dist.destroy_process_group()
     gc.collect()  # wrappers in reference cycles (modules, hooks) hold the group too
     return all(g() is None for g in groups)
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def _destroy_at_exit() -> None:
+    """Free every process group before the interpreter finalizes, whoever made it (once per process).
+
+    The strategy that creates the group tears it down (and registers that with atexit), but two
+    cases escaped it (issue 35 item 15): a group that existed before kiln looked, which the strategy
+    does not own and so never destroyed, as `TrainingArguments(...)` creates one under torchrun
+    (accelerate's PartialState); and a script that calls `dist.destroy_process_group()` itself,
+    which leaves the groups alive in the sharded module (FSDP) and makes the strategy's teardown see
+    no group. Either way gloo's worker threads outlived the interpreter (see destroy_default_group).
+    Registered before the strategy's own teardown, this runs after it: usually nothing is left."""
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(_teardown_at_exit)
+
+
+def _teardown_at_exit() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() and not _GROUP_USERS:
+        return
+    _drop_late_defaults()
+    if not destroy_default_group():
+        import time
+
+        time.sleep(0.2)  # something unknown holds a group: let its workers finish while the interpreter is whole
+
+
+def _drop_late_defaults() -> None:
+    """torch.distributed.nn.functional imported after the group existed binds it as default arguments
+    (see init_process_group); at exit nothing calls those functions, so the defaults can go."""
+    import torch.distributed as dist
+
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(module).values() if module is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
