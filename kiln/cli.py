@@ -112,7 +112,12 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
         if show_traceback:
             raise
         known = isinstance(err, (ConfigError, KilnError, UnknownNameError, TaskError))
-        print(f"kiln: error: {err if known else error_line(err)}", file=sys.stderr)
+        line = f"kiln: error: {err if known else error_line(err)}"
+        from kiln.launch.worker import report_failure
+
+        # under `kiln fit --nproc` a config error reaches every rank alike: the launcher says it once
+        if not (known and report_failure(line.removeprefix("kiln: "))):
+            print(line, file=sys.stderr)
         if isinstance(err, RuntimeError) and "torch.distributed" in sys.modules:
             from kiln.strategies.process_group import lost_peer_note
 

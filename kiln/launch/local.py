@@ -3,7 +3,7 @@
 
 Failure handling. If one rank raises or dies (even by SIGKILL), the elastic agent notices within
 0.1 s and stops the others, so every rank exits and `launch_local` returns non-zero within a bounded
-time. Each worker runs under a small shim (`python -m kiln.launch.local ...`) that records the
+time. Each worker runs under a small shim (`python -m kiln.launch.worker ...`) that records the
 time and message of its own failure; after the job, `launch_local` prints the failure that happened
 *first*, because the errors of the other ranks (a collective that lost its peer) are consequences.
 
@@ -30,11 +30,8 @@ import socket
 import sys
 import tempfile
 import threading
-import time
-import traceback
 import uuid
-from collections import deque
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, Optional, Sequence
 
 
 #: set by `launch_local` for its workers only: where each rank writes its pid and, failing, its report
@@ -76,7 +73,7 @@ def launch_local(
     os.environ[LAUNCHER_PID] = str(os.getpid())
     # torchrun sets 1 thread per worker; sharing the cores is better for CPU training and harmless on GPUs.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    args = ["-u", "-m", "kiln.launch.local", *argv]
+    args = ["-u", "-m", "kiln.launch.worker", *argv]
     quiet = _QuietCtrlC()
     for name in _AGENT_LOGGERS:
         logging.getLogger(name).addFilter(quiet)
@@ -253,6 +250,9 @@ def _report(err: Any, report_dir: str) -> int:
         print(f"kiln: rank {rank} died first (killed by signal {-code}, e.g. out of memory or an external kill); "
               "the other ranks were stopped.", file=sys.stderr, flush=True)
         return 1
+    if reports and len(reports) == len(err.failures) and len({(r["error"], r["exitcode"]) for r in reports}) == 1:
+        print(f"kiln: {reports[0]['error']}\n{reports[0]['detail']}".rstrip(), file=sys.stderr, flush=True)  # every rank alike
+        return int(reports[0]["exitcode"]) or 1
     if reports:
         first = min(reports, key=lambda r: r["time"])
         print(f"kiln: rank {first['rank']} failed first (exit code {first['exitcode']}): {first['error']}\n{first['detail']}".rstrip(),
@@ -261,134 +261,3 @@ def _report(err: Any, report_dir: str) -> int:
     rank, failure = err.get_first_failure()
     print(f"kiln: rank {rank} failed (exit code {failure.exitcode}).", file=sys.stderr, flush=True)
     return failure.exitcode if failure.exitcode > 0 else 1
-
-
-# -- the worker shim -------------------------------------------------------------------------------
-class _Tail:
-    """Forwards writes to a stream and keeps the last few KB, so a failure report can quote the
-    message the program printed before exiting (kiln's CLI prints `kiln: error: ...`)."""
-
-    def __init__(self, stream: TextIO, limit: int = 4000) -> None:
-        self.stream, self.limit, self.size = stream, limit, 0
-        self.parts: deque[str] = deque()
-
-    def write(self, text: str) -> int:
-        self.parts.append(text)
-        self.size += len(text)
-        while self.size > self.limit and len(self.parts) > 1:
-            self.size -= len(self.parts.popleft())
-        return self.stream.write(text)
-
-    def text(self) -> str:
-        return "".join(self.parts)[-self.limit:]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.stream, name)
-
-
-def _write_report(error: str, detail: str, exitcode: int) -> None:
-    directory = os.environ.get(REPORT_DIR)
-    rank = os.environ.get("RANK")
-    if not directory or rank is None:
-        return
-    report = {"rank": int(rank), "time": time.time(), "error": error, "detail": detail, "exitcode": exitcode}
-    tmp = os.path.join(directory, f".rank_{rank}.json")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(report, fh)
-    os.replace(tmp, os.path.join(directory, f"rank_{rank}.json"))
-
-
-def _die_with_launcher() -> None:
-    """End this worker when the launcher that started it dies, even by SIGKILL.
-
-    The agent starts each worker in a session of its own, so nothing else stops it: a worker whose
-    launcher was killed would train on, writing checkpoints and the export, for as long as the job
-    lasts. On Linux the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG); "parent" is the
-    thread that started the worker, which in `launch_local` is the one running the agent, and it
-    returns only after the workers are gone. The launcher may die before the signal is armed, so the
-    parent is checked again right after. SIGKILL, not SIGTERM: SIGTERM would start a preemption
-    checkpoint, and the job it belonged to is over. Elsewhere (or when the launcher is not the direct
-    parent) a daemon thread polls the launcher's pid instead."""
-    raw = os.environ.get(LAUNCHER_PID)
-    if not raw:
-        return
-    launcher, parent = int(raw), os.getppid()
-    if parent == launcher and _parent_death_signal(signal.SIGKILL):
-        if os.getppid() != launcher:  # it died before the signal was armed
-            os.kill(os.getpid(), signal.SIGKILL)
-        return
-    threading.Thread(target=_watch_launcher, args=(launcher, parent), name="kiln-launcher-watch", daemon=True).start()
-
-
-def _parent_death_signal(sig: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return False
-
-
-def _watch_launcher(launcher: int, parent: int, interval: float = 1.0) -> None:
-    while True:
-        time.sleep(interval)
-        try:
-            os.kill(launcher, 0)
-            alive = os.getppid() == parent
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:  # exists, owned by someone else
-            alive = os.getppid() == parent
-        if not alive:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _announce() -> None:
-    """Write this worker's pid where the launcher forwards SIGTERM from (`_ForwardSigterm`)."""
-    directory, rank = os.environ.get(REPORT_DIR), os.environ.get("RANK")
-    if directory and rank is not None:
-        tmp = os.path.join(directory, f".pid_{rank}")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(str(os.getpid()))
-        os.replace(tmp, os.path.join(directory, f"pid_{rank}"))
-
-
-def run_worker(argv: Sequence[str]) -> None:
-    """Run `python <argv>` in this process (`-m module args` or `script.py args`), reporting a failure."""
-    import runpy
-
-    _die_with_launcher()
-    _announce()
-    argv = list(argv)
-    tail = _Tail(sys.stderr)
-    sys.stderr = tail  # type: ignore[assignment]
-    try:
-        if argv[:1] == ["-m"]:
-            sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            runpy.run_path(argv[0], run_name="__main__")
-    except KeyboardInterrupt:  # Ctrl-C outside fit (imports, data building): no traceback from every rank
-        raise SystemExit(130) from None
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-        if code and code != 130:
-            lines = [line for line in tail.text().strip().splitlines() if line.strip()]
-            last = lines[-1].removeprefix("kiln: ") if lines else "no message"
-            _write_report(last, "", code)
-        raise
-    except BaseException as err:  # noqa: BLE001 - reported, then re-raised unchanged
-        tb = err.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):  # skip the shim
-            tb = tb.tb_next
-        detail = "".join(traceback.format_exception(type(err), err, tb)).splitlines()[-30:]
-        _write_report(f"{type(err).__name__}: {err}", "\n".join(detail), 1)
-        raise
-
-
-if __name__ == "__main__":
-    run_worker(sys.argv[1:])

@@ -88,7 +88,7 @@ def workers_of(launcher: int) -> list[psutil.Process]:
         children = psutil.Process(launcher).children()
     except psutil.NoSuchProcess:
         return []
-    return [c for c in children if "kiln.launch.local" in " ".join(_cmdline(c))]
+    return [c for c in children if "kiln.launch.worker" in " ".join(_cmdline(c))]
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:

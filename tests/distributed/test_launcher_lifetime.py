@@ -163,7 +163,7 @@ def test_the_watchdog_ends_a_worker_whose_launcher_died():
     """Where the parent-death signal is not available (not Linux, or the launcher is not the direct
     parent), a thread polling the launcher's pid ends the worker."""
     launcher = subprocess.Popen(["sleep", "120"])
-    code = f"import os; from kiln.launch.local import _watch_launcher; _watch_launcher({launcher.pid}, os.getppid(), 0.1)"
+    code = f"import os; from kiln.launch.worker import _watch_launcher; _watch_launcher({launcher.pid}, os.getppid(), 0.1)"
     worker = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         launcher.kill()

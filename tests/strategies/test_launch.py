@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kiln.launch import local as launch
+from kiln.launch import worker
 from kiln.launch.accelerate_config import AccelerateConfig
 from kiln.launch.settings import accelerate_config_settings, accelerate_settings, settings_of
 
@@ -190,7 +191,7 @@ def test_report_blames_a_killed_rank_but_not_the_ones_the_agent_stopped(tmp_path
 
 def test_tail_keeps_the_last_output():
     sink = io.StringIO()
-    tail = launch._Tail(sink, limit=20)
+    tail = worker._Tail(sink, limit=20)
     for word in ("hello ", "world ", "kiln: error: x"):
         tail.write(word)
     assert sink.getvalue() == "hello world kiln: error: x"
