@@ -61,7 +61,7 @@ def history_file(run: str) -> str:
         return max(numbered)[1]
     raise FileNotFoundError(
         f"{run} holds no history: expected metrics.jsonl, metrics.csv or trainer_state.json "
-        "(log.history writes the first two)."
+        "(log.history writes the first two: when set, or with a tracker in report_to)."
     )
 
 

@@ -14,7 +14,7 @@ SECTIONS = (
     ("registry.py", "Configuration"), ("engine/checkpoint/", "Checkpoints and resume"),
     ("strategies/deepspeed", "DeepSpeed"), ("strategies/fsdp", "FSDP"), ("strategies/xla", "XLA"),
     ("strategies/", "Strategies, devices and launching"), ("accelerators/", "Strategies, devices and launching"),
-    ("precision/", "Precision"), ("engine/data/", "Data"), ("engine/optim/", "Optimizers and schedulers"),
+    ("precision/", "Precision"), ("engine/data/", "Data"), ("optim/", "Optimizers and schedulers"),
     ("engine/evaluation/", "Evaluation and prediction"), ("engine/trainer_eval.py", "Evaluation and prediction"),
     ("engine/hp_search.py", "Hyperparameter search"), ("engine/callbacks/", "Callbacks"),
     ("loggers/", "Loggers"), ("plot.py", "Loggers"), ("engine/", "Training"), ("utils/", "Checkpoints and resume"),

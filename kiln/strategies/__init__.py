@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kiln.config.strategy_names import STRATEGY_MODULES
 from kiln.registry import Registry
 
 if TYPE_CHECKING:
@@ -15,17 +16,7 @@ if TYPE_CHECKING:
 
 STRATEGIES: Registry[type] = Registry("strategy", "strategy.name")
 
-for _names, _module in (
-    (("single", "cpu", "cuda"), "kiln.strategies.single"),
-    (("ddp", "ddp_find_unused_parameters_true"), "kiln.strategies.ddp.strategy"),
-    (("fsdp", "fsdp2"), "kiln.strategies.fsdp.strategy"),
-    (("deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_2_offload",
-      "deepspeed_stage_3_offload"), "kiln.strategies.deepspeed.strategy"),
-    (("xla",), "kiln.strategies.xla.strategy"),
-    (("xla_fsdp",), "kiln.strategies.xla.fsdp"),
-    (("mps",), "kiln.strategies.mps"),
-    (("auto",), "kiln.strategies.auto"),
-):
+for _names, _module in STRATEGY_MODULES:  # the names table sits on config's floor (validation reads it)
     for _name in _names:
         STRATEGIES.add_lazy(_name, _module)
 

@@ -1,5 +1,6 @@
-"""One optimizer param group without weight decay, HF's two (decay / no decay) with it; checkpoints
-saved in either layout resume in the other (kiln.utils.param_groups)."""
+"""HF's two optimizer param groups (decay / no decay) always, as HF builds them even without weight
+decay; checkpoints of older kiln versions, which kept one group without weight decay, resume in the two
+(kiln.utils.param_groups), and a layout that cannot be merged back is refused clearly."""
 
 from __future__ import annotations
 
@@ -15,11 +16,9 @@ from tests.checkpoint.checkpoint_helpers import Crash, make_model, numeric_histo
 CFG = {"max_steps": 12, "save_steps": 5, "lr_scheduler_type": "cosine", "warmup_steps": 3}
 
 
-def two_groups(model, weight_decay):
-    """The layout HF's Trainer (and kiln before one-group) uses whatever the decay: weights, then the rest."""
-    decay, no_decay = optimizers._split_parameters(model)
-    return [{"params": [p for _, p in decay], "weight_decay": weight_decay},
-            {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
+def one_group(model, weight_decay):
+    """The layout older kiln versions used without weight decay: one group, the two groups' parameters in order."""
+    return [{"params": [p for g in parameter_groups(model, weight_decay) for p in g["params"]], "weight_decay": weight_decay}]
 
 
 def crash(tmp_path, monkeypatch, layout=None, **cfg):
@@ -33,21 +32,21 @@ def crash(tmp_path, monkeypatch, layout=None, **cfg):
     return out
 
 
-def test_without_weight_decay_one_group_holds_the_two_groups_in_their_order():
+def test_without_weight_decay_there_are_still_hfs_two_groups():
     model = make_model()
-    (one,) = parameter_groups(model, 0.0)
-    assert one["weight_decay"] == 0.0
-    assert [id(p) for p in one["params"]] == [id(p) for g in parameter_groups(model, 0.1) for p in g["params"]]
+    groups = parameter_groups(model, 0.0)
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0]
+    assert [[id(p) for p in g["params"]] for g in groups] == [[id(p) for p in g["params"]] for g in parameter_groups(model, 0.1)]
     assert [g["weight_decay"] for g in parameter_groups(model, 0.1)] == [0.1, 0.0]
 
 
-def test_a_two_group_checkpoint_resumes_bitwise_in_one_group(tmp_path, monkeypatch):
+def test_an_older_one_group_checkpoint_resumes_bitwise_in_two_groups(tmp_path, monkeypatch):
     straight = train(str(tmp_path / "straight"), CFG)
-    assert len(straight.optimizer.param_groups) == 1
-    out = crash(tmp_path, monkeypatch, layout=two_groups)
-    assert len(torch.load(f"{out}/checkpoint-5/optimizer.pt")["param_groups"]) == 2
+    assert len(straight.optimizer.param_groups) == 2
+    out = crash(tmp_path, monkeypatch, layout=one_group)
+    assert len(torch.load(f"{out}/checkpoint-5/optimizer.pt")["param_groups"]) == 1
     resumed = train(out, CFG, model_seed=1234, resume=True)
-    assert len(resumed.optimizer.param_groups) == 1
+    assert len(resumed.optimizer.param_groups) == 2
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert numeric_history(resumed) == numeric_history(straight)
@@ -55,7 +54,7 @@ def test_a_two_group_checkpoint_resumes_bitwise_in_one_group(tmp_path, monkeypat
 
 def test_a_one_group_checkpoint_resumes_with_weight_decay_set_and_keeps_its_settings(tmp_path, monkeypatch):
     straight = train(str(tmp_path / "straight"), CFG)
-    out = crash(tmp_path, monkeypatch)
+    out = crash(tmp_path, monkeypatch, layout=one_group)
     resumed = train(out, {**CFG, "weight_decay": 0.01}, model_seed=1234, resume=True)
     # the saved settings win, as in any Optimizer.load_state_dict: both groups keep the saved decay of 0
     assert [g["weight_decay"] for g in resumed.optimizer.param_groups] == [0.0, 0.0]
@@ -64,7 +63,8 @@ def test_a_one_group_checkpoint_resumes_with_weight_decay_set_and_keeps_its_sett
 
 
 def test_groups_with_different_settings_are_not_merged(tmp_path, monkeypatch):
-    out = crash(tmp_path, monkeypatch, weight_decay=0.01)
+    out = crash(tmp_path, monkeypatch, weight_decay=0.01)  # two groups: decay 0.01 and 0
+    monkeypatch.setattr(optimizers, "parameter_groups", one_group)  # a run with one group cannot take both
     with pytest.raises(CheckpointError, match="different weight_decay.*resume with the weight_decay"):
         train(out, CFG, model_seed=1234, resume=True)
 

@@ -155,13 +155,13 @@ TABLE: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
 # accepted and dropped: scripts read them, the Trainer does not (or a feature that is off)
 IGNORED = ["do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "ray_scope",
            "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
-           "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"]
+           "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token", "sortish_sampler"]
 
 # not implemented: accepted while off, refused (naming the argument) when on
 REFUSED_WHEN_ON = {
     "use_ipex": True, "use_liger_kernel": True, "liger_kernel_config": {"rms_norm": True},
     "past_index": 2, "tpu_metrics_debug": True,  # the XLA metrics report: refused without an XLA strategy
-    "use_legacy_prediction_loop": True, "sharded_ddp": "simple", "mp_parameters": "x", "sortish_sampler": True,
+    "use_legacy_prediction_loop": True, "sharded_ddp": "simple", "mp_parameters": "x",
     "push_to_hub": True, "parallelism_config": {"tp_size": 2},
 }
 OFF = {"past_index": -1, "mp_parameters": "", "liger_kernel_config": None, "sharded_ddp": "", "parallelism_config": None}

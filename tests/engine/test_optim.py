@@ -95,9 +95,11 @@ def test_optimizer_param_groups_match_parameter_groups() -> None:
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
 
 
-def test_empty_groups_are_dropped_and_no_trainable_parameters_is_an_error() -> None:
-    assert [g["weight_decay"] for g in parameter_groups(nn.LayerNorm(4), 0.1)] == [0.0]
-    assert [g["weight_decay"] for g in parameter_groups(nn.Linear(4, 4, bias=False), 0.1)] == [0.1]
+def test_empty_groups_are_kept_as_hf_does_and_no_trainable_parameters_is_an_error() -> None:
+    layer_norm = parameter_groups(nn.LayerNorm(4), 0.1)
+    assert [g["weight_decay"] for g in layer_norm] == [0.1, 0.0] and layer_norm[0]["params"] == []
+    no_bias = parameter_groups(nn.Linear(4, 4, bias=False), 0.1)
+    assert [g["weight_decay"] for g in no_bias] == [0.1, 0.0] and no_bias[1]["params"] == []
     with pytest.raises(ValueError, match="no trainable parameters"):
         build_optimizer(nn.Linear(2, 2).requires_grad_(False), OptimConfig())
 

@@ -62,8 +62,8 @@ def test_resume_is_exact_and_convert_gives_the_live_weights(run, stage):
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_checkpoint_in_another_param_group_layout_is_refused_clearly(run, stage):
-    """DeepSpeed partitions optimizer state per param group, so kiln's old two-group checkpoints (HF's
-    layout, even without weight decay) cannot resume in today's one group: one sentence says so."""
+    """DeepSpeed partitions optimizer state per param group, so older kiln's one-group checkpoints (kept
+    without weight decay) cannot resume in today's two groups (HF's layout): one sentence says so."""
     error = run[0][f"layout_zero{stage}"]["error"]
-    assert error.startswith("CheckpointError: ") and "2 parameter groups and this run's optimizer has 1" in error
+    assert error.startswith("CheckpointError: ") and "1 parameter groups and this run's optimizer has 2" in error
     assert "resume with the weight_decay and the kiln version that saved it" in error

@@ -69,21 +69,20 @@ if "resume" in checks:
 
             tensors.update({f"{key}/converted/{k}": v for k, v in load_file(path).items()})
 
-if "layouts" in checks:  # a checkpoint of kiln's old two-group layout (HF's) resumed in today's one group
+if "layouts" in checks:  # a checkpoint of older kiln's one-group layout resumed in today's two groups (HF's)
     from kiln.optim import optimizers
 
-    def two_groups(model, weight_decay):
-        decay, no_decay = optimizers._split_parameters(model)
-        return [{"params": [p for _, p in decay], "weight_decay": weight_decay},
-                {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
+    two_groups, save = optimizers.parameter_groups, {"save": {"strategy": "steps", "steps": 2}}
 
-    one_group, save = optimizers.parameter_groups, {"save": {"strategy": "steps", "steps": 2}}
+    def one_group(model, weight_decay):
+        return [{"params": [p for g in two_groups(model, weight_decay) for p in g["params"]], "weight_decay": weight_decay}]
+
     for stage in (0, 3):
         key = f"layout_zero{stage}"
-        optimizers.parameter_groups = two_groups
+        optimizers.parameter_groups = one_group
         old = trainer_for("deepspeed", root, key, world, **save, **ds(stage))
         old.fit()
-        optimizers.parameter_groups = one_group
+        optimizers.parameter_groups = two_groups
         try:
             resumed = trainer_for("deepspeed", root, key + "_b", world, resume_from_checkpoint=os.path.join(root, key, "checkpoint-2"),
                                   **ds(stage))

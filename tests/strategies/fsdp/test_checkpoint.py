@@ -39,16 +39,16 @@ def test_resume_is_exact(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
-    """kiln.utils.param_groups: one optimizer group without weight decay, HF's two with it."""
-    two, one, decay = tmp_path / "two_groups", tmp_path / "one_group", tmp_path / "decay"
-    torchrun(2, "worker_resume.py", two, kind, env={"KILN_TEST_TWO_GROUPS": "1"})
-    # saved in two groups (HF's layout, kiln's before), resumed in one: ends where the uninterrupted run does
-    torchrun(2, "worker_resume.py", one, kind, two / "full_shard" / "checkpoint-2", 6)
-    _equal(load_file(str(one / "final.safetensors")), load_file(str(two / "final.safetensors")))
-    # saved in one group, resumed with weight decay set (two groups): the saved settings, no decay, win
+    """kiln.utils.param_groups: older kiln kept one optimizer group without weight decay; today's two (HF's)."""
+    one, two, decay = tmp_path / "one_group", tmp_path / "two_groups", tmp_path / "decay"
+    torchrun(2, "worker_resume.py", one, kind, env={"KILN_TEST_ONE_GROUP": "1"})
+    # saved in one group, resumed in two: ends where the uninterrupted run does
+    torchrun(2, "worker_resume.py", two, kind, one / "full_shard" / "checkpoint-2", 6)
+    _equal(load_file(str(two / "final.safetensors")), load_file(str(one / "final.safetensors")))
+    # saved in one group, resumed with weight decay set: the saved settings, no decay, win
     torchrun(2, "worker_resume.py", decay, kind, one / "full_shard" / "checkpoint-4", 6,
              env={"KILN_TEST_WEIGHT_DECAY": "0.01"})
-    _equal(load_file(str(decay / "final.safetensors")), load_file(str(two / "final.safetensors")))
+    _equal(load_file(str(decay / "final.safetensors")), load_file(str(one / "final.safetensors")))
 
 
 def test_sharded_checkpoint_reshards_between_process_counts(tmp_path):

@@ -1,8 +1,8 @@
 """Checkpoint runs of the full_shard case. Rank 0 writes the final full weights to OUT/final.safetensors.
 Usage: torchrun --nproc_per_node=N worker_resume.py OUT STATE_DICT_TYPE [CHECKPOINT MAX_STEPS]
 
-KILN_TEST_TWO_GROUPS=1 builds the optimizer in HF's two-group layout even without weight decay (as
-kiln did before one-group); KILN_TEST_WEIGHT_DECAY sets weight_decay."""
+KILN_TEST_ONE_GROUP=1 builds the optimizer in one param group (as older kiln versions did without
+weight decay); KILN_TEST_WEIGHT_DECAY sets weight_decay."""
 
 import os
 import sys
@@ -21,15 +21,15 @@ if len(sys.argv) > 3:
     extra.update(resume_from_checkpoint=sys.argv[3], max_steps=int(sys.argv[4]))
 if os.environ.get("KILN_TEST_WEIGHT_DECAY"):
     extra["weight_decay"] = float(os.environ["KILN_TEST_WEIGHT_DECAY"])
-if os.environ.get("KILN_TEST_TWO_GROUPS"):
+if os.environ.get("KILN_TEST_ONE_GROUP"):
     from kiln.optim import optimizers  # noqa: E402
 
-    def _two_groups(model, weight_decay):
-        decay, no_decay = optimizers._split_parameters(model)
-        return [{"params": [p for _, p in decay], "weight_decay": weight_decay},
-                {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
+    _two_groups = optimizers.parameter_groups
 
-    optimizers.parameter_groups = _two_groups
+    def _one_group(model, weight_decay):
+        return [{"params": [p for g in _two_groups(model, weight_decay) for p in g["params"]], "weight_decay": weight_decay}]
+
+    optimizers.parameter_groups = _one_group
 trainer = cases.trainer_for("full_shard", out, world, **extra)
 trainer.fit()
 weights = cases.full_weights(trainer)
