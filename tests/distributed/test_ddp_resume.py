@@ -33,7 +33,8 @@ def test_kill_and_resume_under_ddp_is_bit_identical_and_only_rank0_writes(tmp_pa
 
     # resumed through the CLI's own launcher
     resume_cfg = write_cli_config(str(tmp_path / "resume.yaml"), str(run), audit=str(audit), root=str(run))
-    kiln_cli("fit", resume_cfg, "--nproc", "2", "resume_from_checkpoint=true")
+    # history files are written only when asked for (report_to none): ask, to see that rank 0 alone writes them
+    kiln_cli("fit", resume_cfg, "--nproc", "2", "resume_from_checkpoint=true", "log.history=[csv,jsonl]")
 
     expected, got = load_file(str(full / "model.safetensors")), load_file(str(run / "model.safetensors"))
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
