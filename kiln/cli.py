@@ -97,11 +97,12 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
         cfg = load_with_launcher_settings(config, overrides, launcher)  # a launcher fills keys the config leaves unset
         chosen = None if command == "fit" else _pick_weights(cfg, weights, random_weights)
         trainer, data = _trainer(cfg)
-        with trainer:  # torn down at the end of the command: the process group and global flags are released here
-            if command == "fit":
-                _fit(trainer, data)
-            else:
-                _score(command, trainer, data, chosen)
+        # the Trainer is torn down when the process exits (Trainer.teardown's fallback): a process running
+        # several commands (the tests) keeps one process group, as torch cannot meet twice at one env:// address
+        if command == "fit":
+            _fit(trainer, data)
+        else:
+            _score(command, trainer, data, chosen)
     except KeyboardInterrupt as err:  # Ctrl-C: one line from one process, the shell's exit code for SIGINT
         from kiln.launch.environment import detect
 

@@ -17,8 +17,6 @@ from tests.distributed.conftest import REPO, kiln_cli
 from tests.distributed.toy import write_cli_config
 
 
-@pytest.mark.xfail(strict=True, reason="needs kiln/strategies/ddp/strategy.py to name its own strategy (self.name) in the "
-                                       "one-process warning (helper A's file)")
 def test_predict_on_an_fsdp_config_does_not_speak_of_ddp(tmp_path):
     cfg = write_cli_config(str(tmp_path / "cfg.yaml"), str(tmp_path / "run"))
     conf = OmegaConf.load(cfg)
@@ -29,8 +27,6 @@ def test_predict_on_an_fsdp_config_does_not_speak_of_ddp(tmp_path):
     assert "strategy 'ddp'" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="needs kiln/engine/checkpoint/export.py to keep accelerate from importing deepspeed "
-                                       "in save_pretrained when deepspeed is not loaded (the lead's file)")
 def test_saving_a_transformers_model_does_not_import_deepspeed(tmp_path):
     pytest.importorskip("transformers")
     script = textwrap.dedent(f"""

@@ -3,9 +3,11 @@ kiln (`safetensors.torch.load_file`) and, for Transformers models, with `from_pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import TYPE_CHECKING, Any, Optional, Union
+import sys
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 from kiln.strategies.checkpoint_io import save_weights
 
@@ -25,7 +27,8 @@ def export_model(model: "nn.Module", strategy: "Strategy", config: Any, processi
         os.makedirs(output_dir, exist_ok=True)
         if hasattr(model, "save_pretrained"):  # Transformers: config.json + weights, from_pretrained works
             shard = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
-            model.save_pretrained(output_dir, state_dict=state, safe_serialization=config.save.safetensors, **shard)
+            with _deepspeed_unloaded_stays_unloaded():
+                model.save_pretrained(output_dir, state_dict=state, safe_serialization=config.save.safetensors, **shard)
         else:
             save_weights(state, output_dir, config.save.safetensors, max_shard_size=max_shard_size)
             with open(os.path.join(output_dir, "kiln_model.json"), "w") as fh:
@@ -38,3 +41,26 @@ def export_model(model: "nn.Module", strategy: "Strategy", config: Any, processi
         OmegaConf.save(config_for_saving(config), os.path.join(output_dir, "kiln_config.yaml"))
     strategy.barrier("save-model")
     return output_dir
+
+
+@contextlib.contextmanager
+def _deepspeed_unloaded_stays_unloaded() -> Iterator[None]:
+    """`save_pretrained` asks accelerate whether the model is a DeepSpeed engine, which imports deepspeed
+    (seconds, and its "Setting accelerator" warning) when it is installed. Without deepspeed imported no
+    model can be one, so accelerate is told it is unavailable for the call."""
+    try:
+        if "deepspeed" in sys.modules:
+            raise ImportError
+        import accelerate.utils.other as other  # transformers' save_pretrained imports it anyway
+    except ImportError:
+        yield
+        return
+    real = getattr(other, "is_deepspeed_available", None)
+    if real is None:
+        yield
+        return
+    other.is_deepspeed_available = lambda: False  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = real  # type: ignore[attr-defined]

@@ -106,8 +106,8 @@ class DDPStrategy(Strategy, BackwardSyncControl):
             self._owns_group = True
             atexit.register(self.teardown)  # evaluate/predict may follow fit, so not before exit
             if not self.cluster.launched:
-                log.warning("strategy 'ddp' without a launcher runs one process; start several with "
-                            "`kiln fit --nproc N`, torchrun or accelerate launch.")
+                log.warning("strategy %r without a launcher runs one process; start several with "
+                            "`kiln fit --nproc N`, torchrun or accelerate launch.", self.name)
         else:  # a group the user (or another Trainer) made: it decides the topology
             self.world_size, self.global_rank = dist.get_world_size(), dist.get_rank()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, ContextManager, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -152,6 +152,24 @@ class FSDPStrategy(DDPStrategy, ShardedModuleInit):
     def unwrap(self, model: nn.Module) -> nn.Module:
         """fully_shard changes the module in place: the wrapped module is the user's module."""
         return getattr(model, "_orig_mod", model)
+
+    @contextlib.contextmanager
+    def eval_cast_context(self, module: nn.Module, dtype: Optional[torch.dtype]) -> Iterator[None]:
+        """Around one evaluation. With `shard_grad_op` (no resharding after forward) a forward without a
+        backward leaves every unit's parameters gathered, and nothing reshards them: the optimizer then
+        updates the shards while later forwards keep reading the stale gathered copies (an evaluation
+        after training reported the untrained loss). So every unit is resharded when the evaluation ends."""
+        with super().eval_cast_context(module, dtype):
+            try:
+                yield
+            finally:
+                root = self._root  # the set-up module (a TrainingModule's StepDispatcher)
+                if not self.settings.reshard and root is not None:
+                    from torch.distributed.fsdp import FSDPModule
+
+                    for unit in root.modules():
+                        if isinstance(unit, FSDPModule):
+                            unit.reshard()
 
     # -- step -------------------------------------------------------------------------------
     def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
