@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from kiln.config.fsdp_config import SHARDING
 from kiln.launch.accelerate_config import AccelerateConfig
 from kiln.launch.environment import detect
 from kiln.launch.environment.base import Env
@@ -37,7 +38,6 @@ class LauncherSetting:
 
 
 _PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
-_SHARDING = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
 
 
 def accelerate_settings(env: Optional[Env] = None) -> list[LauncherSetting]:
@@ -76,7 +76,7 @@ def settings_of(config: AccelerateConfig) -> list[LauncherSetting]:
 def _fsdp_values(fsdp: Mapping[str, str]) -> dict[str, Any]:
     raw = fsdp.get("sharding_strategy", "1").strip()
     if raw.isdigit():
-        sharding = _SHARDING[int(raw) - 1] if 1 <= int(raw) <= len(_SHARDING) else "full_shard"
+        sharding = SHARDING[int(raw) - 1] if 1 <= int(raw) <= len(SHARDING) else "full_shard"
     else:
         sharding = raw.lower()
     flags = [sharding]
