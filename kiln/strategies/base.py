@@ -314,9 +314,10 @@ class Strategy:
         return module.state_dict()
 
     def teardown(self) -> None:
-        """Release the process group and device state. The Trainer calls it once its work is done
-        (after `fit`, `evaluate` or `predict` returned, when no later call can reuse the strategy);
-        a strategy may also register it with `atexit` as a fallback. Must be idempotent."""
+        """Release the process group and device state. `Trainer.teardown()` calls it (the user does, or
+        `with Trainer(...)` on leaving the block), since only the user knows when no later evaluate or
+        predict will reuse the strategy; a strategy that owns a process group also registers it with
+        `atexit`, the fallback for a Trainer nobody tore down. Must be idempotent."""
 
 
 class SingleProcessCollectives:
