@@ -45,6 +45,7 @@ def test_found_size_trains_exactly_like_that_size_configured(tmp_path, caplog):
     out = trainer.fit()
     assert trainer._train_batch_size == 10  # 16 -> 14 -> 12 -> 10 (x0.9, as accelerate)
     assert trainer.state.train_batch_size == 10
+    assert trainer.config.data.per_device_train_batch_size == 16  # the run's size; the config stays as given (HF)
     assert "per_device_train_batch_size=16 ran out of memory; trying 14" in caplog.text
 
     torch.manual_seed(0)
