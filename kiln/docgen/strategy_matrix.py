@@ -21,7 +21,8 @@ def _grouped(registry: Any) -> list[tuple[type, list[str]]]:
             cls = registry.get(name)
         except UnknownNameError:  # registered lazily, module not written yet (e.g. xla before it lands)
             continue
-        groups.setdefault(cls, []).append(name)
+        if getattr(cls, "__module__", "").startswith("kiln."):  # kiln's own: not a plug-in a caller registered
+            groups.setdefault(cls, []).append(name)
     return list(groups.items())
 
 

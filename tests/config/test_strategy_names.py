@@ -18,7 +18,11 @@ def test_the_table_names_exactly_the_registered_strategies() -> None:
     from kiln.strategies import STRATEGIES
 
     table = {name: module for names, module in STRATEGY_MODULES for name in names}
-    assert sorted(table) == STRATEGIES.names()
+    def module_of(name: str) -> str:
+        return STRATEGIES._lazy[name] if name in STRATEGIES._lazy else STRATEGIES.get(name).__module__
+
+    own = sorted(n for n in STRATEGIES.names() if module_of(n).startswith("kiln."))
+    assert sorted(table) == own  # plug-ins other tests register (not kiln's) are left out
     assert all(STRATEGIES._lazy.get(name, module) == module for name, module in table.items())
 
 
