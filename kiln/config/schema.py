@@ -63,7 +63,8 @@ class DataConfig:
     dataloader_prefetch_factor: Optional[int] = opt(None, "Batches each worker loads ahead.")
     auto_find_batch_size: bool = opt(
         False, "Before training, lower per_device_train_batch_size by 10% steps until the first step fits in memory; a later "
-        "out-of-memory error (one process) redoes its step with smaller micro-batches and more accumulation.")
+        "out-of-memory error (one process) in a step's forward/backward redoes the step with smaller micro-batches and more "
+        "accumulation; elsewhere (optimizer step, callbacks) it restarts training 10% smaller, as HF does.")
     group_by_length: bool = opt(False, "Group samples of similar length into batches (less padding).")
     length_column_name: str = opt("length", "Key holding precomputed lengths for group_by_length.")
     remove_unused_columns: bool = opt(True, "Drop batch keys the model's forward() does not accept (HF models).")
@@ -204,7 +205,7 @@ class StrategyConfig:
 class PrecisionConfig:
     """Numeric precision. `name` picks the plugin."""
 
-    name: str = opt("fp32", "fp32, fp16, bf16, fp16-true, bf16-true or apex.")
+    name: str = opt("fp32", "fp32, fp16, bf16, fp16-true, bf16-true, tf32 or apex.")
     tf32: Optional[bool] = opt(None, "Allow TF32 matmuls on Ampere+ GPUs (combinable with any plugin).")
     fp16_opt_level: str = opt("O1", "Apex AMP optimisation level O0-O3.")
     half_precision_backend: str = opt("auto", "auto, cpu_amp, cuda_amp or apex.")

@@ -1,7 +1,9 @@
 """`auto_find_batch_size` during training: an out-of-memory error in a window drops the window, splits
 the same samples into smaller micro-batches (more accumulation) and redoes the step, so the run ends
 where a run configured with the smaller micro-batch from the start ends, with the same step count;
-checkpoints written afterwards resume with the new sizes; a micro-batch of 1 is a clear error."""
+checkpoints written afterwards resume with the new sizes; a micro-batch of 1 is a clear error. An
+out-of-memory error outside the window (the optimizer step, a callback) restarts training as HF's
+Trainer does: test_auto_batch_retry_vs_hf.py."""
 
 from __future__ import annotations
 
@@ -98,26 +100,6 @@ def test_a_loader_that_ignores_the_new_size_is_one_sentence(tmp_path):
     trainer = FixedLoader(OomAt(at=(4,)), cfg, train_dataset=regression_data(n=64))
     with pytest.raises(KilnError, match="get_train_dataloader\\(\\) still returns batches of 8 after per_device_train_batch_size was set to 4"):
         trainer.fit()
-
-
-def test_out_of_memory_in_the_optimizer_step_is_not_redone(tmp_path):
-    """The optimizer may have updated some parameters already: the run stops with the size and the fix."""
-
-    class PickyAdam(OomAt):
-        def configure_optimizers(self):
-            class Picky(torch.optim.AdamW):
-                calls = 0
-
-                def step(self, closure=None):
-                    Picky.calls += 1
-                    if Picky.calls == 3:  # the probe's step, training step 1, then step 2
-                        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
-                    return super().step(closure)
-
-            return Picky(self.parameters(), lr=1e-2)
-
-    with pytest.raises(KilnError, match="Out of memory during training with per_device_train_batch_size=8"):
-        _train(tmp_path, "opt", PickyAdam(), 8, 2, auto_find_batch_size=True)
 
 
 @pytest.mark.parametrize("size, accumulation, expected", [(8, 2, 4), (10, 1, 5), (9, 1, 3), (9, 2, 3), (7, 1, 1), (2, 3, 1)])

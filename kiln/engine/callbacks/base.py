@@ -8,13 +8,15 @@ control flags ask. Callbacks observe and set flags; they never change the loop's
 
 from __future__ import annotations
 
-import warnings
+import logging
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
+
+logger = logging.getLogger(__name__)
 
 EVENTS = (
     "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
@@ -52,6 +54,14 @@ class Callback:
 
 CallbackLike = Union[Callback, type]
 
+# The flags HF's CallbackHandler clears before it calls an event, so a callback sees (and a checkpoint's
+# saved TrainerControl records) the same flags as under HF: e.g. should_log is False again once on_log ran.
+_CLEARS = {
+    "on_train_begin": ("should_training_stop",), "on_epoch_begin": ("should_epoch_stop",),
+    "on_step_begin": ("should_log", "should_evaluate", "should_save"), "on_evaluate": ("should_evaluate",),
+    "on_save": ("should_save",), "on_log": ("should_log",),
+}
+
 
 class CallbackHandler:
     """Calls each event on every callback that overrides it, in registration order."""
@@ -60,15 +70,16 @@ class CallbackHandler:
         self.callbacks: list[Callback] = []
         self.objects = objects  # model, optimizer, lr_scheduler, train_dataloader, ...
         self.by_event: dict[str, list[Any]] = {}  # event -> the handlers that override it (read-only; see _index)
+        self.control: Optional["TrainerControl"] = None  # the run's flags, last seen: saved as HF's "TrainerControl"
         for cb in callbacks:
             self.add(cb)
 
     def add(self, callback: CallbackLike) -> None:
         cb = callback() if isinstance(callback, type) else callback
-        if any(type(c) is type(cb) for c in self.callbacks):  # HF warns too: usually a mistake (events run twice)
+        if any(type(c) is type(cb) for c in self.callbacks):  # HF logs it too: usually a mistake (events run twice)
             names = ", ".join(type(c).__name__ for c in self.callbacks)
-            warnings.warn(f"Adding a second {type(cb).__name__} to the callbacks (already: {names}); its events will "
-                          "run twice. Remove one, or pass a single instance.", stacklevel=3)
+            logger.warning("Adding a second %s to the callbacks (already: %s); its events will run twice. Remove one, "
+                           "or pass a single instance.", type(cb).__name__, names)
         self.callbacks.append(cb)
         self._index()
 
@@ -88,6 +99,9 @@ class CallbackHandler:
         }
 
     def call(self, event: str, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> "TrainerControl":
+        self.control = control
+        for flag in _CLEARS.get(event, ()):
+            setattr(control, flag, False)
         handlers = self.by_event[event]
         if not handlers:
             return control
@@ -95,13 +109,14 @@ class CallbackHandler:
         for handler in handlers:
             result = handler(config, state, control, **kw)
             if result is not None:
-                control = result
+                control = self.control = result
         return control
 
     # -- callback state in checkpoints ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """`trainer_state.json`'s `stateful_callbacks`, in HF's layout: class name -> state, or a list of
-        states when several callbacks share a class."""
+        states when several callbacks share a class, and last (as HF's `_save_checkpoint` does) the
+        run's `TrainerControl` flags as they stand when the checkpoint is written."""
         states: dict[str, Any] = {}
         for cb in self.callbacks:
             state = _export(cb)
@@ -112,6 +127,8 @@ class CallbackHandler:
                 states[name] = [*(states[name] if isinstance(states[name], list) else [states[name]]), state]
             else:
                 states[name] = state
+        if self.control is not None:
+            states["TrainerControl"] = self.control.state()
         return states
 
     def load_state_dict(self, states: dict[str, Any], restore_args: bool = False) -> list[str]:
@@ -122,6 +139,8 @@ class CallbackHandler:
         attributes; without it the attributes (counters) come back and this run's arguments stay."""
         missing = []
         for name, data in (states or {}).items():
+            if name == "TrainerControl":  # HF's own flags: a new run's first events clear them all anyway
+                continue
             matching = [i for i, cb in enumerate(self.callbacks) if type(cb).__name__ == name]
             if not matching:
                 missing.append(name)

@@ -14,6 +14,7 @@ What `metric_for_best_model` and `greater_is_better` mean is defined here once (
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -26,6 +27,14 @@ if TYPE_CHECKING:
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 logger = logging.getLogger(__name__)
+
+
+def _takes_control(method: Any) -> bool:
+    """Whether a bound `check_metric_value` has HF's four parameters (or *args), not kiln's earlier three."""
+    params = inspect.signature(method).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params) >= 4
 
 
 # -- what metric_for_best_model means (shared with the Trainer's best-model tracking) -------------
@@ -66,8 +75,13 @@ class EarlyStoppingCallback(Callback):
             raise KilnError("EarlyStoppingCallback needs evaluation during training: set eval.strategy "
                             "(eval_strategy) to 'steps' or 'epoch'.")
 
-    def check_metric_value(self, config: "DictConfig", state: "TrainerState", metric_value: float) -> None:
-        """Reset the counter on an improvement beyond the threshold, count one more evaluation otherwise."""
+    def check_metric_value(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl",
+                           metric_value: float) -> None:
+        """Reset the counter on an improvement beyond the threshold, count one more evaluation otherwise.
+
+        HF's signature `(args, state, control, metric_value)`, so a subclass written for HF's callback
+        overrides it unchanged. (An override with kiln's earlier `(config, state, metric_value)` is still
+        called that way: see `on_evaluate`.)"""
         best = state.best_metric
         if best is None:
             improved = True
@@ -84,7 +98,10 @@ class EarlyStoppingCallback(Callback):
                 logger.warning("EarlyStoppingCallback: evaluation returned no %r; such evaluations are not counted.", key)
                 self._warned_missing = True
             return
-        self.check_metric_value(config, state, float(value))
+        if _takes_control(self.check_metric_value):
+            self.check_metric_value(config, state, control, float(value))
+        else:  # an override written for kiln's earlier signature, without `control`
+            self.check_metric_value(config, state, float(value))  # type: ignore[call-arg]
         if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True
 

@@ -1,6 +1,7 @@
 """`TrainerState` (everything the loop knows, saved as trainer_state.json in every checkpoint) and
-`TrainerControl` (flags callbacks set to make the loop log, evaluate, save or stop). Field names
-and meanings follow Hugging Face so that HF callbacks read the same attributes.
+`TrainerControl` (flags callbacks set to make the loop log, evaluate, save or stop; saved in
+trainer_state.json's `stateful_callbacks` as HF's ExportableState). Field names and meanings follow
+Hugging Face so that HF callbacks read the same attributes.
 
 trainer_state.json holds exactly HF's keys, so `transformers.TrainerState.load_from_json` (and every
 HF tool built on it) reads a kiln checkpoint. kiln's own loop position (`LOOP_POSITION` fields) lives
@@ -91,5 +92,13 @@ class TrainerControl:
         self.should_evaluate = False
         self.should_log = False
 
+    # HF's ExportableState: trainer_state.json keeps these flags under stateful_callbacks["TrainerControl"]
     def state(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"args": dataclasses.asdict(self), "attributes": {}}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "TrainerControl":
+        control = cls(**state["args"])
+        for key, value in state.get("attributes", {}).items():
+            setattr(control, key, value)
+        return control

@@ -317,9 +317,8 @@ class CheckpointManager:
         callbacks = {k: v for k, v in (state.stateful_callbacks or {}).items() if k != "TrainerControl"}  # HF's; not kept
         missing = self.callbacks.load_state_dict(callbacks,
                                                  restore_args=bool(self.config.save.restore_callback_states_from_checkpoint))
-        if missing:
-            warnings.warn(f"{path} holds state for callbacks this run does not have ({', '.join(missing)}); it is ignored.",
-                          stacklevel=3)
+        if missing:  # logged, as HF's _load_callback_state does
+            log.warning("%s holds state for callbacks this run does not have (%s); it is ignored.", path, ", ".join(missing))
         return bool(callbacks)
 
     def _load_position(self, path: str, state: TrainerState) -> None:

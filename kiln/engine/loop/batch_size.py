@@ -11,8 +11,15 @@ The attempt runs on the strategy's `probe_module` (for DDP the unwrapped module:
 all-reduce, so a rank that runs out of memory cannot leave another waiting in a collective) and one
 all-reduce per attempt makes every rank agree. Strategies that cannot probe this way declare it in
 their capabilities, and the combination is refused before training. A resumed run takes the size
-(and accumulation) its checkpoint was trained with instead of searching. An out-of-memory error
-later in training is handled by `oom_recovery`.
+(and accumulation) its checkpoint was trained with instead of searching.
+
+Later in training, an out-of-memory error in a window's forward or backward is redone in place with
+smaller micro-batches (`oom_recovery`). One raised anywhere else (the optimizer step, a callback's
+`on_step_end`, logging, saving) restarts training the way HF's Trainer does (`restart_smaller`): HF
+wraps its whole inner training loop in `find_executable_batch_size`, so the loop starts again at
+step 0 with the batch size times 0.9, from the weights and optimizer state the failed attempt left,
+with a new schedule and a new `TrainerState`. An out-of-memory error in evaluation is reported
+instead (`evaluation_out_of_memory`): restarting with a smaller *training* batch cannot fix it.
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from kiln.utils.errors import KilnError
+from kiln.engine.callbacks.state import TrainerState
 from kiln.engine.seed import rng_state, set_rng_state
+from kiln.utils.errors import KilnError
 
 
 log = logging.getLogger(__name__)
@@ -118,3 +127,62 @@ def _attempt(loop: Any, loader: Iterable[Any]) -> bool:
         del window
         gc.collect()
         strategy.accelerator.empty_cache()
+
+
+def restart_smaller(loop: Any, err: BaseException, resume_path: Optional[str]) -> bool:
+    """After an out-of-memory error escaped a fit (`loop._run`), set the loop up to train again from
+    step 0 with `int(size * 0.9)` (HF's `find_executable_batch_size` around `_inner_training_loop`) and
+    return True; return False where this does not apply and the caller re-raises `err`.
+
+    What carries over is what HF keeps: the model's current weights, the optimizer and its state,
+    the callbacks (and their counters), the live gradient accumulation. What starts again: the step
+    count and the rest of the `TrainerState`, a schedule kiln built (HF builds it again), the data
+    from the epoch's start. Only one process restarts (several would have to agree first, and a rank
+    waiting in a collective never hears of the error), and only a run that did not resume (its
+    data position counts in the checkpoint's batch size); those report the error instead."""
+    if not (loop.config.data.auto_find_batch_size and is_out_of_memory(err)):
+        return False
+    if loop.strategy.world_size > 1 or resume_path is not None:
+        return False
+    run, hooks, strategy = loop.run, loop.hooks, loop.strategy
+    size = run.micro_batch_size
+    new = int(size * 0.9)
+    if new < 1:
+        raise KilnError("auto_find_batch_size: out of memory during training even with per_device_train_batch_size=1; "
+                        "use a smaller model, gradient_checkpointing, lower precision, or shard the model "
+                        "(strategy: fsdp).") from err
+    old = hooks.state
+    log.warning("auto_find_batch_size: out of memory with per_device_train_batch_size=%d after %d optimizer steps, outside "
+                "a window's forward and backward; training restarts from step 0 with per_device_train_batch_size=%d (as "
+                "HF's Trainer does), from the current weights and optimizer state.", size, old.global_step, new)
+    if run.optimizer is not None:  # an optimizer step that failed half-way leaves gradients behind
+        strategy.zero_grad(run.wrapped, run.optimizer)
+    run.micro_batch, run.micro_batch_size = None, new
+    if run.created_scheduler:  # HF's `_prepare_for_training` drops the schedule it built; setup builds it again
+        run.scheduler = None
+    hooks.state = TrainerState(is_world_process_zero=old.is_world_process_zero, is_local_process_zero=old.is_local_process_zero,
+                               is_hyper_param_search=old.is_hyper_param_search, trial_name=old.trial_name,
+                               trial_params=old.trial_params)
+    # the control stays, as in HF: on_train_begin, on_epoch_begin and on_step_begin clear its flags
+    loop.checkpoints.saved_step = None  # no checkpoint of the new attempt yet (a preemption save checks it)
+    loop.restarted = True  # the size is chosen: no probe before the next attempt (HF has none either)
+    return True
+
+
+def free_memory(strategy: Any) -> None:
+    """Collect what a failed attempt left (once its error, and the frames holding tensors, are gone)."""
+    gc.collect()
+    strategy.accelerator.empty_cache()
+
+
+@contextmanager
+def evaluation_out_of_memory(enabled: bool) -> Iterator[None]:
+    """An out-of-memory error in an evaluation during training becomes one that no batch-size search
+    retries (HF's `_evaluate` does the same): a smaller training batch cannot make evaluation fit."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - anything but out-of-memory propagates unchanged
+        if enabled and is_out_of_memory(err):
+            raise KilnError("Evaluation ran out of memory; auto_find_batch_size only adjusts the training batch size: "
+                            "lower per_device_eval_batch_size (or set eval_accumulation_steps).") from err
+        raise

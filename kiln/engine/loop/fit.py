@@ -19,12 +19,15 @@ from kiln.engine.callbacks.base import interval
 from kiln.engine.checkpoint.data_position import resume_iterator
 from kiln.engine.data.epoch_rng import EpochRandomState
 from kiln.engine.data.loaders import loader_length, set_epoch
+from kiln.engine.loop.batch_size import (evaluation_out_of_memory, find_batch_size, free_memory, restart_smaller,
+                                         saved_batch_size)
 from kiln.engine.loop.loss_reads import NonFiniteGuard
 from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
 from kiln.engine.loop.plan import plan_steps
 from kiln.engine.loop.preemption import Preemption
 from kiln.engine.loop.running_loss import RunningLoss, mean_over_ranks
 from kiln.engine.loop.step import TrainStep, batch_tokens
+from kiln.engine.loop.summary import log_training_start
 from kiln.engine.run import setup_for_training
 from kiln.engine.seed import set_rng_state
 from kiln.optim.optimizers import optimizer_mode
@@ -61,17 +64,24 @@ class FitLoop:
         self.callbacks, self.checkpoints, self.config, self.memory_tracker = callbacks, checkpoints, config, memory_tracker
         self.wants_num_items = wants_num_items
         self._rng: Optional[dict[str, Any]] = None  # a resumed run's RNG streams, set right before its first batch
+        self.restarted = False  # auto_find_batch_size restarted the fit with a smaller batch (restart_smaller)
 
     def run_fit(self, resume_path: Optional[str]) -> TrainOutput:
         with Preemption(self.strategy, bool(self.config.save.on_preemption)) as self.preemption:
-            return self._run(resume_path)
+            while True:  # auto_find_batch_size: out of memory outside a window restarts smaller, as HF (batch_size.py)
+                try:
+                    return self._run(resume_path)
+                except Exception as err:
+                    if not restart_smaller(self, err, resume_path):
+                        raise
+                free_memory(self.strategy)
 
     def _run(self, resume_path: Optional[str]) -> TrainOutput:
         hooks, run, cfg, strategy = self.hooks, self.run, self.config, self.strategy
         loader = self._train_dataloader(resume_path)
         self.checkpoints.attach(self, loader)  # the loop's sums and the data position go into checkpoints
         batches_per_epoch = loader_length(loader)
-        max_steps, num_epochs, _ = plan_steps(cfg, run.accumulation, batches_per_epoch)
+        max_steps, num_epochs, updates_per_epoch = plan_steps(cfg, run.accumulation, batches_per_epoch)
         if max_steps <= 0:  # HF trains 0 steps and reports success; a config for evaluate/predict may say 0
             raise ValueError("train.num_train_epochs is 0 and train.max_steps is unset, so fit() would train nothing: set "
                              "num_train_epochs > 0 or max_steps > 0 (to score a model without training, use evaluate).")
@@ -86,6 +96,7 @@ class FitLoop:
         state.save_steps = interval(cfg.save.steps, max_steps, 500)
         state.train_batch_size = run.micro_batch_size
         state.is_world_process_zero, state.is_local_process_zero = strategy.is_global_zero, strategy.is_local_zero
+        log_training_start(self, loader, batches_per_epoch, max_steps, num_epochs, updates_per_epoch, resume_path)  # HF's block
 
         model = run.wrapped
         self.step = TrainStep(run, strategy, run.facts, cfg, hooks.training_step, hooks.current_learning_rate,
@@ -96,7 +107,8 @@ class FitLoop:
         self.local_flos = 0.0
         control = self.callbacks.call("on_train_begin", cfg, state, hooks.control)
         if cfg.eval.on_start and not resume_path:
-            hooks.evaluate_during_training(on_start=True)
+            with evaluation_out_of_memory(bool(cfg.data.auto_find_batch_size)):
+                hooks.evaluate_during_training(on_start=True)
         start = time.perf_counter()
         self.losses = RunningLoss(NonFiniteGuard(int(cfg.train.max_nonfinite_steps)), bool(cfg.log.nan_inf_filter),
                                   state.global_step)  # nan/inf losses: warn, then stop
@@ -177,10 +189,8 @@ class FitLoop:
 
     def _train_dataloader(self, resume_path: Optional[str]) -> Iterable[Any]:
         hooks, run = self.hooks, self.run
-        if not self.config.data.auto_find_batch_size:
+        if not self.config.data.auto_find_batch_size or self.restarted:
             return hooks.get_train_dataloader()
-        from kiln.engine.loop.batch_size import find_batch_size, saved_batch_size
-
         saved = saved_batch_size(resume_path) if resume_path else None
         if saved is None:
             return find_batch_size(self)
@@ -286,7 +296,8 @@ class FitLoop:
             hooks.log(logs)
         metrics = None
         if control.should_evaluate:
-            metrics = hooks.evaluate_during_training()
+            with evaluation_out_of_memory(bool(self.config.data.auto_find_batch_size)):
+                metrics = hooks.evaluate_during_training()
         if control.should_save:  # the loop's sums go with it: a resumed run logs the same averages
             losses.guard.note_save(f"The checkpoint of step {state.global_step}")
             hooks._save_checkpoint(metrics)

@@ -1,8 +1,8 @@
 """`auto_find_batch_size` during training: an out-of-memory error in a window's forward/backward
 shrinks the micro-batch and redoes the same optimizer step, instead of ending the run.
 
-HF restarts training from step 0 with a smaller batch but the already-updated weights. kiln instead
-drops the partial accumulation window (its gradients are zeroed; the optimizer has not stepped for
+HF restarts training from step 0 with a smaller batch but the already-updated weights. For an error
+in a window's forward or backward kiln instead drops the partial accumulation window (its gradients are zeroed; the optimizer has not stepped for
 it, so nothing else needs rolling back), splits the same global window into smaller micro-batches
 (half the size, twice the accumulation; see `smaller_micro_batch` for odd sizes), rebuilds the
 train iterator at the same sample of the same epoch order, and redoes the step. The global batch,
@@ -12,8 +12,9 @@ the new sizes in their config.yaml, which a resumed run adopts.
 
 Only single-process runs recover: under several processes the other ranks are already waiting in a
 gradient collective that the failed rank will never join, so the error is reported instead. An
-out-of-memory error inside the optimizer step is not recovered either: it may have updated some
-parameters already.
+out-of-memory error anywhere else (inside the optimizer step, which may have updated some parameters
+already, or in a callback) restarts training with a 10% smaller batch, as HF's Trainer does
+(`batch_size.restart_smaller`).
 """
 
 from __future__ import annotations
