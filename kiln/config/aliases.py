@@ -134,7 +134,6 @@ UNSUPPORTED = {
     "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",
     "sharded_ddp": "FairScale sharded DDP is gone from HF too; use strategy: fsdp or deepspeed",
     "mp_parameters": "SageMaker model parallelism is not available",
-    "parallelism_config": "use strategy: fsdp or deepspeed for sharded data parallelism",
 }
 
 # HF arguments that HF itself accepts and ignores: accepted with any value, and one log line says it has

@@ -1,6 +1,7 @@
 """Translations of the HF `TrainingArguments` names that do not map one-to-one onto a config key:
 `accelerator_config` (and its flat legacy names), `debug`, `tpu_metrics_debug`, `use_mps_device`,
-`include_for_metrics`, `train_sampling_strategy`, `ddp_static_graph` and Seq2Seq's `generation_config`.
+`include_for_metrics`, `train_sampling_strategy`, `ddp_static_graph`, Seq2Seq's `generation_config` and
+`parallelism_config` (strategy model_parallel's mesh).
 
 Each function takes the HF value and returns `{dotted.path: value}` entries for the tree (empty when
 the value is HF's default); a value kiln cannot honour raises ValueError with one sentence."""
@@ -117,6 +118,30 @@ def train_sampling_strategy(value: Any) -> dict[str, Any]:
     raise ValueError(f"train_sampling_strategy={value!r} is not supported; use 'random' or 'group_by_length'.")
 
 
+#: accelerate's ParallelismConfig size field -> the axis of `strategy: model_parallel`'s mesh
+PARALLELISM_SIZES = {"dp_replicate_size": "dp_replicate", "dp_shard_size": "dp_shard", "cp_size": "cp", "tp_size": "tp"}
+
+
+def parallelism_config(value: Any) -> dict[str, Any]:
+    """HF's `parallelism_config` (accelerate's ParallelismConfig, or a mapping with its `*_size` keys)
+    selects `strategy: model_parallel` with the same mesh; sizes left unset are 1, as accelerate reads them."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        given = dict(value)
+    elif all(hasattr(value, name) for name in PARALLELISM_SIZES):
+        given = {name: getattr(value, name) for name in (*PARALLELISM_SIZES, "sp_size")}
+    else:
+        raise ValueError(f"parallelism_config={value!r} must be an accelerate ParallelismConfig or a mapping with "
+                         f"{', '.join(PARALLELISM_SIZES)}.")
+    other = [k for k, v in given.items() if k not in PARALLELISM_SIZES and v not in (None, 1)]
+    if other:
+        raise ValueError(f"parallelism_config sets {', '.join(other)}, which kiln does not support; give only "
+                         f"{', '.join(PARALLELISM_SIZES)} (DeepSpeed sequence parallelism is not available).")
+    mesh = {PARALLELISM_SIZES[k]: int(v) for k, v in given.items() if k in PARALLELISM_SIZES and v is not None}
+    return {"strategy.name": "model_parallel", "strategy.options.mesh": mesh}
+
+
 def generation_config(value: Any) -> dict[str, Any]:
     """Seq2Seq's `generation_config` (a GenerationConfig or a dict) becomes generate() keyword arguments."""
     if value is None:
@@ -139,4 +164,5 @@ REWRITES: dict[str, Rewrite] = {
     "train_sampling_strategy": train_sampling_strategy,
     "ddp_static_graph": _optional_bool("strategy.static_graph"),
     "generation_config": generation_config,
+    "parallelism_config": parallelism_config,
 }

@@ -15,6 +15,7 @@ STRATEGY_MODULES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("single", "cpu", "cuda"), "kiln.strategies.single"),
     (("ddp", "ddp_find_unused_parameters_true"), "kiln.strategies.ddp.strategy"),
     (("fsdp", "fsdp2"), "kiln.strategies.fsdp.strategy"),
+    (("model_parallel",), "kiln.strategies.model_parallel.strategy"),
     (("deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_2_offload",
       "deepspeed_stage_3_offload"), "kiln.strategies.deepspeed.strategy"),
     (("xla",), "kiln.strategies.xla.strategy"),

@@ -277,7 +277,9 @@ class Strategy:
 
     # -- collectives: called on every rank; no default (see SingleProcessCollectives) ---------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """`tensor` reduced over every rank with `op` (sum, mean, max, min)."""
+        """`tensor` reduced over every rank with `op` (sum, mean, max, min). Where several ranks share
+        one data shard (tensor parallel: `data_shards < world_size`) they hold the same data-level
+        values, so sum and mean count each data shard once; max and min still span every rank."""
         raise NotImplementedError
 
     def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
@@ -288,11 +290,12 @@ class Strategy:
         return lambda: done
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Stack `tensor` from every rank along a new first dimension."""
+        """Stack `tensor` from every rank along a new first dimension (one entry per data shard, its
+        first rank's, where several ranks share one: see `reduce`)."""
         raise NotImplementedError
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable `obj`, in rank order."""
+        """Every rank's picklable `obj`, in rank order (one per data shard, as `all_gather`)."""
         raise NotImplementedError
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

@@ -185,6 +185,7 @@ for _formats, _module in (
     (("xla-full",), "kiln.strategies.xla.checkpoint_io"),
     (("xla-spmd-sharded", "xla-fsdp-classic"), "kiln.strategies.xla.fsdp_checkpoint_io"),
     (("deepspeed",), "kiln.strategies.deepspeed.checkpoint_io"),
+    (("model-parallel-dcp",), "kiln.strategies.model_parallel.checkpoint_io"),
 ):
     for _format in _formats:
         FORMATS.add_lazy(_format, _module)

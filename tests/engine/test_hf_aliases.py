@@ -162,9 +162,9 @@ REFUSED_WHEN_ON = {
     "use_ipex": True, "use_liger_kernel": True, "liger_kernel_config": {"rms_norm": True},
     "past_index": 2, "tpu_metrics_debug": True,  # the XLA metrics report: refused without an XLA strategy
     "use_legacy_prediction_loop": True, "sharded_ddp": "simple", "mp_parameters": "x",
-    "push_to_hub": True, "parallelism_config": {"tp_size": 2},
+    "push_to_hub": True,
 }
-OFF = {"past_index": -1, "mp_parameters": "", "liger_kernel_config": None, "sharded_ddp": "", "parallelism_config": None}
+OFF = {"past_index": -1, "mp_parameters": "", "liger_kernel_config": None, "sharded_ddp": ""}
 
 
 def _plain(cfg: Any) -> dict[str, Any]:

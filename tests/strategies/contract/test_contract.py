@@ -26,6 +26,7 @@ REPO = HERE.parents[2]
 STRATEGIES = {
     "ddp": ("ddp", 2, 1e-5),
     "fsdp": ("fsdp", 2, 1e-5),
+    "model_parallel": ("model_parallel", 2, 1e-5),  # its default mesh: dp_shard over both processes
     "deepspeed": ("deepspeed", 2, 1e-5),  # ZeRO-2
     "deepspeed_stage_3": ("deepspeed_stage_3", 2, 1e-5),
     "fake_own_step": (OwnStepStrategy, 1, 0.0),

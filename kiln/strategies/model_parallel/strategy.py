@@ -1,0 +1,252 @@
+"""`strategy: model_parallel`: N-D parallelism on one named DeviceMesh -- FSDP2 (`fully_shard`) over
+the data-parallel axes (dp_replicate, dp_shard) and tensor parallelism (`parallelize_module`) over
+the `tp` axis, composed as torchtitan does (TP first, then FSDP over the TP-split DTensors).
+
+    strategy: {name: model_parallel, mesh: {dp_shard: 2, tp: 2}, tp_plan: auto}
+
+The mesh is mesh.py (its axes, -1, HF's parallelism_config), the plan tp_plan.py; a TrainingModule
+that defines `configure_model(mesh)` parallelises itself instead of the plan (FSDP over the dp axes
+still follows, on whatever it did not shard itself). Checkpoints are DCP (checkpoint_io.py).
+
+Sizes and collectives: the `cp * tp` ranks of one data shard read the same batches, so the sampler
+sees `data_shards = dp_replicate * dp_shard` replicas, and every data-level collective counts each
+data shard once: `reduce` sums and means over the data-parallel group (a sum over every rank would
+count each sample `tp` times), `all_gather` / `all_gather_object` keep one entry per data shard (its
+first rank's); max / min, `broadcast_object` and `barrier` span every rank (a flag raised on any rank
+reaches all of them). FSDP2 divides the reduced gradients by the dp size, so `grad_divisor` is it.
+
+Process group and device are DDP's (one process per device, started by a launcher)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from kiln.strategies import STRATEGIES
+from kiln.strategies.capabilities import Capabilities
+from kiln.strategies.checkpoint_io import CheckpointIO
+from kiln.strategies.ddp.strategy import DDPStrategy
+from kiln.strategies.model_parallel.mesh import MeshShape, build_device_mesh, dp_mesh, parse_mesh
+from kiln.strategies.process_group import register_group_user
+from kiln.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from kiln.precision.base import Precision
+
+log = logging.getLogger(__name__)
+
+
+@STRATEGIES.register("model_parallel")
+class ModelParallelStrategy(DDPStrategy):
+    name = "model_parallel"
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        precisions=frozenset({"fp32"}),
+        auto_batch_size=False,
+        full_eval_cast=False,
+        user_optimizer=False,
+        torch_compile=False,
+        reasons={"mps": "it needs gloo or NCCL collectives and DTensor support, which Apple GPUs do not have "
+                        "(one MPS device: strategy mps)",
+                 "xla": "XLA devices shard through XLA's own SPMD (use strategy xla_fsdp)",
+                 **{p: "model_parallel has only been tested in fp32 so far; use precision: fp32 (or strategy fsdp "
+                       "for mixed precision)" for p in ("bf16", "fp16", "bf16-true", "fp16-true", "tf32", "apex")},
+                 "torch_compile": "compiling tensor-parallel DTensor modules has not been tested with it yet"},
+    )
+    options = {
+        "mesh": "axis sizes {dp_replicate, dp_shard, cp, tp}; missing axes are 1, one may be -1 (the rest); "
+                "default {dp_shard: -1}",
+        "tp_plan": "auto (the Transformers model's plan) or {module-name pattern: colwise | rowwise | "
+                   "colwise_gather_output | embedding_rowwise | replicate}",
+        "wrap": "FSDP unit classes over the dp axes (default the model's _no_split_modules)",
+    }
+    checkpoint_formats = ("model-parallel-dcp",)
+
+    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
+        super().__init__(config, precision)
+        self.shape: MeshShape = parse_mesh(self.option("mesh"), self.world_size)
+        self.device_mesh: Any = None
+        self._dp_group: Any = None
+        self._root: Optional[nn.Module] = None
+
+    # -- topology ---------------------------------------------------------------------------
+    @property
+    def data_shards(self) -> int:
+        return self.shape.dp
+
+    @property
+    def data_shard_rank(self) -> int:
+        return self.shape.data_rank(self.global_rank)
+
+    @property
+    def grad_divisor(self) -> int:
+        return self.shape.dp
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.device_mesh is not None:
+            return
+        import torch.distributed as dist
+
+        from kiln.strategies.fsdp.strategy import _release_mesh_groups
+
+        self.shape = parse_mesh(self.option("mesh"), self.world_size)  # a group made outside kiln sets the world
+        self.device_mesh = build_device_mesh(self.shape, self.root_device.type)
+        register_group_user(self.device_mesh, _release_mesh_groups)
+        s = self.shape
+        if s.model_ranks > 1 and s.dp > 1:  # the ranks of my TP/CP position in every data shard
+            groups = [[d * s.model_ranks + m for d in range(s.dp)] for m in range(s.model_ranks)]
+            self._dp_group, _ = dist.new_subgroups_by_enumeration(groups, backend=self.backend)
+        log.info("model_parallel: %s over %d process(es).", s.describe(), self.world_size)
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        from kiln.strategies.fsdp.strategy import _release_groups
+        from kiln.strategies.fsdp.wrap import blocks_to_wrap, sync_module_states
+        from kiln.strategies.model_parallel.tp_plan import apply_plan, user_module
+
+        if self.device_mesh is None:
+            self.setup_environment()
+        s, mesh = self.shape, self.device_mesh
+        module = module.to(self.root_device)
+        if self.world_size > 1:  # every rank starts from rank 0's weights, whatever seed built them
+            sync_module_states(module)
+        user = user_module(module)
+        hook = getattr(user, "configure_model", None)
+        plan = self.option("tp_plan")
+        if callable(hook):
+            if plan is not None:
+                raise ConfigError(f"{type(user).__name__} defines configure_model(mesh), which parallelises the model "
+                                  "itself, and strategy.tp_plan is set too; drop one of them.")
+            hook(mesh)  # the user's own parallelize code (TP, and FSDP on blocks if it wants)
+            what = "configure_model(mesh)"
+        elif s.tp > 1:
+            what = f"{apply_plan(user, mesh['tp'], plan, s.tp)} tensor-parallel layer(s)"
+        else:
+            what = "no tensor parallelism"
+        if s.dp > 1:
+            fsdp_mesh = dp_mesh(mesh, s)
+            kwargs = {"mesh": fsdp_mesh, "reshard_after_forward": True}
+            wrap = self.option("wrap")
+            for block in blocks_to_wrap(module, None if wrap is None else list(wrap), None):  # innermost first
+                if not _is_fsdp(block):
+                    fully_shard(block, **kwargs)
+            if not _is_fsdp(module):
+                fully_shard(module, **kwargs)
+            register_group_user(module, _release_groups)
+        log.info("model_parallel: %s, FSDP over %d data shard(s).", what, s.dp)
+        self._root = module
+        return module
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """Both parallelisms change the module in place: the wrapped module is the user's module."""
+        return getattr(model, "_orig_mod", model)
+
+    # -- step -------------------------------------------------------------------------------
+    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
+        """FSDP reduce-scatters once per accumulation window, on its last micro-batch."""
+        root = self.unwrap(model)
+        if _is_fsdp(root):
+            root.set_requires_gradient_sync(boundary)
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """The true global 2-norm. Gradients live on different meshes (TP-split layers on (dp, tp),
+        the rest on dp alone, or plain tensors without FSDP), which DTensor's own norm cannot mix, so
+        each rank sums its local squares, each weighted by 1 / (the number of ranks holding that same
+        shard), and one all-reduce over every rank adds them up; every shard is then scaled alike."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, Replicate
+
+        world = self.world_size
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]  # the storage this rank holds
+        total = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        with torch.no_grad():
+            for g, mine in zip(grads, local):
+                distinct = 1  # how many different pieces of this gradient the ranks hold
+                if isinstance(g, DTensor):
+                    for dim, placement in enumerate(g.placements):
+                        if not isinstance(placement, Replicate):  # Shard, or FSDP's _StridedShard over TP
+                            distinct *= g.device_mesh.size(dim)
+                total += mine.float().pow(2).sum() * (distinct / world)
+            if world > 1:
+                dist.all_reduce(total)
+            norm = total.sqrt()
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for mine in local:
+                mine.mul_(coef.to(mine.dtype))
+        return norm
+
+    def probe_module(self, model: nn.Module) -> nn.Module:  # never called: capabilities.auto_batch_size is False
+        raise NotImplementedError("auto_find_batch_size is not supported with strategy 'model_parallel'.")
+
+    # -- collectives: data-level values counted once per data shard ----------------------------
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        if op in ("max", "min") or self.shape.model_ranks == 1:
+            return super().reduce(tensor, op)
+        import torch.distributed as dist
+
+        if op not in ("sum", "mean"):
+            return super().reduce(tensor, op)  # refuses the unknown op with DDP's sentence
+        t = self._comm(torch.as_tensor(tensor))
+        if op == "mean" and not t.is_floating_point():
+            t = t.double()
+        if self._dp_group is not None:
+            dist.all_reduce(t, group=self._dp_group)
+        if op == "mean":
+            t = t / self.shape.dp
+        return t.to(torch.as_tensor(tensor).device)
+
+    def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+        if op != "sum" or self.shape.model_ranks == 1:
+            return super().reduce_async(tensor, op)
+        import torch.distributed as dist
+
+        t, device = self._comm(torch.as_tensor(tensor)), torch.as_tensor(tensor).device
+        work = dist.all_reduce(t, group=self._dp_group, async_op=True) if self._dp_group is not None else None
+
+        def wait() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return t.to(device)
+
+        return wait
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return super().all_gather(tensor)[:: self.shape.model_ranks]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return super().all_gather_object(obj)[:: self.shape.model_ranks]
+
+    # -- checkpoints and export -------------------------------------------------------------
+    def checkpoint_io(self) -> CheckpointIO:
+        from kiln.strategies.model_parallel.checkpoint_io import ModelParallelCheckpointIO
+
+        return ModelParallelCheckpointIO(self)
+
+    def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The full weights (FSDP shards and TP splits gathered) with the module's own key names, on
+        CPU; rank 0 only (the others get {}) unless every node writes (save.on_each_node)."""
+        from kiln.strategies.fsdp.checkpoint_io import full_model_state
+
+        every_rank = bool(self.config.save.on_each_node) if self.config is not None else False
+        return full_model_state(self.unwrap(module), every_rank=every_rank)
+
+    def teardown(self) -> None:
+        self.device_mesh, self._dp_group, self._root = None, None, None
+        super().teardown()
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)

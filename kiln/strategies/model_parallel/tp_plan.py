@@ -1,0 +1,190 @@
+"""`strategy.tp_plan`: which layers tensor parallelism splits, and how, turned into one
+`parallelize_module` call over the mesh's `tp` axis.
+
+`auto` (the default) is the Transformers model's own plan: `model.tp_plan` (the class's plan, e.g.
+Llama's `lm_head: colwise_gather_output`, plus `config.base_model_tp_plan` under the base model's
+prefix), found on the first Transformers model inside the user's module. A mapping gives module-name
+patterns (relative to the user's module; `*` is one name component, as in `layers.*.mlp.up_proj`)
+and a style each:
+
+    colwise                  Linear: output features split; output stays split (the next rowwise joins it)
+    rowwise                  Linear: input features split; the outputs are summed into a whole tensor
+    colwise_gather_output    Linear: colwise, output gathered whole (HF's name; `colwise_rep` too)
+    embedding_rowwise        Embedding: the vocabulary split, the looked-up vectors summed whole
+    replicate                left whole on every TP rank (FSDP still shards it over the dp axes)
+
+`sequence_parallel` and HF's other styles are refused with a sentence (not implemented here).
+
+Checked before anything is split, one sentence each: a pattern of a given plan that matches no
+module (`auto` skips the optional layers a configuration lacks), a style
+that is unknown or does not fit the layer, a TP size that does not divide the model's attention
+heads or key/value heads, or a split dimension. A layer whose weight is tied to a layer outside it
+(tied input/output embeddings) is left replicated, and a log line says so: splitting one side of a
+tie would untie it."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Mapping, Optional, Union
+
+from torch import nn
+
+from kiln.utils.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: style -> the dimension it splits: Linear "out" / "in" features, Embedding "vocab" rows (None: nothing)
+STYLES = {"colwise": "out", "rowwise": "in", "colwise_gather_output": "out", "colwise_rep": "out",
+          "embedding_rowwise": "vocab", "replicate": None}
+_REFUSED = {"sequence_parallel": "it needs sequence-sharded norms and matching layer layouts, which kiln's "
+                                 "model_parallel does not build yet"}
+
+_WHAT = {"out": "output features", "in": "input features", "vocab": "vocabulary rows"}
+
+PlanOption = Union[None, str, Mapping[str, str]]
+
+
+def user_module(module: nn.Module) -> nn.Module:
+    """The user's module inside kiln's step dispatcher (a parameterless wrapper whose one child is
+    `module`), or `module` itself."""
+    children = list(module.named_children())
+    if len(children) == 1 and children[0][0] == "module" and not module._parameters:
+        return children[0][1]
+    return module
+
+
+def _hf_model(root: nn.Module) -> tuple[str, Optional[nn.Module]]:
+    """The outermost Transformers model in `root` (one with a `tp_plan` or a config's
+    `base_model_tp_plan`) and its name in `root`."""
+    for name, sub in root.named_modules():
+        config = getattr(sub, "config", None)
+        if isinstance(getattr(sub, "tp_plan", None), Mapping) or getattr(config, "base_model_tp_plan", None):
+            return name, sub
+    return "", None
+
+
+def _auto_plan(root: nn.Module) -> dict[str, str]:
+    prefix, model = _hf_model(root)
+    if model is None:
+        raise ConfigError(f"strategy.tp_plan is auto but {type(root).__name__} holds no Transformers model with a "
+                          "tensor-parallel plan (config.base_model_tp_plan); give strategy.tp_plan as a mapping of "
+                          "module-name patterns to colwise / rowwise.")
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, Mapping) or not plan:
+        base = dict(model.config.base_model_tp_plan)
+        inner = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        lead = f"{model.base_model_prefix}." if isinstance(inner, nn.Module) and inner is not model else ""
+        plan = {f"{lead}{k}": v for k, v in base.items()}
+    lead = f"{prefix}." if prefix else ""
+    return {f"{lead}{k}": str(v) for k, v in plan.items()}
+
+
+def _pattern(text: str) -> "re.Pattern[str]":
+    parts = ["[^.]+" if part == "*" else re.escape(part).replace(r"\*", "[^.]*") for part in text.split(".")]
+    return re.compile(r"\.".join(parts))
+
+
+def resolve_plan(root: nn.Module, option: PlanOption) -> dict[str, str]:
+    """Module name in `root` -> style, every pattern matched and every style known (not yet
+    checked against the TP size: see `check_plan`)."""
+    auto = option is None or option == "auto"
+    if auto:
+        plan = _auto_plan(root)
+    elif isinstance(option, Mapping):
+        plan = {str(k): str(v) for k, v in option.items()}
+    else:
+        raise ConfigError(f"strategy.tp_plan is {option!r}; give auto (the model's own plan) or a mapping of module-name "
+                          "patterns to styles such as {'layers.*.mlp.up_proj': 'colwise'}.")
+    names = [name for name, _ in root.named_modules() if name]
+    resolved: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style in _REFUSED:
+            raise ConfigError(f"strategy.tp_plan gives {pattern} the style {style!r}, which is not supported: "
+                              f"{_REFUSED[style]}; use {', '.join(STYLES)}.")
+        if style not in STYLES:
+            raise ConfigError(f"strategy.tp_plan gives {pattern} the unknown style {style!r}; the styles are "
+                              f"{', '.join(STYLES)}.")
+        regex = _pattern(pattern)
+        matched = [name for name in names if regex.fullmatch(name)]
+        if not matched and auto:  # a model's own plan may name optional layers this configuration lacks
+            continue
+        if not matched:
+            raise ConfigError(f"strategy.tp_plan names {pattern!r}, which matches no module of {type(root).__name__}; "
+                              f"fix the pattern (module names look like {', '.join(_examples(names))}).")
+        for name in matched:
+            resolved.setdefault(name, style)  # the first pattern that names a module decides its style
+    return {name: style for name, style in resolved.items() if style != "replicate"}
+
+
+def _examples(names: list[str]) -> list[str]:
+    leaves = [n for n in names if not any(other.startswith(n + ".") for other in names)]
+    return [repr(re.sub(r"\.\d+\.", ".*.", n)) for n in dict.fromkeys(re.sub(r"\.\d+\.", ".0.", n) for n in leaves)][:4]
+
+
+def check_plan(root: nn.Module, plan: dict[str, str], tp: int) -> dict[str, str]:
+    """Refuse a TP size the model's heads or a split layer cannot take (one sentence each); return the
+    plan without layers whose weights are tied to a layer outside them."""
+    _, model = _hf_model(root)
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if plan and isinstance(heads, int):
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        for what, count in (("attention heads (num_attention_heads)", heads), ("key/value heads (num_key_value_heads)", kv)):
+            if count % tp:
+                raise ConfigError(f"tp {tp} does not divide the model's {count} {what}; choose a tp that divides both "
+                                  f"num_attention_heads ({heads}) and num_key_value_heads ({kv}).")
+    owners: dict[int, set[str]] = {}
+    for name, sub in root.named_modules(remove_duplicate=False):
+        for p in sub._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(name)
+    kept: dict[str, str] = {}
+    for name, style in plan.items():
+        layer = root.get_submodule(name)
+        size = _split_size(name, layer, style)
+        if size % tp:
+            raise ConfigError(f"tp {tp} does not divide the {size} {_WHAT[STYLES[style]]} of {name} "
+                              f"({type(layer).__name__}) that tp_plan's {style!r} splits; choose a tp that divides {size}.")
+        if any(owners[id(p)] - {name} for p in layer.parameters(recurse=False)):
+            log.info("tensor parallel: %s shares its weight with another layer (tied embeddings); it stays replicated.", name)
+            continue
+        kept[name] = style
+    return kept
+
+
+def _split_size(name: str, layer: nn.Module, style: str) -> int:
+    side = STYLES[style]
+    if isinstance(layer, nn.Linear) and side in ("out", "in"):
+        return layer.out_features if side == "out" else layer.in_features
+    if isinstance(layer, nn.Embedding) and side == "vocab":
+        return layer.num_embeddings
+    kind = "Embedding layers" if side == "vocab" else "Linear layers"
+    raise ConfigError(f"strategy.tp_plan gives {name} ({type(layer).__name__}) the style {style!r}, which applies to "
+                      f"{kind} only; give it another style or leave it out of the plan.")
+
+
+def parallel_styles(plan: dict[str, str]) -> dict[str, Any]:
+    """The plan as torch.distributed.tensor.parallel styles (for `parallelize_module`)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    make = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        # token ids come in whole (RowwiseParallel's default input layout is a split last dimension)
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+    return {name: make[style]() for name, style in plan.items()}
+
+
+def apply_plan(root: nn.Module, tp_mesh: Any, option: PlanOption, tp: int) -> int:
+    """Resolve, check and apply the plan on `root` over `tp_mesh`; returns how many layers were split."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = check_plan(root, resolve_plan(root, option), tp)
+    if plan:
+        parallelize_module(root, tp_mesh, parallel_styles(plan))
+    return len(plan)

@@ -1,0 +1,133 @@
+"""A tiny Llama (from LlamaConfig), data and named runs shared by the model_parallel workers (every
+rank) and the tests (the parent). `run_case(name, root)` trains with the same global batch for any
+mesh: the per-device batch is 4 / (the case's data shards)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from kiln import TrainingModule  # noqa: E402
+from tests.helpers import padded_token_data  # noqa: E402
+
+VOCAB = 64
+
+
+def llama_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+
+
+def llama() -> Any:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(llama_config())
+
+
+class HookedLlama(TrainingModule):
+    """Parallelises itself in `configure_model(mesh)`: TP on the MLPs only, by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.llm = llama()
+        self.meshes: list[tuple[str, ...]] = []
+
+    def configure_model(self, mesh: Any) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        self.meshes.append(tuple(mesh.mesh_dim_names))
+        for layer in self.llm.model.layers:
+            parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                                       "down_proj": RowwiseParallel()})
+
+    def training_step(self, batch: dict) -> torch.Tensor:
+        return self.llm(**batch).loss
+
+    def validation_step(self, batch: dict) -> dict:
+        return {"loss": self.llm(**batch).loss}
+
+
+MP = {"name": "model_parallel", "device": "cpu"}
+
+#: name -> (config entries beside the common ones, data shards)
+CASES: dict[str, tuple[dict[str, Any], int]] = {
+    "single": ({"strategy": {"name": "single", "device": "cpu"}}, 1),
+    "tp2": ({"strategy": {**MP, "mesh": {"tp": 2}, "tp_plan": "auto"}, "save": {"strategy": "steps", "steps": 2}}, 1),
+    "hook": ({"strategy": {**MP, "mesh": {"tp": -1}}}, 1),
+    "hook_single": ({"strategy": {"name": "single", "device": "cpu"}}, 1),  # the same module on one process
+    "dp2tp2": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "tp": 2}}}, 2),
+    "hf_dp2tp2": ({"parallelism_config": {"dp_shard_size": 2, "tp_size": 2}, "strategy": {"device": "cpu"}}, 2),
+    "resume": ({"strategy": {**MP}}, 1),  # the default mesh: dp_shard over every process
+}
+
+
+def config(name: str, root: str, **extra: Any) -> dict[str, Any]:
+    entries, shards = CASES[name]
+    cfg: dict[str, Any] = {
+        "output_dir": os.path.join(root, name), "seed": 3, "learning_rate": 0.01, "max_steps": 4,
+        "per_device_train_batch_size": 4 // shards, "per_device_eval_batch_size": 1,  # eval loss is a mean of batch means: one sample each
+        "gradient_accumulation_steps": 2, "max_grad_norm": 1.0,
+        "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
+    }
+    cfg.update(entries)
+    cfg.update(extra)
+    return cfg
+
+
+def data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    return padded_token_data(n, length=8, vocab=VOCAB, seed=seed)
+
+
+def trainer_for(name: str, root: str, model: Any = None, **extra: Any) -> Any:
+    from kiln import Trainer
+
+    model = model if model is not None else (HookedLlama() if name.startswith("hook") else llama())
+    return Trainer(model, config(name, root, **extra), train_dataset=data(32, seed=1), eval_dataset=data(8, seed=2))
+
+
+def full_weights(trainer: Any) -> dict[str, torch.Tensor]:
+    """The trained weights, gathered (rank 0 gets them; the other ranks an empty dict)."""
+    state = trainer.strategy.model_state_for_export(trainer.model)
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+
+
+def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    trainer = trainer_for(name, root, **extra)
+    trainer.fit()
+    metrics = trainer.evaluate()
+    if export is not None:
+        trainer.save_model(export)
+    hist = trainer.state.log_history
+    result = {"losses": [h["loss"] for h in hist if "loss" in h], "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
+              "eval_loss": metrics["eval_loss"], "strategy": type(trainer.strategy).__name__,
+              "data_shards": trainer.strategy.data_shards, "tp_split": tp_split(trainer.model)}
+    if name.startswith("hook"):
+        result["meshes"] = trainer.model.meshes
+    weights = full_weights(trainer)
+    if name.startswith("hook"):  # the same key names as the plain Llama's
+        weights = {k.removeprefix("llm."): v for k, v in weights.items()}
+    return result, weights
+
+
+def tp_split(model: Any) -> int:
+    """How many parameters tensor parallelism split (DTensors with a `tp` mesh axis)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(1 for p in model.parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()))
+
+
+def logits(model: Any) -> torch.Tensor:
+    batch = torch.stack([d["input_ids"] for d in data(4, seed=9)])
+    with torch.no_grad():
+        return model(input_ids=batch).logits
