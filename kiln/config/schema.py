@@ -189,7 +189,7 @@ class LogConfig:
 class StrategyConfig:
     """How the model is placed and replicated. `name` picks the class; the other fields are its options."""
 
-    name: str = opt("auto", "single, ddp, fsdp, deepspeed, xla, xla_fsdp, mps or auto.")
+    name: str = opt("auto", "single, ddp, fsdp, model_parallel, deepspeed, xla, xla_fsdp, mps or auto.")
     device: Optional[str] = opt(None, "Device for the single strategy (cpu, cuda, cuda:1); default the best available.")
     backend: Optional[str] = opt(None, "torch.distributed backend (nccl, gloo, ...); default by device.")
     timeout: int = opt(1800, "Seconds before a collective times out (ddp_timeout).")
@@ -198,7 +198,7 @@ class StrategyConfig:
     bucket_cap_mb: Optional[int] = opt(None, "DDP bucket size in MB.")
     broadcast_buffers: Optional[bool] = opt(None, "DDP broadcast_buffers.")
     static_graph: bool = opt(False, "DDP static_graph.")
-    options: Dict[str, Any] = opt({}, "Further strategy-specific options (FSDP, DeepSpeed, XLA).")
+    options: Dict[str, Any] = opt({}, "Further strategy-specific options (FSDP, model_parallel, DeepSpeed, XLA).")
 
 
 @dataclass
