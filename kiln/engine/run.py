@@ -68,11 +68,23 @@ def module_to_set_up(run: Run, config: Any) -> nn.Module:
     if run.forward_module is None:
         from kiln.engine.model.step_dispatcher import StepDispatcher
 
-        if config.train.gradient_checkpointing and hasattr(run.model, "gradient_checkpointing_enable"):
-            kwargs = config.train.gradient_checkpointing_kwargs or {}
-            run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(kwargs))
+        if config.train.gradient_checkpointing:
+            enable_gradient_checkpointing(run.model, config.train.gradient_checkpointing_kwargs)
         run.forward_module = StepDispatcher(run.model) if run.facts.training_module else run.model
     return run.forward_module
+
+
+def enable_gradient_checkpointing(model: nn.Module, kwargs: Any) -> None:
+    """HF's call: `activation_checkpointing_enable` (Transformers 5; `gradient_checkpointing_enable` on
+    older models), with no kwargs when none are set, so Transformers' own default applies
+    (`use_reentrant=False`; an empty dict would leave torch's reentrant default). A PeftModel hands
+    the call to its base model, which also calls `enable_input_require_grads()` (for `input_ids`
+    models), so gradients reach the adapters inside checkpointed blocks whose frozen inputs need none."""
+    given = dict(kwargs) if kwargs else None
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=given)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=given)
 
 
 def setup_for_eval(run: Run, strategy: Any, config: Any) -> nn.Module:

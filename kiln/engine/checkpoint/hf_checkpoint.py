@@ -18,6 +18,7 @@ from typing import Any, Optional
 from kiln.engine.callbacks.state import TrainerState
 from kiln.engine.checkpoint.restored import Restored
 from kiln.engine.data.loaders import loader_length
+from kiln.engine.model.peft import checkpoint_io_for
 from kiln.engine.seed import _py_state_to_plain
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_optimizer_state
@@ -53,7 +54,7 @@ def load_hf_checkpoint(manager: Any, path: str) -> Restored:
     `manager` is the run's CheckpointManager; returns its `Restored`."""
     run = manager.run
     restored, missing = ["weights"], []
-    io = manager.strategy.checkpoint_io()
+    io = checkpoint_io_for(manager.strategy, run.model)  # HF saved a PeftModel's adapter only
     io.load_weights_only(path, model=run.wrapped, module=run.model)
     if run.optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
         try:

@@ -29,6 +29,7 @@ from kiln.engine.checkpoint.files import (
 )
 from kiln.engine.checkpoint.integrity import ALGORITHM
 from kiln.engine.checkpoint.restored import Restored
+from kiln.engine.model.peft import checkpoint_io_for
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_scheduler_state
 from kiln.engine.seed import rng_state
@@ -119,7 +120,7 @@ class CheckpointManager:
         strategy.barrier("checkpoint-mkdir")
         if state.best_global_step == state.global_step:  # every rank: load_best_model_at_end needs it
             state.best_model_checkpoint = final
-        io = strategy.checkpoint_io()
+        io = checkpoint_io_for(strategy, self.run.model)  # a PeftModel: its adapter only (HF)
         try:
             self._write(tmp, io, writer, state)
             strategy.barrier("checkpoint-written")
@@ -252,7 +253,7 @@ class CheckpointManager:
         meta = read_marker(path)
         if not meta.get("resumable", True):
             raise CheckpointError(f"{path} was saved with save_only_model=true and cannot be resumed; load its weights instead.")
-        io = strategy.checkpoint_io()
+        io = checkpoint_io_for(strategy, self.run.model)  # a PeftModel: its adapter only (HF)
         if meta.get("format", "full") != io.format:
             raise CheckpointError(
                 f"{path} was saved by a strategy with the {meta.get('format')!r} checkpoint format, but this run uses "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints, why_damaged
+from kiln.engine.model.peft import ADAPTER_BIN, ADAPTER_SAFE, checkpoint_io_for
 from kiln.strategies.checkpoint_io import WEIGHTS_BIN, WEIGHTS_SAFE
 from kiln.utils.errors import CheckpointError
 
@@ -39,9 +40,9 @@ class EvalWeights:
 def load_weights_for_eval(strategy: "Strategy", wrapped: "nn.Module", module: "nn.Module", path: str) -> None:
     """Load the model weights in `path` (a checkpoint or a save_model folder) into `module` (the
     user's model) as the strategy placed it (`wrapped`, its set-up module), through the strategy's
-    CheckpointIO (`load_weights_only`), leaving optimizer and scheduler alone. The one place
-    evaluation-time weight loading happens (`Trainer._load_from_checkpoint`)."""
-    strategy.checkpoint_io().load_weights_only(path, model=wrapped, module=module)
+    CheckpointIO (`load_weights_only`; a PeftModel's adapter, as HF's `load_adapter`), leaving optimizer
+    and scheduler alone. The one place evaluation-time weight loading happens (`Trainer._load_from_checkpoint`)."""
+    checkpoint_io_for(strategy, module).load_weights_only(path, model=wrapped, module=module)
 
 
 def _state(path: str) -> dict[str, Any]:
@@ -54,7 +55,8 @@ def _state(path: str) -> dict[str, Any]:
 
 
 def _holds_weights(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, name)) for name in (WEIGHTS_SAFE, WEIGHTS_BIN, f"{WEIGHTS_SAFE}.index.json"))
+    names = (WEIGHTS_SAFE, WEIGHTS_BIN, f"{WEIGHTS_SAFE}.index.json", ADAPTER_SAFE, ADAPTER_BIN)  # save_model of a PeftModel
+    return any(os.path.exists(os.path.join(path, name)) for name in names)
 
 
 def weights_step(path: str) -> Optional[int]:

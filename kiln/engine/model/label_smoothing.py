@@ -42,8 +42,11 @@ def smoothed_loss(model: nn.Module, outputs: Any, labels: torch.Tensor, factor: 
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
-    """HF's test: a causal-LM class of Transformers' auto mapping (GPT2LMHeadModel too), or a *ForCausalLM."""
-    name = type(model).__name__
+    """HF's test: a causal-LM class of Transformers' auto mapping (GPT2LMHeadModel too), or a *ForCausalLM;
+    for a PeftModel, the class of the model inside it."""
+    from kiln.engine.model.peft import base_model_of
+
+    name = type(base_model_of(model)).__name__
     if name.endswith("ForCausalLM"):
         return True
     try:

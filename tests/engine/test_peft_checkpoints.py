@@ -1,0 +1,107 @@
+"""Checkpoints of a PeftModel hold the adapter only, as HF's Trainer writes them (adapter_model.safetensors,
+adapter_config.json; no base model), load with `PeftModel.from_pretrained(base, checkpoint)`, resume
+bit for bit (LoRA dropout on, so the RNG streams matter), give `load_best_model_at_end` the best
+adapter, and a checkpoint that does not fit the adapter is refused with one sentence."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kiln import Trainer
+from kiln.utils.errors import CheckpointError
+from tests.checkpoint.checkpoint_helpers import Crash, CrashAfterSave, Scripted, numeric_history
+from tests.distributed.worker_peft import base_model, data, lora_model
+
+peft = pytest.importorskip("peft")
+
+
+def _config(out: str, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"output_dir": out, "max_steps": 6, "per_device_train_batch_size": 4, "learning_rate": 0.05,
+                           "logging_steps": 1, "save_steps": 3, "seed": 7, "report_to": "none", "disable_tqdm": True,
+                           "log": {"history": []}}
+    cfg.update(overrides)
+    return cfg
+
+
+def _train(out: str, model: Any = None, resume: Any = None, metrics: Any = None, crash_at: Any = None,
+           **overrides: Any) -> Trainer:
+    trainer = Trainer(model if model is not None else lora_model(lora_dropout=0.3), _config(out, **overrides),
+                      train_dataset=data(), eval_dataset=data()[:6], compute_metrics=metrics,
+                      callbacks=[CrashAfterSave(crash_at)] if crash_at else None)
+    trainer.fit(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _adapter(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+
+
+def test_a_checkpoint_is_the_adapter_and_loads_with_peft_from_pretrained(tmp_path):
+    out = str(tmp_path / "run")
+    trainer = _train(out, max_steps=3)
+    ckpt = os.path.join(out, "checkpoint-3")
+    files = set(os.listdir(ckpt))
+    assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "scheduler.pt"} <= files
+    assert not files & {"model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"}
+    assert json.loads(open(os.path.join(ckpt, "COMPLETE")).read())["format"] == "peft-adapter"
+    saved = load_file(os.path.join(ckpt, "adapter_model.safetensors"))
+    live = _adapter(trainer.model)
+    assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
+    loaded = peft.PeftModel.from_pretrained(base_model(), ckpt).eval()
+    trainer.model.eval()
+    ids = data()[0]["input_ids"][None]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
+
+
+def test_resume_from_an_adapter_checkpoint_is_bitwise_identical(tmp_path):
+    straight = _train(str(tmp_path / "straight"))
+    out = str(tmp_path / "run")
+    with pytest.raises(Crash):
+        _train(out, crash_at=3)
+    resumed = _train(out, model=lora_model(lora_seed=5, lora_dropout=0.3), resume=True)
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+    assert numeric_history(resumed) == numeric_history(straight)
+
+
+def test_load_best_model_at_end_restores_the_best_adapter(tmp_path):
+    out = str(tmp_path / "run")
+    trainer = _train(out, max_steps=6, save_steps=2, eval_strategy="steps", eval_steps=2, metric_for_best_model="score",
+                     load_best_model_at_end=True, metrics=Scripted([0.2, 0.9, 0.5]))
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-4")
+    best = load_file(os.path.join(out, "checkpoint-4", "adapter_model.safetensors"))
+    last = load_file(os.path.join(out, "checkpoint-6", "adapter_model.safetensors"))
+    now = _adapter(trainer.model)
+    assert all(torch.equal(now[k], best[k]) for k in best)
+    assert not all(torch.equal(now[k], last[k]) for k in last)
+
+
+def test_an_adapter_that_does_not_fit_is_refused(tmp_path):
+    out = str(tmp_path / "run")
+    _train(out, max_steps=3)
+    other = Trainer(lora_model(r=8), _config(str(tmp_path / "other")), train_dataset=data())
+    with pytest.raises(CheckpointError, match=r"does not fit this model: .*lora_A\.weight is \(4, 16\) there and "
+                                              r"\(8, 16\) here; use the peft config"):
+        other._load_from_checkpoint(os.path.join(out, "checkpoint-3"))
+    with pytest.raises(CheckpointError, match=r"^No adapter weights \(adapter_model.safetensors or adapter_model.bin\) in "):
+        os.remove(os.path.join(out, "checkpoint-3", "adapter_model.safetensors"))
+        other._load_from_checkpoint(os.path.join(out, "checkpoint-3"))
+
+
+def test_the_run_weights_of_kiln_evaluate_include_an_exported_adapter(tmp_path):
+    from kiln.engine.checkpoint.weights import find_run_weights
+
+    out = str(tmp_path / "run")
+    trainer = _train(out, max_steps=3, save_strategy="no")
+    trainer.save_model()
+    found = find_run_weights(out)
+    assert found is not None and found.origin == "exported model"

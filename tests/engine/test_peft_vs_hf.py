@@ -1,0 +1,127 @@
+"""A LoRA GPT-2 (peft, tiny, built from a config) trained by kiln and by transformers.Trainer itself
+on the same data in the same order: the same adapter weights after 4 steps for plain training,
+gradient checkpointing (HF's default kwargs and reentrant checkpointing, which only trains the
+adapters because the base model's `enable_input_require_grads` hook makes the frozen embeddings'
+output require grad) and a run resumed from its step-2 adapter checkpoint, kiln's or HF's own."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from kiln import Trainer
+from tests.distributed.worker_peft import data, lora_model
+from tests.helpers import base_config
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+STEPS, BATCH, ACCUMULATION, LR = 4, 2, 2, 0.05
+
+
+class _InOrder(transformers.Trainer):
+    """HF's Trainer reading the data in order, so both runs see the same micro-batches."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+
+def _hf(tmp_path, model, **kw: Any) -> Any:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, per_device_train_batch_size=BATCH, max_steps=STEPS,
+        gradient_accumulation_steps=ACCUMULATION, learning_rate=LR, logging_steps=1, report_to=[], seed=0,
+        disable_tqdm=True, **{"save_strategy": "no", **kw})
+    trainer = _InOrder(model=model, args=args, train_dataset=data())
+    trainer.train()
+    return trainer
+
+
+def _kiln(tmp_path, model, resume: Optional[str] = None, **kw: Any) -> Trainer:
+    loader = torch.utils.data.DataLoader(data(), batch_size=BATCH, shuffle=False)
+    cfg = base_config(tmp_path, max_steps=STEPS, learning_rate=LR, gradient_accumulation_steps=ACCUMULATION,
+                      logging_steps=1, **kw)
+    trainer = Trainer(model, cfg, train_dataset=loader)
+    trainer.fit(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _adapter(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+
+
+def _assert_same_adapter(got: dict, want: dict, tol: float = 1e-6) -> None:
+    assert got.keys() == want.keys() and got
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _assert_trained(model) -> None:
+    start = _adapter(lora_model())
+    moved = [k for k, v in _adapter(model).items() if not torch.equal(v, start[k])]
+    assert sorted(moved) == sorted(start), f"adapter tensors that did not train: {sorted(set(start) - set(moved))}"
+
+
+def test_plain_lora_matches_hf_and_save_model_writes_the_adapter_only(tmp_path):
+    hf = _hf(tmp_path, lora_model())
+    ours = _kiln(tmp_path, lora_model())
+    _assert_trained(ours.model)
+    _assert_same_adapter(_adapter(ours.model), _adapter(hf.model))
+    base = {k: v for k, v in lora_model().state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(v, base[k]) for k, v in ours.model.state_dict().items() if "lora_" not in k)
+    ours.save_model(str(tmp_path / "export"))
+    files = set(os.listdir(tmp_path / "export"))
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= files and "model.safetensors" not in files
+    from safetensors.torch import load_file
+
+    _assert_same_adapter(load_file(str(tmp_path / "export" / "adapter_model.safetensors")), _adapter(ours.model), 0)
+
+
+def test_label_smoothing_treats_a_peft_causal_lm_as_hf_does(tmp_path):
+    """HF decides on shifting the labels by the class of the model inside the PeftModel (GPT2LMHeadModel)."""
+    assert type(lora_model()).__name__ == "PeftModel"  # no task type: the wrapper's name says nothing
+    hf = _hf(tmp_path, lora_model(), label_smoothing_factor=0.1)
+    ours = _kiln(tmp_path, lora_model(), label_smoothing_factor=0.1)
+    _assert_same_adapter(_adapter(ours.model), _adapter(hf.model))
+
+
+def _checkpointing(model) -> dict[str, Any]:
+    """Each checkpointed module's checkpoint function keywords, and whether the input hook is set."""
+    funcs = {n: dict(m._gradient_checkpointing_func.keywords) for n, m in model.named_modules()
+             if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")}
+    return {"funcs": funcs, "input_hook": bool(getattr(model.get_base_model(), "_require_grads_hooks", None))}
+
+
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}], ids=["hf-default", "reentrant"])
+def test_gradient_checkpointing_matches_hf(tmp_path, kwargs):
+    extra = {"gradient_checkpointing": True, **({"gradient_checkpointing_kwargs": kwargs} if kwargs else {})}
+    hf = _hf(tmp_path, lora_model(), **extra)
+    ours = _kiln(tmp_path, lora_model(), **extra)
+    seen = _checkpointing(ours.model)
+    assert seen["funcs"] and seen == _checkpointing(hf.model)  # same checkpoint function, same input-grad hook
+    assert seen["input_hook"]
+    assert all(f == (kwargs or {"use_reentrant": False}) for f in seen["funcs"].values())
+    _assert_trained(ours.model)  # reentrant: only through the input-grad hook
+    _assert_same_adapter(_adapter(ours.model), _adapter(hf.model))
+
+
+def test_resume_from_an_adapter_checkpoint_matches_hf_and_the_uninterrupted_run(tmp_path):
+    hf = _hf(tmp_path, lora_model())
+    straight = _kiln(tmp_path / "straight", lora_model(), save={"strategy": "steps", "steps": 2})
+    checkpoint = str(tmp_path / "straight" / "out" / "checkpoint-2")
+    resumed = _kiln(tmp_path / "resumed", lora_model(lora_seed=7), resume=checkpoint)
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _assert_same_adapter(_adapter(resumed.model), _adapter(hf.model))
+
+
+def test_resume_from_hf_adapter_checkpoint_matches_hf(tmp_path):
+    hf = _hf(tmp_path, lora_model(), save_strategy="steps", save_steps=2)
+    checkpoint = str(tmp_path / "hf" / "checkpoint-2")
+    assert os.path.exists(os.path.join(checkpoint, "adapter_model.safetensors"))
+    with pytest.warns(UserWarning, match="Resumed from Hugging Face checkpoint"):
+        resumed = _kiln(tmp_path, lora_model(lora_seed=7), resume=checkpoint)
+    assert resumed.state.global_step == STEPS
+    _assert_same_adapter(_adapter(resumed.model), _adapter(hf.model))
