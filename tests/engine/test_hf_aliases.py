@@ -116,6 +116,8 @@ TABLE: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
     ("deepspeed", "ds.json", {"strategy.name": "deepspeed", "strategy.options": {"config": "ds.json"}}, {}),
     ("fsdp", "full_shard auto_wrap", {"strategy.name": "fsdp", "strategy.options": {"fsdp": ["full_shard", "auto_wrap"]}}, {}),
     ("fsdp_config", {"min_num_params": 10}, {"strategy.options": {"fsdp_config": {"min_num_params": 10}}}, {}),
+    ("parallelism_config", {"dp_shard_size": 2, "tp_size": 2},
+     {"strategy.name": "model_parallel", "strategy.options": {"mesh": {"dp_shard": 2, "tp": 2}}}, {}),
     # precision
     ("fp16", True, {"precision.name": "fp16"}, {}),
     ("bf16", True, {"precision.name": "bf16"}, {}),
