@@ -162,6 +162,8 @@ def _fit(trainer: Any, data: dict[str, Any]) -> None:
         print(f"kiln: output_dir {where}", flush=True)
     with run_lock(cfg, trainer.strategy):  # fit takes it too: held here until the export is written
         result = trainer.fit()
+        if trainer.checkpoints.preempted_step is not None:  # SIGTERM: its checkpoint is written; leave now, exit 0
+            return
         trainer.log_metrics("train", result.metrics)
         trainer.save_metrics("train", result.metrics)
         if data.get("eval_dataset") is not None:

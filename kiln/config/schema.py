@@ -156,7 +156,8 @@ class SaveConfig:
     restore_callback_states_from_checkpoint: bool = opt(
         False, "On resume, also rebuild ExportableState callbacks from their saved args (their counters are always restored).")
     on_preemption: bool = opt(
-        False, "On SIGTERM, save a checkpoint at the next step boundary on every rank and exit 0 (enable_jit_checkpoint).")
+        False, "On SIGTERM, save a checkpoint at the next step boundary on every rank and stop: fit() returns, kiln fit "
+        "exits 0 (enable_jit_checkpoint).")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from kiln.engine.arguments import config_or_args, pop_objects
 from kiln.engine.callbacks.base import Callback, CallbackHandler
 from kiln.engine.callbacks.defaults import default_callbacks
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
+from kiln.config.hf_args import is_training_arguments
 from kiln.engine.checkpoint.manager import CheckpointManager
 from kiln.engine.checkpoint.output_dir import refuse_overwrite, run_lock
 from kiln.engine.checkpoint.resume import choose_resume
@@ -77,6 +78,7 @@ class Trainer(RunAttributes, EvaluationMixin, HyperparameterSearchMixin):
         args: Any = None,
     ) -> None:
         config = config_or_args(config, args)
+        self._given_args = config if is_training_arguments(config) else None  # saved as training_args.bin (HF)
         config, strategy, precision, overrides = pop_objects(config, strategy, precision, overrides)
         self.config = load_with_launcher_settings(config, overrides)  # accelerate launch fills unset keys
         cfg = self.config
@@ -129,7 +131,7 @@ class Trainer(RunAttributes, EvaluationMixin, HyperparameterSearchMixin):
         self.callback_handler = CallbackHandler(default_callbacks(cfg, self.strategy), model=model, processing_class=processing_class)
         for cb in callbacks or ():
             self.callback_handler.add(cb)
-        self.checkpoints = CheckpointManager(cfg, self.strategy, self.precision, self.callback_handler, self.run)
+        self.checkpoints = CheckpointManager(cfg, self.strategy, self.precision, self.callback_handler, self.run, self._given_args)
         self.control = self.callback_handler.call("on_init_end", cfg, self.state, self.control)
         self.memory_tracker.stop("init")
 
@@ -142,7 +144,8 @@ class Trainer(RunAttributes, EvaluationMixin, HyperparameterSearchMixin):
     def _adopt(self, model: nn.Module) -> None:
         """A new run for `model` (assigned to `trainer.model`): set up anew, without the old optimizer."""
         self.run = self._new_run(model)
-        self.checkpoints = CheckpointManager(self.config, self.strategy, self.precision, self.callback_handler, self.run)
+        self.checkpoints = CheckpointManager(self.config, self.strategy, self.precision, self.callback_handler, self.run,
+                                             self._given_args)
         self.callback_handler.objects["model"] = model
 
     # -- callbacks (HF API) -----------------------------------------------------------------
@@ -318,7 +321,7 @@ class Trainer(RunAttributes, EvaluationMixin, HyperparameterSearchMixin):
             self.precision.teardown()
             from kiln.loggers.writer import flush_after_fit
 
-            flush_after_fit(sys.exc_info()[1])  # an exception or the preemption exit skips on_train_end
+            flush_after_fit(sys.exc_info()[1])  # an exception skips on_train_end
 
     train = fit  # HF name
 
@@ -341,8 +344,9 @@ class Trainer(RunAttributes, EvaluationMixin, HyperparameterSearchMixin):
                            backward_owner=old.backward_owner)
         self.state = TrainerState(is_world_process_zero=self.strategy.is_global_zero,
                                   is_local_process_zero=self.strategy.is_local_zero)
-        self.control = TrainerControl()
-        self.checkpoints = CheckpointManager(cfg, self.strategy, self.precision, self.callback_handler, self.run)
+        self.control = TrainerControl()  # a trial's training_args.bin is built from the trial's config
+        self.checkpoints = CheckpointManager(cfg, self.strategy, self.precision, self.callback_handler, self.run,
+                                             self._given_args if trial is None else None)
 
     def _build_model(self, trial: Any = None) -> nn.Module:
         """`model_init(trial)` (or `model_init()`), inside a sharding strategy's context where it has one."""
@@ -391,8 +395,8 @@ class Trainer(RunAttributes, EvaluationMixin, HyperparameterSearchMixin):
         `save_pretrained`) the weights are split into shards with a `model.safetensors.index.json`."""
         from kiln.engine.checkpoint.export import export_model
 
-        return export_model(self.model, self.strategy, self.config, self.processing_class,
-                            output_dir or self.config.output_dir, max_shard_size)
+        return export_model(self.model, self.strategy, self.config, self.processing_class, output_dir or self.config.output_dir,
+                            max_shard_size, self._given_args if self._trial is None else None)
 
     def save_state(self) -> None:
         if self.strategy.is_global_zero:

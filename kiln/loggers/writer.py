@@ -10,8 +10,8 @@ the log rate makes the training thread wake the writer and wait, instead of hold
 backlog in memory.
 
 `flush()` wakes the writer at once and waits until every queued write has run; the LoggerCallback
-flushes before a checkpoint is saved and when training ends, the Trainer when fit() leaves (an
-exception, the preemption exit), and the exit hook at interpreter exit, so no record is lost. A write
+flushes before a checkpoint is saved and when training ends, the Trainer when fit() leaves (also
+through an exception), and the exit hook at interpreter exit, so no record is lost. A write
 that raised is re-raised on the training thread at its next call, as the write itself would have.
 
 SIGTERM: where nothing else handles it (the default action, which kills the process at once), the
@@ -19,7 +19,7 @@ writer installs a handler that flushes (at most `SIGTERM_FLUSH_S` seconds) and t
 before, so the exit status is unchanged. The handler is checked when a record is queued behind an
 empty queue (once per batch of records: reading it costs more than queueing the record). Where
 `save.on_preemption` handles it, the loop saves and
-leaves through SystemExit, and the Trainer flushes on its way out."""
+ends training as a finished run ends, and the Trainer flushes on its way out."""
 
 from __future__ import annotations
 

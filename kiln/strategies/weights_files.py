@@ -4,6 +4,11 @@
 (checkpoints, load_best_model_at_end, `kiln evaluate/predict`) and `save_model` writes them above
 `save.max_shard_size`.
 
+`tie_groups` / `share_tied` keep tied weights (GPT-2's `lm_head.weight` is `transformer.wte.weight`)
+stored once where the writer cannot see the tie in the tensors themselves: a consolidated sharded
+checkpoint holds every name as its own tensor, so the ties the module had are recorded when it is
+saved and applied again before the single file is written (`kiln convert`).
+
 `safetensors_intact` checks a file's size against its own header (8-byte length, JSON header, data
 up to the largest end offset): a truncated shard is caught without reading the tensors, so a
 checkpoint whose weights were re-saved as shards can be told apart from a damaged one."""
@@ -93,6 +98,38 @@ def load_sharded(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, str
     if absent:
         raise CheckpointError(f"{directory}: {INDEX} names tensors no shard holds ({', '.join(absent[:5])}).")
     return state, {k: str(v) for k, v in (index.get("metadata") or {}).items()}
+
+
+def tie_groups(module: Any) -> list[list[str]]:
+    """Names of `module`'s parameters and buffers that are one tensor (tied weights), one list per tie,
+    the name the single stored copy keeps first: as `save_pretrained`, the names a Transformers model
+    declares as tied copies (`_tied_weights_keys`, e.g. `lm_head.weight`) give way to their source."""
+    by_object: dict[int, list[str]] = {}
+    for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+        for name, tensor in named:
+            by_object.setdefault(id(tensor), []).append(name)
+    copies = set(getattr(module, "_tied_weights_keys", None) or ())  # {copy: source} in transformers 5
+    return [sorted(names, key=lambda n: n in copies) for names in by_object.values() if len(names) > 1]
+
+
+def share_tied(state: dict[str, torch.Tensor], groups: Any) -> dict[str, torch.Tensor]:
+    """`state` with each tie of `groups` (from `tie_groups`) made one tensor again, its kept name
+    ahead of the others, so that the safetensors writer stores it once under that name and records the
+    others as aliases. A tie whose tensors differ is not one (a damaged record): left as it is."""
+    if not isinstance(groups, list):
+        return state
+    out = dict(state)
+    aliases: set[str] = set()
+    for group in groups:
+        if not (isinstance(group, list) and group and all(isinstance(n, str) for n in group)) or group[0] not in state:
+            continue
+        kept = state[group[0]]
+        for name in group[1:]:
+            value = state.get(name)
+            if value is not None and value.shape == kept.shape and value.dtype == kept.dtype and torch.equal(value, kept):
+                out[name] = kept
+                aliases.add(name)
+    return {**{k: v for k, v in out.items() if k not in aliases}, **{k: v for k, v in out.items() if k in aliases}}
 
 
 def safetensors_intact(path: str) -> bool:

@@ -4,6 +4,7 @@ save_only_model / save_safetensors / save_on_each_node semantics, the contents o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -17,6 +18,9 @@ from kiln.engine.checkpoint.manager import is_complete, read_marker
 from kiln.utils.errors import CheckpointError
 from kiln.strategies.single import SingleDeviceStrategy
 from tests.checkpoint.checkpoint_helpers import Scripted, folders, regression_data, train, weights
+
+#: HF's training_args.bin, written where transformers is installed (tests/checkpoint/test_training_args_file.py)
+HF_FILES = ["training_args.bin"] if importlib.util.find_spec("transformers") else []
 
 
 def small_eval():
@@ -69,7 +73,7 @@ def test_checkpoint_contents(tmp_path):
     ckpt = os.path.join(out, "checkpoint-6")
     assert sorted(os.listdir(ckpt)) == sorted([
         "model.safetensors", "optimizer.pt", "scheduler.pt", "precision.pt", "rng_state_0.pth", "loop_state_0.pt",
-        "trainer_state.json", "kiln_loop_position.json", "config.yaml", "COMPLETE"])
+        "trainer_state.json", "kiln_loop_position.json", "config.yaml", "COMPLETE", *HF_FILES])
     marker = read_marker(ckpt)
     assert marker["step"] == 6 and marker["world_size"] == 1 and marker["resumable"]
     assert set(marker["files"]) == set(os.listdir(ckpt)) - {"COMPLETE"}
@@ -93,7 +97,8 @@ def test_save_only_model_cannot_be_resumed(tmp_path):
     out = str(tmp_path / "run")
     train(out, {"max_steps": 4, "save_steps": 2, "save_only_model": True})
     ckpt = os.path.join(out, "checkpoint-4")
-    assert sorted(os.listdir(ckpt)) == ["COMPLETE", "config.yaml", "kiln_loop_position.json", "model.safetensors", "trainer_state.json"]
+    assert sorted(os.listdir(ckpt)) == sorted(["COMPLETE", "config.yaml", "kiln_loop_position.json", "model.safetensors",
+                                               "trainer_state.json", *HF_FILES])
     with pytest.raises(CheckpointError, match="save_only_model"):
         train(out, {"max_steps": 6, "save_steps": 2, "save_only_model": True}, resume=ckpt)
 

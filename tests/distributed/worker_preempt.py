@@ -60,4 +60,4 @@ if rank == 0:
     torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, os.path.join(out, "final.pt"))
     with open(os.path.join(out, "history.json"), "w") as fh:
         json.dump(trainer.state.log_history[:-1], fh)
-print("training finished", flush=True)
+print(f"training finished at step {trainer.state.global_step}", flush=True)

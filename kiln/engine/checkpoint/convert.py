@@ -1,31 +1,45 @@
 """`kiln convert CHECKPOINT OUT`: one `model.safetensors` from any kiln checkpoint, in this process,
-whatever strategy and number of processes saved it. The checkpoint's COMPLETE marker names its
-format; the format registry (kiln.strategies.checkpoint_io.FORMATS) gives the CheckpointIO class
-that wrote it, whose `consolidate` reads the full weights, importing only that format's module. Every
-format's reader vets each pickle first (kiln.utils.safe_pickle, DeepSpeed's allow-list), since torch's
-DCP reader and `zero_to_fp32` would unpickle them unchecked: converting a checkpoint never runs code
-from it."""
+whatever strategy and number of processes saved it, plus the files that make OUT load as
+`save_pretrained` leaves a folder: the model's `config.json` and `generation_config.json` and the
+tokenizer's files, where the checkpoint holds them, so `AutoModel...from_pretrained(OUT)` builds the
+trained model (not a default one), and `safetensors.torch.load_model` fills the plain model.
+
+The checkpoint's COMPLETE marker names its format; the format registry
+(kiln.strategies.checkpoint_io.FORMATS) gives the CheckpointIO class that wrote it, whose
+`consolidate` reads the full weights, importing only that format's module. A sharded format holds
+each tied weight (GPT-2's `lm_head.weight`, which is `transformer.wte.weight`) as a tensor of its
+own, so the ties the model had, recorded in the marker when it was saved, are applied again and each
+is stored once, under the name `save_pretrained` keeps (kiln.strategies.weights_files.share_tied).
+Every format's reader vets each pickle first (kiln.utils.safe_pickle, DeepSpeed's allow-list), since
+torch's DCP reader and `zero_to_fp32` would unpickle them unchecked: converting a checkpoint never runs
+code from it."""
 
 from __future__ import annotations
 
 import os
 
 from kiln.engine.checkpoint.files import read_marker
+from kiln.engine.checkpoint.hf_files import copy_model_files
 from kiln.registry import UnknownNameError
 from kiln.strategies.checkpoint_io import FORMATS, save_weights
+from kiln.strategies.weights_files import share_tied
 from kiln.utils.errors import CheckpointError
 
 
 def convert_checkpoint(checkpoint: str, output_dir: str) -> str:
-    """Write the checkpoint's full weights to `output_dir/model.safetensors`; returns the file path."""
+    """Write the checkpoint's full weights to `output_dir/model.safetensors`, and its model and
+    tokenizer files beside them; returns the weights file's path."""
     if not os.path.isdir(checkpoint):
         raise CheckpointError(f"{checkpoint} is not a checkpoint folder.")
-    fmt = str(read_marker(checkpoint).get("format", "full"))
+    marker = read_marker(checkpoint)
+    fmt = str(marker.get("format", "full"))
     try:
         io = FORMATS.get(fmt)
     except UnknownNameError:
         raise CheckpointError(f"kiln convert cannot read checkpoints of format {fmt!r}; it reads "
                               f"{', '.join(FORMATS.names())}.") from None
-    state = io.consolidate(checkpoint)
+    state = share_tied(io.consolidate(checkpoint), marker.get("tied"))
     os.makedirs(output_dir, exist_ok=True)
-    return os.path.join(output_dir, save_weights(state, output_dir, safetensors=True))
+    path = os.path.join(output_dir, save_weights(state, output_dir, safetensors=True))
+    copy_model_files(checkpoint, output_dir)
+    return path

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
+from kiln.engine.checkpoint.hf_files import write_training_args
 from kiln.strategies.checkpoint_io import save_weights
 
 if TYPE_CHECKING:
@@ -18,9 +19,10 @@ if TYPE_CHECKING:
 
 
 def export_model(model: "nn.Module", strategy: "Strategy", config: Any, processing_class: Any, output_dir: str,
-                 max_shard_size: Optional[Union[int, str]] = None) -> str:
+                 max_shard_size: Optional[Union[int, str]] = None, training_args: Any = None) -> str:
     """Write `model`'s full weights (gathered by the strategy if sharded) into `output_dir`; every
-    rank calls this, the node's writer writes."""
+    rank calls this, the node's writer writes. `training_args` (the user's TrainingArguments, else
+    built from `config`) is written as `training_args.bin`, as HF's `save_model` does."""
     state = strategy.model_state_for_export(model)  # the user's module, gathered if sharded
     writer = strategy.is_global_zero or (config.save.on_each_node and strategy.is_local_zero)
     if writer:
@@ -39,6 +41,7 @@ def export_model(model: "nn.Module", strategy: "Strategy", config: Any, processi
 
         from kiln.config.redact import config_for_saving
         OmegaConf.save(config_for_saving(config), os.path.join(output_dir, "kiln_config.yaml"))
+        write_training_args(output_dir, config, training_args)
     strategy.barrier("save-model")
     return output_dir
 

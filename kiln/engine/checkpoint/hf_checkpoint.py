@@ -11,6 +11,7 @@ interrupted logging window are not in the checkpoint."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 from typing import Any, Optional
@@ -76,7 +77,7 @@ def load_hf_checkpoint(manager: Any, path: str) -> Restored:
     except (OSError, ValueError, TypeError) as err:
         raise CheckpointError(f"{path}/trainer_state.json is unreadable ({err}).") from None
     restored.append("trainer state (step, log history, best metric)")
-    _compare_cadence(state, manager.config, path)
+    compare_with_checkpoint(state, manager, path)
     if manager.load_callback_state(path, state):
         restored.append("callback state")
     rank = manager.strategy.global_rank
@@ -95,16 +96,41 @@ def load_hf_checkpoint(manager: Any, path: str) -> Restored:
     return Restored(state, rng)
 
 
-def _compare_cadence(st: TrainerState, cfg: Any, path: str) -> None:
-    """HF's `compare_trainer_and_checkpoint_args`: warn, naming them, when the logging, eval or save
-    interval differs from the one the checkpoint was trained with."""
-    pairs = (("logging_steps", st.logging_steps, cfg.log.steps), ("eval_steps", st.eval_steps, cfg.eval.steps),
-             ("save_steps", st.save_steps, cfg.save.steps))
-    changed = [f"{name} {old!r} -> {new!r}" for name, old, new in pairs
-               if new is not None and float(new) >= 1 and old is not None and int(old) != int(new)]
-    if changed:
-        warnings.warn(f"Resuming {path} with settings that differ from the checkpoint's ({'; '.join(changed)}): "
-                      "the run continues with this run's values.", stacklevel=4)
+def compare_with_checkpoint(saved: TrainerState, manager: Any, path: str) -> None:
+    """HF's `compare_trainer_and_checkpoint_args`, for kiln's checkpoints and HF's alike: one warning
+    (kiln's logger, HF's words) naming each of logging_steps, eval_steps, save_steps and
+    per_device_train_batch_size whose value in this run differs from the one the checkpoint's
+    trainer_state.json records. The run goes on with this run's values. A ratio (below 1) is compared
+    as the number of steps it comes to in this run: HF compares the ratio itself with the saved count,
+    which warns when nothing changed."""
+    cfg, run = manager.config, manager.run
+    max_steps = _max_steps(cfg, run.accumulation, manager.loader)
+    lines = []
+    for name, value in (("logging_steps", cfg.log.steps), ("eval_steps", cfg.eval.steps), ("save_steps", cfg.save.steps)):
+        old = getattr(saved, name, None)
+        if value is None or old is None:  # HF: compared only where both are set
+            continue
+        steps = int(value) if value >= 1 else (math.ceil(max_steps * value) if max_steps else None)
+        if steps is not None and steps != int(old):
+            shown = int(value) if float(value).is_integer() else value  # 2, not the config's 2.0
+            lines.append(f"{name}: {shown} (from args) != {old} (from trainer_state.json)")
+    if saved.train_batch_size and saved.train_batch_size != run.micro_batch_size:  # both per device (no DataParallel)
+        lines.append(f"per_device_train_batch_size: {run.micro_batch_size} (from args) != {saved.train_batch_size} "
+                     "(from trainer_state.json)")
+    if lines:
+        log.warning("Warning: The following arguments do not match the ones in the `trainer_state.json` within the "
+                    "checkpoint directory %s (the run continues with this run's values): %s", path,
+                    "".join(f"\n\t{line}" for line in lines))
+
+
+def _max_steps(cfg: Any, accumulation: int, loader: Any) -> Optional[int]:
+    """This run's total steps (HF's rule, kiln.engine.loop.plan), which a ratio of steps is of."""
+    from kiln.engine.loop.plan import plan_steps
+
+    try:
+        return plan_steps(cfg, accumulation, loader_length(loader) if loader is not None else None)[0]
+    except ValueError:  # no length and no max_steps: fit() refuses it itself, with its own sentence
+        return None
 
 
 def _set_position(st: TrainerState, k: int, loader: Any) -> None:

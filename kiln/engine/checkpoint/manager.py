@@ -27,8 +27,10 @@ from kiln.engine.checkpoint.data_position import stateful_dataset
 from kiln.engine.checkpoint.files import (
     MARKER, PREFIX, _fsync_dir, _fsync_tree, _remove, is_complete, latest_checkpoint, list_checkpoints, read_marker,
 )
+from kiln.engine.checkpoint.hf_files import write_model_files, write_training_args
 from kiln.engine.checkpoint.integrity import ALGORITHM
 from kiln.engine.checkpoint.restored import Restored
+from kiln.strategies.weights_files import tie_groups
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_scheduler_state
@@ -56,8 +58,6 @@ _DEBRIS = re.compile(rf"^\.{PREFIX}\d+\.(tmp|old|deleting)$")
 #: config keys whose change makes the saved data position mean something else (warned about on resume)
 _POSITION_KEYS = ("data.per_device_train_batch_size", "train.gradient_accumulation_steps", "seed", "data_seed",
                   "data.dataloader_drop_last", "data.group_by_length")
-#: further settings HF compares with the checkpoint's on resume (`compare_trainer_and_checkpoint_args`)
-_CADENCE_KEYS = ("log.steps", "eval.steps", "save.steps")
 
 
 def _plain(value: Any) -> bool:
@@ -93,11 +93,13 @@ class CheckpointManager:
     """Saves, rotates and loads the checkpoints of one training run."""
 
     def __init__(self, config: "DictConfig", strategy: "Strategy", precision: "Precision", callbacks: "CallbackHandler",
-                 run: "Run") -> None:
+                 run: "Run", training_args: Any = None) -> None:
         self.config, self.strategy, self.precision, self.callbacks, self.run = config, strategy, precision, callbacks, run
+        self.training_args = training_args  # the user's TrainingArguments, written as training_args.bin (HF)
         self.loop: Optional[Stateful] = None
         self.loader: Optional[Iterable[Any]] = None
         self.saved_step: Optional[int] = None  # the step of the last checkpoint this process wrote
+        self.preempted_step: Optional[int] = None  # set when SIGTERM stopped the run after saving this step
         self._debris_cleared = False
 
     def attach(self, loop: Stateful, loader: Iterable[Any]) -> None:
@@ -125,8 +127,11 @@ class CheckpointManager:
             self._write(tmp, io, writer, state)
             strategy.barrier("checkpoint-written")
             if writer:
-                self._publish(tmp, final, {"step": state.global_step, "world_size": strategy.world_size,
-                                           "format": io.format, "resumable": not cfg.save.only_model})
+                meta = {"step": state.global_step, "world_size": strategy.world_size, "format": io.format,
+                        "resumable": not cfg.save.only_model}
+                if ties := tie_groups(self.run.model):  # `kiln convert` stores each tie once again (weights_files)
+                    meta["tied"] = ties
+                self._publish(tmp, final, meta)
         except Exception as err:
             if disk_full(err, out):
                 shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoints are untouched
@@ -166,9 +171,9 @@ class CheckpointManager:
         from omegaconf import OmegaConf
 
         OmegaConf.save(self.config_to_save(), os.path.join(tmp, CONFIG))
-        to_json_file = getattr(getattr(run.model, "config", None), "to_json_file", None)
-        if callable(to_json_file):  # Transformers: from_pretrained(checkpoint) works
-            to_json_file(os.path.join(tmp, "config.json"))
+        # HF's files (kiln.engine.checkpoint.hf_files): from_pretrained(checkpoint) works, tools find their files
+        write_model_files(tmp, run.model, self.callbacks.objects.get("processing_class"))
+        write_training_args(tmp, self.config, self.training_args)
 
     def config_to_save(self) -> Any:
         """The run's config as config.yaml keeps it: `${oc.env:...}` values masked, and the live micro-batch
@@ -245,7 +250,7 @@ class CheckpointManager:
         """Load the weights, optimizer, schedule and precision state of `path` into the (already set-up)
         run; return the trainer state and what the loop applies later (see Restored)."""
         from kiln.engine.checkpoint.files import is_hf_checkpoint
-        from kiln.engine.checkpoint.hf_checkpoint import load_hf_checkpoint
+        from kiln.engine.checkpoint.hf_checkpoint import compare_with_checkpoint, load_hf_checkpoint
 
         if is_hf_checkpoint(path):  # written by HF's Trainer: restore what it holds, say what it does not
             return load_hf_checkpoint(self, path)
@@ -280,6 +285,7 @@ class CheckpointManager:
             state = TrainerState.load_from_json(os.path.join(path, STATE))
         except (OSError, ValueError, TypeError) as err:
             raise CheckpointError(f"{path}/{STATE} is unreadable ({err}).") from None
+        compare_with_checkpoint(state, self, path)  # HF's warning: logging/eval/save steps or batch size changed
         self._load_position(path, state)
         self.load_callback_state(path, state)  # early-stopping counters, ...: part of exact resume
         rank = strategy.global_rank
@@ -355,6 +361,3 @@ class CheckpointManager:
             warnings.warn(f"Resuming {path} with changed settings ({'; '.join(moved)}): the data position saved in the "
                           "checkpoint no longer points at the same samples, so the run will not match an uninterrupted one.",
                           stacklevel=3)
-        if cadence := changed(_CADENCE_KEYS):
-            warnings.warn(f"Resuming {path} with settings that differ from the checkpoint's ({'; '.join(cadence)}): "
-                          "the run continues with this run's values.", stacklevel=3)

@@ -154,11 +154,11 @@ class FitLoop:
                 state.batches_into_epoch += len(window)
                 state.epoch = epoch + (state.batches_into_epoch / batches_per_epoch if batches_per_epoch else 1.0)
                 control = self.callbacks.call("on_step_end", cfg, state, control)
-                if self.preemption.enabled and self.preemption.requested():  # SIGTERM on some rank: save, exit 0
+                if self.preemption.enabled and self.preemption.requested():  # SIGTERM on some rank: save, stop
                     control.should_save = control.should_training_stop = True
                 self._log_save_evaluate()
                 if self.preemption.triggered:
-                    self._save_and_exit()
+                    self._save_and_stop()
                 if state.global_step >= max_steps:
                     control.should_training_stop = True
             if batches_per_epoch is None and not control.should_training_stop and state.batches_into_epoch == 0:
@@ -304,13 +304,15 @@ class FitLoop:
             hooks.control = self.callbacks.call("on_save", self.config, state, hooks.control)
         hooks.control._new_step()
 
-    def _save_and_exit(self) -> None:
-        """Preempted: make sure this step is saved (save_strategy 'best' may have declined), then exit 0."""
+    def _save_and_stop(self) -> None:
+        """Preempted: make sure this step is saved (save_strategy 'best' may have declined); training then
+        ends as HF's JIT checkpoint ends it (should_training_stop: on_train_end runs, fit() returns)."""
         hooks = self.hooks
         if self.checkpoints.saved_step != hooks.state.global_step:
             self.losses.fold(hooks.state.global_step, self.strategy)
             hooks._save_checkpoint()
-        self.preemption.exit(hooks.state.global_step)
+        self.checkpoints.preempted_step = hooks.state.global_step  # `kiln fit` stops after fit() (exit 0)
+        self.preemption.stop(hooks.state.global_step)
 
     def _finish(self, start: float) -> TrainOutput:
         hooks, cfg = self.hooks, self.config

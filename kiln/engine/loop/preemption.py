@@ -1,5 +1,8 @@
 """Preemption (HF's `enable_jit_checkpoint`, kiln's `save.on_preemption`): when the cluster sends
-SIGTERM, save a checkpoint at the next step boundary on every rank, finish writing it, and exit 0.
+SIGTERM, save a checkpoint at the next step boundary on every rank, finish writing it, and stop
+training as HF's JIT checkpoint does: `train()` ends as after its last step (`on_train_end` runs, a
+TrainOutput is returned) and the script decides what comes next. `kiln fit` then exits 0 at once,
+without the evaluation and export that follow a finished run.
 
 The signal handler only sets a flag: nothing unsafe (I/O, collectives) runs inside it. At each step
 boundary the loop asks `requested()`, which agrees across ranks with one scalar max-reduce, because
@@ -64,8 +67,8 @@ class Preemption:
         self.triggered = bool(self.strategy.reduce(flag, "max").item() > 0)
         return self.triggered
 
-    def exit(self, step: int) -> None:
-        """After the checkpoint is complete on every rank: leave with exit code 0, as a preempted job should."""
-        log.warning("Preempted (SIGTERM): saved checkpoint-%d on every rank; exiting with code 0. Resume with "
+    def stop(self, step: int) -> None:
+        """After the checkpoint is complete on every rank: say so; the loop then ends training (HF's
+        JIT checkpoint sets should_training_stop; `train()` returns normally)."""
+        log.warning("Preempted (SIGTERM): saved checkpoint-%d on every rank; training stops here. Resume with "
                     "resume_from_checkpoint=true.", step)
-        raise SystemExit(0)

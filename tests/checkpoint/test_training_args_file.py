@@ -1,0 +1,122 @@
+"""`training_args.bin` (issue 30 item 6): HF's Trainer writes its TrainingArguments into every
+checkpoint and into save_model's folder; kiln does too — the object the user passed, else one built
+from kiln's config — and never reads it back: a planted pickle there runs nothing on resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.engine.checkpoint.convert import convert_checkpoint  # noqa: E402
+from kiln.engine.checkpoint.files import latest_checkpoint  # noqa: E402
+from kiln.engine.checkpoint.integrity import ALGORITHM  # noqa: E402
+from kiln.engine.trainer import Trainer  # noqa: E402
+from tests.checkpoint.checkpoint_helpers import folders, make_model, regression_data, train  # noqa: E402
+from tests.checkpoint.test_planted_payloads import Payload, remark  # noqa: E402
+
+ARGS = {"max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 4, "learning_rate": 3e-3, "logging_steps": 1,
+        "weight_decay": 0.1, "lr_scheduler_type": "cosine", "seed": 11, "report_to": "none", "disable_tqdm": True}
+
+
+def tiny_gpt2(seed: int = 0):
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+
+
+def lm_data(n: int = 16):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": (ids := torch.randint(0, 32, (8,), generator=g)), "labels": ids.clone()} for _ in range(n)]
+
+
+def read_args(folder) -> "transformers.TrainingArguments":
+    return torch.load(os.path.join(folder, "training_args.bin"), weights_only=False)  # the test's own file
+
+
+def test_given_training_arguments_are_written_as_hf_writes_them(tmp_path):
+    """The same TrainingArguments (but output_dir) to HF's Trainer and to kiln's: both checkpoints and both
+    save_model folders hold training_args.bin, and it reads back as the arguments that were passed."""
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, **ARGS)
+    kiln_args = transformers.TrainingArguments(output_dir=str(tmp_path / "kiln"), use_cpu=True, **ARGS)
+    hf = transformers.Trainer(model=tiny_gpt2(), args=hf_args, train_dataset=lm_data())
+    hf.train()
+    hf.save_model(str(tmp_path / "hf_export"))
+    ours = Trainer(tiny_gpt2(), args=kiln_args, train_dataset=lm_data())
+    ours.fit()
+    ours.save_model(str(tmp_path / "kiln_export"))
+    assert folders(str(tmp_path / "kiln")) == folders(str(tmp_path / "hf")) == {"checkpoint-2", "checkpoint-4"}
+
+    def same(loaded, given) -> None:
+        assert type(loaded) is type(given)
+        assert {**loaded.to_dict(), "output_dir": None} == {**given.to_dict(), "output_dir": None}
+
+    for name in ("checkpoint-2", "checkpoint-4"):
+        same(read_args(tmp_path / "hf" / name), hf_args)  # what HF does
+        same(read_args(tmp_path / "kiln" / name), kiln_args)
+        assert read_args(tmp_path / "kiln" / name).output_dir == str(tmp_path / "kiln")
+    same(read_args(tmp_path / "hf_export"), hf_args)
+    same(read_args(tmp_path / "kiln_export"), kiln_args)
+
+
+def test_built_from_kilns_config_with_the_users_values(tmp_path):
+    """A kiln config (nested keys, HF names) gives a TrainingArguments whose fields hold what HF's own
+    TrainingArguments of the same settings holds (HF's enum types included)."""
+    from transformers.trainer_utils import SchedulerType
+
+    cfg = {"output_dir": str(tmp_path / "run"), "optim": {"lr": 0.03, "weight_decay": 0.1}, "max_steps": 2,
+           "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+           "lr_scheduler_type": "cosine", "seed": 7, "save_total_limit": 3, "warmup_steps": 1,
+           "report_to": "none", "disable_tqdm": True, "log": {"history": []}}
+    trainer = Trainer(make_model(), cfg, train_dataset=regression_data())
+    trainer.fit()
+    trainer.save_model(str(tmp_path / "export"))
+    flat = {"output_dir": str(tmp_path / "run"), "learning_rate": 0.03, "weight_decay": 0.1, "max_steps": 2,
+            "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+            "lr_scheduler_type": "cosine", "seed": 7, "save_total_limit": 3, "warmup_steps": 1}
+    reference = transformers.TrainingArguments(use_cpu=True, **flat)
+    for folder in (tmp_path / "run" / "checkpoint-2", tmp_path / "export"):
+        loaded = read_args(folder)
+        assert isinstance(loaded, transformers.TrainingArguments)
+        for key in flat:
+            assert getattr(loaded, key) == getattr(reference, key), key
+            assert type(getattr(loaded, key)) is type(getattr(reference, key)), key
+        assert loaded.lr_scheduler_type is SchedulerType.COSINE
+        assert loaded.adam_beta1 == reference.adam_beta1  # HF's default where kiln's config says nothing else
+
+
+def test_without_transformers_nothing_is_written_and_nothing_is_said(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "transformers.training_args", None)  # import fails as if not installed
+    out = str(tmp_path / "run")
+    trainer = train(out, {"max_steps": 2, "save_steps": 2})
+    trainer.save_model(str(tmp_path / "export"))
+    assert os.path.exists(os.path.join(out, "checkpoint-2", "COMPLETE"))
+    assert not os.path.exists(os.path.join(out, "checkpoint-2", "training_args.bin"))
+    assert not os.path.exists(tmp_path / "export" / "training_args.bin")
+    assert "training_args" not in caplog.text
+
+
+def test_sealed_with_the_checkpoint_and_never_read_on_resume(tmp_path):
+    out, cfg = str(tmp_path / "run"), {"max_steps": 2, "save_steps": 2}
+    train(out, cfg)
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    marker = json.loads((ckpt / "COMPLETE").read_text())
+    assert "training_args.bin" in marker["files"] and "training_args.bin" in marker[ALGORITHM]
+    # changed behind kiln's back (same size): the checksum catches it like any other file
+    original = (ckpt / "training_args.bin").read_bytes()
+    (ckpt / "training_args.bin").write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    with pytest.warns(UserWarning, match="training_args.bin does not match the checksum"):
+        assert latest_checkpoint(out, verify=True) is None
+    # planted by someone who also rewrote the marker: resume, weights loading and convert never unpickle it
+    pwned = str(tmp_path / "PWNED")
+    torch.save(Payload(pwned), ckpt / "training_args.bin")
+    remark(ckpt)
+    resumed = train(out, {**cfg, "max_steps": 3}, resume=str(ckpt))
+    assert resumed.state.global_step == 3
+    resumed._load_from_checkpoint(str(ckpt))
+    convert_checkpoint(str(ckpt), str(tmp_path / "converted"))
+    assert not os.path.exists(pwned)
