@@ -22,7 +22,7 @@ from kiln.config.hf_args import is_training_arguments
 from kiln.engine.checkpoint.manager import CheckpointManager
 from kiln.engine.checkpoint.output_dir import refuse_overwrite, run_lock
 from kiln.engine.checkpoint.resume import choose_resume
-from kiln.engine.data.loaders import build_dataloader
+from kiln.engine.data.trainer_loaders import DataLoaderMixin
 from kiln.engine.distributed import check_same_output_dir, configure_logging
 from kiln.engine.evaluation.compiled import EvalCompiler
 from kiln.engine.hp_search import HyperparameterSearchMixin
@@ -42,11 +42,11 @@ from kiln.optim.optimizers import build_optimizer
 from kiln.optim.schedulers import build_scheduler, scheduler_needs_metrics
 from kiln.precision import build_precision
 from kiln.strategies import build_strategy, check_run_compatible
-from kiln.strategies.interfaces import ShardedModuleInit, StaticShapes
+from kiln.strategies.interfaces import ShardedModuleInit
 from kiln.utils.errors import KilnError
 
 
-class Trainer(RunAttributes, EvaluationMixin, HyperparameterSearchMixin):
+class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSearchMixin):
     """Train, evaluate and predict with a TrainingModule or an HF-contract nn.Module.
 
     `config` is a TrainingConfig, dict (HF flat names allowed), YAML path, DictConfig or a
@@ -164,33 +164,6 @@ class Trainer(RunAttributes, EvaluationMixin, HyperparameterSearchMixin):
 
     def is_local_process_zero(self) -> bool:
         return self.strategy.is_local_zero
-
-    # -- data -------------------------------------------------------------------------------
-    def get_train_dataloader(self) -> Iterable[Any]:
-        if self.train_dataset is None:
-            raise KilnError("Trainer.fit() needs a train_dataset (or override get_train_dataloader).")
-        if isinstance(self.train_dataset, torch.utils.data.DataLoader):
-            return self.strategy.process_dataloader(self.train_dataset)  # used as given
-        cfg, strategy = self.config, self.strategy
-        seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
-        drop_last = bool(cfg.data.dataloader_drop_last or isinstance(strategy, StaticShapes))  # see kiln.engine.data.static_shapes
-        loader = build_dataloader(
-            self.train_dataset, self.run.micro_batch_size, self.data_collator, cfg.data, seed, shuffle=True,
-            num_replicas=strategy.data_shards, rank=strategy.data_shard_rank, sampler=self._length_grouped_sampler(seed),
-            drop_last=drop_last, pin_memory=strategy.accelerator.pin_memory, broadcast=strategy.broadcast_object,
-        )
-        if drop_last and not cfg.data.dataloader_drop_last:
-            from kiln.engine.data.static_shapes import report_drop_last
-
-            report_drop_last(self.train_dataset, loader, strategy.data_shards, strategy.name)
-        return strategy.process_dataloader(loader)
-
-    def _length_grouped_sampler(self, seed: int) -> Any:
-        if not self.config.data.group_by_length:
-            return None
-        from kiln.engine.data.length_grouping import LengthGroupedSampler
-
-        return LengthGroupedSampler.for_dataset(self.train_dataset, self.config, seed, self.strategy)
 
     # -- optimizer & scheduler (HF override points) -----------------------------------------
     def create_optimizer(self) -> torch.optim.Optimizer:

@@ -82,6 +82,7 @@ class EvaluationMixin:
         def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None: ...
         def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any: ...
         def forward_inputs(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]: ...
+        def _model_inputs(self, dataset: Any, description: str) -> tuple[Any, Any]: ...
         def _report_to_trial(self, metrics: dict[str, float]) -> None: ...
 
     def setup_model(self) -> "nn.Module":
@@ -93,17 +94,13 @@ class EvaluationMixin:
         """The eval DataLoader: in order, sharded contiguously over ranks (see SequentialDistributedSampler).
         `eval_dataset` may be a dataset, or the name of one in a dict passed to the Trainer.
 
-        With `dataloader_persistent_workers`, the loader of the Trainer's own eval dataset (or of a named
-        one) is built once and reused (HF), so its workers live from one evaluation to the next."""
-        key = eval_dataset if isinstance(eval_dataset, str) else "eval" if eval_dataset is None else None
-        persistent = self.config.data.dataloader_persistent_workers and key is not None
-        cache = self._eval_dataloaders
-        if persistent and key in cache:
-            return cache[key]
-        loader = self._build_eval_dataloader(eval_dataset)
-        if persistent:
-            cache[key] = loader
-        return loader
+        With `dataloader_persistent_workers`, the loader is reused (HF's `_eval_dataloaders`: by name, "eval"
+        for any other), so its workers live on; unlike HF, only while the key means the same dataset."""
+        if not self.config.data.dataloader_persistent_workers:
+            return self._build_eval_dataloader(eval_dataset)
+        from kiln.engine.data.trainer_loaders import cached_eval_loader
+
+        return cached_eval_loader(self._eval_dataloaders, self.eval_dataset, eval_dataset, self._build_eval_dataloader)
 
     def _build_eval_dataloader(self, eval_dataset: Any) -> Iterable[Any]:
         if isinstance(eval_dataset, str):
@@ -138,7 +135,8 @@ class EvaluationMixin:
         if is_sized(dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
             sampler = SequentialDistributedSampler(len(dataset), s.data_shards, s.data_shard_rank,
                                                    batch_size if drop_last else None, drop_last)
-        loader = build_dataloader(dataset, batch_size, self.data_collator, cfg.data, cfg.seed, shuffle=False,
+        dataset, collator = self._model_inputs(dataset, "Evaluation")  # remove_unused_columns (HF)
+        loader = build_dataloader(dataset, batch_size, collator, cfg.data, cfg.seed, shuffle=False,
                                   num_replicas=s.data_shards, rank=s.data_shard_rank, sampler=sampler,
                                   drop_last=None if sampler is None else False,  # the sampler already dropped
                                   pin_memory=s.accelerator.pin_memory)

@@ -30,18 +30,20 @@ def resume_iterator(loader: Iterable[Any], skip: int, saved_dataset: Optional[di
                     progress: bool) -> Iterator[Any]:
     """An iterator over `loader` starting `skip` batches into the epoch: kiln's sampler jumps to the
     batch; an iterable dataset with `state_dict()` restores its saved position (`saved_dataset`);
-    anything else is iterated past, with a note (and a progress bar on the main process)."""
-    from kiln.engine.data.loaders import ResumableSampler, skip_batches
+    anything else is iterated past, with a note (and a progress bar on the main process). It ends
+    where the epoch ends (loaders.epoch_iterator: a loader from an overridden get_train_dataloader
+    gives len(loader) batches, as HF reads it)."""
+    from kiln.engine.data.loaders import ResumableSampler, epoch_iterator, skip_batches
 
     if skip == 0:
-        return iter(loader)
+        return epoch_iterator(loader, iter(loader), 0)
     dataset = stateful_dataset(loader)
     if dataset is not None and saved_dataset is not None:
         dataset.load_state_dict(saved_dataset)
-        return iter(loader)
+        return epoch_iterator(loader, iter(loader), skip)
     if isinstance(getattr(loader, "sampler", None), ResumableSampler) and getattr(loader, "batch_size", None):
         return skip_batches(loader, skip)[0]
-    return _iterate_past(loader, skip, main=main, progress=progress)
+    return epoch_iterator(loader, _iterate_past(loader, skip, main=main, progress=progress), skip)
 
 
 def _iterate_past(loader: Iterable[Any], skip: int, *, main: bool, progress: bool) -> Iterator[Any]:

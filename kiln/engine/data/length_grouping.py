@@ -1,61 +1,85 @@
-"""HF's `group_by_length`: batches of similar-length samples (less padding), still random and
-resumable. Megabatches of 50 batches are drawn from the seeded permutation and sorted by length,
-longest first, so an out-of-memory error shows up on the first step rather than mid-run."""
+"""HF's `group_by_length` (`train_sampling_strategy="group_by_length"`): batches of similar-length
+samples (less padding), still random, and resumable.
+
+The order is HF's `get_length_grouped_indices`: a random permutation cut into megabatches of
+`min(n // (4·B), 50)·B` samples (B is HF's grouping unit, the per-device batch times the accumulation
+steps), each sorted longest first, and the longest sample of all swapped to the very front, so an
+out-of-memory error shows on the first step. Ranks take every world-th per-device batch of that
+order, which is what accelerate's batch sharding gives HF.
+
+Lengths, as HF reads them: a `datasets.Dataset` that has the `length_column_name` column gives them
+in one read; otherwise `len(item[input_name])` of every item (`input_ids`, or the processing class's
+first model input). The Trainer looks for the column after `remove_unused_columns` has dropped what
+forward does not take, as HF does, so with HF models it counts only with remove_unused_columns=false
+(or when forward takes it). kiln also reads the column from the dict items of other datasets (HF
+ignores it there). And HF draws the permutation from the global torch RNG as the epoch starts, which
+no resume could replay: kiln draws it from `data_seed + epoch` (seed when data_seed is unset)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from kiln.engine.data.loaders import ResumableSampler
+from kiln.utils.errors import ConfigError
 
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
-    from kiln.strategies.base import Strategy
-
-MEGABATCH = 50
+MEGABATCH = 50  # HF's cap on the megabatch multiple
 
 
-def sample_lengths(dataset: Any, column: str) -> list[int]:
-    """`dataset[i][column]` when present, else the length of `input_ids` (computed once)."""
+def sample_lengths(dataset: Any, column: str, input_name: str = "input_ids") -> list[int]:
+    """The length of every sample: the `column` of a `datasets.Dataset` (one read), the `column` key of
+    dict items, else `len(item[input_name])`."""
+    from kiln.engine.data.columns import is_datasets_dataset
+
+    if is_datasets_dataset(dataset) and column in dataset.column_names:
+        values = dataset[column]
+        return [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
     lengths = []
     for i in range(len(dataset)):
         item = dataset[i]
-        if not isinstance(item, Mapping):
-            raise ValueError("group_by_length needs dict samples with input_ids or a length column.")
-        if column in item:
-            lengths.append(int(item[column]))
-        elif "input_ids" in item:
-            lengths.append(len(item["input_ids"]))
-        else:
-            raise ValueError(f"group_by_length needs each sample to hold '{column}' or 'input_ids'.")
+        if not isinstance(item, Mapping) or (column not in item and input_name not in item):
+            raise ConfigError(f"group_by_length reads each sample's length from its {column!r} or the length of its "
+                              f"{input_name!r}, but sample {i} is a {type(item).__name__} without either: add one of the "
+                              "keys, or set group_by_length=false.")
+        lengths.append(int(item[column]) if column in item else len(item[input_name]))
     return lengths
 
 
+def length_grouped_indices(lengths: Sequence[int], group: int, generator: Optional[torch.Generator]) -> list[int]:
+    """HF's `get_length_grouped_indices(lengths, group, generator=generator)`, step for step."""
+    mult = min(len(lengths) // (group * 4), MEGABATCH) or 1
+    indices = torch.randperm(len(lengths), generator=generator)
+    size = mult * group
+    megabatches = [sorted(indices[i:i + size].tolist(), key=lambda j: lengths[j], reverse=True)
+                   for i in range(0, len(lengths), size)]
+    longest = int(torch.argmax(torch.tensor([lengths[m[0]] for m in megabatches])).item())
+    megabatches[0][0], megabatches[longest][0] = megabatches[longest][0], megabatches[0][0]
+    return [i for m in megabatches for i in m]
+
+
 class LengthGroupedSampler(ResumableSampler):
+    """`batch_size`: the per-device batch (the unit ranks take in turn); `group`: HF's grouping unit,
+    the per-device batch times the accumulation steps (defaults to `batch_size`)."""
+
     def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, num_replicas: int = 1, rank: int = 0,
-                 drop_last: bool = False) -> None:
+                 drop_last: bool = False, group: Optional[int] = None) -> None:
         super().__init__(len(lengths), seed, True, num_replicas, rank, drop_last)
         self.lengths = list(lengths)
         self.batch_size = batch_size
+        self.group = group or batch_size
 
     @classmethod
-    def for_dataset(cls, dataset: Any, config: "DictConfig", seed: int, strategy: "Strategy") -> "LengthGroupedSampler":
-        lengths = sample_lengths(dataset, config.data.length_column_name)
-        return cls(lengths, config.data.per_device_train_batch_size, seed, strategy.data_shards,
-                   strategy.data_shard_rank, config.data.dataloader_drop_last)
+    def for_dataset(cls, dataset: Any, data_cfg: Any, seed: int, batch_size: int, accumulation: int, shards: int,
+                    rank: int, input_name: str = "input_ids") -> "LengthGroupedSampler":
+        lengths = sample_lengths(dataset, data_cfg.length_column_name, input_name)
+        return cls(lengths, batch_size, seed, shards, rank, data_cfg.dataloader_drop_last, group=batch_size * accumulation)
 
     def indices(self) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.n, generator=g).tolist()
-        # Global batches span every rank, so each rank's slice of a megabatch has similar lengths.
-        size = MEGABATCH * self.batch_size * self.num_replicas
-        grouped: list[int] = []
-        for start in range(0, len(order), size):
-            grouped += sorted(order[start:start + size], key=lambda i: -self.lengths[i])
+        if not self.lengths:
+            return []
+        grouped = length_grouped_indices(self.lengths, self.group, torch.Generator().manual_seed(self.seed + self.epoch))
         total = self.per_rank * self.num_replicas
         if total > len(grouped):
             grouped += grouped[: total - len(grouped)]

@@ -19,7 +19,10 @@ from torch.utils.data._utils.collate import default_collate
 
 
 def default_data_collator(features: list[Any]) -> Any:
-    """torch's default_collate, plus HF's renaming of a `label`/`label_ids` key to `labels`."""
+    """torch's default_collate, plus two rules of HF's default_data_collator for dict items: a
+    `label`/`label_ids` key becomes `labels`, and a value that is a Python list (a `datasets` row without
+    a format: `input_ids` as a list of ints) becomes one tensor `torch.tensor([...])` of shape
+    [batch, ...] (default_collate would transpose it into a list of per-position tensors)."""
     first = features[0] if features else None
     # like HF, the first feature decides (copying every feature's dict costs ~1 us each per batch)
     if isinstance(first, Mapping) and "labels" not in first and ("label" in first or "label_ids" in first):
@@ -30,8 +33,18 @@ def default_data_collator(features: list[Any]) -> Any:
                 if old in f and "labels" not in f:
                     f["labels"] = f.pop(old)
             renamed.append(f)
-        return default_collate(renamed)
+        features, first = renamed, renamed[0]
+    if isinstance(first, Mapping) and any(isinstance(v, list) for v in first.values()):
+        return {k: _list_tensor([f[k] for f in features]) if isinstance(v, list) else default_collate([f[k] for f in features])
+                for k, v in first.items()}
     return default_collate(features)
+
+
+def _list_tensor(values: list[Any]) -> Any:
+    try:
+        return torch.tensor(values)
+    except (TypeError, ValueError, RuntimeError):  # ragged or not numbers: torch's rule (and its error) applies
+        return default_collate(values)
 
 
 class ResumableSampler(Sampler[int]):
@@ -169,13 +182,14 @@ def build_dataloader(
         kwargs["multiprocessing_context"] = data_cfg.dataloader_multiprocessing_context
     if not getattr(data_cfg, "dataloader_in_order", True):
         kwargs["in_order"] = False
+    fetched = None  # what worker processes fetch from, when not `dataset` itself
     if data_cfg.dataloader_num_workers > 0:
         from kiln.engine.data.worker_seeding import SeededSamples, seed_worker
 
         # different random streams on every rank and worker, exact on resume (see worker_seeding)
         kwargs["worker_init_fn"] = functools.partial(seed_worker, num_workers=data_cfg.dataloader_num_workers, rank=rank)
         if not isinstance(dataset, IterableDataset) and is_sized(dataset):
-            dataset = SeededSamples.wrap(dataset, rank)
+            fetched = SeededSamples.wrap(dataset, rank)
         kwargs["persistent_workers"] = data_cfg.dataloader_persistent_workers
         if data_cfg.dataloader_prefetch_factor is not None:
             kwargs["prefetch_factor"] = data_cfg.dataloader_prefetch_factor
@@ -186,9 +200,28 @@ def build_dataloader(
     else:
         if sampler is None:
             sampler = ResumableSampler(len(dataset), seed, shuffle, num_replicas, rank, drop_last, even, batch_size)
-        loader = DataLoader(dataset, sampler=sampler, **kwargs)
+        loader = (DataLoader(dataset, sampler=sampler, **kwargs) if fetched is None
+                  else WorkerSeededLoader(dataset, fetched, sampler=sampler, **kwargs))
     loader.kiln_built = True  # set_epoch re-seeds only the generators kiln made
     return loader
+
+
+class WorkerSeededLoader(DataLoader):
+    """A DataLoader whose worker processes fetch through kiln's per-sample seeding wrapper
+    (worker_seeding.SeededSamples) while `loader.dataset` stays the user's dataset, as HF's loaders show it."""
+
+    def __init__(self, dataset: Any, fetched: Any, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.fetched = fetched
+
+    def _get_iterator(self) -> Any:
+        # the iterator reads `loader.dataset` once, when it is built, and hands it to the workers
+        shown = self.__dict__["dataset"]
+        self.__dict__["dataset"] = self.fetched  # DataLoader refuses `dataset =` after __init__
+        try:
+            return super()._get_iterator()
+        finally:
+            self.__dict__["dataset"] = shown
 
 
 def set_epoch(loader: Iterable[Any], epoch: int, seed: int) -> None:
@@ -218,14 +251,35 @@ def skip_batches(loader: Iterable[Any], batches: int) -> tuple[Iterator[Any], st
     sampler = getattr(loader, "sampler", None)
     batch_size = getattr(loader, "batch_size", None)
     if batches == 0:
-        return iter(loader), "none"
+        return epoch_iterator(loader, iter(loader), 0), "none"
     if isinstance(sampler, ResumableSampler) and batch_size:
         sampler.set_start(batches * batch_size)
         return iter(loader), "jump"
     it = iter(loader)
     for _ in range(batches):
         next(it, None)
-    return it, "iterate"
+    return epoch_iterator(loader, it, batches), "iterate"
+
+
+def reads_to_the_end(loader: Any) -> bool:
+    """Whether an epoch reads `loader` as `for batch in loader` does, asking for one batch past the last
+    (the signal a plain loop ends on): kiln's own loaders, where the extra request changes nothing, and a
+    DataLoader passed as train_dataset (marked `kiln_as_given`), which runs as it would on its own. A
+    loader from an overridden get_train_dataloader is read as HF's Trainer reads it instead: exactly
+    len(loader) batches per epoch. The difference shows in a shuffling DataLoader's generator: torch's
+    RandomSampler draws one more permutation when asked past its end, so HF's next epoch starts elsewhere."""
+    from kiln.engine.data.dispatch_batches import DispatchedLoader
+
+    return (bool(getattr(loader, "kiln_built", False) or getattr(loader, "kiln_as_given", False))
+            or isinstance(loader, DispatchedLoader) or not is_sized(loader))
+
+
+def epoch_iterator(loader: Any, iterator: Iterator[Any], skipped: int) -> Iterator[Any]:
+    """`iterator` (already `skipped` batches into the epoch) ending where the epoch ends for the fit loop
+    (see reads_to_the_end): the loader's own end, or after len(loader) batches in all."""
+    if reads_to_the_end(loader):
+        return iterator
+    return itertools.islice(iterator, max(len(loader) - skipped, 0))
 
 
 def loader_length(loader: Iterable[Any]) -> Optional[int]:
@@ -243,8 +297,8 @@ def dataset_length(dataset: Any) -> Optional[int]:
 
 
 __all__ = [
-    "Dataset", "DataLoader", "ResumableSampler", "ShardedIterable", "build_dataloader", "default_data_collator",
-    "set_epoch", "skip_batches", "loader_length", "dataset_length", "is_sized",
+    "Dataset", "DataLoader", "ResumableSampler", "WorkerSeededLoader", "ShardedIterable", "build_dataloader", "default_data_collator",
+    "set_epoch", "skip_batches", "epoch_iterator", "reads_to_the_end", "loader_length", "dataset_length", "is_sized",
 ]
 
 

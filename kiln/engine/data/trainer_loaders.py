@@ -1,0 +1,102 @@
+"""The Trainer's training dataloader (HF's override point `get_train_dataloader`) and what every loader the
+Trainer builds shares with HF's `_get_dataloader`: the model's inputs only (`remove_unused_columns`, see
+kiln.engine.data.columns) and, for training, `group_by_length` on what remains.
+
+A mixin of the Trainer: it reads the Trainer's config, strategy, run and datasets."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+
+import torch
+
+from kiln.engine.data.loaders import build_dataloader, default_data_collator
+from kiln.utils.errors import KilnError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from kiln.strategies.base import Strategy
+
+log = logging.getLogger(__name__)
+
+
+class DataLoaderMixin:
+    config: Any
+    strategy: "Strategy"
+    run: Any  # kiln.engine.run.Run (a floor above this one)
+    model: "nn.Module"
+    train_dataset: Any
+    data_collator: Optional[Callable[[list[Any]], Any]]
+    processing_class: Any
+
+    def get_train_dataloader(self) -> Iterable[Any]:
+        """kiln's sampler (seeded by (data_seed, epoch), sharded over ranks, resumable in O(1)) over the
+        model's inputs. A DataLoader passed as train_dataset is used as given."""
+        if self.train_dataset is None:
+            raise KilnError("Trainer.fit() needs a train_dataset (or override get_train_dataloader).")
+        if isinstance(self.train_dataset, torch.utils.data.DataLoader):
+            self.train_dataset.kiln_as_given = True  # its epochs run as a plain loop runs them (loaders.reads_to_the_end)
+            return self.strategy.process_dataloader(self.train_dataset)
+        from kiln.strategies.interfaces import StaticShapes
+
+        cfg, strategy = self.config, self.strategy
+        seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
+        drop_last = bool(cfg.data.dataloader_drop_last or isinstance(strategy, StaticShapes))  # see kiln.engine.data.static_shapes
+        dataset, collator = self._model_inputs(self.train_dataset, "Training")
+        loader = build_dataloader(
+            dataset, self.run.micro_batch_size, collator, cfg.data, seed, shuffle=True,
+            num_replicas=strategy.data_shards, rank=strategy.data_shard_rank, sampler=self._length_grouped_sampler(dataset, seed),
+            drop_last=drop_last, pin_memory=strategy.accelerator.pin_memory, broadcast=strategy.broadcast_object,
+        )
+        if drop_last and not cfg.data.dataloader_drop_last:
+            from kiln.engine.data.static_shapes import report_drop_last
+
+            report_drop_last(dataset, loader, strategy.data_shards, strategy.name)
+        return strategy.process_dataloader(loader)
+
+    def _model_inputs(self, dataset: Any, description: str) -> tuple[Any, Optional[Callable[[list[Any]], Any]]]:
+        """(dataset, collator) for a loader over `dataset`: with `remove_unused_columns` and an HF-contract
+        model, without what its forward does not take (HF's `_get_dataloader`)."""
+        if not self.config.data.remove_unused_columns or self.run.facts.training_module:
+            return dataset, self.data_collator
+        from kiln.engine.data.columns import without_unused_columns
+
+        return without_unused_columns(dataset, self.data_collator, self.model, self.run.facts.label_names, description,
+                                      default_data_collator)
+
+    def _length_grouped_sampler(self, dataset: Any, seed: int) -> Any:
+        if not self.config.data.group_by_length:
+            return None
+        from kiln.engine.data.length_grouping import LengthGroupedSampler
+        from kiln.engine.data.loaders import is_sized
+
+        if not is_sized(dataset) or isinstance(dataset, torch.utils.data.IterableDataset):
+            log.warning("group_by_length is ignored: the training dataset is a stream without a length, whose "
+                        "examples are read in its own order (as HF does).")
+            return None
+        names = getattr(self.processing_class, "model_input_names", None)
+        s = self.strategy
+        return LengthGroupedSampler.for_dataset(dataset, self.config.data, seed, self.run.micro_batch_size,
+                                                self.run.accumulation, s.data_shards, s.data_shard_rank,
+                                                names[0] if names else "input_ids")
+
+
+def cached_eval_loader(cache: dict[str, Any], own: Any, eval_dataset: Any, build: Callable[[Any], Any]) -> Any:
+    """HF's `_eval_dataloaders` with persistent workers: the loader for `eval_dataset` (a name of the Trainer's
+    dict `own`, a dataset, or None for `own`) built once under its name ("eval" for anything but a name) and
+    reused while that key still means the same dataset object. HF reuses it whatever is passed later, so
+    `evaluate(other)` would evaluate the dataset passed first."""
+    key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+    if isinstance(eval_dataset, str):
+        source = own.get(eval_dataset) if isinstance(own, Mapping) else None
+    else:
+        source = eval_dataset if eval_dataset is not None else own
+    cached = cache.get(key)
+    if cached is not None and getattr(cached, "kiln_eval_source", None) is source:
+        return cached
+    loader = cache[key] = build(eval_dataset)
+    loader.kiln_eval_source = source  # what the key meant when it was built
+    return loader

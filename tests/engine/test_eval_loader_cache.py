@@ -1,0 +1,61 @@
+"""HF's `_eval_dataloaders`: with `dataloader_persistent_workers` the eval loader is built once and reused
+(by dataset name, "eval" for the Trainer's own or a passed dataset), so its workers are not started again
+for every evaluation; without it every call builds a new one. kiln reuses a loader only while its key still
+means the same dataset (HF would hand back an earlier dataset's loader). And with worker processes
+`loader.dataset` is the user's dataset, as in HF, not kiln's per-sample seeding wrapper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import Trainer
+from tests.engine.hf_compare import gpt2, hf_args, kiln_config, token_rows
+
+transformers = pytest.importorskip("transformers")
+
+
+def _rows(n: int = 6, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    cols = token_rows(n, seed)
+    return [{"input_ids": torch.tensor(cols["input_ids"][i]), "labels": torch.tensor(cols["labels"][i])} for i in range(n)]
+
+
+def _both(tmp_path, persistent: bool, workers: int = 1, **data):
+    kw = dict(dataloader_num_workers=workers, dataloader_persistent_workers=persistent)
+    hf = transformers.Trainer(model=gpt2(), args=hf_args(str(tmp_path / "hf"), **kw), **data)
+    ours = Trainer(gpt2(), kiln_config(tmp_path, **kw), **data)
+    return hf, ours
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_eval_loader_is_reused_exactly_when_hf_reuses_it(tmp_path, persistent):
+    own, other = _rows(), _rows(seed=2)
+    hf, ours = _both(tmp_path, persistent, train_dataset=own, eval_dataset={"a": own, "b": other})
+    for trainer in (hf, ours):
+        assert (trainer.get_eval_dataloader("a") is trainer.get_eval_dataloader("a")) is persistent
+        assert (trainer.get_eval_dataloader(own) is trainer.get_eval_dataloader(own)) is persistent
+        assert trainer.get_eval_dataloader("a") is not trainer.get_eval_dataloader("b")
+    assert set(ours._eval_dataloaders) == set(getattr(hf, "_eval_dataloaders", {})) == ({"a", "b", "eval"} if persistent else set())
+
+
+def test_a_cached_key_is_rebuilt_for_another_dataset(tmp_path):
+    """HF returns the loader of `first` for `second` here; kiln builds one over `second`."""
+    first, second = _rows(), _rows(seed=2)
+    ours = Trainer(gpt2(), kiln_config(tmp_path, dataloader_num_workers=1, dataloader_persistent_workers=True))
+    a = ours.get_eval_dataloader(first)
+    b = ours.get_eval_dataloader(second)
+    assert a.dataset is first and b.dataset is second and b is not a
+    assert ours.get_eval_dataloader(second) is b  # the new one is the one reused now
+    ours.eval_dataset = first
+    assert ours.get_eval_dataloader() is not b and ours.get_eval_dataloader().dataset is first
+
+
+def test_loaders_with_workers_show_the_users_dataset(tmp_path):
+    data, held_out = _rows(), _rows(seed=2)
+    hf, ours = _both(tmp_path, False, workers=2, train_dataset=data, eval_dataset=held_out)
+    for trainer in (hf, ours):
+        assert trainer.get_train_dataloader().dataset is data
+        assert trainer.get_eval_dataloader().dataset is held_out
+        assert trainer.get_test_dataloader(held_out).dataset is held_out
+    batch = next(iter(ours.get_train_dataloader()))  # fetched by a worker, through kiln's seeding
+    assert batch["input_ids"].shape == (2, 8)
