@@ -120,3 +120,34 @@ def test_sealed_with_the_checkpoint_and_never_read_on_resume(tmp_path):
     resumed._load_from_checkpoint(str(ckpt))
     convert_checkpoint(str(ckpt), str(tmp_path / "converted"))
     assert not os.path.exists(pwned)
+
+
+def test_the_built_arguments_read_as_hfs_post_init_leaves_them(tmp_path):
+    """No training: kiln's config straight to TrainingArguments, field by field against HF's own."""
+    from kiln.config.load import load_config
+    from kiln.engine.checkpoint.hf_files import training_arguments
+
+    cfg = load_config({"output_dir": str(tmp_path), "logging_steps": 3, "save_steps": 0.25, "eval_strategy": "steps",
+                       "report_to": "none", "gradient_checkpointing": True, "warmup_ratio": 0.1, "fp16": True,
+                       "label_names": ["labels"], "adam_beta2": 0.95})
+    ours = training_arguments(cfg)
+    with pytest.warns(FutureWarning):  # HF 5's name for gradient_checkpointing is activation_checkpointing
+        hf = transformers.TrainingArguments(output_dir=str(tmp_path), logging_steps=3, save_steps=0.25, eval_strategy="steps",
+                                            report_to="none", gradient_checkpointing=True, warmup_steps=0.1, fp16=True,
+                                            label_names=["labels"], adam_beta2=0.95, use_cpu=True)
+    for key in ("logging_steps", "save_steps", "eval_steps", "eval_strategy", "report_to", "gradient_checkpointing",
+                "activation_checkpointing", "warmup_steps", "fp16", "bf16", "label_names", "adam_beta2", "save_strategy",
+                "hub_strategy", "debug", "output_dir"):
+        assert getattr(ours, key) == getattr(hf, key), key
+        assert type(getattr(ours, key)) is type(getattr(hf, key)), key
+
+
+def test_a_file_that_cannot_be_written_costs_nothing_but_a_log_line(tmp_path, caplog):
+    from kiln.config.load import load_config
+    from kiln.engine.checkpoint.hf_files import write_training_args
+
+    assert write_training_args(str(tmp_path), load_config({}), given=lambda: None) is None  # a lambda does not pickle
+    assert not os.listdir(tmp_path)
+    assert "training_args.bin was not written" in caplog.text
+    assert write_training_args(str(tmp_path), load_config({"learning_rate": 0.5})) == str(tmp_path / "training_args.bin")
+    assert read_args(tmp_path).learning_rate == 0.5
