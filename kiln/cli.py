@@ -24,6 +24,7 @@ commands:
 
 options for fit/evaluate/predict:
   --nproc N                  start N local processes (data parallel) with torch's elastic launcher
+  --max-restarts K           with --nproc: restart the processes up to K times when one fails (torchrun's flag)
   --accelerate-config FILE   honour an `accelerate config` YAML (mixed precision, FSDP, DeepSpeed, num_processes)
   --traceback                show the full traceback of an error (default: one line naming the problem)
   -h, --help                 list every config key with its default and meaning
@@ -183,7 +184,7 @@ def _pick_weights(cfg: Any, weights: Optional[str], random_weights: bool) -> Any
     from kiln.utils.errors import KilnError
 
     resume = cfg.resume_from_checkpoint
-    if weights is None and resume and str(resume).lower() not in ("true", "false", "none"):
+    if weights is None and resume and str(resume).lower() not in ("true", "false", "none", "if_exists"):
         weights = str(resume)  # `resume_from_checkpoint=PATH` names the weights too
     if random_weights:
         if weights is not None:
@@ -245,10 +246,11 @@ def _help(command: str) -> str:
     from kiln.config.docs import config_help
 
     scoring = command in ("evaluate", "predict")
-    lines = [f"usage: kiln {command} CONFIG.yaml [--nproc N] [--accelerate-config FILE]"
+    lines = [f"usage: kiln {command} CONFIG.yaml [--nproc N [--max-restarts K]] [--accelerate-config FILE]"
              f"{' [--weights PATH | --random-weights]' if scoring else ''} [key=value ...]", "",
              "options:",
              "  --nproc N                  start N local processes (data parallel)",
+             "  --max-restarts K           with --nproc: restart them up to K times when one fails",
              "  --accelerate-config FILE   honour an `accelerate config` YAML",
              "  --traceback                show the full traceback of an error, not one line"]
     if scoring:
@@ -306,6 +308,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog=f"kiln {command}", add_help=False)
     parser.add_argument("config", nargs="?")
     parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
     parser.add_argument("--accelerate-config", dest="accelerate_config", default=None)
     parser.add_argument("--launcher-settings", dest="launcher_settings", default=None, help=argparse.SUPPRESS)
     if command != "fit":
@@ -323,18 +326,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"kiln: error: unrecognised argument {bad[0]!r}; overrides look like key=value.", file=sys.stderr)
         return 2
     weights, random_weights = getattr(ns, "weights", None), getattr(ns, "random_weights", False)
-    if ns.nproc != 1 or ns.accelerate_config:  # --nproc 0 / -1 reach launch_local, which refuses them
+    # --nproc 0 / -1 reach launch_local, which refuses them; --max-restarts alone restarts one process
+    if ns.nproc != 1 or ns.accelerate_config or ns.max_restarts:
         from kiln.launch.local import launch_local
         from kiln.launch.settings import accelerate_config_settings, settings_to_json
 
         flags = ([f"--weights={weights}"] if weights else []) + (["--random-weights"] if random_weights else [])
-        nproc, devices = ns.nproc if ns.nproc != 1 else 0, {}
+        nproc, devices = ns.nproc, {}
         try:
             if ns.accelerate_config:  # its settings travel to the workers as an argument, not as variables
                 num, settings, devices = accelerate_config_settings(ns.accelerate_config)
                 nproc = num if ns.nproc == 1 else nproc
                 flags.append(f"--launcher-settings={settings_to_json(settings)}")
-            return launch_local(nproc, ["-m", "kiln.cli", command, ns.config, *flags, *overrides], extra_env=devices)
+            return launch_local(nproc, ["-m", "kiln.cli", command, ns.config, *flags, *overrides], extra_env=devices,
+                                max_restarts=ns.max_restarts)
         except ValueError as err:  # a launch setting that cannot work (the workers' errors are reported, not raised)
             print(f"kiln: error: {err}", file=sys.stderr)
             return 2

@@ -233,7 +233,9 @@ class TrainingConfig:
     seed: int = opt(42, "Seed set before the model is built and before training.")
     data_seed: Optional[int] = opt(None, "Seed for data sampling (default seed).")
     full_determinism: bool = opt(False, "Deterministic algorithms everywhere (slow; for debugging).")
-    resume_from_checkpoint: Optional[str] = opt(None, "A checkpoint path, or 'true' for the newest one in output_dir.")
+    resume_from_checkpoint: Optional[str] = opt(
+        None, "A checkpoint path, or 'true' for the newest complete one in output_dir (an error when there is none, as "
+        "in HF), or 'if_exists': the newest one if there is one, else start fresh (restarted and pre-empted jobs).")
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

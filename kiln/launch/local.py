@@ -46,9 +46,14 @@ def launch_local(
     *,
     extra_env: Optional[dict[str, str]] = None,
     monitor_interval: float = 0.1,
+    max_restarts: int = 0,
 ) -> int:
     """Run `python <argv>` (e.g. `["-m", "kiln.cli", "fit", "cfg.yaml"]`, or a script path and its
     arguments) in `nproc` local processes; returns 0, or the exit code of the first failure.
+
+    `max_restarts`: when a worker fails, torch's agent stops the others and starts the whole group
+    again, up to this many times (torchrun's `--max-restarts`); each attempt sees its number in
+    TORCHELASTIC_RESTART_COUNT, and `resume_from_checkpoint: if_exists` makes it resume.
 
     `extra_env`: variables the outside world reads in the workers (CUDA_VISIBLE_DEVICES); kiln's own
     settings travel as arguments (see `accelerate_config_settings`)."""
@@ -60,8 +65,10 @@ def launch_local(
     extra_env = dict(extra_env or {})
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}.")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}.")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     report_dir = tempfile.mkdtemp(prefix="kiln-launch-")
     extra_env.update(_loopback_only())
@@ -80,11 +87,7 @@ def launch_local(
     sigterm = _ForwardSigterm(report_dir, nproc)
     try:
         ours = sigterm.install()  # torch's agent handles SIGTERM only where kiln cannot (not the main thread)
-        config = LaunchConfig(
-            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()), rdzv_backend=_register_loopback(),
-            local_addr="127.0.0.1", max_restarts=0, monitor_interval=monitor_interval, start_method="spawn",
-            signals_to_handle="SIGINT,SIGHUP,SIGQUIT" if ours else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        )
+        config = launch_config(nproc, max_restarts, monitor_interval, handle_sigterm=not ours)
         elastic_launch(config, sys.executable)(*args)
         return 0
     except ChildFailedError as err:
@@ -94,7 +97,7 @@ def launch_local(
             print("kiln: stopped by SIGTERM and no checkpoint was saved; save.on_preemption: true saves one on SIGTERM "
                   "once training has started.", file=sys.stderr, flush=True)
             return 128 + signal.SIGTERM
-        return _report(err, report_dir)
+        return _report(err, report_dir, attempt=max_restarts)
     except KeyboardInterrupt:  # Ctrl-C reached the launcher too (the terminal signals the whole group)
         return 130
     except Exception as err:  # noqa: BLE001 - torch's SignalException (SIGINT/SIGTERM to the launcher)
@@ -111,6 +114,19 @@ def launch_local(
             else:
                 os.environ[key] = value
         shutil.rmtree(report_dir, ignore_errors=True)
+
+
+def launch_config(nproc: int, max_restarts: int = 0, monitor_interval: float = 0.1, handle_sigterm: bool = False) -> Any:
+    """torch's `LaunchConfig` for a `--nproc` job: one node, its rendezvous and the address the workers
+    meet at (MASTER_ADDR) on 127.0.0.1 only; `handle_sigterm`: whether torch's agent, not kiln's
+    `_ForwardSigterm`, answers SIGTERM."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()), rdzv_backend=_register_loopback(),
+        local_addr=LOOPBACK, max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="spawn",
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT" if handle_sigterm else "SIGINT,SIGHUP,SIGQUIT",
+    )
 
 
 class _ForwardSigterm:
@@ -170,6 +186,8 @@ def _loopback_only() -> dict[str, str]:
 
 
 _LOOPBACK_BACKEND = "kiln-loopback"
+#: the only address a `--nproc` job listens on
+LOOPBACK = "127.0.0.1"
 
 
 def _register_loopback() -> str:
@@ -208,10 +226,10 @@ def _loopback_store() -> Any:
     from torch.distributed import TCPStore
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((LOOPBACK, 0))
     sock.listen(128)
     port = sock.getsockname()[1]
-    return TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False, multi_tenant=True,
+    return TCPStore(LOOPBACK, port, None, True, timedelta(seconds=60), wait_for_workers=False, multi_tenant=True,
                     master_listen_fd=sock.detach())
 
 
@@ -233,12 +251,15 @@ def _interrupted(err: Any) -> bool:
     return 130 in codes and all(c == 130 or c < 0 for c in codes)
 
 
-def _report(err: Any, report_dir: str) -> int:
-    """Print which rank failed first and why; return its exit code (1 for a signal)."""
+def _report(err: Any, report_dir: str, attempt: int = 0) -> int:
+    """Print which rank failed first and why in the last attempt (`attempt`, counted from 0); return
+    its exit code (1 for a signal)."""
     reports = []
     for path in glob.glob(os.path.join(report_dir, "rank_*.json")):
         with open(path, encoding="utf-8") as fh:
             reports.append(json.load(fh))
+    # the job failed once no restart was left: the reports of earlier (restarted) attempts are history
+    reports = [r for r in reports if r.get("attempt", 0) == attempt]
     reported = {r["rank"] for r in reports}
     # A rank killed by a signal (SIGKILL: out of memory, an external kill) writes no report; the others'
     # errors then followed from its death. SIGTERM is how the agent stops the survivors: not a cause.

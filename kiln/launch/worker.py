@@ -45,7 +45,10 @@ def _write_report(error: str, detail: str, exitcode: int) -> None:
     rank = os.environ.get("RANK")
     if not directory or rank is None:
         return
-    report = {"rank": int(rank), "time": time.time(), "error": error, "detail": detail, "exitcode": exitcode}
+    # the agent's attempt: with --max-restarts an earlier attempt's report stays in the folder, and only the last counts
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    report = {"rank": int(rank), "time": time.time(), "error": error, "detail": detail, "exitcode": exitcode,
+              "attempt": int(attempt) if attempt.isdigit() else 0}
     tmp = os.path.join(directory, f".rank_{rank}.json")
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(report, fh)

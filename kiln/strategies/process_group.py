@@ -77,7 +77,14 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) 
     if env.world_size == 1 and not env.rendezvous:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        from kiln.launch.environment import attempt_store
+
+        # a restarted elastic attempt meets in a namespace of its own (the last attempt's keys are still there)
+        store = attempt_store(timeout) if env.main_address is None else None
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)
         _leave_identity(env)
     return True
 

@@ -1,7 +1,7 @@
 """A training process for the fault-injection test, driven over stdin/stdout.
 
 Start it once (it imports torch and kiln, which takes seconds), then send `run OUT RESULT` lines: each
-forks a fresh child that trains with `resume_from_checkpoint=True` into OUT and, if it finishes, writes
+forks a fresh child that trains with `resume_from_checkpoint="if_exists"` into OUT and, if it finishes, writes
 its final weights and numeric log history to RESULT. The worker answers `pid <pid>` at once and
 `exit <status>` when the child ends; the test kills children with SIGKILL at random moments.
 
@@ -84,7 +84,7 @@ def child(out: str, result: str) -> None:
     checkpoint.CheckpointManager.load = recording_load  # type: ignore[method-assign]
     trainer = Trainer(make_model(seed=0, width=256), config(out, **CONFIG), train_dataset=regression_data(200),
                       callbacks=[pace])
-    trainer.fit(resume_from_checkpoint=True)
+    trainer.fit(resume_from_checkpoint="if_exists")  # the first child finds no checkpoint
     payload = {"weights": trainer.model.state_dict(), "history": numeric_history(trainer)}
     torch.save(payload, result + ".tmp")
     os.replace(result + ".tmp", result)

@@ -12,7 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kiln.engine.callbacks.base import Callback  # noqa: E402
-from kiln.engine.checkpoint.files import latest_checkpoint, resolve_resume  # noqa: E402
+from kiln.engine.checkpoint.files import latest_checkpoint  # noqa: E402
+from kiln.engine.checkpoint.resume import resolve_resume  # noqa: E402
 from kiln.engine.trainer import Trainer  # noqa: E402
 from kiln.strategies.checkpoint_io import load_weights  # noqa: E402
 

@@ -183,14 +183,14 @@ def test_the_digest_covers_every_byte(tmp_path, size):
         assert file_digest(str(path)) != xxhash.xxh3_64(bytes(data)).hexdigest()
 
 
-def test_resume_true_with_only_damaged_checkpoints_starts_fresh_and_says_so(tmp_path):
-    from kiln.engine.checkpoint.files import resolve_resume
+def test_resume_with_only_damaged_checkpoints_refuses_true_and_starts_fresh_if_exists(tmp_path):
+    from kiln.engine.checkpoint.resume import resolve_resume
 
     out = str(tmp_path / "run")
     train(out, {"max_steps": 2, "save_steps": 2})
     flip(os.path.join(out, "checkpoint-2", "model.safetensors"))
-    with pytest.warns(UserWarning) as seen:
-        assert resolve_resume(True, out) is None
-    messages = [str(w.message) for w in seen]
-    assert any("Ignoring damaged checkpoint" in m for m in messages)
-    assert any("has no complete checkpoint: starting fresh" in m for m in messages)
+    with pytest.warns(UserWarning, match="Ignoring damaged checkpoint"):
+        with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
+            resolve_resume(True, out)
+    with pytest.warns(UserWarning, match="Ignoring damaged checkpoint"):
+        assert resolve_resume("if_exists", out) is None

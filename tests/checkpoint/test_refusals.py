@@ -231,9 +231,10 @@ def test_resume_from_checkpoint_in_the_config(out):
     assert trainer.state.global_step == 6
 
 
-def test_resume_true_with_no_checkpoint_starts_fresh_with_a_warning(tmp_path):
-    with pytest.warns(UserWarning, match="no complete checkpoint: starting fresh"):
-        trainer = train(str(tmp_path / "new"), CFG, resume=True)
+def test_resume_true_with_no_checkpoint_is_refused_and_if_exists_starts_fresh(tmp_path):
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):  # HF's ValueError
+        train(str(tmp_path / "new"), CFG, resume=True)
+    trainer = train(str(tmp_path / "new"), CFG, resume="if_exists")
     assert trainer.state.global_step == 4
 
 

@@ -1,6 +1,7 @@
-"""Worker for a simulated 2-node job (two torchrun agents, one process each, static rendezvous):
-checkpoint writers with and without save_on_each_node, log levels with and without
-log_on_each_node, and tracker/history files (global rank 0 only). Each node saves under OUT/node<N> (a node-local disk) or OUT/shared.
+"""Worker for a simulated 2-node job (two torchrun agents, one process each, c10d rendezvous): the
+plain DDP scenario (its final weights to OUT/parity.safetensors), checkpoint writers with and without
+save_on_each_node, log levels with and without log_on_each_node, and tracker/history files (global
+rank 0 only). Each node saves under OUT/node<N> (a node-local disk) or OUT/shared.
 Usage: worker_nodes.py OUT"""
 
 import json
@@ -9,6 +10,7 @@ import os
 import sys
 
 import torch
+from safetensors.torch import save_file
 
 import toy
 from kiln import Trainer
@@ -16,7 +18,11 @@ from kiln.launch.environment import detect
 
 out = sys.argv[1]
 env = detect()
-report = {"node_rank": env.node_rank, "num_nodes": env.num_nodes, "local_rank": env.local_rank, "rank": env.rank}
+report = {"node_rank": env.node_rank, "num_nodes": env.num_nodes, "local_rank": env.local_rank, "rank": env.rank,
+          "master_addr": os.environ.get("MASTER_ADDR")}
+_, model = toy.train_scenario("plain", os.path.join(out, "parity"), world=2)
+if env.rank == 0:
+    save_file({"params": toy.flat_params(model)}, os.path.join(out, "parity.safetensors"))
 for name, on_each_node, output_dir in (("each_node", True, os.path.join(out, f"node{env.node_rank}")),
                                        ("shared", False, os.path.join(out, "shared"))):
     torch.manual_seed(0)

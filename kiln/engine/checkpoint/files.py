@@ -135,26 +135,3 @@ def latest_checkpoint(output_dir: str, verify: bool = False) -> Optional[str]:
                       stacklevel=2)
     return None
 
-
-def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
-    """`True` / "true" -> newest complete checkpoint (None if there is none); a path -> that path."""
-    if resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false", "none")):
-        return None
-    if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
-        path = latest_checkpoint(output_dir, verify=True)
-        if path is None:
-            warnings.warn(f"resume_from_checkpoint=True but {output_dir} has no complete checkpoint: starting fresh.", stacklevel=2)
-        return path
-    path = os.fspath(resume)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"resume_from_checkpoint={path!r} is not a folder.")
-    if not is_complete(path) and not is_hf_checkpoint(path):
-        raise CheckpointError(
-            f"{path} is incomplete or damaged (its {MARKER} marker is missing or does not match its files); "
-            "resume from another checkpoint, or use resume_from_checkpoint=true to pick the newest complete one."
-        )
-    reason = None if is_hf_checkpoint(path) else why_damaged(path)
-    if reason is not None:
-        raise CheckpointError(f"{path} is damaged: {reason}. Resume from another checkpoint, or use "
-                              "resume_from_checkpoint=true to pick the newest intact one.")
-    return path

@@ -1,14 +1,24 @@
 """Which checkpoint a run resumes from, decided once for the whole job.
 
+`resume_from_checkpoint` takes Hugging Face's values and raises what HF's Trainer raises:
+`true` resumes from the newest complete checkpoint in `output_dir` and is a `ValueError` when there
+is none ("No valid checkpoint found in output directory ..."); a path must be a complete checkpoint
+folder, else a `ValueError` too. kiln's one addition, `if_exists`, is for jobs that are restarted
+without being told so (an elastic agent's restart, a requeued SLURM job, a pre-empted pod): it
+resumes from the newest complete checkpoint when there is one and starts fresh, with one log line,
+when there is none. HF never resumes on its own, so nothing does unless this value is set.
+
 Checking a checkpoint's checksums reads every file, so with many ranks on one filesystem only the
 writer (global rank 0) checks and the others take its answer, refusal included; with
 `save.on_each_node` every node has its own copy, so each rank checks its own."""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING, Any, Optional
 
-from kiln.engine.checkpoint.files import resolve_resume
+from kiln.engine.checkpoint.files import MARKER, is_complete, is_hf_checkpoint, latest_checkpoint, why_damaged
 from kiln.utils.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -16,10 +26,59 @@ if TYPE_CHECKING:
 
     from kiln.strategies.base import Strategy
 
+log = logging.getLogger(__name__)
+
+#: the value that resumes when a checkpoint exists and starts fresh otherwise
+IF_EXISTS = "if_exists"
+
+
+class ResumeError(CheckpointError, ValueError):
+    """`resume_from_checkpoint` names nothing to resume from. A `ValueError`, as HF's Trainer raises
+    for the same inputs, and a `CheckpointError`, as kiln raised before."""
+
+
+def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
+    """The checkpoint folder `resume` asks for, or None to start fresh.
+
+    None / False / "false" -> None; True / "true" -> the newest complete checkpoint in `output_dir`
+    (ResumeError when there is none); "if_exists" -> the same, or None when there is none; anything
+    else is a path to one checkpoint folder (ResumeError unless it is complete and intact)."""
+    if _off(resume):
+        return None
+    latest = resume is True or (isinstance(resume, str) and resume.lower() == "true")
+    if latest or (isinstance(resume, str) and resume == IF_EXISTS):
+        path = latest_checkpoint(output_dir, verify=True)
+        if path is None and latest:
+            raise ResumeError(
+                f"No valid checkpoint found in output directory ({output_dir}): resume_from_checkpoint=true needs a "
+                f"complete checkpoint-<step> folder there; name a checkpoint path, or use resume_from_checkpoint={IF_EXISTS} "
+                "to start fresh when there is none."
+            )
+        if path is None:
+            log.info("resume_from_checkpoint=%s: %s holds no complete checkpoint, so training starts from step 0.",
+                     IF_EXISTS, output_dir)
+        return path
+    path = os.fspath(resume)
+    if not os.path.isdir(path):
+        raise ResumeError(f"resume_from_checkpoint={path!r} is not a folder; name a checkpoint-<step> folder, or use "
+                          f"resume_from_checkpoint=true (or {IF_EXISTS}) for the newest one in output_dir.")
+    if not is_complete(path) and not is_hf_checkpoint(path):
+        raise ResumeError(
+            f"{path} is incomplete or damaged (its {MARKER} marker is missing or does not match its files); "
+            "resume from another checkpoint, or use resume_from_checkpoint=true to pick the newest complete one."
+        )
+    reason = None if is_hf_checkpoint(path) else why_damaged(path)
+    if reason is not None:
+        raise ResumeError(f"{path} is damaged: {reason}. Resume from another checkpoint, or use "
+                          "resume_from_checkpoint=true to pick the newest intact one.")
+    return path
+
 
 def choose_resume(resume: Any, config: "DictConfig", strategy: "Strategy") -> Optional[str]:
     """The checkpoint folder to resume from (None: start fresh), the same on every rank."""
     output_dir = str(config.output_dir)
+    if strategy.is_global_zero:
+        _warn_restart_without_resume(resume, output_dir)
     if strategy.world_size <= 1 or config.save.on_each_node:
         return resolve_resume(resume, output_dir)
     path: Optional[str] = None
@@ -27,9 +86,27 @@ def choose_resume(resume: Any, config: "DictConfig", strategy: "Strategy") -> Op
     if strategy.is_global_zero:
         try:
             path = resolve_resume(resume, output_dir)
-        except CheckpointError as err:
+        except ResumeError as err:
             error = str(err)
     path, error = strategy.broadcast_object((path, error), src=0)
     if error is not None:
-        raise CheckpointError(error)
+        raise ResumeError(error)
     return path
+
+
+def _warn_restart_without_resume(resume: Any, output_dir: str) -> None:
+    """A launcher restarted this job (torchrun's elastic agent, a SLURM requeue) but nothing asks to
+    resume: say how to, since otherwise the attempt starts from step 0 (or is refused when the
+    earlier attempt left checkpoints)."""
+    from kiln.launch.environment import detect
+
+    restarts = detect().restart_count
+    if restarts and _off(resume):
+        log.warning("This is restart %d of the job (the launcher restarted it) and resume_from_checkpoint is not set, so "
+                    "it starts from step 0; set resume_from_checkpoint=%s to resume from the newest checkpoint in %s.",
+                    restarts, IF_EXISTS, output_dir)
+
+
+def _off(resume: Any) -> bool:
+    """Whether `resume` asks for no resume at all."""
+    return resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false", "none"))

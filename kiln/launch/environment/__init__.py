@@ -9,16 +9,17 @@ What a launcher asks of the run's *settings* is `kiln/launch/settings.py`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from kiln.launch.environment.accelerate import Accelerate
-from kiln.launch.environment.base import ClusterEnvironment, ClusterKind, Env, current, visible_devices
+from kiln.launch.environment.base import ClusterEnvironment, ClusterKind, Env, current, restart_count, visible_devices
 from kiln.launch.environment.deepspeed import DeepSpeedLauncher
 from kiln.launch.environment.none import NoLauncher
 from kiln.launch.environment.slurm import Slurm
-from kiln.launch.environment.torchrun import Torchrun
+from kiln.launch.environment.torchrun import Torchrun, attempt_store
 
-__all__ = ["KINDS", "ClusterEnvironment", "ClusterKind", "detect", "register", "visible_devices"]
+__all__ = ["KINDS", "ClusterEnvironment", "ClusterKind", "attempt_store", "detect", "register", "visible_devices"]
 
 #: asked in this order; the last one (no launcher) detects every environment
 KINDS: list[type[ClusterKind]] = [Accelerate, DeepSpeedLauncher, Torchrun, Slurm, NoLauncher]
@@ -36,4 +37,6 @@ def detect(env: Optional[Env] = None) -> ClusterEnvironment:
     """Read the process topology from the environment a launcher set up (`env` defaults to
     `os.environ`): the reading of the first kind in `KINDS` that recognises it."""
     env = current(env)
-    return next(kind for kind in KINDS if kind.detects(env)).read(env)
+    reading = next(kind for kind in KINDS if kind.detects(env)).read(env)
+    # whoever restarted the job, not only the kind that reads the topology (torchrun inside a requeued SLURM job)
+    return replace(reading, restart_count=restart_count(env)) if not reading.restart_count else reading

@@ -26,6 +26,8 @@ class ClusterEnvironment:
     main_address: Optional[str] = None
     main_port: Optional[int] = None
     rendezvous: bool = False  # whether the launcher gave an address for the process group to meet at
+    #: how many times this job was started before: torchrun's elastic restarts plus SLURM requeues
+    restart_count: int = 0
 
     @property
     def distributed(self) -> bool:
@@ -67,3 +69,14 @@ def current(env: Optional[Env]) -> Env:
 def visible_devices(env: Optional[Env] = None) -> Optional[str]:
     """`CUDA_VISIBLE_DEVICES` as the user set it (None when unset), for error messages."""
     return current(env).get("CUDA_VISIBLE_DEVICES")
+
+
+def restart_count(env: Env) -> int:
+    """How many times the job was started before this attempt, by any launcher: torchrun's elastic
+    agent counts its restarts of the worker group (TORCHELASTIC_RESTART_COUNT), SLURM its requeues
+    of the job (SLURM_RESTART_COUNT); torchrun inside a requeued SLURM job has both."""
+    total = 0
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        value = env.get(name, "")
+        total += int(value) if value.isdigit() else 0
+    return total

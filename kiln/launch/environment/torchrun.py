@@ -1,10 +1,15 @@
 """torchrun, and kiln's own `kiln fit --nproc` (torch's elastic agent, in-process): the launcher
 exports RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK and MASTER_ADDR / MASTER_PORT,
-so the process group meets at `env://`."""
+so the process group meets at `env://` (a restarted attempt: see `attempt_store`)."""
 
 from __future__ import annotations
 
-from kiln.launch.environment.base import ClusterEnvironment, ClusterKind, Env
+from typing import TYPE_CHECKING, Any, Optional
+
+from kiln.launch.environment.base import ClusterEnvironment, ClusterKind, Env, current
+
+if TYPE_CHECKING:
+    from datetime import timedelta
 
 
 class Torchrun(ClusterKind):
@@ -29,3 +34,24 @@ class Torchrun(ClusterKind):
             source=cls.name,
             rendezvous="MASTER_ADDR" in env and "MASTER_PORT" in env,
         )
+
+
+def attempt_store(timeout: "timedelta", env: Optional[Env] = None) -> Any:
+    """The store a restarted attempt of an elastic job meets in, or None where torch's `env://` is right.
+
+    torch's elastic agent keeps one store for the workers (MASTER_ADDR / MASTER_PORT, hosted by the
+    agent: TORCHELASTIC_USE_AGENT_STORE) across the restarts of `--max-restarts`, and `env://` no
+    longer gives each attempt a prefix of its own. The keys the last attempt left (gloo's peer
+    addresses, barrier counters) are then read by the new one, which connects to ports of processes
+    that are gone ("Connection refused") or passes a barrier early. So from the first restart on, each
+    attempt meets under `kiln/attempt_<n>/` of that store. Every worker of one agent sees the same n;
+    several nodes' agents count their restarts each on its own, which is why restarts across nodes
+    need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt, hosted by rank 0)."""
+    env = current(env)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not attempt.isdigit() or int(attempt) == 0:
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), False, timeout)
+    return dist.PrefixStore(f"kiln/attempt_{attempt}", store)  # keys: kiln/attempt_<n>/<key>
