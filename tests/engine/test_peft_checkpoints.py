@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln import Trainer
+from kiln.engine.model.peft import AdapterCheckpointIO, base_model_of, checkpoint_io_for, is_peft_model
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import Crash, CrashAfterSave, Scripted, numeric_history
 from tests.distributed.worker_peft import base_model, data, lora_model
@@ -42,6 +43,29 @@ def _adapter(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
 
 
+class _Strategy:
+    """Stands in for a strategy: only its CheckpointIO's format matters here."""
+
+    def __init__(self, fmt: str) -> None:
+        self.io = type("IO", (), {"format": fmt})()
+
+    def checkpoint_io(self) -> Any:
+        return self.io
+
+
+def test_only_a_peft_model_under_a_format_the_adapter_can_replace_gets_the_adapter_io():
+    plain, lora = torch.nn.Linear(2, 2), lora_model()
+    for fmt in ("full", "fsdp-full", "fsdp-sharded"):
+        strategy = _Strategy(fmt)
+        assert checkpoint_io_for(strategy, plain) is strategy.io
+        io = checkpoint_io_for(strategy, lora)
+        assert isinstance(io, AdapterCheckpointIO) and io.inner is strategy.io and io.format == "peft-adapter"
+    deepspeed = _Strategy("deepspeed")
+    assert checkpoint_io_for(deepspeed, lora) is deepspeed.io  # DeepSpeed keeps its own files
+    assert is_peft_model(lora) and not is_peft_model(plain) and not is_peft_model(lora.get_base_model())
+    assert base_model_of(lora) is lora.get_base_model() and base_model_of(plain) is plain
+
+
 def test_a_checkpoint_is_the_adapter_and_loads_with_peft_from_pretrained(tmp_path):
     out = str(tmp_path / "run")
     trainer = _train(out, max_steps=3)
@@ -58,6 +82,16 @@ def test_a_checkpoint_is_the_adapter_and_loads_with_peft_from_pretrained(tmp_pat
     ids = data()[0]["input_ids"][None]
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
+
+
+def test_save_only_model_writes_the_adapter_without_optimizer_state(tmp_path):
+    out = str(tmp_path / "run")
+    trainer = _train(out, max_steps=3, save_only_model=True)
+    files = set(os.listdir(os.path.join(out, "checkpoint-3")))
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= files
+    assert not files & {"optimizer.pt", "scheduler.pt", "model.safetensors"}
+    saved = load_file(os.path.join(out, "checkpoint-3", "adapter_model.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in _adapter(trainer.model).items())
 
 
 def test_resume_from_an_adapter_checkpoint_is_bitwise_identical(tmp_path):
