@@ -16,6 +16,7 @@ from torch import nn
 
 from kiln import Trainer
 from kiln.engine.callbacks.base import Callback
+from kiln.engine.loop.batch_size import evaluation_out_of_memory
 from kiln.utils.errors import KilnError
 from tests.helpers import flat_params, regression_data
 
@@ -184,6 +185,15 @@ def test_out_of_memory_in_evaluation_is_reported_not_retried(tmp_path):
                                         "batch size: lower per_device_eval_batch_size"):
         trainer.fit()
     assert rec == [(0, 16)]  # no restart
+
+
+def test_only_an_out_of_memory_error_in_evaluation_is_reworded_and_only_with_the_search_on():
+    with pytest.raises(ValueError, match="shape"):
+        with evaluation_out_of_memory(True):
+            raise ValueError("shape mismatch")
+    with pytest.raises(torch.OutOfMemoryError):
+        with evaluation_out_of_memory(False):
+            raise torch.OutOfMemoryError("CUDA out of memory.")
 
 
 def test_a_resumed_run_reports_the_error_instead_of_restarting(tmp_path):
