@@ -28,10 +28,10 @@ def llama_config() -> Any:
                        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
 
 
-def llama() -> Any:
+def llama(seed: int = 0) -> Any:
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return LlamaForCausalLM(llama_config())
 
 
@@ -92,6 +92,8 @@ def data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def trainer_for(name: str, root: str, model: Any = None, **extra: Any) -> Any:
     from kiln import Trainer
 
+    if model is None and name == "dp2tp2":  # each rank builds other weights: rank 0's must win (sync before sharding)
+        model = llama(seed=int(os.environ.get("RANK", "0")))
     model = model if model is not None else (HookedLlama() if name.startswith("hook") else llama())
     return Trainer(model, config(name, root, **extra), train_dataset=data(32, seed=1), eval_dataset=data(8, seed=2))
 

@@ -137,3 +137,16 @@ def test_tied_embeddings_stay_replicated():
     assert model.lm_head.weight is model.model.embed_tokens.weight
     plan = check_plan(model, resolve_plan(model, "auto"), 2)
     assert "lm_head" not in plan and "model.embed_tokens" not in plan and "model.layers.0.self_attn.q_proj" in plan
+
+
+def test_configure_model_and_a_tp_plan_together_are_refused():
+    """Both would parallelise the model; the refusal comes before the mesh is used (so no group is needed)."""
+    from kiln.precision import build_precision
+    from kiln.strategies.model_parallel.strategy import ModelParallelStrategy
+    from tests.strategies.model_parallel.cases import HookedLlama
+
+    cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"tp": 1}, "tp_plan": "auto"}})
+    strategy = ModelParallelStrategy(cfg, build_precision(cfg))
+    strategy.device_mesh = object()  # stands in for the mesh: setup_module must refuse before using it
+    with pytest.raises(ConfigError, match="defines configure_model.*and strategy.tp_plan is set too; drop one of them"):
+        strategy.setup_module(HookedLlama())
