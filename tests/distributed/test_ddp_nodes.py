@@ -69,7 +69,7 @@ def two_nodes(tmp_path: Path, command: list[str], results: list[Path], flags: tu
 
 def test_two_nodes_train_like_one_process_and_save_and_log_per_node(tmp_path):
     results = [tmp_path / f"rank{r}.json" for r in (0, 1)]
-    procs, agent_logs = two_nodes(tmp_path, [str(HERE / "worker_nodes.py"), str(tmp_path)], results)
+    procs, agent_logs = two_nodes(tmp_path, [str(HERE / "worker_nodes.py"), str(tmp_path)], results, timeout=480)
     assert all(r.exists() for r in results), agent_logs
     assert all(p.returncode in (0, -9) for p in procs), agent_logs  # -9: killed after the grace period
     # the grace period must not hide a worker that died at exit (e.g. abort: "terminate called ...", -6)
