@@ -118,3 +118,9 @@ def test_ties_are_recorded_source_first_and_applied_only_where_the_tensors_agree
     damaged = {"head.weight": weight + 1, "emb.weight": weight.clone()}
     assert share_tied(damaged, groups)["head.weight"] is damaged["head.weight"]  # not one tensor: both kept
     assert share_tied(damaged, None) is damaged and tie_groups(torch.nn.Linear(2, 2)) == []
+    # a marker whose record is not lists of names (edited, or of another version) ties nothing, and fails nothing
+    plain = {"head.weight": weight.clone(), "emb.weight": weight.clone()}
+    for record in ([["absent", "emb.weight", "head.weight"]], [("emb.weight", "head.weight")],
+                   [{"emb.weight": "head.weight"}], [[]], [["emb.weight", 3]]):
+        out = share_tied(plain, record)
+        assert out["head.weight"] is plain["head.weight"] and out["emb.weight"] is plain["emb.weight"], record

@@ -137,7 +137,7 @@ def test_the_built_arguments_read_as_hfs_post_init_leaves_them(tmp_path):
                                             label_names=["labels"], adam_beta2=0.95, use_cpu=True)
     for key in ("logging_steps", "save_steps", "eval_steps", "eval_strategy", "report_to", "gradient_checkpointing",
                 "activation_checkpointing", "warmup_steps", "fp16", "bf16", "label_names", "adam_beta2", "save_strategy",
-                "hub_strategy", "debug", "output_dir"):
+                "hub_strategy", "debug", "output_dir", "include_for_metrics"):
         assert getattr(ours, key) == getattr(hf, key), key
         assert type(getattr(ours, key)) is type(getattr(hf, key)), key
 

@@ -162,13 +162,10 @@ def write_model_files(folder: str, model: Any, processing_class: Any) -> None:
         processing_class.save_pretrained(folder)
 
 
-def copy_model_files(source: str, target: str) -> list[str]:
-    """Copy the model and processor files `source` holds into `target`; returns the names copied."""
+def copy_model_files(source: str, target: str) -> None:
+    """Copy the model and processor files `source` holds into `target`."""
     import shutil
 
-    copied = []
     for name in (*MODEL_FILES, *PROCESSOR_FILES):
         if os.path.isfile(os.path.join(source, name)):
             shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
-            copied.append(name)
-    return copied
