@@ -107,3 +107,9 @@ def test_a_duplicate_callback_is_logged_not_warned(caplog):
         CallbackHandler([Once(), Once()])
     [record] = [r for r in caplog.records if "Adding a second Once" in r.getMessage()]
     assert record.levelname == "WARNING" and record.name == "kiln.engine.callbacks.base"
+
+
+def test_a_saved_trainer_control_is_not_reported_as_a_missing_callback():
+    """HF's checkpoints (and kiln's) hold "TrainerControl" beside the callbacks: it has no callback to go to."""
+    saved = {"TrainerControl": TrainerControl(should_save=True).state()}
+    assert CallbackHandler([]).load_state_dict(saved) == []
