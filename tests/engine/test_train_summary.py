@@ -16,7 +16,7 @@ from torch import nn
 
 from kiln import Trainer
 from kiln.engine.callbacks.state import TrainerState
-from kiln.engine.loop.summary import log_training_start
+from kiln.engine.loop.summary import log_training_start, num_examples
 from tests.helpers import regression_data
 
 transformers = pytest.importorskip("transformers")
@@ -127,3 +127,13 @@ def test_only_the_main_process_logs_it_and_only_at_info(caplog, global_zero, loc
     with caplog.at_level(logging.WARNING, logger="kiln.engine.loop.summary"):
         log_training_start(_fake_loop(True, True, False), [0] * 5, 5, 5, 1, 5, None)
     assert "Running training" not in caplog.text
+
+
+def test_num_examples_follows_hf_s_rule_for_each_kind_of_loader():
+    """HF's set_initial_training_values: the dataset's length; batches x the configured batch size when the
+    dataset has none; the samples max_steps steps read (total batch x steps) when the loader has no length."""
+    sized = torch.utils.data.DataLoader(_rows(10), batch_size=4)
+    assert num_examples(sized, len(sized), 4, 8, 5) == len(sized.dataset)
+    assert num_examples([0] * 3, 3, 4, 8, 5) == 3 * 4
+    total_batch, max_steps = 8, 5
+    assert num_examples(iter([]), None, 4, total_batch, max_steps) == total_batch * max_steps
