@@ -29,9 +29,10 @@ def kiln_warnings(caplog) -> list[logging.LogRecord]:
 
 def test_a_kiln_checkpoint_names_each_changed_setting(tmp_path, caplog):
     out = str(tmp_path / "run")
-    train(out, {"max_steps": 4, "save_steps": 4, "logging_steps": 3, "per_device_train_batch_size": 4})
+    train(out, {"max_steps": 4, "save_steps": 4, "logging_steps": 3, "eval_steps": 1, "per_device_train_batch_size": 4})
     with caplog.at_level(logging.WARNING, logger="kiln"):
-        train(out, {"max_steps": 6, "save_steps": 4, "logging_steps": 2, "per_device_train_batch_size": 2}, resume=True)
+        train(out, {"max_steps": 6, "save_steps": 4, "logging_steps": 2, "eval_steps": 1, "per_device_train_batch_size": 2},
+              resume=True)
     records = kiln_warnings(caplog)
     assert len(records) == 1, caplog.text
     assert named(records) == {"logging_steps", "per_device_train_batch_size"}
@@ -49,6 +50,15 @@ def test_unchanged_settings_and_an_equal_ratio_say_nothing(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="kiln"):
         train(out, {"max_steps": 10, "save_steps": 0.5, "logging_steps": 2}, resume=True)  # 0.5 of 10 is 5, not 4
     assert named(kiln_warnings(caplog)) == {"save_steps"}
+
+
+def test_a_ratio_counts_in_epochs_too(tmp_path, caplog):
+    """Without max_steps the run's length comes from the data: 40 samples / 4 = 10 steps per epoch."""
+    out = str(tmp_path / "run")
+    train(out, {"max_steps": -1, "num_train_epochs": 1, "save_steps": 0.5, "logging_steps": 5})
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        train(out, {"max_steps": -1, "num_train_epochs": 1, "save_steps": 0.3, "logging_steps": 0.5}, resume=True)
+    assert named(kiln_warnings(caplog)) == {"save_steps"}  # 0.3 of 10 is 3, not 5; 0.5 of 10 is the saved 5
 
 
 def test_an_hf_checkpoint_is_judged_as_hf_judges_it(tmp_path, caplog):
