@@ -135,3 +135,27 @@ def test_a_streaming_dataset_resumes_from_its_state_dict_exactly(tmp_path, caplo
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert losses(resumed) == losses(straight)
     assert "by iterating over them" not in caplog.text  # restored from state_dict(), not re-read
+
+
+def test_what_is_dropped_is_logged_once(tmp_path, caplog):
+    cols = token_rows(8)
+    rows = [{k: v[i] for k, v in cols.items()} for i in range(8)]
+    trainer = Trainer(gpt2(), kiln_config(tmp_path), train_dataset=rows, eval_dataset=datasets.Dataset.from_dict(cols))
+    with caplog.at_level("INFO", logger="kiln.engine.data.columns"):
+        assert [sorted(b) for b in trainer.get_train_dataloader()] == [["input_ids", "labels"]] * 4
+        trainer.get_eval_dataloader()
+    notes = [r.getMessage() for r in caplog.records if r.name == "kiln.engine.data.columns"]
+    assert notes == ["The following columns in the training set don't have a corresponding argument in "
+                     "`GPT2LMHeadModel.forward` and have been ignored: idx, text.",
+                     "The following columns in the evaluation set don't have a corresponding argument in "
+                     "`GPT2LMHeadModel.forward` and have been ignored: idx, text."]
+
+
+def test_without_datasets_imported_nothing_is_taken_for_a_datasets_dataset(monkeypatch):
+    import sys
+
+    from kiln.engine.data.columns import is_datasets_dataset
+
+    assert is_datasets_dataset(datasets.Dataset.from_dict({"a": [1]}))
+    monkeypatch.delitem(sys.modules, "datasets")
+    assert not is_datasets_dataset([{"a": 1}]) and "datasets" not in sys.modules  # and it was not imported for it

@@ -72,3 +72,27 @@ def test_the_order_is_hfs_length_grouped_indices():
         assert ours == get_length_grouped_indices(lengths, group, generator=torch.Generator().manual_seed(n))
         sampler = LengthGroupedSampler(lengths, batch_size=group, seed=n)
         assert list(sampler) == ours and lengths[ours[0]] == max(lengths)
+
+
+def test_the_longest_sample_moves_to_the_front_from_a_later_megabatch():
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    lengths = (torch.randperm(400, generator=torch.Generator().manual_seed(3)) + 1).tolist()  # distinct: no ties
+    g = torch.Generator().manual_seed(1)
+    perm = torch.randperm(400, generator=torch.Generator().manual_seed(1)).tolist()
+    assert lengths.index(400) not in perm[:100]  # 4 megabatches of 100: the longest starts outside the first
+    ours = length_grouped_indices(lengths, 10, g)
+    assert ours == get_length_grouped_indices(lengths, 10, generator=torch.Generator().manual_seed(1))
+    assert lengths[ours[0]] == 400
+
+
+def test_lengths_come_from_the_column_key_or_the_inputs_and_else_one_clear_error():
+    from kiln.engine.data.length_grouping import sample_lengths
+    from kiln.utils.errors import ConfigError
+
+    assert sample_lengths([{"length": 3, "input_ids": [1]}, {"input_ids": [1, 2]}], "length") == [3, 2]
+    assert sample_lengths([{"tokens": [1, 2, 3]}], "length", input_name="tokens") == [3]
+    with pytest.raises(ConfigError, match="sample 1 is a dict without either"):
+        sample_lengths([{"input_ids": [1]}, {"x": 1}], "length")
+    with pytest.raises(ConfigError, match="sample 0 is a tuple"):
+        sample_lengths([(1, 2)], "length")
