@@ -343,9 +343,11 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
 
     # -- logging & saving -------------------------------------------------------------------
     def current_learning_rate(self) -> float:
-        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "get_last_lr") and not self.run.scheduler_needs_metrics:
-            return float(self.lr_scheduler.get_last_lr()[0])
-        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
+        run = self.run
+        scheduler = run.scheduler
+        if scheduler is not None and hasattr(scheduler, "get_last_lr") and not run.scheduler_needs_metrics:
+            return float(scheduler.get_last_lr()[0])
+        return float(run.optimizer.param_groups[0]["lr"]) if run.optimizer is not None else 0.0
 
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
         """Record `logs` in the state's history and send them to every logger (on_log)."""

@@ -151,3 +151,37 @@ def test_a_file_that_cannot_be_written_costs_nothing_but_a_log_line(tmp_path, ca
     assert "training_args.bin was not written" in caplog.text
     assert write_training_args(str(tmp_path), load_config({"learning_rate": 0.5})) == str(tmp_path / "training_args.bin")
     assert read_args(tmp_path).learning_rate == 0.5
+
+
+def test_a_plain_pytorch_run_neither_imports_transformers_nor_writes_the_file(tmp_path):
+    """The file serves HF's tools; a run that never touched transformers does not import it (seconds, on
+    every rank's first checkpoint) to write one."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        from kiln import Trainer
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        data = [(torch.randn(4), torch.randn(1)) for _ in range(16)]
+        def loss(m, batch):
+            x, y = batch
+            return torch.nn.functional.mse_loss(m(x), y)
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__(); self.lin = model
+            def forward(self, x, y):
+                return torch.nn.functional.mse_loss(self.lin(x), y)
+        out = {str(tmp_path / "run")!r}
+        Trainer(M(), {{"output_dir": out, "max_steps": 2, "save_steps": 2, "report_to": "none",
+                      "disable_tqdm": True}}, train_dataset=[{{"x": x, "y": y}} for x, y in data]).train()
+        assert os.path.exists(os.path.join(out, "checkpoint-2", "COMPLETE"))
+        print("files", sorted(os.listdir(os.path.join(out, "checkpoint-2"))))
+        print("transformers imported:", "transformers" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "transformers imported: False" in proc.stdout, proc.stdout
+    assert "training_args.bin" not in proc.stdout.split("files", 1)[1], proc.stdout

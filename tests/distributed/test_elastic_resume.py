@@ -68,7 +68,7 @@ def _launch(launcher: str, cfg: str, *overrides: str, restarts: int = 3):
     return run([*cmd, *overrides], timeout=600, check=False, env=ENV)
 
 
-@pytest.mark.parametrize("launcher, seed", [("kiln", 32), ("torchrun", 7)])
+@pytest.mark.parametrize("launcher, seed", [("kiln", 32), pytest.param("torchrun", 7, marks=pytest.mark.heavy)])
 def test_three_kills_restart_resume_and_end_bit_identical(tmp_path, uninterrupted, launcher, seed):
     kills = seeded_kills(seed)
     marks, out = tmp_path / "marks", tmp_path / "run"
@@ -101,6 +101,7 @@ def test_without_if_exists_a_restart_does_not_resume_and_says_how(tmp_path):
     assert "already holds checkpoints" in proc.stderr, proc.stderr[-4000:]
 
 
+@pytest.mark.heavy
 def test_two_nodes_on_one_host_restart_and_resume_bit_identical(tmp_path, uninterrupted):
     """The same under two torchrun agents (node 0 and node 1, one process each, c10d at 127.0.0.1): a
     worker killed on either node makes both agents restart their workers, which resume."""

@@ -12,8 +12,10 @@ lists and checksums it like every file of the folder.
 
 What is written: the `TrainingArguments` object the user handed to the Trainer, as HF writes
 `self.args`; otherwise (a kiln config, a dict, a YAML file) one built from kiln's config, field by
-field, with HF's names and HF's defaults for what kiln's config does not hold. Without transformers
-installed nothing is written. The built object skips `TrainingArguments.__post_init__` on purpose:
+field, with HF's names and HF's defaults for what kiln's config does not hold, and only where the
+process already uses transformers (an HF model, tokenizer or arguments): a run of a plain PyTorch model
+does not pay for importing transformers (seconds) at its first checkpoint, and has no HF reader to serve.
+Without transformers nothing is written. The built object skips `TrainingArguments.__post_init__` on purpose:
 that method sets up accelerate's process state (a process group, the device, environment variables)
 and validates against this machine's hardware, none of which a record of the settings may do in the
 middle of a run; the fields are left as `__post_init__` would leave them (strategy names as HF's enums)."""
@@ -24,6 +26,7 @@ import dataclasses
 import enum
 import logging
 import os
+import sys
 import typing
 from typing import Any, Optional
 
@@ -61,6 +64,8 @@ def write_training_args(folder: str, config: Any, given: Any = None) -> Optional
 def training_arguments(config: Any) -> Any:
     """A `transformers.TrainingArguments` holding `config`'s settings under HF's names (None without
     transformers)."""
+    if "transformers" not in sys.modules:  # a plain PyTorch run: see the module docstring
+        return None
     try:
         from transformers.training_args import TrainingArguments
     except ImportError:  # kiln runs without transformers; HF's file is then simply not written

@@ -70,6 +70,13 @@ class RemoveColumnsCollator:
         return kept
 
     def __call__(self, features: list[Any]) -> Any:
+        # The usual batch holds nothing forward does not take: one C-level subset test per item (a dict's keys;
+        # anything else gives False or TypeError and takes the per-item path, which leaves non-dicts alone).
+        try:
+            if all(map(self._keep.issuperset, features)):
+                return self.data_collator(features)
+        except TypeError:
+            pass
         return self.data_collator([self._remove_columns(f) for f in features])
 
 

@@ -66,6 +66,7 @@ def test_tp2_trains_like_one_process(two, single):
     _same_weights(weights["tp2"], single[1])
 
 
+@pytest.mark.heavy
 def test_dp2_x_tp2_on_four_processes_trains_like_one(tmp_path, single):
     results, weights = _torchrun(4, tmp_path, "dp2tp2")
     assert results["dp2tp2"]["data_shards"] == 2 and results["dp2tp2"]["tp_split"] == 2 * 7 + 2
