@@ -5,13 +5,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from kiln.config.docs import config_markdown
 from kiln.docgen.errors_page import troubleshooting_markdown
 from kiln.docgen.strategy_matrix import matrix_markdown
 
 
 def pages(repo: Path) -> dict[Path, str]:
     """Each generated page's path and its current text."""
-    return {repo / "docs" / "choosing-a-strategy.md": matrix_markdown(repo),
+    return {repo / "docs" / "config.md": config_markdown(),
+            repo / "docs" / "choosing-a-strategy.md": matrix_markdown(repo),
             repo / "docs" / "troubleshooting.md": troubleshooting_markdown(repo / "kiln")}
 
 

@@ -142,6 +142,22 @@ def test_the_built_arguments_read_as_hfs_post_init_leaves_them(tmp_path):
         assert type(getattr(ours, key)) is type(getattr(hf, key)), key
 
 
+def test_values_from_the_environment_stay_masked(tmp_path, monkeypatch):
+    """A token passed as `${oc.env:VAR}` reads as the interpolation in the pickle too, as in config.yaml
+    (the masks must not be resolved again on the way to TrainingArguments)."""
+    from kiln.config.load import load_config
+    from kiln.engine.checkpoint.hf_files import training_arguments
+
+    monkeypatch.setenv("KILN_TEST_RUN", "run-3c9e11ab")
+    monkeypatch.setenv("KILN_TEST_TOKEN", "tok-5d20f7aa")
+    cfg = load_config({"output_dir": str(tmp_path), "run_name": "${oc.env:KILN_TEST_RUN}"},
+                      ["hub_token=${oc.env:KILN_TEST_TOKEN}"])
+    assert cfg.run_name == "run-3c9e11ab"  # training reads the value
+    ours = training_arguments(cfg)
+    assert ours.run_name == "${oc.env:KILN_TEST_RUN}"
+    assert "run-3c9e11ab" not in repr(vars(ours)) and "tok-5d20f7aa" not in repr(vars(ours))
+
+
 def test_a_file_that_cannot_be_written_costs_nothing_but_a_log_line(tmp_path, caplog):
     from kiln.config.load import load_config
     from kiln.engine.checkpoint.hf_files import write_training_args

@@ -139,7 +139,7 @@ def test_docs_config_reference_is_current():
     from kiln.config.docs import config_markdown
 
     doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "config.md"
-    assert doc.read_text() == config_markdown(), "docs/config.md is stale: run `kiln config-docs > docs/config.md`"
+    assert doc.read_text() == config_markdown(), "docs/config.md is stale: run `python -m kiln.docgen`"
 
 
 def test_hf_arguments_kiln_lacks_are_accepted_while_off():
