@@ -25,6 +25,7 @@ commands:
 options for fit/evaluate/predict:
   --nproc N                  start N local processes (data parallel) with torch's elastic launcher
   --max-restarts K           with --nproc: restart the processes up to K times when one fails (torchrun's flag)
+  --ray N                    fit in N Ray Train workers (a local Ray instance, or launcher.address); pip install 'kiln[ray]'
   --accelerate-config FILE   honour an `accelerate config` YAML (mixed precision, FSDP, DeepSpeed, num_processes)
   --traceback                show the full traceback of an error (default: one line naming the problem)
   -h, --help                 list every config key with its default and meaning
@@ -88,6 +89,7 @@ def _trainer(cfg: Any) -> tuple[Any, dict[str, Any]]:
 def _run(command: str, config: str, overrides: list[str], weights: Optional[str] = None, random_weights: bool = False,
          launcher: Optional[list[Any]] = None, show_traceback: bool = False) -> int:
     from kiln.config import ConfigError
+    from kiln.launch.environment import detect
     from kiln.registry import UnknownNameError
     from kiln.launch.settings import load_with_launcher_settings
     from kiln.utils.errors import KilnError
@@ -98,6 +100,10 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
         cfg = load_with_launcher_settings(config, overrides, launcher)  # a launcher fills keys the config leaves unset
         chosen = None if command == "fit" else _pick_weights(cfg, weights, random_weights)
         trainer, data = _trainer(cfg)
+        if command == "fit" and detect().source == "ray":  # a Ray Train worker: Ray keeps and restores the checkpoints
+            from kiln.engine.callbacks.ray_report import RayReportCallback
+
+            trainer.add_callback(RayReportCallback())
         # the Trainer is torn down when the process exits (Trainer.teardown's fallback): a process running
         # several commands (the tests) keeps one process group, as torch cannot meet twice at one env:// address
         if command == "fit":
@@ -105,8 +111,6 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
         else:
             _score(command, trainer, data, chosen)
     except KeyboardInterrupt as err:  # Ctrl-C: one line from one process, the shell's exit code for SIGINT
-        from kiln.launch.environment import detect
-
         if detect().rank == 0:
             print(f"kiln: {err or 'interrupted'}", file=sys.stderr, flush=True)
         return 130
@@ -250,7 +254,8 @@ def _help(command: str) -> str:
              f"{' [--weights PATH | --random-weights]' if scoring else ''} [key=value ...]", "",
              "options:",
              "  --nproc N                  start N local processes (data parallel)",
-             "  --max-restarts K           with --nproc: restart them up to K times when one fails",
+             "  --max-restarts K           with --nproc: restart them up to K times when one fails (with --ray: Ray's max_failures)",
+             "  --ray N                    fit in N Ray Train workers (config launcher.* for resources and address)",
              "  --accelerate-config FILE   honour an `accelerate config` YAML",
              "  --traceback                show the full traceback of an error, not one line"]
     if scoring:
@@ -309,6 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("config", nargs="?")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
+    parser.add_argument("--ray", type=int, default=None)
     parser.add_argument("--accelerate-config", dest="accelerate_config", default=None)
     parser.add_argument("--launcher-settings", dest="launcher_settings", default=None, help=argparse.SUPPRESS)
     if command != "fit":
@@ -326,6 +332,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"kiln: error: unrecognised argument {bad[0]!r}; overrides look like key=value.", file=sys.stderr)
         return 2
     weights, random_weights = getattr(ns, "weights", None), getattr(ns, "random_weights", False)
+    if command == "fit" or ns.ray is not None:  # `--ray N` or `launcher.name: ray`: the run goes to Ray Train's workers
+        from kiln.launch.ray import fit_with_ray
+
+        code = fit_with_ray(command, ns.config, overrides, ns.ray, ns.nproc != 1 or bool(ns.accelerate_config), ns.max_restarts)
+        if code is not None:
+            return code
     # --nproc 0 / -1 reach launch_local, which refuses them; --max-restarts alone restarts one process
     if ns.nproc != 1 or ns.accelerate_config or ns.max_restarts:
         from kiln.launch.local import launch_local

@@ -4,7 +4,8 @@ files in `output_dir/run-<n>`, scored by `compute_objective` on its evaluation m
 during training report to the trial, so Optuna's pruners can stop a poor trial early (single
 objective only, as in Optuna). The Trainer's own config comes back when the search ends.
 
-Ray Tune and SigOpt, HF's other backends, are not available; the search runs in one process."""
+With `backend="ray"` the trials run in Ray Tune instead (kiln/engine/hp_search_ray.py, `pip install
+'kiln[ray]'`); SigOpt, HF's other backend, is not available."""
 
 from __future__ import annotations
 
@@ -88,9 +89,10 @@ class HyperparameterSearchMixin:
         **kwargs: Any,
     ) -> Union[BestRun, list[BestRun]]:
         """Search hyperparameters with Optuna (HF's signature); kwargs go to `optuna.create_study`.
-        Returns the best run, or the Pareto-best runs for several directions."""
-        if backend not in (None, "optuna"):
-            raise KilnError(f"hyperparameter_search backend {backend!r} is not available: kiln searches with optuna.")
+        Returns the best run, or the Pareto-best runs for several directions. `backend="ray"`: with
+        Ray Tune, kwargs as HF's (`resources_per_trial`, `scheduler`, ...)."""
+        if backend not in (None, "optuna", "ray"):
+            raise KilnError(f"hyperparameter_search backend {backend!r} is not available: kiln searches with optuna or ray.")
         if self.model_init is None:
             raise KilnError("hyperparameter_search needs model_init= (a callable building a fresh model for each trial).")
         if self.run.user_optimizer:
@@ -98,13 +100,17 @@ class HyperparameterSearchMixin:
                             "create_optimizer (or use the config's optim) so each trial builds its own.")
         if self.strategy.world_size > 1:
             raise KilnError("hyperparameter_search runs in one process; start it without a launcher.")
+        compute_objective = compute_objective or default_compute_objective
+        if backend == "ray":
+            from kiln.engine.hp_search_ray import run_hp_search_ray
+
+            return BestRun(*run_hp_search_ray(self, hp_space, compute_objective, n_trials, direction, hp_name, **kwargs))
         from kiln.loggers.base import require
 
         require("optuna", "optuna", "hyperparameter_search")
         import optuna
 
         hp_space = hp_space or default_hp_space_optuna
-        compute_objective = compute_objective or default_compute_objective
         several = isinstance(direction, (list, tuple))
         study = optuna.create_study(directions=list(direction), **kwargs) if several else \
             optuna.create_study(direction=direction, **kwargs)

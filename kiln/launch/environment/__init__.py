@@ -3,7 +3,8 @@ small `ClusterKind` that recognises its own variables (one module each); `detect
 order of `KINDS` and returns the first one's reading as a `ClusterEnvironment`, which is all the
 rest of kiln sees (never an environment read). A new kind is one module plus one `register` call.
 
-Precedence: accelerate (its settings ride on torchrun's topology), the deepspeed launcher, torchrun
+Precedence: Ray Train (its workers carry torchrun's and accelerate's variables too), accelerate (its
+settings ride on torchrun's topology), the deepspeed launcher, torchrun
 (so `torchrun` inside an `sbatch` allocation is read as torchrun), SLURM's srun, then no launcher.
 What a launcher asks of the run's *settings* is `kiln/launch/settings.py`."""
 
@@ -16,6 +17,7 @@ from kiln.launch.environment.accelerate import Accelerate
 from kiln.launch.environment.base import ClusterEnvironment, ClusterKind, Env, current, restart_count, visible_devices
 from kiln.launch.environment.deepspeed import DeepSpeedLauncher
 from kiln.launch.environment.none import NoLauncher
+from kiln.launch.environment.ray import RayTrain
 from kiln.launch.environment.slurm import Slurm
 from kiln.launch.environment.torchrun import Torchrun, attempt_store
 
@@ -40,3 +42,6 @@ def detect(env: Optional[Env] = None) -> ClusterEnvironment:
     reading = next(kind for kind in KINDS if kind.detects(env)).read(env)
     # whoever restarted the job, not only the kind that reads the topology (torchrun inside a requeued SLURM job)
     return replace(reading, restart_count=restart_count(env)) if not reading.restart_count else reading
+
+
+register(RayTrain, before=Accelerate)

@@ -22,7 +22,7 @@ class ClusterEnvironment:
     local_world_size: int = 1
     node_rank: int = 0
     num_nodes: int = 1
-    source: str = "none"  # the `name` of the ClusterKind that read it: torchrun | accelerate | deepspeed | slurm | none
+    source: str = "none"  # the `name` of the ClusterKind that read it: ray | torchrun | accelerate | deepspeed | slurm | none
     main_address: Optional[str] = None
     main_port: Optional[int] = None
     rendezvous: bool = False  # whether the launcher gave an address for the process group to meet at

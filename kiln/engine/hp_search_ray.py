@@ -1,0 +1,143 @@
+"""`Trainer.hyperparameter_search(backend="ray")`: HF's Ray Tune backend
+(`transformers.integrations.integration_utils.run_hp_search_ray`). Ray Tune runs each trial in a
+process of its own (an actor), so the trial cannot reuse this Trainer object: it builds a new Trainer
+of the same class from what this one was given (config, `model_init`, datasets, collator, metrics),
+with the trial's hyperparameters applied and its files in `output_dir/run-<trial id>`, exactly as an
+Optuna trial runs (`HyperparameterSearchMixin._trial_config` / `_trial_settings`). The trial reports
+`objective` (from `compute_objective` on its last evaluation) once it ends; Ray Tune picks the best
+trial by it, and the best comes back as HF's `BestRun` (run_id: Ray's trial id, run_summary: Ray's
+`ResultGrid`).
+
+As in HF: the search space is a dict of Ray Tune distributions (`hp_space(None)`; HF's default
+below), keyword arguments go to Ray Tune (`resources_per_trial`, default one CPU per trial,
+`scheduler`, `search_alg`, ...), and Ray is started locally for the search unless it is running."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+from kiln.utils.errors import KilnError
+
+#: keyword arguments that configure the search (Ray Tune's TuneConfig) and the run (Ray Tune's RunConfig)
+_TUNE = ("search_alg", "scheduler", "max_concurrent_trials", "time_budget_s", "reuse_actors", "trial_name_creator",
+         "trial_dirname_creator")
+_RUN = ("name", "storage_path", "stop", "callbacks", "verbose", "failure_config")
+
+
+def default_hp_space_ray(trial: Any) -> dict[str, Any]:
+    """HF's default search space for Ray Tune."""
+    from ray import tune
+
+    return {
+        "learning_rate": tune.loguniform(1e-6, 1e-4),
+        "num_train_epochs": tune.choice(list(range(1, 6))),
+        "seed": tune.uniform(1, 40),
+        "per_device_train_batch_size": tune.choice([4, 8, 16, 32, 64]),
+    }
+
+
+class RayTrial(dict):  # type: ignore[type-arg]
+    """What `model_init(trial)` and `hp_name(trial)` receive in a Ray trial: the trial's hyperparameters
+    (a dict, as HF passes them), with `number` (Ray's trial id) naming its folder `run-<number>`."""
+
+    def __init__(self, params: dict[str, Any], number: str) -> None:
+        super().__init__(params)
+        self.number = number
+
+
+def run_hp_search_ray(trainer: Any, hp_space: Optional[Callable[[Any], dict[str, Any]]],
+                      compute_objective: Callable[[dict[str, float]], Any], n_trials: int, direction: Any,
+                      hp_name: Optional[Callable[[Any], str]], **kwargs: Any) -> tuple[str, float, dict[str, Any], Any]:
+    """Run the search; the best trial as `BestRun`'s fields (run id, objective, hyperparameters, Ray's
+    ResultGrid). (`BestRun` is built by kiln.engine.hp_search, which imports this module.)"""
+    from kiln.launch.ray import require_ray
+
+    require_ray("hyperparameter_search(backend='ray')")
+    if direction not in ("minimize", "maximize"):
+        raise KilnError(f"hyperparameter_search(backend='ray') ranks trials by one objective: direction must be 'minimize' "
+                        f"or 'maximize', not {direction!r} (several directions need the optuna backend).")
+    unknown = sorted(set(kwargs) - {*_TUNE, *_RUN, "resources_per_trial"})
+    if unknown:
+        raise KilnError(f"hyperparameter_search(backend='ray') does not know {', '.join(unknown)}; it takes "
+                        f"resources_per_trial, {', '.join(_TUNE)} (Ray Tune's TuneConfig) and {', '.join(_RUN)} (its RunConfig).")
+    import ray
+    from ray import tune
+
+    mode = direction[:3]
+    recipe = _recipe(trainer, compute_objective, hp_name)
+    resources = kwargs.pop("resources_per_trial", {"cpu": 1})
+    run = {"name": "hp_search", "storage_path": os.path.abspath(os.path.join(str(trainer.config.output_dir), "ray_results")),
+           "verbose": 0, **{k: kwargs.pop(k) for k in _RUN if k in kwargs}}
+    started = not ray.is_initialized()
+    if started:  # a local instance for the search only (as `kiln fit --ray`)
+        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False)
+    try:
+        tuner = tune.Tuner(
+            tune.with_resources(tune.with_parameters(_trial, recipe=recipe), resources),
+            param_space=(hp_space or default_hp_space_ray)(None),
+            tune_config=tune.TuneConfig(num_samples=n_trials, metric="objective", mode=mode, **kwargs),
+            run_config=tune.RunConfig(**run),
+        )
+        grid = tuner.fit()
+        failed = [r.error for r in grid if r.error is not None]
+        if len(failed) == len(grid):
+            raise KilnError(f"every Ray Tune trial failed; the first: {type(failed[0]).__name__}: {failed[0]}")
+        best = grid.get_best_result(metric="objective", mode=mode, scope="last")
+    finally:
+        if started:
+            ray.shutdown()
+    return str(best.metrics["trial_id"]), best.metrics["objective"], dict(best.config), grid
+
+
+def _recipe(trainer: Any, compute_objective: Callable[..., Any], hp_name: Optional[Callable[[Any], str]]) -> dict[str, Any]:
+    """What a trial builds its Trainer from (sent to each trial process by Ray's object store)."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(trainer.config, resolve=True)
+    assert isinstance(config, dict)
+    config["output_dir"] = os.path.abspath(str(trainer.config.output_dir))  # Tune runs a trial in a folder of its own
+    # kiln's Trainer.__init__, found without importing the Trainer (which imports the search)
+    init = next(klass.__init__ for klass in type(trainer).__mro__ if klass.__module__ == "kiln.engine.trainer")
+    return {
+        "cls": type(trainer), "init": init, "config": config,
+        "compute_objective": compute_objective, "hp_name": hp_name,
+        # the user's callbacks travel with the trial (kiln's own are rebuilt by the trial's Trainer)
+        "kwargs": {"callbacks": [cb for cb in trainer.callback_handler.callbacks if not type(cb).__module__.startswith("kiln.")],
+                   "model_init": trainer.model_init, "train_dataset": trainer.train_dataset, "eval_dataset": trainer.eval_dataset,
+                   "data_collator": trainer.data_collator, "compute_metrics": trainer.compute_metrics,
+                   "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics,
+                   "processing_class": trainer.processing_class},
+    }
+
+
+def _trial(params: dict[str, Any], recipe: dict[str, Any]) -> None:
+    """One trial, in Ray Tune's process: a Trainer like the searching one, trained with `params`."""
+    from ray import tune
+
+    trial = RayTrial(params, tune.get_context().get_trial_id())
+    # built by kiln's __init__, as an Optuna trial's Trainer is: a subclass's own __init__ may take other arguments
+    trainer = recipe["cls"].__new__(recipe["cls"])
+    recipe["init"](trainer, None, recipe["config"], **recipe["kwargs"])
+    config = trainer._trial_config(trial, _typed(trainer.config, params), recipe["hp_name"])
+    with trainer._trial_settings(config, params, trial, recipe["compute_objective"], prune=False):
+        trainer.fit(trial=trial)
+        if trainer._objective is None:  # no evaluation during training: evaluate once at the end (as HF)
+            trainer._objective = recipe["compute_objective"](trainer.evaluate())
+        objective = trainer._objective
+    tune.report({"objective": objective})
+
+
+def _typed(config: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The trial's values in the types of the config keys they set (HF casts the same way): Ray's
+    `tune.uniform` gives a float even for an integer key such as HF's default `seed`."""
+    from omegaconf import OmegaConf
+
+    from kiln.config.aliases import PATHS
+
+    out = dict(params)
+    for key, value in params.items():
+        current = OmegaConf.select(config, PATHS.get(key, key), default=None)
+        if isinstance(current, int) and not isinstance(current, bool) and isinstance(value, float):
+            out[key] = int(value)
+    return out
