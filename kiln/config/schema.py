@@ -29,6 +29,10 @@ class TrainConfig:
     torch_compile: bool = opt(False, "Compile the model with torch.compile.")
     torch_compile_backend: Optional[str] = opt(None, "torch.compile backend; setting it implies torch_compile.")
     torch_compile_mode: Optional[str] = opt(None, "torch.compile mode; setting it implies torch_compile.")
+    torch_compile_optimizer_step: bool = opt(
+        False, "Compile the optimizer step with torch.compile (train.torch_compile_backend, default inductor), as "
+        "torchtitan can; independent of torch_compile. Not with optimizers that step inside backward (LOMO) or "
+        "strategies whose engine steps (DeepSpeed). HF has no such key.")
     ignore_data_skip: bool = opt(False, "On resume, start the epoch's data from the beginning instead of skipping.")
     label_smoothing_factor: float = opt(0.0, "Label smoothing for HF-contract classification/LM models.")
     include_num_input_tokens_seen: bool = opt(False, "Track num_input_tokens_seen in the state.")

@@ -7,6 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from kiln.config.compile import check_compile_mode
 from kiln.utils.errors import ConfigError
 
 INTERVALS = ("no", "steps", "epoch")
@@ -47,6 +48,7 @@ def validate(cfg: DictConfig) -> None:
                           f"got {cfg.strategy.timeout}.")
     if t.torch_compile_backend is not None:
         _check_compile_backend(t.torch_compile_backend)
+    check_compile_mode(t.torch_compile_mode)
     if t.neftune_noise_alpha is not None:
         _positive("train.neftune_noise_alpha", t.neftune_noise_alpha)
     _positive("data.per_device_train_batch_size", cfg.data.per_device_train_batch_size)

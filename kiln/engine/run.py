@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from kiln.engine.compile import compile_module, compile_optimizer_step
 from kiln.engine.model.facts import ModelFacts
 from kiln.optim.schedulers import scheduler_needs_metrics
 from kiln.utils.errors import ConfigError
@@ -90,7 +91,7 @@ def enable_gradient_checkpointing(model: nn.Module, kwargs: Any) -> None:
 def setup_for_eval(run: Run, strategy: Any, config: Any) -> nn.Module:
     """The module set up by the strategy for evaluation (before training: without an optimizer)."""
     if run.stage is None:
-        run.wrapped = compiled(run, strategy.setup(module_to_set_up(run, config)).model, config)
+        run.wrapped = compiled(run, strategy.setup(module_to_set_up(run, config)).model, config, strategy)
         run.stage = "eval"
     assert run.wrapped is not None
     return run.wrapped
@@ -105,7 +106,8 @@ def setup_for_training(run: Run, strategy: Any, precision: Any, config: Any,
         schedule = (lambda optimizer: create_scheduler(max_steps, optimizer)) if max_steps is not None else None
         setup = strategy.setup(module_to_set_up(run, config), lambda _model: create_optimizer(), schedule,
                                max_steps=max_steps)
-        run.wrapped, run.optimizer = compiled(run, setup.model, config), setup.optimizer
+        run.wrapped, run.optimizer = compiled(run, setup.model, config, strategy), setup.optimizer
+        compile_optimizer_step(run.optimizer, strategy, config.train)
         if setup.scheduler is not None:
             run.scheduler = setup.scheduler
         run.backward_owner = backward_owner(run.optimizer, strategy, precision)
@@ -118,19 +120,16 @@ def setup_for_training(run: Run, strategy: Any, precision: Any, config: Any,
         precision.setup()
 
 
-def compiled(run: Run, model: nn.Module, config: Any) -> nn.Module:
+def compiled(run: Run, model: nn.Module, config: Any, strategy: Any = None) -> nn.Module:
     """`model` through torch.compile when the config asks (`train.torch_compile*`), once per set-up
-    module. A model concern, not a strategy's: the strategy has wrapped (and sharded) the module by
-    now, and a strategy that cannot be compiled refuses the setting before the run starts."""
-    train = config.train
-    if not (train.torch_compile or train.torch_compile_backend or train.torch_compile_mode):
-        return model
-    if hasattr(model, "_orig_mod"):
-        return model
+    module: a second set-up of the same module (evaluation first, then training) reuses the wrapper,
+    and with it dynamo's cache, so training does not compile again what evaluation compiled. A model
+    concern, not a strategy's (the strategy has wrapped and sharded the module by now), except for a
+    strategy that compiles per block itself (`CompilesPerBlock`, FSDP2); one that cannot be compiled
+    refuses the setting before the run starts. See kiln/engine/compile.py."""
     key = id(model)
     if key not in run._compiled:
-        run._compiled = {key: torch.compile(model, backend=train.torch_compile_backend or "inductor",
-                                            mode=train.torch_compile_mode)}
+        run._compiled = {key: compile_module(model, strategy, config.train)}
     return run._compiled[key]
 
 

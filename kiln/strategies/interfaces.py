@@ -13,6 +13,8 @@ not inherit an interface simply has nothing to do at that point (no no-op hook i
 - `StaticShapes`: every step must see the same shapes (the XLA family compiles one graph per shape).
 - `OwnsOptimizerStep`: the strategy's own engine steps, clips and scales (DeepSpeed); documentation
   for readers and tests, the engine calls `optimizer_step` the same way for every strategy.
+- `CompilesPerBlock`: the strategy applies `train.torch_compile*` itself, block by block inside
+  `setup_module` (FSDP2, as torchtitan does); the engine then leaves the set-up module uncompiled.
 """
 
 from __future__ import annotations
@@ -74,4 +76,12 @@ class OwnsOptimizerStep:
     optimizer factory may then be ignored in favour of one the strategy's config names (DeepSpeed)."""
 
 
-__all__ = ["BackwardSyncControl", "GraphBoundaries", "OwnsOptimizerStep", "ShardedModuleInit", "StaticShapes"]
+class CompilesPerBlock:
+    """Marker: with `train.torch_compile*` the strategy compiles each block's forward before it wraps
+    the block (FSDP2: compiled blocks, then `fully_shard`, torchtitan's order), so its per-block hooks
+    run outside the compiled graphs and add no graph breaks. Compiling the whole wrapped module on top
+    would trace into those hooks, so the engine does not."""
+
+
+__all__ = ["BackwardSyncControl", "CompilesPerBlock", "GraphBoundaries", "OwnsOptimizerStep", "ShardedModuleInit",
+           "StaticShapes"]

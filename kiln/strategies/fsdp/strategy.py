@@ -28,7 +28,7 @@ from kiln.strategies import STRATEGIES
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.ddp.strategy import DDPStrategy
-from kiln.strategies.interfaces import ShardedModuleInit
+from kiln.strategies.interfaces import CompilesPerBlock, ShardedModuleInit
 from kiln.strategies.process_group import register_group_user
 from kiln.strategies.fsdp.options import NATIVE, FSDPSettings, resolve
 from kiln.utils.errors import ConfigError
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 @STRATEGIES.register("fsdp", "fsdp2")
-class FSDPStrategy(DDPStrategy, ShardedModuleInit):
+class FSDPStrategy(DDPStrategy, ShardedModuleInit, CompilesPerBlock):
     name = "fsdp"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
@@ -108,6 +108,7 @@ class FSDPStrategy(DDPStrategy, ShardedModuleInit):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         from kiln.strategies.fsdp.loading import has_meta_tensors, rank0_parameters, scatter_from_rank0
+        from kiln.strategies.fsdp.compile import compile_units
         from kiln.strategies.fsdp.wrap import apply_activation_checkpointing, blocks_to_wrap, sync_module_states
 
         s = self.settings
@@ -125,6 +126,8 @@ class FSDPStrategy(DDPStrategy, ShardedModuleInit):
         blocks = blocks_to_wrap(module, s.wrap, s.min_num_params)
         if s.activation_checkpointing:
             apply_activation_checkpointing(blocks)
+        # torchtitan's order: checkpointing, compile, fully_shard (no blocks: the root's forward)
+        compiled = compile_units(blocks or [module], self.config.train) if self.config is not None else 0
         pin = self.accelerator.pin_memory if s.offload_pin_memory is None else s.offload_pin_memory
         offload = CPUOffloadPolicy(pin_memory=pin) if s.offload else OffloadPolicy()
         mesh = self.mesh()
@@ -144,8 +147,9 @@ class FSDPStrategy(DDPStrategy, ShardedModuleInit):
         if s.forward_prefetch:
             for current, following in zip(blocks, blocks[1:]):
                 current.set_modules_to_forward_prefetch([following])
-        log.info("FSDP: %s over %d process(es), %d wrapped block(s)%s%s.", s.sharding, self.world_size, len(blocks),
-                 ", CPU offload" if s.offload else "", ", activation checkpointing" if s.activation_checkpointing else "")
+        log.info("FSDP: %s over %d process(es), %d wrapped block(s)%s%s%s.", s.sharding, self.world_size, len(blocks),
+                 ", CPU offload" if s.offload else "", ", activation checkpointing" if s.activation_checkpointing else "",
+                 f", {compiled} compiled forward(s)" if compiled else "")
         self._root = module
         return module
 

@@ -1,0 +1,74 @@
+"""torch.compile in training: the set-up module (`train.torch_compile*`) and the optimizer step
+(`train.torch_compile_optimizer_step`).
+
+The rule the tests hold kiln to (tests/engine/test_compile_*.py, tests/distributed/*compile*): kiln
+compiles exactly the graphs, and breaks exactly as often, as a hand-written compiled loop over the
+same shapes. Nothing kiln does between forwards (accumulation windows, a short last window, epochs,
+evaluation in between) makes dynamo recompile: the module is compiled once per set-up module, the
+loop passes tensors (never changing Python numbers) into the forward, and the train/eval switch is
+the one a hand-written loop makes too (one graph per mode, each kept in dynamo's cache).
+
+The optimizer step is compiled the way PyTorch's "compiled optimizer" recipe and torchtitan do it:
+`torch.compile(optimizer.step)`, installed on the optimizer instance so that every strategy and
+precision plug-in that calls `optimizer.step()` (GradScaler's step included) runs the compiled one."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.config.compile import compile_kwargs, model_compile_kwargs
+from kiln.strategies.interfaces import CompilesPerBlock, OwnsOptimizerStep
+from kiln.utils.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def compile_module(model: nn.Module, strategy: Any, train: Any) -> nn.Module:
+    """`model` through torch.compile when the config asks; unchanged when it was compiled already or
+    when the strategy compiled its blocks itself (FSDP2: compiling the sharded root on top would trace
+    into FSDP's hooks, a graph break around every unit)."""
+    kwargs = model_compile_kwargs(train)
+    if kwargs is None or hasattr(model, "_orig_mod") or isinstance(strategy, CompilesPerBlock):
+        return model
+    return torch.compile(model, **kwargs)
+
+
+def compile_optimizer_step(optimizer: Any, strategy: Any, train: Any) -> None:
+    """Replace `optimizer.step` by its compiled form when `train.torch_compile_optimizer_step` is set.
+
+    The compiled step keeps what an LR scheduler's own wrapper of `step` records (`_opt_called`, read
+    by its "scheduler stepped before the optimizer" check) and marks itself as wrapped, so a
+    scheduler built later (auto_find_batch_size) does not wrap it again: torch's wrapper needs a bound
+    method (`step.__func__`), which a compiled function is not."""
+    if not train.torch_compile_optimizer_step or optimizer is None:
+        return
+    if isinstance(strategy, OwnsOptimizerStep):
+        raise ConfigError(f"train.torch_compile_optimizer_step cannot be used with strategy {strategy.name!r}: its own "
+                          "engine runs the optimizer step; drop torch_compile_optimizer_step.")
+    if getattr(optimizer, "owns_backward", False):
+        raise ConfigError(f"train.torch_compile_optimizer_step cannot be used with {type(optimizer).__name__}, which "
+                          "updates the weights inside backward and has no optimizer step to compile; drop the setting.")
+    if getattr(optimizer.step, "_kiln_compiled", False):  # a second set-up of the same optimizer
+        return
+    inner = optimizer.step  # a bound method, or an LR scheduler's wrapper of it
+    compiled = torch.compile(inner, **compile_kwargs(train))
+    ref = weakref.ref(optimizer)  # no cycle: the optimizer holds this function
+
+    @functools.wraps(inner)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        if opt is not None:
+            opt._opt_called = True  # what torch's scheduler wrapper records, outside the compiled graph
+        return compiled(*args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    step._kiln_compiled = True  # type: ignore[attr-defined]
+    optimizer.step = step
+    log.info("The optimizer step of %s runs through torch.compile (backend %r).", type(optimizer).__name__,
+             compile_kwargs(train)["backend"])
