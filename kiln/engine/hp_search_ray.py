@@ -67,6 +67,7 @@ def run_hp_search_ray(trainer: Any, hp_space: Optional[Callable[[Any], dict[str,
     mode = direction[:3]
     recipe = _recipe(trainer, compute_objective, hp_name)
     resources = kwargs.pop("resources_per_trial", {"cpu": 1})
+    kwargs.setdefault("reuse_actors", True)  # a trial process imports torch and kiln once, not once per trial
     run = {"name": "hp_search", "storage_path": os.path.abspath(os.path.join(str(trainer.config.output_dir), "ray_results")),
            "verbose": 0, **{k: kwargs.pop(k) for k in _RUN if k in kwargs}}
     started = not ray.is_initialized()
