@@ -15,6 +15,9 @@ count each sample `tp` times), `all_gather` / `all_gather_object` keep one entry
 first rank's); max / min, `broadcast_object` and `barrier` span every rank (a flag raised on any rank
 reaches all of them). FSDP2 divides the reduced gradients by the dp size, so `grad_divisor` is it.
 
+Precision: fp32 or bf16. With data-parallel axes bf16 is FSDP2's MixedPrecisionPolicy (bf16
+compute, fp32 gradient reduction, as strategy fsdp); with tp alone it stays autocast.
+
 Process group and device are DDP's (one process per device, started by a launcher)."""
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class ModelParallelStrategy(DDPStrategy):
     name = "model_parallel"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
-        precisions=frozenset({"fp32"}),
+        precisions=frozenset({"fp32", "bf16"}),
         auto_batch_size=False,
         full_eval_cast=False,
         user_optimizer=False,
@@ -55,8 +58,8 @@ class ModelParallelStrategy(DDPStrategy):
         reasons={"mps": "it needs gloo or NCCL collectives and DTensor support, which Apple GPUs do not have "
                         "(one MPS device: strategy mps)",
                  "xla": "XLA devices shard through XLA's own SPMD (use strategy xla_fsdp)",
-                 **{p: "model_parallel has only been tested in fp32 so far; use precision: fp32 (or strategy fsdp "
-                       "for mixed precision)" for p in ("bf16", "fp16", "bf16-true", "fp16-true", "tf32", "apex")},
+                 **{p: "model_parallel has been tested in fp32 and bf16 only; use precision: bf16 or fp32 (or "
+                       "strategy fsdp for the others)" for p in ("fp16", "bf16-true", "fp16-true", "tf32", "apex")},
                  "torch_compile": "compiling tensor-parallel DTensor modules has not been tested with it yet"},
     )
     options = {
@@ -74,6 +77,7 @@ class ModelParallelStrategy(DDPStrategy):
         self.device_mesh: Any = None
         self._dp_group: Any = None
         self._root: Optional[nn.Module] = None
+        self._mp_policy: Any = None
 
     # -- topology ---------------------------------------------------------------------------
     @property
@@ -92,8 +96,6 @@ class ModelParallelStrategy(DDPStrategy):
         super().setup_environment()
         if self.device_mesh is not None:
             return
-        import torch.distributed as dist
-
         from kiln.strategies.fsdp.strategy import _release_mesh_groups
 
         self.shape = parse_mesh(self.option("mesh"), self.world_size)  # a group made outside kiln sets the world
@@ -101,11 +103,21 @@ class ModelParallelStrategy(DDPStrategy):
         register_group_user(self.device_mesh, _release_mesh_groups)
         s = self.shape
         if s.model_ranks > 1 and s.dp > 1:  # the ranks of my TP/CP position in every data shard
-            groups = [[d * s.model_ranks + m for d in range(s.dp)] for m in range(s.model_ranks)]
-            self._dp_group, _ = dist.new_subgroups_by_enumeration(groups, backend=self.backend)
+            # one flattened mesh axis: its groups are the mesh's own (same backend, released with it)
+            self._dp_group = self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
         log.info("model_parallel: %s over %d process(es).", s.describe(), self.world_size)
 
     # -- set-up -----------------------------------------------------------------------------
+    def connect_precision(self, precision: "Precision") -> "Precision":
+        """bf16 over data-parallel axes becomes FSDP2's MixedPrecisionPolicy (as strategy fsdp does:
+        parameters, TP-split ones included, gathered in bf16, gradients reduced in fp32); with one
+        data shard no FSDP runs, so autocast stays (it casts the TP layers' DTensor inputs too)."""
+        from kiln.strategies.fsdp.precision import fsdp_precision
+
+        if self.shape.dp > 1:
+            precision, self._mp_policy = fsdp_precision(precision, self.root_device)
+        return super().connect_precision(precision)
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
@@ -134,7 +146,9 @@ class ModelParallelStrategy(DDPStrategy):
             what = "no tensor parallelism"
         if s.dp > 1:
             fsdp_mesh = dp_mesh(mesh, s)
-            kwargs = {"mesh": fsdp_mesh, "reshard_after_forward": True}
+            kwargs: dict[str, Any] = {"mesh": fsdp_mesh, "reshard_after_forward": True}
+            if self._mp_policy is not None:
+                kwargs["mp_policy"] = self._mp_policy
             wrap = self.option("wrap")
             for block in blocks_to_wrap(module, None if wrap is None else list(wrap), None):  # innermost first
                 if not _is_fsdp(block):

@@ -23,6 +23,7 @@ from kiln.utils.errors import CapabilityError
 from tests.helpers import padded_token_data
 
 STRATEGIES.add_lazy("two_d", "tests.strategies.plugins.two_d")  # the plug-in strategy: its only registry line
+STRATEGIES.add_lazy("model_parallel_tp", "tests.strategies.model_parallel.contract_tp")  # tp over every rank
 
 SCENARIOS = ("fit", "evaluate", "predict", "resume", "export", "auto_batch_size", "full_eval")
 STEPS = 6

@@ -27,12 +27,16 @@ STRATEGIES = {
     "ddp": ("ddp", 2, 1e-5),
     "fsdp": ("fsdp", 2, 1e-5),
     "model_parallel": ("model_parallel", 2, 1e-5),  # its default mesh: dp_shard over both processes
+    "model_parallel_tp": ("model_parallel_tp", 2, 1e-5),  # tp 2 with a plan (tests/strategies/model_parallel/contract_tp.py)
     "deepspeed": ("deepspeed", 2, 1e-5),  # ZeRO-2
     "deepspeed_stage_3": ("deepspeed_stage_3", 2, 1e-5),
     "fake_own_step": (OwnStepStrategy, 1, 0.0),
     "fake_spmd": (SpmdSizesStrategy, 1, 0.0),
     "two_d": ("two_d", 2, 1e-5),  # tests/strategies/plugins/two_d.py: a plug-in from outside kiln/
 }
+
+#: strategies whose ranks do not each read their own data (tensor parallelism: one data shard for both)
+DATA_SHARDS = {"model_parallel_tp": 1}
 
 #: scenario -> the capability that allows it (None: every strategy must run it)
 NEEDS = {"auto_batch_size": "auto_batch_size", "full_eval": "full_eval_cast"}
@@ -43,7 +47,7 @@ def _run(strategy, world: int, out: Path):
         return run_all(strategy, str(out), 1)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(HERE / "worker.py"), strategy, str(out)]
+           str(HERE / "worker.py"), strategy, str(out), str(DATA_SHARDS.get(strategy, world))]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"contract worker for {strategy} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -59,21 +59,42 @@ class HookedLlama(TrainingModule):
 
 
 MP = {"name": "model_parallel", "device": "cpu"}
+SINGLE = {"strategy": {"name": "single", "device": "cpu"}}
+EVERY_2 = {"save": {"strategy": "steps", "steps": 2}}
+BF16 = {"bf16": True, "optim": "sgd", "learning_rate": 0.5}
 
 #: name -> (config entries beside the common ones, data shards)
 CASES: dict[str, tuple[dict[str, Any], int]] = {
-    "single": ({"strategy": {"name": "single", "device": "cpu"}}, 1),
-    "tp2": ({"strategy": {**MP, "mesh": {"tp": 2}, "tp_plan": "auto"}, "save": {"strategy": "steps", "steps": 2}}, 1),
+    "single": (SINGLE, 1),
+    "tp2": ({"strategy": {**MP, "mesh": {"tp": 2}, "tp_plan": "auto"}, **EVERY_2}, 1),
+    "dp2": ({"strategy": {**MP, "mesh": {"dp_shard": 2}}, **EVERY_2}, 2),
+    "one": ({"strategy": {**MP, "mesh": {"dp_shard": 1}}, **EVERY_2}, 1),  # model_parallel on one process
     "hook": ({"strategy": {**MP, "mesh": {"tp": -1}}}, 1),
-    "hook_single": ({"strategy": {"name": "single", "device": "cpu"}}, 1),  # the same module on one process
+    "hook_single": (SINGLE, 1),  # the same module on one process
     "dp2tp2": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "tp": 2}}}, 2),
+    "hsdp": ({"strategy": {**MP, "mesh": {"dp_replicate": 2, "dp_shard": 2}}}, 4),
     "hf_dp2tp2": ({"parallelism_config": {"dp_shard_size": 2, "tp_size": 2}, "strategy": {"device": "cpu"}}, 2),
     "resume": ({"strategy": {**MP}}, 1),  # the default mesh: dp_shard over every process
+    # bf16 with SGD: AdamW would turn bf16's rounding of a near-zero gradient into a full-size step
+    "single_bf16": ({**SINGLE, **BF16}, 1),
+    "tp2_bf16": ({"strategy": {**MP, "mesh": {"tp": 2}}, **BF16}, 1),
+    "dp2_bf16": ({"strategy": {**MP, "mesh": {"dp_shard": 2}}, **BF16}, 2),
 }
 
 
+def resumed(name: str) -> tuple[str, bool]:
+    """`<case>_from_<source>` resumes a source's checkpoint and trains on as <case>; `<case>_at_<source>`
+    loads it and stops there (max_steps is the checkpoint's step: the weights are what was loaded).
+    Returns (case, stops at the checkpoint); a plain case name is itself."""
+    for word, stops in (("_from_", False), ("_at_", True)):
+        if word in name:
+            return name.split(word)[0], stops
+    return name, False
+
+
 def config(name: str, root: str, **extra: Any) -> dict[str, Any]:
-    entries, shards = CASES[name]
+    case, stops = resumed(name)
+    entries, shards = CASES[case]
     cfg: dict[str, Any] = {
         "output_dir": os.path.join(root, name), "seed": 3, "learning_rate": 0.01, "max_steps": 4,
         "per_device_train_batch_size": 4 // shards, "per_device_eval_batch_size": 1,  # eval loss is a mean of batch means: one sample each
@@ -81,6 +102,8 @@ def config(name: str, root: str, **extra: Any) -> dict[str, Any]:
         "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
     }
     cfg.update(entries)
+    if case != name:  # a resumed run: no checkpoints of its own
+        cfg.update({"save": {"strategy": "no"}, "max_steps": 2 if stops else 4})
     cfg.update(extra)
     return cfg
 
@@ -92,7 +115,7 @@ def data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def trainer_for(name: str, root: str, model: Any = None, **extra: Any) -> Any:
     from kiln import Trainer
 
-    if model is None and name == "dp2tp2":  # each rank builds other weights: rank 0's must win (sync before sharding)
+    if model is None and name in ("dp2tp2", "hsdp"):  # each rank builds other weights: rank 0's must win (sync before sharding)
         model = llama(seed=int(os.environ.get("RANK", "0")))
     model = model if model is not None else (HookedLlama() if name.startswith("hook") else llama())
     return Trainer(model, config(name, root, **extra), train_dataset=data(32, seed=1), eval_dataset=data(8, seed=2))
@@ -113,7 +136,8 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
     hist = trainer.state.log_history
     result = {"losses": [h["loss"] for h in hist if "loss" in h], "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
               "eval_loss": metrics["eval_loss"], "strategy": type(trainer.strategy).__name__,
-              "data_shards": trainer.strategy.data_shards, "tp_split": tp_split(trainer.model)}
+              "data_shards": trainer.strategy.data_shards, "tp_split": tp_split(trainer.model),
+              "steps": trainer.state.global_step}
     if name.startswith("hook"):
         result["meshes"] = trainer.model.meshes
     weights = full_weights(trainer)

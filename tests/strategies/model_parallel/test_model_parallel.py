@@ -1,9 +1,12 @@
 """model_parallel on real gloo process groups, a tiny Llama from LlamaConfig, against `single` with the
-same global batch (accumulation 2, clipping at 1.0): tp 2 on 2 processes and dp_shard 2 x tp 2 on 4
-give single's weights, logged losses, global grad norms and eval loss at 1e-5; a TrainingModule's
-`configure_model(mesh)` parallelises itself; a tp-2 checkpoint (DCP, each rank its shards) resumes on
-one process and ends where the tp-2 run does; `kiln convert` and `save_model` give full weights that
-`from_pretrained` loads into the same logits."""
+same global batch (accumulation 2, clipping at 1.0): tp 2 and dp_shard 2 on 2 processes, dp_shard 2 x
+tp 2 and HSDP (dp_replicate 2 x dp_shard 2) on 4 give single's weights, logged losses, global grad
+norms and eval loss at 1e-5; bf16 (autocast under tp 2, FSDP2's MixedPrecisionPolicy under dp_shard 2)
+stays within bf16's rounding of single bf16; a TrainingModule's `configure_model(mesh)` parallelises
+itself; checkpoints (DCP, each rank its shards) resume on another mesh (tp 2 -> one process, tp 2 ->
+dp_shard 2, dp_shard 2 -> tp 2, one process -> tp 2): the weights loaded are the saved ones bit for
+bit, and the continued run ends within 1e-6 of the run that never stopped; `kiln convert` and
+`save_model` give full weights that `from_pretrained` loads into the same logits."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from tests.strategies.model_parallel import cases
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent
 TOL = 1e-5
+BF16 = 1e-2  # relative, for losses: bf16 keeps 8 bits of mantissa
+BF16_WEIGHTS = 5e-2  # a weight's distance from single bf16's, relative to its change in training
 
 
 def _torchrun(nproc: int, out: Path, *names: str) -> tuple[dict, dict]:
@@ -42,7 +47,18 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     out = tmp_path_factory.mktemp("mp_two")
-    return (*_torchrun(2, out, "tp2", "hook"), out)
+    return (*_torchrun(2, out, "tp2", "hook", "dp2"), out)
+
+
+@pytest.fixture(scope="module")
+def one(two, tmp_path_factory):
+    """On one process: the tp-2 checkpoint resumed, and model_parallel's own run (checkpoints every 2 steps)."""
+    out = tmp_path_factory.mktemp("mp_one")
+    return (*_torchrun(1, out, f"resume={_checkpoint(two[2], 'tp2')}", "one"), out)
+
+
+def _checkpoint(out: Path, case: str, step: int = 2) -> Path:
+    return out / "runs" / case / f"checkpoint-{step}"
 
 
 def _same_weights(got: dict, want: dict, tol: float = TOL) -> None:
@@ -66,12 +82,21 @@ def test_tp2_trains_like_one_process(two, single):
     _same_weights(weights["tp2"], single[1])
 
 
+def test_dp_shard2_trains_like_one_process(two, single):
+    results, weights, _ = two
+    assert results["dp2"]["data_shards"] == 2 and results["dp2"]["tp_split"] == 0
+    _same_run(results["dp2"], single[0])
+    _same_weights(weights["dp2"], single[1])
+
+
 @pytest.mark.heavy
-def test_dp2_x_tp2_on_four_processes_trains_like_one(tmp_path, single):
-    results, weights = _torchrun(4, tmp_path, "dp2tp2")
+def test_dp2_x_tp2_and_hsdp_on_four_processes_train_like_one(tmp_path, single):
+    results, weights = _torchrun(4, tmp_path, "dp2tp2", "hsdp")
     assert results["dp2tp2"]["data_shards"] == 2 and results["dp2tp2"]["tp_split"] == 2 * 7 + 2
-    _same_run(results["dp2tp2"], single[0])
-    _same_weights(weights["dp2tp2"], single[1])
+    assert results["hsdp"]["data_shards"] == 4 and results["hsdp"]["tp_split"] == 0
+    for case in ("dp2tp2", "hsdp"):
+        _same_run(results[case], single[0])
+        _same_weights(weights[case], single[1])
 
 
 def test_configure_model_parallelises_the_module_itself(two, tmp_path):
@@ -86,24 +111,24 @@ def test_configure_model_parallelises_the_module_itself(two, tmp_path):
     _same_weights(weights["hook"], reference[1], 1e-4)
 
 
-def test_a_tp2_checkpoint_resumes_on_one_process_and_converts_to_full_weights(two, tmp_path):
+def test_a_tp2_checkpoint_resumes_on_one_process_and_converts_to_full_weights(two, one, tmp_path):
     from transformers import LlamaForCausalLM
 
     from kiln.cli import main as kiln
 
     results, weights, out = two
-    checkpoint = out / "runs" / "tp2" / "checkpoint-2"
+    checkpoint = _checkpoint(out, "tp2")
     marker = json.loads((checkpoint / "COMPLETE").read_text())
     assert marker["format"] == "model-parallel-dcp" and marker["world_size"] == 2
     shards = {f for f in os.listdir(checkpoint / "model_parallel_dcp") if f.endswith(".distcp")}
     assert shards == {"__0_0.distcp", "__1_0.distcp"}  # every rank wrote its own shards
 
-    resumed, resumed_weights = _torchrun(1, tmp_path / "one", f"resume={checkpoint}")
+    resumed, resumed_weights, _ = one
     # steps 1-2 come back with the trainer state, steps 3-4 are trained again on one process
     assert resumed["resume"]["losses"] == pytest.approx(results["tp2"]["losses"], rel=TOL)
     _same_weights(resumed_weights["resume"], weights["tp2"])
 
-    final = out / "runs" / "tp2" / "checkpoint-4"
+    final = _checkpoint(out, "tp2", 4)
     assert kiln(["convert", str(final), str(tmp_path / "converted")]) == 0
     live = cases.llama()
     live.load_state_dict(weights["tp2"])
@@ -111,3 +136,57 @@ def test_a_tp2_checkpoint_resumes_on_one_process_and_converts_to_full_weights(tw
     for folder in (tmp_path / "converted", out / "export"):  # kiln convert; Trainer.save_model
         model = LlamaForCausalLM.from_pretrained(str(folder), config=cases.llama_config())
         torch.testing.assert_close(cases.logits(model), want, rtol=0, atol=1e-6, msg=lambda m, f=folder: f"{f}: {m}")
+
+
+#: (the mesh that resumes, the mesh that saved): tp 2 -> dp_shard 2, dp_shard 2 -> tp 2, one process -> tp 2
+RESHARDS = [("dp2", "tp2"), ("tp2", "dp2"), ("tp2", "one")]
+
+
+@pytest.fixture(scope="module")
+def reshard(two, one, tmp_path_factory):
+    """Every resume of RESHARDS in one 2-process job: `<mesh>_from_<source>` trains on to step 4,
+    `<mesh>_at_<source>` stops where it loaded (step 2)."""
+    folders = {"tp2": two[2], "dp2": two[2], "one": one[2]}
+    runs = [f"{target}_{how}_{source}={_checkpoint(folders[source], source)}"
+            for target, source in RESHARDS for how in ("from", "at")]
+    return _torchrun(2, tmp_path_factory.mktemp("mp_reshard"), *runs)
+
+
+@pytest.mark.parametrize("target, source", RESHARDS, ids=[f"{s}_to_{t}" for t, s in RESHARDS])
+def test_a_checkpoint_resumes_on_another_mesh(two, one, reshard, target, source):
+    """DCP reshards on load: the weights arrive bit for bit (the `_at_` run stops where it loaded);
+    the run continued on the other mesh ends within 1e-6 of the source mesh's uninterrupted run (the
+    meshes only differ in the order of float sums: TP's partial products, FSDP's reduce-scatter)."""
+    from kiln.strategies.model_parallel.checkpoint_io import ModelParallelCheckpointIO
+
+    results, weights = reshard
+    go_on, stop = f"{target}_from_{source}", f"{target}_at_{source}"
+    assert results[stop]["steps"] == 2 and results[go_on]["steps"] == 4
+    assert results[go_on]["data_shards"] == cases.CASES[target][1]
+    saved = ModelParallelCheckpointIO.consolidate(str(_checkpoint(one[2] if source == "one" else two[2], source)))
+    assert set(saved) == set(weights[stop])
+    for name, value in saved.items():
+        assert torch.equal(weights[stop][name], value.float()), f"{name} changed on the way from {source} to {target}"
+    runs = {**two[0], **one[0]}, {**two[1], **one[1]}
+    assert results[go_on]["losses"] == pytest.approx(runs[0][source]["losses"], rel=1e-6)
+    _same_weights(weights[go_on], runs[1][source], 1e-6)
+
+
+def test_bf16_trains_like_single_bf16(tmp_path):
+    """tp 2 keeps autocast (the TP layers' DTensors are cast like tensors); dp_shard 2 swaps it for
+    FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reduction), as strategy fsdp does. Both stay
+    within bf16's rounding of single bf16 (measured: under 2 % of each weight's change; SGD, so a
+    weight's change is its gradient's), and both really computed in bf16 (their losses are not fp32's)."""
+    results, weights = _torchrun(2, tmp_path, "tp2_bf16", "dp2_bf16")
+    reference = cases.run_case("single_bf16", str(tmp_path / "single"))
+    fp32 = cases.run_case("single", str(tmp_path / "fp32"), bf16=False, optim="sgd", learning_rate=0.5)
+    init = {k: v.float() for k, v in cases.llama().state_dict().items()}
+    for case in ("tp2_bf16", "dp2_bf16"):
+        got = results[case]
+        assert got["losses"] == pytest.approx(reference[0]["losses"], rel=BF16)
+        assert got["eval_loss"] == pytest.approx(reference[0]["eval_loss"], rel=BF16)
+        assert got["losses"] != pytest.approx(fp32[0]["losses"], rel=TOL), f"{case} ran in fp32"
+        for name, want in reference[1].items():  # the difference, relative to how far training moved the weight
+            change = (want - init[name]).norm()
+            error = (weights[case][name] - want).norm() / change
+            assert error < BF16_WEIGHTS, f"{case} {name}: differs from single bf16 by {error:.2e} of its change"

@@ -1,6 +1,7 @@
 """Runs named model_parallel cases on every rank; rank 0 writes results.json and tensors.safetensors
-to OUT. Usage: torchrun --nproc_per_node=N worker.py OUT CASE[=CHECKPOINT] [...]; `resume=CKPT`
-resumes the default-mesh case from CKPT; `tp2` also exports with save_model to OUT/export."""
+to OUT. Usage: torchrun --nproc_per_node=N worker.py OUT CASE[=CHECKPOINT] [...]; `CASE=CKPT` resumes
+CKPT (`resume`: the default mesh; `dp2_from_tp2`: cases.resumed); `tp2` also exports with save_model
+to OUT/export."""
 
 import json
 import os

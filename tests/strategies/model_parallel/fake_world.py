@@ -1,0 +1,57 @@
+"""What the mesh really is, seen from one rank of a large world without starting it: torch's fake
+process group (every collective is a no-op) lets one process play rank R of W, so the strategy builds
+its DeviceMesh, applies the tensor-parallel plan and FSDP2 exactly as it would on W processes, and we
+record what parity tests cannot see: the mesh's dimension names and sizes, the data-parallel group
+and data shard of the rank, and each parameter's mesh, placements and local shard size.
+
+Usage: python fake_world.py JSON, JSON being a list of [world, rank, mesh] triples; prints a JSON list
+with one description per triple (one fake world after the other in this process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
+
+
+def describe(world: int, rank: int, mesh: dict[str, int]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from kiln.config import load_config
+    from kiln.precision import build_precision
+    from kiln.strategies.model_parallel.strategy import ModelParallelStrategy
+    from tests.strategies.model_parallel.cases import llama
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # built for this 1-process launch, then given the mesh: the group made here decides the world
+    cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}})
+    strategy = ModelParallelStrategy(cfg, build_precision(cfg))
+    cfg.strategy.options.mesh = mesh
+    strategy.setup_environment()
+    model = strategy.setup_module(llama())
+    device_mesh = strategy.device_mesh
+    params = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            params[name] = {"mesh": list(p.device_mesh.mesh_dim_names), "placements": [repr(x) for x in p.placements],
+                            "local": list(p.to_local().shape), "global": list(p.shape)}
+        else:
+            params[name] = {"mesh": None, "placements": None, "local": list(p.shape), "global": list(p.shape)}
+    group = strategy._dp_group
+    out = {"names": list(device_mesh.mesh_dim_names), "sizes": list(device_mesh.shape),
+           "coordinate": device_mesh.get_coordinate(), "data_shards": strategy.data_shards,
+           "data_shard_rank": strategy.data_shard_rank, "grad_divisor": strategy.grad_divisor,
+           "dp_group": None if group is None else dist.get_process_group_ranks(group), "params": params}
+    strategy.teardown()
+    dist.destroy_process_group()
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps([describe(world, rank, mesh) for world, rank, mesh in json.loads(sys.argv[1])]))

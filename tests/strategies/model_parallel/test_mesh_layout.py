@@ -1,0 +1,114 @@
+"""The mesh and the parameters' layout as the strategy builds them, for worlds too large to start on
+a CI machine: fake_world.py plays one rank of 8 or 4 processes under torch's fake process group
+(collectives are no-ops, so nothing trains, but the DeviceMesh, the TP plan and FSDP2 are the real
+ones). Parity tests see only the numbers; these see the mesh's named dimensions and sizes, the rank's
+coordinate, data shard and data-parallel group, and each parameter's mesh, placements per axis and
+local shard (the tiny Llama of cases.py: hidden 32, 4 heads, 2 key/value heads, MLP 64, vocab 64)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.conftest import run
+
+HERE = Path(__file__).resolve().parent
+AXES = ["dp_replicate", "dp_shard", "cp", "tp"]
+HSDP_TP = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+HSDP = {"dp_replicate": 2, "dp_shard": 2}
+DP_TP = {"dp_shard": 2, "tp": 2}
+#: [world, rank, mesh], one fake world each
+WORLDS = [[8, 5, HSDP_TP], [4, 2, HSDP], [4, 3, DP_TP]]
+
+
+@pytest.fixture(scope="module")
+def layouts() -> list[dict]:
+    proc = run([sys.executable, str(HERE / "fake_world.py"), json.dumps(WORLDS)], timeout=180)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _param(layout: dict, name: str) -> tuple:
+    p = layout["params"][name]
+    return p["mesh"], p["placements"], p["local"]
+
+
+def _every_shard_accounted(layout: dict, sizes: dict[str, int]) -> None:
+    """Each parameter's local shard times the ranks holding different pieces is the whole parameter."""
+    for name, p in layout["params"].items():
+        pieces = 1
+        for axis, placement in zip(p["mesh"] or (), p["placements"] or ()):
+            pieces *= 1 if placement == "Replicate()" else sizes[axis]
+        local = p["local"][0] * (p["local"][1] if len(p["local"]) > 1 else 1)
+        whole = p["global"][0] * (p["global"][1] if len(p["global"]) > 1 else 1)
+        assert local * pieces == whole, name
+
+
+def test_hsdp_x_tp_mesh_and_the_place_of_a_rank(layouts):
+    """dp_replicate 2 x dp_shard 2 x tp 2, rank 5: replica 1, shard 0, TP rank 1 (row-major)."""
+    mesh = layouts[0]
+    assert mesh["names"] == AXES and mesh["sizes"] == [2, 2, 1, 2]
+    assert mesh["coordinate"] == [1, 0, 0, 1]
+    assert (mesh["data_shards"], mesh["data_shard_rank"], mesh["grad_divisor"]) == (4, 2, 4)
+    assert mesh["dp_group"] == [1, 3, 5, 7]  # the ranks at TP position 1 in every data shard
+
+
+# (parameter, its mesh, placements per axis, local shard) of the 8-rank HSDP x TP world
+HSDP_TP_LAYOUT = [
+    # colwise: TP splits the output features, FSDP shards that split again (strided), replicas hold it whole
+    ("model.layers.0.self_attn.q_proj.weight", ["dp_replicate", "dp_shard", "tp"],
+     ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [8, 32]),
+    ("model.layers.0.self_attn.k_proj.weight", ["dp_replicate", "dp_shard", "tp"],
+     ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [4, 32]),
+    ("model.layers.1.mlp.up_proj.weight", ["dp_replicate", "dp_shard", "tp"],
+     ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [16, 32]),
+    # rowwise: TP splits the input features, FSDP the rows
+    ("model.layers.0.self_attn.o_proj.weight", ["dp_replicate", "dp_shard", "tp"],
+     ["Replicate()", "Shard(dim=0)", "Shard(dim=1)"], [16, 16]),
+    ("model.layers.1.mlp.down_proj.weight", ["dp_replicate", "dp_shard", "tp"],
+     ["Replicate()", "Shard(dim=0)", "Shard(dim=1)"], [16, 32]),
+    # the vocabulary split of the embedding and of lm_head (gathered output)
+    ("model.embed_tokens.weight", ["dp_replicate", "dp_shard", "tp"],
+     ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [16, 32]),
+    ("lm_head.weight", ["dp_replicate", "dp_shard", "tp"], ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [16, 32]),
+    # not in the plan: FSDP alone, on the 2-D data-parallel mesh
+    ("model.layers.0.input_layernorm.weight", ["dp_replicate", "dp_shard"], ["Replicate()", "Shard(dim=0)"], [16]),
+    ("model.norm.weight", ["dp_replicate", "dp_shard"], ["Replicate()", "Shard(dim=0)"], [16]),
+]
+
+
+@pytest.mark.parametrize("name, mesh, placements, local", HSDP_TP_LAYOUT, ids=[row[0] for row in HSDP_TP_LAYOUT])
+def test_hsdp_x_tp_parameter_layout(layouts, name, mesh, placements, local):
+    assert _param(layouts[0], name) == (mesh, placements, local)
+
+
+def test_hsdp_x_tp_splits_every_planned_layer_and_shards_everything(layouts):
+    params = layouts[0]["params"]
+    split = [n for n, p in params.items() if p["mesh"] and "tp" in p["mesh"]]
+    assert len(split) == 2 * 7 + 2 and len(params) == 2 * 9 + 3  # 7 projections a layer, embedding, lm_head
+    assert all(p["mesh"] for p in params.values())  # no plain tensor left: FSDP sharded the rest
+    _every_shard_accounted(layouts[0], HSDP_TP)
+
+
+def test_hsdp_alone_is_fsdp_on_a_2d_data_parallel_mesh(layouts):
+    """dp_replicate 2 x dp_shard 2, rank 2: replica 1, shard 0; no TP group, so no data-parallel subgroup."""
+    mesh = layouts[1]
+    assert mesh["sizes"] == [2, 2, 1, 1] and mesh["coordinate"] == [1, 0, 0, 0]
+    assert (mesh["data_shards"], mesh["data_shard_rank"], mesh["grad_divisor"], mesh["dp_group"]) == (4, 2, 4, None)
+    for name, p in mesh["params"].items():
+        assert (p["mesh"], p["placements"]) == (["dp_replicate", "dp_shard"], ["Replicate()", "Shard(dim=0)"]), name
+        assert p["local"][0] * 2 == p["global"][0], name
+    _every_shard_accounted(mesh, HSDP)
+
+
+def test_dp_shard_x_tp_has_no_replicate_axis(layouts):
+    """dp_shard 2 x tp 2, rank 3: shard 1, TP rank 1; FSDP's mesh is dp_shard alone."""
+    mesh = layouts[2]
+    assert mesh["sizes"] == [1, 2, 1, 2] and mesh["coordinate"] == [0, 1, 0, 1]
+    assert (mesh["data_shards"], mesh["data_shard_rank"], mesh["grad_divisor"], mesh["dp_group"]) == (2, 1, 2, [1, 3])
+    assert _param(mesh, "model.layers.0.self_attn.q_proj.weight") == (
+        ["dp_shard", "tp"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [8, 32])
+    assert _param(mesh, "model.norm.weight") == (["dp_shard"], ["Shard(dim=0)"], [16])
+    _every_shard_accounted(mesh, DP_TP)
