@@ -74,12 +74,18 @@ class CountsPerStep(Callback):
 SEQ = 16
 
 
-def gpt2(n_layer: int = 1) -> nn.Module:
+def gpt2(n_layer: int = 1, *, name_loss: bool = True) -> nn.Module:
+    """A tiny GPT-2 without dropout. `name_loss`: its loss_type named, as Transformers 5 cannot derive it
+    from the class name GPT2LMHeadModel; unnamed, every forward calls `logger.warning_once` to say so,
+    which dynamo cannot trace (a graph break in the model's own code, 8 over these runs)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_positions=32, n_layer=n_layer, n_head=2,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_positions=32, n_layer=n_layer, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+    if name_loss:
+        model.loss_type = "ForCausalLM"
+    return model
 
 
 class Block(nn.Module):
