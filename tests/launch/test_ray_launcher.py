@@ -167,3 +167,50 @@ def test_launch_settings_from_the_config():
     assert (launch.num_workers, launch.max_failures, launch.storage_path) == (2, 2, os.path.abspath("o/ray_results"))
     assert ray_launch.RayLaunch.from_config(cfg, num_workers=5, max_failures=0).num_workers == 5
     assert ray_launch.RayLaunch.from_config(cfg, max_failures=0).max_failures == 2  # --max-restarts 0: the key's value
+
+
+def test_a_local_ray_instance_is_sized_for_the_workers_and_an_address_is_joined(monkeypatch):
+    calls: list = []
+    fake = SimpleNamespace(is_initialized=lambda: bool(calls and calls[-1] == "running"), init=lambda **kw: calls.append(kw))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert ray_launch._start(ray_launch.RayLaunch(num_workers=3, resources_per_worker={"CPU": 1.5})) is True
+    assert calls[-1] == {"num_cpus": 5, "include_dashboard": False}  # 4.5 CPUs asked for, rounded up; above the cores
+    assert ray_launch._start(ray_launch.RayLaunch(num_workers=1)) is True
+    assert calls[-1] == {"num_cpus": 2, "include_dashboard": False}  # at least the machine's cores
+    assert ray_launch._start(ray_launch.RayLaunch(num_workers=2, address="auto")) is True
+    assert calls[-1] == {"address": "auto"}
+    calls.append("running")  # a Ray the caller started is used as it is, and left running
+    assert ray_launch._start(ray_launch.RayLaunch(num_workers=2)) is False and calls[-1] == "running"
+
+
+def test_the_report_callback_hands_rank_zeros_sealed_checkpoint_and_the_steps_metrics(tmp_path, monkeypatch):
+    """Every rank reports (Ray's report is a barrier); only global rank 0 hands over the folder, and only
+    a complete one; the metrics are what was logged at that step."""
+    import json
+
+    from kiln.engine.callbacks.ray_report import RayReportCallback
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
+
+    callback = RayReportCallback()  # checks that Ray is installed: before the stand-in replaces it
+    reports: list = []
+    train = SimpleNamespace(Checkpoint=SimpleNamespace(from_directory=lambda path: ("checkpoint", path)),
+                            report=lambda metrics, **kw: reports.append((metrics, kw)))
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(train=train))
+    monkeypatch.setitem(sys.modules, "ray.train", train)
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"1234")
+    config = OmegaConf.create({"output_dir": str(tmp_path)})
+    history = [{"loss": 0.9, "step": 2}, {"loss": 0.5, "learning_rate": 0.01, "step": 4}, {"eval_loss": 0.4, "step": 4}]
+    for zero in (True, False):
+        state = TrainerState(global_step=4, epoch=1.5, log_history=history, is_world_process_zero=zero)
+        callback.on_save(config, state, TrainerControl())
+    (folder / "COMPLETE").write_text(json.dumps({"files": {"model.safetensors": 4}}))
+    callback.on_save(config, TrainerState(global_step=4, epoch=1.5, log_history=history), TrainerControl())
+    metrics = {"loss": 0.5, "learning_rate": 0.01, "eval_loss": 0.4, "step": 4, "epoch": 1.5}
+    unsealed = {"checkpoint": None, "checkpoint_dir_name": None, "delete_local_checkpoint_after_upload": False}
+    assert reports == [(metrics, unsealed), (metrics, unsealed),  # no marker yet: not a checkpoint to hand over
+                       (metrics, {"checkpoint": ("checkpoint", str(folder)), "checkpoint_dir_name": "checkpoint-4",
+                                  "delete_local_checkpoint_after_upload": False})]
+    assert callback.reported == [4, 4, 4]
