@@ -4,8 +4,8 @@ its DeviceMesh, applies the tensor-parallel plan and FSDP2 exactly as it would o
 record what parity tests cannot see: the mesh's dimension names and sizes, the data-parallel group
 and data shard of the rank, and each parameter's mesh, placements and local shard size.
 
-Usage: python fake_world.py JSON, JSON being a list of [world, rank, mesh] triples; prints a JSON list
-with one description per triple (one fake world after the other in this process)."""
+Usage: python fake_world.py JSON, JSON being a list of [world, rank, mesh(, bf16)]; prints a JSON list
+with one description each (one fake world after the other in this process)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
 
 
-def describe(world: int, rank: int, mesh: dict[str, int]) -> dict[str, Any]:
+def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -30,10 +31,11 @@ def describe(world: int, rank: int, mesh: dict[str, int]) -> dict[str, Any]:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     # built for this 1-process launch, then given the mesh: the group made here decides the world
-    cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}})
+    cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}, "bf16": bf16})
     strategy = ModelParallelStrategy(cfg, build_precision(cfg))
     cfg.strategy.options.mesh = mesh
     strategy.setup_environment()
+    precision = strategy.connect_precision(build_precision(cfg))  # as the Trainer does, on this world's mesh
     model = strategy.setup_module(llama())
     device_mesh = strategy.device_mesh
     params = {}
@@ -47,11 +49,14 @@ def describe(world: int, rank: int, mesh: dict[str, int]) -> dict[str, Any]:
     out = {"names": list(device_mesh.mesh_dim_names), "sizes": list(device_mesh.shape),
            "coordinate": device_mesh.get_coordinate(), "data_shards": strategy.data_shards,
            "data_shard_rank": strategy.data_shard_rank, "grad_divisor": strategy.grad_divisor,
-           "dp_group": None if group is None else dist.get_process_group_ranks(group), "params": params}
+           "dp_group": None if group is None else dist.get_process_group_ranks(group), "params": params,
+           "precision": type(precision).__name__,
+           "fsdp_param_dtypes": sorted({str(m._get_fsdp_state()._mp_policy.param_dtype)
+                                        for m in model.modules() if isinstance(m, FSDPModule)})}
     strategy.teardown()
     dist.destroy_process_group()
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps([describe(world, rank, mesh) for world, rank, mesh in json.loads(sys.argv[1])]))
+    print(json.dumps([describe(*spec) for spec in json.loads(sys.argv[1])]))

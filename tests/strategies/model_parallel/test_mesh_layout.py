@@ -20,8 +20,8 @@ AXES = ["dp_replicate", "dp_shard", "cp", "tp"]
 HSDP_TP = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
 DP_TP = {"dp_shard": 2, "tp": 2}
-#: [world, rank, mesh], one fake world each
-WORLDS = [[8, 5, HSDP_TP], [4, 2, HSDP], [4, 3, DP_TP]]
+#: [world, rank, mesh, bf16], one fake world each
+WORLDS = [[8, 5, HSDP_TP, True], [4, 2, HSDP, False], [4, 3, DP_TP, False], [2, 1, {"tp": 2}, True]]
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +112,13 @@ def test_dp_shard_x_tp_has_no_replicate_axis(layouts):
         ["dp_shard", "tp"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [8, 32])
     assert _param(mesh, "model.norm.weight") == (["dp_shard"], ["Shard(dim=0)"], [16])
     _every_shard_accounted(mesh, DP_TP)
+
+
+def test_bf16_is_fsdp2_mixed_precision_over_dp_axes_and_autocast_under_tp_alone(layouts):
+    """With data-parallel axes, every FSDP unit gathers in bf16 (the policy) and the precision plugin
+    no longer autocasts (FSDP casts); with tp alone there is no FSDP unit and autocast stays."""
+    hsdp_tp, fp32, tp_alone = layouts[0], layouts[1], layouts[3]
+    assert hsdp_tp["fsdp_param_dtypes"] == ["torch.bfloat16"] and hsdp_tp["precision"].startswith("FSDP")
+    assert fp32["fsdp_param_dtypes"] == ["None"]  # fp32: FSDP keeps the parameters' own dtype
+    assert tp_alone["fsdp_param_dtypes"] == [] and not tp_alone["precision"].startswith("FSDP")
+    assert tp_alone["sizes"] == [1, 1, 1, 2] and tp_alone["dp_group"] is None
