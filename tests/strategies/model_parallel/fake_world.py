@@ -52,7 +52,11 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False) ->
            "dp_group": None if group is None else dist.get_process_group_ranks(group), "params": params,
            "precision": type(precision).__name__,
            "fsdp_param_dtypes": sorted({str(m._get_fsdp_state()._mp_policy.param_dtype)
-                                        for m in model.modules() if isinstance(m, FSDPModule)})}
+                                        for m in model.modules() if isinstance(m, FSDPModule)}),
+           # FSDP2 keeps a unit's gathered parameters after forward unless it reshards (ZeRO-3's memory)
+           "reshard_after_forward": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+                                            for m in model.modules() if isinstance(m, FSDPModule)
+                                            and m._get_fsdp_state()._fsdp_param_group is not None})}
     strategy.teardown()
     dist.destroy_process_group()
     return out

@@ -89,6 +89,7 @@ def test_hsdp_x_tp_splits_every_planned_layer_and_shards_everything(layouts):
     split = [n for n, p in params.items() if p["mesh"] and "tp" in p["mesh"]]
     assert len(split) == 2 * 7 + 2 and len(params) == 2 * 9 + 3  # 7 projections a layer, embedding, lm_head
     assert all(p["mesh"] for p in params.values())  # no plain tensor left: FSDP sharded the rest
+    assert layouts[0]["reshard_after_forward"] == [True]  # every unit frees its gathered weights after forward
     _every_shard_accounted(layouts[0], HSDP_TP)
 
 
