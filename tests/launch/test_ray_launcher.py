@@ -178,6 +178,11 @@ def test_a_local_ray_instance_is_sized_for_the_workers_and_an_address_is_joined(
     assert calls[-1] == {"num_cpus": 5, "include_dashboard": False}  # 4.5 CPUs asked for, rounded up; above the cores
     assert ray_launch._start(ray_launch.RayLaunch(num_workers=1)) is True
     assert calls[-1] == {"num_cpus": 2, "include_dashboard": False}  # at least the machine's cores
+    assert ray_launch._start(ray_launch.RayLaunch(num_workers=3)) is True
+    assert calls[-1] == {"num_cpus": 3, "include_dashboard": False}  # one CPU per worker unless resources say
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # cores unknown: what the workers ask for
+    assert ray_launch._start(ray_launch.RayLaunch(num_workers=1)) is True
+    assert calls[-1] == {"num_cpus": 1, "include_dashboard": False}
     assert ray_launch._start(ray_launch.RayLaunch(num_workers=2, address="auto")) is True
     assert calls[-1] == {"address": "auto"}
     calls.append("running")  # a Ray the caller started is used as it is, and left running
