@@ -125,11 +125,15 @@ def block_lm() -> nn.Module:
 
 
 def token_data(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Fixed-length rows whose labelled tokens vary (the rest -100): every window's item count differs
+    while the shapes repeat, so a count handed to the forward as a Python number would recompile."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(0, 64, (SEQ,), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
+        labels = ids.clone()
+        labels[int(torch.randint(4, SEQ + 1, (1,), generator=g)):] = -100
+        out.append({"input_ids": ids, "labels": labels})
     return out
 
 

@@ -75,6 +75,25 @@ def test_compiled_optimizer_step_with_inductor_alone(tmp_path, reference):
     torch.testing.assert_close(toy.flat(model.parameters()), toy.flat(reference.parameters()), rtol=1e-6, atol=1e-6)
 
 
+def test_a_scheduler_built_after_the_step_was_compiled_sees_every_step():
+    """auto_find_batch_size builds the scheduler later: torch's scheduler wraps `optimizer.step` as a
+    bound method unless it is marked wrapped, and warns unless the step records that it ran."""
+    train = type("Train", (), {"torch_compile_optimizer_step": True, "torch_compile_backend": toy.BACKEND,
+                               "torch_compile_mode": None})()
+    model = toy.mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compile_optimizer_step(optimizer, object(), train)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    batch = toy.batches(toy.regression_data(4), 4)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for _ in range(2):
+            model(**batch)["loss"].backward()
+            optimizer.step()
+            schedule.step()
+    assert schedule.last_epoch == 2 and optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 3)
+
+
 class _OwnStep(OwnsOptimizerStep):
     name = "deepspeed"
 
