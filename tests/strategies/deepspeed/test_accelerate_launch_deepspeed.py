@@ -69,6 +69,7 @@ def test_accelerate_deepspeed_config_file_runs_like_kiln_with_the_file(tmp_path)
     _same(got, _native(tmp_path, "own", deepspeed=str(ds_file)))
 
 
+@pytest.mark.heavy  # two CPU-offload runs and the CPU-Adam JIT build: ~2 min; the mapping itself is test_launch's
 def test_accelerate_deepspeed_plugin_settings_run_like_the_kiln_config(tmp_path):
     got = _launch(tmp_path, "acc", ACCELERATE_DS_PLUGIN.format(port=_free_port()))
     saved = OmegaConf.load(tmp_path / "acc" / "kiln_config.yaml")

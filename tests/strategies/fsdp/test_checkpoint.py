@@ -37,7 +37,8 @@ def test_resume_is_exact(tmp_path, kind):
     _equal(load_file(str(second / "final.safetensors")), load_file(str(first / "final.safetensors")))
 
 
-@pytest.mark.parametrize("kind", ["sharded", "full"])
+# the layout translation is shared by both kinds; full runs with -m heavy (CI time)
+@pytest.mark.parametrize("kind", ["sharded", pytest.param("full", marks=pytest.mark.heavy)])
 def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
     """kiln.utils.param_groups: older kiln kept one optimizer group without weight decay; today's two (HF's)."""
     one, two, decay = tmp_path / "one_group", tmp_path / "two_groups", tmp_path / "decay"
