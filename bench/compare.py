@@ -1,10 +1,13 @@
 """kiln, a hand-written loop, HF Trainer and Lightning side by side on the same work.
 
     python bench/compare.py --rounds 7            # the figures in docs/benchmarks.md
-    python bench/compare.py --rounds 1 --steps 40 --transformer-steps 30   # a quick check that everything runs
+    python bench/compare.py --rounds 1 --steps 40 --transformer-steps 30 --lm16-steps 30 --augment-steps 30  # does it run
+    python bench/compare.py --rounds 9 --models lm16 lm16-loader --frameworks hand-written kiln   # issue 33, item 1
 
-Every framework trains the same model on the same data: batch 64 (8 sequences of 128 tokens for the
-transformer), AdamW without weight decay (kiln's and HF's default; torch's own default is 0.01, and
+Every framework trains the same model on the same data (the workloads of MODELS): batch 64 (8 sequences of
+128 tokens for the transformer; issue 33's transformer, 2 layers of width 128, 16 sequences of 64 tokens,
+handed over once as a dataset and once as a DataLoader; the tiny MLP behind a per-sample Python transform
+with 0 and 2 loader workers, where the loader bounds the step), AdamW without weight decay (kiln's and HF's default; torch's own default is 0.01, and
 its decay pass would be work only some of the frameworks do), a linear schedule, gradient clipping at 1.0, a log event every 10 steps with the
 progress output on, and, where the framework has them, csv + jsonl history files (kiln: both; Lightning:
 its CSVLogger; HF Trainer: none, it only prints). The hand-written loop reads its loss every 10 steps,
@@ -29,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH))
@@ -39,7 +42,29 @@ LOG_EVERY = 10
 LR = 1e-3
 FRAMEWORKS = ("hand-written", "kiln", "hf", "lightning")
 LABELS = {"hand-written": "hand-written loop", "kiln": "kiln", "hf": "HF Trainer", "lightning": "Lightning"}
-MODELS = {"mlp": ("tiny MLP", 64), "transformer": ("small transformer", 8)}
+
+
+class Workload(NamedTuple):
+    """One group of rows: the model, its data, and how the data reaches the framework."""
+
+    label: str
+    batch: int
+    steps: int  # steps per run (--steps / --transformer-steps override the first two)
+    net: str  # "mlp", "transformer" (4 layers, width 256, 128 tokens) or "lm16" (issue 33: 2 layers, width 128, 64 tokens)
+    as_loader: bool = False  # kiln is handed the hand-written loop's DataLoader instead of the dataset
+    workers: int = 0  # dataloader_num_workers of every loader (kiln's config and the hand-written DataLoader)
+
+
+MODELS = {
+    "mlp": Workload("tiny MLP", 64, 2000, "mlp"),
+    "transformer": Workload("small transformer", 8, 100, "transformer"),
+    # issue 33, item 1: the same small transformer handed over as a dataset (kiln builds the loader) and as a DataLoader
+    "lm16": Workload("transformer 2×128, Dataset", 16, 150, "lm16"),
+    "lm16-loader": Workload("transformer 2×128, DataLoader", 16, 150, "lm16", as_loader=True),
+    # issue 33, item 4: the tiny MLP behind a per-sample Python transform; the loader bounds the step
+    "augment-w0": Workload("per-sample transform, 0 workers", 64, 400, "augment"),
+    "augment-w2": Workload("per-sample transform, 2 workers", 64, 400, "augment", workers=2),
+}
 
 
 # -- one run (in its own process) ------------------------------------------------------------
@@ -64,14 +89,30 @@ class Clock:
         return {"startup": self.first - self.launched, "per_step": (self.end - self.start) / (self.steps - WARMUP)}
 
 
-def build(model: str) -> tuple[Any, list[dict[str, Any]]]:
+def build(model: str) -> tuple[Any, Any]:
+    """The model and the dataset of workload `model`, the same for every framework (seed 0)."""
     import torch
 
-    from bench.models import MLP, SmallTransformer
+    from bench.models import MLP, Augmented, SmallTransformer
     from bench.overhead import lm_data, mlp_data
 
     torch.manual_seed(0)
-    return (MLP(), mlp_data()) if model == "mlp" else (SmallTransformer(), lm_data())
+    net = MODELS[model].net
+    if net == "mlp":
+        return MLP(), mlp_data()
+    if net == "augment":
+        return MLP(), Augmented()
+    if net == "lm16":
+        return SmallTransformer(vocab=256, dim=128, layers=2, seq=64), lm_data(n=1024, seq=64)
+    return SmallTransformer(), lm_data()
+
+
+def hand_loader(model: str, data: Any, batch: int) -> Any:
+    """The hand-written loop's loader (and the one kiln is handed in an `as_loader` workload)."""
+    import torch
+
+    return torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, drop_last=True,
+                                       num_workers=MODELS[model].workers)
 
 
 def linear(steps: int) -> Callable[[int], float]:
@@ -84,7 +125,7 @@ def run_hand_written(model: str, batch: int, steps: int, clock: Clock, out: str)
     net, data = build(model)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0)  # kiln's and HF's default (torch's is 0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear(steps))
-    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
+    loader = hand_loader(model, data, batch)
     net.train()
     step = 0
     while step < steps:
@@ -115,11 +156,17 @@ def run_kiln(model: str, batch: int, steps: int, clock: Clock, out: str) -> None
             clock.step_end(state.global_step)
 
     net, data = build(model)
-    cfg = {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
-           "lr_scheduler_type": "linear", "max_grad_norm": 1.0, "dataloader_drop_last": True,
-           "log": {"steps": LOG_EVERY, "history": ["csv", "jsonl"], "disable_tqdm": False},
-           "save": {"strategy": "no"}, "strategy": {"device": "cpu"}}
-    Trainer(net, cfg, train_dataset=data, callbacks=[Marks()]).fit()
+    if MODELS[model].as_loader:
+        data = hand_loader(model, data, batch)
+    Trainer(net, kiln_config(model, batch, steps, out), train_dataset=data, callbacks=[Marks()]).fit()
+
+
+def kiln_config(model: str, batch: int, steps: int, out: str) -> dict[str, Any]:
+    return {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
+            "lr_scheduler_type": "linear", "max_grad_norm": 1.0, "dataloader_drop_last": True,
+            "dataloader_num_workers": MODELS[model].workers,
+            "log": {"steps": LOG_EVERY, "history": ["csv", "jsonl"], "disable_tqdm": False},
+            "save": {"strategy": "no"}, "strategy": {"device": "cpu"}}
 
 
 def run_hf(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
@@ -135,7 +182,8 @@ def run_hf(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
     net, data = build(model)
     args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=LR,
                              lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=LOG_EVERY, report_to=[],
-                             save_strategy="no", use_cpu=True, dataloader_drop_last=True, disable_tqdm=False)
+                             save_strategy="no", use_cpu=True, dataloader_drop_last=True, disable_tqdm=False,
+                             dataloader_num_workers=MODELS[model].workers)
     Trainer(model=net, args=args, train_dataset=data, callbacks=[Marks()]).train()
 
 
@@ -168,7 +216,7 @@ def run_lightning(model: str, batch: int, steps: int, clock: Clock, out: str) ->
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
             clock.step_end(trainer.global_step)
 
-    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
+    loader = hand_loader(model, data, batch)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, gradient_clip_val=1.0,
                         log_every_n_steps=LOG_EVERY, logger=CSVLogger(out), enable_checkpointing=False,
                         enable_progress_bar=True, enable_model_summary=False, callbacks=[Marks()], default_root_dir=out)
@@ -214,6 +262,12 @@ def installed(framework: str) -> bool:
     return package is None or importlib.util.find_spec(package) is not None
 
 
+def runs_on(framework: str, model: str) -> bool:
+    """HF Trainer takes datasets only: the rows where kiln is handed a DataLoader compare kiln, the
+    hand-written loop and Lightning (which is always handed the hand-written loop's DataLoader)."""
+    return not (framework == "hf" and MODELS[model].as_loader)
+
+
 def spread(values: list[float], fmt: str) -> str:
     med = statistics.median(values)
     return f"{med:{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})" if len(values) > 1 else f"{med:{fmt}}"
@@ -237,6 +291,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2000, help="MLP steps per run")
     parser.add_argument("--transformer-steps", type=int, default=100, help="small-transformer steps per run (>= 30)")
+    parser.add_argument("--lm16-steps", type=int, default=MODELS["lm16"].steps, help="issue 33's transformer steps per run")
+    parser.add_argument("--augment-steps", type=int, default=MODELS["augment-w0"].steps,
+                        help="steps per run of the per-sample-transform rows")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=list(FRAMEWORKS))
     parser.add_argument("--worker", choices=list(FRAMEWORKS), help=argparse.SUPPRESS)
@@ -250,12 +307,13 @@ def main() -> None:
     if "hand-written" not in frameworks:
         frameworks.insert(0, "hand-written")
     skipped = [f for f in args.frameworks if f not in frameworks]
-    steps = {"mlp": args.steps, "transformer": max(30, args.transformer_steps)}
+    per_net = {"mlp": args.steps, "transformer": args.transformer_steps, "lm16": args.lm16_steps, "augment": args.augment_steps}
+    steps = {m: max(WARMUP + 20, per_net[w.net]) for m, w in MODELS.items()}
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     imports: dict[str, list[float]] = {"torch": [], "kiln": [], "trainer": []}
     rng = random.Random(0)
     for r in range(args.rounds):
-        jobs = [(f, m) for m in args.models for f in frameworks]
+        jobs = [(f, m) for m in args.models for f in frameworks if runs_on(f, m)]
         rng.shuffle(jobs)
         for framework, model in jobs:
             run = one_run(framework, model, steps[model])
@@ -272,7 +330,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for model in args.models:
         base = runs[(model, "hand-written")]
-        for framework in frameworks:
+        for framework in (f for f in frameworks if runs_on(f, model)):
             these = runs[(model, framework)]
             ratios = [t["per_step"] / b["per_step"] for t, b in zip(these, base)]
             extra = [t["startup"] - b["startup"] for t, b in zip(these, base)]

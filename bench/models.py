@@ -1,6 +1,9 @@
-"""Models shared by the benchmarks: an overhead-dominated MLP and a compute-bound small transformer."""
+"""Models shared by the benchmarks: an overhead-dominated MLP and a compute-bound small transformer, and a
+dataset whose per-sample transform makes the loader the bottleneck."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 import torch.nn.functional as F
@@ -29,3 +32,25 @@ class SmallTransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         h = self.body(self.emb(input_ids) + self.pos, mask=self.mask, is_causal=True)
         return {"loss": F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())}
+
+
+class Augmented(torch.utils.data.Dataset):
+    """The tiny MLP's samples behind a per-sample Python transform in `__getitem__` (Gaussian jitter drawn
+    from `random`, one value at a time, `passes` times over the row, as hand-written augmentation does): the
+    loader, not the model, bounds the step. Its draws come from the process's `random` stream, so they
+    differ between loaders (kiln re-seeds each sample in worker processes); the work does not."""
+
+    def __init__(self, n: int = 8192, d_in: int = 32, classes: int = 10, passes: int = 4) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.rows: list[list[float]] = torch.randn(n, d_in, generator=g).tolist()
+        self.labels = list(torch.randint(0, classes, (n,), generator=g).unbind())
+        self.passes = passes
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x = self.rows[i]
+        for _ in range(self.passes):
+            x = [v + random.gauss(0.0, 0.05) for v in x]
+        return {"x": torch.tensor(x), "labels": self.labels[i]}
