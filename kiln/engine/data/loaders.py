@@ -32,21 +32,29 @@ def default_data_collator(features: list[Any]) -> Any:
     # like HF, the first feature decides (copying every feature's dict costs ~1 us each per batch)
     if not isinstance(first, Mapping):
         return default_collate(features)
-    if "labels" not in first and ("label" in first or "label_ids" in first):
-        renamed = []
-        for f in features:
-            f = dict(f)
-            for old in ("label", "label_ids"):
-                if old in f and "labels" not in f:
-                    f["labels"] = f.pop(old)
-            renamed.append(f)
-        features, first = renamed, renamed[0]
+    if "labels" not in first and (first.get("label") is not None or first.get("label_ids") is not None):
+        key = "label" if first.get("label") is not None else "label_ids"
+        rest = [{k: v for k, v in f.items() if k not in ("label", "label_ids")} for f in features]
+        return {"labels": _hf_labels([f[key] for f in features]), **(default_data_collator(rest) if rest[0] else {})}
     if type(first) is dict and _stackable(first.values()) and get_worker_info() is None:
         return _stacked(first, features)
     if any(map(isinstance, first.values(), itertools.repeat(list))):
         return {k: _list_tensor([f[k] for f in features]) if isinstance(v, list) else default_collate([f[k] for f in features])
                 for k, v in first.items()}
     return default_collate(features)
+
+
+def _hf_labels(values: list[Any]) -> torch.Tensor:
+    """HF's labels tensor from `label` / `label_ids` values: tensors stacked; Python numbers as int64 when
+    the first is an int, else float32 (default_collate would make Python floats float64, which would promote
+    a float32 regression head's loss and its backward to float64)."""
+    first = values[0]
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return torch.stack(values)
+    sample = first.item() if isinstance(first, torch.Tensor) else first
+    while isinstance(sample, (list, tuple)) and sample:
+        sample = sample[0]
+    return torch.tensor(values, dtype=torch.long if isinstance(sample, int) else torch.float)
 
 
 _PLAIN = {torch.Tensor}
