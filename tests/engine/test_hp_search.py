@@ -109,8 +109,8 @@ def test_default_objective_is_the_loss_or_the_sum_of_the_metrics():
 def test_misuse_is_refused(tmp_path):
     with pytest.raises(KilnError, match="needs model_init"):
         Trainer(TinyRegressor(), _config(tmp_path), train_dataset=regression_data(n=8)).hyperparameter_search(n_trials=1)
-    with pytest.raises(KilnError, match="backend 'ray' is not available"):
-        _trainer(tmp_path).hyperparameter_search(backend="ray")
+    with pytest.raises(KilnError, match="backend 'sigopt' is not available: kiln searches with optuna or ray"):
+        _trainer(tmp_path).hyperparameter_search(backend="sigopt")
     model = TinyRegressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(KilnError, match="cannot reuse the optimizer"):
