@@ -61,6 +61,7 @@ def _same(got: dict, expected: dict) -> None:
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.heavy  # two 2-process ZeRO-3 runs (~40 s); the file-to-kiln mapping itself is test_launch's
 def test_accelerate_deepspeed_config_file_runs_like_kiln_with_the_file(tmp_path):
     ds_file = tmp_path / "ds_zero3.json"
     ds_file.write_text(json.dumps(DS_ZERO3))
