@@ -51,9 +51,12 @@ class SampleTextCallback(Callback):
         return self.vocab.decode(ids.cpu())
 
     def on_train_end(self, config: Any, state: Any, control: Any, model: Optional[nn.Module] = None, **kw: Any) -> None:
-        if model is None or not state.is_world_process_zero:
+        if model is None:
             return
+        # every rank samples (the same text, from the same seed): under FSDP each forward is a collective
         self.last_sample = self.sample(model)
+        if not state.is_world_process_zero:
+            return
         rule = "-" * 72
         print(f"\n{rule}\nSample after {state.global_step} steps (prompt {self.prompt!r}):\n{rule}\n"
               f"{self.last_sample}\n{rule}", flush=True)

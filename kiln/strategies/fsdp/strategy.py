@@ -109,6 +109,7 @@ class FSDPStrategy(DDPStrategy, ShardedModuleInit, CompilesPerBlock):
 
         from kiln.strategies.fsdp.loading import has_meta_tensors, rank0_parameters, scatter_from_rank0
         from kiln.strategies.fsdp.compile import compile_units
+        from kiln.strategies.fsdp.direct_calls import gather_root_on_direct_calls
         from kiln.strategies.fsdp.wrap import apply_activation_checkpointing, blocks_to_wrap, sync_module_states
 
         s = self.settings
@@ -138,6 +139,7 @@ class FSDPStrategy(DDPStrategy, ShardedModuleInit, CompilesPerBlock):
         for block in blocks:  # inner units first: fully_shard on the root then skips their parameters
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
+        gather_root_on_direct_calls(module)  # model.generate() in a callback, model(x) after fit
         register_group_user(module, _release_groups)
         if efficient:
             if on_meta:  # only this rank's shards are materialised

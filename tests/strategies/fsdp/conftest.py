@@ -19,7 +19,7 @@ def torchrun(nproc: int, script: str, *args, timeout: float = 600, check: bool =
 
 
 #: scenarios that share one 2-process job (worker_many.py); `precision` last: it lets kiln run fp16 on this CPU
-SHARED_JOB = ("loading", "generate", "precision")
+SHARED_JOB = ("loading", "generate", "direct", "precision")
 
 
 @pytest.fixture(scope="session")

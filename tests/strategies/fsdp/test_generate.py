@@ -23,3 +23,13 @@ def test_predict_with_generate_equals_one_process(shared_job):  # worker_generat
     for i, pred in enumerate(preds):
         prompt_and_new = r["prompts"][i] + by_row[i]
         assert pred == prompt_and_new + [-100] * (width - len(prompt_and_new)), f"row {i}"
+
+
+def test_the_users_module_called_directly_after_fit_sees_whole_weights(shared_job):  # worker_direct.py
+    """A TrainingModule's embeddings and head sit in the FSDP unit of kiln's parameterless root: a call of the
+    module itself (a callback's model.generate(), model(x) after fit) skipped that unit's gathering before."""
+    r = json.loads((shared_job / "direct" / "result.json").read_text())
+    assert r["trained"] == 2
+    assert r["max_diff"] < 1e-6
+    assert r["generated"] == r["expected"]
+    assert r["sharded_after"]  # gathered for the call only

@@ -1,6 +1,6 @@
 """Several FSDP scenarios in one 2-process job (starting a job costs more than most scenarios):
 each named worker module's `main(OUT/<name>)` runs in turn, on every rank.
-Usage: torchrun --nproc_per_node=2 worker_many.py OUT NAME [NAME ...]   (NAME: loading, generate, precision)"""
+Usage: torchrun --nproc_per_node=2 worker_many.py OUT NAME [NAME ...]   (NAME: loading, generate, direct, precision)"""
 
 import importlib
 import os

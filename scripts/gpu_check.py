@@ -1,0 +1,146 @@
+"""The CUDA paths that CI cannot run, checked on one GPU in a few minutes: the char_lm example trained
+through a matrix of precision plugins and strategies, a resume from a mid-run checkpoint, and a table of
+what each run reached.
+
+    python scripts/gpu_check.py --out /tmp/gpu-check                 # all rows, 4 at a time
+    python scripts/gpu_check.py --rows fp32 bf16 fsdp-bf16 --steps 100
+
+Every row trains the same model on the same data (seed 0) for `--steps` steps and saves a checkpoint
+half-way and at the end. Printed per row: exit status, the last logged training loss, the loss's distance
+from the fp32 row's, wall time (rows run side by side on the one GPU, so it is a smoke figure, not a
+benchmark: bench/compiled.py measures speed) and the GPU's peak memory as kiln logged it where it does.
+The `resume` row restarts the bf16 run from its half-way checkpoint and compares its final weights with
+the uninterrupted run's (max |difference|; cuBLAS and atomics in backward make bitwise equality on a GPU
+a matter of luck, so the figure is reported, not asserted). DDP, FSDP and DeepSpeed run as one process on
+NCCL: what a one-GPU machine can check of them is that their CUDA and NCCL paths run and train."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "examples", "char_lm", "config.yaml")
+ROWS: dict[str, list[str]] = {
+    "fp32": ["precision.name=fp32"],
+    "tf32": ["precision.name=tf32"],
+    "bf16": ["precision.name=bf16"],
+    "fp16": ["precision.name=fp16"],
+    "bf16-true": ["precision.name=bf16-true"],
+    "bf16-compile": ["precision.name=bf16", "train.torch_compile=true"],
+    "ddp-bf16": ["precision.name=bf16", "strategy.name=ddp"],
+    "fsdp-bf16": ["precision.name=bf16", "strategy.name=fsdp"],
+    "fsdp-bf16-compile": ["precision.name=bf16", "strategy.name=fsdp", "train.torch_compile=true"],
+    "deepspeed2-bf16": ["precision.name=bf16", "strategy.name=deepspeed_stage_2"],
+    "deepspeed3-bf16": ["precision.name=bf16", "strategy.name=deepspeed_stage_3"],
+}
+
+
+def common(steps: int, out: str) -> list[str]:
+    return [f"output_dir={out}", f"train.max_steps={steps}", "log.steps=10", "save.strategy=steps",
+            f"save.steps={steps // 2}", "task.data_args.max_chars=400000", "task.data_args.sample_chars=40",
+            "scheduler.warmup_steps=10"]
+
+
+def fit(name: str, overrides: list[str], out: str, timeout: float, fresh: bool = True) -> dict:
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+    cmd = [sys.executable, "-m", "kiln.cli", "fit", CONFIG, *overrides]
+    began = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = -9, f"timed out after {timeout:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+    with open(os.path.join(out, "console.log"), "w") as fh:
+        fh.write(text)
+    row = {"row": name, "rc": rc, "wall_s": round(time.perf_counter() - began, 1), **history(out)}
+    if rc != 0:
+        row["tail"] = text[-2500:]
+    return row
+
+
+def history(out: str) -> dict:
+    """The last training loss and any GPU memory figure from the run's metrics.jsonl."""
+    path = os.path.join(out, "runs", "metrics.jsonl")
+    found: dict = {}
+    if not os.path.exists(path):
+        return found
+    with open(path) as fh:
+        for line in fh:
+            rec = json.loads(line)
+            if "loss" in rec:
+                found["loss"], found["step"] = rec["loss"], rec.get("step")
+            for key, value in rec.items():
+                if "mem" in key and "gpu" in key:
+                    found[key] = value
+    return found
+
+
+def final_weights(out: str, steps: int) -> Optional[dict]:
+    from safetensors.torch import load_file
+
+    path = os.path.join(out, f"checkpoint-{steps}", "model.safetensors")
+    return load_file(path) if os.path.exists(path) else None
+
+
+def resume_row(base: str, steps: int, timeout: float) -> dict:
+    """The bf16 run again from its half-way checkpoint, compared with the uninterrupted run."""
+    out = base + "-resume"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(base, out, ignore=shutil.ignore_patterns(f"checkpoint-{steps}", "runs", "console.log"))
+    row = fit("resume", ["precision.name=bf16", f"resume_from_checkpoint={out}/checkpoint-{steps // 2}",
+                         *common(steps, out)], out, timeout, fresh=False)
+    a, b = final_weights(base, steps), final_weights(out, steps)
+    if a is None or b is None:
+        row["max_abs_diff"] = "missing checkpoint"
+    else:
+        row["max_abs_diff"] = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="/tmp/gpu-check")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--rows", nargs="*", default=list(ROWS))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import torch
+
+    print(f"torch {torch.__version__}, cuda {torch.version.cuda}, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO GPU'}", flush=True)
+    jobs = {name: os.path.join(args.out, name) for name in args.rows}
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        futures = {name: pool.submit(fit, name, [*ROWS[name], *common(args.steps, out)], out, args.timeout)
+                   for name, out in jobs.items()}
+        rows = [futures[name].result() for name in jobs]
+    if "bf16" in jobs and rows[list(jobs).index("bf16")]["rc"] == 0:
+        rows.append(resume_row(jobs["bf16"], args.steps, args.timeout))
+    ref = next((r.get("loss") for r in rows if r["row"] == "fp32"), None)
+    print("\n| row | exit | step | loss | loss - fp32 | wall s | resume max abs diff |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        delta = f"{r['loss'] - ref:+.4f}" if ref is not None and "loss" in r else ""
+        loss = f"{r['loss']:.4f}" if "loss" in r else ""
+        print(f"| {r['row']} | {r['rc']} | {r.get('step', '')} | {loss} | {delta} | {r['wall_s']} | "
+              f"{r.get('max_abs_diff', '')} |")
+    for r in rows:
+        if r["rc"] != 0:
+            print(f"\n--- {r['row']} (exit {r['rc']}) ---\n{r['tail']}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
