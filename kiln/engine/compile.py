@@ -59,13 +59,32 @@ def compile_optimizer_step(optimizer: Any, strategy: Any, train: Any) -> None:
     inner = optimizer.step  # a bound method, or an LR scheduler's wrapper of it
     compiled = torch.compile(inner, **compile_kwargs(train))
     ref = weakref.ref(optimizer)  # no cycle: the optimizer holds this function
+    # The step sees its learning rates as tensors (PyTorch's compiled-optimizer recipe): a float `lr` that the
+    # schedule changes every step is a constant of the traced graph, and dynamo recompiles when it changes (once
+    # on CPU, where the second value becomes a symbol; more often on CUDA: 8 graphs where 6 were expected on an
+    # H100 with torch 2.11). During the compiled call each group's `lr` is one persistent 0-d tensor filled with
+    # the float; outside it the groups hold floats, as everywhere else (schedulers, logs, checkpoints, an eager
+    # resume, whose foreach kernels would refuse a tensor lr).
+    held: list[torch.Tensor] = []
 
     @functools.wraps(inner)
     def step(*args: Any, **kwargs: Any) -> Any:
         opt = ref()
-        if opt is not None:
-            opt._opt_called = True  # what torch's scheduler wrapper records, outside the compiled graph
-        return compiled(*args, **kwargs)
+        if opt is None:
+            return compiled(*args, **kwargs)
+        opt._opt_called = True  # what torch's scheduler wrapper records, outside the compiled graph
+        groups = opt.param_groups
+        rates = [group["lr"] for group in groups]
+        if len(held) != len(groups):
+            held[:] = [torch.zeros((), dtype=torch.float64, device=group["params"][0].device) for group in groups]
+        for group, rate, tensor in zip(groups, rates, held):
+            if not isinstance(rate, torch.Tensor):  # a user's tensor lr is used as it is
+                group["lr"] = tensor.fill_(rate)
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            for group, rate in zip(groups, rates):
+                group["lr"] = rate
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     step._kiln_compiled = True  # type: ignore[attr-defined]

@@ -60,10 +60,14 @@ def _compiled_step_run(tmp_path, name: str, **overrides):
 
 def test_compiled_optimizer_step_gives_the_weights_of_the_eager_step(tmp_path, reference):
     """Model and optimizer step through the counting aot_eager backend; the learning rate changes
-    every step (warmup, then linear decay), yet after the first steps nothing recompiles."""
+    every step (warmup, then linear decay), yet nothing recompiles for it: step 2 (a new rate) adds no
+    graph, step 3 adds the one of its short batch (2 rows of 18), and nothing after it. A float lr in the
+    traced step recompiled at step 2 here (and twice more on an H100)."""
     trainer, model, seen = _compiled_step_run(tmp_path, "aot")
     torch.testing.assert_close(toy.flat(model.parameters()), toy.flat(reference.parameters()), rtol=1e-6, atol=1e-6)
-    assert seen.steps[-1] == seen.steps[2] > 0
+    assert seen.steps[0] == seen.steps[1] > 0
+    assert seen.steps[-1] == seen.steps[2] == seen.steps[1] + 1
+    assert all(isinstance(group["lr"], float) for group in trainer.optimizer.param_groups)  # floats outside the step
 
 
 @pytest.mark.heavy
