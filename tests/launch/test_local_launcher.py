@@ -113,3 +113,23 @@ def test_a_restarted_attempt_meets_in_its_own_namespace_of_the_agents_store():
     assert server.get("kiln/attempt_2/rank_0") == b"fresh"
     assert attempt_store(timedelta(seconds=30), {**env, "TORCHELASTIC_RESTART_COUNT": "0"}) is None
     assert attempt_store(timedelta(seconds=30), {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+
+
+@pytest.mark.parametrize("change,warned", [
+    ({}, True),  # 2 nodes of 2, --max-restarts 3, the agents' shared store: rank 0 warns
+    ({"RANK": "1"}, False),  # once per job
+    ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, False),  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    ({"TORCHELASTIC_MAX_RESTARTS": "0"}, False),  # nothing restarts
+    ({"LOCAL_WORLD_SIZE": "4"}, False),  # one node
+])
+def test_restarts_across_nodes_on_the_shared_store_are_warned_about_up_front(caplog, change, warned):
+    from datetime import timedelta
+
+    from kiln.launch.environment import attempt_store
+
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "3",
+           "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", **change}
+    with caplog.at_level("WARNING", logger="kiln"):
+        assert attempt_store(timedelta(seconds=5), env) is None  # attempt 0: env:// as it is
+    assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text) is warned
+    assert ("--max-restarts 3" in caplog.text) is warned

@@ -48,6 +48,7 @@ def attempt_store(timeout: "timedelta", env: Optional[Env] = None) -> Any:
     several nodes' agents count their restarts each on its own, which is why restarts across nodes
     need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt, hosted by rank 0)."""
     env = current(env)
+    _warn_shared_store_across_nodes(env)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not attempt.isdigit() or int(attempt) == 0:
         return None
@@ -55,3 +56,17 @@ def attempt_store(timeout: "timedelta", env: Optional[Env] = None) -> Any:
 
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), False, timeout)
     return dist.PrefixStore(f"kiln/attempt_{attempt}", store)  # keys: kiln/attempt_<n>/<key>
+
+
+def _warn_shared_store_across_nodes(env: Env) -> None:
+    """Rank 0's warning, before anything fails, for restarts across nodes on the agents' shared store."""
+    restarts, world, local = env.get("TORCHELASTIC_MAX_RESTARTS", "0"), env.get("WORLD_SIZE", "1"), env.get("LOCAL_WORLD_SIZE")
+    if (env.get("RANK") != "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not restarts.isdigit()
+            or int(restarts) == 0 or not local or int(world) <= int(local)):
+        return
+    import logging
+
+    logging.getLogger("kiln").warning(
+        "This job spans several nodes with --max-restarts %s on the store torchrun's agents share: each node's "
+        "agent counts its restarts on its own, so a restarted attempt can meet keys another attempt left and hang; "
+        "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node (docs/launching.md).", restarts)
