@@ -3,9 +3,12 @@
 process of its own (an actor), so the trial cannot reuse this Trainer object: it builds a new Trainer
 of the same class from what this one was given (config, `model_init`, datasets, collator, metrics),
 with the trial's hyperparameters applied and its files in `output_dir/run-<trial id>`, exactly as an
-Optuna trial runs (`HyperparameterSearchMixin._trial_config` / `_trial_settings`). The trial reports
-`objective` (from `compute_objective` on its last evaluation) once it ends; Ray Tune picks the best
-trial by it, and the best comes back as HF's `BestRun` (run_id: Ray's trial id, run_summary: Ray's
+Optuna trial runs (`HyperparameterSearchMixin._trial_config` / `_trial_settings`). As HF's
+`_report_to_hp_search`, the trial reports to Ray Tune after every evaluation: the evaluation metrics
+with `objective` (`compute_objective` on them) and `step`, so Tune's schedulers (ASHA, median
+stopping, ...) can stop a poor trial early; a trial without evaluations during training evaluates
+once at the end and reports that. Ray Tune picks the best trial by the last `objective` each
+reported, and the best comes back as HF's `BestRun` (run_id: Ray's trial id, run_summary: Ray's
 `ResultGrid`).
 
 As in HF: the search space is a dict of Ray Tune distributions (`hp_space(None)`; HF's default
@@ -15,9 +18,16 @@ below), keyword arguments go to Ray Tune (`resources_per_trial`, default one CPU
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from kiln.engine.callbacks.base import Callback
 from kiln.utils.errors import KilnError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 #: keyword arguments that configure the search (Ray Tune's TuneConfig) and the run (Ray Tune's RunConfig)
 _TUNE = ("search_alg", "scheduler", "max_concurrent_trials", "time_budget_s", "reuse_actors", "trial_name_creator",
@@ -112,21 +122,61 @@ def _recipe(trainer: Any, compute_objective: Callable[..., Any], hp_name: Option
     }
 
 
+class TuneReport(Callback):
+    """A trial's reports to Ray Tune: after each evaluation, its metrics with `objective` and `step`
+    (`report`: `ray.tune.report`). With a dict of evaluation datasets, kiln evaluates them one by one
+    (one `on_evaluate` each, `datasets` in all); the report comes once all are in, as one evaluation.
+
+    When Tune stops the trial (a scheduler's STOP, a `stop` criterion), `report` ends with
+    `SystemExit(0)`: the run then stops as an early-stopped run does (`should_training_stop`, so the
+    step ends and `on_train_end` runs), reports nothing more, and the trial function exits with
+    `SystemExit(0)` (see `_trial`)."""
+
+    def __init__(self, compute_objective: Callable[[dict[str, float]], Any], datasets: int,
+                 report: Callable[[dict[str, Any]], None]) -> None:
+        self.compute_objective, self.datasets, self.report = compute_objective, datasets, report
+        self.reported: list[dict[str, Any]] = []  # what went to Tune, in order
+        self.stopped = False  # Tune stopped the trial
+        self._pending: dict[str, Any] = {}
+        self._evaluated = 0
+
+    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+        if self.stopped:
+            return
+        self._pending.update(kw.get("metrics") or {})
+        self._evaluated += 1
+        if self._evaluated % self.datasets:
+            return
+        metrics, self._pending = self._pending, {}
+        result = {**metrics, "objective": self.compute_objective(dict(metrics)), "step": state.global_step}
+        self.reported.append(result)
+        try:
+            self.report(result)
+        except SystemExit as stop:  # Ray's answer to a report when Tune stops the trial
+            if stop.code != 0:
+                raise
+            self.stopped = control.should_training_stop = True
+
+
 def _trial(params: dict[str, Any], recipe: dict[str, Any]) -> None:
-    """One trial, in Ray Tune's process: a Trainer like the searching one, trained with `params`."""
+    """One trial, in Ray Tune's process: a Trainer like the searching one, trained with `params`,
+    reporting to Tune after each evaluation."""
     from ray import tune
 
     trial = RayTrial(params, tune.get_context().get_trial_id())
     # built by kiln's __init__, as an Optuna trial's Trainer is: a subclass's own __init__ may take other arguments
     trainer = recipe["cls"].__new__(recipe["cls"])
     recipe["init"](trainer, None, recipe["config"], **recipe["kwargs"])
+    datasets = len(trainer.eval_dataset) if isinstance(trainer.eval_dataset, Mapping) else 1
+    reporter = TuneReport(recipe["compute_objective"], datasets, tune.report)
+    trainer.add_callback(reporter)
     config = trainer._trial_config(trial, _typed(trainer.config, params), recipe["hp_name"])
     with trainer._trial_settings(config, params, trial, recipe["compute_objective"], prune=False):
         trainer.fit(trial=trial)
-        if trainer._objective is None:  # no evaluation during training: evaluate once at the end (as HF)
-            trainer._objective = recipe["compute_objective"](trainer.evaluate())
-        objective = trainer._objective
-    tune.report({"objective": objective})
+        if not reporter.reported:  # no evaluation during training: evaluate (and report) once at the end, as HF
+            trainer.evaluate()
+    if reporter.stopped:  # returning would report once more, to a Tune that no longer listens (and waits forever)
+        raise SystemExit(0)
 
 
 def _typed(config: Any, params: dict[str, Any]) -> dict[str, Any]:

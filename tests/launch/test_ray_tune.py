@@ -1,15 +1,20 @@
 """`Trainer.hyperparameter_search(backend="ray")` (issue 32 item 1), as HF's Ray Tune backend: a
-4-trial search on a local Ray instance, each trial a kiln fit of its own in Ray Tune's process (its
-files in output_dir/run-<trial id>), and the best trial returned as a `BestRun`."""
+4-trial search on the package's local Ray instance (tests/launch/conftest.py), each trial a kiln fit
+of its own in Ray Tune's process (its files in output_dir/run-<trial id>) that reports to Tune after
+every evaluation (HF's `_report_to_hp_search`), so that a scheduler can stop it early, and the best
+trial returned as a `BestRun`."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
+import os
+import sys
 
 import pytest
 
-from kiln import Trainer
-from kiln.engine.hp_search import BestRun
+from kiln import Callback, Trainer
+from kiln.engine.hp_search import BestRun, default_compute_objective
+from kiln.engine.hp_search_ray import TuneReport
 from kiln.utils.errors import KilnError
 from tests.distributed.toy import Regressor, regression_data
 
@@ -17,46 +22,102 @@ ray = pytest.importorskip("ray", reason="pip install 'kiln[ray]'")
 tune = pytest.importorskip("ray.tune")
 
 pytestmark = pytest.mark.distributed
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
+EVAL_STEPS, MAX_STEPS = 2, 6
 
 
 def model_init(trial=None) -> Regressor:
     return Regressor()
 
 
-def trainer(output_dir, **extra) -> Trainer:
-    config = {"output_dir": str(output_dir), "max_steps": 4, "per_device_train_batch_size": 8, "report_to": "none",
-              "disable_tqdm": True, "save_strategy": "no", "seed": 1, "strategy": {"name": "single", "device": "cpu"}, **extra}
-    return Trainer(None, config, model_init=model_init, train_dataset=regression_data(32), eval_dataset=regression_data(16, seed=1))
+class Ended(Callback):
+    """Writes `<output_dir>/ended` (the step and this process's id) at `on_train_end`: the run ended as
+    a run ends, not by an exception through the loop."""
+
+    def on_train_end(self, config, state, control, **kw):
+        with open(os.path.join(str(config.output_dir), "ended"), "w") as fh:
+            json.dump({"step": state.global_step, "pid": os.getpid()}, fh)
 
 
-@pytest.mark.heavy  # four trials in Ray Tune's processes: over the Ray tests' CI budget on 2 cores
-def test_a_four_trial_ray_tune_search_returns_the_best_run(local_ray, tmp_path):
-    t = trainer(tmp_path / "search")
+def trainer(output_dir, callbacks=(), eval_dataset=None, **extra) -> Trainer:
+    config = {"output_dir": str(output_dir), "max_steps": MAX_STEPS, "per_device_train_batch_size": 8, "report_to": "none",
+              "eval_strategy": "steps", "eval_steps": EVAL_STEPS, "disable_tqdm": True, "save_strategy": "no", "seed": 1,
+              "strategy": {"name": "single", "device": "cpu"}, **extra}
+    return Trainer(None, config, model_init=model_init, train_dataset=regression_data(32), callbacks=list(callbacks),
+                   eval_dataset=regression_data(16, seed=1) if eval_dataset is None else eval_dataset)
+
+
+def stop_second_trial():
+    """A Tune scheduler that stops the second trial it hears from at that trial's first report, as
+    ASHA stops a poor trial at its first rung (deterministic, whatever the trials' values)."""
+    from ray.tune.schedulers import FIFOScheduler
+
+    class StopSecondTrial(FIFOScheduler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.order: dict[str, int] = {}
+
+        def on_trial_result(self, tune_controller, trial, result):
+            first = trial.trial_id not in self.order
+            self.order.setdefault(trial.trial_id, len(self.order))
+            return self.STOP if first and self.order[trial.trial_id] == 1 else self.CONTINUE
+
+    return StopSecondTrial()
+
+
+def test_a_four_trial_ray_tune_search_reports_every_evaluation_and_returns_the_best_run(local_ray, tmp_path):
+    t = trainer(tmp_path / "search", callbacks=[Ended()])
     best = t.hyperparameter_search(hp_space=lambda _: {"learning_rate": tune.loguniform(1e-4, 1e-1), "seed": tune.uniform(1, 40)},
-                                   n_trials=4, direction="minimize", backend="ray")
+                                   n_trials=4, direction="minimize", backend="ray", scheduler=stop_second_trial())
     assert isinstance(best, BestRun)
     grid = best.run_summary
     assert len(grid) == 4 and not grid.errors
-    objectives = {r.metrics["trial_id"]: r.metrics["objective"] for r in grid}
+    # every trial reported after each evaluation, the objective with the metrics; the stopped one only once
+    reports = {r.metrics["trial_id"]: r.metrics_dataframe for r in grid}
+    counts = sorted(len(frame) for frame in reports.values())
+    assert counts == [1, 3, 3, 3]
+    for frame in reports.values():
+        assert list(frame["step"]) == list(range(EVAL_STEPS, EVAL_STEPS * len(frame) + 1, EVAL_STEPS))
+        assert list(frame["objective"]) == list(frame["eval_loss"])
+    # each trial was a kiln fit of its own, in its own folder, with its (integer) seed; each ended as a run
+    # ends, the stopped one right after the evaluation Tune stopped it at, and Tune reused its process
+    runs = sorted(p.name for p in (tmp_path / "search").iterdir() if p.name.startswith("run-"))
+    assert runs == sorted(f"run-{trial_id}" for trial_id in reports)
+    ended = {trial_id: json.loads((tmp_path / "search" / f"run-{trial_id}" / "ended").read_text()) for trial_id in reports}
+    assert sorted(e["step"] for e in ended.values()) == [EVAL_STEPS, MAX_STEPS, MAX_STEPS, MAX_STEPS]
+    assert len({e["pid"] for e in ended.values()}) <= 2  # at most two trials at a time, in processes Tune reused
+    objectives = {trial_id: frame["objective"].iloc[-1] for trial_id, frame in reports.items()}
     assert best.objective == min(objectives.values()) and objectives[best.run_id] == best.objective
     assert best.hyperparameters == next(r.config for r in grid if r.metrics["trial_id"] == best.run_id)
-    # each trial was a kiln fit of its own, in its own folder, with its (integer) seed
-    runs = sorted(p.name for p in (tmp_path / "search").iterdir() if p.name.startswith("run-"))
-    assert runs == sorted(f"run-{trial_id}" for trial_id in objectives)
-    # the objective is the trial's evaluation loss: a run with the best hyperparameters scores it again
+    # the objective is the trial's last evaluation loss (the stopped trial's too): a run with the best
+    # hyperparameters scores it again at that step
     again = trainer(tmp_path / "again", learning_rate=best.hyperparameters["learning_rate"],
                     seed=int(best.hyperparameters["seed"]))
     again.fit()
-    assert again.evaluate()["eval_loss"] == pytest.approx(best.objective, abs=1e-6)
+    evaluations = {h["step"]: h["eval_loss"] for h in again.state.log_history if "eval_loss" in h}
+    assert evaluations[reports[best.run_id]["step"].iloc[-1]] == pytest.approx(best.objective, abs=1e-6)
+
+
+def test_a_trial_reports_once_per_evaluation_and_stops_when_tune_says_so(tmp_path):
+    reports: list[dict] = []
+
+    def report(metrics):  # ray.tune.report as Ray runs it: Tune stops the trial at its second report
+        reports.append(metrics)
+        if len(reports) == 2:
+            raise SystemExit(0)
+
+    # two evaluation datasets: one report per evaluation, with both datasets' metrics
+    reporter = TuneReport(default_compute_objective, 2, report)
+    t = trainer(tmp_path, callbacks=[reporter, Ended()], eval_dataset={"a": regression_data(8, seed=1), "b": regression_data(8, seed=2)})
+    t.fit()
+    assert [r["step"] for r in reports] == [2, 4] and reporter.stopped and reporter.reported == reports
+    assert t.state.global_step == 4 and json.loads((tmp_path / "ended").read_text())["step"] == 4
+    for r in reports:
+        assert r["objective"] == r["eval_a_loss"] + r["eval_b_loss"] and "epoch" in r
+    t.evaluate()  # nothing more goes to a Tune that stopped listening
+    assert len(reports) == 2
+    with pytest.raises(SystemExit) as exited:  # any other exit is not Tune's stop
+        TuneReport(default_compute_objective, 1, lambda m: sys.exit(3)).on_evaluate(t.config, t.state, t.control, metrics={})
+    assert exited.value.code == 3
 
 
 def test_ray_tune_refuses_what_it_cannot_rank(tmp_path):

@@ -1,0 +1,28 @@
+"""What the Ray tests share (test_ray_train.py, test_ray_tune.py): one local Ray instance for the
+package, started by the first test that asks for it and stopped after the last test of tests/launch
+(starting Ray costs seconds on 2 cores; the two modules run one after the other, in one xdist worker)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+#: Ray Train's controller polls its workers every 2 s (a report waits for the poll, and so do the end of
+#: a run and the notice of a dead worker): 0.2 s here. No pre-emption watcher (one process fewer).
+RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+@pytest.fixture(scope="package")
+def local_ray():
+    """`ray.init(num_cpus=2)` without the dashboard; Ray's processes import the tests' task code from
+    the repository and use one thread each."""
+    ray = pytest.importorskip("ray", reason="pip install 'kiln[ray]'")
+    with pytest.MonkeyPatch.context() as env:  # Ray Train hands these from the driver to its controller and workers
+        for key, value in RAY_TRAIN_ENV.items():
+            env.setenv(key, value)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+        yield ray
+        ray.shutdown()
