@@ -10,8 +10,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 #: Ray Train's controller polls its workers every 2 s (a report waits for the poll, and so do the end of
-#: a run and the notice of a dead worker): 0.2 s here. No pre-emption watcher (one process fewer).
-RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+#: a run and the notice of a dead worker): 0.2 s here. No pre-emption watcher (one process fewer). A
+#: worker group may take longer than Ray's 60 s to start on 2 busy cores (pytest -n 2): 300 s.
+RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+                 "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
 
 
 @pytest.fixture(scope="package")
