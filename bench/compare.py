@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH))
@@ -146,7 +146,30 @@ def run_hand_written(model: str, batch: int, steps: int, clock: Clock, out: str)
 
 
 def run_kiln(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
-    from kiln import Callback, Trainer
+    from kiln import Trainer
+
+    net, data = build(model)
+    if MODELS[model].as_loader:
+        data = hand_loader(model, data, batch)
+    Trainer(net, kiln_config(model, batch, steps, out), train_dataset=data, callbacks=[kiln_marks(clock)]).fit()
+
+
+def kiln_config(model: str, batch: int, steps: int, out: str) -> dict[str, Any]:
+    return kiln_settings(batch, steps, out, workers=MODELS[model].workers)
+
+
+def kiln_settings(batch: int, steps: int, out: str, workers: int = 0, device: str = "cpu") -> dict[str, Any]:
+    """kiln's config for the shared recipe (bench/compiled.py adds its compile and precision keys)."""
+    return {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
+            "lr_scheduler_type": "linear", "max_grad_norm": 1.0, "dataloader_drop_last": True,
+            "dataloader_num_workers": workers,
+            "log": {"steps": LOG_EVERY, "history": ["csv", "jsonl"], "disable_tqdm": False},
+            "save": {"strategy": "no"}, "strategy": {"device": device}}
+
+
+def kiln_marks(clock: Clock) -> Any:
+    """A kiln callback that hands the step marks to `clock`."""
+    from kiln import Callback
 
     class Marks(Callback):
         def on_step_begin(self, config, state, control, **kw):  # type: ignore[no-untyped-def]
@@ -155,22 +178,28 @@ def run_kiln(model: str, batch: int, steps: int, clock: Clock, out: str) -> None
         def on_step_end(self, config, state, control, **kw):  # type: ignore[no-untyped-def]
             clock.step_end(state.global_step)
 
-    net, data = build(model)
-    if MODELS[model].as_loader:
-        data = hand_loader(model, data, batch)
-    Trainer(net, kiln_config(model, batch, steps, out), train_dataset=data, callbacks=[Marks()]).fit()
-
-
-def kiln_config(model: str, batch: int, steps: int, out: str) -> dict[str, Any]:
-    return {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
-            "lr_scheduler_type": "linear", "max_grad_norm": 1.0, "dataloader_drop_last": True,
-            "dataloader_num_workers": MODELS[model].workers,
-            "log": {"steps": LOG_EVERY, "history": ["csv", "jsonl"], "disable_tqdm": False},
-            "save": {"strategy": "no"}, "strategy": {"device": "cpu"}}
+    return Marks()
 
 
 def run_hf(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
+
+    net, data = build(model)
+    args = TrainingArguments(**hf_arguments(batch, steps, out, workers=MODELS[model].workers))
+    Trainer(model=net, args=args, train_dataset=data, callbacks=[hf_marks(clock)]).train()
+
+
+def hf_arguments(batch: int, steps: int, out: str, workers: int = 0, **overrides: Any) -> dict[str, Any]:
+    """TrainingArguments' keywords for the shared recipe; `overrides` replace or add keys."""
+    return {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
+            "lr_scheduler_type": "linear", "max_grad_norm": 1.0, "logging_steps": LOG_EVERY, "report_to": [],
+            "save_strategy": "no", "use_cpu": True, "dataloader_drop_last": True, "disable_tqdm": False,
+            "dataloader_num_workers": workers, **overrides}
+
+
+def hf_marks(clock: Clock) -> Any:
+    """An HF TrainerCallback that hands the step marks to `clock`."""
+    from transformers import TrainerCallback
 
     class Marks(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
@@ -179,20 +208,21 @@ def run_hf(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
         def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
             clock.step_end(state.global_step)
 
-    net, data = build(model)
-    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=LR,
-                             lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=LOG_EVERY, report_to=[],
-                             save_strategy="no", use_cpu=True, dataloader_drop_last=True, disable_tqdm=False,
-                             dataloader_num_workers=MODELS[model].workers)
-    Trainer(model=net, args=args, train_dataset=data, callbacks=[Marks()]).train()
+    return Marks()
 
 
 def run_lightning(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
     import lightning as L
-    import torch
-    from lightning.pytorch.loggers import CSVLogger
 
     net, data = build(model)
+    trainer = L.Trainer(**lightning_arguments(steps, out, clock, accelerator="cpu"))
+    trainer.fit(lightning_module(net, steps), hand_loader(model, data, batch))
+
+
+def lightning_module(net: Any, steps: int) -> Any:
+    """The LightningModule around `net`: its loss logged to the progress bar, AdamW and the linear schedule."""
+    import lightning as L
+    import torch
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -209,6 +239,14 @@ def run_lightning(model: str, batch: int, steps: int, clock: Clock, out: str) ->
             sched = torch.optim.lr_scheduler.LambdaLR(opt, linear(steps))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    return Module()
+
+
+def lightning_arguments(steps: int, out: str, clock: Clock, **overrides: Any) -> dict[str, Any]:
+    """lightning.Trainer's keywords for the shared recipe, with a callback that hands the step marks to `clock`."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
     class Marks(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):  # type: ignore[no-untyped-def]
             clock.step_begin(trainer.global_step)
@@ -216,11 +254,9 @@ def run_lightning(model: str, batch: int, steps: int, clock: Clock, out: str) ->
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
             clock.step_end(trainer.global_step)
 
-    loader = hand_loader(model, data, batch)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, gradient_clip_val=1.0,
-                        log_every_n_steps=LOG_EVERY, logger=CSVLogger(out), enable_checkpointing=False,
-                        enable_progress_bar=True, enable_model_summary=False, callbacks=[Marks()], default_root_dir=out)
-    trainer.fit(Module(), loader)
+    return {"max_steps": steps, "devices": 1, "gradient_clip_val": 1.0, "log_every_n_steps": LOG_EVERY,
+            "logger": CSVLogger(out), "enable_checkpointing": False, "enable_progress_bar": True,
+            "enable_model_summary": False, "callbacks": [Marks()], "default_root_dir": out, **overrides}
 
 
 RUNNERS = {"hand-written": run_hand_written, "kiln": run_kiln, "hf": run_hf, "lightning": run_lightning}
@@ -239,12 +275,22 @@ def worker(framework: str, model: str, steps: int, launched: float) -> None:
 # -- the driver ------------------------------------------------------------------------------
 def one_run(framework: str, model: str, steps: int) -> dict[str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(BENCH), "TOKENIZERS_PARALLELISM": "false"}
+    return run_worker(__file__, ["--worker", framework, "--models", model, "--steps", str(steps)], env,
+                      f"{framework} on {model}")
+
+
+def run_worker(script: str, argv: list[str], env: dict[str, str], what: str,
+               timeout: Optional[float] = None) -> dict[str, Any]:
+    """`script argv --launched NOW` in a fresh interpreter; the JSON of the last `RESULT ` line it prints."""
     launched = time.time()
-    proc = subprocess.run([sys.executable, __file__, "--worker", framework, "--models", model, "--steps", str(steps),
-                           "--launched", repr(launched)], capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run([sys.executable, script, *argv, "--launched", repr(launched)], capture_output=True,
+                              text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{what} did not finish within {timeout:.0f} s") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{framework} on {model} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
