@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -118,6 +119,21 @@ def test_a_trial_reports_once_per_evaluation_and_stops_when_tune_says_so(tmp_pat
     with pytest.raises(SystemExit) as exited:  # any other exit is not Tune's stop
         TuneReport(default_compute_objective, 1, lambda m: sys.exit(3)).on_evaluate(t.config, t.state, t.control, metrics={})
     assert exited.value.code == 3
+
+
+def test_a_search_whose_every_trial_failed_says_so_with_the_first_error(monkeypatch, tmp_path):
+    class Tuner:  # Ray Tune's, as it ends when every trial raised
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def fit(self):
+            return [SimpleNamespace(error=ValueError("no model")), SimpleNamespace(error=RuntimeError("later"))]
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # no Ray started: nothing runs
+    monkeypatch.setattr(tune, "with_parameters", lambda fn, **kw: fn)
+    monkeypatch.setattr(tune, "Tuner", Tuner)
+    with pytest.raises(KilnError, match="^every Ray Tune trial failed; the first: ValueError: no model$"):
+        trainer(tmp_path).hyperparameter_search(hp_space=lambda _: {}, n_trials=2, backend="ray")
 
 
 def test_ray_tune_refuses_what_it_cannot_rank(tmp_path):
