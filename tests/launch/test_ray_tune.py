@@ -121,6 +121,18 @@ def test_a_trial_reports_once_per_evaluation_and_stops_when_tune_says_so(tmp_pat
     assert exited.value.code == 3
 
 
+def test_the_default_search_space_is_hfs():
+    from kiln.engine.hp_search_ray import default_hp_space_ray
+
+    hf_space = pytest.importorskip("transformers.trainer_utils").default_hp_space_ray
+
+    def described(space):  # each distribution: its kind, bounds or categories, and sampler
+        return {k: (type(v).__name__, getattr(v, "lower", None), getattr(v, "upper", None), getattr(v, "categories", None),
+                    type(v.get_sampler()).__name__) for k, v in space.items()}
+
+    assert described(default_hp_space_ray(None)) == described(hf_space(None))
+
+
 def test_a_search_whose_every_trial_failed_says_so_with_the_first_error(monkeypatch, tmp_path):
     class Tuner:  # Ray Tune's, as it ends when every trial raised
         def __init__(self, *args, **kwargs):
