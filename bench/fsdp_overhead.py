@@ -35,6 +35,8 @@ import statistics
 import subprocess
 import sys
 
+from typing import Any, Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -90,39 +92,46 @@ class Wide(nn.Module):
 
 def peak_memory(kind: str, dim: int, layers: int) -> None:
     """One kiln run under `kind` (ddp or fsdp); rank 0 prints every rank's peak as JSON."""
+    # both strategies' code loaded before the baseline: imports are resident memory too (FSDP's pull in DTensor, DCP)
+    measure_peak(kind, {"name": kind, **({"wrap": ["Linear"]} if kind == "fsdp" else {})}, dim, layers,
+                 ("kiln.strategies.ddp.strategy", "kiln.strategies.fsdp.strategy", "torch.distributed.checkpoint.state_dict"))
+
+
+def measure_peak(kind: str, strategy: dict[str, Any], dim: int, layers: int, preload: tuple[str, ...]) -> None:
+    """One kiln run of `Wide` under `strategy`, after importing `preload`; rank 0 prints every rank's peak
+    (above the baseline taken just before the run) as JSON. Shared with bench/model_parallel_overhead.py."""
     dev = device()
     g = torch.Generator().manual_seed(0)
     data = [{"x": torch.randn(dim, generator=g), "labels": torch.randn(dim, generator=g)} for _ in range(16)]
-    # both strategies' code loaded before the baseline: imports are resident memory too (FSDP's pull in DTensor, DCP)
-    for name in ("kiln.strategies.ddp.strategy", "kiln.strategies.fsdp.strategy", "torch.distributed.checkpoint.state_dict"):
+    for name in preload:
         importlib.import_module(name)
-
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    strategy = {"name": kind, **({"wrap": ["Linear"]} if kind == "fsdp" else {})}
     kiln_loop(Wide(dim, layers), data, 2, 4, token_exact=False, strategy=strategy)
     peak = (torch.cuda.max_memory_allocated() if dev.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - base
-    every = [None] * dist.get_world_size()
+    every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, peak)
     if dist.get_rank() == 0:
         print("PEAK " + json.dumps({"kind": kind, "bytes": every}), flush=True)
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(args: argparse.Namespace, peak: Callable[[str, int, int], None] = peak_memory,
+           timed: Callable[[int, int], None] = overhead) -> None:
+    """One rank of a bench job: the peak-memory run that `--memory` names, else the timed rounds."""
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # kiln reuses this group
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
     if args.memory:
-        peak_memory(args.memory, args.mem_dim, args.mem_layers)
+        peak(args.memory, args.mem_dim, args.mem_layers)
     else:
         if dist.get_rank() == 0:
             print(f"world size {dist.get_world_size()}, backend {dist.get_backend()}, {torch.get_num_threads()} threads "
-                  f"per process, {args.repeats} interleaved repeats", flush=True)
-        overhead(args.steps, args.repeats)
+                  f"per process, {args.repeats} interleaved repeats of {args.steps} steps", flush=True)
+        timed(args.steps, args.repeats)
     dist.destroy_process_group()
 
 

@@ -25,10 +25,8 @@ tensor parallelism saves against FSDP, on 2 processes (gloo on CPU, NCCL on GPUs
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,7 +39,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.ddp_overhead import TARGET, _durations, device, kiln_loop, lm_data  # noqa: E402
-from bench.fsdp_overhead import Wide  # noqa: E402
+from bench.fsdp_overhead import measure_peak, worker as run_worker  # noqa: E402
 
 BATCH = 8
 
@@ -139,43 +137,17 @@ def overhead(steps: int, repeats: int) -> None:
 
 def peak_memory(kind: str, dim: int, layers: int) -> None:
     """One kiln run under `kind` (tp2 or fsdp); rank 0 prints every rank's peak as JSON."""
-    dev = device()
-    g = torch.Generator().manual_seed(0)
-    data = [{"x": torch.randn(dim, generator=g), "labels": torch.randn(dim, generator=g)} for _ in range(16)]
-    for name in ("kiln.strategies.model_parallel.strategy", "kiln.strategies.fsdp.strategy",
-                 "torch.distributed.tensor.parallel", "torch.distributed.checkpoint.state_dict"):
-        importlib.import_module(name)  # both strategies' code resident before the baseline
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if kind == "tp2":
         plan = {f"layers.{i}": "colwise" if i % 2 == 0 else "rowwise" for i in range(layers)}
         strategy: dict[str, Any] = {"name": "model_parallel", "mesh": {"tp": 2}, "tp_plan": plan}
     else:
         strategy = {"name": "fsdp", "wrap": ["Linear"]}
-    kiln_loop(Wide(dim, layers), data, 2, 4, token_exact=False, strategy=strategy)
-    peak = (torch.cuda.max_memory_allocated() if dev.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - base
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, peak)
-    if dist.get_rank() == 0:
-        print("PEAK " + json.dumps({"kind": kind, "bytes": every}), flush=True)
+    measure_peak(kind, strategy, dim, layers, ("kiln.strategies.model_parallel.strategy", "kiln.strategies.fsdp.strategy",
+                                               "torch.distributed.tensor.parallel", "torch.distributed.checkpoint.state_dict"))
 
 
 def worker(args: argparse.Namespace) -> None:
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # kiln reuses this group
-    if torch.cuda.is_available():
-        torch.cuda.set_device(device())
-    if args.memory:
-        peak_memory(args.memory, args.mem_dim, args.mem_layers)
-    else:
-        if dist.get_rank() == 0:
-            print(f"world size {dist.get_world_size()}, backend {dist.get_backend()}, {torch.get_num_threads()} threads "
-                  f"per process, {args.repeats} interleaved repeats of {args.steps} steps", flush=True)
-        overhead(args.steps, args.repeats)
-    dist.destroy_process_group()
+    run_worker(args, peak_memory, overhead)
 
 
 def _launch(args: argparse.Namespace, *extra: str) -> str:
