@@ -172,6 +172,7 @@ def test_a_checkpoint_resumes_on_another_mesh(two, one, reshard, target, source)
     _same_weights(weights[go_on], runs[1][source], 1e-6)
 
 
+@pytest.mark.heavy  # CI time: the bf16 policy is FSDP's (tests/strategies/fsdp/test_precision.py)
 def test_bf16_trains_like_single_bf16(tmp_path):
     """tp 2 keeps autocast (the TP layers' DTensors are cast like tensors); dp_shard 2 swaps it for
     FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reduction), as strategy fsdp does. Both stay
