@@ -2,8 +2,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Tests never need more than the 2 cores of the CI machine; fewer threads keeps timings stable.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Tests never need more than the 2 cores of the CI machine; fewer threads keeps timings stable. Under
+# pytest-xdist two workers share those cores: one thread each (and for the processes they start), since
+# oversubscribed intra-op threads spin and slow everything down.
+os.environ.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 
 import logging  # noqa: E402
 
@@ -30,3 +32,36 @@ def _restore_log_levels_after_module_fixtures():
     """The same around a module's fixtures: a module-scoped fixture that trains runs before the
     per-test guard saves the levels (autouse fixtures of a scope run before its other fixtures)."""
     yield from _levels_put_back()
+
+
+#: test files whose tests share one session/package-scoped job and so must run in one xdist worker
+_SHARED_GROUPS = {
+    "tests/strategies/fsdp/test_generate.py": "fsdp-shared-job",
+    "tests/strategies/fsdp/test_loading.py": "fsdp-shared-job",
+    "tests/strategies/fsdp/test_precision.py": "fsdp-shared-job",
+    "tests/launch/test_ray_train.py": "ray",
+    "tests/launch/test_ray_tune.py": "ray",
+}
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n 2 --dist loadgroup` a file is the unit handed to a worker (its module-scoped
+    fixtures train once), and files that share a session-scoped job go together. Groups holding
+    multi-process or slow tests are handed out first and the quick ones fill the gaps at the end, so
+    that no long job starts last while the other worker idles (the same order on every worker)."""
+    groups: dict[str, str] = {}
+    long_groups: set[str] = set()
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is None:
+            path = os.path.relpath(str(item.path), _ROOT).replace(os.sep, "/")
+            mark = pytest.mark.xdist_group(_SHARED_GROUPS.get(path, path))
+            item.add_marker(mark)
+        group = mark.kwargs.get("name") or (mark.args[0] if mark.args else "")
+        groups[item.nodeid] = group
+        if item.get_closest_marker("distributed") or item.get_closest_marker("slow"):
+            long_groups.add(group)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a plain run keeps file order
+        items.sort(key=lambda item: groups[item.nodeid] not in long_groups)  # stable: file order within each part

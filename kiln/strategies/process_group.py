@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import sys
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -129,27 +130,21 @@ def _default_store() -> Any:
         return None
 
 
-def lost_peer_note(timeout_s: float = 5.0) -> Optional[str]:
+def lost_peer_note(timeout_s: float = 5.0, dying_s: float = 2.0) -> Optional[str]:
     """One sentence naming the ranks of this machine that died (or the store's host, when the store
     no longer answers), for an error that followed from their death; None when none can be named."""
-    import psutil
-
     if not _IDENTITY or _default_store() is None:
         return None
     store, me = _default_store(), _IDENTITY
     dead: list[str] = []
+    dying_until = time.monotonic() + dying_s  # one wait for all peers: a healthy job's error is not held up long
     try:
         store.set_timeout(timedelta(seconds=timeout_s))
         for local_rank in range(me["local_world_size"]):
             if local_rank == me["local_rank"]:
                 continue
             rank, pid, started = json.loads(store.get(_key(me["host"], local_rank)))
-            try:
-                proc = psutil.Process(pid)
-                alive = abs(proc.create_time() - started) < 1 and proc.status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                alive = False
-            if not alive:
+            if not _alive_after(pid, started, dying_until):
                 dead.append(f"rank {rank} (pid {pid})")
     except Exception:  # noqa: BLE001 - the store is gone too (DistStoreError, timeouts, resets)
         if me["store_on_rank0"] and me["rank"] != 0:
@@ -160,6 +155,24 @@ def lost_peer_note(timeout_s: float = 5.0) -> Optional[str]:
         return None
     return (f"kiln: {', '.join(dead)} on this machine died; this error on rank {me['rank']} followed from it. Look at "
             "that rank's output for the cause (no output: it was killed, e.g. by the out-of-memory killer).")
+
+
+def _alive_after(pid: int, started: float, deadline: float) -> bool:
+    """Whether process `pid` (started at `started`) is still alive at `deadline` (time.monotonic). A
+    killed peer closes its sockets before it turns into a zombie, so its death reaches us while it
+    still looks alive for a moment (long on a loaded machine): give it until then to finish dying."""
+    import psutil
+
+    while True:
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - started) >= 1 or proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                return False
+        except psutil.NoSuchProcess:
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
 
 
 def _naming_excepthook(previous: Callable[..., Any]) -> Callable[..., Any]:

@@ -102,6 +102,7 @@ def _plan(kills: int, latest: str | None, rng: random.Random) -> tuple[str, int]
     return kind, max(1, min(3, slack))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the worker forks its training processes (POSIX)")
 def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path):
     seed = int(os.environ.get("KILN_CRASH_SEED", "1234"))

@@ -20,6 +20,7 @@ def _doc_script() -> str:
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
+@pytest.mark.slow
 def test_the_hf_script_in_the_migration_doc_runs_on_kiln(tmp_path):
     script = _doc_script()
     assert "from kiln import Trainer  # was: from transformers import Trainer" in script

@@ -159,6 +159,27 @@ def test_without_an_agent_the_survivor_names_the_rank_that_died(tmp_path, die_ra
     assert expected in err, err[-3000:]
 
 
+def test_a_peer_still_dying_when_the_error_arrives_is_named_dead():
+    """A killed peer closes its sockets before it becomes a zombie, so its death can reach the survivor
+    while it still looks alive (for long on a loaded machine): the note waits for it, up to a deadline,
+    and a peer alive at the deadline stays alive."""
+    import time
+
+    from kiln.strategies.process_group import _alive_after
+
+    proc = subprocess.Popen(["sleep", "0.5"])
+    try:
+        started = psutil.Process(proc.pid).create_time()
+        assert _alive_after(proc.pid, started, deadline=time.monotonic())  # running now
+        t0 = time.monotonic()
+        assert not _alive_after(proc.pid, started, deadline=t0 + 30)  # dies (unreaped: a zombie) within the wait
+        assert 0.2 < time.monotonic() - t0 < 10
+        assert not _alive_after(proc.pid, started + 5, deadline=time.monotonic())  # another process with that pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_the_watchdog_ends_a_worker_whose_launcher_died():
     """Where the parent-death signal is not available (not Linux, or the launcher is not the direct
     parent), a thread polling the launcher's pid ends the worker."""

@@ -64,6 +64,7 @@ def _assert_same_as_hand(hand, got, seen, trainer) -> None:
     _assert_no_recompiles_after_first_epoch(seen, got["graphs"])
 
 
+@pytest.mark.slow  # with the next one: the gpt2_runs fixture compiles for ~30 s
 def test_gpt2_same_graphs_and_breaks_as_a_hand_written_compiled_loop(gpt2_runs):
     hand, (got, seen, trainer, _), _ = gpt2_runs
     _assert_same_as_hand(hand, got, seen, trainer)
@@ -133,6 +134,7 @@ def test_eval_compile_with_a_compiled_model_reuses_its_graphs(tmp_path):
     _assert_no_recompiles_after_first_epoch(seen, both["graphs"])
 
 
+@pytest.mark.slow
 def test_compiled_training_ends_with_the_weights_of_an_uncompiled_run(gpt2_runs):
     _, (_, _, _, compiled), eager = gpt2_runs
     torch.testing.assert_close(toy.flat(compiled.parameters()), toy.flat(eager.parameters()), rtol=1e-5, atol=1e-6)

@@ -129,7 +129,6 @@ def test_ray_keeps_kilns_checkpoints_by_its_checkpoint_config_each_with_its_seal
         assert is_complete(str(copy))
 
 
-@pytest.mark.heavy  # CI time: the Ray environment is DDP's test; FSDP itself is tests/strategies/fsdp
 def test_fsdp_in_two_ray_workers_trains_like_one_process(local_ray, single, tmp_path):
     folder, out = tmp_path / "marks", tmp_path / "run"
     folder.mkdir()

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.strategies.fsdp.conftest import torchrun
 
 
+@pytest.mark.distributed
 def test_an_evaluation_before_training_does_not_freeze_the_weights_under_shard_grad_op(tmp_path):
     torchrun(2, "worker_eval_first.py", tmp_path)
     losses = json.loads((tmp_path / "losses.json").read_text())

@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 
@@ -28,6 +30,7 @@ def _train(strategy: str, out: str, world: int) -> None:
         save_file(weights, os.path.join(out, "live.safetensors"))
 
 
+@pytest.mark.distributed
 def test_two_processes_train_like_one_and_kiln_convert_reads_the_own_format(tmp_path):
     import torch
     from safetensors.torch import load_file
