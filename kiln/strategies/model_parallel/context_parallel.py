@@ -151,7 +151,7 @@ def check_model(root: nn.Module, device_type: str) -> int:
         if kinds or (getattr(text, "layer_types", None) is None and getattr(text, "sliding_window", None)):
             raise ConfigError(f"{what} has attention layers stricter than causal ({', '.join(sorted(kinds)) or 'sliding window'}), "
                               "which context parallel's ring (causal over the whole row) would train as full causal; use cp: 1.")
-        if getattr(config, "is_encoder_decoder", False) or not type(model).__name__.endswith("ForCausalLM"):
+        if not type(model).__name__.endswith("ForCausalLM"):  # encoder-decoders are ...ForConditionalGeneration
             raise ConfigError(f"{what} is not a causal language model; kiln's context parallel is built for causal "
                               "attention and the shifted-label loss (…ForCausalLM models with sdpa).")
         if not _takes(model.forward, "shift_labels"):
