@@ -64,6 +64,7 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False) ->
            "reshard_after_forward": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
                                             for m in model.modules() if isinstance(m, FSDPModule)
                                             and m._get_fsdp_state()._fsdp_param_group is not None})}
+    out["sdpa"] = _sdpa(strategy, model)  # without cp, plain SDPA runs inside the micro-batch context
     if cp:
         out.update(_cp_probe(strategy, model))
     strategy.teardown()
@@ -83,16 +84,24 @@ def _cp_probe(strategy: Any, model: Any) -> dict[str, Any]:
     model.eval()
     whole = strategy.batch_to_device({"input_ids": ids, "labels": labels})
     model.train()
+    return {"cp_rank": strategy._cp_rank, "item_shards": strategy.item_shards,
+            "chunk": {k: v.tolist() for k, v in train.items()}, "eval_keys": sorted(whole),
+            "eval_ids": whole["input_ids"].tolist()}
+
+
+def _sdpa(strategy: Any, model: Any) -> str:
+    """"ran", or the sentence an SDPA call inside `micro_batch_context` fails with (under cp on CPU)."""
+    import torch
+
+    from kiln.utils.errors import ConfigError
+
     q = torch.randn(1, 2, 4, 8)
     try:
         with strategy.micro_batch_context(model, boundary=True):
             torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        sdpa = "ran"
+        return "ran"
     except ConfigError as err:
-        sdpa = str(err)
-    return {"cp_rank": strategy._cp_rank, "item_shards": strategy.item_shards,
-            "chunk": {k: v.tolist() for k, v in train.items()}, "eval_keys": sorted(whole),
-            "eval_ids": whole["input_ids"].tolist(), "sdpa": sdpa}
+        return str(err)
 
 
 if __name__ == "__main__":

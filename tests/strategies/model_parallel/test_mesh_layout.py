@@ -162,6 +162,7 @@ def test_cp_rank_trains_on_its_own_chunk_and_evaluates_whole_sequences(layouts):
 def test_sdpa_under_cp_on_cpu_is_refused_with_the_sentence(layouts):
     assert layouts[4]["sdpa"] == ("context parallel's ring attention needs CUDA SDPA (flash/efficient/cudnn); "
                                   "on CPU use cp: 1.")
+    assert layouts[3]["sdpa"] == layouts[1]["sdpa"] == "ran"  # no cp (tp 2; HSDP): plain SDPA, no CP dispatcher
 
 
 def test_dp_shard_x_cp_flattens_both_into_fsdps_shard_axis(layouts):
