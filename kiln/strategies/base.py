@@ -37,8 +37,10 @@ Collectives have no default: a strategy spanning processes that forgot one would
 diverge, so a class that neither inherits `SingleProcessCollectives` nor implements every name in
 `COLLECTIVES` is refused when it is created (TypeError).
 
-Sizes: `data_shards` processes read distinct data (the sampler's replicas; counts summed over them);
-`grad_divisor` is what the gradient reduction divides by (DDP averages over its world; SPMD runs one
+Sizes: `data_shards` processes read distinct data (the sampler's replicas); `item_shards` processes
+hold distinct items once `batch_to_device` has run (item and token counts are summed over them:
+`data_shards`, unless a strategy splits each data shard's batch further, as context parallelism
+splits the sequences over its cp ranks); `grad_divisor` is what the gradient reduction divides by (DDP averages over its world; SPMD runs one
 process whose gradients are already global, so 1); `num_devices` counts the devices doing the work.
 """
 
@@ -171,6 +173,13 @@ class Strategy:
         return self.global_rank
 
     @property
+    def item_shards(self) -> int:
+        """Processes whose micro-batches hold distinct items after `batch_to_device`: what the loop sums
+        item counts (the loss weights' global total) and token counts over. The data shards, unless the
+        strategy splits each data shard's batch further (context parallel: dp x cp)."""
+        return self.data_shards
+
+    @property
     def grad_divisor(self) -> int:
         """What the gradient reduction divides by (1: gradients are summed, or there is none)."""
         return self.world_size
@@ -277,9 +286,9 @@ class Strategy:
 
     # -- collectives: called on every rank; no default (see SingleProcessCollectives) ---------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """`tensor` reduced over every rank with `op` (sum, mean, max, min). Where several ranks share
-        one data shard (tensor parallel: `data_shards < world_size`) they hold the same data-level
-        values, so sum and mean count each data shard once; max and min still span every rank."""
+        """`tensor` reduced over every rank with `op` (sum, mean, max, min). Where several ranks hold
+        copies of the same values (the tensor-parallel ranks of one data shard) sum and mean count them
+        once: they span the `item_shards` ranks whose values differ; max and min still span every rank."""
         raise NotImplementedError
 
     def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:

@@ -232,7 +232,7 @@ class FitLoop:
         self.tokens += tokens
         if self.count_tokens_seen:  # a host read per step only when several shards must be summed (as HF)
             strategy = self.strategy
-            if strategy.data_shards > 1:
+            if strategy.item_shards > 1:  # tokens differ across item shards (under context parallel: cp chunks)
                 tokens = int(strategy.reduce(torch.tensor(tokens, device=strategy.root_device), "sum").item())
             self.hooks.state.num_input_tokens_seen += tokens
 
@@ -288,7 +288,7 @@ class FitLoop:
             figures["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
             figures["steps_per_second"] = steps / elapsed
             if self.tokens > self.tokens_at_log:
-                figures["tokens_per_second"] = (self.tokens - self.tokens_at_log) * world / elapsed
+                figures["tokens_per_second"] = (self.tokens - self.tokens_at_log) * self.strategy.item_shards / elapsed
             self.window_start, self.samples_at_log, self.tokens_at_log = now, self.samples, self.tokens
             losses.last_logged = state.global_step
             losses.tr_loss = 0.0
@@ -334,7 +334,7 @@ class FitLoop:
             "train_loss": train_loss,
         }
         if self.tokens:
-            metrics["train_tokens_per_second"] = self.tokens * world / max(runtime, 1e-9)
+            metrics["train_tokens_per_second"] = self.tokens * self.strategy.item_shards / max(runtime, 1e-9)
         if cfg.eval.load_best_model_at_end:
             hooks._load_best_model()
         self.memory_tracker.stop_and_update("train", metrics)

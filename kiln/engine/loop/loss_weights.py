@@ -2,7 +2,8 @@
 
 With `average_tokens_across_devices` (the default, as in HF) the step's gradient is that of the
 mean loss over every item of the global window: micro-batch i is weighted n_i * d / N, with N the
-items summed over the strategy's data shards and d its `grad_divisor` (what its gradient reduction
+items summed over the strategy's item shards (its data shards, or data shards x cp ranks when
+context parallelism splits each sequence) and d its `grad_divisor` (what its gradient reduction
 divides by: DDP's world size, 1 for SPMD). N is all-reduced in the background while the first
 forward runs and waited for only when the first weight is needed. Without it each shard takes its
 own mean (n_i / n_local) and the shards' means are averaged, which needs no communication but
@@ -27,12 +28,12 @@ class WindowWeights:
         self._total: Optional[torch.Tensor] = None
 
     @classmethod
-    def for_window(cls, counts: list[torch.Tensor], *, data_shards: int, grad_divisor: int, global_mean: bool,
+    def for_window(cls, counts: list[torch.Tensor], *, item_shards: int, grad_divisor: int, global_mean: bool,
                    model_divides: bool, reduce_async: Callable[[torch.Tensor, str], Callable[[], torch.Tensor]]) -> "WindowWeights":
         total = torch.stack(counts).sum()
-        global_mean = global_mean and data_shards > 1
+        global_mean = global_mean and item_shards > 1
         wait = reduce_async(total, "sum") if global_mean else (lambda: total)
-        scale = grad_divisor if global_mean else grad_divisor / data_shards
+        scale = grad_divisor if global_mean else grad_divisor / item_shards
         return cls(counts, scale, wait, global_mean=global_mean, model_divides=model_divides)
 
     @property

@@ -119,7 +119,7 @@ class TrainStep:
         (False: a lone micro-batch on one shard, or shards that average their own means, and a model
         that takes no item count). Asked once per fit instead of building every window's weights."""
         s = self.strategy
-        return micro_batches > 1 or (s.data_shards > 1 and self.global_mean) or self.facts.accepts_num_items
+        return micro_batches > 1 or (s.item_shards > 1 and self.global_mean) or self.facts.accepts_num_items
 
     def loss_weights(self, window: list[Any]) -> Optional[WindowWeights]:
         """Per-micro-batch loss weights for this window (None: one micro-batch on one shard, whose
@@ -135,7 +135,7 @@ class TrainStep:
             counts = [torch.as_tensor(c, device=s.root_device) for c in raw]
         else:  # one upload for the window (XLA would make a 0-dim 0 or 1 a graph constant, not an input)
             counts = list(torch.tensor(raw, device=s.root_device).unbind())
-        return WindowWeights.for_window(counts, data_shards=s.data_shards, grad_divisor=s.grad_divisor,
+        return WindowWeights.for_window(counts, item_shards=s.item_shards, grad_divisor=s.grad_divisor,
                                         global_mean=self.global_mean, model_divides=self.facts.model_divides(window[0]),
                                         reduce_async=s.reduce_async)
 

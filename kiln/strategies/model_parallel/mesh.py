@@ -3,9 +3,14 @@ against the world size before any process group starts, and the rank arithmetic 
 
 Axes, outermost first (torchtitan's ParallelDims and accelerate's ParallelismConfig order):
 `dp_replicate` (replicas of the sharded model), `dp_shard` (FSDP2 shards the parameters over it),
-`cp` (context parallel: refused, see `check_cp`) and `tp` (tensor parallel, innermost so one TP group
-is neighbouring ranks, on one node). Ranks fill the mesh in that row-major order, so the data shard
-of rank r is r // (cp * tp): the `cp * tp` ranks of one data shard read the same batches.
+`cp` (context parallel: each rank of a cp group gets its own chunk of the same sequences, see
+context_parallel.py) and `tp` (tensor parallel, innermost so one TP group is neighbouring ranks, on
+one node). Ranks fill the mesh in that row-major order, so the data shard of rank r is
+r // (cp * tp): the `cp * tp` ranks of one data shard read the same batches.
+
+FSDP2 shards over `dp_shard` and `cp` flattened into one axis (torchtitan's `dp_shard_cp`): the cp
+ranks compute gradients from different tokens, so those gradients must be reduced over them too,
+and sharding over them costs nothing more (FSDP gathers each unit over that axis either way).
 
 Written as `mesh: {dp_replicate: 1, dp_shard: 2, tp: 2}`; missing axes are 1 and one axis may be -1
 (the rest of the world). HF's `parallelism_config` (accelerate's ParallelismConfig, or a mapping with
@@ -40,6 +45,12 @@ class MeshShape:
     def dp(self) -> int:
         """Data-parallel size: the number of processes reading distinct batches."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks whose micro-batches hold distinct tokens (data shards x cp chunks): what token counts
+        are summed over and what FSDP2's gradient reduction divides by."""
+        return self.dp * self.cp
 
     @property
     def model_ranks(self) -> int:
@@ -89,11 +100,11 @@ def parse_mesh(value: Optional[Mapping[str, Any]], world_size: int) -> MeshShape
 
 
 def check_cp(shape: MeshShape) -> None:
-    """Context parallelism is not implemented: refuse it with the reason."""
-    if shape.cp > 1:
-        raise ConfigError(f"strategy.mesh.cp is {shape.cp}, but kiln's model_parallel does not implement context "
-                          "parallelism yet (torch's context_parallel needs CUDA and its SDPA kernels, so it cannot run "
-                          "on CPU/gloo either); set cp: 1 and use dp_shard or tp for the processes instead.")
+    """Context parallelism composes with the data-parallel axes only: with tensor parallelism it has
+    never been built or tested (the split heads and the ring would have to agree), so refuse it."""
+    if shape.cp > 1 and shape.tp > 1:
+        raise ConfigError(f"strategy.mesh sets cp {shape.cp} and tp {shape.tp}, but kiln's context parallelism has not "
+                          "been built together with tensor parallelism; use cp with dp_shard or dp_replicate only (tp: 1).")
 
 
 def build_device_mesh(shape: MeshShape, device_type: str) -> Any:
@@ -105,5 +116,20 @@ def build_device_mesh(shape: MeshShape, device_type: str) -> Any:
 
 
 def dp_mesh(mesh: Any, shape: MeshShape) -> Any:
-    """The sub-mesh FSDP2 shards over: (dp_replicate, dp_shard) as HSDP when both are used, else dp_shard."""
-    return mesh["dp_replicate", "dp_shard"] if shape.dp_replicate > 1 else mesh["dp_shard"]
+    """The sub-mesh FSDP2 shards over: (dp_replicate, dp_shard) as HSDP when both are used, else dp_shard;
+    with cp, dp_shard and cp flattened into `dp_shard_cp` take dp_shard's place (as in torchtitan), so
+    the gradients of the cp ranks' different tokens are reduced together (`flatten_axes` made it)."""
+    shard = "dp_shard_cp" if shape.cp > 1 else "dp_shard"
+    return mesh["dp_replicate", shard] if shape.dp_replicate > 1 else mesh[shard]
+
+
+def flatten_axes(mesh: Any, shape: MeshShape) -> Any:
+    """Flatten the joint axes the strategy needs, once, right after the mesh is built: `dp_shard_cp`
+    (FSDP's shard axis under cp) and, with tp, the group of ranks at one TP position whose data differ
+    (`dp_replicate x dp_shard x cp`, for `reduce`; None without tp: then that is every rank). A
+    collective (flattening makes the new axes' process groups): every rank calls it."""
+    if shape.cp > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # registers the axis on the root mesh
+    if shape.tp > 1 and shape.dp_cp > 1:
+        return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
+    return None

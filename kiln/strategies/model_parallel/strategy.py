@@ -1,6 +1,7 @@
 """`strategy: model_parallel`: N-D parallelism on one named DeviceMesh -- FSDP2 (`fully_shard`) over
-the data-parallel axes (dp_replicate, dp_shard) and tensor parallelism (`parallelize_module`) over
-the `tp` axis, composed as torchtitan does (TP first, then FSDP over the TP-split DTensors).
+the data-parallel axes (dp_replicate, dp_shard, with cp flattened into dp_shard), tensor parallelism
+(`parallelize_module`) over the `tp` axis, composed as torchtitan does (TP first, then FSDP over the
+TP-split DTensors), and context parallelism over the `cp` axis (context_parallel.py).
 
     strategy: {name: model_parallel, mesh: {dp_shard: 2, tp: 2}, tp_plan: auto}
 
@@ -9,11 +10,13 @@ that defines `configure_model(mesh)` parallelises itself instead of the plan (FS
 still follows, on whatever it did not shard itself). Checkpoints are DCP (checkpoint_io.py).
 
 Sizes and collectives: the `cp * tp` ranks of one data shard read the same batches, so the sampler
-sees `data_shards = dp_replicate * dp_shard` replicas, and every data-level collective counts each
-data shard once: `reduce` sums and means over the data-parallel group (a sum over every rank would
-count each sample `tp` times), `all_gather` / `all_gather_object` keep one entry per data shard (its
-first rank's); max / min, `broadcast_object` and `barrier` span every rank (a flag raised on any rank
-reaches all of them). FSDP2 divides the reduced gradients by the dp size, so `grad_divisor` is it.
+sees `data_shards = dp_replicate * dp_shard` replicas. Under cp each rank then keeps its own chunk
+of those sequences (`batch_to_device`), so `item_shards = dp_replicate * dp_shard * cp` ranks hold
+distinct tokens. See `reduce` for what sums and means count; `all_gather` / `all_gather_object` keep
+one entry per data shard (its first rank's: evaluation is not context parallel, so the cp ranks'
+outputs are copies); max / min, `broadcast_object` and `barrier` span every rank (a flag raised on
+any rank reaches all of them). FSDP2 divides the reduced gradients by the size of its mesh,
+dp x cp, so `grad_divisor` is it.
 
 Precision: fp32 or bf16. With data-parallel axes bf16 is FSDP2's MixedPrecisionPolicy (bf16
 compute, fp32 gradient reduction, as strategy fsdp); with tp alone it stays autocast.
@@ -33,7 +36,7 @@ from kiln.strategies import STRATEGIES
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.ddp.strategy import DDPStrategy
-from kiln.strategies.model_parallel.mesh import MeshShape, build_device_mesh, dp_mesh, parse_mesh
+from kiln.strategies.model_parallel.mesh import MeshShape, build_device_mesh, dp_mesh, flatten_axes, parse_mesh
 from kiln.strategies.process_group import register_group_user
 from kiln.utils.errors import ConfigError
 
@@ -68,13 +71,18 @@ class ModelParallelStrategy(DDPStrategy):
         "tp_plan": "auto (the Transformers model's plan) or {module-name pattern: colwise | rowwise | "
                    "colwise_gather_output | embedding_rowwise | replicate}",
         "wrap": "FSDP unit classes over the dp axes (default the model's _no_split_modules)",
+        "cp_load_balance": "with cp: cut each sequence in 2 x cp pieces, rank r keeping pieces r and 2cp-1-r "
+                           "(torch's head-tail order, balancing causal attention's work; the default, true), or false: "
+                           "piece r of cp",
     }
     checkpoint_formats = ("model-parallel-dcp",)
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
         super().__init__(config, precision)
         self.shape: MeshShape = parse_mesh(self.option("mesh"), self.world_size)
+        self._check_cp_config()
         self.device_mesh: Any = None
+        self._cp_rank = 0
         self._dp_group: Any = None
         self._root: Optional[nn.Module] = None
         self._mp_policy: Any = None
@@ -89,8 +97,33 @@ class ModelParallelStrategy(DDPStrategy):
         return self.shape.data_rank(self.global_rank)
 
     @property
+    def item_shards(self) -> int:
+        return self.shape.dp_cp
+
+    @property
     def grad_divisor(self) -> int:
-        return self.shape.dp
+        return self.shape.dp_cp
+
+    @property
+    def cp_load_balance(self) -> bool:
+        """Whether cp splits sequences in torch's head-tail order (the option, default true)."""
+        value = self.option("cp_load_balance", True)
+        if not isinstance(value, bool):
+            raise ConfigError(f"strategy.cp_load_balance is {value!r}; give true or false.")
+        return value
+
+    def _check_cp_config(self) -> None:
+        """What cp has not been made to work with, refused before any process group starts."""
+        if self.shape.cp == 1 or self.config is None:
+            return
+        _ = self.cp_load_balance  # a wrong value fails here, not at the first batch
+        train = self.config.train
+        if train.label_smoothing_factor:
+            raise ConfigError("label_smoothing_factor with strategy.mesh.cp > 1 is not supported: kiln's label smoother "
+                              "shifts each rank's chunk of labels itself and would drop every chunk boundary's target.")
+        if train.neftune_noise_alpha:
+            raise ConfigError("neftune_noise_alpha with strategy.mesh.cp > 1 is not supported: NEFTune scales its noise "
+                              "by the sequence length, which each cp rank sees as its chunk's.")
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -99,22 +132,23 @@ class ModelParallelStrategy(DDPStrategy):
         from kiln.strategies.fsdp.strategy import _release_mesh_groups
 
         self.shape = parse_mesh(self.option("mesh"), self.world_size)  # a group made outside kiln sets the world
+        self._check_cp_config()
         self.device_mesh = build_device_mesh(self.shape, self.root_device.type)
         register_group_user(self.device_mesh, _release_mesh_groups)
         s = self.shape
-        if s.model_ranks > 1 and s.dp > 1:  # the ranks of my TP/CP position in every data shard
-            # one flattened mesh axis: its groups are the mesh's own (same backend, released with it)
-            self._dp_group = self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        # flattened mesh axes: their groups are the mesh's own (same backend, released with it)
+        self._dp_group = flatten_axes(self.device_mesh, s)  # with tp: the ranks of my TP position with other data
+        self._cp_rank = self.device_mesh["cp"].get_local_rank()
         log.info("model_parallel: %s over %d process(es).", s.describe(), self.world_size)
 
     # -- set-up -----------------------------------------------------------------------------
     def connect_precision(self, precision: "Precision") -> "Precision":
-        """bf16 over data-parallel axes becomes FSDP2's MixedPrecisionPolicy (as strategy fsdp does:
-        parameters, TP-split ones included, gathered in bf16, gradients reduced in fp32); with one
-        data shard no FSDP runs, so autocast stays (it casts the TP layers' DTensor inputs too)."""
+        """bf16 over data-parallel or cp axes becomes FSDP2's MixedPrecisionPolicy (as strategy fsdp
+        does: parameters, TP-split ones included, gathered in bf16, gradients reduced in fp32); with
+        one rank in dp x cp no FSDP runs, so autocast stays (it casts the TP layers' DTensor inputs too)."""
         from kiln.strategies.fsdp.precision import fsdp_precision
 
-        if self.shape.dp > 1:
+        if self.shape.dp_cp > 1:
             precision, self._mp_policy = fsdp_precision(precision, self.root_device)
         return super().connect_precision(precision)
 
@@ -123,11 +157,14 @@ class ModelParallelStrategy(DDPStrategy):
 
         from kiln.strategies.fsdp.strategy import _release_groups
         from kiln.strategies.fsdp.wrap import blocks_to_wrap, sync_module_states
+        from kiln.strategies.model_parallel.context_parallel import check_model
         from kiln.strategies.model_parallel.tp_plan import apply_plan, user_module
 
         if self.device_mesh is None:
             self.setup_environment()
         s, mesh = self.shape, self.device_mesh
+        if s.cp > 1:  # before any work: attention CP cannot shard is refused here
+            check_model(module, self.root_device.type)
         module = module.to(self.root_device)
         if self.world_size > 1:  # every rank starts from rank 0's weights, whatever seed built them
             sync_module_states(module)
@@ -144,7 +181,7 @@ class ModelParallelStrategy(DDPStrategy):
             what = f"{apply_plan(user, mesh['tp'], plan, s.tp)} tensor-parallel layer(s)"
         else:
             what = "no tensor parallelism"
-        if s.dp > 1:
+        if s.dp_cp > 1:  # with cp alone too: the cp ranks' gradients (from different tokens) are reduced by FSDP
             fsdp_mesh = dp_mesh(mesh, s)
             kwargs: dict[str, Any] = {"mesh": fsdp_mesh, "reshard_after_forward": True}
             if self._mp_policy is not None:
@@ -156,7 +193,7 @@ class ModelParallelStrategy(DDPStrategy):
             if not _is_fsdp(module):
                 fully_shard(module, **kwargs)
             register_group_user(module, _release_groups)
-        log.info("model_parallel: %s, FSDP over %d data shard(s).", what, s.dp)
+        log.info("model_parallel: %s, FSDP over %d rank(s) (dp x cp).", what, s.dp_cp)
         self._root = module
         return module
 
@@ -164,17 +201,34 @@ class ModelParallelStrategy(DDPStrategy):
         """Both parallelisms change the module in place: the wrapped module is the user's module."""
         return getattr(model, "_orig_mod", model)
 
+    def batch_to_device(self, batch: Any) -> Any:
+        """Under cp, a training batch becomes this rank's chunk of its sequences (with shift_labels and
+        position_ids made before the split: context_parallel.prepare_batch), split on the host before
+        it moves. Evaluation batches (the module in eval mode) stay whole: evaluation is not context
+        parallel, every cp rank computes the full sequences."""
+        if self.shape.cp > 1 and self._root is not None and self._root.training:
+            from kiln.strategies.model_parallel.context_parallel import prepare_batch
+
+            batch = prepare_batch(batch, self.shape.cp, self._cp_rank, self.cp_load_balance)
+        return super().batch_to_device(batch)
+
     # -- step -------------------------------------------------------------------------------
     def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
-        """FSDP reduce-scatters once per accumulation window, on its last micro-batch."""
+        """FSDP reduce-scatters once per accumulation window, on its last micro-batch. Under cp the
+        micro-batch's forward and backward run inside torch's ring-attention dispatcher."""
         root = self.unwrap(model)
         if _is_fsdp(root):
             root.set_requires_gradient_sync(boundary)
+        if self.shape.cp > 1:
+            from kiln.strategies.model_parallel.context_parallel import ring_attention
+
+            return ring_attention(self.device_mesh["cp"], self.cp_load_balance)
         return contextlib.nullcontext()
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The true global 2-norm. Gradients live on different meshes (TP-split layers on (dp, tp),
-        the rest on dp alone, or plain tensors without FSDP), which DTensor's own norm cannot mix, so
+        the rest on the dp mesh alone -- under cp its shard axis is dp_shard_cp -- or plain tensors
+        without FSDP), which DTensor's own norm cannot mix, so
         each rank sums its local squares, each weighted by 1 / (the number of ranks holding that same
         shard), and one all-reduce over every rank adds them up; every shard is then scaled alike."""
         import torch.distributed as dist
@@ -203,9 +257,17 @@ class ModelParallelStrategy(DDPStrategy):
     def probe_module(self, model: nn.Module) -> nn.Module:  # never called: capabilities.auto_batch_size is False
         raise NotImplementedError("auto_find_batch_size is not supported with strategy 'model_parallel'.")
 
-    # -- collectives: data-level values counted once per data shard ----------------------------
+    # -- collectives: each distinct value counted once ---------------------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        if op in ("max", "min") or self.shape.model_ranks == 1:
+        """sum and mean span the ranks whose values differ: the data shards and, within one, the cp
+        ranks (each holds its own chunk of the sequences, so item and token counts, FLOPs and the
+        loss weighted by them add up over dp x cp: each token once); the tp ranks of one position
+        hold copies and count once (the reduction runs over the ranks at this rank's tp position,
+        `dp x cp` of them). A value that is the same on the cp ranks of one data shard (per sample:
+        a sample count, anything from evaluation, which is not context parallel) must be reduced with
+        mean, max or min -- a sum would count it cp times. kiln's training loop sums only values
+        counted on the rank's own chunk. max / min span every rank."""
+        if op in ("max", "min") or self.shape.tp == 1:  # without tp every rank holds distinct data
             return super().reduce(tensor, op)
         import torch.distributed as dist
 
@@ -217,11 +279,11 @@ class ModelParallelStrategy(DDPStrategy):
         if self._dp_group is not None:
             dist.all_reduce(t, group=self._dp_group)
         if op == "mean":
-            t = t / self.shape.dp
+            t = t / self.shape.dp_cp
         return t.to(torch.as_tensor(tensor).device)
 
     def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
-        if op != "sum" or self.shape.model_ranks == 1:
+        if op != "sum" or self.shape.tp == 1:
             return super().reduce_async(tensor, op)
         import torch.distributed as dist
 

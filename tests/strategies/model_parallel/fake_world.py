@@ -4,6 +4,11 @@ its DeviceMesh, applies the tensor-parallel plan and FSDP2 exactly as it would o
 record what parity tests cannot see: the mesh's dimension names and sizes, the data-parallel group
 and data shard of the rank, and each parameter's mesh, placements and local shard size.
 
+With cp > 1 the model is cp_cases.TokenLocalLM (the tiny Llama's SDPA is refused on CPU), and the
+description adds what this rank's cp position does: its cp rank and item shards, the chunk of a
+known batch `batch_to_device` gives it in training (token indices read back from input_ids,
+position_ids, shift_labels) and that an SDPA call inside `micro_batch_context` is refused on CPU.
+
 Usage: python fake_world.py JSON, JSON being a list of [world, rank, mesh(, bf16)]; prints a JSON list
 with one description each (one fake world after the other in this process)."""
 
@@ -28,6 +33,7 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False) ->
     from kiln.precision import build_precision
     from kiln.strategies.model_parallel.strategy import ModelParallelStrategy
     from tests.strategies.model_parallel.cases import llama
+    from tests.strategies.model_parallel.cp_cases import TokenLocalLM
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     # built for this 1-process launch, then given the mesh: the group made here decides the world
@@ -36,7 +42,8 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False) ->
     cfg.strategy.options.mesh = mesh
     strategy.setup_environment()
     precision = strategy.connect_precision(build_precision(cfg))  # as the Trainer does, on this world's mesh
-    model = strategy.setup_module(llama())
+    cp = mesh.get("cp", 1) > 1
+    model = strategy.setup_module(TokenLocalLM() if cp else llama())
     device_mesh = strategy.device_mesh
     params = {}
     for name, p in model.named_parameters():
@@ -57,9 +64,44 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False) ->
            "reshard_after_forward": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
                                             for m in model.modules() if isinstance(m, FSDPModule)
                                             and m._get_fsdp_state()._fsdp_param_group is not None})}
+    out["sdpa"] = _sdpa(strategy, model)  # without cp, plain SDPA runs inside the micro-batch context
+    if cp:
+        out.update(_cp_probe(strategy, model))
     strategy.teardown()
     dist.destroy_process_group()
     return out
+
+
+def _cp_probe(strategy: Any, model: Any) -> dict[str, Any]:
+    import torch
+
+    from kiln.utils.errors import ConfigError
+
+    ids = torch.arange(16).view(2, 8)  # token t of row b is 8b + t: the chunk names its own indices
+    labels = ids + 100
+    model.train()
+    train = strategy.batch_to_device({"input_ids": ids, "labels": labels})
+    model.eval()
+    whole = strategy.batch_to_device({"input_ids": ids, "labels": labels})
+    model.train()
+    return {"cp_rank": strategy._cp_rank, "item_shards": strategy.item_shards,
+            "chunk": {k: v.tolist() for k, v in train.items()}, "eval_keys": sorted(whole),
+            "eval_ids": whole["input_ids"].tolist()}
+
+
+def _sdpa(strategy: Any, model: Any) -> str:
+    """"ran", or the sentence an SDPA call inside `micro_batch_context` fails with (under cp on CPU)."""
+    import torch
+
+    from kiln.utils.errors import ConfigError
+
+    q = torch.randn(1, 2, 4, 8)
+    try:
+        with strategy.micro_batch_context(model, boundary=True):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return "ran"
+    except ConfigError as err:
+        return str(err)
 
 
 if __name__ == "__main__":

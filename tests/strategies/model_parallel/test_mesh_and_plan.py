@@ -1,5 +1,5 @@
 """model_parallel's checks that need no process group: the mesh (axes, -1, product vs world size, cp
-refused), HF's parallelism_config, the tensor-parallel plan (auto from the Llama config, patterns,
+with tp refused), HF's parallelism_config, the tensor-parallel plan (auto from the Llama config, patterns,
 styles, heads and split sizes, tied weights), and the refusals the Trainer's constructor makes."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_missing_axes_are_one_and_minus_one_takes_the_rest():
     ({"dp_shard": -1, "tp": -1}, 4, "only one axis may take the rest"),
     ({"tp": 0}, 1, "strategy.mesh.tp is 0"),
     ({"pp": 2}, 2, "unknown axis 'pp'"),
-    ({"cp": 2}, 2, "does not implement context parallelism"),
+    ({"cp": 2, "tp": 2}, 4, "has not been built together with tensor parallelism"),
 ])
 def test_a_wrong_mesh_is_one_sentence(mesh, world, words):
     with pytest.raises(ConfigError, match=words) as err:

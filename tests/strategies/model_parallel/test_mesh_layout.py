@@ -3,7 +3,9 @@ a CI machine: fake_world.py plays one rank of 8 or 4 processes under torch's fak
 (collectives are no-ops, so nothing trains, but the DeviceMesh, the TP plan and FSDP2 are the real
 ones). Parity tests see only the numbers; these see the mesh's named dimensions and sizes, the rank's
 coordinate, data shard and data-parallel group, and each parameter's mesh, placements per axis and
-local shard (the tiny Llama of cases.py: hidden 32, 4 heads, 2 key/value heads, MLP 64, vocab 64)."""
+local shard (the tiny Llama of cases.py: hidden 32, 4 heads, 2 key/value heads, MLP 64, vocab 64);
+under cp also the rank's cp position, the chunk of a known batch it trains on and the refusal of
+SDPA on CPU (see fake_world.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,12 @@ AXES = ["dp_replicate", "dp_shard", "cp", "tp"]
 HSDP_TP = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
 DP_TP = {"dp_shard": 2, "tp": 2}
-#: [world, rank, mesh, bf16], one fake world each
-WORLDS = [[8, 5, HSDP_TP, True], [4, 2, HSDP, False], [4, 3, DP_TP, False], [2, 1, {"tp": 2}, True]]
+CP = {"cp": 2}
+DP_CP = {"dp_shard": 2, "cp": 2}
+HSDP_CP = {"dp_replicate": 2, "dp_shard": 2, "cp": 2}
+#: [world, rank, mesh, bf16], one fake world each (cp worlds train cp_cases.TokenLocalLM)
+WORLDS = [[8, 5, HSDP_TP, True], [4, 2, HSDP, False], [4, 3, DP_TP, False], [2, 1, {"tp": 2}, True],
+          [2, 1, CP, True], [4, 3, DP_CP, False], [8, 5, HSDP_CP, False]]
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +129,57 @@ def test_bf16_is_fsdp2_mixed_precision_over_dp_axes_and_autocast_under_tp_alone(
     assert fp32["fsdp_param_dtypes"] == ["None"]  # fp32: FSDP keeps the parameters' own dtype
     assert tp_alone["fsdp_param_dtypes"] == [] and not tp_alone["precision"].startswith("FSDP")
     assert tp_alone["sizes"] == [1, 1, 1, 2] and tp_alone["dp_group"] is None
+
+
+# -- context parallel -------------------------------------------------------------------------------
+
+
+def test_cp_alone_shards_fsdp_over_the_cp_ranks(layouts):
+    """cp 2, rank 1: one data shard read by both ranks, FSDP2 over `dp_shard_cp` (cp alone here), so
+    the two ranks' gradients (from different tokens) are reduced and divided by 2."""
+    mesh = layouts[4]
+    assert mesh["sizes"] == [1, 1, 2, 1] and mesh["coordinate"] == [0, 0, 1, 0] and mesh["cp_rank"] == 1
+    assert (mesh["data_shards"], mesh["data_shard_rank"], mesh["item_shards"], mesh["grad_divisor"]) == (1, 0, 2, 2)
+    assert mesh["dp_group"] is None  # no tp: sums and means span every rank
+    for name, p in mesh["params"].items():
+        assert (p["mesh"], p["placements"]) == (["dp_shard_cp"], ["Shard(dim=0)"]), name
+    _every_shard_accounted(mesh, {"dp_shard_cp": 2})
+    assert mesh["fsdp_param_dtypes"] == ["torch.bfloat16"] and mesh["precision"].startswith("FSDP")  # bf16: FSDP's policy
+
+
+def test_cp_rank_trains_on_its_own_chunk_and_evaluates_whole_sequences(layouts):
+    """Rank 1 of cp 2 (load balanced) keeps pieces 1 and 2 of 4: tokens 2..5 of every row, at their
+    true positions, each with its next token's label; an evaluation batch stays whole."""
+    mesh = layouts[4]
+    chunk = mesh["chunk"]
+    assert chunk["input_ids"] == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert chunk["position_ids"] == [[2, 3, 4, 5], [2, 3, 4, 5]]
+    assert chunk["labels"] == [[102, 103, 104, 105], [110, 111, 112, 113]]
+    assert chunk["shift_labels"] == [[103, 104, 105, 106], [111, 112, 113, 114]]  # 106: rank 0's token
+    assert mesh["eval_keys"] == ["input_ids", "labels"] and mesh["eval_ids"] == [list(range(8)), list(range(8, 16))]
+
+
+def test_sdpa_under_cp_on_cpu_is_refused_with_the_sentence(layouts):
+    assert layouts[4]["sdpa"] == ("context parallel's ring attention needs CUDA SDPA (flash/efficient/cudnn); "
+                                  "on CPU use cp: 1.")
+    assert layouts[3]["sdpa"] == layouts[1]["sdpa"] == "ran"  # no cp (tp 2; HSDP): plain SDPA, no CP dispatcher
+
+
+def test_dp_shard_x_cp_flattens_both_into_fsdps_shard_axis(layouts):
+    """dp_shard 2 x cp 2, rank 3: shard 1, cp rank 1; FSDP over dp_shard_cp (4 ranks)."""
+    mesh = layouts[5]
+    assert mesh["sizes"] == [1, 2, 2, 1] and mesh["coordinate"] == [0, 1, 1, 0] and mesh["cp_rank"] == 1
+    assert (mesh["data_shards"], mesh["data_shard_rank"], mesh["item_shards"], mesh["grad_divisor"]) == (2, 1, 4, 4)
+    assert {tuple(p["mesh"]) for p in mesh["params"].values()} == {("dp_shard_cp",)}
+    _every_shard_accounted(mesh, {"dp_shard_cp": 4})
+    assert mesh["chunk"]["input_ids"] == [[2, 3, 4, 5], [10, 11, 12, 13]]
+
+
+def test_hsdp_x_cp_replicates_over_dp_replicate_and_shards_over_dp_shard_cp(layouts):
+    """dp_replicate 2 x dp_shard 2 x cp 2, rank 5: replica 1, shard 0, cp rank 1 (data shard 2 of 4)."""
+    mesh = layouts[6]
+    assert mesh["sizes"] == [2, 2, 2, 1] and mesh["coordinate"] == [1, 0, 1, 0] and mesh["cp_rank"] == 1
+    assert (mesh["data_shards"], mesh["data_shard_rank"], mesh["item_shards"], mesh["grad_divisor"]) == (4, 2, 8, 8)
+    for name, p in mesh["params"].items():
+        assert (p["mesh"], p["placements"]) == (["dp_replicate", "dp_shard_cp"], ["Replicate()", "Shard(dim=0)"]), name
+    _every_shard_accounted(mesh, {"dp_replicate": 2, "dp_shard_cp": 4})

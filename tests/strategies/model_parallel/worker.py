@@ -1,7 +1,7 @@
 """Runs named model_parallel cases on every rank; rank 0 writes results.json and tensors.safetensors
 to OUT. Usage: torchrun --nproc_per_node=N worker.py OUT CASE[=CHECKPOINT] [...]; `CASE=CKPT` resumes
 CKPT (`resume`: the default mesh; `dp2_from_tp2`: cases.resumed); `tp2` also exports with save_model
-to OUT/export."""
+to OUT/export. Context-parallel cases are cp_cases.py's."""
 
 import json
 import os
@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
 
 from safetensors.torch import save_file  # noqa: E402
 
-from tests.strategies.model_parallel import cases  # noqa: E402
+from tests.strategies.model_parallel import cases, cp_cases  # noqa: E402
 
 out, names = sys.argv[1], sys.argv[2:]
 results, tensors = {}, {}
@@ -21,7 +21,10 @@ for entry in names:
     print("CASE", name, file=sys.stderr, flush=True)
     extra = {"resume_from_checkpoint": checkpoint} if checkpoint else {}
     export = os.path.join(out, "export") if name == "tp2" else None
-    results[name], weights = cases.run_case(name, os.path.join(out, "runs"), export=export, **extra)
+    if cp_cases.handles(name):
+        results[name], weights = cp_cases.run_case(name, os.path.join(out, "runs"), **extra)
+    else:
+        results[name], weights = cases.run_case(name, os.path.join(out, "runs"), export=export, **extra)
     tensors.update({f"{name}/{k}": v.contiguous() for k, v in weights.items()})
 if int(os.environ.get("RANK", "0")) == 0:
     os.makedirs(out, exist_ok=True)
