@@ -20,8 +20,10 @@ AXES = ["dp_replicate", "dp_shard", "cp", "tp"]
 HSDP_TP = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
 DP_TP = {"dp_shard": 2, "tp": 2}
-#: [world, rank, mesh, bf16], one fake world each
-WORLDS = [[8, 5, HSDP_TP, True], [4, 2, HSDP, False], [4, 3, DP_TP, False], [2, 1, {"tp": 2}, True]]
+SP_LP = {"sequence_parallel": True, "loss_parallel": True}
+#: [world, rank, mesh, bf16(, options)], one fake world each
+WORLDS = [[8, 5, HSDP_TP, True], [4, 2, HSDP, False], [4, 3, DP_TP, False], [2, 1, {"tp": 2}, True],
+          [4, 3, DP_TP, False, SP_LP], [2, 0, {"tp": 2}, False, {"loss_parallel": True, "tie_word_embeddings": True}]]
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +125,37 @@ def test_bf16_is_fsdp2_mixed_precision_over_dp_axes_and_autocast_under_tp_alone(
     assert fp32["fsdp_param_dtypes"] == ["None"]  # fp32: FSDP keeps the parameters' own dtype
     assert tp_alone["fsdp_param_dtypes"] == [] and not tp_alone["precision"].startswith("FSDP")
     assert tp_alone["sizes"] == [1, 1, 1, 2] and tp_alone["dp_group"] is None
+
+
+# -- sequence and loss parallelism (their activations: test_sequence_loss_parallel.py) ----------------
+
+SP_LP_LAYOUT = [
+    # the norms take SequenceParallel's replicated weights on tp, which FSDP then shards over dp_shard
+    ("model.norm.weight", ["dp_shard", "tp"], ["Shard(dim=0)", "Replicate()"], [16]),
+    ("model.layers.1.post_attention_layernorm.weight", ["dp_shard", "tp"], ["Shard(dim=0)", "Replicate()"], [16]),
+    # the split layers keep plain tensor parallelism's layout: only their activations change
+    ("model.layers.0.self_attn.o_proj.weight", ["dp_shard", "tp"], ["Shard(dim=0)", "Shard(dim=1)"], [16, 16]),
+    ("lm_head.weight", ["dp_shard", "tp"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [16, 32]),
+    ("model.embed_tokens.weight", ["dp_shard", "tp"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [16, 32]),
+]
+
+
+@pytest.mark.parametrize("name, mesh, placements, local", SP_LP_LAYOUT, ids=[row[0] for row in SP_LP_LAYOUT])
+def test_sequence_parallel_norms_are_replicated_on_tp_and_sharded_by_fsdp(layouts, name, mesh, placements, local):
+    assert _param(layouts[4], name) == (mesh, placements, local)
+
+
+def test_sequence_and_loss_parallel_under_fsdp_leave_no_plain_tensor(layouts):
+    world = layouts[4]
+    assert all(p["mesh"] for p in world["params"].values())
+    _every_shard_accounted(world, DP_TP)
+    assert world["loss_parallel"] and not layouts[2]["loss_parallel"]
+    assert any("sequence parallel, loss parallel" in line for line in world["logs"])
+
+
+def test_loss_parallel_with_tied_embeddings_keeps_the_head_whole_and_says_so(layouts):
+    world = layouts[5]
+    assert not world["loss_parallel"]
+    assert world["params"]["model.embed_tokens.weight"]["mesh"] is None  # the tie (lm_head's weight too) stays whole
+    assert any("loss_parallel is off, the head's logits are gathered whole: tp_plan does not split the head lm_head"
+               in line for line in world["logs"])
