@@ -60,10 +60,8 @@ def _is_norm(module: nn.Module) -> bool:
         and not any(list(child.parameters()) for child in module.children())
 
 
-def _refuse(root: nn.Module, reason: str) -> ConfigError:
-    return ConfigError(f"strategy.sequence_parallel cannot derive a sequence-sharded layout for {type(root).__name__}: "
-                       f"{reason}; set sequence_parallel: false (plain tensor parallel), or parallelise the model "
-                       "yourself in configure_model(mesh).")
+class _Underivable(Exception):
+    """Why kiln cannot place the layout (a clause of derive_layout's one ConfigError sentence)."""
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -73,30 +71,39 @@ def _has_params(module: nn.Module) -> bool:
 def derive_layout(root: nn.Module, plan: dict[str, str]) -> SequenceLayout:
     """The sequence-parallel layout of `root` under the checked `plan` (module name -> style), or a
     one-sentence ConfigError saying what kiln cannot place."""
+    try:
+        return _derive(root, plan)
+    except _Underivable as why:
+        raise ConfigError(f"strategy.sequence_parallel cannot derive a sequence-sharded layout for {type(root).__name__}: "
+                          f"{why}; set sequence_parallel: false (plain tensor parallel), or parallelise the model "
+                          "yourself in configure_model(mesh).") from None
+
+
+def _derive(root: nn.Module, plan: dict[str, str]) -> SequenceLayout:
     by_style: dict[str, list[str]] = {}
     for name, style in plan.items():
         by_style.setdefault(style, []).append(name)
     embeddings, heads = by_style.get("embedding_rowwise", []), [n for s in HEAD_STYLES for n in by_style.get(s, [])]
     if len(embeddings) != 1 or len(heads) != 1:
-        raise _refuse(root, f"tp_plan splits {len(embeddings)} input embedding(s) (embedding_rowwise) and {len(heads)} "
+        raise _Underivable(f"tp_plan splits {len(embeddings)} input embedding(s) (embedding_rowwise) and {len(heads)} "
                             "output head(s) (colwise_gather_output), and it needs one of each, where the sequence "
                             "split starts and ends (tied input/output embeddings stay whole)")
     layout = SequenceLayout(embedding=embeddings[0], head=heads[0], rowwise=sorted(by_style.get("rowwise", [])))
     layout.blocks = sorted({_parent(name) for name in layout.rowwise})
     for name in by_style.get("colwise", []):
         if _parent(name) not in layout.blocks:
-            raise _refuse(root, f"the colwise layer {name} is not beside a rowwise layer, so kiln cannot tell where its "
+            raise _Underivable(f"the colwise layer {name} is not beside a rowwise layer, so kiln cannot tell where its "
                                 "block's whole input comes from")
     if not layout.blocks or "" in layout.blocks:
-        raise _refuse(root, "tp_plan has no block of colwise layers ending in a rowwise layer inside a decoder layer")
+        raise _Underivable("tp_plan has no block of colwise layers ending in a rowwise layer inside a decoder layer")
     layers = sorted({_parent(block) for block in layout.blocks})
     base = _parent(layout.embedding)  # the base model: embedding, decoder layers, final norm
     if not base or layout.head.startswith(base + "."):
-        raise _refuse(root, f"the embedding {layout.embedding} and the head {layout.head} are not in a base model and "
+        raise _Underivable(f"the embedding {layout.embedding} and the head {layout.head} are not in a base model and "
                             "beside it respectively, so kiln cannot tell which output the head reads")
     for layer in layers:
         if not layer.startswith(base + "."):
-            raise _refuse(root, f"the decoder layer {layer} is not inside {base}, which holds the embedding")
+            raise _Underivable(f"the decoder layer {layer} is not inside {base}, which holds the embedding")
         layout.norms += _norms_beside(root, layer, skip=set(layout.blocks))
     containers = {f"{base}.{child}" for child, _ in root.get_submodule(base).named_children()
                   if any(layer.startswith(f"{base}.{child}.") for layer in layers)}
@@ -109,7 +116,7 @@ def _norms_beside(root: nn.Module, parent: str, skip: set[str]) -> list[str]:
     (returned), parameterless modules (dropout, rotary embeddings: left alone), nothing else."""
     module = root.get_submodule(parent)
     if any(p is not None for p in module._parameters.values()):
-        raise _refuse(root, f"{parent} ({type(module).__name__}) has parameters of its own on the residual "
+        raise _Underivable(f"{parent} ({type(module).__name__}) has parameters of its own on the residual "
                             "stream, which kiln does not know how to split by sequence")
     norms = []
     for child_name, child in module.named_children():
@@ -117,7 +124,7 @@ def _norms_beside(root: nn.Module, parent: str, skip: set[str]) -> list[str]:
         if name in skip or not _has_params(child):
             continue
         if not _is_norm(child):
-            raise _refuse(root, f"{name} ({type(child).__name__}) sits on the residual stream between tensor-parallel "
+            raise _Underivable(f"{name} ({type(child).__name__}) sits on the residual stream between tensor-parallel "
                                 "blocks and is no RMSNorm/LayerNorm, so kiln does not know how it handles a sequence split")
         norms.append(name)
     return norms
