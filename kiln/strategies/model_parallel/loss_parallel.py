@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 def find_head(root: nn.Module, plan: dict[str, str], model: Optional[nn.Module]) -> tuple[Optional[str], str]:
     """The name in `root` of the head of `model` (the Transformers model in `root`, or None) and "",
     where kiln can keep its logits split; else (None, why not)."""
-    head = model.get_output_embeddings() if model is not None and hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if callable(output_embeddings) else None
     if head is None:
         return None, f"{type(root).__name__} holds no Transformers model with an output head (get_output_embeddings)"
     name = next(n for n, m in root.named_modules() if m is head)

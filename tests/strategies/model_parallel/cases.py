@@ -141,6 +141,8 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
 
     trainer = trainer_for(name, root, **extra)
     seen = probes.watch(trainer.model) if name in PROBED else None
+    if seen is not None:
+        probes.watch_loss(trainer, seen)
     trainer.fit()
     metrics = trainer.evaluate()
     if export is not None:

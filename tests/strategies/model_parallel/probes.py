@@ -85,3 +85,17 @@ def parameters(model: torch.nn.Module) -> dict[str, Any]:
             out[name] = ([list(p.device_mesh.mesh_dim_names), [repr(x) for x in p.placements]]
                          if isinstance(p, DTensor) else None)
     return out
+
+
+def watch_loss(trainer: Any, seen: dict[str, Any]) -> None:
+    """Record the type of the first training loss the engine gets from the model (a plain tensor:
+    the loss-parallel DTensor must not leak into kiln's weighting, logging and backward)."""
+    compute_loss = trainer.compute_loss
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        loss = compute_loss(*args, **kwargs)
+        if trainer.model.training:
+            seen.setdefault("train loss type", type(loss[0] if isinstance(loss, tuple) else loss).__name__)
+        return loss
+
+    trainer.compute_loss = recorded

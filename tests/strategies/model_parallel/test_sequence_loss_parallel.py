@@ -82,6 +82,7 @@ def test_loss_parallel_keeps_training_logits_split_by_vocabulary(two, case):
     assert _seen(results, case, "train logits") == (["Shard(dim=2)"], [4, SEQUENCE, cases.VOCAB // 2],
                                                     [4, SEQUENCE, cases.VOCAB])
     assert probe["train loss_parallel in forward"] and probe["train loss_parallel in backward"]
+    assert probe["train loss type"] == "Tensor"  # the model's replicated DTensor loss reaches the engine as a tensor
     # evaluation: no loss_parallel(), and the head gathers the logits whole as before
     assert _seen(results, case, "eval logits") == (None, [1, SEQUENCE, cases.VOCAB], [1, SEQUENCE, cases.VOCAB])
     assert probe["eval loss_parallel in forward"] is False
