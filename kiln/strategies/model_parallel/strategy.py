@@ -4,8 +4,10 @@ the data-parallel axes (dp_replicate, dp_shard, with cp flattened into dp_shard)
 TP-split DTensors), and context parallelism over the `cp` axis (context_parallel.py).
 
     strategy: {name: model_parallel, mesh: {dp_shard: 2, tp: 2}, tp_plan: auto}
+    strategy: {name: model_parallel, mesh: {tp: 2}, sequence_parallel: true, loss_parallel: true}
 
-The mesh is mesh.py (its axes, -1, HF's parallelism_config), the plan tp_plan.py; a TrainingModule
+The mesh is mesh.py (its axes, -1, HF's parallelism_config), the plan tp_plan.py, sequence and
+loss parallelism over the tp axis sequence_parallel.py and loss_parallel.py; a TrainingModule
 that defines `configure_model(mesh)` parallelises itself instead of the plan (FSDP over the dp axes
 still follows, on whatever it did not shard itself). Checkpoints are DCP (checkpoint_io.py).
 
@@ -74,6 +76,12 @@ class ModelParallelStrategy(DDPStrategy):
         "cp_load_balance": "with cp: cut each sequence in 2 x cp pieces, rank r keeping pieces r and 2cp-1-r "
                            "(torch's head-tail order, balancing causal attention's work; the default, true), or false: "
                            "piece r of cp",
+        "sequence_parallel": "true: the activations between the tp_plan's TP regions are split by sequence (norms "
+                             "run on 1/tp of the tokens; reduce-scatter + all-gather instead of all-reduce); "
+                             "derived from the plan, refused where kiln cannot derive it; default false",
+        "loss_parallel": "true: the head's logits stay split by vocabulary and the model's cross entropy runs on "
+                         "the split (HF ForCausalLMLoss; else the head stays gathered, with a log line); "
+                         "default false",
     }
     checkpoint_formats = ("model-parallel-dcp",)
 
@@ -86,6 +94,8 @@ class ModelParallelStrategy(DDPStrategy):
         self._dp_group: Any = None
         self._root: Optional[nn.Module] = None
         self._mp_policy: Any = None
+        self._loss_parallel: Any = None  # loss_parallel.LossParallel once the head keeps split logits
+        self._check_tp_options()
 
     # -- topology ---------------------------------------------------------------------------
     @property
@@ -141,6 +151,17 @@ class ModelParallelStrategy(DDPStrategy):
         self._cp_rank = self.device_mesh["cp"].get_local_rank()
         log.info("model_parallel: %s over %d process(es).", s.describe(), self.world_size)
 
+    def _check_tp_options(self) -> None:
+        """sequence_parallel / loss_parallel change how the tp axis splits activations: refused, one
+        sentence each, where they are not a yes/no or there is no tp axis (before any group starts)."""
+        for key in ("sequence_parallel", "loss_parallel"):
+            value = self.option(key, False)
+            if not isinstance(value, bool):
+                raise ConfigError(f"strategy.{key} is {value!r}; give true or false.")
+            if value and self.shape.tp == 1:
+                raise ConfigError(f"strategy.{key} splits the activations of tensor parallelism, and this mesh has no "
+                                  f"tp axis ({self.shape.describe()}); set mesh.tp to 2 or more, or drop {key}.")
+
     # -- set-up -----------------------------------------------------------------------------
     def connect_precision(self, precision: "Precision") -> "Precision":
         """bf16 over data-parallel or cp axes becomes FSDP2's MixedPrecisionPolicy (as strategy fsdp
@@ -171,14 +192,21 @@ class ModelParallelStrategy(DDPStrategy):
         user = user_module(module)
         hook = getattr(user, "configure_model", None)
         plan = self.option("tp_plan")
+        sp, lp = bool(self.option("sequence_parallel", False)), bool(self.option("loss_parallel", False))
         if callable(hook):
-            if plan is not None:
+            given = [key for key, on in (("tp_plan", plan is not None), ("sequence_parallel", sp), ("loss_parallel", lp)) if on]
+            if given:
                 raise ConfigError(f"{type(user).__name__} defines configure_model(mesh), which parallelises the model "
-                                  "itself, and strategy.tp_plan is set too; drop one of them.")
+                                  f"itself, and strategy.{' and strategy.'.join(given)} {'is' if len(given) == 1 else 'are'}"
+                                  " set too; drop one of them (configure_model can apply torch's SequenceParallel and "
+                                  "loss_parallel itself).")
             hook(mesh)  # the user's own parallelize code (TP, and FSDP on blocks if it wants)
             what = "configure_model(mesh)"
         elif s.tp > 1:
-            what = f"{apply_plan(user, mesh['tp'], plan, s.tp)} tensor-parallel layer(s)"
+            tp = apply_plan(user, mesh["tp"], plan, s.tp, sequence_parallel=sp, loss_parallel=lp)
+            self._loss_parallel = tp.loss_parallel
+            what = (f"{tp.layers} tensor-parallel layer(s)" + (", sequence parallel" if tp.sequence_parallel else "")
+                    + (", loss parallel" if tp.loss_parallel is not None else ""))
         else:
             what = "no tensor parallelism"
         if s.dp_cp > 1:  # with cp alone too: the cp ranks' gradients (from different tokens) are reduced by FSDP
@@ -215,7 +243,8 @@ class ModelParallelStrategy(DDPStrategy):
     # -- step -------------------------------------------------------------------------------
     def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
         """FSDP reduce-scatters once per accumulation window, on its last micro-batch. Under cp the
-        micro-batch's forward and backward run inside torch's ring-attention dispatcher."""
+        micro-batch's forward and backward run inside torch's ring-attention dispatcher; with loss
+        parallel (tp, so never with cp) inside torch's `loss_parallel()`."""
         root = self.unwrap(model)
         if _is_fsdp(root):
             root.set_requires_gradient_sync(boundary)
@@ -223,7 +252,7 @@ class ModelParallelStrategy(DDPStrategy):
             from kiln.strategies.model_parallel.context_parallel import ring_attention
 
             return ring_attention(self.device_mesh["cp"], self.cp_load_balance)
-        return contextlib.nullcontext()
+        return self._loss_parallel.context() if self._loss_parallel is not None else contextlib.nullcontext()
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The true global 2-norm. Gradients live on different meshes (TP-split layers on (dp, tp),
@@ -318,7 +347,7 @@ class ModelParallelStrategy(DDPStrategy):
         return full_model_state(self.unwrap(module), every_rank=every_rank)
 
     def teardown(self) -> None:
-        self.device_mesh, self._dp_group, self._root = None, None, None
+        self.device_mesh, self._dp_group, self._root, self._loss_parallel = None, None, None, None
         super().teardown()
 
 

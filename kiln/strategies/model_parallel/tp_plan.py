@@ -13,7 +13,9 @@ and a style each:
     embedding_rowwise        Embedding: the vocabulary split, the looked-up vectors summed whole
     replicate                left whole on every TP rank (FSDP still shards it over the dp axes)
 
-`sequence_parallel` and HF's other styles are refused with a sentence (not implemented here).
+HF's `sequence_parallel` style is refused with a sentence pointing to `strategy.sequence_parallel:
+true`, which derives the sequence-sharded layout from the whole plan (sequence_parallel.py);
+`strategy.loss_parallel: true` keeps the head's logits split by vocabulary (loss_parallel.py).
 
 Checked before anything is split, one sentence each: a pattern of a given plan that matches no
 module (`auto` skips the optional layers a configuration lacks), a style
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from torch import nn
@@ -37,8 +40,9 @@ log = logging.getLogger(__name__)
 #: style -> the dimension it splits: Linear "out" / "in" features, Embedding "vocab" rows (None: nothing)
 STYLES = {"colwise": "out", "rowwise": "in", "colwise_gather_output": "out", "colwise_rep": "out",
           "embedding_rowwise": "vocab", "replicate": None}
-_REFUSED = {"sequence_parallel": "it needs sequence-sharded norms and matching layer layouts, which kiln's "
-                                 "model_parallel does not build yet"}
+#: HF styles kiln does not take in a mapping -> what to do instead
+_REFUSED = {"sequence_parallel": "kiln derives sequence parallelism from the whole plan, so set "
+                                 "strategy.sequence_parallel: true and leave the norms out of tp_plan"}
 
 _WHAT = {"out": "output features", "in": "input features", "vocab": "vocabulary rows"}
 
@@ -54,7 +58,7 @@ def user_module(module: nn.Module) -> nn.Module:
     return module
 
 
-def _hf_model(root: nn.Module) -> tuple[str, Optional[nn.Module]]:
+def hf_model(root: nn.Module) -> tuple[str, Optional[nn.Module]]:
     """The outermost Transformers model in `root` (one with a `tp_plan` or a config's
     `base_model_tp_plan`) and its name in `root`."""
     for name, sub in root.named_modules():
@@ -65,7 +69,7 @@ def _hf_model(root: nn.Module) -> tuple[str, Optional[nn.Module]]:
 
 
 def _auto_plan(root: nn.Module) -> dict[str, str]:
-    prefix, model = _hf_model(root)
+    prefix, model = hf_model(root)
     if model is None:
         raise ConfigError(f"strategy.tp_plan is auto but {type(root).__name__} holds no Transformers model with a "
                           "tensor-parallel plan (config.base_model_tp_plan); give strategy.tp_plan as a mapping of "
@@ -100,8 +104,8 @@ def resolve_plan(root: nn.Module, option: PlanOption) -> dict[str, str]:
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
         if style in _REFUSED:
-            raise ConfigError(f"strategy.tp_plan gives {pattern} the style {style!r}, which is not supported: "
-                              f"{_REFUSED[style]}; use {', '.join(STYLES)}.")
+            raise ConfigError(f"strategy.tp_plan gives {pattern} the style {style!r}, which kiln does not take in a "
+                              f"mapping: {_REFUSED[style]}.")
         if style not in STYLES:
             raise ConfigError(f"strategy.tp_plan gives {pattern} the unknown style {style!r}; the styles are "
                               f"{', '.join(STYLES)}.")
@@ -125,7 +129,7 @@ def _examples(names: list[str]) -> list[str]:
 def check_plan(root: nn.Module, plan: dict[str, str], tp: int) -> dict[str, str]:
     """Refuse a TP size the model's heads or a split layer cannot take (one sentence each); return the
     plan without layers whose weights are tied to a layer outside them."""
-    _, model = _hf_model(root)
+    _, model = hf_model(root)
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     if plan and isinstance(heads, int):
@@ -180,11 +184,41 @@ def parallel_styles(plan: dict[str, str]) -> dict[str, Any]:
     return {name: make[style]() for name, style in plan.items()}
 
 
-def apply_plan(root: nn.Module, tp_mesh: Any, option: PlanOption, tp: int) -> int:
-    """Resolve, check and apply the plan on `root` over `tp_mesh`; returns how many layers were split."""
+@dataclass
+class TensorParallel:
+    """What `apply_plan` did: how many layers it split, and the loss-parallel hooks (None: the head's
+    logits are gathered whole)."""
+
+    layers: int
+    sequence_parallel: bool = False
+    loss_parallel: Optional[Any] = None  # loss_parallel.LossParallel
+
+
+def apply_plan(root: nn.Module, tp_mesh: Any, option: PlanOption, tp: int, *, sequence_parallel: bool = False,
+               loss_parallel: bool = False) -> TensorParallel:
+    """Resolve, check and apply the plan on `root` over `tp_mesh`, sequence-sharding the activations
+    between its TP regions and keeping the head's logits split where asked (and derivable)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from kiln.strategies.model_parallel import loss_parallel as lp
+    from kiln.strategies.model_parallel import sequence_parallel as sp
+
     plan = check_plan(root, resolve_plan(root, option), tp)
+    layout = sp.derive_layout(root, plan) if sequence_parallel else None  # refuses before anything is split
+    head, model = None, hf_model(root)[1]
+    if loss_parallel:
+        head, why = lp.find_head(root, plan, model)
+        if head is None:
+            log.info("tensor parallel: loss_parallel is off, the head's logits are gathered whole: %s.", why)
+    styles = parallel_styles(plan)
+    if layout is not None:
+        styles.update(sp.sequence_styles(layout, loss_parallel=head is not None))
+    if head is not None:
+        styles[head] = lp.head_style(sequence_parallel=layout is not None)
     if plan:
-        parallelize_module(root, tp_mesh, parallel_styles(plan))
-    return len(plan)
+        parallelize_module(root, tp_mesh, styles)
+    if layout is not None:
+        sp.gather_block_inputs(root, layout)
+        sp.replicate_norm_gradients(root, layout)
+    hooks = lp.LossParallel(model, root.get_submodule(head)) if head is not None and model is not None else None
+    return TensorParallel(len(plan), layout is not None, hooks)

@@ -79,7 +79,16 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "single_bf16": ({**SINGLE, **BF16}, 1),
     "tp2_bf16": ({"strategy": {**MP, "mesh": {"tp": 2}}, **BF16}, 1),
     "dp2_bf16": ({"strategy": {**MP, "mesh": {"dp_shard": 2}}, **BF16}, 2),
+    # sequence parallel (sp) and loss parallel (lp) over tp 2, and both with FSDP (4 processes)
+    "tp2_sp": ({"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True}}, 1),
+    "tp2_lp": ({"strategy": {**MP, "mesh": {"tp": 2}, "loss_parallel": True}}, 1),
+    "tp2_sp_lp": ({"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True, "loss_parallel": True}}, 1),
+    "dp2tp2_sp_lp": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "tp": 2}, "sequence_parallel": True,
+                                   "loss_parallel": True}}, 2),
 }
+
+#: the cases whose activations and parameters probes.py records (result["probe"], result["params"])
+PROBED = ("tp2_sp", "tp2_lp", "tp2_sp_lp", "dp2tp2_sp_lp")
 
 
 def resumed(name: str) -> tuple[str, bool]:
@@ -115,7 +124,7 @@ def data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def trainer_for(name: str, root: str, model: Any = None, **extra: Any) -> Any:
     from kiln import Trainer
 
-    if model is None and name in ("dp2tp2", "hsdp"):  # each rank builds other weights: rank 0's must win (sync before sharding)
+    if model is None and name in ("dp2tp2", "hsdp", "dp2tp2_sp_lp"):  # each rank builds other weights: rank 0's must win (sync before sharding)
         model = llama(seed=int(os.environ.get("RANK", "0")))
     model = model if model is not None else (HookedLlama() if name.startswith("hook") else llama())
     return Trainer(model, config(name, root, **extra), train_dataset=data(32, seed=1), eval_dataset=data(8, seed=2))
@@ -128,7 +137,12 @@ def full_weights(trainer: Any) -> dict[str, torch.Tensor]:
 
 
 def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from tests.strategies.model_parallel import probes
+
     trainer = trainer_for(name, root, **extra)
+    seen = probes.watch(trainer.model) if name in PROBED else None
+    if seen is not None:
+        probes.watch_loss(trainer, seen)
     trainer.fit()
     metrics = trainer.evaluate()
     if export is not None:
@@ -140,6 +154,8 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
               "steps": trainer.state.global_step}
     if name.startswith("hook"):
         result["meshes"] = trainer.model.meshes
+    if seen is not None:
+        result["probe"], result["params"] = seen, probes.parameters(trainer.model)
     weights = full_weights(trainer)
     if name.startswith("hook"):  # the same key names as the plain Llama's
         weights = {k.removeprefix("llm."): v for k, v in weights.items()}

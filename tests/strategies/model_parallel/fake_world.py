@@ -9,21 +9,25 @@ description adds what this rank's cp position does: its cp rank and item shards,
 known batch `batch_to_device` gives it in training (token indices read back from input_ids,
 position_ids, shift_labels) and that an SDPA call inside `micro_batch_context` is refused on CPU.
 
-Usage: python fake_world.py JSON, JSON being a list of [world, rank, mesh(, bf16)]; prints a JSON list
-with one description each (one fake world after the other in this process)."""
+Usage: python fake_world.py JSON, JSON being a list of [world, rank, mesh(, bf16(, options))], options
+being strategy options (`sequence_parallel`, `loss_parallel`) plus `tie_word_embeddings` for the
+model; prints a JSON list with one description each (one fake world after the other in this process)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
 
 
-def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False) -> dict[str, Any]:
+def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False,
+             options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    import logging
+
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -32,18 +36,37 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False) ->
     from kiln.config import load_config
     from kiln.precision import build_precision
     from kiln.strategies.model_parallel.strategy import ModelParallelStrategy
-    from tests.strategies.model_parallel.cases import llama
+    from tests.strategies.model_parallel.cases import llama, llama_config
     from tests.strategies.model_parallel.cp_cases import TokenLocalLM
 
+    options = dict(options or {})
+    tie = options.pop("tie_word_embeddings", False)
+    logs: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("kiln.strategies.model_parallel")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     # built for this 1-process launch, then given the mesh: the group made here decides the world
     cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}, "bf16": bf16})
     strategy = ModelParallelStrategy(cfg, build_precision(cfg))
     cfg.strategy.options.mesh = mesh
+    for key, value in options.items():  # after the constructor, which checks them against its own (1-process) mesh
+        cfg.strategy.options[key] = value
     strategy.setup_environment()
     precision = strategy.connect_precision(build_precision(cfg))  # as the Trainer does, on this world's mesh
     cp = mesh.get("cp", 1) > 1
-    model = strategy.setup_module(TokenLocalLM() if cp else llama())
+    if cp:
+        model = strategy.setup_module(TokenLocalLM())
+    elif tie:
+        from transformers import LlamaForCausalLM
+
+        config = llama_config()
+        config.tie_word_embeddings = True
+        model = strategy.setup_module(LlamaForCausalLM(config))
+    else:
+        model = strategy.setup_module(llama())
     device_mesh = strategy.device_mesh
     params = {}
     for name, p in model.named_parameters():
@@ -63,7 +86,9 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False) ->
            # FSDP2 keeps a unit's gathered parameters after forward unless it reshards (ZeRO-3's memory)
            "reshard_after_forward": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
                                             for m in model.modules() if isinstance(m, FSDPModule)
-                                            and m._get_fsdp_state()._fsdp_param_group is not None})}
+                                            and m._get_fsdp_state()._fsdp_param_group is not None}),
+           "loss_parallel": strategy._loss_parallel is not None, "logs": logs}
+    logger.removeHandler(handler)
     out["sdpa"] = _sdpa(strategy, model)  # without cp, plain SDPA runs inside the micro-batch context
     if cp:
         out.update(_cp_probe(strategy, model))

@@ -100,7 +100,7 @@ def test_a_mapping_matches_patterns_and_replicate_leaves_a_layer_whole():
 @pytest.mark.parametrize("plan, words", [
     ({"model.layers.*.mlp.up_prj": "colwise"}, "names 'model.layers.*.mlp.up_prj', which matches no module of LlamaForCausalLM"),
     ({"model.layers.*.mlp.up_proj": "diagonal"}, "unknown style 'diagonal'"),
-    ({"model.norm": "sequence_parallel"}, "style 'sequence_parallel', which is not supported"),
+    ({"model.norm": "sequence_parallel"}, "style 'sequence_parallel', which kiln does not take in a mapping"),
     ("everything", "strategy.tp_plan is 'everything'"),
 ])
 def test_a_wrong_plan_is_one_sentence(plan, words):

@@ -25,9 +25,11 @@ DP_TP = {"dp_shard": 2, "tp": 2}
 CP = {"cp": 2}
 DP_CP = {"dp_shard": 2, "cp": 2}
 HSDP_CP = {"dp_replicate": 2, "dp_shard": 2, "cp": 2}
-#: [world, rank, mesh, bf16], one fake world each (cp worlds train cp_cases.TokenLocalLM)
+SP_LP = {"sequence_parallel": True, "loss_parallel": True}
+#: [world, rank, mesh, bf16(, options)], one fake world each (cp worlds train cp_cases.TokenLocalLM)
 WORLDS = [[8, 5, HSDP_TP, True], [4, 2, HSDP, False], [4, 3, DP_TP, False], [2, 1, {"tp": 2}, True],
-          [2, 1, CP, True], [4, 3, DP_CP, False], [8, 5, HSDP_CP, False]]
+          [2, 1, CP, True], [4, 3, DP_CP, False], [8, 5, HSDP_CP, False],
+          [4, 3, DP_TP, False, SP_LP], [2, 0, {"tp": 2}, False, {"loss_parallel": True, "tie_word_embeddings": True}]]
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +185,35 @@ def test_hsdp_x_cp_replicates_over_dp_replicate_and_shards_over_dp_shard_cp(layo
     for name, p in mesh["params"].items():
         assert (p["mesh"], p["placements"]) == (["dp_replicate", "dp_shard_cp"], ["Replicate()", "Shard(dim=0)"]), name
     _every_shard_accounted(mesh, {"dp_replicate": 2, "dp_shard_cp": 4})
+# -- sequence and loss parallelism (their activations: test_sequence_loss_parallel.py) ----------------
+
+SP_LP_LAYOUT = [
+    # the norms take SequenceParallel's replicated weights on tp, which FSDP then shards over dp_shard
+    ("model.norm.weight", ["dp_shard", "tp"], ["Shard(dim=0)", "Replicate()"], [16]),
+    ("model.layers.1.post_attention_layernorm.weight", ["dp_shard", "tp"], ["Shard(dim=0)", "Replicate()"], [16]),
+    # the split layers keep plain tensor parallelism's layout: only their activations change
+    ("model.layers.0.self_attn.o_proj.weight", ["dp_shard", "tp"], ["Shard(dim=0)", "Shard(dim=1)"], [16, 16]),
+    ("lm_head.weight", ["dp_shard", "tp"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [16, 32]),
+    ("model.embed_tokens.weight", ["dp_shard", "tp"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [16, 32]),
+]
+
+
+@pytest.mark.parametrize("name, mesh, placements, local", SP_LP_LAYOUT, ids=[row[0] for row in SP_LP_LAYOUT])
+def test_sequence_parallel_norms_are_replicated_on_tp_and_sharded_by_fsdp(layouts, name, mesh, placements, local):
+    assert _param(layouts[7], name) == (mesh, placements, local)
+
+
+def test_sequence_and_loss_parallel_under_fsdp_leave_no_plain_tensor(layouts):
+    world = layouts[7]
+    assert all(p["mesh"] for p in world["params"].values())
+    _every_shard_accounted(world, DP_TP)
+    assert world["loss_parallel"] and not layouts[2]["loss_parallel"]
+    assert any("sequence parallel, loss parallel" in line for line in world["logs"])
+
+
+def test_loss_parallel_with_tied_embeddings_keeps_the_head_whole_and_says_so(layouts):
+    world = layouts[8]
+    assert not world["loss_parallel"]
+    assert world["params"]["model.embed_tokens.weight"]["mesh"] is None  # the tie (lm_head's weight too) stays whole
+    assert any("loss_parallel is off, the head's logits are gathered whole: tp_plan does not split the head lm_head"
+               in line for line in world["logs"])
