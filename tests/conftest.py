@@ -45,23 +45,10 @@ _SHARED_GROUPS = {
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
+def pytest_itemcollected(item):
     """Under `pytest -n 2 --dist loadgroup` a file is the unit handed to a worker (its module-scoped
-    fixtures train once), and files that share a session-scoped job go together. Groups holding
-    multi-process or slow tests are handed out first and the quick ones fill the gaps at the end, so
-    that no long job starts last while the other worker idles (the same order on every worker)."""
-    groups: dict[str, str] = {}
-    long_groups: set[str] = set()
-    for item in items:
-        mark = item.get_closest_marker("xdist_group")
-        if mark is None:
-            path = os.path.relpath(str(item.path), _ROOT).replace(os.sep, "/")
-            mark = pytest.mark.xdist_group(_SHARED_GROUPS.get(path, path))
-            item.add_marker(mark)
-        group = mark.kwargs.get("name") or (mark.args[0] if mark.args else "")
-        groups[item.nodeid] = group
-        if item.get_closest_marker("distributed") or item.get_closest_marker("slow"):
-            long_groups.add(group)
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # a plain run keeps file order
-        items.sort(key=lambda item: groups[item.nodeid] not in long_groups)  # stable: file order within each part
+    fixtures train once), and files that share a session-scoped job go together. Marked as each item
+    is collected: xdist reads the mark in its own collection hook, which may run before a conftest's."""
+    if item.get_closest_marker("xdist_group") is None:
+        path = os.path.relpath(str(item.path), _ROOT).replace(os.sep, "/")
+        item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(path, path)))
