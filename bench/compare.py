@@ -69,24 +69,29 @@ MODELS = {
 
 # -- one run (in its own process) ------------------------------------------------------------
 class Clock:
-    """Step marks: the end of the first step, the start of step WARMUP+1 and the end of the last."""
+    """Step marks: the end of the first step, the start of step WARMUP+1 and the end of the last. Beside
+    the wall clock, the CPU time of the whole process (every thread; loader worker processes are not
+    in it) over the same steps: on a shared 2-core VM the wall clock of a step swings by 10-15 % from
+    run to run, while the CPU time a step costs moves far less, since waiting for the CPU is not in it."""
 
     def __init__(self, launched: float, steps: int) -> None:
         self.launched, self.steps = launched, steps
-        self.first = self.start = self.end = 0.0
+        self.first = self.start = self.end = self.cpu_start = self.cpu_end = 0.0
 
     def step_begin(self, done: int) -> None:
         if done == WARMUP:
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def step_end(self, done: int) -> None:
         if done == 1:
             self.first = time.time()
         if done == self.steps:
-            self.end = time.perf_counter()
+            self.end, self.cpu_end = time.perf_counter(), time.process_time()
 
     def result(self) -> dict[str, float]:
-        return {"startup": self.first - self.launched, "per_step": (self.end - self.start) / (self.steps - WARMUP)}
+        timed = self.steps - WARMUP
+        return {"startup": self.first - self.launched, "per_step": (self.end - self.start) / timed,
+                "cpu_per_step": (self.cpu_end - self.cpu_start) / timed}
 
 
 def build(model: str) -> tuple[Any, Any]:
@@ -372,16 +377,19 @@ def main() -> None:
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
     print(f"{args.rounds} round(s); medians (min–max over rounds); one CPU thread; {WARMUP} warm-up steps not timed\n")
-    print("| model | framework | ms / step | ratio to hand-written | start-up to first step (s) | start-up over hand-written (s) |")
-    print("|---|---|---|---|---|---|")
+    print("| model | framework | ms / step | ratio to hand-written | CPU ms / step | CPU-time ratio | "
+          "start-up to first step (s) | start-up over hand-written (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for model in args.models:
         base = runs[(model, "hand-written")]
         for framework in (f for f in frameworks if runs_on(f, model)):
             these = runs[(model, framework)]
             ratios = [t["per_step"] / b["per_step"] for t, b in zip(these, base)]
+            cpu_ratios = [t["cpu_per_step"] / b["cpu_per_step"] for t, b in zip(these, base)]
             extra = [t["startup"] - b["startup"] for t, b in zip(these, base)]
             print(f"| {MODELS[model][0]} ({steps[model]} steps) | {LABELS[framework]} | "
                   f"{spread([t['per_step'] * 1e3 for t in these], '.3f')} | {spread(ratios, '.3f')} | "
+                  f"{spread([t['cpu_per_step'] * 1e3 for t in these], '.3f')} | {spread(cpu_ratios, '.3f')} | "
                   f"{spread([t['startup'] for t in these], '.2f')} | {spread(extra, '+.2f')} |")
     print(f"\n`import torch`: {spread(imports['torch'], '.3f')} s; `import kiln` adds {spread(imports['kiln'], '+.3f')} s; "
           f"`from kiln import Trainer` adds {spread(imports['trainer'], '+.3f')} s.")

@@ -293,11 +293,11 @@ def table(report: dict[str, Any], peak_tflops: Optional[float]) -> str:
     lines = [f"{len({r['round'] for r in runs})} round(s) on {', '.join(names)}; medians (min–max over rounds); "
              f"backend {report['backend']}, mode {report['mode'] or 'default'}, cache {report['cache']}; {WARMUP} "
              "warm-up steps not timed" + (f"; MFU against {peak:g} TFLOP/s" if peak else "") + "\n",
-             "| workload | framework | first step (s) | start-up (s) | ms / step | ratio to hand-written | tokens/s "
-             "| MFU | graphs / breaks |", "|---|---|---|---|---|---|---|---|---|"]
+             "| workload | framework | first step (s) | start-up (s) | ms / step | ratio to hand-written | CPU-time ratio "
+             "| tokens/s | MFU | graphs / breaks |", "|---|---|---|---|---|---|---|---|---|---|"]
     for model in report["models"]:
         w = WORKLOADS[model]
-        base = {r["round"]: r["per_step"] for r in runs if r["model"] == model and r["framework"] == "hand-written"}
+        base = {r["round"]: r for r in runs if r["model"] == model and r["framework"] == "hand-written"}
         for framework in FRAMEWORKS:
             these = [r for r in runs if r["model"] == model and r["framework"] == framework]
             if not these:
@@ -308,7 +308,9 @@ def table(report: dict[str, Any], peak_tflops: Optional[float]) -> str:
                 f"| {w.label} ({these[0]['steps']} steps)", LABELS[framework],
                 cell([r["first_step"] for r in these], ".2f"), cell([r["startup"] for r in these], ".2f"),
                 cell([r["per_step"] * 1e3 for r in these], ".3f"),
-                cell([r["per_step"] / base[r["round"]] for r in these if r["round"] in base], ".3f"),
+                cell([r["per_step"] / base[r["round"]]["per_step"] for r in these if r["round"] in base], ".3f"),
+                cell([r["cpu_per_step"] / base[r["round"]]["cpu_per_step"] for r in these
+                      if r["round"] in base and "cpu_per_step" in r], ".3f"),  # absent from older --json files
                 cell(tokens, ",.0f"), cell(use, ".2f", " %"),
                 ", ".join(sorted({f"{r['graphs']} / {r['breaks']}" for r in these})) + " |"]))
     skipped = ", ".join(LABELS[f] for f in report["skipped"])

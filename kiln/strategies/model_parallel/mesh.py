@@ -94,17 +94,7 @@ def parse_mesh(value: Optional[Mapping[str, Any]], world_size: int) -> MeshShape
         shown = ", ".join(f"{axis}: {size}" for axis, size in sizes.items() if size > 1) or "all axes 1"
         raise ConfigError(f"strategy.mesh ({shown}) multiplies to {fixed} processes but this run has {world_size}; "
                           "make the product of the axes equal the number of processes (or set one axis to -1).")
-    shape = MeshShape(**sizes)
-    check_cp(shape)
-    return shape
-
-
-def check_cp(shape: MeshShape) -> None:
-    """Context parallelism composes with the data-parallel axes only: with tensor parallelism it has
-    never been built or tested (the split heads and the ring would have to agree), so refuse it."""
-    if shape.cp > 1 and shape.tp > 1:
-        raise ConfigError(f"strategy.mesh sets cp {shape.cp} and tp {shape.tp}, but kiln's context parallelism has not "
-                          "been built together with tensor parallelism; use cp with dp_shard or dp_replicate only (tp: 1).")
+    return MeshShape(**sizes)
 
 
 def build_device_mesh(shape: MeshShape, device_type: str) -> Any:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 import torch
@@ -244,15 +245,18 @@ class ModelParallelStrategy(DDPStrategy):
     def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
         """FSDP reduce-scatters once per accumulation window, on its last micro-batch. Under cp the
         micro-batch's forward and backward run inside torch's ring-attention dispatcher; with loss
-        parallel (tp, so never with cp) inside torch's `loss_parallel()`."""
+        parallel inside torch's `loss_parallel()`; with both (cp x tp), inside both."""
         root = self.unwrap(model)
         if _is_fsdp(root):
             root.set_requires_gradient_sync(boundary)
+        contexts: list[ContextManager[Any]] = []
         if self.shape.cp > 1:
             from kiln.strategies.model_parallel.context_parallel import ring_attention
 
-            return ring_attention(self.device_mesh["cp"], self.cp_load_balance)
-        return self._loss_parallel.context() if self._loss_parallel is not None else contextlib.nullcontext()
+            contexts.append(ring_attention(self.device_mesh["cp"], self.cp_load_balance))
+        if self._loss_parallel is not None:
+            contexts.append(self._loss_parallel.context())
+        return _all_of(contexts)
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The true global 2-norm. Gradients live on different meshes (TP-split layers on (dp, tp),
@@ -349,6 +353,14 @@ class ModelParallelStrategy(DDPStrategy):
     def teardown(self) -> None:
         self.device_mesh, self._dp_group, self._root, self._loss_parallel = None, None, None, None
         super().teardown()
+
+
+@contextlib.contextmanager
+def _all_of(contexts: list[ContextManager[Any]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def _is_fsdp(module: nn.Module) -> bool:

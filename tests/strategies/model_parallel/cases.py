@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -58,10 +58,27 @@ class HookedLlama(TrainingModule):
         return {"loss": self.llm(**batch).loss}
 
 
+class TupleLlama(TrainingModule):
+    """Asks the Llama for tuples (`return_dict=False`) and takes the loss from them: under loss
+    parallel that loss must still reach the module as a plain tensor. No configure_model, so the
+    strategy's tp_plan parallelises the Llama inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.llm = llama()
+
+    def training_step(self, batch: dict) -> torch.Tensor:
+        return self.llm(**batch, return_dict=False)[0]
+
+    def validation_step(self, batch: dict) -> dict:
+        return {"loss": self.llm(**batch, return_dict=False)[0]}
+
+
 MP = {"name": "model_parallel", "device": "cpu"}
 SINGLE = {"strategy": {"name": "single", "device": "cpu"}}
 EVERY_2 = {"save": {"strategy": "steps", "steps": 2}}
-BF16 = {"bf16": True, "optim": "sgd", "learning_rate": 0.5}
+SGD = {"optim": "sgd", "learning_rate": 0.5}
+BF16 = {"bf16": True, **SGD}
 
 #: name -> (config entries beside the common ones, data shards)
 CASES: dict[str, tuple[dict[str, Any], int]] = {
@@ -81,14 +98,21 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "dp2_bf16": ({"strategy": {**MP, "mesh": {"dp_shard": 2}}, **BF16}, 2),
     # sequence parallel (sp) and loss parallel (lp) over tp 2, and both with FSDP (4 processes)
     "tp2_sp": ({"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True}}, 1),
-    "tp2_lp": ({"strategy": {**MP, "mesh": {"tp": 2}, "loss_parallel": True}}, 1),
-    "tp2_sp_lp": ({"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True, "loss_parallel": True}}, 1),
+    "tp2_lp": ({"strategy": {**MP, "mesh": {"tp": 2}, "loss_parallel": True}, **EVERY_2}, 1),
+    "tp2_sp_lp": ({"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True, "loss_parallel": True}, **EVERY_2}, 1),
+    # TupleLlama, and the same module on one process (its loss is a mean per micro-batch); SGD, so a
+    # weight's distance is its gradient's (AdamW's first steps divide by sqrt(v): near-zero gradient
+    # elements would magnify float-order differences to 1e-4)
+    "tp2_lp_tuple": ({"strategy": {**MP, "mesh": {"tp": 2}, "loss_parallel": True}, **SGD}, 1),
+    "tuple_single": ({**SINGLE, **SGD}, 1),
+    "tp2_sp_lp_bf16": ({"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True, "loss_parallel": True}, **BF16}, 1),
     "dp2tp2_sp_lp": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "tp": 2}, "sequence_parallel": True,
                                    "loss_parallel": True}}, 2),
 }
 
 #: the cases whose activations and parameters probes.py records (result["probe"], result["params"])
-PROBED = ("tp2_sp", "tp2_lp", "tp2_sp_lp", "dp2tp2_sp_lp")
+PROBED = ("tp2_sp", "tp2_lp", "tp2_sp_lp", "dp2tp2_sp_lp", "tp2_lp_tuple")
+WRAPPED = {"hook": HookedLlama, "hook_single": HookedLlama, "tp2_lp_tuple": TupleLlama, "tuple_single": TupleLlama}  # a TrainingModule holding the Llama as .llm
 
 
 def resumed(name: str) -> tuple[str, bool]:
@@ -101,9 +125,11 @@ def resumed(name: str) -> tuple[str, bool]:
     return name, False
 
 
-def config(name: str, root: str, **extra: Any) -> dict[str, Any]:
+def config(name: str, root: str, table: Optional[dict[str, tuple[dict[str, Any], int]]] = None,
+           **extra: Any) -> dict[str, Any]:
+    """The config of the named run of `table` (CASES by default; cp_cases keeps its own), with `extra` on top."""
     case, stops = resumed(name)
-    entries, shards = CASES[case]
+    entries, shards = (CASES if table is None else table)[case]
     cfg: dict[str, Any] = {
         "output_dir": os.path.join(root, name), "seed": 3, "learning_rate": 0.01, "max_steps": 4,
         "per_device_train_batch_size": 4 // shards, "per_device_eval_batch_size": 1,  # eval loss is a mean of batch means: one sample each
@@ -126,7 +152,7 @@ def trainer_for(name: str, root: str, model: Any = None, **extra: Any) -> Any:
 
     if model is None and name in ("dp2tp2", "hsdp", "dp2tp2_sp_lp"):  # each rank builds other weights: rank 0's must win (sync before sharding)
         model = llama(seed=int(os.environ.get("RANK", "0")))
-    model = model if model is not None else (HookedLlama() if name.startswith("hook") else llama())
+    model = model if model is not None else (WRAPPED[name]() if name in WRAPPED else llama())
     return Trainer(model, config(name, root, **extra), train_dataset=data(32, seed=1), eval_dataset=data(8, seed=2))
 
 
@@ -140,7 +166,7 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
     from tests.strategies.model_parallel import probes
 
     trainer = trainer_for(name, root, **extra)
-    seen = probes.watch(trainer.model) if name in PROBED else None
+    seen = probes.watch(getattr(trainer.model, "llm", trainer.model)) if name in PROBED else None
     if seen is not None:
         probes.watch_loss(trainer, seen)
     trainer.fit()
@@ -157,7 +183,7 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
     if seen is not None:
         result["probe"], result["params"] = seen, probes.parameters(trainer.model)
     weights = full_weights(trainer)
-    if name.startswith("hook"):  # the same key names as the plain Llama's
+    if name in WRAPPED:  # the same key names as the plain Llama's
         weights = {k.removeprefix("llm."): v for k, v in weights.items()}
     return result, weights
 

@@ -14,7 +14,6 @@ num_input_tokens_seen and the strategy's sizes. `llama_*` cases are the tiny SDP
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -24,11 +23,12 @@ from torch import nn
 from kiln import TrainingModule
 from tests.helpers import padded_token_data
 from tests.strategies.model_parallel import cases
+from tests.strategies.model_parallel.cases import EVERY_2, MP, SINGLE
 
 VOCAB, LENGTH = 64, 8
-MP = {"name": "model_parallel", "device": "cpu"}
-SINGLE = {"strategy": {"name": "single", "device": "cpu"}}
-EVERY_2 = {"save": {"strategy": "steps", "steps": 2}}
+
+#: TokenLocalLM's MLP split over tp (its only layers with a natural tensor-parallel pair)
+TOKEN_PLAN = {"mlp.1": "colwise", "mlp.3": "rowwise"}
 
 #: name -> (config entries beside the common ones, data shards)
 CASES: dict[str, tuple[dict[str, Any], int]] = {
@@ -38,7 +38,8 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "cp2_bf16": ({"strategy": {**MP, "mesh": {"cp": 2}}, "bf16": True, "optim": "sgd", "learning_rate": 0.5}, 1),
     "cp_single_bf16": ({**SINGLE, "bf16": True, "optim": "sgd", "learning_rate": 0.5}, 1),
     "dp2cp2": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "cp": 2}}}, 2),
-    "cp_one": ({"strategy": {**MP, "mesh": {"dp_shard": 1}}}, 1),  # resumes a cp checkpoint on one process
+    "cp_one": ({"strategy": {**MP, "mesh": {"dp_shard": 1}}}, 1),
+    "cp2tp2": ({"strategy": {**MP, "mesh": {"cp": 2, "tp": 2}, "tp_plan": TOKEN_PLAN}}, 1),  # resumes a cp checkpoint on one process
     "llama_single_cuda": ({"strategy": {"name": "single", "device": "cuda"}}, 1),
     "llama_cp2_cuda": ({"strategy": {**MP, "device": "cuda", "mesh": {"cp": 2}}}, 1),
 }
@@ -85,19 +86,7 @@ def data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 
 
 def config(name: str, root: str, **extra: Any) -> dict[str, Any]:
-    case, stops = cases.resumed(name)
-    entries, shards = CASES[case]
-    cfg: dict[str, Any] = {
-        "output_dir": os.path.join(root, name), "seed": 3, "learning_rate": 0.01, "max_steps": 4,
-        "per_device_train_batch_size": 4 // shards, "per_device_eval_batch_size": 1,
-        "gradient_accumulation_steps": 2, "max_grad_norm": 1.0, "include_num_input_tokens_seen": True,
-        "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
-    }
-    cfg.update(entries)
-    if case != name:  # a resumed run: no checkpoints of its own
-        cfg.update({"save": {"strategy": "no"}, "max_steps": 2 if stops else 4})
-    cfg.update(extra)
-    return cfg
+    return cases.config(name, root, table=CASES, **{"include_num_input_tokens_seen": True, **extra})
 
 
 def _counting_trainer() -> Any:

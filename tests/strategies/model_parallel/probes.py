@@ -62,13 +62,14 @@ def watch(llm: torch.nn.Module) -> dict[str, Any]:
         llm.get_submodule(name).register_forward_hook(on_output(f"{name} output"))
 
     def logits(module: torch.nn.Module, args: tuple, output: Any) -> None:
-        note(module, "logits", output.logits)
+        split = output[1] if isinstance(output, tuple) else output.logits  # return_dict=False: (loss, logits, ...)
+        note(module, "logits", split)
         mode = _mode(module)
         seen.setdefault(f"{mode} loss_parallel in forward", _loss_parallel_on())
-        if output.logits.requires_grad:
+        if split.requires_grad:
             def backward(grad: Any) -> None:
                 seen.setdefault(f"{mode} loss_parallel in backward", _loss_parallel_on())
-            output.logits.register_hook(backward)
+            split.register_hook(backward)
 
     llm.register_forward_hook(logits)
     return seen

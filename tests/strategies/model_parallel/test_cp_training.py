@@ -4,8 +4,8 @@ attention, so splitting the sequence is exact on CPU, where torch has no ring at
 so the cp chunks hold different numbers of items): cp 2 -- load balanced (torch's head-tail pieces)
 and contiguous -- gives single's weights, logged losses, grad norms, eval loss, every micro-batch's
 num_items_in_batch and num_input_tokens_seen at 1e-5 (each token counted once); bf16 stays within
-bf16's rounding of single bf16; a cp 2 checkpoint resumes on one process. dp_shard 2 x cp 2 on 4
-processes is `heavy`. A tiny SDPA Llama with cp 2 against single runs only with 2+ CUDA devices
+bf16's rounding of single bf16; a cp 2 checkpoint resumes on one process. dp_shard 2 x cp 2 and
+cp 2 x tp 2 on 4 processes are `heavy`. A tiny SDPA Llama with cp 2 against single runs only with 2+ CUDA devices
 (ring attention needs CUDA's SDPA kernels)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from tests.strategies.model_parallel import cp_cases
 from tests.strategies.model_parallel.test_model_parallel import _checkpoint, _same_weights, _torchrun
+from tests.strategies.model_parallel.test_model_parallel import _same_run as same_run
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5
@@ -32,9 +33,7 @@ def two(tmp_path_factory):
 
 
 def _same_run(result: dict, reference: dict, tol: float = TOL) -> None:
-    assert result["losses"] == pytest.approx(reference["losses"], rel=tol)  # each token counted once
-    assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=tol)  # the global norm
-    assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=tol)
+    same_run(result, reference, tol)  # losses (each token counted once), global grad norms, eval loss
     assert result["items"] == reference["items"]  # num_items_in_batch: the global window's items, once each
     assert result["tokens_seen"] == reference["tokens_seen"]
 
@@ -88,6 +87,18 @@ def test_dp_shard2_x_cp2_on_four_processes_trains_like_one(tmp_path, single):
     assert (got["data_shards"], got["item_shards"], got["grad_divisor"]) == (2, 4, 4)
     _same_run(got, single[0])
     _same_weights(weights["dp2cp2"], single[1])
+
+
+@pytest.mark.heavy
+def test_cp2_x_tp2_on_four_processes_trains_like_one(tmp_path, single):
+    """cp and tp together: the MLP split over tp inside each cp rank's chunk (cp_cases.TOKEN_PLAN; the
+    layout itself: test_mesh_layout's cp x tp world). Both tp ranks of a cp position train on the same
+    chunk; items, tokens and the loss count once per cp chunk, not once per tp rank."""
+    results, weights = _torchrun(4, tmp_path, "cp2tp2")
+    got = results["cp2tp2"]
+    assert (got["data_shards"], got["item_shards"], got["grad_divisor"]) == (1, 2, 2)
+    _same_run(got, single[0])
+    _same_weights(weights["cp2tp2"], single[1])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ring attention needs 2 CUDA devices (torch has no CPU kernel)")

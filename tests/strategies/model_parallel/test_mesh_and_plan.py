@@ -24,6 +24,9 @@ def test_missing_axes_are_one_and_minus_one_takes_the_rest():
     assert (shape.dp, shape.model_ranks) == (6, 2)
     assert [shape.data_rank(r) for r in range(12)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # a TP pair shares data
     assert parse_mesh(None, 3) == MeshShape(dp_shard=3)  # default: FSDP over every process
+    shape = parse_mesh({"dp_shard": -1, "cp": 2, "tp": 2}, 8)  # cp x tp: one data shard is a cp x tp block
+    assert shape == MeshShape(dp_shard=2, cp=2, tp=2) and (shape.dp, shape.dp_cp, shape.model_ranks) == (2, 4, 4)
+    assert [shape.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("mesh, world, words", [
@@ -32,7 +35,6 @@ def test_missing_axes_are_one_and_minus_one_takes_the_rest():
     ({"dp_shard": -1, "tp": -1}, 4, "only one axis may take the rest"),
     ({"tp": 0}, 1, "strategy.mesh.tp is 0"),
     ({"pp": 2}, 2, "unknown axis 'pp'"),
-    ({"cp": 2, "tp": 2}, 4, "has not been built together with tensor parallelism"),
 ])
 def test_a_wrong_mesh_is_one_sentence(mesh, world, words):
     with pytest.raises(ConfigError, match=words) as err:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.conftest import run
+from tests.strategies.model_parallel import cp_cases
 
 HERE = Path(__file__).resolve().parent
 AXES = ["dp_replicate", "dp_shard", "cp", "tp"]
@@ -29,7 +30,8 @@ SP_LP = {"sequence_parallel": True, "loss_parallel": True}
 #: [world, rank, mesh, bf16(, options)], one fake world each (cp worlds train cp_cases.TokenLocalLM)
 WORLDS = [[8, 5, HSDP_TP, True], [4, 2, HSDP, False], [4, 3, DP_TP, False], [2, 1, {"tp": 2}, True],
           [2, 1, CP, True], [4, 3, DP_CP, False], [8, 5, HSDP_CP, False],
-          [4, 3, DP_TP, False, SP_LP], [2, 0, {"tp": 2}, False, {"loss_parallel": True, "tie_word_embeddings": True}]]
+          [4, 3, DP_TP, False, SP_LP], [2, 0, {"tp": 2}, False, {"loss_parallel": True, "tie_word_embeddings": True}],
+          [8, 7, {"dp_shard": 2, "cp": 2, "tp": 2}, False, {"tp_plan": cp_cases.TOKEN_PLAN}]]
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +187,24 @@ def test_hsdp_x_cp_replicates_over_dp_replicate_and_shards_over_dp_shard_cp(layo
     for name, p in mesh["params"].items():
         assert (p["mesh"], p["placements"]) == (["dp_replicate", "dp_shard_cp"], ["Replicate()", "Shard(dim=0)"]), name
     _every_shard_accounted(mesh, {"dp_replicate": 2, "dp_shard_cp": 4})
+def test_dp_shard_x_cp_x_tp_splits_tokens_over_cp_and_features_over_tp(layouts):
+    """dp_shard 2 x cp 2 x tp 2, rank 7: shard 1, cp rank 1, tp rank 1. The four ranks of a cp x tp
+    block read one data shard; both tp ranks of a cp position train on the same chunk; FSDP shards
+    over dp_shard_cp beside the tp split of the planned MLP; sums span the 4 ranks at this tp position."""
+    mesh = layouts[9]
+    assert mesh["sizes"] == [1, 2, 2, 2] and mesh["coordinate"] == [0, 1, 1, 1] and mesh["cp_rank"] == 1
+    assert (mesh["data_shards"], mesh["data_shard_rank"], mesh["item_shards"], mesh["grad_divisor"]) == (2, 1, 4, 4)
+    assert mesh["dp_group"] == [1, 3, 5, 7]  # dp x cp at tp position 1: each token counted once
+    assert mesh["chunk"]["input_ids"] == [[2, 3, 4, 5], [10, 11, 12, 13]]  # cp rank 1's pieces, whatever the tp rank
+    params = mesh["params"]
+    assert params["mlp.1.weight"]["mesh"] == ["dp_shard_cp", "tp"] and params["mlp.1.weight"]["local"] == [8, 32]
+    assert params["mlp.1.weight"]["placements"][1] == "Shard(dim=0)"  # colwise: output features split over tp
+    assert params["mlp.3.weight"]["placements"][1] == "Shard(dim=1)"  # rowwise
+    assert params["embed.weight"]["mesh"] == ["dp_shard_cp"]  # unplanned: FSDP alone
+    _every_shard_accounted(mesh, {"dp_shard_cp": 4, "tp": 2})
+    assert mesh["sdpa"] == layouts[4]["sdpa"]  # the ring dispatcher is entered (and refused on CPU) with tp too
+
+
 # -- sequence and loss parallelism (their activations: test_sequence_loss_parallel.py) ----------------
 
 SP_LP_LAYOUT = [

@@ -67,10 +67,10 @@ def _same_weights(got: dict, want: dict, tol: float = TOL) -> None:
         torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _same_run(result: dict, reference: dict) -> None:
-    assert result["losses"] == pytest.approx(reference["losses"], rel=TOL)  # each sample counted once
-    assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=TOL)  # the global norm
-    assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=TOL)
+def _same_run(result: dict, reference: dict, tol: float = TOL) -> None:
+    assert result["losses"] == pytest.approx(reference["losses"], rel=tol)  # each sample counted once
+    assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=tol)  # the global norm
+    assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=tol)
 
 
 def test_tp2_trains_like_one_process(two, single):
@@ -177,12 +177,14 @@ def test_bf16_trains_like_single_bf16(tmp_path):
     """tp 2 keeps autocast (the TP layers' DTensors are cast like tensors); dp_shard 2 swaps it for
     FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reduction), as strategy fsdp does. Both stay
     within bf16's rounding of single bf16 (measured: under 2 % of each weight's change; SGD, so a
-    weight's change is its gradient's), and both really computed in bf16 (their losses are not fp32's)."""
-    results, weights = _torchrun(2, tmp_path, "tp2_bf16", "dp2_bf16")
+    weight's change is its gradient's), and both really computed in bf16 (their losses are not fp32's).
+    So does tp 2 with sequence and loss parallel (the split norms and the vocab-split cross entropy
+    under autocast)."""
+    results, weights = _torchrun(2, tmp_path, "tp2_bf16", "dp2_bf16", "tp2_sp_lp_bf16")
     reference = cases.run_case("single_bf16", str(tmp_path / "single"))
     fp32 = cases.run_case("single", str(tmp_path / "fp32"), bf16=False, optim="sgd", learning_rate=0.5)
     init = {k: v.float() for k, v in cases.llama().state_dict().items()}
-    for case in ("tp2_bf16", "dp2_bf16"):
+    for case in ("tp2_bf16", "dp2_bf16", "tp2_sp_lp_bf16"):
         got = results[case]
         assert got["losses"] == pytest.approx(reference[0]["losses"], rel=BF16)
         assert got["eval_loss"] == pytest.approx(reference[0]["eval_loss"], rel=BF16)

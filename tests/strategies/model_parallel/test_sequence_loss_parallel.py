@@ -1,12 +1,14 @@
 """Sequence parallel and loss parallel over tp 2 on real gloo process groups (one 2-process job for
-the three cases), the tiny Llama of cases.py against `single` with the same global batch
+all cases), the tiny Llama of cases.py against `single` with the same global batch
 (accumulation 2, clipping at 1.0): losses, global grad norms, eval loss and weights at 1e-5. Beside
 parity, what it cannot see (probes.py): under sequence parallel the norms, the blocks' inputs and
 the rowwise layers' outputs are split by sequence (Shard(1), half the tokens each) while the
 colwise layers get the whole sequence, and the norms' weights are DTensors replicated on tp; under
 loss parallel the training logits are a vocab-split DTensor (local last dim V/tp) whose forward and
-backward run inside torch's loss_parallel(), while evaluation gets whole logits. dp_shard 2 x tp 2
-with both runs on 4 processes (heavy). The layout decisions: test_sequence_parallel_plan.py."""
+backward run inside torch's loss_parallel(), while evaluation gets whole logits; a TrainingModule
+asking the Llama for tuples (return_dict=False) gets its loss as a plain tensor too. Checkpoints
+resume with sequence and loss parallel switched off and on. dp_shard 2 x tp 2 with both runs on 4
+processes (heavy). The layout decisions: test_sequence_parallel_plan.py."""
 
 from __future__ import annotations
 
@@ -14,11 +16,15 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 from tests.strategies.model_parallel import cases
 from tests.strategies.model_parallel.test_model_parallel import _same_run, _same_weights, _torchrun
 
 pytestmark = pytest.mark.distributed
-CASES = ("tp2_sp", "tp2_lp", "tp2_sp_lp")
+CASES = ("tp2_sp", "tp2_lp", "tp2_sp_lp", "tp2_lp_tuple")
+#: (the run that resumes, the run that saved): sequence and loss parallel switched off, and on
+RESUMES = [("tp2", "tp2_sp_lp"), ("tp2_sp_lp", "tp2_lp")]
 SEQUENCE = 8  # tokens per sample (cases.data); the training batch is 4 samples, evaluation 1
 HALF = ["Shard(dim=1)"]  # split by sequence over tp
 
@@ -28,15 +34,30 @@ def single(tmp_path_factory):
     return cases.run_case("single", str(tmp_path_factory.mktemp("single")))
 
 
+def _checkpoint(out: Path, case: str) -> Path:
+    return out / "runs" / case / "checkpoint-2"
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    results, weights = _torchrun(2, tmp_path_factory.mktemp("sp_lp"), *CASES)
-    return results, weights
+    """The cases, then each of RESUMES in the same job: `<run>_from_<saved>` trains on to step 4 from
+    the saved run's step-2 checkpoint, `<run>_at_<saved>` stops where it loaded."""
+    out = tmp_path_factory.mktemp("sp_lp")
+    resumes = [f"{run}_{how}_{saved}={_checkpoint(out, saved)}" for run, saved in RESUMES for how in ("from", "at")]
+    results, weights = _torchrun(2, out, *CASES, *resumes)
+    return results, weights, out
+
+
+@pytest.fixture(scope="module")
+def tuple_single(tmp_path_factory):
+    return cases.run_case("tuple_single", str(tmp_path_factory.mktemp("tuple_single")))
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_trains_like_one_process(two, single, case):
-    results, weights = two
+def test_trains_like_one_process(two, request, case):
+    results, weights, _ = two
+    # TupleLlama's loss is its micro-batch's mean, the plain Llama's a sum over the window's items (and SGD)
+    single = request.getfixturevalue("tuple_single" if case.endswith("_tuple") else "single")
     norms = 2 * 2 + 1 if "_sp" in case else 0  # SequenceParallel makes the norms' weights tp DTensors too
     assert results[case]["data_shards"] == 1 and results[case]["tp_split"] == 2 * 7 + 2 + norms
     assert any(n > 1.0 for n in single[0]["grad_norms"])  # clipping at 1.0 really acts
@@ -52,7 +73,7 @@ def _seen(results: dict, case: str, place: str) -> tuple:
 @pytest.mark.parametrize("case", ["tp2_sp", "tp2_sp_lp"])
 @pytest.mark.parametrize("mode, batch", [("train", 4), ("eval", 1)])
 def test_sequence_parallel_splits_the_residual_stream_by_sequence(two, case, mode, batch):
-    results, _ = two
+    results = two[0]
     half, whole = [batch, SEQUENCE // 2, 32], [batch, SEQUENCE, 32]
     # the embedding's and each rowwise layer's output reach the next norm split by sequence (reduce-scatter)
     for norm in ("model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
@@ -68,16 +89,16 @@ def test_sequence_parallel_splits_the_residual_stream_by_sequence(two, case, mod
 
 
 def test_without_sequence_parallel_the_stream_stays_whole(two):
-    results, _ = two
+    results = two[0]
     whole = [4, SEQUENCE, 32]
     assert _seen(results, "tp2_lp", "train model.layers.0.input_layernorm input") == (None, whole, whole)
     assert _seen(results, "tp2_lp", "train model.layers.0.mlp output") == (None, whole, whole)  # all-reduced whole
     assert results["tp2_lp"]["params"]["model.norm.weight"] is None  # plain weights
 
 
-@pytest.mark.parametrize("case", ["tp2_lp", "tp2_sp_lp"])
+@pytest.mark.parametrize("case", ["tp2_lp", "tp2_sp_lp", "tp2_lp_tuple"])
 def test_loss_parallel_keeps_training_logits_split_by_vocabulary(two, case):
-    results, _ = two
+    results = two[0]
     probe = results[case]["probe"]
     assert _seen(results, case, "train logits") == (["Shard(dim=2)"], [4, SEQUENCE, cases.VOCAB // 2],
                                                     [4, SEQUENCE, cases.VOCAB])
@@ -89,8 +110,28 @@ def test_loss_parallel_keeps_training_logits_split_by_vocabulary(two, case):
     assert results[case]["params"]["lm_head.weight"] == [["tp"], ["Shard(dim=0)"]]
 
 
+@pytest.mark.parametrize("run, saved", RESUMES, ids=[f"{s}_to_{r}" for r, s in RESUMES])
+def test_a_checkpoint_resumes_with_sequence_and_loss_parallel_switched(two, run, saved):
+    """Sequence parallel makes the norms' weights tp DTensors (Replicate), without it they are plain
+    tensors; loss parallel changes no parameter. DCP loads one into the other: the weights arrive
+    bit for bit (`_at_` stops where it loaded) and the continued run ends within 1e-6 of the saved
+    run's uninterrupted one (the layouts differ only in the order of float sums)."""
+    from kiln.strategies.model_parallel.checkpoint_io import ModelParallelCheckpointIO
+
+    results, weights, out = two
+    go_on, stop = f"{run}_from_{saved}", f"{run}_at_{saved}"
+    assert results[stop]["steps"] == 2 and results[go_on]["steps"] == 4
+    saved_weights = ModelParallelCheckpointIO.consolidate(str(_checkpoint(out, saved)))
+    assert set(saved_weights) == set(weights[stop])
+    for name, value in saved_weights.items():
+        assert torch.equal(weights[stop][name], value.float()), f"{name} changed on the way from {saved} to {run}"
+    assert results[go_on]["losses"] == pytest.approx(results[saved]["losses"], rel=1e-6)
+    assert results[go_on]["grad_norms"][2:] == pytest.approx(results[saved]["grad_norms"][2:], rel=1e-6)
+    _same_weights(weights[go_on], weights[saved], 1e-6)
+
+
 def test_without_loss_parallel_the_head_gathers_the_vocabulary(two):
-    results, _ = two
+    results = two[0]
     whole = [4, SEQUENCE, cases.VOCAB]
     assert _seen(results, "tp2_sp", "train logits") == (None, whole, whole)
     assert results["tp2_sp"]["probe"]["train loss_parallel in forward"] is False
