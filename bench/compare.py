@@ -76,22 +76,22 @@ class Clock:
 
     def __init__(self, launched: float, steps: int) -> None:
         self.launched, self.steps = launched, steps
-        self.first = self.start = self.end = self.cpu_start = self.cpu_end = 0.0
+        self.first = self.start = self.end = self.process_start = self.process_end = 0.0
 
     def step_begin(self, done: int) -> None:
         if done == WARMUP:
-            self.start, self.cpu_start = time.perf_counter(), time.process_time()
+            self.start, self.process_start = time.perf_counter(), time.process_time()
 
     def step_end(self, done: int) -> None:
         if done == 1:
             self.first = time.time()
         if done == self.steps:
-            self.end, self.cpu_end = time.perf_counter(), time.process_time()
+            self.end, self.process_end = time.perf_counter(), time.process_time()
 
     def result(self) -> dict[str, float]:
         timed = self.steps - WARMUP
         return {"startup": self.first - self.launched, "per_step": (self.end - self.start) / timed,
-                "cpu_per_step": (self.cpu_end - self.cpu_start) / timed}
+                "cpu_per_step": (self.process_end - self.process_start) / timed}
 
 
 def build(model: str) -> tuple[Any, Any]:

@@ -66,9 +66,13 @@ class TupleLlama(TrainingModule):
     def __init__(self) -> None:
         super().__init__()
         self.llm = llama()
+        self.seen: list[list[int]] = []  # the shapes in the first training tuple
 
     def training_step(self, batch: dict) -> torch.Tensor:
-        return self.llm(**batch, return_dict=False)[0]
+        out = self.llm(**batch, return_dict=False)
+        if not self.seen:
+            self.seen = [list(x.shape) for x in out]
+        return out[0]
 
     def validation_step(self, batch: dict) -> dict:
         return {"loss": self.llm(**batch, return_dict=False)[0]}
@@ -180,6 +184,8 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
               "steps": trainer.state.global_step}
     if name.startswith("hook"):
         result["meshes"] = trainer.model.meshes
+    if isinstance(trainer.model, TupleLlama):
+        result["tuple"] = trainer.model.seen
     if seen is not None:
         result["probe"], result["params"] = seen, probes.parameters(trainer.model)
     weights = full_weights(trainer)

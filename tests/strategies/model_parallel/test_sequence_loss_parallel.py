@@ -108,6 +108,8 @@ def test_loss_parallel_keeps_training_logits_split_by_vocabulary(two, case):
     assert _seen(results, case, "eval logits") == (None, [1, SEQUENCE, cases.VOCAB], [1, SEQUENCE, cases.VOCAB])
     assert probe["eval loss_parallel in forward"] is False
     assert results[case]["params"]["lm_head.weight"] == [["tp"], ["Shard(dim=0)"]]
+    if case.endswith("_tuple"):  # the tuple keeps its logits beside the loss made a plain tensor
+        assert results[case]["tuple"] == [[], [4, SEQUENCE, cases.VOCAB]]
 
 
 @pytest.mark.parametrize("run, saved", RESUMES, ids=[f"{s}_to_{r}" for r, s in RESUMES])
