@@ -24,6 +24,12 @@ def test_missing_axes_are_one_and_minus_one_takes_the_rest():
     assert (shape.dp, shape.model_ranks) == (6, 2)
     assert [shape.data_rank(r) for r in range(12)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # a TP pair shares data
     assert parse_mesh(None, 3) == MeshShape(dp_shard=3)  # default: FSDP over every process
+    assert parse_mesh({"tp": 2}, 2) == MeshShape(tp=2)  # an axis MeshShape is not given is 1 too
+
+
+def test_a_mesh_describes_itself_by_the_axes_it_uses():
+    assert parse_mesh({"dp_shard": 2, "tp": 2}, 4).describe() == "dp_shard 2 x tp 2"
+    assert parse_mesh({"dp_shard": 1}, 1).describe() == "one process"
 
 
 @pytest.mark.parametrize("mesh, world, words", [
