@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import weakref
 
 import pytest
@@ -84,16 +85,21 @@ def test_group_is_freed_when_dynamo_is_first_imported_after_it(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "freed"
 
 
-def test_at_exit_a_group_kiln_did_not_make_is_freed_too():
+def test_at_exit_a_group_kiln_did_not_make_is_freed_too(monkeypatch):
     """A group made before kiln looked (TrainingArguments under torchrun) has no strategy to tear it
-    down: the exit hook destroys it, so gloo's workers do not outlive the interpreter (issue 35)."""
-    from kiln.strategies.process_group import _teardown_at_exit
+    down, nor any kiln wrapper holding it: the exit hook destroys it, so gloo's workers do not outlive
+    the interpreter (issue 35)."""
+    from kiln.strategies import process_group
 
+    monkeypatch.setattr(process_group, "_GROUP_USERS", [])  # no DDP/FSDP wrapper of an earlier test's
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     group = weakref.ref(dist.group.WORLD)
-    _teardown_at_exit()
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    process_group._teardown_at_exit()
     gc.collect()
     assert not dist.is_initialized() and group() is None
+    assert slept == []  # freed: nothing is left to wait for before the interpreter finalizes
 
 
 @pytest.mark.parametrize("device, backend, kwargs", [
@@ -130,3 +136,31 @@ def test_the_lost_peer_note_names_the_dead_ranks_of_this_machine_and_never_itsel
     assert process_group.lost_peer_note(dying_s=0) == (
         f"kiln: rank 5 (pid {me}) on this machine died; this error on rank 4 followed from it. Look at that rank's "
         "output for the cause (no output: it was killed, e.g. by the out-of-memory killer).")
+
+
+@pytest.mark.timeout(120)  # a rank 0 that left no store_on_rank0 key would wait for it for the group's timeout
+def test_a_rank_leaves_its_identity_and_its_error_hook_adds_the_note_once(monkeypatch):
+    """At start-up each rank leaves (rank, pid) in the store and wraps sys.excepthook once (a second
+    group in the same process must not wrap it again): an uncaught collective error then carries one note
+    naming the dead neighbour, and is still printed by the previous hook."""
+    import json
+    import socket
+
+    from kiln.launch.environment import ClusterEnvironment
+    from kiln.strategies import process_group
+
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(value))
+    monkeypatch.setattr(process_group, "_IDENTITY", {})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    env = ClusterEnvironment(world_size=2, rank=0, local_rank=0, local_world_size=2)
+    process_group._leave_identity(env)
+    process_group._leave_identity(env)
+    store, me = process_group._default_store(), os.getpid()
+    assert json.loads(store.get(f"kiln/ranks/{socket.gethostname()}/0"))[:2] == [0, me]
+    store.set(f"kiln/ranks/{socket.gethostname()}/1", json.dumps([1, me, 0.0]))  # rank 1: its pid is another process now
+    err = RuntimeError("Connection reset by peer")
+    sys.excepthook(RuntimeError, err, None)
+    assert printed == [err]
+    assert err.__notes__ == [f"kiln: rank 1 (pid {me}) on this machine died; this error on rank 0 followed from it. Look "
+                             "at that rank's output for the cause (no output: it was killed, e.g. by the out-of-memory killer)."]
