@@ -83,3 +83,23 @@ def test_an_accumulated_window_has_the_gradient_of_one_batch_of_all_its_items(tm
     trainer.training_step(model, torch.utils.data.default_collate(data), micro_batch=MicroBatch(0, True, None))
     for got, whole in zip(accumulated, [p.grad for p in params], strict=True):
         torch.testing.assert_close(got, whole)
+
+
+def test_a_lone_micro_batch_on_several_shards_is_weighted_by_the_global_count(tmp_path, monkeypatch):
+    """Without accumulation, a shard's mean loss still needs its share of the global items when the
+    shards' counts differ: training_step gets micro_batch.weight = n x d / N, not an unweighted loss."""
+    seen = []
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None, micro_batch=None):
+            seen.append((micro_batch.weight, int(inputs["labels"].ne(-100).sum())))
+            return super().training_step(model, inputs, num_items_in_batch, micro_batch)
+
+    cfg = base_config(tmp_path, max_steps=1, per_device_train_batch_size=2)
+    trainer = Recording(TokenModel(), cfg, train_dataset=padded_token_data(n=4))
+    monkeypatch.setattr(type(trainer.strategy), "data_shards", property(lambda self: 2))
+    monkeypatch.setattr(type(trainer.strategy), "grad_divisor", property(lambda self: 2))
+    monkeypatch.setattr(trainer.strategy, "reduce_async", lambda tensor, op="sum": lambda: tensor + 10)  # the other shard: 10
+    trainer.fit()
+    [(weight, n)] = seen
+    assert float(weight) == pytest.approx(n * 2 / (n + 10))

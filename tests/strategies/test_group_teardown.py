@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 import weakref
+from datetime import timedelta
 
 import pytest
 import torch
@@ -138,7 +139,6 @@ def test_the_lost_peer_note_names_the_dead_ranks_of_this_machine_and_never_itsel
         "output for the cause (no output: it was killed, e.g. by the out-of-memory killer).")
 
 
-@pytest.mark.timeout(120)  # a rank 0 that left no store_on_rank0 key would wait for it for the group's timeout
 def test_a_rank_leaves_its_identity_and_its_error_hook_adds_the_note_once(monkeypatch):
     """At start-up each rank leaves (rank, pid) in the store and wraps sys.excepthook once (a second
     group in the same process must not wrap it again): an uncaught collective error then carries one note
@@ -153,6 +153,7 @@ def test_a_rank_leaves_its_identity_and_its_error_hook_adds_the_note_once(monkey
     monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(value))
     monkeypatch.setattr(process_group, "_IDENTITY", {})
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    process_group._default_store().set_timeout(timedelta(seconds=5))  # a key rank 0 failed to leave: fail, not hang
     env = ClusterEnvironment(world_size=2, rank=0, local_rank=0, local_world_size=2)
     process_group._leave_identity(env)
     process_group._leave_identity(env)
