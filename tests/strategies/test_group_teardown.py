@@ -165,3 +165,25 @@ def test_a_rank_leaves_its_identity_and_its_error_hook_adds_the_note_once(monkey
     assert printed == [err]
     assert err.__notes__ == [f"kiln: rank 1 (pid {me}) on this machine died; this error on rank 0 followed from it. Look "
                              "at that rank's output for the cause (no output: it was killed, e.g. by the out-of-memory killer)."]
+
+
+def test_at_exit_groups_a_script_destroyed_itself_are_released_from_their_holders(monkeypatch):
+    """A script that calls dist.destroy_process_group() itself leaves the group alive inside the objects
+    kiln registered as its users (FSDP's sharded module): the exit hook still releases them (issue 35)."""
+    from kiln.strategies import process_group
+
+    class Holder:  # what a sharded module is to the group
+        pass
+
+    monkeypatch.setattr(process_group, "_GROUP_USERS", [])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    holder = Holder()
+    holder.group = dist.group.WORLD
+    process_group.register_group_user(holder, lambda obj: vars(obj).clear())
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()  # the script's own call
+    gc.collect()
+    assert group() is not None  # still held
+    process_group._teardown_at_exit()
+    gc.collect()
+    assert group() is None
