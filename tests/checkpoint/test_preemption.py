@@ -4,6 +4,7 @@ training (fit() returns, as HF's train() does) and put the previous handler back
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -24,13 +25,15 @@ class SigtermAt(Callback):
 
 
 @pytest.mark.parametrize("name", ["enable_jit_checkpoint", "save.on_preemption"])
-def test_sigterm_saves_the_step_stops_and_resumes_exactly(tmp_path, name):
+def test_sigterm_saves_the_step_stops_and_resumes_exactly(tmp_path, name, caplog):
     cfg = {"max_steps": 12, "save_steps": 100}
     straight = train(str(tmp_path / "straight"), cfg)
     out = str(tmp_path / "preempted")
     on = {"enable_jit_checkpoint": True} if name == "enable_jit_checkpoint" else {"save": {"on_preemption": True}}
     before = signal.getsignal(signal.SIGTERM)
-    preempted = train(out, {**cfg, **on}, callbacks=[SigtermAt(5)])  # fit() returns, as HF's train() does
+    with caplog.at_level(logging.WARNING):
+        preempted = train(out, {**cfg, **on}, callbacks=[SigtermAt(5)])  # fit() returns, as HF's train() does
+    assert "Preempted (SIGTERM): saved checkpoint-5 on every rank; training stops here" in caplog.text
     assert preempted.state.global_step == 5
     assert signal.getsignal(signal.SIGTERM) is before  # kiln's handler is gone again
     assert folders(out) == {"checkpoint-5"}

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln import Callback, Trainer
-from tests.helpers import TinyRegressor, base_config, regression_data
+from tests.helpers import TinyRegressor, TokenModel, base_config, padded_token_data, regression_data
 
 
 @pytest.mark.parametrize("n, batch, accum, epochs, max_steps, expected", [
@@ -251,3 +251,58 @@ def test_strategy_step_interfaces_are_called_in_order_and_only_for_strategies_th
     assert not hasattr(plain.strategy, "micro_batch_context") and not hasattr(plain.strategy, "on_step_end")
     plain.fit()
     assert plain.state.global_step == 2
+
+
+def test_train_output_is_hf_s_tuple_with_names_and_a_readable_repr():
+    from kiln.engine.loop.fit import TrainOutput
+
+    out = TrainOutput(7, 0.25, {"train_loss": 0.25})
+    assert tuple(out) == (7, 0.25, {"train_loss": 0.25})
+    assert (out.global_step, out.training_loss, out.metrics) == (7, 0.25, {"train_loss": 0.25})
+    assert repr(out) == "TrainOutput(global_step=7, training_loss=0.25, metrics={'train_loss': 0.25})"
+
+
+@pytest.mark.timeout(60)  # without the check, an empty stream and max_steps loop over epochs forever
+def test_an_empty_iterable_dataset_is_refused_instead_of_training_nothing(tmp_path):
+    class Empty(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([])
+
+    trainer = Trainer(TinyRegressor(), base_config(tmp_path, max_steps=3, learning_rate=1e-3), train_dataset=Empty())
+    with pytest.raises(ValueError, match="iterable training dataset yielded no batches"):
+        trainer.fit()
+
+
+def test_throughput_and_total_flos_count_every_rank(tmp_path):
+    """Every rank counts its own samples, tokens and FLOPs: throughput figures scale them by the data
+    shards (each rank reads as many), state.total_flos sums them (reduce 'sum'). The second rank is
+    mirrored in this process: reading its own half of the data, it counts what this one does."""
+    from kiln.strategies.single import SingleDeviceStrategy
+
+    class TwoRanks(SingleDeviceStrategy):  # rank 0 of 2 data shards; the other rank's sums equal its own
+        world_size = 2
+
+        def reduce(self, tensor, op="mean"):
+            return tensor * 2 if op == "sum" else tensor
+
+    seen = []
+
+    class Figures(Callback):
+        def on_log(self, config, state, control, logs=None, **kw):
+            if "loss" in logs:
+                seen.append(logs)
+
+    model = TokenModel()
+    cfg = base_config(tmp_path, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3)
+    cfg["log"]["steps"] = 1
+    out = Trainer(model, cfg, train_dataset=padded_token_data(n=8, length=12), strategy=TwoRanks,
+                  callbacks=[Figures()]).fit()
+    assert len(seen) == 3
+    for logs in seen:  # 2 ranks x 2 samples of 12 tokens per step
+        assert logs["samples_per_second"] == pytest.approx(4 * logs["steps_per_second"])
+        assert logs["tokens_per_second"] == pytest.approx(12 * logs["samples_per_second"])
+    m = out.metrics
+    assert m["train_samples_per_second"] == pytest.approx(4 * m["train_steps_per_second"])
+    assert m["train_tokens_per_second"] == pytest.approx(12 * m["train_samples_per_second"])
+    per_rank = 6 * (3 * 2 * 12) * sum(p.numel() for p in model.parameters())  # 6 x tokens x parameters (HF)
+    assert m["total_flos"] == pytest.approx(2 * per_rank)

@@ -2,6 +2,9 @@
 whole (issue 16: a worker that dropped the last collective's tensors during interpreter
 finalization aborted a finished run with "terminate called without an active exception").
 
+Also the rest of kiln/strategies/process_group.py that one process can check: the exit hook frees a
+group kiln did not make, barrier() names the GPU to NCCL only, and the note naming a dead peer.
+
 One process over an in-memory store; the threads are counted by name in /proc (Linux)."""
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import weakref
+from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from kiln import Trainer
@@ -78,3 +84,106 @@ def test_group_is_freed_when_dynamo_is_first_imported_after_it(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "freed"
+
+
+def test_at_exit_a_group_kiln_did_not_make_is_freed_too(monkeypatch):
+    """A group made before kiln looked (TrainingArguments under torchrun) has no strategy to tear it
+    down, nor any kiln wrapper holding it: the exit hook destroys it, so gloo's workers do not outlive
+    the interpreter (issue 35)."""
+    from kiln.strategies import process_group
+
+    monkeypatch.setattr(process_group, "_GROUP_USERS", [])  # no DDP/FSDP wrapper of an earlier test's
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = weakref.ref(dist.group.WORLD)
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    process_group._teardown_at_exit()
+    gc.collect()
+    assert not dist.is_initialized() and group() is None
+    assert slept == []  # freed: nothing is left to wait for before the interpreter finalizes
+
+
+@pytest.mark.parametrize("device, backend, kwargs", [
+    (torch.device("cuda", 1), "nccl", {"device_ids": [1]}),  # NCCL's barrier on this rank's own GPU
+    (torch.device("cpu"), "gloo", {}),
+    (torch.device("cuda", 1), "gloo", {}),
+])
+def test_barrier_names_the_gpu_only_to_nccl(monkeypatch, device, backend, kwargs):
+    from kiln.strategies.process_group import barrier
+
+    calls = []
+    monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append(kw))
+    barrier(device, backend)
+    assert calls == [kwargs]
+
+
+def test_the_lost_peer_note_names_the_dead_ranks_of_this_machine_and_never_itself(monkeypatch):
+    """What a survivor adds to a collective's error (no launcher agent to say it): its neighbours on this
+    host whose process is gone, read from the identities every rank left in the store."""
+    import json
+
+    import psutil
+
+    from kiln.strategies import process_group
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    me = os.getpid()
+    monkeypatch.setattr(process_group, "_IDENTITY", {"host": "h", "rank": 4, "local_rank": 0, "local_world_size": 3,
+                                                     "store_on_rank0": False})
+    store = process_group._default_store()
+    store.set("kiln/ranks/h/0", json.dumps([4, me, psutil.Process(me).create_time()]))  # this rank, alive
+    store.set("kiln/ranks/h/1", json.dumps([5, me, 0.0]))  # its pid now belongs to another process: dead
+    store.set("kiln/ranks/h/2", json.dumps([6, me, psutil.Process(me).create_time()]))  # alive
+    assert process_group.lost_peer_note(dying_s=0) == (
+        f"kiln: rank 5 (pid {me}) on this machine died; this error on rank 4 followed from it. Look at that rank's "
+        "output for the cause (no output: it was killed, e.g. by the out-of-memory killer).")
+
+
+def test_a_rank_leaves_its_identity_and_its_error_hook_adds_the_note_once(monkeypatch):
+    """At start-up each rank leaves (rank, pid) in the store and wraps sys.excepthook once (a second
+    group in the same process must not wrap it again): an uncaught collective error then carries one note
+    naming the dead neighbour, and is still printed by the previous hook."""
+    import json
+    import socket
+
+    from kiln.launch.environment import ClusterEnvironment
+    from kiln.strategies import process_group
+
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(value))
+    monkeypatch.setattr(process_group, "_IDENTITY", {})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    process_group._default_store().set_timeout(timedelta(seconds=5))  # a key rank 0 failed to leave: fail, not hang
+    env = ClusterEnvironment(world_size=2, rank=0, local_rank=0, local_world_size=2)
+    process_group._leave_identity(env)
+    process_group._leave_identity(env)
+    store, me = process_group._default_store(), os.getpid()
+    assert json.loads(store.get(f"kiln/ranks/{socket.gethostname()}/0"))[:2] == [0, me]
+    store.set(f"kiln/ranks/{socket.gethostname()}/1", json.dumps([1, me, 0.0]))  # rank 1: its pid is another process now
+    err = RuntimeError("Connection reset by peer")
+    sys.excepthook(RuntimeError, err, None)
+    assert printed == [err]
+    assert err.__notes__ == [f"kiln: rank 1 (pid {me}) on this machine died; this error on rank 0 followed from it. Look "
+                             "at that rank's output for the cause (no output: it was killed, e.g. by the out-of-memory killer)."]
+
+
+def test_at_exit_groups_a_script_destroyed_itself_are_released_from_their_holders(monkeypatch):
+    """A script that calls dist.destroy_process_group() itself leaves the group alive inside the objects
+    kiln registered as its users (FSDP's sharded module): the exit hook still releases them (issue 35)."""
+    from kiln.strategies import process_group
+
+    class Holder:  # what a sharded module is to the group
+        pass
+
+    monkeypatch.setattr(process_group, "_GROUP_USERS", [])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    holder = Holder()
+    holder.group = dist.group.WORLD
+    process_group.register_group_user(holder, lambda obj: vars(obj).clear())
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()  # the script's own call
+    gc.collect()
+    assert group() is not None  # still held
+    process_group._teardown_at_exit()
+    gc.collect()
+    assert group() is None

@@ -1,6 +1,7 @@
 """The contract a strategy class must meet when it is created and registered, checked without
 training: collectives have no identity default, the optional interfaces are real ABCs, and the
-checkpoint formats a strategy declares are in the format registry with a way to consolidate them."""
+checkpoint formats a strategy declares are in the format registry with a way to consolidate them;
+and the base class's defaults a strategy inherits (declared options read from the config, zero_grad)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def test_every_collective_defined_or_the_single_process_mixin_is_accepted():
     type("Complete", (Strategy,), {name: (lambda self, *a, **k: None) for name in COLLECTIVES})
     one = type("OneProcess", (SingleProcessCollectives, Strategy), {})
     assert one.reduce(None, torch.ones(2)).tolist() == [1.0, 1.0]
+    assert one.all_gather(None, torch.ones(2)).shape == (1, 2)  # one rank's entry along a new first dimension
+    assert one.all_gather_object(None, "a") == ["a"] and one.broadcast_object(None, "a") == "a"
 
 
 def test_the_mixin_after_strategy_does_not_count():
@@ -92,3 +95,33 @@ def test_a_strategy_that_cannot_be_compiled_refuses_torch_compile_from_the_confi
             check_run_compatible(strategy, strategy.precision, cfg, user_optimizer=False)
     cfg = load_config({"strategy": {"device": "cpu"}})
     check_run_compatible(Uncompilable(cfg, build_precision(cfg)), build_precision(cfg), cfg, user_optimizer=False)
+
+
+def test_a_declared_option_is_read_from_the_config_and_falls_back_to_its_default():
+    from kiln.config import load_config
+    from kiln.precision import build_precision
+    from kiln.strategies.single import SingleDeviceStrategy
+
+    class Deep(SingleDeviceStrategy):
+        name = "deep"
+        options = {"depth": "how deep", "width": "how wide"}
+
+    cfg = load_config({"strategy": {"device": "cpu", "options": {"depth": 3}}})
+    strategy = Deep(cfg, build_precision(cfg))
+    assert strategy.option("depth") == 3 and strategy.option("depth", 5) == 3
+    assert strategy.option("width", 8) == 8 and strategy.option("width") is None
+
+
+def test_the_default_zero_grad_frees_the_gradients_as_hf_does():
+    """set_to_none: the memory goes back, and a parameter without a gradient next step is skipped by the
+    optimizer (a zero gradient would still get Adam's momentum and weight decay)."""
+    from kiln.config import load_config
+    from kiln.precision import build_precision
+    from kiln.strategies.single import SingleDeviceStrategy
+
+    cfg = load_config({"strategy": {"device": "cpu"}})
+    strategy = SingleDeviceStrategy(cfg, build_precision(cfg))
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    strategy.zero_grad(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert [p.grad for p in model.parameters()] == [None, None]

@@ -27,6 +27,12 @@ def test_missing_axes_are_one_and_minus_one_takes_the_rest():
     shape = parse_mesh({"dp_shard": -1, "cp": 2, "tp": 2}, 8)  # cp x tp: one data shard is a cp x tp block
     assert shape == MeshShape(dp_shard=2, cp=2, tp=2) and (shape.dp, shape.dp_cp, shape.model_ranks) == (2, 4, 4)
     assert [shape.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert parse_mesh({"tp": 2}, 2) == MeshShape(tp=2)  # an axis MeshShape is not given is 1 too
+
+
+def test_a_mesh_describes_itself_by_the_axes_it_uses():
+    assert parse_mesh({"dp_shard": 2, "tp": 2}, 4).describe() == "dp_shard 2 x tp 2"
+    assert parse_mesh({"dp_shard": 1}, 1).describe() == "one process"
 
 
 @pytest.mark.parametrize("mesh, world, words", [
