@@ -66,12 +66,12 @@ class TupleLlama(TrainingModule):
     def __init__(self) -> None:
         super().__init__()
         self.llm = llama()
-        self.seen: list[list[int]] = []  # the shapes in the first training tuple
+        self.seen: list[list[int]] = []  # the shapes of the tensors in the first training tuple
 
     def training_step(self, batch: dict) -> torch.Tensor:
         out = self.llm(**batch, return_dict=False)
         if not self.seen:
-            self.seen = [list(x.shape) for x in out]
+            self.seen = [list(x.shape) for x in out if isinstance(x, torch.Tensor)]  # not the KV cache
         return out[0]
 
     def validation_step(self, batch: dict) -> dict:

@@ -139,12 +139,12 @@ def test_a_causal_sdpa_llama_on_cuda_passes_and_its_attention_drops_the_mask_in_
 # -- the mesh and options ---------------------------------------------------------------------------
 
 
-def test_cp_composes_with_the_data_parallel_axes_but_not_tp():
+def test_cp_composes_with_the_data_parallel_axes_and_tp():
     shape = parse_mesh({"dp_shard": 2, "cp": 2}, 4)
     assert (shape.dp, shape.dp_cp, shape.model_ranks) == (2, 4, 2)
     assert [shape.data_rank(r) for r in range(4)] == [0, 0, 1, 1]  # a cp pair reads the same batches
-    with pytest.raises(ConfigError, match="sets cp 2 and tp 2, but kiln's context parallelism has not been built together"):
-        parse_mesh({"cp": 2, "tp": 2}, 4)
+    shape = parse_mesh({"cp": 2, "tp": 2}, 4)  # one data shard: the cp x tp block
+    assert (shape.dp, shape.dp_cp, shape.model_ranks) == (1, 2, 4)
 
 
 @pytest.mark.parametrize("extra, words", [
