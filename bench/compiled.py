@@ -5,6 +5,8 @@ Lightning, each compiling the same model the same way, on the same work.
     python bench/compiled.py --rounds 1 --steps 30                    # does it run (CPU: 20-40 s of compile a run)
     python bench/compiled.py --device cuda --models gpt lm16 --rounds 3 --budget 210 --json compiled.json   # a GPU
     python bench/compiled.py --table-from compiled.json               # the table again, from a run's raw results
+    python bench/compiled.py --device cuda --models mlp lm16 --frameworks kiln hand-written-hf-groups --cache warm
+                                          # kiln beside the loop with HF's two param groups as well as with one
 
 How each compiles (--backend, default inductor, and --mode; fullgraph off: kiln and HF's arguments have none): the
 loop `torch.compile(model, backend=..., mode=...)`, as kiln/engine/compile.py does; kiln `torch_compile: true` (+
@@ -53,9 +55,17 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 from bench.compare import (  # noqa: E402
-    FRAMEWORKS, LABELS, LOG_EVERY, LR, MODELS, WARMUP, Clock, build, compile_sources, hf_arguments, hf_marks, installed,
+    FRAMEWORKS as BASE_FRAMEWORKS, LABELS as BASE_LABELS, LOG_EVERY, LR, MODELS, WARMUP, Clock, build, compile_sources, hf_arguments, hf_marks, installed,
     kiln_marks, kiln_settings, lightning_arguments, lightning_module, linear, run_worker, spread,
 )
+
+
+#: the hand-written loop again with the optimizer's param groups in HF's and kiln's layout (decayed weights, then biases
+#: and norms: two groups even at weight decay 0), so the optimizer does the same work as kiln's; torch's AdamW runs
+#: its set-up and (on CUDA, foreach) its kernels once per group
+HAND_HF_GROUPS = "hand-written-hf-groups"
+FRAMEWORKS = (*BASE_FRAMEWORKS, HAND_HF_GROUPS)
+LABELS = {**BASE_LABELS, HAND_HF_GROUPS: "hand-written, HF's 2 param groups"}
 
 
 class Workload(NamedTuple):
@@ -96,38 +106,7 @@ class Setup(NamedTuple):
         return {"backend": self.backend, "mode": self.mode}
 
 
-# -- the GPU workload: a nanoGPT-style decoder (pre-norm, fused QKV, causal SDPA, an untied head) --------------
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class Decoder(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(seq, dim))
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        h = self.emb(input_ids) + self.pos
-        for block in self.blocks:
-            h = block(h)
-        return {"loss": F.cross_entropy(self.head(self.norm(h)).flatten(0, 1), labels.flatten())}
-
-
+# -- the GPU workload: bench/models.py's Decoder ------------------------------------------------------------
 def gpt_data(n: int = 1024) -> list[dict[str, Any]]:
     """Random token ids; n covers 80 steps of 8 without an epoch boundary inside the timed steps."""
     g = torch.Generator().manual_seed(0)
@@ -139,6 +118,8 @@ def make(model: str) -> tuple[Any, Any]:
     """Model and dataset of a workload (seed 0), bench/compare.py's for the CPU workloads."""
     if model == "gpt":
         torch.manual_seed(0)
+        from bench.models import Decoder
+
         return Decoder(**GPT), gpt_data()
     return build(model)
 
@@ -191,10 +172,17 @@ def loader(data: Any, batch: int, s: Setup) -> Any:
     return torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, drop_last=True, pin_memory=s.cuda)
 
 
-def run_hand_written(model: str, net: Any, data: Any, steps: int, clock: SyncedClock, out: str, s: Setup) -> None:
+def run_hand_written(model: str, net: Any, data: Any, steps: int, clock: SyncedClock, out: str, s: Setup,
+                     hf_groups: bool = False) -> None:
     net.to(s.device)
     compiled = torch.compile(net, **s.compile_kwargs())
-    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0)  # kiln's and HF's default (torch's is 0.01)
+    if hf_groups:
+        from kiln.optim.optimizers import parameter_groups
+
+        params: Any = parameter_groups(net, 0.0)
+    else:
+        params = net.parameters()
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)  # kiln's and HF's default (torch's is 0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear(steps))
     # one context object, entered each step: on CPU (fp32) the loop pays for no autocast it does not use
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if s.cuda else contextlib.nullcontext()
@@ -252,7 +240,8 @@ def run_lightning(model: str, net: Any, data: Any, steps: int, clock: SyncedCloc
     trainer.fit(torch.compile(module, **s.compile_kwargs()), loader(data, WORKLOADS[model].batch, s))
 
 
-RUNNERS = {"hand-written": run_hand_written, "kiln": run_kiln, "hf": run_hf, "lightning": run_lightning}
+RUNNERS = {"hand-written": run_hand_written, "kiln": run_kiln, "hf": run_hf, "lightning": run_lightning,
+           HAND_HF_GROUPS: lambda *a: run_hand_written(*a, hf_groups=True)}
 
 
 def worker(framework: str, model: str, steps: int, launched: float, s: Setup) -> None:
@@ -363,7 +352,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, help="steps per run of every workload (default: each its own; >= 30)")
     parser.add_argument("--models", nargs="+", choices=list(WORKLOADS), help="default: mlp lm16 (+ gpt on cuda)")
-    parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=list(FRAMEWORKS))
+    parser.add_argument("--frameworks", nargs="+", default=list(BASE_FRAMEWORKS), choices=list(FRAMEWORKS),
+                        help=f"the hand-written loop always runs; {HAND_HF_GROUPS}: it again with HF's two param groups")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of every framework")
     parser.add_argument("--mode", help="torch.compile mode of every framework (default: torch's default)")

@@ -3,6 +3,7 @@ tensor parallelism saves against FSDP, on 2 processes (gloo on CPU, NCCL on GPUs
 
     python bench/model_parallel_overhead.py [--steps 60] [--repeats 3] [--mem-dim 2048] [--mem-layers 4]
         [--memory-only] [--allocator fixed-mmap|default]
+    python bench/model_parallel_overhead.py --memory-only --nproc 4    # tp 2 x dp_shard 2 vs FSDP dp 4
 
 1. Per-step time on a small Llama (LlamaConfig: hidden 128, 2 layers, 4 heads, vocab 256, sequences
    of 64, batch 8): kiln `strategy: {name: model_parallel, mesh: {tp: 2}, tp_plan: auto}` against
@@ -19,7 +20,8 @@ tensor parallelism saves against FSDP, on 2 processes (gloo on CPU, NCCL on GPUs
    fresh job; measured as bench/fsdp_overhead.py does (CPU: the growth of ru_maxrss with glibc's
    mmap threshold pinned, see there; GPU: max_memory_allocated). Both hold half the parameters and
    optimizer state per rank; TP holds the whole batch's activations, split by feature, and no
-   gathered layer.
+   gathered layer. `--nproc 4`: tp 2 x dp_shard 2 (TP inside FSDP) against FSDP over 4 processes,
+   each holding a quarter of the parameters and optimizer state.
 """
 
 from __future__ import annotations
@@ -137,9 +139,10 @@ def overhead(steps: int, repeats: int) -> None:
 
 def peak_memory(kind: str, dim: int, layers: int) -> None:
     """One kiln run under `kind` (tp2 or fsdp); rank 0 prints every rank's peak as JSON."""
-    if kind == "tp2":
+    if kind in ("tp2", "tp2dp2"):
         plan = {f"layers.{i}": "colwise" if i % 2 == 0 else "rowwise" for i in range(layers)}
-        strategy: dict[str, Any] = {"name": "model_parallel", "mesh": {"tp": 2}, "tp_plan": plan}
+        mesh = {"tp": 2} if kind == "tp2" else {"dp_shard": 2, "tp": 2}
+        strategy: dict[str, Any] = {"name": "model_parallel", "mesh": mesh, "tp_plan": plan}
     else:
         strategy = {"name": "fsdp", "wrap": ["Linear"]}
     measure_peak(kind, strategy, dim, layers, ("kiln.strategies.model_parallel.strategy", "kiln.strategies.fsdp.strategy",
@@ -151,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, *extra: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
            "--steps", str(args.steps), "--repeats", str(args.repeats), "--mem-dim", str(args.mem_dim),
            "--mem-layers", str(args.mem_layers), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))}
@@ -169,21 +172,27 @@ def main() -> None:
     parser.add_argument("--memory-only", action="store_true", help="skip the per-step comparison")
     parser.add_argument("--allocator", choices=["fixed-mmap", "default"], default="fixed-mmap",
                         help="CPU memory runs: pin glibc's mmap threshold (see bench/fsdp_overhead.py) or keep its default")
-    parser.add_argument("--memory", choices=["tp2", "fsdp"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--nproc", type=int, choices=[2, 4], default=2, help="4: the memory pair tp 2 x dp_shard 2 vs FSDP dp 4")
+    parser.add_argument("--memory", choices=["tp2", "tp2dp2", "fsdp"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
         worker(args)
         return
     if not args.memory_only:
+        if args.nproc != 2:
+            raise SystemExit("the per-step comparison runs on 2 processes: add --memory-only to --nproc 4")
         print(_launch(args), end="", flush=True)
     peaks = {}
-    for kind in ("tp2", "fsdp"):
+    tp_kind = "tp2" if args.nproc == 2 else "tp2dp2"
+    for kind in (tp_kind, "fsdp"):
         line = next(x for x in _launch(args, "--memory", kind).splitlines() if x.startswith("PEAK "))
         peaks[kind] = json.loads(line[5:])["bytes"]
     params = args.mem_layers * (args.mem_dim * args.mem_dim + args.mem_dim)
     shown = {k: " / ".join(f"{b / 2**20:.1f}" for b in v) for k, v in peaks.items()}
-    print(f"peak memory per rank (rank 0 / rank 1), {params / 1e6:.1f}M parameters + AdamW: tp 2 {shown['tp2']} MiB, "
-          f"FSDP dp 2 {shown['fsdp']} MiB, ratio of the maxima {max(peaks['tp2']) / max(peaks['fsdp']):.2f} "
+    ranks = " / ".join(f"rank {r}" for r in range(args.nproc))
+    tp_label = "tp 2" if args.nproc == 2 else "tp 2 x dp_shard 2"
+    print(f"peak memory per rank ({ranks}), {params / 1e6:.1f}M parameters + AdamW: {tp_label} {shown[tp_kind]} MiB, "
+          f"FSDP dp {args.nproc} {shown['fsdp']} MiB, ratio of the maxima {max(peaks[tp_kind]) / max(peaks['fsdp']):.2f} "
           f"(allocator: {'cuda' if torch.cuda.is_available() else args.allocator})", flush=True)
 
 

@@ -1,5 +1,5 @@
 """Models shared by the benchmarks: an overhead-dominated MLP and a compute-bound small transformer, and a
-dataset whose per-sample transform makes the loader the bottleneck."""
+dataset whose per-sample transform makes the loader the bottleneck; the GPU decoder of bench/compiled.py."""
 
 from __future__ import annotations
 
@@ -54,3 +54,35 @@ class Augmented(torch.utils.data.Dataset):
         for _ in range(self.passes):
             x = [v + random.gauss(0.0, 0.05) for v in x]
         return {"x": torch.tensor(x), "labels": self.labels[i]}
+
+
+# bench/compiled.py's GPU workload: a nanoGPT-style decoder (pre-norm, fused QKV, causal SDPA, an untied head)
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.emb(input_ids) + self.pos
+        for block in self.blocks:
+            h = block(h)
+        return {"loss": F.cross_entropy(self.head(self.norm(h)).flatten(0, 1), labels.flatten())}

@@ -9,7 +9,7 @@ Every row trains the same model on the same data (seed 0) for `--steps` steps an
 half-way and at the end. Printed per row: exit status, the last logged training loss, the loss's distance
 from the fp32 row's, wall time (rows run side by side on the one GPU, so it is a smoke figure, not a
 benchmark: bench/compiled.py measures speed) and the GPU's peak memory as kiln logged it where it does.
-The `resume` row restarts the bf16 run from its half-way checkpoint and compares its final weights with
+The `resume` rows restart the bf16 and model_parallel runs from their half-way checkpoints and compare their final weights with
 the uninterrupted run's (max |difference|; cuBLAS and atomics in backward make bitwise equality on a GPU
 a matter of luck, so the figure is reported, not asserted). DDP, FSDP and DeepSpeed run as one process on
 NCCL: what a one-GPU machine can check of them is that their CUDA and NCCL paths run and train."""
@@ -40,7 +40,10 @@ ROWS: dict[str, list[str]] = {
     "fsdp-bf16-compile": ["precision.name=bf16", "strategy.name=fsdp", "train.torch_compile=true"],
     "deepspeed2-bf16": ["precision.name=bf16", "strategy.name=deepspeed_stage_2"],
     "deepspeed3-bf16": ["precision.name=bf16", "strategy.name=deepspeed_stage_3"],
+    "model_parallel-bf16": ["precision.name=bf16", "strategy.name=model_parallel"],
 }
+#: rows resumed from their half-way checkpoint, compared with the uninterrupted run (the `resume` rows)
+RESUMED = ("bf16", "model_parallel-bf16")
 
 
 def common(steps: int, out: str) -> list[str]:
@@ -86,19 +89,24 @@ def history(out: str) -> dict:
 
 
 def final_weights(out: str, steps: int) -> Optional[dict]:
+    """The last checkpoint's weights, or the run's final export where its checkpoints are DCP shards."""
     from safetensors.torch import load_file
 
-    path = os.path.join(out, f"checkpoint-{steps}", "model.safetensors")
-    return load_file(path) if os.path.exists(path) else None
+    for path in (os.path.join(out, f"checkpoint-{steps}", "model.safetensors"), os.path.join(out, "model.safetensors")):
+        if os.path.exists(path):
+            return load_file(path)
+    return None
 
 
-def resume_row(base: str, steps: int, timeout: float) -> dict:
-    """The bf16 run again from its half-way checkpoint, compared with the uninterrupted run."""
+def resume_row(name: str, base: str, steps: int, timeout: float) -> dict:
+    """Row `name` again from its half-way checkpoint, compared with the uninterrupted run."""
     out = base + "-resume"
     shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(base, out, ignore=shutil.ignore_patterns(f"checkpoint-{steps}", "runs", "console.log"))
-    row = fit("resume", ["precision.name=bf16", f"resume_from_checkpoint={out}/checkpoint-{steps // 2}",
-                         *common(steps, out)], out, timeout, fresh=False)
+    finished = {f"checkpoint-{steps}", "runs", "console.log", "model.safetensors", "kiln_model.json", "trainer_state.json",
+                "all_results.json", "train_results.json", "eval_results.json"}  # the end of the run, not the checkpoint's
+    shutil.copytree(base, out, ignore=lambda folder, names: [n for n in names if folder == base and n in finished])
+    row = fit(f"resume {name}", [*ROWS[name], f"resume_from_checkpoint={out}/checkpoint-{steps // 2}",
+                                 *common(steps, out)], out, timeout, fresh=False)
     a, b = final_weights(base, steps), final_weights(out, steps)
     if a is None or b is None:
         row["max_abs_diff"] = "missing checkpoint"
@@ -125,8 +133,9 @@ def main() -> None:
         futures = {name: pool.submit(fit, name, [*ROWS[name], *common(args.steps, out)], out, args.timeout)
                    for name, out in jobs.items()}
         rows = [futures[name].result() for name in jobs]
-    if "bf16" in jobs and rows[list(jobs).index("bf16")]["rc"] == 0:
-        rows.append(resume_row(jobs["bf16"], args.steps, args.timeout))
+    for name in RESUMED:
+        if name in jobs and rows[list(jobs).index(name)]["rc"] == 0:
+            rows.append(resume_row(name, jobs[name], args.steps, args.timeout))
     ref = next((r.get("loss") for r in rows if r["row"] == "fp32"), None)
     print("\n| row | exit | step | loss | loss - fp32 | wall s | resume max abs diff |\n|---|---|---|---|---|---|---|")
     for r in rows:

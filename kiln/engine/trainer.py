@@ -128,7 +128,8 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self._ignore_keys_for_eval: Optional[list[str]] = None
         self._eval_dataloaders: dict[str, Any] = {}  # reused loaders (dataloader_persistent_workers)
         self._eval_compiler = EvalCompiler()  # eval.compile (jit_mode_eval)
-        self.callback_handler = CallbackHandler(default_callbacks(cfg, self.strategy), model=model, processing_class=processing_class)
+        self.callback_handler = CallbackHandler(default_callbacks(cfg, self.strategy), model=model, processing_class=processing_class,
+                                                optimizer=optimizers[0], lr_scheduler=optimizers[1])
         for cb in callbacks or ():
             self.callback_handler.add(cb)
         self.checkpoints = CheckpointManager(cfg, self.strategy, self.precision, self.callback_handler, self.run, self._given_args)

@@ -207,6 +207,7 @@ class EvaluationMixin:
         cfg, s, e = self.config, self.strategy, self.config.eval
         loss_only = e.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
         model = self.setup_model()
+        self.callback_handler.objects["eval_dataloader"] = dataloader  # HF's evaluation_loop sets it here too
         if cfg.eval.compile:  # jit_mode_eval: the forward below runs through torch.compile
             model = self._eval_compiler(model, cfg.train)
         sampler = sampler_of(dataloader)

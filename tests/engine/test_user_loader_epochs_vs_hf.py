@@ -48,11 +48,14 @@ def test_overridden_loader_trains_on_hfs_batches_over_two_epochs(tmp_path):
             return super().training_step(model, inputs, num_items_in_batch, micro_batch)
 
     theirs, ours = gpt2(), gpt2()
-    HF(model=theirs, args=hf_args(str(tmp_path / "hf"), max_steps=10)).train()
+    # kiln's default optimizer (HF >= 5 on torch >= 2.8 defaults to the fused kernel, whose roundoff differs)
+    HF(model=theirs, args=hf_args(str(tmp_path / "hf"), max_steps=10, optim="adamw_torch")).train()
     Kiln(ours, kiln_config(tmp_path, max_steps=10)).fit()
     assert len(seen["kiln"]) == len(seen["hf"]) == 10
     assert all(torch.equal(a, b) for a, b in zip(seen["kiln"], seen["hf"]))  # steps 7-10: the second epoch
-    assert max_diff(ours, theirs) < 2e-5  # op order differs: roundoff only
+    # op order differs: 6e-8 after step 1, which Adam at lr 1e-2 grows to 1e-5..5e-5 by step 10 depending on the
+    # CPU's kernels; a batch out of place or a step missed moves the weights by ~1e-2
+    assert max_diff(ours, theirs) < 1e-4
 
 
 def _crash_and_resume(tmp_path, cfg: dict, crash_at: int) -> tuple[Trainer, Trainer]:

@@ -63,12 +63,17 @@ _CLEARS = {
 }
 
 
+#: the objects every event receives as keyword arguments, as HF's CallbackHandler passes them
+HF_OBJECTS = ("model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader")
+
+
 class CallbackHandler:
     """Calls each event on every callback that overrides it, in registration order."""
 
     def __init__(self, callbacks: Iterable[CallbackLike] = (), **objects: Any) -> None:
         self.callbacks: list[Callback] = []
-        self.objects = objects  # model, optimizer, lr_scheduler, train_dataloader, ...
+        # HF passes these six to every event, None until the Trainer has them (call_event in trainer_callback.py)
+        self.objects: dict[str, Any] = {**dict.fromkeys(HF_OBJECTS), **objects}
         self.by_event: dict[str, list[Any]] = {}  # event -> the handlers that override it (read-only; see _index)
         self.control: Optional["TrainerControl"] = None  # the run's flags, last seen: saved as HF's "TrainerControl"
         for cb in callbacks:

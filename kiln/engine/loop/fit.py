@@ -86,6 +86,7 @@ class FitLoop:
             raise ValueError("train.num_train_epochs is 0 and train.max_steps is unset, so fit() would train nothing: set "
                              "num_train_epochs > 0 or max_steps > 0 (to score a model without training, use evaluate).")
         setup_for_training(run, strategy, self.precision, cfg, hooks.create_optimizer, hooks.create_scheduler, max_steps)
+        self._show_callbacks(loader)
         restored = self.checkpoints.load(resume_path) if resume_path else None
         if restored is not None:
             hooks.state, self._rng = restored.state, restored.rng
@@ -148,6 +149,7 @@ class FitLoop:
                 except WindowOutOfMemory:
                     del window, iterator  # frees the batches and the old loader's workers
                     loader, iterator = self.oom.recover(epoch, seed)  # same samples, smaller micro-batches
+                    self._show_callbacks(loader)
                     self.step.weighs = self.step.windows_need_weights(run.accumulation)
                     batches_per_epoch = loader_length(loader)
                     continue
@@ -186,6 +188,12 @@ class FitLoop:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.losses.load_state_dict(state)
         self.epoch_rng.load_state_dict(state.get("epoch_rng"))
+
+    def _show_callbacks(self, loader: Iterable[Any]) -> None:
+        """The set-up objects every callback event receives from here on (HF updates them at the same point)."""
+        run = self.run
+        self.callbacks.objects.update(model=run.model, optimizer=run.optimizer, lr_scheduler=run.scheduler,
+                                      train_dataloader=loader)
 
     def _train_dataloader(self, resume_path: Optional[str]) -> Iterable[Any]:
         hooks, run = self.hooks, self.run

@@ -93,6 +93,8 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "hook": ({"strategy": {**MP, "mesh": {"tp": -1}}}, 1),
     "hook_single": (SINGLE, 1),  # the same module on one process
     "dp2tp2": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "tp": 2}}}, 2),
+    "dp2tp2_ck": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "tp": 2}}, **EVERY_2}, 2),  # the reshard chain's source
+    "dp4": ({"strategy": {**MP, "mesh": {"dp_shard": 4}}}, 4),
     "hsdp": ({"strategy": {**MP, "mesh": {"dp_replicate": 2, "dp_shard": 2}}}, 4),
     "hf_dp2tp2": ({"parallelism_config": {"dp_shard_size": 2, "tp_size": 2}, "strategy": {"device": "cpu"}}, 2),
     "resume": ({"strategy": {**MP}}, 1),  # the default mesh: dp_shard over every process
@@ -121,9 +123,10 @@ WRAPPED = {"hook": HookedLlama, "hook_single": HookedLlama, "tp2_lp_tuple": Tupl
 
 def resumed(name: str) -> tuple[str, bool]:
     """`<case>_from_<source>` resumes a source's checkpoint and trains on as <case>; `<case>_at_<source>`
-    loads it and stops there (max_steps is the checkpoint's step: the weights are what was loaded).
+    loads it and stops there (max_steps is the checkpoint's step: the weights are what was loaded);
+    `<case>_hop_<source>` trains on like `_from_` and saves every step, for the next mesh of a chain.
     Returns (case, stops at the checkpoint); a plain case name is itself."""
-    for word, stops in (("_from_", False), ("_at_", True)):
+    for word, stops in (("_from_", False), ("_at_", True), ("_hop_", False)):
         if word in name:
             return name.split(word)[0], stops
     return name, False
@@ -142,7 +145,8 @@ def config(name: str, root: str, table: Optional[dict[str, tuple[dict[str, Any],
     }
     cfg.update(entries)
     if case != name:  # a resumed run: no checkpoints of its own
-        cfg.update({"save": {"strategy": "no"}, "max_steps": 2 if stops else 4})
+        saves = {"strategy": "steps", "steps": 1} if "_hop_" in name else {"strategy": "no"}
+        cfg.update({"save": saves, "max_steps": 2 if stops else 4})
     cfg.update(extra)
     return cfg
 
@@ -154,7 +158,7 @@ def data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def trainer_for(name: str, root: str, model: Any = None, **extra: Any) -> Any:
     from kiln import Trainer
 
-    if model is None and name in ("dp2tp2", "hsdp", "dp2tp2_sp_lp"):  # each rank builds other weights: rank 0's must win (sync before sharding)
+    if model is None and name in ("dp2tp2", "dp2tp2_ck", "hsdp", "dp2tp2_sp_lp"):  # each rank builds other weights: rank 0's must win (sync before sharding)
         model = llama(seed=int(os.environ.get("RANK", "0")))
     model = model if model is not None else (WRAPPED[name]() if name in WRAPPED else llama())
     return Trainer(model, config(name, root, **extra), train_dataset=data(32, seed=1), eval_dataset=data(8, seed=2))

@@ -4,8 +4,9 @@ tp 2 and HSDP (dp_replicate 2 x dp_shard 2) on 4 give single's weights, logged l
 norms and eval loss at 1e-5; bf16 (autocast under tp 2, FSDP2's MixedPrecisionPolicy under dp_shard 2)
 stays within bf16's rounding of single bf16; a TrainingModule's `configure_model(mesh)` parallelises
 itself; checkpoints (DCP, each rank its shards) resume on another mesh (tp 2 -> one process, tp 2 ->
-dp_shard 2, dp_shard 2 -> tp 2, one process -> tp 2): the weights loaded are the saved ones bit for
-bit, and the continued run ends within 1e-6 of the run that never stopped; `kiln convert` and
+dp_shard 2, dp_shard 2 -> tp 2, one process -> tp 2; heavy: dp_shard 2 x tp 2 -> dp_shard 4 -> one process
+and back on 4): the weights loaded are the saved ones bit for bit, and the continued run ends within 1e-6
+of the run that never stopped; `kiln convert` and
 `save_model` give full weights that `from_pretrained` loads into the same logits."""
 
 from __future__ import annotations
@@ -193,3 +194,25 @@ def test_bf16_trains_like_single_bf16(tmp_path):
             change = (want - init[name]).norm()
             error = (weights[case][name] - want).norm() / change
             assert error < BF16_WEIGHTS, f"{case} {name}: differs from single bf16 by {error:.2e} of its change"
+
+
+@pytest.mark.heavy
+def test_a_checkpoint_moves_along_tp2_x_dp2_to_dp4_to_one_process_and_back(tmp_path):
+    """The issue's chain on 4 processes: a dp_shard 2 x tp 2 checkpoint (step 2) resumes as dp_shard 4, which
+    saves step 3, which one process finishes; and back: one process's step 2 -> dp_shard 4 -> step 3 ->
+    dp_shard 2 x tp 2. Each hop ends within 1e-6 of the run that never stopped, with its logged losses."""
+    there, back = tmp_path / "there", tmp_path / "back"
+    first, first_w = _torchrun(4, there, "dp2tp2_ck", f"dp4_hop_a={_checkpoint(there, 'dp2tp2_ck')}")
+    last, last_w = _torchrun(1, back, f"one_from_dp4={_checkpoint(there, 'dp4_hop_a', 3)}", "one")
+    again, again_w = _torchrun(4, tmp_path / "again", f"dp4_hop_one={_checkpoint(back, 'one')}",
+                               f"dp2tp2_from_dp4={_checkpoint(tmp_path / 'again', 'dp4_hop_one', 3)}")
+    assert first["dp4_hop_a"]["data_shards"] == 4 and first["dp2tp2_ck"]["tp_split"] == 2 * 7 + 2
+    assert again["dp2tp2_from_dp4"]["tp_split"] == 2 * 7 + 2 and last["one_from_dp4"]["data_shards"] == 1
+    for hops, source, reference in ((first, "dp4_hop_a", first), (last, "one_from_dp4", first),
+                                    (again, "dp4_hop_one", last), (again, "dp2tp2_from_dp4", last)):
+        origin = "dp2tp2_ck" if reference is first else "one"
+        assert hops[source]["steps"] == 4
+        assert hops[source]["losses"] == pytest.approx(reference[origin]["losses"], rel=1e-6), source
+    for got, want in ((first_w["dp4_hop_a"], first_w["dp2tp2_ck"]), (last_w["one_from_dp4"], first_w["dp2tp2_ck"]),
+                      (again_w["dp4_hop_one"], last_w["one"]), (again_w["dp2tp2_from_dp4"], last_w["one"])):
+        _same_weights(got, want, 1e-6)
