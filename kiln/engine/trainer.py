@@ -41,7 +41,7 @@ from kiln.launch.settings import load_with_launcher_settings
 from kiln.optim.optimizers import build_optimizer
 from kiln.optim.schedulers import build_scheduler, scheduler_needs_metrics
 from kiln.precision import build_precision
-from kiln.strategies import build_strategy, check_run_compatible
+from kiln.strategies import adopt_model, build_strategy, check_run_compatible
 from kiln.strategies.interfaces import ShardedModuleInit
 from kiln.utils.errors import KilnError
 
@@ -88,6 +88,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self.memory_tracker.start("init")
         # The strategy comes first: it decides where (and how sharded) a model the Trainer builds lives.
         self.precision = precision if precision is not None and not isinstance(precision, type) else build_precision(cfg, precision)
+        adopt_model(cfg, model)  # a model transformers split at load picks its strategy, as in HF's Trainer
         self.strategy = build_strategy(cfg, self.precision, strategy)
         check_run_compatible(self.strategy, self.precision, cfg, user_optimizer=optimizers[0] is not None)
         self.strategy.setup_environment()

@@ -39,6 +39,16 @@ def build_strategy(config: "DictConfig", precision: "Precision", override: Any =
     return cls(config, precision)
 
 
+def adopt_model(config: "DictConfig", model: Any) -> None:
+    """Let the model the Trainer was given settle `config.strategy` before the strategy is built: one that
+    transformers split at load (`from_pretrained(tp_plan=...)`) trains under model_parallel over its tp
+    size, or is refused under a strategy that cannot train it (HF's Trainer reads `model.tp_size` likewise)."""
+    if model is not None and getattr(model, "_is_distributed_loading_by_transformers", False):
+        from kiln.strategies.model_parallel.presharded import adopt_loaded_model
+
+        adopt_loaded_model(config, model)
+
+
 def check_run_compatible(strategy: "Strategy", precision: "Precision", config: "DictConfig", *, user_optimizer: bool) -> None:
     """Refuse an impossible strategy x precision x device x options combination before any process
     group starts (see kiln.strategies.capabilities)."""

@@ -180,6 +180,7 @@ class ModelParallelStrategy(DDPStrategy):
         from kiln.strategies.fsdp.strategy import _release_groups
         from kiln.strategies.fsdp.wrap import blocks_to_wrap, sync_module_states
         from kiln.strategies.model_parallel.context_parallel import check_model
+        from kiln.strategies.model_parallel.presharded import is_loaded_split
         from kiln.strategies.model_parallel.tp_plan import apply_plan, user_module
 
         if self.device_mesh is None:
@@ -188,13 +189,16 @@ class ModelParallelStrategy(DDPStrategy):
         if s.cp > 1:  # before any work: attention CP cannot shard is refused here
             check_model(module, self.root_device.type)
         module = module.to(self.root_device)
-        if self.world_size > 1:  # every rank starts from rank 0's weights, whatever seed built them
-            sync_module_states(module)
         user = user_module(module)
+        loaded_split = is_loaded_split(user)  # split by transformers at load: its DTensors stay as they are
+        if self.world_size > 1 and not loaded_split:  # every rank starts from rank 0's weights, whatever seed built them
+            sync_module_states(module)
         hook = getattr(user, "configure_model", None)
         plan = self.option("tp_plan")
         sp, lp = bool(self.option("sequence_parallel", False)), bool(self.option("loss_parallel", False))
-        if callable(hook):
+        if loaded_split:
+            what = f"the tensor parallelism transformers applied at load (tp {s.tp})"
+        elif callable(hook):
             given = [key for key, on in (("tp_plan", plan is not None), ("sequence_parallel", sp), ("loss_parallel", lp)) if on]
             if given:
                 raise ConfigError(f"{type(user).__name__} defines configure_model(mesh), which parallelises the model "

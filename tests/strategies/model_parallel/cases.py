@@ -98,6 +98,8 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "hsdp": ({"strategy": {**MP, "mesh": {"dp_replicate": 2, "dp_shard": 2}}}, 4),
     "hf_dp2tp2": ({"parallelism_config": {"dp_shard_size": 2, "tp_size": 2}, "strategy": {"device": "cpu"}}, 2),
     "resume": ({"strategy": {**MP}}, 1),  # the default mesh: dp_shard over every process
+    # the Llama split by transformers at load (from_pretrained(tp_plan="auto")); strategy auto picks model_parallel
+    "loaded_tp2": ({"strategy": {"device": "cpu"}, **EVERY_2}, 1),
     # bf16 with SGD: AdamW would turn bf16's rounding of a near-zero gradient into a full-size step
     "single_bf16": ({**SINGLE, **BF16}, 1),
     "tp2_bf16": ({"strategy": {**MP, "mesh": {"tp": 2}}, **BF16}, 1),
@@ -160,8 +162,17 @@ def trainer_for(name: str, root: str, model: Any = None, **extra: Any) -> Any:
 
     if model is None and name in ("dp2tp2", "dp2tp2_ck", "hsdp", "dp2tp2_sp_lp"):  # each rank builds other weights: rank 0's must win (sync before sharding)
         model = llama(seed=int(os.environ.get("RANK", "0")))
+    if model is None and name == "loaded_tp2":
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(saved_llama(root), tp_plan="auto")
     model = model if model is not None else (WRAPPED[name]() if name in WRAPPED else llama())
     return Trainer(model, config(name, root, **extra), train_dataset=data(32, seed=1), eval_dataset=data(8, seed=2))
+
+
+def saved_llama(root: str) -> str:
+    """Where the test saved `llama()` for the loaded cases: beside the runs folder."""
+    return os.path.join(os.path.dirname(root), "llama")
 
 
 def full_weights(trainer: Any) -> dict[str, torch.Tensor]:

@@ -1,0 +1,70 @@
+"""A model transformers distributed at load (`from_pretrained(..., tp_plan="auto")`, or
+`distributed_config=DistributedConfig(tp_size=N)`): its layers are already DTensors on transformers' own
+mesh, so the strategy must neither broadcast its weights nor parallelise it again. HF's Trainer reads the
+same facts (`model.tp_size`, `model.config.distributed_config`, trainer.py) to give accelerate a
+ParallelismConfig; kiln picks `model_parallel` with `mesh: {tp: N}` for it, as it would for the same model
+loaded whole with `tp_plan: auto`.
+
+Such a run is tensor parallel only (the world is the tp size): transformers' own FSDP, replica, pipeline
+and expert axes are refused, and kiln adds no data-parallel axes of its own, since FSDP2 over a TP model
+needs both meshes cut from one parent and transformers' mesh is not kiln's. To combine TP with data
+parallelism, load the model whole and give kiln the mesh with `tp_plan: auto`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from torch import nn
+
+from kiln.utils.errors import ConfigError
+
+#: transformers' DistributedConfig sizes kiln cannot take over from a loaded model (its own FSDP / HSDP / PP / EP)
+_OTHER_AXES = ("fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
+
+
+def loaded_tp_size(model: Optional[nn.Module]) -> Optional[int]:
+    """N for a model transformers distributed with tensor parallelism N at load; None for any other model."""
+    if model is None or not getattr(model, "_is_distributed_loading_by_transformers", False):
+        return None
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    name = type(model).__name__
+    other = [f"{axis} {getattr(config, axis, 1)}" for axis in _OTHER_AXES if (getattr(config, axis, 1) or 1) > 1]
+    if other:
+        raise ConfigError(f"{name} was distributed by transformers at load with {', '.join(other)}; kiln takes over "
+                          "only the tensor parallelism of such a load: load the model whole and set strategy "
+                          "model_parallel with mesh (dp_shard, dp_replicate, tp) and tp_plan: auto instead.")
+    return int(getattr(model, "tp_size", None) or getattr(config, "tp_size", 1) or 1)
+
+
+def adopt_loaded_model(config: Any, model: Optional[nn.Module]) -> None:
+    """Point `config.strategy` at model_parallel over the loaded model's tp size (strategy auto or
+    model_parallel without a mesh), or refuse a strategy or mesh that cannot train it, in one sentence."""
+    import torch.distributed as dist
+    from omegaconf import open_dict
+
+    tp = loaded_tp_size(model)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if tp is None:
+        return
+    name, options = config.strategy.name, config.strategy.options
+    given = options.get("mesh") if options is not None else None
+    what = f"{type(model).__name__} was split by transformers at load (tensor parallelism {tp})"
+    if name not in ("auto", "model_parallel"):
+        raise ConfigError(f"{what}; strategy {name!r} cannot train a model whose layers are already DTensors: use "
+                          "strategy auto or model_parallel (or load the model without tp_plan / distributed_config).")
+    if world_size != tp:
+        raise ConfigError(f"{what} and this run has {world_size} processes; a loaded model trains with tensor "
+                          f"parallelism only, so start {tp} processes (or load it whole and give kiln the whole mesh).")
+    if given is not None and {axis: size for axis, size in dict(given).items() if size != 1} != {"tp": tp}:
+        raise ConfigError(f"{what}, and strategy.mesh is {dict(given)}; drop strategy.mesh or set it to {{tp: {tp}}}.")
+    if options is not None and options.get("tp_plan") is not None:
+        raise ConfigError(f"{what}, and strategy.tp_plan would split it again; drop strategy.tp_plan.")
+    with open_dict(config):
+        config.strategy.name = "model_parallel"
+        config.strategy.options["mesh"] = {"tp": tp}
+
+
+def is_loaded_split(module: nn.Module) -> bool:
+    """The set-up side: the module (or the model a TrainingModule holds) was split by transformers at load."""
+    return bool(getattr(module, "_is_distributed_loading_by_transformers", False))

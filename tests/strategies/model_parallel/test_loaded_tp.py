@@ -1,0 +1,77 @@
+"""A model transformers split at load (`from_pretrained(..., tp_plan="auto")`, HF's way of giving the Trainer a
+tensor-parallel model: trainer.py reads `model.tp_size`): kiln picks model_parallel over its tp size under
+strategy auto, trains it as `single` trains the same weights (2 gloo processes, a tiny Llama), writes DCP
+checkpoints that one process resumes, and refuses in one sentence what it cannot train: another strategy,
+another mesh, a tp_plan on top, another world size, or transformers' own FSDP / replica / pipeline axes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.config import load_config
+from kiln.strategies.model_parallel.presharded import adopt_loaded_model
+from kiln.utils.errors import ConfigError
+from tests.strategies.model_parallel import cases
+from tests.strategies.model_parallel.test_model_parallel import _checkpoint, _same_run, _same_weights, _torchrun
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.distributed
+def test_a_model_split_at_load_trains_like_one_process_and_resumes_on_one(tmp_path):
+    cases.llama().save_pretrained(cases.saved_llama(str(tmp_path / "two" / "runs")))
+    results, weights = _torchrun(2, tmp_path / "two", "loaded_tp2")
+    got = results["loaded_tp2"]
+    assert got["strategy"] == "ModelParallelStrategy" and got["data_shards"] == 1  # both ranks read the same batches
+    assert got["tp_split"] == 2 * 7 + 2  # transformers' split, kept: the layers, the embedding and the head
+    single = cases.run_case("single", str(tmp_path / "single"))
+    _same_run(got, single[0])
+    _same_weights(weights["loaded_tp2"], single[1], 1e-4)  # AdamW magnifies the float order of TP's sums (see hook)
+    checkpoint = _checkpoint(tmp_path / "two", "loaded_tp2")
+    assert json.loads((checkpoint / "COMPLETE").read_text())["format"] == "model-parallel-dcp"
+    resumed, resumed_weights = _torchrun(1, tmp_path / "one", f"resume={checkpoint}")
+    assert resumed["resume"]["losses"][:2] == pytest.approx(got["losses"][:2], rel=1e-6)
+    _same_weights(resumed_weights["resume"], weights["loaded_tp2"], 1e-6)
+
+
+class _Split(nn.Module):
+    """What the strategy sees of a model transformers distributed at load."""
+
+    def __init__(self, tp: int = 2, **axes: int) -> None:
+        super().__init__()
+        self._is_distributed_loading_by_transformers = True
+        self.tp_size = tp
+        self.config = SimpleNamespace(distributed_config=SimpleNamespace(tp_size=tp, **axes))
+
+
+@pytest.mark.parametrize("cfg, model, world, words", [
+    ({"strategy": {"name": "ddp"}}, _Split(), 2, "strategy 'ddp' cannot train a model whose layers are already DTensors"),
+    ({}, _Split(), 4, "this run has 4 processes; a loaded model trains with tensor parallelism only, so start 2"),
+    ({"strategy": {"name": "model_parallel", "options": {"mesh": {"dp_shard": 2, "tp": 2}}}}, _Split(), 2,
+     r"strategy.mesh is \{'dp_shard': 2, 'tp': 2\}; drop strategy.mesh or set it to \{tp: 2\}"),
+    ({"strategy": {"name": "model_parallel", "options": {"tp_plan": "auto"}}}, _Split(), 2, "drop strategy.tp_plan"),
+    ({}, _Split(fsdp_size=2), 4, "with fsdp_size 2; kiln takes over only the tensor parallelism"),
+    ({}, _Split(pp_size=2, ep_size=2), 8, "with pp_size 2, ep_size 2;"),
+])
+def test_what_cannot_train_a_model_split_at_load_is_refused(monkeypatch, cfg, model, world, words):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError, match=words):
+        adopt_loaded_model(load_config(cfg), model)
+
+
+def test_strategy_auto_becomes_model_parallel_over_the_loaded_tp_size(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for cfg in ({}, {"strategy": {"name": "model_parallel"}}, {"strategy": {"name": "model_parallel", "options": {"mesh": {"tp": 2, "dp_shard": 1}}}}):
+        config = load_config(cfg)
+        adopt_loaded_model(config, _Split())
+        assert config.strategy.name == "model_parallel" and dict(config.strategy.options.mesh) == {"tp": 2}
+    plain = load_config({})
+    adopt_loaded_model(plain, nn.Linear(2, 2))  # any other model leaves the config alone
+    assert plain.strategy.name == "auto" and "mesh" not in plain.strategy.options
