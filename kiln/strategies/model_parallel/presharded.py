@@ -34,7 +34,7 @@ def loaded_tp_size(model: Optional[nn.Module]) -> Optional[int]:
         raise ConfigError(f"{name} was distributed by transformers at load with {', '.join(other)}; kiln takes over "
                           "only the tensor parallelism of such a load: load the model whole and set strategy "
                           "model_parallel with mesh (dp_shard, dp_replicate, tp) and tp_plan: auto instead.")
-    return int(getattr(model, "tp_size", None) or getattr(config, "tp_size", 1) or 1)
+    return int(getattr(model, "tp_size", None) or config.tp_size)  # the model's, else its DistributedConfig's
 
 
 def adopt_loaded_model(config: Any, model: Optional[nn.Module]) -> None:

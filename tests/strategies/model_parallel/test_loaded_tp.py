@@ -47,7 +47,7 @@ class _Split(nn.Module):
     def __init__(self, tp: int = 2, **axes: int) -> None:
         super().__init__()
         self._is_distributed_loading_by_transformers = True
-        self.tp_size = tp
+        self.tp_size = axes.pop("model_tp", tp)
         self.config = SimpleNamespace(distributed_config=SimpleNamespace(tp_size=tp, **axes))
 
 
@@ -72,6 +72,17 @@ def test_strategy_auto_becomes_model_parallel_over_the_loaded_tp_size(monkeypatc
         config = load_config(cfg)
         adopt_loaded_model(config, _Split())
         assert config.strategy.name == "model_parallel" and dict(config.strategy.options.mesh) == {"tp": 2}
+    config = load_config({})
+    adopt_loaded_model(config, _Split(model_tp=None))  # no tp_size on the model: its DistributedConfig's
+    assert dict(config.strategy.options.mesh) == {"tp": 2}
     plain = load_config({})
     adopt_loaded_model(plain, nn.Linear(2, 2))  # any other model leaves the config alone
     assert plain.strategy.name == "auto" and "mesh" not in plain.strategy.options
+
+
+def test_only_a_model_split_at_load_skips_the_weight_broadcast_and_the_plan():
+    """Any other model is still synced from rank 0 and split by kiln (each rank may have built other weights)."""
+    from kiln.strategies.model_parallel.presharded import is_loaded_split
+
+    assert is_loaded_split(_Split()) is True
+    assert is_loaded_split(nn.Linear(2, 2)) is False and is_loaded_split(cases.llama()) is False
