@@ -29,7 +29,8 @@ def loaded_tp_size(model: Optional[nn.Module]) -> Optional[int]:
         return None
     config = getattr(getattr(model, "config", None), "distributed_config", None)
     name = type(model).__name__
-    other = [f"{axis} {getattr(config, axis, 1)}" for axis in _OTHER_AXES if (getattr(config, axis, 1) or 1) > 1]
+    sizes = {axis: getattr(config, axis, 1) for axis in _OTHER_AXES}  # ints in transformers' DistributedConfig
+    other = [f"{axis} {size}" for axis, size in sizes.items() if size > 1]
     if other:
         raise ConfigError(f"{name} was distributed by transformers at load with {', '.join(other)}; kiln takes over "
                           "only the tensor parallelism of such a load: load the model whole and set strategy "
