@@ -5,8 +5,7 @@ Lightning, each compiling the same model the same way, on the same work.
     python bench/compiled.py --rounds 1 --steps 30                    # does it run (CPU: 20-40 s of compile a run)
     python bench/compiled.py --device cuda --models gpt lm16 --rounds 3 --budget 210 --json compiled.json   # a GPU
     python bench/compiled.py --table-from compiled.json               # the table again, from a run's raw results
-    python bench/compiled.py --device cuda --models mlp lm16 --frameworks kiln hand-written-hf-groups --cache warm
-                                          # kiln beside the loop with HF's two param groups as well as with one
+    python bench/compiled.py --device cuda --frameworks kiln hand-written-hf-groups   # + the loop with 2 param groups
 
 How each compiles (--backend, default inductor, and --mode; fullgraph off: kiln and HF's arguments have none): the
 loop `torch.compile(model, backend=..., mode=...)`, as kiln/engine/compile.py does; kiln `torch_compile: true` (+
@@ -19,7 +18,8 @@ Recipe and method are bench/compare.py's (shared helpers): AdamW without weight 
 run bf16 autocast (kiln `precision: bf16`, HF `bf16=True`, Lightning `"bf16-mixed"`, the loop `torch.autocast`) and
 torch's default AdamW (HF's default, the fused one, is one Lightning refuses to clip under bf16-mixed). Per run: the
 first step alone (where compilation lands), start-up (process start to the end of step 1), time per step after a
-warm-up (CUDA synchronized at the marks read, nowhere else), and dynamo's counters at the end: graphs compiled
+warm-up (CUDA synchronized at the marks read, nowhere else), aten operators and CUDA kernel launches per step counted
+with torch.profiler over warm-up steps 2-10 (bench/counts.py), and dynamo's counters at the end: graphs compiled
 (`unique_graphs`: recompiles and the pieces between graph breaks included) and graph breaks. Each run compiles into
 an empty inductor and Triton cache of its own (`--cache cold`) or into one shared by the session (`--cache warm`).
 
@@ -55,9 +55,11 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 from bench.compare import (  # noqa: E402
-    FRAMEWORKS as BASE_FRAMEWORKS, LABELS as BASE_LABELS, LOG_EVERY, LR, MODELS, WARMUP, Clock, build, compile_sources, hf_arguments, hf_marks, installed,
-    kiln_marks, kiln_settings, lightning_arguments, lightning_module, linear, run_worker, spread,
+    FRAMEWORKS as BASE_FRAMEWORKS, LABELS as BASE_LABELS, LOG_EVERY, LR, MODELS, WARMUP, Clock, build, compile_sources,
+    hf_arguments, hf_marks, installed, kiln_marks, kiln_settings, lightning_arguments, lightning_module, linear,
+    run_worker, spread,
 )
+from bench.counts import StepCounter, counts_table  # noqa: E402
 
 
 #: the hand-written loop again with the optimizer's param groups in HF's and kiln's layout (decayed weights, then biases
@@ -144,13 +146,16 @@ def default_peak(device_name: str) -> Optional[float]:
 
 # -- one run (in its own process) ---------------------------------------------------------------
 class SyncedClock(Clock):
-    """compare.py's Clock, plus the first step alone; `sync` (CUDA synchronize) runs only at the marks read."""
+    """compare.py's Clock, plus the first step alone; `sync` (CUDA synchronize) runs only at the marks read.
+    `counter` (bench/counts.py) profiles warm-up steps 2 to WARMUP, after the compile and before the timing."""
 
-    def __init__(self, launched: float, steps: int, sync: Callable[[], None]) -> None:
+    def __init__(self, launched: float, steps: int, sync: Callable[[], None], counter: Any = None) -> None:
         super().__init__(launched, steps)
-        self.sync, self.began, self.first_step = sync, 0.0, 0.0
+        self.sync, self.began, self.first_step, self.counter = sync, 0.0, 0.0, counter
 
     def step_begin(self, done: int) -> None:
+        if self.counter is not None:
+            self.counter.step_begin(done)
         if done in (0, WARMUP):
             self.sync()
         if done == 0:
@@ -248,13 +253,14 @@ def worker(framework: str, model: str, steps: int, launched: float, s: Setup) ->
     from torch._dynamo.utils import counters
 
     torch.set_num_threads(1)
-    clock = SyncedClock(launched, steps, torch.cuda.synchronize if s.cuda else lambda: None)
+    counter = StepCounter(2, WARMUP, s.cuda)
+    clock = SyncedClock(launched, steps, torch.cuda.synchronize if s.cuda else lambda: None, counter)
     net, data = make(model)
     w = WORKLOADS[model]  # the FLOPs of one token, counted before a framework wraps the model
     flops = flops_per_token(matmul_params(net), w.layers, w.seq, w.dim) if w.seq else 0.0
     with tempfile.TemporaryDirectory() as out:
         RUNNERS[framework](model, net, data, steps, clock, out, s)
-    result: dict[str, Any] = {**clock.result(), "graphs": counters["stats"]["unique_graphs"],
+    result: dict[str, Any] = {**clock.result(), **counter.counts, "graphs": counters["stats"]["unique_graphs"],
                               "breaks": sum(counters["graph_break"].values()), "flops_per_token": flops,
                               "device_name": torch.cuda.get_device_name() if s.cuda else "cpu",
                               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if s.cuda else 0.0}
@@ -302,6 +308,8 @@ def table(report: dict[str, Any], peak_tflops: Optional[float]) -> str:
                       if r["round"] in base and "cpu_per_step" in r], ".3f"),  # absent from older --json files
                 cell(tokens, ",.0f"), cell(use, ".2f", " %"),
                 ", ".join(sorted({f"{r['graphs']} / {r['breaks']}" for r in these})) + " |"]))
+    counted = counts_table(runs, report["models"], FRAMEWORKS, LABELS, lambda m: WORKLOADS[m].label)
+    lines += [f"\nCounted over warm-up steps 2-{WARMUP} (torch.profiler; medians):\n\n{counted}"] if counted else []
     skipped = ", ".join(LABELS[f] for f in report["skipped"])
     lines += [f"\nNot installed, skipped: {skipped}."] if skipped else []
     lines += [f"\n{report['stopped']}"] if report["stopped"] else []
