@@ -44,9 +44,13 @@ def adopt_model(config: "DictConfig", model: Any) -> None:
     transformers split at load (`from_pretrained(tp_plan=...)`) trains under model_parallel over its tp
     size, or is refused under a strategy that cannot train it (HF's Trainer reads `model.tp_size` likewise)."""
     if model is not None and getattr(model, "_is_distributed_loading_by_transformers", False):
+        import torch.distributed as dist
+
+        from kiln.launch.environment import detect
         from kiln.strategies.model_parallel.presharded import adopt_loaded_model
 
-        adopt_loaded_model(config, model)
+        # transformers started the process group to split the model; the launcher's reading otherwise
+        adopt_loaded_model(config, model, dist.get_world_size() if dist.is_initialized() else detect().world_size)
 
 
 def check_run_compatible(strategy: "Strategy", precision: "Precision", config: "DictConfig", *, user_optimizer: bool) -> None:

@@ -12,7 +12,6 @@ parallelism, load the model whole and give kiln the mesh with `tp_plan: auto`.""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from torch import nn
@@ -38,14 +37,12 @@ def loaded_tp_size(model: Optional[nn.Module]) -> Optional[int]:
     return int(getattr(model, "tp_size", None) or config.tp_size)  # the model's, else its DistributedConfig's
 
 
-def adopt_loaded_model(config: Any, model: Optional[nn.Module]) -> None:
+def adopt_loaded_model(config: Any, model: Optional[nn.Module], world_size: int) -> None:
     """Point `config.strategy` at model_parallel over the loaded model's tp size (strategy auto or
     model_parallel without a mesh), or refuse a strategy or mesh that cannot train it, in one sentence."""
-    import torch.distributed as dist
     from omegaconf import open_dict
 
     tp = loaded_tp_size(model)
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if tp is None:
         return
     name, options = config.strategy.name, config.strategy.options

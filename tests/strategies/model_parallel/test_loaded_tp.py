@@ -60,23 +60,21 @@ class _Split(nn.Module):
     ({}, _Split(fsdp_size=2), 4, "with fsdp_size 2; kiln takes over only the tensor parallelism"),
     ({}, _Split(pp_size=2, ep_size=2), 8, "with pp_size 2, ep_size 2;"),
 ])
-def test_what_cannot_train_a_model_split_at_load_is_refused(monkeypatch, cfg, model, world, words):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
+def test_what_cannot_train_a_model_split_at_load_is_refused(cfg, model, world, words):
     with pytest.raises(ConfigError, match=words):
-        adopt_loaded_model(load_config(cfg), model)
+        adopt_loaded_model(load_config(cfg), model, world)
 
 
-def test_strategy_auto_becomes_model_parallel_over_the_loaded_tp_size(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+def test_strategy_auto_becomes_model_parallel_over_the_loaded_tp_size():
     for cfg in ({}, {"strategy": {"name": "model_parallel"}}, {"strategy": {"name": "model_parallel", "options": {"mesh": {"tp": 2, "dp_shard": 1}}}}):
         config = load_config(cfg)
-        adopt_loaded_model(config, _Split())
+        adopt_loaded_model(config, _Split(), 2)
         assert config.strategy.name == "model_parallel" and dict(config.strategy.options.mesh) == {"tp": 2}
     config = load_config({})
-    adopt_loaded_model(config, _Split(model_tp=None))  # no tp_size on the model: its DistributedConfig's
+    adopt_loaded_model(config, _Split(model_tp=None), 2)  # no tp_size on the model: its DistributedConfig's
     assert dict(config.strategy.options.mesh) == {"tp": 2}
     plain = load_config({})
-    adopt_loaded_model(plain, nn.Linear(2, 2))  # any other model leaves the config alone
+    adopt_loaded_model(plain, nn.Linear(2, 2), 2)  # any other model leaves the config alone
     assert plain.strategy.name == "auto" and "mesh" not in plain.strategy.options
 
 
