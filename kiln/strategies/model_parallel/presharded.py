@@ -24,7 +24,7 @@ _OTHER_AXES = ("fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
 
 def loaded_tp_size(model: Optional[nn.Module]) -> Optional[int]:
     """N for a model transformers distributed with tensor parallelism N at load; None for any other model."""
-    if model is None or not getattr(model, "_is_distributed_loading_by_transformers", False):
+    if model is None or not is_loaded_split(model):
         return None
     config = getattr(getattr(model, "config", None), "distributed_config", None)
     name = type(model).__name__
@@ -64,5 +64,6 @@ def adopt_loaded_model(config: Any, model: Optional[nn.Module], world_size: int)
 
 
 def is_loaded_split(module: nn.Module) -> bool:
-    """The set-up side: the module (or the model a TrainingModule holds) was split by transformers at load."""
+    """The module was split by transformers at load (the flag `from_pretrained` sets on the model it distributes;
+    a TrainingModule holding such a model is not recognised)."""
     return bool(getattr(module, "_is_distributed_loading_by_transformers", False))
