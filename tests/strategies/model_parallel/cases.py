@@ -160,7 +160,7 @@ def data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def trainer_for(name: str, root: str, model: Any = None, **extra: Any) -> Any:
     from kiln import Trainer
 
-    if model is None and name in ("dp2tp2", "dp2tp2_ck", "hsdp", "dp2tp2_sp_lp"):  # each rank builds other weights: rank 0's must win (sync before sharding)
+    if model is None and name in ("dp2", "dp2tp2", "dp2tp2_ck", "hsdp", "dp2tp2_sp_lp"):  # each rank builds other weights: rank 0's must win (sync before sharding)
         model = llama(seed=int(os.environ.get("RANK", "0")))
     if model is None and name == "loaded_tp2":
         from transformers import LlamaForCausalLM
