@@ -196,7 +196,7 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
     result = {"losses": [h["loss"] for h in hist if "loss" in h], "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
               "eval_loss": metrics["eval_loss"], "strategy": type(trainer.strategy).__name__,
               "data_shards": trainer.strategy.data_shards, "tp_split": tp_split(trainer.model),
-              "steps": trainer.state.global_step}
+              "steps": trainer.state.global_step, "fsdp_units": fsdp_units(trainer.model)}
     if name.startswith("hook"):
         result["meshes"] = trainer.model.meshes
     if isinstance(trainer.model, TupleLlama):
@@ -207,6 +207,13 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
     if name in WRAPPED:  # the same key names as the plain Llama's
         weights = {k.removeprefix("llm."): v for k, v in weights.items()}
     return result, weights
+
+
+def fsdp_units(model: Any) -> list[str]:
+    """The classes of the modules FSDP2 made units of, innermost first as fully_shard met them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def tp_split(model: Any) -> int:
