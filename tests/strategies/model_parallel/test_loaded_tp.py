@@ -84,3 +84,15 @@ def test_only_a_model_split_at_load_skips_the_weight_broadcast_and_the_plan():
 
     assert is_loaded_split(_Split()) is True
     assert is_loaded_split(nn.Linear(2, 2)) is False and is_loaded_split(cases.llama()) is False
+
+
+def test_a_plain_model_never_loads_this_module(tmp_path):
+    """The Trainer asks every model whether transformers split it; for any other model the answer costs no import."""
+    import subprocess
+
+    code = ("import sys, torch; from kiln import Trainer; "
+            f"Trainer(torch.nn.Linear(2, 1), {{'output_dir': {str(tmp_path)!r}, 'strategy': {{'device': 'cpu'}}}}); "
+            "print('kiln.strategies.model_parallel.presharded' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
