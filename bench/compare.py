@@ -7,9 +7,10 @@
 Every framework trains the same model on the same data (the workloads of MODELS): batch 64 (8 sequences of
 128 tokens for the transformer; issue 33's transformer, 2 layers of width 128, 16 sequences of 64 tokens,
 handed over once as a dataset and once as a DataLoader; the tiny MLP behind a per-sample Python transform
-with 0 and 2 loader workers, where the loader bounds the step), AdamW without weight decay (kiln's and HF's default; torch's own default is 0.01, and
-its decay pass would be work only some of the frameworks do), a linear schedule, gradient clipping at 1.0, a log event every 10 steps with the
-progress output on, and, where the framework has them, csv + jsonl history files (kiln: both; Lightning:
+with 0 and 2 loader workers, where the loader bounds the step), AdamW without weight decay (kiln's and HF's default;
+torch's own default is 0.01) with torch's per-parameter kernels (OPTIM, pinned for every framework; kiln's and HF's
+default, the fused kernel, is bench/optimizer_step.py's), a linear schedule, gradient clipping at 1.0, a log event
+every 10 steps with the progress output on, and, where the framework has them, csv + jsonl history files (kiln: both; Lightning:
 its CSVLogger; HF Trainer: none, it only prints). The hand-written loop reads its loss every 10 steps,
 as logging would. HF Trainer and Lightning run only where installed (`pip install kiln[bench]`).
 
@@ -28,20 +29,27 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH))
 
+from bench.harness import compile_sources, import_time, run_worker  # noqa: E402
+
 WARMUP = 10
 LOG_EVERY = 10
 LR = 1e-3
-FRAMEWORKS = ("hand-written", "kiln", "hf", "lightning")
-LABELS = {"hand-written": "hand-written loop", "kiln": "kiln", "hf": "HF Trainer", "lightning": "Lightning"}
+OPTIM = "adamw_torch"  # the optimizer every framework runs (see the docstring), as kiln's and HF's `optim` name
+FRAMEWORKS = ("hand-written", "kiln", "hf", "lightning")  # the default rows; HAND_HF_GROUPS on request
+#: the hand-written loop again with the optimizer's param groups in HF's and kiln's layout (decayed weights, then biases
+#: and norms: two groups even at weight decay 0), so the optimizer does the same work as kiln's; torch's AdamW runs
+#: its set-up and (on CUDA, foreach) its kernels once per group
+HAND_HF_GROUPS = "hand-written-hf-groups"
+LABELS = {"hand-written": "hand-written loop", "kiln": "kiln", "hf": "HF Trainer", "lightning": "Lightning",
+          HAND_HF_GROUPS: "hand-written, HF's 2 param groups"}
 
 
 class Workload(NamedTuple):
@@ -124,11 +132,15 @@ def linear(steps: int) -> Callable[[int], float]:
     return lambda s: max(0.0, (steps - s) / steps)
 
 
-def run_hand_written(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
+def run_hand_written(model: str, batch: int, steps: int, clock: Clock, out: str, hf_groups: bool = False) -> None:
     import torch
 
     net, data = build(model)
-    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0)  # kiln's and HF's default (torch's is 0.01)
+    params: Any = net.parameters()
+    if hf_groups:  # HF's and kiln's two param groups (kiln imported only here: the loop's start-up stays torch's)
+        from kiln.optim.optimizers import parameter_groups
+        params = parameter_groups(net, 0.0)
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)  # kiln's and HF's default (torch's is 0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear(steps))
     loader = hand_loader(model, data, batch)
     net.train()
@@ -167,7 +179,7 @@ def kiln_settings(batch: int, steps: int, out: str, workers: int = 0, device: st
     """kiln's config for the shared recipe (bench/compiled.py adds its compile and precision keys)."""
     return {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
             "lr_scheduler_type": "linear", "max_grad_norm": 1.0, "dataloader_drop_last": True,
-            "dataloader_num_workers": workers,
+            "dataloader_num_workers": workers, "optim": {"name": OPTIM},
             "log": {"steps": LOG_EVERY, "history": ["csv", "jsonl"], "disable_tqdm": False},
             "save": {"strategy": "no"}, "strategy": {"device": device}}
 
@@ -199,7 +211,7 @@ def hf_arguments(batch: int, steps: int, out: str, workers: int = 0, **overrides
     return {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
             "lr_scheduler_type": "linear", "max_grad_norm": 1.0, "logging_steps": LOG_EVERY, "report_to": [],
             "save_strategy": "no", "use_cpu": True, "dataloader_drop_last": True, "disable_tqdm": False,
-            "dataloader_num_workers": workers, **overrides}
+            "dataloader_num_workers": workers, "optim": OPTIM, **overrides}
 
 
 def hf_marks(clock: Clock) -> Any:
@@ -264,7 +276,9 @@ def lightning_arguments(steps: int, out: str, clock: Clock, **overrides: Any) ->
             "enable_model_summary": False, "callbacks": [Marks()], "default_root_dir": out, **overrides}
 
 
-RUNNERS = {"hand-written": run_hand_written, "kiln": run_kiln, "hf": run_hf, "lightning": run_lightning}
+RUNNERS: dict[str, Callable[..., None]] = {
+    "hand-written": run_hand_written, "kiln": run_kiln, "hf": run_hf, "lightning": run_lightning,
+    HAND_HF_GROUPS: lambda *a: run_hand_written(*a, hf_groups=True)}
 
 
 def worker(framework: str, model: str, steps: int, launched: float) -> None:
@@ -282,28 +296,6 @@ def one_run(framework: str, model: str, steps: int) -> dict[str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(BENCH), "TOKENIZERS_PARALLELISM": "false"}
     return run_worker(__file__, ["--worker", framework, "--models", model, "--steps", str(steps)], env,
                       f"{framework} on {model}")
-
-
-def run_worker(script: str, argv: list[str], env: dict[str, str], what: str,
-               timeout: Optional[float] = None) -> dict[str, Any]:
-    """`script argv --launched NOW` in a fresh interpreter; the JSON of the last `RESULT ` line it prints."""
-    launched = time.time()
-    try:
-        proc = subprocess.run([sys.executable, script, *argv, "--launched", repr(launched)], capture_output=True,
-                              text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise SystemExit(f"{what} did not finish within {timeout:.0f} s") from None
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def import_time(stmt: str) -> float:
-    code = f"import time; t = time.perf_counter(); {stmt}; print(time.perf_counter() - t)"
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    return float(out.stdout.strip().splitlines()[-1])
 
 
 def installed(framework: str) -> bool:
@@ -324,19 +316,6 @@ def spread(values: list[float], fmt: str) -> str:
     return f"{med:{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})" if len(values) > 1 else f"{med:{fmt}}"
 
 
-def compile_sources() -> None:
-    """Write kiln's bytecode (and this folder's) before any run, as `pip install` does for an installed
-    package. Where PYTHONDONTWRITEBYTECODE is set (containers often set it), an editable kiln would
-    otherwise compile every module from source at each start (about 45 ms here), which HF Trainer and
-    Lightning, installed from wheels with their bytecode, never do."""
-    import compileall
-
-    import kiln
-
-    for folder in (os.path.dirname(os.path.abspath(kiln.__file__)), BENCH):
-        compileall.compile_dir(folder, quiet=1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -346,8 +325,8 @@ def main() -> None:
     parser.add_argument("--augment-steps", type=int, default=MODELS["augment-w0"].steps,
                         help="steps per run of the per-sample-transform rows")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=list(FRAMEWORKS))
-    parser.add_argument("--worker", choices=list(FRAMEWORKS), help=argparse.SUPPRESS)
+    parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=list(RUNNERS))
+    parser.add_argument("--worker", choices=list(RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--launched", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

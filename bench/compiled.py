@@ -47,7 +47,6 @@ import time
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -55,19 +54,14 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 from bench.compare import (  # noqa: E402
-    FRAMEWORKS as BASE_FRAMEWORKS, LABELS as BASE_LABELS, LOG_EVERY, LR, MODELS, WARMUP, Clock, build, compile_sources,
-    hf_arguments, hf_marks, installed, kiln_marks, kiln_settings, lightning_arguments, lightning_module, linear,
-    run_worker, spread,
+    FRAMEWORKS as BASE_FRAMEWORKS, HAND_HF_GROUPS, LABELS, LOG_EVERY, LR, MODELS, WARMUP, Clock, build, hf_arguments,
+    hf_marks, installed, kiln_marks, kiln_settings, lightning_arguments, lightning_module, linear, spread,
 )
+from bench.harness import compile_sources, run_worker  # noqa: E402
 from bench.counts import StepCounter, counts_table  # noqa: E402
 
 
-#: the hand-written loop again with the optimizer's param groups in HF's and kiln's layout (decayed weights, then biases
-#: and norms: two groups even at weight decay 0), so the optimizer does the same work as kiln's; torch's AdamW runs
-#: its set-up and (on CUDA, foreach) its kernels once per group
-HAND_HF_GROUPS = "hand-written-hf-groups"
 FRAMEWORKS = (*BASE_FRAMEWORKS, HAND_HF_GROUPS)
-LABELS = {**BASE_LABELS, HAND_HF_GROUPS: "hand-written, HF's 2 param groups"}
 
 
 class Workload(NamedTuple):

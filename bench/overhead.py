@@ -20,7 +20,6 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,6 +1,6 @@
-"""Where kiln's per-step overhead goes: kiln against the hand-written loop of bench/compare.py, on the
-same model, data and settings (AdamW without decay, linear schedule, clipping, a log event every 10
-steps with progress and csv + jsonl history on).
+"""Where kiln's per-step overhead goes: kiln against the hand-written loop of bench/compare.py (and that loop
+with HF's two param groups, as kiln's optimizer has them), on the same model, data and settings (AdamW
+without decay, linear schedule, clipping, a log event every 10 steps with progress and csv + jsonl history on).
 
     python bench/step_cost.py --rounds 7              # the figures in docs/benchmarks.md
     python bench/step_cost.py --profile               # plus kiln's own functions, by CPU time per step
@@ -34,9 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from bench.compare import MODELS, WARMUP, Clock, run_hand_written, run_kiln  # noqa: E402
+from bench.compare import HAND_HF_GROUPS, MODELS, RUNNERS as ALL_RUNNERS, WARMUP, Clock  # noqa: E402
 
-RUNNERS: dict[str, Callable[..., None]] = {"hand-written": run_hand_written, "kiln": run_kiln}
+#: kiln against the loop, and against the loop with HF's (and kiln's) two param groups: the optimizer work kiln's is
+RUNNERS: dict[str, Callable[..., None]] = {name: ALL_RUNNERS[name] for name in ("hand-written", HAND_HF_GROUPS, "kiln")}
 
 
 class OpCounter(TorchDispatchMode):
@@ -125,15 +126,16 @@ def main() -> None:
         counted, timed = ops[framework]
         print(f"| {framework} | {sum(counted.values()) / timed:.2f} | {spread(cpu[framework], '.1f')} | "
               f"{spread(wall[framework], '.1f')} |")
-    extra_cpu = [k - h for k, h in zip(cpu["kiln"], cpu["hand-written"])]
-    extra_wall = [k / h for k, h in zip(wall["kiln"], wall["hand-written"])]
-    (k_ops, k_n), (h_ops, h_n) = ops["kiln"], ops["hand-written"]
-    print(f"\nkiln: {sum(k_ops.values()) / k_n - sum(h_ops.values()) / h_n:+.2f} aten ops / step, "
-          f"{spread(extra_cpu, '+.1f')} CPU µs / step, wall ratio {spread(extra_wall, '.3f')} (paired by round)")
-    extra = {name: k_ops[name] / k_n - h_ops.get(name, 0) / h_n for name in k_ops}
-    shown = sorted(((v, n) for n, v in extra.items() if abs(v) >= 0.005), reverse=True)
-    if shown:
-        print("extra operators per step: " + ", ".join(f"{n} {v:+.2f}" for v, n in shown))
+    for base in ("hand-written", HAND_HF_GROUPS):
+        extra_cpu = [k - h for k, h in zip(cpu["kiln"], cpu[base])]
+        extra_wall = [k / h for k, h in zip(wall["kiln"], wall[base])]
+        (k_ops, k_n), (h_ops, h_n) = ops["kiln"], ops[base]
+        print(f"\nkiln over {base}: {sum(k_ops.values()) / k_n - sum(h_ops.values()) / h_n:+.2f} aten ops / step, "
+              f"{spread(extra_cpu, '+.1f')} CPU µs / step, wall ratio {spread(extra_wall, '.3f')} (paired by round)")
+        extra = {name: k_ops[name] / k_n - h_ops.get(name, 0) / h_n for name in k_ops}
+        shown = sorted(((v, n) for n, v in extra.items() if abs(v) >= 0.005), reverse=True)
+        if shown:
+            print("extra operators per step: " + ", ".join(f"{n} {v:+.2f}" for v, n in shown))
 
     if args.profile:
         profiler = cProfile.Profile()

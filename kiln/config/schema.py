@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -89,16 +90,29 @@ class DataConfig:
     dataloader_in_order: bool = opt(True, "Yield batches in order; false yields each as soon as a worker has it.")
 
 
+def hf_default_optimizer() -> str:
+    """HF's default `optim` (transformers 5, `TrainingArguments.optim`): the fused AdamW kernel on torch >= 2.8,
+    `adamw_torch` before. Read from the installed version's metadata, so the config does not import torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in re.findall(r"\d+", version("torch"))[:2])
+    except (PackageNotFoundError, ValueError):
+        return "adamw_torch"
+    return "adamw_torch_fused" if (major, minor) >= (2, 8) else "adamw_torch"
+
+
 @dataclass
 class OptimConfig:
     """The optimizer (names as HF's `optim`)."""
 
-    name: str = opt("adamw_torch", "Optimizer name, e.g. adamw_torch, adamw_torch_fused, sgd, adafactor.")
+    name: str = opt(hf_default_optimizer(), "Optimizer name, e.g. adamw_torch, adamw_torch_fused, sgd, adafactor. "
+                    "Default as HF's: adamw_torch_fused on torch >= 2.8 (adamw_torch before; on a device without "
+                    "fused kernels, such as XLA, it steps with adamw_torch's).")
     lr: float = opt(5e-5, "Peak learning rate.")
-    weight_decay: float = opt(0.0, "Decoupled weight decay; never applied to biases and norm weights. With decay the "
-                                   "optimizer has HF's two param groups (decayed weights, then biases and norm weights); at 0 "
-                                   "it has one, in the same parameter order (one pass of per-group optimizer code less per "
-                                   "step). Checkpoints resume across both layouts ([checkpoints](checkpoints.md)).")
+    weight_decay: float = opt(0.0, "Decoupled weight decay; never applied to biases and norm weights. The optimizer has "
+                                   "HF's two param groups whatever the decay (decayed weights, then biases and norm weights), "
+                                   "so either Trainer resumes the other's checkpoints ([checkpoints](checkpoints.md)).")
     adam_beta1: float = opt(0.9, "Adam beta1.")
     adam_beta2: float = opt(0.999, "Adam beta2.")
     adam_epsilon: float = opt(1e-8, "Adam epsilon.")

@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import logging
 import re
 from typing import Any, Callable, Mapping, Union
 
@@ -25,6 +26,8 @@ from kiln.config.schema import OptimConfig
 from kiln.optim import lomo as _lomo
 from kiln.optim import package_optimizers as _package_optimizers
 from kiln.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "OPTIMIZERS", "build_optimizer", "decay_parameter_names", "is_norm_module", "optimizer_mode", "parameter_groups",
@@ -291,6 +294,30 @@ def _check_optim_args(name: str, cls: type, base: dict[str, Any], extra: dict[st
             )
 
 
+def _kernels_for(name: str, cls: type, kwargs: dict[str, Any], groups: Any) -> dict[str, Any]:
+    """`kwargs` with the multi-tensor kernels switched off where they cannot run, for the per-parameter
+    ones, which make the same update: `fused` on a device torch has no fused kernel for (XLA; torch
+    would raise at the first step), and `fused` / `foreach` for a group that mixes DTensors with plain
+    tensors or DTensors of different meshes (model_parallel's tp plan leaves unplanned parameters
+    plain), which one kernel call cannot span (HF's Trainer splits such groups by mesh instead)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):  # LOMO takes the model itself
+        return kwargs
+    params = [p for group in groups for p in group["params"]]
+    missing = sorted({p.device.type for p in params} - set(_get_fused_kernels_supported_devices()))
+    mixed = any(len({id(getattr(p, "device_mesh", None)) for p in group["params"]}) > 1 for group in groups)
+    if mixed and "foreach" in inspect.signature(cls).parameters:
+        logger.info("optim.name=%s: a param group mixes DTensors with plain tensors (or meshes), which no multi-tensor "
+                    "kernel spans; stepping with the per-parameter kernels (the same update).", name)
+        return {**{k: v for k, v in kwargs.items() if k != "fused"}, "foreach": False}
+    if kwargs.get("fused") and missing:
+        logger.info("optim.name=%s: torch has no fused kernel for %s parameters; stepping with adamw_torch's kernels "
+                    "(the same update).", name, ", ".join(missing))
+        return {k: v for k, v in kwargs.items() if k != "fused"}
+    return kwargs
+
+
 def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
     """Build the optimizer named by `optim.name` over `model`'s trainable parameters.
 
@@ -306,8 +333,9 @@ def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
     if make_groups is not None:
         groups = make_groups(model, cfg, extra, groups)
     _check_optim_args(cfg.name, cls, kwargs, extra)
+    arguments = _kernels_for(cfg.name, cls, {**kwargs, **extra}, groups)
     try:
-        return cls(groups, **kwargs, **extra)
+        return cls(groups, **arguments)
     except (TypeError, ValueError) as err:
         raise ValueError(
             f"Optimizer {cfg.name!r} rejected its arguments ({err}); check optim.lr, optim.adam_* and optim.optim_args."

@@ -21,12 +21,33 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+#: param-group entries that choose the kernel, not the optimisation: this run's config decides them
+KERNEL_KEYS = ("fused", "foreach")
+
+
 def regroup_optimizer_state(saved: Any, param_groups: Sequence[dict[str, Any]]) -> Any:
     """`saved` (an `Optimizer.state_dict()`) with its param groups re-cut to the sizes of
-    `param_groups` (the running optimizer's). Returned unchanged when the group counts agree or the
-    parameter counts differ (then `load_state_dict`'s own check reports the mismatch)."""
+    `param_groups` (the running optimizer's), and their KERNEL_KEYS taken from `param_groups`: a
+    checkpoint of `adamw_torch` resumes under `adamw_torch_fused` with the fused kernel (whose step
+    counters `load_state_dict` then moves to the parameters' device), and the other way round.
+    Not re-cut when the group counts agree or the parameter counts differ (then `load_state_dict`'s
+    own check reports the mismatch)."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if not isinstance(groups, list) or not groups or len(groups) == len(param_groups):
+    if not isinstance(groups, list) or not groups:
+        return saved
+    return _with_kernels(_recut(saved, groups, param_groups), param_groups)
+
+
+def _with_kernels(saved: dict[str, Any], param_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    pairs = list(zip(saved["param_groups"], param_groups))
+    if all(g.get(k) == run[k] for g, run in pairs for k in KERNEL_KEYS if k in run):
+        return saved
+    groups = [{**g, **{k: run[k] for k in KERNEL_KEYS if k in run}} for g, run in pairs]
+    return {**saved, "param_groups": groups + saved["param_groups"][len(groups):]}
+
+
+def _recut(saved: dict[str, Any], groups: list[dict[str, Any]], param_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    if len(groups) == len(param_groups):
         return saved
     sizes = [len(g["params"]) for g in param_groups]
     if sum(len(g["params"]) for g in groups) != sum(sizes):

@@ -27,7 +27,7 @@ def test_hf_flat_names_map_onto_the_tree():
 
 def test_hf_defaults():
     cfg = load_config(None)
-    assert cfg.optim.name == "adamw_torch" and cfg.optim.lr == 5e-5 and cfg.scheduler.name == "linear"
+    assert cfg.optim.name == "adamw_torch_fused" and cfg.optim.lr == 5e-5 and cfg.scheduler.name == "linear"  # HF 5, torch >= 2.8
     assert cfg.train.max_grad_norm == 1.0 and cfg.seed == 42 and cfg.train.num_train_epochs == 3.0
 
 

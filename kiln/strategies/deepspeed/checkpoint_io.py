@@ -103,9 +103,9 @@ def _check_group_count(directory: str, engine: Any) -> None:
     if saved and saved != current:
         raise CheckpointError(
             f"{directory} holds DeepSpeed optimizer state in {saved} parameter groups and this run's optimizer has "
-            f"{current} (kiln uses one group when weight_decay is 0 and two otherwise; kiln before 2026-11-25 always "
-            "used two), and DeepSpeed's partitioned state cannot be regrouped: resume with the weight_decay and the "
-            "kiln version that saved it.")
+            f"{current} (kiln builds HF's two groups; on 2026-11-25, before HF-parity round 3, it built one when "
+            "weight_decay was 0), and DeepSpeed's partitioned state cannot be regrouped: resume with the kiln version "
+            "that saved it.")
 
 
 def gathered_state(module: nn.Module, fp32: bool = False) -> dict[str, torch.Tensor]:

@@ -1,0 +1,118 @@
+"""The default optimizer is HF's: `adamw_torch_fused` on torch >= 2.8 (transformers 5's
+`TrainingArguments.optim`), stepping with `adamw_torch`'s kernels on a device torch has no fused kernel
+for; a checkpoint resumes with this run's kernel, whichever kernel saved it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kiln.config import schema
+from kiln.config.schema import OptimConfig
+from kiln.optim.optimizers import build_optimizer
+from tests.checkpoint.checkpoint_helpers import Crash, make_model, train, weights
+
+CFG = {"max_steps": 10, "save_steps": 5, "lr_scheduler_type": "linear", "warmup_steps": 2, "weight_decay": 0.01}
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts calls of torch's fused AdamW kernel (one per param group and step)."""
+    calls = []
+    kernel = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    return calls
+
+
+def test_the_default_is_the_one_of_the_installed_transformers():
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(output_dir="unused", report_to=[])
+    assert OptimConfig().name == str(getattr(args.optim, "value", args.optim)) == "adamw_torch_fused"
+
+
+@pytest.mark.parametrize("installed,name", [("2.7.1", "adamw_torch"), ("2.8.0", "adamw_torch_fused"),
+                                            ("2.13.0+cpu", "adamw_torch_fused"), ("3.0.0a0+git12ab", "adamw_torch_fused"),
+                                            ("1.13.1", "adamw_torch"), (None, "adamw_torch")])
+def test_hfs_rule_by_torch_version(monkeypatch, installed, name):
+    import importlib.metadata
+
+    def version(package):
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(package)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert schema.hf_default_optimizer() == name
+
+
+def test_a_default_run_steps_with_the_fused_kernel(tmp_path, fused_calls):
+    trainer = train(str(tmp_path / "run"), {**CFG, "save_steps": 100})
+    assert all(group["fused"] is True for group in trainer.optimizer.param_groups)
+    assert len(fused_calls) == 2 * 10  # HF's two param groups, 10 steps
+
+
+def test_without_a_fused_kernel_for_the_device_it_steps_as_adamw_torch(tmp_path, monkeypatch, caplog, fused_calls):
+    import torch.utils._foreach_utils as foreach_utils
+
+    plain = train(str(tmp_path / "plain"), {**CFG, "save_steps": 100, "optim": "adamw_torch"})
+    monkeypatch.setattr(foreach_utils, "_get_fused_kernels_supported_devices", lambda: ["cuda"])  # as for XLA
+    with caplog.at_level(logging.INFO, logger="kiln.optim.optimizers"):
+        fallback = train(str(tmp_path / "fallback"), {**CFG, "save_steps": 100})
+    assert not fused_calls
+    assert all(not group["fused"] for group in fallback.optimizer.param_groups)
+    assert "no fused kernel for cpu parameters" in caplog.text
+    a, b = weights(plain), weights(fallback)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the very same kernels as adamw_torch
+
+
+def test_parameters_on_a_device_without_fused_kernels_build_without_fused():
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 2)
+    optimizer = build_optimizer(model, OptimConfig(name="adamw_torch_fused"))
+    assert not any(group["fused"] for group in optimizer.param_groups)
+    assert build_optimizer(torch.nn.Linear(3, 2), OptimConfig(name="adamw_torch_fused")).param_groups[0]["fused"]
+
+
+@pytest.mark.parametrize("saved,resumed", [("adamw_torch", "adamw_torch_fused"), ("adamw_torch_fused", "adamw_torch")])
+def test_a_checkpoint_resumes_with_this_runs_kernel(tmp_path, fused_calls, saved, resumed):
+    straight = train(str(tmp_path / "straight"), {**CFG, "optim": saved})
+    out = str(tmp_path / "crashed")
+    with pytest.raises(Crash):
+        train(out, {**CFG, "optim": saved}, crash_at=5)
+    fused_calls.clear()
+    done = train(out, {**CFG, "optim": resumed}, model_seed=1234, resume=True)
+    fused = resumed == "adamw_torch_fused"
+    assert [bool(g["fused"]) for g in done.optimizer.param_groups] == [fused, fused]
+    assert len(fused_calls) == (2 * 5 if fused else 0)  # steps 6-10, two groups
+    assert [g["weight_decay"] for g in done.optimizer.param_groups] == [0.01, 0.0]  # the saved settings stay
+    a, b = weights(straight), weights(done)
+    for k in a:  # the two kernels differ in roundoff only
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+class _Split(torch.nn.Module):
+    """Two linear layers whose weights stand in for DTensors (their `device_mesh`), as model_parallel's tp
+    plan leaves the unplanned parameters plain."""
+
+    def __init__(self, meshes):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+        for layer, mesh in zip((self.a, self.b), meshes):
+            if mesh is not None:
+                layer.weight.device_mesh = mesh
+
+
+@pytest.mark.parametrize("name", ["adamw_torch_fused", "adamw_torch_foreach", "adamw_torch"])
+@pytest.mark.parametrize("meshes", [("mesh", None), ("mesh", "other mesh")], ids=["dtensor+plain", "two meshes"])
+def test_a_group_no_multi_tensor_kernel_spans_steps_per_parameter(caplog, name, meshes):
+    with caplog.at_level(logging.INFO, logger="kiln.optim.optimizers"):
+        optimizer = build_optimizer(_Split(meshes), OptimConfig(name=name))
+    assert all(group["foreach"] is False and not group["fused"] for group in optimizer.param_groups)
+    assert "mixes DTensors with plain tensors" in caplog.text
+
+
+def test_one_mesh_keeps_the_named_kernel():
+    assert build_optimizer(_Split(("mesh", "mesh")), OptimConfig(name="adamw_torch_fused")).param_groups[0]["fused"]
+    assert build_optimizer(_Split((None, None)), OptimConfig(name="adamw_torch_foreach")).param_groups[0]["foreach"]
