@@ -76,6 +76,8 @@ def test_regroup_leaves_matching_or_foreign_layouts_to_load_state_dict():
     assert regroup_optimizer_state(saved, opt.param_groups) is saved  # same group count
     other = torch.optim.SGD(params[:2], lr=0.1)
     assert regroup_optimizer_state(saved, other.param_groups) is saved  # 3 parameters saved, 2 here
+    malformed = {"state": {}, "param_groups": {"params": [0, 1, 2]}}  # not a list of groups: load_state_dict says so
+    assert regroup_optimizer_state(malformed, opt.param_groups) is malformed
 
 
 def test_scheduler_state_follows_the_group_count():

@@ -196,7 +196,8 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
     result = {"losses": [h["loss"] for h in hist if "loss" in h], "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
               "eval_loss": metrics["eval_loss"], "strategy": type(trainer.strategy).__name__,
               "data_shards": trainer.strategy.data_shards, "tp_split": tp_split(trainer.model),
-              "steps": trainer.state.global_step, "fsdp_units": fsdp_units(trainer.model)}
+              "steps": trainer.state.global_step, "fsdp_units": fsdp_units(trainer.model),
+              "releases_groups": releases_groups(trainer.model)}
     if name.startswith("hook"):
         result["meshes"] = trainer.model.meshes
     if isinstance(trainer.model, TupleLlama):
@@ -214,6 +215,15 @@ def fsdp_units(model: Any) -> list[str]:
     from torch.distributed.fsdp import FSDPModule
 
     return [type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def releases_groups(model: Any) -> bool:
+    """Whether the exit teardown will drop this FSDP module's references to its process groups
+    (register_group_user), so gloo's workers can be joined before the interpreter finalizes (issue 16)."""
+    from kiln.strategies import process_group
+    from kiln.strategies.fsdp.strategy import _release_groups
+
+    return any(ref() is model and release is _release_groups for ref, release in process_group._GROUP_USERS)
 
 
 def tp_split(model: Any) -> int:

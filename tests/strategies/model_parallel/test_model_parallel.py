@@ -88,6 +88,7 @@ def test_dp_shard2_trains_like_one_process(two, single):
     assert results["dp2"]["data_shards"] == 2 and results["dp2"]["tp_split"] == 0
     # a unit per decoder layer (the model's _no_split_modules) and the root, not the root alone
     assert sorted(results["dp2"]["fsdp_units"]) == ["FSDPLlamaDecoderLayer", "FSDPLlamaDecoderLayer", "FSDPLlamaForCausalLM"]
+    assert results["dp2"]["releases_groups"] and not results["tp2"]["releases_groups"]  # FSDP's groups only, freed at exit
     _same_run(results["dp2"], single[0])
     _same_weights(weights["dp2"], single[1])
 
