@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -92,12 +93,21 @@ class DataConfig:
 
 def hf_default_optimizer() -> str:
     """HF's default `optim` (transformers 5, `TrainingArguments.optim`): the fused AdamW kernel on torch >= 2.8,
-    `adamw_torch` before. Read from the installed version's metadata, so the config does not import torch."""
-    from importlib.metadata import PackageNotFoundError, version
+    `adamw_torch` before. The version comes from torch when it is imported, else from the installed metadata
+    (the config does not import torch)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        installed = str(torch.__version__)
+    else:
+        from importlib.metadata import PackageNotFoundError, version
 
+        try:
+            installed = version("torch")
+        except PackageNotFoundError:
+            return "adamw_torch"
     try:
-        major, minor = (int(part) for part in re.findall(r"\d+", version("torch"))[:2])
-    except (PackageNotFoundError, ValueError):
+        major, minor = (int(part) for part in re.findall(r"\d+", installed)[:2])
+    except ValueError:  # not two numbers
         return "adamw_torch"
     return "adamw_torch_fused" if (major, minor) >= (2, 8) else "adamw_torch"
 

@@ -34,17 +34,31 @@ def test_the_default_is_the_one_of_the_installed_transformers():
 
 @pytest.mark.parametrize("installed,name", [("2.7.1", "adamw_torch"), ("2.8.0", "adamw_torch_fused"),
                                             ("2.13.0+cpu", "adamw_torch_fused"), ("3.0.0a0+git12ab", "adamw_torch_fused"),
-                                            ("1.13.1", "adamw_torch"), (None, "adamw_torch")])
-def test_hfs_rule_by_torch_version(monkeypatch, installed, name):
+                                            ("1.13.1", "adamw_torch"), ("unknown", "adamw_torch")])
+@pytest.mark.parametrize("source", ["imported torch", "installed metadata"])
+def test_hfs_rule_by_torch_version(monkeypatch, installed, name, source):
     import importlib.metadata
+    import sys
+    import types
+
+    if source == "imported torch":
+        monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__=installed))
+    else:
+        monkeypatch.delitem(sys.modules, "torch")
+        monkeypatch.setattr(importlib.metadata, "version", lambda package: installed)
+    assert schema.hf_default_optimizer() == name
+
+
+def test_without_torch_installed_the_default_is_adamw_torch(monkeypatch):
+    import importlib.metadata
+    import sys
 
     def version(package):
-        if installed is None:
-            raise importlib.metadata.PackageNotFoundError(package)
-        return installed
+        raise importlib.metadata.PackageNotFoundError(package)
 
+    monkeypatch.delitem(sys.modules, "torch")
     monkeypatch.setattr(importlib.metadata, "version", version)
-    assert schema.hf_default_optimizer() == name
+    assert schema.hf_default_optimizer() == "adamw_torch"
 
 
 def test_a_default_run_steps_with_the_fused_kernel(tmp_path, fused_calls):
@@ -116,3 +130,16 @@ def test_a_group_no_multi_tensor_kernel_spans_steps_per_parameter(caplog, name, 
 def test_one_mesh_keeps_the_named_kernel():
     assert build_optimizer(_Split(("mesh", "mesh")), OptimConfig(name="adamw_torch_fused")).param_groups[0]["fused"]
     assert build_optimizer(_Split((None, None)), OptimConfig(name="adamw_torch_foreach")).param_groups[0]["foreach"]
+
+
+def test_an_adamw_torch_checkpoint_resumes_under_fp16_with_the_fused_default(tmp_path, monkeypatch, fused_calls):
+    """GradScaler hands a fused optimizer its found_inf at each step: had the checkpoint's `fused: None` been
+    restored, torch's per-parameter kernel would get it and assert at the first resumed step."""
+    monkeypatch.setattr("kiln.accelerators.cpu.cpu_supports_fp16", lambda: True)  # fp16 rules pass on this CPU
+    cfg = {**CFG, "precision": "fp16"}
+    out = str(tmp_path / "crashed")
+    with pytest.raises(Crash):
+        train(out, {**cfg, "optim": "adamw_torch"}, crash_at=5)
+    fused_calls.clear()
+    done = train(out, cfg, model_seed=1234, resume=True)
+    assert done.state.global_step == 10 and len(fused_calls) == 2 * 5
