@@ -42,3 +42,9 @@ def test_a_plain_optimizer_state_is_counted(tmp_path):
     folder = _folder(tmp_path, {"optimizer": {"param_groups": [{}]}})  # ZeRO-0 keeps the torch optimizer's state
     with pytest.raises(CheckpointError, match="resume with the kiln version that saved it"):
         _check_group_count(folder, types.SimpleNamespace(basic_optimizer=None, optimizer=_optimizer(2)))
+
+
+def test_an_engine_without_an_optimizer_is_not_checked(tmp_path):
+    folder = _folder(tmp_path, {"param_shapes": [{}, {}]})  # evaluation-only engines (deepspeed.init_inference-like)
+    _check_group_count(folder, types.SimpleNamespace(basic_optimizer=None, optimizer=None))
+    _check_group_count(str(tmp_path / "empty"), types.SimpleNamespace(basic_optimizer=None, optimizer=_optimizer(1)))
