@@ -45,6 +45,6 @@ def test_a_plain_optimizer_state_is_counted(tmp_path):
 
 
 def test_an_engine_without_an_optimizer_is_not_checked(tmp_path):
-    folder = _folder(tmp_path, {"param_shapes": [{}, {}]})  # evaluation-only engines (deepspeed.init_inference-like)
+    folder = _folder(tmp_path, {"param_shapes": [{}, {}]})  # an engine set up without an optimizer
     _check_group_count(folder, types.SimpleNamespace(basic_optimizer=None, optimizer=None))
     _check_group_count(str(tmp_path / "empty"), types.SimpleNamespace(basic_optimizer=None, optimizer=_optimizer(1)))
