@@ -33,6 +33,10 @@ ROWS: dict[str, list[str]] = {
     "tf32": ["precision.name=tf32"],
     "bf16": ["precision.name=bf16"],
     "fp16": ["precision.name=fp16"],
+    # the example pins adamw_torch; kiln's default (HF's) is the fused AdamW, which takes GradScaler's
+    # scale and inf flag into its kernel instead of being unscaled by the scaler
+    "fp16-fused": ["precision.name=fp16", "optim.name=adamw_torch_fused"],
+    "bf16-fused": ["precision.name=bf16", "optim.name=adamw_torch_fused"],
     "bf16-true": ["precision.name=bf16-true"],
     "bf16-compile": ["precision.name=bf16", "train.torch_compile=true"],
     "ddp-bf16": ["precision.name=bf16", "strategy.name=ddp"],

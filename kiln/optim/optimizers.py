@@ -26,6 +26,7 @@ from kiln.config.schema import OptimConfig
 from kiln.optim import lomo as _lomo
 from kiln.optim import package_optimizers as _package_optimizers
 from kiln.registry import Registry
+from kiln.utils.kernels import mixes_meshes
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ def _kernels_for(name: str, cls: type, kwargs: dict[str, Any], groups: Any) -> d
         return kwargs
     params = [p for group in groups for p in group["params"]]
     missing = sorted({p.device.type for p in params} - set(_get_fused_kernels_supported_devices()))
-    mixed = any(len({id(getattr(p, "device_mesh", None)) for p in group["params"]}) > 1 for group in groups)
+    mixed = any(mixes_meshes(group["params"]) for group in groups)
     if mixed and "foreach" in inspect.signature(cls).parameters:
         logger.info("optim.name=%s: a param group mixes DTensors with plain tensors (or meshes), which no multi-tensor "
                     "kernel spans; stepping with the per-parameter kernels (the same update).", name)

@@ -55,6 +55,7 @@ from torch import nn
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO
 from kiln.utils.errors import ConfigError
+from kiln.utils.kernels import per_parameter_kernels_where_mixed
 from kiln.utils.tensors import move_to_device
 
 if TYPE_CHECKING:
@@ -217,6 +218,7 @@ class Strategy:
         if optimizer_factory is None:
             return Setup(self._wrapped)
         optimizer = optimizer_factory(self._wrapped)
+        per_parameter_kernels_where_mixed(optimizer)  # a user's optimizer over tp-split and plain parameters
         model, optimizer = self.setup_optimizer(self._wrapped, optimizer)
         self._wrapped = model
         scheduler = scheduler_factory(optimizer) if scheduler_factory is not None else None

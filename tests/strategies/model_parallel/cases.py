@@ -4,9 +4,10 @@ mesh: the per-device batch is 4 / (the case's data shards)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -56,6 +57,24 @@ class HookedLlama(TrainingModule):
 
     def validation_step(self, batch: dict) -> dict:
         return {"loss": self.llm(**batch).loss}
+
+    def configure_optimizers(self) -> Any:
+        """One group over tp-split and plain parameters, the kernel left to torch (run under
+        `cuda_kernel_default`, which picks foreach as torch does on CUDA)."""
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.0)
+
+
+@contextlib.contextmanager
+def cuda_kernel_default() -> Iterator[None]:
+    """torch's optimizers choosing their kernel as on CUDA (foreach), on this CPU machine."""
+    import torch.optim.adam as adam
+
+    chooser = adam._default_to_fused_or_foreach
+    adam._default_to_fused_or_foreach = lambda *args, **kwargs: (False, True)
+    try:
+        yield
+    finally:
+        adam._default_to_fused_or_foreach = chooser
 
 
 class TupleLlama(TrainingModule):
@@ -188,7 +207,8 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
     seen = probes.watch(getattr(trainer.model, "llm", trainer.model)) if name in PROBED else None
     if seen is not None:
         probes.watch_loss(trainer, seen)
-    trainer.fit()
+    with cuda_kernel_default() if name.startswith("hook") else contextlib.nullcontext():
+        trainer.fit()
     metrics = trainer.evaluate()
     if export is not None:
         trainer.save_model(export)
@@ -200,6 +220,7 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
               "releases_groups": releases_groups(trainer.model)}
     if name.startswith("hook"):
         result["meshes"] = trainer.model.meshes
+        result["foreach"] = [group["foreach"] for group in trainer.optimizer.param_groups]
     if isinstance(trainer.model, TupleLlama):
         result["tuple"] = trainer.model.seen
     if seen is not None:

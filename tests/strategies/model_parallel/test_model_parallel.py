@@ -109,6 +109,9 @@ def test_configure_model_parallelises_the_module_itself(two, tmp_path):
     assert results["hook"]["meshes"] == [["dp_replicate", "dp_shard", "cp", "tp"]]  # called once, with the named mesh
     assert reference[0]["meshes"] == []  # `single` has no mesh and never calls it
     assert results["hook"]["tp_split"] == 2 * 3  # the MLPs only, as configure_model split them
+    # its configure_optimizers' one group mixes the split MLPs with plain parameters: torch's foreach
+    # (its CUDA default, emulated) cannot step it, so the strategy chose the per-parameter kernel
+    assert results["hook"]["foreach"] == [False] and reference[0]["foreach"] == [None]
     _same_run(results["hook"], reference[0])
     # 1e-4: one element of 2048 was seen 3e-5 off -- AdamW turns the rounding of a near-zero gradient
     # (TP's summed partial products vs one matmul) into a visible step on that element
