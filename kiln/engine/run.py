@@ -27,7 +27,9 @@ from torch import nn
 
 from kiln.engine.compile import compile_module, compile_optimizer_step
 from kiln.engine.model.facts import ModelFacts
+from kiln.optim.merged_step import step_equal_groups_as_one
 from kiln.optim.schedulers import scheduler_needs_metrics
+from kiln.strategies.interfaces import OwnsOptimizerStep
 from kiln.utils.errors import ConfigError
 
 
@@ -108,6 +110,8 @@ def setup_for_training(run: Run, strategy: Any, precision: Any, config: Any,
                                max_steps=max_steps)
         run.wrapped, run.optimizer = compiled(run, setup.model, config, strategy), setup.optimizer
         compile_optimizer_step(run.optimizer, strategy, config.train)
+        if not isinstance(strategy, OwnsOptimizerStep):  # HF's two groups, stepped as one while their settings agree
+            step_equal_groups_as_one(run.optimizer)
         if setup.scheduler is not None:
             run.scheduler = setup.scheduler
         run.backward_owner = backward_owner(run.optimizer, strategy, precision)
