@@ -122,7 +122,8 @@ class OptimConfig:
     lr: float = opt(5e-5, "Peak learning rate.")
     weight_decay: float = opt(0.0, "Decoupled weight decay; never applied to biases and norm weights. The optimizer has "
                                    "HF's two param groups whatever the decay (decayed weights, then biases and norm weights), "
-                                   "so either Trainer resumes the other's checkpoints ([checkpoints](checkpoints.md)).")
+                                   "so either Trainer resumes the other's checkpoints; while their settings are equal a step "
+                                   "runs them as one group ([checkpoints](checkpoints.md#optimizer-param-groups)).")
     adam_beta1: float = opt(0.9, "Adam beta1.")
     adam_beta2: float = opt(0.999, "Adam beta2.")
     adam_epsilon: float = opt(1e-8, "Adam epsilon.")

@@ -118,6 +118,7 @@ class FitLoop:
         self.grad_norm: Optional[torch.Tensor] = None
         self.epoch_rng = EpochRandomState(loader)
         self.oom = OomRecovery(self)  # auto_find_batch_size: a later out-of-memory shrinks the micro-batch
+        self.guarding = self.oom.enabled
         if restored is not None and restored.loop is not None:  # the running loss sums exactly as they were saved
             self.load_state_dict(restored.loop)
         saved_dataset = restored.dataset if restored is not None else None
@@ -244,7 +245,7 @@ class FitLoop:
                 tokens = int(strategy.reduce(torch.tensor(tokens, device=strategy.root_device), "sum").item())
             self.hooks.state.num_input_tokens_seen += tokens
 
-    # StepEvents: what happens between the parts of a step
+    # StepEvents: what happens between the parts of a step (and `guarding`, set with `oom`)
     def guard(self, model: Any) -> ContextManager[Any]:
         return self.oom.guard(model)
 

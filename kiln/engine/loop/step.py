@@ -10,7 +10,10 @@
     scheduler.step() if result.stepped; strategy.zero_grad(...); strategy.on_step_end()
 
 Every hardware difference is a strategy or precision call; the optional ones are resolved once here
-(`isinstance` on the strategy's interfaces), so a strategy without them costs nothing per step. An
+(`isinstance` on the strategy's interfaces), so a strategy without them costs nothing per step. The usual
+window, one micro-batch with nothing to weigh, synchronise, cut or guard, calls `training_step` directly:
+the per-micro-batch machinery (two context managers, the loop) is about 1 % of a compiled tiny MLP's step on
+CPU (docs/benchmarks.md), and it would make exactly that call. An
 optimizer that updates the weights inside backward (LOMO, `Run.backward_owner`) gets the loss in
 `Trainer.training_step` and leaves nothing for the optimizer step to do.
 
@@ -44,6 +47,8 @@ def _no_sync_control(model: Any, *, boundary: bool) -> ContextManager[Any]:
 class StepEvents(Protocol):
     """What the fit loop does between the parts of a step (callbacks, the out-of-memory guard)."""
 
+    guarding: bool  # whether `guard` does anything (auto_find_batch_size on one process)
+
     def guard(self, model: Any) -> ContextManager[Any]: ...
 
     def substep_end(self) -> None: ...
@@ -70,10 +75,30 @@ class TrainStep:
         self.cuts: Optional[GraphBoundaries] = strategy if isinstance(strategy, GraphBoundaries) else None
         self.passes_micro_batch = _takes(training_step, "micro_batch")
         self.weighs = self.windows_need_weights(run.accumulation)
+        # a lone unweighted micro-batch needs no per-micro-batch context: `training_step` is called directly
+        self.direct = self.sync is _no_sync_control and self.cuts is None and self.passes_micro_batch
 
     def __call__(self, window: list[Any], model: Any, events: "StepEvents") -> tuple[list[torch.Tensor], StepResult]:
         """Forward and backward of every micro-batch of `window`, the optimizer step, the schedule.
         Returns the micro-batches' detached losses (still on the device) and what the step did."""
+        run = self.run
+        if self.direct and not self.weighs and len(window) == 1 and not events.guarding:
+            losses = [self.training_step(model, window[0], num_items_in_batch=None, micro_batch=_LONE)]
+        else:
+            losses = self.micro_batches(window, model, events)
+        events.pre_optimizer_step()
+        result = self.optimizer_step(model)
+        events.optimizer_step()
+        self.step_lr = self.learning_rate()  # the rate this step used: logged as learning_rate (HF), not the next one's
+        if result.stepped and run.scheduler is not None and not run.scheduler_needs_metrics:
+            run.scheduler.step()
+        self.strategy.zero_grad(model, run.optimizer)
+        if self.cuts is not None:
+            self.cuts.on_step_end()
+        return losses, result
+
+    def micro_batches(self, window: list[Any], model: Any, events: "StepEvents") -> list[torch.Tensor]:
+        """Forward and backward of each micro-batch of `window`, in its context; returns the detached losses."""
         run = self.run
         weights = self.loss_weights(window) if self.weighs else None
         num_items = weights.total if weights is not None and self.wants_num_items else None
@@ -93,16 +118,7 @@ class TrainStep:
                 if i < last:
                     events.substep_end()
             run.micro_batch = None
-        events.pre_optimizer_step()
-        result = self.optimizer_step(model)
-        events.optimizer_step()
-        self.step_lr = self.learning_rate()  # the rate this step used: logged as learning_rate (HF), not the next one's
-        if result.stepped and run.scheduler is not None and not run.scheduler_needs_metrics:
-            run.scheduler.step()
-        self.strategy.zero_grad(model, run.optimizer)
-        if self.cuts is not None:
-            self.cuts.on_step_end()
-        return losses, result
+        return losses
 
     def optimizer_step(self, model: Any) -> StepResult:
         """The strategy's optimizer step (or, for a backward-owning optimizer, its no-op step, which

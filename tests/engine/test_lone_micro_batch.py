@@ -1,0 +1,107 @@
+"""The usual window, one micro-batch with nothing to weigh, synchronise, cut or guard, calls `training_step`
+directly (kiln/engine/loop/step.py); every other window takes the per-micro-batch path with its contexts."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from kiln import Trainer
+from kiln.engine.loop.loss_weights import MicroBatch
+from kiln.engine.loop.step import _LONE
+from kiln.strategies.interfaces import GraphBoundaries
+from tests.helpers import TinyRegressor, base_config, regression_data, train_step_of
+
+
+class Events:
+    """StepEvents that record what the step asked of the fit loop."""
+
+    def __init__(self, guarding: bool = False) -> None:
+        self.guarding, self.calls = guarding, []
+
+    @contextlib.contextmanager
+    def guard(self, model: Any) -> Iterator[None]:
+        self.calls.append("guard")
+        yield
+
+    def substep_end(self) -> None:
+        self.calls.append("substep_end")
+
+    def pre_optimizer_step(self) -> None:
+        self.calls.append("pre_optimizer_step")
+
+    def optimizer_step(self) -> None:
+        self.calls.append("optimizer_step")
+
+
+class Recording(Trainer):
+    def training_step(self, model, inputs, num_items_in_batch=None, micro_batch=None):  # type: ignore[override]
+        self.seen.append((micro_batch, num_items_in_batch, self.run.micro_batch))
+        return super().training_step(model, inputs, num_items_in_batch, micro_batch)
+
+
+def _step(tmp_path, trainer_class: type = Recording, **cfg: Any) -> tuple[Any, Any, list[dict[str, torch.Tensor]]]:
+    trainer = trainer_class(TinyRegressor(), base_config(tmp_path, max_steps=1, per_device_train_batch_size=4,
+                                                          lr_scheduler_type="constant", **cfg),
+                            train_dataset=regression_data(16))
+    trainer.seen = []
+    trainer.fit()  # sets the run up: module, optimizer, scheduler
+    trainer.seen.clear()
+    batches = [{"x": torch.randn(4, 8), "y": torch.randn(4)} for _ in range(2)]
+    return trainer, train_step_of(trainer), batches
+
+
+def test_a_lone_unweighted_micro_batch_is_stepped_without_the_per_micro_batch_contexts(tmp_path):
+    trainer, step, batches = _step(tmp_path)
+    assert step.direct and not step.weighs
+    events = Events()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    losses, result = step(batches[:1], trainer.run.wrapped, events)
+    assert events.calls == ["pre_optimizer_step", "optimizer_step"]  # no guard entered
+    assert trainer.seen == [(_LONE, None, None)] and len(losses) == 1 and result.stepped
+    assert not any(torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_the_out_of_memory_guard_and_a_second_micro_batch_take_the_per_micro_batch_path(tmp_path):
+    trainer, step, batches = _step(tmp_path)
+    events = Events(guarding=True)
+    step(batches[:1], trainer.run.wrapped, events)
+    assert events.calls == ["guard", "pre_optimizer_step", "optimizer_step"] and trainer.seen == [(_LONE, None, None)]
+    events, trainer.seen[:] = Events(), []
+    step.weighs = step.windows_need_weights(2)  # what the loop sets for windows of two micro-batches
+    step(batches, trainer.run.wrapped, events)
+    assert events.calls == ["guard", "substep_end", "pre_optimizer_step", "optimizer_step"]
+    assert [type(micro) for micro, _, _ in trainer.seen] == [MicroBatch, MicroBatch]
+    assert [micro.boundary for micro, _, _ in trainer.seen] == [False, True]
+
+
+def test_an_hf_signature_override_finds_the_micro_batch_in_the_run(tmp_path):
+    class HFSignature(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[override]
+            self.seen.append(self.run.micro_batch)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    trainer, step, batches = _step(tmp_path, HFSignature)
+    assert not step.direct
+    step(batches[:1], trainer.run.wrapped, Events())
+    assert trainer.seen == [_LONE] and trainer.run.micro_batch is None
+
+
+def test_a_strategy_that_cuts_graphs_is_told_after_a_lone_micro_batch(tmp_path, monkeypatch):
+    trainer, step, batches = _step(tmp_path)
+    cuts = []
+
+    class Cutting(type(trainer.strategy), GraphBoundaries):  # type: ignore[misc]
+        def on_micro_batch_end(self) -> None:
+            cuts.append("micro_batch")
+
+        def on_step_end(self) -> None:
+            cuts.append("step")
+
+    monkeypatch.setattr(trainer.strategy, "__class__", Cutting)
+    step = train_step_of(trainer)
+    assert not step.direct
+    step(batches[:1], trainer.run.wrapped, Events())
+    assert cuts == ["micro_batch", "step"]
