@@ -70,17 +70,6 @@ def format_log_metrics(split: str, metrics: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def floating_point_ops(model: Any, inputs: Mapping[str, Any], main_input_name: str = "input_ids") -> float:
-    """FLOPs of one forward+backward: the model's own `floating_point_ops(inputs)` when it has one
-    (Transformers models), else HF's estimate 6 x tokens x parameters, else 0 without token ids."""
-    if hasattr(model, "floating_point_ops"):
-        return float(model.floating_point_ops(inputs))
-    ids = inputs.get(main_input_name) if isinstance(inputs, Mapping) else None
-    if ids is None or not hasattr(ids, "numel"):
-        return 0.0
-    return 6.0 * ids.numel() * sum(p.numel() for p in model.parameters())
-
-
 class MemoryTracker:
     """HF's TrainerMemoryTracker: CPU RAM (RSS, with a sampling thread for the peak) and accelerator
     memory (torch's allocator counters for device 0) per stage.

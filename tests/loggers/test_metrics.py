@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.loggers.metrics import MemoryTracker, floating_point_ops, format_log_metrics, metrics_format, speed_metrics
+from kiln.loggers.metrics import MemoryTracker, format_log_metrics, metrics_format, speed_metrics
 
 
 def test_speed_metrics_names_and_values():
@@ -65,18 +65,6 @@ def test_memory_tracker_reports_deltas_with_init_folded_into_the_first_stage():
     tracker.stop_and_update("eval", again)
     assert "init_mem_cpu_alloc_delta" not in again and "eval_mem_cpu_alloc_delta" in again
     del block
-
-
-def test_floating_point_ops():
-    model = torch.nn.Linear(4, 2)  # 10 parameters
-    assert floating_point_ops(model, {"input_ids": torch.zeros(3, 5)}) == 6 * 15 * 10
-    assert floating_point_ops(model, {"x": torch.zeros(3)}) == 0.0
-
-    class HasOwn(torch.nn.Module):
-        def floating_point_ops(self, inputs):
-            return 42
-
-    assert floating_point_ops(HasOwn(), {}) == 42.0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -21,6 +21,7 @@ from kiln.engine.data.epoch_rng import EpochRandomState
 from kiln.engine.data.loaders import loader_length, set_epoch
 from kiln.engine.loop.batch_size import (evaluation_out_of_memory, find_batch_size, free_memory, restart_smaller,
                                          saved_batch_size)
+from kiln.engine.loop.flops import FlopCount
 from kiln.engine.loop.loss_reads import NonFiniteGuard
 from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
 from kiln.engine.loop.plan import plan_steps
@@ -103,8 +104,7 @@ class FitLoop:
         self.step = TrainStep(run, strategy, run.facts, cfg, hooks.training_step, hooks.current_learning_rate,
                               wants_num_items=self.wants_num_items)
         self.count_tokens_seen = bool(cfg.train.include_num_input_tokens_seen)
-        self.model_flops = getattr(run.model, "floating_point_ops", None)
-        self.flops_per_token = 6.0 * sum(p.numel() for p in run.model.parameters())
+        self.flops = FlopCount(run.model)  # total_flos, HF's count (loop/flops.py)
         self.local_flos = 0.0
         control = self.callbacks.call("on_train_begin", cfg, state, hooks.control)
         if cfg.eval.on_start and not resume_path:
@@ -233,11 +233,8 @@ class FitLoop:
         tokens = 0
         for batch in window:
             self.samples += batch_size_of(batch)
-            n = batch_tokens(batch)
-            if n:
-                tokens += n
-                # total_flos: the model's own count (Transformers), else HF's 6 x tokens x parameters
-                self.local_flos += float(self.model_flops(batch)) if self.model_flops else self.flops_per_token * n
+            tokens += batch_tokens(batch)
+            self.local_flos += self.flops.count(batch)
         self.tokens += tokens
         if self.count_tokens_seen:  # a host read per step only when several shards must be summed (as HF)
             strategy = self.strategy
