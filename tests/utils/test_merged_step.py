@@ -265,3 +265,31 @@ def test_after_loading_a_state_dict_it_steps_the_loaded_groups() -> None:
     _train(grouped, a, 3)
     _train(merged, b, 3)
     _assert_same(grouped, a, merged, b)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_a_grad_scalers_step_goes_through_it(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GradScaler calls `optimizer.step()`, with a fused optimizer's scale and inf flag set on the optimizer."""
+    grouped, a, merged, b = _pair(lambda net: _optimizer(net, fused=fused))
+    kernel, calls = torch._fused_adamw_, collections.Counter()
+    for net, opt in ((grouped, a), (merged, b)):
+        counted = lambda *args, _opt=opt, **kw: calls.update([id(_opt)]) or kernel(*args, **kw)  # noqa: E731
+        monkeypatch.setattr(torch, "_fused_adamw_", counted)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            scaler.scale(net(torch.randn(5, 8, generator=g)).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    _assert_same(grouped, a, merged, b)
+    assert (calls[id(a)], calls[id(b)]) == ((8, 4) if fused else (0, 0))
+
+
+def test_a_closure_reaches_the_step_by_position_and_by_name() -> None:
+    _, _, merged, b = _pair(lambda net: _optimizer(net, foreach=True))
+    merged(torch.ones(2, 8)).sum().backward()
+    with ForeachCount() as counter:
+        assert b.step(lambda: torch.tensor(3.0)) == 3.0
+        assert b.step(closure=lambda: torch.tensor(4.0)) == 4.0
+    assert sum(counter.calls.values()) == 2 * _foreach_calls(merged, b)  # both merged steps
