@@ -293,3 +293,20 @@ def test_a_closure_reaches_the_step_by_position_and_by_name() -> None:
         assert b.step(lambda: torch.tensor(3.0)) == 3.0
         assert b.step(closure=lambda: torch.tensor(4.0)) == 4.0
     assert sum(counter.calls.values()) == 2 * _foreach_calls(merged, b)  # both merged steps
+
+
+def test_the_one_group_view_is_built_once_and_rebuilt_when_the_groups_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, merged, b = _pair(lambda net: _optimizer(net))
+    init_group, seen = torch.optim.AdamW._init_group, []
+
+    def recording(self: Any, group: Any, *args: Any) -> Any:
+        seen.append(group["params"])
+        return init_group(self, group, *args)
+
+    monkeypatch.setattr(torch.optim.AdamW, "_init_group", recording)
+    _foreach_calls(merged, b)
+    _foreach_calls(merged, b)
+    assert len(seen) == 2 and seen[0] is seen[1] and len(seen[0]) == 6  # one list, kept between steps
+    b.param_groups[1]["params"] = list(b.param_groups[1]["params"])  # a new list with the same parameters
+    _foreach_calls(merged, b)
+    assert seen[2] is not seen[1] and all(p is q for p, q in zip(seen[2], seen[1], strict=True))
