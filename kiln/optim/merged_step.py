@@ -5,7 +5,7 @@ so that HF and kiln resume each other's checkpoints (`parameter_groups`). With w
 the two groups hold the same settings, yet torch's optimizers do their per-group work twice a step: the
 set-up of each group (`_init_group`, the choice of kernel, a profiler range) and, on an accelerator, one
 launch of every foreach or fused kernel per group. On the compiled tiny MLP on CPU that second group costs
-about 1.6 % of a step (docs/benchmarks.md, "The second param group").
+about 1.6 % of a step (docs/benchmarks.md, "HF's two groups stepped as one").
 
 So, for the duration of `step()` only, the optimizer sees one group that holds every parameter in the groups'
 order, with the settings they share; everywhere else `param_groups` is HF's layout, as schedulers, logs,

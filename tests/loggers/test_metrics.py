@@ -15,6 +15,8 @@ def test_speed_metrics_names_and_values():
     assert speed_metrics("eval", 10.0, num_samples=3, end_time=13.0) == {"eval_runtime": 3.0, "eval_samples_per_second": 1.0}
     assert speed_metrics("test", 5.0, num_samples=3, end_time=5.0) == {"test_runtime": 0.0}
     assert set(speed_metrics("eval", 0.0)) == {"eval_runtime"}  # now - 0: only the runtime
+    assert speed_metrics("eval", 0.0, num_samples=10, end_time=3.0)["eval_samples_per_second"] == 3.333  # HF: 3 places
+    assert speed_metrics("eval", 0.0, num_samples=1, end_time=1 / 3) == {"eval_runtime": 0.3333, "eval_samples_per_second": 3.0}
 
 
 def test_metrics_format_and_aligned_block():
