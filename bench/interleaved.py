@@ -7,6 +7,7 @@ over the chunks after the warm-up.
     python bench/interleaved.py                          # compiled tiny MLP: the figure in docs/benchmarks.md
     python bench/interleaved.py --grouped-step           # kiln stepping HF's two param groups one by one
     python bench/interleaved.py --eager --runs 3
+    python bench/interleaved.py --device cuda --runs 3  # both bf16 autocast, CUDA synchronized at chunk ends only
 
 On this 2-core VM the step time of the same loop moves by 10 % between processes and by a few per cent within
 one (bench/compiled_paired.py pairs whole runs); pairing 200-step chunks resolves about half a per cent. kiln
@@ -17,6 +18,7 @@ progress and csv + jsonl history); the loop reads its loss every 10 steps. A kil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -35,12 +37,21 @@ from bench.compiled import make  # noqa: E402
 WARMUP = 100
 
 
-def hand_written(net: torch.nn.Module, data: Any, batch: int, compile_model: bool) -> Callable[[int], float]:
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def hand_written(net: torch.nn.Module, data: Any, batch: int, compile_model: bool,
+                 device: str) -> Callable[[int], float]:
     """The loop of bench/compiled.py on `net`, runnable in pieces: `run(n)` takes n steps, returns their seconds."""
+    cuda = device == "cuda"
+    net.to(device)
     model = torch.compile(net) if compile_model else net
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear(10**7))  # linear like kiln's; the rate itself is not timed
-    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, drop_last=True, pin_memory=cuda)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
     def batches() -> Iterator[Any]:
         while True:
@@ -49,9 +60,14 @@ def hand_written(net: torch.nn.Module, data: Any, batch: int, compile_model: boo
     stream = batches()
 
     def run(n: int) -> float:
+        sync(device)
         start = time.perf_counter()
         for step in range(1, n + 1):
-            loss = model(**next(stream))["loss"]
+            b = next(stream)
+            if cuda:
+                b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+            with autocast:
+                loss = model(**b)["loss"]
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
@@ -59,6 +75,7 @@ def hand_written(net: torch.nn.Module, data: Any, batch: int, compile_model: boo
             opt.zero_grad(set_to_none=True)
             if step % LOG_EVERY == 0:
                 loss.item()
+        sync(device)
         return time.perf_counter() - start
 
     return run
@@ -70,7 +87,7 @@ def one_run(args: argparse.Namespace) -> list[tuple[float, float]]:
 
     torch._dynamo.reset()
     net, data = make("mlp")
-    loop = hand_written(copy.deepcopy(net), data, 64, not args.eager)
+    loop = hand_written(copy.deepcopy(net), data, 64, not args.eager, args.device)
     loop(WARMUP)  # the loop's compile and warm-up, before kiln's
     pairs: list[tuple[float, float]] = []
 
@@ -78,6 +95,8 @@ def one_run(args: argparse.Namespace) -> list[tuple[float, float]]:
         last, spent, steps = 0.0, 0.0, 0
 
         def on_step_end(self, config, state, control, **kw):  # type: ignore[no-untyped-def]
+            if state.global_step % args.chunk == 0 or state.global_step == WARMUP:  # kernels done (the loop syncs too)
+                sync(args.device)
             now = time.perf_counter()
             if state.global_step > WARMUP:
                 self.spent, self.steps = self.spent + now - self.last, self.steps + 1
@@ -87,7 +106,10 @@ def one_run(args: argparse.Namespace) -> list[tuple[float, float]]:
             self.last = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as out:
-        config = {**kiln_settings(64, WARMUP + args.chunk * args.chunks, out), "torch_compile": not args.eager}
+        config = {**kiln_settings(64, WARMUP + args.chunk * args.chunks, out, device=args.device),
+                  "torch_compile": not args.eager}
+        if args.device == "cuda":
+            config["precision"] = {"name": "bf16"}
         Trainer(net, config, train_dataset=data, callbacks=[Interleave()]).fit()
     return pairs
 
@@ -98,6 +120,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=30, help="chunk pairs a run")
     parser.add_argument("--runs", type=int, default=1, help="fits, one after the other in this process")
     parser.add_argument("--eager", action="store_true", help="no torch.compile in either")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: both run bf16 autocast")
     parser.add_argument("--grouped-step", action="store_true",
                         help="kiln steps HF's two param groups one by one (kiln/optim/merged_step.py off)")
     args = parser.parse_args()
@@ -112,7 +135,8 @@ def main() -> None:
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         kiln_us = statistics.median(k for k, _ in pairs) * 1e6
         loop_us = statistics.median(h for _, h in pairs) * 1e6
-        what = ("eager" if args.eager else "compiled") + " tiny MLP" + (", grouped step" if args.grouped_step else "")
+        what = ("eager" if args.eager else "compiled") + f" tiny MLP on {args.device}" + (
+            ", grouped step" if args.grouped_step else "")
         print(f"run {r + 1}: {what}: "
               f"kiln {kiln_us:.1f} µs a step, loop {loop_us:.1f} µs; ratio median {statistics.median(ratios):.3f} "
               f"(quartiles {q1:.3f}–{q3:.3f}, {len(ratios)} chunk pairs of {args.chunk} steps)", flush=True)

@@ -37,6 +37,10 @@ ROWS: dict[str, list[str]] = {
     # scale and inf flag into its kernel instead of being unscaled by the scaler
     "fp16-fused": ["precision.name=fp16", "optim.name=adamw_torch_fused"],
     "bf16-fused": ["precision.name=bf16", "optim.name=adamw_torch_fused"],
+    # weight decay 0 (kiln's and HF's default): HF's two param groups are equal and step as one
+    # (kiln/optim/merged_step.py), here under GradScaler's fused path and under FSDP2's DTensors
+    "fp16-fused-merged": ["precision.name=fp16", "optim.name=adamw_torch_fused", "optim.weight_decay=0.0"],
+    "fsdp-bf16-merged": ["precision.name=bf16", "strategy.name=fsdp", "optim.weight_decay=0.0"],
     "bf16-true": ["precision.name=bf16-true"],
     "bf16-compile": ["precision.name=bf16", "train.torch_compile=true"],
     "ddp-bf16": ["precision.name=bf16", "strategy.name=ddp"],
