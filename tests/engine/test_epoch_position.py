@@ -45,10 +45,13 @@ def test_the_saved_position_counts_an_epoch_finished_only_at_its_last_batch(tmp_
     assert (trainer.state.epoch_index, trainer.state.batches_into_epoch) == (epoch_index, batches)
 
 
-@pytest.mark.parametrize("first", [9, 12])
-def test_a_run_resumed_from_where_it_stopped_ends_like_an_uninterrupted_one(tmp_path, first):
+@pytest.mark.parametrize("first, older_file", [(9, False), (12, False), (9, True)])
+def test_a_run_resumed_from_where_it_stopped_ends_like_an_uninterrupted_one(tmp_path, first, older_file):
     whole = _fit(tmp_path, "whole", max_steps=15)
     _fit(tmp_path, "parts", max_steps=first)
+    if older_file:  # kiln before 2026-11-27 also wrote a `steps_into_epoch` that was always 0
+        path = tmp_path / "parts" / f"checkpoint-{first}" / "kiln_loop_position.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "steps_into_epoch": 0}))
     resumed = _fit(tmp_path, "parts", resume=True, max_steps=15)
     assert resumed.state.global_step == 15
     assert torch.equal(flat_params(resumed.model), flat_params(whole.model))

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 
 #: kiln's fields that trainer_state.json does not hold (HF's TrainerState(**json) would refuse them)
-LOOP_POSITION = ("epoch_index", "batches_into_epoch", "steps_into_epoch")
+LOOP_POSITION = ("epoch_index", "batches_into_epoch")
 
 
 @dataclass
@@ -44,7 +44,6 @@ class TrainerState:
     # kiln: where inside the epoch the loop stands, so a resume jumps straight there (not in trainer_state.json)
     epoch_index: int = 0
     batches_into_epoch: int = 0
-    steps_into_epoch: int = 0
 
     def to_json(self) -> str:
         """HF's schema only: the loop position is saved apart (`loop_position()`)."""
