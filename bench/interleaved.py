@@ -8,6 +8,7 @@ over the chunks after the warm-up.
     python bench/interleaved.py --grouped-step           # kiln stepping HF's two param groups one by one
     python bench/interleaved.py --eager --runs 3
     python bench/interleaved.py --device cuda --runs 3  # both bf16 autocast, CUDA synchronized at chunk ends only
+    python bench/interleaved.py --model lm16 --chunk 100 --chunks 12   # issue 33's small transformer
 
 On this 2-core VM the step time of the same loop moves by 10 % between processes and by a few per cent within
 one (bench/compiled_paired.py pairs whole runs); pairing 200-step chunks resolves about half a per cent. kiln
@@ -32,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.compare import LOG_EVERY, LR, kiln_settings, linear  # noqa: E402
-from bench.compiled import make  # noqa: E402
+from bench.compiled import WORKLOADS, make  # noqa: E402
 
 WARMUP = 100
 
@@ -86,8 +87,9 @@ def one_run(args: argparse.Namespace) -> list[tuple[float, float]]:
     from kiln import Callback, Trainer
 
     torch._dynamo.reset()
-    net, data = make("mlp")
-    loop = hand_written(copy.deepcopy(net), data, 64, not args.eager, args.device)
+    net, data = make(args.model)
+    batch = WORKLOADS[args.model].batch
+    loop = hand_written(copy.deepcopy(net), data, batch, not args.eager, args.device)
     loop(WARMUP)  # the loop's compile and warm-up, before kiln's
     pairs: list[tuple[float, float]] = []
 
@@ -106,7 +108,7 @@ def one_run(args: argparse.Namespace) -> list[tuple[float, float]]:
             self.last = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as out:
-        config = {**kiln_settings(64, WARMUP + args.chunk * args.chunks, out, device=args.device),
+        config = {**kiln_settings(batch, WARMUP + args.chunk * args.chunks, out, device=args.device),
                   "torch_compile": not args.eager}
         if args.device == "cuda":
             config["precision"] = {"name": "bf16"}
@@ -119,6 +121,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=200, help="steps of each framework in turn")
     parser.add_argument("--chunks", type=int, default=30, help="chunk pairs a run")
     parser.add_argument("--runs", type=int, default=1, help="fits, one after the other in this process")
+    parser.add_argument("--model", default="mlp", choices=("mlp", "lm16"), help="bench/compare.py's workload")
     parser.add_argument("--eager", action="store_true", help="no torch.compile in either")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: both run bf16 autocast")
     parser.add_argument("--grouped-step", action="store_true",
@@ -135,7 +138,7 @@ def main() -> None:
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         kiln_us = statistics.median(k for k, _ in pairs) * 1e6
         loop_us = statistics.median(h for _, h in pairs) * 1e6
-        what = ("eager" if args.eager else "compiled") + f" tiny MLP on {args.device}" + (
+        what = ("eager " if args.eager else "compiled ") + WORKLOADS[args.model].label + f" on {args.device}" + (
             ", grouped step" if args.grouped_step else "")
         print(f"run {r + 1}: {what}: "
               f"kiln {kiln_us:.1f} µs a step, loop {loop_us:.1f} µs; ratio median {statistics.median(ratios):.3f} "
