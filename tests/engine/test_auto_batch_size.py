@@ -119,3 +119,17 @@ def test_a_dataloader_given_as_dataset_is_refused(tmp_path):
     loader = torch.utils.data.DataLoader(regression_data(n=16), batch_size=4)
     with pytest.raises(KilnError, match="a DataLoader passed as train_dataset has a fixed batch size"):
         Trainer(TinyRegressor(), _config(tmp_path, "dl", 4, auto_find_batch_size=True), train_dataset=loader).fit()
+
+
+def test_a_second_train_searches_again_and_builds_its_own_schedule(tmp_path):
+    """A second train() (a new run, HF) on a set-up Trainer: the search probes on the existing optimizer without
+    a schedule, then the run builds its linear schedule for its own 6 steps, which ends at 0."""
+    model = MemoryBound(limit=10)
+    trainer = Trainer(model, _config(tmp_path, "auto", 16, auto_find_batch_size=True, lr_scheduler_type="linear"),
+                      train_dataset=regression_data(n=64))
+    trainer.fit()
+    first = trainer.lr_scheduler
+    out = trainer.train()
+    assert out.global_step == 6 and trainer._train_batch_size == 10
+    assert trainer.lr_scheduler is not first and trainer.lr_scheduler.last_epoch == 6
+    assert trainer.optimizer.param_groups[0]["lr"] == 0.0

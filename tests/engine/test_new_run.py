@@ -67,3 +67,19 @@ def test_second_train_without_model_init_matches_hf_trainer(tmp_path):
 
     assert steps(ours.state.log_history) == pytest.approx(steps(hf.state.log_history), rel=1e-5)
     assert torch.allclose(flat_params(ours_model), flat_params(theirs_model), atol=1e-6)
+
+
+def test_a_second_train_keeps_the_users_own_scheduler(tmp_path):
+    """HF drops only a schedule it built itself (`_created_lr_scheduler`); one passed in `optimizers=` stays, and
+    goes on counting its steps across runs."""
+    model = TinyRegressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    trainer = Trainer(model, _cfg(tmp_path), train_dataset=regression_data(32), optimizers=(opt, sched))
+    trainer.fit()
+    trainer.train()
+    for _ in range(2):  # and a third run too
+        assert trainer.lr_scheduler is sched and trainer.optimizer is opt
+        trainer.train()
+    assert sched.last_epoch == 16  # 4 runs of 4 steps on the one schedule
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 16)
