@@ -47,6 +47,9 @@ def test_memory_tracker_reports_deltas_with_init_folded_into_the_first_stage():
     tracker = MemoryTracker()
     tracker.start("init")
     tracker.stop("init")
+    init_metrics: dict = {}
+    tracker.update_metrics("init", init_metrics)  # init reports nothing itself (HF), and keeps its figures for later
+    assert init_metrics == {}
     tracker.start("train")
     tracker.start("eval")  # nested: ignored, counted in train
     block = torch.ones(64 * 2**20 // 4)  # 64 MB kept alive
