@@ -6,6 +6,7 @@ over the chunks after the warm-up.
 
     python bench/interleaved.py                          # compiled tiny MLP: the figure in docs/benchmarks.md
     python bench/interleaved.py --grouped-step           # kiln stepping HF's two param groups one by one
+    python bench/interleaved.py --contract               # and bench/contract_loop.py, HF's per-step contract by hand
     python bench/interleaved.py --eager --runs 3
     python bench/interleaved.py --device cuda --runs 3  # both bf16 autocast, CUDA synchronized at chunk ends only
     python bench/interleaved.py --model lm16 --chunk 100 --chunks 12   # issue 33's small transformer
@@ -82,8 +83,9 @@ def hand_written(net: torch.nn.Module, data: Any, batch: int, compile_model: boo
     return run
 
 
-def one_run(args: argparse.Namespace) -> list[tuple[float, float]]:
-    """(kiln, loop) seconds a step, per chunk after the warm-up, from one fit."""
+def one_run(args: argparse.Namespace) -> list[tuple[float, ...]]:
+    """(kiln, loop) seconds a step, per chunk after the warm-up, from one fit; (kiln, loop, contract loop)
+    with `--contract`."""
     from kiln import Callback, Trainer
 
     torch._dynamo.reset()
@@ -91,7 +93,13 @@ def one_run(args: argparse.Namespace) -> list[tuple[float, float]]:
     batch = WORKLOADS[args.model].batch
     loop = hand_written(copy.deepcopy(net), data, batch, not args.eager, args.device)
     loop(WARMUP)  # the loop's compile and warm-up, before kiln's
-    pairs: list[tuple[float, float]] = []
+    contract = None
+    if args.contract:  # the floor of HF's per-step contract, written by hand (bench/contract_loop.py)
+        from bench.contract_loop import contract_loop
+
+        contract = contract_loop(copy.deepcopy(net), data, batch, not args.eager, LR, linear(10**7), LOG_EVERY)
+        contract(WARMUP)
+    pairs: list[tuple[float, ...]] = []
 
     class Interleave(Callback):
         last, spent, steps = 0.0, 0.0, 0
@@ -103,7 +111,8 @@ def one_run(args: argparse.Namespace) -> list[tuple[float, float]]:
             if state.global_step > WARMUP:
                 self.spent, self.steps = self.spent + now - self.last, self.steps + 1
                 if state.global_step % args.chunk == 0:
-                    pairs.append((self.spent / self.steps, loop(args.chunk) / args.chunk))
+                    timed = (self.spent / self.steps, loop(args.chunk) / args.chunk)
+                    pairs.append(timed + ((contract(args.chunk) / args.chunk,) if contract else ()))
                     self.spent, self.steps = 0.0, 0
             self.last = time.perf_counter()
 
@@ -124,9 +133,13 @@ def main() -> None:
     parser.add_argument("--model", default="mlp", choices=("mlp", "lm16"), help="bench/compare.py's workload")
     parser.add_argument("--eager", action="store_true", help="no torch.compile in either")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: both run bf16 autocast")
+    parser.add_argument("--contract", action="store_true",
+                        help="also time bench/contract_loop.py (HF's per-step contract by hand) against the loop (CPU)")
     parser.add_argument("--grouped-step", action="store_true",
                         help="kiln steps HF's two param groups one by one (kiln/optim/merged_step.py off)")
     args = parser.parse_args()
+    if args.contract and args.device != "cpu":
+        parser.error("--contract runs on the CPU only (bench/contract_loop.py has no autocast or device copies)")
     torch.set_num_threads(1)
     if args.grouped_step:
         import kiln.engine.run
@@ -134,15 +147,20 @@ def main() -> None:
         kiln.engine.run.step_equal_groups_as_one = lambda optimizer: False  # type: ignore[assignment]
     for r in range(args.runs):
         pairs = one_run(args)
-        ratios = [k / h for k, h in pairs]
+        ratios = [p[0] / p[1] for p in pairs]
         q1, _, q3 = statistics.quantiles(ratios, n=4)
-        kiln_us = statistics.median(k for k, _ in pairs) * 1e6
-        loop_us = statistics.median(h for _, h in pairs) * 1e6
+        kiln_us = statistics.median(p[0] for p in pairs) * 1e6
+        loop_us = statistics.median(p[1] for p in pairs) * 1e6
         what = ("eager " if args.eager else "compiled ") + WORKLOADS[args.model].label + f" on {args.device}" + (
             ", grouped step" if args.grouped_step else "")
         print(f"run {r + 1}: {what}: "
               f"kiln {kiln_us:.1f} µs a step, loop {loop_us:.1f} µs; ratio median {statistics.median(ratios):.3f} "
               f"(quartiles {q1:.3f}–{q3:.3f}, {len(ratios)} chunk pairs of {args.chunk} steps)", flush=True)
+        if args.contract:
+            floor = [p[2] / p[1] for p in pairs]
+            c1, _, c3 = statistics.quantiles(floor, n=4)
+            print(f"run {r + 1}: contract loop / loop: median {statistics.median(floor):.3f} (quartiles {c1:.3f}–{c3:.3f}); "
+                  f"kiln / contract loop: median {statistics.median(p[0] / p[2] for p in pairs):.3f}", flush=True)
 
 
 if __name__ == "__main__":
