@@ -13,6 +13,7 @@ reachable at all on a step as short as the tiny MLP's (issue 33). It is not kiln
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -79,8 +80,6 @@ class State:
 def contract_loop(net: torch.nn.Module, data: Any, batch: int, compile_model: bool, lr: float,
                   schedule: Callable[[int], float], log_every: int) -> Callable[[int], float]:
     """`run(n)` takes n steps of the contract loop and returns their seconds (as bench/interleaved.py's loop)."""
-    import time
-
     model = torch.compile(net) if compile_model else net
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
