@@ -16,6 +16,7 @@ import logging
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from kiln.engine.data.loaders import default_data_collator
 from kiln.utils.errors import KilnError
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,17 @@ class RemoveColumnsCollator:
         return kept
 
     def __call__(self, features: list[Any]) -> Any:
-        # The usual batch holds nothing forward does not take: one C-level subset test per item (a dict's keys;
-        # anything else gives False or TypeError and takes the per-item path, which leaves non-dicts alone).
+        # The usual batch holds nothing forward does not take: a C-level subset test of a dict's keys (anything
+        # else gives False or TypeError and takes the per-item path, which leaves non-dicts alone). kiln's own
+        # collator, like torch's default_collate, reads every item by the first item's keys, so a key that only a
+        # later item has never reaches the batch: there the first item decides, one test a batch instead of one
+        # per item (about 1 % of a tiny model's step: docs/benchmarks.md, fifth session). HF's note about the
+        # dropped columns is about the first item too.
         try:
-            if all(map(self._keep.issuperset, features)):
+            if self.data_collator is default_data_collator:
+                if features and self._keep.issuperset(features[0]):
+                    return self.data_collator(features)
+            elif all(map(self._keep.issuperset, features)):
                 return self.data_collator(features)
         except TypeError:
             pass
