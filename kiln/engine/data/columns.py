@@ -75,8 +75,8 @@ class RemoveColumnsCollator:
         # else gives False or TypeError and takes the per-item path, which leaves non-dicts alone). kiln's own
         # collator, like torch's default_collate, reads every item by the first item's keys, so a key that only a
         # later item has never reaches the batch: there the first item decides, one test a batch instead of one
-        # per item, each of which builds a set (about 1 % of a tiny model's instructions a step: docs/benchmarks.md). HF's note about the
-        # dropped columns is about the first item too.
+        # per item, each of which builds a set (about 1 % of a tiny model's instructions a step; see
+        # docs/benchmarks.md). HF's note about the dropped columns is about the first item too.
         try:
             if self.data_collator is default_data_collator:
                 if features and self._keep.issuperset(features[0]):
