@@ -64,8 +64,8 @@ class Events:
 
     def __init__(self, callbacks: list[Callback]) -> None:
         names = ("on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log")
-        self.by_event = {name: [getattr(cb, name) for cb in callbacks if getattr(type(cb), name) is not getattr(Callback, name)]
-                         for name in names}
+        self.by_event = {name: [getattr(cb, name) for cb in callbacks
+                                if getattr(type(cb), name) is not getattr(Callback, name)] for name in names}
 
     def call(self, event: str, state: "State", control: Control, **kw: Any) -> None:
         for handler in self.by_event[event]:
