@@ -115,6 +115,12 @@ def _run(command: str, config: str, overrides: list[str], weights: Optional[str]
             print(f"kiln: {err or 'interrupted'}", file=sys.stderr, flush=True)
         return 130
     except Exception as err:  # noqa: BLE001 - user code kiln calls can raise anything: one line, unless --traceback
+        from kiln.launch.worker import peer_interrupted
+
+        if isinstance(err, RuntimeError) and peer_interrupted():  # a peer's Ctrl-C broke this rank's collective
+            if detect().rank == 0:
+                print("kiln: interrupted", file=sys.stderr, flush=True)
+            return 130
         if show_traceback:
             raise
         known = isinstance(err, (ConfigError, KilnError, UnknownNameError, TaskError))

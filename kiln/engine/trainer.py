@@ -272,31 +272,37 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self._runs_started += 1
         self.is_in_train = True
         self.memory_tracker.start("train")
-        try:
-            with neftune(self.model, cfg.train.neftune_noise_alpha):
-                loop = FitLoop(self, self.run, self.strategy, self.precision, self.callback_handler, self.checkpoints, cfg,
-                               self.memory_tracker, wants_num_items=self.wants_num_items or self.run.facts.accepts_num_items)
-                return loop.run_fit(path)
+        try:  # the outer try: a Ctrl-C that lands while an error is being handled is still the interrupt
+            try:
+                with neftune(self.model, cfg.train.neftune_noise_alpha):
+                    loop = FitLoop(self, self.run, self.strategy, self.precision, self.callback_handler, self.checkpoints,
+                                   cfg, self.memory_tracker,
+                                   wants_num_items=self.wants_num_items or self.run.facts.accepts_num_items)
+                    return loop.run_fit(path)
+            except Exception as err:
+                from kiln.launch.worker import peer_interrupted
+
+                if isinstance(err, RuntimeError) and peer_interrupted():  # a peer's Ctrl-C broke this rank's collective
+                    raise KeyboardInterrupt from None
+                if cfg.data.auto_find_batch_size and is_out_of_memory(err):
+                    raise KilnError(
+                        f"Out of memory during training with per_device_train_batch_size={self.run.micro_batch_size}, "
+                        "which auto_find_batch_size found to fit the first step (a later batch can be longer): resume "
+                        "from the last checkpoint or restart with a smaller per_device_train_batch_size."
+                    ) from err
+                raise
+            finally:
+                self.is_in_train = False
+                self.precision.teardown()
+                from kiln.loggers.writer import flush_after_fit
+
+                flush_after_fit(sys.exc_info()[1])  # an exception skips on_train_end
         except KeyboardInterrupt:
             from kiln.engine.checkpoint.files import latest_checkpoint
             from kiln.utils.errors import TrainingInterrupted
 
             last = latest_checkpoint(cfg.output_dir) if os.path.isdir(cfg.output_dir) else None
             raise TrainingInterrupted(f"interrupted at step {self.state.global_step}; last checkpoint: {last or 'none'}") from None
-        except Exception as err:
-            if cfg.data.auto_find_batch_size and is_out_of_memory(err):
-                raise KilnError(
-                    f"Out of memory during training with per_device_train_batch_size={self.run.micro_batch_size}, "
-                    "which auto_find_batch_size found to fit the first step (a later batch can be longer): resume from "
-                    "the last checkpoint or restart with a smaller per_device_train_batch_size."
-                ) from err
-            raise
-        finally:
-            self.is_in_train = False
-            self.precision.teardown()
-            from kiln.loggers.writer import flush_after_fit
-
-            flush_after_fit(sys.exc_info()[1])  # an exception skips on_train_end
 
     train = fit  # HF name
 

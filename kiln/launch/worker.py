@@ -5,6 +5,7 @@ the worker when the launcher dies."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -124,12 +125,44 @@ def _announce() -> None:
         os.replace(tmp, os.path.join(directory, f"pid_{rank}"))
 
 
+def _interrupt_marker(rank: str) -> str:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return os.path.join(os.environ.get(REPORT_DIR, ""), f"interrupted_{attempt}_{rank}")
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """Ctrl-C, forwarded to this worker by the agent: leave a mark for the other ranks before raising
+    KeyboardInterrupt. The agent signals the workers one after the other; a rank whose own signal comes
+    late sees this rank's exit first, as a collective that lost its peer, and must read it as the
+    interrupt it is (`peer_interrupted`). The mark is written before this rank unwinds and closes its
+    sockets, so it is there when the others' collectives fail."""
+    try:
+        open(_interrupt_marker(os.environ.get("RANK", "x")), "w", encoding="utf-8").close()
+    except OSError:
+        pass  # the launcher's folder is gone: the job is over anyway
+    signal.default_int_handler(signum, frame)
+
+
+def peer_interrupted() -> bool:
+    """Whether a rank of this `kiln fit --nproc` job was stopped by Ctrl-C, so that an error on this
+    rank (a collective that lost that peer) is the interrupt, not a failure to report. When so, this
+    rank's own SIGINT, which may still be on its way, is ignored from now on: it would cut short the
+    one line rank 0 prints. False outside a `kiln --nproc` worker."""
+    if not os.environ.get(REPORT_DIR) or not glob.glob(_interrupt_marker("*")):
+        return False
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda signum, frame: None)  # not SIG_IGN: a pending SIGINT then prints a warning
+    return True
+
+
 def run_worker(argv: Sequence[str]) -> None:
     """Run `python <argv>` in this process (`-m module args` or `script.py args`), reporting a failure."""
     import runpy
 
     _die_with_launcher()
     _announce()
+    if os.environ.get(REPORT_DIR) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
     argv = list(argv)
     tail = _Tail(sys.stderr)
     sys.stderr = tail  # type: ignore[assignment]

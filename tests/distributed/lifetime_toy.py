@@ -5,6 +5,7 @@ the launcher at a known point instead of guessing with sleeps."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -42,9 +43,24 @@ class SlowSteps(Callback):
             time.sleep(self.seconds)
 
 
-def data(beacon: str = "", beacon_step: int = 2, slow_after: int = 0, slow_seconds: float = 0.0) -> dict[str, Any]:
+class DeafToCtrlC(Callback):
+    """Rank `rank` ignores SIGINT from the start of training: the agent's forwarded Ctrl-C reaches the
+    other ranks only, as when this rank's own signal comes late."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_train_begin(self, config: Any, state: Any, control: Any, **kw: Any) -> None:
+        if os.environ.get("RANK") == str(self.rank):
+            signal.signal(signal.SIGINT, lambda signum, frame: None)
+
+
+def data(beacon: str = "", beacon_step: int = 2, slow_after: int = 0, slow_seconds: float = 0.0,
+         deaf_rank: int = -1) -> dict[str, Any]:
     """`task.data` for these tests: the CLI runs' regression data plus the callbacks above."""
     out = cli_data()
+    if deaf_rank >= 0:
+        out["callbacks"].append(DeafToCtrlC(deaf_rank))
     if beacon:
         out["callbacks"].append(Beacon(beacon, beacon_step))
     if slow_seconds:
