@@ -103,3 +103,18 @@ def test_cli_outside_fit(tmp_path: Path, report_dir: Path, monkeypatch: pytest.M
         assert (code, err) == (130, "kiln: interrupted\n")
     else:
         assert code == 2 and err.startswith("kiln: error: RuntimeError: [gloo] Connection closed by peer"), err
+
+
+@pytest.mark.parametrize("under_launcher", [True, False])
+def test_the_worker_shim_marks_ctrl_c_only_under_kiln_launcher(tmp_path: Path, under_launcher: bool) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "which.py"
+    script.write_text("import signal\nh = signal.getsignal(signal.SIGINT)\nprint(getattr(h, '__name__', h))\n")
+    env = {k: v for k, v in os.environ.items() if k not in (REPORT_DIR, "RANK")}
+    if under_launcher:
+        env[REPORT_DIR] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "kiln.launch.worker", str(script)], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip()
+    assert out == ("_on_sigint" if under_launcher else "default_int_handler")
