@@ -1,7 +1,8 @@
 """The shim each `kiln fit --nproc` worker runs under (`python -m kiln.launch.worker ARGV`): it runs
 the program, records the time and message of this rank's own failure for the launcher
-(kiln/launch/local.py) to report the first one, announces its pid for SIGTERM forwarding, and ends
-the worker when the launcher dies."""
+(kiln/launch/local.py) to report the first one, announces its pid for SIGTERM forwarding, leaves a
+mark when Ctrl-C stops it (so the other ranks report the interrupt, `peer_interrupted`), and ends the
+worker when the launcher dies."""
 
 from __future__ import annotations
 
