@@ -59,3 +59,11 @@ def test_fit_names_its_output_dir_at_start_and_end(task: Path, capsys: pytest.Ca
 def test_quiet_fit_does_not(task: Path, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["fit", "cfg.yaml", "log.level=error"]) == 0
     assert "output_dir" not in capsys.readouterr().out
+
+
+def test_config_docs_prints_the_config_reference(capsys: pytest.CaptureFixture) -> None:
+    from kiln.config.docs import config_markdown
+
+    assert cli.main(["config-docs"]) == 0
+    out = capsys.readouterr().out
+    assert out == config_markdown() and "per_device_train_batch_size" in out
