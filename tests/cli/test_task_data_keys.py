@@ -67,7 +67,13 @@ def rows(n, seed):
     return [{"x": torch.randn(4, generator=g), "y": torch.randn((), generator=g)} for _ in range(n)]
 
 
-def data(extra=None):
+def data(extra=None, bare=None):
+    if bare == "list":
+        return [rows(8, 0)]
+    if bare == "dict":
+        return {"test_dataset": rows(8, 0)}
+    if bare == "eval":
+        return {"eval_dataset": rows(4, 1)}
     out = {"train_dataset": rows(8, 0), "eval_dataset": {"a": rows(4, 1), "b": rows(4, 2)}, "test_dataset": rows(6, 3),
            "data_collator": collate, "compute_metrics": metrics, "preprocess_logits_for_metrics": keep,
            "callbacks": [Mark], "processing_class": Tokenizer(), "model_args": {"width": 3}}
@@ -101,6 +107,7 @@ def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_every_key_reaches_what_it_is_for(task: Path) -> None:
     import keystask
 
+    keystask.SEEN.clear()  # the module outlives a test: another test's runs may have filled it
     assert cli.main(["fit", "cfg.yaml"]) == 0
     assert keystask.SEEN == {"width=3", "data_collator", "compute_metrics", "preprocess_logits_for_metrics", "callbacks"}
     results = json.loads((task / "out" / "eval_results.json").read_text())
@@ -123,3 +130,11 @@ def test_another_key_is_refused_before_the_model_is_built(task: Path, capsys: py
     assert err == ("kiln: error: task.data (keystask:data) returned 'collate_fn', which kiln does not read; it reads "
                    f"{', '.join(cli.DATA_KEYS)} (docs/training-module.md). Did you mean 'data_collator'?\n"), err
     assert keystask.SEEN == set()
+
+
+@pytest.mark.parametrize("bare", ["list", "dict"])
+def test_a_return_without_a_dataset_to_train_or_evaluate_is_refused(task: Path, capsys: pytest.CaptureFixture, bare: str) -> None:
+    assert cli.main(["fit", "cfg.yaml", f"task.data_args.bare={bare}"]) == 2
+    assert capsys.readouterr().err == ("kiln: error: task.data must return a dict with train_dataset (and optionally "
+                                       "eval_dataset, ...).\n")
+    assert cli.main(["evaluate", "cfg.yaml", "task.data_args.bare=eval", "--random-weights"]) == 0  # eval_dataset alone will do

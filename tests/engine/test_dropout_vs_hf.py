@@ -86,10 +86,18 @@ def test_a_dispatched_loader_draws_on_every_rank_when_its_iterator_is_made(rank)
 
     data = [{"x": torch.tensor([float(i)])} for i in range(8)]
     cfg = SimpleNamespace(dataloader_num_workers=0, dataloader_pin_memory=False, dataloader_drop_last=False)
-    dispatched = DispatchedLoader(build_dataloader(data, 4, None, cfg, seed=0, shuffle=False), lambda b: b, 2, rank, True)
+    sent = []
+
+    def broadcast(batch):  # the strategy's broadcast_object: what rank 0 holds reaches every rank
+        sent.append(batch)
+        return {"x": torch.arange(4.0).unsqueeze(-1)}
+
+    dispatched = DispatchedLoader(build_dataloader(data, 4, None, cfg, seed=0, shuffle=False), broadcast, 2, rank, True)
     torch.manual_seed(3)
-    iter(dispatched)
+    batches = iter(dispatched)
     moved = torch.get_rng_state()
     torch.manual_seed(3)
     torch.empty((), dtype=torch.int64).random_()
     assert torch.equal(moved, torch.get_rng_state())
+    assert next(batches)["x"].flatten().tolist() == [float(rank), float(rank + 2)]  # this rank's rows of the global batch
+    assert (sent[0] is not None) == (rank == 0)  # only rank 0 read the data

@@ -125,3 +125,4 @@ def test_a_bad_summary_setting_is_one_sentence(tmp_path, key, value, sentence):
     with pytest.raises(ConfigError) as err:
         load_config(base_config(tmp_path, log={key: value}))
     assert str(err.value) == sentence
+    assert load_config(base_config(tmp_path, log={"model_summary": "line", "model_summary_depth": -1})).log.model_summary_depth == -1

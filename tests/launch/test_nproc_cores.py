@@ -56,8 +56,10 @@ def test_a_machine_with_a_gpu_is_not_warned(started, monkeypatch, capsys):
 def test_the_cores_are_the_affinity_not_the_machine(monkeypatch):
     from kiln.launch import local
 
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3} if pid == 0 else set(range(8)), raising=False)  # 0: this process
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     assert local.cpu_cores() == 1
     monkeypatch.delattr(os, "sched_getaffinity")
     assert local.cpu_cores() == 64
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # undeterminable: one core
+    assert local.cpu_cores() == 1
