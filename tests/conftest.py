@@ -34,6 +34,30 @@ def _restore_log_levels_after_module_fixtures():
     yield from _levels_put_back()
 
 
+def _replay_line(config) -> str | None:
+    """pytest-randomly (the test extra) runs the files, and the tests in each, in a random order, so that a
+    test that passes only after another one shows up. Its seed is printed in the header, which `-q` (the
+    README's command) hides; this line says it instead, at the start (it survives a run that hangs) and
+    at the end (beside the failures)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if not isinstance(seed, int) or hasattr(config, "workerinput"):  # -p no:randomly, or an xdist worker
+        return None
+    return f"random test order: replay it with --randomly-seed={seed} (or turn it off with -p no:randomly)"
+
+
+def pytest_sessionstart(session):
+    line = _replay_line(session.config)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line(line)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    line = _replay_line(config)
+    if line:
+        terminalreporter.write_line(line)
+
+
 #: test files whose tests share one session/package-scoped job and so must run in one xdist worker
 _SHARED_GROUPS = {
     "tests/strategies/fsdp/test_generate.py": "fsdp-shared-job",
