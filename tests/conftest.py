@@ -45,6 +45,28 @@ def _replay_line(config) -> str | None:
     return f"random test order: replay it with --randomly-seed={seed} (or turn it off with -p no:randomly)"
 
 
+def _seed_torch(seed: int) -> None:
+    """torch's share of pytest-randomly's reseeding before each test, without importing anything: a test
+    may have taken torch out of sys.modules for the moment (tests/engine/test_default_optimizer.py)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "manual_seed"):
+        torch.manual_seed(seed % 2**63)
+
+
+def pytest_configure(config):
+    """pytest-randomly reseeds `random` and numpy before each test's setup, call and teardown, and calls
+    every installed package's `pytest_randomly.random_seeder` entry point too. DeepSpeed registers one
+    that seeds torch, but loading it imports DeepSpeed, and with it mlflow, pandas and scipy, into every
+    test process: seconds of start-up, and modules a test may not expect to be there. Its torch seeding
+    is kept (each test then starts from the same torch RNG in any order), without the imports."""
+    try:
+        import pytest_randomly
+    except ImportError:
+        return
+    if getattr(pytest_randomly, "entrypoint_reseeds", ()) is None:  # not loaded yet: loaded at the first reseed
+        pytest_randomly.entrypoint_reseeds = [_seed_torch]
+
+
 def pytest_sessionstart(session):
     line = _replay_line(session.config)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
