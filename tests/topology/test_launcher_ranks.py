@@ -50,7 +50,7 @@ def test_each_launcher_gives_global_local_and_node_rank_of_a_third_node_process(
     assert (reading.node_rank, reading.num_nodes) == (2, 3)
 
 
-@pytest.mark.parametrize("rank, local_world, node", [(2, 2, 1), (3, 2, 1), (5, 2, 2), (4, 4, 1), (7, 4, 1)])
+@pytest.mark.parametrize("rank, local_world, node", [(2, 2, 1), (3, 2, 1), (5, 2, 2), (4, 4, 1), (7, 4, 1), (3, 1, 3)])
 def test_torchrun_without_a_group_rank_derives_the_node_from_rank_over_local_world(rank, local_world, node):
     """GROUP_RANK is torchrun's; a process started another way that exports torchrun's rank variables
     may lack it: the node is then `RANK // LOCAL_WORLD_SIZE` (RANK=2, LOCAL_WORLD_SIZE=2 is node 1;
