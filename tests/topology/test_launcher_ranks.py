@@ -67,6 +67,14 @@ def test_torchrun_takes_node_rank_when_group_rank_is_missing():
     assert detect({**env, "GROUP_RANK": "1"}).node_rank == 1  # torchrun's own name wins
 
 
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {"WORLD_SIZE": "4"}, {"LOCAL_RANK": "1", "GROUP_RANK": "1"}])
+def test_a_lone_rank_variable_is_no_torchrun_job(env):
+    """torchrun sets RANK and WORLD_SIZE together; one of them alone (left over in a shell, or set by another
+    tool) is not a job to join."""
+    reading = detect(env)
+    assert (reading.source, reading.world_size, reading.rank, reading.node_rank) == ("none", 1, 0, 0)
+
+
 def test_without_local_world_size_every_process_is_on_one_node():
     reading = detect({"WORLD_SIZE": "3", "RANK": "2"})
     assert (reading.local_rank, reading.local_world_size, reading.node_rank, reading.num_nodes) == (0, 3, 0, 1)
