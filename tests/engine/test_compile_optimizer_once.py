@@ -37,10 +37,14 @@ def test_nothing_is_installed_when_the_setting_is_off_or_there_is_no_optimizer()
     compile_optimizer_step(None, object(), _train())  # evaluate/predict-only set-ups have none
 
 
+def _groups(model: torch.nn.Linear) -> list[dict]:
+    return [{"params": [model.weight]}, {"params": [model.bias], "lr": 0.3}]  # one parameter each, own rates
+
+
 def test_the_compiled_step_updates_like_the_eager_one_and_leaves_float_rates():
     eager_model, model = _model(), _model()
-    eager = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eager = torch.optim.SGD(_groups(eager_model), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(_groups(model), lr=0.1, momentum=0.9)
     compile_optimizer_step(optimizer, object(), _train())
     x = torch.randn(3, 4)
     for rate in (0.1, 0.05):  # a schedule's change of rate between steps
@@ -49,7 +53,8 @@ def test_the_compiled_step_updates_like_the_eager_one_and_leaves_float_rates():
             opt.zero_grad()
             m(x).square().sum().backward()
             opt.step()
-        assert type(optimizer.param_groups[0]["lr"]) is float and optimizer.param_groups[0]["lr"] == rate
+        rates = [group["lr"] for group in optimizer.param_groups]
+        assert rates == [rate, 0.3] and all(type(r) is float for r in rates)
         assert optimizer._opt_called  # what torch's scheduler wrapper would have recorded
         for a, b in zip(eager_model.parameters(), model.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
