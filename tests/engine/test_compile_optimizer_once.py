@@ -5,6 +5,7 @@ schedulers, logs and checkpoints read."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import torch
@@ -21,13 +22,16 @@ def _model() -> torch.nn.Linear:
     return torch.nn.Linear(4, 2)
 
 
-def test_a_second_set_up_keeps_the_compiled_step():
+def test_a_second_set_up_keeps_the_compiled_step(caplog):
     optimizer = torch.optim.SGD(_model().parameters(), lr=0.1)
-    compile_optimizer_step(optimizer, object(), _train())
-    compiled = optimizer.step
-    assert compiled._kiln_compiled and compiled._wrapped_by_lr_sched
-    compile_optimizer_step(optimizer, object(), _train())
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        compile_optimizer_step(optimizer, object(), _train())
+        compiled = optimizer.step
+        assert compiled._kiln_compiled and compiled._wrapped_by_lr_sched
+        compile_optimizer_step(optimizer, object(), _train())
     assert optimizer.step is compiled
+    said = [r.getMessage() for r in caplog.records if "runs through torch.compile" in r.getMessage()]
+    assert said == ["The optimizer step of SGD runs through torch.compile (backend 'eager')."]  # once
 
 
 def test_nothing_is_installed_when_the_setting_is_off_or_there_is_no_optimizer():
