@@ -150,10 +150,13 @@ def _num(value: float) -> str:
 
 
 def _check_output_dir(path: str) -> None:
-    """A file where the run's folder should be would fail only at the first save, after the model
-    and data were built."""
+    """An empty path, or a file where the run's folder should be, would fail only at the first save,
+    after the model and data were built."""
     import os
 
+    if not path:
+        raise ConfigError("output_dir is empty (''); name the folder for checkpoints and logs, e.g. output_dir: out "
+                          "(leave the key out for the default 'tmp_trainer').")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"output_dir {path!r} is a file, not a folder; pick another output_dir.")
 
