@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kiln.config import aliases, conflicts, hf_args, hf_xla, redact
+from kiln.config import aliases, conflicts, dialect, hf_args, hf_xla, redact
 from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
 
@@ -217,7 +217,8 @@ def parse_dotlist(overrides: Iterable[str]) -> dict[str, Any]:
 def load_config(source: ConfigSource = None, overrides: Sequence[str] | Mapping[str, Any] = ()) -> DictConfig:
     """Build the validated config tree from `source`, then apply `overrides` on top."""
     base = OmegaConf.structured(TrainingConfig)
-    layers = [normalise(_to_plain(source))]
+    plain = _to_plain(source)
+    layers = [normalise(plain)]
     extra = overrides if isinstance(overrides, Mapping) else parse_dotlist(overrides)
     if extra:
         layers.append(normalise(extra))
@@ -228,6 +229,7 @@ def load_config(source: ConfigSource = None, overrides: Sequence[str] | Mapping[
         except OmegaConfBaseException as err:
             raise _translate(err) from None
     assert isinstance(cfg, DictConfig)
+    dialect.fill_defaults(cfg, hf=hf_args.is_training_arguments(source) or dialect.is_hf_dialect(plain))
     from kiln.config.validate import validate
 
     validate(cfg)

@@ -59,8 +59,9 @@ def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
                      IF_EXISTS, output_dir)
         return path
     path = os.fspath(resume)
-    if not os.path.isdir(path):
-        raise ResumeError(f"resume_from_checkpoint={path!r} is not a folder; name a checkpoint-<step> folder, or use "
+    if not os.path.isdir(path):  # HF's sentence first, as users search for it
+        what = "a file, not a folder" if os.path.exists(path) else "no such folder"
+        raise ResumeError(f"Can't find a valid checkpoint at {path} ({what}): name a checkpoint-<step> folder, or use "
                           f"resume_from_checkpoint=true (or {IF_EXISTS}) for the newest one in output_dir.")
     if not is_complete(path) and not is_hf_checkpoint(path):
         raise ResumeError(
