@@ -104,6 +104,7 @@ class EvaluationMixin:
         return cached_eval_loader(self._eval_dataloaders, self.eval_dataset, eval_dataset, self._build_eval_dataloader)
 
     def _build_eval_dataloader(self, eval_dataset: Any) -> Iterable[Any]:
+        name = f"eval_dataset {eval_dataset!r}" if isinstance(eval_dataset, str) else "eval_dataset"
         if isinstance(eval_dataset, str):
             named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
             if eval_dataset not in named:
@@ -112,7 +113,6 @@ class EvaluationMixin:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise KilnError("evaluate() needs an eval_dataset: pass one to Trainer(...) or to evaluate().")
-        name = f"eval_dataset {eval_dataset!r}" if isinstance(eval_dataset, str) else "eval_dataset"
         check_eval_dataset(dataset, name, "pass evaluate() a dataset with items")
         if isinstance(dataset, Mapping):
             raise KilnError("get_eval_dataloader takes one dataset; evaluate() runs a dict of them one by one.")

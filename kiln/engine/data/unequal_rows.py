@@ -42,7 +42,7 @@ def unequal_rows(features: list[Any]) -> Optional[KilnError]:
             shapes = [_shape(row if key is None else row[key]) for row in features]
         except (KeyError, IndexError, TypeError):  # rows that lack the field fail on their own terms
             continue
-        seen = list(dict.fromkeys(s for s in shapes if s is not None))
+        seen = sorted({s for s in shapes if s is not None})
         if len(seen) < 2:
             continue
         flat = all(len(s) == 1 for s in seen)
