@@ -13,9 +13,6 @@ import sys
 from unittest.mock import patch
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 from kiln import EarlyStoppingCallback, Trainer
 from kiln.engine.callbacks.base import Callback
@@ -27,20 +24,7 @@ from tests.checkpoint.checkpoint_helpers import regression_data as small_data, t
 from tests.hf_logs import hf_propagation  # noqa: F401 - a fixture
 
 transformers = pytest.importorskip("transformers")
-
-
-class HFRegressor(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": F.mse_loss(self.lin(x).squeeze(-1), labels)}
-
-
-def data() -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    return [{"x": torch.randn(4, generator=g), "labels": torch.randn((), generator=g)} for _ in range(8)]
+from tests.checkpoint.test_resume_errors_vs_hf import HFRegressor, data  # noqa: E402 - after the skip
 
 
 def args(tmp_path, **kw):
