@@ -121,23 +121,22 @@ def _unlisted(path: str, listed: dict[str, Any]) -> list[str]:
 def digest_damage(path: str, meta: dict[str, Any]) -> Optional[str]:
     """Why the files of the checkpoint at `path` do not match its (already shape-checked) marker `meta`
     by checksum, or None. A marker that predates digests is judged by sizes alone, with a warning."""
-    files = meta["files"]
-    if extra := _unlisted(path, files):
-        return f"it holds {', '.join(extra[:5])}, which its {MARKER} marker does not list (added after it was written)"
-    digests = meta.get(ALGORITHM)
+    files, digests = meta["files"], meta.get(ALGORITHM)
     if digests is None and "version" not in meta:
         warnings.warn(f"{path} predates checksums (written by an older kiln): it is judged by its file sizes only.",
                       stacklevel=4)
-        return None
-    digests = digests or {}
-    if undigested := sorted(set(files) - set(digests)):
-        return f"its {MARKER} marker records no checksum for {', '.join(undigested[:5])}"
-    for file, expected in digests.items():
-        full = os.path.join(path, file)
-        if not os.path.isfile(full):
-            return f"{file} is missing (its {MARKER} marker lists it)"
-        if file_digest(full) != expected:
-            return f"{file} does not match the checksum recorded when it was written (changed or damaged since)"
+    else:
+        digests = digests or {}
+        if undigested := sorted(set(files) - set(digests)):
+            return f"its {MARKER} marker records no checksum for {', '.join(undigested[:5])}"
+        for file, expected in digests.items():
+            full = os.path.join(path, file)
+            if not os.path.isfile(full):
+                return f"{file} is missing (its {MARKER} marker lists it)"
+            if file_digest(full) != expected:
+                return f"{file} does not match the checksum recorded when it was written (changed or damaged since)"
+    if extra := _unlisted(path, files):
+        return f"it holds {', '.join(extra[:5])}, which its {MARKER} marker does not list (added after it was written)"
     return None
 
 
