@@ -12,9 +12,8 @@ import warnings
 from typing import Optional
 
 from kiln.engine.checkpoint.hf_folder import hf_weights_damage, is_hf_checkpoint, missing_marker_reason
-from kiln.engine.checkpoint.integrity import MARKER, damage, file_digest as digest_file, read_marker
+from kiln.engine.checkpoint.integrity import MARKER, damage, file_digest as digest_file, load_marker, read_marker
 from kiln.engine.checkpoint.signing import SigningKey, signature_problem
-from kiln.utils.errors import CheckpointError
 
 PREFIX = "checkpoint-"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
@@ -80,10 +79,9 @@ def why_incomplete(path: str) -> Optional[str]:
     another size than recorded), or None."""
     if not os.path.exists(os.path.join(path, MARKER)):
         return missing_marker_reason(path)
-    try:
-        meta = read_marker(path)
-    except CheckpointError as err:
-        return str(err)
+    meta, problem = load_marker(path)
+    if meta is None:
+        return problem
     for name, size in meta["files"].items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -110,11 +108,13 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 def why_damaged(path: str, key: Optional[SigningKey] = None) -> Optional[str]:
     """Why a complete-looking kiln checkpoint must not be read (its signature under the signing policy
     with `key`, a checksum, a missing or unrecorded file, a step mismatch), or None."""
+    meta, problem = load_marker(path)
+    if meta is None:
+        return problem
     try:
-        meta = read_marker(path)
         return signature_problem(meta, key) or damage(path, meta)
-    except (OSError, CheckpointError) as err:
-        return str(err)
+    except OSError as err:
+        return f"{os.path.relpath(err.filename or path, path)} is unreadable ({err.strerror})"
 
 
 def latest_checkpoint(output_dir: str, verify: bool = False, key: Optional[SigningKey] = None) -> Optional[str]:

@@ -86,24 +86,32 @@ def _marker_problem(meta: Any) -> Optional[str]:
     return None
 
 
-def read_marker(path: str) -> dict[str, Any]:
-    """The COMPLETE marker of the checkpoint folder `path`, checked for shape; a CheckpointError in one
-    sentence when it is missing, unreadable, truncated, not JSON or of the wrong types."""
+def load_marker(path: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """The COMPLETE marker of the checkpoint folder `path` checked for shape, or why it cannot be used
+    (missing, unreadable, truncated, not JSON, of the wrong types, or written by a newer kiln)."""
     file = os.path.join(path, MARKER)
     try:
         with open(file, encoding="utf-8") as fh:
             meta = json.load(fh)
     except FileNotFoundError:
-        raise CheckpointError(f"{path} has no {MARKER} marker; it is incomplete or damaged.") from None
+        return None, f"it has no {MARKER} marker"
     except (OSError, ValueError) as err:
-        reason = err.strerror if isinstance(err, OSError) else "not valid JSON: truncated or garbled"
-        raise CheckpointError(f"{file} is damaged ({reason}); the checkpoint is incomplete or damaged.") from None
+        return None, f"its {MARKER} marker is damaged: " + (err.strerror if isinstance(err, OSError) else
+                                                             "not valid JSON, truncated or garbled")
     problem = _marker_problem(meta)
     if problem is not None:
-        raise CheckpointError(f"{file} is damaged ({problem}); the checkpoint is incomplete or damaged.")
+        return None, f"its {MARKER} marker is damaged: {problem}"
     if meta.get("version", 1) > VERSION:
-        raise CheckpointError(f"{path} was written by a newer kiln (marker version {meta['version']}; this kiln reads up "
-                              f"to {VERSION}); upgrade kiln to use it.")
+        return None, (f"it was written by a newer kiln (marker version {meta['version']}; this kiln reads up to "
+                      f"{VERSION}): upgrade kiln to use it")
+    return meta, None
+
+
+def read_marker(path: str) -> dict[str, Any]:
+    """The checked COMPLETE marker of `path` (load_marker); a CheckpointError in one sentence otherwise."""
+    meta, problem = load_marker(path)
+    if meta is None:
+        raise CheckpointError(f"{path} is incomplete or damaged: {problem}.")
     return meta
 
 
