@@ -19,6 +19,7 @@ import torch
 from kiln.engine.checkpoint.files import MARKER, is_complete, latest_checkpoint, why_incomplete
 from kiln.engine.checkpoint.resume import ResumeError, resolve_resume
 from tests.checkpoint.checkpoint_helpers import folders, train, weights
+from tests.checkpoint.test_refusals import out, run  # noqa: F401 - fixtures: checkpoint-2 and -4, copied per test
 
 
 class Kill(BaseException):
@@ -111,20 +112,6 @@ def test_a_crash_half_way_through_rotation_leaves_no_half_deleted_checkpoint(tmp
 
 
 # -- the marker ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("marker") / "run")
-    train(out, {"max_steps": 4, "save_steps": 2})
-    return out
-
-
-@pytest.fixture
-def out(run, tmp_path):
-    copy = str(tmp_path / "run")
-    shutil.copytree(run, copy)
-    return copy
-
-
 def _refused_in_one_sentence(out: str, reason: str) -> str:
     ckpt = os.path.join(out, "checkpoint-4")
     assert not is_complete(ckpt)

@@ -20,25 +20,7 @@ from kiln.engine.checkpoint.integrity import ALGORITHM, file_digest
 from kiln.engine.checkpoint.resume import ResumeError, resolve_resume
 from kiln.strategies.weights_files import INDEX, save_sharded
 from tests.checkpoint.checkpoint_helpers import train, weights
-from tests.checkpoint.test_integrity import flip
-
-CFG = {"max_steps": 6, "save_steps": 2}
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """checkpoint-2/-4/-6 of a run, and that run's final weights (what an exact resume must reach)."""
-    out = str(tmp_path_factory.mktemp("probes") / "run")
-    return out, weights(train(out, CFG))
-
-
-@pytest.fixture
-def out(run, tmp_path):
-    copy = str(tmp_path / "run")
-    shutil.copytree(run[0], copy)
-    shutil.rmtree(os.path.join(copy, "checkpoint-6"))
-    return copy
-
+from tests.checkpoint.test_integrity import CFG, flip, out, run  # noqa: F401 - fixtures: checkpoint-2 and -4
 
 def rot_tail(path: str) -> None:
     """Invert the last 8 bytes (tensor data, not the safetensors header)."""
