@@ -127,6 +127,20 @@ def test_a_digest_table_missing_one_file_is_refused(out):
     refused_by_path_and_true(out, ckpt, "records no checksum for optimizer.pt")
 
 
+def test_markers_of_every_known_version_are_read_and_empty_files_count(out):
+    """Version 1 (the field written explicitly) and 2 are judged by their digests; a listed empty file is
+    a file like any other."""
+    ckpt = os.path.join(out, "checkpoint-4")
+    open(os.path.join(ckpt, "empty.json"), "w").close()
+    meta = marker(ckpt)
+    meta["files"]["empty.json"], meta[ALGORITHM]["empty.json"] = 0, file_digest(os.path.join(ckpt, "empty.json"))
+    for version in (1, 2):
+        write_marker(ckpt, {**meta, "version": version})
+        assert is_complete(ckpt) and why_damaged(ckpt) is None
+    write_marker(ckpt, {**meta, "version": 0})
+    assert "'version' is not a positive whole number" in why_damaged(ckpt)
+
+
 def test_a_marker_of_a_newer_kiln_is_refused(out):
     ckpt = os.path.join(out, "checkpoint-4")
     write_marker(ckpt, {**marker(ckpt), "version": 3})
@@ -179,6 +193,13 @@ def _truncated(ckpt: str) -> None:
     open(path, "wb").write(data[:-5])
 
 
+def _garbled_header(ckpt: str) -> None:
+    path = os.path.join(ckpt, "model.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[8:40] = b"\xff" * 32  # inside the JSON header: the same size, no longer readable
+    open(path, "wb").write(bytes(data))
+
+
 def _shard_missing(ckpt: str) -> None:
     tensors = load_file(os.path.join(ckpt, "model.safetensors"))
     os.remove(os.path.join(ckpt, "model.safetensors"))
@@ -198,6 +219,7 @@ def _tensor_moved(ckpt: str) -> None:
 @pytest.mark.parametrize("damage, reason", [
     (_nan, r"model.safetensors holds non-finite values \(nan or inf\) in inp.weight"),
     (_truncated, "model.safetensors is truncated or its header is damaged"),
+    (_garbled_header, "model.safetensors is truncated or its header is damaged"),
     (_shard_missing, r"model-00001-of-\d+.safetensors is missing"),
     (_tensor_moved, "lacks out.bias, which model.safetensors.index.json places there"),
 ])

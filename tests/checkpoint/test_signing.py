@@ -100,6 +100,16 @@ def test_a_stripped_signature_is_refused_when_a_key_is_configured(out, tmp_path)
         given_weights(ckpt, KEY)
 
 
+def test_the_signature_does_not_depend_on_the_order_of_the_markers_keys(out):
+    """A tool that rewrites the marker's JSON with its keys in another order changes nothing signed."""
+    ckpt = os.path.join(out, "checkpoint-4")
+    meta = json.loads(open(os.path.join(ckpt, MARKER)).read())
+    reordered = {k: (dict(reversed(v.items())) if isinstance(v, dict) else v) for k, v in reversed(meta.items())}
+    assert list(reordered) != list(meta)
+    open(os.path.join(ckpt, MARKER), "w").write(json.dumps(reordered))
+    assert why_damaged(ckpt, KEY) is None
+
+
 def test_another_key_is_refused(out):
     ckpt = os.path.join(out, "checkpoint-4")
     with pytest.raises(ResumeError, match="signature does not verify .*signed with another key"):
