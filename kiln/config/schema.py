@@ -187,6 +187,10 @@ class SaveConfig:
     on_preemption: bool = opt(
         False, "On SIGTERM, save a checkpoint at the next step boundary on every rank and stop: fit() returns, kiln fit "
         "exits 0 (enable_jit_checkpoint).")
+    signing_key_env: Optional[str] = opt(
+        None, "Name of an environment variable holding a secret key: each checkpoint's COMPLETE marker is signed "
+        "(HMAC-SHA256 over its checksums), and resume, kiln convert, evaluate and predict accept only checkpoints whose "
+        "signature verifies with it. For checkpoints stored where others can write.")
 
 
 @dataclass
