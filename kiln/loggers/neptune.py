@@ -3,7 +3,8 @@ flattened config under `parameters` (values Neptune cannot store, such as None, 
 metric as a series with its step under HF's sections (`train/loss`, `eval/loss`). Neptune writes the
 run under `.neptune/offline/` in the working directory (or `NEPTUNE_DATA_DIRECTORY`); `neptune sync`
 uploads it later, to the project `NEPTUNE_PROJECT` names. The run's source files, git state, console,
-traceback and hardware metrics are not captured."""
+traceback and hardware metrics are not captured. An offline run cannot be reopened, so logs after
+the run ended (an evaluate() after fit()) go to a second run of the same name."""
 
 from __future__ import annotations
 
@@ -25,23 +26,20 @@ class NeptuneLogger(Logger):
         super().__init__(config)
         require("neptune", "neptune", "report_to: neptune")
         self.run: Optional[Any] = None
-        self.run_id: Optional[str] = None  # kept after finalize, so later logs continue the run
 
     def _start(self) -> Any:
         if self.run is None:
             import neptune
 
             self.run = neptune.init_run(
-                mode="offline", with_id=self.run_id, name=self.trial_name or run_name(self.config),
+                mode="offline", name=self.trial_name or run_name(self.config),
                 tags=[run_name(self.config)] if self.trial_name else None, source_files=[], git_ref=False,
                 capture_stdout=False, capture_stderr=False, capture_traceback=False, capture_hardware_metrics=False)
-            self.run_id = self.run["sys/id"].fetch()
         return self.run
 
     def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
         if name != self.trial_name:
             self.finalize("success")
-            self.run_id = None
         super().set_trial(name, params)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
