@@ -2,7 +2,7 @@
 the flattened config and every metric with its step under HF's sections (`train/loss`, `eval/loss`),
 written under `<output_dir>/swanlog/run-<date>-<id>/`; `swanlab sync <folder>` uploads it later.
 Offline by construction, and SwanLab's probes (hardware, runtime, pip requirements, git, system
-monitor) are off."""
+monitor) and console capture are off."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ class SwanLabLogger(Logger):
         if self.run is None:
             import swanlab
 
-            settings = swanlab.Settings(probe=swanlab.Settings.Probe(
-                hardware=False, runtime=False, requirements=False, conda=False, git=False, monitor=False))
+            settings = swanlab.Settings(
+                probe=swanlab.Settings.Probe(hardware=False, runtime=False, requirements=False, conda=False, git=False,
+                                             monitor=False),
+                terminal=swanlab.Settings.Terminal(proxy_type="none"))
             os.makedirs(self.log_dir, exist_ok=True)
             self.run = swanlab.init(
                 mode="offline", log_dir=self.log_dir, project=self.project, name=self.trial_name or run_name(self.config),
@@ -49,7 +51,8 @@ class SwanLabLogger(Logger):
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         # LoggerCallback logs the config once per run, before any metric: swanlab.init takes it
-        self.params = {**params, **(self.trial_params or {})}
+        # SwanLab stores None as an empty mapping: kiln gives it as "None", as TensorBoard shows it
+        self.params = {k: "None" if v is None else v for k, v in {**params, **(self.trial_params or {})}.items()}
         self._start()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
