@@ -7,9 +7,11 @@ import pytest
 
 pytest.importorskip("aim", reason="pip install kiln[aim]")
 
+from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
 from kiln.loggers.aim import AimLogger  # noqa: E402
+from kiln.loggers.build import build_loggers  # noqa: E402
 from tests.loggers.conftest import make_config  # noqa: E402
-from tests.loggers.tracker_parity import Read, assert_same, no_network, train  # noqa: E402,F401
+from tests.loggers.tracker_parity import Read, assert_same, no_network, train, trials  # noqa: E402,F401
 
 
 def runs(repo_dir: str) -> list[Read]:
@@ -17,9 +19,11 @@ def runs(repo_dir: str) -> list[Read]:
     from aim.sdk.index_manager import RepoIndexManager
 
     repo = Repo.from_path(repo_dir)
-    found = []
-    for run_hash in repo.list_all_runs():
+    hashes = repo.list_all_runs()
+    for run_hash in hashes:  # all before reading any: a read caches the index as it is
         RepoIndexManager.get_index_manager(repo).index(run_hash)
+    found = []
+    for run_hash in hashes:
         run = Run(run_hash, repo=repo, read_only=True)
         metrics = {}
         for metric in run.metrics():
@@ -46,3 +50,11 @@ def test_evaluate_after_fit_continues_the_run(tmp_path):
     logger.finalize("success")
     [run] = runs(cfg.output_dir)
     assert run.metrics == {"train/loss": [(7, 0.5)], "eval/loss": [(8, 0.25)]} and run.name == "unit-run"
+
+
+def test_trials_are_runs_tagged_with_the_search(tmp_path):
+    cfg = make_config(tmp_path, report_to=["aim"])
+    trials(LoggerCallback(cfg, build_loggers(cfg)), cfg)
+    found = sorted(runs(cfg.output_dir), key=lambda r: r.name)
+    assert [(r.name, r.params["lr"], r.metrics) for r in found] == \
+        [(f"trial-{i}", i, {"train/loss": [(1, float(i))]}) for i in range(2)]

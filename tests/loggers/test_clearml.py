@@ -11,7 +11,10 @@ import pytest
 
 pytest.importorskip("clearml", reason="pip install kiln[clearml]")
 
-from tests.loggers.tracker_parity import Read, assert_same, no_network, train  # noqa: E402,F401
+from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
+from kiln.loggers.build import build_loggers  # noqa: E402
+from tests.loggers.conftest import make_config  # noqa: E402
+from tests.loggers.tracker_parity import Read, assert_same, no_network, train, trials  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -39,3 +42,12 @@ def test_a_run_holds_what_tensorboard_holds(tmp_path, monkeypatch, cache, no_net
     assert os.path.exists(session + ".zip")  # what Task.import_offline_session uploads
     assert_same(read(session), out)
     assert json.load(open(os.path.join(session, "task.json")))["project_name"] == "mine"
+
+
+def test_trials_are_tasks_of_their_own(tmp_path, cache):
+    cfg = make_config(tmp_path, report_to=["clearml"])
+    callback = LoggerCallback(cfg, build_loggers(cfg))
+    trials(callback, cfg)
+    runs = sorted((read(d) for d in glob.glob(str(cache / "offline" / "*")) if os.path.isdir(d)), key=lambda r: r.name)
+    assert [(r.name, r.params["lr"], r.metrics) for r in runs] == \
+        [(f"trial-{i}", str(i), {"train/loss": [(1, float(i))]}) for i in range(2)]

@@ -11,9 +11,11 @@ import pytest
 
 pytest.importorskip("comet_ml", reason="pip install kiln[comet]")
 
+from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
+from kiln.loggers.build import build_loggers  # noqa: E402
 from kiln.loggers.comet import CometLogger  # noqa: E402
 from tests.loggers.conftest import make_config  # noqa: E402
-from tests.loggers.tracker_parity import Read, assert_same, no_network, train  # noqa: E402,F401
+from tests.loggers.tracker_parity import Read, assert_same, no_network, train, trials  # noqa: E402,F401
 
 # what Comet adds by itself to every offline experiment
 _OWN = {"process duration"}
@@ -68,3 +70,13 @@ def test_import_switches_off_comets_own_capture(tmp_path, monkeypatch):
     monkeypatch.setenv("COMET_ERROR_TRACKING_ENABLE", "true")  # the user's own setting wins
     CometLogger(make_config(tmp_path)).capture()
     assert os.environ["COMET_DISABLE_AUTO_LOGGING"] == "1" and os.environ["COMET_ERROR_TRACKING_ENABLE"] == "true"
+
+
+def test_trials_are_experiments_of_their_own(tmp_path):
+    cfg = make_config(tmp_path, report_to=["comet_ml"])
+    callback = LoggerCallback(cfg, build_loggers(cfg))
+    trials(callback, cfg)
+    runs = sorted((read(a) for a in archives(cfg.output_dir)), key=lambda r: r.name)
+    assert [(r.name, r.params["lr"], r.metrics) for r in runs] == \
+        [(f"trial-{i}", i, {"train/loss": [(1, float(i))]}) for i in range(2)]
+    assert all(json.loads(zipfile.ZipFile(a).read("experiment.json"))["tags"] == ["unit-run"] for a in archives(cfg.output_dir))

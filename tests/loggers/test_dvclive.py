@@ -15,7 +15,7 @@ from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
 from kiln.loggers.build import build_loggers  # noqa: E402
 from kiln.loggers.dvclive import DVCLiveLogger  # noqa: E402
 from tests.loggers.conftest import SEQUENCE, drive, make_config  # noqa: E402
-from tests.loggers.tracker_parity import Read, assert_same, grouped_name, no_network, train  # noqa: E402,F401
+from tests.loggers.tracker_parity import Read, assert_same, grouped_name, no_network, train, trials  # noqa: E402,F401
 
 
 def read(folder: str) -> Read:
@@ -54,3 +54,11 @@ def test_a_fresh_run_replaces_and_evaluate_after_fit_continues(tmp_path):
     logger.log_metrics({"eval_loss": 0.25}, 1)  # evaluate() after fit()
     logger.finalize("success")
     assert read(os.path.join(cfg.output_dir, "dvclive")).metrics == {"train/loss": [(1, 0.5)], "eval/loss": [(1, 0.25)]}
+
+
+def test_trials_get_their_own_folders(tmp_path):
+    cfg = make_config(tmp_path, report_to=["dvclive"])
+    trials(LoggerCallback(cfg, build_loggers(cfg)), cfg)
+    for i in range(2):
+        got = read(os.path.join(cfg.output_dir, "dvclive", f"trial-{i}"))
+        assert got.metrics == {"train/loss": [(1, float(i))]} and got.params["lr"] == i

@@ -11,7 +11,10 @@ import pytest
 os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="kiln-trackio-"))
 pytest.importorskip("trackio", reason="pip install kiln[trackio]")
 
-from tests.loggers.tracker_parity import Read, assert_same, no_network, train  # noqa: E402,F401
+from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
+from kiln.loggers.build import build_loggers  # noqa: E402
+from tests.loggers.conftest import make_config  # noqa: E402
+from tests.loggers.tracker_parity import Read, assert_same, no_network, train, trials  # noqa: E402,F401
 
 
 def read(project: str, run: str) -> Read:
@@ -34,3 +37,16 @@ def test_a_run_holds_what_tensorboard_holds(tmp_path, monkeypatch, no_network):
     out = train(tmp_path, monkeypatch, "trackio", log={"steps": 2, "history": [], "disable_tqdm": True, "project": project})
     [run] = SQLiteStorage.get_runs(project)
     assert_same(read(project, run), out)
+
+
+def test_trials_are_runs_grouped_by_run_name(tmp_path):
+    from trackio.sqlite_storage import SQLiteStorage
+
+    project = f"trials-{os.path.basename(tmp_path)}"
+    cfg = make_config(tmp_path, report_to=["trackio"], log={"project": project})
+    trials(LoggerCallback(cfg, build_loggers(cfg)), cfg)
+    assert sorted(SQLiteStorage.get_runs(project)) == ["trial-0", "trial-1"]
+    for i in range(2):
+        got = read(project, f"trial-{i}")
+        assert got.metrics == {"train/loss": [(1, float(i))]} and got.params["lr"] == i
+        assert SQLiteStorage.get_run_config(project, f"trial-{i}")["_Group"] == "unit-run"

@@ -92,6 +92,16 @@ def assert_same(got: Read, output_dir: str, one_per_step: bool = False) -> Read:
     return tb
 
 
+def trials(callback: Any, config: Any) -> None:
+    """Two hyperparameter-search trials through `callback`: trial-i logs loss i at step 1, with lr i."""
+    from kiln.engine.callbacks.state import TrainerState
+    from tests.loggers.conftest import drive
+
+    for i in range(2):
+        state = TrainerState(max_steps=6, is_hyper_param_search=True, trial_name=f"trial-{i}", trial_params={"lr": i})
+        drive(callback, config, [(1, {"loss": float(i)})], state=state)
+
+
 @pytest.fixture
 def no_network(monkeypatch):
     """Any connection or name lookup beyond loopback made in this process fails the test."""
@@ -119,4 +129,4 @@ def no_network(monkeypatch):
     assert attempts == [], f"the tracker reached for the network: {attempts}"
 
 
-__all__ = ["MASKED", "Read", "SECRET", "assert_same", "canonical", "grouped_name", "no_network", "tensorboard", "train"]
+__all__ = ["MASKED", "Read", "SECRET", "assert_same", "canonical", "grouped_name", "no_network", "tensorboard", "train", "trials"]
