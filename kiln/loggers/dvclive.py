@@ -6,7 +6,8 @@ repository, are not created: `save_dvc_exp` is off).
 
 A resumed job continues the files and first drops the rows a killed job wrote after the checkpoint's
 step, so the curves read as if the job had never stopped. Nothing goes over the network: no Studio
-live updates (`DVC_STUDIO_TOKEN` is not used), no system monitor."""
+live updates (`DVC_STUDIO_TOKEN` is not used), no system monitor. DVCLive itself runs `dvc init` in the
+git repository holding the working directory, if any (docs/logging.md says so)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import os
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from kiln.loggers import LOGGERS
-from kiln.loggers.base import Logger, grouped_name, history_step, keep_on_resume, require, run_name
+from kiln.loggers.base import Logger, grouped_name, history_step, keep_on_resume, require
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -59,8 +60,8 @@ class DVCLiveLogger(Logger):
             if keep and not self.continued:
                 drop_rows_after(os.path.join(self.directory, "plots", "metrics"), self.resume_step)
             # Live(resume=False) deletes the folder's earlier files: a fresh run
-            self.live = Live(dir=self.directory, resume=keep, save_dvc_exp=False, dvcyaml=None, report=None, monitor_system=False,
-                             exp_name=self.trial_name or run_name(self.config))
+            self.live = Live(dir=self.directory, resume=keep, save_dvc_exp=False, dvcyaml=None, report=None,
+                             monitor_system=False)
         return self.live
 
     def resume(self, step: int) -> None:

@@ -41,7 +41,7 @@ class SwanLabLogger(Logger):
             self.run = swanlab.init(
                 mode="offline", log_dir=self.log_dir, project=self.project, name=self.trial_name or run_name(self.config),
                 group=run_name(self.config) if self.trial_name else None, config=self.params or None,
-                settings=settings, reinit=True)
+                settings=settings)
         return self.run
 
     def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:

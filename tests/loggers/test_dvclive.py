@@ -9,13 +9,22 @@ import pytest
 
 pytest.importorskip("dvclive", reason="pip install kiln[dvclive]")
 from dvclive.serialize import load_yaml  # noqa: E402
-from dvclive.utils import parse_tsv  # noqa: E402
+from dvclive.utils import parse_json, parse_tsv  # noqa: E402
 
 from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
 from kiln.loggers.build import build_loggers  # noqa: E402
 from kiln.loggers.dvclive import DVCLiveLogger  # noqa: E402
 from tests.loggers.conftest import SEQUENCE, drive, make_config  # noqa: E402
 from tests.loggers.tracker_parity import Read, assert_same, grouped_name, no_network, train, trials  # noqa: E402,F401
+
+
+@pytest.fixture(autouse=True)
+def outside_git(tmp_path, monkeypatch):
+    """DVCLive's Live() runs `dvc init` in the git repository holding the working directory (and, with
+    experiments on, commits to it): run from a folder that is in none, and check it stays untouched."""
+    monkeypatch.chdir(tmp_path)
+    yield
+    assert not os.path.exists(tmp_path / ".dvc")
 
 
 def read(folder: str) -> Read:
@@ -31,7 +40,12 @@ def read(folder: str) -> Read:
 
 def test_a_run_holds_what_tensorboard_holds(tmp_path, monkeypatch, no_network):
     out = train(tmp_path, monkeypatch, "dvclive")
-    assert_same(read(os.path.join(out, "dvclive")), out)
+    folder = os.path.join(out, "dvclive")
+    tb = assert_same(read(folder), out)
+    latest = parse_json(os.path.join(folder, "metrics.json"))  # the summary: each metric's last value
+    assert latest["train"]["loss"] == pytest.approx(tb.metrics["train/loss"][-1][1], rel=1e-6)
+    assert latest["eval"]["loss"] == pytest.approx(tb.metrics["eval/loss"][-1][1], rel=1e-6)
+    assert sorted(os.listdir(folder)) == ["metrics.json", "params.yaml", "plots"]  # no dvc.yaml, report or system metrics
 
 
 def test_resume_drops_what_the_killed_job_wrote_after_the_checkpoint(tmp_path):

@@ -4,6 +4,7 @@ DataStoreReader and record protos (what `swanlab sync` uploads), and its config.
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import pytest
@@ -47,6 +48,9 @@ def test_a_run_holds_what_tensorboard_holds(tmp_path, monkeypatch, no_network):
     [run_dir] = glob.glob(os.path.join(out, "swanlog", "run-*"))
     assert_same(read(run_dir), out, one_per_step=True)  # SwanLab keeps one value per step
     assert not os.path.exists(os.path.join(run_dir, "files", "requirements.txt"))  # probes off
+    with open(os.path.join(run_dir, "files", "swanlab-metadata.json")) as fh:
+        metadata = json.load(fh)
+    assert metadata["hardware"] is None and metadata["runtime"] is None and metadata["git"] is None
 
 
 def test_trials_and_a_failed_run(tmp_path):
