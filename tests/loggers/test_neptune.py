@@ -41,6 +41,11 @@ def test_a_run_holds_what_tensorboard_holds(tmp_path, monkeypatch, no_network):
     out = train(tmp_path, monkeypatch, "neptune")
     [run_dir] = glob.glob(str(tmp_path / "neptune" / "offline" / "run__*"))
     assert_same(read(run_dir), out)
+    paths = set()
+    for path in glob.glob(os.path.join(run_dir, "data-*.log")):
+        with open(path) as fh:
+            paths |= {json.loads(line)["obj"]["path"][0] for line in fh}
+    assert "monitoring" not in paths  # no console, traceback or hardware capture
 
 
 def test_trials_and_a_failed_run(tmp_path, monkeypatch):
