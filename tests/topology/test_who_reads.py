@@ -6,6 +6,7 @@ with save_on_each_node); and each rank trains on the data shard of its global ra
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 from kiln import Trainer
 from kiln.config import load_config
 from kiln.engine.checkpoint import resume as resume_module
+from kiln.engine.checkpoint.files import _fsync_tree
+from kiln.engine.checkpoint.integrity import ALGORITHM
 from kiln.engine.checkpoint.resume import ResumeError, choose_resume
 from kiln.engine.distributed import check_same_output_dir
 from kiln.utils.errors import ConfigError
@@ -36,10 +39,20 @@ def test_a_resumed_rank_reads_the_rng_and_loop_state_of_its_global_rank(tmp_path
         train(str(tmp_path / "rank0"), {**cfg, "seed": 99}, crash_at=4, strategy=stand_in(0))
     for name in ("rng_state_0.pth", "loop_state_0.pt"):
         shutil.copy(tmp_path / "rank0" / "checkpoint-4" / name, tmp_path / "killed" / "checkpoint-4" / name)
+    _reseal(tmp_path / "killed" / "checkpoint-4")  # a folder every node shares lists every rank's files
     resumed = train(out, cfg, model_seed=1234, resume=True, strategy=stand_in(2))
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert numeric_history(resumed) == numeric_history(straight)  # train_loss from rank 2's own sums
+
+
+def _reseal(folder) -> None:
+    """Rewrite `folder`'s COMPLETE marker for the files it holds now, as the writer would have."""
+    marker = folder / "COMPLETE"
+    meta = json.loads(marker.read_text())
+    marker.unlink()
+    meta["files"], meta[ALGORITHM] = _fsync_tree(str(folder))
+    marker.write_text(json.dumps(meta))
 
 
 def _strategies(world: ThreadWorld, out_of_rank, on_each_node: bool) -> list:
@@ -57,7 +70,7 @@ def checkpoints(tmp_path):
 def _resolvers(monkeypatch, world: ThreadWorld) -> list:
     calls: list = []
     real = resume_module.resolve_resume
-    monkeypatch.setattr(resume_module, "resolve_resume", lambda resume, out: (calls.append(world.current_rank), real(resume, out))[1])
+    monkeypatch.setattr(resume_module, "resolve_resume", lambda *a, **k: (calls.append(world.current_rank), real(*a, **k))[1])
     return calls
 
 
@@ -68,7 +81,7 @@ def test_on_a_shared_folder_global_rank_0_alone_chooses_the_checkpoint(checkpoin
     chosen = world.run(lambda rank: choose_resume(True, strategies[rank].config, strategies[rank]))
     assert calls == [0]  # one reader of every file's checksums
     assert chosen == [str(checkpoints / "node0" / "checkpoint-4")] * 4
-    with pytest.raises(ResumeError, match="is not a folder"):  # its refusal reaches every rank
+    with pytest.raises(ResumeError, match="Can.t find a valid checkpoint at .*missing"):  # its refusal reaches every rank
         world.run(lambda rank: choose_resume(str(checkpoints / "missing"), strategies[rank].config, strategies[rank]))
 
 

@@ -46,7 +46,7 @@ def _record(monkeypatch, world: ThreadWorld) -> dict[int, list[str]]:
             return real(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(torch, "save", noting(torch.save, lambda obj, f, *a, **k: os.path.basename(f)))
+    monkeypatch.setattr(torch, "save", noting(torch.save, lambda obj, f, *a, **k: os.path.basename(getattr(f, "name", f))))
     monkeypatch.setattr(checkpoint_io, "save_weights", noting(checkpoint_io.save_weights, lambda *a, **k: "model.safetensors"))
     monkeypatch.setattr(TrainerState, "save_to_json", noting(TrainerState.save_to_json,
                                                              lambda self, path: os.path.basename(path)))
