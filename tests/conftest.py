@@ -34,6 +34,52 @@ def _restore_log_levels_after_module_fixtures():
     yield from _levels_put_back()
 
 
+def _replay_line(config) -> str | None:
+    """pytest-randomly (the test extra) runs the files, and the tests in each, in a random order, so that a
+    test that passes only after another one shows up. Its seed is printed in the header, which `-q` (the
+    README's command) hides; this line says it instead, at the start (it survives a run that hangs) and
+    at the end (beside the failures)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if not isinstance(seed, int) or hasattr(config, "workerinput"):  # -p no:randomly, or an xdist worker
+        return None
+    return f"random test order: replay it with --randomly-seed={seed} (or turn it off with -p no:randomly)"
+
+
+def _seed_torch(seed: int) -> None:
+    """torch's share of pytest-randomly's reseeding before each test, without importing anything: a test
+    may have taken torch out of sys.modules for the moment (tests/engine/test_default_optimizer.py)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "manual_seed"):
+        torch.manual_seed(seed % 2**63)
+
+
+def pytest_configure(config):
+    """pytest-randomly reseeds `random` and numpy before each test's setup, call and teardown, and calls
+    every installed package's `pytest_randomly.random_seeder` entry point too. DeepSpeed registers one
+    that seeds torch, but loading it imports DeepSpeed, and with it mlflow, pandas and scipy, into every
+    test process: seconds of start-up, and modules a test may not expect to be there. Its torch seeding
+    is kept (each test then starts from the same torch RNG in any order), without the imports."""
+    try:
+        import pytest_randomly
+    except ImportError:
+        return
+    if getattr(pytest_randomly, "entrypoint_reseeds", ()) is None:  # not loaded yet: loaded at the first reseed
+        pytest_randomly.entrypoint_reseeds = [_seed_torch]
+
+
+def pytest_sessionstart(session):
+    line = _replay_line(session.config)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line(line)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    line = _replay_line(config)
+    if line:
+        terminalreporter.write_line(line)
+
+
 #: test files whose tests share one session/package-scoped job and so must run in one xdist worker
 _SHARED_GROUPS = {
     "tests/strategies/fsdp/test_generate.py": "fsdp-shared-job",

@@ -111,3 +111,28 @@ def test_weights_saved_without_their_tied_copy_load(tmp_path):
     target = transformers.GPT2LMHeadModel(cfg)
     apply_weights(target, state, str(tmp_path / "gpt2"))
     assert all(torch.equal(v, source.state_dict()[k]) for k, v in target.state_dict().items())
+
+
+def test_each_rank_takes_the_hf_rng_file_of_its_global_rank(hf_run, tmp_path):
+    """HF's Trainer on N processes writes `rng_state_<process_index>.pth`, its global rank. Global rank 2
+    (node 1's local rank 0 of a 2 x 2 job, reading its node's copy with save_on_each_node) takes
+    rng_state_2.pth, not its local rank's rng_state_0.pth."""
+    import shutil
+
+    from tests.topology.fake_world import stand_in
+
+    ckpt = tmp_path / "hf4" / "checkpoint-3"
+    shutil.copytree(os.path.join(hf_run, "checkpoint-3"), ckpt)
+    single = torch.load(ckpt / "rng_state.pth", weights_only=False)  # the test trusts its own file
+    (ckpt / "rng_state.pth").unlink()
+    streams = {}
+    for rank in range(4):
+        streams[rank] = torch.Generator().manual_seed(100 + rank).get_state()
+        torch.save({**single, "cpu": streams[rank]}, ckpt / f"rng_state_{rank}.pth")
+    probe = FirstStep()
+    trainer = Trainer(tiny_bert(seed=5), {**HYPER, "output_dir": str(tmp_path / "k"), "report_to": "none",
+                                          "disable_tqdm": True, "log": {"history": []}, "save_on_each_node": True},
+                      train_dataset=data(), callbacks=[probe], strategy=stand_in(2))
+    with pytest.warns(UserWarning, match="Hugging Face checkpoint"):
+        trainer.fit(resume_from_checkpoint=str(ckpt))
+    assert torch.equal(probe.torch_rng, streams[2])

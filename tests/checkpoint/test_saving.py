@@ -4,9 +4,9 @@ save_only_model / save_safetensors / save_on_each_node semantics, the contents o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +19,12 @@ from kiln.utils.errors import CheckpointError
 from kiln.strategies.single import SingleDeviceStrategy
 from tests.checkpoint.checkpoint_helpers import Scripted, folders, regression_data, train, weights
 
-#: HF's training_args.bin, written where transformers is installed (tests/checkpoint/test_training_args_file.py)
-HF_FILES = ["training_args.bin"] if importlib.util.find_spec("transformers") else []
+
+def hf_files() -> list[str]:
+    """HF's training_args.bin: written where the process already uses transformers, never imported for it
+    (the rule and both of its sides: tests/checkpoint/test_training_args_file.py). Asked before training,
+    so that the answer does not depend on which tests ran before in this process."""
+    return ["training_args.bin"] if "transformers" in sys.modules else []
 
 
 def small_eval():
@@ -68,12 +72,13 @@ class Counter(Callback):
 
 def test_checkpoint_contents(tmp_path):
     out = str(tmp_path / "run")
+    hf = hf_files()
     trainer = train(out, {"max_steps": 6, "save_steps": 3, "eval_strategy": "steps", "eval_steps": 3,
                           "metric_for_best_model": "loss"}, eval_data=small_eval, callbacks=[Counter()])
     ckpt = os.path.join(out, "checkpoint-6")
     assert sorted(os.listdir(ckpt)) == sorted([
         "model.safetensors", "optimizer.pt", "scheduler.pt", "precision.pt", "rng_state_0.pth", "loop_state_0.pt",
-        "trainer_state.json", "kiln_loop_position.json", "config.yaml", "COMPLETE", *HF_FILES])
+        "trainer_state.json", "kiln_loop_position.json", "config.yaml", "COMPLETE", *hf])
     marker = read_marker(ckpt)
     assert marker["step"] == 6 and marker["world_size"] == 1 and marker["resumable"]
     assert set(marker["files"]) == set(os.listdir(ckpt)) - {"COMPLETE"}
@@ -95,10 +100,11 @@ def test_checkpoint_contents(tmp_path):
 
 def test_save_only_model_cannot_be_resumed(tmp_path):
     out = str(tmp_path / "run")
+    hf = hf_files()
     train(out, {"max_steps": 4, "save_steps": 2, "save_only_model": True})
     ckpt = os.path.join(out, "checkpoint-4")
     assert sorted(os.listdir(ckpt)) == sorted(["COMPLETE", "config.yaml", "kiln_loop_position.json", "model.safetensors",
-                                               "trainer_state.json", *HF_FILES])
+                                               "trainer_state.json", *hf])
     with pytest.raises(CheckpointError, match="save_only_model"):
         train(out, {"max_steps": 6, "save_steps": 2, "save_only_model": True}, resume=ckpt)
 

@@ -41,12 +41,17 @@ def test_hfs_rule_by_torch_version(monkeypatch, installed, name, source):
     import sys
     import types
 
-    if source == "imported torch":
-        monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__=installed))
-    else:
-        monkeypatch.delitem(sys.modules, "torch")
-        monkeypatch.setattr(importlib.metadata, "version", lambda package: installed)
-    assert schema.hf_default_optimizer() == name
+    # torch is out of sys.modules only for the call: anything that imports torch before the test's
+    # fixtures are undone (a plugin's teardown hook) would run torch/__init__.py a second time, which
+    # fails, and fails every later test of the process with it
+    with monkeypatch.context() as patched:
+        if source == "imported torch":
+            patched.setitem(sys.modules, "torch", types.SimpleNamespace(__version__=installed))
+        else:
+            patched.delitem(sys.modules, "torch")
+            patched.setattr(importlib.metadata, "version", lambda package: installed)
+        chosen = schema.hf_default_optimizer()
+    assert chosen == name
 
 
 def test_without_torch_installed_the_default_is_adamw_torch(monkeypatch):
@@ -56,9 +61,11 @@ def test_without_torch_installed_the_default_is_adamw_torch(monkeypatch):
     def version(package):
         raise importlib.metadata.PackageNotFoundError(package)
 
-    monkeypatch.delitem(sys.modules, "torch")
-    monkeypatch.setattr(importlib.metadata, "version", version)
-    assert schema.hf_default_optimizer() == "adamw_torch"
+    with monkeypatch.context() as patched:  # only for the call (see test_hfs_rule_by_torch_version)
+        patched.delitem(sys.modules, "torch")
+        patched.setattr(importlib.metadata, "version", version)
+        chosen = schema.hf_default_optimizer()
+    assert chosen == "adamw_torch"
 
 
 def test_a_default_run_steps_with_the_fused_kernel(tmp_path, fused_calls):
