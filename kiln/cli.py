@@ -44,6 +44,26 @@ examples:
 """
 
 
+#: what a `task.data` function may return (docs/training-module.md); the Trainer keywords go to the Trainer
+DATA_KEYS = ("train_dataset", "eval_dataset", "test_dataset", "data_collator", "compute_metrics",
+             "preprocess_logits_for_metrics", "callbacks", "processing_class", "model_args")
+
+
+def _check_data(data: Any, path: str) -> None:
+    """The dict task.data returned: a dataset to work on, and no key kiln would drop unread (a typo such as
+    `collate_fn` would otherwise train with the default collator)."""
+    import difflib
+
+    if not isinstance(data, dict) or "train_dataset" not in data and "eval_dataset" not in data:
+        raise TaskError("task.data must return a dict with train_dataset (and optionally eval_dataset, ...).")
+    unknown = [key for key in data if key not in DATA_KEYS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), DATA_KEYS, n=1, cutoff=0.5)  # collate_fn: data_collator
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise TaskError(f"task.data ({path}) returned {unknown[0]!r}, which kiln does not read; it reads "
+                        f"{', '.join(DATA_KEYS)} (docs/training-module.md).{hint}")
+
+
 def _build(cfg: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
     """Import task.data (called now) and task.model (called by the Trainer after seeding); every
     keyword argument is checked against the callables before anything is built."""
@@ -60,8 +80,7 @@ def _build(cfg: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
     check_kwargs(model_fn, model_args, "task.model_args", cfg.task.model)
     check_kwargs(data_fn, data_args, "task.data_args", cfg.task.data)
     data = data_fn(**data_args)
-    if not isinstance(data, dict) or "train_dataset" not in data and "eval_dataset" not in data:
-        raise TaskError("task.data must return a dict with train_dataset (and optionally eval_dataset, ...).")
+    _check_data(data, cfg.task.data)
     kwargs = {**model_args, **data.get("model_args", {})}
     check_kwargs(model_fn, kwargs, f"task.model_args (with the model_args {cfg.task.data} returned)", cfg.task.model)
     def build_model() -> Any:
@@ -83,7 +102,7 @@ def _trainer(cfg: Any) -> tuple[Any, dict[str, Any]]:
     trainer = Trainer(
         None, cfg, model_init=model_init, train_dataset=data.get("train_dataset"), eval_dataset=data.get("eval_dataset"),
         data_collator=data.get("data_collator"), compute_metrics=data.get("compute_metrics"), callbacks=data.get("callbacks"),
-        preprocess_logits_for_metrics=data.get("preprocess_logits_for_metrics"),
+        preprocess_logits_for_metrics=data.get("preprocess_logits_for_metrics"), processing_class=data.get("processing_class"),
     )
     return trainer, data
 

@@ -87,6 +87,7 @@ _SHARED_GROUPS = {
     "tests/strategies/fsdp/test_precision.py": "fsdp-shared-job",
     "tests/launch/test_ray_train.py": "ray",
     "tests/launch/test_ray_tune.py": "ray",
+    "tests/launch/test_ray_output_once.py": "ray",
 }
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

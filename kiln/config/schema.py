@@ -216,6 +216,11 @@ class LogConfig:
     level_replica: str = opt("warning", "Log level on the other processes.")
     on_each_node: bool = opt(True, "Apply `level` on each node's main process, not only node 0.")
     disable_tqdm: Optional[bool] = opt(None, "Disable the progress bar.")
+    model_summary: str = opt("auto", "What fit prints about the model when it starts, on the main process: table (a line, "
+                             "then Lightning's ModelSummary table: name, type, parameters, trainable, size per module), "
+                             "line, off, or auto: the table on one process, the line with several.")
+    model_summary_depth: int = opt(1, "Module depth of the summary table's rows (Lightning's max_depth): 1 the model's "
+                                   "top-level modules, 2 their children too, -1 every module.")
     skip_memory_metrics: bool = opt(True, "Skip memory metrics (they slow training).")
     include_tokens_per_second: bool = opt(False, "Report tokens per second.")
     history: Optional[List[str]] = opt(None, "Local history files (csv, jsonl) written to logging_dir, default output_dir/runs. "

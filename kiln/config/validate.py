@@ -64,6 +64,9 @@ def validate(cfg: DictConfig) -> None:
     _choice("log.strategy", lg.strategy, INTERVALS)
     _choice("log.level", lg.level, LEVELS)
     _choice("log.level_replica", lg.level_replica, LEVELS)
+    _choice("log.model_summary", lg.model_summary, ("auto", "table", "line", "off"))
+    if lg.model_summary_depth < -1:
+        raise ConfigError(f"Config key 'log.model_summary_depth' must be -1 (every module) or >= 0, got {lg.model_summary_depth}.")
     _choice("log.nonfinite_window", lg.nonfinite_window, ("nan", "filtered"))
     for key, value in (("eval.steps", e.steps), ("save.steps", s.steps), ("log.steps", lg.steps)):
         _interval_steps(key, value)

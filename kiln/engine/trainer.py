@@ -261,9 +261,11 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
 
         check_training_data(self.train_dataset, self.data_collator, self.model, self.run.facts.training_module)  # before model work
         if self.strategy.is_global_zero and cfg.log.level not in ("error", "critical"):  # quiet runs stay quiet
-            from kiln.engine.model.summary import model_summary
+            from kiln.engine.model.summary import start_summary
 
-            print(f"kiln: {model_summary(self.model, self.strategy, self.precision)}", flush=True)
+            summary = start_summary(self.model, self.strategy, self.precision, cfg.log.model_summary, cfg.log.model_summary_depth)
+            if summary is not None:
+                print(summary, flush=True)
         if self._runs_started or trial is not None:  # HF: every train() is a new run, not a resume of the last
             self._start_new_run(trial)
         if trial is not None:

@@ -70,6 +70,8 @@ def launch_local(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    cores = cpu_cores()
+    warn_if_more_processes_than_cores(nproc, cores)
     report_dir = tempfile.mkdtemp(prefix="kiln-launch-")
     extra_env.update(_loopback_only())
     # torch's launch_agent exports TORCHELASTIC_SIGNALS_TO_HANDLE; it is put back with the rest
@@ -79,7 +81,7 @@ def launch_local(
     os.environ[REPORT_DIR] = report_dir
     os.environ[LAUNCHER_PID] = str(os.getpid())
     # torchrun sets 1 thread per worker; sharing the cores is better for CPU training and harmless on GPUs.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
     args = ["-u", "-m", "kiln.launch.worker", *argv]
     quiet = _QuietCtrlC()
     for name in _AGENT_LOGGERS:
@@ -114,6 +116,25 @@ def launch_local(
             else:
                 os.environ[key] = value
         shutil.rmtree(report_dir, ignore_errors=True)
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or `taskset`'s share), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity call
+        return os.cpu_count() or 1
+
+
+def warn_if_more_processes_than_cores(nproc: int, cores: int) -> None:
+    """One sentence when a CPU-only job starts more processes than there are cores: they would take turns on
+    the cores, each step slower than with fewer processes (fine for trying out multi-process behaviour)."""
+    import torch
+
+    if nproc > cores and not torch.cuda.is_available():
+        print(f"kiln: warning: {nproc} processes on {cores} CPU core{'s' if cores != 1 else ''} take turns on the cores, "
+              f"so they train slower than {cores} process{'es' if cores != 1 else ''} (--nproc {cores}) would.",
+              file=sys.stderr, flush=True)
 
 
 def launch_config(nproc: int, max_restarts: int = 0, monitor_interval: float = 0.1, handle_sigterm: bool = False) -> Any:

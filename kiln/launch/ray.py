@@ -27,6 +27,12 @@ from kiln.utils.errors import KilnError
 INSTALL = "pip install 'kiln[ray]'"
 
 
+#: Ray Train's workers replace `print` with one that logs each line and also prints it when `sys.stdout` is not
+#: `sys.__stdout__`, which Ray's own worker stdout never is: every line kiln prints would reach the driver twice
+#: (once on stdout, once on stderr). kiln's workers print as plain processes do; Ray still forwards their output.
+WORKER_RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
+
+
 class RayMissingError(KilnError, ImportError):
     """Ray (with Ray Train and Tune) is not installed."""
 
@@ -106,7 +112,7 @@ def launch_ray(argv: Sequence[str], launch: RayLaunch, cwd: Optional[str] = None
             scaling_config=ScalingConfig(num_workers=launch.num_workers, use_gpu=resources.get("GPU", 0) > 0,
                                          resources_per_worker=resources or None),
             run_config=RunConfig(
-                name=launch.name, storage_path=launch.storage_path,
+                name=launch.name, storage_path=launch.storage_path, worker_runtime_env=WORKER_RUNTIME_ENV,
                 failure_config=FailureConfig(max_failures=launch.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=launch.num_to_keep,
                                                    checkpoint_score_attribute=launch.checkpoint_score_attribute,

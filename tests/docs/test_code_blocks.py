@@ -37,7 +37,8 @@ def block_dir(tmp_path, monkeypatch):
 
 
 def _run_python(block: Block, code: str, folder) -> None:
-    ns = namespace(folder)
+    # README's blocks are what a newcomer copies first: they run as they stand, with no stand-in objects
+    ns = {"__name__": "__main__"} if block.page == "README.md" else namespace(folder)
     if "before" in block.markers:
         exec(compile(block.markers["before"], f"{block.id} (before)", "exec"), ns)
     exec(compile(code, block.id, "exec"), ns)

@@ -163,12 +163,15 @@ def finished_work(output_dir: str) -> Optional[str]:
 
 
 def refuse_overwrite(config: "DictConfig") -> None:
-    """A fresh run (not resuming) must not write over a finished run's checkpoints or exported model."""
+    """A fresh run (not resuming) must not write over a finished run's checkpoints or exported model. The
+    sentence names the way a script can say `overwrite_output_dir` whose settings are transformers 5's
+    TrainingArguments, which raise TypeError for it: kiln's keys ride beside them as `overrides`."""
     if config.overwrite_output_dir:
         return
     found = finished_work(str(config.output_dir))
     if found is not None:
         raise KilnError(
             f"output_dir {config.output_dir!r} already holds checkpoints or an exported model ({found}, ...). Resume with "
-            "resume_from_checkpoint=true, pick another output_dir, or set overwrite_output_dir=true."
+            "resume_from_checkpoint=true, pick another output_dir, or set overwrite_output_dir=true (from a script "
+            'with TrainingArguments, which no longer take it: Trainer(..., overrides=["overwrite_output_dir=true"])).'
         )

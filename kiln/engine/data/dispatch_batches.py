@@ -83,7 +83,15 @@ class DispatchedLoader:
         self.batch_size = getattr(loader, "batch_size", None)  # global: resume jumps in global batches
 
     def __iter__(self) -> Iterator[Any]:
-        source = iter(self.loader) if self.rank == 0 else None
+        # made now, not at the first batch: the fit loop restores a resumed run's RNG after this call
+        if self.rank == 0:
+            return self._batches(iter(self.loader))
+        from kiln.engine.data.loaders import global_draw
+
+        global_draw()  # what rank 0's iterator draws: every rank's global RNG moves alike (as accelerate's)
+        return self._batches(None)
+
+    def _batches(self, source: Optional[Iterator[Any]]) -> Iterator[Any]:
         while True:
             batch = next(source, _END) if source is not None else None
             batch = self.broadcast(batch)  # every rank calls it once per batch, so none can hang

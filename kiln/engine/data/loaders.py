@@ -2,8 +2,8 @@
 
 Resuming mid-epoch never re-iterates data: the sampler's order depends only on (seed, epoch), so a
 resumed run rebuilds the same permutation and starts at the saved batch. Each loader also gets its
-own `torch.Generator`, so creating a loader iterator never consumes the global RNG (which would
-shift dropout masks after a resume)."""
+own `torch.Generator`, which seeds its workers; the global RNG still moves by one number per new
+iterator, as under HF (`SeededLoader`), and a resumed run restores it after its iterator is made."""
 
 from __future__ import annotations
 
@@ -240,17 +240,34 @@ def build_dataloader(
     if isinstance(dataset, IterableDataset) or not is_sized(dataset):
         if num_replicas > 1 and not getattr(dataset, "shards_itself", False):
             dataset = ShardedIterable(dataset, num_replicas, rank)
-        loader = DataLoader(dataset, **kwargs)
+        loader = SeededLoader(dataset, **kwargs)
     else:
         if sampler is None:
             sampler = ResumableSampler(len(dataset), seed, shuffle, num_replicas, rank, drop_last, even, batch_size)
-        loader = (DataLoader(dataset, sampler=sampler, **kwargs) if fetched is None
+        loader = (SeededLoader(dataset, sampler=sampler, **kwargs) if fetched is None
                   else WorkerSeededLoader(dataset, fetched, sampler=sampler, **kwargs))
     loader.kiln_built = True  # set_epoch re-seeds only the generators kiln made
     return loader
 
 
-class WorkerSeededLoader(DataLoader):
+class SeededLoader(DataLoader):
+    """kiln's DataLoader: its own generator seeds the workers (exact on resume), and each new iterator
+    still draws one number from the global RNG, as HF's loaders (which have no generator) make torch do."""
+
+    def _get_iterator(self) -> Any:
+        global_draw()
+        return super()._get_iterator()
+
+
+def global_draw() -> None:
+    """What torch's DataLoader iterator draws for its base seed when the loader has no generator: HF's
+    loaders have none, so every training epoch and every evaluation moves the global RNG by one number
+    before the first batch, and dropout then draws its masks from there. Drawing the same keeps kiln's
+    dropout masks, and so its losses, equal to HF's."""
+    torch.empty((), dtype=torch.int64).random_()
+
+
+class WorkerSeededLoader(SeededLoader):
     """A DataLoader whose worker processes fetch through kiln's per-sample seeding wrapper
     (worker_seeding.SeededSamples) while `loader.dataset` stays the user's dataset, as HF's loaders show it."""
 

@@ -1,11 +1,14 @@
-"""The one line printed when training starts (like Lightning's model summary): how big the model is,
-in which dtype its parameters train, and which strategy, precision, device and process count run it."""
+"""What `fit` prints when it starts (`log.model_summary`): one line saying how big the model is, in which
+dtype its parameters train, and which strategy, precision, device and process count run it; and on one
+process, below it, Lightning's ModelSummary table: one row per module down to `log.model_summary_depth`
+(name, type, parameters, trainable parameters, size), then the totals."""
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Optional
 
+import torch
 from torch import nn
 
 
@@ -42,3 +45,56 @@ def model_summary(model: nn.Module, strategy: Any, precision: Any) -> str:
     return (f"model {type(model).__name__}: {_count(total)} parameters ({_count(trainable)} trainable, {_dtype(weights)}); "
             f"strategy {strategy.name} on {strategy.root_device.type}, {procs} process{'es' if procs != 1 else ''}; "
             f"precision {precision.name} ({_dtype(weights)} weights, {_dtype(compute)} compute)")
+
+
+def _size(n_bytes: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:.1f} {unit}"
+    return f"{int(n_bytes)} B"
+
+
+def _tally(params: list[Any], dtype: Optional[torch.dtype]) -> tuple[int, int, float]:
+    """(parameters, trainable, bytes) of `params`; bytes in `dtype` when training casts to it."""
+    total = trainable = 0
+    size = 0.0
+    for p in params:
+        n = _numel(p)
+        total += n
+        trainable += n if p.requires_grad else 0
+        size += n * (dtype.itemsize if dtype is not None else p.element_size())
+    return total, trainable, size
+
+
+def model_table(model: nn.Module, precision: Any, max_depth: int = 1) -> list[str]:
+    """Lightning's ModelSummary: a row per module down to `max_depth` levels below the model (-1: every
+    module), then the totals. A parameter shared by several modules counts once in each of their rows and
+    once in the totals."""
+    dtype = precision.param_dtype
+    rows = []
+    for name, module in model.named_modules():
+        depth = name.count(".") + 1
+        if not name or (max_depth >= 0 and depth > max_depth):
+            continue
+        total, trainable, size = _tally(list(module.parameters()), dtype)
+        rows.append((str(len(rows)), name, type(module).__name__, _count(total), _count(trainable), _size(size)))
+    header = ("", "Name", "Type", "Params", "Trainable", "Size")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    rule = "-" * max(len(line) for line in lines)
+    total, trainable, size = _tally(list(model.parameters()), dtype)
+    totals = [(_count(trainable), "Trainable params"), (_count(total - trainable), "Non-trainable params"),
+              (_count(total), "Total params"), (_size(size), "Total estimated model params size")]
+    return [lines[0], rule, *lines[1:], rule, *(f"{value:<10}{what}" for value, what in totals)]
+
+
+def start_summary(model: nn.Module, strategy: Any, precision: Any, mode: str, max_depth: int) -> Optional[str]:
+    """What `fit` prints on the main process when it starts (`log.model_summary`): `line`, `table` (the line,
+    then `model_table`), `off`, or `auto`: the table on one process, the line alone with several (each
+    of their start-ups would otherwise scroll a table past)."""
+    if mode == "off":
+        return None
+    line = f"kiln: {model_summary(model, strategy, precision)}"
+    if mode == "line" or (mode == "auto" and strategy.world_size > 1):
+        return line
+    return "\n".join([line, *model_table(model, precision, max_depth)])
