@@ -86,7 +86,7 @@ class DispatchedLoader:
         # made now, not at the first batch: the fit loop restores a resumed run's RNG after this call
         if self.rank == 0:
             return self._batches(iter(self.loader))
-        from kiln.engine.data.loaders import global_draw
+        from kiln.engine.data.global_draw import global_draw
 
         global_draw()  # what rank 0's iterator draws: every rank's global RNG moves alike (as accelerate's)
         return self._batches(None)

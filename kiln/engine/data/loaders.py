@@ -18,6 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
+from kiln.engine.data.global_draw import global_draw
+
 
 def default_data_collator(features: list[Any]) -> Any:
     """torch's default_collate, plus two rules of HF's default_data_collator for dict items: a
@@ -257,14 +259,6 @@ class SeededLoader(DataLoader):
     def _get_iterator(self) -> Any:
         global_draw()
         return super()._get_iterator()
-
-
-def global_draw() -> None:
-    """What torch's DataLoader iterator draws for its base seed when the loader has no generator: HF's
-    loaders have none, so every training epoch and every evaluation moves the global RNG by one number
-    before the first batch, and dropout then draws its masks from there. Drawing the same keeps kiln's
-    dropout masks, and so its losses, equal to HF's."""
-    torch.empty((), dtype=torch.int64).random_()
 
 
 class WorkerSeededLoader(SeededLoader):
