@@ -194,12 +194,9 @@ class SaveConfig:
     async_save: bool = opt(
         False, "Write checkpoints in the background (also spelled save.async): the state is copied to host memory at the "
         "step boundary and training goes on while a writer thread writes it; COMPLETE is still written last, one save "
-        "is in flight at a time, and the end of fit (and a preemption) waits for it. Formats that cannot (sharded "
-        "ones) save synchronously, with one log line.")
-    local_dir: Optional[str] = opt(
-        None, "With an output_dir URL (s3://, gs://, memory://): the local folder that mirrors it, where checkpoints are "
-        "written before upload and downloaded for resume, and where run files (logs) live. Default: a folder named "
-        "after the URL under the system's temporary directory.")
+        "is in flight at a time, and the next save, the end of fit and a preemption wait for it. The full-state format "
+        "(single device, DDP) writes in the background; the others (FSDP, DeepSpeed, model parallel, XLA, PEFT adapters) "
+        "save synchronously, with one log line.")
 
 
 @dataclass

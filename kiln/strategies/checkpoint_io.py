@@ -22,6 +22,7 @@ from torch import nn
 from kiln.registry import Registry
 from kiln.strategies.weights_files import INDEX, load_sharded, parse_size, save_sharded
 from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.host_copy import HostStaging
 from kiln.utils.param_groups import regroup_optimizer_state
 
 WEIGHTS_SAFE = "model.safetensors"
@@ -159,8 +160,9 @@ class CheckpointIO:
     in one process without a process group (any process count may have saved it), vetting every
     pickle it reads first: converting a checkpoint never runs code from it.
 
-    Optional, for `save.async_save`: `stage(...)` (the arguments of `save`) copies at the step boundary
-    what `save` would write into host memory and returns a `StagedWrite` that writes exactly those
+    Optional, for `save.async_save`: `stage(...)` (the arguments of `save`, and the run's
+    `HostStaging`, whose buffers are reused from save to save) copies at the step boundary what `save`
+    would write into host memory and returns a `StagedWrite` that writes exactly those
     bytes into a folder later, on a background thread, while training goes on. The default returns
     None: the format saves synchronously (the engine says so once). A format whose every rank writes
     (`sharded`, DCP's `async_save`) needs the engine to learn when all ranks' files are durable before
@@ -180,7 +182,7 @@ class CheckpointIO:
         raise NotImplementedError
 
     def stage(self, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-              save_optimizer: bool, safetensors: bool, writer: bool) -> Optional[StagedWrite]:
+              save_optimizer: bool, safetensors: bool, writer: bool, staging: HostStaging) -> Optional[StagedWrite]:
         """The files `save` would write, copied to host memory now and written by the returned function
         later; None when this format cannot save in the background (see the class docstring)."""
         return None
@@ -237,7 +239,7 @@ class FullStateCheckpointIO(CheckpointIO):
                         safetensors)
 
     def stage(self, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-              save_optimizer: bool, safetensors: bool, writer: bool) -> Optional[StagedWrite]:
+              save_optimizer: bool, safetensors: bool, writer: bool, staging: HostStaging) -> Optional[StagedWrite]:
         """Host copies of the weights and optimizer state, written by the same code as `save`, so an
         asynchronous checkpoint holds the bytes a synchronous one would. A subclass that saves otherwise
         (XLA) must stage its own way: it saves synchronously until it does."""
@@ -245,10 +247,8 @@ class FullStateCheckpointIO(CheckpointIO):
             return None
         if not writer:
             return lambda directory: None
-        from kiln.utils.host_copy import host_copy
-
-        weights = host_copy(module.state_dict())
-        optim = host_copy(optimizer.state_dict()) if save_optimizer and optimizer is not None else None
+        weights, optim = staging.copy((module.state_dict(),
+                                       optimizer.state_dict() if save_optimizer and optimizer is not None else None))
         return lambda directory: _write_full(directory, weights, optim, safetensors)
 
     def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],

@@ -10,6 +10,7 @@ import os
 import shutil
 import struct
 import threading
+import time
 
 import pytest
 import torch
@@ -61,6 +62,7 @@ def runs(tmp_path_factory):
             resumed = train(out, cfg, model_seed=99, resume=True)
         os.rename(out, str(base / mode))
         result[mode] = (snapshot, str(base / mode), weights(resumed))
+    result["off"] = weights(train(str(base / "off"), {**CFG, "save_total_limit": None}, model_seed=0))  # never stopped
     return result
 
 
@@ -76,10 +78,12 @@ def test_an_async_checkpoint_is_byte_for_byte_the_synchronous_one(runs):
                 assert _same_bytes(os.path.join(a, name, file), os.path.join(b, name, file)), f"{name}/{file}"
 
 
-def test_resuming_an_async_checkpoint_ends_like_resuming_the_synchronous_one(runs):
-    sync_weights, async_weights = runs["sync"][2], runs["async"][2]
+def test_resuming_an_async_checkpoint_ends_like_resuming_the_synchronous_one_and_like_a_run_without_async(runs):
+    sync_weights, async_weights, off = runs["sync"][2], runs["async"][2], runs["off"]
+    assert off.keys() == async_weights.keys()
     for name in sync_weights:
         assert torch.equal(sync_weights[name], async_weights[name]), name
+        assert torch.equal(off[name], async_weights[name]), name
 
 
 class _Gate:
@@ -230,3 +234,59 @@ def test_a_callback_that_reads_the_folder_on_save_finds_it_complete(tmp_path):
 
     train(str(tmp_path / "out"), {**CFG, "save": {"async": True}}, callbacks=[Reader()])
     assert Reader.found == [True, True, True]
+
+
+def test_sigterm_waits_for_the_save_in_flight_before_it_says_saved(tmp_path, monkeypatch):
+    """Preemption: the step's checkpoint (written in the background, slowly) is complete before the run
+    reports it saved and fit() returns; the one in flight before it too."""
+    from kiln.engine.loop.preemption import Preemption
+    from tests.checkpoint.test_preemption import SigtermAt
+
+    real = FullStateCheckpointIO.stage
+
+    def slow_stage(self, **kw):  # type: ignore[no-untyped-def]
+        write = real(self, **kw)
+
+        def slow(directory):  # type: ignore[no-untyped-def]
+            time.sleep(0.3)
+            write(directory)
+        return slow
+
+    out = str(tmp_path / "out")
+    complete_at_stop = []
+    real_stop = Preemption.stop
+    monkeypatch.setattr(FullStateCheckpointIO, "stage", slow_stage)
+    monkeypatch.setattr(Preemption, "stop", lambda self, step: complete_at_stop.append(
+        is_complete(os.path.join(out, f"checkpoint-{step}"))) or real_stop(self, step))
+    trainer = train(out, {**CFG, "save": {"async": True, "on_preemption": True}}, callbacks=[SigtermAt(6)])
+    assert trainer.state.global_step == 6 and complete_at_stop == [True]
+    assert folders(out) == {"checkpoint-4", "checkpoint-6"}
+
+
+def test_every_rank_raises_the_writer_s_failure_at_the_same_wait():
+    """Only the writer writes in the background; a fake 2-rank world: the other rank learns the failure
+    through the all-gather and raises the same sentence, and a rank with nothing to report raises nothing."""
+    from types import SimpleNamespace
+
+    from kiln.engine.checkpoint.background import BackgroundSave
+
+    gathered: list[object] = []
+
+    def manager(messages):  # type: ignore[no-untyped-def]
+        def all_gather_object(message):  # type: ignore[no-untyped-def]
+            gathered.append(message)
+            return messages
+        strategy = SimpleNamespace(world_size=2, all_gather_object=all_gather_object)
+        config = SimpleNamespace(save=SimpleNamespace(async_save=True))
+        return SimpleNamespace(config=config, strategy=strategy, _background=BackgroundSave())
+
+    sentence = "No space left on device (ENOSPC) while writing checkpoint-8"
+    with pytest.raises(CheckpointError, match=r"^No space left on device \(ENOSPC\) while writing checkpoint-8$"):
+        manager_module.CheckpointManager.wait(manager([sentence, None]))  # rank 1: its own thread never ran
+    assert gathered == [None]
+    manager_module.CheckpointManager.wait(manager([None, None]))
+    writer = manager([sentence, None])
+    writer._background.start(8, lambda: (_ for _ in ()).throw(CheckpointError(sentence)))
+    with pytest.raises(CheckpointError, match="ENOSPC"):
+        manager_module.CheckpointManager.wait(writer)  # rank 0: raises its own error, after telling the others
+    assert gathered[-1] == sentence

@@ -38,6 +38,7 @@ from kiln.strategies.checkpoint_io import StagedWrite
 from kiln.strategies.weights_files import tie_groups
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.host_copy import HostStaging
 from kiln.utils.param_groups import regroup_scheduler_state
 from kiln.engine.seed import rng_state
 from kiln.engine.callbacks.state import TrainerState
@@ -95,6 +96,7 @@ class CheckpointManager:
         self.preempted_step: Optional[int] = None  # set when SIGTERM stopped the run after saving this step
         self._debris_cleared = False
         self._background = BackgroundSave()  # the save in flight with save.async_save
+        self._staging = HostStaging()  # its host copy, in buffers reused from save to save
         self._said_synchronous = False  # the one log line of a format that cannot save in the background
         self.signing_key = signing_key(config.save.signing_key_env)  # fails here, before training, when unset
 
@@ -135,9 +137,7 @@ class CheckpointManager:
             if writer and staged is None:
                 self._publish(tmp, final, meta)
         except Exception as err:
-            failure = self._failed(err, tmp, final, writer)
-            if failure is not None:
-                raise failure from None
+            self._failed(err, tmp, final, writer)
             raise
         self.saved_step = state.global_step
         best = state.best_model_checkpoint
@@ -158,7 +158,7 @@ class CheckpointManager:
         if not cfg.save.async_save:
             return None
         staged = io.stage(model=run.wrapped, module=run.model, optimizer=run.optimizer, save_optimizer=not cfg.save.only_model,
-                          safetensors=cfg.save.safetensors, writer=writer)
+                          safetensors=cfg.save.safetensors, writer=writer, staging=self._staging)
         if staged is None and not self._said_synchronous:
             log.warning("save.async_save: the %r checkpoint format cannot be written in the background yet, so its "
                         "checkpoints are saved synchronously.", io.format)
@@ -185,22 +185,19 @@ class CheckpointManager:
             staged(tmp)
             self._publish(tmp, final, meta)
         except Exception as err:
-            failure = self._failed(err, tmp, final, True)
-            if failure is not None:
-                raise failure from None
+            self._failed(err, tmp, final, True)
             raise
         self.rotate(best)
 
-    def _failed(self, err: BaseException, tmp: str, final: str, writer: bool) -> Optional[CheckpointError]:
-        """Clean up after a failed write; the one-sentence error for a file-system failure, or None for
-        anything else (raised as it is)."""
+    def _failed(self, err: BaseException, tmp: str, final: str, writer: bool) -> None:
+        """Clean up after a failed write and raise the one-sentence error of a file-system failure;
+        anything else the caller raises as it is."""
         out = os.path.dirname(final)
         code = write_errno(err, tmp if os.path.isdir(tmp) else out)
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoints are untouched
-        if code is None:
-            return None
-        return CheckpointError(write_failure(code, os.path.basename(final), out, latest_checkpoint(out)))
+        if code is not None:
+            raise CheckpointError(write_failure(code, os.path.basename(final), out, latest_checkpoint(out))) from None
 
     def wait(self) -> None:
         """Block until the save in flight (save.async_save) is complete on every rank; raise its failure,
