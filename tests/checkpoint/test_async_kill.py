@@ -8,47 +8,30 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kiln.engine.checkpoint.files import is_complete, latest_checkpoint, list_checkpoints
+from tests.checkpoint.test_fault_injection import Worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "async_crash_worker.py")
 #: the first run dies late (a checkpoint or two are complete by then), so every later one resumes
 KILL_POINTS = [20, *range(1, 20)]
 
 
-class Worker:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self._read() == "ready"
-
-    def _read(self) -> str:
-        line = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
-        assert line, "the crash worker died"
-        return line
-
-    def run(self, out: str, result: str, kill_at: int) -> tuple[int, int]:
-        self.proc.stdin.write(f"run {out} {result} {kill_at}\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-        pid = int(self._read().split()[1])
-        return pid, int(self._read().split()[1])
-
-    def close(self) -> None:
-        self.proc.stdin.close()  # type: ignore[union-attr]
-        self.proc.wait(timeout=30)
+def _run(worker: Worker, out: str, result: str, kill_at: int) -> tuple[int, int]:
+    pid = worker.start(out, result, kill_at)
+    return pid, worker.wait()
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the worker forks its training processes (POSIX)")
 def test_sigkill_at_20_points_of_background_writes_resumes_bit_identically(tmp_path):
-    worker = Worker()
+    worker = Worker(WORKER)
     try:
         ref_result = str(tmp_path / "ref.pt")
-        _, status = worker.run(str(tmp_path / "ref" / "out"), ref_result, 0)
+        _, status = _run(worker, str(tmp_path / "ref" / "out"), ref_result, 0)
         assert status == 0
         run_dir = tmp_path / "killed"
         run_dir.mkdir()
@@ -56,7 +39,7 @@ def test_sigkill_at_20_points_of_background_writes_resumes_bit_identically(tmp_p
         expected: dict[int, str] = {}
         for kill_at in KILL_POINTS:
             before = latest_checkpoint(out, verify=True)
-            pid, status = worker.run(out, result, kill_at)
+            pid, status = _run(worker, out, result, kill_at)
             expected[pid] = os.path.basename(before) if before else "fresh"
             assert status == -signal.SIGKILL, f"kill point {kill_at}: the run was not killed (status {status})"
             for _, path in list_checkpoints(out):  # anything named checkpoint-<step> is complete
@@ -65,7 +48,7 @@ def test_sigkill_at_20_points_of_background_writes_resumes_bit_identically(tmp_p
             if before is not None:
                 assert after is not None and int(after.rsplit("-", 1)[1]) >= int(before.rsplit("-", 1)[1]), kill_at
         last = latest_checkpoint(out, verify=True)
-        pid, status = worker.run(out, result, 0)
+        pid, status = _run(worker, out, result, 0)
         expected[pid] = os.path.basename(last) if last else "fresh"
         assert status == 0
     finally:
