@@ -290,3 +290,50 @@ def test_every_rank_raises_the_writer_s_failure_at_the_same_wait():
     with pytest.raises(CheckpointError, match="ENOSPC"):
         manager_module.CheckpointManager.wait(writer)  # rank 0: raises its own error, after telling the others
     assert gathered[-1] == sentence
+
+
+class _CrashAtStep(Callback):
+    reads_checkpoint_on_save = False
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, config, state, control, **kw):  # type: ignore[no-untyped-def]
+        if state.global_step == self.step:
+            raise Crash(f"training failed at step {self.step}")
+
+
+def _slowed(monkeypatch, fail: bool = False) -> None:
+    """Background writes that take a while (and, with `fail`, then fail with EIO)."""
+    real = FullStateCheckpointIO.stage
+
+    def stage(self, **kw):  # type: ignore[no-untyped-def]
+        write = real(self, **kw)
+
+        def slow(directory):  # type: ignore[no-untyped-def]
+            time.sleep(0.5)
+            if fail:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            write(directory)
+        return slow
+
+    monkeypatch.setattr(FullStateCheckpointIO, "stage", stage)
+
+
+def test_a_save_in_flight_when_training_fails_still_lands(tmp_path, monkeypatch):
+    _slowed(monkeypatch)
+    out = str(tmp_path / "out")
+    with pytest.raises(Crash, match="training failed at step 5"):  # the training error, not the save's
+        train(out, {**CFG, "save": {"async": True}}, callbacks=[_CrashAtStep(5)])
+    assert folders(out) == {"checkpoint-4"} and is_complete(os.path.join(out, "checkpoint-4"))
+
+
+def test_a_save_that_fails_while_training_fails_is_logged_under_the_training_error(tmp_path, monkeypatch, caplog):
+    _slowed(monkeypatch, fail=True)
+    out = str(tmp_path / "out")
+    with caplog.at_level(logging.ERROR, logger="kiln.engine.checkpoint.manager"):
+        with pytest.raises(Crash, match="training failed at step 5"):
+            train(out, {**CFG, "save": {"async": True}}, callbacks=[_CrashAtStep(5)])
+    said = [r.getMessage() for r in caplog.records if "background save" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("The background save of checkpoint-4 failed too: Input/output error (EIO)")
+    assert folders(out) == set()
