@@ -12,6 +12,11 @@ tensors per parameter); then, interleaved `--repeats` times:
   file, once without and once with an fsync (kiln always fsyncs: a checkpoint must survive a crash);
 - checksums: the xxh3-64 digests kiln records in the marker (part of "kiln save"), timed alone over
   the same files, to show their share of the save (issue 34's budget: at most 5 %);
+- async stall: with `save.async_save`, how long `trainer._save_checkpoint()` holds the training loop
+  (copying the weights and optimizer into the host buffers that the run's first async save allocated,
+  and writing the small per-rank files); "async write" is the
+  background write after it, timed to the save's completion (`checkpoints.wait()`). Issue 56's goal:
+  the stall at most 10 % of the synchronous save on a model of at least 100 MB;
 - raw load: `safetensors.torch.load_file` of that file, the weights copied into the live parameters
   and the optimizer moments into fresh tensors (what a resuming process must end with: its model
   exists, its optimizer has no state yet; load_file alone only maps the file).
@@ -117,7 +122,8 @@ def main() -> None:
             return moments
 
         times: dict[str, list[float]] = {k: [] for k in ("kiln save", "kiln save, no checksums", "checksums", "kiln load",
-                                                         "raw save", "raw save+fsync", "raw load")}
+                                                         "async stall", "async write", "raw save", "raw save+fsync",
+                                                         "raw load")}
         size = 0
         for r in range(args.repeats):
             path = os.path.join(out, f"checkpoint-{trainer.state.global_step}")
@@ -133,6 +139,15 @@ def main() -> None:
             times["raw save"].append(timed(lambda: raw_save(False)))
             times["raw save+fsync"].append(timed(lambda: raw_save(True)))
             times["raw load"].append(timed(lambda: raw_load()))
+        # back to back, as in a run (a load in between gives the optimizer new tensors): the first async
+        # save allocates the host buffers, the later ones copy into them
+        trainer.config.save.async_save = True
+        for r in range(args.repeats + 1):
+            shutil.rmtree(path, ignore_errors=True)
+            stall, write = timed(trainer._save_checkpoint), timed(trainer.checkpoints.wait)
+            if r:
+                times["async stall"].append(stall)
+                times["async write"].append(write)
         raw_size = os.path.getsize(raw_path)
     med = {k: statistics.median(v) for k, v in times.items()}
     n = sum(p.numel() for p in model.parameters())
@@ -144,6 +159,8 @@ def main() -> None:
     print(f"save ratio kiln / raw+fsync: {med['kiln save'] / med['raw save+fsync']:.2f}  "
           f"(kiln / raw without fsync: {med['kiln save'] / med['raw save']:.2f})")
     print(f"load ratio kiln / raw:       {med['kiln load'] / med['raw load']:.2f}")
+    print(f"async save: the loop stalls {100 * med['async stall'] / med['kiln save']:.1f} % of the synchronous save "
+          f"({med['async stall'] * 1000:.1f} ms of {med['kiln save'] * 1000:.1f} ms)")
     added = med["kiln save"] - med["kiln save, no checksums"]
     print(f"checksums: {100 * added / med['kiln save']:.1f} % of kiln save (timed alone: "
           f"{100 * med['checksums'] / med['kiln save']:.1f} %)")

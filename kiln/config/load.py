@@ -113,6 +113,9 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
         node = tree.get(group)
         if isinstance(node, dict) and node.get("strategy") is False:
             node["strategy"] = "no"
+    save = tree.get("save")
+    if isinstance(save, dict) and "async" in save:  # `async` is a Python keyword, so the field is async_save
+        save["async_save"] = save.pop("async")
     if isinstance(tree.get("log", {}).get("report_to"), str):
         tree["log"]["report_to"] = [tree["log"]["report_to"]]
     return tree

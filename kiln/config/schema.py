@@ -192,6 +192,12 @@ class SaveConfig:
         None, "Name of an environment variable holding a secret key: each checkpoint's COMPLETE marker is signed "
         "(HMAC-SHA256 over its checksums), and resume, kiln convert, evaluate and predict accept only checkpoints whose "
         "signature verifies with it. For checkpoints stored where others can write.")
+    async_save: bool = opt(
+        False, "Write checkpoints in the background (also spelled save.async): the state is copied to host memory at the "
+        "step boundary and training goes on while a writer thread writes it; COMPLETE is still written last, one save "
+        "is in flight at a time, and the next save, the end of fit and a preemption wait for it. The full-state format "
+        "(single device, DDP) writes in the background; the others (FSDP, DeepSpeed, model parallel, XLA, PEFT adapters) "
+        "save synchronously, with one log line.")
 
 
 @dataclass

@@ -294,6 +294,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
                     ) from err
                 raise
             finally:
+                self.checkpoints.drain()  # ended on an error: a save in flight (save.async_save) still lands
                 self.is_in_train = False
                 self.precision.teardown()
                 from kiln.loggers.writer import flush_after_fit

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
 from torch import nn
@@ -22,11 +22,15 @@ from torch import nn
 from kiln.registry import Registry
 from kiln.strategies.weights_files import INDEX, load_sharded, parse_size, save_sharded
 from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.host_copy import HostStaging
 from kiln.utils.param_groups import regroup_optimizer_state
 
 WEIGHTS_SAFE = "model.safetensors"
 WEIGHTS_BIN = "pytorch_model.bin"
 OPTIMIZER = "optimizer.pt"
+#: what `CheckpointIO.stage` returns: writes the staged files into a checkpoint folder, later, on a
+#: background thread (no collective, nothing read from the live model or optimizer)
+StagedWrite = Callable[[str], None]
 
 
 def save_weights(state: dict[str, torch.Tensor], directory: str, safetensors: bool = True,
@@ -154,7 +158,16 @@ class CheckpointIO:
     a checkpoint saved by N processes loads on M (the engine refuses a world-size change otherwise);
     `sharded` says every rank writes its own files. `consolidate(path)` gives a folder's full weights
     in one process without a process group (any process count may have saved it), vetting every
-    pickle it reads first: converting a checkpoint never runs code from it."""
+    pickle it reads first: converting a checkpoint never runs code from it.
+
+    Optional, for `save.async_save`: `stage(...)` (the arguments of `save`, and the run's
+    `HostStaging`, whose buffers are reused from save to save) copies at the step boundary what `save`
+    would write into host memory and returns a `StagedWrite` that writes exactly those
+    bytes into a folder later, on a background thread, while training goes on. The default returns
+    None: the format saves synchronously (the engine says so once). A format whose every rank writes
+    (`sharded`, DCP's `async_save`) needs the engine to learn when all ranks' files are durable before
+    it writes COMPLETE; the engine supports staged writes on the writer ranks only, so such a format
+    keeps returning None until it does (kiln.engine.checkpoint.background)."""
 
     format: ClassVar[str] = "full"
     reshardable: ClassVar[bool] = True
@@ -167,6 +180,12 @@ class CheckpointIO:
     def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              load_optimizer: bool = True) -> None:
         raise NotImplementedError
+
+    def stage(self, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+              save_optimizer: bool, safetensors: bool, writer: bool, staging: HostStaging) -> Optional[StagedWrite]:
+        """The files `save` would write, copied to host memory now and written by the returned function
+        later; None when this format cannot save in the background (see the class docstring)."""
+        return None
 
     def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
         self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
@@ -215,11 +234,22 @@ class FullStateCheckpointIO(CheckpointIO):
 
     def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+        if writer:
+            _write_full(directory, module.state_dict(), optimizer.state_dict() if save_optimizer and optimizer is not None else None,
+                        safetensors)
+
+    def stage(self, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+              save_optimizer: bool, safetensors: bool, writer: bool, staging: HostStaging) -> Optional[StagedWrite]:
+        """Host copies of the weights and optimizer state, written by the same code as `save`, so an
+        asynchronous checkpoint holds the bytes a synchronous one would. A subclass that saves otherwise
+        (XLA) must stage its own way: it saves synchronously until it does."""
+        if type(self).save is not FullStateCheckpointIO.save:
+            return None
         if not writer:
-            return
-        save_weights(module.state_dict(), directory, safetensors)
-        if save_optimizer and optimizer is not None:
-            torch.save(optimizer.state_dict(), os.path.join(directory, OPTIMIZER))
+            return lambda directory: None
+        weights, optim = staging.copy((module.state_dict(),
+                                       optimizer.state_dict() if save_optimizer and optimizer is not None else None))
+        return lambda directory: _write_full(directory, weights, optim, safetensors)
 
     def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              load_optimizer: bool = True) -> None:
@@ -235,3 +265,9 @@ class FullStateCheckpointIO(CheckpointIO):
                     f"The optimizer state in {path} does not fit this optimizer ({err}); "
                     "was optim.name or the set of trainable parameters changed?"
                 ) from None
+
+
+def _write_full(directory: str, weights: dict[str, torch.Tensor], optim: Optional[dict[str, Any]], safetensors: bool) -> None:
+    save_weights(weights, directory, safetensors)
+    if optim is not None:
+        torch.save(optim, os.path.join(directory, OPTIMIZER))

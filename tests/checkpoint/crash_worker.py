@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -66,12 +66,23 @@ class Pace(Callback):
         time.sleep(STEP_DELAY)
 
 
-def child(out: str, result: str) -> None:
+def quiet() -> None:
+    """A child's output goes nowhere (the worker's stdout is the test's channel); one thread."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
     torch.set_num_threads(1)
+
+
+def child(out: str, result: str) -> None:
+    quiet()
     _slow_writes()
+    train_and_record(out, result, CONFIG)
+
+
+def train_and_record(out: str, result: str, settings: dict[str, Any]) -> None:
+    """Train into `out` with `resume_from_checkpoint="if_exists"`, pacing and recording the resume
+    (Pace); when done, write the final weights and numeric log history to `result`."""
     from kiln.engine.trainer import Trainer
 
     pace = Pace(os.path.dirname(out))
@@ -82,7 +93,7 @@ def child(out: str, result: str) -> None:
         return load(self, path)
 
     checkpoint.CheckpointManager.load = recording_load  # type: ignore[method-assign]
-    trainer = Trainer(make_model(seed=0, width=256), config(out, **CONFIG), train_dataset=regression_data(200),
+    trainer = Trainer(make_model(seed=0, width=256), config(out, **settings), train_dataset=regression_data(200),
                       callbacks=[pace])
     trainer.fit(resume_from_checkpoint="if_exists")  # the first child finds no checkpoint
     payload = {"weights": trainer.model.state_dict(), "history": numeric_history(trainer)}
@@ -90,7 +101,8 @@ def child(out: str, result: str) -> None:
     os.replace(result + ".tmp", result)
 
 
-def main() -> None:
+def main(run_child: Callable[..., None] = child) -> None:
+    """Serve `run ARGS...` lines: fork a child that calls `run_child(*ARGS)`; answer its pid and exit status."""
     torch.optim.SGD([torch.zeros(1, requires_grad=True)])  # pay torch's lazy optimizer imports once, here
     print("ready", flush=True)
     for line in sys.stdin:
@@ -101,7 +113,7 @@ def main() -> None:
         if pid == 0:
             code = 1
             try:
-                child(parts[1], parts[2])
+                run_child(*parts[1:])
                 code = 0
             finally:
                 os._exit(code)

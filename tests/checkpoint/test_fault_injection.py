@@ -23,8 +23,10 @@ KINDS = ("training", "write", "setup", "write", "training", "write")
 
 
 class Worker:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """Drives a crash worker script (`crash_worker.py`, `async_crash_worker.py`) over its stdin/stdout."""
+
+    def __init__(self, script: str = WORKER) -> None:
+        self.proc = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self._read() == "ready"
 
     def _read(self) -> str:
@@ -32,8 +34,8 @@ class Worker:
         assert line, "the crash worker died"
         return line
 
-    def start(self, out: str, result: str) -> int:
-        self.proc.stdin.write(f"run {out} {result}\n")  # type: ignore[union-attr]
+    def start(self, out: str, result: str, *args: object) -> int:
+        self.proc.stdin.write(" ".join(map(str, ("run", out, result, *args))) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return int(self._read().split()[1])
 

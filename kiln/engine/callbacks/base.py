@@ -35,7 +35,13 @@ class Callback:
     A callback with state has it saved in every checkpoint and restored on resume, in either form:
     HF's `ExportableState` (`state()` returning `{"args": {...}, "attributes": {...}}`; on resume the
     attributes are set back, and with `restore_callback_states_from_checkpoint` the callback is rebuilt
-    from the saved args first, as HF does) or kiln's `state_dict()` / `load_state_dict()`."""
+    from the saved args first, as HF does) or kiln's `state_dict()` / `load_state_dict()`.
+
+    With `save.async_save`, a checkpoint is written after `on_save` unless a callback that overrides
+    `on_save` may read its folder: set `reads_checkpoint_on_save = False` on one that does not, so the
+    save stays in the background."""
+
+    reads_checkpoint_on_save: bool = True
 
     def on_init_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
     def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
@@ -105,6 +111,11 @@ class CallbackHandler:
             event: [getattr(cb, event) for cb in self.callbacks if getattr(type(cb), event, None) is not getattr(Callback, event)]
             for event in EVENTS
         }
+
+    def reads_checkpoint_on_save(self) -> bool:
+        """Whether a callback's on_save may read the checkpoint folder (an asynchronous save then completes
+        before on_save runs, as HF's callbacks expect)."""
+        return any(getattr(handler.__self__, "reads_checkpoint_on_save", True) for handler in self.by_event["on_save"])
 
     def call(self, event: str, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> "TrainerControl":
         self.control = control

@@ -121,6 +121,11 @@ class LoggerCallback(Callback):
         if self.loggers and not self._training:  # evaluate() on its own: its record is on disk when it returns
             self.writer.flush()
 
+    @property
+    def reads_checkpoint_on_save(self) -> bool:  # type: ignore[override]
+        """Only an upload of each checkpoint (log.log_artifacts) reads its folder on save."""
+        return "checkpoint" in self.artifacts.values()
+
     def on_save(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
         self._upload(config, state, "checkpoint")
 

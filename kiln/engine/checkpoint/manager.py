@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from kiln.engine.checkpoint.background import BackgroundSave
 from kiln.engine.checkpoint.data_position import stateful_dataset
 from kiln.engine.checkpoint.files import (
     MARKER, PREFIX, _fsync_dir, _fsync_tree, _remove, is_complete, latest_checkpoint, list_checkpoints, read_marker,
@@ -33,10 +34,12 @@ from kiln.engine.checkpoint.restored import Restored
 from kiln.engine.checkpoint.saved_config import CONFIG, changed_settings
 from kiln.engine.checkpoint.signing import SIGNATURE, sign, signing_key
 from kiln.engine.checkpoint.write_errors import write_errno, write_failure
+from kiln.strategies.checkpoint_io import StagedWrite
 from kiln.strategies.weights_files import tie_groups
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.hf_logging import hf_logger
+from kiln.utils.host_copy import HostStaging
 from kiln.utils.param_groups import regroup_scheduler_state
 from kiln.engine.seed import rng_state
 from kiln.engine.callbacks.state import TrainerState
@@ -93,6 +96,9 @@ class CheckpointManager:
         self.saved_step: Optional[int] = None  # the step of the last checkpoint this process wrote
         self.preempted_step: Optional[int] = None  # set when SIGTERM stopped the run after saving this step
         self._debris_cleared = False
+        self._background = BackgroundSave()  # the save in flight with save.async_save
+        self._staging = HostStaging()  # its host copy, in buffers reused from save to save
+        self._said_synchronous = False  # the one log line of a format that cannot save in the background
         self.signing_key = signing_key(config.save.signing_key_env)  # fails here, before training, when unset
 
     def attach(self, loop: Stateful, loader: Iterable[Any]) -> None:
@@ -101,7 +107,13 @@ class CheckpointManager:
 
     # -- save -------------------------------------------------------------------------------
     def save(self, state: TrainerState) -> str:
-        """Write `checkpoint-<global_step>` atomically (every rank calls this); returns its path."""
+        """Write `checkpoint-<global_step>` atomically (every rank calls this); returns its path.
+
+        With `save.async_save` the weights and optimizer state are copied to host memory here and the
+        rest of the save (writing them, fsync, the marker, the rename, rotation) runs in the background
+        (kiln.engine.checkpoint.background): the folder appears when it is complete, and `wait()`
+        raises its failure."""
+        self.wait()  # at most one save in flight
         cfg, strategy = self.config, self.strategy
         out = cfg.output_dir
         final = os.path.join(out, f"{PREFIX}{state.global_step}")
@@ -117,33 +129,105 @@ class CheckpointManager:
             state.best_model_checkpoint = final
         io = checkpoint_io_for(strategy, self.run.model)  # a PeftModel: its adapter only (HF)
         try:
-            self._write(tmp, io, writer, state)
+            staged = self._stage(io, writer)
+            if staged is None:
+                self._io_save(io, tmp, writer)
+            self._write(tmp, writer, state)
             strategy.barrier("checkpoint-written")
-            if writer:
-                meta = {"version": VERSION, "step": state.global_step, "world_size": strategy.world_size,
-                        "format": io.format, "resumable": not cfg.save.only_model}
-                if ties := tie_groups(self.run.model):  # `kiln convert` stores each tie once again (weights_files)
-                    meta["tied"] = ties
+            meta = self._marker(io, state) if writer else {}
+            if writer and staged is None:
                 self._publish(tmp, final, meta)
         except Exception as err:
-            code = write_errno(err, tmp if os.path.isdir(tmp) else out)
-            if writer:
-                shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoints are untouched
-            if code is not None:
-                raise CheckpointError(write_failure(code, os.path.basename(final), out, latest_checkpoint(out))) from None
+            self._failed(err, tmp, final, writer)
             raise
-        if writer:
-            self.rotate(state)
-        strategy.barrier("checkpoint-done")
         self.saved_step = state.global_step
+        best = state.best_model_checkpoint
+        if staged is not None:
+            if writer:
+                self._background.start(state.global_step, lambda: self._complete(staged, tmp, final, meta, best))
+                if self.callbacks.reads_checkpoint_on_save():  # on_save must find the folder (artifacts, Ray)
+                    self._background.finish()
+            return final
+        if writer:
+            self.rotate(best)
+        strategy.barrier("checkpoint-done")
         return final
 
-    def _write(self, tmp: str, io: Any, writer: bool, state: TrainerState) -> None:
-        """Every file of the checkpoint: per-rank state on every rank, the rest on the writer."""
+    def _stage(self, io: Any, writer: bool) -> Optional[StagedWrite]:
+        """The host copy of the model and optimizer files for a background write, or None to write them now."""
+        cfg, run = self.config, self.run
+        if not cfg.save.async_save:
+            return None
+        staged = io.stage(model=run.wrapped, module=run.model, optimizer=run.optimizer, save_optimizer=not cfg.save.only_model,
+                          safetensors=cfg.save.safetensors, writer=writer, staging=self._staging)
+        if staged is None and not self._said_synchronous:
+            log.warning("save.async_save: the %r checkpoint format cannot be written in the background yet, so its "
+                        "checkpoints are saved synchronously.", io.format)
+            self._said_synchronous = True
+        return staged
+
+    def _io_save(self, io: Any, tmp: str, writer: bool) -> None:
+        cfg, run = self.config, self.run
+        io.save(tmp, model=run.wrapped, module=run.model, optimizer=run.optimizer, save_optimizer=not cfg.save.only_model,
+                safetensors=cfg.save.safetensors, writer=writer)
+
+    def _marker(self, io: Any, state: TrainerState) -> dict[str, Any]:
+        """What COMPLETE records besides the files (which `_publish` adds)."""
+        meta = {"version": VERSION, "step": state.global_step, "world_size": self.strategy.world_size,
+                "format": io.format, "resumable": not self.config.save.only_model}
+        if ties := tie_groups(self.run.model):  # `kiln convert` stores each tie once again (weights_files)
+            meta["tied"] = ties
+        return meta
+
+    def _complete(self, staged: StagedWrite, tmp: str, final: str, meta: dict[str, Any], best: Optional[str]) -> None:
+        """The background half of an asynchronous save, on the writer: the staged files, then exactly
+        what a synchronous save does after them."""
+        try:
+            staged(tmp)
+            self._publish(tmp, final, meta)
+        except Exception as err:
+            self._failed(err, tmp, final, True)
+            raise
+        self.rotate(best)
+
+    def _failed(self, err: BaseException, tmp: str, final: str, writer: bool) -> None:
+        """Clean up after a failed write and raise the one-sentence error of a file-system failure;
+        anything else the caller raises as it is."""
+        out = os.path.dirname(final)
+        code = write_errno(err, tmp if os.path.isdir(tmp) else out)
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoints are untouched
+        if code is not None:
+            raise CheckpointError(write_failure(code, os.path.basename(final), out, latest_checkpoint(out))) from None
+
+    def wait(self) -> None:
+        """Block until the save in flight (save.async_save) is complete on every rank; raise its failure,
+        the same sentence on every rank. Every rank calls this at the same points: before a save, at the
+        end of fit and at a preemption. Without save.async_save there is nothing to wait for."""
+        if not self.config.save.async_save:
+            return
+        error = self._background.join()
+        message = None if error is None else str(error)
+        if self.strategy.world_size > 1:  # only the writers write in the background: tell every rank
+            messages = [m for m in self.strategy.all_gather_object(message) if m]
+            message = messages[0] if messages else None
+        if error is not None:
+            raise error
+        if message is not None:
+            raise CheckpointError(message)
+
+    def drain(self) -> None:
+        """Let the save in flight finish when fit ends on an error of its own: no collective, and a
+        failure of the save is logged rather than raised over that error."""
+        error = self._background.join()
+        if error is not None:
+            log.error("The background save of checkpoint-%s failed too: %s", self._background.step, error)
+
+    def _write(self, tmp: str, writer: bool, state: TrainerState) -> None:
+        """Every file of the checkpoint but the model and optimizer: per-rank state on every rank, the rest
+        on the writer. Small files, written here also by an asynchronous save."""
         cfg, run = self.config, self.run
         only_model = cfg.save.only_model
-        io.save(tmp, model=run.wrapped, module=run.model, optimizer=run.optimizer, save_optimizer=not only_model,
-                safetensors=cfg.save.safetensors, writer=writer)
         if not only_model:
             rank = self.strategy.global_rank
             _save(rng_state(), os.path.join(tmp, RNG.format(rank=rank)))
@@ -224,16 +308,16 @@ class CheckpointManager:
             state["dataset"] = ds_state
         return state
 
-    def rotate(self, state: TrainerState) -> None:
-        """Keep the newest `total_limit` complete checkpoints; the best one is always kept, and counts
-        towards the limit unless the limit is 1 (HF: limit 5 keeps the 4 newest plus the best; limit 1
-        keeps the newest and the best)."""
+    def rotate(self, best_checkpoint: Optional[str]) -> None:
+        """Keep the newest `total_limit` complete checkpoints; the best one (`best_checkpoint`) is always
+        kept, and counts towards the limit unless the limit is 1 (HF: limit 5 keeps the 4 newest plus the
+        best; limit 1 keeps the newest and the best)."""
         cfg = self.config
         limit = cfg.save.total_limit
         if not limit:
             return
         complete = [os.path.abspath(p) for _, p in list_checkpoints(cfg.output_dir) if is_complete(p)]
-        best = os.path.abspath(state.best_model_checkpoint) if state.best_model_checkpoint else None
+        best = os.path.abspath(best_checkpoint) if best_checkpoint else None
         keep = set(complete[-limit:])
         if best in complete and best not in keep:
             keep = set(complete[-(limit - 1):]) if limit > 1 else keep

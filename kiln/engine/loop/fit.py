@@ -320,12 +320,14 @@ class FitLoop:
         if self.checkpoints.saved_step != hooks.state.global_step:
             self.losses.fold(hooks.state.global_step, self.strategy)
             hooks._save_checkpoint()
+        self.checkpoints.wait()  # save.async_save: the checkpoint is complete before the job may be reclaimed
         self.checkpoints.preempted_step = hooks.state.global_step  # `kiln fit` stops after fit() (exit 0)
         self.preemption.stop(hooks.state.global_step)
 
     def _finish(self, start: float) -> TrainOutput:
         hooks, cfg = self.hooks, self.config
         state, losses = hooks.state, self.losses
+        self.checkpoints.wait()  # save.async_save: the last checkpoint is complete (and its failure raised) first
         runtime = time.perf_counter() - start
         self._flush_flos()
         losses.fold(state.global_step, self.strategy)

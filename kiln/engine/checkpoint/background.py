@@ -1,0 +1,55 @@
+"""The checkpoint write in flight (`save.async_save`): one at a time, on a thread of its own.
+
+At the step boundary the manager stages the state in host memory and hands the rest of the save (the
+big files, fsync, the COMPLETE marker, the rename, rotation, an upload) to `BackgroundSave.start`.
+Training goes on. The thread never runs a collective: only the writer ranks run one, and the files
+every rank writes (its RNG and loop state, a few KiB) are written before the ranks' barrier, on the
+training thread. A failure is kept, not raised on the thread; the manager raises it, in the same
+sentence a synchronous save would, at its next `wait()`: before the next save, at the end of fit, or
+at a preemption. Nothing already saved is touched by a failed save (its temporary folder is removed).
+
+The thread is not a daemon: a process that ends while a save is in flight (an exception in training)
+finishes writing it first, so the checkpoint it had staged still lands."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+
+class BackgroundSave:
+    """Runs one checkpoint job at a time on a thread and keeps its failure for `join`."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.step: Optional[int] = None  # the step of the save in flight (or of the last one)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def start(self, step: int, job: Callable[[], None]) -> None:
+        """Run `job` on a new thread; the previous one must have been joined."""
+        assert self._thread is None, "a checkpoint save is already in flight"
+        self.step = step
+        self._thread = threading.Thread(target=self._run, args=(job,), name=f"kiln-checkpoint-{step}")
+        self._thread.start()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as err:  # kept for join(): the training thread raises it
+            self._error = err
+
+    def finish(self) -> None:
+        """Wait for the save in flight, if any; its failure stays for `join`."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def join(self) -> Optional[BaseException]:
+        """Wait for the save in flight, if any; return (and forget) its failure."""
+        self.finish()
+        error, self._error = self._error, None
+        return error
