@@ -33,7 +33,7 @@ def test_convert_imports_only_the_module_of_the_format_it_reads(tmp_path):
             f"convert_checkpoint({str(tmp_path / 'ckpt')!r}, {str(tmp_path / 'out')!r}); "
             "print(sorted(m for m in sys.modules if m.startswith('kiln.strategies.') and 'checkpoint_io' in m))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['kiln.strategies.checkpoint_io', 'kiln.strategies.fsdp.checkpoint_io']"
+    assert out.strip() == "['kiln.strategies.checkpoint_io', 'kiln.strategies.mesh.checkpoint_io']"
 
 
 def test_convert_writes_the_full_weights_and_refuses_an_unknown_format(tmp_path):

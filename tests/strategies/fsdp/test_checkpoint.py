@@ -53,7 +53,7 @@ def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
 
 
 def test_sharded_checkpoint_reshards_between_process_counts(tmp_path):
-    from kiln.strategies.fsdp.checkpoint_io import consolidate
+    from kiln.strategies.mesh.checkpoint_io import ShardedCheckpointIO
 
     two, one = tmp_path / "two", tmp_path / "one"
     torchrun(2, "worker_resume.py", two, "sharded")
@@ -61,7 +61,7 @@ def test_sharded_checkpoint_reshards_between_process_counts(tmp_path):
     # 2 -> 1: loading alone restores the saved weights exactly; training on reaches the 2-process result
     ckpt2 = two / "full_shard" / "checkpoint-4"
     torchrun(1, "worker_resume.py", tmp_path / "2to1_load", "sharded", ckpt2, 4)
-    _equal(load_file(str(tmp_path / "2to1_load" / "final.safetensors")), {k: v.float() for k, v in consolidate(str(ckpt2)).items()})
+    _equal(load_file(str(tmp_path / "2to1_load" / "final.safetensors")), {k: v.float() for k, v in ShardedCheckpointIO.consolidate(str(ckpt2)).items()})
     torchrun(1, "worker_resume.py", tmp_path / "2to1", "sharded", ckpt2, 6)
     _equal(load_file(str(tmp_path / "2to1" / "final.safetensors")), load_file(str(two / "final.safetensors")), 1e-5)
     # 1 -> 2

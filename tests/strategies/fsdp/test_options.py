@@ -15,7 +15,7 @@ from kiln.strategies.capabilities import check_compatible
 from kiln.launch.settings import accelerate_settings
 from kiln.strategies.fsdp.strategy import FSDPStrategy
 from kiln.strategies.fsdp.options import FSDPSettings
-from kiln.strategies.fsdp.wrap import blocks_to_wrap
+from kiln.strategies.wrap_policy import blocks_to_wrap
 from kiln.utils.errors import CapabilityError, ConfigError
 from tests.strategies.fsdp.cases import TinyLM
 
@@ -111,11 +111,11 @@ def test_wrap_default_is_no_split_modules_and_keeps_tied_modules_together():
 def test_hybrid_shard_with_a_world_the_mesh_cannot_factor_is_refused():
     from kiln.precision.fp32 import FP32Precision
 
-    strategy = FSDPStrategy(load_config({"strategy": {"name": "fsdp", "device": "cpu", "sharding": "hybrid_shard",
-                                                      "shard_size": 2}}), FP32Precision())
-    strategy.world_size = 3
+    strategy = FSDPStrategy(load_config({"strategy": {"name": "fsdp", "device": "cpu", "sharding": "hybrid_shard"}}),
+                            FP32Precision())
+    strategy.settings.shard_size = 2  # built on this one process, which shard_size 2 could not divide either
     with pytest.raises(ConfigError, match=r"world size \(3\) to be a multiple of the shard group size \(2\)"):
-        strategy.mesh()
+        strategy.parallel_dims(3)
 
 
 def test_fsdp_on_mps_is_refused_by_its_capabilities():

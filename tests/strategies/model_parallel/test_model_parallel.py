@@ -164,13 +164,13 @@ def test_a_checkpoint_resumes_on_another_mesh(two, one, reshard, target, source)
     """DCP reshards on load: the weights arrive bit for bit (the `_at_` run stops where it loaded);
     the run continued on the other mesh ends within 1e-6 of the source mesh's uninterrupted run (the
     meshes only differ in the order of float sums: TP's partial products, FSDP's reduce-scatter)."""
-    from kiln.strategies.model_parallel.checkpoint_io import ModelParallelCheckpointIO
+    from kiln.strategies.mesh.checkpoint_io import ShardedCheckpointIO
 
     results, weights = reshard
     go_on, stop = f"{target}_from_{source}", f"{target}_at_{source}"
     assert results[stop]["steps"] == 2 and results[go_on]["steps"] == 4
     assert results[go_on]["data_shards"] == cases.CASES[target][1]
-    saved = ModelParallelCheckpointIO.consolidate(str(_checkpoint(one[2] if source == "one" else two[2], source)))
+    saved = ShardedCheckpointIO.consolidate(str(_checkpoint(one[2] if source == "one" else two[2], source)))
     assert set(saved) == set(weights[stop])
     for name, value in saved.items():
         assert torch.equal(weights[stop][name], value.float()), f"{name} changed on the way from {source} to {target}"
