@@ -16,7 +16,12 @@ class ShardedLocalGradScaler(ShardedGradScaler):
     """torch's ShardedGradScaler (the inf found on any rank is all-reduced, so every rank skips the
     step together), unscaling each gradient's local tensor. One foreach kernel cannot take DTensors
     beside plain tensors, which is what tensor parallelism without FSDP leaves (split layers beside
-    whole norms); unscaling is elementwise, so unscaling the local shards is unscaling the DTensors."""
+    whole norms); unscaling is elementwise, so unscaling the local shards is unscaling the DTensors.
+
+    Its found-inf flags are 0-d, as torch's GradScaler keeps them (ShardedGradScaler makes them shape
+    [1]): a fused optimizer (Adam's `fused=True`) subtracts the flag from its 0-d step counters, which a
+    [1]-shaped flag breaks after an unscale for clipping ("output with shape [] doesn't match the
+    broadcast shape [1]")."""
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
@@ -32,6 +37,6 @@ class ShardedLocalGradScaler(ShardedGradScaler):
         with torch.no_grad():
             for (device, _), tensors in grads.items():
                 if device not in found:
-                    found[device] = found_inf.to(device=device, copy=True)
+                    found[device] = found_inf.to(device=device, copy=True).reshape(())
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv_scale.to(device))
-        return found or {found_inf.device: found_inf.clone()}  # a rank without gradients still takes part
+        return found or {found_inf.device: found_inf.clone().reshape(())}  # a rank without gradients still takes part
