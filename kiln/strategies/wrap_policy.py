@@ -5,7 +5,7 @@ size, keeping tied weights in one unit. Shared by the mesh strategy (`fsdp`, `mo
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 from torch import nn
 

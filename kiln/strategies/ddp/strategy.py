@@ -28,8 +28,7 @@ from kiln.strategies.base import Strategy
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.collectives import ProcessGroupCollectives
 from kiln.strategies.interfaces import BackwardSyncControl
-from kiln.strategies.process_group import (  # noqa: F401 - also read from here by tests and scripts
-    barrier, default_backend, destroy_default_group, init_process_group, pick_device, register_group_user)
+from kiln.strategies.process_group import register_group_user
 
 
 def _buffers_keyword() -> str:

@@ -12,15 +12,12 @@ the same sentence (test_refusals.py)."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.distributed.conftest import run
+from tests.strategies.case_jobs import start
 from tests.strategies.mesh import cases
 
 pytestmark = pytest.mark.distributed
@@ -31,14 +28,7 @@ FP32 = [f for f in cases.FEATURES if not f.startswith("fp16")]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mesh_features")
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "worker.py"),
-         str(out), *NAMES], timeout=1200)
-    by_case: dict = {}
-    for key, value in load_file(str(out / "tensors.safetensors")).items():
-        case, name = key.split("/", 1)
-        by_case.setdefault(case, {})[name] = value
-    return json.loads((out / "results.json").read_text()), by_case
+    return start(HERE / "worker.py", tmp_path_factory.mktemp("mesh_features"), NAMES)
 
 
 @pytest.fixture(scope="module")
