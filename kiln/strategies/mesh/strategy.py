@@ -322,23 +322,11 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         return _all_of(contexts)
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """The true global 2-norm, then every shard scaled by the same factor. Without tp every
-        gradient is an FSDP shard on the one dp mesh: each rank's norm over its shards is a partial
-        result that DTensor reduces over the mesh (`full_tensor`). With tp, gradients live on
-        different meshes (TP-split layers on (dp, tp), the rest on the dp mesh alone, or plain tensors
-        without FSDP), which DTensor's own norm cannot mix: each rank sums its local squares, each
-        weighted by 1 / (the number of ranks holding that same shard), and one all-reduce over every
-        rank adds them up."""
-        from torch.distributed.tensor import DTensor
+        """The true global 2-norm over FSDP shards and TP splits, then every shard scaled alike (clip.py)."""
+        from kiln.strategies.mesh.clip import clip_global_norm
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if self.shape.tp == 1:
-            total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, False, None)
-            if isinstance(total, DTensor):
-                total = total.full_tensor()
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, None)
-            return total
-        return _clip_across_meshes([p.grad for p in params], max_norm, self.world_size, self.root_device)
+        return clip_global_norm(params, max_norm, tp=self.shape.tp > 1, world=self.world_size, device=self.root_device)
 
     def probe_module(self, model: nn.Module) -> nn.Module:  # never called: capabilities.auto_batch_size is False
         raise NotImplementedError(f"auto_find_batch_size is not supported with strategy {self.name!r}.")
@@ -407,30 +395,6 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
     def teardown(self) -> None:
         self.device_mesh, self._dp_group, self._root, self._loss_parallel = None, None, None, None
         super().teardown()
-
-
-def _clip_across_meshes(grads: list[torch.Tensor], max_norm: float, world: int, device: torch.device) -> torch.Tensor:
-    """Clip gradients that live on several meshes (see MeshStrategy.clip_gradients); returns the norm."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate
-
-    local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]  # the storage this rank holds
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    with torch.no_grad():
-        for g, mine in zip(grads, local):
-            distinct = 1  # how many different pieces of this gradient the ranks hold
-            if isinstance(g, DTensor):
-                for dim, placement in enumerate(g.placements):
-                    if not isinstance(placement, Replicate):  # Shard, or FSDP's _StridedShard over TP
-                        distinct *= g.device_mesh.size(dim)
-            total += mine.float().pow(2).sum() * (distinct / world)
-        if world > 1:
-            dist.all_reduce(total)
-        norm = total.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for mine in local:
-            mine.mul_(coef.to(mine.dtype))
-    return norm
 
 
 @contextlib.contextmanager
