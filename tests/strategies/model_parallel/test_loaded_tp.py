@@ -35,7 +35,7 @@ def test_a_model_split_at_load_trains_like_one_process_and_resumes_on_one(tmp_pa
     _same_run(got, single[0])
     _same_weights(weights["loaded_tp2"], single[1], 1e-4)  # AdamW magnifies the float order of TP's sums (see hook)
     checkpoint = _checkpoint(tmp_path / "two", "loaded_tp2")
-    assert json.loads((checkpoint / "COMPLETE").read_text())["format"] == "model-parallel-dcp"
+    assert json.loads((checkpoint / "COMPLETE").read_text())["format"] == "fsdp-sharded"
     resumed, resumed_weights = _torchrun(1, tmp_path / "one", f"resume={checkpoint}")
     assert resumed["resume"]["losses"][:2] == pytest.approx(got["losses"][:2], rel=1e-6)
     _same_weights(resumed_weights["resume"], weights["loaded_tp2"], 1e-6)

@@ -126,8 +126,8 @@ def test_a_tp2_checkpoint_resumes_on_one_process_and_converts_to_full_weights(tw
     results, weights, out = two
     checkpoint = _checkpoint(out, "tp2")
     marker = json.loads((checkpoint / "COMPLETE").read_text())
-    assert marker["format"] == "model-parallel-dcp" and marker["world_size"] == 2
-    shards = {f for f in os.listdir(checkpoint / "model_parallel_dcp") if f.endswith(".distcp")}
+    assert marker["format"] == "fsdp-sharded" and marker["world_size"] == 2
+    shards = {f for f in os.listdir(checkpoint / "fsdp_dcp") if f.endswith(".distcp")}
     assert shards == {"__0_0.distcp", "__1_0.distcp"}  # every rank wrote its own shards
 
     resumed, resumed_weights, _ = one
