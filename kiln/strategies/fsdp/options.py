@@ -110,7 +110,8 @@ def resolve(option: Callable[[str], Any]) -> FSDPSettings:
     s = FSDPSettings()
     for key, (value, _source) in merged.items():
         if key in NO_EFFECT:
-            if truthy(value) or key == "version" and value not in (2, "2"):
+            # version asks for what kiln lacks unless it is FSDP2; the others when switched on
+            if (value not in (2, "2")) if key == "version" else truthy(value):
                 s.no_effect[key] = NO_EFFECT[key]
         elif key == "sharding":
             name = sharding_name(value)

@@ -76,7 +76,21 @@ def test_native_keys_win_over_fsdp_config_and_the_conflict_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="kiln.strategies.fsdp.options"):
         s = _settings({"strategy": {"name": "fsdp", "sharding": "no_shard", "fsdp_config": {"sharding_strategy": "FULL_SHARD"}}})
     assert s.sharding == "no_shard"
-    assert any("overrides" in r.getMessage() for r in caplog.records)
+    assert "FSDP setting sharding: strategy='no_shard' overrides fsdp_config='FULL_SHARD'." in \
+        [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kiln.strategies.fsdp.options"):  # the same value twice is no conflict
+        _settings({"strategy": {"name": "fsdp", "sharding": "full_shard", "fsdp_config": {"sharding_strategy": "full_shard"}}})
+    assert not any("overrides" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("given, no_effect", [
+    ({"version": 2}, set()), ({"version": "2"}, set()), ({"version": 1}, {"version"}),  # kiln is FSDP2
+    ({"use_orig_params": False}, set()), ({"use_orig_params": "true"}, {"use_orig_params"}),
+    ({"limit_all_gathers": True, "backward_prefetch": "BACKWARD_PRE"}, {"limit_all_gathers"}),
+])
+def test_only_settings_asking_for_what_fsdp2_lacks_are_said_to_have_no_effect(given, no_effect):
+    assert set(_settings({"fsdp": "full_shard", "fsdp_config": given}).no_effect) == no_effect
 
 
 @pytest.mark.parametrize("cfg, words", [

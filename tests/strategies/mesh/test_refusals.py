@@ -81,6 +81,20 @@ def test_both_presets_take_the_same_features():
     assert fsdp.checkpoint_formats == model_parallel.checkpoint_formats == ("fsdp-sharded", "fsdp-full")
 
 
+@pytest.mark.parametrize("name, sync", [("fsdp", False), ("model_parallel", True)])
+def test_the_presets_defaults_differ_only_in_sync_module_states(name, sync):
+    """model_parallel broadcasts rank 0's weights before sharding (each rank may have built its own), fsdp
+    only when asked (HF's default); everything else is off until asked for, under both."""
+    s = STRATEGIES.get(name)(load_config({"strategy": {"name": name, "device": "cpu"}}), FP32Precision()).settings
+    got = {key: getattr(s, key) for key in ("wrap", "min_num_params", "offload", "offload_pin_memory", "activation_checkpointing",
+                                            "forward_prefetch", "sync_module_states", "cpu_ram_efficient_loading",
+                                            "state_dict_type", "tp_plan", "sequence_parallel", "loss_parallel", "reshard")}
+    assert got == {"wrap": None, "min_num_params": None, "offload": False, "offload_pin_memory": None,
+                   "activation_checkpointing": False, "forward_prefetch": False, "sync_module_states": sync,
+                   "cpu_ram_efficient_loading": False, "state_dict_type": "sharded", "tp_plan": None,
+                   "sequence_parallel": False, "loss_parallel": False, "reshard": True}
+
+
 # -- tp on a model without a plan (issue 52 item 14) -----------------------------------------------
 
 
