@@ -19,7 +19,9 @@ commands:
   kiln predict CONFIG.yaml [key=value ...]    predict on the test/eval data with them, write predictions.npy
   kiln plot RUN_DIR [RUN_DIR ...] [-o PNG]    plot a run's curves
   kiln config-docs                            print the config reference (markdown)
-  kiln convert CHECKPOINT OUT                 a checkpoint's full weights (FSDP or ZeRO shards merged) as OUT/model.safetensors
+  kiln convert CHECKPOINT OUT [--signing-key-env NAME]
+                                              a checkpoint's full weights (FSDP or ZeRO shards merged) as
+                                              OUT/model.safetensors (signed checkpoints: the key is in $NAME)
   kiln --version                              print kiln's version
 
 options for fit/evaluate/predict:
@@ -190,6 +192,7 @@ def _fit(trainer: Any, data: dict[str, Any]) -> None:
 def _pick_weights(cfg: Any, weights: Optional[str], random_weights: bool) -> Any:
     """The weights evaluate/predict score: --weights, resume_from_checkpoint=PATH, or the run's own;
     None only with --random-weights. Chosen before the model and data are built."""
+    from kiln.engine.checkpoint.signing import signing_key
     from kiln.engine.checkpoint.weights import find_run_weights, given_weights
     from kiln.utils.errors import KilnError
 
@@ -200,9 +203,10 @@ def _pick_weights(cfg: Any, weights: Optional[str], random_weights: bool) -> Any
         if weights is not None:
             raise KilnError("--random-weights and --weights contradict each other; pass one of them.")
         return None
+    key = signing_key(cfg.save.signing_key_env)  # signed checkpoints only, when set
     if weights is not None:
-        return given_weights(weights)
-    found = find_run_weights(cfg.output_dir)
+        return given_weights(weights, key)
+    found = find_run_weights(cfg.output_dir, key)
     if found is None:
         import os
 
@@ -273,14 +277,18 @@ def _help(command: str) -> str:
 
 
 def _convert(rest: list[str]) -> int:
+    env = None
+    if len(rest) == 4 and rest[2] == "--signing-key-env":
+        rest, env = rest[:2], rest[3]
     if len(rest) != 2 or rest[0].startswith("-"):
-        print("usage: kiln convert CHECKPOINT OUT", file=sys.stderr)
+        print("usage: kiln convert CHECKPOINT OUT [--signing-key-env NAME]", file=sys.stderr)
         return 2
     from kiln.engine.checkpoint.convert import convert_checkpoint
+    from kiln.engine.checkpoint.signing import signing_key
     from kiln.utils.errors import KilnError
 
     try:
-        print(convert_checkpoint(rest[0], rest[1]))
+        print(convert_checkpoint(rest[0], rest[1], signing_key(env)))
     except KilnError as err:
         print(f"kiln convert: {err}", file=sys.stderr)
         return 1

@@ -119,8 +119,8 @@ PATHS: dict[str, str] = {
 # HF arguments that the Trainer itself does not use (scripts read them) or that only matter for a
 # feature that is off (hub settings without push_to_hub); accepted and dropped.
 IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "ray_scope",
-           # Trackio settings (HF's `project` is only read by Trackio; kiln's trackers use log.project)
-           "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
+           # HF's `project` is only read by Trackio, and defaults to "huggingface": kiln's trackers use log.project
+           "project",
            "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
            "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"}
 
@@ -134,6 +134,8 @@ UNSUPPORTED = {
     "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",
     "sharded_ddp": "FairScale sharded DDP is gone from HF too; use strategy: fsdp or deepspeed",
     "mp_parameters": "SageMaker model parallelism is not available",
+    **{name: "kiln logs Trackio to its local database only (report_to: trackio); drop the Space and bucket settings"
+       for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")},
 }
 
 # HF arguments that HF itself accepts and ignores: accepted with any value, and one log line says it has
@@ -191,8 +193,8 @@ def _fsdp(value: Any) -> dict[str, Any]:
 def _report_to(value: Any) -> dict[str, Any]:
     names = [value] if isinstance(value, str) else list(value) if isinstance(value, Sequence) else None  # ListConfig too
     if names is None or not all(isinstance(name, str) for name in names):
-        raise ValueError(f"report_to is {value!r}; give a tracker name or a list of them (tensorboard, mlflow, wandb, csv, "
-                         "jsonl, all or none).")
+        raise ValueError(f"report_to is {value!r}; give a tracker name or a list of them (tensorboard, mlflow, wandb, comet_ml, "
+                         "clearml, dvclive, aim, trackio, swanlab, codecarbon, neptune, csv, jsonl, all or none).")
     return {"log.report_to": names}
 
 

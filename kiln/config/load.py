@@ -210,6 +210,17 @@ def parse_dotlist(overrides: Iterable[str]) -> dict[str, Any]:
 
 def load_config(source: ConfigSource = None, overrides: Sequence[str] | Mapping[str, Any] = ()) -> DictConfig:
     """Build the validated config tree from `source`, then apply `overrides` on top."""
+    try:
+        try:
+            return _load(source, overrides)
+        except OmegaConfBaseException as err:  # an interpolation of a mapping source, resolved while validating
+            raise _translate(err) from None
+    except ConfigError as err:  # a value read from the environment is named by its variable, never shown
+        err.args = (redact.mask(str(err)),)
+        raise
+
+
+def _load(source: ConfigSource, overrides: Sequence[str] | Mapping[str, Any]) -> DictConfig:
     base = OmegaConf.structured(TrainingConfig)
     layers = [normalise(_to_plain(source))]
     extra = overrides if isinstance(overrides, Mapping) else parse_dotlist(overrides)
@@ -236,6 +247,10 @@ def _translate(err: OmegaConfBaseException) -> ConfigError:
     want = _field_type(key)
     value = getattr(err, "value", None)
     if want and value is not None:
+        if names := redact.env_names(value):  # never print what came from the environment (a secret, perhaps)
+            source = " and ".join(f"${{oc.env:{name}}}" for name in names)
+            return ConfigError(f"Config key {key!r} expects {want}, but it is set from {source}, whose value is not one "
+                               "(the value is not shown).")
         return ConfigError(f"Config key {key!r} expects {want}, got {value!r}.")
     return ConfigError(f"Config key {key!r}: {msg}")
 

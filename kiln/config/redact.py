@@ -59,6 +59,11 @@ def mask(value: Any) -> Any:
     return value
 
 
+def env_names(value: Any) -> list[str]:
+    """The environment variables whose remembered values `value` (a string) holds, in order."""
+    return _ENV.findall(mask(value)) if isinstance(value, str) else []
+
+
 def config_for_saving(config: Any) -> dict[str, Any]:
     """The config as plain containers, ready for `OmegaConf.save`, YAML or a tracker's hyperparameters:
     resolved, except that values taken from the environment read `${oc.env:VAR}` again."""

@@ -187,6 +187,10 @@ class SaveConfig:
     on_preemption: bool = opt(
         False, "On SIGTERM, save a checkpoint at the next step boundary on every rank and stop: fit() returns, kiln fit "
         "exits 0 (enable_jit_checkpoint).")
+    signing_key_env: Optional[str] = opt(
+        None, "Name of an environment variable holding a secret key: each checkpoint's COMPLETE marker is signed "
+        "(HMAC-SHA256 over its checksums), and resume, kiln convert, evaluate and predict accept only checkpoints whose "
+        "signature verifies with it. For checkpoints stored where others can write.")
 
 
 @dataclass
@@ -199,7 +203,8 @@ class LogConfig:
     nan_inf_filter: bool = opt(True, "Replace a nan/inf step loss by the window's mean in the logs, and leave nan/inf "
                                "batches out of eval_loss (HF's logging_nan_inf_filter); a window without a finite loss "
                                "logs nan, not HF's 0.0 (see train.max_nonfinite_steps).")
-    report_to: List[str] = opt(["none"], "Trackers: tensorboard, mlflow, wandb, csv, jsonl, all or none.")
+    report_to: List[str] = opt(["none"], "Trackers: tensorboard, mlflow, wandb, comet_ml, clearml, dvclive, aim, trackio, "
+                                 "swanlab, codecarbon, neptune, csv, jsonl, all or none.")
     logging_dir: Optional[str] = opt(None, "Run files (metrics.csv/jsonl; default output_dir/runs) and TensorBoard events (default output_dir/runs/<date>_<host>).")
     level: str = opt("passive", "Log level on the main process: debug, info, warning, error, critical, passive.")
     level_replica: str = opt("warning", "Log level on the other processes.")
@@ -210,7 +215,9 @@ class LogConfig:
     history: Optional[List[str]] = opt(None, "Local history files (csv, jsonl) written to logging_dir, default output_dir/runs. "
                                        "Unset: csv and jsonl, except with report_to none (HF's default), which writes "
                                        "nothing there, as HF does; [] for none.")
-    project: Optional[str] = opt(None, "W&B project / MLflow experiment (default WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, then 'kiln').")
+    project: Optional[str] = opt(None, "Tracker project: W&B, Comet, ClearML, Trackio, SwanLab project, MLflow or Aim "
+                                   "experiment (default WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME / COMET_PROJECT_NAME / "
+                                   "CLEARML_PROJECT, then 'kiln').")
     log_artifacts: Optional[str] = opt(None, "Upload the model to trackers: false, end or checkpoint (default HF_MLFLOW_LOG_ARTIFACTS / WANDB_LOG_MODEL).")
     nested_run: Optional[bool] = opt(None, "MLflow: open the run as a child of the caller's active run (default MLFLOW_NESTED_RUN).")
 

@@ -18,7 +18,12 @@ if TYPE_CHECKING:
 
 
 class MissingPackageError(KilnError, ImportError):
-    """A logger named in `log.report_to` needs a package that is not installed."""
+    """A logger named in `log.report_to` needs a package that is not installed; `extra` is the
+    `pip install kiln[extra]` that brings it."""
+
+    def __init__(self, message: str, extra: str = "") -> None:
+        super().__init__(message)
+        self.extra = extra
 
 
 class Logger:
@@ -136,7 +141,7 @@ def require(package: str, extra: str, what: str) -> None:
     it is left to first use, as tracker packages take seconds to import. `what` names the feature."""
     if importlib.util.find_spec(package) is None:
         raise MissingPackageError(
-            f"{what} needs the `{package}` package, which is not installed: pip install kiln[{extra}]"
+            f"{what} needs the `{package}` package, which is not installed: pip install kiln[{extra}]", extra
         )
 
 

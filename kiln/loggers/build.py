@@ -64,8 +64,9 @@ def build_loggers(config: "DictConfig", *, is_global_zero: bool = True) -> list[
         raise missing[0][1]
     if missing:
         names = [name for name, _ in missing]
+        extras = list(dict.fromkeys(err.extra for _, err in missing))
         raise MissingPackageError(
-            f"report_to: {', '.join(names)} need packages that are not installed: pip install kiln[{','.join(names)}]"
+            f"report_to: {', '.join(names)} need packages that are not installed: pip install kiln[{','.join(extras)}]"
         )
     return loggers
 

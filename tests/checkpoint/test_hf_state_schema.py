@@ -40,7 +40,8 @@ def _as_old_kiln_checkpoint(ckpt: str) -> None:
         marker = json.load(fh)
     os.remove(os.path.join(ckpt, MARKER))
     marker["files"], _ = _fsync_tree(ckpt)
-    marker.pop("xxh3_64", None)  # older kiln versions recorded sizes only
+    marker.pop("xxh3_64", None)  # older kiln versions recorded sizes only, and no marker version
+    marker.pop("version", None)
     with open(os.path.join(ckpt, MARKER), "w", encoding="utf-8") as fh:
         json.dump(marker, fh)
 

@@ -16,7 +16,7 @@ import torch
 
 from kiln.engine.checkpoint.files import MARKER, is_complete, latest_checkpoint, why_damaged
 from kiln.engine.checkpoint.integrity import ALGORITHM, file_digest
-from kiln.engine.checkpoint.manager import disk_full
+from kiln.engine.checkpoint.write_errors import disk_full
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import train, weights
 
@@ -98,14 +98,14 @@ def test_a_renamed_folder_is_caught(out):
     assert "folder name says step 5" in (why_damaged(os.path.join(out, "checkpoint-5")) or "")
 
 
-def test_checkpoints_without_checksums_are_judged_by_size(out):
-    """Checkpoints of earlier kiln versions have no checksums: still resumable."""
+def test_checkpoints_that_predate_checksums_are_judged_by_size_with_a_warning(out):
+    """Checkpoints of kiln versions before checksums have neither digests nor a marker version: still
+    resumable, judged by size, and said so."""
     ckpt = os.path.join(out, "checkpoint-4")
     meta = json.load(open(os.path.join(ckpt, MARKER)))
-    del meta[ALGORITHM]
+    del meta[ALGORITHM], meta["version"]
     json.dump(meta, open(os.path.join(ckpt, MARKER), "w"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with pytest.warns(UserWarning, match=r"checkpoint-4 predates checksums .*judged by its file sizes only"):
         assert latest_checkpoint(out, verify=True).endswith("checkpoint-4")
 
 
@@ -137,7 +137,7 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(small_disk):
     with pytest.raises(CheckpointError) as err:
         train(out, {"max_steps": 4, "save_steps": 2}, callbacks=[FillDisk()])
     message = str(err.value)
-    assert message.startswith("No space left on device while writing checkpoint-4 in ")
+    assert message.startswith("No space left on device (ENOSPC) while writing checkpoint-4 in ")
     assert "the previous checkpoint checkpoint-2 is intact" in message and "resume_from_checkpoint=true" in message
     assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == ["checkpoint-2"]  # no half-written debris
     assert why_damaged(os.path.join(out, "checkpoint-2")) is None and is_complete(os.path.join(out, "checkpoint-2"))

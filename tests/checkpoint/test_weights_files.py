@@ -1,7 +1,8 @@
 """Weights in Hugging Face's sharded layout (`model.safetensors.index.json` + shards): read in
 checkpoints, by load_best_model_at_end and by `kiln evaluate`; written by `save_model(max_shard_size=)`.
-A checkpoint whose weights were re-saved as shards is not mistaken for a damaged one, while truncated
-or corrupt shards are still refused. A model overriding `load_state_dict` resumes through it."""
+Truncated or corrupt shards are refused (a checkpoint whose weights were re-saved as shards after it was
+sealed is refused as a whole: test_integrity_probes.py). A model overriding `load_state_dict` resumes
+through it."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.engine.checkpoint.files import is_complete, latest_checkpoint
+from kiln.engine.checkpoint.files import is_complete
 from kiln.strategies.checkpoint_io import WEIGHTS_SAFE, load_weights
 from kiln.strategies.weights_files import INDEX, parse_size, save_sharded
 from kiln.utils.errors import CheckpointError
-from tests.checkpoint.checkpoint_helpers import Crash, Net, numeric_history, regression_data, train, weights
+from tests.checkpoint.checkpoint_helpers import Crash, Net, regression_data, train, weights
 
 
 def reshard(ckpt: str, max_shard_size: int = 200) -> list[str]:
@@ -32,21 +33,6 @@ def test_parse_size_follows_hf():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20 and parse_size(1234) == 1234
     with pytest.raises(ValueError, match="is not a size"):
         parse_size("big")
-
-
-def test_resharded_checkpoint_resumes_exactly_and_is_not_called_damaged(tmp_path):
-    cfg = {"max_steps": 20, "save_steps": 10}
-    straight = train(str(tmp_path / "straight"), cfg)
-    out = str(tmp_path / "crashed")
-    with pytest.raises(Crash):
-        train(out, cfg, crash_at=10)
-    ckpt = os.path.join(out, "checkpoint-10")
-    shards = reshard(ckpt)
-    assert len(shards) > 1 and is_complete(ckpt) and latest_checkpoint(out) == ckpt
-    resumed = train(out, cfg, model_seed=5, resume=True)
-    a, b = weights(straight), weights(resumed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert numeric_history(resumed) == numeric_history(straight)
 
 
 def test_truncated_or_corrupt_shards_are_refused(tmp_path):

@@ -156,7 +156,7 @@ TABLE: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
 
 # accepted and dropped: scripts read them, the Trainer does not (or a feature that is off)
 IGNORED = ["do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "ray_scope",
-           "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
+           "project", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
            "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token", "sortish_sampler"]
 
 # not implemented: accepted while off, refused (naming the argument) when on
@@ -165,6 +165,8 @@ REFUSED_WHEN_ON = {
     "past_index": 2, "tpu_metrics_debug": True,  # the XLA metrics report: refused without an XLA strategy
     "use_legacy_prediction_loop": True, "sharded_ddp": "simple", "mp_parameters": "x",
     "push_to_hub": True,
+    # kiln logs Trackio locally: a Space or bucket to log to is refused, not silently dropped
+    "trackio_space_id": "me/space", "trackio_bucket_id": "me/bucket", "trackio_static_space_id": "me/static",
 }
 OFF = {"past_index": -1, "mp_parameters": "", "liger_kernel_config": None, "sharded_ddp": ""}
 

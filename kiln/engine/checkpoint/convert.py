@@ -10,7 +10,8 @@ The checkpoint's COMPLETE marker names its format; the format registry
 each tied weight (GPT-2's `lm_head.weight`, which is `transformer.wte.weight`) as a tensor of its
 own, so the ties the model had, recorded in the marker when it was saved, are applied again and each
 is stored once, under the name `save_pretrained` keeps (kiln.strategies.weights_files.share_tied).
-Every format's reader vets each pickle first (kiln.utils.safe_pickle, DeepSpeed's allow-list), since
+The checkpoint is checked as for a resume first (sizes, checksums, and the signature where
+`--signing-key-env` names the key). Every format's reader vets each pickle first (kiln.utils.safe_pickle, DeepSpeed's allow-list), since
 torch's DCP reader and `zero_to_fp32` would unpickle them unchecked: converting a checkpoint never runs
 code from it."""
 
@@ -18,19 +19,27 @@ from __future__ import annotations
 
 import os
 
-from kiln.engine.checkpoint.files import read_marker
+from typing import Optional
+
+from kiln.engine.checkpoint.files import read_marker, why_damaged, why_incomplete
 from kiln.engine.checkpoint.hf_files import copy_model_files
+from kiln.engine.checkpoint.signing import SigningKey
 from kiln.registry import UnknownNameError
 from kiln.strategies.checkpoint_io import FORMATS, save_weights
 from kiln.strategies.weights_files import share_tied
 from kiln.utils.errors import CheckpointError
 
 
-def convert_checkpoint(checkpoint: str, output_dir: str) -> str:
+def convert_checkpoint(checkpoint: str, output_dir: str, key: Optional[SigningKey] = None) -> str:
     """Write the checkpoint's full weights to `output_dir/model.safetensors`, and its model and
-    tokenizer files beside them; returns the weights file's path."""
+    tokenizer files beside them; returns the weights file's path. The checkpoint must be complete and
+    intact, as for a resume, and signed with `key` when one is given (kiln.engine.checkpoint.signing)."""
     if not os.path.isdir(checkpoint):
         raise CheckpointError(f"{checkpoint} is not a checkpoint folder.")
+    if (reason := why_incomplete(checkpoint)) is not None:
+        raise CheckpointError(f"{checkpoint} is incomplete or damaged ({reason}); convert another checkpoint.")
+    if (reason := why_damaged(checkpoint, key)) is not None:
+        raise CheckpointError(f"{checkpoint} is damaged: {reason}; convert another checkpoint.")
     marker = read_marker(checkpoint)
     fmt = str(marker.get("format", "full"))
     try:

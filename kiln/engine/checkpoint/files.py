@@ -5,35 +5,48 @@ Only folders named `checkpoint-<step>` whose marker lists every file with its si
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
-from kiln.engine.checkpoint.integrity import damage, file_digest as digest_file
-from kiln.utils.errors import CheckpointError
+from kiln.engine.checkpoint.hf_folder import hf_weights_damage, is_hf_checkpoint, missing_marker_reason
+from kiln.engine.checkpoint.integrity import MARKER, damage, file_digest as digest_file, load_marker, read_marker
+from kiln.engine.checkpoint.signing import SigningKey, signature_problem
 
 PREFIX = "checkpoint-"
-MARKER = "COMPLETE"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
-_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+__all__ = ["MARKER", "PREFIX", "is_complete", "is_hf_checkpoint", "latest_checkpoint", "list_checkpoints", "read_marker",
+           "why_damaged", "why_incomplete"]
+
+
+def hf_damage(path: str, key: Optional[SigningKey]) -> Optional[str]:
+    """Why the HF checkpoint at `path` must not be resumed: unsigned where a key is configured, or
+    weights that fail the checks an unrecorded folder allows (kiln.engine.checkpoint.hf_folder)."""
+    if key is not None:
+        return (f"it was written by HF's Trainer and is not signed, and this run requires checkpoints signed with the "
+                f"key in {key.env} (save.signing_key_env)")
+    return hf_weights_damage(path)
 
 
 # -- files on disk -------------------------------------------------------------------------------
 def _fsync_tree(directory: str) -> tuple[dict[str, int], dict[str, str]]:
-    """fsync every file (so the marker never outlives its data after a crash); return each file's
-    size and checksum (kiln.engine.checkpoint.integrity). The fsyncs wait on the disk while the
-    checksums keep a core busy, so they run side by side: the checksums then cost little of the save."""
+    """fsync every file, then every folder holding them (their entries), so the marker written next
+    never outlives its data after a crash; return each file's size and checksum
+    (kiln.engine.checkpoint.integrity). The fsyncs wait on the disk while the checksums keep a core
+    busy, so they run side by side: the checksums then cost little of the save."""
     from concurrent.futures import ThreadPoolExecutor
 
-    paths = [os.path.join(root, name) for root, _, files in os.walk(directory) for name in files]
+    walked = list(os.walk(directory))
+    paths = [os.path.join(root, name) for root, _, files in walked for name in files]
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="kiln-fsync") as pool:
         synced = [pool.submit(_fsync_file, path) for path in paths]
         digests = {os.path.relpath(path, directory): digest_file(path) for path in paths}
         for done in synced:
             done.result()
+    for root, _, _ in reversed(walked):  # deepest first: a folder's own entry is in its parent
+        _fsync_dir(root)
     sizes = {os.path.relpath(path, directory): os.path.getsize(path) for path in paths}
     return sizes, digests
 
@@ -61,36 +74,26 @@ def _remove(path: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def why_incomplete(path: str) -> Optional[str]:
+    """Why `path` is not a complete checkpoint (no marker, a damaged marker, a listed file missing or of
+    another size than recorded), or None."""
+    if not os.path.exists(os.path.join(path, MARKER)):
+        return missing_marker_reason(path)
+    meta, problem = load_marker(path)
+    if meta is None:
+        return problem
+    for name, size in meta["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing (its {MARKER} marker lists it)"
+        if os.path.getsize(file) != size:
+            return f"{name} is {os.path.getsize(file)} bytes, not the {size} its {MARKER} marker records"
+    return None
+
+
 def is_complete(path: str) -> bool:
-    """True when `path` has a marker and every file it lists exists with the recorded size.
-
-    One deliberate change is not damage: weights re-saved as sharded safetensors (an index and
-    intact shards in place of the single weights file the marker lists)."""
-    try:
-        meta = read_marker(path)
-        return bool(meta["files"]) and all(_file_matches(path, f, size) for f, size in meta["files"].items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
-        return False
-
-
-def _file_matches(path: str, name: str, size: int) -> bool:
-    file = os.path.join(path, name)
-    if os.path.exists(file):
-        return os.path.getsize(file) == size
-    from kiln.strategies.weights_files import sharded_weights_intact
-
-    return name in _WEIGHTS and sharded_weights_intact(path)
-
-
-def read_marker(path: str) -> dict[str, Any]:
-    try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as fh:
-            meta = json.load(fh)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} has no readable {MARKER} marker ({err}); it is incomplete or damaged.") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}/{MARKER} is damaged (not a JSON object).")
-    return meta
+    """True when `path` has a well-formed marker and every file it lists exists with the recorded size."""
+    return why_incomplete(path) is None
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -102,33 +105,31 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def is_hf_checkpoint(path: str) -> bool:
-    """A folder HF's Trainer wrote: its trainer_state.json and none of kiln's own files (a kiln
-    checkpoint without its marker is damaged, not foreign)."""
-    return (os.path.isfile(os.path.join(path, "trainer_state.json"))
-            and not any(os.path.exists(os.path.join(path, f)) for f in (MARKER, "config.yaml", "loop_state_0.pt")))
-
-
-def why_damaged(path: str) -> Optional[str]:
-    """Why a complete-looking kiln checkpoint must not be resumed (a checksum or step mismatch), or None."""
+def why_damaged(path: str, key: Optional[SigningKey] = None) -> Optional[str]:
+    """Why a complete-looking kiln checkpoint must not be read (its signature under the signing policy
+    with `key`, a checksum, a missing or unrecorded file, a step mismatch), or None."""
+    meta, problem = load_marker(path)
+    if meta is None:
+        return problem
     try:
-        return damage(path, read_marker(path))
-    except (OSError, CheckpointError) as err:
-        return str(err)
+        return signature_problem(meta, key) or damage(path, meta)
+    except OSError as err:
+        return f"{os.path.relpath(err.filename or path, path)} is unreadable ({err.strerror})"
 
 
-def latest_checkpoint(output_dir: str, verify: bool = False) -> Optional[str]:
+def latest_checkpoint(output_dir: str, verify: bool = False, key: Optional[SigningKey] = None) -> Optional[str]:
     """Newest complete checkpoint (or one written by HF's Trainer, which has no marker); incomplete
-    ones are skipped with a warning. With `verify` (resume), every file's checksum and the step are
-    checked too, and a damaged checkpoint is skipped with a warning for the previous intact one."""
+    ones are skipped with a warning. With `verify` (resume), every file's checksum, the step and the
+    signature (with `key`; kiln.engine.checkpoint.signing) are checked too, an HF checkpoint's weights
+    are vetted, and a damaged checkpoint is skipped with a warning for the previous intact one."""
     for _, path in reversed(list_checkpoints(output_dir)):
         if is_hf_checkpoint(path):
-            return path
-        if not is_complete(path):
-            warnings.warn(f"Ignoring incomplete checkpoint {path} (its {MARKER} marker is missing or does not match its files).",
-                          stacklevel=2)
+            reason = hf_damage(path, key) if verify else None
+        elif (incomplete := why_incomplete(path)) is not None:
+            warnings.warn(f"Ignoring incomplete checkpoint {path} ({incomplete}).", stacklevel=2)
             continue
-        reason = why_damaged(path) if verify else None
+        else:
+            reason = why_damaged(path, key) if verify else None
         if reason is None:
             return path
         warnings.warn(f"Ignoring damaged checkpoint {path}: {reason}. Resuming from the previous intact checkpoint instead.",

@@ -94,6 +94,7 @@ def _hf_values(config: Any) -> dict[str, Any]:
     from the environment (`${oc.env:...}`) appear masked, as in config.yaml."""
     from kiln.config.aliases import PATHS
     from kiln.config.redact import config_for_saving
+    from kiln.engine.checkpoint.saved_config import select
 
     # plain containers, read without OmegaConf: it would resolve the masks' `${oc.env:...}` again
     tree = config_for_saving(config)
@@ -104,14 +105,14 @@ def _hf_values(config: Any) -> dict[str, Any]:
     for key, name in [*((path, name) for name, path in PATHS.items()), *_TOP_LEVEL.items()]:
         if name not in fields or name in values:  # the first HF name of a key wins (HF's current one)
             continue
-        value = _select(tree, key)
+        value = select(tree, key)
         if value is None:
             continue  # unset in kiln: HF's default
         values[name] = value
-    precision = _select(tree, "precision.name")
+    precision = select(tree, "precision.name")
     if precision in ("fp16", "bf16"):
         values[precision] = True
-    ratio = _select(tree, "scheduler.warmup_ratio")
+    ratio = select(tree, "scheduler.warmup_ratio")
     if not values.get("warmup_steps") and ratio:  # transformers 5 keeps a ratio in warmup_steps (below 1)
         values["warmup_steps"] = float(ratio)
     # what TrainingArguments.__post_init__ makes of these values, so the record reads as HF's would
@@ -125,15 +126,6 @@ def _hf_values(config: Any) -> dict[str, Any]:
     if "gradient_checkpointing" in values and "activation_checkpointing" in fields:  # HF 5's name, mirrored
         values["activation_checkpointing"] = values["gradient_checkpointing"]
     return values
-
-
-def _select(tree: dict[str, Any], key: str) -> Any:
-    """The value at the dotted `key` of a tree of dicts (None where a part is missing)."""
-    for part in key.split("."):
-        if not isinstance(tree, dict):
-            return None
-        tree = tree.get(part)  # type: ignore[assignment]
-    return tree
 
 
 def _as_enum(field: dataclasses.Field, value: Any) -> Any:

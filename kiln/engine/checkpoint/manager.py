@@ -28,8 +28,11 @@ from kiln.engine.checkpoint.files import (
     MARKER, PREFIX, _fsync_dir, _fsync_tree, _remove, is_complete, latest_checkpoint, list_checkpoints, read_marker,
 )
 from kiln.engine.checkpoint.hf_files import write_model_files, write_training_args
-from kiln.engine.checkpoint.integrity import ALGORITHM
+from kiln.engine.checkpoint.integrity import ALGORITHM, VERSION
 from kiln.engine.checkpoint.restored import Restored
+from kiln.engine.checkpoint.saved_config import CONFIG, changed_settings
+from kiln.engine.checkpoint.signing import SIGNATURE, sign, signing_key
+from kiln.engine.checkpoint.write_errors import write_errno, write_failure
 from kiln.strategies.weights_files import tie_groups
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.utils.errors import CheckpointError, safe_torch_load
@@ -51,7 +54,6 @@ log = logging.getLogger(__name__)
 STATE = "trainer_state.json"
 #: kiln's loop position (epoch, batches into it): kept out of trainer_state.json, whose schema is HF's
 POSITION = "kiln_loop_position.json"
-CONFIG = "config.yaml"
 RNG = "rng_state_{rank}.pth"
 LOOP = "loop_state_{rank}.pt"
 _DEBRIS = re.compile(rf"^\.{PREFIX}\d+\.(tmp|old|deleting)$")
@@ -71,22 +73,11 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def disk_full(err: BaseException, directory: str) -> bool:
-    """Whether a failed write ran out of disk space. The writers say so differently (OSError errno 28,
-    safetensors' "os error 28", torch.save's bare "unexpected pos"), so the file system is asked too."""
-    import errno
-
-    seen: Optional[BaseException] = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(seen) or "os error 28" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    try:
-        return shutil.disk_usage(directory).free < (16 << 20)
-    except OSError:
-        return False
+def _save(obj: Any, path: str) -> None:
+    """torch.save through an open file: a failed write then keeps its OSError (errno) as the error's
+    context, where torch's own file writer only says "unexpected pos" (write_errors)."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
 
 
 class CheckpointManager:
@@ -101,6 +92,7 @@ class CheckpointManager:
         self.saved_step: Optional[int] = None  # the step of the last checkpoint this process wrote
         self.preempted_step: Optional[int] = None  # set when SIGTERM stopped the run after saving this step
         self._debris_cleared = False
+        self.signing_key = signing_key(config.save.signing_key_env)  # fails here, before training, when unset
 
     def attach(self, loop: Stateful, loader: Iterable[Any]) -> None:
         """The fit loop registers itself and its train loader: both have per-rank state to save."""
@@ -127,20 +119,17 @@ class CheckpointManager:
             self._write(tmp, io, writer, state)
             strategy.barrier("checkpoint-written")
             if writer:
-                meta = {"step": state.global_step, "world_size": strategy.world_size, "format": io.format,
-                        "resumable": not cfg.save.only_model}
+                meta = {"version": VERSION, "step": state.global_step, "world_size": strategy.world_size,
+                        "format": io.format, "resumable": not cfg.save.only_model}
                 if ties := tie_groups(self.run.model):  # `kiln convert` stores each tie once again (weights_files)
                     meta["tied"] = ties
                 self._publish(tmp, final, meta)
         except Exception as err:
-            if disk_full(err, out):
+            code = write_errno(err, tmp if os.path.isdir(tmp) else out)
+            if writer:
                 shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoints are untouched
-                last = latest_checkpoint(out)
-                raise CheckpointError(
-                    f"No space left on device while writing {os.path.basename(final)} in {out}; "
-                    f"{'the previous checkpoint ' + os.path.basename(last) + ' is intact' if last else 'no earlier checkpoint exists'}. "
-                    "Free some space (or lower save.total_limit) and resume with resume_from_checkpoint=true."
-                ) from None
+            if code is not None:
+                raise CheckpointError(write_failure(code, os.path.basename(final), out, latest_checkpoint(out))) from None
             raise
         if writer:
             self.rotate(state)
@@ -156,14 +145,14 @@ class CheckpointManager:
                 safetensors=cfg.save.safetensors, writer=writer)
         if not only_model:
             rank = self.strategy.global_rank
-            torch.save(rng_state(), os.path.join(tmp, RNG.format(rank=rank)))
-            torch.save(self._loop_state(), os.path.join(tmp, LOOP.format(rank=rank)))
+            _save(rng_state(), os.path.join(tmp, RNG.format(rank=rank)))
+            _save(self._loop_state(), os.path.join(tmp, LOOP.format(rank=rank)))
         if not writer:
             return
         if not only_model:
             if run.scheduler is not None:
-                torch.save(run.scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-            torch.save(self.precision.state_dict(), os.path.join(tmp, "precision.pt"))
+                _save(run.scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+            _save(self.precision.state_dict(), os.path.join(tmp, "precision.pt"))
         state.stateful_callbacks = self.callbacks.state_dict()
         state.save_to_json(os.path.join(tmp, STATE))
         with open(os.path.join(tmp, POSITION), "w", encoding="utf-8") as fh:
@@ -176,20 +165,27 @@ class CheckpointManager:
         write_training_args(tmp, self.config, self.training_args)
 
     def config_to_save(self) -> Any:
-        """The run's config as config.yaml keeps it: `${oc.env:...}` values masked, and the live micro-batch
-        size and accumulation (auto_find_batch_size may have changed them), which a resumed run adopts."""
+        """The run's config as config.yaml keeps it (a DictConfig of `saved_tree`)."""
         from omegaconf import OmegaConf
 
+        return OmegaConf.create(self.saved_tree())
+
+    def saved_tree(self) -> dict[str, Any]:
+        """The run's config as plain containers: `${oc.env:...}` values masked, and the live micro-batch
+        size and accumulation (auto_find_batch_size may have changed them), which a resumed run adopts."""
         from kiln.config.redact import config_for_saving
 
         saved = config_for_saving(self.config)
         saved["data"]["per_device_train_batch_size"] = self.run.micro_batch_size
         saved["train"]["gradient_accumulation_steps"] = self.run.accumulation
-        return OmegaConf.create(saved)
+        return saved
 
     def _publish(self, tmp: str, final: str, meta: dict[str, Any]) -> None:
-        """fsync everything, write the marker last, then rename the folder into place."""
+        """fsync everything, write the marker last (signed with save.signing_key_env's key), then rename
+        the folder into place."""
         meta["files"], meta[ALGORITHM] = _fsync_tree(tmp)
+        if self.signing_key is not None:
+            meta[SIGNATURE] = sign(meta, self.signing_key)
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=1)
             fh.flush()
@@ -341,23 +337,9 @@ class CheckpointManager:
             raise CheckpointError(f"{file} is unreadable ({err}).") from None
 
     def _check_config(self, path: str) -> None:
-        """Warn when a setting that decides the data position changed since the checkpoint."""
-        file = os.path.join(path, CONFIG)
-        if not os.path.exists(file):
-            return
-        from omegaconf import OmegaConf
-
-        try:
-            saved = OmegaConf.load(file)  # YAML safe loading: plain values only
-        except Exception as err:
-            raise CheckpointError(f"{file} is unreadable ({err}).") from None
-        current = self.config_to_save()
-
-        def changed(keys: tuple[str, ...]) -> list[str]:
-            pairs = ((key, OmegaConf.select(saved, key), OmegaConf.select(current, key)) for key in keys)
-            return [f"{key} {old!r} -> {new!r}" for key, old, new in pairs if old != new]
-
-        if moved := changed(_POSITION_KEYS):
+        """Warn when a setting that decides the data position changed since the checkpoint. The saved
+        config.yaml is data: read without resolving anything, compared as text (saved_config)."""
+        if moved := changed_settings(path, self.saved_tree(), _POSITION_KEYS):
             warnings.warn(f"Resuming {path} with changed settings ({'; '.join(moved)}): the data position saved in the "
                           "checkpoint no longer points at the same samples, so the run will not match an uninterrupted one.",
                           stacklevel=3)

@@ -10,7 +10,9 @@ when there is none. HF never resumes on its own, so nothing does unless this val
 
 Checking a checkpoint's checksums reads every file, so with many ranks on one filesystem only the
 writer (global rank 0) checks and the others take its answer, refusal included; with
-`save.on_each_node` every node has its own copy, so each rank checks its own."""
+`save.on_each_node` every node has its own copy, so each rank checks its own. The check covers the
+signature too when `save.signing_key_env` names a key (kiln.engine.checkpoint.signing), and, for a
+checkpoint HF's Trainer wrote, what its weights allow (kiln.engine.checkpoint.hf_folder)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
-from kiln.engine.checkpoint.files import MARKER, is_complete, is_hf_checkpoint, latest_checkpoint, why_damaged
+from kiln.engine.checkpoint.files import hf_damage, is_hf_checkpoint, latest_checkpoint, why_damaged, why_incomplete
+from kiln.engine.checkpoint.signing import SigningKey, signing_key
 from kiln.utils.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -37,17 +40,18 @@ class ResumeError(CheckpointError, ValueError):
     for the same inputs, and a `CheckpointError`, as kiln raised before."""
 
 
-def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
+def resolve_resume(resume: Any, output_dir: str, key: Optional[SigningKey] = None) -> Optional[str]:
     """The checkpoint folder `resume` asks for, or None to start fresh.
 
     None / False / "false" -> None; True / "true" -> the newest complete checkpoint in `output_dir`
     (ResumeError when there is none); "if_exists" -> the same, or None when there is none; anything
-    else is a path to one checkpoint folder (ResumeError unless it is complete and intact)."""
+    else is a path to one checkpoint folder (ResumeError unless it is complete and intact). `key`: the
+    signing key a checkpoint must be signed with (kiln.engine.checkpoint.signing), None for none."""
     if _off(resume):
         return None
     latest = resume is True or (isinstance(resume, str) and resume.lower() == "true")
     if latest or (isinstance(resume, str) and resume == IF_EXISTS):
-        path = latest_checkpoint(output_dir, verify=True)
+        path = latest_checkpoint(output_dir, verify=True, key=key)
         if path is None and latest:
             raise ResumeError(
                 f"No valid checkpoint found in output directory ({output_dir}): resume_from_checkpoint=true needs a "
@@ -62,12 +66,11 @@ def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
     if not os.path.isdir(path):
         raise ResumeError(f"resume_from_checkpoint={path!r} is not a folder; name a checkpoint-<step> folder, or use "
                           f"resume_from_checkpoint=true (or {IF_EXISTS}) for the newest one in output_dir.")
-    if not is_complete(path) and not is_hf_checkpoint(path):
-        raise ResumeError(
-            f"{path} is incomplete or damaged (its {MARKER} marker is missing or does not match its files); "
-            "resume from another checkpoint, or use resume_from_checkpoint=true to pick the newest complete one."
-        )
-    reason = None if is_hf_checkpoint(path) else why_damaged(path)
+    hf = is_hf_checkpoint(path)
+    if not hf and (incomplete := why_incomplete(path)) is not None:
+        raise ResumeError(f"{path} is incomplete or damaged ({incomplete}); resume from another checkpoint, or use "
+                          "resume_from_checkpoint=true to pick the newest complete one.")
+    reason = hf_damage(path, key) if hf else why_damaged(path, key)
     if reason is not None:
         raise ResumeError(f"{path} is damaged: {reason}. Resume from another checkpoint, or use "
                           "resume_from_checkpoint=true to pick the newest intact one.")
@@ -77,15 +80,16 @@ def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
 def choose_resume(resume: Any, config: "DictConfig", strategy: "Strategy") -> Optional[str]:
     """The checkpoint folder to resume from (None: start fresh), the same on every rank."""
     output_dir = str(config.output_dir)
+    key = signing_key(config.save.signing_key_env)
     if strategy.is_global_zero:
         _warn_restart_without_resume(resume, output_dir)
     if strategy.world_size <= 1 or config.save.on_each_node:
-        return resolve_resume(resume, output_dir)
+        return resolve_resume(resume, output_dir, key)
     path: Optional[str] = None
     error: Optional[str] = None
     if strategy.is_global_zero:
         try:
-            path = resolve_resume(resume, output_dir)
+            path = resolve_resume(resume, output_dir, key)
         except ResumeError as err:
             error = str(err)
     path, error = strategy.broadcast_object((path, error), src=0)

@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints, why_damaged
+from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints, why_damaged, why_incomplete
+from kiln.engine.checkpoint.signing import SigningKey
 from kiln.engine.model.peft import ADAPTER_BIN, ADAPTER_SAFE, checkpoint_io_for
 from kiln.strategies.checkpoint_io import WEIGHTS_BIN, WEIGHTS_SAFE
 from kiln.utils.errors import CheckpointError
@@ -73,27 +74,34 @@ def _weights(path: str, origin: str) -> EvalWeights:
     return EvalWeights(path, weights_step(path), origin, float(epoch) if isinstance(epoch, (int, float)) else None)
 
 
-def given_weights(path: str) -> EvalWeights:
-    """`--weights PATH`: a complete checkpoint or a folder written by save_model."""
+def given_weights(path: str, key: Optional[SigningKey] = None) -> EvalWeights:
+    """`--weights PATH`: a complete checkpoint or a folder written by save_model (with a signing `key`,
+    only a checkpoint whose signature verifies: kiln.engine.checkpoint.signing)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"--weights {path!r} is not a folder; pass a checkpoint-<step> folder or one written by "
                               "trainer.save_model() / kiln fit.")
-    if os.path.exists(os.path.join(path, MARKER)) and not is_complete(path):
-        raise CheckpointError(f"--weights {path!r} is an incomplete or damaged checkpoint (its {MARKER} marker does not "
-                              "match its files); pass another checkpoint.")
-    _refuse_damaged(path, "--weights")
+    marked = os.path.exists(os.path.join(path, MARKER))
+    if marked and (incomplete := why_incomplete(path)) is not None:
+        raise CheckpointError(f"--weights {path!r} is an incomplete or damaged checkpoint ({incomplete}); pass another "
+                              "checkpoint.")
+    if not marked and key is not None:
+        raise CheckpointError(f"--weights {path!r} has no {MARKER} marker, so it carries no signature, and save.signing_key_env "
+                              f"({key.env}) asks for signed checkpoints only; pass a signed checkpoint-<step> folder.")
+    _refuse_damaged(path, "--weights", key)
     return _weights(path, "given weights")
 
 
-def _refuse_damaged(path: str, what: str) -> None:
-    """Weights whose bytes changed since the checkpoint was written would score silently wrong."""
-    reason = why_damaged(path) if os.path.exists(os.path.join(path, MARKER)) else None
+def _refuse_damaged(path: str, what: str, key: Optional[SigningKey]) -> None:
+    """Weights whose bytes changed since the checkpoint was written (or whose signature does not
+    verify) would score silently wrong."""
+    reason = why_damaged(path, key) if os.path.exists(os.path.join(path, MARKER)) else None
     if reason is not None:
         raise CheckpointError(f"{what} {path!r} is damaged: {reason}; pass another checkpoint with --weights.")
 
 
-def find_run_weights(output_dir: str) -> Optional[EvalWeights]:
-    """The run's best checkpoint, else its exported model, else its newest complete checkpoint."""
+def find_run_weights(output_dir: str, key: Optional[SigningKey] = None) -> Optional[EvalWeights]:
+    """The run's best checkpoint, else its exported model, else its newest complete checkpoint. With a
+    signing `key` the exported model (unsigned: only checkpoints are signed) is passed over."""
     complete = [path for _, path in list_checkpoints(output_dir) if is_complete(path)]
     states = [_state(output_dir)] + [_state(path) for path in reversed(complete)]
     for state in states:
@@ -101,11 +109,11 @@ def find_run_weights(output_dir: str) -> Optional[EvalWeights]:
         if isinstance(best, str):
             for path in complete:  # recorded absolute or relative; the run folder may have moved
                 if os.path.basename(path) == os.path.basename(os.path.normpath(best)):
-                    _refuse_damaged(path, "the best checkpoint")
+                    _refuse_damaged(path, "the best checkpoint", key)
                     return _weights(path, "best checkpoint")
-    if _holds_weights(output_dir):
+    if key is None and _holds_weights(output_dir):
         return _weights(output_dir, "exported model")
     if complete:
-        _refuse_damaged(complete[-1], "the last checkpoint")
+        _refuse_damaged(complete[-1], "the last checkpoint", key)
         return _weights(complete[-1], "last checkpoint")
     return None

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Optional
 
@@ -53,17 +52,13 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 def saved_batch_size(checkpoint: str) -> tuple[int, int] | None:
     """The (per-device batch size, gradient accumulation steps) a checkpoint was trained with (its
-    config.yaml): the accumulation too, since an out-of-memory error during training may have changed both."""
-    from omegaconf import OmegaConf
+    config.yaml, read as data: nothing in it is resolved): the accumulation too, since an out-of-memory
+    error during training may have changed both."""
+    from kiln.engine.checkpoint.saved_config import read_saved_config, select
 
-    from kiln.engine.checkpoint.manager import CONFIG
-
-    path = os.path.join(checkpoint, CONFIG)
-    if not os.path.exists(path):
-        return None
-    saved = OmegaConf.load(path)
-    size, k = OmegaConf.select(saved, "data.per_device_train_batch_size"), OmegaConf.select(saved, "train.gradient_accumulation_steps")
-    return (int(size), int(k)) if size is not None and k is not None else None
+    saved = read_saved_config(checkpoint)
+    size, k = select(saved, "data.per_device_train_batch_size"), select(saved, "train.gradient_accumulation_steps")
+    return (size, k) if type(size) is int and type(k) is int else None
 
 
 def find_batch_size(loop: Any) -> Iterable[Any]:  # the FitLoop (not imported: it imports this module)
