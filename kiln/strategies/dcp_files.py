@@ -1,5 +1,5 @@
 """`torch.distributed.checkpoint` (DCP) folders as kiln reads them, for every strategy that writes one
-(the mesh strategy's `mesh_dcp/`, XLA SPMD's): a folder's full weights read in one process without a
+(the mesh strategy's `fsdp_dcp/`, XLA SPMD's `xla_dcp/`): a folder's full weights read in one process without a
 process group (`kiln convert`), and the optimizer's param-group layout read from its metadata. Every
 pickle in a folder is vetted before DCP reads it (kiln.utils.safe_pickle)."""
 

@@ -74,3 +74,23 @@ def test_a_format_registered_by_a_plug_in_is_converted(tmp_path):
 
     converted = load_file(convert_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out")))
     assert torch.equal(converted["w"], weights["w"] * 2)
+
+
+@pytest.mark.parametrize("module, name", [
+    ("kiln.strategies.mesh.checkpoint_io", "DCP_DIR"),  # fsdp and model_parallel write it today
+    ("kiln.strategies.mesh.checkpoint_io", "LEGACY_MODEL_PARALLEL_DIR"),  # model_parallel's, before the mesh strategy
+    ("kiln.strategies.xla.fsdp_checkpoint_io", "SPMD_DIR"),
+    ("kiln.strategies.xla.fsdp_checkpoint_io", "CLASSIC_DIR"),
+    ("kiln.strategies.deepspeed.checkpoint_io", "TAG"),
+])
+def test_a_sharded_checkpoint_without_its_marker_is_never_taken_for_one_hf_wrote(tmp_path, module, name):
+    """hf_folder names the strategies' folders rather than importing them: each folder a sharded
+    strategy writes (or wrote) must keep such a folder from passing for an HF checkpoint."""
+    import importlib
+
+    from kiln.engine.checkpoint.hf_folder import is_hf_checkpoint, kiln_files
+
+    folder = getattr(importlib.import_module(module), name)
+    (tmp_path / "trainer_state.json").write_text("{}")
+    (tmp_path / folder).mkdir()
+    assert kiln_files(str(tmp_path)) == [folder] and not is_hf_checkpoint(str(tmp_path))
