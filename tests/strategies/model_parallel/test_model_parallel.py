@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.distributed.conftest import run
+from tests.strategies.case_jobs import start
 from tests.strategies.model_parallel import cases
 
 pytestmark = pytest.mark.distributed
@@ -31,13 +29,7 @@ BF16_WEIGHTS = 5e-2  # a weight's distance from single bf16's, relative to its c
 
 
 def _torchrun(nproc: int, out: Path, *names: str) -> tuple[dict, dict]:
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         str(HERE / "worker.py"), str(out), *names], timeout=900)
-    by_case: dict = {}
-    for key, value in load_file(str(out / "tensors.safetensors")).items():
-        case, name = key.split("/", 1)
-        by_case.setdefault(case, {})[name] = value
-    return json.loads((out / "results.json").read_text()), by_case
+    return start(HERE / "worker.py", out, list(names), timeout=900, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
