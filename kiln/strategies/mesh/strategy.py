@@ -11,7 +11,7 @@ torchtitan's order:
 
 and one DCP checkpoint IO (checkpoint_io.py). `strategy: fsdp` and `strategy: model_parallel` are two
 presets of it (kiln/strategies/fsdp/, kiln/strategies/model_parallel/): they differ only in how the
-mesh is written and in two defaults, so every feature works under both or is refused under both in
+mesh is written and in one default (`sync_module_states`), so every feature works under both or is refused under both in
 the same sentence (`_check_settings`).
 
 FSDP2 runs over the dp axes whenever they (with cp) hold more than one rank, and on one rank too when
