@@ -48,3 +48,11 @@ def read_fsdp_config(value: Any, *, strict: bool) -> dict[str, Any]:
             raise ConfigError(f"fsdp_config must be a mapping or a JSON file path, got {type(value).__name__}.")
         return {}
     return {(str(k)[len("fsdp_"):] if str(k).startswith("fsdp_") else str(k)): v for k, v in dict(value).items()}
+
+
+def class_names(value: Any) -> list[str]:
+    """Class names given as a list or as one comma-separated string (HF's `transformer_layer_cls_to_wrap`
+    takes both), stripped."""
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return [str(v) for v in value]

@@ -47,7 +47,7 @@ def adopt_model(config: "DictConfig", model: Any) -> None:
         import torch.distributed as dist
 
         from kiln.launch.environment import detect
-        from kiln.strategies.model_parallel.presharded import adopt_loaded_model
+        from kiln.strategies.mesh.presharded import adopt_loaded_model
 
         # transformers started the process group to split the model; the launcher's reading otherwise
         adopt_loaded_model(config, model, dist.get_world_size() if dist.is_initialized() else detect().world_size)

@@ -2,7 +2,9 @@
 optimizer steps, collectives and checkpoints work across processes and devices.
 
 A new strategy is one file that subclasses `Strategy` (plus `SingleProcessCollectives` when it runs
-one process), declares its `capabilities` and `options`, opts into the optional interfaces of
+one process, `ProcessGroupCollectives` from kiln/strategies/collectives.py when it runs one process per
+device; a new way to shard is a preset of the mesh strategy, kiln/strategies/mesh/), declares its
+`capabilities` and `options`, opts into the optional interfaces of
 `kiln/strategies/interfaces.py` it needs by inheriting them, and registers its names
 (`@STRATEGIES.register("name")` plus one `add_lazy` line where the registry is filled). `kiln/engine/`
 never changes for it: the engine calls only these methods, in this order, for every strategy
@@ -34,8 +36,8 @@ a strategy that cannot be compiled says so in `Capabilities.torch_compile`) and 
 parameters inside backward (LOMO: the engine hands them the loss itself).
 
 Collectives have no default: a strategy spanning processes that forgot one would silently let ranks
-diverge, so a class that neither inherits `SingleProcessCollectives` nor implements every name in
-`COLLECTIVES` is refused when it is created (TypeError).
+diverge, so a class that inherits neither `SingleProcessCollectives` nor `ProcessGroupCollectives`
+and does not implement every name in `COLLECTIVES` is refused when it is created (TypeError).
 
 Sizes: `data_shards` processes read distinct data (the sampler's replicas); `item_shards` processes
 hold distinct items once `batch_to_device` has run (item and token counts are summed over them:

@@ -1,5 +1,5 @@
 """The CheckpointIO contract, the registry of checkpoint formats, and the CheckpointIO of strategies
-whose ranks each hold the full model (single, DDP). Sharding strategies (FSDP, DeepSpeed, XLA)
+whose ranks each hold the full model (single, DDP). Sharding strategies (the mesh strategy, DeepSpeed, XLA)
 subclass `CheckpointIO` in their own file with their own format and register it there.
 
 `FORMATS` maps the format a checkpoint's COMPLETE marker names to its CheckpointIO class, whose
@@ -154,9 +154,10 @@ class CheckpointIO:
     - `load_weights_only(directory, model=, module=)`: weights alone (the CLI's evaluate/predict,
       load_best_model_at_end); any format this IO reads, also a plain exported model folder.
 
-    `format` is recorded in the marker (and names the class in `FORMATS`); `reshardable` says whether
-    a checkpoint saved by N processes loads on M (the engine refuses a world-size change otherwise);
-    `sharded` says every rank writes its own files. `consolidate(path)` gives a folder's full weights
+    `format` is recorded in the marker (and names the class in `FORMATS`); `also_resumes` names older
+    formats whose checkpoints this IO resumes too (the same files under an earlier name); `reshardable`
+    says whether a checkpoint saved by N processes loads on M (the engine refuses a world-size change
+    otherwise); `sharded` says every rank writes its own files. `consolidate(path)` gives a folder's full weights
     in one process without a process group (any process count may have saved it), vetting every
     pickle it reads first: converting a checkpoint never runs code from it.
 
@@ -170,8 +171,13 @@ class CheckpointIO:
     keeps returning None until it does (kiln.engine.checkpoint.background)."""
 
     format: ClassVar[str] = "full"
+    also_resumes: ClassVar[tuple[str, ...]] = ()
     reshardable: ClassVar[bool] = True
     sharded: ClassVar[bool] = False
+
+    def resumes(self, fmt: str) -> bool:
+        """Whether a checkpoint whose marker names format `fmt` can be resumed through this IO."""
+        return fmt == self.format or fmt in self.also_resumes
 
     def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              save_optimizer: bool, safetensors: bool, writer: bool) -> None:
@@ -200,11 +206,10 @@ class CheckpointIO:
 FORMATS: Registry[type[CheckpointIO]] = Registry("checkpoint format", "format")
 
 for _formats, _module in (
-    (("fsdp-full", "fsdp-sharded"), "kiln.strategies.fsdp.checkpoint_io"),
+    (("fsdp-full", "fsdp-sharded", "model-parallel-dcp"), "kiln.strategies.mesh.checkpoint_io"),
     (("xla-full",), "kiln.strategies.xla.checkpoint_io"),
     (("xla-spmd-sharded", "xla-fsdp-classic"), "kiln.strategies.xla.fsdp_checkpoint_io"),
     (("deepspeed",), "kiln.strategies.deepspeed.checkpoint_io"),
-    (("model-parallel-dcp",), "kiln.strategies.model_parallel.checkpoint_io"),
 ):
     for _format in _formats:
         FORMATS.add_lazy(_format, _module)

@@ -5,16 +5,16 @@ The required core lives in `kiln/strategies/base.py`. Everything here is asked f
 not inherit an interface simply has nothing to do at that point (no no-op hook is called per step).
 
 - `BackwardSyncControl`: the strategy decides around each micro-batch whether gradients are
-  synchronised (DDP's `no_sync`, FSDP's `set_requires_gradient_sync`, DeepSpeed's boundary).
+  synchronised (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`, DeepSpeed's boundary).
 - `GraphBoundaries`: the strategy cuts a lazily recorded graph after each micro-batch and after
   each optimizer step (XLA's `torch_xla.sync()`).
 - `ShardedModuleInit`: a model the Trainer builds itself is built inside the strategy's context
-  (FSDP's meta device / rank-0 loading, DeepSpeed's `zero.Init`).
+  (the mesh strategy's meta device / rank-0 loading, DeepSpeed's `zero.Init`).
 - `StaticShapes`: every step must see the same shapes (the XLA family compiles one graph per shape).
 - `OwnsOptimizerStep`: the strategy's own engine steps, clips and scales (DeepSpeed); documentation
   for readers and tests, the engine calls `optimizer_step` the same way for every strategy.
 - `CompilesPerBlock`: the strategy applies `train.torch_compile*` itself, block by block inside
-  `setup_module` (FSDP2, as torchtitan does); the engine then leaves the set-up module uncompiled.
+  `setup_module` (the mesh strategy, as torchtitan does); the engine then leaves the set-up module uncompiled.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_fsdp_compiles_each_block_forward_in_place_once():
     not compile a compiled forward again; nothing is compiled unless the config asks."""
     from types import SimpleNamespace
 
-    from kiln.strategies.fsdp.compile import compile_units
+    from kiln.strategies.mesh.compile import compile_units
 
     model = toy.gpt2(2)
     names = [n for n, _ in model.named_parameters()]

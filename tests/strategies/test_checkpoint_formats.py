@@ -42,7 +42,7 @@ def test_convert_imports_only_the_module_of_the_format_it_reads(tmp_path):
             f"convert_checkpoint({str(tmp_path / 'ckpt')!r}, {str(tmp_path / 'out')!r}); "
             "print(sorted(m for m in sys.modules if m.startswith('kiln.strategies.') and 'checkpoint_io' in m))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['kiln.strategies.checkpoint_io', 'kiln.strategies.fsdp.checkpoint_io']"
+    assert out.strip() == "['kiln.strategies.checkpoint_io', 'kiln.strategies.mesh.checkpoint_io']"
 
 
 def test_convert_writes_the_full_weights_and_refuses_an_unknown_format(tmp_path):
@@ -74,3 +74,23 @@ def test_a_format_registered_by_a_plug_in_is_converted(tmp_path):
 
     converted = load_file(convert_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out")))
     assert torch.equal(converted["w"], weights["w"] * 2)
+
+
+@pytest.mark.parametrize("module, name", [
+    ("kiln.strategies.mesh.checkpoint_io", "DCP_DIR"),  # fsdp and model_parallel write it today
+    ("kiln.strategies.mesh.checkpoint_io", "LEGACY_MODEL_PARALLEL_DIR"),  # model_parallel's, before the mesh strategy
+    ("kiln.strategies.xla.fsdp_checkpoint_io", "SPMD_DIR"),
+    ("kiln.strategies.xla.fsdp_checkpoint_io", "CLASSIC_DIR"),
+    ("kiln.strategies.deepspeed.checkpoint_io", "TAG"),
+])
+def test_a_sharded_checkpoint_without_its_marker_is_never_taken_for_one_hf_wrote(tmp_path, module, name):
+    """hf_folder names the strategies' folders rather than importing them: each folder a sharded
+    strategy writes (or wrote) must keep such a folder from passing for an HF checkpoint."""
+    import importlib
+
+    from kiln.engine.checkpoint.hf_folder import is_hf_checkpoint, kiln_files
+
+    folder = getattr(importlib.import_module(module), name)
+    (tmp_path / "trainer_state.json").write_text("{}")
+    (tmp_path / folder).mkdir()
+    assert kiln_files(str(tmp_path)) == [folder] and not is_hf_checkpoint(str(tmp_path))

@@ -12,7 +12,8 @@ from kiln import Trainer
 from kiln.config import load_config
 from kiln.precision import build_precision
 from kiln.strategies import STRATEGIES
-from kiln.strategies.ddp.strategy import DDPStrategy, default_backend, pick_device
+from kiln.strategies.ddp.strategy import DDPStrategy
+from kiln.strategies.process_group import default_backend, pick_device
 from kiln.launch.environment import ClusterEnvironment
 from tests.distributed import toy
 

@@ -51,7 +51,7 @@ def test_teardown_frees_the_group_and_joins_gloo_workers(tmp_path, strategy, cap
     trainer.fit()
     group = weakref.ref(dist.group.WORLD)
     assert gloo_workers() > before  # the run's group has its workers
-    with caplog.at_level(logging.DEBUG, logger="kiln.strategies.ddp.strategy"):
+    with caplog.at_level(logging.DEBUG, logger="kiln.strategies.collectives"):
         trainer.strategy.teardown()
     assert "outlives" not in caplog.text  # freed by teardown itself, not by the fallback
     gc.collect()

@@ -22,6 +22,8 @@ from kiln.utils.errors import CheckpointError
 STATE = "trainer_state.json"
 #: files and folders only kiln writes into a checkpoint (HF's Trainer writes none of them); the sharded
 #: strategies' folders (fsdp_dcp/, ds/, ...) are named here rather than imported, to keep this module light
+#: (tests/strategies/test_checkpoint_formats.py checks them against the strategies' own names; model_parallel_dcp
+#: is the folder model_parallel wrote before it became a preset of the mesh strategy, still resumable)
 KILN_FILES = (MARKER, "config.yaml", "kiln_loop_position.json", "precision.pt", "loop_state_*.pt", "fsdp_dcp",
               "model_parallel_dcp", "xla_dcp", "xla_fsdp_classic", "ds")
 _SAFE, _INDEX, _BIN = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"

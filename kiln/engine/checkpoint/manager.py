@@ -340,7 +340,7 @@ class CheckpointManager:
         if not meta.get("resumable", True):
             raise CheckpointError(f"{path} was saved with save_only_model=true and cannot be resumed; load its weights instead.")
         io = checkpoint_io_for(strategy, self.run.model)  # a PeftModel: its adapter only (HF)
-        if meta.get("format", "full") != io.format:
+        if not io.resumes(meta.get("format", "full")):
             raise CheckpointError(
                 f"{path} was saved by a strategy with the {meta.get('format')!r} checkpoint format, but this run uses "
                 f"{io.format!r}; resume with the strategy that saved it."

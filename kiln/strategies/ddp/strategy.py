@@ -18,31 +18,17 @@ over every item of the global window (see kiln/engine/loop/loss_weights.py).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import logging
-import time
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
+from typing import Any, ContextManager, Optional
 
-import torch
 from torch import nn
 
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import Strategy
 from kiln.strategies.capabilities import Capabilities
+from kiln.strategies.collectives import ProcessGroupCollectives
 from kiln.strategies.interfaces import BackwardSyncControl
-from kiln.launch.environment import detect
-from kiln.strategies.process_group import (  # noqa: F401
-    barrier, default_backend, destroy_default_group, init_process_group, pick_device, register_group_user)
-
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
-    from kiln.precision.base import Precision
-
-log = logging.getLogger(__name__)
-
-_OPS = ("sum", "mean", "max", "min")
+from kiln.strategies.process_group import register_group_user
 
 
 def _buffers_keyword() -> str:
@@ -73,7 +59,7 @@ def _ddp(module: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:
 
 
 @STRATEGIES.register("ddp", "ddp_find_unused_parameters_true")
-class DDPStrategy(Strategy, BackwardSyncControl):
+class DDPStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
     name = "ddp"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
@@ -81,36 +67,7 @@ class DDPStrategy(Strategy, BackwardSyncControl):
                  "xla": "XLA devices synchronise through XLA's own collectives (use strategy xla or xla_fsdp)"},
     )
 
-    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
-        super().__init__(config, precision)
-        self.cluster = detect()
-        self.world_size = self.cluster.world_size
-        self.global_rank = self.cluster.rank
-        self.local_rank = self.cluster.local_rank
-        self.node_rank = self.cluster.node_rank
-        self._device = pick_device(self.cluster, config.strategy.device)
-        self.backend: str = config.strategy.backend or default_backend(self._device)
-        self._owns_group = False
-
-    @property
-    def root_device(self) -> torch.device:
-        return self._device
-
     # -- set-up -----------------------------------------------------------------------------
-    def setup_environment(self) -> None:
-        import torch.distributed as dist
-
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
-        if init_process_group(self.cluster, self.backend, self.config.strategy.timeout):
-            self._owns_group = True
-            atexit.register(self.teardown)  # evaluate/predict may follow fit, so not before exit
-            if not self.cluster.launched:
-                log.warning("strategy %r without a launcher runs one process; start several with "
-                            "`kiln fit --nproc N`, torchrun or accelerate launch.", self.name)
-        else:  # a group the user (or another Trainer) made: it decides the topology
-            self.world_size, self.global_rank = dist.get_world_size(), dist.get_rank()
-
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for DistributedDataParallel, with Hugging Face's defaults."""
         s = self.config.strategy
@@ -166,80 +123,3 @@ class DDPStrategy(Strategy, BackwardSyncControl):
         if ddp is not None and getattr(self, "_choose_unused", False):
             return self._first_step_chooser(ddp)
         return contextlib.nullcontext()
-
-    # -- collectives ------------------------------------------------------------------------
-    def _comm(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A contiguous copy on the device the backend communicates from (NCCL: the GPU)."""
-        device = self._device if self.backend == "nccl" else tensor.device
-        return tensor.detach().to(device, copy=True).contiguous()
-
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        import torch.distributed as dist
-
-        if op not in _OPS:
-            raise ValueError(f"reduce op must be one of {', '.join(_OPS)}, got {op!r}.")
-        t = self._comm(torch.as_tensor(tensor))
-        if op == "mean" and not t.is_floating_point():
-            t = t.double()
-        dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM))
-        if op == "mean":
-            t = t / self.world_size
-        return t.to(torch.as_tensor(tensor).device)
-
-    def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
-        import torch.distributed as dist
-
-        if op != "sum":  # only sums are needed in the background; the others take the plain path
-            return super().reduce_async(tensor, op)
-        t = self._comm(torch.as_tensor(tensor))
-        work = dist.all_reduce(t, async_op=True)
-        device = torch.as_tensor(tensor).device
-
-        def wait() -> torch.Tensor:
-            work.wait()
-            return t.to(device)
-
-        return wait
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        t = self._comm(tensor)
-        is_bool = t.dtype == torch.bool
-        if is_bool:  # gloo has no bool collectives
-            t = t.to(torch.uint8)
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t)
-        out = torch.stack(parts)
-        return (out.bool() if is_bool else out).to(tensor.device)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-
-    def barrier(self, name: str | None = None) -> None:
-        barrier(self._device, self.backend)
-
-    def teardown(self) -> None:
-        """Destroy the process group if this strategy created it (idempotent)."""
-        import torch.distributed as dist
-
-        if self._owns_group and dist.is_initialized():
-            self._wrapped = self._source = None
-            if not destroy_default_group() and self.backend == "gloo":
-                # Something outside kiln still holds the group, so its gloo workers outlive it: yield
-                # briefly while the interpreter is whole so they finish releasing the last collective's
-                # tensors (see destroy_default_group). Not reached by kiln's own wrappers.
-                log.debug("the process group outlives destroy_process_group (referenced elsewhere)")
-                time.sleep(0.1)
-        self._owns_group = False

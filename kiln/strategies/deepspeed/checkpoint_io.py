@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO, apply_weights, register_format, save_weights
+from kiln.strategies.weights_files import share_tied, tie_groups
 from kiln.utils.errors import CheckpointError, safe_torch_load
 
 TAG = "ds"
@@ -110,7 +111,9 @@ def _check_group_count(directory: str, engine: Any) -> None:
 
 def gathered_state(module: nn.Module, fp32: bool = False) -> dict[str, torch.Tensor]:
     """The full state dict of `module` on every rank: ZeRO-3's partitioned parameters are gathered
-    (a no-op for whole ones); with `fp32`, parameters come from the optimizer's fp32 master copy."""
+    (a no-op for whole ones); with `fp32`, parameters come from the optimizer's fp32 master copy. Tied
+    weights stay one tensor (each name is copied out of the gathered parameters), so that a file stores
+    them once, as the plain module's `state_dict()` would."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -118,11 +121,11 @@ def gathered_state(module: nn.Module, fp32: bool = False) -> dict[str, torch.Ten
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
         if fp32:
-            for name, param in module.named_parameters():
+            for name, param in module.named_parameters(remove_duplicate=False):  # every name of a tie
                 full = safe_get_full_fp32_param(param)
                 if full is not None:
                     state[name] = full.detach().cpu().clone().view_as(state[name]) if full.numel() == state[name].numel() else state[name]
-    return state
+    return share_tied(state, tie_groups(module))
 
 
 def _load_into(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

@@ -31,11 +31,11 @@ from torch import nn
 
 from kiln.precision.base import Precision, cast_floating
 from kiln.strategies import STRATEGIES
-from kiln.strategies.base import OptimizerFactory, SchedulerFactory, Setup, StepResult
+from kiln.strategies.base import OptimizerFactory, SchedulerFactory, Setup, StepResult, Strategy
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
-from kiln.strategies.ddp.strategy import DDPStrategy
-from kiln.strategies.interfaces import OwnsOptimizerStep, ShardedModuleInit
+from kiln.strategies.collectives import ProcessGroupCollectives
+from kiln.strategies.interfaces import BackwardSyncControl, OwnsOptimizerStep, ShardedModuleInit
 from kiln.strategies.deepspeed.config import NAMED_STAGES, dtype_of, finalize, process, read_user_config
 from kiln.utils.errors import ConfigError
 
@@ -83,7 +83,7 @@ class DeepSpeedPrecision(Precision):
 
 
 @STRATEGIES.register("deepspeed", *[n for n in NAMED_STAGES if n != "deepspeed"])
-class DeepSpeedStrategy(DDPStrategy, ShardedModuleInit, OwnsOptimizerStep):
+class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, ShardedModuleInit, OwnsOptimizerStep):
     name = "deepspeed"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
@@ -272,8 +272,8 @@ class DeepSpeedStrategy(DDPStrategy, ShardedModuleInit, OwnsOptimizerStep):
     def teardown(self) -> None:
         """Unregister the DeepSpeed config from Transformers (else `is_deepspeed_zero3_enabled()` stays
         true after the run, and a model built later in this process would be built partitioned), then
-        release the process group as DDP does. Idempotent; only a config this strategy registered is
-        unregistered."""
+        release the process group (ProcessGroupCollectives.teardown). Idempotent; only a config this
+        strategy registered is unregistered."""
         if self._hf_config is not None and "transformers" in sys.modules:
             from transformers.integrations import deepspeed as hf_deepspeed
 

@@ -1,3 +1,3 @@
-"""The FSDP family (`strategy: fsdp`, PyTorch's FSDP2): the strategy (strategy.py), its settings
-(options.py), auto-wrap (wrap.py), mixed precision (precision.py), rank-0 loading (loading.py) and
-its checkpoint formats (checkpoint_io.py)."""
+"""`strategy: fsdp` (PyTorch's FSDP2), a preset of the mesh strategy (kiln/strategies/mesh/): the preset
+(strategy.py) writes the mesh from HF's sharding names, and its settings arrive in kiln's keys or HF's
+`fsdp` / `fsdp_config` forms (options.py)."""

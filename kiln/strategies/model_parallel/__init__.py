@@ -1,3 +1,2 @@
-"""The model-parallel family (`strategy: model_parallel`): FSDP2 x tensor parallelism on one named
-DeviceMesh. The strategy (strategy.py), the mesh's axes and sizes (mesh.py), the tensor-parallel plan
-(tp_plan.py) and its DCP checkpoint format (checkpoint_io.py)."""
+"""`strategy: model_parallel`, the mesh strategy (kiln/strategies/mesh/) with its mesh written out
+(`mesh: {dp_replicate, dp_shard, cp, tp}`): strategy.py."""

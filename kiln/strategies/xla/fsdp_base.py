@@ -49,7 +49,7 @@ class XLAFSDPBase(XLAStrategy):
         super()._init_topology(xr)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        from kiln.strategies.fsdp.wrap import blocks_to_wrap
+        from kiln.strategies.wrap_policy import blocks_to_wrap
 
         self._prefixes = {id(m): name for name, m in module.named_modules()}
         module = module.to(self.root_device)

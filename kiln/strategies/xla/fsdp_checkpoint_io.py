@@ -94,7 +94,7 @@ def sync() -> None:
 
 def consolidate_spmd(directory: str) -> dict[str, torch.Tensor]:
     """The full weights of an SPMD checkpoint, read without torch_xla (for `kiln convert`)."""
-    from kiln.strategies.fsdp.checkpoint_io import consolidate
+    from kiln.strategies.dcp_files import consolidate
 
     return consolidate(directory, SPMD_DIR)  # vets the DCP folder's pickles first
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from kiln.config.fsdp_config import read_fsdp_config
-from kiln.strategies.fsdp.options import _names
+from kiln.config.fsdp_config import class_names, read_fsdp_config
 from kiln.utils.truthy import truthy
 from kiln.utils.errors import ConfigError
 
@@ -91,7 +90,7 @@ def resolve(option: Callable[[str], Any]) -> XLAFSDPSettings:
     s.wrapper = str(merged.get("wrapper", "spmd")).lower()
     if s.wrapper not in WRAPPERS:
         raise ConfigError(f"strategy.wrapper {merged['wrapper']!r} is not one of {', '.join(WRAPPERS)}; fix strategy.wrapper.")
-    s.wrap = _names(merged["wrap"]) or None if merged.get("wrap") else None
+    s.wrap = class_names(merged["wrap"]) or None if merged.get("wrap") else None
     s.min_num_params = int(merged.get("min_num_params") or 0) or None
     s.activation_checkpointing = truthy(merged.get("activation_checkpointing", False))
     s.settings = dict(merged.get("settings") or {})

@@ -37,6 +37,22 @@ def test_resume_is_exact(tmp_path, kind):
     _equal(load_file(str(second / "final.safetensors")), load_file(str(first / "final.safetensors")))
 
 
+def test_a_full_checkpoint_of_a_tensor_parallel_mesh_holds_whole_weights_and_resumes_exactly(tmp_path):
+    """state_dict_type full under model_parallel's tp 2: the TP splits are gathered into whole weights
+    (the plain module's shapes) and put back as splits on resume."""
+    from tests.strategies.fsdp.cases import TinyLM
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    torchrun(2, "worker_resume.py", first, "full", env={"KILN_TEST_TP": "1"})
+    ckpt = first / "full_shard" / "checkpoint-2"
+    assert json.loads((ckpt / "COMPLETE").read_text())["format"] == "fsdp-full"
+    assert "name: model_parallel" in (ckpt / "config.yaml").read_text()
+    saved = load_file(str(ckpt / "model.safetensors"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in TinyLM().state_dict().items()}
+    torchrun(2, "worker_resume.py", second, "full", ckpt, 6, env={"KILN_TEST_TP": "1"})
+    _equal(load_file(str(second / "final.safetensors")), load_file(str(first / "final.safetensors")))
+
+
 # the layout translation is shared by both kinds; full runs with -m heavy (CI time)
 @pytest.mark.parametrize("kind", ["sharded", pytest.param("full", marks=pytest.mark.heavy)])
 def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
@@ -53,7 +69,7 @@ def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
 
 
 def test_sharded_checkpoint_reshards_between_process_counts(tmp_path):
-    from kiln.strategies.fsdp.checkpoint_io import consolidate
+    from kiln.strategies.mesh.checkpoint_io import ShardedCheckpointIO
 
     two, one = tmp_path / "two", tmp_path / "one"
     torchrun(2, "worker_resume.py", two, "sharded")
@@ -61,7 +77,7 @@ def test_sharded_checkpoint_reshards_between_process_counts(tmp_path):
     # 2 -> 1: loading alone restores the saved weights exactly; training on reaches the 2-process result
     ckpt2 = two / "full_shard" / "checkpoint-4"
     torchrun(1, "worker_resume.py", tmp_path / "2to1_load", "sharded", ckpt2, 4)
-    _equal(load_file(str(tmp_path / "2to1_load" / "final.safetensors")), {k: v.float() for k, v in consolidate(str(ckpt2)).items()})
+    _equal(load_file(str(tmp_path / "2to1_load" / "final.safetensors")), {k: v.float() for k, v in ShardedCheckpointIO.consolidate(str(ckpt2)).items()})
     torchrun(1, "worker_resume.py", tmp_path / "2to1", "sharded", ckpt2, 6)
     _equal(load_file(str(tmp_path / "2to1" / "final.safetensors")), load_file(str(two / "final.safetensors")), 1e-5)
     # 1 -> 2

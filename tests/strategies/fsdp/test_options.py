@@ -15,7 +15,7 @@ from kiln.strategies.capabilities import check_compatible
 from kiln.launch.settings import accelerate_settings
 from kiln.strategies.fsdp.strategy import FSDPStrategy
 from kiln.strategies.fsdp.options import FSDPSettings
-from kiln.strategies.fsdp.wrap import blocks_to_wrap
+from kiln.strategies.wrap_policy import blocks_to_wrap
 from kiln.utils.errors import CapabilityError, ConfigError
 from tests.strategies.fsdp.cases import TinyLM
 
@@ -76,7 +76,21 @@ def test_native_keys_win_over_fsdp_config_and_the_conflict_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="kiln.strategies.fsdp.options"):
         s = _settings({"strategy": {"name": "fsdp", "sharding": "no_shard", "fsdp_config": {"sharding_strategy": "FULL_SHARD"}}})
     assert s.sharding == "no_shard"
-    assert any("overrides" in r.getMessage() for r in caplog.records)
+    assert "FSDP setting sharding: strategy='no_shard' overrides fsdp_config='FULL_SHARD'." in \
+        [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kiln.strategies.fsdp.options"):  # the same value twice is no conflict
+        _settings({"strategy": {"name": "fsdp", "sharding": "full_shard", "fsdp_config": {"sharding_strategy": "full_shard"}}})
+    assert not any("overrides" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("given, no_effect", [
+    ({"version": 2}, set()), ({"version": "2"}, set()), ({"version": 1}, {"version"}),  # kiln is FSDP2
+    ({"use_orig_params": False}, set()), ({"use_orig_params": "true"}, {"use_orig_params"}),
+    ({"limit_all_gathers": True, "backward_prefetch": "BACKWARD_PRE"}, {"limit_all_gathers"}),
+])
+def test_only_settings_asking_for_what_fsdp2_lacks_are_said_to_have_no_effect(given, no_effect):
+    assert set(_settings({"fsdp": "full_shard", "fsdp_config": given}).no_effect) == no_effect
 
 
 @pytest.mark.parametrize("cfg, words", [
@@ -111,11 +125,11 @@ def test_wrap_default_is_no_split_modules_and_keeps_tied_modules_together():
 def test_hybrid_shard_with_a_world_the_mesh_cannot_factor_is_refused():
     from kiln.precision.fp32 import FP32Precision
 
-    strategy = FSDPStrategy(load_config({"strategy": {"name": "fsdp", "device": "cpu", "sharding": "hybrid_shard",
-                                                      "shard_size": 2}}), FP32Precision())
-    strategy.world_size = 3
+    strategy = FSDPStrategy(load_config({"strategy": {"name": "fsdp", "device": "cpu", "sharding": "hybrid_shard"}}),
+                            FP32Precision())
+    strategy.settings.shard_size = 2  # built on this one process, which shard_size 2 could not divide either
     with pytest.raises(ConfigError, match=r"world size \(3\) to be a multiple of the shard group size \(2\)"):
-        strategy.mesh()
+        strategy.parallel_dims(3)
 
 
 def test_fsdp_on_mps_is_refused_by_its_capabilities():

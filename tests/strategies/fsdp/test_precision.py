@@ -1,6 +1,6 @@
-"""Precision under FSDP on 2 processes. fp16: the loss scaler is FSDP's sharded one, and an inf in
-one element of rank 0's gradient shard (invisible to rank 1 locally) skips that step on BOTH ranks
-and halves the scale on both; the other steps train. bf16-true: the local shards are bf16 and it
+"""Precision under FSDP on 2 processes. fp16: the loss scaler is FSDP's sharded one (kiln's
+ShardedLocalGradScaler), and an inf in one element of rank 0's gradient shard (invisible to rank 1
+locally) skips that step on BOTH ranks and halves the scale on both; the other steps train. bf16-true: the local shards are bf16 and it
 trains. (Checked by hand: with a scaler whose inf check stays local, rank 1 steps and the test fails.)"""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def precision_runs(shared_job):  # worker_precision.py, in the job conftest.shar
 def test_fp16_inf_on_one_rank_skips_the_step_everywhere_and_halves_the_scale(precision_runs):
     ranks = precision_runs["fp16"]
     for r in ranks:
-        assert r["precision"] == "FSDPFP16MixedPrecision" and r["scaler"] == "ShardedGradScaler" and r["sharded"]
+        assert r["precision"] == "FSDPFP16MixedPrecision" and r["scaler"] == "ShardedLocalGradScaler" and r["sharded"]
         poisoned = r["steps"][1]
         assert not poisoned["changed"] and poisoned["scale_after"] == poisoned["scale_before"] / 2
         assert r["skipped"] == 1

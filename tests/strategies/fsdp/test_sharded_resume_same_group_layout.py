@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.strategies.fsdp.checkpoint_io import ShardedFSDPCheckpointIO
+from kiln.strategies.mesh.checkpoint_io import ShardedCheckpointIO
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -42,7 +42,7 @@ def test_a_sharded_checkpoint_resumes_into_the_layout_it_was_saved_in(tmp_path, 
         optimizer.zero_grad()
         model(torch.randn(5, 3)).square().sum().backward()
         optimizer.step()
-    io = ShardedFSDPCheckpointIO()
+    io = ShardedCheckpointIO()
     io.save(str(tmp_path), model=model, module=model, optimizer=optimizer, save_optimizer=True, safetensors=True, writer=True)
 
     fresh = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))

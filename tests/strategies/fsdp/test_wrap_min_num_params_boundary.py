@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-from kiln.strategies.fsdp.wrap import blocks_to_wrap
+from kiln.strategies.wrap_policy import blocks_to_wrap
 
 
 def _model() -> nn.Module:

@@ -10,7 +10,7 @@ import logging
 import pytest
 from torch import nn
 
-from kiln.strategies.fsdp.wrap import blocks_to_wrap
+from kiln.strategies.wrap_policy import blocks_to_wrap
 from kiln.utils.errors import ConfigError
 
 
@@ -40,11 +40,11 @@ def test_the_refusal_lists_classes_with_parameters_or_children_only():
 
 def test_a_block_left_to_its_parent_for_a_tie_is_logged(caplog):
     model = Net()
-    with caplog.at_level(logging.INFO, logger="kiln.strategies.fsdp.wrap"):
+    with caplog.at_level(logging.INFO, logger="kiln.strategies.wrap_policy"):
         assert len(blocks_to_wrap(model, None, None)) == 2
     assert "shares parameters" not in caplog.text
     model.layers[1].proj.weight = model.layers[0].proj.weight  # tied across the two layers
-    with caplog.at_level(logging.INFO, logger="kiln.strategies.fsdp.wrap"):
+    with caplog.at_level(logging.INFO, logger="kiln.strategies.wrap_policy"):
         assert blocks_to_wrap(model, None, None) == []
     assert "FSDP: layers.0 (Layer) shares parameters with modules outside it" in caplog.text
     assert "FSDP: layers.1 (Layer) shares parameters with modules outside it" in caplog.text

@@ -2,7 +2,8 @@
 Usage: torchrun --nproc_per_node=N worker_resume.py OUT STATE_DICT_TYPE [CHECKPOINT MAX_STEPS]
 
 KILN_TEST_ONE_GROUP=1 builds the optimizer in one param group (as older kiln versions did without
-weight decay); KILN_TEST_WEIGHT_DECAY sets weight_decay."""
+weight decay); KILN_TEST_WEIGHT_DECAY sets weight_decay; KILN_TEST_TP=1 runs model_parallel on a tp-2 mesh
+(the same case, its blocks split by tests/strategies/mesh/cases.PLAN)."""
 
 import os
 import sys
@@ -17,6 +18,11 @@ from tests.strategies.fsdp import cases  # noqa: E402
 out, kind = sys.argv[1], sys.argv[2]
 world = int(os.environ.get("WORLD_SIZE", "1"))
 extra = {"save": {"strategy": "steps", "steps": 2}, "strategy": {**cases.FSDP, "state_dict_type": kind}}
+if os.environ.get("KILN_TEST_TP"):
+    from tests.strategies.mesh.cases import PLAN  # noqa: E402
+
+    extra["strategy"] = {**cases.FSDP, "name": "model_parallel", "mesh": {"tp": 2}, "tp_plan": PLAN,
+                         "state_dict_type": kind}
 if len(sys.argv) > 3:
     extra.update(resume_from_checkpoint=sys.argv[3], max_steps=int(sys.argv[4]))
 if os.environ.get("KILN_TEST_WEIGHT_DECAY"):

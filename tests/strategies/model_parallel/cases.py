@@ -242,9 +242,9 @@ def releases_groups(model: Any) -> bool:
     """Whether the exit teardown will drop this FSDP module's references to its process groups
     (register_group_user), so gloo's workers can be joined before the interpreter finalizes (issue 16)."""
     from kiln.strategies import process_group
-    from kiln.strategies.fsdp.strategy import _release_groups
+    from kiln.strategies.mesh.fsdp import release_fsdp_groups
 
-    return any(ref() is model and release is _release_groups for ref, release in process_group._GROUP_USERS)
+    return any(ref() is model and release is release_fsdp_groups for ref, release in process_group._GROUP_USERS)
 
 
 def tp_split(model: Any) -> int:

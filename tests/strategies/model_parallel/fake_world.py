@@ -44,7 +44,7 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False,
     logs: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: logs.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("kiln.strategies.model_parallel")
+    logger = logging.getLogger("kiln.strategies")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -53,7 +53,7 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False,
     strategy = ModelParallelStrategy(cfg, build_precision(cfg))
     cfg.strategy.options.mesh = mesh
     for key, value in options.items():  # after the constructor, which checks them against its own (1-process) mesh
-        cfg.strategy.options[key] = value
+        setattr(strategy.settings, key, value)
     strategy.setup_environment()
     precision = strategy.connect_precision(build_precision(cfg))  # as the Trainer does, on this world's mesh
     cp = mesh.get("cp", 1) > 1

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kiln.config import load_config
-from kiln.strategies.model_parallel.context_parallel import causal_attention_hooks, check_model, chunk_indices, prepare_batch
-from kiln.strategies.model_parallel.mesh import parse_mesh
+from kiln.strategies.mesh.context_parallel import causal_attention_hooks, check_model, chunk_indices, prepare_batch
+from kiln.strategies.mesh.dims import parse_mesh
 from kiln.utils.errors import ConfigError
 from tests.strategies.model_parallel.cases import llama
 from tests.strategies.model_parallel.cp_cases import TokenLocalLM

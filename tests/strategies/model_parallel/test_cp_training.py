@@ -66,12 +66,12 @@ def test_cp2_bf16_trains_like_single_bf16(two, tmp_path):
 def test_a_cp2_checkpoint_resumes_on_one_process(two, tmp_path):
     """DCP reshards the dp_shard_cp shards onto one process: the loaded weights are the saved ones bit for
     bit (`_at_` stops where it loaded) and the continued run ends where cp 2's own run did."""
-    from kiln.strategies.model_parallel.checkpoint_io import ModelParallelCheckpointIO
+    from kiln.strategies.mesh.checkpoint_io import ShardedCheckpointIO
 
     results, weights, out = two
     checkpoint = _checkpoint(out, "cp2")
     resumed, resumed_weights = _torchrun(1, tmp_path, f"cp_one_from_cp2={checkpoint}", f"cp_one_at_cp2={checkpoint}")
-    saved = ModelParallelCheckpointIO.consolidate(str(checkpoint))
+    saved = ShardedCheckpointIO.consolidate(str(checkpoint))
     assert resumed["cp_one_at_cp2"]["steps"] == 2 and set(saved) == set(resumed_weights["cp_one_at_cp2"])
     for name, value in saved.items():
         assert torch.equal(resumed_weights["cp_one_at_cp2"][name], value.float()), name

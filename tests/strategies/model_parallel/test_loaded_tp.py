@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kiln.config import load_config
-from kiln.strategies.model_parallel.presharded import adopt_loaded_model
+from kiln.strategies.mesh.presharded import adopt_loaded_model
 from kiln.utils.errors import ConfigError
 from tests.strategies.model_parallel import cases
 from tests.strategies.model_parallel.test_model_parallel import _checkpoint, _same_run, _same_weights, _torchrun
@@ -35,7 +35,7 @@ def test_a_model_split_at_load_trains_like_one_process_and_resumes_on_one(tmp_pa
     _same_run(got, single[0])
     _same_weights(weights["loaded_tp2"], single[1], 1e-4)  # AdamW magnifies the float order of TP's sums (see hook)
     checkpoint = _checkpoint(tmp_path / "two", "loaded_tp2")
-    assert json.loads((checkpoint / "COMPLETE").read_text())["format"] == "model-parallel-dcp"
+    assert json.loads((checkpoint / "COMPLETE").read_text())["format"] == "fsdp-sharded"
     resumed, resumed_weights = _torchrun(1, tmp_path / "one", f"resume={checkpoint}")
     assert resumed["resume"]["losses"][:2] == pytest.approx(got["losses"][:2], rel=1e-6)
     _same_weights(resumed_weights["resume"], weights["loaded_tp2"], 1e-6)
@@ -80,7 +80,7 @@ def test_strategy_auto_becomes_model_parallel_over_the_loaded_tp_size():
 
 def test_only_a_model_split_at_load_skips_the_weight_broadcast_and_the_plan():
     """Any other model is still synced from rank 0 and split by kiln (each rank may have built other weights)."""
-    from kiln.strategies.model_parallel.presharded import is_loaded_split
+    from kiln.strategies.mesh.presharded import is_loaded_split
 
     assert is_loaded_split(_Split()) is True
     assert is_loaded_split(nn.Linear(2, 2)) is False and is_loaded_split(cases.llama()) is False
@@ -92,7 +92,7 @@ def test_a_plain_model_never_loads_this_module(tmp_path):
 
     code = ("import sys, torch; from kiln import Trainer; "
             f"Trainer(torch.nn.Linear(2, 1), {{'output_dir': {str(tmp_path)!r}, 'strategy': {{'device': 'cpu'}}}}); "
-            "print('kiln.strategies.model_parallel.presharded' in sys.modules)")
+            "print('kiln.strategies.mesh.presharded' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"

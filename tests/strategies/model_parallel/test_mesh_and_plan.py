@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from kiln.config import load_config
-from kiln.strategies.model_parallel.mesh import MeshShape, parse_mesh
-from kiln.strategies.model_parallel.tp_plan import check_plan, resolve_plan
+from kiln.strategies.mesh.dims import ParallelDims, parse_mesh
+from kiln.strategies.mesh.tp_plan import check_plan, resolve_plan
 from kiln.utils.errors import CapabilityError, ConfigError
 from tests.strategies.model_parallel.cases import llama
 
@@ -18,16 +18,16 @@ from tests.strategies.model_parallel.cases import llama
 
 
 def test_missing_axes_are_one_and_minus_one_takes_the_rest():
-    assert parse_mesh({"dp_shard": 2, "tp": 2}, 4) == MeshShape(dp_shard=2, tp=2)
+    assert parse_mesh({"dp_shard": 2, "tp": 2}, 4) == ParallelDims(dp_shard=2, tp=2)
     shape = parse_mesh({"dp_replicate": 2, "dp_shard": -1, "tp": 2}, 12)
-    assert shape == MeshShape(dp_replicate=2, dp_shard=3, tp=2)
+    assert shape == ParallelDims(dp_replicate=2, dp_shard=3, tp=2)
     assert (shape.dp, shape.model_ranks) == (6, 2)
     assert [shape.data_rank(r) for r in range(12)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # a TP pair shares data
-    assert parse_mesh(None, 3) == MeshShape(dp_shard=3)  # default: FSDP over every process
+    assert parse_mesh(None, 3) == ParallelDims(dp_shard=3)  # default: FSDP over every process
     shape = parse_mesh({"dp_shard": -1, "cp": 2, "tp": 2}, 8)  # cp x tp: one data shard is a cp x tp block
-    assert shape == MeshShape(dp_shard=2, cp=2, tp=2) and (shape.dp, shape.dp_cp, shape.model_ranks) == (2, 4, 4)
+    assert shape == ParallelDims(dp_shard=2, cp=2, tp=2) and (shape.dp, shape.dp_cp, shape.model_ranks) == (2, 4, 4)
     assert [shape.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert parse_mesh({"tp": 2}, 2) == MeshShape(tp=2)  # an axis MeshShape is not given is 1 too
+    assert parse_mesh({"tp": 2}, 2) == ParallelDims(tp=2)  # an axis ParallelDims is not given is 1 too
 
 
 def test_a_mesh_describes_itself_by_the_axes_it_uses():
@@ -40,7 +40,9 @@ def test_a_mesh_describes_itself_by_the_axes_it_uses():
     ({"dp_shard": -1, "tp": 4}, 6, "does not divide the world size 6"),
     ({"dp_shard": -1, "tp": -1}, 4, "only one axis may take the rest"),
     ({"tp": 0}, 1, "strategy.mesh.tp is 0"),
-    ({"pp": 2}, 2, "unknown axis 'pp'"),
+    ({"pp": 2}, 2, r"strategy.mesh.pp is 2, but kiln does not run pipeline parallelism yet \(the pp axis is reserved"),
+    ({"ep": 2, "dp_shard": 2}, 2, r"strategy.mesh.ep is 2, but kiln does not run expert parallelism yet"),
+    ({"dp": 2}, 2, "unknown axis 'dp'"),
 ])
 def test_a_wrong_mesh_is_one_sentence(mesh, world, words):
     with pytest.raises(ConfigError, match=words) as err:
@@ -54,7 +56,7 @@ def test_hf_parallelism_config_selects_model_parallel_with_its_mesh():
     for value in ({"dp_shard_size": 2, "tp_size": 2}, ParallelismConfig(dp_shard_size=2, tp_size=2)):
         cfg = load_config({"parallelism_config": value})
         assert cfg.strategy.name == "model_parallel"
-        assert parse_mesh(cfg.strategy.options.mesh, 4) == MeshShape(dp_shard=2, tp=2)
+        assert parse_mesh(cfg.strategy.options.mesh, 4) == ParallelDims(dp_shard=2, tp=2)
     with pytest.raises(ValueError, match="sp_size"):
         load_config({"parallelism_config": {"tp_size": 2, "sp_size": 2}})
 
@@ -74,8 +76,8 @@ def _trainer(tmp_path, **cfg):
      r"strategy.mesh \(tp: 2\) multiplies to 2 processes but this run has 1"),
     ({"parallelism_config": {"dp_shard_size": 2, "tp_size": 2}, "strategy": {"device": "cpu"}}, ConfigError,
      "multiplies to 4 processes but this run has 1"),
-    ({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"cp": 1, "tp": 1}}, "fp16": True}, CapabilityError,
-     "cannot train with precision 'fp16'.*tested in fp32 and bf16 only"),
+    ({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"cp": 1, "tp": 1}}, "precision": "apex"},
+     CapabilityError, "cannot train with precision 'apex': apex's amp cannot handle"),
     ({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"tp": 1}, "tp_pln": "auto"}}, ConfigError,
      "Did you mean 'tp_plan'"),
 ])

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.distributed.conftest import run
+from tests.strategies.case_jobs import start
 from tests.strategies.model_parallel import cases
 
 pytestmark = pytest.mark.distributed
@@ -31,13 +29,7 @@ BF16_WEIGHTS = 5e-2  # a weight's distance from single bf16's, relative to its c
 
 
 def _torchrun(nproc: int, out: Path, *names: str) -> tuple[dict, dict]:
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         str(HERE / "worker.py"), str(out), *names], timeout=900)
-    by_case: dict = {}
-    for key, value in load_file(str(out / "tensors.safetensors")).items():
-        case, name = key.split("/", 1)
-        by_case.setdefault(case, {})[name] = value
-    return json.loads((out / "results.json").read_text()), by_case
+    return start(HERE / "worker.py", out, list(names), timeout=900, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +118,8 @@ def test_a_tp2_checkpoint_resumes_on_one_process_and_converts_to_full_weights(tw
     results, weights, out = two
     checkpoint = _checkpoint(out, "tp2")
     marker = json.loads((checkpoint / "COMPLETE").read_text())
-    assert marker["format"] == "model-parallel-dcp" and marker["world_size"] == 2
-    shards = {f for f in os.listdir(checkpoint / "model_parallel_dcp") if f.endswith(".distcp")}
+    assert marker["format"] == "fsdp-sharded" and marker["world_size"] == 2
+    shards = {f for f in os.listdir(checkpoint / "fsdp_dcp") if f.endswith(".distcp")}
     assert shards == {"__0_0.distcp", "__1_0.distcp"}  # every rank wrote its own shards
 
     resumed, resumed_weights, _ = one
@@ -164,13 +156,13 @@ def test_a_checkpoint_resumes_on_another_mesh(two, one, reshard, target, source)
     """DCP reshards on load: the weights arrive bit for bit (the `_at_` run stops where it loaded);
     the run continued on the other mesh ends within 1e-6 of the source mesh's uninterrupted run (the
     meshes only differ in the order of float sums: TP's partial products, FSDP's reduce-scatter)."""
-    from kiln.strategies.model_parallel.checkpoint_io import ModelParallelCheckpointIO
+    from kiln.strategies.mesh.checkpoint_io import ShardedCheckpointIO
 
     results, weights = reshard
     go_on, stop = f"{target}_from_{source}", f"{target}_at_{source}"
     assert results[stop]["steps"] == 2 and results[go_on]["steps"] == 4
     assert results[go_on]["data_shards"] == cases.CASES[target][1]
-    saved = ModelParallelCheckpointIO.consolidate(str(_checkpoint(one[2] if source == "one" else two[2], source)))
+    saved = ShardedCheckpointIO.consolidate(str(_checkpoint(one[2] if source == "one" else two[2], source)))
     assert set(saved) == set(weights[stop])
     for name, value in saved.items():
         assert torch.equal(weights[stop][name], value.float()), f"{name} changed on the way from {source} to {target}"

@@ -118,12 +118,12 @@ def test_a_checkpoint_resumes_with_sequence_and_loss_parallel_switched(two, run,
     tensors; loss parallel changes no parameter. DCP loads one into the other: the weights arrive
     bit for bit (`_at_` stops where it loaded) and the continued run ends within 1e-6 of the saved
     run's uninterrupted one (the layouts differ only in the order of float sums)."""
-    from kiln.strategies.model_parallel.checkpoint_io import ModelParallelCheckpointIO
+    from kiln.strategies.mesh.checkpoint_io import ShardedCheckpointIO
 
     results, weights, out = two
     go_on, stop = f"{run}_from_{saved}", f"{run}_at_{saved}"
     assert results[stop]["steps"] == 2 and results[go_on]["steps"] == 4
-    saved_weights = ModelParallelCheckpointIO.consolidate(str(_checkpoint(out, saved)))
+    saved_weights = ShardedCheckpointIO.consolidate(str(_checkpoint(out, saved)))
     assert set(saved_weights) == set(weights[stop])
     for name, value in saved_weights.items():
         assert torch.equal(weights[stop][name], value.float()), f"{name} changed on the way from {saved} to {run}"

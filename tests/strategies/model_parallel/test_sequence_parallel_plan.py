@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from kiln.config import load_config
-from kiln.strategies.model_parallel.loss_parallel import find_head
-from kiln.strategies.model_parallel.sequence_parallel import derive_layout
-from kiln.strategies.model_parallel.tp_plan import check_plan, hf_model, resolve_plan
+from kiln.strategies.mesh.loss_parallel import find_head
+from kiln.strategies.mesh.sequence_parallel import derive_layout
+from kiln.strategies.mesh.tp_plan import check_plan, hf_model, resolve_plan
 from kiln.utils.errors import ConfigError
 from tests.strategies.model_parallel.cases import llama, llama_config
 
@@ -143,7 +143,7 @@ def test_configure_model_and_sequence_parallel_together_are_refused():
 
     cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"tp": 1}}})
     strategy = ModelParallelStrategy(cfg, build_precision(cfg))
-    cfg.strategy.options.sequence_parallel = True  # after the constructor, which would refuse it without a tp axis
+    strategy.settings.sequence_parallel = True  # after the constructor, which would refuse it without a tp axis
     strategy.device_mesh = object()  # stands in for the mesh: setup_module must refuse before using it
     with pytest.raises(ConfigError, match=r"defines configure_model\(mesh\).*and strategy.sequence_parallel is set too; "
                                           "drop one of them") as err:

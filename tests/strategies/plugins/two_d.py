@@ -25,11 +25,14 @@ import torch
 from torch import nn
 
 from kiln.strategies import STRATEGIES
+from kiln.strategies.base import Strategy
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO, load_weights, register_format
-from kiln.strategies.ddp.strategy import DDPStrategy
-from kiln.strategies.fsdp.checkpoint_io import full_model_state, set_full_model_state
-from kiln.strategies.fsdp.strategy import _release_groups, _release_mesh_groups
+from kiln.strategies.collectives import ProcessGroupCollectives
+from kiln.strategies.interfaces import BackwardSyncControl
+from kiln.strategies.mesh.checkpoint_io import full_model_state, set_full_model_state
+from kiln.strategies.mesh.dims import release_mesh_groups
+from kiln.strategies.mesh.fsdp import release_fsdp_groups
 from kiln.strategies.process_group import register_group_user
 from kiln.utils.errors import CheckpointError
 from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder
@@ -128,8 +131,8 @@ class TwoDShardsCheckpointIO(CheckpointIO):
 
 
 @STRATEGIES.register("two_d")
-class TwoDStrategy(DDPStrategy):
-    """DDP's process group and collectives; FSDP2 over a (replicate=1, shard=world) mesh."""
+class TwoDStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
+    """kiln's process group and collectives (the mixin); FSDP2 over a (replicate=1, shard=world) mesh."""
 
     name = "two_d"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), precisions=frozenset({"fp32"}), auto_batch_size=False,
@@ -142,12 +145,12 @@ class TwoDStrategy(DDPStrategy):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(self.root_device.type, (1, self.world_size), mesh_dim_names=("replicate", "shard"))
-        register_group_user(mesh, _release_mesh_groups)
+        register_group_user(mesh, release_mesh_groups)
         # reshard_after_forward explicitly: FSDP2 otherwise keeps the root unsharded after a forward, and a
         # no-grad forward (evaluation before training) would leave unsharded views that later evaluations
         # read without re-gathering the trained shards
         module = fully_shard(module.to(self.root_device), mesh=mesh, reshard_after_forward=True)
-        register_group_user(module, _release_groups)
+        register_group_user(module, release_fsdp_groups)
         return module
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -1,5 +1,6 @@
-"""The mesh of `strategy: model_parallel`: its four named axes, read from the config and checked
-against the world size before any process group starts, and the rank arithmetic built on them.
+"""The mesh of the sharding strategy (`fsdp`, `model_parallel`): its named axes, read from the config
+and checked against the world size before any process group starts, and the rank arithmetic built on
+them -- torchtitan's ParallelDims.
 
 Axes, outermost first (torchtitan's ParallelDims and accelerate's ParallelismConfig order):
 `dp_replicate` (replicas of the sharded model), `dp_shard` (FSDP2 shards the parameters over it),
@@ -8,13 +9,20 @@ context_parallel.py) and `tp` (tensor parallel, innermost so one TP group is nei
 one node). Ranks fill the mesh in that row-major order, so the data shard of rank r is
 r // (cp * tp): the `cp * tp` ranks of one data shard read the same batches.
 
+Two more axes are reserved for issue 57 and refused today, one sentence each: `pp` (pipeline stages;
+it will be the outermost axis, ahead of dp_replicate) and `ep` (expert parallelism; as torchtitan's, it
+will not multiply the world but borrow its ranks from dp_shard x cp, so that the experts are sharded
+over `ep` and FSDP shards them over what is left of the dp axes). `ParallelDims` already carries both
+at size 1, so the arithmetic below is the one they will extend.
+
 FSDP2 shards over `dp_shard` and `cp` flattened into one axis (torchtitan's `dp_shard_cp`): the cp
 ranks compute gradients from different tokens, so those gradients must be reduced over them too,
 and sharding over them costs nothing more (FSDP gathers each unit over that axis either way).
 
-Written as `mesh: {dp_replicate: 1, dp_shard: 2, tp: 2}`; missing axes are 1 and one axis may be -1
-(the rest of the world). HF's `parallelism_config` (accelerate's ParallelismConfig, or a mapping with
-its `*_size` keys) becomes the same mapping (kiln.config.hf_rewrites.parallelism_config)."""
+`model_parallel` writes it as `mesh: {dp_replicate: 1, dp_shard: 2, tp: 2}` (missing axes are 1 and
+one axis may be -1, the rest of the world); HF's `parallelism_config` (accelerate's ParallelismConfig,
+or a mapping with its `*_size` keys) becomes the same mapping (kiln.config.hf_rewrites.parallelism_config);
+`fsdp` derives it from its sharding option (kiln/strategies/fsdp/strategy.py)."""
 
 from __future__ import annotations
 
@@ -24,18 +32,22 @@ from typing import Any, Mapping, Optional
 
 from kiln.utils.errors import ConfigError
 
-#: the axes, outermost first; mesh dimension names as torch's DeviceMesh gets them
+#: the axes of the DeviceMesh, outermost first (its dimension names)
 AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+#: axes a config may name that kiln does not run yet (issue 57) -> what they are, for the refusal
+RESERVED = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
 
 
 @dataclass(frozen=True)
-class MeshShape:
-    """The resolved sizes of the four axes (their product is the world size)."""
+class ParallelDims:
+    """The resolved sizes of the axes (the product of AXES is the world size; pp and ep are 1)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    pp: int = 1
+    ep: int = 1
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -57,6 +69,13 @@ class MeshShape:
         """Ranks that share one data shard (and read the same batches): one CP x TP group."""
         return self.cp * self.tp
 
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 shards over the dp axes: when they (with cp) hold more than one rank, and also
+        on one rank when no tp axis splits the model either, so that a one-process run is still an
+        FSDP run (its CPU offload, its mixed-precision policy), as `strategy: fsdp` always was."""
+        return self.dp_cp > 1 or self.tp == 1
+
     def data_rank(self, global_rank: int) -> int:
         return global_rank // self.model_ranks
 
@@ -64,14 +83,18 @@ class MeshShape:
         return " x ".join(f"{axis} {size}" for axis, size in zip(AXES, self.sizes) if size > 1) or "one process"
 
 
-def parse_mesh(value: Optional[Mapping[str, Any]], world_size: int) -> MeshShape:
+def parse_mesh(value: Optional[Mapping[str, Any]], world_size: int) -> ParallelDims:
     """The mesh a config asks for, resolved for `world_size` processes (None: FSDP over every
     process, `{dp_shard: -1}`). One clear sentence for every way it can be wrong."""
     given = dict(value) if value is not None else {"dp_shard": -1}
-    unknown = [k for k in given if k not in AXES]
+    unknown = [k for k in given if k not in AXES and k not in RESERVED]
     if unknown:
         raise ConfigError(f"strategy.mesh has unknown axis {', '.join(map(repr, unknown))}; its axes are "
                           f"{', '.join(AXES)}.")
+    for axis, what in RESERVED.items():
+        if given.get(axis, 1) != 1:
+            raise ConfigError(f"strategy.mesh.{axis} is {given[axis]!r}, but kiln does not run {what} yet (the {axis} "
+                              f"axis is reserved for it); drop {axis} and spend the processes on {', '.join(AXES)}.")
     sizes: dict[str, int] = {}
     for axis in AXES:
         raw = given.get(axis, 1)
@@ -94,10 +117,10 @@ def parse_mesh(value: Optional[Mapping[str, Any]], world_size: int) -> MeshShape
         shown = ", ".join(f"{axis}: {size}" for axis, size in sizes.items() if size > 1) or "all axes 1"
         raise ConfigError(f"strategy.mesh ({shown}) multiplies to {fixed} processes but this run has {world_size}; "
                           "make the product of the axes equal the number of processes (or set one axis to -1).")
-    return MeshShape(**sizes)
+    return ParallelDims(**sizes)
 
 
-def build_device_mesh(shape: MeshShape, device_type: str) -> Any:
+def build_device_mesh(shape: ParallelDims, device_type: str) -> Any:
     """One DeviceMesh with all four named axes (axes of size 1 included, so `mesh["tp"]` always works
     in a user's `configure_model(mesh)`). A collective: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -105,7 +128,7 @@ def build_device_mesh(shape: MeshShape, device_type: str) -> Any:
     return init_device_mesh(device_type, shape.sizes, mesh_dim_names=AXES)
 
 
-def dp_mesh(mesh: Any, shape: MeshShape) -> Any:
+def dp_mesh(mesh: Any, shape: ParallelDims) -> Any:
     """The sub-mesh FSDP2 shards over: (dp_replicate, dp_shard) as HSDP when both are used, else dp_shard;
     with cp, dp_shard and cp flattened into `dp_shard_cp` take dp_shard's place (as in torchtitan), so
     the gradients of the cp ranks' different tokens are reduced together (`flatten_axes` made it)."""
@@ -113,7 +136,7 @@ def dp_mesh(mesh: Any, shape: MeshShape) -> Any:
     return mesh["dp_replicate", shard] if shape.dp_replicate > 1 else mesh[shard]
 
 
-def flatten_axes(mesh: Any, shape: MeshShape) -> Any:
+def flatten_axes(mesh: Any, shape: ParallelDims) -> Any:
     """Flatten the joint axes the strategy needs, once, right after the mesh is built: `dp_shard_cp`
     (FSDP's shard axis under cp) and, with tp, the group of ranks at one TP position whose data differ
     (`dp_replicate x dp_shard x cp`, for `reduce`; None without tp: then that is every rank). A
@@ -123,3 +146,11 @@ def flatten_axes(mesh: Any, shape: MeshShape) -> Any:
     if shape.tp > 1 and shape.dp_cp > 1:
         return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
     return None
+
+
+def release_mesh_groups(mesh: Any) -> None:
+    """Drop a DeviceMesh's hold on its process groups at teardown (see destroy_default_group): it keeps
+    them in a registry of its own (torch >= 2.9), and the module's DTensors keep the mesh."""
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()

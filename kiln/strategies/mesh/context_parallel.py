@@ -1,4 +1,4 @@
-"""Context parallelism (`mesh: {cp: N}`) for `strategy: model_parallel`: the N ranks of a cp group read
+"""Context parallelism (`mesh: {cp: N}`, under `strategy: model_parallel`): the N ranks of a cp group read
 the same batches and each trains on its own chunk of every sequence; attention becomes torch's ring
 attention (`context_parallel`'s SDPA dispatcher), which passes the other chunks' keys and values
 around the group, so each chunk attends to the whole causal prefix.

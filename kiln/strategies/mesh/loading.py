@@ -1,5 +1,6 @@
-"""`cpu_ram_efficient_loading` (HF/accelerate's name): rank 0 builds the real model, every other rank
-builds it on the meta device (`FSDPStrategy.module_init_context`), and after sharding rank 0 sends
+"""Every rank starting from rank 0's weights. `sync_module_states` broadcasts them before sharding;
+`cpu_ram_efficient_loading` (HF/accelerate's name): rank 0 builds the real model, every other rank
+builds it on the meta device (`MeshStrategy.module_init_context`), and after sharding rank 0 sends
 each rank only its own slice of every parameter. No rank but 0 ever holds a full copy, nor even one
 full parameter: the slices go point to point, straight into the shard's storage. Buffers are not
 sharded by FSDP, so they are broadcast whole."""
@@ -112,3 +113,12 @@ def scatter_from_rank0(module: nn.Module, full: dict[str, torch.Tensor], device:
 def rank0_parameters(module: nn.Module) -> dict[str, Any]:
     """Rank 0's full parameters by name, kept before sharding replaces them."""
     return {name: p.detach() for name, p in module.named_parameters()}
+
+
+def sync_module_states(module: nn.Module) -> None:
+    """Every rank starts from rank 0's parameters and buffers."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=0)

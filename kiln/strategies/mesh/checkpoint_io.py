@@ -1,30 +1,37 @@
-"""FSDP checkpoints, in kiln's `checkpoint-<step>/` folder.
+"""The mesh strategy's checkpoints (`fsdp` and `model_parallel` alike), in kiln's `checkpoint-<step>/`.
 
-- `sharded` (default, format "fsdp-sharded"): a `torch.distributed.checkpoint` folder `fsdp_dcp/`
-  holding the model and the optimizer, each rank writing its own shard. DCP reshards on load, so a
-  checkpoint saved by N processes resumes on M (also on 1), and `kiln convert` turns it into one
-  model.safetensors without any process group.
-- `full` (format "fsdp-full"): the weights gathered to rank 0 and written as model.safetensors,
-  the optimizer state gathered into optimizer.pt (keyed by parameter name).
+- `state_dict_type: sharded` (default, format "fsdp-sharded"): one `torch.distributed.checkpoint`
+  folder `fsdp_dcp/` holding the model and the optimizer, each rank writing its own shards (FSDP's dp
+  shards and TP's splits are both DTensor shards, which DCP records with their global offsets). DCP
+  reshards on load, so a checkpoint saved on one mesh resumes on another (N processes -> M, tp 2 ->
+  dp_shard 2, and from one preset to the other: the mesh is not part of the format), and `kiln
+  convert` reads the full weights in one process without a process group.
+- `state_dict_type: full` (format "fsdp-full"): the weights gathered to rank 0 and written as
+  model.safetensors, the optimizer state gathered into optimizer.pt (keyed by parameter name).
 
-Both loaders also read a plain exported model folder (model.safetensors / pytorch_model.bin) for
-`load_weights_only`."""
+Before the two presets were one strategy, `model_parallel` wrote the same DCP folder under another
+name ("model-parallel-dcp", folder `model_parallel_dcp/`); such checkpoints still convert, load and
+resume (`ModelParallelDCPFormat`, and `also_resumes` on the sharded IO). Every loader also reads a
+plain exported model folder (model.safetensors / pytorch_model.bin) for `load_weights_only`."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 
 from kiln.strategies.checkpoint_io import (OPTIMIZER, CheckpointIO, apply_weights, load_weights, register_format,
                                            save_weights)
+from kiln.strategies.dcp_files import consolidate, regrouped, saved_group_count
+from kiln.strategies.weights_files import share_tied, tie_groups
 from kiln.utils.errors import CheckpointError, safe_torch_load
-from kiln.utils.param_groups import regroup_optimizer_state
-from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder, weights_only_refusal
+from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder
 
 DCP_DIR = "fsdp_dcp"
+#: the folder model_parallel's checkpoints used before it became a preset of the mesh strategy
+LEGACY_MODEL_PARALLEL_DIR = "model_parallel_dcp"
 
 
 def _options(**kw: Any) -> Any:
@@ -34,13 +41,17 @@ def _options(**kw: Any) -> Any:
 
 
 def full_model_state(module: nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
-    """The gathered weights on CPU: on rank 0 only (the others get {}), or on every rank."""
+    """The gathered weights on CPU: on rank 0 only (the others get {}), or on every rank. Tied
+    weights stay one tensor (the gather makes a copy per name), so that a file stores them once, as
+    the plain module's `state_dict()` would (`save_weights`, HF's `save_pretrained`)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if every_rank:
         state = get_model_state_dict(module, options=_options(full_state_dict=True))
-        return {k: v.detach().cpu() for k, v in state.items()}
-    return get_model_state_dict(module, options=_options(full_state_dict=True, cpu_offload=True))
+        state = {k: v.detach().cpu() for k, v in state.items()}
+    else:
+        state = get_model_state_dict(module, options=_options(full_state_dict=True, cpu_offload=True))
+    return share_tied(state, tie_groups(module))
 
 
 def set_full_model_state(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -59,22 +70,6 @@ def _check_keys(module: nn.Module, state: dict[str, torch.Tensor], source: str) 
         shell = {k: torch.empty(_full_shape(v), device="meta") for k, v in own.items()}
         probe = _Probe(shell)
         apply_weights(probe, state, source)  # raises CheckpointError naming the keys
-
-
-def _saved_group_count(metadata: Any) -> Optional[int]:
-    """How many optimizer param groups a DCP checkpoint holds, from its (vetted) metadata (None: no
-    optimizer state; dcp.load then reports what is wrong)."""
-    keys = metadata.state_dict_metadata
-    indices = {key.split(".")[2] for key in keys if key.startswith("optim.param_groups.")}
-    return len(indices) or None
-
-
-def _regrouped(saved: Any, groups: Any, path: str) -> Any:
-    """`saved` optimizer state in the running optimizer's param-group layout (kiln.utils.param_groups)."""
-    try:
-        return regroup_optimizer_state(saved, groups)
-    except ValueError as err:
-        raise CheckpointError(f"The optimizer state in {path} does not fit this optimizer ({err}).") from None
 
 
 def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -97,18 +92,33 @@ def load_plain_weights(directory: str, module: nn.Module) -> None:
     set_full_model_state(module, load_weights(directory), directory)
 
 
-@register_format
-class ShardedFSDPCheckpointIO(CheckpointIO):
-    format = "fsdp-sharded"
-    reshardable = True
-    sharded = True
-
+class _MeshCheckpointIO(CheckpointIO):
     def __init__(self, strategy: Any = None) -> None:
         self.strategy = strategy
 
+    def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
+        self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
+
+
+@register_format
+class ShardedCheckpointIO(_MeshCheckpointIO):
+    """One DCP folder per checkpoint; see the module docstring."""
+
+    format = "fsdp-sharded"
+    reshardable = True
+    sharded = True
+    also_resumes = ("model-parallel-dcp",)
+    #: the folder this format writes first, then older names of the same folder it also reads
+    folders: ClassVar[tuple[str, ...]] = (DCP_DIR, LEGACY_MODEL_PARALLEL_DIR)
+
+    @classmethod
+    def folder_in(cls, directory: str) -> str:
+        """The DCP folder of checkpoint `directory`: the first of `folders` it holds (the first if none)."""
+        return next((f for f in cls.folders if os.path.isdir(os.path.join(directory, f))), cls.folders[0])
+
     @classmethod
     def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
-        return consolidate(directory)  # vets the DCP folder's pickles first
+        return consolidate(directory, cls.folder_in(directory))  # vets the DCP folder's pickles first
 
     def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              save_optimizer: bool, safetensors: bool, writer: bool) -> None:
@@ -118,7 +128,7 @@ class ShardedFSDPCheckpointIO(CheckpointIO):
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
         if save_optimizer and optimizer is not None:
             state["optim"] = get_optimizer_state_dict(module, optimizer)
-        dcp.save(state, checkpoint_id=os.path.join(directory, DCP_DIR))  # collective: every rank writes its shard
+        dcp.save(state, checkpoint_id=os.path.join(directory, self.folders[0]))  # collective: every rank writes its shards
 
     def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              load_optimizer: bool = True) -> None:
@@ -126,35 +136,43 @@ class ShardedFSDPCheckpointIO(CheckpointIO):
         from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                              set_model_state_dict, set_optimizer_state_dict)
 
-        path = os.path.join(directory, DCP_DIR)
+        path = os.path.join(directory, self.folder_in(directory))
+        with_optim = load_optimizer and optimizer is not None
         if not os.path.isdir(path):
-            if load_optimizer and optimizer is not None:
-                raise CheckpointError(f"{path} is missing: {directory} is not a sharded FSDP checkpoint; resume with "
-                                      "the strategy and state_dict_type that saved it.")
-            return load_plain_weights(directory, module)
+            if with_optim:
+                raise CheckpointError(f"{path} is missing: {directory} is not a sharded checkpoint of strategy fsdp or "
+                                      "model_parallel; resume with the strategy and state_dict_type that saved it.")
+            return load_plain_weights(directory, module)  # an exported model folder
         metadata = vet_dcp_folder(path)  # DCP unpickles .metadata and non-tensor entries unchecked: vet them first
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
-        with_optim = load_optimizer and optimizer is not None
         if with_optim:
             state["optim"] = get_optimizer_state_dict(module, optimizer)
             groups = state["optim"]["param_groups"]
-            saved_groups = _saved_group_count(metadata)
+            saved_groups = saved_group_count(metadata)
             if saved_groups and saved_groups != len(groups):  # the other param-group layout: load its groups whole
                 state["optim"]["param_groups"] = [dict(groups[0]) for _ in range(saved_groups)]
         try:
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, checkpoint_id=path)  # into this mesh's shards, whatever mesh saved them
         except (Exception, dcp.CheckpointException) as err:  # the latter is a BaseException
             raise dcp_load_error(path, err, with_optim) from None
         set_model_state_dict(module, state["model"])
         if with_optim:
-            set_optimizer_state_dict(module, optimizer, _regrouped(state["optim"], groups, path))
-
-    def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
-        self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
+            set_optimizer_state_dict(module, optimizer, regrouped(state["optim"], groups, path))
 
 
 @register_format
-class FullFSDPCheckpointIO(ShardedFSDPCheckpointIO):
+class ModelParallelDCPFormat(ShardedCheckpointIO):
+    """model_parallel's checkpoints from before it became a preset of the mesh strategy: the same DCP
+    folder under another format name and folder. Registered so that `kiln convert` reads them; the
+    strategy resumes them through `ShardedCheckpointIO` (its `also_resumes`)."""
+
+    format = "model-parallel-dcp"
+    also_resumes = ()
+    folders = (LEGACY_MODEL_PARALLEL_DIR,)
+
+
+@register_format
+class FullCheckpointIO(_MeshCheckpointIO):
     format = "fsdp-full"
     reshardable = True
     sharded = False
@@ -187,29 +205,5 @@ class FullFSDPCheckpointIO(ShardedFSDPCheckpointIO):
             path = os.path.join(directory, OPTIMIZER)
             if not os.path.exists(path):
                 raise CheckpointError(f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?).")
-            saved = _regrouped(safe_torch_load(path), optimizer.param_groups, path)
+            saved = regrouped(safe_torch_load(path), optimizer.param_groups, path)
             set_optimizer_state_dict(module, optimizer, saved, options=_options(full_state_dict=True))
-
-
-def consolidate(directory: str, subdir: str = DCP_DIR) -> dict[str, torch.Tensor]:
-    """The full model weights of a sharded checkpoint (the DCP folder `subdir` in it), read in this
-    process without a process group (any number of processes may have saved it)."""
-    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    path = os.path.join(directory, subdir)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{directory} has no {subdir}/ folder, so it is not a sharded checkpoint of that kind.")
-    vet_dcp_folder(path)  # DCP unpickles .metadata and non-tensor entries unchecked: vet them first
-    state: dict[str, Any] = {}
-    try:
-        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    except (Exception, CheckpointException) as err:  # DCP's own type is a BaseException
-        if weights_only_refusal(err):
-            raise dcp_load_error(path, err, False) from None
-        raise CheckpointError(f"{path} cannot be read ({(str(err) or type(err).__name__).splitlines()[0][:300]}).") from None
-    model = state.get("model")
-    if not isinstance(model, dict):
-        raise CheckpointError(f"{path} holds no model weights.")
-    return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}

@@ -1,13 +1,12 @@
-"""Which submodules become FSDP units (auto-wrap), and what is done to them before sharding:
-activation checkpointing and rank 0's weights broadcast (sync_module_states)."""
+"""Which submodules become FSDP units (auto-wrap): by class name, by the model's `_no_split_modules`, or by
+size, keeping tied weights in one unit. Shared by the mesh strategy (`fsdp`, `model_parallel`) and
+`xla_fsdp`; also the blocks activation checkpointing and per-block compilation act on."""
 
 from __future__ import annotations
 
-import functools
 import logging
-from typing import Any, Optional
+from typing import Optional
 
-import torch
 from torch import nn
 
 from kiln.utils.errors import ConfigError
@@ -85,29 +84,3 @@ def _by_size(module: nn.Module, min_num_params: int) -> list[tuple[str, nn.Modul
 
     visit("", module)
     return out
-
-
-def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
-    """Recompute each block's forward in backward (non-reentrant torch.utils.checkpoint). The forward
-    is replaced on the instance, so parameter names stay what the user's module calls them."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in blocks:
-        inner = block.forward
-
-        @functools.wraps(inner)
-        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-        block.forward = forward  # type: ignore[method-assign]
-
-
-def sync_module_states(module: nn.Module) -> None:
-    """Every rank starts from rank 0's parameters and buffers."""
-    import torch.distributed as dist
-
-    with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, src=0)

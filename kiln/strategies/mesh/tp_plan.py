@@ -3,7 +3,9 @@
 
 `auto` (the default) is the Transformers model's own plan: `model.tp_plan` (the class's plan, e.g.
 Llama's `lm_head: colwise_gather_output`, plus `config.base_model_tp_plan` under the base model's
-prefix), found on the first Transformers model inside the user's module. A mapping gives module-name
+prefix), found on the first Transformers model inside the user's module; a model without one (GPT-2,
+whose Conv1D layers no style can split) is refused with a sentence naming the families that have one.
+A mapping gives module-name
 patterns (relative to the user's module; `*` is one name component, as in `layers.*.mlp.up_proj`)
 and a style each:
 
@@ -48,6 +50,11 @@ _WHAT = {"out": "output features", "in": "input features", "vocab": "vocabulary 
 
 PlanOption = Union[None, str, Mapping[str, str]]
 
+#: model families (as the refusal names them -> transformers' model_type) whose config defines the
+#: tensor-parallel plan `tp_plan: auto` takes; a test checks each against the installed transformers
+TP_FAMILIES = {"Llama": "llama", "Mistral": "mistral", "Mixtral": "mixtral", "Qwen2": "qwen2", "Qwen3": "qwen3",
+               "Gemma": "gemma", "Phi-3": "phi3", "OLMo": "olmo", "GPT-NeoX": "gpt_neox", "Granite": "granite"}
+
 
 def user_module(module: nn.Module) -> nn.Module:
     """The user's module inside kiln's step dispatcher (a parameterless wrapper whose one child is
@@ -76,12 +83,24 @@ def _auto_plan(root: nn.Module) -> dict[str, str]:
                           "module-name patterns to colwise / rowwise.")
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, Mapping) or not plan:
+        if not getattr(model.config, "base_model_tp_plan", None):  # e.g. GPT-2: an empty tp_plan and no base plan
+            raise ConfigError(no_plan_sentence(model))
         base = dict(model.config.base_model_tp_plan)
         inner = getattr(model, getattr(model, "base_model_prefix", ""), None)
         lead = f"{model.base_model_prefix}." if isinstance(inner, nn.Module) and inner is not model else ""
         plan = {f"{lead}{k}": v for k, v in base.items()}
     lead = f"{prefix}." if prefix else ""
     return {f"{lead}{k}": str(v) for k, v in plan.items()}
+
+
+def no_plan_sentence(model: nn.Module) -> str:
+    """Why `tp_plan: auto` cannot split `model`, and which model families it can."""
+    conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
+    why = ("; its Conv1D layers (GPT-2's transposed linear layers) cannot be split colwise or rowwise at all, so give "
+           "it no tp axis (shard it with dp_shard instead)") if conv1d else (
+           "; give strategy.tp_plan as a mapping of its nn.Linear / nn.Embedding layers to styles, or no tp axis")
+    return (f"{type(model).__name__} has no tensor-parallel plan in transformers (config.base_model_tp_plan), which "
+            f"tp_plan: auto needs: it splits model families that define one, such as {', '.join(TP_FAMILIES)}{why}.")
 
 
 def _pattern(text: str) -> "re.Pattern[str]":
@@ -186,7 +205,7 @@ def parallel_styles(plan: dict[str, str]) -> dict[str, Any]:
 
 @dataclass
 class TensorParallel:
-    """What `apply_plan` did: how many layers it split, and the loss-parallel hooks (None: the head's
+    """What `apply_tp` did: how many layers it split, and the loss-parallel hooks (None: the head's
     logits are gathered whole)."""
 
     layers: int
@@ -194,14 +213,14 @@ class TensorParallel:
     loss_parallel: Optional[Any] = None  # loss_parallel.LossParallel
 
 
-def apply_plan(root: nn.Module, tp_mesh: Any, option: PlanOption, tp: int, *, sequence_parallel: bool = False,
+def apply_tp(root: nn.Module, tp_mesh: Any, option: PlanOption, tp: int, *, sequence_parallel: bool = False,
                loss_parallel: bool = False) -> TensorParallel:
     """Resolve, check and apply the plan on `root` over `tp_mesh`, sequence-sharding the activations
     between its TP regions and keeping the head's logits split where asked (and derivable)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from kiln.strategies.model_parallel import loss_parallel as lp
-    from kiln.strategies.model_parallel import sequence_parallel as sp
+    from kiln.strategies.mesh import loss_parallel as lp
+    from kiln.strategies.mesh import sequence_parallel as sp
 
     plan = check_plan(root, resolve_plan(root, option), tp)
     layout = sp.derive_layout(root, plan) if sequence_parallel else None  # refuses before anything is split

@@ -1,0 +1,50 @@
+"""Gradient clipping to the true global 2-norm under the mesh strategy: the norm of the whole model's
+gradient, whichever ranks hold which shards of it, then every rank's shards scaled by the same factor."""
+
+from __future__ import annotations
+
+import torch
+
+
+def clip_global_norm(params: list[torch.nn.Parameter], max_norm: float, *, tp: bool, world: int,
+                     device: torch.device) -> torch.Tensor:
+    """Clip the gradients of `params` (each with a gradient) to `max_norm`; returns the norm before.
+
+    Without tp every gradient is an FSDP shard on the one dp mesh: each rank's norm over its shards is
+    a partial result that DTensor reduces over the mesh (`full_tensor`), as FSDP2 is used. With tp,
+    gradients live on different meshes (TP-split layers on (dp, tp), the rest on the dp mesh alone, or
+    plain tensors without FSDP), which DTensor's own norm cannot mix: see `_clip_across_meshes`."""
+    from torch.distributed.tensor import DTensor
+
+    if not tp:
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, False, None)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, None)
+        return total
+    return _clip_across_meshes([p.grad for p in params], max_norm, world, device)
+
+
+def _clip_across_meshes(grads: list[torch.Tensor], max_norm: float, world: int, device: torch.device) -> torch.Tensor:
+    """Each rank sums its local squares, each weighted by 1 / (the number of ranks holding that same
+    shard), and one all-reduce over every rank adds them up; returns the norm."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]  # the storage this rank holds
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for g, mine in zip(grads, local):
+            distinct = 1  # how many different pieces of this gradient the ranks hold
+            if isinstance(g, DTensor):
+                for dim, placement in enumerate(g.placements):
+                    if not isinstance(placement, Replicate):  # Shard, or FSDP's _StridedShard over TP
+                        distinct *= g.device_mesh.size(dim)
+            total += mine.float().pow(2).sum() * (distinct / world)
+        if world > 1:
+            dist.all_reduce(total)
+        norm = total.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for mine in local:
+            mine.mul_(coef.to(mine.dtype))
+    return norm
