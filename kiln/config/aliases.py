@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from kiln.config import hf_args, hf_rewrites
+from kiln.config import hf_args, hf_rewrites, trl_packing
 from kiln.utils.truthy import truthy
 
 # flat HF name -> dotted path in TrainingConfig
@@ -129,6 +129,7 @@ IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "
 UNSUPPORTED = {
     "use_ipex": "use bf16 and torch_compile for the CPU speed-ups instead of Intel Extension for PyTorch",
     "use_liger_kernel": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
+    "eval_packing": "kiln packs training data only (data.packing); evaluation batches are padded",
     "liger_kernel_config": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
     "past_index": "transformers 5 removed it with the TransformerXL-style models that read `mems`; drop past_index",
     "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",
@@ -234,6 +235,7 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "lr_scheduler_kwargs": hf_args.scheduler_kwargs,
     "include_num_input_tokens_seen": hf_args.tokens_seen,
     **hf_rewrites.REWRITES,
+    **trl_packing.REWRITES,  # TRL's SFTConfig names for data.packing
     **{name: _unsupported(name) for name in UNSUPPORTED},
     **{name: _no_effect(name) for name in NO_EFFECT},
 }

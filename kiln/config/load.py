@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kiln.config import aliases, hf_args, hf_xla, redact
+from kiln.config import aliases, hf_args, hf_xla, redact, trl_packing
 from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
 
@@ -64,7 +64,7 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     aliased: dict[str, tuple[str, Any]] = {}  # path -> the HF name (and its value) that set it
     groups = {f.name for f in dataclasses.fields(TrainingConfig)}
-    for key, value in raw.items():
+    for key, value in trl_packing.pair(raw).items():
         key = str(key)
         if "." in key:  # a dotted key such as optim.lr from a dotlist
             head = key.split(".", 1)[0]
