@@ -21,8 +21,9 @@ ONE_PROCESS = SimpleNamespace(data_shards=1, data_shard_rank=0, item_shards=1)
 
 
 def data_cfg(strategy="bfd", max_length=24, padding_free=None, **data):
+    data = {"group_by_length": False, "dispatch_batches": False, **data}
     return SimpleNamespace(packing=SimpleNamespace(strategy=strategy, max_length=max_length, padding_free=padding_free),
-                           group_by_length=False, dispatch_batches=False, **data)
+                           **data)
 
 
 def pack(model, examples, strategy="bfd", max_length=24, padding_free=None):
