@@ -129,7 +129,6 @@ IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "
 UNSUPPORTED = {
     "use_ipex": "use bf16 and torch_compile for the CPU speed-ups instead of Intel Extension for PyTorch",
     "use_liger_kernel": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
-    "eval_packing": "kiln packs training data only (data.packing); evaluation batches are padded",
     "liger_kernel_config": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
     "past_index": "transformers 5 removed it with the TransformerXL-style models that read `mems`; drop past_index",
     "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",

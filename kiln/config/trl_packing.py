@@ -63,7 +63,16 @@ def padding_free(value: Any) -> dict[str, Any]:
     return {} if value is None else {"data.packing.padding_free": truthy(value)}
 
 
+def eval_packing(value: Any) -> dict[str, Any]:
+    """TRL's `eval_packing`: kiln packs training batches only."""
+    if truthy(value):
+        raise ValueError(f"eval_packing={value!r} is not supported by kiln: kiln packs training data only "
+                         "(data.packing); evaluation batches are padded. Drop eval_packing.")
+    return {}
+
+
 REWRITES = {
+    "eval_packing": eval_packing,
     "packing": packing,
     "packing_strategy": lambda value: {},  # read by `pair` with `packing`
     "padding_free": padding_free,

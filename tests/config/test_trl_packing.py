@@ -23,7 +23,7 @@ def packing(tmp_path, **raw):
      {"strategy": "bfd_split", "max_length": 1024, "padding_free": False}),
     ({"packing": False, "packing_strategy": "wrapped"}, {"strategy": None, "max_length": 1024, "padding_free": None}),
     ({"padding_free": True}, {"strategy": None, "max_length": 1024, "padding_free": True}),
-    ({"padding_free": None}, {"strategy": None, "max_length": 1024, "padding_free": None}),
+    ({"eval_packing": False, "padding_free": None}, {"strategy": None, "max_length": 1024, "padding_free": None}),
     ({"data": {"packing": {"strategy": "wrapped", "max_length": 8}}}, {"strategy": "wrapped", "max_length": 8,
                                                                        "padding_free": None}),
 ])

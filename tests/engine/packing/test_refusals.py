@@ -140,3 +140,12 @@ def test_padding_rows_restart_positions_and_are_a_piece_of_their_own(llama):
     assert batch["position_ids"][short].tolist() == list(range(10)) + list(range(14))
     assert batch["labels"][short, 10:].eq(-100).all()
     assert sorted(torch.diff(batch["cu_seq_lens_q"]).tolist()) == [10, 14, 24]
+
+
+def test_padding_free_without_a_strategy_concatenates_the_micro_batch_unpacked(llama):
+    examples = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]
+    rows, collator = packed_training_data(examples, None, user_collator=None, model=llama, training_module=False,
+                                          data_cfg=data_cfg(strategy=None, padding_free=True), strategy=ONE_PROCESS)
+    assert rows is examples
+    batch = collator(examples)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9]] and batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
