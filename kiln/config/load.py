@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kiln.config import aliases, hf_args, hf_xla, redact, trl_packing
+from kiln.config import aliases, conflicts, dialect, hf_args, hf_xla, redact, trl_packing
 from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
 
@@ -63,9 +63,12 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     """Rewrite HF flat names and shorthand (`strategy: ddp`) into the nested tree layout."""
     tree: dict[str, Any] = {}
     aliased: dict[str, tuple[str, Any]] = {}  # path -> the HF name (and its value) that set it
+    explicit = None  # the `strategy` entry that names one, as (key, value, name)
+    picks: list[tuple[str, Any]] = []  # HF's arguments that pick a strategy (deepspeed, fsdp, ...) and their values
     groups = {f.name for f in dataclasses.fields(TrainingConfig)}
     for key, value in trl_packing.pair(raw).items():
         key = str(key)
+        explicit = conflicts.explicit_strategy(key, value) or explicit
         if "." in key:  # a dotted key such as optim.lr from a dotlist
             head = key.split(".", 1)[0]
             if head not in groups:
@@ -84,13 +87,17 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
             _set_path(tree, key, value)
         elif aliases.is_alias(key):
             try:
-                for path, v in aliases.rewrite(key, value).items():
+                rewritten = aliases.rewrite(key, value)
+                for path, v in rewritten.items():
                     _check_conflict(tree, aliased, path, key, value, v)
                     _set_path(tree, path, v)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+            if rewritten and key in conflicts.HF_STRATEGY_ARGS:
+                picks.append((key, value))
         else:
             raise _unknown(key)
+    conflicts.settle_strategy(tree, explicit, picks)  # `strategy: ddp` with `deepspeed: ...` is refused
     # `strategy: {name: fsdp, sharding: full_shard}`: keys the StrategyConfig lacks are strategy options
     strat = tree.get("strategy")
     if isinstance(strat, dict):
@@ -137,8 +144,7 @@ def _check_conflict(tree: dict[str, Any], aliased: dict[str, tuple[str, Any]], p
         node = node[part]
     if node != new:
         other, other_value = aliased[path]
-        raise ConfigError(f"{other}={other_value!r} and {key}={value!r} ask for different {path} ({node!r} vs {new!r}); "
-                          "keep one of them.")
+        raise conflicts.different(other, other_value, key, value, path, node, new)
     aliased[path] = (key, value)
 
 
@@ -222,7 +228,8 @@ def load_config(source: ConfigSource = None, overrides: Sequence[str] | Mapping[
 
 def _load(source: ConfigSource, overrides: Sequence[str] | Mapping[str, Any]) -> DictConfig:
     base = OmegaConf.structured(TrainingConfig)
-    layers = [normalise(_to_plain(source))]
+    plain = _to_plain(source)
+    layers = [normalise(plain)]
     extra = overrides if isinstance(overrides, Mapping) else parse_dotlist(overrides)
     if extra:
         layers.append(normalise(extra))
@@ -233,6 +240,7 @@ def _load(source: ConfigSource, overrides: Sequence[str] | Mapping[str, Any]) ->
         except OmegaConfBaseException as err:
             raise _translate(err) from None
     assert isinstance(cfg, DictConfig)
+    dialect.fill_defaults(cfg, hf=hf_args.is_training_arguments(source) or dialect.is_hf_dialect(plain))
     from kiln.config.validate import validate
 
     validate(cfg)

@@ -49,11 +49,12 @@ class TrainConfig:
     use_cache: Optional[bool] = opt(
         None, "Set the model's config.use_cache (HF's TrainingArguments default is false); unset leaves the model's own.")
     torch_empty_cache_steps: Optional[int] = opt(None, "Empty the accelerator's memory cache every N optimizer steps.")
-    max_nonfinite_steps: int = opt(
-        10, "Stop with an error once the training loss has been nan/inf for this many consecutive optimizer steps "
-        "(0: never stop). The first non-finite loss is warned about; the losses are checked when a log or save step "
-        "reads them, so the run stops there, before saving, and a checkpoint or export made after non-finite steps says so. "
-        "HF has no such limit.")
+    max_nonfinite_steps: Optional[int] = opt(
+        None, "Stop with an error once the training loss has been nan/inf for this many consecutive optimizer steps "
+        "(0: never stop), before saving them; the first non-finite loss is warned about, and a checkpoint or export made "
+        "after non-finite steps says so. The losses are read at log and save steps and at most every this many steps "
+        "between them (one host read), so the run stops right after the last step the limit allows. Unset: 10, or 0 "
+        "when the config comes in HF's dialect (a TrainingArguments, or HF's flat names only), as HF has no such limit.")
 
 
 @dataclass
@@ -221,8 +222,13 @@ class LogConfig:
     steps: float = opt(500, "Steps between logs (int, or a ratio < 1 of total steps).")
     first_step: bool = opt(False, "Also log the first optimizer step.")
     nan_inf_filter: bool = opt(True, "Replace a nan/inf step loss by the window's mean in the logs, and leave nan/inf "
-                               "batches out of eval_loss (HF's logging_nan_inf_filter); a window without a finite loss "
-                               "logs nan, not HF's 0.0 (see train.max_nonfinite_steps).")
+                               "batches out of eval_loss (HF's logging_nan_inf_filter); see nonfinite_window for a "
+                               "window without a finite loss.")
+    nonfinite_window: Optional[str] = opt(
+        None, "The logged loss of a window whose every step had a nan/inf loss, and train_loss of a run without a finite "
+        "one, under nan_inf_filter: 'nan' (kiln: there is no finite loss to stand in with) or 'filtered' (HF: the "
+        "filter's stand-in, 0.0). Unset: 'filtered' when the config comes in HF's dialect (see "
+        "train.max_nonfinite_steps), else 'nan'.")
     report_to: List[str] = opt(["none"], "Trackers: tensorboard, mlflow, wandb, comet_ml, clearml, dvclive, aim, trackio, "
                                  "swanlab, codecarbon, neptune, csv, jsonl, all or none.")
     logging_dir: Optional[str] = opt(None, "Run files (metrics.csv/jsonl; default output_dir/runs) and TensorBoard events (default output_dir/runs/<date>_<host>).")

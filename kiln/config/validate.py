@@ -64,6 +64,7 @@ def validate(cfg: DictConfig) -> None:
     _choice("log.strategy", lg.strategy, INTERVALS)
     _choice("log.level", lg.level, LEVELS)
     _choice("log.level_replica", lg.level_replica, LEVELS)
+    _choice("log.nonfinite_window", lg.nonfinite_window, ("nan", "filtered"))
     for key, value in (("eval.steps", e.steps), ("save.steps", s.steps), ("log.steps", lg.steps)):
         _interval_steps(key, value)
     _positive("eval.accumulation_steps", e.accumulation_steps)
@@ -121,13 +122,15 @@ def _check_data_and_debug(cfg: DictConfig) -> None:
 
 def _check_best_model(cfg: DictConfig) -> None:
     e, s = cfg.eval, cfg.save
+    # HF raises too, in these words; with load_best_model_at_end HF's arguments default the metric to the loss (as
+    # kiln does)
+    if s.strategy == "best" and not e.metric_for_best_model and not e.load_best_model_at_end:
+        raise ConfigError("`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
+                          "`args.load_best_model_at_end` is set to `True`: set eval.metric_for_best_model "
+                          "(metric_for_best_model) to the metric that decides which evaluation is best, e.g. 'loss'.")
     if s.strategy == "best" and e.strategy == "no":  # it would train to the end without saving anything
         raise ConfigError("save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy "
                           "is 'no': set eval.strategy to 'steps' or 'epoch', or save on 'steps' or 'epoch'.")
-    # HF raises too; with load_best_model_at_end HF's arguments default the metric to the loss (as kiln does)
-    if s.strategy == "best" and not e.metric_for_best_model and not e.load_best_model_at_end:
-        raise ConfigError("save.strategy 'best' needs eval.metric_for_best_model (metric_for_best_model) to know which "
-                          "evaluation is best: set it, e.g. to 'loss' or 'accuracy'.")
     if not e.load_best_model_at_end:
         return
     if e.strategy == "no":
@@ -150,10 +153,13 @@ def _num(value: float) -> str:
 
 
 def _check_output_dir(path: str) -> None:
-    """A file where the run's folder should be would fail only at the first save, after the model
-    and data were built."""
+    """An empty path, or a file where the run's folder should be, would fail only at the first save,
+    after the model and data were built."""
     import os
 
+    if not path:
+        raise ConfigError("output_dir is empty (''); name the folder for checkpoints and logs, e.g. output_dir: out "
+                          "(leave the key out for the default 'tmp_trainer').")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"output_dir {path!r} is a file, not a folder; pick another output_dir.")
 

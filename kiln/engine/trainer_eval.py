@@ -28,6 +28,7 @@ import torch
 from kiln.optim.optimizers import optimizer_mode
 from kiln.engine.checkpoint.best_model import metric_key, update_best
 from kiln.engine.callbacks.early_stopping import resolve_greater_is_better
+from kiln.engine.data.checks import check_eval_dataset
 from kiln.engine.data.loaders import SequentialDistributedSampler
 from kiln.engine.run import setup_for_eval
 from kiln.utils.errors import KilnError
@@ -103,6 +104,7 @@ class EvaluationMixin:
         return cached_eval_loader(self._eval_dataloaders, self.eval_dataset, eval_dataset, self._build_eval_dataloader)
 
     def _build_eval_dataloader(self, eval_dataset: Any) -> Iterable[Any]:
+        name = f"eval_dataset {eval_dataset!r}" if isinstance(eval_dataset, str) else "eval_dataset"
         if isinstance(eval_dataset, str):
             named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
             if eval_dataset not in named:
@@ -111,6 +113,7 @@ class EvaluationMixin:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise KilnError("evaluate() needs an eval_dataset: pass one to Trainer(...) or to evaluate().")
+        check_eval_dataset(dataset, name, "pass evaluate() a dataset with items")
         if isinstance(dataset, Mapping):
             raise KilnError("get_eval_dataloader takes one dataset; evaluate() runs a dict of them one by one.")
         return self._sequential_loader(dataset)
@@ -374,6 +377,11 @@ class EvaluationMixin:
         if (e.strategy != "no" or e.on_start) and self.eval_dataset is None and not custom_loader:
             raise KilnError(f"eval.strategy is {e.strategy!r}{' with eval_on_start' if e.on_start else ''} but the Trainer "
                             "has no eval_dataset: pass eval_dataset=... or set eval_strategy='no'.")
+        if (e.strategy != "no" or e.on_start) and not custom_loader:
+            named = self.eval_dataset.items() if isinstance(self.eval_dataset, Mapping) else [(None, self.eval_dataset)]
+            for name, dataset in named:
+                check_eval_dataset(dataset, "eval_dataset" + (f" {name!r}" if name is not None else ""),
+                                   "pass a dataset with items, or set eval_strategy='no'")
 
     # -- HF metric helpers ------------------------------------------------------------------
     def metrics_format(self, metrics: Mapping[str, float]) -> dict[str, Any]:

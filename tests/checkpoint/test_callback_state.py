@@ -13,6 +13,7 @@ import pytest
 from kiln.engine.callbacks.base import Callback
 from kiln.engine.callbacks.early_stopping import EarlyStoppingCallback
 from tests.checkpoint.checkpoint_helpers import regression_data, train
+from tests.hf_logs import hf_propagation  # noqa: F401 - a fixture
 
 
 class Steps(Callback):
@@ -49,10 +50,10 @@ def test_exportable_state_is_saved_and_its_attributes_restored(tmp_path):
     assert again.seen == 6 and again.every == 7  # counters back; this run's args kept without the flag
 
 
-def test_two_callbacks_of_one_class_are_saved_as_a_list_and_restored_in_order(tmp_path, caplog):
+def test_two_callbacks_of_one_class_are_saved_as_a_list_and_restored_in_order(tmp_path, caplog, hf_propagation):
     out = str(tmp_path / "run")
     train(out, {"max_steps": 4, "save_steps": 4}, callbacks=[Steps(1), Steps(2)])
-    assert "Adding a second Steps to the callbacks" in caplog.text  # logged, as HF's add_callback does
+    assert f"You are adding a {Steps} to the callbacks" in caplog.text  # logged, as HF's add_callback does
     saved = saved_callbacks(os.path.join(out, "checkpoint-4"))["Steps"]
     assert [s["args"]["every"] for s in saved] == [1, 2]
 
@@ -80,14 +81,15 @@ def test_restore_callback_states_rebuilds_early_stopping_from_the_checkpoint(tmp
     assert (kept.early_stopping_patience, kept.early_stopping_threshold, kept.early_stopping_patience_counter) == (2, 0.0, counter)
 
 
-def test_state_of_a_callback_no_longer_present_is_warned_about(tmp_path, caplog):
+def test_state_of_a_callback_no_longer_present_is_warned_about(tmp_path, caplog, hf_propagation):
     out = str(tmp_path / "run")
     train(out, {"max_steps": 4, "save_steps": 4}, callbacks=[Steps()])
     train(out, {"max_steps": 5, "save_steps": 4}, resume=True)
-    assert "state for callbacks this run does not have (Steps); it is ignored" in caplog.text  # logged, as HF does
+    # logged in HF's words, as HF does
+    assert "Checkpoint included callbacks not included in current configuration. Ignoring. (Steps" in caplog.text
 
 
-def test_settings_that_differ_from_the_checkpoint_are_named(tmp_path, caplog):
+def test_settings_that_differ_from_the_checkpoint_are_named(tmp_path, caplog, hf_propagation):
     out = str(tmp_path / "run")
     train(out, {"max_steps": 4, "save_steps": 4, "logging_steps": 3})
     train(out, {"max_steps": 5, "save_steps": 4, "logging_steps": 2}, resume=True)

@@ -13,8 +13,10 @@ import torch
 
 from kiln.engine.trainer import Trainer
 from tests.checkpoint.checkpoint_helpers import train
+from tests.hf_logs import hf_propagation, records  # noqa: F401 - a fixture
 
 KILN = "kiln.engine.checkpoint.hf_checkpoint"
+HF = "transformers.trainer_utils"  # HF's compare_trainer_and_checkpoint_args logs there; so does kiln, with transformers
 
 
 def named(records: list[logging.LogRecord]) -> set[str]:
@@ -24,10 +26,10 @@ def named(records: list[logging.LogRecord]) -> set[str]:
 
 
 def kiln_warnings(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == KILN and r.levelno == logging.WARNING]
+    return records(caplog, KILN, HF)
 
 
-def test_a_kiln_checkpoint_names_each_changed_setting(tmp_path, caplog):
+def test_a_kiln_checkpoint_names_each_changed_setting(tmp_path, caplog, hf_propagation):
     out = str(tmp_path / "run")
     train(out, {"max_steps": 4, "save_steps": 4, "logging_steps": 3, "eval_steps": 1, "per_device_train_batch_size": 4})
     with caplog.at_level(logging.WARNING, logger="kiln"):
@@ -40,7 +42,7 @@ def test_a_kiln_checkpoint_names_each_changed_setting(tmp_path, caplog):
     assert "per_device_train_batch_size: 2 (from args) != 4 (from trainer_state.json)" in records[0].getMessage()
 
 
-def test_unchanged_settings_and_an_equal_ratio_say_nothing(tmp_path, caplog):
+def test_unchanged_settings_and_an_equal_ratio_say_nothing(tmp_path, caplog, hf_propagation):
     out = str(tmp_path / "run")
     train(out, {"max_steps": 8, "save_steps": 4, "logging_steps": 2, "eval_steps": 2})
     with caplog.at_level(logging.WARNING, logger="kiln"):
@@ -52,7 +54,7 @@ def test_unchanged_settings_and_an_equal_ratio_say_nothing(tmp_path, caplog):
     assert named(kiln_warnings(caplog)) == {"save_steps"}
 
 
-def test_a_ratio_counts_in_epochs_too(tmp_path, caplog):
+def test_a_ratio_counts_in_epochs_too(tmp_path, caplog, hf_propagation):
     """Without max_steps the run's length comes from the data: 40 samples / 4 = 10 steps per epoch."""
     out = str(tmp_path / "run")
     train(out, {"max_steps": -1, "num_train_epochs": 1, "save_steps": 0.5, "logging_steps": 5})
@@ -61,11 +63,10 @@ def test_a_ratio_counts_in_epochs_too(tmp_path, caplog):
     assert named(kiln_warnings(caplog)) == {"save_steps"}  # 0.3 of 10 is 3, not 5; 0.5 of 10 is the saved 5
 
 
-def test_an_hf_checkpoint_is_judged_as_hf_judges_it(tmp_path, caplog):
+def test_an_hf_checkpoint_is_judged_as_hf_judges_it(tmp_path, caplog, hf_propagation):
     """HF's Trainer and kiln resume the same HF checkpoint with the same changed arguments: both warn,
     naming the same arguments."""
     transformers = pytest.importorskip("transformers")
-    from transformers.utils import logging as hf_logging
 
     def model():
         torch.manual_seed(0)
@@ -82,14 +83,10 @@ def test_an_hf_checkpoint_is_judged_as_hf_judges_it(tmp_path, caplog):
     checkpoint = os.path.join(hf_out, "checkpoint-2")
     changed = {"max_steps": 3, "save_steps": 3, "logging_steps": 1, "eval_steps": 2, "per_device_train_batch_size": 2}
 
-    hf_logging.enable_propagation()  # HF's warning reaches caplog
-    try:
-        with caplog.at_level(logging.WARNING):
-            args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf2"), **common, **changed)
-            transformers.Trainer(model=model(), args=args, train_dataset=data).train(resume_from_checkpoint=checkpoint)
-    finally:
-        hf_logging.disable_propagation()
-    hf_named = named([r for r in caplog.records if r.name.startswith("transformers")])
+    with caplog.at_level(logging.WARNING):  # HF's warning reaches caplog (hf_propagation)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf2"), **common, **changed)
+        transformers.Trainer(model=model(), args=args, train_dataset=data).train(resume_from_checkpoint=checkpoint)
+    hf_named = named([r for r in caplog.records if r.name == HF])
     assert hf_named == {"save_steps", "eval_steps", "per_device_train_batch_size"}  # what HF itself says
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kiln"), pytest.warns(UserWarning, match="Hugging Face checkpoint"):

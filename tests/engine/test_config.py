@@ -61,8 +61,11 @@ def test_strategy_mapping_keeps_unknown_keys_as_options():
     ({"past_index": 2}, "past_index=2 is not supported by kiln"),
     ({"accelerator_config": {"gradient_accumulation_kwargs": {"num_steps": 2}}},
      "accelerator_config gradient_accumulation_kwargs={'num_steps': 2} is not supported: use train.gradient_accumulation_steps"),
-    ({"save_strategy": "best"}, "save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy is 'no'"),
-    ({"save_strategy": "best", "eval_strategy": "steps"}, "save.strategy 'best' needs eval.metric_for_best_model"),
+    ({"save_strategy": "best", "metric_for_best_model": "loss"},
+     "save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy is 'no'"),
+    ({"save_strategy": "best", "eval_strategy": "steps"},  # HF's sentence, then kiln's key
+     "`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
+     "`args.load_best_model_at_end` is set to `True`: set eval.metric_for_best_model"),
     ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 5},
      "save.steps (5) to be a multiple of eval.steps (3)"),
 ])

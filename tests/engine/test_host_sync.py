@@ -72,6 +72,17 @@ def test_no_host_reads_between_logging_steps(tmp_path, counter, precision, accum
     assert any(counter.per_step.get(s) for s in busy), "the counter saw nothing at all: it is not wired up"
 
 
+@pytest.mark.parametrize("limit, reads", [(4, {4, 8, 12}), (0, {12})])
+def test_the_nonfinite_guard_reads_once_per_limit_steps_at_most(tmp_path, counter, limit, reads):
+    """Between logs the guard reads the losses where a run of `max_nonfinite_steps` nan steps could end:
+    every `limit` steps while they stay finite (kiln.engine.loop.loss_reads.NonFiniteGuard); off, never."""
+    cfg = base_config(tmp_path, max_steps=12, per_device_train_batch_size=4, log={"history": [], "disable_tqdm": True,
+                                                                                  "steps": 50},
+                      train={"max_nonfinite_steps": limit})
+    Trainer(TinyRegressor(), cfg, train_dataset=regression_data(64), callbacks=[counter]).fit()
+    assert {s for s, found in counter.per_step.items() if found} == reads  # 12: the end reads the rest
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

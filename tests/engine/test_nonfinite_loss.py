@@ -93,18 +93,18 @@ def test_a_finite_step_restarts_the_count() -> None:
     guard.step(6, [1.0])
     for step in range(7, 16):
         guard.step(step, [2.0, NAN])  # one nan micro-batch makes the step non-finite
-    guard.check(_Ranks(1))  # 5, then 9: never 10 in a row
+    guard.check(_Ranks(1), 15)  # 5, then 9: never 10 in a row
     guard.step(16, [NAN])
     with pytest.raises(NonFiniteLossError, match="for 10 consecutive steps"):
-        guard.check(_Ranks(1))
+        guard.check(_Ranks(1), 16)
 
 
 def test_every_rank_stops_together_and_one_process_needs_no_collective() -> None:
     alone = _Ranks(1)
-    NonFiniteGuard(3).check(alone)
+    NonFiniteGuard(3).check(alone, 0)
     assert alone.reduced == 0
     with pytest.raises(NonFiniteLossError, match="for 4 consecutive steps"):
-        NonFiniteGuard(3).check(_Ranks(2, others=4))  # this rank saw only finite losses, another saw 4 nan steps
+        NonFiniteGuard(3).check(_Ranks(2, others=4), 0)  # this rank saw only finite losses, another saw 4 nan steps
 
 
 def test_resumed_sums_count_as_finite() -> None:

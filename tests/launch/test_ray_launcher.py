@@ -211,7 +211,10 @@ def test_the_report_callback_hands_rank_zeros_sealed_checkpoint_and_the_steps_me
     for zero in (True, False):
         state = TrainerState(global_step=4, epoch=1.5, log_history=history, is_world_process_zero=zero)
         callback.on_save(config, state, TrainerControl())
-    (folder / "COMPLETE").write_text(json.dumps({"files": {"model.safetensors": 4}}))
+    from kiln.engine.checkpoint.integrity import ALGORITHM, VERSION, file_digest
+
+    (folder / "COMPLETE").write_text(json.dumps({"files": {"model.safetensors": 4}, "step": 4, "version": VERSION,
+                                                 ALGORITHM: {"model.safetensors": file_digest(str(folder / "model.safetensors"))}}))
     callback.on_save(config, TrainerState(global_step=4, epoch=1.5, log_history=history), TrainerControl())
     metrics = {"loss": 0.5, "learning_rate": 0.01, "eval_loss": 0.4, "step": 4, "epoch": 1.5}
     unsealed = {"checkpoint": None, "checkpoint_dir_name": None, "delete_local_checkpoint_after_upload": False}

@@ -11,6 +11,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from kiln import Callback, Trainer
 from kiln.loggers.base import grouped_name
@@ -88,6 +89,12 @@ class Kill(Callback):
             raise KeyboardInterrupt("killed")
 
 
+def model() -> TinyRegressor:
+    """The same initial weights for every run of a test, whatever the global RNG went through before."""
+    torch.manual_seed(0)
+    return TinyRegressor()
+
+
 def without_timing(rows):
     return [{k: v for k, v in row.items() if not TIMING.search(k)} for row in rows]
 
@@ -96,14 +103,14 @@ def test_kill_and_resume_writes_the_uninterrupted_histories(tmp_path):
     pytest.importorskip("tensorboard")
     data, evals = regression_data(64), regression_data(16, seed=1)
     save = {"strategy": "steps", "steps": 4}
-    Trainer(TinyRegressor(), config(tmp_path / "a", save=save), train_dataset=data, eval_dataset=evals).fit()
+    Trainer(model(), config(tmp_path / "a", save=save), train_dataset=data, eval_dataset=evals).fit()
 
     cfg = config(tmp_path / "b", save=save)
     with pytest.raises(KeyboardInterrupt):
-        Trainer(TinyRegressor(), cfg, train_dataset=data, eval_dataset=evals, callbacks=[Kill()]).fit()
+        Trainer(model(), cfg, train_dataset=data, eval_dataset=evals, callbacks=[Kill()]).fit()
     killed = read_jsonl(f"{cfg['output_dir']}/runs/metrics.jsonl")
     assert max(r["step"] for r in killed) == 6  # logged past the checkpoint at step 4
-    Trainer(TinyRegressor(), cfg, train_dataset=data, eval_dataset=evals).fit(resume_from_checkpoint=True)
+    Trainer(model(), cfg, train_dataset=data, eval_dataset=evals).fit(resume_from_checkpoint=True)
 
     a, b = (read_jsonl(f"{tmp_path / d}/out/runs/metrics.jsonl") for d in "ab")
     assert [r["step"] for r in b] == [r["step"] for r in a]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -79,9 +80,10 @@ def canonical(value: Any) -> Any:
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return float(value.lower() == "true")
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         return str(value)
+    return "nan" if math.isnan(number) else number  # nan != nan; log.nonfinite_window may be "nan"
 
 
 def assert_same(got: Read, output_dir: str, one_per_step: bool = False) -> Read:

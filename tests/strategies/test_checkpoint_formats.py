@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from kiln.engine.checkpoint.convert import convert_checkpoint
+from kiln.engine.checkpoint.files import _fsync_tree
+from kiln.engine.checkpoint.integrity import ALGORITHM, VERSION
 from kiln.strategies.checkpoint_io import FORMATS, save_weights
 from kiln.utils.errors import CheckpointError
 
@@ -23,8 +25,15 @@ def _checkpoint(folder: Path, fmt: str) -> dict[str, torch.Tensor]:
     folder.mkdir(parents=True)
     weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)}
     save_weights(weights, str(folder))
-    (folder / "COMPLETE").write_text(json.dumps({"format": fmt}))
+    _mark(folder, fmt)
     return weights
+
+
+def _mark(folder: Path, fmt: str) -> None:
+    """A COMPLETE marker as kiln writes it: the files it lists, their sizes and digests."""
+    files, digests = _fsync_tree(str(folder))
+    (folder / "COMPLETE").write_text(json.dumps({"format": fmt, "step": 1, "version": VERSION, "files": files,
+                                                 ALGORITHM: digests}))
 
 
 def test_convert_imports_only_the_module_of_the_format_it_reads(tmp_path):
@@ -42,7 +51,8 @@ def test_convert_writes_the_full_weights_and_refuses_an_unknown_format(tmp_path)
 
     converted = load_file(convert_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out")))
     assert converted.keys() == weights.keys() and all(torch.equal(converted[k], weights[k]) for k in weights)
-    (tmp_path / "ckpt" / "COMPLETE").write_text(json.dumps({"format": "martian"}))
+    (tmp_path / "ckpt" / "COMPLETE").unlink()
+    _mark(tmp_path / "ckpt", "martian")
     with pytest.raises(CheckpointError, match=r"^kiln convert cannot read checkpoints of format 'martian'; it reads "
                                               r"deepspeed, (.*, )?fsdp-full, fsdp-sharded, full, .*xla-spmd-sharded\.$"):
         convert_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out2"))

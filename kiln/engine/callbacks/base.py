@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
+from kiln.utils.hf_logging import hf_logger
+
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
@@ -81,10 +83,11 @@ class CallbackHandler:
 
     def add(self, callback: CallbackLike) -> None:
         cb = callback() if isinstance(callback, type) else callback
-        if any(type(c) is type(cb) for c in self.callbacks):  # HF logs it too: usually a mistake (events run twice)
-            names = ", ".join(type(c).__name__ for c in self.callbacks)
-            logger.warning("Adding a second %s to the callbacks (already: %s); its events will run twice. Remove one, "
-                           "or pass a single instance.", type(cb).__name__, names)
+        if any(type(c) is type(cb) for c in self.callbacks):  # usually a mistake (events run twice): HF's warning
+            names = "\n".join(type(c).__name__ for c in self.callbacks)
+            hf_logger("transformers.trainer_callback", logger).warning(
+                f"You are adding a {type(cb)} to the callbacks of this Trainer, but there is already one; its events will "
+                f"run twice (remove one, or pass a single instance). The current list of callbacks is:\n{names}")
         self.callbacks.append(cb)
         self._index()
 

@@ -43,6 +43,13 @@ def best_metric_key(name: str) -> str:
     return name if name.startswith("eval_") else f"eval_{name}"
 
 
+def eval_settings(args: Any) -> Any:
+    """Where the evaluation settings are: kiln's `eval` group, or HF's `TrainingArguments` itself, which
+    holds `metric_for_best_model` and `greater_is_better` under the same names, flat (a callback written
+    for HF calls these methods with its `args`)."""
+    return args.eval if hasattr(args, "eval") else args
+
+
 def resolve_greater_is_better(eval_config: Any) -> bool:
     """HF's default: False for a loss (unset, "loss", "eval_loss", "eval_<dataset>_loss", any name
     ending in "loss", as current Transformers decides), True for every other metric."""
@@ -67,11 +74,11 @@ class EarlyStoppingCallback(Callback):
         self._warned_missing = False
 
     def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
-        e = config.eval
+        e = eval_settings(config)
         if not e.metric_for_best_model:
             raise KilnError("EarlyStoppingCallback needs eval.metric_for_best_model (metric_for_best_model), "
                             "e.g. 'loss' or 'accuracy'.")
-        if e.strategy == "no":
+        if (e.strategy if e is not config else config.eval_strategy) == "no":
             raise KilnError("EarlyStoppingCallback needs evaluation during training: set eval.strategy "
                             "(eval_strategy) to 'steps' or 'epoch'.")
 
@@ -80,18 +87,18 @@ class EarlyStoppingCallback(Callback):
         """Reset the counter on an improvement beyond the threshold, count one more evaluation otherwise.
 
         HF's signature `(args, state, control, metric_value)`, so a subclass written for HF's callback
-        overrides it unchanged. (An override with kiln's earlier `(config, state, metric_value)` is still
+        overrides it unchanged, and `args` may be kiln's config or HF's TrainingArguments. (An override with kiln's earlier `(config, state, metric_value)` is still
         called that way: see `on_evaluate`.)"""
         best = state.best_metric
         if best is None:
             improved = True
         else:
-            better = metric_value > best if resolve_greater_is_better(config.eval) else metric_value < best
+            better = metric_value > best if resolve_greater_is_better(eval_settings(config)) else metric_value < best
             improved = better and abs(metric_value - best) > self.early_stopping_threshold
         self.early_stopping_patience_counter = 0 if improved else self.early_stopping_patience_counter + 1
 
     def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
-        key = best_metric_key(config.eval.metric_for_best_model)
+        key = best_metric_key(eval_settings(config).metric_for_best_model)
         value = (kw.get("metrics") or {}).get(key)
         if value is None:  # e.g. another dataset of an eval dict: not this callback's metric
             if not self._warned_missing:

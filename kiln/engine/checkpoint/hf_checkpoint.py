@@ -22,6 +22,7 @@ from kiln.engine.data.loaders import loader_length
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.engine.seed import _py_state_to_plain
 from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.hf_logging import hf_logger
 from kiln.utils.param_groups import regroup_optimizer_state
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,9 @@ def compare_with_checkpoint(saved: TrainerState, manager: Any, path: str) -> Non
     cfg, run = manager.config, manager.run
     max_steps = _max_steps(cfg, run.accumulation, manager.loader)
     lines = []
-    for name, value in (("logging_steps", cfg.log.steps), ("eval_steps", cfg.eval.steps), ("save_steps", cfg.save.steps)):
+    # evaluation by steps without eval_steps evaluates every logging_steps, which HF's arguments then hold as eval_steps
+    eval_steps = cfg.eval.steps if cfg.eval.steps is not None or cfg.eval.strategy != "steps" else cfg.log.steps
+    for name, value in (("logging_steps", cfg.log.steps), ("eval_steps", eval_steps), ("save_steps", cfg.save.steps)):
         old = getattr(saved, name, None)
         if value is None or old is None:  # HF: compared only where both are set
             continue
@@ -117,10 +120,11 @@ def compare_with_checkpoint(saved: TrainerState, manager: Any, path: str) -> Non
     if saved.train_batch_size and saved.train_batch_size != run.micro_batch_size:  # both per device (no DataParallel)
         lines.append(f"per_device_train_batch_size: {run.micro_batch_size} (from args) != {saved.train_batch_size} "
                      "(from trainer_state.json)")
-    if lines:
-        log.warning("Warning: The following arguments do not match the ones in the `trainer_state.json` within the "
-                    "checkpoint directory %s (the run continues with this run's values): %s", path,
-                    "".join(f"\n\t{line}" for line in lines))
+    if lines:  # HF's warning, on its logger
+        listed = "".join(f"\n\t{line}" for line in lines)
+        hf_logger("transformers.trainer_utils", log).warning(
+            "Warning: The following arguments do not match the ones in the `trainer_state.json` within the checkpoint "
+            f"directory {path} (the run continues with this run's values): {listed}")
 
 
 def _max_steps(cfg: Any, accumulation: int, loader: Any) -> Optional[int]:

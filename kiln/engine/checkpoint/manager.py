@@ -36,6 +36,7 @@ from kiln.engine.checkpoint.write_errors import write_errno, write_failure
 from kiln.strategies.weights_files import tie_groups
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.hf_logging import hf_logger
 from kiln.utils.param_groups import regroup_scheduler_state
 from kiln.engine.seed import rng_state
 from kiln.engine.callbacks.state import TrainerState
@@ -320,8 +321,10 @@ class CheckpointManager:
         callbacks = {k: v for k, v in (state.stateful_callbacks or {}).items() if k != "TrainerControl"}  # HF's; not kept
         missing = self.callbacks.load_state_dict(callbacks,
                                                  restore_args=bool(self.config.save.restore_callback_states_from_checkpoint))
-        if missing:  # logged, as HF's _load_callback_state does
-            log.warning("%s holds state for callbacks this run does not have (%s); it is ignored.", path, ", ".join(missing))
+        if missing:  # HF's _load_callback_state's warning, on its logger
+            hf_logger("transformers.trainer", log).warning(
+                f"Checkpoint included callbacks not included in current configuration. Ignoring. ({', '.join(missing)}: "
+                f"{path} holds their state, and this run has no such callback)")
         return bool(callbacks)
 
     def _load_position(self, path: str, state: TrainerState) -> None:

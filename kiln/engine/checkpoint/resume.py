@@ -63,8 +63,9 @@ def resolve_resume(resume: Any, output_dir: str, key: Optional[SigningKey] = Non
                      IF_EXISTS, output_dir)
         return path
     path = os.fspath(resume)
-    if not os.path.isdir(path):
-        raise ResumeError(f"resume_from_checkpoint={path!r} is not a folder; name a checkpoint-<step> folder, or use "
+    if not os.path.isdir(path):  # HF's sentence first, as users search for it
+        what = "a file, not a folder" if os.path.exists(path) else "no such folder"
+        raise ResumeError(f"Can't find a valid checkpoint at {path} ({what}): name a checkpoint-<step> folder, or use "
                           f"resume_from_checkpoint=true (or {IF_EXISTS}) for the newest one in output_dir.")
     hf = is_hf_checkpoint(path)
     if not hf and (incomplete := why_incomplete(path)) is not None:

@@ -163,3 +163,14 @@ def check_step_input(module: Any, dataset: Any, collator: Optional[Callable[[lis
     if unpacked not in (None, -1) and isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) != unpacked:
         raise KilnError(f"{step_name} unpacks the batch into {unpacked} values, but {what}, which batch into "
                         f"{len(batch)}: return {unpacked}-tuples from the dataset, or unpack what it returns.")
+
+
+def check_eval_dataset(dataset: Any, what: str, fix: str) -> None:
+    """Raise KilnError when an evaluation dataset with a length has no items: evaluating it would report
+    speed metrics and no eval_loss, which reads like a broken model rather than missing data."""
+    from kiln.engine.data.loaders import is_sized
+
+    if dataset is None or isinstance(dataset, (Mapping, torch.utils.data.IterableDataset)) or not is_sized(dataset):
+        return
+    if len(dataset) == 0:
+        raise KilnError(f"{what} is empty (0 items), so there would be no eval_loss to report: {fix}.")

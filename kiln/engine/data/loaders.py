@@ -29,19 +29,27 @@ def default_data_collator(features: list[Any]) -> Any:
     tensors default_collate returns (it stacks them too), without its per-key dispatch (~20 Python calls a
     batch, as much as the rest of the loader's per-batch work; see `_stacked`)."""
     first = features[0] if features else None
-    # like HF, the first feature decides (copying every feature's dict costs ~1 us each per batch)
-    if not isinstance(first, Mapping):
+    try:  # free until something raises: rows of unequal length get a sentence instead of torch.stack's error
+        # like HF, the first feature decides (copying every feature's dict costs ~1 us each per batch)
+        if not isinstance(first, Mapping):
+            return default_collate(features)
+        if "labels" not in first and (first.get("label") is not None or first.get("label_ids") is not None):
+            key = "label" if first.get("label") is not None else "label_ids"
+            rest = [{k: v for k, v in f.items() if k not in ("label", "label_ids")} for f in features]
+            return {"labels": _hf_labels([f[key] for f in features]), **(default_data_collator(rest) if rest[0] else {})}
+        if type(first) is dict and _stackable(first.values()) and get_worker_info() is None:
+            return _stacked(first, features)
+        if any(map(isinstance, first.values(), itertools.repeat(list))):
+            return {k: _list_tensor([f[k] for f in features]) if isinstance(v, list) else default_collate([f[k] for f in features])
+                    for k, v in first.items()}
         return default_collate(features)
-    if "labels" not in first and (first.get("label") is not None or first.get("label_ids") is not None):
-        key = "label" if first.get("label") is not None else "label_ids"
-        rest = [{k: v for k, v in f.items() if k not in ("label", "label_ids")} for f in features]
-        return {"labels": _hf_labels([f[key] for f in features]), **(default_data_collator(rest) if rest[0] else {})}
-    if type(first) is dict and _stackable(first.values()) and get_worker_info() is None:
-        return _stacked(first, features)
-    if any(map(isinstance, first.values(), itertools.repeat(list))):
-        return {k: _list_tensor([f[k] for f in features]) if isinstance(v, list) else default_collate([f[k] for f in features])
-                for k, v in first.items()}
-    return default_collate(features)
+    except (RuntimeError, ValueError):
+        from kiln.engine.data.unequal_rows import unequal_rows
+
+        unequal = unequal_rows(features)
+        if unequal is None:
+            raise
+        raise unequal from None
 
 
 def _hf_labels(values: list[Any]) -> torch.Tensor:

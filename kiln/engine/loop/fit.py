@@ -113,6 +113,7 @@ class FitLoop:
         start = time.perf_counter()
         self.losses = RunningLoss(NonFiniteGuard(int(cfg.train.max_nonfinite_steps)), bool(cfg.log.nan_inf_filter),
                                   state.global_step)  # nan/inf losses: warn, then stop
+        self.nan_window = cfg.log.nonfinite_window == "nan"  # kiln's; HF's "filtered" logs the filter's stand-in
         self.steps_this_run, self.samples, self.tokens = 0, 0, 0
         self.window_start, self.samples_at_log, self.tokens_at_log = start, 0, 0
         self.grad_norm: Optional[torch.Tensor] = None
@@ -187,7 +188,7 @@ class FitLoop:
         return {**self.losses.state_dict(self.steps_this_run), "epoch_rng": self.epoch_rng.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.losses.load_state_dict(state)
+        self.losses.load_state_dict(state, self.hooks.state.global_step)
         self.epoch_rng.load_state_dict(state.get("epoch_rng"))
 
     def _show_callbacks(self, loader: Iterable[Any]) -> None:
@@ -226,7 +227,7 @@ class FitLoop:
         self.grad_norm = result.grad_norm
         state.global_step += 1
         self.steps_this_run += 1
-        self.losses.pending.append(losses)  # only queued (no tensor op): read at log/save steps, in one transfer
+        self.losses.pending.append(losses)  # only queued (no tensor op): read at log/save/guard steps, in one transfer
 
     def _count(self, window: list[Any]) -> None:
         """Samples, tokens and FLOPs of the window (for throughput, num_input_tokens_seen and total_flos)."""
@@ -273,10 +274,12 @@ class FitLoop:
         if control.should_log or control.should_save:
             self._flush_flos()
             losses.fold(state.global_step, self.strategy)
+        elif state.global_step >= losses.guard.next_check:  # the nan/inf limit could be reached here: read now
+            losses.fold(state.global_step, self.strategy)
         if control.should_log and state.global_step > losses.last_logged:
             steps = state.global_step - losses.last_logged
             loss = mean_over_ranks(losses.tr_loss, self.strategy) / steps
-            if not losses.guard.window_finite:  # all nan/inf: the filter's stand-in mean would read 0.0
+            if not losses.guard.window_finite and self.nan_window:  # all nan/inf: the filter's stand-in reads 0.0
                 loss = math.nan
             losses.guard.window_finite = False
             logs: dict[str, float] = {"loss": loss}
@@ -328,7 +331,7 @@ class FitLoop:
         losses.fold(state.global_step, self.strategy)
         steps = max(losses.steps_before_resume + self.steps_this_run, 1)
         train_loss = mean_over_ranks(losses.total_loss, self.strategy) / steps
-        if losses.guard.warned and not losses.guard.any_finite:
+        if losses.guard.warned and not losses.guard.any_finite and self.nan_window:
             train_loss = math.nan
         losses.guard.note_save("The model this fit leaves (and any save_model after it)")
         world = self.strategy.data_shards

@@ -32,10 +32,14 @@ class NonFiniteLossError(KilnError):
 
 
 class NonFiniteGuard:
-    """Watches the step losses as they are read (at log and save steps, never in between, so it costs
-    the hot path nothing): warns at the first nan/inf loss, stops the run once `limit` consecutive steps
-    had one (HF trains on and logs 0.0), and knows whether a logging window or the whole run had any
-    finite loss, so that the filtered logs show nan rather than a made-up 0.0."""
+    """Watches the step losses as they are read: warns at the first nan/inf loss, stops the run once
+    `limit` consecutive steps had one (HF trains on and logs 0.0), and knows whether a logging window or
+    the whole run had any finite loss, so that the filtered logs can show nan rather than a made-up 0.0.
+
+    The losses are read at log and save steps, and also at `next_check`: the first step at which a run
+    of `limit` non-finite steps could end, given the run in progress at the last read (`limit` steps on
+    while every loss is finite). So the stop comes after exactly `limit` such steps whatever the logging
+    interval, at the cost of one host read every `limit` steps at most."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -44,6 +48,12 @@ class NonFiniteGuard:
         self.warned = False
         self.window_finite = False  # a finite loss since the last log
         self.any_finite = False  # a finite loss in this run
+        self.next_check: float = math.inf  # the step whose losses must be read by then (see schedule)
+
+    def schedule(self, global_step: int, consecutive: int) -> None:
+        """Read the losses again at the step where `consecutive` non-finite steps ending at `global_step`
+        (the most any rank saw) would reach the limit, if every step up to it were non-finite too."""
+        self.next_check = global_step + self.limit - consecutive if self.limit else math.inf
 
     def resumed(self) -> None:
         """After a checkpoint's sums are restored: they were finite (the guard stops before saving others)."""
@@ -69,13 +79,17 @@ class NonFiniteGuard:
                         "learning rate, check the data for nan/inf, or use bf16 rather than fp16.",
                         next(v for v in values if not math.isfinite(v)), global_step, stop)
 
-    def check(self, strategy: Any) -> None:
-        """Raise (on every rank at once) when some rank saw `limit` consecutive non-finite steps."""
+    def check(self, strategy: Any, global_step: int) -> None:
+        """Raise (on every rank at once) when some rank saw `limit` consecutive non-finite steps; else
+        schedule the next read (the same step on every rank: it follows from the ranks' maximum)."""
         longest, self.longest = self.longest, self.consecutive
         if not self.limit:
             return
+        consecutive = self.consecutive
         if strategy.world_size > 1:  # one rank's nan must stop all of them, or the others hang in a collective
-            longest = int(strategy.reduce(torch.tensor(longest, device=strategy.root_device), "max").item())
+            both = strategy.reduce(torch.tensor([longest, consecutive], device=strategy.root_device), "max")
+            longest, consecutive = both.tolist()
+        self.schedule(global_step, consecutive)
         if longest >= self.limit:
             raise NonFiniteLossError(
                 f"The training loss was nan/inf for {longest} consecutive steps (train.max_nonfinite_steps={self.limit}), "

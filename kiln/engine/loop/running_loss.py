@@ -23,17 +23,21 @@ class RunningLoss:
         self.last_logged = last_logged
         self.steps_before_resume = 0
         self.pending: list[list[torch.Tensor]] = []  # per step, its micro-batch losses not yet folded in
+        guard.schedule(last_logged, 0)
 
     def state_dict(self, steps_this_run: int) -> dict[str, Any]:
         # float64 tensors (checkpoints before host sums held a float32 tr_loss; both load)
         return {"tr_loss": torch.tensor(self.tr_loss, dtype=torch.float64),
                 "total_loss": torch.tensor(self.total_loss, dtype=torch.float64),
-                "last_logged": self.last_logged, "steps": self.steps_before_resume + steps_this_run}
+                "last_logged": self.last_logged, "steps": self.steps_before_resume + steps_this_run,
+                "nonfinite_streak": self.guard.consecutive}  # so a resumed run reads the losses at the same steps
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], global_step: int) -> None:
         self.tr_loss, self.total_loss = float(state["tr_loss"]), float(state["total_loss"])
         self.last_logged, self.steps_before_resume = int(state["last_logged"]), int(state["steps"])
         self.guard.resumed()
+        self.guard.consecutive = self.guard.longest = int(state.get("nonfinite_streak", 0))
+        self.guard.schedule(global_step, self.guard.consecutive)
 
     def fold(self, global_step: int, strategy: Any) -> None:
         """Add the queued micro-batch losses to tr_loss and total_loss (before logs, saves and the end).
@@ -56,7 +60,7 @@ class RunningLoss:
             for j, micro_losses in enumerate(pending):
                 self.guard.step(first_step + j, values[i:i + len(micro_losses)])
                 i += len(micro_losses)
-        self.guard.check(strategy)  # too many nan/inf steps: stop here, before a log or save uses them
+        self.guard.check(strategy, global_step)  # too many nan/inf steps: stop here, before a log or save uses them
         if not self.nan_inf_filter or math.isfinite(total):
             self.tr_loss += total
             self.total_loss += total

@@ -32,6 +32,7 @@ from typing import Any, Callable, ContextManager, Optional, Protocol
 import torch
 
 from kiln.engine.loop.loss_weights import MicroBatch, WindowWeights
+from kiln.engine.loop.step_errors import explain, loss_maker
 from kiln.engine.model.facts import ModelFacts
 from kiln.engine.run import Run
 from kiln.strategies.base import StepResult
@@ -82,10 +83,17 @@ class TrainStep:
         """Forward and backward of every micro-batch of `window`, the optimizer step, the schedule.
         Returns the micro-batches' detached losses (still on the device) and what the step did."""
         run = self.run
-        if self.direct and not self.weighs and len(window) == 1 and not events.guarding:
-            losses = [self.training_step(model, window[0], num_items_in_batch=None, micro_batch=_LONE)]
-        else:
-            losses = self.micro_batches(window, model, events)
+        try:  # free until a step raises: see step_errors
+            if self.direct and not self.weighs and len(window) == 1 and not events.guarding:
+                losses = [self.training_step(model, window[0], num_items_in_batch=None, micro_batch=_LONE)]
+            else:
+                losses = self.micro_batches(window, model, events)
+        except (RuntimeError, TypeError, AttributeError) as err:
+            explained = explain(err, window[0], loss_maker(self.training_step, run.model, self.facts.training_module),
+                                run.model)
+            if explained is None:
+                raise
+            raise explained from err
         events.pre_optimizer_step()
         result = self.optimizer_step(model)
         events.optimizer_step()
