@@ -62,6 +62,7 @@ def test_bfd_cuts_an_overlong_example_and_counts_what_it_drops():
     packed = plan("bfd", [10, 3, 12], 8)
     assert (packed.truncated, packed.dropped) == (2, 6)
     assert sorted(p for row in packed.rows for p in row) == [Piece(0, 0, 8), Piece(1, 0, 3), Piece(2, 0, 8)]
+    assert plan("bfd", [8, 8], 8)[1:] == (0, 0)  # as long as a row: nothing cut
 
 
 def test_bfd_split_places_every_piece_of_an_overlong_example():
