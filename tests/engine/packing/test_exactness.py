@@ -124,6 +124,7 @@ def test_bfd_cuts_examples_longer_than_a_row_to_their_first_tokens(caplog):
         batch, pieces, _ = pack(model, examples, max_length=8)
     long = sum(len(e["input_ids"]) > 8 for e in examples)
     assert long and f"cut {long} example(s) longer than max_length=8" in caplog.text
+    assert "so far" not in caplog.text  # the whole dataset was planned: the count is final
     assert all(p.start == 0 and p.end == min(8, len(examples[p.example]["input_ids"])) for row in pieces for p in row)
     assert sorted(p.example for row in pieces for p in row) == list(range(len(examples)))
     cut = [{k: list(v)[:8] for k, v in e.items()} for e in examples]
