@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from kiln.config import hf_args, hf_rewrites
+from kiln.config import hf_args, hf_rewrites, trl_packing
 from kiln.utils.truthy import truthy
 
 # flat HF name -> dotted path in TrainingConfig
@@ -234,6 +234,7 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "lr_scheduler_kwargs": hf_args.scheduler_kwargs,
     "include_num_input_tokens_seen": hf_args.tokens_seen,
     **hf_rewrites.REWRITES,
+    **trl_packing.REWRITES,  # TRL's SFTConfig names for data.packing
     **{name: _unsupported(name) for name in UNSUPPORTED},
     **{name: _no_effect(name) for name in NO_EFFECT},
 }

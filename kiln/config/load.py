@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kiln.config import aliases, conflicts, dialect, hf_args, hf_xla, redact
+from kiln.config import aliases, conflicts, dialect, hf_args, hf_xla, redact, trl_packing
 from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
 
@@ -66,7 +66,7 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     explicit = None  # the `strategy` entry that names one, as (key, value, name)
     picks: list[tuple[str, Any]] = []  # HF's arguments that pick a strategy (deepspeed, fsdp, ...) and their values
     groups = {f.name for f in dataclasses.fields(TrainingConfig)}
-    for key, value in raw.items():
+    for key, value in trl_packing.pair(raw).items():
         key = str(key)
         explicit = conflicts.explicit_strategy(key, value) or explicit
         if "." in key:  # a dotted key such as optim.lr from a dotlist

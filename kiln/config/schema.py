@@ -58,6 +58,25 @@ class TrainConfig:
 
 
 @dataclass
+class PackingConfig:
+    """Packing: several examples per row, each with its own positions and attention (TRL's packing)."""
+
+    strategy: Optional[str] = opt(
+        None, "How training examples become rows of max_length tokens: bfd (best-fit decreasing: whole examples, one "
+        "longer than max_length cut to it), bfd_split (the same, an overlong example split into max_length pieces), "
+        "wrapped (concatenated in order and cut every max_length tokens; a piece continuing in the next row starts "
+        "there at position 0, as a new example); null: examples are not packed. Attention and positions restart at "
+        "every example, and no token is trained to predict the next example's first token "
+        "([fine-tuning](fine-tuning.md#packing)).")
+    max_length: int = opt(1024, "Tokens per packed row (TRL's max_length).")
+    padding_free: Optional[bool] = opt(
+        None, "Concatenate each micro-batch (its packed rows, or its examples when strategy is null) into one row "
+        "without padding; false: rows are padded to the longest row of the micro-batch. Unset: true with "
+        "flash-attention implementations (varlen kernels), false with sdpa, eager and flex_attention (whose masks "
+        "grow with the square of a row's tokens).")
+
+
+@dataclass
 class DataConfig:
     """Dataloaders."""
 
@@ -90,6 +109,7 @@ class DataConfig:
         "(kiln's sampler always is; false is refused because resume could not reproduce the order).")
     dataloader_multiprocessing_context: Optional[str] = opt(None, "Start method of the worker processes: fork, spawn or forkserver.")
     dataloader_in_order: bool = opt(True, "Yield batches in order; false yields each as soon as a worker has it.")
+    packing: PackingConfig = field(default_factory=PackingConfig)
 
 
 def hf_default_optimizer() -> str:

@@ -38,6 +38,12 @@ TABLE: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
     ("neftune_noise_alpha", 5.0, {"train.neftune_noise_alpha": 5.0}, {}),
     # data
     ("per_device_train_batch_size", 3, {"data.per_device_train_batch_size": 3}, {}),
+    # TRL's SFTConfig names for data.packing (tests/config/test_trl_packing.py has their pairing rules)
+    ("packing", True, {"data.packing.strategy": "bfd"}, {}),
+    ("packing_strategy", "wrapped", {"data.packing.strategy": "wrapped"}, {"packing": True}),
+    ("padding_free", True, {"data.packing.padding_free": True}, {}),
+    ("max_length", 64, {"data.packing.max_length": 64}, {"packing": True}),
+    ("max_seq_length", 64, {"data.packing.max_length": 64}, {"packing": True}),
     ("per_device_eval_batch_size", 5, {"data.per_device_eval_batch_size": 5}, {}),
     ("per_gpu_train_batch_size", 6, {"data.per_device_train_batch_size": 6}, {}),
     ("per_gpu_eval_batch_size", 7, {"data.per_device_eval_batch_size": 7}, {}),
@@ -165,6 +171,7 @@ REFUSED_WHEN_ON = {
     "past_index": 2, "tpu_metrics_debug": True,  # the XLA metrics report: refused without an XLA strategy
     "use_legacy_prediction_loop": True, "sharded_ddp": "simple", "mp_parameters": "x",
     "push_to_hub": True,
+    "eval_packing": True,  # TRL's: kiln packs training batches only
     # kiln logs Trackio locally: a Space or bucket to log to is refused, not silently dropped
     "trackio_space_id": "me/space", "trackio_bucket_id": "me/bucket", "trackio_static_space_id": "me/static",
 }

@@ -46,6 +46,12 @@ class DataLoaderMixin:
         seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
         drop_last = bool(cfg.data.dataloader_drop_last or isinstance(strategy, StaticShapes))  # see kiln.engine.data.static_shapes
         dataset, collator = self._model_inputs(self.train_dataset, "Training")
+        if cfg.data.packing.strategy is not None or cfg.data.packing.padding_free:  # kiln.engine.data.packing
+            from kiln.engine.data.packing import packed_training_data
+
+            dataset, collator = packed_training_data(dataset, collator, user_collator=self.data_collator, model=self.model,
+                                                     training_module=self.run.facts.training_module, data_cfg=cfg.data,
+                                                     strategy=strategy)
         loader = build_dataloader(
             dataset, self.run.micro_batch_size, collator, cfg.data, seed, shuffle=True,
             num_replicas=strategy.data_shards, rank=strategy.data_shard_rank, sampler=self._length_grouped_sampler(dataset, seed),

@@ -1,0 +1,26 @@
+"""2-process worker for tests/distributed/test_ddp_packing.py: packed training under DDP over a dataset and
+over a stream; rank 0 writes the weights and per-rank facts to OUT. Usage: torchrun ... worker_packing.py OUT"""
+
+import json
+import os
+import sys
+
+from safetensors.torch import save_file
+
+import packing_toy
+import toy
+
+out = sys.argv[1]
+results, tensors = {}, {}
+for name, stream in (("rows", False), ("stream", True)):
+    trainer = packing_toy.train(os.path.join(out, name), world=2, stream=stream)
+    flat = toy.flat_params(trainer.model)
+    every = trainer.strategy.all_gather(flat)
+    first = next(iter(trainer.get_train_dataloader()))["input_ids"].tolist()
+    results[name] = {"ranks_identical": bool((every == every[0]).all()), "steps": trainer.state.global_step,
+                     "first_batches": trainer.strategy.all_gather_object(first)}
+    tensors[name] = flat
+if trainer.strategy.global_rank == 0:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "results.safetensors"))
+    with open(os.path.join(out, "results.json"), "w") as fh:
+        json.dump(results, fh)
