@@ -46,8 +46,17 @@ def test_when_evaluation_runs(tmp_path: Any, overrides: dict[str, Any], steps: l
 
 
 def test_model_is_back_in_train_mode_and_eval_does_not_touch_training(tmp_path: Any) -> None:
-    """Evaluating during training consumes no training randomness and leaves train mode on: the
-    weights equal those of a run without evaluation."""
+    """Evaluating during training leaves train mode on and takes from the training randomness only the
+    one number HF's evaluation loader takes from the global RNG (kiln.engine.data.global_draw): the weights
+    equal those of a run that does not evaluate but draws that number at the same steps."""
+    from kiln import Callback
+    from kiln.engine.data.global_draw import global_draw
+
+    class DrawLikeAnEvaluation(Callback):
+        def on_step_end(self, config, state, control, **kwargs):
+            if state.global_step % 2 == 0:
+                global_draw()
+
     modes: list[bool] = []
     train, evals = digits(n_train=64, n_eval=32)
     weights = []
@@ -57,7 +66,8 @@ def test_model_is_back_in_train_mode_and_eval_does_not_touch_training(tmp_path: 
         model.training_step = lambda batch, m=model, step=original: modes.append(m.training) or step(batch)  # type: ignore
         model.net.insert(1, torch.nn.Dropout(0.2))  # randomness that evaluation must not shift
         cfg = config(tmp_path / strategy, per_device_train_batch_size=16, max_steps=6, eval_strategy=strategy, eval_steps=2)
-        Trainer(model, cfg, train_dataset=train, eval_dataset=evals).fit()
+        draws = [DrawLikeAnEvaluation()] if strategy == "no" else []
+        Trainer(model, cfg, train_dataset=train, eval_dataset=evals, callbacks=draws).fit()
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert all(modes)
     assert torch.equal(weights[0], weights[1])
