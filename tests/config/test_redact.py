@@ -114,3 +114,12 @@ def test_substring_masking_starts_at_six_characters_and_prefers_the_longest(monk
     assert mask("a-q5w4e-b") == "a-q5w4e-b" and mask("q5w4e") == "${oc.env:KILN_T5}"  # 5: whole values only
     assert mask("a-z6x5c4-b") == "a-${oc.env:KILN_T6}-b"  # 6: inside strings too
     assert mask("url/m0n1b2v3-ext") == "url/${oc.env:KILN_LONG}"  # not "${oc.env:KILN_SHORT}-ext"
+
+
+def test_interpolations_of_other_keys_are_saved_resolved() -> None:
+    """Only values from the environment read `${oc.env:...}` again; `${train.learning_rate}` is saved as the
+    value it stood for, so a saved config reads the same without the config it came from."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"train": {"learning_rate": 0.25}, "optim": {"lr": "${train.learning_rate}"}})
+    assert config_for_saving(config) == {"train": {"learning_rate": 0.25}, "optim": {"lr": 0.25}}
