@@ -15,7 +15,8 @@ from kiln.engine.checkpoint.files import is_complete, list_checkpoints
 from tests.distributed.conftest import kiln_cli, torchrun
 from tests.distributed.toy import write_cli_config
 
-pytestmark = pytest.mark.distributed
+# heavy: the writer-rank rules are tested in a fake 2-rank world (test_async_save.py), kills in test_async_kill.py
+pytestmark = [pytest.mark.distributed, pytest.mark.heavy]
 
 
 def _async(path: str) -> str:

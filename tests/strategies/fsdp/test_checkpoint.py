@@ -37,6 +37,7 @@ def test_resume_is_exact(tmp_path, kind):
     _equal(load_file(str(second / "final.safetensors")), load_file(str(first / "final.safetensors")))
 
 
+@pytest.mark.heavy  # test_resume_is_exact[full] and the model_parallel tp resume tests cover its halves
 def test_a_full_checkpoint_of_a_tensor_parallel_mesh_holds_whole_weights_and_resumes_exactly(tmp_path):
     """state_dict_type full under model_parallel's tp 2: the TP splits are gathered into whole weights
     (the plain module's shapes) and put back as splits on resume."""
