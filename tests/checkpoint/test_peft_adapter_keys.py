@@ -57,3 +57,20 @@ def test_an_adapter_file_whose_keys_do_not_match_is_refused(checkpoint, tmp_path
     with pytest.raises(CheckpointError, match=label):
         trainer._load_from_checkpoint(str(ckpt))  # load_best_model_at_end, kiln evaluate/predict
     assert os.path.isdir(ckpt)
+
+
+
+def test_many_foreign_keys_are_named_six_at_a_time(checkpoint, tmp_path):
+    """The sentence names the first six keys (sorted) and counts the rest, so it stays one readable line."""
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, ckpt)
+    path = ckpt / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    extra = {f"base_model.model.extra_{i}.lora_A.weight": tensors[sorted(tensors)[0]].clone() for i in range(8)}
+    save_file({**tensors, **extra}, str(path), metadata={"format": "pt"})
+    remark(ckpt)
+    trainer = Trainer(lora_model(), {**CFG, "output_dir": str(tmp_path / "resumed")}, train_dataset=data())
+    with pytest.raises(CheckpointError) as err:
+        trainer._load_from_checkpoint(str(ckpt))
+    named = str(err.value).split("(unexpected keys: ", 1)[1].split(");", 1)[0]
+    assert named == ", ".join(sorted(extra)[:6]) + " and 2 more"
