@@ -67,7 +67,10 @@ class WandbLogger(Logger):
             if self.run_id:
                 kwargs.update(id=self.run_id, resume="allow")
             mode = (os.environ.get("WANDB_MODE") or "").lower()
-            if mode not in ("offline", "disabled", "dryrun") and not has_credentials():
+            if mode in ("offline", "disabled", "dryrun"):
+                # passed explicitly: wandb reads the environment once per process, so a later change is missed
+                kwargs["mode"] = "offline" if mode == "dryrun" else mode
+            elif not has_credentials():
                 log.warning("W&B has no API key here (set WANDB_API_KEY or run `wandb login`); logging offline "
                             "under %s/wandb. Upload later with `wandb sync`.", self.output_dir)
                 kwargs["mode"] = "offline"

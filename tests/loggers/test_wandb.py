@@ -29,6 +29,7 @@ def offline_env(monkeypatch, tmp_path):
     yield monkeypatch
     if wandb.run is not None:
         wandb.finish()
+    wandb.teardown()  # wandb keeps the first test's environment in a process-wide singleton
 
 
 def rows(run):
