@@ -59,6 +59,11 @@ class Accelerator:
         `debug: tpu_metrics_debug`; None where the device keeps none."""
         return None
 
+    def device_name(self, device: torch.device) -> str | None:
+        """The product name of `device` (for its peak FLOP/s in kiln.accelerators.peaks); None where the
+        device has no table entry to look up (CPU)."""
+        return None
+
     # -- numerics ----------------------------------------------------------------------------
     def dtype_unsupported(self, dtype: torch.dtype, device: torch.device) -> str | None:
         """None if the device computes in `dtype`, else the reason it does not (one clause)."""

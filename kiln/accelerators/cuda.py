@@ -58,6 +58,9 @@ class CUDAAccelerator(Accelerator):
     def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats()
 
+    def device_name(self, device: torch.device) -> str | None:
+        return str(torch.cuda.get_device_name(device))
+
     def dtype_unsupported(self, dtype: torch.dtype, device: torch.device) -> str | None:
         if dtype is torch.bfloat16 and not cuda_supports_bf16():
             return f"this GPU ({torch.cuda.get_device_name(device)}) does not support it (bf16 needs Ampere or newer)"
