@@ -343,6 +343,16 @@ class ProfileConfig:
 
 
 @dataclass
+class MemorySnapshotConfig:
+    """CUDA allocation history for PyTorch's memory viewer (pytorch.org/memory_viz); CUDA only."""
+
+    steps: List[int] = opt([], "Optimizer steps (global_step, from 1) after which a snapshot is dumped.")
+    on_oom: bool = opt(False, "Dump a snapshot when CUDA runs out of memory; the error then names it.")
+    max_entries: int = opt(100000, "Allocation events kept in the history.")
+    output_dir: Optional[str] = opt(None, "Where the snapshots go (default output_dir/memory_snapshots).")
+
+
+@dataclass
 class TrainingConfig:
     """The whole run. Flat Hugging Face TrainingArguments names are accepted too (see kiln.config.aliases)."""
 
@@ -367,3 +377,4 @@ class TrainingConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    memory_snapshot: MemorySnapshotConfig = field(default_factory=MemorySnapshotConfig)

@@ -32,7 +32,7 @@ def logger_callback(config: Any) -> Callback:
 
 def _debug_callbacks(config: Any, strategy: "Strategy") -> list[Callback]:
     """`debug: underflow_overflow` / `tpu_metrics_debug` and `torch_empty_cache_steps` (HF's TrainingArguments),
-    and kiln's `profile:`."""
+    and kiln's `profile:` and `memory_snapshot:`."""
     cbs: list[Callback] = []
     if "underflow_overflow" in config.train.debug:
         from kiln.engine.callbacks.debug_overflow import DebugUnderflowOverflow
@@ -42,11 +42,13 @@ def _debug_callbacks(config: Any, strategy: "Strategy") -> list[Callback]:
         from kiln.engine.callbacks.device_metrics import DeviceMetricsReport
 
         cbs.append(DeviceMetricsReport(strategy.accelerator.metrics_report, strategy.is_global_zero))
+    from kiln.engine.callbacks.memory_snapshot import memory_snapshot_callback
     from kiln.engine.callbacks.profiler import profiler_callback
 
-    profiler = profiler_callback(config, strategy.global_rank, strategy.root_device.type)
-    if profiler is not None:
-        cbs.append(profiler)
+    for build in (profiler_callback, memory_snapshot_callback):
+        callback = build(config, strategy.global_rank, strategy.root_device.type)
+        if callback is not None:
+            cbs.append(callback)
     if config.train.torch_empty_cache_steps:
         from kiln.engine.callbacks.empty_cache import EmptyCacheCallback, device_empty_cache
 
