@@ -1,0 +1,173 @@
+"""Checkpoints mirrored to a real S3 API (moto's server over HTTP, through s3fs, the client users run):
+the marker goes up last, a failure or a kill in mid-upload leaves the previous checkpoint the newest
+intact one, a damaged remote checkpoint is skipped on download, rotation deletes the marker first, and
+one run holds a prefix at a time. A URL whose file system is not installed is one sentence."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kiln.engine.checkpoint.integrity import MARKER
+from kiln.engine.checkpoint.output_dir import OutputDirInUse
+from kiln.engine.checkpoint.remote import RemoteCheckpoints, UploadFailed, is_remote
+from kiln.utils.errors import ConfigError
+from tests.checkpoint.checkpoint_helpers import train
+
+s3fs = pytest.importorskip("s3fs", reason="pip install kiln[s3]")
+moto_server = pytest.importorskip("moto.server", reason="pip install moto[server]")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A fresh S3 endpoint on a free port, with credentials for it; yields the storage options."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}",
+                                                                         "region_name": "eu-west-1"}}
+    s3fs.S3FileSystem(**options).mkdir("kiln-bucket")
+    yield options
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A local output_dir with complete checkpoints at steps 5 and 10."""
+    out = str(tmp_path_factory.mktemp("local") / "out")
+    train(out, {"max_steps": 10, "save_steps": 5})
+    return out
+
+
+@pytest.fixture
+def store(s3, request):  # type: ignore[no-untyped-def]
+    url = f"s3://kiln-bucket/{request.node.name.replace('[', '-').rstrip(']')}"
+    return RemoteCheckpoints(url, s3, sleep=lambda s: None)
+
+
+def local_files(folder: str) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+            for d, _, fs in os.walk(folder) for f in fs}
+
+
+def test_upload_puts_the_marker_last_and_download_brings_back_every_byte(store, run_dir, tmp_path, monkeypatch):
+    order: list[str] = []
+    put = store.fs.put_file
+    monkeypatch.setattr(store.fs, "put_file", lambda src, dst, **kw: (order.append(os.path.basename(dst)),
+                                                                       put(src, dst, **kw))[1])
+    for step in (5, 10):
+        assert store.upload(os.path.join(run_dir, f"checkpoint-{step}")) == f"{store.url}/checkpoint-{step}"
+    assert order[-1] == MARKER and order.count(MARKER) == 2 and order.index(MARKER) == len(order) // 2 - 1
+    assert store.steps() == [(5, "checkpoint-5"), (10, "checkpoint-10")]
+    path = store.download_newest(str(tmp_path / "cache"))
+    assert path == str(tmp_path / "cache" / "checkpoint-10")
+    assert local_files(path) == local_files(os.path.join(run_dir, "checkpoint-10"))
+
+
+def test_a_failure_past_the_retries_leaves_the_previous_checkpoint_newest(store, run_dir, tmp_path, monkeypatch):
+    store.upload(os.path.join(run_dir, "checkpoint-5"))
+    put, calls = store.fs.put_file, []
+
+    def flaky(src, dst, **kw):  # type: ignore[no-untyped-def]
+        calls.append(dst)
+        if len(calls) > 2:  # the third file of checkpoint-10 never gets through
+            raise ConnectionError("connection reset by peer")
+        return put(src, dst, **kw)
+
+    monkeypatch.setattr(store.fs, "put_file", flaky)  # the file system object is fsspec's cached instance
+    with pytest.raises(UploadFailed, match=r"failed after 5 tries \(ConnectionError: connection reset by peer\); the "
+                                           "store's earlier checkpoints are untouched"):
+        store.upload(os.path.join(run_dir, "checkpoint-10"))
+    assert len(calls) == 2 + 5 and not any(c.endswith(MARKER) for c in calls)
+    assert store.steps() == [(5, "checkpoint-5")]
+    assert store.download_newest(str(tmp_path / "cache")).endswith("checkpoint-5")
+
+
+def test_a_transient_failure_is_retried_with_backoff(s3, run_dir, monkeypatch):
+    sleeps: list[float] = []
+    store = RemoteCheckpoints("s3://kiln-bucket/transient", s3, sleep=sleeps.append, backoff=0.25)
+    put, failures = store.fs.put_file, [OSError("503 Slow Down")] * 2
+    monkeypatch.setattr(store.fs, "put_file", lambda src, dst, **kw: (_ for _ in ()).throw(failures.pop()) if failures
+                        else put(src, dst, **kw))
+    store.upload(os.path.join(run_dir, "checkpoint-5"))
+    assert sleeps == [0.25, 0.5] and store.steps() == [(5, "checkpoint-5")]
+
+
+def test_a_damaged_remote_checkpoint_is_skipped_for_the_previous_one(store, run_dir, tmp_path):
+    for step in (5, 10):
+        store.upload(os.path.join(run_dir, f"checkpoint-{step}"))
+    weights = next(f for f in local_files(os.path.join(run_dir, "checkpoint-10")) if f.endswith(".safetensors"))
+    remote = f"{store.root}/checkpoint-10/{weights}"
+    data = bytearray(store.fs.cat_file(remote))
+    data[-1] ^= 0xFF  # same size: only the digest can tell
+    store.fs.pipe_file(remote, bytes(data))
+    with pytest.warns(UserWarning, match="Ignoring damaged checkpoint s3://kiln-bucket/.*/checkpoint-10"):
+        path = store.download_newest(str(tmp_path / "cache"))
+    assert path.endswith("checkpoint-5") and not os.path.exists(str(tmp_path / "cache" / "checkpoint-10"))
+
+
+def test_rotation_deletes_the_marker_before_the_files(store, run_dir, monkeypatch):
+    store.upload(os.path.join(run_dir, "checkpoint-5"))
+    removed: list[str] = []
+    rm_file, rm = store.fs.rm_file, store.fs.rm
+    monkeypatch.setattr(store.fs, "rm_file", lambda p, **kw: (removed.append(os.path.basename(p)), rm_file(p, **kw))[1])
+    monkeypatch.setattr(store.fs, "rm", lambda p, **kw: (removed.append("folder"), rm(p, **kw))[1])
+    store.delete("checkpoint-5")
+    assert removed == [MARKER, "folder"] and store.steps() == []
+    assert not store.fs.exists(f"{store.root}/checkpoint-5")
+
+
+def test_one_run_holds_a_prefix_at_a_time(store):
+    store.acquire_lock()
+    with pytest.raises(OutputDirInUse, match=f"is in use by another kiln run \\(pid {os.getpid()} on "):
+        store.acquire_lock()
+    store.release_lock()
+    store.acquire_lock()  # free again
+    store.release_lock()
+
+
+UPLOADER = """
+import sys, time
+from kiln.engine.checkpoint.remote import RemoteCheckpoints
+store = RemoteCheckpoints(sys.argv[1], {"key": "testing", "secret": "testing",
+                                        "client_kwargs": {"endpoint_url": sys.argv[2], "region_name": "eu-west-1"}})
+put = store.fs.put_file
+def slow(src, dst, **kw):
+    put(src, dst, **kw)
+    print("put", dst, flush=True)
+    time.sleep(30)  # killed here, after the first file
+store.fs.put_file = slow
+store.upload(sys.argv[3])
+"""
+
+
+def test_a_kill_in_mid_upload_leaves_the_previous_checkpoint_newest(store, s3, run_dir, tmp_path):
+    store.upload(os.path.join(run_dir, "checkpoint-5"))
+    child = subprocess.Popen([sys.executable, "-c", UPLOADER, store.url, s3["client_kwargs"]["endpoint_url"],
+                              os.path.join(run_dir, "checkpoint-10")], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert child.stdout.readline().startswith("put ")  # the first file of checkpoint-10 is on the store
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=60)
+    assert store.fs.exists(f"{store.root}/checkpoint-10")  # partly there ...
+    assert store.steps() == [(5, "checkpoint-5")]  # ... and not taken for a checkpoint
+    assert store.download_newest(str(tmp_path / "cache")).endswith("checkpoint-5")
+
+
+def test_urls_and_a_missing_file_system(monkeypatch):
+    assert is_remote("s3://b/x") and is_remote("memory://x") and not is_remote("/tmp/x") and not is_remote("file:///x")
+    import fsspec
+
+    def missing(url, **kw):  # type: ignore[no-untyped-def]
+        raise ImportError("Install gcsfs to access Google Storage")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", missing)
+    with pytest.raises(ConfigError, match=r"gs://b/run is on a gs:// store, whose file system is not installed; "
+                                          r"pip install kiln\[gcs\]"):
+        RemoteCheckpoints("gs://b/run")
