@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kiln.config.docs import config_markdown
 from kiln.docgen.errors_page import troubleshooting_markdown
+from kiln.docgen.format_table import with_format_table
 from kiln.docgen.strategy_matrix import matrix_markdown
 
 
@@ -14,7 +15,8 @@ def pages(repo: Path) -> dict[Path, str]:
     """Each generated page's path and its current text."""
     return {repo / "docs" / "config.md": config_markdown(),
             repo / "docs" / "choosing-a-strategy.md": matrix_markdown(repo),
-            repo / "docs" / "troubleshooting.md": troubleshooting_markdown(repo / "kiln")}
+            repo / "docs" / "troubleshooting.md": troubleshooting_markdown(repo / "kiln"),
+            repo / "docs" / "checkpoints.md": with_format_table((repo / "docs" / "checkpoints.md").read_text())}
 
 
 def main(argv: list[str]) -> int:

@@ -193,6 +193,11 @@ class CheckpointIO:
         later; None when this format cannot save in the background (see the class docstring)."""
         return None
 
+    @classmethod
+    def saves_in_background(cls) -> bool:
+        """Whether `stage` can hand back a staged write (`save.async`), rather than None."""
+        return cls.stage is not CheckpointIO.stage
+
     def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
         self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
 
@@ -248,13 +253,17 @@ class FullStateCheckpointIO(CheckpointIO):
         """Host copies of the weights and optimizer state, written by the same code as `save`, so an
         asynchronous checkpoint holds the bytes a synchronous one would. A subclass that saves otherwise
         (XLA) must stage its own way: it saves synchronously until it does."""
-        if type(self).save is not FullStateCheckpointIO.save:
+        if not self.saves_in_background():
             return None
         if not writer:
             return lambda directory: None
         weights, optim = staging.copy((module.state_dict(),
                                        optimizer.state_dict() if save_optimizer and optimizer is not None else None))
         return lambda directory: _write_full(directory, weights, optim, safetensors)
+
+    @classmethod
+    def saves_in_background(cls) -> bool:
+        return cls.save is FullStateCheckpointIO.save
 
     def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              load_optimizer: bool = True) -> None:

@@ -1,4 +1,4 @@
-"""docs/choosing-a-strategy.md and docs/troubleshooting.md are generated from the code; they must be
+"""docs/choosing-a-strategy.md, docs/troubleshooting.md and the format table of docs/checkpoints.md are generated from the code; they must be
 current, and the generators must read what the code says."""
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ import pytest
 
 from kiln.docgen.__main__ import pages
 from kiln.docgen.errors_page import raise_sites, troubleshooting_markdown
+from kiln.docgen.format_table import format_rows
 from kiln.docgen.strategy_matrix import load_runs, verdict
 from kiln.strategies.capabilities import Capabilities
 from tests.docs.blocks import REPO
 
 
-@pytest.mark.parametrize("name", ["choosing-a-strategy.md", "troubleshooting.md"])
+@pytest.mark.parametrize("name", ["choosing-a-strategy.md", "troubleshooting.md", "checkpoints.md"])
 def test_generated_page_is_current(name):
     path = REPO / "docs" / name
     assert path.read_text() == pages(REPO)[path], f"docs/{name} is stale: run `python -m kiln.docgen`"
@@ -66,3 +67,12 @@ def test_every_raise_with_a_message_is_listed(tmp_path):
                      ("Precision", "ValueError", "inner {name} bad", "kiln/precision/x.py:inner")}
     assert "| `PrecisionError` | precision {name} needs a GPU; use bf16. | `kiln/precision/x.py:check` |" in \
         troubleshooting_markdown(pkg)
+
+
+def test_the_format_table_reads_what_the_checkpoint_ios_say():
+    rows = {row["format"]: row for row in format_rows()}
+    assert rows["full"]["written"] == ["ddp", "mps", "single"] and rows["full"]["background"]
+    assert rows["model-parallel-dcp"]["written"] == [] and rows["model-parallel-dcp"]["resumed"] == ["fsdp", "model_parallel"]
+    assert not rows["deepspeed"]["reshardable"] and rows["deepspeed"]["resumed"] == ["deepspeed"]
+    assert not rows["xla-full"]["background"]  # it saves otherwise than the full format, so it cannot stage
+    assert all(row["convert"] for row in rows.values())

@@ -1,0 +1,69 @@
+"""The "which checkpoint format resumes where" table of docs/checkpoints.md, computed from the format registry
+(kiln.strategies.checkpoint_io.FORMATS) and each strategy's `checkpoint_formats`: a strategy resumes a
+format when one of its formats' CheckpointIO `resumes` it. The table sits between two markers in the
+hand-written page; `python -m kiln.docgen` rewrites only what is between them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BEGIN = "<!-- generated: format table (python -m kiln.docgen) -->"
+END = "<!-- end of generated format table -->"
+
+
+def _io(fmt: str) -> Any:
+    from kiln.registry import UnknownNameError
+    from kiln.strategies.checkpoint_io import FORMATS
+
+    try:
+        return FORMATS.get(fmt)
+    except UnknownNameError:
+        return None
+
+
+def _resumes(io: Any, fmt: str) -> bool:
+    return fmt == io.format or fmt in io.also_resumes
+
+
+def format_rows() -> list[dict[str, Any]]:
+    """One row per registered format: who writes it, who resumes it, and what it allows."""
+    from kiln.docgen.strategy_matrix import strategies
+    from kiln.strategies.checkpoint_io import FORMATS, CheckpointIO
+
+    listed = strategies()
+    rows = []
+    for fmt in sorted(FORMATS.names()):
+        io = _io(fmt)
+        if io is None:
+            continue
+        own = [(name, [_io(f) for f in cls.checkpoint_formats]) for name, cls, _ in listed]
+        rows.append({
+            "format": fmt,
+            "written": [name for name, cls, _ in listed if fmt in cls.checkpoint_formats],
+            "resumed": [name for name, ios in own if any(i is not None and _resumes(i, fmt) for i in ios)],
+            "reshardable": bool(io.reshardable),
+            "background": io.saves_in_background(),
+            "convert": io.consolidate.__func__ is not CheckpointIO.consolidate.__func__,
+        })
+    return rows
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names) or "— (read only)"
+
+
+def format_table_markdown() -> str:
+    lines = [BEGIN, "",
+             "| format (in `COMPLETE`) | written by | resumed by | on another process count | written in the background "
+             "(`save.async`) | `kiln convert` |", "|---|---|---|---|---|---|"]
+    for row in format_rows():
+        lines.append(f"| `{row['format']}` | {_names(row['written'])} | {_names(row['resumed']) if row['resumed'] else 'none'} "
+                     f"| {'yes' if row['reshardable'] else 'no: refused'} | {'yes' if row['background'] else 'no'} "
+                     f"| {'yes' if row['convert'] else 'no'} |")
+    return "\n".join([*lines, "", END])
+
+
+def with_format_table(page: str) -> str:
+    """`page` with the text between the markers replaced by the current table."""
+    start, end = page.index(BEGIN), page.index(END) + len(END)
+    return page[:start] + format_table_markdown() + page[end:]
