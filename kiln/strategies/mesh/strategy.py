@@ -4,7 +4,7 @@ torchtitan's order:
 
     tensor parallel      apply_tp (tp_plan.py; sequence_parallel.py, loss_parallel.py)  over `tp`
                          -- or the TrainingModule's own `configure_model(mesh)`
-    activation ckpt      apply_activation_checkpointing (activation_checkpointing.py)   on the wrapped blocks
+    activation ckpt      apply_activation_checkpointing (../activation_checkpointing.py) on the wrapped blocks
     compile              compile_units (compile.py)                                     each block's forward
     FSDP2                apply_fsdp (fsdp.py)                                           over dp (x cp)
     context parallel     context_parallel.py, at the batch and micro-batch seams       over `cp`
@@ -193,7 +193,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         return contextlib.nullcontext()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        from kiln.strategies.mesh.activation_checkpointing import apply_activation_checkpointing
+        from kiln.strategies.activation_checkpointing import apply_activation_checkpointing
         from kiln.strategies.mesh.compile import compile_units
         from kiln.strategies.mesh.context_parallel import check_model
         from kiln.strategies.mesh.fsdp import apply_fsdp
