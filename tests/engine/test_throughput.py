@@ -28,6 +28,9 @@ def test_gpt2_counts_its_tied_head_and_not_its_position_table():
     tokens, flops = ModelFlops(model).count(batch)
     assert tokens == 32
     assert flops == 32 * (6 * matmul_parameters(model) + 12 * 3 * 32 * 16)
+    one_row = ModelFlops(model).count({"input_ids": torch.zeros(16, dtype=torch.long)})  # unbatched: T is its length
+    assert one_row == (16, 16 * (6 * matmul_parameters(model) + 12 * 3 * 32 * 16))
+    assert ModelFlops(model).count({"input_ids": torch.tensor(3)}) == (1, 6 * matmul_parameters(model))  # T = 0
 
 
 def test_llama_counts_an_untied_head_and_its_own_head_dim():
@@ -72,6 +75,8 @@ def test_a_models_own_count_wins_and_a_plain_module_counts_6n_per_token():
 ])
 def test_the_peak_is_the_devices_dense_rate_for_the_runs_number_format(name, precision, tf32, peak):
     assert peak_tflops(name, precision, tf32) == peak
+    if not tf32:
+        assert peak_tflops(name, precision) == peak  # TF32 is off unless the run allows it
 
 
 def test_figures_give_the_job_and_each_rank_and_mfu_against_the_peak():
