@@ -245,8 +245,7 @@ class Strategy:
 
     def batch_to_device(self, batch: Any) -> Any:
         """Move to the device, then let the precision plugin cast inputs (true half precision)."""
-        batch = move_to_device(batch, self.root_device)
-        return batch if self.precision.plain_input else self.precision.convert_input(batch)
+        return self.precision.convert_input(move_to_device(batch, self.root_device))
 
     # -- step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module, *, boundary: bool = True) -> None:
@@ -260,8 +259,7 @@ class Strategy:
         unless the gradients hold inf/nan. Returns whether it stepped and the pre-clip norm."""
         grad_norm = None
         if max_grad_norm:
-            if not self.precision.plain_unscale:
-                self.precision.unscale_gradients(optimizer)
+            self.precision.unscale_gradients(optimizer)
             grad_norm = self.clip_gradients(model, optimizer, max_grad_norm)
         stepped = self.precision.optimizer_step(optimizer)
         return StepResult(stepped, grad_norm)

@@ -1,5 +1,6 @@
-"""The usual window, one micro-batch with nothing to weigh, synchronise, cut or guard, calls `training_step`
-directly (kiln/engine/loop/step.py); every other window takes the per-micro-batch path with its contexts."""
+"""`training_step` is called at one place (kiln/engine/loop/step.py), with HF's signature, inside the
+out-of-memory guard and the strategy's synchronisation context; the micro-batch's place in its window is
+`Run.micro_batch` while it runs, and None once the window is done."""
 
 from __future__ import annotations
 
@@ -53,28 +54,29 @@ def _step(tmp_path, trainer_class: type = Recording, **cfg: Any) -> tuple[Any, A
     return trainer, train_step_of(trainer), batches
 
 
-def test_a_lone_unweighted_micro_batch_is_stepped_without_the_per_micro_batch_contexts(tmp_path):
+def test_a_lone_unweighted_micro_batch_is_the_shared_lone_micro_batch(tmp_path):
     trainer, step, batches = _step(tmp_path)
-    assert step.direct and not step.weighs
+    assert not step.weighs
     events = Events()
     before = [p.detach().clone() for p in trainer.model.parameters()]
     losses, result = step(batches[:1], trainer.run.wrapped, events)
-    assert events.calls == ["pre_optimizer_step", "optimizer_step"]  # no guard entered
-    assert trainer.seen == [(_LONE, None, None)] and len(losses) == 1 and result.stepped
+    assert events.calls == ["guard", "pre_optimizer_step", "optimizer_step"]
+    assert trainer.seen == [(None, None, _LONE)] and len(losses) == 1 and result.stepped
+    assert trainer.run.micro_batch is None  # cleared once the window is done
     assert not any(torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
 
 
-def test_the_out_of_memory_guard_and_a_second_micro_batch_take_the_per_micro_batch_path(tmp_path):
+def test_a_window_of_two_gives_each_micro_batch_its_place_and_the_window_item_count(tmp_path):
     trainer, step, batches = _step(tmp_path)
-    events = Events(guarding=True)
-    step(batches[:1], trainer.run.wrapped, events)
-    assert events.calls == ["guard", "pre_optimizer_step", "optimizer_step"] and trainer.seen == [(_LONE, None, None)]
-    events, trainer.seen[:] = Events(), []
+    events = Events()
     step.weighs = step.windows_need_weights(2)  # what the loop sets for windows of two micro-batches
     step(batches, trainer.run.wrapped, events)
     assert events.calls == ["guard", "substep_end", "pre_optimizer_step", "optimizer_step"]
-    assert [type(micro) for micro, _, _ in trainer.seen] == [MicroBatch, MicroBatch]
-    assert [micro.boundary for micro, _, _ in trainer.seen] == [False, True]
+    micros = [micro for _, _, micro in trainer.seen]
+    assert [type(m) for m in micros] == [MicroBatch, MicroBatch] and [m.index for m in micros] == [0, 1]
+    assert [m.boundary for m in micros] == [False, True] and micros[0].weights is micros[1].weights
+    assert [float(m.weight) for m in micros] == [0.5, 0.5]  # 4 items each of 8
+    assert [int(n) for _, n, _ in trainer.seen] == [8, 8]  # HF's num_items_in_batch: the window's items
 
 
 def test_an_hf_signature_override_finds_the_micro_batch_in_the_run(tmp_path):
@@ -84,7 +86,6 @@ def test_an_hf_signature_override_finds_the_micro_batch_in_the_run(tmp_path):
             return super().training_step(model, inputs, num_items_in_batch)
 
     trainer, step, batches = _step(tmp_path, HFSignature)
-    assert not step.direct
     step(batches[:1], trainer.run.wrapped, Events())
     assert trainer.seen == [_LONE] and trainer.run.micro_batch is None
 
@@ -102,6 +103,5 @@ def test_a_strategy_that_cuts_graphs_is_told_after_a_lone_micro_batch(tmp_path, 
 
     monkeypatch.setattr(trainer.strategy, "__class__", Cutting)
     step = train_step_of(trainer)
-    assert not step.direct
     step(batches[:1], trainer.run.wrapped, Events())
     assert cuts == ["micro_batch", "step"]
