@@ -19,7 +19,7 @@ never changes for it: the engine calls only these methods, in this order, for ev
     setup = strategy.setup(module, optimizer_factory, scheduler_factory, max_steps=N)   # once, joint;
         # evaluation before training calls it without factories, and training calls it again with
         # them and the run's optimizer step count (None when not known yet: auto_find_batch_size)
-    loader = strategy.process_dataloader(loader)   # [StaticShapes]: the Trainer drops short batches
+    loader = strategy.process_dataloader(loader)   # capabilities.static_shapes: the Trainer drops short batches
     per micro-batch:  batch = strategy.batch_to_device(batch)
                       [BackwardSyncControl] with strategy.micro_batch_context(model, boundary=...):
                           loss = forward ...; strategy.backward(loss, model, boundary=...)

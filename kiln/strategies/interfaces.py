@@ -12,11 +12,9 @@ not inherit an interface simply has nothing to do at that point (no no-op hook i
   (the mesh strategy's meta device / rank-0 loading, DeepSpeed's `zero.Init`).
 - `OwnsMicroBatchWindow`: the strategy runs the forward and backward of a whole accumulation window
   itself, in its own order (a pipeline schedule: GPipe, 1F1B), and hands back the micro-batches' losses.
-- `StaticShapes`: every step must see the same shapes (the XLA family compiles one graph per shape).
-- `OwnsOptimizerStep`: the strategy's own engine steps, clips and scales (DeepSpeed); documentation
-  for readers and tests, the engine calls `optimizer_step` the same way for every strategy.
-- `CompilesPerBlock`: the strategy applies `train.torch_compile*` itself, block by block inside
-  `setup_module` (the mesh strategy, as torchtitan does); the engine then leaves the set-up module uncompiled.
+
+What a strategy only declares, with no method to call (static shapes, an optimizer step its own engine
+owns, compiling per block), is a field of its `Capabilities` (kiln/strategies/capabilities.py).
 """
 
 from __future__ import annotations
@@ -115,26 +113,4 @@ class OwnsMicroBatchWindow(ABC):
         """Forward and backward of every micro-batch of `window`; their detached weighted losses."""
 
 
-class StaticShapes:
-    """Marker: every training step must see the same shapes (one compiled graph per input shape).
-
-    The Trainer then drops each epoch's short last training batch (as `dataloader_drop_last`, saying
-    how many samples in one log line) and pads a short accumulation window's item counts with zero
-    counts on the device, so the epoch's last window replays the graphs of a full one."""
-
-
-class OwnsOptimizerStep:
-    """Marker: `setup` hands back the strategy's own engine wrapping module and optimizer together,
-    and its `optimizer_step` runs that engine's step (which clips, scales and may skip). The user's
-    optimizer factory may then be ignored in favour of one the strategy's config names (DeepSpeed)."""
-
-
-class CompilesPerBlock:
-    """Marker: with `train.torch_compile*` the strategy compiles each block's forward before it wraps
-    the block (FSDP2: compiled blocks, then `fully_shard`, torchtitan's order), so its per-block hooks
-    run outside the compiled graphs and add no graph breaks. Compiling the whole wrapped module on top
-    would trace into those hooks, so the engine does not."""
-
-
-__all__ = ["BackwardSyncControl", "CompilesPerBlock", "GraphBoundaries", "LossWeights", "OwnsMicroBatchWindow", "OwnsOptimizerStep",
-           "ShardedModuleInit", "StaticShapes"]
+__all__ = ["BackwardSyncControl", "GraphBoundaries", "LossWeights", "OwnsMicroBatchWindow", "ShardedModuleInit"]

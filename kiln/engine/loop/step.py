@@ -38,7 +38,7 @@ from kiln.engine.loop.step_errors import explain, loss_maker, refuse_per_micro_b
 from kiln.engine.model.facts import ModelFacts
 from kiln.engine.run import Run
 from kiln.strategies.base import StepResult
-from kiln.strategies.interfaces import BackwardSyncControl, GraphBoundaries, OwnsMicroBatchWindow, StaticShapes
+from kiln.strategies.interfaces import BackwardSyncControl, GraphBoundaries, OwnsMicroBatchWindow
 
 _NULL = contextlib.nullcontext()  # reusable: no new object per micro-batch
 
@@ -73,7 +73,7 @@ class TrainStep:
         self.wants_num_items = wants_num_items
         self.max_grad_norm = float(config.train.max_grad_norm or 0.0)
         self.global_mean = bool(config.train.average_tokens_across_devices)
-        self.static_shapes = isinstance(strategy, StaticShapes)
+        self.static_shapes = strategy.capabilities.static_shapes
         self.sync = strategy.micro_batch_context if isinstance(strategy, BackwardSyncControl) else _no_sync_control
         self.cuts: Optional[GraphBoundaries] = strategy if isinstance(strategy, GraphBoundaries) else None
         self.weighs = self.windows_need_weights(run.accumulation)
