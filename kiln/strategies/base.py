@@ -21,8 +21,11 @@ never changes for it: the engine calls only these methods, in this order, for ev
         # them and the run's optimizer step count (None when not known yet: auto_find_batch_size)
     loader = strategy.process_dataloader(loader)   # capabilities.static_shapes: the Trainer drops short batches
     per micro-batch:  batch = strategy.batch_to_device(batch)
-                      [BackwardSyncControl] with strategy.micro_batch_context(model, boundary=...):
-                          loss = forward ...; strategy.backward(loss, model, boundary=...)
+    per window:       [OwnsMicroBatchWindow] losses = strategy.run_window(model, window, weights)
+                          # a pipeline schedule runs every forward and backward itself, in place of:
+    per micro-batch:  [BackwardSyncControl] with strategy.micro_batch_context(model, boundary=...):
+                          with precision.forward_context(): loss = forward ... x weight
+                          strategy.backward(loss, model, boundary=...)
                       [GraphBoundaries] strategy.on_micro_batch_end()            # XLA's sync
     per step:         result = strategy.optimizer_step(model, optimizer, max_grad_norm)
                           # owns unscale -> reduce -> clip -> step -> skip-on-inf; StepResult(stepped, grad_norm)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+import pytest
 import torch
 
 from kiln import Trainer
 from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.engine.loop.step import _LONE
-from kiln.strategies.interfaces import GraphBoundaries
+from kiln.strategies.interfaces import GraphBoundaries, OwnsMicroBatchWindow
+from kiln.utils.errors import KilnError
 from tests.helpers import TinyRegressor, base_config, regression_data, train_step_of
 
 
@@ -105,3 +107,37 @@ def test_a_strategy_that_cuts_graphs_is_told_after_a_lone_micro_batch(tmp_path, 
     step = train_step_of(trainer)
     step(batches[:1], trainer.run.wrapped, Events())
     assert cuts == ["micro_batch", "step"]
+
+
+def _window_owner(trainer: Any, got: list) -> type:
+    class Owner(type(trainer.strategy), OwnsMicroBatchWindow):  # type: ignore[misc]
+        def run_window(self, model, window, weights):
+            got.append((window, weights))
+            return [torch.tensor(float(i)) for i in range(len(window))]
+
+    return Owner
+
+
+def test_a_window_owning_strategy_runs_the_whole_window_once_with_its_weights(tmp_path, monkeypatch):
+    trainer, _, batches = _step(tmp_path, Trainer)
+    trainer.seen = []
+    got: list = []
+    monkeypatch.setattr(trainer.strategy, "__class__", _window_owner(trainer, got))
+    step = train_step_of(trainer)
+    step.weighs = step.windows_need_weights(2)
+    events = Events()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    losses, result = step(batches, trainer.run.wrapped, events)
+    assert len(got) == 1 and got[0][0] is batches and [float(got[0][1].weight(i)) for i in (0, 1)] == [0.5, 0.5]
+    assert [float(x) for x in losses] == [0.0, 1.0]  # what the strategy returned
+    assert events.calls == ["guard", "substep_end", "pre_optimizer_step", "optimizer_step"]  # substeps still counted
+    assert result.stepped and trainer.run.micro_batch is None
+    # the strategy computed no gradient here, so the engine's optimizer step left the weights as they were
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_a_window_owner_refuses_a_trainer_that_overrides_what_acts_per_micro_batch(tmp_path, monkeypatch):
+    trainer, _, _ = _step(tmp_path)  # Recording overrides training_step
+    monkeypatch.setattr(trainer.strategy, "__class__", _window_owner(trainer, []))
+    with pytest.raises(KilnError, match=r"so Recording.training_step, which acts on one micro-batch, would never be called"):
+        train_step_of(trainer)
