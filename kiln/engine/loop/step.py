@@ -81,15 +81,15 @@ class TrainStep:
         self.forward_backward = self.micro_batches
         if isinstance(strategy, OwnsMicroBatchWindow):
             refuse_per_micro_batch_overrides(training_step, run, strategy.name)
-            self.owner = strategy
+            self.owner: OwnsMicroBatchWindow = strategy
             self.forward_backward = self.owned_window
 
     def __call__(self, window: list[Any], model: Any, events: "StepEvents") -> tuple[list[torch.Tensor], StepResult]:
         """Forward and backward of every micro-batch of `window`, the optimizer step, the schedule.
         Returns the micro-batches' detached losses (still on the device) and what the step did."""
         run, strategy = self.run, self.strategy
-        weights = self.loss_weights(window) if self.weighs else None
         try:  # free until a step raises: see step_errors
+            weights = self.loss_weights(window) if self.weighs else None
             with events.guard(model):  # auto_find_batch_size: out of memory in here redoes the window smaller
                 losses = self.forward_backward(model, window, weights, events)
         except (RuntimeError, TypeError, AttributeError) as err:
