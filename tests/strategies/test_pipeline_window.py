@@ -131,7 +131,12 @@ def config(out: str, strategy: str) -> dict[str, Any]:
             "strategy": {"name": strategy, "device": "cpu"}}
 
 
-def train(out: str, strategy: str, trainer_class: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(out: str, strategy: str, trainer_class: Any = None, *,
+          teardown: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train `TwoStageLM`; the per-step logged losses and the final weights. `teardown=False` keeps the
+    process group for the job's next Trainer: a default group made again from the launcher's store after
+    one was destroyed can read the old group's gloo addresses there (the keys are not namespaced by
+    attempt) and fail to connect."""
     from kiln import Trainer
 
     torch.manual_seed(0)
@@ -140,7 +145,8 @@ def train(out: str, strategy: str, trainer_class: Any = None) -> tuple[list[floa
     trainer.fit()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    trainer.teardown()
+    if teardown:
+        trainer.teardown()
     return losses, state
 
 
@@ -148,7 +154,7 @@ def worker(out: str) -> None:
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     initial = {k: v.clone() for k, v in TwoStageLM().state_dict().items()}
-    losses, state = train(os.path.join(out, "pp"), "toy_pipeline")
+    losses, state = train(os.path.join(out, "pp"), "toy_pipeline", teardown=False)  # the next Trainer joins its group
     own = "stem." if rank == 0 else "head."
     untouched = all(torch.equal(v, initial[k]) for k, v in state.items() if not k.startswith(own))
 
@@ -171,7 +177,7 @@ def test_a_window_owning_two_stage_pipeline_equals_single(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"the pipeline job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
