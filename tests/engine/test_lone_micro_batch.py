@@ -64,6 +64,7 @@ def test_a_lone_unweighted_micro_batch_is_the_shared_lone_micro_batch(tmp_path):
     losses, result = step(batches[:1], trainer.run.wrapped, events)
     assert events.calls == ["guard", "pre_optimizer_step", "optimizer_step"]
     assert trainer.seen == [(None, None, _LONE)] and len(losses) == 1 and result.stepped
+    assert result.grad_norm is not None  # clipped (max_grad_norm 1.0) by the strategy's optimizer step
     assert trainer.run.micro_batch is None  # cleared once the window is done
     assert not any(torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
 
