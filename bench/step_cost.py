@@ -6,7 +6,8 @@ without decay, linear schedule, clipping, a log event every 10 steps with progre
     python bench/step_cost.py --profile               # plus kiln's own functions, by CPU time per step
     python bench/step_cost.py --counts                # only the counts: aten ops and Python calls per step
 
-The counts do not depend on the machine's load, so they compare two commits exactly: a change to the
+The counts do not depend on the machine's load (the Python count moves by under one call a step between
+runs), so they compare two commits closely: a change to the
 step must leave kiln's aten ops per step unchanged and its Python calls per step within a few percent.
 
 Three figures per step, over the steps after a warm-up:
