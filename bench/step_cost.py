@@ -4,13 +4,20 @@ without decay, linear schedule, clipping, a log event every 10 steps with progre
 
     python bench/step_cost.py --rounds 7              # the figures in docs/benchmarks.md
     python bench/step_cost.py --profile               # plus kiln's own functions, by CPU time per step
+    python bench/step_cost.py --counts                # only the counts: aten ops and Python calls per step
+
+The counts do not depend on the machine's load (the Python count moves by under one call a step between
+runs), so they compare two commits closely: a change to the
+step must leave kiln's aten ops per step unchanged and its Python calls per step within a few percent.
 
 Three figures per step, over the steps after a warm-up:
 - aten operators dispatched (counted with a TorchDispatchMode, in a separate run, since counting slows
   the step): the tensor work kiln adds beyond the hand-written loop's;
 - CPU time of the training thread (`time.thread_time`), the figure the step ratio follows on a busy
   machine: Python bookkeeping shows here even where the wall clock hides it in noise;
-- wall time.
+- wall time;
+- Python function calls (cProfile's count of calls to functions written in Python, builtins left out,
+  in a separate run): the interpreter work of the framework's own layers.
 Both runs happen in this process, alternating in a new random order each round, one CPU thread;
 printed are medians with their spread (min-max over rounds). `--profile` adds one cProfile run of kiln
 and lists the kiln functions with the most CPU time of their own per step."""
@@ -89,6 +96,15 @@ def run(framework: str, model: str, steps: int, **meter: Any) -> Meter:
     return clock
 
 
+def python_calls(framework: str, model: str, steps: int) -> float:
+    """Calls to Python functions per timed step (cProfile; calls of builtins and C functions left out)."""
+    profiler = cProfile.Profile()
+    clock = run(framework, model, steps, profiler=profiler)
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    calls = sum(n for (path, _, _), (_, n, _, _, _) in stats.items() if path != "~")
+    return calls / clock.timed
+
+
 def spread(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}–{max(values):{fmt}})"
 
@@ -99,14 +115,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="also list kiln's functions by own CPU time per step")
+    parser.add_argument("--counts", action="store_true", help="only count aten ops and Python calls per step (no timing)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     ops = {}
+    counted_steps = max(WARMUP + 20, args.steps // 10)
     for framework in RUNNERS:
         counter = OpCounter()
-        clock = run(framework, args.model, max(WARMUP + 20, args.steps // 10), counter=counter)
+        clock = run(framework, args.model, counted_steps, counter=counter)
         ops[framework] = counter.ops, clock.timed
+    calls = {framework: python_calls(framework, args.model, counted_steps) for framework in RUNNERS}
+    if args.counts:
+        print(f"{MODELS[args.model][0]}, counted over {counted_steps - WARMUP} steps after {WARMUP} warm-up steps\n")
+        print("| | aten ops / step | Python calls / step |")
+        print("|---|---|---|")
+        for framework in RUNNERS:
+            counted, timed = ops[framework]
+            print(f"| {framework} | {sum(counted.values()) / timed:.2f} | {calls[framework]:.1f} |")
+        return
     cpu: dict[str, list[float]] = {f: [] for f in RUNNERS}
     wall: dict[str, list[float]] = {f: [] for f in RUNNERS}
     rng = random.Random(0)
@@ -120,12 +147,12 @@ def main() -> None:
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
     print(f"{MODELS[args.model][0]}, {args.steps} steps per run, {args.rounds} rounds; medians (min–max); one CPU thread\n")
-    print("| | aten ops / step | CPU µs / step (training thread) | wall µs / step |")
-    print("|---|---|---|---|")
+    print("| | aten ops / step | Python calls / step | CPU µs / step (training thread) | wall µs / step |")
+    print("|---|---|---|---|---|")
     for framework in RUNNERS:
         counted, timed = ops[framework]
-        print(f"| {framework} | {sum(counted.values()) / timed:.2f} | {spread(cpu[framework], '.1f')} | "
-              f"{spread(wall[framework], '.1f')} |")
+        print(f"| {framework} | {sum(counted.values()) / timed:.2f} | {calls[framework]:.1f} | "
+              f"{spread(cpu[framework], '.1f')} | {spread(wall[framework], '.1f')} |")
     for base in ("hand-written", HAND_HF_GROUPS):
         extra_cpu = [k - h for k, h in zip(cpu["kiln"], cpu[base])]
         extra_wall = [k / h for k, h in zip(wall["kiln"], wall[base])]

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from kiln.config.compile import compile_kwargs, model_compile_kwargs
-from kiln.strategies.interfaces import CompilesPerBlock, OwnsOptimizerStep
 from kiln.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ def compile_module(model: nn.Module, strategy: Any, train: Any) -> nn.Module:
     when the strategy compiled its blocks itself (FSDP2: compiling the sharded root on top would trace
     into FSDP's hooks, a graph break around every unit)."""
     kwargs = model_compile_kwargs(train)
-    if kwargs is None or hasattr(model, "_orig_mod") or isinstance(strategy, CompilesPerBlock):
+    if kwargs is None or hasattr(model, "_orig_mod") or strategy.capabilities.compiles_per_block:
         return model
     return torch.compile(model, **kwargs)
 
@@ -48,7 +47,7 @@ def compile_optimizer_step(optimizer: Any, strategy: Any, train: Any) -> None:
     method (`step.__func__`), which a compiled function is not."""
     if not train.torch_compile_optimizer_step or optimizer is None:
         return
-    if isinstance(strategy, OwnsOptimizerStep):
+    if strategy.capabilities.owns_optimizer_step:
         raise ConfigError(f"train.torch_compile_optimizer_step cannot be used with strategy {strategy.name!r}: its own "
                           "engine runs the optimizer step; drop torch_compile_optimizer_step.")
     if getattr(optimizer, "owns_backward", False):

@@ -29,7 +29,6 @@ from kiln.engine.compile import compile_module, compile_optimizer_step
 from kiln.engine.model.facts import ModelFacts
 from kiln.optim.merged_step import step_equal_groups_as_one
 from kiln.optim.schedulers import scheduler_needs_metrics
-from kiln.strategies.interfaces import OwnsOptimizerStep
 from kiln.utils.errors import ConfigError
 
 
@@ -110,7 +109,7 @@ def setup_for_training(run: Run, strategy: Any, precision: Any, config: Any,
                                max_steps=max_steps)
         run.wrapped, run.optimizer = compiled(run, setup.model, config, strategy), setup.optimizer
         compile_optimizer_step(run.optimizer, strategy, config.train)
-        if not isinstance(strategy, OwnsOptimizerStep):  # HF's two groups, stepped as one while their settings agree
+        if not strategy.capabilities.owns_optimizer_step:  # HF's two groups, stepped as one while their settings agree
             step_equal_groups_as_one(run.optimizer)
         if setup.scheduler is not None:
             run.scheduler = setup.scheduler
@@ -129,7 +128,7 @@ def compiled(run: Run, model: nn.Module, config: Any, strategy: Any = None) -> n
     module: a second set-up of the same module (evaluation first, then training) reuses the wrapper,
     and with it dynamo's cache, so training does not compile again what evaluation compiled. A model
     concern, not a strategy's (the strategy has wrapped and sharded the module by now), except for a
-    strategy that compiles per block itself (`CompilesPerBlock`, FSDP2); one that cannot be compiled
+    strategy that compiles per block itself (`Capabilities.compiles_per_block`, FSDP2); one that cannot be compiled
     refuses the setting before the run starts. See kiln/engine/compile.py."""
     key = id(model)
     if key not in run._compiled:

@@ -224,15 +224,13 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
                       micro_batch: Optional[MicroBatch] = None) -> torch.Tensor:
         """Forward, loss, backward for one micro-batch; returns its detached (weighted) loss.
 
-        `micro_batch` (its loss weight, whether it ends the accumulation window) is passed by the loop; an
-        override with HF's signature calling `super().training_step(model, inputs, num_items_in_batch)`
-        gets the one in flight (`Run.micro_batch`), so it weighs exactly too."""
+        The micro-batch's place in its accumulation window (its loss weight, whether it ends the window)
+        is `micro_batch`, by default the one the step has in flight (`Run.micro_batch`), so an override
+        with HF's signature calling `super().training_step(model, inputs, num_items_in_batch)` weighs
+        exactly too."""
         micro_batch = micro_batch if micro_batch is not None else self.run.micro_batch
-        if self.precision.plain_forward:  # fp32 and true-half plugins: no context to enter every step
+        with self.precision.forward_context():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        else:
-            with self.precision.forward_context():
-                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         weight = micro_batch.weight if micro_batch is not None and micro_batch.weights is not None else None  # read once
         loss = loss * weight if weight is not None else loss
         if self.run.backward_owner is not None:  # LOMO: the optimizer updates the weights inside backward

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 #: `precision.full_eval` values -> the dtype the model is cast to for evaluation
 EVAL_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-
+_NULL = contextlib.nullcontext()  # reentrant and stateless: one for every step
 
 
 class Precision:
@@ -57,19 +57,6 @@ class Precision:
     skipped_steps: int = 0
     _device: torch.device | None = None
     _tf32_saved: TF32State | None = None
-
-    #: Whether the class keeps the base no-op of `forward_context`, `convert_input` and
-    #: `unscale_gradients`, so the hot path may skip the call (set per class, below): on a tiny model
-    #: every Python call of a training step costs about 1 µs.
-    plain_forward: ClassVar[bool] = True
-    plain_input: ClassVar[bool] = True
-    plain_unscale: ClassVar[bool] = True
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.plain_forward = cls.forward_context is Precision.forward_context
-        cls.plain_input = cls.convert_input is Precision.convert_input
-        cls.plain_unscale = cls.unscale_gradients is Precision.unscale_gradients
 
     def __init__(self, config: DictConfig | None = None) -> None:
         self.config = config
@@ -145,7 +132,7 @@ class Precision:
 
     def forward_context(self) -> AbstractContextManager[Any]:
         """Context for the forward pass and loss computation (autocast for mixed precision)."""
-        return contextlib.nullcontext()
+        return _NULL
 
     def eval_context(self) -> AbstractContextManager[Any]:
         """Context for evaluation forward passes; the same as training unless a plugin differs."""

@@ -19,10 +19,13 @@ never changes for it: the engine calls only these methods, in this order, for ev
     setup = strategy.setup(module, optimizer_factory, scheduler_factory, max_steps=N)   # once, joint;
         # evaluation before training calls it without factories, and training calls it again with
         # them and the run's optimizer step count (None when not known yet: auto_find_batch_size)
-    loader = strategy.process_dataloader(loader)   # [StaticShapes]: the Trainer drops short batches
+    loader = strategy.process_dataloader(loader)   # capabilities.static_shapes: the Trainer drops short batches
     per micro-batch:  batch = strategy.batch_to_device(batch)
-                      [BackwardSyncControl] with strategy.micro_batch_context(model, boundary=...):
-                          loss = forward ...; strategy.backward(loss, model, boundary=...)
+    per window:       [OwnsMicroBatchWindow] losses = strategy.run_window(model, window, weights)
+                          # a pipeline schedule runs every forward and backward itself, in place of:
+    per micro-batch:  [BackwardSyncControl] with strategy.micro_batch_context(model, boundary=...):
+                          with precision.forward_context(): loss = forward ... x weight
+                          strategy.backward(loss, model, boundary=...)
                       [GraphBoundaries] strategy.on_micro_batch_end()            # XLA's sync
     per step:         result = strategy.optimizer_step(model, optimizer, max_grad_norm)
                           # owns unscale -> reduce -> clip -> step -> skip-on-inf; StepResult(stepped, grad_norm)
@@ -245,8 +248,7 @@ class Strategy:
 
     def batch_to_device(self, batch: Any) -> Any:
         """Move to the device, then let the precision plugin cast inputs (true half precision)."""
-        batch = move_to_device(batch, self.root_device)
-        return batch if self.precision.plain_input else self.precision.convert_input(batch)
+        return self.precision.convert_input(move_to_device(batch, self.root_device))
 
     # -- step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module, *, boundary: bool = True) -> None:
@@ -260,8 +262,7 @@ class Strategy:
         unless the gradients hold inf/nan. Returns whether it stepped and the pre-clip norm."""
         grad_norm = None
         if max_grad_norm:
-            if not self.precision.plain_unscale:
-                self.precision.unscale_gradients(optimizer)
+            self.precision.unscale_gradients(optimizer)
             grad_norm = self.clip_gradients(model, optimizer, max_grad_norm)
         stepped = self.precision.optimizer_step(optimizer)
         return StepResult(stepped, grad_norm)

@@ -32,6 +32,20 @@ class Capabilities:
     #: the module `setup` returns may be torch.compile'd by the engine (`train.torch_compile*`); the
     #: reason for False is `reasons["torch_compile"]`
     torch_compile: bool = True
+    #: every training step must see the same shapes (the XLA family compiles one graph per input shape):
+    #: the Trainer drops each epoch's short last training batch (as `dataloader_drop_last`, saying how many
+    #: samples in one log line) and pads a short accumulation window's item counts with zero counts on the
+    #: device, so the epoch's last window replays the graphs of a full one
+    static_shapes: bool = False
+    #: `setup` hands back the strategy's own engine wrapping module and optimizer together, and its
+    #: `optimizer_step` runs that engine's step, which clips, scales and may skip (DeepSpeed): the engine
+    #: then neither merges HF's two param groups into one step nor compiles the optimizer step
+    owns_optimizer_step: bool = False
+    #: with `train.torch_compile*` the strategy compiles each block's forward before it wraps the block
+    #: (FSDP2: compiled blocks, then `fully_shard`, torchtitan's order), so its per-block hooks run
+    #: outside the compiled graphs; compiling the whole wrapped module on top would trace into those
+    #: hooks, so the engine leaves the set-up module uncompiled
+    compiles_per_block: bool = False
     #: why a device, precision or feature ("torch_compile") is refused, keyed by name, for messages
     #: that say more than "no"
     reasons: dict[str, str] = field(default_factory=dict)

@@ -10,18 +10,19 @@ not inherit an interface simply has nothing to do at that point (no no-op hook i
   each optimizer step (XLA's `torch_xla.sync()`).
 - `ShardedModuleInit`: a model the Trainer builds itself is built inside the strategy's context
   (the mesh strategy's meta device / rank-0 loading, DeepSpeed's `zero.Init`).
-- `StaticShapes`: every step must see the same shapes (the XLA family compiles one graph per shape).
-- `OwnsOptimizerStep`: the strategy's own engine steps, clips and scales (DeepSpeed); documentation
-  for readers and tests, the engine calls `optimizer_step` the same way for every strategy.
-- `CompilesPerBlock`: the strategy applies `train.torch_compile*` itself, block by block inside
-  `setup_module` (the mesh strategy, as torchtitan does); the engine then leaves the set-up module uncompiled.
+- `OwnsMicroBatchWindow`: the strategy runs the forward and backward of a whole accumulation window
+  itself, in its own order (a pipeline schedule: GPipe, 1F1B), and hands back the micro-batches' losses.
+
+What a strategy only declares, with no method to call (static shapes, an optimizer step its own engine
+owns, compiling per block), is a field of its `Capabilities` (kiln/strategies/capabilities.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Optional, Protocol
 
+import torch
 from torch import nn
 
 
@@ -62,26 +63,54 @@ class ShardedModuleInit(ABC):
         """The context the Trainer builds the model in (may be a null context for some settings)."""
 
 
-class StaticShapes:
-    """Marker: every training step must see the same shapes (one compiled graph per input shape).
+class LossWeights(Protocol):
+    """What a window-owning strategy reads of the window's loss weights (the engine's `WindowWeights`,
+    kiln/engine/loop/loss_weights.py)."""
 
-    The Trainer then drops each epoch's short last training batch (as `dataloader_drop_last`, saying
-    how many samples in one log line) and pads a short accumulation window's item counts with zero
-    counts on the device, so the epoch's last window replays the graphs of a full one."""
+    #: the model divides its summed loss by `total` itself (HF's `num_items_in_batch`)
+    model_divides: bool
 
+    @property
+    def total(self) -> torch.Tensor:
+        """The items the window's loss averages over (HF's `num_items_in_batch`)."""
 
-class OwnsOptimizerStep:
-    """Marker: `setup` hands back the strategy's own engine wrapping module and optimizer together,
-    and its `optimizer_step` runs that engine's step (which clips, scales and may skip). The user's
-    optimizer factory may then be ignored in favour of one the strategy's config names (DeepSpeed)."""
-
-
-class CompilesPerBlock:
-    """Marker: with `train.torch_compile*` the strategy compiles each block's forward before it wraps
-    the block (FSDP2: compiled blocks, then `fully_shard`, torchtitan's order), so its per-block hooks
-    run outside the compiled graphs and add no graph breaks. Compiling the whole wrapped module on top
-    would trace into those hooks, so the engine does not."""
+    def weight(self, i: int) -> Any:
+        """The factor for micro-batch i's loss (None: leave it as it is)."""
 
 
-__all__ = ["BackwardSyncControl", "CompilesPerBlock", "GraphBoundaries", "OwnsOptimizerStep", "ShardedModuleInit",
-           "StaticShapes"]
+class OwnsMicroBatchWindow(ABC):
+    """A strategy that runs a whole accumulation window itself, as a pipeline schedule does: the
+    micro-batches are the schedule's, interleaved across stages (GPipe: every forward, then every
+    backward; 1F1B: alternating), so no per-micro-batch loop outside the strategy could drive them.
+
+    The step calls `run_window` once per optimizer step in place of its per-micro-batch loop; the
+    optimizer step (`optimizer_step`, whose clipping must be global across the strategy's stages),
+    the scheduler and `zero_grad` stay the engine's, as for every strategy. The contract:
+
+    - `window` holds the window's micro-batches in order, each already through `batch_to_device`.
+    - When it returns, each trained parameter's gradient is the sum over micro-batches i of the
+      gradient of `loss_i * w_i`: `loss_i` is micro-batch i's loss as the model computes it (the mean
+      over its items; HF-contract models that take `num_items_in_batch` are given `weights.total`, and
+      divide by it themselves, when `weights.model_divides`), and `w_i = weights.weight(i)`, left out
+      where `weights` is None (a lone micro-batch on one item shard: its mean needs no weight) or the
+      weight is None. The weights carry kiln's item-count rule (kiln/engine/loop/loss_weights.py:
+      `num_items_in_batch`, `average_tokens_across_devices`); `weights.total` is the window's item
+      count, summed over the item shards when averaged across devices.
+    - Gradients are synchronised across data-parallel replicas by the strategy (the window's end is
+      the only boundary), and its forwards run in `self.precision.forward_context()`, its backwards
+      through `self.precision.backward` (loss scaling).
+    - It returns one detached loss per micro-batch, `loss_i * w_i` as `Trainer.training_step` returns
+      it, on every rank (a stage that computes no loss receives them from the one that does), since
+      every rank logs them and stops on non-finite ones alike.
+
+    The Trainer's per-micro-batch override points (`training_step`, `compute_loss`) cannot run inside a
+    schedule, so a Trainer that overrides them is refused when the fit starts, as is an optimizer that
+    updates the weights inside backward (LOMO)."""
+
+    @abstractmethod
+    def run_window(self, model: nn.Module, window: list[Any],
+                   weights: Optional[LossWeights]) -> list[torch.Tensor]:
+        """Forward and backward of every micro-batch of `window`; their detached weighted losses."""
+
+
+__all__ = ["BackwardSyncControl", "GraphBoundaries", "LossWeights", "OwnsMicroBatchWindow", "ShardedModuleInit"]

@@ -9,7 +9,7 @@ import torch
 
 from kiln import Trainer
 from kiln.engine.compile import compile_optimizer_step
-from kiln.strategies.interfaces import OwnsOptimizerStep
+from kiln.strategies.capabilities import Capabilities
 from kiln.utils.errors import ConfigError
 from tests.distributed import compile_toy as toy
 
@@ -86,7 +86,7 @@ def test_a_scheduler_built_after_the_step_was_compiled_sees_every_step():
                                "torch_compile_mode": None})()
     model = toy.mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    compile_optimizer_step(optimizer, object(), train)
+    compile_optimizer_step(optimizer, _Plain(), train)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
     batch = toy.batches(toy.regression_data(4), 4)[0]
     with warnings.catch_warnings():
@@ -98,8 +98,13 @@ def test_a_scheduler_built_after_the_step_was_compiled_sees_every_step():
     assert schedule.last_epoch == 2 and optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 3)
 
 
-class _OwnStep(OwnsOptimizerStep):
+class _OwnStep:
     name = "deepspeed"
+    capabilities = Capabilities(owns_optimizer_step=True)
+
+
+class _Plain:
+    capabilities = Capabilities()
 
 
 def test_compiled_step_is_refused_where_there_is_no_step_of_kilns_to_compile():
@@ -110,7 +115,7 @@ def test_compiled_step_is_refused_where_there_is_no_step_of_kilns_to_compile():
         compile_optimizer_step(optimizer, _OwnStep(), cfg)
     optimizer.owns_backward = True  # LOMO
     with pytest.raises(ConfigError, match="updates the weights inside backward"):
-        compile_optimizer_step(optimizer, object(), cfg)
+        compile_optimizer_step(optimizer, _Plain(), cfg)
 
 
 def test_an_unknown_compile_mode_is_refused_before_training(tmp_path):

@@ -11,6 +11,9 @@ from types import SimpleNamespace
 import torch
 
 from kiln.engine.compile import compile_optimizer_step
+from kiln.strategies.capabilities import Capabilities
+
+_PLAIN = type("Plain", (), {"capabilities": Capabilities()})()  # a strategy that declares nothing
 
 
 def _train(on: bool = True) -> SimpleNamespace:
@@ -25,10 +28,10 @@ def _model() -> torch.nn.Linear:
 def test_a_second_set_up_keeps_the_compiled_step(caplog):
     optimizer = torch.optim.SGD(_model().parameters(), lr=0.1)
     with caplog.at_level(logging.INFO, logger="kiln"):
-        compile_optimizer_step(optimizer, object(), _train())
+        compile_optimizer_step(optimizer, _PLAIN, _train())
         compiled = optimizer.step
         assert compiled._kiln_compiled and compiled._wrapped_by_lr_sched
-        compile_optimizer_step(optimizer, object(), _train())
+        compile_optimizer_step(optimizer, _PLAIN, _train())
     assert optimizer.step is compiled
     said = [r.getMessage() for r in caplog.records if "runs through torch.compile" in r.getMessage()]
     assert said == ["The optimizer step of SGD runs through torch.compile (backend 'eager')."]  # once
@@ -36,9 +39,9 @@ def test_a_second_set_up_keeps_the_compiled_step(caplog):
 
 def test_nothing_is_installed_when_the_setting_is_off_or_there_is_no_optimizer():
     optimizer = torch.optim.SGD(_model().parameters(), lr=0.1)
-    compile_optimizer_step(optimizer, object(), _train(on=False))
+    compile_optimizer_step(optimizer, _PLAIN, _train(on=False))
     assert "step" not in vars(optimizer)  # the class's own step, no instance attribute
-    compile_optimizer_step(None, object(), _train())  # evaluate/predict-only set-ups have none
+    compile_optimizer_step(None, _PLAIN, _train())  # evaluate/predict-only set-ups have none
 
 
 def _groups(model: torch.nn.Linear) -> list[dict]:
@@ -49,7 +52,7 @@ def test_the_compiled_step_updates_like_the_eager_one_and_leaves_float_rates():
     eager_model, model = _model(), _model()
     eager = torch.optim.SGD(_groups(eager_model), lr=0.1, momentum=0.9)
     optimizer = torch.optim.SGD(_groups(model), lr=0.1, momentum=0.9)
-    compile_optimizer_step(optimizer, object(), _train())
+    compile_optimizer_step(optimizer, _PLAIN, _train())
     x = torch.randn(3, 4)
     for rate in (0.1, 0.05):  # a schedule's change of rate between steps
         for m, opt in ((eager_model, eager), (model, optimizer)):

@@ -144,17 +144,18 @@ def test_the_module_is_compiled_once_and_not_over_a_strategy_that_compiles_its_b
     from types import SimpleNamespace
 
     from kiln.engine.compile import compile_module
-    from kiln.strategies.interfaces import CompilesPerBlock
+    from kiln.strategies.capabilities import Capabilities
 
     on = SimpleNamespace(torch_compile=True, torch_compile_backend=toy.BACKEND, torch_compile_mode=None)
     model = toy.mlp()
-    compiled = compile_module(model, object(), on)
+    plain, per_block = SimpleNamespace(capabilities=Capabilities()), SimpleNamespace(capabilities=Capabilities(compiles_per_block=True))
+    compiled = compile_module(model, plain, on)
     assert compiled._orig_mod is model
-    assert compile_module(compiled, object(), on) is compiled
-    assert compile_module(model, type("PerBlock", (CompilesPerBlock,), {})(), on) is model
+    assert compile_module(compiled, plain, on) is compiled
+    assert compile_module(model, per_block, on) is model
     for asks in ({"torch_compile": False}, {"torch_compile": False, "torch_compile_mode": "default"}):
         train = SimpleNamespace(**{"torch_compile_backend": None, "torch_compile_mode": None, **asks})
-        assert (compile_module(model, object(), train) is model) == ("torch_compile_mode" not in asks)
+        assert (compile_module(model, plain, train) is model) == ("torch_compile_mode" not in asks)
 
 
 def test_fsdp_compiles_each_block_forward_in_place_once():

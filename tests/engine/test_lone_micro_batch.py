@@ -1,17 +1,20 @@
-"""The usual window, one micro-batch with nothing to weigh, synchronise, cut or guard, calls `training_step`
-directly (kiln/engine/loop/step.py); every other window takes the per-micro-batch path with its contexts."""
+"""`training_step` is called at one place (kiln/engine/loop/step.py), with HF's signature, inside the
+out-of-memory guard and the strategy's synchronisation context; the micro-batch's place in its window is
+`Run.micro_batch` while it runs, and None once the window is done."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Iterator
 
+import pytest
 import torch
 
 from kiln import Trainer
 from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.engine.loop.step import _LONE
-from kiln.strategies.interfaces import GraphBoundaries
+from kiln.strategies.interfaces import GraphBoundaries, OwnsMicroBatchWindow
+from kiln.utils.errors import KilnError
 from tests.helpers import TinyRegressor, base_config, regression_data, train_step_of
 
 
@@ -53,28 +56,30 @@ def _step(tmp_path, trainer_class: type = Recording, **cfg: Any) -> tuple[Any, A
     return trainer, train_step_of(trainer), batches
 
 
-def test_a_lone_unweighted_micro_batch_is_stepped_without_the_per_micro_batch_contexts(tmp_path):
+def test_a_lone_unweighted_micro_batch_is_the_shared_lone_micro_batch(tmp_path):
     trainer, step, batches = _step(tmp_path)
-    assert step.direct and not step.weighs
+    assert not step.weighs
     events = Events()
     before = [p.detach().clone() for p in trainer.model.parameters()]
     losses, result = step(batches[:1], trainer.run.wrapped, events)
-    assert events.calls == ["pre_optimizer_step", "optimizer_step"]  # no guard entered
-    assert trainer.seen == [(_LONE, None, None)] and len(losses) == 1 and result.stepped
+    assert events.calls == ["guard", "pre_optimizer_step", "optimizer_step"]
+    assert trainer.seen == [(None, None, _LONE)] and len(losses) == 1 and result.stepped
+    assert result.grad_norm is not None  # clipped (max_grad_norm 1.0) by the strategy's optimizer step
+    assert trainer.run.micro_batch is None  # cleared once the window is done
     assert not any(torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
 
 
-def test_the_out_of_memory_guard_and_a_second_micro_batch_take_the_per_micro_batch_path(tmp_path):
+def test_a_window_of_two_gives_each_micro_batch_its_place_and_the_window_item_count(tmp_path):
     trainer, step, batches = _step(tmp_path)
-    events = Events(guarding=True)
-    step(batches[:1], trainer.run.wrapped, events)
-    assert events.calls == ["guard", "pre_optimizer_step", "optimizer_step"] and trainer.seen == [(_LONE, None, None)]
-    events, trainer.seen[:] = Events(), []
+    events = Events()
     step.weighs = step.windows_need_weights(2)  # what the loop sets for windows of two micro-batches
     step(batches, trainer.run.wrapped, events)
     assert events.calls == ["guard", "substep_end", "pre_optimizer_step", "optimizer_step"]
-    assert [type(micro) for micro, _, _ in trainer.seen] == [MicroBatch, MicroBatch]
-    assert [micro.boundary for micro, _, _ in trainer.seen] == [False, True]
+    micros = [micro for _, _, micro in trainer.seen]
+    assert [type(m) for m in micros] == [MicroBatch, MicroBatch] and [m.index for m in micros] == [0, 1]
+    assert [m.boundary for m in micros] == [False, True] and micros[0].weights is micros[1].weights
+    assert [float(m.weight) for m in micros] == [0.5, 0.5]  # 4 items each of 8
+    assert [int(n) for _, n, _ in trainer.seen] == [8, 8]  # HF's num_items_in_batch: the window's items
 
 
 def test_an_hf_signature_override_finds_the_micro_batch_in_the_run(tmp_path):
@@ -84,7 +89,6 @@ def test_an_hf_signature_override_finds_the_micro_batch_in_the_run(tmp_path):
             return super().training_step(model, inputs, num_items_in_batch)
 
     trainer, step, batches = _step(tmp_path, HFSignature)
-    assert not step.direct
     step(batches[:1], trainer.run.wrapped, Events())
     assert trainer.seen == [_LONE] and trainer.run.micro_batch is None
 
@@ -102,6 +106,39 @@ def test_a_strategy_that_cuts_graphs_is_told_after_a_lone_micro_batch(tmp_path, 
 
     monkeypatch.setattr(trainer.strategy, "__class__", Cutting)
     step = train_step_of(trainer)
-    assert not step.direct
     step(batches[:1], trainer.run.wrapped, Events())
     assert cuts == ["micro_batch", "step"]
+
+
+def _window_owner(trainer: Any, got: list) -> type:
+    class Owner(type(trainer.strategy), OwnsMicroBatchWindow):  # type: ignore[misc]
+        def run_window(self, model, window, weights):
+            got.append((window, weights))
+            return [torch.tensor(float(i)) for i in range(len(window))]
+
+    return Owner
+
+
+def test_a_window_owning_strategy_runs_the_whole_window_once_with_its_weights(tmp_path, monkeypatch):
+    trainer, _, batches = _step(tmp_path, Trainer)
+    trainer.seen = []
+    got: list = []
+    monkeypatch.setattr(trainer.strategy, "__class__", _window_owner(trainer, got))
+    step = train_step_of(trainer)
+    step.weighs = step.windows_need_weights(2)
+    events = Events()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    losses, result = step(batches, trainer.run.wrapped, events)
+    assert len(got) == 1 and got[0][0] is batches and [float(got[0][1].weight(i)) for i in (0, 1)] == [0.5, 0.5]
+    assert [float(x) for x in losses] == [0.0, 1.0]  # what the strategy returned
+    assert events.calls == ["guard", "substep_end", "pre_optimizer_step", "optimizer_step"]  # substeps still counted
+    assert result.stepped and trainer.run.micro_batch is None
+    # the strategy computed no gradient here, so the engine's optimizer step left the weights as they were
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_a_window_owner_refuses_a_trainer_that_overrides_what_acts_per_micro_batch(tmp_path, monkeypatch):
+    trainer, _, _ = _step(tmp_path)  # Recording overrides training_step
+    monkeypatch.setattr(trainer.strategy, "__class__", _window_owner(trainer, []))
+    with pytest.raises(KilnError, match=r"so Recording.training_step, which acts on one micro-batch, would never be called"):
+        train_step_of(trainer)

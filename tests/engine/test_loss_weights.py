@@ -91,9 +91,9 @@ def test_a_lone_micro_batch_on_several_shards_is_weighted_by_the_global_count(tm
     seen = []
 
     class Recording(Trainer):
-        def training_step(self, model, inputs, num_items_in_batch=None, micro_batch=None):
-            seen.append((micro_batch.weight, int(inputs["labels"].ne(-100).sum())))
-            return super().training_step(model, inputs, num_items_in_batch, micro_batch)
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append((self.run.micro_batch.weight, int(inputs["labels"].ne(-100).sum())))
+            return super().training_step(model, inputs, num_items_in_batch)
 
     cfg = base_config(tmp_path, max_steps=1, per_device_train_batch_size=2)
     trainer = Recording(TokenModel(), cfg, train_dataset=padded_token_data(n=4))

@@ -54,8 +54,10 @@ def test_a_compiled_optimizer_step_is_left_as_compiled(tmp_path, monkeypatch, se
 
 
 def test_a_strategy_whose_engine_owns_the_step_keeps_the_optimizers_own_step(tmp_path, monkeypatch):
+    from kiln.strategies.capabilities import Capabilities
     from kiln.strategies.single import SingleDeviceStrategy
 
-    monkeypatch.setattr(run_module, "OwnsOptimizerStep", SingleDeviceStrategy)  # single stands in for DeepSpeed here
+    # single stands in for DeepSpeed here
+    monkeypatch.setattr(SingleDeviceStrategy, "capabilities", Capabilities(owns_optimizer_step=True))
     trainer, _, calls = _fit(tmp_path, "owned", monkeypatch, weight_decay=0.0)
     assert not getattr(trainer.optimizer.step, "_kiln_merged", False) and calls == 2 * trainer.state.global_step

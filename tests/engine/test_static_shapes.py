@@ -1,4 +1,4 @@
-"""The static-shapes seam (the `StaticShapes` interface, which the XLA strategies inherit): the Trainer drops
+"""The static-shapes seam (`Capabilities.static_shapes`, which the XLA strategies declare): the Trainer drops
 each epoch's short last training batch with one log line, and weighs a short accumulation window like
 a full one whose missing micro-batches count zero items. Run here with a CPU strategy that sets it;
 tests/xla/test_xla_static_shapes.py shows that XLA then compiles nothing new at an epoch's end."""
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from kiln import Trainer
-from kiln.strategies import interfaces
+from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.single import SingleDeviceStrategy
 from tests.helpers import TinyRegressor, base_config, flat_params, regression_data, train_step_of
 
 
-class StaticShapes(SingleDeviceStrategy, interfaces.StaticShapes):
-    pass
+class StaticShapes(SingleDeviceStrategy):
+    capabilities = Capabilities(static_shapes=True)
 
 
 def _trainer(tmp_path, name, strategy=None, **over):

@@ -40,11 +40,9 @@ class DataLoaderMixin:
         if isinstance(self.train_dataset, torch.utils.data.DataLoader):
             self.train_dataset.kiln_as_given = True  # its epochs run as a plain loop runs them (loaders.reads_to_the_end)
             return self.strategy.process_dataloader(self.train_dataset)
-        from kiln.strategies.interfaces import StaticShapes
-
         cfg, strategy = self.config, self.strategy
         seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
-        drop_last = bool(cfg.data.dataloader_drop_last or isinstance(strategy, StaticShapes))  # see kiln.engine.data.static_shapes
+        drop_last = bool(cfg.data.dataloader_drop_last or strategy.capabilities.static_shapes)  # see kiln.engine.data.static_shapes
         dataset, collator = self._model_inputs(self.train_dataset, "Training")
         if cfg.data.packing.strategy is not None or cfg.data.packing.padding_free:  # kiln.engine.data.packing
             from kiln.engine.data.packing import packed_training_data

@@ -1,42 +1,44 @@
-"""One optimizer step, top to bottom (`TrainStep.__call__`):
+"""One optimizer step as the data flows (`TrainStep.__call__`, then `Trainer.training_step` per micro-batch):
 
-    window = the accumulation window's micro-batches, moved to the device
-    weights = each micro-batch's loss weight (None: a lone micro-batch needs none; see loss_weights.py)
-    for each micro-batch:
-        with strategy.micro_batch_context(model, boundary=last):    # BackwardSyncControl strategies only
-            loss = trainer.training_step(model, batch, ...)          # forward, loss x weight, backward
-        strategy.on_micro_batch_end()                                # GraphBoundaries strategies only
-    result = strategy.optimizer_step(model, optimizer, max_grad_norm)  # unscale, clip, step, skip on inf
-    scheduler.step() if result.stepped; strategy.zero_grad(...); strategy.on_step_end()
+    weights = loss_weights(window)            # each micro-batch's share of the window's items (loss_weights.py)
+    with events.guard(model):                 # auto_find_batch_size: out of memory redoes the window smaller
+        for micro, batch in window:           # or, for an OwnsMicroBatchWindow strategy (a pipeline schedule):
+                                              #   losses = strategy.run_window(model, window, weights)
+            with strategy.micro_batch_context(model, boundary=micro.boundary):   # [BackwardSyncControl]
+                Trainer.training_step(model, batch, num_items_in_batch):
+                    with precision.forward_context():                    # autocast for mixed precision
+                        loss = compute_loss(model, batch) * micro.weight
+                    strategy.backward(loss, model, boundary=...)         # precision.backward: loss scaling
+            strategy.on_micro_batch_end()                                # [GraphBoundaries]
+    result = strategy.optimizer_step(model, optimizer, max_grad_norm)  # unscale, clip, step, skip on inf/nan
+    scheduler.step() if result.stepped; strategy.zero_grad(model, optimizer); strategy.on_step_end()
 
 Every hardware difference is a strategy or precision call; the optional ones are resolved once here
-(`isinstance` on the strategy's interfaces), so a strategy without them costs nothing per step. The usual
-window, one micro-batch with nothing to weigh, synchronise, cut or guard, calls `training_step` directly:
-the per-micro-batch machinery (two context managers, the loop) is about 1 % of a compiled tiny MLP's step on
-CPU (docs/benchmarks.md), and it would make exactly that call. An
+(`isinstance` on the strategy's interfaces, kiln/strategies/interfaces.py), so a strategy without them costs
+nothing per step and the loop has no branch for any of them: `forward_backward` is either the
+per-micro-batch loop or the window-owning strategy's `run_window`, chosen when the step is built. An
 optimizer that updates the weights inside backward (LOMO, `Run.backward_owner`) gets the loss in
 `Trainer.training_step` and leaves nothing for the optimizer step to do.
 
-The micro-batch's place in its window (index, boundary, weights) is passed to `training_step` as
-`micro_batch=`. An override with HF's signature, which has no such parameter and calls
-`super().training_step(model, inputs, num_items_in_batch)`, finds it in `Run.micro_batch` instead.
+`training_step` is called at one place, with HF's signature; the micro-batch's place in its window (index,
+boundary, weights) is `Run.micro_batch` while it runs, so an override that calls
+`super().training_step(model, inputs, num_items_in_batch)` weighs exactly too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 
 from kiln.engine.loop.loss_weights import MicroBatch, WindowWeights
-from kiln.engine.loop.step_errors import explain, loss_maker
+from kiln.engine.loop.step_errors import explain, loss_maker, refuse_per_micro_batch_overrides
 from kiln.engine.model.facts import ModelFacts
 from kiln.engine.run import Run
 from kiln.strategies.base import StepResult
-from kiln.strategies.interfaces import BackwardSyncControl, GraphBoundaries, StaticShapes
+from kiln.strategies.interfaces import BackwardSyncControl, GraphBoundaries, OwnsMicroBatchWindow
 
 _NULL = contextlib.nullcontext()  # reusable: no new object per micro-batch
 
@@ -71,23 +73,25 @@ class TrainStep:
         self.wants_num_items = wants_num_items
         self.max_grad_norm = float(config.train.max_grad_norm or 0.0)
         self.global_mean = bool(config.train.average_tokens_across_devices)
-        self.static_shapes = isinstance(strategy, StaticShapes)
+        self.static_shapes = strategy.capabilities.static_shapes
         self.sync = strategy.micro_batch_context if isinstance(strategy, BackwardSyncControl) else _no_sync_control
         self.cuts: Optional[GraphBoundaries] = strategy if isinstance(strategy, GraphBoundaries) else None
-        self.passes_micro_batch = _takes(training_step, "micro_batch")
         self.weighs = self.windows_need_weights(run.accumulation)
-        # a lone unweighted micro-batch needs no per-micro-batch context: `training_step` is called directly
-        self.direct = self.sync is _no_sync_control and self.cuts is None and self.passes_micro_batch
+        #: forward and backward of a window: the per-micro-batch loop, or a strategy that owns the window
+        self.forward_backward = self.micro_batches
+        if isinstance(strategy, OwnsMicroBatchWindow):
+            refuse_per_micro_batch_overrides(training_step, run, strategy.name)
+            self.owner: OwnsMicroBatchWindow = strategy
+            self.forward_backward = self.owned_window
 
     def __call__(self, window: list[Any], model: Any, events: "StepEvents") -> tuple[list[torch.Tensor], StepResult]:
         """Forward and backward of every micro-batch of `window`, the optimizer step, the schedule.
         Returns the micro-batches' detached losses (still on the device) and what the step did."""
-        run = self.run
+        run, strategy = self.run, self.strategy
         try:  # free until a step raises: see step_errors
-            if self.direct and not self.weighs and len(window) == 1 and not events.guarding:
-                losses = [self.training_step(model, window[0], num_items_in_batch=None, micro_batch=_LONE)]
-            else:
-                losses = self.micro_batches(window, model, events)
+            weights = self.loss_weights(window) if self.weighs else None
+            with events.guard(model):  # auto_find_batch_size: out of memory in here redoes the window smaller
+                losses = self.forward_backward(model, window, weights, events)
         except (RuntimeError, TypeError, AttributeError) as err:
             explained = explain(err, window[0], loss_maker(self.training_step, run.model, self.facts.training_module),
                                 run.model)
@@ -95,37 +99,42 @@ class TrainStep:
                 raise
             raise explained from err
         events.pre_optimizer_step()
-        result = self.optimizer_step(model)
+        result = self.optimizer_step(model)  # unscale, clip, step; skipped on inf/nan gradients
         events.optimizer_step()
         self.step_lr = self.learning_rate()  # the rate this step used: logged as learning_rate (HF), not the next one's
         if result.stepped and run.scheduler is not None and not run.scheduler_needs_metrics:
             run.scheduler.step()
-        self.strategy.zero_grad(model, run.optimizer)
+        strategy.zero_grad(model, run.optimizer)
         if self.cuts is not None:
             self.cuts.on_step_end()
         return losses, result
 
-    def micro_batches(self, window: list[Any], model: Any, events: "StepEvents") -> list[torch.Tensor]:
-        """Forward and backward of each micro-batch of `window`, in its context; returns the detached losses."""
+    def micro_batches(self, model: Any, window: list[Any], weights: Optional[WindowWeights],
+                      events: "StepEvents") -> list[torch.Tensor]:
+        """Forward and backward of each micro-batch of `window` in its synchronisation context, through
+        `training_step` (which reads its place in the window from `Run.micro_batch`); the detached losses."""
         run = self.run
-        weights = self.loss_weights(window) if self.weighs else None
         num_items = weights.total if weights is not None and self.wants_num_items else None
         losses = []
         last = len(window) - 1
-        with events.guard(model):  # auto_find_batch_size: out of memory in here redoes the window smaller
-            for i, batch in enumerate(window):
-                micro = _LONE if last == 0 and weights is None else MicroBatch(i, i == last, weights)
-                with self.sync(model, boundary=micro.boundary):
-                    if self.passes_micro_batch:
-                        losses.append(self.training_step(model, batch, num_items_in_batch=num_items, micro_batch=micro))
-                    else:
-                        run.micro_batch = micro
-                        losses.append(self.training_step(model, batch, num_items_in_batch=num_items))
-                if self.cuts is not None:
-                    self.cuts.on_micro_batch_end()
-                if i < last:
-                    events.substep_end()
-            run.micro_batch = None
+        for i, batch in enumerate(window):
+            run.micro_batch = micro = _LONE if last == 0 and weights is None else MicroBatch(i, i == last, weights)
+            with self.sync(model, boundary=micro.boundary):
+                losses.append(self.training_step(model, batch, num_items_in_batch=num_items))
+            if self.cuts is not None:
+                self.cuts.on_micro_batch_end()
+            if i < last:
+                events.substep_end()
+        run.micro_batch = None
+        return losses
+
+    def owned_window(self, model: Any, window: list[Any], weights: Optional[WindowWeights],
+                     events: "StepEvents") -> list[torch.Tensor]:
+        """The window run by a strategy that owns it (`OwnsMicroBatchWindow`: a pipeline schedule);
+        `on_substep_end` still fires once per micro-batch but the last, after the window."""
+        losses = self.owner.run_window(model, window, weights)
+        for _ in range(len(window) - 1):
+            events.substep_end()
         return losses
 
     def optimizer_step(self, model: Any) -> StepResult:
@@ -162,15 +171,6 @@ class TrainStep:
         return WindowWeights.for_window(counts, item_shards=s.item_shards, grad_divisor=s.grad_divisor,
                                         global_mean=self.global_mean, model_divides=self.facts.model_divides(window[0]),
                                         reduce_async=s.reduce_async)
-
-
-def _takes(method: Callable[..., Any], name: str) -> bool:
-    """Whether `method` accepts the keyword `name` (by name or through **kwargs)."""
-    try:
-        params = inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def batch_tokens(batch: Any) -> int:

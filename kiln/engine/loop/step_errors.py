@@ -66,3 +66,18 @@ def explain(err: BaseException, batch: Any, maker: str, model: Any) -> Optional[
                          f"not a tensor ({reason}): stack the rows in the data_collator (torch.stack or torch.tensor), "
                          "or leave data_collator out for kiln's default collator, which does.")
     return None
+
+
+def refuse_per_micro_batch_overrides(training_step: Callable[..., Any], run: Any, strategy: str) -> None:
+    """Refuse what acts per micro-batch under a strategy that runs the whole window as one schedule
+    (`OwnsMicroBatchWindow`): it would silently never be called."""
+    trainer = getattr(training_step, "__self__", None)
+    user = _own(trainer, "training_step") or _own(trainer, "compute_loss")
+    if user is not None:
+        raise KilnError(f"strategy {strategy!r} runs each accumulation window as one schedule, so {user}, which acts on "
+                        "one micro-batch, would never be called: compute the loss in the model's forward (its 'loss' "
+                        "output) and drop the override.")
+    if run.backward_owner is not None:
+        raise KilnError(f"{type(run.optimizer).__name__} updates the weights inside backward, but strategy {strategy!r} "
+                        "runs the backward passes in its own schedule: choose an optimizer that steps after backward "
+                        "(optim: adamw_torch).")

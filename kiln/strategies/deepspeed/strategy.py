@@ -35,7 +35,7 @@ from kiln.strategies.base import OptimizerFactory, SchedulerFactory, Setup, Step
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.collectives import ProcessGroupCollectives
-from kiln.strategies.interfaces import BackwardSyncControl, OwnsOptimizerStep, ShardedModuleInit
+from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
 from kiln.strategies.deepspeed.config import NAMED_STAGES, dtype_of, finalize, process, read_user_config
 from kiln.utils.errors import ConfigError
 
@@ -83,12 +83,12 @@ class DeepSpeedPrecision(Precision):
 
 
 @STRATEGIES.register("deepspeed", *[n for n in NAMED_STAGES if n != "deepspeed"])
-class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, ShardedModuleInit, OwnsOptimizerStep):
+class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, ShardedModuleInit):
     name = "deepspeed"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         precisions=frozenset({"fp32", "fp16", "bf16", "fp16-true", "bf16-true"}),
-        auto_batch_size=False, full_eval_cast=False, user_optimizer=False,
+        auto_batch_size=False, full_eval_cast=False, user_optimizer=False, owns_optimizer_step=True,
         reasons={"mps": "DeepSpeed has no Apple GPU accelerator", "xla": "DeepSpeed does not run on XLA devices",
                  "apex": "DeepSpeed's engine wraps the optimizer and scales the fp16 loss itself (apex's amp.initialize "
                          "would wrap the optimizer a second time); use precision: fp16 or bf16"},

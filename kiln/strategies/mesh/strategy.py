@@ -39,7 +39,7 @@ from kiln.strategies.base import Strategy
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.collectives import ProcessGroupCollectives, check_op
-from kiln.strategies.interfaces import BackwardSyncControl, CompilesPerBlock, ShardedModuleInit
+from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
 from kiln.strategies.mesh.dims import (ParallelDims, build_device_mesh, dp_mesh, flatten_axes, parse_mesh,
                                        release_mesh_groups)
 from kiln.strategies.mesh.settings import MeshSettings
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, ShardedModuleInit, CompilesPerBlock):
+class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, ShardedModuleInit):
     """The mesh strategy's whole behaviour; a preset supplies `read_settings` and `mesh_request`
     (and its names, options and defaults)."""
 
@@ -65,6 +65,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         auto_batch_size=False,
         full_eval_cast=False,
         user_optimizer=False,
+        compiles_per_block=True,  # each block's forward before the tp split and `fully_shard`, as torchtitan
         reasons={"mps": "it needs gloo or NCCL collectives and DTensor support, which Apple GPUs do not have "
                         "(one MPS device: strategy mps)",
                  "xla": "XLA devices shard through XLA's own FSDP and SPMD (use strategy xla_fsdp)",

@@ -27,7 +27,7 @@ class XLAFSDPBase(XLAStrategy):
     name = "xla_fsdp"
     capabilities = Capabilities(
         devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, auto_batch_size=False,
-        full_eval_cast=False, user_optimizer=False, torch_compile=False, reasons=XLA_REASONS,
+        full_eval_cast=False, user_optimizer=False, torch_compile=False, static_shapes=True, reasons=XLA_REASONS,
     )
     options = dict(OPTIONS)
 

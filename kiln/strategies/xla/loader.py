@@ -4,7 +4,7 @@ wrapper that still looks like the user's DataLoader to the loop (length, sampler
 resume skipping), so `kiln/engine/` never knows it is there.
 
 Static shapes: XLA compiles one graph per input shape. The loaders kiln builds drop the short last
-batch (the `StaticShapes` interface, kiln.engine.data.static_shapes); a DataLoader the user built is used
+batch (`Capabilities.static_shapes`, kiln.engine.data.static_shapes); a DataLoader the user built is used
 as given, and its short last batch (the dataset length not a multiple of the batch size) costs one
 more compilation, once (the graph is cached for later epochs). `static_shape_warning` says so once."""
 

@@ -7,7 +7,7 @@ torch_xla records operations lazily and compiles each recorded graph once per sh
 - nothing on the per-step path reads a value back to the host: the loss and the gradient norm stay
   device tensors, and the loop reads them only on logging steps (the test counts transfers);
 - batches are uploaded by torch_xla's `MpDeviceLoader` in a background thread (xla_loader.py);
-- static shapes (the `StaticShapes` interface): the Trainer drops each epoch's short last training batch
+- static shapes (`Capabilities.static_shapes`): the Trainer drops each epoch's short last training batch
   and pads a short accumulation window's item counts, so no epoch end compiles a new graph (a
   DataLoader the user built keeps its short batch, reported once, as it costs one more compilation);
 - with several replicas (a TPU host's cores, one process each), gradients are averaged with
@@ -30,7 +30,7 @@ from torch import nn
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import StepResult, Strategy
 from kiln.strategies.capabilities import Capabilities
-from kiln.strategies.interfaces import GraphBoundaries, StaticShapes
+from kiln.strategies.interfaces import GraphBoundaries
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.utils.errors import ConfigError
 
@@ -73,12 +73,13 @@ def sync() -> None:
 
 
 @STRATEGIES.register("xla")
-class XLAStrategy(Strategy, GraphBoundaries, StaticShapes):
+class XLAStrategy(Strategy, GraphBoundaries):
     name = "xla"
     # auto_find_batch_size, full-eval casts and a user-built optimizer have not been run on XLA (an XLA
     # out-of-memory error is no torch.OutOfMemoryError, so the probe could not see it): refused
     capabilities = Capabilities(devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, auto_batch_size=False,
-                                full_eval_cast=False, user_optimizer=False, torch_compile=False, reasons=XLA_REASONS)
+                                full_eval_cast=False, user_optimizer=False, torch_compile=False, static_shapes=True,
+                                reasons=XLA_REASONS)
     checkpoint_formats = ("xla-full",)
 
     def __init__(self, config: "DictConfig", precision: "Precision") -> None:
@@ -154,7 +155,7 @@ class XLAStrategy(Strategy, GraphBoundaries, StaticShapes):
 
         if isinstance(dataloader, XLADeviceLoader) or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader  # a loader the user built for the device, or plain batches (moved per batch)
-        if not getattr(dataloader, "kiln_built", False):  # kiln's training loaders drop it (StaticShapes)
+        if not getattr(dataloader, "kiln_built", False):  # kiln's training loaders drop it (static_shapes)
             static_shape_warning(dataloader)
         return XLADeviceLoader(dataloader, self.root_device, prepare=self.prepare_batch())
 

@@ -21,7 +21,6 @@ from torch import nn
 from kiln.strategies.base import Setup, SingleProcessCollectives, Strategy, StepResult
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO, register_format
-from kiln.strategies.interfaces import OwnsOptimizerStep
 from kiln.strategies.single import SingleDeviceStrategy
 from kiln.utils.errors import CheckpointError, safe_torch_load
 
@@ -82,10 +81,10 @@ class EngineCheckpointIO(CheckpointIO):
         return safe_torch_load(os.path.join(directory, cls.FILE))["module"]
 
 
-class OwnStepStrategy(SingleProcessCollectives, Strategy, OwnsOptimizerStep):
+class OwnStepStrategy(SingleProcessCollectives, Strategy):
     name = "fake_own_step"
     capabilities = Capabilities(devices=frozenset({"cpu"}), precisions=frozenset({"fp32"}), user_optimizer=False,
-                                auto_batch_size=False, full_eval_cast=False)
+                                auto_batch_size=False, full_eval_cast=False, owns_optimizer_step=True)
     checkpoint_formats = (EngineCheckpointIO.format,)
 
     def __init__(self, config: Any, precision: Any) -> None:
