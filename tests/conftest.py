@@ -7,6 +7,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # oversubscribed intra-op threads spin and slow everything down.
 os.environ.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 
+from tests.jit_ops import use_own_extensions_dir  # noqa: E402
+
+# DeepSpeed's CPU-Adam op is JIT-built into a folder of this environment's own, inherited by every process
+# a test starts: torch's shared default folder is rebuilt (minutes) whenever another environment used it.
+use_own_extensions_dir()
+
 import logging  # noqa: E402
 
 import pytest  # noqa: E402

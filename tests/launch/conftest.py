@@ -1,6 +1,7 @@
-"""What the Ray tests share (test_ray_train.py, test_ray_tune.py): one local Ray instance for the
-package, started by the first test that asks for it and stopped after the last test of tests/launch
-(starting Ray costs seconds on 2 cores; the two modules run one after the other, in one xdist worker)."""
+"""What the Ray tests share (test_ray_train.py, test_ray_tune.py, test_ray_output_once.py): one local Ray
+instance for the package, started by the first test that asks for it and stopped after the last test of
+tests/launch (starting Ray costs seconds on 2 cores; the modules run one after the other, in one xdist
+worker), and one `kiln fit --ray 2` run that two of them check (a Ray Train run costs a minute on 2 cores)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,19 @@ def local_ray():
                  runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
         yield ray
         ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def ray_fsdp_run(local_ray, tmp_path_factory):
+    """`kiln fit --ray 2 strategy.name=fsdp` with a final evaluation: (output_dir, marks folder).
+    test_ray_train.py compares its weights with one process; test_ray_output_once.py reads what its
+    workers printed."""
+    from kiln import cli
+    from tests.launch.ray_toy import write_config
+
+    root = tmp_path_factory.mktemp("ray_fsdp")
+    folder, out = root / "marks", root / "run"
+    folder.mkdir()
+    assert cli.main(["fit", write_config(root / "c.yaml", out, folder=str(folder), eval_rows=8), "--ray", "2",
+                     "strategy.name=fsdp"]) == 0
+    return out, folder

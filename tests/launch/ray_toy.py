@@ -1,15 +1,19 @@
 """`task.data` for the Ray Train tests (tests/launch/test_ray_*.py): the CLI runs' regression data plus
 a callback that ends one worker abruptly (`os._exit`, as a lost machine would) at a chosen step of the
-first attempt only (a marker file remembers the kill), and records the step each attempt starts from."""
+first attempt only (a marker file remembers the kill), and records the step each attempt starts from; and
+the tests' `kiln fit` config."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from kiln import Callback
 from kiln.launch.environment import detect
-from tests.distributed.toy import cli_data
+from tests.distributed.toy import cli_data, regression_data
 
 
 class DieOnce(Callback):
@@ -38,8 +42,26 @@ class DieOnce(Callback):
             os._exit(1)
 
 
-def data(folder: str = "", die_rank: int = -1, die_step: int = 0) -> dict[str, Any]:
+def data(folder: str = "", die_rank: int = -1, die_step: int = 0, eval_rows: int = 0) -> dict[str, Any]:
     out = cli_data()
+    if eval_rows:  # evaluated once after training (the CLI's final evaluation): the weights are those without it
+        out["eval_dataset"] = regression_data(eval_rows, seed=1)
     if folder:
         out["callbacks"] = [*out["callbacks"], DieOnce(folder, die_rank, die_step)]
     return out
+
+
+MAX_STEPS, SAVE_STEPS = 6, 2
+
+
+def write_config(path: Path, output_dir: Path, **data_args: Any) -> str:
+    """A `kiln fit` config over the CLI runs' model and this module's `data` (its arguments: data_args)."""
+    cfg = {
+        "output_dir": str(output_dir), "seed": 5, "learning_rate": 1e-2, "max_steps": MAX_STEPS,
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "save_steps": SAVE_STEPS, "logging_steps": 1,
+        "disable_tqdm": True, "report_to": "none", "strategy": {"name": "auto", "device": "cpu", "timeout": 60},
+        "task": {"model": "tests.distributed.toy:cli_model", "model_args": {"dropout": 0.0},
+                 "data": "tests.launch.ray_toy:data", "data_args": data_args},
+    }
+    OmegaConf.save(OmegaConf.create(cfg), path)
+    return str(path)

@@ -3,16 +3,14 @@
 Ray Train replaces `print` in its workers with one that logs the line and prints it too (its tee fires because
 Ray's own worker stdout is not `sys.__stdout__`), so every `kiln:` line and metrics block arrived twice, once
 on stdout and once on stderr. The worker's two log files are what Ray forwards to the driver: read there, on
-the package's local Ray instance (tests/launch/conftest.py), they hold each line once."""
+the package's local Ray instance (tests/launch/conftest.py), they hold each line once. The run read is the
+package's `kiln fit --ray 2` FSDP run (tests/launch/conftest.py), whose weights test_ray_train.py checks."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
-
-from kiln.config.load import load_config
 
 pytest.importorskip("ray", reason="pip install 'kiln[ray]'")
 
@@ -31,21 +29,12 @@ def _worker_output(ray, marker: str) -> str:
     return "".join(texts)
 
 
-def test_every_kiln_line_and_metrics_block_of_a_ray_worker_is_printed_once(local_ray, tmp_path):
-    from kiln.launch.ray import RayLaunch, launch_ray
-
-    out = tmp_path / "run"
-    cfg = {"output_dir": str(out), "max_steps": 2, "per_device_train_batch_size": 16, "eval_strategy": "no",
-           "save_strategy": "no", "disable_tqdm": True, "report_to": "none", "strategy": {"device": "cpu"},
-           "task": {"model": "tests.docs.standins:MyModel", "data": "tests.docs.standins:build_data"}}
-    path = tmp_path / "c.yaml"
-    OmegaConf.save(OmegaConf.create(cfg), path)
-    result = launch_ray([str(path)], RayLaunch.from_config(load_config(str(path)), num_workers=1))
-    assert result.error is None
+def test_every_kiln_line_and_metrics_block_of_a_ray_worker_is_printed_once(local_ray, ray_fsdp_run):
+    out, _ = ray_fsdp_run  # `kiln fit --ray 2` (tests/launch/conftest.py): rank 0 prints, rank 1 does not
     text = _worker_output(local_ray, f"kiln: output_dir {out}")
     lines = [line for line in text.splitlines() if line.strip()]
     for wanted in (f"kiln: output_dir {out}", f"kiln: done; the run's files are in {out}", "***** train metrics *****",
                    "***** eval metrics *****"):
         assert sum(line.endswith(wanted) for line in lines) == 1, (wanted, text[-3000:])
-    model = [line for line in lines if "kiln: model MyModel" in line]
+    model = [line for line in lines if "kiln: model Regressor" in line]
     assert len(model) == 1, model

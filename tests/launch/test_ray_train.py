@@ -4,7 +4,8 @@ parity, the checkpoints handed to Ray and the restart: Ray's process group train
 `kiln fit --nproc 2` (bit for bit) and of one process with the double batch; rank 1 dies mid-run,
 Ray restarts the group, which resumes from the checkpoint Ray hands back and ends bit-identical to
 the uninterrupted `--nproc 2` run; Ray keeps kiln's checkpoints by its CheckpointConfig, each copy
-sealed. FSDP runs in 2 Ray workers too (`kiln fit --ray 2`), to the weights of one process.
+sealed. FSDP runs in 2 Ray workers too (`kiln fit --ray 2`, the run test_ray_output_once.py reads the
+output of: tests/launch/conftest.py), to the weights of one process.
 
 (A Ray Train run costs seconds of process starts on 2 cores: the restart shares its run with the
 DDP parity, and the uninterrupted reference is the cheaper `--nproc 2` run.)"""
@@ -19,29 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from kiln import cli
 from kiln.engine.checkpoint.files import is_complete
 from tests.distributed.toy import REPO
+from tests.launch.ray_toy import MAX_STEPS, SAVE_STEPS, write_config
 
 pytest.importorskip("ray", reason="pip install 'kiln[ray]'")
 
 pytestmark = pytest.mark.distributed
-MAX_STEPS, SAVE_STEPS, DIE_STEP = 6, 2, 5
-
-
-def write_config(path: Path, output_dir: Path, **data_args) -> str:
-    cfg = {
-        "output_dir": str(output_dir), "seed": 5, "learning_rate": 1e-2, "max_steps": MAX_STEPS,
-        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "save_steps": SAVE_STEPS, "logging_steps": 1,
-        "disable_tqdm": True, "report_to": "none", "strategy": {"name": "auto", "device": "cpu", "timeout": 60},
-        "task": {"model": "tests.distributed.toy:cli_model", "model_args": {"dropout": 0.0},
-                 "data": "tests.launch.ray_toy:data", "data_args": data_args},
-    }
-    OmegaConf.save(OmegaConf.create(cfg), path)
-    return str(path)
+DIE_STEP = 5
 
 
 def weights(output_dir: Path) -> dict[str, torch.Tensor]:
@@ -129,10 +118,7 @@ def test_ray_keeps_kilns_checkpoints_by_its_checkpoint_config_each_with_its_seal
         assert is_complete(str(copy))
 
 
-def test_fsdp_in_two_ray_workers_trains_like_one_process(local_ray, single, tmp_path):
-    folder, out = tmp_path / "marks", tmp_path / "run"
-    folder.mkdir()
-    assert cli.main(["fit", write_config(tmp_path / "c.yaml", out, folder=str(folder)), "--ray", "2",
-                     "strategy.name=fsdp"]) == 0
+def test_fsdp_in_two_ray_workers_trains_like_one_process(ray_fsdp_run, single):
+    out, folder = ray_fsdp_run
     assert (folder / "starts").read_text().split() == ["ray:2:0"]
     assert_same_run(out, single)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +23,24 @@ def _equal(a: dict, b: dict, tol: float = 0.0) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=lambda m, n=k: f"{n}: {m}")
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """kind -> the folder of one uninterrupted 2-process run (checkpoints at steps 2, 4, 6), made once for
+    the module: the resume and reshard tests read the same run (each 2-process job costs seconds of starts)."""
+    runs: dict[str, Path] = {}
+
+    def get(kind: str):
+        if kind not in runs:
+            runs[kind] = tmp_path_factory.mktemp(f"uninterrupted_{kind}")
+            torchrun(2, "worker_resume.py", runs[kind], kind)
+        return runs[kind]
+
+    return get
+
+
 @pytest.mark.parametrize("kind", ["sharded", "full"])
-def test_resume_is_exact(tmp_path, kind):
-    first, second = tmp_path / "first", tmp_path / "second"
-    torchrun(2, "worker_resume.py", first, kind)
+def test_resume_is_exact(tmp_path, kind, uninterrupted):
+    first, second = uninterrupted(kind), tmp_path / "second"
     ckpt = first / "full_shard" / "checkpoint-2"
     marker = json.loads((ckpt / "COMPLETE").read_text())
     assert marker["format"] == f"fsdp-{kind}" and marker["world_size"] == 2
@@ -69,11 +84,10 @@ def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
     _equal(load_file(str(decay / "final.safetensors")), load_file(str(one / "final.safetensors")))
 
 
-def test_sharded_checkpoint_reshards_between_process_counts(tmp_path):
+def test_sharded_checkpoint_reshards_between_process_counts(tmp_path, uninterrupted):
     from kiln.strategies.mesh.checkpoint_io import ShardedCheckpointIO
 
-    two, one = tmp_path / "two", tmp_path / "one"
-    torchrun(2, "worker_resume.py", two, "sharded")
+    two, one = uninterrupted("sharded"), tmp_path / "one"
     torchrun(1, "worker_resume.py", one, "sharded")
     # 2 -> 1: loading alone restores the saved weights exactly; training on reaches the 2-process result
     ckpt2 = two / "full_shard" / "checkpoint-4"
