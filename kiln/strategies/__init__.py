@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kiln.config.strategy_names import STRATEGY_MODULES
-from kiln.registry import Registry
+from kiln.config.names import STRATEGY_GROUPS
+from kiln.registry import Registry, publish
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -14,9 +14,15 @@ if TYPE_CHECKING:
     from kiln.precision.base import Precision
     from kiln.strategies.base import Strategy
 
-STRATEGIES: Registry[type] = Registry("strategy", "strategy.name")
+STRATEGIES: Registry[type] = publish(Registry("strategy", "strategy.name"))
 
-for _names, _module in STRATEGY_MODULES:  # the names table sits on config's floor (validation reads it)
+#: each group of names in config's vocabulary (kiln.config.names) -> the module that registers it
+STRATEGY_MODULES: dict[tuple[str, ...], str] = dict(zip(STRATEGY_GROUPS, (
+    "kiln.strategies.single", "kiln.strategies.ddp.strategy", "kiln.strategies.fsdp.strategy",
+    "kiln.strategies.model_parallel.strategy", "kiln.strategies.deepspeed.strategy", "kiln.strategies.xla.strategy",
+    "kiln.strategies.xla.fsdp", "kiln.strategies.mps", "kiln.strategies.auto"), strict=True))
+
+for _names, _module in STRATEGY_MODULES.items():
     for _name in _names:
         STRATEGIES.add_lazy(_name, _module)
 

@@ -15,6 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kiln import cli
+from kiln.cli import train_loop_per_worker
 from kiln.config.load import load_config
 from kiln.launch import ray as ray_launch
 from kiln.launch.environment import KINDS, detect
@@ -71,7 +72,8 @@ def write(path: Path, **extra) -> str:
 def launched(monkeypatch):
     seen: dict = {}
 
-    def fake(argv, launch, cwd=None):
+    def fake(argv, launch, train_loop, cwd=None):
+        assert train_loop is train_loop_per_worker  # the CLI hands Ray its own per-worker function
         seen.update(argv=argv, launch=launch)
         return SimpleNamespace(error=None, checkpoint=SimpleNamespace(path="/ray/checkpoint-6"))
 
@@ -111,8 +113,8 @@ def test_inside_a_ray_worker_the_cli_trains_instead_of_launching_again(tmp_path,
     monkeypatch.setattr(ray_env, "train_context", lambda: FakeContext())
     for key, value in RAY_VARS.items():
         monkeypatch.setenv(key, value)
-    assert ray_launch.fit_with_ray("fit", "c.yaml", [], None, False, 0) is None
-    assert ray_launch.fit_with_ray("fit", "c.yaml", [], 2, False, 0) is None
+    assert ray_launch.fit_with_ray("fit", "c.yaml", [], None, False, 0, train_loop=train_loop_per_worker) is None
+    assert ray_launch.fit_with_ray("fit", "c.yaml", [], 2, False, 0, train_loop=train_loop_per_worker) is None
     assert launched == {}
 
 
@@ -150,13 +152,13 @@ def test_a_failed_ray_run_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "c.yaml")
 
-    def failing(argv, launch, cwd=None):
+    def failing(argv, launch, train_loop, cwd=None):
         raise RuntimeError("Training failed due to worker errors:\n  traceback ...")
 
     monkeypatch.setattr(ray_launch, "launch_ray", failing)
     assert cli.main(["fit", "c.yaml", "--ray", "2"]) == 1
     assert capsys.readouterr().err.strip() == "kiln: error: the Ray Train run failed: RuntimeError: Training failed due to worker errors:"
-    monkeypatch.setattr(ray_launch, "launch_ray", lambda argv, launch, cwd=None: SimpleNamespace(error=ValueError("x")))
+    monkeypatch.setattr(ray_launch, "launch_ray", lambda argv, launch, train_loop, cwd=None: SimpleNamespace(error=ValueError("x")))
     assert cli.main(["fit", "c.yaml", "--ray", "2"]) == 1
     assert capsys.readouterr().err.strip() == "kiln: error: the Ray Train run failed: ValueError: x"
 

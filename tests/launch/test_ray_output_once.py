@@ -32,6 +32,7 @@ def _worker_output(ray, marker: str) -> str:
 
 
 def test_every_kiln_line_and_metrics_block_of_a_ray_worker_is_printed_once(local_ray, tmp_path):
+    from kiln.cli import train_loop_per_worker
     from kiln.launch.ray import RayLaunch, launch_ray
 
     out = tmp_path / "run"
@@ -40,7 +41,7 @@ def test_every_kiln_line_and_metrics_block_of_a_ray_worker_is_printed_once(local
            "task": {"model": "tests.docs.standins:MyModel", "data": "tests.docs.standins:build_data"}}
     path = tmp_path / "c.yaml"
     OmegaConf.save(OmegaConf.create(cfg), path)
-    result = launch_ray([str(path)], RayLaunch.from_config(load_config(str(path)), num_workers=1))
+    result = launch_ray([str(path)], RayLaunch.from_config(load_config(str(path)), num_workers=1), train_loop_per_worker)
     assert result.error is None
     text = _worker_output(local_ray, f"kiln: output_dir {out}")
     lines = [line for line in text.splitlines() if line.strip()]
