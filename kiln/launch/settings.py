@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from kiln.config.fsdp_config import SHARDING
+from kiln.config.hf.fsdp import SHARDING
 from kiln.launch.accelerate_config import AccelerateConfig
 from kiln.launch.environment import detect
 from kiln.launch.environment.base import Env

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kiln.config import load_config
-from kiln.strategies.deepspeed.config import finalize, process, read_user_config
+from kiln.config.hf.deepspeed import finalize, process, read_user_config
 from kiln.utils.errors import ConfigError
 
 
