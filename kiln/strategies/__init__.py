@@ -28,17 +28,12 @@ for _names, _module in STRATEGY_MODULES.items():
 
 
 def build_strategy(config: "DictConfig", precision: "Precision", override: Any = None) -> "Strategy":
-    """Instantiate the strategy the config names; `override` may be a Strategy class or instance."""
+    """Instantiate the strategy the config names; `override` may be a Strategy class or instance (a name
+    given to the Trainer is the config's `strategy.name` by then: kiln.engine.arguments.pop_objects)."""
     from kiln.strategies.base import Strategy
 
     if isinstance(override, Strategy):
         return override
-    if isinstance(override, str):  # Trainer(strategy="deepspeed_stage_3"): a name, as the config would hold it
-        from omegaconf import open_dict
-
-        with open_dict(config):
-            config.strategy.name = override
-        override = None
     cls = override if isinstance(override, type) else STRATEGIES.get(config.strategy.name)
     if getattr(cls, "resolve", None) is not None:
         cls = cls.resolve(config)  # `auto` and `xla_fsdp` pick a concrete class from the config
