@@ -151,7 +151,10 @@ def adopt(cfg: Any) -> None:
     `process` matches in the same order; it then finds them equal."""
     if cfg.strategy.name not in NAMED_STAGES:
         return
-    user = read_user_config((cfg.strategy.get("options") or {}).get("config"))
+    try:
+        user = read_user_config((cfg.strategy.get("options") or {}).get("config"))
+    except ConfigError:  # refused in these words when the strategy is built (a config may load on another machine)
+        return
     pairs = [*_MATCHED, *(_OPTIMIZER if "optimizer" in user else ()),
              *((("scheduler.params.warmup_max_lr", "optim.lr"),) if "scheduler" in user else ())]
     for ds_key, kiln_key in pairs:

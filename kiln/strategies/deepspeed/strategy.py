@@ -5,7 +5,7 @@ clipping, fp16 loss scaling and ZeRO partitioning (stages 0-3, CPU offload).
 
 The DeepSpeed config comes from `strategy.config` (HF's `deepspeed` argument: a JSON path or a
 mapping; accelerate launch's DeepSpeed settings arrive the same way) and is completed by
-`deepspeed_config.py` from kiln's config, which stays the single source of truth for accumulation
+kiln.config.hf.deepspeed from kiln's config, which stays the single source of truth for accumulation
 and clipping: kiln decides the accumulation boundary (`set_gradient_accumulation_boundary`) and
 has already weighted the loss by the global item count, so the engine's backward does not divide
 by the accumulation steps again (`scale_wrt_gas=False`). DeepSpeed averages gradients over the
