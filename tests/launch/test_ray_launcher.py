@@ -224,3 +224,32 @@ def test_the_report_callback_hands_rank_zeros_sealed_checkpoint_and_the_steps_me
                        (metrics, {"checkpoint": ("checkpoint", str(folder)), "checkpoint_dir_name": "checkpoint-4",
                                   "delete_local_checkpoint_after_upload": False})]
     assert callback.reported == [4, 4, 4]
+
+
+def test_a_ray_worker_runs_the_fit_it_is_handed_and_resumes_from_rays_checkpoint(tmp_path, monkeypatch):
+    """launch/ sits below the CLI: the per-worker body runs the `fit` the CLI hands it, never the CLI by name."""
+    import contextlib
+    import pickle
+
+    calls: list = []
+    checkpoint = None
+
+    class FakeCheckpoint:
+        @contextlib.contextmanager
+        def as_directory(self):
+            yield "/ray/ckpt-3"
+
+    train = SimpleNamespace(get_checkpoint=lambda: checkpoint)
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(train=train))
+    monkeypatch.setitem(sys.modules, "ray.train", train)
+    monkeypatch.chdir(tmp_path)
+    ray_launch.run_worker({"argv": ["c.yaml", "seed=3"], "cwd": str(tmp_path)}, lambda argv: calls.append(argv) or 0)
+    checkpoint = FakeCheckpoint()
+    ray_launch.run_worker({"argv": ["c.yaml"]}, lambda argv: calls.append(argv) or 0)
+    assert calls == [["c.yaml", "seed=3"], ["c.yaml", "resume_from_checkpoint=/ray/ckpt-3"]]
+    with pytest.raises(RuntimeError, match="kiln fit exited with code 2 in this Ray worker"):
+        ray_launch.run_worker({"argv": ["c.yaml"]}, lambda argv: 2)
+    assert pickle.loads(pickle.dumps(train_loop_per_worker)) is train_loop_per_worker  # Ray ships it by reference
+    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or 0)
+    train_loop_per_worker({"argv": ["d.yaml"]})
+    assert calls[-1] == ["fit", "d.yaml", "resume_from_checkpoint=/ray/ckpt-3"]
