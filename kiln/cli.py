@@ -182,6 +182,16 @@ def error_line(err: BaseException) -> str:
     return f"{what}{where}; rerun with --traceback for the full traceback."
 
 
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train's per-worker function: `kiln fit` with `config["argv"]` (the config file and its
+    overrides) in this worker, in `config["cwd"]` when given; a worker of a restarted group resumes from
+    the checkpoint Ray hands back. Usable with a TorchTrainer of your own:
+    `TorchTrainer(train_loop_per_worker, train_loop_config={"argv": ["config.yaml", "key=value"]}, ...)`."""
+    from kiln.launch.ray import run_worker
+
+    run_worker(config, lambda argv: main(["fit", *argv]))
+
+
 def _fit(trainer: Any, data: dict[str, Any]) -> None:
     import os
 
@@ -368,7 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command == "fit" or ns.ray is not None:  # `--ray N` or `launcher.name: ray`: the run goes to Ray Train's workers
         from kiln.launch.ray import fit_with_ray
 
-        code = fit_with_ray(command, ns.config, overrides, ns.ray, ns.nproc != 1 or bool(ns.accelerate_config), ns.max_restarts)
+        code = fit_with_ray(command, ns.config, overrides, ns.ray, ns.nproc != 1 or bool(ns.accelerate_config), ns.max_restarts,
+                            train_loop=train_loop_per_worker)
         if code is not None:
             return code
     # --nproc 0 / -1 reach launch_local, which refuses them; --max-restarts alone restarts one process

@@ -5,9 +5,12 @@ file is caught before any work starts."""
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
+
+#: config key -> the registry a plug-in floor published for it (see `publish`)
+_PUBLISHED: dict[str, "Registry[Any]"] = {}
 
 
 class UnknownNameError(ValueError):
@@ -87,3 +90,18 @@ class Registry(Generic[T]):
             if key not in self._entries:
                 raise UnknownNameError(f"{module} did not register the {self.kind} {name!r}.")
         return self._entries[key]
+
+
+def publish(registry: Registry[T]) -> Registry[T]:
+    """Make `registry` the one whose names a config may give at `registry.config_key`. The floors that
+    implement plug-ins publish theirs; config's validation reads the names registered at run time through
+    `published_names` (kiln.config.names), so it never imports the floors above it."""
+    _PUBLISHED[registry.config_key] = registry
+    return registry
+
+
+def published_names(config_key: str) -> list[str]:
+    """The names of the registry published for `config_key`; none while its floor is not imported (then
+    nothing can have been registered in it)."""
+    registry = _PUBLISHED.get(config_key)
+    return registry.names() if registry is not None else []

@@ -1,25 +1,65 @@
 """Imports only go down the floors (DESIGN.md): the lower layers never import the engine, and config,
-the lowest floor above utils, imports neither the strategies nor the engine. Every import counts: at
-module level, inside functions and under `if TYPE_CHECKING:` (a type is a dependency too)."""
+the lowest floor above utils, imports none of the floors above it. Every import counts: at module level,
+inside functions and under `if TYPE_CHECKING:` (a type is a dependency too), and so does a module named
+by a string, which is imported later all the same: `importlib.import_module("kiln.x")`, `__import__`, a
+registry's lazy entry, `sys.modules.get("kiln.x")`, `python -m kiln.x` or `-c "import kiln.x"` in a
+command line."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "kiln"
 LOWER = ("config", "loggers", "precision", "accelerators", "strategies", "launch", "utils", "optim")
+#: the floors above config (all but utils, which config may import)
+ABOVE_CONFIG = ("kiln.engine", "kiln.strategies", "kiln.optim", "kiln.loggers", "kiln.precision", "kiln.accelerators",
+                "kiln.launch", "kiln.cli", "kiln.docgen")
+
+_DOTTED = re.compile(r"kiln(?:\.\w+)+")
+#: a module named in code or a command line held in a string: `from kiln.x import`, `-m kiln.x`, `import a, kiln.x`
+_IN_CODE = re.compile(r"(?:\bfrom|-m)\s+(kiln(?:\.\w+)+)")
+_IMPORT_LIST = re.compile(r"\bimport\s+([\w.]+(?:\s*,\s*[\w.]+)*)")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+
+
+def named_modules(tree: ast.AST) -> set[str]:
+    """Modules a file names by string outside its docstrings: a string that is a dotted kiln name (a
+    registry entry, an `import_module` or `sys.modules` key, a `-m` argument), the kiln modules a string of
+    code or a command line imports, and the fixed head of an f-string (`f"kiln.loggers.{name}"`)."""
+    names: set[str] = set()
+    skip = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr) and node.values:
+            head = node.values[0]
+            if isinstance(head, ast.Constant) and isinstance(head.value, str) and head.value.startswith("kiln."):
+                if match := _DOTTED.match(head.value.rstrip(".")):
+                    names.add(match.group(0))
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in skip:
+            continue
+        if _DOTTED.fullmatch(node.value):
+            names.add(node.value)
+        names.update(_IN_CODE.findall(node.value))
+        for listed in _IMPORT_LIST.findall(node.value):
+            names.update(n for n in re.split(r"\s*,\s*", listed) if _DOTTED.fullmatch(n))
+    return names
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
-    """Absolute names of every module `path` imports (relative imports resolved)."""
+    """Absolute names of every module `path` imports (relative imports resolved) or names by string."""
     package = ".".join(path.relative_to(root.parent).with_suffix("").parts)
     if path.name != "__init__.py":
         package = package.rpartition(".")[0]
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    names = named_modules(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -47,8 +87,13 @@ def test_lower_floors_never_import_the_engine(folder: str) -> None:
     assert offenders((folder,), ("kiln.engine",)) == []
 
 
-def test_config_imports_neither_strategies_nor_engine() -> None:
-    assert offenders(("config",), ("kiln.strategies", "kiln.engine")) == []
+def test_config_imports_no_floor_above_it() -> None:
+    assert offenders(("config",), ABOVE_CONFIG) == []
+
+
+def test_no_floor_below_the_cli_names_the_cli() -> None:
+    """The CLI runs the engine; a lower floor that needs it (Ray's workers) is handed a function instead."""
+    assert offenders(LOWER, ("kiln.cli",)) == []
 
 
 def test_the_check_sees_function_local_relative_and_type_only_imports(tmp_path: Path) -> None:
@@ -65,3 +110,25 @@ def test_the_check_sees_function_local_relative_and_type_only_imports(tmp_path: 
     assert all(line.startswith("kiln/config/bad.py imports ") for line in found)
     assert {"kiln.engine", "kiln.engine.loop", "kiln.engine.trainer", "kiln.strategies"} <= {
         line.split(" imports ")[1] for line in found}
+
+
+def test_the_check_sees_modules_named_by_string(tmp_path: Path) -> None:
+    """The guard itself: every way kiln names a module in a string is an import; docstrings are not."""
+    package = tmp_path / "kiln" / "launch"
+    package.mkdir(parents=True)
+    (package / "bad.py").write_text(
+        '"""Runs `python -m kiln.cli.docstring`, which is prose."""\n'
+        "import importlib, subprocess, sys\n"
+        "def f(name):\n"
+        "    importlib.import_module('kiln.cli')\n"
+        "    __import__('kiln.engine.trainer', fromlist=['Trainer'])\n"
+        "    sys.modules.get('kiln.engine.loop')\n"
+        "    subprocess.run([sys.executable, '-m', 'kiln.engine.cli_m'])\n"
+        "    subprocess.run([sys.executable, '-c', 'import sys, kiln.engine.code_c'])\n"
+        "    subprocess.run('python -m kiln.engine.shell_m fit', shell=True)\n"
+        "    importlib.import_module(f'kiln.engine.plugins.{name}')\n"
+        "TABLE = ((('x',), 'kiln.engine.lazy'),)\n"
+        "MESSAGE = 'see kiln.engine.prose for why'\n")
+    found = {line.split(" imports ")[1] for line in offenders(("launch",), ("kiln.engine", "kiln.cli"), root=tmp_path / "kiln")}
+    assert found == {"kiln.cli", "kiln.engine.trainer", "kiln.engine.loop", "kiln.engine.cli_m", "kiln.engine.code_c",
+                     "kiln.engine.shell_m", "kiln.engine.plugins", "kiln.engine.lazy"}

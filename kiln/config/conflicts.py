@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from kiln.config.strategy_names import STRATEGY_MODULES
+from kiln.config.names import STRATEGY_GROUPS
 from kiln.utils.errors import ConfigError
 
 #: HF argument -> the strategy it asks for (`fsdp_config` and the older `fsdp_*` keys configure FSDP
@@ -24,7 +24,7 @@ _CONFIGURES_ONLY = ("fsdp_config", "fsdp_min_num_params", "fsdp_transformer_laye
 def _family(name: str) -> tuple[str, ...]:
     """The strategy names that agree with HF's choice `name`: its registry group (the DeepSpeed stage
     presets, `fsdp2`), and for FSDP also `xla_fsdp`, which reads HF's `fsdp` / `fsdp_config` too."""
-    group = next((names for names, _ in STRATEGY_MODULES if name in names), (name,))
+    group = next((names for names in STRATEGY_GROUPS if name in names), (name,))
     return (*group, "xla_fsdp") if name == "fsdp" else group
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.config.fsdp_config import read_fsdp_config
+from kiln.config.hf.fsdp import read_fsdp_config
 from kiln.utils.errors import ConfigError
 from kiln.utils.truthy import truthy
 

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kiln.config import aliases, conflicts, dialect, hf_args, hf_xla, redact, trl_packing
+from kiln.config.hf import deepspeed as hf_deepspeed
 from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
 
@@ -244,6 +245,7 @@ def _load(source: ConfigSource, overrides: Sequence[str] | Mapping[str, Any]) ->
             raise _translate(err) from None
     assert isinstance(cfg, DictConfig)
     dialect.fill_defaults(cfg, hf=hf_args.is_training_arguments(source) or dialect.is_hf_dialect(plain))
+    hf_deepspeed.adopt(cfg)  # kiln values at their defaults take the DeepSpeed config's numbers
     from kiln.config.validate import validate
 
     validate(cfg)

@@ -76,3 +76,12 @@ def config_for_saving(config: Any) -> dict[str, Any]:
     else:
         raise TypeError(f"config_for_saving takes a DictConfig or a mapping, not {type(config).__name__}.")
     return mask(tree)  # type: ignore[no-any-return]
+
+
+def select(tree: Any, key: str) -> Any:
+    """The value at the dotted `key` of a tree of dicts (None where a part is missing)."""
+    for part in key.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(part)
+    return tree

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kiln.config.compile import check_compile_mode
 from kiln.utils.errors import ConfigError
@@ -85,24 +85,17 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _check_names(cfg: DictConfig) -> None:
-    """Unknown strategy/precision/optimizer/scheduler names fail here, listing the valid ones."""
+    """Unknown strategy/precision/optimizer/scheduler/logger names fail here, listing the valid ones
+    (config's own vocabulary, kiln.config.names: nothing above config is imported)."""
+    from kiln.config.names import check_name
     from kiln.registry import UnknownNameError
 
-    # every table here sits on a floor below the engine and the strategies (see tests/test_layering.py)
-    from kiln.config.strategy_names import check_strategy_name
-    from kiln.loggers import LOGGERS
-    from kiln.optim.optimizers import OPTIMIZERS
-    from kiln.optim.schedulers import SCHEDULERS
-    from kiln.precision import PRECISIONS
-
     try:
-        check_strategy_name(cfg.strategy.name)
-        PRECISIONS.check(cfg.precision.name)
-        OPTIMIZERS.check(cfg.optim.name)
-        SCHEDULERS.check(cfg.scheduler.name)
+        for key in ("strategy.name", "precision.name", "optim.name", "scheduler.name"):
+            check_name(key, OmegaConf.select(cfg, key))
         for name in list(cfg.log.report_to) + list(cfg.log.history or []):
             if name not in ("all", "none"):
-                LOGGERS.check(name)
+                check_name("log.report_to", name)
     except UnknownNameError as err:
         raise ConfigError(str(err)) from None
 

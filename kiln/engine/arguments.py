@@ -21,8 +21,13 @@ def config_or_args(config: Any, args: Any) -> Any:
 def pop_objects(config: Any, strategy: Any, precision: Any, overrides: Iterable[str]) -> tuple[Any, Any, Any, list[str]]:
     """Allow `{"strategy": MyStrategy(), ...}` in a dict config: objects travel beside the config.
     Names stay in the config, numbers and booleans too (`{"precision": 16}`: the config reads them);
-    a name or number given as the `precision=` keyword becomes the config's (`precision="bf16"`, `16`)."""
+    a name or number given as the `precision=` keyword becomes the config's (`precision="bf16"`, `16`),
+    and so does a name given as the `strategy=` keyword (`strategy="deepspeed_stage_3"`): the config is
+    read-only once loaded, and its saved copy names the strategy that ran."""
     overrides = list(overrides)
+    if isinstance(strategy, str):
+        overrides.append(f"strategy.name={strategy}")
+        strategy = None
     if isinstance(precision, (str, int, float)) and not isinstance(precision, bool):
         overrides.append(f"precision={precision}")
         precision = None

@@ -2,9 +2,9 @@
 Ray Train's `TorchTrainer`, on a local Ray instance started for the run (no `address`) or on the
 cluster named by `address` (`auto`: the one `ray start` joined this machine to).
 
-Each worker runs the same command `kiln fit --nproc N` gives its processes (`train_loop_per_worker`
-runs kiln's CLI in the worker, by module name, as kiln/launch/worker.py does: this package sits below
-the CLI and the engine). Ray has made the process group by then and exported the topology; the
+Each worker runs the same command `kiln fit --nproc N` gives its processes: the CLI hands its own
+per-worker function (`kiln.cli.train_loop_per_worker`) to `launch_ray`, because this package sits
+below the CLI and the engine and so never names them. Ray has made the process group by then and exported the topology; the
 cluster kind `kiln.launch.environment.ray` reads it, and the strategies use Ray's group. The CLI adds
 `kiln.engine.callbacks.ray_report.RayReportCallback` under Ray, so each kiln checkpoint is reported
 to Ray with the step's metrics; when Ray restarts the workers after a failure (`max_failures`), they
@@ -14,12 +14,11 @@ Ray is imported only here, when a Ray run starts; `pip install 'kiln[ray]'` prov
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from kiln.utils.errors import KilnError
 
@@ -94,8 +93,10 @@ class RayLaunch:
         )
 
 
-def launch_ray(argv: Sequence[str], launch: RayLaunch, cwd: Optional[str] = None) -> Any:
-    """Run `kiln fit <argv>` in `launch.num_workers` Ray Train workers; returns Ray's `Result` (its
+def launch_ray(argv: Sequence[str], launch: RayLaunch, train_loop: Callable[[dict[str, Any]], None],
+               cwd: Optional[str] = None) -> Any:
+    """Run `train_loop` (`kiln fit <argv>`: kiln.cli.train_loop_per_worker) in `launch.num_workers` Ray Train
+    workers; returns Ray's `Result` (its
     `checkpoint` is the last kiln checkpoint reported). `cwd`: where the workers resolve relative
     paths (default this process's working directory, as `kiln fit --nproc`; Ray would use its own)."""
     require_ray("kiln fit --ray")
@@ -107,7 +108,7 @@ def launch_ray(argv: Sequence[str], launch: RayLaunch, cwd: Optional[str] = None
     try:
         resources = dict(launch.resources_per_worker)
         trainer = TorchTrainer(
-            train_loop_per_worker,
+            train_loop,
             train_loop_config={"argv": list(argv), "cwd": os.path.abspath(cwd or os.getcwd())},
             scaling_config=ScalingConfig(num_workers=launch.num_workers, use_gpu=resources.get("GPU", 0) > 0,
                                          resources_per_worker=resources or None),
@@ -141,11 +142,10 @@ def _start(launch: RayLaunch) -> bool:
     return True
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train's per-worker function: `kiln fit` with `config["argv"]` (the config file and its
-    overrides) in this worker, in `config["cwd"]` when given. A worker of a restarted group resumes
-    from the checkpoint Ray hands back. Usable with a TorchTrainer of your own:
-    `TorchTrainer(train_loop_per_worker, train_loop_config={"argv": ["config.yaml", "key=value"]}, ...)`."""
+def run_worker(config: dict[str, Any], fit: Callable[[list[str]], int]) -> None:
+    """The body of Ray Train's per-worker function: `fit(argv)` (`kiln fit` with `config["argv"]`, the
+    config file and its overrides) in this worker, in `config["cwd"]` when given. A worker of a restarted
+    group resumes from the checkpoint Ray hands back. A non-zero exit code of `fit` fails the worker."""
     import ray.train
 
     cwd = config.get("cwd")
@@ -154,22 +154,23 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     argv = list(config["argv"])
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        _fit(argv)
+        _fit(fit, argv)
         return
     with checkpoint.as_directory() as folder:  # the folder itself on local storage, a download otherwise
-        _fit([*argv, f"resume_from_checkpoint={folder}"])
+        _fit(fit, [*argv, f"resume_from_checkpoint={folder}"])
 
 
-def _fit(argv: list[str]) -> None:
-    code = importlib.import_module("kiln.cli").main(["fit", *argv])  # by name: the CLI is the floor above
+def _fit(fit: Callable[[list[str]], int], argv: list[str]) -> None:
+    code = fit(argv)
     if code:
         raise RuntimeError(f"kiln fit exited with code {code} in this Ray worker (its message is above).")
 
 
 def fit_with_ray(command: str, config: str, overrides: Sequence[str], num_workers: Optional[int], other_launcher: bool,
-                 max_restarts: int) -> Optional[int]:
-    """The CLI's `kiln fit --ray N` / `launcher.name: ray`: the run in Ray Train workers, and its exit
-    code; None when this process trains itself (no Ray asked for, or this is one of Ray's workers)."""
+                 max_restarts: int, *, train_loop: Callable[[dict[str, Any]], None]) -> Optional[int]:
+    """The CLI's `kiln fit --ray N` / `launcher.name: ray`: the run in Ray Train workers (each running
+    `train_loop`), and its exit code; None when this process trains itself (no Ray asked for, or this is
+    one of Ray's workers)."""
     import sys
 
     from kiln.config.load import load_config
@@ -193,7 +194,7 @@ def fit_with_ray(command: str, config: str, overrides: Sequence[str], num_worker
         if other_launcher:
             raise KilnError("Ray starts the workers: drop --nproc / --accelerate-config (launcher.num_workers and "
                             "launcher.resources_per_worker say how many and what each gets).")
-        return run_from_cli(config, overrides, cfg, num_workers, max_restarts)
+        return run_from_cli(config, overrides, cfg, num_workers, max_restarts, train_loop)
     except Exception as err:  # noqa: BLE001 - a config or launch setting that cannot work: one line
         if "--traceback" in overrides:
             raise
@@ -211,7 +212,8 @@ def _mentions_launcher(config: str, overrides: Sequence[str]) -> bool:
         return False
 
 
-def run_from_cli(config: str, overrides: Sequence[str], cfg: Any, num_workers: Optional[int], max_restarts: int) -> int:
+def run_from_cli(config: str, overrides: Sequence[str], cfg: Any, num_workers: Optional[int], max_restarts: int,
+                 train_loop: Callable[[dict[str, Any]], None]) -> int:
     """`kiln fit --ray N CONFIG ...` / `launcher.name: ray`: start the run, print where Ray keeps it;
     returns the exit code (one line on stderr when the run failed)."""
     import sys
@@ -220,7 +222,7 @@ def run_from_cli(config: str, overrides: Sequence[str], cfg: Any, num_workers: O
     # the workers run in Ray's folder: the config file and output_dir are named absolutely
     argv = [os.path.abspath(config), *overrides, f"output_dir={os.path.abspath(str(cfg.output_dir))}"]
     try:
-        result = launch_ray(argv, launch)
+        result = launch_ray(argv, launch, train_loop)
     except KilnError:
         raise
     except KeyboardInterrupt:  # Ctrl-C: Ray stopped the workers; the shell's exit code for SIGINT

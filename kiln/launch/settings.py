@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from kiln.config.fsdp_config import SHARDING
+from kiln.config.hf.fsdp import SHARDING
 from kiln.launch.accelerate_config import AccelerateConfig
 from kiln.launch.environment import detect
 from kiln.launch.environment.base import Env
@@ -85,17 +85,18 @@ def _fsdp_values(fsdp: Mapping[str, str]) -> dict[str, Any]:
     policy = fsdp.get("auto_wrap_policy", "").upper()
     if policy in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"):
         flags.append("auto_wrap")
-    cfg: dict[str, Any] = {}
+    fsdp_config: dict[str, Any] = {}
     if fsdp.get("version"):
-        cfg["version"] = int(fsdp["version"])
+        fsdp_config["version"] = int(fsdp["version"])
     if fsdp.get("transformer_layer_cls_to_wrap") and policy != "SIZE_BASED_WRAP":
-        cfg["transformer_layer_cls_to_wrap"] = [c.strip() for c in fsdp["transformer_layer_cls_to_wrap"].split(",") if c.strip()]
+        fsdp_config["transformer_layer_cls_to_wrap"] = [c.strip() for c in fsdp["transformer_layer_cls_to_wrap"].split(",")
+                                                         if c.strip()]
     if policy == "SIZE_BASED_WRAP" and fsdp.get("min_num_params"):
-        cfg["min_num_params"] = int(fsdp["min_num_params"])
+        fsdp_config["min_num_params"] = int(fsdp["min_num_params"])
     if fsdp.get("backward_prefetch") and fsdp["backward_prefetch"].upper() != "NO_PREFETCH":
-        cfg["backward_prefetch"] = fsdp["backward_prefetch"].lower()
+        fsdp_config["backward_prefetch"] = fsdp["backward_prefetch"].lower()
     if fsdp.get("state_dict_type"):
-        cfg["state_dict_type"] = fsdp["state_dict_type"].upper()
+        fsdp_config["state_dict_type"] = fsdp["state_dict_type"].upper()
     # accelerate's command line always exports FSDP_RESHARD_AFTER_FORWARD (default true); only FSDP2
     # configs use it, FSDP1 ones say it with the sharding strategy (2 = SHARD_GRAD_OP: no reshard)
     fsdp2 = fsdp.get("version", "1").strip() == "2"
@@ -103,8 +104,8 @@ def _fsdp_values(fsdp: Mapping[str, str]) -> dict[str, Any]:
                 "activation_checkpointing", *(("reshard_after_forward",) if fsdp2 else ())):
         value = fsdp.get(key)
         if value is not None and value.lower() in ("true", "false"):
-            cfg[key] = truthy(value)
-    return {"strategy.name": "fsdp", "strategy.options.fsdp": flags, "strategy.options.fsdp_config": cfg}
+            fsdp_config[key] = truthy(value)
+    return {"strategy.name": "fsdp", "strategy.options.fsdp": flags, "strategy.options.fsdp_config": fsdp_config}
 
 
 def _deepspeed_values(ds_config: Mapping[str, str]) -> dict[str, Any]:

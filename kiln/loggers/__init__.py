@@ -1,9 +1,9 @@
 """Loggers, chosen by name (`report_to: [tensorboard, mlflow]`). Each file registers itself; files
 import their tracker package only when a config names them."""
 
-from kiln.registry import Registry
+from kiln.registry import Registry, publish
 
-LOGGERS: Registry[type] = Registry("logger", "log.report_to")
+LOGGERS: Registry[type] = publish(Registry("logger", "log.report_to"))
 
 for _name, _module in (
     ("csv", "kiln.loggers.csv"),

@@ -25,7 +25,7 @@ from torch import nn
 from kiln.config.schema import OptimConfig
 from kiln.optim import lomo as _lomo
 from kiln.optim import package_optimizers as _package_optimizers
-from kiln.registry import Registry
+from kiln.registry import Registry, publish
 from kiln.utils.kernels import mixes_meshes
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 OptimizerFactory = Callable[[OptimConfig], "tuple[type[torch.optim.Optimizer], dict[str, Any]]"]
-OPTIMIZERS: Registry[OptimizerFactory] = Registry("optimizer", "optim.name")
+OPTIMIZERS: Registry[OptimizerFactory] = publish(Registry("optimizer", "optim.name"))
 
 # Where an optimizer argument comes from when it is not in optim_args: setting it there as well would
 # give two sources of truth, so that is an error pointing at the config field.

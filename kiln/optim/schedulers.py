@@ -20,12 +20,12 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from kiln.optim.greedy_lr import GreedyLR
-from kiln.registry import Registry
+from kiln.registry import Registry, publish
 
 logger = logging.getLogger(__name__)
 
 SchedulerFactory = Callable[..., Any]
-SCHEDULERS: Registry[SchedulerFactory] = Registry("lr scheduler", "scheduler.name")
+SCHEDULERS: Registry[SchedulerFactory] = publish(Registry("lr scheduler", "scheduler.name"))
 _POSITIONAL, _SHAPES = ("optimizer", "num_warmup_steps", "num_training_steps"), ("linear", "cosine", "1-sqrt")
 
 

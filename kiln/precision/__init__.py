@@ -1,17 +1,14 @@
 """Precision plugins, chosen by name (`precision: bf16`). Each file registers its own names; the
 registry imports a plugin's file only when a config names it, so `import kiln` stays cheap."""
 
-from kiln.registry import Registry
+from kiln.config.names import PRECISION_GROUPS
+from kiln.registry import Registry, publish
 
-PRECISIONS: Registry[type] = Registry("precision plugin", "precision.name")
+PRECISIONS: Registry[type] = publish(Registry("precision plugin", "precision.name"))
 
-for _names, _module in (
-    (("fp32", "32", "32-true", "no"), "kiln.precision.fp32"),
-    (("fp16", "16-mixed", "16", "bf16", "bf16-mixed"), "kiln.precision.amp"),
-    (("fp16-true", "16-true", "bf16-true"), "kiln.precision.half"),
-    (("apex",), "kiln.precision.apex"),
-    (("tf32",), "kiln.precision.tf32"),
-):
+#: each group of names in config's vocabulary (kiln.config.names) -> the module that registers it
+for _names, _module in zip(PRECISION_GROUPS, ("kiln.precision.fp32", "kiln.precision.amp", "kiln.precision.half",
+                                              "kiln.precision.apex", "kiln.precision.tf32"), strict=True):
     for _name in _names:
         PRECISIONS.add_lazy(_name, _module)
 

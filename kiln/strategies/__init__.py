@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kiln.config.strategy_names import STRATEGY_MODULES
-from kiln.registry import Registry
+from kiln.config.names import STRATEGY_GROUPS
+from kiln.registry import Registry, publish
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -14,25 +14,26 @@ if TYPE_CHECKING:
     from kiln.precision.base import Precision
     from kiln.strategies.base import Strategy
 
-STRATEGIES: Registry[type] = Registry("strategy", "strategy.name")
+STRATEGIES: Registry[type] = publish(Registry("strategy", "strategy.name"))
 
-for _names, _module in STRATEGY_MODULES:  # the names table sits on config's floor (validation reads it)
+#: each group of names in config's vocabulary (kiln.config.names) -> the module that registers it
+STRATEGY_MODULES: dict[tuple[str, ...], str] = dict(zip(STRATEGY_GROUPS, (
+    "kiln.strategies.single", "kiln.strategies.ddp.strategy", "kiln.strategies.fsdp.strategy",
+    "kiln.strategies.model_parallel.strategy", "kiln.strategies.deepspeed.strategy", "kiln.strategies.xla.strategy",
+    "kiln.strategies.xla.fsdp", "kiln.strategies.mps", "kiln.strategies.auto"), strict=True))
+
+for _names, _module in STRATEGY_MODULES.items():
     for _name in _names:
         STRATEGIES.add_lazy(_name, _module)
 
 
 def build_strategy(config: "DictConfig", precision: "Precision", override: Any = None) -> "Strategy":
-    """Instantiate the strategy the config names; `override` may be a Strategy class or instance."""
+    """Instantiate the strategy the config names; `override` may be a Strategy class or instance (a name
+    given to the Trainer is the config's `strategy.name` by then: kiln.engine.arguments.pop_objects)."""
     from kiln.strategies.base import Strategy
 
     if isinstance(override, Strategy):
         return override
-    if isinstance(override, str):  # Trainer(strategy="deepspeed_stage_3"): a name, as the config would hold it
-        from omegaconf import open_dict
-
-        with open_dict(config):
-            config.strategy.name = override
-        override = None
     cls = override if isinstance(override, type) else STRATEGIES.get(config.strategy.name)
     if getattr(cls, "resolve", None) is not None:
         cls = cls.resolve(config)  # `auto` and `xla_fsdp` pick a concrete class from the config

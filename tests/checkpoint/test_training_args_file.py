@@ -125,7 +125,7 @@ def test_sealed_with_the_checkpoint_and_never_read_on_resume(tmp_path):
 def test_the_built_arguments_read_as_hfs_post_init_leaves_them(tmp_path):
     """No training: kiln's config straight to TrainingArguments, field by field against HF's own."""
     from kiln.config.load import load_config
-    from kiln.engine.checkpoint.hf_files import training_arguments
+    from kiln.config.hf.training_args import training_arguments
 
     cfg = load_config({"output_dir": str(tmp_path), "logging_steps": 3, "save_steps": 0.25, "eval_strategy": "steps",
                        "report_to": "none", "gradient_checkpointing": True, "warmup_ratio": 0.1, "fp16": True,
@@ -146,7 +146,7 @@ def test_values_from_the_environment_stay_masked(tmp_path, monkeypatch):
     """A token passed as `${oc.env:VAR}` reads as the interpolation in the pickle too, as in config.yaml
     (the masks must not be resolved again on the way to TrainingArguments)."""
     from kiln.config.load import load_config
-    from kiln.engine.checkpoint.hf_files import training_arguments
+    from kiln.config.hf.training_args import training_arguments
 
     monkeypatch.setenv("KILN_TEST_RUN", "run-3c9e11ab")
     monkeypatch.setenv("KILN_TEST_TOKEN", "tok-5d20f7aa")

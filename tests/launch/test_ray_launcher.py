@@ -15,6 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kiln import cli
+from kiln.cli import train_loop_per_worker
 from kiln.config.load import load_config
 from kiln.launch import ray as ray_launch
 from kiln.launch.environment import KINDS, detect
@@ -71,7 +72,8 @@ def write(path: Path, **extra) -> str:
 def launched(monkeypatch):
     seen: dict = {}
 
-    def fake(argv, launch, cwd=None):
+    def fake(argv, launch, train_loop, cwd=None):
+        assert train_loop is train_loop_per_worker  # the CLI hands Ray its own per-worker function
         seen.update(argv=argv, launch=launch)
         return SimpleNamespace(error=None, checkpoint=SimpleNamespace(path="/ray/checkpoint-6"))
 
@@ -111,8 +113,8 @@ def test_inside_a_ray_worker_the_cli_trains_instead_of_launching_again(tmp_path,
     monkeypatch.setattr(ray_env, "train_context", lambda: FakeContext())
     for key, value in RAY_VARS.items():
         monkeypatch.setenv(key, value)
-    assert ray_launch.fit_with_ray("fit", "c.yaml", [], None, False, 0) is None
-    assert ray_launch.fit_with_ray("fit", "c.yaml", [], 2, False, 0) is None
+    assert ray_launch.fit_with_ray("fit", "c.yaml", [], None, False, 0, train_loop=train_loop_per_worker) is None
+    assert ray_launch.fit_with_ray("fit", "c.yaml", [], 2, False, 0, train_loop=train_loop_per_worker) is None
     assert launched == {}
 
 
@@ -150,13 +152,13 @@ def test_a_failed_ray_run_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "c.yaml")
 
-    def failing(argv, launch, cwd=None):
+    def failing(argv, launch, train_loop, cwd=None):
         raise RuntimeError("Training failed due to worker errors:\n  traceback ...")
 
     monkeypatch.setattr(ray_launch, "launch_ray", failing)
     assert cli.main(["fit", "c.yaml", "--ray", "2"]) == 1
     assert capsys.readouterr().err.strip() == "kiln: error: the Ray Train run failed: RuntimeError: Training failed due to worker errors:"
-    monkeypatch.setattr(ray_launch, "launch_ray", lambda argv, launch, cwd=None: SimpleNamespace(error=ValueError("x")))
+    monkeypatch.setattr(ray_launch, "launch_ray", lambda argv, launch, train_loop, cwd=None: SimpleNamespace(error=ValueError("x")))
     assert cli.main(["fit", "c.yaml", "--ray", "2"]) == 1
     assert capsys.readouterr().err.strip() == "kiln: error: the Ray Train run failed: ValueError: x"
 
@@ -222,3 +224,32 @@ def test_the_report_callback_hands_rank_zeros_sealed_checkpoint_and_the_steps_me
                        (metrics, {"checkpoint": ("checkpoint", str(folder)), "checkpoint_dir_name": "checkpoint-4",
                                   "delete_local_checkpoint_after_upload": False})]
     assert callback.reported == [4, 4, 4]
+
+
+def test_a_ray_worker_runs_the_fit_it_is_handed_and_resumes_from_rays_checkpoint(tmp_path, monkeypatch):
+    """launch/ sits below the CLI: the per-worker body runs the `fit` the CLI hands it, never the CLI by name."""
+    import contextlib
+    import pickle
+
+    calls: list = []
+    checkpoint = None
+
+    class FakeCheckpoint:
+        @contextlib.contextmanager
+        def as_directory(self):
+            yield "/ray/ckpt-3"
+
+    train = SimpleNamespace(get_checkpoint=lambda: checkpoint)
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(train=train))
+    monkeypatch.setitem(sys.modules, "ray.train", train)
+    monkeypatch.chdir(tmp_path)
+    ray_launch.run_worker({"argv": ["c.yaml", "seed=3"], "cwd": str(tmp_path)}, lambda argv: calls.append(argv) or 0)
+    checkpoint = FakeCheckpoint()
+    ray_launch.run_worker({"argv": ["c.yaml"]}, lambda argv: calls.append(argv) or 0)
+    assert calls == [["c.yaml", "seed=3"], ["c.yaml", "resume_from_checkpoint=/ray/ckpt-3"]]
+    with pytest.raises(RuntimeError, match="kiln fit exited with code 2 in this Ray worker"):
+        ray_launch.run_worker({"argv": ["c.yaml"]}, lambda argv: 2)
+    assert pickle.loads(pickle.dumps(train_loop_per_worker)) is train_loop_per_worker  # Ray ships it by reference
+    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or 0)
+    train_loop_per_worker({"argv": ["d.yaml"]})
+    assert calls[-1] == ["fit", "d.yaml", "resume_from_checkpoint=/ray/ckpt-3"]

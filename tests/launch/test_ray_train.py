@@ -47,6 +47,7 @@ def restarted(local_ray, tmp_path_factory):
     """DDP in 2 Ray workers (`launcher: {max_failures: 1, num_to_keep: 2, checkpoint_score_attribute:
     loss}`), rank 1 killed at step 5 of the first attempt: (output_dir, marks folder, Ray's Result)."""
     from kiln.config.load import load_config
+    from kiln.cli import train_loop_per_worker
     from kiln.launch.ray import RayLaunch, launch_ray
 
     root = tmp_path_factory.mktemp("ray_ddp")
@@ -55,7 +56,7 @@ def restarted(local_ray, tmp_path_factory):
     cfg_path = write_config(root / "c.yaml", out, folder=str(folder), die_rank=1, die_step=DIE_STEP)
     overrides = ["launcher.max_failures=1", "launcher.num_to_keep=2", "launcher.checkpoint_score_attribute=loss"]
     launch = RayLaunch.from_config(load_config(cfg_path, overrides), num_workers=2)
-    return out, folder, launch_ray([cfg_path], launch)
+    return out, folder, launch_ray([cfg_path], launch, train_loop_per_worker)
 
 
 @pytest.fixture(scope="module")

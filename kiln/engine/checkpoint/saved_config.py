@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from kiln.config.redact import select
 from kiln.utils.errors import CheckpointError
 
 CONFIG = "config.yaml"
@@ -30,15 +31,6 @@ def read_saved_config(checkpoint: str) -> Optional[dict[str, Any]]:
         raise CheckpointError(f"{path} is unreadable ({type(err).__name__}).") from None
     if not isinstance(tree, dict):
         raise CheckpointError(f"{path} is damaged (it does not hold a mapping of settings).")
-    return tree
-
-
-def select(tree: Any, key: str) -> Any:
-    """The value at the dotted `key` of a tree of dicts (None where a part is missing)."""
-    for part in key.split("."):
-        if not isinstance(tree, dict):
-            return None
-        tree = tree.get(part)
     return tree
 
 

@@ -5,7 +5,7 @@ clipping, fp16 loss scaling and ZeRO partitioning (stages 0-3, CPU offload).
 
 The DeepSpeed config comes from `strategy.config` (HF's `deepspeed` argument: a JSON path or a
 mapping; accelerate launch's DeepSpeed settings arrive the same way) and is completed by
-`deepspeed_config.py` from kiln's config, which stays the single source of truth for accumulation
+kiln.config.hf.deepspeed from kiln's config, which stays the single source of truth for accumulation
 and clipping: kiln decides the accumulation boundary (`set_gradient_accumulation_boundary`) and
 has already weighted the loss by the global item count, so the engine's backward does not divide
 by the accumulation steps again (`scale_wrt_gas=False`). DeepSpeed averages gradients over the
@@ -36,7 +36,7 @@ from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.collectives import ProcessGroupCollectives
 from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
-from kiln.strategies.deepspeed.config import NAMED_STAGES, dtype_of, finalize, process, read_user_config
+from kiln.config.hf.deepspeed import NAMED_STAGES, dtype_of, finalize, process, read_user_config
 from kiln.utils.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from kiln.config.fsdp_config import SHARDING, class_names, read_fsdp_config, sharding_name
+from kiln.config.hf.fsdp import SHARDING, fsdp_options, sharding_name
 from kiln.strategies.mesh.settings import SHARED, MeshSettings, check_shared, set_shared
 from kiln.utils.errors import ConfigError
 from kiln.utils.truthy import truthy
@@ -69,17 +69,6 @@ class FSDPSettings(MeshSettings):
         return self.sharding in ("full_shard", "hybrid_shard")
 
 
-def _flags(value: Any) -> list[str]:
-    if value is None or value is False:
-        return []
-    flags = value.split() if isinstance(value, str) else [str(v) for v in value]
-    known = (*SHARDING, "offload", "auto_wrap")
-    for flag in flags:
-        if flag not in known:
-            raise ConfigError(f"fsdp flag {flag!r} is not one of {', '.join(known)}; fix the `fsdp` argument.")
-    return flags
-
-
 def resolve(option: Callable[[str], Any]) -> FSDPSettings:
     """Merge the flags, `fsdp_config` and the native options (`option(name)` returns None when unset)."""
     merged: dict[str, tuple[Any, str]] = {}
@@ -91,19 +80,8 @@ def resolve(option: Callable[[str], Any]) -> FSDPSettings:
             log.info("FSDP setting %s: %s=%r overrides %s=%r.", key, source, value, merged[key][1], merged[key][0])
         merged[key] = (value, source)
 
-    for flag in _flags(option("fsdp")):
-        if flag in SHARDING:
-            put("sharding", flag, "fsdp")
-        elif flag == "offload":
-            put("offload", True, "fsdp")
-    cfg = read_fsdp_config(option("fsdp_config"), strict=True)
-    for key, value in cfg.items():
-        if key == "transformer_layer_cls_to_wrap":
-            put("wrap", class_names(value), "fsdp_config")
-        elif key in ("sharding_strategy", "offload_params"):
-            put("sharding" if key == "sharding_strategy" else "offload", value, "fsdp_config")
-        else:
-            put(key, value, "fsdp_config")
+    for key, value, source in fsdp_options(option("fsdp"), option("fsdp_config")):  # HF's forms, kiln's names
+        put(key, value, source)
     for key in NATIVE:
         if key not in ("fsdp", "fsdp_config"):
             put(key, option(key), "strategy")

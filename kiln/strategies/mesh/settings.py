@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from kiln.config.fsdp_config import class_names
+from kiln.config.hf.fsdp import class_names
 from kiln.utils.errors import ConfigError
 from kiln.utils.truthy import truthy
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from kiln.config.fsdp_config import class_names, read_fsdp_config
+from kiln.config.hf.fsdp import class_names, xla_fsdp_options
 from kiln.utils.truthy import truthy
 from kiln.utils.errors import ConfigError
 
@@ -33,11 +33,6 @@ OPTIONS = {
     "fsdp_config": "HF `fsdp_config` with xla: true: a mapping or a JSON file path",
 }
 
-_FLAGS = ("full_shard", "shard_grad_op", "auto_wrap")
-#: fsdp_config keys that only the CUDA/CPU FSDP strategy reads; accepted and said to have no effect
-_IGNORED = {"version", "use_orig_params", "limit_all_gathers", "backward_prefetch", "forward_prefetch",
-            "sync_module_states", "cpu_ram_efficient_loading", "auto_wrap_policy", "state_dict_type"}
-
 
 @dataclass
 class XLAFSDPSettings:
@@ -50,39 +45,10 @@ class XLAFSDPSettings:
     no_effect: dict[str, str] = field(default_factory=dict)
 
 
-def _flags(value: Any, out: dict[str, Any]) -> None:
-    flags = value.split() if isinstance(value, str) else [str(v) for v in value or []]
-    for flag in flags:
-        if flag not in _FLAGS:
-            raise ConfigError(f"fsdp flag {flag!r} is not available with XLA FSDP (it takes {', '.join(_FLAGS)}); "
-                              "fix the `fsdp` argument.")
-        if flag == "shard_grad_op":
-            out.setdefault("settings", {})["reshard_after_forward"] = False
-
-
 def resolve(option: Callable[[str], Any]) -> XLAFSDPSettings:
-    """Merge the HF forms and the native options (`option(name)` returns None when unset); native wins."""
-    merged: dict[str, Any] = {}
-    _flags(option("fsdp"), merged)
-    no_effect: dict[str, str] = {}
-    for key, value in read_fsdp_config(option("fsdp_config"), strict=False).items():
-        if key == "xla":
-            continue
-        if key == "xla_fsdp_v2":
-            merged["wrapper"] = "spmd" if truthy(value) else "classic"
-        elif key == "xla_fsdp_settings":
-            merged["settings"] = {**merged.get("settings", {}), **dict(value or {})}
-        elif key == "xla_fsdp_grad_ckpt":
-            merged["activation_checkpointing"] = value
-        elif key == "transformer_layer_cls_to_wrap":
-            merged["wrap"] = value
-        elif key in ("min_num_params", "activation_checkpointing"):
-            merged[key] = value
-        elif key in _IGNORED:
-            no_effect[key] = "it is a setting of the CPU/CUDA fsdp strategy"
-        else:
-            raise ConfigError(f"fsdp_config key {key!r} is not an XLA FSDP setting; known: xla, xla_fsdp_v2, "
-                              "xla_fsdp_settings, xla_fsdp_grad_ckpt, transformer_layer_cls_to_wrap, min_num_params.")
+    """Merge the HF forms (kiln.config.hf.fsdp) and the native options (`option(name)` returns None when
+    unset); native wins."""
+    merged, no_effect = xla_fsdp_options(option("fsdp"), option("fsdp_config"))
     for key in ("wrapper", "wrap", "min_num_params", "activation_checkpointing", "settings"):
         if option(key) is not None:
             merged[key] = option(key)

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from kiln.strategies.deepspeed.config import process  # noqa: E402
+from kiln.config.hf.deepspeed import process  # noqa: E402
 from kiln.launch.settings import load_with_launcher_settings  # noqa: E402
 from tests.strategies.test_launch import _accelerate_env  # noqa: E402
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kiln.config import load_config
-from kiln.strategies.deepspeed.config import finalize, process, read_user_config
+from kiln.config.hf.deepspeed import finalize, process, read_user_config
 from kiln.utils.errors import ConfigError
 
 
@@ -68,10 +68,27 @@ def test_values_set_on_both_sides_that_differ_are_one_error_naming_both():
 def test_a_kiln_value_at_its_default_takes_the_deepspeed_value():
     """accelerate's plugin settings (gradient_clipping: 0.7, gradient_accumulation_steps) arrive in the
     DeepSpeed config; kiln's config then holds them, so there is one copy."""
-    cfg = load_config({"max_steps": 4})
-    ds = process(cfg, {"gradient_clipping": 0.7, "gradient_accumulation_steps": 3}, world_size=2, precision="fp32", name="deepspeed")
-    assert cfg.train.max_grad_norm == 0.7 and cfg.train.gradient_accumulation_steps == 3
-    assert ds["train_batch_size"] == 2 * 3 * cfg.data.per_device_train_batch_size
+    user = {"gradient_clipping": 0.7, "gradient_accumulation_steps": 3, "optimizer": {"params": {"lr": 0.25}},
+            "scheduler": {"params": {"warmup_max_lr": 0.5}}}
+    cfg = load_config({"max_steps": 4, "deepspeed": user})  # as it loads: the config is read-only after
+    assert cfg.train.max_grad_norm == 0.7 and cfg.train.gradient_accumulation_steps == 3 and cfg.optim.lr == 0.25
+    with pytest.raises(ConfigError, match=r"warmup_max_lr=0.5 vs kiln optim.lr=0.25"):  # lr is no longer a default
+        process(cfg, read_user_config(cfg.strategy.options.config), world_size=2, precision="fp32", name="deepspeed")
+    del user["scheduler"]
+    cfg = load_config({"max_steps": 4, "deepspeed": user})
+    before = dict(cfg.train)
+    ds = process(cfg, read_user_config(cfg.strategy.options.config), world_size=2, precision="fp32", name="deepspeed")
+    assert ds["train_batch_size"] == 2 * 3 * cfg.data.per_device_train_batch_size and ds["gradient_clipping"] == 0.7
+    assert dict(cfg.train) == before  # the strategy's processing reads the config only
+
+
+def test_values_set_by_the_user_are_not_replaced_by_the_deepspeed_config():
+    cfg = load_config({"max_steps": 4, "max_grad_norm": 0.3, "deepspeed": {"gradient_clipping": 0.7}})
+    assert cfg.train.max_grad_norm == 0.3
+    with pytest.raises(ConfigError, match=r"gradient_clipping=0.7 vs kiln train.max_grad_norm=0.3"):
+        process(cfg, read_user_config(cfg.strategy.options.config), world_size=1, precision="fp32", name="deepspeed")
+    other = load_config({"max_steps": 4, "strategy": "ddp", "strategy.options.config": {"gradient_clipping": 0.7}})
+    assert other.train.max_grad_norm == 1.0  # only a DeepSpeed run reads a DeepSpeed config
 
 
 def test_unreadable_configs_are_one_sentence(tmp_path):

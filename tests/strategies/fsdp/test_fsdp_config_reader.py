@@ -1,4 +1,4 @@
-"""One reader of HF's `fsdp_config` (kiln.config.fsdp_config) for the fsdp strategy (strict), the
+"""One reader of HF's `fsdp_config` (kiln.config.hf.fsdp) for the fsdp strategy (strict), the
 xla_fsdp routing and the XLA FSDP options (lenient), and one list of sharding strategies."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kiln.config.fsdp_config import SHARDING, read_fsdp_config, sharding_name
+from kiln.config.hf.fsdp import SHARDING, read_fsdp_config, sharding_name
 from kiln.config.hf_xla import route_xla_fsdp
 from kiln.strategies.fsdp.options import resolve as resolve_fsdp
 from kiln.strategies.xla.fsdp_options import resolve as resolve_xla

@@ -8,7 +8,8 @@ accumulation, clipping, optimizer hyperparameters, precision):
 - `"auto"` or absent in the DeepSpeed config: kiln's value is written into it (absent matters:
   DeepSpeed's own default `gradient_clipping` is 1.0, not kiln's);
 - set in the DeepSpeed config while kiln's value is its default: the DeepSpeed value is adopted
-  into kiln's config (this is how accelerate's plugin settings such as `gradient_clipping: 0.7` arrive);
+  into kiln's config as it loads (`adopt`; this is how accelerate's plugin settings such as
+  `gradient_clipping: 0.7` arrive);
 - set on both sides with different values: one ConfigError naming every pair.
 """
 
@@ -111,13 +112,6 @@ def _kiln_default(dotted: str) -> Any:
     return node
 
 
-def _set_kiln(cfg: Any, dotted: str, value: Any) -> None:
-    from omegaconf import OmegaConf, open_dict
-
-    with open_dict(cfg):
-        OmegaConf.update(cfg, dotted, value, merge=False)
-
-
 class Mismatches(list):
     def add(self, ds_key: str, ds_value: Any, kiln_key: str, kiln_value: Any) -> None:
         self.append(f"DeepSpeed {ds_key}={ds_value!r} vs kiln {kiln_key}={kiln_value!r}")
@@ -137,9 +131,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _match(ds: dict[str, Any], cfg: Any, ds_key: str, kiln_key: str, bad: Mismatches, kiln_value: Any = None,
-           fill_absent: bool = True, adopt: bool = True) -> None:
-    """One key: fill "auto" (and absent when `fill_absent`), adopt into kiln when kiln is at its
-    default, else record a mismatch."""
+           fill_absent: bool = True) -> None:
+    """One key: fill "auto" (and absent when `fill_absent`), else record a mismatch."""
     value = _kiln(cfg, kiln_key) if kiln_value is None else kiln_value
     node, leaf = _node(ds, ds_key, create=fill_absent)
     if node is None:
@@ -148,16 +141,34 @@ def _match(ds: dict[str, Any], cfg: Any, ds_key: str, kiln_key: str, bad: Mismat
     if current == "auto" or (current is None and fill_absent):
         node[leaf] = value
     elif current is not None and not _same(current, value):
-        if adopt and kiln_value is None and _same(value, _kiln_default(kiln_key)):
+        bad.add(ds_key, current, kiln_key, value)
+
+
+def adopt(cfg: Any) -> None:
+    """As the config loads (in place, before it is read-only): each number the DeepSpeed config of a
+    DeepSpeed run sets where kiln's value is at its default becomes kiln's value, so that there is one
+    copy (this is how accelerate's plugin settings such as `gradient_clipping: 0.7` arrive). The keys
+    `process` matches in the same order; it then finds them equal."""
+    if cfg.strategy.name not in NAMED_STAGES:
+        return
+    try:
+        user = read_user_config((cfg.strategy.get("options") or {}).get("config"))
+    except ConfigError:  # refused in these words when the strategy is built (a config may load on another machine)
+        return
+    pairs = [*_MATCHED, *(_OPTIMIZER if "optimizer" in user else ()),
+             *((("scheduler.params.warmup_max_lr", "optim.lr"),) if "scheduler" in user else ())]
+    for ds_key, kiln_key in pairs:
+        current, value = _get(user, ds_key), _kiln(cfg, kiln_key)
+        if current not in (None, "auto") and not _same(current, value) and _same(value, _kiln_default(kiln_key)):
+            from omegaconf import OmegaConf
+
             log.info("DeepSpeed config sets %s=%r; kiln's %s (at its default) takes that value.", ds_key, current, kiln_key)
-            _set_kiln(cfg, kiln_key, current)
-        else:
-            bad.add(ds_key, current, kiln_key, value)
+            OmegaConf.update(cfg, kiln_key, current, merge=False)
 
 
 def process(cfg: Any, user: dict[str, Any], *, world_size: int, precision: str, name: str) -> dict[str, Any]:
-    """HF's `trainer_config_process`: everything that does not need the model or the step count.
-    May update `cfg` (kiln values at their defaults take the DeepSpeed config's values)."""
+    """HF's `trainer_config_process`: everything that does not need the model or the step count (the
+    config is only read: `adopt` took the DeepSpeed values into it as it loaded)."""
     ds = copy.deepcopy(user)
     zero = ds.setdefault("zero_optimization", {})
     for key, value in NAMED_STAGES.get(name, {}).items():
