@@ -1,7 +1,7 @@
 """`Trainer.hyperparameter_search(backend="ray")`: HF's Ray Tune backend
 (`transformers.integrations.integration_utils.run_hp_search_ray`). Ray Tune runs each trial in a
 process of its own (an actor), where the trial builds its Trainer exactly as an Optuna trial does
-(`hp_search.build_trial_trainer`): through the searching Trainer's class and the arguments its
+(`hp_trial.build_trial_trainer`): through the searching Trainer's class and the arguments its
 constructor was called with (so a subclass's `__init__` runs), with the trial's hyperparameters
 applied and its files in `output_dir/run-<trial id>`. As HF's
 `_report_to_hp_search`, the trial reports to Ray Tune after every evaluation: the evaluation metrics
@@ -158,7 +158,7 @@ def _trial(params: dict[str, Any], recipe: dict[str, Any]) -> None:
     from ray import tune
 
     from kiln.config.load import load_config
-    from kiln.engine.hp_search import TrialRun, build_trial_trainer, trial_config
+    from kiln.engine.hp_trial import TrialRun, build_trial_trainer, trial_config
 
     trial = RayTrial(params, tune.get_context().get_trial_id())
     base = load_config(recipe["config"])

@@ -23,7 +23,8 @@ from kiln.engine.checkpoint.resume import choose_resume
 from kiln.engine.data.trainer_loaders import DataLoaderMixin
 from kiln.engine.distributed import check_same_output_dir, configure_logging
 from kiln.engine.evaluation.compiled import EvalCompiler
-from kiln.engine.hp_search import HyperparameterSearchMixin, building_trial
+from kiln.engine.hp_search import HyperparameterSearchMixin
+from kiln.engine.hp_trial import building_trial
 from kiln.engine.loop.batch_size import is_out_of_memory
 from kiln.engine.loop.fit import FitLoop, TrainOutput
 from kiln.engine.loop.loss_weights import MicroBatch
@@ -59,7 +60,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
     def __new__(cls, *args: Any, **kwargs: Any) -> "Trainer":
         trainer = super().__new__(cls)
         # the constructor's arguments: each hyperparameter-search trial builds its own Trainer from them,
-        # through this class's constructor (hp_search.build_trial_trainer)
+        # through this class's constructor (hp_trial.build_trial_trainer)
         trainer._init_call = (args, kwargs)
         return trainer
 
@@ -81,7 +82,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         overrides: Iterable[str] = (),
         args: Any = None,
     ) -> None:
-        search = building_trial()  # this Trainer trains one hyperparameter-search trial (hp_search.py)
+        search = building_trial()  # this Trainer trains one hyperparameter-search trial (hp_trial.py)
         config = config_or_args(config, args)
         # saved as training_args.bin (HF); a trial's is built from the trial's config
         self._given_args = config if is_training_arguments(config) and search is None else None

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 from kiln import Trainer
 from kiln.engine.callbacks.base import Callback
 from kiln.engine.callbacks.state import TrainerControl

@@ -39,12 +39,33 @@ class Ended(Callback):
             json.dump({"step": state.global_step, "pid": os.getpid()}, fh)
 
 
-def trainer(output_dir, callbacks=(), eval_dataset=None, **extra) -> Trainer:
+class Marks(Callback):
+    """Writes `<output_dir>/mark` at `on_train_begin`: the mark the Trainer's __init__ was given."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+
+    def on_train_begin(self, config, state, control, **kw):
+        os.makedirs(str(config.output_dir), exist_ok=True)
+        with open(os.path.join(str(config.output_dir), "mark"), "w") as fh:
+            fh.write(self.mark)
+
+
+class Marked(Trainer):
+    """A subclass whose own __init__ takes another argument and adds a callback: a trial's Trainer has the
+    callback only if that __init__ ran in the trial's process."""
+
+    def __init__(self, *args, mark: str, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.add_callback(Marks(mark))
+
+
+def trainer(output_dir, callbacks=(), eval_dataset=None, cls=Trainer, cls_kwargs=None, **extra) -> Trainer:
     config = {"output_dir": str(output_dir), "max_steps": MAX_STEPS, "per_device_train_batch_size": 8, "report_to": "none",
               "eval_strategy": "steps", "eval_steps": EVAL_STEPS, "disable_tqdm": True, "save_strategy": "no", "seed": 1,
               "strategy": {"name": "single", "device": "cpu"}, **extra}
-    return Trainer(None, config, model_init=model_init, train_dataset=regression_data(32), callbacks=list(callbacks),
-                   eval_dataset=regression_data(16, seed=1) if eval_dataset is None else eval_dataset)
+    return cls(None, config, model_init=model_init, train_dataset=regression_data(32), callbacks=list(callbacks),
+               eval_dataset=regression_data(16, seed=1) if eval_dataset is None else eval_dataset, **(cls_kwargs or {}))
 
 
 def stop_second_trial():
@@ -66,7 +87,7 @@ def stop_second_trial():
 
 
 def test_a_four_trial_ray_tune_search_reports_every_evaluation_and_returns_the_best_run(local_ray, tmp_path):
-    t = trainer(tmp_path / "search", callbacks=[Ended()])
+    t = trainer(tmp_path / "search", callbacks=[Ended()], cls=Marked, cls_kwargs={"mark": "marked"})
     best = t.hyperparameter_search(hp_space=lambda _: {"learning_rate": tune.loguniform(1e-4, 1e-1), "seed": tune.uniform(1, 40)},
                                    n_trials=4, direction="minimize", backend="ray", scheduler=stop_second_trial())
     assert isinstance(best, BestRun)
@@ -86,6 +107,8 @@ def test_a_four_trial_ray_tune_search_reports_every_evaluation_and_returns_the_b
     ended = {trial_id: json.loads((tmp_path / "search" / f"run-{trial_id}" / "ended").read_text()) for trial_id in reports}
     assert sorted(e["step"] for e in ended.values()) == [EVAL_STEPS, MAX_STEPS, MAX_STEPS, MAX_STEPS]
     assert len({e["pid"] for e in ended.values()}) <= 2  # at most two trials at a time, in processes Tune reused
+    # each trial's Trainer was built by the subclass's own __init__ (with its argument), in Tune's process
+    assert {(tmp_path / "search" / run / "mark").read_text() for run in runs} == {"marked"}
     objectives = {trial_id: frame["objective"].iloc[-1] for trial_id, frame in reports.items()}
     assert best.objective == min(objectives.values()) and objectives[best.run_id] == best.objective
     assert best.hyperparameters == next(r.config for r in grid if r.metrics["trial_id"] == best.run_id)
