@@ -100,3 +100,31 @@ def test_trainer_control_is_the_one_the_last_event_returned(tmp_path):
                       callbacks=[Last()])
     trainer.fit()
     assert trainer.control is returned[0]
+
+
+class SaveOnEvaluate(Callback):
+    """Returns a new control asking for a save from `on_evaluate` (the flow callback did not ask for one)."""
+
+    def on_evaluate(self, config, state, control, **kw):
+        fresh = TrainerControl()
+        fresh.should_save = True
+        return fresh
+
+
+def test_a_save_asked_for_after_the_step_resumes_to_the_same_training_loss(tmp_path):
+    # the save is decided only by on_evaluate's new control (no logging, no save cadence): the checkpoint must
+    # still hold the loss sums up to its step, or the resumed run reports another train_loss
+    settings = {"max_steps": 6, "learning_rate": 1e-2, "per_device_train_batch_size": 4, "eval_strategy": "steps",
+                "eval_steps": 3}
+    data = regression_data(16)
+
+    def trainer(out, **kw):
+        return Trainer(None, base_config(out, **settings), model_init=TinyRegressor, train_dataset=data,
+                       eval_dataset=data[:8], callbacks=[SaveOnEvaluate()], **kw)
+
+    whole = trainer(tmp_path / "a").fit()
+    first = trainer(tmp_path / "b")
+    first.fit()
+    assert _checkpoints(first) == [3, 6]
+    resumed = trainer(tmp_path / "b").fit(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-3"))
+    assert resumed.training_loss == whole.training_loss

@@ -278,7 +278,8 @@ class FitLoop:
     def _log_save_evaluate(self) -> None:
         hooks, run, losses = self.hooks, self.run, self.losses
         control, state = run.control, run.state
-        if control.should_log or control.should_save:
+        folded = control.should_log or control.should_save
+        if folded:
             self._flush_flos()
             losses.fold(state.global_step, self.strategy)
         elif state.global_step >= losses.guard.next_check:  # the nan/inf limit could be reached here: read now
@@ -315,6 +316,9 @@ class FitLoop:
             with evaluation_out_of_memory(bool(self.config.data.auto_find_batch_size)):
                 metrics = hooks.evaluate_during_training()
         if run.control.should_save:  # the loop's sums go with it: a resumed run logs the same averages
+            if not folded:  # asked for after the step (on_log, on_evaluate, save_strategy "best")
+                self._flush_flos()
+                losses.fold(state.global_step, self.strategy)
             losses.guard.note_save(f"The checkpoint of step {state.global_step}")
             hooks._save_checkpoint(metrics)
             self._event("on_save")
