@@ -40,7 +40,8 @@ class Ended(Callback):
 
 
 class Marks(Callback):
-    """Writes `<output_dir>/mark` at `on_train_begin`: the mark the Trainer's __init__ was given."""
+    """Writes `<output_dir>/mark` at `on_train_begin`: the mark the Trainer's __init__ was given, the
+    learning rate and the seed."""
 
     def __init__(self, mark: str) -> None:
         self.mark = mark
@@ -48,7 +49,7 @@ class Marks(Callback):
     def on_train_begin(self, config, state, control, **kw):
         os.makedirs(str(config.output_dir), exist_ok=True)
         with open(os.path.join(str(config.output_dir), "mark"), "w") as fh:
-            fh.write(self.mark)
+            fh.write(f"{self.mark} {config.optim.lr} {config.seed}")
 
 
 class Marked(Trainer):
@@ -108,7 +109,7 @@ def test_a_four_trial_ray_tune_search_reports_every_evaluation_and_returns_the_b
     assert sorted(e["step"] for e in ended.values()) == [EVAL_STEPS, MAX_STEPS, MAX_STEPS, MAX_STEPS]
     assert len({e["pid"] for e in ended.values()}) <= 2  # at most two trials at a time, in processes Tune reused
     # each trial's Trainer was built by the subclass's own __init__ (with its argument), in Tune's process
-    assert {(tmp_path / "search" / run / "mark").read_text() for run in runs} == {"marked"}
+    assert {(tmp_path / "search" / run / "mark").read_text().split()[0] for run in runs} == {"marked"}
     objectives = {trial_id: frame["objective"].iloc[-1] for trial_id, frame in reports.items()}
     assert best.objective == min(objectives.values()) and objectives[best.run_id] == best.objective
     assert best.hyperparameters == next(r.config for r in grid if r.metrics["trial_id"] == best.run_id)
@@ -179,3 +180,24 @@ def test_ray_tune_refuses_what_it_cannot_rank(tmp_path):
         t.hyperparameter_search(backend="ray", keep_checkpoints_num=1)
     with pytest.raises(KilnError, match="kiln searches with optuna or ray"):
         t.hyperparameter_search(backend="sigopt")
+
+
+def test_a_ray_trial_builds_its_trainer_through_the_subclass_constructor(monkeypatch, tmp_path):
+    """`_trial` as Ray Tune runs it in its process (here in this one: the recipe goes through Ray's pickler
+    and back, the trial id and `report` are Tune's stand-ins): the trial's Trainer is built by the
+    subclass's own __init__, with the trial's values, in `run-<trial id>`."""
+    from ray import cloudpickle
+
+    from kiln.engine.hp_search_ray import _recipe, _trial
+
+    reports: list[dict] = []
+    monkeypatch.setattr(tune, "get_context", lambda: SimpleNamespace(get_trial_id=lambda: "t0"))
+    monkeypatch.setattr(tune, "report", reports.append)
+    searching = trainer(tmp_path, callbacks=[Ended()], cls=Marked, cls_kwargs={"mark": "from-init"})
+    recipe = cloudpickle.loads(cloudpickle.dumps(_recipe(searching, default_compute_objective, None)))
+    _trial({"learning_rate": 0.05, "seed": 7.0}, recipe)
+    run = tmp_path / "run-t0"
+    assert (run / "mark").read_text() == "from-init 0.05 7"  # Marked.__init__ ran, with the trial's values
+    assert json.loads((run / "ended").read_text())["step"] == MAX_STEPS  # the Trainer's own callbacks came along
+    assert [r["step"] for r in reports] == [2, 4, 6]
+    assert searching.state.global_step == 0 and not (tmp_path / "mark").exists()  # the searching Trainer untouched
