@@ -39,26 +39,20 @@ class Ended(Callback):
             json.dump({"step": state.global_step, "pid": os.getpid()}, fh)
 
 
-class Marks(Callback):
-    """Writes `<output_dir>/mark` at `on_train_begin`: the mark the Trainer's __init__ was given, the
-    learning rate and the seed."""
-
-    def __init__(self, mark: str) -> None:
-        self.mark = mark
-
-    def on_train_begin(self, config, state, control, **kw):
-        os.makedirs(str(config.output_dir), exist_ok=True)
-        with open(os.path.join(str(config.output_dir), "mark"), "w") as fh:
-            fh.write(f"{self.mark} {config.optim.lr} {config.seed}")
-
-
 class Marked(Trainer):
-    """A subclass whose own __init__ takes another argument and adds a callback: a trial's Trainer has the
-    callback only if that __init__ ran in the trial's process."""
+    """A subclass whose own __init__ takes another argument and sets an attribute that training reads: a
+    trial's Trainer has it only if that __init__ ran in the trial's process. `create_optimizer` writes it to
+    `<output_dir>/mark` with the learning rate and seed the trial trains with."""
 
     def __init__(self, *args, mark: str, **kw) -> None:
         super().__init__(*args, **kw)
-        self.add_callback(Marks(mark))
+        self.mark = mark
+
+    def create_optimizer(self):
+        os.makedirs(str(self.config.output_dir), exist_ok=True)
+        with open(os.path.join(str(self.config.output_dir), "mark"), "w") as fh:
+            fh.write(f"{self.mark} {self.config.optim.lr} {self.config.seed}")
+        return super().create_optimizer()
 
 
 def trainer(output_dir, callbacks=(), eval_dataset=None, cls=Trainer, cls_kwargs=None, **extra) -> Trainer:
