@@ -2,9 +2,9 @@
 rather than on `trainer.py` (the Trainer is the top floor; nothing below imports it back).
 
 These are Hugging Face's override points that the loop must call through the Trainer, so that a
-subclass's override is honoured, plus the two objects HF keeps on the Trainer (`state`, `control`).
-Everything else the loop needs (the Run, the strategy, the precision plugin, the callbacks, the
-checkpoint manager, the config) it receives as its own typed arguments."""
+subclass's override is honoured. Everything else the loop needs (the Run, which holds the state,
+the control and the checkpoint manager; the strategy, the precision plugin, the callbacks, the
+config) it receives as its own typed arguments."""
 
 from __future__ import annotations
 
@@ -14,14 +14,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from kiln.engine.callbacks.state import TrainerControl, TrainerState
-
 
 class TrainerHooks(Protocol):
-    state: "TrainerState"
-    control: "TrainerControl"
-    #: throughput figures the next `log()` sends to the loggers only (kept out of log_history)
-    log_to_loggers_only: Optional[dict[str, float]]
     train_dataset: Any
 
     def create_optimizer(self) -> "torch.optim.Optimizer": ...

@@ -1,20 +1,23 @@
-"""`Trainer.hyperparameter_search` (HF) with Optuna: every trial is a new run of the same Trainer, as
-in HF: a fresh model from `model_init(trial)`, the trial's hyperparameters applied to the config, its
-files in `output_dir/run-<n>`, scored by `compute_objective` on its evaluation metrics. Evaluations
-during training report to the trial, so Optuna's pruners can stop a poor trial early (single
-objective only, as in Optuna). The Trainer's own config comes back when the search ends.
+"""`Trainer.hyperparameter_search` (HF) with Optuna: every trial trains a Trainer of its own, built
+through the searching Trainer's constructor (`type(trainer)(*the same arguments)`, so a subclass's
+`__init__` runs for each trial), with the trial's hyperparameters applied to the config, its files in
+`output_dir/run-<n>` and a fresh model from `model_init(trial)`; it is scored by `compute_objective`
+on its evaluation metrics. Evaluations during training report to the trial, so Optuna's pruners can
+stop a poor trial early (single objective only, as in Optuna). The searching Trainer itself is left
+as it was (its config, model and state).
+
+How a trial's Trainer is built: kiln/engine/hp_trial.py (shared with the Ray backend).
 
 With `backend="ray"` the trials run in Ray Tune instead (kiln/engine/hp_search_ray.py, `pip install
 'kiln[ray]'`); SigOpt, HF's other backend, is not available."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+from kiln.engine.hp_trial import TrialRun, build_trial_trainer, trial_config
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
@@ -60,17 +63,13 @@ class HyperparameterSearchMixin:
     `kiln.engine.trainer.Trainer`); the attributes below are the Trainer's that the search uses."""
 
     config: Any
-    args: Any
     strategy: "Strategy"
     run: "Run"
     state: "TrainerState"
     control: "TrainerControl"
     callback_handler: "CallbackHandler"
     model_init: Optional[Callable[..., Any]]
-    _trial: Any
-    _objective: Any
-    _trial_params: dict[str, Any]
-    _trial_name: str
+    _init_call: tuple[tuple[Any, ...], dict[str, Any]]
 
     if TYPE_CHECKING:  # the Trainer's
         def fit(self, resume_from_checkpoint: Any = None, trial: Any = None,
@@ -117,12 +116,13 @@ class HyperparameterSearchMixin:
 
         def objective(trial: Any) -> Union[float, list[float]]:
             params = hp_space(trial)
-            config = self._trial_config(trial, params, hp_name)
-            with self._trial_settings(config, params, trial, compute_objective, prune=not several):
-                self.fit(trial=trial)  # a new run: model_init(trial), its own optimizer, state and folder
-                if self._objective is None:  # no evaluation during training: evaluate once at the end
-                    self._objective = compute_objective(self.evaluate())
-                return self._objective
+            run = TrialRun(trial, trial_config(self.config, trial, params, hp_name), params, compute_objective,
+                           prune=not several)
+            trainer = build_trial_trainer(type(self), self._init_call, run, self.callback_handler.callbacks)
+            trainer.fit(trial=trial)  # model_init(trial), its own optimizer, state and folder
+            if run.objective is None:  # no evaluation during training: evaluate once at the end
+                run.objective = compute_objective(trainer.evaluate())
+            return run.objective
 
         study.optimize(objective, n_trials=n_trials)
         if several:
@@ -130,60 +130,16 @@ class HyperparameterSearchMixin:
         best = study.best_trial
         return BestRun(str(best.number), best.value, best.params)
 
-    def _trial_config(self, trial: Any, params: dict[str, Any], hp_name: Optional[Callable[[Any], str]]) -> Any:
-        """The config with `params` applied (HF names or dotted keys) and the trial's own output folder."""
-        from omegaconf import OmegaConf
-
-        from kiln.config.load import load_config
-
-        run_name = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
-        base = OmegaConf.to_container(self.config, resolve=True)
-        # the trial's values are a layer on top of the config, so they win
-        config = load_config(base, {**params, "output_dir": os.path.join(self.config.output_dir, run_name)})
-        for section in ("strategy", "precision"):  # built once, with the Trainer
-            if OmegaConf.to_container(config[section]) != OmegaConf.to_container(self.config[section]):
-                raise KilnError(f"hyperparameter_search cannot change the {section} per trial (the Trainer set it up "
-                                f"once); search the {section} by running one search per {section}.")
-        return config
-
-    @contextlib.contextmanager
-    def _trial_settings(self, config: Any, params: dict[str, Any], trial: Any,
-                        compute_objective: Callable[[dict[str, float]], Any], prune: bool) -> Iterator[None]:
-        """The Trainer as one trial runs it: the trial's config (also for the loggers, whose files go in
-        the trial's folder), the trial to report to; everything is put back afterwards."""
-        from kiln.engine.callbacks.defaults import logger_callback
-        from kiln.engine.callbacks.loggers import LoggerCallback
-
-        saved = self.config, self.args
-        handler = self.callback_handler
-        old_loggers = [cb for cb in handler.callbacks if isinstance(cb, LoggerCallback)]
-        for cb in old_loggers:
-            handler.pop(cb)
-        if old_loggers:
-            handler.add(logger_callback(config))
-        self.config = self.args = config
-        self._trial, self._compute_objective, self._prune, self._objective = trial, compute_objective, prune, None
-        self._trial_params, self._trial_name = dict(params), os.path.basename(config.output_dir)
-        try:
-            yield
-        finally:
-            for cb in [cb for cb in handler.callbacks if isinstance(cb, LoggerCallback)]:
-                handler.pop(cb)
-            for cb in old_loggers:
-                handler.add(cb)
-            self.config, self.args = saved
-            self._trial = None
-
     def _report_to_trial(self, metrics: dict[str, float]) -> None:
         """After each evaluation during a trial: record the objective and let Optuna prune."""
-        trial = self._trial
-        if trial is None:
+        search = self.run.trial
+        if search is None:
             return
-        self._objective = self._compute_objective(metrics)
-        if self._prune:
+        search.objective = search.compute_objective(metrics)
+        if search.prune:
             import optuna
 
-            trial.report(self._objective, self.state.global_step)
-            if trial.should_prune():
+            search.trial.report(search.objective, self.state.global_step)
+            if search.trial.should_prune():
                 self.control = self.callback_handler.call("on_train_end", self.config, self.state, self.control)
                 raise optuna.TrialPruned()

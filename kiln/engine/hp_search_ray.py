@@ -1,9 +1,9 @@
 """`Trainer.hyperparameter_search(backend="ray")`: HF's Ray Tune backend
 (`transformers.integrations.integration_utils.run_hp_search_ray`). Ray Tune runs each trial in a
-process of its own (an actor), so the trial cannot reuse this Trainer object: it builds a new Trainer
-of the same class from what this one was given (config, `model_init`, datasets, collator, metrics),
-with the trial's hyperparameters applied and its files in `output_dir/run-<trial id>`, exactly as an
-Optuna trial runs (`HyperparameterSearchMixin._trial_config` / `_trial_settings`). As HF's
+process of its own (an actor), where the trial builds its Trainer exactly as an Optuna trial does
+(`hp_trial.build_trial_trainer`): through the searching Trainer's class and the arguments its
+constructor was called with (so a subclass's `__init__` runs), with the trial's hyperparameters
+applied and its files in `output_dir/run-<trial id>`. As HF's
 `_report_to_hp_search`, the trial reports to Ray Tune after every evaluation: the evaluation metrics
 with `objective` (`compute_objective` on them) and `step`, so Tune's schedulers (ASHA, median
 stopping, ...) can stop a poor trial early; a trial without evaluations during training evaluates
@@ -108,17 +108,11 @@ def _recipe(trainer: Any, compute_objective: Callable[..., Any], hp_name: Option
     config = OmegaConf.to_container(trainer.config, resolve=True)
     assert isinstance(config, dict)
     config["output_dir"] = os.path.abspath(str(trainer.config.output_dir))  # Tune runs a trial in a folder of its own
-    # kiln's Trainer.__init__, found without importing the Trainer (which imports the search)
-    init = next(klass.__init__ for klass in type(trainer).__mro__ if klass.__module__ == "kiln.engine.trainer")
     return {
-        "cls": type(trainer), "init": init, "config": config,
+        "cls": type(trainer), "init_call": trainer._init_call, "config": config,
         "compute_objective": compute_objective, "hp_name": hp_name,
-        # the user's callbacks travel with the trial (kiln's own are rebuilt by the trial's Trainer)
-        "kwargs": {"callbacks": [cb for cb in trainer.callback_handler.callbacks if not type(cb).__module__.startswith("kiln.")],
-                   "model_init": trainer.model_init, "train_dataset": trainer.train_dataset, "eval_dataset": trainer.eval_dataset,
-                   "data_collator": trainer.data_collator, "compute_metrics": trainer.compute_metrics,
-                   "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics,
-                   "processing_class": trainer.processing_class},
+        # callbacks added after construction travel with the trial (kiln's own are rebuilt by the trial's Trainer)
+        "callbacks": [cb for cb in trainer.callback_handler.callbacks if not type(cb).__module__.startswith("kiln.")],
     }
 
 
@@ -163,18 +157,20 @@ def _trial(params: dict[str, Any], recipe: dict[str, Any]) -> None:
     reporting to Tune after each evaluation."""
     from ray import tune
 
+    from kiln.config.load import load_config
+    from kiln.engine.hp_trial import TrialRun, build_trial_trainer, trial_config
+
     trial = RayTrial(params, tune.get_context().get_trial_id())
-    # built by kiln's __init__, as an Optuna trial's Trainer is: a subclass's own __init__ may take other arguments
-    trainer = recipe["cls"].__new__(recipe["cls"])
-    recipe["init"](trainer, None, recipe["config"], **recipe["kwargs"])
+    base = load_config(recipe["config"])
+    config = trial_config(base, trial, _typed(base, params), recipe["hp_name"])
+    run = TrialRun(trial, config, params, recipe["compute_objective"], prune=False)
+    trainer = build_trial_trainer(recipe["cls"], recipe["init_call"], run, recipe["callbacks"])
     datasets = len(trainer.eval_dataset) if isinstance(trainer.eval_dataset, Mapping) else 1
     reporter = TuneReport(recipe["compute_objective"], datasets, tune.report)
     trainer.add_callback(reporter)
-    config = trainer._trial_config(trial, _typed(trainer.config, params), recipe["hp_name"])
-    with trainer._trial_settings(config, params, trial, recipe["compute_objective"], prune=False):
-        trainer.fit(trial=trial)
-        if not reporter.reported:  # no evaluation during training: evaluate (and report) once at the end, as HF
-            trainer.evaluate()
+    trainer.fit(trial=trial)
+    if not reporter.reported:  # no evaluation during training: evaluate (and report) once at the end, as HF
+        trainer.evaluate()
     if reporter.stopped:  # returning would report once more, to a Tune that no longer listens (and waits forever)
         raise SystemExit(0)
 

@@ -1,9 +1,11 @@
-"""A `Run`: the state of one training run, from the model it starts with to what a checkpoint hands
-back for the loop to apply.
+"""A `Run`: every per-fit object, from the model it starts with to what a checkpoint hands back for
+the loop to apply.
 
-The Trainer (the HF-compatible facade) holds one Run at a time. A second `fit()` starts a new Run
-instead of rewriting the Trainer's attributes one by one (see `Trainer._start_new_run`), and the
-loops and checkpoint code receive the Run rather than the Trainer. Its parts:
+The Trainer (the HF-compatible facade) holds one Run at a time, and its HF attributes (`state`,
+`control`, `model`, `optimizer`, `lr_scheduler`, ...) are properties over it. `start_run` (run_start.py) is
+the one constructor: the Trainer's first run, a second `fit()` (HF: every train() is a new run) and a model
+assigned to `trainer.model` all go through it. The loops and the checkpoint code receive the Run
+rather than the Trainer. Its parts:
 
 - the model as the user gave it (`model`), the module the strategy sets up (`forward_module`: a
   TrainingModule behind its StepDispatcher, so wrappers that hook `forward` see every step) and the
@@ -14,7 +16,12 @@ loops and checkpoint code receive the Run rather than the Trainer. Its parts:
   values until `auto_find_batch_size` or an out-of-memory recovery changes them, which never
   writes back into the config (a checkpoint's config.yaml records the live values);
 - an optimizer that updates the weights inside backward (`backward_owner`, LOMO);
-- what the engine derives from the model (`facts`: labels, item counting, call convention).
+- what the engine derives from the model (`facts`: labels, item counting, call convention);
+- HF's `TrainerState` and `TrainerControl` (`state`, `control`). The Run is the control's one owner:
+  every callback event's return value is written to `control` (a callback may return a new object,
+  as HF allows), and every reader reads it there;
+- the checkpoint manager of this run (`checkpoints`), the throughput figures the next `log()` sends
+  to the loggers only (`log_to_loggers_only`), and the hyperparameter-search trial it trains (`trial`).
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.compile import compile_module, compile_optimizer_step
 from kiln.engine.model.facts import ModelFacts
 from kiln.optim.merged_step import step_equal_groups_as_one
 from kiln.optim.schedulers import scheduler_needs_metrics
 from kiln.utils.errors import ConfigError
+
 
 
 @dataclass(eq=False)
@@ -53,6 +62,15 @@ class Run:
     micro_batch: Any = None
     #: set-up modules -> their torch.compile wrappers (one compilation per set-up module)
     _compiled: dict[int, nn.Module] = field(default_factory=dict)
+    state: TrainerState = field(default_factory=TrainerState)
+    control: TrainerControl = field(default_factory=TrainerControl)
+    #: the run's CheckpointManager (kiln.engine.checkpoint.manager, which reads the Run: typed Any to keep
+    #: the import one-way; `start_run` builds it)
+    checkpoints: Any = None
+    #: throughput figures the next `log()` sends to the loggers only (kept out of log_history)
+    log_to_loggers_only: Optional[dict[str, float]] = None
+    #: the hyperparameter-search trial this run trains (None outside a search)
+    trial: Any = None
 
     def __post_init__(self) -> None:
         if self.wrapped is None:

@@ -17,23 +17,21 @@ from torch import nn
 from kiln.engine.arguments import config_or_args, pop_objects
 from kiln.engine.callbacks.base import Callback, CallbackHandler
 from kiln.engine.callbacks.defaults import default_callbacks
-from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.config.hf_args import is_training_arguments
-from kiln.engine.checkpoint.manager import CheckpointManager
 from kiln.engine.checkpoint.output_dir import refuse_overwrite, run_lock
 from kiln.engine.checkpoint.resume import choose_resume
 from kiln.engine.data.trainer_loaders import DataLoaderMixin
 from kiln.engine.distributed import check_same_output_dir, configure_logging
 from kiln.engine.evaluation.compiled import EvalCompiler
 from kiln.engine.hp_search import HyperparameterSearchMixin
+from kiln.engine.hp_trial import building_trial
 from kiln.engine.loop.batch_size import is_out_of_memory
 from kiln.engine.loop.fit import FitLoop, TrainOutput
 from kiln.engine.loop.loss_weights import MicroBatch
-from kiln.engine.model.facts import ModelFacts
 from kiln.engine.model.model_init import call_model_init
 from kiln.engine.model.module import loss_from_output
 from kiln.engine.model.neftune import neftune
-from kiln.engine.run import Run
+from kiln.engine.run_start import start_run
 from kiln.engine.trainer_attributes import RunAttributes
 from kiln.engine.seed import set_seed
 from kiln.engine.trainer_eval import EvaluationMixin
@@ -53,11 +51,18 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
     `transformers.TrainingArguments`; HF's keyword `args=` is accepted for it. `strategy` and
     `precision` may also be passed as objects (a Strategy/Precision class or instance).
 
-    The per-run state (model, optimizer, scheduler, set-up module, live batch sizes) lives in
-    `self.run` (kiln.engine.run.Run); the HF attributes `model`, `model_wrapped`, `optimizer` and
-    `lr_scheduler` read and write it. Call `teardown()` (or use the Trainer as a context manager)
+    Every per-fit object (model, optimizer, scheduler, set-up module, live batch sizes, state,
+    control, checkpoint manager) lives in `self.run` (kiln.engine.run.Run); the HF attributes
+    `model`, `model_wrapped`, `optimizer`, `lr_scheduler`, `state` and `control` read and write it. Call `teardown()` (or use the Trainer as a context manager)
     when done with it: it releases the process group and restores global flags; otherwise that
     happens when the interpreter exits."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Trainer":
+        trainer = super().__new__(cls)
+        # the constructor's arguments: each hyperparameter-search trial builds its own Trainer from them,
+        # through this class's constructor (hp_trial.build_trial_trainer)
+        trainer._init_call = (args, kwargs)
+        return trainer
 
     def __init__(
         self,
@@ -77,10 +82,13 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         overrides: Iterable[str] = (),
         args: Any = None,
     ) -> None:
+        search = building_trial()  # this Trainer trains one hyperparameter-search trial (hp_trial.py)
         config = config_or_args(config, args)
-        self._given_args = config if is_training_arguments(config) else None  # saved as training_args.bin (HF)
+        # saved as training_args.bin (HF); a trial's is built from the trial's config
+        self._given_args = config if is_training_arguments(config) and search is None else None
         config, strategy, precision, overrides = pop_objects(config, strategy, precision, overrides)
-        self.config = load_with_launcher_settings(config, overrides)  # accelerate launch fills unset keys
+        # accelerate launch fills unset keys; a trial's config is the searching Trainer's with the trial's values
+        self.config = search.config if search is not None else load_with_launcher_settings(config, overrides)
         cfg = self.config
         from kiln.loggers.metrics import MemoryTracker
 
@@ -97,24 +105,19 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self.precision.check_device(self.strategy.root_device)
         set_seed(cfg.seed, cfg.full_determinism)
         self.model_init = model_init
-        if model is None:
+        if model is None or search is not None:  # a trial trains a fresh model_init(trial), as in HF
             if model_init is None:
                 raise KilnError("Trainer needs a model: pass `model=` or `model_init=` (a callable returning the model).")
-            model = self._build_model()
+            model = self._build_model(search.trial if search is not None else None)
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}.")
         if cfg.train.use_cache is not None and getattr(model, "config", None) is not None:
             model.config.use_cache = cfg.train.use_cache  # HF sets it from TrainingArguments.use_cache
-        self._trial: Any = None  # the Optuna trial this Trainer trains (hyperparameter_search)
-        self._objective: Any = None
         self.args = cfg  # HF code reads trainer.args
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator, self.processing_class = data_collator, processing_class
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
-        self.run = self._new_run(model, optimizers)
-        self.state = TrainerState(is_world_process_zero=self.strategy.is_global_zero, is_local_process_zero=self.strategy.is_local_zero)
-        self.control = TrainerControl()
         self.is_in_train = False
         self._runs_started = 0
         self._remove_columns = bool(cfg.data.remove_unused_columns)  # read per micro-batch: a plain copy
@@ -122,7 +125,6 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         # it; otherwise the all-reduce runs while the first forward does
         self.wants_num_items = type(self).compute_loss is not Trainer.compute_loss or \
             type(self).training_step is not Trainer.training_step
-        self.log_to_loggers_only: Optional[dict[str, float]] = None  # throughput the next log() sends to loggers only
         # evaluation's settings of the current call (HF keeps them on the Trainer too)
         self._gen_kwargs: dict[str, Any] = {}
         self._eval_step_name = "validation_step"
@@ -133,22 +135,24 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
                                                 optimizer=optimizers[0], lr_scheduler=optimizers[1])
         for cb in callbacks or ():
             self.callback_handler.add(cb)
-        self.checkpoints = CheckpointManager(cfg, self.strategy, self.precision, self.callback_handler, self.run, self._given_args)
+        self.run = start_run(cfg, self.strategy, self.precision, self.callback_handler, model, optimizers=optimizers,
+                             trial=search, training_args=self._given_args)
         self.control = self.callback_handler.call("on_init_end", cfg, self.state, self.control)
         self.memory_tracker.stop("init")
 
-    def _new_run(self, model: nn.Module, optimizers: tuple[Any, Any] = (None, None)) -> Run:
-        cfg = self.config
-        return Run(model, ModelFacts.of(model, cfg), int(cfg.data.per_device_train_batch_size),
-                   int(cfg.train.gradient_accumulation_steps), optimizer=optimizers[0], scheduler=optimizers[1],
-                   user_optimizer=optimizers[0] is not None)
+    def _start_run(self, model: Optional[nn.Module] = None) -> None:
+        """A new Run (run_start.py) of this Trainer's trial, if any: for `model`, or continuing the current
+        one's model when None."""
+        self.run = start_run(self.config, self.strategy, self.precision, self.callback_handler, model, previous=self.run,
+                             trial=self.run.trial, training_args=self._given_args)
+        self.callback_handler.objects["model"] = self.run.model
 
     def _adopt(self, model: nn.Module) -> None:
-        """A new run for `model` (assigned to `trainer.model`): set up anew, without the old optimizer."""
-        self.run = self._new_run(model)
-        self.checkpoints = CheckpointManager(self.config, self.strategy, self.precision, self.callback_handler, self.run,
-                                             self._given_args)
-        self.callback_handler.objects["model"] = model
+        """A new run for `model` (assigned to `trainer.model`): set up anew, without the old optimizer; the
+        state and control stay (HF keeps them when the model is replaced)."""
+        old = self.run
+        self._start_run(model)
+        self.run.state, self.run.control = old.state, old.control
 
     # -- callbacks (HF API) -----------------------------------------------------------------
     def add_callback(self, callback: Union[Callback, type]) -> None:
@@ -264,11 +268,12 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
             summary = start_summary(self.model, self.strategy, self.precision, cfg.log.model_summary, cfg.log.model_summary_depth)
             if summary is not None:
                 print(summary, flush=True)
-        if self._runs_started or trial is not None:  # HF: every train() is a new run, not a resume of the last
-            self._start_new_run(trial)
-        if trial is not None:
-            self.state.is_hyper_param_search, self.state.trial_name = True, self._trial_name
-            self.state.trial_params = dict(self._trial_params)
+        if self._runs_started:  # HF: every train() is a new run, not a resume of the last
+            self._start_new_run()
+        search = self.run.trial
+        if search is not None:
+            self.state.is_hyper_param_search, self.state.trial_name = True, search.name
+            self.state.trial_params = dict(search.params)
         self._runs_started += 1
         self.is_in_train = True
         self.memory_tracker.start("train")
@@ -307,28 +312,17 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
 
     train = fit  # HF name
 
-    def _start_new_run(self, trial: Any = None) -> None:
+    def _start_new_run(self) -> None:
         """A second `fit()` starts a new run, as in HF. With `model_init`, the seed (possibly changed in
         the config since) is set again and a fresh model is built, with a fresh optimizer and schedule
         (HF drops a given pair too); without it, training continues from the current weights with the
         same optimizer. Either way the state starts over (step 0, empty log history, no best metric),
         and a schedule the Trainer built itself is built again for the new run's length."""
-        cfg, old = self.config, self.run
+        model = None
         if self.model_init is not None:
-            set_seed(cfg.seed, cfg.full_determinism)  # before the model is built, so its init follows the seed
-            self.run = self._new_run(self._build_model(trial))
-            self.callback_handler.objects["model"] = self.run.model
-        else:
-            self.run = Run(old.model, old.facts, int(cfg.data.per_device_train_batch_size),
-                           int(cfg.train.gradient_accumulation_steps), optimizer=old.optimizer,
-                           scheduler=None if old.created_scheduler else old.scheduler, user_optimizer=old.user_optimizer,
-                           forward_module=old.forward_module, wrapped=old.wrapped, stage=old.stage,
-                           backward_owner=old.backward_owner)
-        self.state = TrainerState(is_world_process_zero=self.strategy.is_global_zero,
-                                  is_local_process_zero=self.strategy.is_local_zero)
-        self.control = TrainerControl()  # a trial's training_args.bin is built from the trial's config
-        self.checkpoints = CheckpointManager(cfg, self.strategy, self.precision, self.callback_handler, self.run,
-                                             self._given_args if trial is None else None)
+            set_seed(self.config.seed, self.config.full_determinism)  # before the model is built, so its init follows the seed
+            model = self._build_model(self._trial)
+        self._start_run(model)
 
     def _build_model(self, trial: Any = None) -> nn.Module:
         """`model_init(trial)` (or `model_init()`), inside a sharding strategy's context where it has one."""
@@ -380,7 +374,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         from kiln.engine.checkpoint.export import export_model
 
         return export_model(self.model, self.strategy, self.config, self.processing_class, output_dir or self.config.output_dir,
-                            max_shard_size, self._given_args if self._trial is None else None)
+                            max_shard_size, self._given_args)
 
     def save_state(self) -> None:
         if self.strategy.is_global_zero:

@@ -1,5 +1,5 @@
-"""HF's Trainer attributes (`model`, `model_wrapped`, `optimizer`, `lr_scheduler`, `label_names`,
-`_train_batch_size`) and introspection (`get_learning_rates`, `get_optimizer_group`,
+"""HF's Trainer attributes (`state`, `control`, `model`, `model_wrapped`, `optimizer`, `lr_scheduler`,
+`label_names`, `_train_batch_size`), kiln's per-fit ones (`checkpoints`, `log_to_loggers_only`) and introspection (`get_learning_rates`, `get_optimizer_group`,
 `get_num_trainable_parameters`), read from and written to the Trainer's current `Run`: one place
 holds each piece of run state, and HF code that reads or assigns these attributes keeps working."""
 
@@ -13,6 +13,8 @@ from torch import nn
 from kiln.engine.loop.loss_weights import MicroBatch
 
 if TYPE_CHECKING:
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
+    from kiln.engine.checkpoint.manager import CheckpointManager
     from kiln.engine.run import Run
 
 
@@ -23,6 +25,41 @@ class RunAttributes:
         raise NotImplementedError  # the Trainer's: a new run for `model`
 
     # -- HF's attributes, over the run ------------------------------------------------------
+    @property
+    def state(self) -> "TrainerState":
+        return self.run.state
+
+    @state.setter
+    def state(self, state: "TrainerState") -> None:
+        self.run.state = state
+
+    @property
+    def control(self) -> "TrainerControl":
+        """The run's flags: what the last callback event returned (the Run is the control's one owner)."""
+        return self.run.control
+
+    @control.setter
+    def control(self, control: "TrainerControl") -> None:
+        self.run.control = control
+
+    @property
+    def checkpoints(self) -> "CheckpointManager":
+        return self.run.checkpoints
+
+    @property
+    def log_to_loggers_only(self) -> Optional[dict[str, float]]:
+        """Throughput figures the next `log()` sends to the loggers only (the fit loop sets them)."""
+        return self.run.log_to_loggers_only
+
+    @log_to_loggers_only.setter
+    def log_to_loggers_only(self, figures: Optional[dict[str, float]]) -> None:
+        self.run.log_to_loggers_only = figures
+
+    @property
+    def _trial(self) -> Any:
+        """The hyperparameter-search trial (Optuna's, or a Ray trial) this Trainer trains; None outside a search."""
+        return self.run.trial.trial if self.run.trial is not None else None
+
     @property
     def model(self) -> nn.Module:
         return self.run.model

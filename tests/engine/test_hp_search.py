@@ -5,6 +5,8 @@ directions give the Pareto-best runs, and misuse gets one clear sentence."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -150,3 +152,34 @@ def test_trials_work_for_a_subclass_with_its_own_init(tmp_path):
     assert sorted(s[1] for s in seen if s[0] == "train_begin") == [f"{out}/run-0", f"{out}/run-1"]
     assert {s[1] for s in seen if s[0] == "loss"} == {2.0}
     assert seen.count(("built",)) == 2  # one model per trial: the parent's run state is not carried over
+
+
+def test_each_trial_builds_its_trainer_through_the_subclass_constructor(tmp_path):
+    """Every trial's Trainer is constructed by the subclass's own __init__ (with the arguments the searching
+    Trainer was given): what __init__ sets is what that trial's training sees, and the searching Trainer is
+    left as it was."""
+    built, used = [], []
+
+    class Numbered(Trainer):
+        def __init__(self, tag, **kw):
+            super().__init__(**kw)
+            built.append(self)
+            self.number = (tag, len(built))  # set by __init__ alone: a Trainer built another way lacks it
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            used.append((self.number, self.config.output_dir, self.config.optim.lr))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    data = regression_data(n=48)
+    trainer = Numbered("t", config=_config(tmp_path), model_init=TinyRegressor, train_dataset=data[:32],
+                       eval_dataset=data[32:])
+    model = trainer.model
+    trainer.hyperparameter_search(hp_space=lambda t: {"learning_rate": t.suggest_categorical("learning_rate", [0.0, 0.05])},
+                                  n_trials=2, sampler=_grid(learning_rate=[0.0, 0.05]))
+    assert len(built) == 3 and all(type(t) is Numbered for t in built)
+    out = str(tmp_path / "out")
+    per_trial = {(number, folder, lr) for number, folder, lr in used}
+    assert {(n, os.path.basename(f)) for n, f, _ in per_trial} == {(("t", 2), "run-0"), (("t", 3), "run-1")}
+    assert {lr for *_, lr in per_trial} == {0.0, 0.05} and all(f.startswith(out) for _, f, _ in per_trial)
+    assert trainer.config.output_dir == out and trainer.model is model and trainer.state.global_step == 0
+    assert built[1].model is not model and built[1].state.trial_name == "run-0" and built[1].state.is_hyper_param_search

@@ -60,3 +60,30 @@ def test_a_trial_may_not_change_the_strategy_or_precision(tmp_path):
     with pytest.raises(KilnError, match="cannot change the precision per trial"):
         trainer.hyperparameter_search(hp_space=lambda t: {"precision": "bf16"}, n_trials=1)
     assert trainer.config.output_dir == str(tmp_path / "out")  # the Trainer's own config is back
+
+
+def test_the_run_owns_state_control_and_checkpoints_and_each_fit_gets_new_ones(tmp_path):
+    trainer = _trainer(tmp_path, model=TinyRegressor())
+    run = trainer.run
+    assert trainer.state is run.state and trainer.control is run.control and trainer.checkpoints is run.checkpoints
+    assert run.checkpoints.run is run
+    trainer.fit()
+    first = trainer.run
+    trainer.fit()
+    second = trainer.run
+    assert second is not first and second.checkpoints.run is second
+    for name in ("state", "control", "checkpoints"):
+        assert getattr(second, name) is not getattr(first, name) and getattr(trainer, name) is getattr(second, name)
+    assert first.state.global_step == second.state.global_step == 2  # the second fit's state started over
+
+
+def test_assigning_a_model_starts_a_run_for_it_and_keeps_the_state(tmp_path):
+    trainer = _trainer(tmp_path, model=TinyRegressor())
+    trainer.fit()
+    old, model = trainer.run, TinyRegressor()
+    trainer.model = model
+    new = trainer.run
+    assert new is not old and new.model is model and new.optimizer is None and new.stage is None
+    assert new.state is old.state and new.state.global_step == 2 and new.control is old.control  # HF keeps them
+    assert new.checkpoints is not old.checkpoints and new.checkpoints.run is new
+    assert trainer.callback_handler.objects["model"] is model

@@ -109,8 +109,8 @@ def _fake_loop(global_zero: bool, local_zero: bool, on_each_node: bool) -> Simpl
     cfg = OmegaConf.create({"log": {"on_each_node": on_each_node}, "data": {"per_device_train_batch_size": 4},
                             "train": {"ignore_data_skip": False}})
     strategy = SimpleNamespace(is_global_zero=global_zero, is_local_zero=local_zero, data_shards=2)
-    run = SimpleNamespace(micro_batch_size=4, accumulation=1, model=nn.Linear(2, 1))
-    return SimpleNamespace(config=cfg, run=run, strategy=strategy, hooks=SimpleNamespace(state=TrainerState()))
+    run = SimpleNamespace(micro_batch_size=4, accumulation=1, model=nn.Linear(2, 1), state=TrainerState())
+    return SimpleNamespace(config=cfg, run=run, strategy=strategy)
 
 
 @pytest.mark.parametrize("global_zero, local_zero, on_each_node, logs", [

@@ -39,12 +39,28 @@ class Ended(Callback):
             json.dump({"step": state.global_step, "pid": os.getpid()}, fh)
 
 
-def trainer(output_dir, callbacks=(), eval_dataset=None, **extra) -> Trainer:
+class Marked(Trainer):
+    """A subclass whose own __init__ takes another argument and sets an attribute that training reads: a
+    trial's Trainer has it only if that __init__ ran in the trial's process. `create_optimizer` writes it to
+    `<output_dir>/mark` with the learning rate and seed the trial trains with."""
+
+    def __init__(self, *args, mark: str, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.mark = mark
+
+    def create_optimizer(self):
+        os.makedirs(str(self.config.output_dir), exist_ok=True)
+        with open(os.path.join(str(self.config.output_dir), "mark"), "w") as fh:
+            fh.write(f"{self.mark} {self.config.optim.lr} {self.config.seed}")
+        return super().create_optimizer()
+
+
+def trainer(output_dir, callbacks=(), eval_dataset=None, cls=Trainer, cls_kwargs=None, **extra) -> Trainer:
     config = {"output_dir": str(output_dir), "max_steps": MAX_STEPS, "per_device_train_batch_size": 8, "report_to": "none",
               "eval_strategy": "steps", "eval_steps": EVAL_STEPS, "disable_tqdm": True, "save_strategy": "no", "seed": 1,
               "strategy": {"name": "single", "device": "cpu"}, **extra}
-    return Trainer(None, config, model_init=model_init, train_dataset=regression_data(32), callbacks=list(callbacks),
-                   eval_dataset=regression_data(16, seed=1) if eval_dataset is None else eval_dataset)
+    return cls(None, config, model_init=model_init, train_dataset=regression_data(32), callbacks=list(callbacks),
+               eval_dataset=regression_data(16, seed=1) if eval_dataset is None else eval_dataset, **(cls_kwargs or {}))
 
 
 def stop_second_trial():
@@ -66,7 +82,7 @@ def stop_second_trial():
 
 
 def test_a_four_trial_ray_tune_search_reports_every_evaluation_and_returns_the_best_run(local_ray, tmp_path):
-    t = trainer(tmp_path / "search", callbacks=[Ended()])
+    t = trainer(tmp_path / "search", callbacks=[Ended()], cls=Marked, cls_kwargs={"mark": "marked"})
     best = t.hyperparameter_search(hp_space=lambda _: {"learning_rate": tune.loguniform(1e-4, 1e-1), "seed": tune.uniform(1, 40)},
                                    n_trials=4, direction="minimize", backend="ray", scheduler=stop_second_trial())
     assert isinstance(best, BestRun)
@@ -86,6 +102,8 @@ def test_a_four_trial_ray_tune_search_reports_every_evaluation_and_returns_the_b
     ended = {trial_id: json.loads((tmp_path / "search" / f"run-{trial_id}" / "ended").read_text()) for trial_id in reports}
     assert sorted(e["step"] for e in ended.values()) == [EVAL_STEPS, MAX_STEPS, MAX_STEPS, MAX_STEPS]
     assert len({e["pid"] for e in ended.values()}) <= 2  # at most two trials at a time, in processes Tune reused
+    # each trial's Trainer was built by the subclass's own __init__ (with its argument), in Tune's process
+    assert {(tmp_path / "search" / run / "mark").read_text().split()[0] for run in runs} == {"marked"}
     objectives = {trial_id: frame["objective"].iloc[-1] for trial_id, frame in reports.items()}
     assert best.objective == min(objectives.values()) and objectives[best.run_id] == best.objective
     assert best.hyperparameters == next(r.config for r in grid if r.metrics["trial_id"] == best.run_id)
@@ -156,3 +174,24 @@ def test_ray_tune_refuses_what_it_cannot_rank(tmp_path):
         t.hyperparameter_search(backend="ray", keep_checkpoints_num=1)
     with pytest.raises(KilnError, match="kiln searches with optuna or ray"):
         t.hyperparameter_search(backend="sigopt")
+
+
+def test_a_ray_trial_builds_its_trainer_through_the_subclass_constructor(monkeypatch, tmp_path):
+    """`_trial` as Ray Tune runs it in its process (here in this one: the recipe goes through Ray's pickler
+    and back, the trial id and `report` are Tune's stand-ins): the trial's Trainer is built by the
+    subclass's own __init__, with the trial's values, in `run-<trial id>`."""
+    from ray import cloudpickle
+
+    from kiln.engine.hp_search_ray import _recipe, _trial
+
+    reports: list[dict] = []
+    monkeypatch.setattr(tune, "get_context", lambda: SimpleNamespace(get_trial_id=lambda: "t0"))
+    monkeypatch.setattr(tune, "report", reports.append)
+    searching = trainer(tmp_path, callbacks=[Ended()], cls=Marked, cls_kwargs={"mark": "from-init"})
+    recipe = cloudpickle.loads(cloudpickle.dumps(_recipe(searching, default_compute_objective, None)))
+    _trial({"learning_rate": 0.05, "seed": 7.0}, recipe)
+    run = tmp_path / "run-t0"
+    assert (run / "mark").read_text() == "from-init 0.05 7"  # Marked.__init__ ran, with the trial's values
+    assert json.loads((run / "ended").read_text())["step"] == MAX_STEPS  # the Trainer's own callbacks came along
+    assert [r["step"] for r in reports] == [2, 4, 6]
+    assert searching.state.global_step == 0 and not (tmp_path / "mark").exists()  # the searching Trainer untouched

@@ -83,7 +83,6 @@ class CallbackHandler:
         # HF passes these six to every event, None until the Trainer has them (call_event in trainer_callback.py)
         self.objects: dict[str, Any] = {**dict.fromkeys(HF_OBJECTS), **objects}
         self.by_event: dict[str, list[Any]] = {}  # event -> the handlers that override it (read-only; see _index)
-        self.control: Optional["TrainerControl"] = None  # the run's flags, last seen: saved as HF's "TrainerControl"
         for cb in callbacks:
             self.add(cb)
 
@@ -118,7 +117,6 @@ class CallbackHandler:
         return any(getattr(handler.__self__, "reads_checkpoint_on_save", True) for handler in self.by_event["on_save"])
 
     def call(self, event: str, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> "TrainerControl":
-        self.control = control
         for flag in _CLEARS.get(event, ()):
             setattr(control, flag, False)
         handlers = self.by_event[event]
@@ -128,11 +126,11 @@ class CallbackHandler:
         for handler in handlers:
             result = handler(config, state, control, **kw)
             if result is not None:
-                control = self.control = result
+                control = result
         return control
 
     # -- callback state in checkpoints ------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, control: Optional["TrainerControl"] = None) -> dict[str, Any]:
         """`trainer_state.json`'s `stateful_callbacks`, in HF's layout: class name -> state, or a list of
         states when several callbacks share a class, and last (as HF's `_save_checkpoint` does) the
         run's `TrainerControl` flags as they stand when the checkpoint is written."""
@@ -146,8 +144,8 @@ class CallbackHandler:
                 states[name] = [*(states[name] if isinstance(states[name], list) else [states[name]]), state]
             else:
                 states[name] = state
-        if self.control is not None:
-            states["TrainerControl"] = self.control.state()
+        if control is not None:
+            states["TrainerControl"] = control.state()
         return states
 
     def load_state_dict(self, states: dict[str, Any], restore_args: bool = False) -> list[str]:

@@ -238,7 +238,7 @@ class CheckpointManager:
             if run.scheduler is not None:
                 _save(run.scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
             _save(self.precision.state_dict(), os.path.join(tmp, "precision.pt"))
-        state.stateful_callbacks = self.callbacks.state_dict()
+        state.stateful_callbacks = self.callbacks.state_dict(self.run.control)
         state.save_to_json(os.path.join(tmp, STATE))
         with open(os.path.join(tmp, POSITION), "w", encoding="utf-8") as fh:
             json.dump(state.loop_position(), fh)

@@ -139,14 +139,14 @@ def restart_smaller(loop: Any, err: BaseException, resume_path: Optional[str]) -
         return False
     if loop.strategy.world_size > 1 or resume_path is not None:
         return False
-    run, hooks, strategy = loop.run, loop.hooks, loop.strategy
+    run, strategy = loop.run, loop.strategy
     size = run.micro_batch_size
     new = int(size * 0.9)
     if new < 1:
         raise KilnError("auto_find_batch_size: out of memory during training even with per_device_train_batch_size=1; "
                         "use a smaller model, gradient_checkpointing, lower precision, or shard the model "
                         "(strategy: fsdp).") from err
-    old = hooks.state
+    old = run.state
     log.warning("auto_find_batch_size: out of memory with per_device_train_batch_size=%d after %d optimizer steps, outside "
                 "a window's forward and backward; training restarts from step 0 with per_device_train_batch_size=%d (as "
                 "HF's Trainer does), from the current weights and optimizer state.", size, old.global_step, new)
@@ -155,7 +155,7 @@ def restart_smaller(loop: Any, err: BaseException, resume_path: Optional[str]) -
     run.micro_batch, run.micro_batch_size = None, new
     if run.created_scheduler:  # HF's `_prepare_for_training` drops the schedule it built; setup builds it again
         run.scheduler = None
-    hooks.state = TrainerState(is_world_process_zero=old.is_world_process_zero, is_local_process_zero=old.is_local_process_zero,
+    run.state = TrainerState(is_world_process_zero=old.is_world_process_zero, is_local_process_zero=old.is_local_process_zero,
                                is_hyper_param_search=old.is_hyper_param_search, trial_name=old.trial_name,
                                trial_params=old.trial_params)
     # the control stays, as in HF: on_train_begin, on_epoch_begin and on_step_begin clear its flags

@@ -36,6 +36,7 @@ from kiln.utils.tensors import batch_size_of
 
 if TYPE_CHECKING:
     from kiln.engine.callbacks.base import CallbackHandler
+    from kiln.engine.callbacks.state import TrainerControl
     from kiln.engine.checkpoint.manager import CheckpointManager
     from kiln.engine.hooks import TrainerHooks
     from kiln.engine.run import Run
@@ -90,8 +91,8 @@ class FitLoop:
         self._show_callbacks(loader)
         restored = self.checkpoints.load(resume_path) if resume_path else None
         if restored is not None:
-            hooks.state, self._rng = restored.state, restored.rng
-        state = hooks.state
+            run.state, self._rng = restored.state, restored.rng
+        state = run.state
         state.max_steps, state.num_train_epochs = max_steps, num_epochs
         state.logging_steps = interval(cfg.log.steps, max_steps, 500)
         state.eval_steps = interval(cfg.eval.steps, max_steps, state.logging_steps)
@@ -106,7 +107,7 @@ class FitLoop:
         self.count_tokens_seen = bool(cfg.train.include_num_input_tokens_seen)
         self.flops = FlopCount(run.model)  # total_flos, HF's count (loop/flops.py)
         self.local_flos = 0.0
-        control = self.callbacks.call("on_train_begin", cfg, state, hooks.control)
+        self._event("on_train_begin")
         if cfg.eval.on_start and not resume_path:
             with evaluation_out_of_memory(bool(cfg.data.auto_find_batch_size)):
                 hooks.evaluate_during_training(on_start=True)
@@ -141,8 +142,8 @@ class FitLoop:
             saved_dataset = None
             state.epoch_index, state.batches_into_epoch = epoch, skip
             self._restore_rng()  # right before the first batch: nothing in between draws
-            control = self.callbacks.call("on_epoch_begin", cfg, state, control)
-            while not (control.should_epoch_stop or control.should_training_stop):
+            self._event("on_epoch_begin")
+            while not (run.control.should_epoch_stop or run.control.should_training_stop):
                 window = self._next_window(iterator, run.accumulation)
                 if not window:
                     break
@@ -157,25 +158,31 @@ class FitLoop:
                     continue
                 state.batches_into_epoch += len(window)
                 state.epoch = epoch + (state.batches_into_epoch / batches_per_epoch if batches_per_epoch else 1.0)
-                control = self.callbacks.call("on_step_end", cfg, state, control)
+                control = self._event("on_step_end")
                 if self.preemption.enabled and self.preemption.requested():  # SIGTERM on some rank: save, stop
                     control.should_save = control.should_training_stop = True
                 self._log_save_evaluate()
                 if self.preemption.triggered:
                     self._save_and_stop()
                 if state.global_step >= max_steps:
-                    control.should_training_stop = True
-            if batches_per_epoch is None and not control.should_training_stop and state.batches_into_epoch == 0:
+                    run.control.should_training_stop = True
+            stopped = run.control.should_training_stop
+            if batches_per_epoch is None and not stopped and state.batches_into_epoch == 0:
                 raise ValueError("The iterable training dataset yielded no batches; check train_dataset.")
-            epoch_finished = not control.should_training_stop or state.batches_into_epoch == (batches_per_epoch or -1)
-            if epoch_finished:
+            if not stopped or state.batches_into_epoch == (batches_per_epoch or -1):  # the epoch finished
                 state.epoch_index, state.batches_into_epoch = epoch + 1, 0
-            control = self.callbacks.call("on_epoch_end", cfg, state, control)
-            control.should_epoch_stop = False
+            self._event("on_epoch_end").should_epoch_stop = False
             self._log_save_evaluate()
-            if control.should_training_stop:
+            if run.control.should_training_stop:
                 break
         return self._finish(start)
+
+    def _event(self, name: str, **kw: Any) -> "TrainerControl":
+        """Call `name` on the callbacks. What they return (a callback may return a new TrainerControl, as in
+        HF) is the run's control from then on: the Run is its one owner, and every reader reads it there."""
+        run = self.run
+        run.control = self.callbacks.call(name, self.config, run.state, run.control, **kw)
+        return run.control
 
     def _restore_rng(self) -> None:
         if self._rng is not None:
@@ -188,7 +195,7 @@ class FitLoop:
         return {**self.losses.state_dict(self.steps_this_run), "epoch_rng": self.epoch_rng.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.losses.load_state_dict(state, self.hooks.state.global_step)
+        self.losses.load_state_dict(state, self.run.state.global_step)
         self.epoch_rng.load_state_dict(state.get("epoch_rng"))
 
     def _show_callbacks(self, loader: Iterable[Any]) -> None:
@@ -219,8 +226,8 @@ class FitLoop:
 
     def _train_window(self, window: list[Any], model: Any) -> None:
         """One optimizer step over `window` (see TrainStep) with the callbacks and counters around it."""
-        hooks, strategy, state = self.hooks, self.strategy, self.hooks.state
-        self.control = self.callbacks.call("on_step_begin", self.config, state, hooks.control)
+        strategy, state = self.strategy, self.run.state
+        self._event("on_step_begin")
         window = [strategy.batch_to_device(b) for b in window]
         losses, result = self.step(window, model, self)
         self._count(window)  # after the step: a window redone after an out-of-memory error counts once
@@ -241,22 +248,22 @@ class FitLoop:
             strategy = self.strategy
             if strategy.item_shards > 1:  # tokens differ across item shards (under context parallel: cp chunks)
                 tokens = int(strategy.reduce(torch.tensor(tokens, device=strategy.root_device), "sum").item())
-            self.hooks.state.num_input_tokens_seen += tokens
+            self.run.state.num_input_tokens_seen += tokens
 
     # StepEvents: what happens between the parts of a step (and `guarding`, set with `oom`)
     def guard(self, model: Any) -> ContextManager[Any]:
         return self.oom.guard(model)
 
     def substep_end(self) -> None:
-        self.control = self.callbacks.call("on_substep_end", self.config, self.hooks.state, self.control)
+        self._event("on_substep_end")
 
     def pre_optimizer_step(self) -> None:
         if self.callbacks.by_event["on_pre_optimizer_step"]:  # events no callback listens to are not called at all
-            self.control = self.callbacks.call("on_pre_optimizer_step", self.config, self.hooks.state, self.control)
+            self._event("on_pre_optimizer_step")
 
     def optimizer_step(self) -> None:
         if self.callbacks.by_event["on_optimizer_step"]:
-            self.control = self.callbacks.call("on_optimizer_step", self.config, self.hooks.state, self.control)
+            self._event("on_optimizer_step")
 
     # -- cadence ----------------------------------------------------------------------------
     def _flush_flos(self) -> None:
@@ -265,13 +272,14 @@ class FitLoop:
         if strategy.world_size > 1:
             self.local_flos = float(strategy.reduce(torch.tensor(self.local_flos, dtype=torch.float64,
                                                                  device=strategy.root_device), "sum").item())
-        self.hooks.state.total_flos += self.local_flos
+        self.run.state.total_flos += self.local_flos
         self.local_flos = 0.0
 
     def _log_save_evaluate(self) -> None:
-        hooks = self.hooks
-        control, state, losses = hooks.control, hooks.state, self.losses
-        if control.should_log or control.should_save:
+        hooks, run, losses = self.hooks, self.run, self.losses
+        control, state = run.control, run.state
+        folded = control.should_log or control.should_save
+        if folded:
             self._flush_flos()
             losses.fold(state.global_step, self.strategy)
         elif state.global_step >= losses.guard.next_check:  # the nan/inf limit could be reached here: read now
@@ -301,32 +309,35 @@ class FitLoop:
             self.window_start, self.samples_at_log, self.tokens_at_log = now, self.samples, self.tokens
             losses.last_logged = state.global_step
             losses.tr_loss = 0.0
-            hooks.log_to_loggers_only = figures
+            run.log_to_loggers_only = figures
             hooks.log(logs)
         metrics = None
-        if control.should_evaluate:
+        if run.control.should_evaluate:  # log() ran on_log, whose callbacks may have returned a new control
             with evaluation_out_of_memory(bool(self.config.data.auto_find_batch_size)):
                 metrics = hooks.evaluate_during_training()
-        if control.should_save:  # the loop's sums go with it: a resumed run logs the same averages
+        if run.control.should_save:  # the loop's sums go with it: a resumed run logs the same averages
+            if not folded:  # asked for after the step (on_log, on_evaluate, save_strategy "best")
+                self._flush_flos()
+                losses.fold(state.global_step, self.strategy)
             losses.guard.note_save(f"The checkpoint of step {state.global_step}")
             hooks._save_checkpoint(metrics)
-            hooks.control = self.callbacks.call("on_save", self.config, state, hooks.control)
-        hooks.control._new_step()
+            self._event("on_save")
+        run.control._new_step()
 
     def _save_and_stop(self) -> None:
         """Preempted: make sure this step is saved (save_strategy 'best' may have declined); training then
         ends as HF's JIT checkpoint ends it (should_training_stop: on_train_end runs, fit() returns)."""
-        hooks = self.hooks
-        if self.checkpoints.saved_step != hooks.state.global_step:
-            self.losses.fold(hooks.state.global_step, self.strategy)
-            hooks._save_checkpoint()
+        step = self.run.state.global_step
+        if self.checkpoints.saved_step != step:
+            self.losses.fold(step, self.strategy)
+            self.hooks._save_checkpoint()
         self.checkpoints.wait()  # save.async_save: the checkpoint is complete before the job may be reclaimed
-        self.checkpoints.preempted_step = hooks.state.global_step  # `kiln fit` stops after fit() (exit 0)
-        self.preemption.stop(hooks.state.global_step)
+        self.checkpoints.preempted_step = step  # `kiln fit` stops after fit() (exit 0)
+        self.preemption.stop(step)
 
     def _finish(self, start: float) -> TrainOutput:
         hooks, cfg = self.hooks, self.config
-        state, losses = hooks.state, self.losses
+        state, losses = self.run.state, self.losses
         self.checkpoints.wait()  # save.async_save: the last checkpoint is complete (and its failure raised) first
         runtime = time.perf_counter() - start
         self._flush_flos()
@@ -350,7 +361,7 @@ class FitLoop:
             hooks._load_best_model()
         self.memory_tracker.stop_and_update("train", metrics)
         hooks.log(dict(metrics))
-        hooks.control = self.callbacks.call("on_train_end", cfg, state, hooks.control)
+        self._event("on_train_end")
         return TrainOutput(state.global_step, train_loss, metrics)
 
 

@@ -76,7 +76,7 @@ class OomRecovery:
         """Shrink the run's micro-batch (raising its accumulation) and return (loader, iterator at the
         failed window's first sample)."""
         loop = self.loop
-        run, state = loop.run, loop.hooks.state
+        run, state = loop.run, loop.run.state
         size, k = run.micro_batch_size, run.accumulation
         new_size = smaller_micro_batch(size, k)
         new_k = size * k // new_size

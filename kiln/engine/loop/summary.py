@@ -54,7 +54,7 @@ def log_training_start(loop: Any, loader: Iterable[Any], batches_per_epoch: Opti
               f"  Gradient Accumulation steps = {run.accumulation}",
               f"  Total optimization steps = {max_steps:,}",
               f"  Number of trainable parameters = {trainable_parameters(run.model):,}"]
-    state = loop.hooks.state
+    state = loop.run.state
     if resume_path is not None:
         lines.append(f"  Resuming training from checkpoint with epoch {state.epoch_index} and global step {state.global_step}")
         if not cfg.train.ignore_data_skip:

@@ -1,0 +1,77 @@
+"""How a hyperparameter-search trial gets its Trainer (Optuna's in hp_search.py, Ray Tune's in
+hp_search_ray.py): through the searching Trainer's own class and the arguments its constructor was
+called with (`Trainer.__new__` keeps them), so a subclass's `__init__` runs for every trial. While
+`build_trial_trainer` constructs it, `building_trial()` names the trial's `TrialRun`: kiln's
+`Trainer.__init__` then takes the trial's config and builds `model_init(trial)`, whatever the subclass
+passes up, and the Run it starts holds the trial (`Run.trial`)."""
+
+from __future__ import annotations
+
+import os
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+
+from kiln.utils.errors import KilnError
+
+if TYPE_CHECKING:
+    from kiln.engine.callbacks.base import Callback
+
+
+@dataclass(eq=False)
+class TrialRun:
+    """One search trial, as its Trainer is built and trained (`Run.trial`)."""
+
+    trial: Any  # Optuna's trial, or hp_search_ray.RayTrial
+    config: Any  # the searching Trainer's config with the trial's values, in the trial's own folder
+    params: dict[str, Any]
+    compute_objective: Callable[[dict[str, float]], Any]
+    prune: bool  # report each evaluation to Optuna, which may prune the trial
+    objective: Any = None  # compute_objective on the last evaluation's metrics
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.config.output_dir)
+
+
+#: the trial whose Trainer is being constructed (read by kiln's Trainer.__init__)
+_BUILDING: ContextVar[Optional[TrialRun]] = ContextVar("kiln_building_trial", default=None)
+
+
+def building_trial() -> Optional[TrialRun]:
+    return _BUILDING.get()
+
+
+def build_trial_trainer(cls: type, init_call: tuple[tuple[Any, ...], dict[str, Any]], trial_run: TrialRun,
+                        callbacks: Iterable["Callback"] = ()) -> Any:
+    """`cls(*args, **kwargs)` with the arguments the searching Trainer was constructed with, as the
+    trial's Trainer; then `callbacks` (the searching Trainer's) whose class it lacks, e.g. added with
+    `add_callback` after construction."""
+    args, kwargs = init_call
+    token = _BUILDING.set(trial_run)
+    try:
+        trainer = cls(*args, **kwargs)
+    finally:
+        _BUILDING.reset(token)
+    have = {type(cb) for cb in trainer.callback_handler.callbacks}
+    for cb in callbacks:
+        if type(cb) not in have:
+            trainer.add_callback(cb)
+    return trainer
+
+
+def trial_config(base: Any, trial: Any, params: dict[str, Any], hp_name: Optional[Callable[[Any], str]]) -> Any:
+    """`base` (a loaded config) with `params` applied (HF names or dotted keys) and the trial's own output folder."""
+    from omegaconf import OmegaConf
+
+    from kiln.config.load import load_config
+
+    run_name = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
+    plain = OmegaConf.to_container(base, resolve=True)
+    # the trial's values are a layer on top of the config, so they win
+    config = load_config(plain, {**params, "output_dir": os.path.join(base.output_dir, run_name)})
+    for section in ("strategy", "precision"):  # built once, with the Trainer
+        if OmegaConf.to_container(config[section]) != OmegaConf.to_container(base[section]):
+            raise KilnError(f"hyperparameter_search cannot change the {section} per trial (the Trainer set it up "
+                            f"once); search the {section} by running one search per {section}.")
+    return config
