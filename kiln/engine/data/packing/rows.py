@@ -34,7 +34,7 @@ BUFFER = 1000  # examples planned together from a stream
 def build_row(pieces: Sequence[Piece], example: Callable[[int], dict[str, torch.Tensor]]) -> dict[str, Any]:
     parts = [(example(p.example), p) for p in pieces]
     keys = list(parts[0][0])
-    for tensors, p in parts[1:]:
+    for tensors, _ in parts[1:]:
         if list(tensors) != keys:
             raise ConfigError(f"data.packing put examples with different keys in one row ({keys} and {list(tensors)}); "
                               "give every example the same keys (labels in all or in none).")
