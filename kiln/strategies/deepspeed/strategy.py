@@ -24,7 +24,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional, TypeGuard
 
 import torch
 from torch import nn
@@ -69,7 +69,7 @@ class DeepSpeedPrecision(Precision):
         self.uses_grad_scaler = dtype == "fp16"  # type: ignore[misc]
         self._strategy = strategy
 
-    @property  # type: ignore[override]
+    @property
     def skipped_steps(self) -> int:
         engine = self._strategy.engine
         return int(getattr(engine, "skipped_steps", 0)) if engine is not None else 0
@@ -297,7 +297,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         return gathered_state(module, fp32=bool(self.option("export_fp32", False)) and self.engine is not None)
 
 
-def _is_engine(model: Any) -> bool:
+def _is_engine(model: Any) -> TypeGuard[Any]:  # a DeepSpeedEngine (deepspeed ships no types)
     return hasattr(model, "set_gradient_accumulation_boundary") and hasattr(model, "module")
 
 

@@ -26,4 +26,4 @@ def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
                 return _inner(*args, **kwargs)
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
-        block.forward = forward  # type: ignore[method-assign]
+        block.forward = forward

@@ -7,14 +7,17 @@ and its gradients reduce-scattered, over a 1-D `dp_shard` mesh (ZeRO-3 / ZeRO-2)
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeGuard
 
 from torch import nn
 
 from kiln.strategies.process_group import register_group_user
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
-def is_fsdp(module: nn.Module) -> bool:
+
+def is_fsdp(module: nn.Module) -> TypeGuard[FSDPModule]:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
