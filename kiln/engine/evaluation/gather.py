@@ -22,7 +22,7 @@ import logging
 import math
 import operator
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Callable, Literal, Optional, TypeVar, Union
+from typing import Any, Callable, Literal, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from kiln.engine.data.loaders import SequentialDistributedSampler  # re-exported
 
 logger = logging.getLogger(__name__)
 
-Array = Union[torch.Tensor, np.ndarray]
+Array = torch.Tensor | np.ndarray
 ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
 GatherFn = Callable[[torch.Tensor], torch.Tensor]
 """A collective like `Strategy.all_gather`: every rank's tensor stacked along a new dim 0 (a

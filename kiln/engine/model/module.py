@@ -13,7 +13,7 @@ from torch import nn
 
 from kiln.utils.tensors import batch_size_of
 
-StepOutput = Union[torch.Tensor, Mapping[str, Any]]
+StepOutput = torch.Tensor | Mapping[str, Any]
 
 
 class TrainingModule(nn.Module):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
@@ -48,7 +48,7 @@ _REFUSED = {"sequence_parallel": "kiln derives sequence parallelism from the who
 
 _WHAT: dict[Optional[str], str] = {"out": "output features", "in": "input features", "vocab": "vocabulary rows"}
 
-PlanOption = Union[None, str, Mapping[str, str]]
+PlanOption = None | str | Mapping[str, str]
 
 #: model families (as the refusal names them -> transformers' model_type) whose config defines the
 #: tensor-parallel plan `tp_plan: auto` takes; a test checks each against the installed transformers
