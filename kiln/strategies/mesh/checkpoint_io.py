@@ -44,14 +44,18 @@ def full_model_state(module: nn.Module, every_rank: bool = False) -> dict[str, t
     """The gathered weights on CPU: on rank 0 only (the others get {}), or on every rank. Tied
     weights stay one tensor (the gather makes a copy per name), so that a file stores them once, as
     the plain module's `state_dict()` would (`save_weights`, HF's `save_pretrained`)."""
+    if every_rank:
+        state = {k: v.detach().cpu() for k, v in _model_state(module, full_state_dict=True).items()}
+    else:
+        state = _model_state(module, full_state_dict=True, cpu_offload=True)
+    return share_tied(state, tie_groups(module))
+
+
+def _model_state(module: nn.Module, **options: bool) -> dict[str, Any]:
+    """`get_model_state_dict`: its values are typed as DCP's union of state types; a model's are tensors."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    if every_rank:
-        state: dict[str, Any] = get_model_state_dict(module, options=_options(full_state_dict=True))
-        state = {k: v.detach().cpu() for k, v in state.items()}
-    else:
-        state = get_model_state_dict(module, options=_options(full_state_dict=True, cpu_offload=True))
-    return share_tied(state, tie_groups(module))
+    return get_model_state_dict(module, options=_options(**options))
 
 
 def set_full_model_state(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

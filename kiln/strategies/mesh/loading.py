@@ -90,7 +90,7 @@ def scatter_from_rank0(module: nn.Module, full: dict[str, torch.Tensor], device:
         for i, name in enumerate(names):
             if rank == 0:
                 for dst in range(1, world):
-                    _, offset, shape = every[dst][i]  # type: ignore[index]
+                    _, offset, shape = every[dst][i]
                     if all(shape):
                         dist.send(_slice(full[name], offset, shape).to(device).contiguous(), dst=dst)
                 continue  # rank 0 sharded its own real values already
