@@ -125,7 +125,7 @@ def main() -> None:
                                                          "async stall", "async write", "raw save", "raw save+fsync",
                                                          "raw load")}
         size = 0
-        for r in range(args.repeats):
+        for _ in range(args.repeats):
             path = os.path.join(out, f"checkpoint-{trainer.state.global_step}")
             shutil.rmtree(path, ignore_errors=True)
             times["kiln save"].append(timed(trainer._save_checkpoint))

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from kiln.accelerators.base import Accelerator
 
-ACCELERATORS: Registry[type] = Registry("accelerator", "strategy.device")
+ACCELERATORS: Registry[type[Accelerator]] = Registry("accelerator", "strategy.device")
 
 for _name, _module in (("cpu", "kiln.accelerators.cpu"), ("cuda", "kiln.accelerators.cuda"),
                        ("mps", "kiln.accelerators.mps"), ("xla", "kiln.accelerators.xla")):

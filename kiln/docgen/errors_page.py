@@ -5,6 +5,7 @@ without anyone remembering to add it."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,10 +84,10 @@ def raise_sites(package: Path) -> list[RaiseSite]:
     return sites
 
 
-def _own_nodes(body: list[ast.stmt]):
+def _own_nodes(body: list[ast.stmt]) -> Iterator[ast.AST]:
     """Nodes of a function body, not descending into nested functions (they are visited themselves)."""
     nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-    stack = [node for node in body if not isinstance(node, nested)]
+    stack: list[ast.AST] = [node for node in body if not isinstance(node, nested)]
     while stack:
         node = stack.pop()
         yield node

@@ -5,17 +5,23 @@ which hardware (docs/_data/hardware_runs.yaml, kept by hand because it records e
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from kiln.registry import Registry
+    from kiln.strategies.base import Strategy
 
 DEVICES = ("cpu", "cuda", "mps", "xla")
 RUNS_FILE = Path("docs") / "_data" / "hardware_runs.yaml"
 
+T = TypeVar("T")
 
-def _grouped(registry: Any) -> list[tuple[type, list[str]]]:
+
+def _grouped(registry: Registry[T]) -> list[tuple[T, list[str]]]:
     """(class, its names) for every registered name whose module exists in this version of kiln."""
     from kiln.registry import UnknownNameError
 
-    groups: dict[type, list[str]] = {}
+    groups: dict[T, list[str]] = {}
     for name in registry.names():
         try:
             cls = registry.get(name)
@@ -26,10 +32,11 @@ def _grouped(registry: Any) -> list[tuple[type, list[str]]]:
     return list(groups.items())
 
 
-def strategies() -> list[tuple[str, type, list[str]]]:
+def strategies() -> list[tuple[str, type[Strategy], list[str]]]:
     """(canonical name, class, aliases) of each concrete strategy; `auto` only picks one of them."""
-    out = [(cls.name, cls, sorted(n for n in names if n != cls.name))
-           for cls, names in _grouped(_strategy_registry()) if hasattr(cls, "capabilities")]
+    out: list[tuple[str, type[Strategy], list[str]]] = [
+        (cls.name, cls, sorted(n for n in names if n != cls.name))
+        for cls, names in _grouped(_strategy_registry()) if hasattr(cls, "capabilities")]
     return sorted(out, key=lambda row: row[0])
 
 
@@ -40,13 +47,13 @@ def precisions() -> list[tuple[str, list[str]]]:
     return sorted(out)
 
 
-def _strategy_registry() -> Any:
+def _strategy_registry() -> Registry[type[Strategy]]:
     from kiln.strategies import STRATEGIES
 
     return STRATEGIES
 
 
-def sharded_parameters(cls: type) -> bool:
+def sharded_parameters(cls: type[Strategy]) -> bool:
     """Whether the strategy's parameters are sharded across ranks or devices: a checkpoint format it
     writes has every rank write its own shard (kiln.strategies.checkpoint_io.FORMATS)."""
     from kiln.strategies.checkpoint_io import FORMATS
@@ -54,7 +61,7 @@ def sharded_parameters(cls: type) -> bool:
     return any(FORMATS.get(fmt).sharded for fmt in cls.checkpoint_formats)
 
 
-def verdict(name: str, cls: type, precision: str, device: str) -> str:
+def verdict(name: str, cls: type[Strategy], precision: str, device: str) -> str:
     """"trains", or "refused: <the sentence check_compatible raises>"."""
     import torch
 

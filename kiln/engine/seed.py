@@ -5,7 +5,7 @@ exactly where it stopped. Device streams go through `kiln.accelerators`."""
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,7 +44,9 @@ def rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        # numpy's global RandomState is MT19937, whose legacy state is this tuple (never the dict form)
+        legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                           "has_gauss": int(has_gauss), "cached": float(cached)}
     except ImportError:

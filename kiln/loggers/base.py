@@ -168,7 +168,7 @@ def run_name(config: "DictConfig") -> str:
     from kiln.config.redact import mask
 
     name = config.get("run_name")
-    return mask(str(name) if name else os.path.basename(os.path.abspath(str(config.output_dir))))  # type: ignore[no-any-return]
+    return mask(str(name) if name else os.path.basename(os.path.abspath(str(config.output_dir))))
 
 
 def run_files_dir(config: "DictConfig") -> str:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 _IMPORT_SETTINGS = {"COMET_DISABLE_AUTO_LOGGING": "1", "COMET_ERROR_TRACKING_ENABLE": "false"}
 
 # Everything an experiment collects besides what kiln logs: off.
-_COLLECT_NOTHING = dict(
+_COLLECT_NOTHING: dict[str, Any] = dict(
     log_code=False, log_graph=False, auto_param_logging=False, auto_metric_logging=False, parse_args=False,
     auto_output_logging=None, log_env_details=False, log_git_metadata=False, log_git_patch=False,
     log_env_gpu=False, log_env_host=False, log_env_cpu=False, log_env_network=False, log_env_disk=False,

@@ -28,7 +28,7 @@ from kiln.optim.package_optimizers import PackageOptimizer, _package
 def _owning_backward(cls: type) -> type:
     """`cls` (Lomo or AdaLomo) with kiln's backward-owning protocol."""
 
-    class OwnsBackward(cls):  # type: ignore[misc, valid-type]
+    class OwnsBackward(cls):
         owns_backward = True
 
         def backward_and_step(self, loss: torch.Tensor) -> None:

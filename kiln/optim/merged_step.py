@@ -55,7 +55,7 @@ def step_equal_groups_as_one(optimizer: Optional[torch.optim.Optimizer]) -> bool
         opt = ref()
         if opt is None:
             return inner(*args, **kwargs)
-        opt._opt_called = True  # what torch's scheduler wrapper records (a scheduler built later does not wrap this)
+        opt._opt_called = True  # type: ignore[attr-defined]  # torch's private marker, not declared on Optimizer; what torch's scheduler wrapper records (a scheduler built later does not wrap this)
         groups = opt.param_groups
         merged = one.of(groups) if not _has_step_hooks(opt) else None
         if merged is None:

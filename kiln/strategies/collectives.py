@@ -17,7 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
@@ -39,7 +39,7 @@ class ProcessGroupCollectives:
     """One process per device over torch.distributed's default group (see the module docstring).
     Inherit it before `Strategy`; it sets `cluster`, the ranks, `backend` and the device."""
 
-    name: str
+    name: ClassVar[str]
     config: "DictConfig"
     world_size: int
     global_rank: int

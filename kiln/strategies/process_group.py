@@ -230,7 +230,7 @@ def destroy_default_group() -> bool:
 
         groups = [weakref.ref(g) for g in _world.pg_map]  # no strong reference kept here
     except (ImportError, AttributeError):  # another torch layout: the default group at least
-        groups = [weakref.ref(dist.group.WORLD)]
+        groups = [weakref.ref(g) for g in (dist.group.WORLD,) if g is not None]
     for ref, release in _GROUP_USERS:
         obj = ref()
         if obj is not None:

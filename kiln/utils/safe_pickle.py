@@ -119,7 +119,7 @@ def vet_dcp_folder(folder: str) -> Any:
     storage = meta.storage_data if isinstance(meta.storage_data, dict) else {}
     for index, info in storage.items():
         fqn = getattr(index, "fqn", None)
-        if isinstance(meta.state_dict_metadata.get(fqn), BytesStorageMetadata):
+        if isinstance(fqn, str) and isinstance(meta.state_dict_metadata.get(fqn), BytesStorageMetadata):
             _vet_bytes_entry(folder, fqn, info)
     return meta
 

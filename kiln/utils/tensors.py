@@ -24,7 +24,8 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
             return batch
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
-        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})
+        # type(batch) is a concrete mapping (dict, BatchEncoding, ...) built from a dict; mypy sees abstract Mapping
+        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(move_to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):

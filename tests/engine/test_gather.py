@@ -402,8 +402,8 @@ def test_restore_order_layouts(layout: str) -> None:
 def test_eval_prediction_behaves_like_hf() -> None:
     preds, labels, inputs = np.zeros((2, 3)), np.ones(2), np.arange(2)
     ep = EvalPrediction(predictions=preds, label_ids=labels)
-    p, l = ep
-    assert p is preds and l is labels and ep[0] is preds and ep[1] is labels and len(ep) == 2
+    first, second = ep
+    assert first is preds and second is labels and ep[0] is preds and ep[1] is labels and len(ep) == 2
     with pytest.raises(IndexError):
         ep[2]
     ep = EvalPrediction(preds, labels, inputs=inputs)

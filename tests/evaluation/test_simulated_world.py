@@ -98,7 +98,7 @@ def test_batch_eval_metrics_sees_each_sample_once(tmp_path: Any) -> None:
         assert sorted(seen[rank]) == sorted(evals.labels.tolist())
 
     seen.clear()  # predict() still returns every prediction, in dataset order
-    for rank, out in enumerate(world.run(lambda r: ranks[r].predict(evals))):
+    for out in world.run(lambda r: ranks[r].predict(evals)):
         np.testing.assert_array_equal(out.label_ids, evals.labels.numpy())
         assert out.predictions.shape == (16, 10) and out.metrics["test_rows"] == 16
 

@@ -117,16 +117,16 @@ def test_tpu_metrics_debug_prints_the_xla_report_after_evaluation_and_training(t
     assert capsys.readouterr().out.count("Metric: CompileTime") == 1
 
 
-def test_bf16_and_bf16_true_train_on_xla(tmp_path):
-    for precision in ("bf16", "bf16-true"):
-        torch.manual_seed(0)
-        model = TinyRegressor()
-        seen = []
-        model.net[0].register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
-        trainer = Trainer(model, _config(tmp_path, precision, max_steps=2, precision=precision), train_dataset=regression_data(n=64))
-        out = trainer.fit()
-        assert set(seen) == {torch.bfloat16}, precision  # the matmuls ran in bf16 on the XLA device
-        assert torch.isfinite(torch.tensor(out.training_loss))
+@pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
+def test_bf16_and_bf16_true_train_on_xla(tmp_path, precision):
+    torch.manual_seed(0)
+    model = TinyRegressor()
+    seen = []
+    model.net[0].register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    trainer = Trainer(model, _config(tmp_path, precision, max_steps=2, precision=precision), train_dataset=regression_data(n=64))
+    out = trainer.fit()
+    assert set(seen) == {torch.bfloat16}, precision  # the matmuls ran in bf16 on the XLA device
+    assert torch.isfinite(torch.tensor(out.training_loss))
 
 
 class _WithUnusedHead(TinyRegressor):

@@ -27,10 +27,11 @@ def export_model(model: "nn.Module", strategy: "Strategy", config: Any, processi
     writer = strategy.is_global_zero or (config.save.on_each_node and strategy.is_local_zero)
     if writer:
         os.makedirs(output_dir, exist_ok=True)
-        if hasattr(model, "save_pretrained"):  # Transformers: config.json + weights, from_pretrained works
+        save_pretrained = getattr(model, "save_pretrained", None)
+        if save_pretrained is not None:  # Transformers: config.json + weights, from_pretrained works
             shard = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
             with _deepspeed_unloaded_stays_unloaded():
-                model.save_pretrained(output_dir, state_dict=state, safe_serialization=config.save.safetensors, **shard)
+                save_pretrained(output_dir, state_dict=state, safe_serialization=config.save.safetensors, **shard)
         else:
             save_weights(state, output_dir, config.save.safetensors, max_shard_size=max_shard_size)
             with open(os.path.join(output_dir, "kiln_model.json"), "w") as fh:
@@ -62,8 +63,8 @@ def _deepspeed_unloaded_stays_unloaded() -> Iterator[None]:
     if real is None:
         yield
         return
-    other.is_deepspeed_available = lambda: False  # type: ignore[attr-defined]
+    other.is_deepspeed_available = lambda: False
     try:
         yield
     finally:
-        other.is_deepspeed_available = real  # type: ignore[attr-defined]
+        other.is_deepspeed_available = real

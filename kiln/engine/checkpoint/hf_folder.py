@@ -65,7 +65,7 @@ def missing_marker_reason(path: str) -> str:
     return f"it has no {MARKER} marker"
 
 
-def _finite_problem(name: str, tensors: dict) -> Optional[str]:  # type: ignore[type-arg]
+def _finite_problem(name: str, tensors: dict) -> Optional[str]:
     import torch
 
     for key, t in tensors.items():

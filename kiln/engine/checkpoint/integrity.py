@@ -96,7 +96,7 @@ def load_marker(path: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     except FileNotFoundError:
         return None, f"it has no {MARKER} marker"
     except (OSError, ValueError) as err:
-        return None, f"its {MARKER} marker is damaged: " + (err.strerror if isinstance(err, OSError) else
+        return None, f"its {MARKER} marker is damaged: " + (str(err.strerror or err) if isinstance(err, OSError) else
                                                              "not valid JSON, truncated or garbled")
     problem = _marker_problem(meta)
     if problem is not None:

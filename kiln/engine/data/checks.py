@@ -128,9 +128,9 @@ def check_step_input(module: Any, dataset: Any, collator: Optional[Callable[[lis
     dicts where it unpacks a tuple): one sentence about the data, not a KeyError from the user's code."""
     from kiln.engine.model.module import TrainingModule
 
-    step = getattr(module, "training_step", None)
     if not isinstance(module, TrainingModule) or getattr(type(module), "training_step", None) is TrainingModule.training_step:
         return
+    step = module.training_step
     from kiln.engine.data.loaders import default_data_collator
 
     if collator is not None and collator is not default_data_collator:

@@ -77,7 +77,7 @@ class DispatchedLoader:
         self.loader = loader
         self.broadcast = broadcast
         self.world, self.rank, self.even = world, rank, even
-        self.sampler = getattr(loader, "sampler", None)
+        self.sampler: Any = getattr(loader, "sampler", None)
         self.dataset = getattr(loader, "dataset", None)
         self.generator = getattr(loader, "generator", None)
         self.batch_size = getattr(loader, "batch_size", None)  # global: resume jumps in global batches

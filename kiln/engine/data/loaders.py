@@ -282,16 +282,17 @@ class WorkerSeededLoader(SeededLoader):
 def set_epoch(loader: Iterable[Any], epoch: int, seed: int) -> None:
     """Prepare the loader for `epoch`: sampler order, iterable datasets, and the worker seeds of a loader kiln
     built (a user's DataLoader keeps its generator's stream, as it would on its own)."""
-    sampler = getattr(loader, "sampler", None)
+    # Duck-typed: any loader, sampler or dataset that has the attribute takes part.
+    sampler: Any = getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
-    batch_sampler = getattr(loader, "batch_sampler", None)
+    batch_sampler: Any = getattr(loader, "batch_sampler", None)
     if hasattr(getattr(batch_sampler, "sampler", None), "set_epoch") and batch_sampler.sampler is not sampler:
         batch_sampler.sampler.set_epoch(epoch)
     generator = getattr(loader, "generator", None)
     if isinstance(generator, torch.Generator) and getattr(loader, "kiln_built", False):
         generator.manual_seed(seed + epoch)  # a user's loader keeps its own stream (see epoch_rng)
-    dataset = getattr(loader, "dataset", None)
+    dataset: Any = getattr(loader, "dataset", None)
     if dataset is not None and hasattr(dataset, "set_epoch"):
         dataset.set_epoch(epoch)
     elif isinstance(getattr(dataset, "generator", None), torch.Generator):

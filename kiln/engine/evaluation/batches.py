@@ -41,7 +41,7 @@ def collected(arrays: Any) -> dict[str, Any]:
         return {}
     if isinstance(arrays, Mapping):
         return dict(arrays)
-    out = {key: [batch[key] for batch in arrays] for key in arrays[0]}
+    out: dict[str, Any] = {key: [batch[key] for batch in arrays] for key in arrays[0]}
     if "losses" in out:
         out["losses"] = np.concatenate(out["losses"])
     return out

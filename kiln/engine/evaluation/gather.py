@@ -20,8 +20,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -30,7 +31,8 @@ from kiln.engine.data.loaders import SequentialDistributedSampler  # re-exported
 
 logger = logging.getLogger(__name__)
 
-Array = Union[torch.Tensor, np.ndarray]
+Array = torch.Tensor | np.ndarray
+ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
 GatherFn = Callable[[torch.Tensor], torch.Tensor]
 """A collective like `Strategy.all_gather`: every rank's tensor stacked along a new dim 0 (a
 function that concatenates along dim 0 instead is accepted too)."""
@@ -96,13 +98,13 @@ def nested_truncate(tensors: Any, limit: int) -> Any:
 
 
 # -- padding and concatenation ------------------------------------------------------------------
-def _pad_to(x: Array, shape: Sequence[int], padding_index: float) -> Array:
+def _pad_to(x: ArrayT, shape: Sequence[int], padding_index: float) -> ArrayT:
     """`x` grown to `shape` with `padding_index` after the existing values in every dimension."""
     shape = tuple(int(s) for s in shape)
     if tuple(x.shape) == shape:
         return x
     if isinstance(x, torch.Tensor):
-        out: Array = x.new_full(shape, padding_index)
+        out = x.new_full(shape, padding_index)
     else:
         out = np.full(shape, padding_index, dtype=x.dtype)
     out[tuple(slice(0, s) for s in x.shape)] = x
@@ -120,11 +122,15 @@ def concat_padded(arrays: Sequence[Array], padding_index: float = -100) -> Array
     if all(isinstance(a, torch.Tensor) for a in arrays):
         tensors = [torch.atleast_1d(a) for a in arrays]
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
-        new_full: Callable[..., Array] = lambda shape: tensors[0].new_full(shape, padding_index, dtype=dtype)
+
+        def new_full(shape: tuple[int, ...]) -> Array:
+            return tensors[0].new_full(shape, padding_index, dtype=dtype)
     elif all(isinstance(a, np.ndarray) for a in arrays):
         tensors = [np.atleast_1d(a) for a in arrays]
-        dtype = np.result_type(*tensors)
-        new_full = lambda shape: np.full(shape, padding_index, dtype=dtype)
+        np_dtype = np.result_type(*tensors)
+
+        def new_full(shape: tuple[int, ...]) -> Array:
+            return np.full(shape, padding_index, dtype=np_dtype)
     else:
         kinds = sorted({type(a).__name__ for a in arrays})
         raise TypeError(f"Cannot concatenate {kinds}: pass all torch tensors or all numpy arrays (nested_numpify first)")
@@ -369,7 +375,7 @@ class EvalAccumulator:
             else:
                 per_rank = _rows(arrays) // self.gatherer.world_size
                 for rank, chunks in enumerate(self._per_rank):
-                    chunks.append(_map(lambda a: a[rank * per_rank : (rank + 1) * per_rank], arrays))
+                    chunks.append(_map(operator.itemgetter(slice(rank * per_rank, (rank + 1) * per_rank)), arrays))
 
     @property
     def held(self) -> list[Any]:

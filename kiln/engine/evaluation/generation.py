@@ -43,7 +43,8 @@ def generate_predictions(model: "nn.Module", inputs: Mapping[str, Any], skip: se
                          call_kwargs: Mapping[str, Any]) -> torch.Tensor:
     """Generated token ids `[batch, length]` for one batch. `inputs` are the forward's inputs; the
     label keys in `skip` and the decoder inputs are left out (generate builds the decoder side)."""
-    if not hasattr(model, "generate"):
+    generate = getattr(model, "generate", None)
+    if generate is None:
         raise KilnError(
             f"eval.predict_with_generate is set but {type(model).__name__} has no generate() method; "
             "use a Transformers generation model or set predict_with_generate=false."
@@ -51,4 +52,4 @@ def generate_predictions(model: "nn.Module", inputs: Mapping[str, Any], skip: se
     if not isinstance(inputs, Mapping):
         raise TypeError("predict_with_generate needs dict batches (model.generate(**batch)).")
     gen_inputs = {k: v for k, v in inputs.items() if k not in skip and k not in _TARGET_KEYS}
-    return model.generate(**gen_inputs, **generation_kwargs(eval_config, call_kwargs))
+    return generate(**gen_inputs, **generation_kwargs(eval_config, call_kwargs))

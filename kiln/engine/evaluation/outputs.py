@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Optional, Union
 import numpy as np
 
 # A gathered output: one array, or a nested tuple/list/dict of them (models with several heads).
-Arrays = Union[np.ndarray, tuple[Any, ...], list[Any], dict[str, Any]]
+Arrays = np.ndarray | tuple[Any, ...] | list[Any] | dict[str, Any]
 
 
 class EvalPrediction:

@@ -39,7 +39,7 @@ class ModelFacts:
             label_names=labels,
             forward_names=None if module else forward_argument_names(model),
             accepts_num_items=not module and model_accepts_loss_kwargs(model),
-            count_items=model.num_items if module else item_counter(model, labels),
+            count_items=model.num_items if is_training_module(model) else item_counter(model, labels),
             label_smoothing=label_smoothing_factor(model, config.train.label_smoothing_factor),  # 0 for multi-label (HF)
         )
 

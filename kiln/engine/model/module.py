@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, TypeGuard, Union
 
 import torch
 from torch import nn
 
 from kiln.utils.tensors import batch_size_of
 
-StepOutput = Union[torch.Tensor, Mapping[str, Any]]
+StepOutput = torch.Tensor | Mapping[str, Any]
 
 
 class TrainingModule(nn.Module):
@@ -58,7 +58,7 @@ def count_items(batch: Any, label_names: Optional[Sequence[str]] = None, ignore_
     return batch_size_of(batch)
 
 
-def is_training_module(model: nn.Module) -> bool:
+def is_training_module(model: nn.Module) -> TypeGuard[TrainingModule]:
     return isinstance(model, TrainingModule)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 from torch import nn
@@ -33,6 +33,8 @@ from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_optimizer_state
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+
     from kiln.strategies.base import Strategy
 
 ADAPTER_SAFE = "adapter_model.safetensors"
@@ -108,11 +110,16 @@ def _key_map(module: nn.Module, live: dict[str, torch.Tensor], adapter: str) -> 
     return {saved: by_id[id(t)] for saved, t in view.items() if id(t) in by_id}
 
 
+def _adapters(module: nn.Module) -> list[str]:
+    """The adapter names of a peft model (the functions here are only called with one: is_peft_model)."""
+    return list(cast("PeftModel", module).peft_config)
+
+
 def _gathered_adapter(module: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors of every adapter with the module's own key names, gathered on CPU (every rank
     calls this: one all-gather per sharded tensor, in the same order everywhere)."""
     live = module.state_dict()
-    wanted = {key for adapter in module.peft_config for key in _key_map(module, live, adapter).values()}
+    wanted = {key for adapter in _adapters(module) for key in _key_map(module, live, adapter).values()}
     out = {}
     for key, t in live.items():
         if key in wanted:
@@ -140,8 +147,8 @@ def load_adapter(module: nn.Module, directory: str) -> None:
     """Load every adapter of `module` from `directory` (HF's `load_adapter` for each), into plain or
     FSDP2-sharded parameters; a missing or foreign key is one CheckpointError naming it."""
     live = module.state_dict()
-    full: dict[str, torch.Tensor] = {}
-    for adapter in module.peft_config:
+    full: dict[str, Any] = {}  # set_model_state_dict's value type is wider than load_state_dict's
+    for adapter in _adapters(module):
         folder = _adapter_folder(directory, adapter)
         saved, names = _read_adapter(folder), _key_map(module, live, adapter)
         unexpected, missing = sorted(set(saved) - set(names)), sorted(set(names) - set(saved))

@@ -71,7 +71,7 @@ def model_table(model: nn.Module, precision: Any, max_depth: int = 1) -> list[st
     module), then the totals. A parameter shared by several modules counts once in each of their rows and
     once in the totals."""
     dtype = precision.param_dtype
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for name, module in model.named_modules():
         depth = name.count(".") + 1
         if not name or (max_depth >= 0 and depth > max_depth):

@@ -19,7 +19,7 @@ over every item of the global window (see kiln/engine/loop/loss_weights.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -96,7 +96,7 @@ class DDPStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
         return (s.find_unused_parameters is None and s.name != "ddp_find_unused_parameters_true"
                 and not self.config.train.gradient_checkpointing and not s.static_graph)
 
-    def _first_step_chooser(self, ddp: nn.parallel.DistributedDataParallel) -> ContextManager[Any]:
+    def _first_step_chooser(self, ddp: nn.parallel.DistributedDataParallel) -> contextlib.AbstractContextManager[Any]:
         from kiln.strategies.ddp.unused_parameters import first_boundary
 
         self._choose_unused = False  # once
@@ -114,7 +114,7 @@ class DDPStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
         return ddp.module if ddp is not None else getattr(model, "_orig_mod", model)
 
     # -- step -------------------------------------------------------------------------------
-    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
+    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> contextlib.AbstractContextManager[Any]:
         """No gradient all-reduce except on the window's last micro-batch (DDP decides at forward
         time, so this wraps forward and backward)."""
         ddp = _ddp(model)

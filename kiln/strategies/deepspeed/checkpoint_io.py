@@ -193,7 +193,7 @@ class DeepSpeedCheckpointIO(CheckpointIO):
 
             return _load_into(module, load_weights(directory), directory)
         state = consolidated_state(directory)
-        engine_module = model.module if hasattr(model, "module") else model
+        engine_module: nn.Module = getattr(model, "module", model)
         prefix = _prefix(engine_module, module)
         _load_into(module, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, directory)
         engine = self.strategy.engine

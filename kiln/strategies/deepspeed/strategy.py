@@ -24,7 +24,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, TypeGuard
 
 import torch
 from torch import nn
@@ -69,7 +69,7 @@ class DeepSpeedPrecision(Precision):
         self.uses_grad_scaler = dtype == "fp16"  # type: ignore[misc]
         self._strategy = strategy
 
-    @property  # type: ignore[override]
+    @property
     def skipped_steps(self) -> int:
         engine = self._strategy.engine
         return int(getattr(engine, "skipped_steps", 0)) if engine is not None else 0
@@ -147,7 +147,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         self.precision = precision
         return precision
 
-    def module_init_context(self) -> ContextManager[Any]:
+    def module_init_context(self) -> contextlib.AbstractContextManager[Any]:
         """ZeRO-3 builds the model partitioned (HF's zero3_init_flag), so a model larger than one
         process's share fits; Transformers' weight initialisation is made to see the partitioned
         parameters (`deepspeed_init.py`), so calling a model class and `from_config` both work."""
@@ -231,7 +231,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         return self.unwrap(model)
 
     # -- step -------------------------------------------------------------------------------
-    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
+    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> contextlib.AbstractContextManager[Any]:
         if _is_engine(model):  # ZeRO reduces (or not) from backward hooks, so tell it before the forward
             model.set_gradient_accumulation_boundary(boundary)
         return contextlib.nullcontext()
@@ -297,7 +297,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         return gathered_state(module, fp32=bool(self.option("export_fp32", False)) and self.engine is not None)
 
 
-def _is_engine(model: Any) -> bool:
+def _is_engine(model: Any) -> TypeGuard[Any]:  # a DeepSpeedEngine (deepspeed ships no types)
     return hasattr(model, "set_gradient_accumulation_boundary") and hasattr(model, "module")
 
 

@@ -113,12 +113,12 @@ def _transformers_gathered(deepspeed: Any) -> Iterator[None]:
         with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
             original(self, module, is_custom_code)
 
-    PreTrainedModel._initialize_weights = _initialize_weights
+    PreTrainedModel._initialize_weights = _initialize_weights  # type: ignore[method-assign]  # patched for this block only
     try:
         with _optional("transformers.integrations.deepspeed", "prevent_arange_dtype_change"):
             yield
     finally:
-        PreTrainedModel._initialize_weights = original
+        PreTrainedModel._initialize_weights = original  # type: ignore[method-assign]  # restored
 
 
 def _initialised_by(module: nn.Module) -> list[nn.Parameter]:

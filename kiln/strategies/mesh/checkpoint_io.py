@@ -44,14 +44,18 @@ def full_model_state(module: nn.Module, every_rank: bool = False) -> dict[str, t
     """The gathered weights on CPU: on rank 0 only (the others get {}), or on every rank. Tied
     weights stay one tensor (the gather makes a copy per name), so that a file stores them once, as
     the plain module's `state_dict()` would (`save_weights`, HF's `save_pretrained`)."""
+    if every_rank:
+        state = {k: v.detach().cpu() for k, v in _model_state(module, full_state_dict=True).items()}
+    else:
+        state = _model_state(module, full_state_dict=True, cpu_offload=True)
+    return share_tied(state, tie_groups(module))
+
+
+def _model_state(module: nn.Module, **options: bool) -> dict[str, Any]:
+    """`get_model_state_dict`: its values are typed as DCP's union of state types; a model's are tensors."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    if every_rank:
-        state = get_model_state_dict(module, options=_options(full_state_dict=True))
-        state = {k: v.detach().cpu() for k, v in state.items()}
-    else:
-        state = get_model_state_dict(module, options=_options(full_state_dict=True, cpu_offload=True))
-    return share_tied(state, tie_groups(module))
+    return get_model_state_dict(module, options=_options(**options))
 
 
 def set_full_model_state(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -59,7 +63,8 @@ def set_full_model_state(module: nn.Module, state: dict[str, torch.Tensor], sour
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     _check_keys(module, state, source)
-    set_model_state_dict(module, state, options=_options(full_state_dict=True))
+    loadable: dict[str, Any] = state  # DCP's value type is a union wider than Tensor
+    set_model_state_dict(module, loadable, options=_options(full_state_dict=True))
 
 
 def _check_keys(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -107,7 +112,7 @@ class ShardedCheckpointIO(_MeshCheckpointIO):
     format = "fsdp-sharded"
     reshardable = True
     sharded = True
-    also_resumes = ("model-parallel-dcp",)
+    also_resumes: ClassVar[tuple[str, ...]] = ("model-parallel-dcp",)
     #: the folder this format writes first, then older names of the same folder it also reads
     folders: ClassVar[tuple[str, ...]] = (DCP_DIR, LEGACY_MODEL_PARALLEL_DIR)
 
@@ -137,7 +142,8 @@ class ShardedCheckpointIO(_MeshCheckpointIO):
                                                              set_model_state_dict, set_optimizer_state_dict)
 
         path = os.path.join(directory, self.folder_in(directory))
-        with_optim = load_optimizer and optimizer is not None
+        optim = optimizer if load_optimizer else None
+        with_optim = optim is not None
         if not os.path.isdir(path):
             if with_optim:
                 raise CheckpointError(f"{path} is missing: {directory} is not a sharded checkpoint of strategy fsdp or "
@@ -145,8 +151,8 @@ class ShardedCheckpointIO(_MeshCheckpointIO):
             return load_plain_weights(directory, module)  # an exported model folder
         metadata = vet_dcp_folder(path)  # DCP unpickles .metadata and non-tensor entries unchecked: vet them first
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
-        if with_optim:
-            state["optim"] = get_optimizer_state_dict(module, optimizer)
+        if optim is not None:
+            state["optim"] = get_optimizer_state_dict(module, optim)
             groups = state["optim"]["param_groups"]
             saved_groups = saved_group_count(metadata)
             if saved_groups and saved_groups != len(groups):  # the other param-group layout: load its groups whole
@@ -156,8 +162,8 @@ class ShardedCheckpointIO(_MeshCheckpointIO):
         except (Exception, dcp.CheckpointException) as err:  # the latter is a BaseException
             raise dcp_load_error(path, err, with_optim) from None
         set_model_state_dict(module, state["model"])
-        if with_optim:
-            set_optimizer_state_dict(module, optimizer, regrouped(state["optim"], groups, path))
+        if optim is not None:
+            set_optimizer_state_dict(module, optim, regrouped(state["optim"], groups, path))
 
 
 @register_format

@@ -17,12 +17,16 @@ def clip_global_norm(params: list[torch.nn.Parameter], max_norm: float, *, tp: b
     from torch.distributed.tensor import DTensor
 
     if not tp:
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, False, None)
+        total = torch.nn.utils.get_total_norm(_grads(params), 2.0, False, None)
         if isinstance(total, DTensor):
             total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, None)
         return total
-    return _clip_across_meshes([p.grad for p in params], max_norm, world, device)
+    return _clip_across_meshes(_grads(params), max_norm, world, device)
+
+
+def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]  # every one has a gradient (the caller's contract)
 
 
 def _clip_across_meshes(grads: list[torch.Tensor], max_norm: float, world: int, device: torch.device) -> torch.Tensor:

@@ -31,6 +31,6 @@ def compile_units(units: list[nn.Module], train: Any) -> int:
         if hasattr(unit.forward, "_torchdynamo_orig_callable"):  # set up before (a second fit): compiled already
             continue
         # an instance attribute: `Module.__call__` runs the (FSDP) hooks, then this compiled forward
-        unit.forward = torch.compile(unit.forward, **kwargs)  # type: ignore[method-assign]
+        unit.forward = torch.compile(unit.forward, **kwargs)
         count += 1
     return count

@@ -118,9 +118,10 @@ def ring_attention(cp_mesh: Any, load_balance: bool) -> Iterator[None]:
         cp._dispatch_mode, cp._cp_options.enable_load_balance = previous
 
 
-def transformers_models(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost Transformers models inside `root` (modules with a config that names its attention)."""
-    found: list[tuple[str, nn.Module]] = []
+def transformers_models(root: nn.Module) -> list[tuple[str, Any]]:
+    """The outermost Transformers models inside `root` (modules with a config that names its attention:
+    duck-typed, so Any)."""
+    found: list[tuple[str, Any]] = []
     for name, sub in root.named_modules():
         if hasattr(getattr(sub, "config", None), "_attn_implementation") and \
                 not any(name.startswith(f"{outer}.") or not outer for outer, _ in found):

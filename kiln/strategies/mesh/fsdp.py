@@ -7,14 +7,17 @@ and its gradients reduce-scattered, over a 1-D `dp_shard` mesh (ZeRO-3 / ZeRO-2)
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeGuard
 
 from torch import nn
 
 from kiln.strategies.process_group import register_group_user
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
-def is_fsdp(module: nn.Module) -> bool:
+
+def is_fsdp(module: nn.Module) -> TypeGuard[FSDPModule]:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
@@ -32,15 +35,15 @@ def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dp_mesh: Any, *, reshar
                               "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    units: list[FSDPModule] = []  # fully_shard turns a module into an FSDPModule in place and returns it
     for block in blocks:  # inner units first: fully_shard on the root then skips their parameters
-        if not is_fsdp(block):
-            fully_shard(block, **kwargs)
+        units.append(block if is_fsdp(block) else fully_shard(block, **kwargs))
     if not is_fsdp(root):
         fully_shard(root, **kwargs)
     gather_root_on_direct_calls(root)  # model.generate() in a callback, model(x) after fit
     register_group_user(root, release_fsdp_groups)
     if forward_prefetch:
-        for current, following in zip(blocks, blocks[1:]):
+        for current, following in zip(units, units[1:]):
             current.set_modules_to_forward_prefetch([following])
 
 

@@ -79,10 +79,10 @@ def scatter_from_rank0(module: nn.Module, full: dict[str, torch.Tensor], device:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = _local_slices(module)
-    every = [None] * world
+    every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     names = [name for name, _, _ in mine]
-    if any([n for n, _, _ in other] != names for other in every):  # type: ignore[union-attr]
+    if any([n for n, _, _ in other] != names for other in every):
         raise ConfigError("cpu_ram_efficient_loading: the ranks built models with different parameters; "
                           "model_init must build the same model on every rank.")
     params = dict(module.named_parameters())
@@ -90,7 +90,7 @@ def scatter_from_rank0(module: nn.Module, full: dict[str, torch.Tensor], device:
         for i, name in enumerate(names):
             if rank == 0:
                 for dst in range(1, world):
-                    _, offset, shape = every[dst][i]  # type: ignore[index]
+                    _, offset, shape = every[dst][i]
                     if all(shape):
                         dist.send(_slice(full[name], offset, shape).to(device).contiguous(), dst=dst)
                 continue  # rank 0 sharded its own real values already

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any, Optional
 
 from torch import nn
@@ -83,7 +83,7 @@ class LossParallel:
 
         self.own_loss = False
         # the loss is replicated over the TP ranks: each holds the whole value (backward: each its own vocab split)
-        if isinstance(output, Mapping) and isinstance(output.get("loss"), DTensor):
+        if isinstance(output, MutableMapping) and isinstance(output.get("loss"), DTensor):
             output["loss"] = output["loss"].to_local()  # ModelOutput keeps the attribute in step
         elif isinstance(output, tuple) and output and isinstance(output[0], DTensor):
             output = (output[0].to_local(), *output[1:])

@@ -38,7 +38,7 @@ def mesh_precision(precision: "Precision", device: torch.device, fsdp: bool) -> 
             "forward_context": lambda self: contextlib.nullcontext(),
             "eval_context": lambda self: contextlib.nullcontext(),
         })
-        new = substitute.__new__(substitute)
+        new = object.__new__(substitute)  # no precision plugin defines __new__
         new.__dict__.update(precision.__dict__)
     else:
         new = precision

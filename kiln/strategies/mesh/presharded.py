@@ -26,7 +26,7 @@ def loaded_tp_size(model: Optional[nn.Module]) -> Optional[int]:
     """N for a model transformers distributed with tensor parallelism N at load; None for any other model."""
     if model is None or not is_loaded_split(model):
         return None
-    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    config: Any = getattr(getattr(model, "config", None), "distributed_config", None)
     name = type(model).__name__
     sizes = {axis: getattr(config, axis, 1) for axis in _OTHER_AXES}  # ints in transformers' DistributedConfig
     other = [f"{axis} {size}" for axis, size in sizes.items() if size > 1]

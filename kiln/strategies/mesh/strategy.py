@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -184,7 +184,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         precision, self._mp_policy = mesh_precision(precision, self.root_device, self.shape.fsdp)
         return super().connect_precision(precision)
 
-    def module_init_context(self) -> ContextManager[Any]:
+    def module_init_context(self) -> contextlib.AbstractContextManager[Any]:
         """cpu_ram_efficient_loading: a model the Trainer builds exists in full on rank 0 only; the
         other ranks build it on the meta device and receive their shards in `setup_module`."""
         from kiln.strategies.mesh.loading import built_on_rank0
@@ -304,7 +304,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
                     reshard_all(self._root)  # the set-up module (a TrainingModule's StepDispatcher)
 
     # -- step -------------------------------------------------------------------------------
-    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
+    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> contextlib.AbstractContextManager[Any]:
         """FSDP reduce-scatters once per accumulation window, on its last micro-batch. Under cp the
         micro-batch's forward and backward run inside torch's ring-attention dispatcher; with loss
         parallel inside torch's `loss_parallel()`; with both (cp x tp), inside both."""
@@ -313,7 +313,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         root = self.unwrap(model)
         if is_fsdp(root):
             root.set_requires_gradient_sync(boundary)
-        contexts: list[ContextManager[Any]] = []
+        contexts: list[contextlib.AbstractContextManager[Any]] = []
         if self.shape.cp > 1:
             from kiln.strategies.mesh.context_parallel import ring_attention
 
@@ -399,7 +399,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
 
 
 @contextlib.contextmanager
-def _all_of(contexts: list[ContextManager[Any]]) -> Iterator[None]:
+def _all_of(contexts: list[contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for context in contexts:
             stack.enter_context(context)

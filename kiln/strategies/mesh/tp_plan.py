@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
@@ -46,9 +46,9 @@ STYLES = {"colwise": "out", "rowwise": "in", "colwise_gather_output": "out", "co
 _REFUSED = {"sequence_parallel": "kiln derives sequence parallelism from the whole plan, so set "
                                  "strategy.sequence_parallel: true and leave the norms out of tp_plan"}
 
-_WHAT = {"out": "output features", "in": "input features", "vocab": "vocabulary rows"}
+_WHAT: dict[Optional[str], str] = {"out": "output features", "in": "input features", "vocab": "vocabulary rows"}
 
-PlanOption = Union[None, str, Mapping[str, str]]
+PlanOption = None | str | Mapping[str, str]
 
 #: model families (as the refusal names them -> transformers' model_type) whose config defines the
 #: tensor-parallel plan `tp_plan: auto` takes; a test checks each against the installed transformers
@@ -83,9 +83,10 @@ def _auto_plan(root: nn.Module) -> dict[str, str]:
                           "module-name patterns to colwise / rowwise.")
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, Mapping) or not plan:
-        if not getattr(model.config, "base_model_tp_plan", None):  # e.g. GPT-2: an empty tp_plan and no base plan
+        config: Any = model.config  # a Transformers config (duck-typed)
+        if not getattr(config, "base_model_tp_plan", None):  # e.g. GPT-2: an empty tp_plan and no base plan
             raise ConfigError(no_plan_sentence(model))
-        base = dict(model.config.base_model_tp_plan)
+        base = dict(config.base_model_tp_plan)
         inner = getattr(model, getattr(model, "base_model_prefix", ""), None)
         lead = f"{model.base_model_prefix}." if isinstance(inner, nn.Module) and inner is not model else ""
         plan = {f"{lead}{k}": v for k, v in base.items()}
@@ -190,9 +191,9 @@ def _split_size(name: str, layer: nn.Module, style: str) -> int:
 def parallel_styles(plan: dict[str, str]) -> dict[str, Any]:
     """The plan as torch.distributed.tensor.parallel styles (for `parallelize_module`)."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-    make = {
+    make: dict[str, Callable[[], ParallelStyle]] = {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),

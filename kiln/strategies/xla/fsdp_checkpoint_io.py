@@ -63,7 +63,8 @@ class SPMDCheckpointIO(CheckpointIO):
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, prime_optimizer
 
         path = os.path.join(directory, SPMD_DIR)
-        with_optim = load_optimizer and optimizer is not None
+        optim = optimizer if load_optimizer else None
+        with_optim = optim is not None
         if not os.path.isdir(path):
             if with_optim:
                 raise CheckpointError(f"{path} is missing: {directory} is not an SPMD XLA FSDP checkpoint; resume with "
@@ -71,18 +72,18 @@ class SPMDCheckpointIO(CheckpointIO):
             apply_weights(module, load_weights(directory), directory)  # an exported model folder
             return
         vet_dcp_folder(path)  # DCP unpickles .metadata and non-tensor entries unchecked: vet them first
-        if with_optim and not optimizer.state:
-            prime_optimizer(optimizer)  # leaves zero gradients sharded like their parameters, as in-run
+        if optim is not None and not optim.state:
+            prime_optimizer(optim)  # leaves zero gradients sharded like their parameters, as in-run
         state: dict[str, Any] = {"model": module.state_dict()}
-        if with_optim:
-            state["optim"] = optimizer.state_dict()
+        if optim is not None:
+            state["optim"] = optim.state_dict()
         try:
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=SPMDLoadPlanner(), no_dist=True)
         except (Exception, dcp.CheckpointException) as err:  # DCP's own type is a BaseException
             raise dcp_load_error(path, err, with_optim) from None
         module.load_state_dict(state["model"])
-        if with_optim:
-            optimizer.load_state_dict(regroup_optimizer_state(state["optim"], optimizer.param_groups))
+        if optim is not None:
+            optim.load_state_dict(regroup_optimizer_state(state["optim"], optim.param_groups))
         sync()  # the loaded values become device data, so the next step compiles the same graph as before the save
 
 
@@ -136,8 +137,9 @@ def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
     return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
 
 
-def classic_full_state(strategy: Any, wrapped: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
-    """Full weights of the user's module from the classic wrapper's shards, on every rank."""
+def classic_full_state(strategy: Any, wrapped: Any, module: nn.Module) -> dict[str, torch.Tensor]:
+    """Full weights of the user's module from the classic wrapper's shards, on every rank (`wrapped`: torch_xla's
+    XlaFullyShardedDataParallel, which has no type information)."""
     mine = (to_cpu(wrapped.state_dict()), wrapped.get_shard_metadata())
     gathered = strategy.all_gather_object(mine)
     return _strip(unflatten_shards([s for s, _ in gathered], gathered[0][1]), strategy.prefix_of(module))
@@ -184,7 +186,8 @@ class ClassicXLAFSDPCheckpointIO(CheckpointIO):
             payload["optimizer"] = to_cpu(optimizer.state_dict())
         torch.save(payload, weights)
         with open(meta, "w", encoding="utf-8") as fh:
-            json.dump({"shard_metadata": model.get_shard_metadata(), "prefix": s.prefix_of(module)}, fh)
+            wrapped: Any = model  # torch_xla's XlaFullyShardedDataParallel (no type information)
+            json.dump({"shard_metadata": wrapped.get_shard_metadata(), "prefix": s.prefix_of(module)}, fh)
 
     def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
              load_optimizer: bool = True) -> None:

@@ -91,8 +91,8 @@ class ClassicXLAFSDPStrategy(XLAFSDPBase):
         self.precision.unscale_gradients(optimizer)
         grad_norm = None
         if max_grad_norm:
-            grad_norm = (model.clip_grad_norm_(max_grad_norm) if hasattr(model, "clip_grad_norm_")
-                         else self.clip_gradients(model, optimizer, max_grad_norm))
+            clip = getattr(model, "clip_grad_norm_", None)
+            grad_norm = clip(max_grad_norm) if clip is not None else self.clip_gradients(model, optimizer, max_grad_norm)
         return StepResult(self.precision.optimizer_step(optimizer), grad_norm)
 
     # -- checkpoints and export -------------------------------------------------------------

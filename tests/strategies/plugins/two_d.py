@@ -19,7 +19,7 @@ import glob
 import json
 import os
 import re
-from typing import Any, ContextManager, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -156,7 +156,7 @@ class TwoDStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "_orig_mod", model)
 
-    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
+    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> contextlib.AbstractContextManager[Any]:
         self.unwrap(model).set_requires_gradient_sync(boundary)  # reduce once per accumulation window
         return contextlib.nullcontext()
 

@@ -83,4 +83,5 @@ def install(model: torch.nn.Module, hook: PackedAttention) -> None:
     previous = getattr(model, "_kiln_packing_hook", None)
     if previous is not None:
         previous.remove()
-    model._kiln_packing_hook = model.register_forward_pre_hook(hook, with_kwargs=True)
+    # a plain attribute: nn.Module.__setattr__ is typed for tensors and modules only
+    model._kiln_packing_hook = model.register_forward_pre_hook(hook, with_kwargs=True)  # type: ignore[assignment]

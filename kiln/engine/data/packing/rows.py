@@ -34,7 +34,7 @@ BUFFER = 1000  # examples planned together from a stream
 def build_row(pieces: Sequence[Piece], example: Callable[[int], dict[str, torch.Tensor]]) -> dict[str, Any]:
     parts = [(example(p.example), p) for p in pieces]
     keys = list(parts[0][0])
-    for tensors, p in parts[1:]:
+    for tensors, _ in parts[1:]:
         if list(tensors) != keys:
             raise ConfigError(f"data.packing put examples with different keys in one row ({keys} and {list(tensors)}); "
                               "give every example the same keys (labels in all or in none).")
@@ -96,16 +96,17 @@ class PackedStream(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         resume, self._resume = self._resume, None
-        restore = resume is not None and resume.get("source") is not None and self.stateful
+        saved_source = resume.get("source") if resume is not None else None
+        restore = saved_source is not None and self.stateful
         if restore:
-            self.source.load_state_dict(resume["source"])
+            self.source.load_state_dict(saved_source)
         examples = iter(self.source)
         if self.deals:
             examples = itertools.islice(examples, self.rank, None, self.num_replicas)
         seen, skip_rows = (resume["examples"], resume["rows"]) if resume is not None else (0, 0)
         if resume is not None and not restore:
             next(itertools.islice(examples, seen, seen), None)  # read past the examples before the saved buffer
-        self._position = {"examples": seen, "rows": skip_rows, "source": resume.get("source") if restore else None}
+        self._position = {"examples": seen, "rows": skip_rows, "source": saved_source if restore else None}
         while True:
             source = self.source.state_dict() if self.stateful else None
             buffer = list(itertools.islice(examples, self.buffer))

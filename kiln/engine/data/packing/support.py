@@ -87,7 +87,7 @@ def _shifts_labels(inner: nn.Module, config: Any) -> bool:
     shifting there, but its `loss_function` falls back to the causal-LM loss, which shifts."""
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
-    loss_type = getattr(inner, "loss_type", None)
+    loss_type: Any = getattr(inner, "loss_type", None)  # a str on Transformers models (LOSS_MAPPING's keys)
     return LOSS_MAPPING.get(loss_type, ForCausalLMLoss) is ForCausalLMLoss and not getattr(config, "is_encoder_decoder", False)
 
 
@@ -111,7 +111,7 @@ def _attention_kind(config: Any, inner: nn.Module, name: str) -> str:
 
 
 def _causal(inner: nn.Module, config: Any, name: str) -> bool:
-    kinds = {m.is_causal for m in inner.modules() if type(getattr(m, "is_causal", None)) is bool}
+    kinds = {flag for flag in (getattr(m, "is_causal", None) for m in inner.modules()) if isinstance(flag, bool)}
     declared = getattr(config, "is_causal", None)
     if len(kinds) != 1 or (isinstance(declared, bool) and {declared} != kinds):
         raise ConfigError(f"{name} has {'no attention layers kiln recognises' if not kinds else 'both causal and bidirectional attention'}"
