@@ -97,8 +97,15 @@ def main() -> None:
         out = os.path.join(tmp, "run")
         model = Wide(args.params)
         data = [{"x": torch.randn(2048)} for _ in range(2)]
-        cfg = {"output_dir": out, "max_steps": 1, "per_device_train_batch_size": 2, "save_strategy": "no",
-               "report_to": "none", "disable_tqdm": True, "log": {"history": [], "level": "error"}}
+        cfg = {
+            "output_dir": out,
+            "max_steps": 1,
+            "per_device_train_batch_size": 2,
+            "save_strategy": "no",
+            "report_to": "none",
+            "disable_tqdm": True,
+            "log": {"history": [], "level": "error"},
+        }
         trainer = Trainer(model, cfg, train_dataset=data)
         with contextlib.redirect_stdout(io.StringIO()):
             trainer.fit()
@@ -121,9 +128,20 @@ def main() -> None:
                         moments[name] = value.clone()
             return moments
 
-        times: dict[str, list[float]] = {k: [] for k in ("kiln save", "kiln save, no checksums", "checksums", "kiln load",
-                                                         "async stall", "async write", "raw save", "raw save+fsync",
-                                                         "raw load")}
+        times: dict[str, list[float]] = {
+            k: []
+            for k in (
+                "kiln save",
+                "kiln save, no checksums",
+                "checksums",
+                "kiln load",
+                "async stall",
+                "async write",
+                "raw save",
+                "raw save+fsync",
+                "raw load",
+            )
+        }
         size = 0
         for _ in range(args.repeats):
             path = os.path.join(out, f"checkpoint-{trainer.state.global_step}")
@@ -133,8 +151,13 @@ def main() -> None:
             shutil.rmtree(path, ignore_errors=True)
             with no_checksums():
                 times["kiln save, no checksums"].append(timed(trainer._save_checkpoint))
-            times["checksums"].append(timed(lambda path=path: [file_digest(os.path.join(root, f))
-                                                                for root, _, files in os.walk(path) for f in files]))
+            times["checksums"].append(
+                timed(
+                    lambda path=path: [
+                        file_digest(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+                    ]
+                )
+            )
             times["kiln load"].append(timed(lambda path=path: trainer.checkpoints.load(path)))
             times["raw save"].append(timed(lambda: raw_save(False)))
             times["raw save+fsync"].append(timed(lambda: raw_save(True)))
@@ -151,19 +174,27 @@ def main() -> None:
         raw_size = os.path.getsize(raw_path)
     med = {k: statistics.median(v) for k, v in times.items()}
     n = sum(p.numel() for p in model.parameters())
-    print(f"model: {n / 1e6:.1f} M fp32 params + AdamW moments; kiln checkpoint {size / 2**20:.0f} MiB, "
-          f"raw safetensors {raw_size / 2**20:.0f} MiB; median of {args.repeats}")
+    print(
+        f"model: {n / 1e6:.1f} M fp32 params + AdamW moments; kiln checkpoint {size / 2**20:.0f} MiB, "
+        f"raw safetensors {raw_size / 2**20:.0f} MiB; median of {args.repeats}"
+    )
     for key in times:
         nbytes = raw_size if key.startswith("raw") else size
         print(f"{key:>24}: {med[key] * 1000:8.1f} ms  {nbytes / 2**20 / med[key]:8.0f} MiB/s")
-    print(f"save ratio kiln / raw+fsync: {med['kiln save'] / med['raw save+fsync']:.2f}  "
-          f"(kiln / raw without fsync: {med['kiln save'] / med['raw save']:.2f})")
+    print(
+        f"save ratio kiln / raw+fsync: {med['kiln save'] / med['raw save+fsync']:.2f}  "
+        f"(kiln / raw without fsync: {med['kiln save'] / med['raw save']:.2f})"
+    )
     print(f"load ratio kiln / raw:       {med['kiln load'] / med['raw load']:.2f}")
-    print(f"async save: the loop stalls {100 * med['async stall'] / med['kiln save']:.1f} % of the synchronous save "
-          f"({med['async stall'] * 1000:.1f} ms of {med['kiln save'] * 1000:.1f} ms)")
+    print(
+        f"async save: the loop stalls {100 * med['async stall'] / med['kiln save']:.1f} % of the synchronous save "
+        f"({med['async stall'] * 1000:.1f} ms of {med['kiln save'] * 1000:.1f} ms)"
+    )
     added = med["kiln save"] - med["kiln save, no checksums"]
-    print(f"checksums: {100 * added / med['kiln save']:.1f} % of kiln save (timed alone: "
-          f"{100 * med['checksums'] / med['kiln save']:.1f} %)")
+    print(
+        f"checksums: {100 * added / med['kiln save']:.1f} % of kiln save (timed alone: "
+        f"{100 * med['checksums'] / med['kiln save']:.1f} %)"
+    )
 
 
 if __name__ == "__main__":

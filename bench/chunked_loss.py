@@ -28,9 +28,17 @@ def child(variant: str, tokens: int, vocab: int, chunk_size: int) -> dict[str, f
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=vocab, max_position_embeddings=tokens))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=1,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=vocab,
+            max_position_embeddings=tokens,
+        )
+    )
     ids = torch.randint(0, vocab, (1, tokens))
     batch = {"input_ids": ids, "labels": ids}
 
@@ -63,9 +71,23 @@ def main() -> None:
         return
     rows = {}
     for variant in ("plain", "chunked"):
-        out = subprocess.run([sys.executable, __file__, "--variant", variant, "--tokens", str(args.tokens), "--vocab",
-                              str(args.vocab), "--chunk-size", str(args.chunk_size)], check=True, capture_output=True,
-                             text=True).stdout
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--variant",
+                variant,
+                "--tokens",
+                str(args.tokens),
+                "--vocab",
+                str(args.vocab),
+                "--chunk-size",
+                str(args.chunk_size),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         rows[variant] = json.loads(out.strip().splitlines()[-1])
     print(f"tiny Llama, vocabulary {args.vocab}, {args.tokens} tokens, chunks of {args.chunk_size} (CPU, one thread)\n")
     print("| loss | peak memory over the step | step time |\n|---|---|---|")

@@ -32,7 +32,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH))
@@ -48,8 +49,13 @@ FRAMEWORKS = ("hand-written", "kiln", "hf", "lightning")  # the default rows; HA
 #: and norms: two groups even at weight decay 0), so the optimizer does the same work as kiln's; torch's AdamW runs
 #: its set-up and (on CUDA, foreach) its kernels once per group
 HAND_HF_GROUPS = "hand-written-hf-groups"
-LABELS = {"hand-written": "hand-written loop", "kiln": "kiln", "hf": "HF Trainer", "lightning": "Lightning",
-          HAND_HF_GROUPS: "hand-written, HF's 2 param groups"}
+LABELS = {
+    "hand-written": "hand-written loop",
+    "kiln": "kiln",
+    "hf": "HF Trainer",
+    "lightning": "Lightning",
+    HAND_HF_GROUPS: "hand-written, HF's 2 param groups",
+}
 
 
 class Workload(NamedTuple):
@@ -98,8 +104,11 @@ class Clock:
 
     def result(self) -> dict[str, float]:
         timed = self.steps - WARMUP
-        return {"startup": self.first - self.launched, "per_step": (self.end - self.start) / timed,
-                "cpu_per_step": (self.process_end - self.process_start) / timed}
+        return {
+            "startup": self.first - self.launched,
+            "per_step": (self.end - self.start) / timed,
+            "cpu_per_step": (self.process_end - self.process_start) / timed,
+        }
 
 
 def build(model: str) -> tuple[Any, Any]:
@@ -124,8 +133,9 @@ def hand_loader(model: str, data: Any, batch: int) -> Any:
     """The hand-written loop's loader (and the one kiln is handed in an `as_loader` workload)."""
     import torch
 
-    return torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, drop_last=True,
-                                       num_workers=MODELS[model].workers)
+    return torch.utils.data.DataLoader(
+        data, batch_size=batch, shuffle=True, drop_last=True, num_workers=MODELS[model].workers
+    )
 
 
 def linear(steps: int) -> Callable[[int], float]:
@@ -139,6 +149,7 @@ def run_hand_written(model: str, batch: int, steps: int, clock: Clock, out: str,
     params: Any = net.parameters()
     if hf_groups:  # HF's and kiln's two param groups (kiln imported only here: the loop's start-up stays torch's)
         from kiln.optim.optimizers import parameter_groups
+
         params = parameter_groups(net, 0.0)
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)  # kiln's and HF's default (torch's is 0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear(steps))
@@ -177,11 +188,20 @@ def kiln_config(model: str, batch: int, steps: int, out: str) -> dict[str, Any]:
 
 def kiln_settings(batch: int, steps: int, out: str, workers: int = 0, device: str = "cpu") -> dict[str, Any]:
     """kiln's config for the shared recipe (bench/compiled.py adds its compile and precision keys)."""
-    return {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
-            "lr_scheduler_type": "linear", "max_grad_norm": 1.0, "dataloader_drop_last": True,
-            "dataloader_num_workers": workers, "optim": {"name": OPTIM},
-            "log": {"steps": LOG_EVERY, "history": ["csv", "jsonl"], "disable_tqdm": False},
-            "save": {"strategy": "no"}, "strategy": {"device": device}}
+    return {
+        "output_dir": out,
+        "max_steps": steps,
+        "per_device_train_batch_size": batch,
+        "learning_rate": LR,
+        "lr_scheduler_type": "linear",
+        "max_grad_norm": 1.0,
+        "dataloader_drop_last": True,
+        "dataloader_num_workers": workers,
+        "optim": {"name": OPTIM},
+        "log": {"steps": LOG_EVERY, "history": ["csv", "jsonl"], "disable_tqdm": False},
+        "save": {"strategy": "no"},
+        "strategy": {"device": device},
+    }
 
 
 def kiln_marks(clock: Clock) -> Any:
@@ -208,10 +228,23 @@ def run_hf(model: str, batch: int, steps: int, clock: Clock, out: str) -> None:
 
 def hf_arguments(batch: int, steps: int, out: str, workers: int = 0, **overrides: Any) -> dict[str, Any]:
     """TrainingArguments' keywords for the shared recipe; `overrides` replace or add keys."""
-    return {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR,
-            "lr_scheduler_type": "linear", "max_grad_norm": 1.0, "logging_steps": LOG_EVERY, "report_to": [],
-            "save_strategy": "no", "use_cpu": True, "dataloader_drop_last": True, "disable_tqdm": False,
-            "dataloader_num_workers": workers, "optim": OPTIM, **overrides}
+    return {
+        "output_dir": out,
+        "max_steps": steps,
+        "per_device_train_batch_size": batch,
+        "learning_rate": LR,
+        "lr_scheduler_type": "linear",
+        "max_grad_norm": 1.0,
+        "logging_steps": LOG_EVERY,
+        "report_to": [],
+        "save_strategy": "no",
+        "use_cpu": True,
+        "dataloader_drop_last": True,
+        "disable_tqdm": False,
+        "dataloader_num_workers": workers,
+        "optim": OPTIM,
+        **overrides,
+    }
 
 
 def hf_marks(clock: Clock) -> Any:
@@ -271,14 +304,28 @@ def lightning_arguments(steps: int, out: str, clock: Clock, **overrides: Any) ->
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
             clock.step_end(trainer.global_step)
 
-    return {"max_steps": steps, "devices": 1, "gradient_clip_val": 1.0, "log_every_n_steps": LOG_EVERY,
-            "logger": CSVLogger(out), "enable_checkpointing": False, "enable_progress_bar": True,
-            "enable_model_summary": False, "callbacks": [Marks()], "default_root_dir": out, **overrides}
+    return {
+        "max_steps": steps,
+        "devices": 1,
+        "gradient_clip_val": 1.0,
+        "log_every_n_steps": LOG_EVERY,
+        "logger": CSVLogger(out),
+        "enable_checkpointing": False,
+        "enable_progress_bar": True,
+        "enable_model_summary": False,
+        "callbacks": [Marks()],
+        "default_root_dir": out,
+        **overrides,
+    }
 
 
 RUNNERS: dict[str, Callable[..., None]] = {
-    "hand-written": run_hand_written, "kiln": run_kiln, "hf": run_hf, "lightning": run_lightning,
-    HAND_HF_GROUPS: lambda *a: run_hand_written(*a, hf_groups=True)}
+    "hand-written": run_hand_written,
+    "kiln": run_kiln,
+    "hf": run_hf,
+    "lightning": run_lightning,
+    HAND_HF_GROUPS: lambda *a: run_hand_written(*a, hf_groups=True),
+}
 
 
 def worker(framework: str, model: str, steps: int, launched: float) -> None:
@@ -293,9 +340,15 @@ def worker(framework: str, model: str, steps: int, launched: float) -> None:
 
 # -- the driver ------------------------------------------------------------------------------
 def one_run(framework: str, model: str, steps: int) -> dict[str, float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(BENCH), "TOKENIZERS_PARALLELISM": "false"}
-    return run_worker(__file__, ["--worker", framework, "--models", model, "--steps", str(steps)], env,
-                      f"{framework} on {model}")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.path.dirname(BENCH),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return run_worker(
+        __file__, ["--worker", framework, "--models", model, "--steps", str(steps)], env, f"{framework} on {model}"
+    )
 
 
 def installed(framework: str) -> bool:
@@ -321,9 +374,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2000, help="MLP steps per run")
     parser.add_argument("--transformer-steps", type=int, default=100, help="small-transformer steps per run (>= 30)")
-    parser.add_argument("--lm16-steps", type=int, default=MODELS["lm16"].steps, help="issue 33's transformer steps per run")
-    parser.add_argument("--augment-steps", type=int, default=MODELS["augment-w0"].steps,
-                        help="steps per run of the per-sample-transform rows")
+    parser.add_argument(
+        "--lm16-steps", type=int, default=MODELS["lm16"].steps, help="issue 33's transformer steps per run"
+    )
+    parser.add_argument(
+        "--augment-steps",
+        type=int,
+        default=MODELS["augment-w0"].steps,
+        help="steps per run of the per-sample-transform rows",
+    )
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=list(RUNNERS))
     parser.add_argument("--worker", choices=list(RUNNERS), help=argparse.SUPPRESS)
@@ -337,7 +396,12 @@ def main() -> None:
     if "hand-written" not in frameworks:
         frameworks.insert(0, "hand-written")
     skipped = [f for f in args.frameworks if f not in frameworks]
-    per_net = {"mlp": args.steps, "transformer": args.transformer_steps, "lm16": args.lm16_steps, "augment": args.augment_steps}
+    per_net = {
+        "mlp": args.steps,
+        "transformer": args.transformer_steps,
+        "lm16": args.lm16_steps,
+        "augment": args.augment_steps,
+    }
     steps = {m: max(WARMUP + 20, per_net[w.net]) for m, w in MODELS.items()}
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     imports: dict[str, list[float]] = {"torch": [], "kiln": [], "trainer": []}
@@ -348,16 +412,22 @@ def main() -> None:
         for framework, model in jobs:
             run = one_run(framework, model, steps[model])
             runs.setdefault((model, framework), []).append(run)
-            print(f"  {LABELS[framework]} on {MODELS[model][0]}: {run['per_step'] * 1e3:.3f} ms/step, "
-                  f"start-up {run['startup']:.2f} s", file=sys.stderr, flush=True)
+            print(
+                f"  {LABELS[framework]} on {MODELS[model][0]}: {run['per_step'] * 1e3:.3f} ms/step, "
+                f"start-up {run['startup']:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         imports["torch"].append(import_time("import torch"))
         imports["kiln"].append(import_time("import torch; import kiln") - imports["torch"][-1])
         imports["trainer"].append(import_time("import torch; from kiln import Trainer") - imports["torch"][-1])
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
     print(f"{args.rounds} round(s); medians (min–max over rounds); one CPU thread; {WARMUP} warm-up steps not timed\n")
-    print("| model | framework | ms / step | ratio to hand-written | CPU ms / step | CPU-time ratio | "
-          "start-up to first step (s) | start-up over hand-written (s) |")
+    print(
+        "| model | framework | ms / step | ratio to hand-written | CPU ms / step | CPU-time ratio | "
+        "start-up to first step (s) | start-up over hand-written (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for model in args.models:
         base = runs[(model, "hand-written")]
@@ -366,12 +436,16 @@ def main() -> None:
             ratios = [t["per_step"] / b["per_step"] for t, b in zip(these, base)]
             cpu_ratios = [t["cpu_per_step"] / b["cpu_per_step"] for t, b in zip(these, base)]
             extra = [t["startup"] - b["startup"] for t, b in zip(these, base)]
-            print(f"| {MODELS[model][0]} ({steps[model]} steps) | {LABELS[framework]} | "
-                  f"{spread([t['per_step'] * 1e3 for t in these], '.3f')} | {spread(ratios, '.3f')} | "
-                  f"{spread([t['cpu_per_step'] * 1e3 for t in these], '.3f')} | {spread(cpu_ratios, '.3f')} | "
-                  f"{spread([t['startup'] for t in these], '.2f')} | {spread(extra, '+.2f')} |")
-    print(f"\n`import torch`: {spread(imports['torch'], '.3f')} s; `import kiln` adds {spread(imports['kiln'], '+.3f')} s; "
-          f"`from kiln import Trainer` adds {spread(imports['trainer'], '+.3f')} s.")
+            print(
+                f"| {MODELS[model][0]} ({steps[model]} steps) | {LABELS[framework]} | "
+                f"{spread([t['per_step'] * 1e3 for t in these], '.3f')} | {spread(ratios, '.3f')} | "
+                f"{spread([t['cpu_per_step'] * 1e3 for t in these], '.3f')} | {spread(cpu_ratios, '.3f')} | "
+                f"{spread([t['startup'] for t in these], '.2f')} | {spread(extra, '+.2f')} |"
+            )
+    print(
+        f"\n`import torch`: {spread(imports['torch'], '.3f')} s; `import kiln` adds {spread(imports['kiln'], '+.3f')} s; "
+        f"`from kiln import Trainer` adds {spread(imports['trainer'], '+.3f')} s."
+    )
     if skipped:
         print(f"\nNot installed, skipped: {', '.join(LABELS[f] for f in skipped)} (pip install kiln[bench]).")
 

@@ -44,7 +44,8 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -54,12 +55,29 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 from bench.compare import (  # noqa: E402
-    FRAMEWORKS as BASE_FRAMEWORKS, HAND_HF_GROUPS, LABELS, LOG_EVERY, LR, MODELS, WARMUP, Clock, build, hf_arguments,
-    hf_marks, installed, kiln_marks, kiln_settings, lightning_arguments, lightning_module, linear, spread,
+    FRAMEWORKS as BASE_FRAMEWORKS,
 )
-from bench.harness import compile_sources, run_worker  # noqa: E402
+from bench.compare import (
+    HAND_HF_GROUPS,
+    LABELS,
+    LOG_EVERY,
+    LR,
+    MODELS,
+    WARMUP,
+    Clock,
+    build,
+    hf_arguments,
+    hf_marks,
+    installed,
+    kiln_marks,
+    kiln_settings,
+    lightning_arguments,
+    lightning_module,
+    linear,
+    spread,
+)
 from bench.counts import StepCounter, counts_table  # noqa: E402
-
+from bench.harness import compile_sources, run_worker  # noqa: E402
 
 FRAMEWORKS = (*BASE_FRAMEWORKS, HAND_HF_GROUPS)
 
@@ -80,8 +98,15 @@ GPT = {"vocab": 32768, "dim": 1024, "layers": 8, "heads": 16, "seq": 1024}
 WORKLOADS = {
     "mlp": Workload("tiny MLP", MODELS["mlp"].batch, 2000),
     "lm16": Workload("transformer 2×128, 64 tokens", MODELS["lm16"].batch, 150, seq=64, layers=2, dim=128),
-    "gpt": Workload(f"GPT {GPT['layers']}×{GPT['dim']}, {GPT['seq']} tokens", 8, 80, seq=GPT["seq"],
-                    layers=GPT["layers"], dim=GPT["dim"], cuda_only=True),
+    "gpt": Workload(
+        f"GPT {GPT['layers']}×{GPT['dim']}, {GPT['seq']} tokens",
+        8,
+        80,
+        seq=GPT["seq"],
+        layers=GPT["layers"],
+        dim=GPT["dim"],
+        cuda_only=True,
+    ),
 }
 #: dense bf16 tensor-core peaks (TFLOP/s) by a piece of torch.cuda.get_device_name(); the first match wins
 PEAKS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0), ("L40S", 362.0))
@@ -92,7 +117,7 @@ class Setup(NamedTuple):
 
     device: str  # "cpu" or "cuda"
     backend: str
-    mode: Optional[str]
+    mode: str | None
 
     @property
     def cuda(self) -> bool:  # on cuda every framework runs bf16 autocast
@@ -134,7 +159,7 @@ def mfu(tokens_per_s: float, flops: float, peak_tflops: float) -> float:
     return tokens_per_s * flops / (peak_tflops * 1e12)
 
 
-def default_peak(device_name: str) -> Optional[float]:
+def default_peak(device_name: str) -> float | None:
     return next((tflops for piece, tflops in PEAKS if piece in device_name), None)
 
 
@@ -171,8 +196,9 @@ def loader(data: Any, batch: int, s: Setup) -> Any:
     return torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, drop_last=True, pin_memory=s.cuda)
 
 
-def run_hand_written(model: str, net: Any, data: Any, steps: int, clock: SyncedClock, out: str, s: Setup,
-                     hf_groups: bool = False) -> None:
+def run_hand_written(
+    model: str, net: Any, data: Any, steps: int, clock: SyncedClock, out: str, s: Setup, hf_groups: bool = False
+) -> None:
     net.to(s.device)
     compiled = torch.compile(net, **s.compile_kwargs())
     if hf_groups:
@@ -211,8 +237,12 @@ def run_hand_written(model: str, net: Any, data: Any, steps: int, clock: SyncedC
 def run_kiln(model: str, net: Any, data: Any, steps: int, clock: SyncedClock, out: str, s: Setup) -> None:
     from kiln import Trainer
 
-    config = {**kiln_settings(WORKLOADS[model].batch, steps, out, device=s.device), "torch_compile": True,
-              "torch_compile_backend": s.backend, "torch_compile_mode": s.mode}
+    config = {
+        **kiln_settings(WORKLOADS[model].batch, steps, out, device=s.device),
+        "torch_compile": True,
+        "torch_compile_backend": s.backend,
+        "torch_compile_mode": s.mode,
+    }
     if s.cuda:
         config["precision"] = {"name": "bf16"}
     Trainer(net, config, train_dataset=data, callbacks=[kiln_marks(clock)]).fit()
@@ -221,16 +251,28 @@ def run_kiln(model: str, net: Any, data: Any, steps: int, clock: SyncedClock, ou
 def run_hf(model: str, net: Any, data: Any, steps: int, clock: SyncedClock, out: str, s: Setup) -> None:
     from transformers import Trainer, TrainingArguments
 
-    args = hf_arguments(WORKLOADS[model].batch, steps, out, use_cpu=not s.cuda, bf16=s.cuda, optim="adamw_torch",
-                        torch_compile=True, torch_compile_backend=s.backend, torch_compile_mode=s.mode)
+    args = hf_arguments(
+        WORKLOADS[model].batch,
+        steps,
+        out,
+        use_cpu=not s.cuda,
+        bf16=s.cuda,
+        optim="adamw_torch",
+        torch_compile=True,
+        torch_compile_backend=s.backend,
+        torch_compile_mode=s.mode,
+    )
     Trainer(model=net, args=TrainingArguments(**args), train_dataset=data, callbacks=[hf_marks(clock)]).train()
 
 
 def run_lightning(model: str, net: Any, data: Any, steps: int, clock: SyncedClock, out: str, s: Setup) -> None:
     import lightning as L
 
-    trainer = L.Trainer(**lightning_arguments(steps, out, clock, accelerator="gpu" if s.cuda else "cpu",
-                                              precision="bf16-mixed" if s.cuda else "32-true"))
+    trainer = L.Trainer(
+        **lightning_arguments(
+            steps, out, clock, accelerator="gpu" if s.cuda else "cpu", precision="bf16-mixed" if s.cuda else "32-true"
+        )
+    )
     module = lightning_module(net, steps)
     if torch.__version__ >= (2, 12) and not hasattr(type(module).log, "_torchdynamo_disable"):
         # Lightning's fix (Lightning-AI/pytorch-lightning#21837) where the release lacks it: from torch 2.12 dynamo
@@ -239,8 +281,13 @@ def run_lightning(model: str, net: Any, data: Any, steps: int, clock: SyncedCloc
     trainer.fit(torch.compile(module, **s.compile_kwargs()), loader(data, WORKLOADS[model].batch, s))
 
 
-RUNNERS = {"hand-written": run_hand_written, "kiln": run_kiln, "hf": run_hf, "lightning": run_lightning,
-           HAND_HF_GROUPS: lambda *a: run_hand_written(*a, hf_groups=True)}
+RUNNERS = {
+    "hand-written": run_hand_written,
+    "kiln": run_kiln,
+    "hf": run_hf,
+    "lightning": run_lightning,
+    HAND_HF_GROUPS: lambda *a: run_hand_written(*a, hf_groups=True),
+}
 
 
 def worker(framework: str, model: str, steps: int, launched: float, s: Setup) -> None:
@@ -254,18 +301,29 @@ def worker(framework: str, model: str, steps: int, launched: float, s: Setup) ->
     flops = flops_per_token(matmul_params(net), w.layers, w.seq, w.dim) if w.seq else 0.0
     with tempfile.TemporaryDirectory() as out:
         RUNNERS[framework](model, net, data, steps, clock, out, s)
-    result: dict[str, Any] = {**clock.result(), **counter.counts, "graphs": counters["stats"]["unique_graphs"],
-                              "breaks": sum(counters["graph_break"].values()), "flops_per_token": flops,
-                              "device_name": torch.cuda.get_device_name() if s.cuda else "cpu",
-                              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if s.cuda else 0.0}
+    result: dict[str, Any] = {
+        **clock.result(),
+        **counter.counts,
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+        "flops_per_token": flops,
+        "device_name": torch.cuda.get_device_name() if s.cuda else "cpu",
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if s.cuda else 0.0,
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 
 # -- the driver ---------------------------------------------------------------------------------
-def one_run(framework: str, model: str, steps: int, s: Setup, cache: str, timeout: Optional[float]) -> dict[str, Any]:
+def one_run(framework: str, model: str, steps: int, s: Setup, cache: str, timeout: float | None) -> dict[str, Any]:
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false",
-           "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": path,
+        "TOKENIZERS_PARALLELISM": "false",
+        "TORCHINDUCTOR_CACHE_DIR": cache,
+        "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+    }
     argv = ["--worker", framework, "--models", model, "--steps", str(steps), "--device", s.device]
     argv += ["--backend", s.backend] + (["--mode", s.mode] if s.mode else [])
     return run_worker(__file__, argv, env, f"{framework} on {model}", timeout)
@@ -275,15 +333,18 @@ def cell(values: list[float], fmt: str, suffix: str = "") -> str:
     return spread(values, fmt) + suffix if values else "–"  # a column that has no figure for this row
 
 
-def table(report: dict[str, Any], peak_tflops: Optional[float]) -> str:
+def table(report: dict[str, Any], peak_tflops: float | None) -> str:
     """The markdown table of a session's raw results (`report`, as --json writes it)."""
     runs, names = report["runs"], sorted({r["device_name"] for r in report["runs"]})
     peak = peak_tflops or (default_peak(names[0]) if report["device"] == "cuda" and len(names) == 1 else None)
-    lines = [f"{len({r['round'] for r in runs})} round(s) on {', '.join(names)}; medians (min–max over rounds); "
-             f"backend {report['backend']}, mode {report['mode'] or 'default'}, cache {report['cache']}; {WARMUP} "
-             "warm-up steps not timed" + (f"; MFU against {peak:g} TFLOP/s" if peak else "") + "\n",
-             "| workload | framework | first step (s) | start-up (s) | ms / step | ratio to hand-written | CPU-time ratio "
-             "| tokens/s | MFU | graphs / breaks |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{len({r['round'] for r in runs})} round(s) on {', '.join(names)}; medians (min–max over rounds); "
+        f"backend {report['backend']}, mode {report['mode'] or 'default'}, cache {report['cache']}; {WARMUP} "
+        "warm-up steps not timed" + (f"; MFU against {peak:g} TFLOP/s" if peak else "") + "\n",
+        "| workload | framework | first step (s) | start-up (s) | ms / step | ratio to hand-written | CPU-time ratio "
+        "| tokens/s | MFU | graphs / breaks |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for model in report["models"]:
         w = WORKLOADS[model]
         base = {r["round"]: r for r in runs if r["model"] == model and r["framework"] == "hand-written"}
@@ -293,15 +354,31 @@ def table(report: dict[str, Any], peak_tflops: Optional[float]) -> str:
                 continue
             tokens = [w.batch * w.seq / r["per_step"] for r in these] if w.seq else []
             use = [100 * mfu(t, these[0]["flops_per_token"], peak) for t in tokens] if peak else []
-            lines.append(" | ".join([
-                f"| {w.label} ({these[0]['steps']} steps)", LABELS[framework],
-                cell([r["first_step"] for r in these], ".2f"), cell([r["startup"] for r in these], ".2f"),
-                cell([r["per_step"] * 1e3 for r in these], ".3f"),
-                cell([r["per_step"] / base[r["round"]]["per_step"] for r in these if r["round"] in base], ".3f"),
-                cell([r["cpu_per_step"] / base[r["round"]]["cpu_per_step"] for r in these
-                      if r["round"] in base and "cpu_per_step" in r], ".3f"),  # absent from older --json files
-                cell(tokens, ",.0f"), cell(use, ".2f", " %"),
-                ", ".join(sorted({f"{r['graphs']} / {r['breaks']}" for r in these})) + " |"]))
+            lines.append(
+                " | ".join(
+                    [
+                        f"| {w.label} ({these[0]['steps']} steps)",
+                        LABELS[framework],
+                        cell([r["first_step"] for r in these], ".2f"),
+                        cell([r["startup"] for r in these], ".2f"),
+                        cell([r["per_step"] * 1e3 for r in these], ".3f"),
+                        cell(
+                            [r["per_step"] / base[r["round"]]["per_step"] for r in these if r["round"] in base], ".3f"
+                        ),
+                        cell(
+                            [
+                                r["cpu_per_step"] / base[r["round"]]["cpu_per_step"]
+                                for r in these
+                                if r["round"] in base and "cpu_per_step" in r
+                            ],
+                            ".3f",
+                        ),  # absent from older --json files
+                        cell(tokens, ",.0f"),
+                        cell(use, ".2f", " %"),
+                        ", ".join(sorted({f"{r['graphs']} / {r['breaks']}" for r in these})) + " |",
+                    ]
+                )
+            )
     counted = counts_table(runs, report["models"], FRAMEWORKS, LABELS, lambda m: WORKLOADS[m].label)
     lines += [f"\nCounted over warm-up steps 2-{WARMUP} (torch.profiler; medians):\n\n{counted}"] if counted else []
     skipped = ", ".join(LABELS[f] for f in report["skipped"])
@@ -311,7 +388,7 @@ def table(report: dict[str, Any], peak_tflops: Optional[float]) -> str:
     return "\n".join(lines)
 
 
-def save(report: dict[str, Any], path: Optional[str]) -> None:
+def save(report: dict[str, Any], path: str | None) -> None:
     """Written after every run, so a session cut short still leaves what it measured."""
     if path:
         with open(path + ".tmp", "w") as f:
@@ -354,13 +431,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, help="steps per run of every workload (default: each its own; >= 30)")
     parser.add_argument("--models", nargs="+", choices=list(WORKLOADS), help="default: mlp lm16 (+ gpt on cuda)")
-    parser.add_argument("--frameworks", nargs="+", default=list(BASE_FRAMEWORKS), choices=list(FRAMEWORKS),
-                        help=f"the hand-written loop always runs; {HAND_HF_GROUPS}: it again with HF's two param groups")
+    parser.add_argument(
+        "--frameworks",
+        nargs="+",
+        default=list(BASE_FRAMEWORKS),
+        choices=list(FRAMEWORKS),
+        help=f"the hand-written loop always runs; {HAND_HF_GROUPS}: it again with HF's two param groups",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of every framework")
     parser.add_argument("--mode", help="torch.compile mode of every framework (default: torch's default)")
-    parser.add_argument("--cache", default="cold", choices=("cold", "warm"),
-                        help="cold: an empty inductor cache per run; warm: one cache shared by the session's runs")
+    parser.add_argument(
+        "--cache",
+        default="cold",
+        choices=("cold", "warm"),
+        help="cold: an empty inductor cache per run; warm: one cache shared by the session's runs",
+    )
     parser.add_argument("--peak-tflops", type=float, help="the accelerator's peak for MFU (default: by device name)")
     parser.add_argument("--budget", type=float, help="seconds: start no run that would likely end past this")
     parser.add_argument("--json", help="write the raw per-run results here (after every run)")
@@ -382,9 +468,17 @@ def main() -> None:
         raise SystemExit("workload gpt needs a GPU: run it with --device cuda (or drop it from --models).")
     compile_sources()
     frameworks = ["hand-written"] + [f for f in args.frameworks if f != "hand-written" and installed(f)]
-    report: dict[str, Any] = {"device": setup.device, "backend": setup.backend, "mode": setup.mode, "cache": args.cache,
-                              "models": models, "skipped": [f for f in args.frameworks if f not in frameworks],
-                              "runs": [], "stopped": "", "failed": []}
+    report: dict[str, Any] = {
+        "device": setup.device,
+        "backend": setup.backend,
+        "mode": setup.mode,
+        "cache": args.cache,
+        "models": models,
+        "skipped": [f for f in args.frameworks if f not in frameworks],
+        "runs": [],
+        "stopped": "",
+        "failed": [],
+    }
     measure(report, args, setup, frameworks)
     save(report, args.json)
     print(table(report, args.peak_tflops))

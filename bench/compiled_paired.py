@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.compiled import RUNNERS, WORKLOADS, Setup, SyncedClock, make  # noqa: E402
 from bench.compare import HAND_HF_GROUPS, LABELS  # noqa: E402
+from bench.compiled import RUNNERS, WORKLOADS, Setup, SyncedClock, make  # noqa: E402
 
 FRAMEWORKS = ("hand-written", HAND_HF_GROUPS, "kiln")
 
@@ -76,7 +76,9 @@ def main() -> None:
     print("| workload | framework | ms / step | ratio to the loop (paired by round) |\n|---|---|---|---|")
     for (model, f), values in times.items():
         if values:
-            print(f"| {WORKLOADS[model].label} | {LABELS[f]} | {spread(values, '.3f')} | {spread(ratios[model, f], '.3f')} |")
+            print(
+                f"| {WORKLOADS[model].label} | {LABELS[f]} | {spread(values, '.3f')} | {spread(ratios[model, f], '.3f')} |"
+            )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ reachable at all on a step as short as the tiny MLP's (issue 33). It is not kiln
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -29,15 +30,15 @@ class Control:
 class Callback:
     """HF's callback events, every one a no-op."""
 
-    def on_step_begin(self, state: "State", control: Control) -> None: ...
+    def on_step_begin(self, state: State, control: Control) -> None: ...
 
-    def on_pre_optimizer_step(self, state: "State", control: Control) -> None: ...
+    def on_pre_optimizer_step(self, state: State, control: Control) -> None: ...
 
-    def on_optimizer_step(self, state: "State", control: Control) -> None: ...
+    def on_optimizer_step(self, state: State, control: Control) -> None: ...
 
-    def on_step_end(self, state: "State", control: Control) -> None: ...
+    def on_step_end(self, state: State, control: Control) -> None: ...
 
-    def on_log(self, state: "State", control: Control, logs: dict[str, float]) -> None: ...
+    def on_log(self, state: State, control: Control, logs: dict[str, float]) -> None: ...
 
 
 class Flow(Callback):
@@ -46,7 +47,7 @@ class Flow(Callback):
     def __init__(self, log_every: int) -> None:
         self.log_every = log_every
 
-    def on_step_end(self, state: "State", control: Control) -> None:
+    def on_step_end(self, state: State, control: Control) -> None:
         if state.global_step % self.log_every == 0:
             control.should_log = True
 
@@ -55,7 +56,7 @@ class History(Callback):
     def __init__(self) -> None:
         self.logs: list[dict[str, float]] = []
 
-    def on_log(self, state: "State", control: Control, logs: dict[str, float]) -> None:
+    def on_log(self, state: State, control: Control, logs: dict[str, float]) -> None:
         self.logs.append({**logs, "step": state.global_step})
 
 
@@ -64,10 +65,12 @@ class Events:
 
     def __init__(self, callbacks: list[Callback]) -> None:
         names = ("on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log")
-        self.by_event = {name: [getattr(cb, name) for cb in callbacks
-                                if getattr(type(cb), name) is not getattr(Callback, name)] for name in names}
+        self.by_event = {
+            name: [getattr(cb, name) for cb in callbacks if getattr(type(cb), name) is not getattr(Callback, name)]
+            for name in names
+        }
 
-    def call(self, event: str, state: "State", control: Control, **kw: Any) -> None:
+    def call(self, event: str, state: State, control: Control, **kw: Any) -> None:
         for handler in self.by_event[event]:
             handler(state, control, **kw)
 
@@ -77,8 +80,15 @@ class State:
         self.global_step, self.epoch, self.samples, self.flos = 0, 0.0, 0, 0.0
 
 
-def contract_loop(net: torch.nn.Module, data: Any, batch: int, compile_model: bool, lr: float,
-                  schedule: Callable[[int], float], log_every: int) -> Callable[[int], float]:
+def contract_loop(
+    net: torch.nn.Module,
+    data: Any,
+    batch: int,
+    compile_model: bool,
+    lr: float,
+    schedule: Callable[[int], float],
+    log_every: int,
+) -> Callable[[int], float]:
     """`run(n)` takes n steps of the contract loop and returns their seconds (as bench/interleaved.py's loop)."""
     model = torch.compile(net) if compile_model else net
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
@@ -109,8 +119,12 @@ def contract_loop(net: torch.nn.Module, data: Any, batch: int, compile_model: bo
 
     def log() -> None:
         losses = [loss.item() for loss in pending]
-        logs = {"loss": sum(losses) / len(losses), "grad_norm": grad_norm.item(), "learning_rate": step_lr,
-                "epoch": state.epoch}
+        logs = {
+            "loss": sum(losses) / len(losses),
+            "grad_norm": grad_norm.item(),
+            "learning_rate": step_lr,
+            "epoch": state.epoch,
+        }
         pending.clear()
         events.call("on_log", state, control, logs=logs)
 

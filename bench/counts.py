@@ -7,7 +7,7 @@ its timings."""
 from __future__ import annotations
 
 import statistics
-from typing import Any, Optional
+from typing import Any
 
 #: the CUDA runtime and driver calls that launch a kernel (graphs replay through cudaGraphLaunch, counted too)
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -40,12 +40,19 @@ class StepCounter:
     @staticmethod
     def _count(events: Any, steps: int) -> dict[str, float]:
         names = [e.name for e in events]
-        return {"aten_ops_per_step": sum(n.startswith("aten::") for n in names) / steps,
-                "launches_per_step": sum(n in LAUNCHES for n in names) / steps}
+        return {
+            "aten_ops_per_step": sum(n.startswith("aten::") for n in names) / steps,
+            "launches_per_step": sum(n in LAUNCHES for n in names) / steps,
+        }
 
 
-def counts_table(runs: list[dict[str, Any]], models: list[str], frameworks: tuple[str, ...], labels: dict[str, str],
-                 workload_label: Any) -> Optional[str]:
+def counts_table(
+    runs: list[dict[str, Any]],
+    models: list[str],
+    frameworks: tuple[str, ...],
+    labels: dict[str, str],
+    workload_label: Any,
+) -> str | None:
     """Medians of the counted steps per workload and framework; None when no run has counts."""
     counted = [r for r in runs if "aten_ops_per_step" in r]
     if not counted:

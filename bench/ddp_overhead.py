@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,22 +55,32 @@ def lm_data(n: int = 1024, seq: int = 64) -> list[dict[str, torch.Tensor]]:
 
 
 def device() -> torch.device:
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    )
 
 
 def _durations(ends: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """(wall, cpu) seconds of each step after the warm-up, from (wall, cpu) clock readings at step ends."""
-    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(ends[WARMUP:], ends[WARMUP + 1:])]
+    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(ends[WARMUP:], ends[WARMUP + 1 :])]
 
 
 def ddp_wrap(model: nn.Module, find_unused: bool = False) -> nn.Module:
     dev = device()
-    return nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                               find_unused_parameters=find_unused)
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[dev.index] if dev.type == "cuda" else None, find_unused_parameters=find_unused
+    )
 
 
-def raw_loop(model: nn.Module, data: list, batch: int, steps: int, token_exact: bool = False,
-             wrap: Callable[[nn.Module], nn.Module] = ddp_wrap, find_unused: bool = False) -> list[tuple[float, float]]:
+def raw_loop(
+    model: nn.Module,
+    data: list,
+    batch: int,
+    steps: int,
+    token_exact: bool = False,
+    wrap: Callable[[nn.Module], nn.Module] = ddp_wrap,
+    find_unused: bool = False,
+) -> list[tuple[float, float]]:
     """A hand-written DDP loop; (wall, cpu) seconds of each step after the warm-up. CPU time (this
     process) is insensitive to other jobs on a shared machine; wall time is what users wait for.
 
@@ -156,8 +166,10 @@ def unused_choice(steps: int, repeats: int, rank0: bool) -> None:
     way, on a model where every parameter gets a gradient and on one with an unused head; the
     hand-written loop (flag off, or on where the model needs it) is the reference."""
     data, batch = mlp_data(), 64
-    cases = [("MLP, all used", lambda: MLP(64, 256, 10), False, (None, False, True)),
-             ("MLP + unused head", MLPWithUnusedHead, True, (None, True))]
+    cases = [
+        ("MLP, all used", lambda: MLP(64, 256, 10), False, (None, False, True)),
+        ("MLP + unused head", MLPWithUnusedHead, True, (None, True)),
+    ]
     for name, model_fn, needs, choices in cases:
         times: dict[str, list[tuple[float, float]]] = {"hand-written": []}
         for _ in range(repeats):
@@ -166,7 +178,8 @@ def unused_choice(steps: int, repeats: int, rank0: bool) -> None:
             for choice in choices:
                 torch.manual_seed(0)
                 times.setdefault(f"kiln find_unused={'unset' if choice is None else choice}", []).extend(
-                    kiln_loop(model_fn(), data, batch, steps, find_unused=choice))
+                    kiln_loop(model_fn(), data, batch, steps, find_unused=choice)
+                )
         if rank0:
             ref = statistics.median(t[0] for t in times["hand-written"])
             for label, ts in times.items():
@@ -174,12 +187,26 @@ def unused_choice(steps: int, repeats: int, rank0: bool) -> None:
                 print(f"{name:18s} {label:26s} {m * 1e3:8.3f} ms/step wall   ratio {m / ref:.3f}", flush=True)
 
 
-def kiln_loop(model: nn.Module, data: list, batch: int, steps: int, find_unused: Optional[bool] = False,
-              token_exact: bool = True, strategy: Optional[dict] = None) -> list[tuple[float, float]]:
-    cfg = {"max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": 1e-4,
-           "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "log": {"history": []},
-           "strategy": strategy or {"name": "ddp", "find_unused_parameters": find_unused},
-           "average_tokens_across_devices": token_exact}
+def kiln_loop(
+    model: nn.Module,
+    data: list,
+    batch: int,
+    steps: int,
+    find_unused: bool | None = False,
+    token_exact: bool = True,
+    strategy: dict | None = None,
+) -> list[tuple[float, float]]:
+    cfg = {
+        "max_steps": steps,
+        "per_device_train_batch_size": batch,
+        "learning_rate": 1e-4,
+        "logging_steps": 50,
+        "save_strategy": "no",
+        "dataloader_drop_last": True,
+        "log": {"history": []},
+        "strategy": strategy or {"name": "ddp", "find_unused_parameters": find_unused},
+        "average_tokens_across_devices": token_exact,
+    }
     return timed_fit(model, data, cfg)[0]
 
 
@@ -192,14 +219,22 @@ def worker(steps: int, repeats: int, unused_only: bool = False) -> None:
         unused_choice(steps, repeats, rank0)
         dist.destroy_process_group()
         return
-    cases = [("MLP 64-256-256-10", lambda: MLP(64, 256, 10), mlp_data(), 64, steps), ("transformer 2x128", lambda: SmallTransformer(dim=128, layers=2, seq=64), lm_data(), 8, max(60, steps // 3))]
+    cases = [
+        ("MLP 64-256-256-10", lambda: MLP(64, 256, 10), mlp_data(), 64, steps),
+        ("transformer 2x128", lambda: SmallTransformer(dim=128, layers=2, seq=64), lm_data(), 8, max(60, steps // 3)),
+    ]
     if rank0:
-        print(f"world size {dist.get_world_size()}, backend {dist.get_backend()}, {torch.get_num_threads()} threads per process,"
-              f" {repeats} interleaved repeats", flush=True)
+        print(
+            f"world size {dist.get_world_size()}, backend {dist.get_backend()}, {torch.get_num_threads()} threads per process,"
+            f" {repeats} interleaved repeats",
+            flush=True,
+        )
     # (label, kiln options, hand-written loop options): kiln's default normalises by the items of the
     # global batch; a hand-written loop doing the same needs the same count all-reduce
-    variants = [("token-exact (default)", {}, {"token_exact": True}),
-                ("average_tokens_across_devices=false", {"token_exact": False}, {})]
+    variants = [
+        ("token-exact (default)", {}, {"token_exact": True}),
+        ("average_tokens_across_devices=false", {"token_exact": False}, {}),
+    ]
     for name, model_fn, data, batch, n in cases:
         for label, kiln_opts, raw_opts in variants:
             raw_t: list[tuple[float, float]] = []
@@ -213,13 +248,19 @@ def worker(steps: int, repeats: int, unused_only: bool = False) -> None:
                 for i, clock in ((0, "wall"), (1, "cpu ")):
                     r, k = statistics.median(t[i] for t in raw_t), statistics.median(t[i] for t in kiln_t)
                     verdict = "OK" if k / r <= TARGET else "OVER TARGET"
-                    print(f"{name:18s} {label:36s} {clock} hand-written {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} ms/step"
-                          f"   ratio {k / r:.3f} (target <= {TARGET}) {verdict}", flush=True)
+                    print(
+                        f"{name:18s} {label:36s} {clock} hand-written {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} ms/step"
+                        f"   ratio {k / r:.3f} (target <= {TARGET}) {verdict}",
+                        flush=True,
+                    )
         torch.manual_seed(0)
         hf_default = kiln_loop(model_fn(), data, batch, n, find_unused=True)
         if rank0:
-            print(f"{name:18s} kiln with find_unused_parameters=True (HF's default): "
-                  f"{statistics.median(t[0] for t in hf_default) * 1e3:.3f} ms/step wall", flush=True)
+            print(
+                f"{name:18s} kiln with find_unused_parameters=True (HF's default): "
+                f"{statistics.median(t[0] for t in hf_default) * 1e3:.3f} ms/step wall",
+                flush=True,
+            )
     one = torch.ones((), device=device())
     times = []
     for _ in range(500):
@@ -227,7 +268,10 @@ def worker(steps: int, repeats: int, unused_only: bool = False) -> None:
         dist.all_reduce(one)
         times.append(time.perf_counter() - t)
     if rank0:
-        print(f"one scalar all_reduce (kiln's per-step item count): {statistics.median(times) * 1e6:.0f} us median", flush=True)
+        print(
+            f"one scalar all_reduce (kiln's per-step item count): {statistics.median(times) * 1e6:.0f} us median",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 
@@ -236,15 +280,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--unused-only", action="store_true",
-                        help="only compare find_unused_parameters unset / true / false, with and without unused parameters")
+    parser.add_argument(
+        "--unused-only",
+        action="store_true",
+        help="only compare find_unused_parameters unset / true / false, with and without unused parameters",
+    )
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
         worker(args.steps, args.repeats, args.unused_only)
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
-           "--steps", str(args.steps), "--repeats", str(args.repeats)] + (["--unused-only"] if args.unused_only else [])
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        __file__,
+        "--steps",
+        str(args.steps),
+        "--repeats",
+        str(args.repeats),
+    ] + (["--unused-only"] if args.unused_only else [])
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc))),
+    }
     sys.exit(subprocess.call(cmd, env=env))
 
 

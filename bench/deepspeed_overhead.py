@@ -44,8 +44,14 @@ LR = 1e-4
 
 
 def ds_config(batch: int, stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
 
 
 def raw_loop(model: torch.nn.Module, data: list, batch: int, steps: int) -> list[tuple[float, float]]:
@@ -54,7 +60,9 @@ def raw_loop(model: torch.nn.Module, data: list, batch: int, steps: int) -> list
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (steps - s) / steps))
-    engine, _, _, _ = deepspeed.initialize(model=model.to(device()), optimizer=opt, lr_scheduler=sched, config=ds_config(batch, 2))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model.to(device()), optimizer=opt, lr_scheduler=sched, config=ds_config(batch, 2)
+    )
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler, drop_last=True)
     engine.train()
@@ -75,10 +83,22 @@ def raw_loop(model: torch.nn.Module, data: list, batch: int, steps: int) -> list
     return _durations(ends)
 
 
-def kiln_run(model_fn, data: list, batch: int, steps: int, strategy: str, **extra) -> tuple[list[tuple[float, float]], object]:
-    cfg = {"max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": LR, "max_grad_norm": 1.0,
-           "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "log": {"history": [], "disable_tqdm": True},
-           "average_tokens_across_devices": False, "strategy": {"name": strategy}, **extra}
+def kiln_run(
+    model_fn, data: list, batch: int, steps: int, strategy: str, **extra
+) -> tuple[list[tuple[float, float]], object]:
+    cfg = {
+        "max_steps": steps,
+        "per_device_train_batch_size": batch,
+        "learning_rate": LR,
+        "max_grad_norm": 1.0,
+        "logging_steps": 50,
+        "save_strategy": "no",
+        "dataloader_drop_last": True,
+        "log": {"history": [], "disable_tqdm": True},
+        "average_tokens_across_devices": False,
+        "strategy": {"name": strategy},
+        **extra,
+    }
     return timed_fit(model_fn(), data, cfg)
 
 
@@ -94,12 +114,18 @@ def overhead(steps: int, repeats: int, dim: int) -> None:
         torch.manual_seed(0)
         kiln_t += kiln_run(model_fn, data, batch, steps, "deepspeed_stage_2")[0]
     if rank0:
-        print(f"world size {dist.get_world_size()}, {torch.get_num_threads()} threads per process, {repeats} interleaved repeats", flush=True)
+        print(
+            f"world size {dist.get_world_size()}, {torch.get_num_threads()} threads per process, {repeats} interleaved repeats",
+            flush=True,
+        )
         for i, clock in ((0, "wall"), (1, "cpu ")):
             r, k = statistics.median(t[i] for t in raw_t), statistics.median(t[i] for t in kiln_t)
             verdict = "OK" if k / r <= TARGET else "OVER TARGET"
-            print(f"ZeRO-2 transformer 2x{dim} {clock} hand-written {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} ms/step"
-                  f"   ratio {k / r:.3f} (target <= {TARGET}) {verdict}", flush=True)
+            print(
+                f"ZeRO-2 transformer 2x{dim} {clock} hand-written {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} ms/step"
+                f"   ratio {k / r:.3f} (target <= {TARGET}) {verdict}",
+                flush=True,
+            )
 
 
 def _resident_mb() -> float:
@@ -110,7 +136,11 @@ def _resident_mb() -> float:
 def memory(strategy: str, steps: int, dim: int) -> None:
     """Peak memory of one kiln run on this rank, printed by every rank."""
     model_fn = lambda: SmallTransformer(dim=dim, layers=4, seq=64)  # noqa: E731
-    extra = {"deepspeed": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}} if strategy == "deepspeed" else {}
+    extra = (
+        {"deepspeed": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}}
+        if strategy == "deepspeed"
+        else {}
+    )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     before = _resident_mb()
@@ -131,15 +161,21 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128, help="width of the transformer in the overhead part")
     parser.add_argument("--mem-dim", type=int, default=512, help="width of the transformer in the memory part")
     parser.add_argument("--parts", default="overhead,ddp,deepspeed", help="comma-separated: overhead, ddp, deepspeed")
-    parser.add_argument("--allocator", choices=["fixed-mmap", "default"], default="fixed-mmap",
-                        help="CPU memory runs: pin glibc's mmap threshold or keep its default")
+    parser.add_argument(
+        "--allocator",
+        choices=["fixed-mmap", "default"],
+        default="fixed-mmap",
+        help="CPU memory runs: pin glibc's mmap threshold or keep its default",
+    )
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")  # kiln reuses this group
+        deepspeed.init_distributed(
+            dist_backend="nccl" if torch.cuda.is_available() else "gloo"
+        )  # kiln reuses this group
         if torch.cuda.is_available():
             torch.cuda.set_device(device())
         if args.part == "overhead":
@@ -148,14 +184,32 @@ def main() -> None:
             memory(args.part, max(3, args.steps // 10), args.mem_dim)
         dist.destroy_process_group()
         return
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc))),
+    }
     for part in args.parts.split(","):  # the memory runs each in a fresh process: peaks do not mix
         part_env = dict(env)
         if part != "overhead" and args.allocator == "fixed-mmap" and not torch.cuda.is_available():
             part_env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
-               "--steps", str(args.steps), "--repeats", str(args.repeats), "--dim", str(args.dim), "--mem-dim", str(args.mem_dim),
-               "--part", part]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.nproc}",
+            __file__,
+            "--steps",
+            str(args.steps),
+            "--repeats",
+            str(args.repeats),
+            "--dim",
+            str(args.dim),
+            "--mem-dim",
+            str(args.mem_dim),
+            "--part",
+            part,
+        ]
         code = subprocess.call(cmd, env=part_env)
         if code:
             sys.exit(code)

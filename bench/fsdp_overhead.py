@@ -34,8 +34,8 @@ import resource
 import statistics
 import subprocess
 import sys
-
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,8 +73,11 @@ def overhead(steps: int, repeats: int) -> None:
         for i, clock in ((0, "wall"), (1, "cpu ")):
             r, k = statistics.median(t[i] for t in raw_t), statistics.median(t[i] for t in kiln_t)
             verdict = "OK" if k / r <= TARGET else "OVER TARGET"
-            print(f"transformer 2x128 FSDP full_shard {clock} hand-written {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} "
-                  f"ms/step   ratio {k / r:.3f} (target <= {TARGET}) {verdict}", flush=True)
+            print(
+                f"transformer 2x128 FSDP full_shard {clock} hand-written {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} "
+                f"ms/step   ratio {k / r:.3f} (target <= {TARGET}) {verdict}",
+                flush=True,
+            )
 
 
 class Wide(nn.Module):
@@ -93,8 +96,13 @@ class Wide(nn.Module):
 def peak_memory(kind: str, dim: int, layers: int) -> None:
     """One kiln run under `kind` (ddp or fsdp); rank 0 prints every rank's peak as JSON."""
     # both strategies' code loaded before the baseline: imports are resident memory too (FSDP's pull in DTensor, DCP)
-    measure_peak(kind, {"name": kind, **({"wrap": ["Linear"]} if kind == "fsdp" else {})}, dim, layers,
-                 ("kiln.strategies.ddp.strategy", "kiln.strategies.fsdp.strategy", "torch.distributed.checkpoint.state_dict"))
+    measure_peak(
+        kind,
+        {"name": kind, **({"wrap": ["Linear"]} if kind == "fsdp" else {})},
+        dim,
+        layers,
+        ("kiln.strategies.ddp.strategy", "kiln.strategies.fsdp.strategy", "torch.distributed.checkpoint.state_dict"),
+    )
 
 
 def measure_peak(kind: str, strategy: dict[str, Any], dim: int, layers: int, preload: tuple[str, ...]) -> None:
@@ -111,16 +119,22 @@ def measure_peak(kind: str, strategy: dict[str, Any], dim: int, layers: int, pre
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     kiln_loop(Wide(dim, layers), data, 2, 4, token_exact=False, strategy=strategy)
-    peak = (torch.cuda.max_memory_allocated() if dev.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - base
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if dev.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ) - base
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, peak)
     if dist.get_rank() == 0:
         print("PEAK " + json.dumps({"kind": kind, "bytes": every}), flush=True)
 
 
-def worker(args: argparse.Namespace, peak: Callable[[str, int, int], None] = peak_memory,
-           timed: Callable[[int, int], None] = overhead) -> None:
+def worker(
+    args: argparse.Namespace,
+    peak: Callable[[str, int, int], None] = peak_memory,
+    timed: Callable[[int, int], None] = overhead,
+) -> None:
     """One rank of a bench job: the peak-memory run that `--memory` names, else the timed rounds."""
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # kiln reuses this group
     if torch.cuda.is_available():
@@ -129,16 +143,33 @@ def worker(args: argparse.Namespace, peak: Callable[[str, int, int], None] = pea
         peak(args.memory, args.mem_dim, args.mem_layers)
     else:
         if dist.get_rank() == 0:
-            print(f"world size {dist.get_world_size()}, backend {dist.get_backend()}, {torch.get_num_threads()} threads "
-                  f"per process, {args.repeats} interleaved repeats of {args.steps} steps", flush=True)
+            print(
+                f"world size {dist.get_world_size()}, backend {dist.get_backend()}, {torch.get_num_threads()} threads "
+                f"per process, {args.repeats} interleaved repeats of {args.steps} steps",
+                flush=True,
+            )
         timed(args.steps, args.repeats)
     dist.destroy_process_group()
 
 
 def _launch(args: argparse.Namespace, *extra: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
-           "--steps", str(args.steps), "--repeats", str(args.repeats), "--mem-dim", str(args.mem_dim),
-           "--mem-layers", str(args.mem_layers), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        __file__,
+        "--steps",
+        str(args.steps),
+        "--repeats",
+        str(args.repeats),
+        "--mem-dim",
+        str(args.mem_dim),
+        "--mem-layers",
+        str(args.mem_layers),
+        *extra,
+    ]
     threads = str(max(1, (os.cpu_count() or 1) // args.nproc))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
     if "--memory" in extra and args.allocator == "fixed-mmap" and not torch.cuda.is_available():
@@ -155,8 +186,12 @@ def main() -> None:
     parser.add_argument("--mem-dim", type=int, default=2048)
     parser.add_argument("--mem-layers", type=int, default=4)
     parser.add_argument("--memory-only", action="store_true", help="skip the per-step comparison")
-    parser.add_argument("--allocator", choices=["fixed-mmap", "default"], default="fixed-mmap",
-                        help="CPU memory runs: pin glibc's mmap threshold (see the docstring) or keep its default")
+    parser.add_argument(
+        "--allocator",
+        choices=["fixed-mmap", "default"],
+        default="fixed-mmap",
+        help="CPU memory runs: pin glibc's mmap threshold (see the docstring) or keep its default",
+    )
     parser.add_argument("--memory", choices=["ddp", "fsdp"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
@@ -170,10 +205,13 @@ def main() -> None:
         peaks[kind] = max(json.loads(line[5:])["bytes"])
     params = args.mem_layers * (args.mem_dim * args.mem_dim + args.mem_dim)
     ratio = peaks["fsdp"] / peaks["ddp"]
-    print(f"peak memory per rank, {params / 1e6:.1f}M parameters + AdamW: DDP {peaks['ddp'] / 2**20:.1f} MiB, "
-          f"FSDP full_shard {peaks['fsdp'] / 2**20:.1f} MiB, ratio {ratio:.2f} (target <= {MEMORY_TARGET}; "
-          f"allocator: {'cuda' if torch.cuda.is_available() else args.allocator}) "
-          f"{'OK' if ratio <= MEMORY_TARGET else 'OVER TARGET'}", flush=True)
+    print(
+        f"peak memory per rank, {params / 1e6:.1f}M parameters + AdamW: DDP {peaks['ddp'] / 2**20:.1f} MiB, "
+        f"FSDP full_shard {peaks['fsdp'] / 2**20:.1f} MiB, ratio {ratio:.2f} (target <= {MEMORY_TARGET}; "
+        f"allocator: {'cuda' if torch.cuda.is_available() else args.allocator}) "
+        f"{'OK' if ratio <= MEMORY_TARGET else 'OVER TARGET'}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -8,24 +8,30 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_worker(script: str, argv: list[str], env: dict[str, str], what: str,
-               timeout: Optional[float] = None) -> dict[str, Any]:
+def run_worker(
+    script: str, argv: list[str], env: dict[str, str], what: str, timeout: float | None = None
+) -> dict[str, Any]:
     """`script argv --launched NOW` in a fresh interpreter; the JSON of the last `RESULT ` line it prints."""
     launched = time.time()
     try:
-        proc = subprocess.run([sys.executable, script, *argv, "--launched", repr(launched)], capture_output=True,
-                              text=True, env=env, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, script, *argv, "--launched", repr(launched)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         raise SystemExit(f"{what} did not finish within {timeout:.0f} s") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def import_time(stmt: str) -> float:

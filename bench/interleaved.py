@@ -27,7 +27,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -44,8 +45,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def hand_written(net: torch.nn.Module, data: Any, batch: int, compile_model: bool,
-                 device: str) -> Callable[[int], float]:
+def hand_written(
+    net: torch.nn.Module, data: Any, batch: int, compile_model: bool, device: str
+) -> Callable[[int], float]:
     """The loop of bench/compiled.py on `net`, runnable in pieces: `run(n)` takes n steps, returns their seconds."""
     cuda = device == "cuda"
     net.to(device)
@@ -117,8 +119,10 @@ def one_run(args: argparse.Namespace) -> list[tuple[float, ...]]:
             self.last = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as out:
-        config = {**kiln_settings(batch, WARMUP + args.chunk * args.chunks, out, device=args.device),
-                  "torch_compile": not args.eager}
+        config = {
+            **kiln_settings(batch, WARMUP + args.chunk * args.chunks, out, device=args.device),
+            "torch_compile": not args.eager,
+        }
         if args.device == "cuda":
             config["precision"] = {"name": "bf16"}
         Trainer(net, config, train_dataset=data, callbacks=[Interleave()]).fit()
@@ -133,10 +137,16 @@ def main() -> None:
     parser.add_argument("--model", default="mlp", choices=("mlp", "lm16"), help="bench/compare.py's workload")
     parser.add_argument("--eager", action="store_true", help="no torch.compile in either")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: both run bf16 autocast")
-    parser.add_argument("--contract", action="store_true",
-                        help="also time bench/contract_loop.py (HF's per-step contract by hand) against the loop (CPU)")
-    parser.add_argument("--grouped-step", action="store_true",
-                        help="kiln steps HF's two param groups one by one (kiln/optim/merged_step.py off)")
+    parser.add_argument(
+        "--contract",
+        action="store_true",
+        help="also time bench/contract_loop.py (HF's per-step contract by hand) against the loop (CPU)",
+    )
+    parser.add_argument(
+        "--grouped-step",
+        action="store_true",
+        help="kiln steps HF's two param groups one by one (kiln/optim/merged_step.py off)",
+    )
     args = parser.parse_args()
     if args.contract and args.device != "cpu":
         parser.error("--contract runs on the CPU only (bench/contract_loop.py has no autocast or device copies)")
@@ -151,16 +161,26 @@ def main() -> None:
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         kiln_us = statistics.median(p[0] for p in pairs) * 1e6
         loop_us = statistics.median(p[1] for p in pairs) * 1e6
-        what = ("eager " if args.eager else "compiled ") + WORKLOADS[args.model].label + f" on {args.device}" + (
-            ", grouped step" if args.grouped_step else "")
-        print(f"run {r + 1}: {what}: "
-              f"kiln {kiln_us:.1f} µs a step, loop {loop_us:.1f} µs; ratio median {statistics.median(ratios):.3f} "
-              f"(quartiles {q1:.3f}–{q3:.3f}, {len(ratios)} chunk pairs of {args.chunk} steps)", flush=True)
+        what = (
+            ("eager " if args.eager else "compiled ")
+            + WORKLOADS[args.model].label
+            + f" on {args.device}"
+            + (", grouped step" if args.grouped_step else "")
+        )
+        print(
+            f"run {r + 1}: {what}: "
+            f"kiln {kiln_us:.1f} µs a step, loop {loop_us:.1f} µs; ratio median {statistics.median(ratios):.3f} "
+            f"(quartiles {q1:.3f}–{q3:.3f}, {len(ratios)} chunk pairs of {args.chunk} steps)",
+            flush=True,
+        )
         if args.contract:
             floor = [p[2] / p[1] for p in pairs]
             c1, _, c3 = statistics.quantiles(floor, n=4)
-            print(f"run {r + 1}: contract loop / loop: median {statistics.median(floor):.3f} (quartiles {c1:.3f}–{c3:.3f}); "
-                  f"kiln / contract loop: median {statistics.median(p[0] / p[2] for p in pairs):.3f}", flush=True)
+            print(
+                f"run {r + 1}: contract loop / loop: median {statistics.median(floor):.3f} (quartiles {c1:.3f}–{c3:.3f}); "
+                f"kiln / contract loop: median {statistics.median(p[0] / p[2] for p in pairs):.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

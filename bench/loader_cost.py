@@ -25,7 +25,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,8 +65,9 @@ def calls(loader: Iterable[Any], epochs: int) -> tuple[float, dict[str, float]]:
     n = read(loader, epochs)
     profiler.disable()
     stats = pstats.Stats(profiler)
-    by_function = {f"{os.path.basename(path)}:{line} {name}": c / n
-                   for (path, line, name), (_, c, _, _, _) in stats.stats.items()}  # type: ignore[attr-defined]
+    by_function = {
+        f"{os.path.basename(path)}:{line} {name}": c / n for (path, line, name), (_, c, _, _, _) in stats.stats.items()
+    }  # type: ignore[attr-defined]
     return stats.total_calls / n, by_function  # type: ignore[attr-defined]
 
 
@@ -91,7 +93,9 @@ def main() -> None:
     parser.add_argument("--model", default="lm16", choices=list(MODELS))
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--fit", action="store_true", help="also count whole steps (kiln with the dataset, with the loader)")
+    parser.add_argument(
+        "--fit", action="store_true", help="also count whole steps (kiln with the dataset, with the loader)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = tempfile.mkdtemp()

@@ -16,7 +16,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,8 +41,13 @@ def logger_costs(name: str, events: int) -> tuple[float, float]:
     from kiln.loggers.build import build_loggers
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config({"output_dir": out, "report_to": [name] if name not in ("csv", "jsonl") else [],
-                           "log": {"history": [name] if name in ("csv", "jsonl") else []}})
+        cfg = load_config(
+            {
+                "output_dir": out,
+                "report_to": [name] if name not in ("csv", "jsonl") else [],
+                "log": {"history": [name] if name in ("csv", "jsonl") else []},
+            }
+        )
         [logger] = build_loggers(cfg)
         logger.log_hyperparams({})
         direct = per_call(lambda i: logger.log_metrics(LOGS, i + 1), events)

@@ -41,7 +41,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.ddp_overhead import TARGET, _durations, device, kiln_loop, lm_data  # noqa: E402
-from bench.fsdp_overhead import measure_peak, worker as run_worker  # noqa: E402
+from bench.fsdp_overhead import measure_peak  # noqa: E402
+from bench.fsdp_overhead import worker as run_worker
 
 BATCH = 8
 
@@ -49,9 +50,16 @@ BATCH = 8
 def llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -60,8 +68,10 @@ def llama_plan(model: nn.Module) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan: dict[str, Any] = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-                            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
     for i in range(len(model.model.layers)):
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
@@ -133,8 +143,11 @@ def overhead(steps: int, repeats: int) -> None:
         for i, clock in ((0, "wall"), (1, "cpu ")):
             r, k = statistics.median(t[i] for t in raw_t), statistics.median(t[i] for t in kiln_t)
             verdict = "OK" if k / r <= TARGET else "OVER TARGET"
-            print(f"llama 2x128 tp 2 {clock} hand-written {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} ms/step   "
-                  f"ratio {k / r:.3f} (target <= {TARGET}) {verdict}", flush=True)
+            print(
+                f"llama 2x128 tp 2 {clock} hand-written {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} ms/step   "
+                f"ratio {k / r:.3f} (target <= {TARGET}) {verdict}",
+                flush=True,
+            )
 
 
 def peak_memory(kind: str, dim: int, layers: int) -> None:
@@ -145,8 +158,18 @@ def peak_memory(kind: str, dim: int, layers: int) -> None:
         strategy: dict[str, Any] = {"name": "model_parallel", "mesh": mesh, "tp_plan": plan}
     else:
         strategy = {"name": "fsdp", "wrap": ["Linear"]}
-    measure_peak(kind, strategy, dim, layers, ("kiln.strategies.model_parallel.strategy", "kiln.strategies.fsdp.strategy",
-                                               "torch.distributed.tensor.parallel", "torch.distributed.checkpoint.state_dict"))
+    measure_peak(
+        kind,
+        strategy,
+        dim,
+        layers,
+        (
+            "kiln.strategies.model_parallel.strategy",
+            "kiln.strategies.fsdp.strategy",
+            "torch.distributed.tensor.parallel",
+            "torch.distributed.checkpoint.state_dict",
+        ),
+    )
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -154,9 +177,23 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, *extra: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
-           "--steps", str(args.steps), "--repeats", str(args.repeats), "--mem-dim", str(args.mem_dim),
-           "--mem-layers", str(args.mem_layers), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        __file__,
+        "--steps",
+        str(args.steps),
+        "--repeats",
+        str(args.repeats),
+        "--mem-dim",
+        str(args.mem_dim),
+        "--mem-layers",
+        str(args.mem_layers),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))}
     if "--memory" in extra and args.allocator == "fixed-mmap" and not torch.cuda.is_available():
         env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -170,9 +207,15 @@ def main() -> None:
     parser.add_argument("--mem-dim", type=int, default=2048)
     parser.add_argument("--mem-layers", type=int, default=4)
     parser.add_argument("--memory-only", action="store_true", help="skip the per-step comparison")
-    parser.add_argument("--allocator", choices=["fixed-mmap", "default"], default="fixed-mmap",
-                        help="CPU memory runs: pin glibc's mmap threshold (see bench/fsdp_overhead.py) or keep its default")
-    parser.add_argument("--nproc", type=int, choices=[2, 4], default=2, help="4: the memory pair tp 2 x dp_shard 2 vs FSDP dp 4")
+    parser.add_argument(
+        "--allocator",
+        choices=["fixed-mmap", "default"],
+        default="fixed-mmap",
+        help="CPU memory runs: pin glibc's mmap threshold (see bench/fsdp_overhead.py) or keep its default",
+    )
+    parser.add_argument(
+        "--nproc", type=int, choices=[2, 4], default=2, help="4: the memory pair tp 2 x dp_shard 2 vs FSDP dp 4"
+    )
     parser.add_argument("--memory", choices=["tp2", "tp2dp2", "fsdp"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
@@ -191,9 +234,12 @@ def main() -> None:
     shown = {k: " / ".join(f"{b / 2**20:.1f}" for b in v) for k, v in peaks.items()}
     ranks = " / ".join(f"rank {r}" for r in range(args.nproc))
     tp_label = "tp 2" if args.nproc == 2 else "tp 2 x dp_shard 2"
-    print(f"peak memory per rank ({ranks}), {params / 1e6:.1f}M parameters + AdamW: {tp_label} {shown[tp_kind]} MiB, "
-          f"FSDP dp {args.nproc} {shown['fsdp']} MiB, ratio of the maxima {max(peaks[tp_kind]) / max(peaks['fsdp']):.2f} "
-          f"(allocator: {'cuda' if torch.cuda.is_available() else args.allocator})", flush=True)
+    print(
+        f"peak memory per rank ({ranks}), {params / 1e6:.1f}M parameters + AdamW: {tp_label} {shown[tp_kind]} MiB, "
+        f"FSDP dp {args.nproc} {shown['fsdp']} MiB, ratio of the maxima {max(peaks[tp_kind]) / max(peaks['fsdp']):.2f} "
+        f"(allocator: {'cuda' if torch.cuda.is_available() else args.allocator})",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ from torch import nn
 class MLP(nn.Module):
     def __init__(self, d_in: int = 32, hidden: int = 64, classes: int = 10) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        self.net = nn.Sequential(
+            nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes)
+        )
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"loss": F.cross_entropy(self.net(x), labels)}

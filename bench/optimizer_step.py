@@ -54,8 +54,15 @@ def step_alone(settings: dict[str, Any], steps: int) -> float:
     m = model()
     opt = build_optimizer(m, {"name": settings["optim"], "lr": 1e-3, "weight_decay": 0.01})
     if settings.get("train", {}).get("torch_compile_optimizer_step"):
-        compile_optimizer_step(opt, None, type("T", (), {"torch_compile_optimizer_step": True, "torch_compile_backend": None,
-                                                         "torch_compile_mode": None})())
+        compile_optimizer_step(
+            opt,
+            None,
+            type(
+                "T",
+                (),
+                {"torch_compile_optimizer_step": True, "torch_compile_backend": None, "torch_compile_mode": None},
+            )(),
+        )
     g = torch.Generator().manual_seed(1)
     for p in m.parameters():
         p.grad = torch.randn(p.shape, generator=g) * 1e-2
@@ -79,14 +86,23 @@ class _Clock(Callback):
 def kiln_step(settings: dict[str, Any], steps: int) -> float:
     """Median seconds of kiln's training step over `steps`, after the warm-up."""
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": (ids := torch.randint(0, VOCAB, (SEQ,), generator=g)), "labels": ids.roll(-1)}
-            for _ in range((WARMUP + steps + 1) * BATCH)]
+    data = [
+        {"input_ids": (ids := torch.randint(0, VOCAB, (SEQ,), generator=g)), "labels": ids.roll(-1)}
+        for _ in range((WARMUP + steps + 1) * BATCH)
+    ]
     clock = _Clock()
     with tempfile.TemporaryDirectory() as out:
-        cfg = {"output_dir": out, "max_steps": WARMUP + steps + 1, "per_device_train_batch_size": BATCH,
-               "learning_rate": 1e-3, "max_grad_norm": 1.0, "save": {"strategy": "no"},
-               "log": {"disable_tqdm": True, "level": "error", "history": []}, "strategy": {"device": "cpu"},
-               **settings}
+        cfg = {
+            "output_dir": out,
+            "max_steps": WARMUP + steps + 1,
+            "per_device_train_batch_size": BATCH,
+            "learning_rate": 1e-3,
+            "max_grad_norm": 1.0,
+            "save": {"strategy": "no"},
+            "log": {"disable_tqdm": True, "level": "error", "history": []},
+            "strategy": {"device": "cpu"},
+            **settings,
+        }
         Trainer(model(), cfg, train_dataset=data, callbacks=[clock]).fit()
     gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])][WARMUP:]
     return statistics.median(gaps)
@@ -107,11 +123,19 @@ def main() -> None:
             results[name]["alone"].append(step_alone(VARIANTS[name], args.steps * 3))
             torch._dynamo.reset()
             results[name]["kiln"].append(kiln_step(VARIANTS[name], args.steps))
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{name}: {results[name]['alone'][-1] * 1e3:.3f} / {results[name]['kiln'][-1] * 1e3:.1f} ms" for name in VARIANTS),
-            file=sys.stderr, flush=True)
+        print(
+            f"round {r + 1}/{args.rounds}: "
+            + ", ".join(
+                f"{name}: {results[name]['alone'][-1] * 1e3:.3f} / {results[name]['kiln'][-1] * 1e3:.1f} ms"
+                for name in VARIANTS
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     base = {k: statistics.median(results["adamw_torch"][k]) for k in ("alone", "kiln")}
-    print(f"{'variant':30} {'optimizer.step() ms':>24} {'x adamw_torch':>14} {'kiln step ms':>22} {'x adamw_torch':>14}")
+    print(
+        f"{'variant':30} {'optimizer.step() ms':>24} {'x adamw_torch':>14} {'kiln step ms':>22} {'x adamw_torch':>14}"
+    )
     for name, res in results.items():
         cells = []
         for key in ("alone", "kiln"):

@@ -79,8 +79,16 @@ def kiln_loop(model: nn.Module, data: list, batch: int, steps: int) -> float:
                 marks["end"] = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": 1e-4,
-               "logging_steps": 50, "save_strategy": "no", "dataloader_drop_last": True, "strategy": {"device": "cpu"}}
+        cfg = {
+            "output_dir": out,
+            "max_steps": steps,
+            "per_device_train_batch_size": batch,
+            "learning_rate": 1e-4,
+            "logging_steps": 50,
+            "save_strategy": "no",
+            "dataloader_drop_last": True,
+            "strategy": {"device": "cpu"},
+        }
         Trainer(model, cfg, train_dataset=data, callbacks=[Clock()]).fit()
     return (marks["end"] - marks["start"]) / (steps - WARMUP)
 
@@ -89,8 +97,12 @@ def import_cost() -> tuple[float, float]:
     def best(stmt: str) -> float:
         times = []
         for _ in range(5):
-            out = subprocess.run([sys.executable, "-c", f"import time;t=time.perf_counter();{stmt};print(time.perf_counter()-t)"],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", f"import time;t=time.perf_counter();{stmt};print(time.perf_counter()-t)"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             times.append(float(out.stdout.strip().splitlines()[-1]))
         return min(times)
 
@@ -113,7 +125,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    cases = [("tiny MLP", MLP, mlp_data(), 64, args.steps, 1.10), ("small transformer", SmallTransformer, lm_data(), 8, max(40, args.steps // 6), 1.02)]
+    cases = [
+        ("tiny MLP", MLP, mlp_data(), 64, args.steps, 1.10),
+        ("small transformer", SmallTransformer, lm_data(), 8, max(40, args.steps // 6), 1.02),
+    ]
     for name, model_fn, data, batch, steps, target in cases:
         raw_t, kiln_t = [], []
         for _ in range(args.repeats):
@@ -124,7 +139,9 @@ def main() -> None:
         r, k = statistics.median(raw_t), statistics.median(kiln_t)
         ratio = k / r
         verdict = "OK" if ratio <= target else "OVER TARGET"
-        print(f"{name:18s} raw {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} ms/step   ratio {ratio:.3f} (target <= {target}) {verdict}")
+        print(
+            f"{name:18s} raw {r * 1e3:8.3f} ms/step   kiln {k * 1e3:8.3f} ms/step   ratio {ratio:.3f} (target <= {target}) {verdict}"
+        )
         raw_s, kiln_s = startup_cost(model_fn, data, batch)
         print(f"{'':18s} start-up to step {WARMUP + 1}: raw {raw_s:.2f} s, kiln {kiln_s:.2f} s")
     torch_s, kiln_s = import_cost()

@@ -64,9 +64,18 @@ class Regressor(TrainingModule):
 
 
 def config(out: str, max_steps: int, save: bool) -> dict:
-    return {"output_dir": out, "max_steps": max_steps, "per_device_train_batch_size": BATCH, "logging_steps": 10**9,
-            "save_strategy": "steps" if save else "no", "save_steps": 10, "lr_scheduler_type": "constant",
-            "report_to": "none", "disable_tqdm": True, "log": {"history": [], "level": "error"}}
+    return {
+        "output_dir": out,
+        "max_steps": max_steps,
+        "per_device_train_batch_size": BATCH,
+        "logging_steps": 10**9,
+        "save_strategy": "steps" if save else "no",
+        "save_steps": 10,
+        "lr_scheduler_type": "constant",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "log": {"history": [], "level": "error"},
+    }
 
 
 def move_position(src: str, dst: str, step: int) -> None:

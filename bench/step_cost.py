@@ -34,14 +34,16 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from bench.compare import HAND_HF_GROUPS, MODELS, RUNNERS as ALL_RUNNERS, WARMUP, Clock  # noqa: E402
+from bench.compare import HAND_HF_GROUPS, MODELS, WARMUP, Clock  # noqa: E402
+from bench.compare import RUNNERS as ALL_RUNNERS
 
 #: kiln against the loop, and against the loop with HF's (and kiln's) two param groups: the optimizer work kiln's is
 RUNNERS: dict[str, Callable[..., None]] = {name: ALL_RUNNERS[name] for name in ("hand-written", HAND_HF_GROUPS, "kiln")}
@@ -61,7 +63,7 @@ class Meter(Clock):
     """compare.py's Clock, plus the training thread's CPU time, and optionally an operator count or a
     profile, over the timed steps only."""
 
-    def __init__(self, steps: int, counter: Optional[OpCounter] = None, profiler: Optional[cProfile.Profile] = None) -> None:
+    def __init__(self, steps: int, counter: OpCounter | None = None, profiler: cProfile.Profile | None = None) -> None:
         super().__init__(time.time(), steps)
         self.counter, self.profiler = counter, profiler
         self.cpu_start = self.cpu_end = 0.0
@@ -115,7 +117,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="also list kiln's functions by own CPU time per step")
-    parser.add_argument("--counts", action="store_true", help="only count aten ops and Python calls per step (no timing)")
+    parser.add_argument(
+        "--counts", action="store_true", help="only count aten ops and Python calls per step (no timing)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -146,19 +150,25 @@ def main() -> None:
             wall[framework].append((clock.end - clock.start) / clock.timed * 1e6)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
-    print(f"{MODELS[args.model][0]}, {args.steps} steps per run, {args.rounds} rounds; medians (min–max); one CPU thread\n")
+    print(
+        f"{MODELS[args.model][0]}, {args.steps} steps per run, {args.rounds} rounds; medians (min–max); one CPU thread\n"
+    )
     print("| | aten ops / step | Python calls / step | CPU µs / step (training thread) | wall µs / step |")
     print("|---|---|---|---|---|")
     for framework in RUNNERS:
         counted, timed = ops[framework]
-        print(f"| {framework} | {sum(counted.values()) / timed:.2f} | {calls[framework]:.1f} | "
-              f"{spread(cpu[framework], '.1f')} | {spread(wall[framework], '.1f')} |")
+        print(
+            f"| {framework} | {sum(counted.values()) / timed:.2f} | {calls[framework]:.1f} | "
+            f"{spread(cpu[framework], '.1f')} | {spread(wall[framework], '.1f')} |"
+        )
     for base in ("hand-written", HAND_HF_GROUPS):
         extra_cpu = [k - h for k, h in zip(cpu["kiln"], cpu[base])]
         extra_wall = [k / h for k, h in zip(wall["kiln"], wall[base])]
         (k_ops, k_n), (h_ops, h_n) = ops["kiln"], ops[base]
-        print(f"\nkiln over {base}: {sum(k_ops.values()) / k_n - sum(h_ops.values()) / h_n:+.2f} aten ops / step, "
-              f"{spread(extra_cpu, '+.1f')} CPU µs / step, wall ratio {spread(extra_wall, '.3f')} (paired by round)")
+        print(
+            f"\nkiln over {base}: {sum(k_ops.values()) / k_n - sum(h_ops.values()) / h_n:+.2f} aten ops / step, "
+            f"{spread(extra_cpu, '+.1f')} CPU µs / step, wall ratio {spread(extra_wall, '.3f')} (paired by round)"
+        )
         extra = {name: k_ops[name] / k_n - h_ops.get(name, 0) / h_n for name in k_ops}
         shown = sorted(((v, n) for n, v in extra.items() if abs(v) >= 0.005), reverse=True)
         if shown:
@@ -168,9 +178,11 @@ def main() -> None:
         profiler = cProfile.Profile()
         clock = run("kiln", args.model, args.steps, profiler=profiler)
         stats = pstats.Stats(profiler)
-        rows = [(tt / clock.timed * 1e6, calls / clock.timed, f"{os.path.relpath(path)}:{line} {name}")
-                for (path, line, name), (_, calls, tt, _, _) in stats.stats.items()  # type: ignore[attr-defined]
-                if f"{os.sep}kiln{os.sep}" in path]
+        rows = [
+            (tt / clock.timed * 1e6, calls / clock.timed, f"{os.path.relpath(path)}:{line} {name}")
+            for (path, line, name), (_, calls, tt, _, _) in stats.stats.items()  # type: ignore[attr-defined]
+            if f"{os.sep}kiln{os.sep}" in path
+        ]
         print("\nkiln functions by own CPU time (profiled, so inflated), µs / step and calls / step:")
         for us, calls, where in sorted(rows, reverse=True)[:25]:
             print(f"  {us:7.1f} µs  {calls:5.2f}  {where}")

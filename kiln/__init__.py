@@ -37,18 +37,18 @@ if TYPE_CHECKING:
     from kiln.config.load import ConfigError, load_config
     from kiln.config.schema import TrainingConfig
     from kiln.engine.callbacks.base import Callback
-    from kiln.engine.data.loaders import default_data_collator
     from kiln.engine.callbacks.early_stopping import EarlyStoppingCallback
-    from kiln.utils.errors import CheckpointError, KilnError
+    from kiln.engine.callbacks.state import TrainerControl, TrainerState
+    from kiln.engine.data.loaders import default_data_collator
+    from kiln.engine.evaluation.outputs import EvalPrediction, PredictionOutput
     from kiln.engine.loop.fit import TrainOutput
     from kiln.engine.model.module import TrainingModule
-    from kiln.engine.evaluation.outputs import EvalPrediction, PredictionOutput
     from kiln.engine.seed import set_seed
-    from kiln.engine.callbacks.state import TrainerControl, TrainerState
     from kiln.engine.trainer import Trainer
     from kiln.loggers.base import Logger
     from kiln.precision.base import Precision
     from kiln.strategies.base import Strategy
+    from kiln.utils.errors import CheckpointError, KilnError
 
 
 def __getattr__(name: str) -> Any:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kiln.task_import import TaskError
 
@@ -45,8 +46,17 @@ examples:
 
 
 #: what a `task.data` function may return (docs/training-module.md); the Trainer keywords go to the Trainer
-DATA_KEYS = ("train_dataset", "eval_dataset", "test_dataset", "data_collator", "compute_metrics",
-             "preprocess_logits_for_metrics", "callbacks", "processing_class", "model_args")
+DATA_KEYS = (
+    "train_dataset",
+    "eval_dataset",
+    "test_dataset",
+    "data_collator",
+    "compute_metrics",
+    "preprocess_logits_for_metrics",
+    "callbacks",
+    "processing_class",
+    "model_args",
+)
 
 
 def _check_data(data: Any, path: str) -> None:
@@ -60,8 +70,10 @@ def _check_data(data: Any, path: str) -> None:
     if unknown:
         close = difflib.get_close_matches(str(unknown[0]), DATA_KEYS, n=1, cutoff=0.5)  # collate_fn: data_collator
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise TaskError(f"task.data ({path}) returned {unknown[0]!r}, which kiln does not read; it reads "
-                        f"{', '.join(DATA_KEYS)} (docs/training-module.md).{hint}")
+        raise TaskError(
+            f"task.data ({path}) returned {unknown[0]!r}, which kiln does not read; it reads "
+            f"{', '.join(DATA_KEYS)} (docs/training-module.md).{hint}"
+        )
 
 
 def _build(cfg: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
@@ -83,13 +95,16 @@ def _build(cfg: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
     _check_data(data, cfg.task.data)
     kwargs = {**model_args, **data.get("model_args", {})}
     check_kwargs(model_fn, kwargs, f"task.model_args (with the model_args {cfg.task.data} returned)", cfg.task.model)
+
     def build_model() -> Any:
         import torch
 
         model = model_fn(**kwargs)
         if not isinstance(model, torch.nn.Module):
-            raise TaskError(f"task.model ({cfg.task.model}) returned a {type(model).__name__}, not a torch.nn.Module: "
-                            "return the model (a kiln TrainingModule, or a Transformers-style model that returns its loss).")
+            raise TaskError(
+                f"task.model ({cfg.task.model}) returned a {type(model).__name__}, not a torch.nn.Module: "
+                "return the model (a kiln TrainingModule, or a Transformers-style model that returns its loss)."
+            )
         return model
 
     return build_model, data
@@ -100,19 +115,33 @@ def _trainer(cfg: Any) -> tuple[Any, dict[str, Any]]:
 
     model_init, data = _build(cfg)
     trainer = Trainer(
-        None, cfg, model_init=model_init, train_dataset=data.get("train_dataset"), eval_dataset=data.get("eval_dataset"),
-        data_collator=data.get("data_collator"), compute_metrics=data.get("compute_metrics"), callbacks=data.get("callbacks"),
-        preprocess_logits_for_metrics=data.get("preprocess_logits_for_metrics"), processing_class=data.get("processing_class"),
+        None,
+        cfg,
+        model_init=model_init,
+        train_dataset=data.get("train_dataset"),
+        eval_dataset=data.get("eval_dataset"),
+        data_collator=data.get("data_collator"),
+        compute_metrics=data.get("compute_metrics"),
+        callbacks=data.get("callbacks"),
+        preprocess_logits_for_metrics=data.get("preprocess_logits_for_metrics"),
+        processing_class=data.get("processing_class"),
     )
     return trainer, data
 
 
-def _run(command: str, config: str, overrides: list[str], weights: Optional[str] = None, random_weights: bool = False,
-         launcher: Optional[list[Any]] = None, show_traceback: bool = False) -> int:
+def _run(
+    command: str,
+    config: str,
+    overrides: list[str],
+    weights: str | None = None,
+    random_weights: bool = False,
+    launcher: list[Any] | None = None,
+    show_traceback: bool = False,
+) -> int:
     from kiln.config import ConfigError
     from kiln.launch.environment import detect
-    from kiln.registry import UnknownNameError
     from kiln.launch.settings import load_with_launcher_settings
+    from kiln.registry import UnknownNameError
     from kiln.utils.errors import KilnError
 
     try:
@@ -172,11 +201,21 @@ def error_line(err: BaseException) -> str:
     frames = traceback.extract_tb(err.__traceback__)
     first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
     kiln_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    if isinstance(err, (TypeError, ValueError)) and frames and first and os.path.abspath(frames[-1].filename).startswith(kiln_dir):
+    if (
+        isinstance(err, (TypeError, ValueError))
+        and frames
+        and first
+        and os.path.abspath(frames[-1].filename).startswith(kiln_dir)
+    ):
         return first  # raised by kiln with its own sentence
-    libraries = tuple(os.path.abspath(p) + os.sep for p in {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
-    user = [f for f in frames if not f.filename.startswith("<")
-            and not os.path.abspath(f.filename).startswith((kiln_dir, *libraries))]
+    libraries = tuple(
+        os.path.abspath(p) + os.sep for p in {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+    )
+    user = [
+        f
+        for f in frames
+        if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith((kiln_dir, *libraries))
+    ]
     where = f" (in {user[-1].name}, {user[-1].filename}:{user[-1].lineno})" if user else ""
     what = f"{type(err).__name__}: {first}" if first else type(err).__name__
     return f"{what}{where}; rerun with --traceback for the full traceback."
@@ -218,7 +257,7 @@ def _fit(trainer: Any, data: dict[str, Any]) -> None:
         print(f"kiln: done; the run's files are in {where}", flush=True)
 
 
-def _pick_weights(cfg: Any, weights: Optional[str], random_weights: bool) -> Any:
+def _pick_weights(cfg: Any, weights: str | None, random_weights: bool) -> Any:
     """The weights evaluate/predict score: --weights, resume_from_checkpoint=PATH, or the run's own;
     None only with --random-weights. Chosen before the model and data are built."""
     from kiln.engine.checkpoint.signing import signing_key
@@ -240,8 +279,10 @@ def _pick_weights(cfg: Any, weights: Optional[str], random_weights: bool) -> Any
         import os
 
         where = "" if os.path.isabs(cfg.output_dir) else f" (in {os.getcwd()})"
-        raise KilnError(f"output_dir {cfg.output_dir!r}{where} holds no checkpoint or exported model to score; pass --weights PATH "
-                        "(a checkpoint-<step> folder or a save_model folder), or --random-weights for the untrained model.")
+        raise KilnError(
+            f"output_dir {cfg.output_dir!r}{where} holds no checkpoint or exported model to score; pass --weights PATH "
+            "(a checkpoint-<step> folder or a save_model folder), or --random-weights for the untrained model."
+        )
     return found
 
 
@@ -259,8 +300,12 @@ def _score(command: str, trainer: Any, data: dict[str, Any], weights: Any) -> No
     zero = trainer.is_world_process_zero()
     if zero:
         verb = "evaluating" if command == "evaluate" else "predicting with"
-        print(f"kiln: {verb} the {weights.describe()}" if weights is not None else
-              f"kiln: {verb} the untrained model (--random-weights); results go to {where}", flush=True)
+        print(
+            f"kiln: {verb} the {weights.describe()}"
+            if weights is not None
+            else f"kiln: {verb} the untrained model (--random-weights); results go to {where}",
+            flush=True,
+        )
     if command == "evaluate":
         metrics = trainer.evaluate()
         trainer.log_metrics("eval", metrics)
@@ -289,18 +334,23 @@ def _help(command: str) -> str:
     from kiln.config.docs import config_help
 
     scoring = command in ("evaluate", "predict")
-    lines = [f"usage: kiln {command} CONFIG.yaml [--nproc N [--max-restarts K]] [--accelerate-config FILE]"
-             f"{' [--weights PATH | --random-weights]' if scoring else ''} [key=value ...]", "",
-             "options:",
-             "  --nproc N                  start N local processes (data parallel)",
-             "  --max-restarts K           with --nproc: restart them up to K times when one fails (with --ray: Ray's max_failures)",
-             "  --ray N                    fit in N Ray Train workers (config launcher.* for resources and address)",
-             "  --accelerate-config FILE   honour an `accelerate config` YAML",
-             "  --traceback                show the full traceback of an error, not one line"]
+    lines = [
+        f"usage: kiln {command} CONFIG.yaml [--nproc N [--max-restarts K]] [--accelerate-config FILE]"
+        f"{' [--weights PATH | --random-weights]' if scoring else ''} [key=value ...]",
+        "",
+        "options:",
+        "  --nproc N                  start N local processes (data parallel)",
+        "  --max-restarts K           with --nproc: restart them up to K times when one fails (with --ray: Ray's max_failures)",
+        "  --ray N                    fit in N Ray Train workers (config launcher.* for resources and address)",
+        "  --accelerate-config FILE   honour an `accelerate config` YAML",
+        "  --traceback                show the full traceback of an error, not one line",
+    ]
     if scoring:
-        lines += ["  --weights PATH             a checkpoint-<step> folder or a save_model folder (default: the run's best",
-                  "                             checkpoint, else its exported model, else its newest checkpoint)",
-                  "  --random-weights           score the untrained model"]
+        lines += [
+            "  --weights PATH             a checkpoint-<step> folder or a save_model folder (default: the run's best",
+            "                             checkpoint, else its exported model, else its newest checkpoint)",
+            "  --random-weights           score the untrained model",
+        ]
     lines += ["", "config keys (in the YAML, or key=value on the command line):", "", config_help()]
     return "\n".join(lines)
 
@@ -324,7 +374,7 @@ def _convert(rest: list[str]) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:  # a usage error, as for any command-line tool: help on stderr, exit 2
         print(USAGE, file=sys.stderr)
@@ -378,8 +428,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command == "fit" or ns.ray is not None:  # `--ray N` or `launcher.name: ray`: the run goes to Ray Train's workers
         from kiln.launch.ray import fit_with_ray
 
-        code = fit_with_ray(command, ns.config, overrides, ns.ray, ns.nproc != 1 or bool(ns.accelerate_config), ns.max_restarts,
-                            train_loop=train_loop_per_worker)
+        code = fit_with_ray(
+            command,
+            ns.config,
+            overrides,
+            ns.ray,
+            ns.nproc != 1 or bool(ns.accelerate_config),
+            ns.max_restarts,
+            train_loop=train_loop_per_worker,
+        )
         if code is not None:
             return code
     # --nproc 0 / -1 reach launch_local, which refuses them; --max-restarts alone restarts one process
@@ -394,8 +451,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 num, settings, devices = accelerate_config_settings(ns.accelerate_config)
                 nproc = num if ns.nproc == 1 else nproc
                 flags.append(f"--launcher-settings={settings_to_json(settings)}")
-            return launch_local(nproc, ["-m", "kiln.cli", command, ns.config, *flags, *overrides], extra_env=devices,
-                                max_restarts=ns.max_restarts)
+            return launch_local(
+                nproc,
+                ["-m", "kiln.cli", command, ns.config, *flags, *overrides],
+                extra_env=devices,
+                max_restarts=ns.max_restarts,
+            )
         except ValueError as err:  # a launch setting that cannot work (the workers' errors are reported, not raised)
             print(f"kiln: error: {err}", file=sys.stderr)
             return 2

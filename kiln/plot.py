@@ -15,7 +15,7 @@ import math
 import os
 import re
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from kiln.loggers.base import MissingPackageError, require
 
@@ -27,7 +27,7 @@ DEFAULT_METRICS = ("loss", "eval_loss", "learning_rate")
 _SKIP = re.compile(r"^(step|epoch|total_flos|num_input_tokens_seen)$|_runtime$|_per_second$|_mem_|^before_init_")
 
 
-def _number(value: object) -> Optional[float]:
+def _number(value: object) -> float | None:
     if isinstance(value, bool):
         return None
     try:
@@ -82,7 +82,7 @@ def _labels(runs: Sequence[str]) -> list[str]:
     return [n if names.count(n) == 1 else os.path.normpath(r) for n, r in zip(names, runs)]
 
 
-def _pick_metrics(histories: Sequence[History], metrics: Optional[Sequence[str]]) -> list[str]:
+def _pick_metrics(histories: Sequence[History], metrics: Sequence[str] | None) -> list[str]:
     present: dict[str, None] = {}
     for history in histories:
         for _, values in history:
@@ -97,7 +97,7 @@ def _pick_metrics(histories: Sequence[History], metrics: Optional[Sequence[str]]
     return defaults or [m for m in present if not _SKIP.search(m)][:12]
 
 
-def plot_runs(run_dirs: list[str], metrics: Optional[list[str]] = None, out: str = "curves.png") -> str:
+def plot_runs(run_dirs: list[str], metrics: list[str] | None = None, out: str = "curves.png") -> str:
     """Render `metrics` (default: loss, eval_loss, learning_rate where logged) of every run to `out`;
     returns the path written."""
     if not run_dirs:
@@ -118,21 +118,23 @@ def plot_runs(run_dirs: list[str], metrics: Optional[list[str]] = None, out: str
             points = [(step, values[metric]) for step, values in history if metric in values]
             if points:  # one colour per run across every subplot
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, label=label, color=f"C{i % 10}", marker="o" if len(points) <= 20 else None, markersize=3)
+                ax.plot(
+                    xs, ys, label=label, color=f"C{i % 10}", marker="o" if len(points) <= 20 else None, markersize=3
+                )
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
         if metric == "learning_rate":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         ax.legend(fontsize="small")
-    for ax in axes[len(names):]:
+    for ax in axes[len(names) :]:
         ax.set_visible(False)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`kiln plot`: prints the PNG's path; a missing history or metric is one line on stderr, exit 2."""
     parser = argparse.ArgumentParser(prog="kiln plot", description="Plot training curves of one or more runs.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output_dir of a run (or its metrics file)")

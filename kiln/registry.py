@@ -5,12 +5,13 @@ file is caught before any work starts."""
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 #: config key -> the registry a plug-in floor published for it (see `publish`)
-_PUBLISHED: dict[str, "Registry[Any]"] = {}
+_PUBLISHED: dict[str, Registry[Any]] = {}
 
 
 class UnknownNameError(ValueError):
@@ -68,8 +69,7 @@ class Registry(Generic[T]):
             close = difflib.get_close_matches(str(name).lower(), self.names(), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise UnknownNameError(
-                f"Unknown {self.kind} {name!r} in `{self.config_key}`.{hint} "
-                f"Valid names: {', '.join(self.names())}."
+                f"Unknown {self.kind} {name!r} in `{self.config_key}`.{hint} Valid names: {', '.join(self.names())}."
             )
 
     def get(self, name: str) -> T:

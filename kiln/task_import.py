@@ -9,7 +9,8 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 class TaskError(Exception):
@@ -34,9 +35,11 @@ def import_callable(path: str, key: str) -> Callable[..., Any]:
             raise TaskError(
                 f"cannot import {key}={path!r}: no module {missing!r} on the import path (working directory "
                 f"{os.getcwd()}, PYTHONPATH {pythonpath}); run kiln from the folder that holds "
-                f"'{missing.split('.')[0]}', or add that folder to PYTHONPATH.") from None
-        raise TaskError(f"cannot import {key}={path!r}: importing {module_name} needs {missing!r}, which is not "
-                        f"installed ({err}).") from None
+                f"'{missing.split('.')[0]}', or add that folder to PYTHONPATH."
+            ) from None
+        raise TaskError(
+            f"cannot import {key}={path!r}: importing {module_name} needs {missing!r}, which is not installed ({err})."
+        ) from None
     except ImportError as err:
         raise TaskError(f"cannot import {key}={path!r}: {err}.") from None
     if not hasattr(module, attr):
@@ -55,11 +58,16 @@ def check_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], key: str, pa
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    names = [name for name, p in params.items()
-             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    names = [
+        name
+        for name, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
     unknown = [name for name in kwargs if name not in names]
     if unknown:
         close = difflib.get_close_matches(unknown[0], names, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise TaskError(f"{key} has {', '.join(map(repr, unknown))}, which {path} does not take; its parameters are "
-                        f"{', '.join(names) or '(none)'}.{hint}")
+        raise TaskError(
+            f"{key} has {', '.join(map(repr, unknown))}, which {path} does not take; its parameters are "
+            f"{', '.join(names) or '(none)'}.{hint}"
+        )

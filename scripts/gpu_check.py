@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "char_lm", "config.yaml")
@@ -55,9 +54,16 @@ RESUMED = ("bf16", "model_parallel-bf16")
 
 
 def common(steps: int, out: str) -> list[str]:
-    return [f"output_dir={out}", f"train.max_steps={steps}", "log.steps=10", "save.strategy=steps",
-            f"save.steps={steps // 2}", "task.data_args.max_chars=400000", "task.data_args.sample_chars=40",
-            "scheduler.warmup_steps=10"]
+    return [
+        f"output_dir={out}",
+        f"train.max_steps={steps}",
+        "log.steps=10",
+        "save.strategy=steps",
+        f"save.steps={steps // 2}",
+        "task.data_args.max_chars=400000",
+        "task.data_args.sample_chars=40",
+        "scheduler.warmup_steps=10",
+    ]
 
 
 def fit(name: str, overrides: list[str], out: str, timeout: float, fresh: bool = True) -> dict:
@@ -96,7 +102,7 @@ def history(out: str) -> dict:
     return found
 
 
-def final_weights(out: str, steps: int) -> Optional[dict]:
+def final_weights(out: str, steps: int) -> dict | None:
     """The last checkpoint's weights, or the run's final export where its checkpoints are DCP shards."""
     from safetensors.torch import load_file
 
@@ -110,11 +116,25 @@ def resume_row(name: str, base: str, steps: int, timeout: float) -> dict:
     """Row `name` again from its half-way checkpoint, compared with the uninterrupted run."""
     out = base + "-resume"
     shutil.rmtree(out, ignore_errors=True)
-    finished = {f"checkpoint-{steps}", "runs", "console.log", "model.safetensors", "kiln_model.json", "trainer_state.json",
-                "all_results.json", "train_results.json", "eval_results.json"}  # the end of the run, not the checkpoint's
+    finished = {
+        f"checkpoint-{steps}",
+        "runs",
+        "console.log",
+        "model.safetensors",
+        "kiln_model.json",
+        "trainer_state.json",
+        "all_results.json",
+        "train_results.json",
+        "eval_results.json",
+    }  # the end of the run, not the checkpoint's
     shutil.copytree(base, out, ignore=lambda folder, names: [n for n in names if folder == base and n in finished])
-    row = fit(f"resume {name}", [*ROWS[name], f"resume_from_checkpoint={out}/checkpoint-{steps // 2}",
-                                 *common(steps, out)], out, timeout, fresh=False)
+    row = fit(
+        f"resume {name}",
+        [*ROWS[name], f"resume_from_checkpoint={out}/checkpoint-{steps // 2}", *common(steps, out)],
+        out,
+        timeout,
+        fresh=False,
+    )
     a, b = final_weights(base, steps), final_weights(out, steps)
     if a is None or b is None:
         row["max_abs_diff"] = "missing checkpoint"
@@ -134,12 +154,17 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    print(f"torch {torch.__version__}, cuda {torch.version.cuda}, "
-          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO GPU'}", flush=True)
+    print(
+        f"torch {torch.__version__}, cuda {torch.version.cuda}, "
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO GPU'}",
+        flush=True,
+    )
     jobs = {name: os.path.join(args.out, name) for name in args.rows}
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        futures = {name: pool.submit(fit, name, [*ROWS[name], *common(args.steps, out)], out, args.timeout)
-                   for name, out in jobs.items()}
+        futures = {
+            name: pool.submit(fit, name, [*ROWS[name], *common(args.steps, out)], out, args.timeout)
+            for name, out in jobs.items()
+        }
         rows = [futures[name].result() for name in jobs]
     for name in RESUMED:
         if name in jobs and rows[list(jobs).index(name)]["rc"] == 0:
@@ -149,8 +174,10 @@ def main() -> None:
     for r in rows:
         delta = f"{r['loss'] - ref:+.4f}" if ref is not None and "loss" in r else ""
         loss = f"{r['loss']:.4f}" if "loss" in r else ""
-        print(f"| {r['row']} | {r['rc']} | {r.get('step', '')} | {loss} | {delta} | {r['wall_s']} | "
-              f"{r.get('max_abs_diff', '')} |")
+        print(
+            f"| {r['row']} | {r['rc']} | {r.get('step', '')} | {loss} | {delta} | {r['wall_s']} | "
+            f"{r.get('max_abs_diff', '')} |"
+        )
     for r in rows:
         if r["rc"] != 0:
             print(f"\n--- {r['row']} (exit {r['rc']}) ---\n{r['tail']}")

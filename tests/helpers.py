@@ -16,7 +16,9 @@ class TinyRegressor(TrainingModule):
 
     def __init__(self, d_in: int = 8, hidden: int = 16, dropout: float = 0.0) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(
+            nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 1)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x).squeeze(-1)
@@ -63,8 +65,12 @@ def padded_token_data(n: int = 64, length: int = 12, vocab: int = 11, seed: int 
 
 
 def base_config(tmp_path, **overrides) -> dict:
-    cfg = {"output_dir": str(tmp_path / "out"), "log": {"history": [], "disable_tqdm": True, "steps": 1000},
-           "save": {"strategy": "no"}, "strategy": {"device": "cpu"}}
+    cfg = {
+        "output_dir": str(tmp_path / "out"),
+        "log": {"history": [], "disable_tqdm": True, "steps": 1000},
+        "save": {"strategy": "no"},
+        "strategy": {"device": "cpu"},
+    }
     cfg.update(overrides)
     return cfg
 
@@ -77,5 +83,12 @@ def train_step_of(trainer: Any) -> Any:
     """The fit loop's TrainStep for `trainer` (its loss weights, outside a fit)."""
     from kiln.engine.loop.step import TrainStep
 
-    return TrainStep(trainer.run, trainer.strategy, trainer.run.facts, trainer.config, trainer.training_step,
-                     trainer.current_learning_rate, wants_num_items=trainer.wants_num_items)
+    return TrainStep(
+        trainer.run,
+        trainer.strategy,
+        trainer.run.facts,
+        trainer.config,
+        trainer.training_step,
+        trainer.current_learning_rate,
+        wants_num_items=trainer.wants_num_items,
+    )

@@ -16,8 +16,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "kiln"
 LOWER = ("config", "loggers", "precision", "accelerators", "strategies", "launch", "utils", "optim")
 #: the floors above config (all but utils, which config may import)
-ABOVE_CONFIG = ("kiln.engine", "kiln.strategies", "kiln.optim", "kiln.loggers", "kiln.precision", "kiln.accelerators",
-                "kiln.launch", "kiln.cli", "kiln.docgen")
+ABOVE_CONFIG = (
+    "kiln.engine",
+    "kiln.strategies",
+    "kiln.optim",
+    "kiln.loggers",
+    "kiln.precision",
+    "kiln.accelerators",
+    "kiln.launch",
+    "kiln.cli",
+    "kiln.docgen",
+)
 
 _DOTTED = re.compile(r"kiln(?:\.\w+)+")
 #: a module named in code or a command line held in a string: `from kiln.x import`, `-m kiln.x`, `import a, kiln.x`
@@ -26,8 +35,11 @@ _IMPORT_LIST = re.compile(r"\bimport\s+([\w.]+(?:\s*,\s*[\w.]+)*)")
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
-    return {id(node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
 
 
 def named_modules(tree: ast.AST) -> set[str]:
@@ -104,12 +116,14 @@ def test_the_check_sees_function_local_relative_and_type_only_imports(tmp_path: 
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from kiln.engine.trainer import Trainer\n"
         "def f():\n    from ..strategies import STRATEGIES\n    import kiln.engine.loop\n"
-        "def g():\n    from .. import engine\n")
+        "def g():\n    from .. import engine\n"
+    )
     (package / "good.py").write_text("from kiln.registry import Registry\nfrom . import bad\n")
     found = offenders(("config",), ("kiln.strategies", "kiln.engine"), root=tmp_path / "kiln")
     assert all(line.startswith("kiln/config/bad.py imports ") for line in found)
     assert {"kiln.engine", "kiln.engine.loop", "kiln.engine.trainer", "kiln.strategies"} <= {
-        line.split(" imports ")[1] for line in found}
+        line.split(" imports ")[1] for line in found
+    }
 
 
 def test_the_check_sees_modules_named_by_string(tmp_path: Path) -> None:
@@ -128,7 +142,19 @@ def test_the_check_sees_modules_named_by_string(tmp_path: Path) -> None:
         "    subprocess.run('python -m kiln.engine.shell_m fit', shell=True)\n"
         "    importlib.import_module(f'kiln.engine.plugins.{name}')\n"
         "TABLE = ((('x',), 'kiln.engine.lazy'),)\n"
-        "MESSAGE = 'see kiln.engine.prose for why'\n")
-    found = {line.split(" imports ")[1] for line in offenders(("launch",), ("kiln.engine", "kiln.cli"), root=tmp_path / "kiln")}
-    assert found == {"kiln.cli", "kiln.engine.trainer", "kiln.engine.loop", "kiln.engine.cli_m", "kiln.engine.code_c",
-                     "kiln.engine.shell_m", "kiln.engine.plugins", "kiln.engine.lazy"}
+        "MESSAGE = 'see kiln.engine.prose for why'\n"
+    )
+    found = {
+        line.split(" imports ")[1]
+        for line in offenders(("launch",), ("kiln.engine", "kiln.cli"), root=tmp_path / "kiln")
+    }
+    assert found == {
+        "kiln.cli",
+        "kiln.engine.trainer",
+        "kiln.engine.loop",
+        "kiln.engine.cli_m",
+        "kiln.engine.code_c",
+        "kiln.engine.shell_m",
+        "kiln.engine.plugins",
+        "kiln.engine.lazy",
+    }

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import random
 import sysconfig
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,7 +75,7 @@ class CharVocab:
         self._ids = np.array(order, dtype=np.int64)
 
     @classmethod
-    def from_text(cls, text: str, min_count: int = 1) -> "CharVocab":
+    def from_text(cls, text: str, min_count: int = 1) -> CharVocab:
         codes, counts = np.unique(_code_points(text), return_counts=True)
         return cls([chr(c) for c, n in zip(codes.tolist(), counts.tolist()) if n >= min_count])
 
@@ -96,8 +97,14 @@ class CharWindows(Dataset):
     characters ids[s+1 : s+block+1]. Windows start every `stride` characters (default: no overlap).
     `vocab` and `files` (the source paths, in order) are kept for inspection and decoding."""
 
-    def __init__(self, ids: torch.Tensor, block_size: int, stride: Optional[int] = None,
-                 vocab: Optional[CharVocab] = None, files: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        ids: torch.Tensor,
+        block_size: int,
+        stride: int | None = None,
+        vocab: CharVocab | None = None,
+        files: Sequence[str] = (),
+    ) -> None:
         self.ids = ids
         self.vocab = vocab
         self.files = list(files)
@@ -146,11 +153,11 @@ def build_data(
     eval_fraction: float = 0.05,
     seed: int = 0,
     min_char_count: int = 20,
-    root: Optional[str] = None,
+    root: str | None = None,
     sample_prompt: str = "def ",
     sample_chars: int = 400,
     sample_temperature: float = 0.8,
-    sample_top_k: Optional[int] = None,
+    sample_top_k: int | None = None,
 ) -> dict[str, Any]:
     """The dict `kiln fit` expects: datasets, metrics, the sampling callback and the vocab size.
 
@@ -161,8 +168,9 @@ def build_data(
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}.")
     files = read_corpus(root or stdlib_dir(), max_chars, seed)
     if len(files) < 2:
-        raise ValueError(f"max_chars={max_chars} covers a single file; raise it so that train and eval "
-                         "each get files of their own.")
+        raise ValueError(
+            f"max_chars={max_chars} covers a single file; raise it so that train and eval each get files of their own."
+        )
     train_files, eval_files = split_by_file(files, eval_fraction)
     vocab = CharVocab.from_text("\n".join(t for _, t in train_files), min_count=min_char_count)
 
@@ -172,8 +180,14 @@ def build_data(
         return CharWindows(ids, block_size, vocab=vocab, files=[p for p, _ in split])
 
     train_dataset, eval_dataset = windows(train_files), windows(eval_files)
-    sampler = SampleTextCallback(vocab, prompt=sample_prompt, max_new_tokens=sample_chars,
-                                 temperature=sample_temperature, top_k=sample_top_k, seed=seed)
+    sampler = SampleTextCallback(
+        vocab,
+        prompt=sample_prompt,
+        max_new_tokens=sample_chars,
+        temperature=sample_temperature,
+        top_k=sample_top_k,
+        seed=seed,
+    )
     return {
         "train_dataset": train_dataset,
         "eval_dataset": eval_dataset,

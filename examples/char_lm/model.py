@@ -10,7 +10,8 @@ accumulation normalises exactly.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,7 @@ class CharGPT(TrainingModule):
         n_embd: int = 128,
         dropout: float = 0.0,
         tie_weights: bool = True,
-        vocab: Optional[Sequence[str]] = None,
+        vocab: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if vocab is not None and len(vocab) != vocab_size:
@@ -140,7 +141,7 @@ class CharGPT(TrainingModule):
         stoi = {ch: i for i, ch in enumerate(self.vocab)}
         return torch.tensor([stoi.get(ch, 0) for ch in text], dtype=torch.long)
 
-    def decode(self, ids: Union[torch.Tensor, Sequence[int]]) -> str:
+    def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
         if self.vocab is None:
             raise ValueError("This CharGPT was built without `vocab`; it cannot turn ids into text.")
         return "".join(self.vocab[i] for i in torch.as_tensor(ids).tolist())
@@ -148,11 +149,11 @@ class CharGPT(TrainingModule):
     @torch.no_grad()
     def generate(
         self,
-        prompt: Union[str, torch.Tensor],
+        prompt: str | torch.Tensor,
         max_new_tokens: int = 200,
         temperature: float = 1.0,
-        top_k: Optional[int] = None,
-        generator: Optional[torch.Generator] = None,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> Any:
         """Sample `max_new_tokens` characters after `prompt`.
 
@@ -170,7 +171,7 @@ class CharGPT(TrainingModule):
         self.eval()
         try:
             for _ in range(max_new_tokens):
-                logits = self(ids[:, -self.block_size:])[:, -1, :].float()
+                logits = self(ids[:, -self.block_size :])[:, -1, :].float()
                 if temperature <= 0:
                     nxt = logits.argmax(dim=-1, keepdim=True)
                 else:

@@ -3,7 +3,7 @@ training, printed once (on the main process)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,25 +32,37 @@ class SampleTextCallback(Callback):
     adding this callback never changes a run's numbers.
     """
 
-    def __init__(self, vocab: "CharVocab", prompt: str = "def ", max_new_tokens: int = 400,
-                 temperature: float = 0.8, top_k: Optional[int] = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        vocab: CharVocab,
+        prompt: str = "def ",
+        max_new_tokens: int = 400,
+        temperature: float = 0.8,
+        top_k: int | None = None,
+        seed: int = 0,
+    ) -> None:
         self.vocab = vocab
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_k = top_k
         self.seed = seed
-        self.last_sample: Optional[str] = None
+        self.last_sample: str | None = None
 
     def sample(self, model: nn.Module) -> str:
         model = unwrap(model)
         device = next(model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(self.seed)
-        ids = model.generate(self.vocab.encode(self.prompt), max_new_tokens=self.max_new_tokens,
-                             temperature=self.temperature, top_k=self.top_k, generator=generator)
+        ids = model.generate(
+            self.vocab.encode(self.prompt),
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            generator=generator,
+        )
         return self.vocab.decode(ids.cpu())
 
-    def on_train_end(self, config: Any, state: Any, control: Any, model: Optional[nn.Module] = None, **kw: Any) -> None:
+    def on_train_end(self, config: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
         if model is None:
             return
         # every rank samples (the same text, from the same seed): under FSDP each forward is a collective
@@ -58,5 +70,8 @@ class SampleTextCallback(Callback):
         if not state.is_world_process_zero:
             return
         rule = "-" * 72
-        print(f"\n{rule}\nSample after {state.global_step} steps (prompt {self.prompt!r}):\n{rule}\n"
-              f"{self.last_sample}\n{rule}", flush=True)
+        print(
+            f"\n{rule}\nSample after {state.global_step} steps (prompt {self.prompt!r}):\n{rule}\n"
+            f"{self.last_sample}\n{rule}",
+            flush=True,
+        )

@@ -41,8 +41,7 @@ def build_data(eval_fraction: float = 0.2, seed: int = 0) -> dict[str, Any]:
     from sklearn.model_selection import train_test_split
 
     x, y = load_digits(return_X_y=True)
-    x_train, x_eval, y_train, y_eval = train_test_split(
-        x, y, test_size=eval_fraction, random_state=seed, stratify=y)
+    x_train, x_eval, y_train, y_eval = train_test_split(x, y, test_size=eval_fraction, random_state=seed, stratify=y)
     mean, std = x_train.mean(axis=0), x_train.std(axis=0)
     std[std == 0] = 1.0  # border pixels that are always blank
     return {

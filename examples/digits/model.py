@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -14,8 +14,14 @@ from kiln.engine.model.module import TrainingModule
 class MLPClassifier(TrainingModule):
     """`num_hidden_layers` blocks of Linear -> GELU -> Dropout, then a linear head over the classes."""
 
-    def __init__(self, in_features: int = 64, num_classes: int = 10, hidden_size: int = 128,
-                 num_hidden_layers: int = 2, dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        in_features: int = 64,
+        num_classes: int = 10,
+        hidden_size: int = 128,
+        num_hidden_layers: int = 2,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         width = in_features

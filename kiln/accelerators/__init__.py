@@ -16,15 +16,19 @@ if TYPE_CHECKING:
 
 ACCELERATORS: Registry[type[Accelerator]] = Registry("accelerator", "strategy.device")
 
-for _name, _module in (("cpu", "kiln.accelerators.cpu"), ("cuda", "kiln.accelerators.cuda"),
-                       ("mps", "kiln.accelerators.mps"), ("xla", "kiln.accelerators.xla")):
+for _name, _module in (
+    ("cpu", "kiln.accelerators.cpu"),
+    ("cuda", "kiln.accelerators.cuda"),
+    ("mps", "kiln.accelerators.mps"),
+    ("xla", "kiln.accelerators.xla"),
+):
     ACCELERATORS.add_lazy(_name, _module)
 
 #: the order in which `auto` looks for a device, and in which RNG streams are captured
 SEARCH_ORDER = ("cuda", "mps", "xla")
 
 
-def accelerator_for(device: "torch.device | str") -> "Accelerator":
+def accelerator_for(device: torch.device | str) -> Accelerator:
     """The accelerator of a device (`cuda:1` -> the CUDA accelerator)."""
     import torch
 
@@ -32,7 +36,7 @@ def accelerator_for(device: "torch.device | str") -> "Accelerator":
     return ACCELERATORS.get(kind)()
 
 
-def available_accelerators() -> list["Accelerator"]:
+def available_accelerators() -> list[Accelerator]:
     """Every non-CPU accelerator usable in this process (without importing torch_xla unless it is
     already imported: an XLA run imports it first)."""
     found = []

@@ -34,6 +34,8 @@ class CPUAccelerator(Accelerator):
         from kiln.accelerators import cpu
 
         if dtype is torch.float16 and not cpu.cpu_supports_fp16():
-            return ("this CPU lacks fp16 kernels (AVX512-FP16 or AMX-FP16; "
-                    "torch.ops.mkldnn._is_mkldnn_fp16_supported() is False)")
+            return (
+                "this CPU lacks fp16 kernels (AVX512-FP16 or AMX-FP16; "
+                "torch.ops.mkldnn._is_mkldnn_fp16_supported() is False)"
+            )
         return None

@@ -6,8 +6,6 @@ device, a clock-limited part, or the CPU, which has no entry)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 #: (a piece of the device name, {number format: TFLOP/s}); the first piece found in the name wins, so a
 #: variant's longer name comes before its family's
 PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
@@ -22,11 +20,20 @@ PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 #: precision plugin name -> the number format its matmuls run in (fp16 runs at the bf16 rate)
-FORMATS = {"fp32": "fp32", "tf32": "tf32", "fp16": "bf16", "bf16": "bf16", "fp16-true": "bf16", "bf16-true": "bf16",
-           "apex": "bf16", "fp8": "fp8", "mxfp8": "fp8"}
+FORMATS = {
+    "fp32": "fp32",
+    "tf32": "tf32",
+    "fp16": "bf16",
+    "bf16": "bf16",
+    "fp16-true": "bf16",
+    "bf16-true": "bf16",
+    "apex": "bf16",
+    "fp8": "fp8",
+    "mxfp8": "fp8",
+}
 
 
-def peak_tflops(device_name: Optional[str], precision: str, tf32: bool = False) -> Optional[float]:
+def peak_tflops(device_name: str | None, precision: str, tf32: bool = False) -> float | None:
     """The table's peak for `device_name` running `precision`'s matmuls (TF32 when `tf32` lets fp32 use it),
     or None: an unknown device or format."""
     if not device_name:

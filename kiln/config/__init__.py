@@ -10,16 +10,34 @@ from typing import TYPE_CHECKING, Any
 
 _LOAD = ("ConfigError", "load_config", "parse_dotlist", "valid_keys")
 _SCHEMA = (
-    "TrainingConfig", "TrainConfig", "DataConfig", "OptimConfig", "SchedulerConfig", "EvalConfig", "SaveConfig",
-    "LogConfig", "StrategyConfig", "PrecisionConfig", "TaskConfig",
+    "TrainingConfig",
+    "TrainConfig",
+    "DataConfig",
+    "OptimConfig",
+    "SchedulerConfig",
+    "EvalConfig",
+    "SaveConfig",
+    "LogConfig",
+    "StrategyConfig",
+    "PrecisionConfig",
+    "TaskConfig",
 )
 __all__ = [*_LOAD, *_SCHEMA]
 
 if TYPE_CHECKING:
     from kiln.config.load import ConfigError, load_config, parse_dotlist, valid_keys
     from kiln.config.schema import (
-        DataConfig, EvalConfig, LogConfig, OptimConfig, PrecisionConfig, SaveConfig, SchedulerConfig,
-        StrategyConfig, TaskConfig, TrainConfig, TrainingConfig,
+        DataConfig,
+        EvalConfig,
+        LogConfig,
+        OptimConfig,
+        PrecisionConfig,
+        SaveConfig,
+        SchedulerConfig,
+        StrategyConfig,
+        TaskConfig,
+        TrainConfig,
+        TrainingConfig,
     )
 
 

@@ -7,8 +7,8 @@ flat name is rewritten to its place in the tree before validation. Names that sw
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kiln.config import hf_args, hf_rewrites, trl_packing
 from kiln.utils.truthy import truthy
@@ -118,11 +118,25 @@ PATHS: dict[str, str] = {
 
 # HF arguments that the Trainer itself does not use (scripts read them) or that only matter for a
 # feature that is off (hub settings without push_to_hub); accepted and dropped.
-IGNORED = {"do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "ray_scope",
-           # HF's `project` is only read by Trackio, and defaults to "huggingface": kiln's trackers use log.project
-           "project",
-           "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
-           "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"}
+IGNORED = {
+    "do_train",
+    "do_eval",
+    "do_predict",
+    "local_rank",
+    "tpu_num_cores",
+    "ray_scope",
+    # HF's `project` is only read by Trackio, and defaults to "huggingface": kiln's trackers use log.project
+    "project",
+    "hub_model_id",
+    "hub_strategy",
+    "hub_token",
+    "hub_private_repo",
+    "hub_always_push",
+    "hub_revision",
+    "push_to_hub_model_id",
+    "push_to_hub_organization",
+    "push_to_hub_token",
+}
 
 # HF arguments kiln does not implement: accepted while off (their HF default), refused with the reason
 # and the alternative when switched on.
@@ -134,15 +148,17 @@ UNSUPPORTED = {
     "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",
     "sharded_ddp": "FairScale sharded DDP is gone from HF too; use strategy: fsdp or deepspeed",
     "mp_parameters": "SageMaker model parallelism is not available",
-    **{name: "kiln logs Trackio to its local database only (report_to: trackio); drop the Space and bucket settings"
-       for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")},
+    **{
+        name: "kiln logs Trackio to its local database only (report_to: trackio); drop the Space and bucket settings"
+        for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")
+    },
 }
 
 # HF arguments that HF itself accepts and ignores: accepted with any value, and one log line says it has
 # no effect when it is switched on (dropping it silently would hide that it does nothing)
 NO_EFFECT = {
     "sortish_sampler": "HF's Seq2SeqTrainer ignores it too (it served the old Seq2SeqDataset); group_by_length: "
-                       "true gives batches of similar length, shuffled",
+    "true gives batches of similar length, shuffled",
 }
 
 
@@ -191,10 +207,14 @@ def _fsdp(value: Any) -> dict[str, Any]:
 
 
 def _report_to(value: Any) -> dict[str, Any]:
-    names = [value] if isinstance(value, str) else list(value) if isinstance(value, Sequence) else None  # ListConfig too
+    names = (
+        [value] if isinstance(value, str) else list(value) if isinstance(value, Sequence) else None
+    )  # ListConfig too
     if names is None or not all(isinstance(name, str) for name in names):
-        raise ValueError(f"report_to is {value!r}; give a tracker name or a list of them (tensorboard, mlflow, wandb, comet_ml, "
-                         "clearml, dvclive, aim, trackio, swanlab, codecarbon, neptune, csv, jsonl, all or none).")
+        raise ValueError(
+            f"report_to is {value!r}; give a tracker name or a list of them (tensorboard, mlflow, wandb, comet_ml, "
+            "clearml, dvclive, aim, trackio, swanlab, codecarbon, neptune, csv, jsonl, all or none)."
+        )
     return {"log.report_to": names}
 
 
@@ -224,7 +244,9 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "fsdp_config": lambda v: {"strategy.options.fsdp_config": v} if v else {},
     # older HF top-level forms of two fsdp_config keys
     "fsdp_min_num_params": lambda v: {"strategy.options.min_num_params": int(v)} if v else {},
-    "fsdp_transformer_layer_cls_to_wrap": lambda v: {"strategy.options.wrap": [v] if isinstance(v, str) else list(v)} if v else {},
+    "fsdp_transformer_layer_cls_to_wrap": lambda v: (
+        {"strategy.options.wrap": [v] if isinstance(v, str) else list(v)} if v else {}
+    ),
     "report_to": _report_to,
     "push_to_hub": _push_to_hub,
     # transformers 5 names whose values need translating (kiln.config.hf_args, kiln.config.hf_rewrites)

@@ -6,7 +6,7 @@ On the config floor because strategies and the engine both read it (imports only
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from kiln.utils.errors import ConfigError
 
@@ -24,13 +24,15 @@ def compile_kwargs(train: Any) -> dict[str, Any]:
     return {"backend": train.torch_compile_backend or "inductor", "mode": train.torch_compile_mode}
 
 
-def model_compile_kwargs(train: Any) -> Optional[dict[str, Any]]:
+def model_compile_kwargs(train: Any) -> dict[str, Any] | None:
     """`compile_kwargs` when the module is compiled, else None."""
     return compile_kwargs(train) if compiles_model(train) else None
 
 
-def check_compile_mode(mode: Optional[str]) -> None:
+def check_compile_mode(mode: str | None) -> None:
     """torch.compile rejects an unknown mode only at the first forward, after the model and data were built."""
     if mode is not None and mode not in COMPILE_MODES:
-        raise ConfigError(f"Config key 'train.torch_compile_mode' is {mode!r}, which torch.compile does not know; "
-                          f"choose one of {', '.join(COMPILE_MODES)}.")
+        raise ConfigError(
+            f"Config key 'train.torch_compile_mode' is {mode!r}, which torch.compile does not know; "
+            f"choose one of {', '.join(COMPILE_MODES)}."
+        )

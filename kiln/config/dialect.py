@@ -23,8 +23,15 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
 }
 
 #: kiln's top-level keys that are TrainingArguments names too
-_SHARED = ("output_dir", "overwrite_output_dir", "run_name", "seed", "data_seed", "full_determinism",
-           "resume_from_checkpoint")
+_SHARED = (
+    "output_dir",
+    "overwrite_output_dir",
+    "run_name",
+    "seed",
+    "data_seed",
+    "full_determinism",
+    "resume_from_checkpoint",
+)
 
 
 def _hf_name(key: str, value: Any) -> bool:

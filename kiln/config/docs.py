@@ -18,7 +18,9 @@ def _rows(obj: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
             rows.append((f"{prefix}{f.name}", "group", "", doc))
             rows += _rows(value, f"{prefix}{f.name}.")
         else:
-            rows.append((f"{prefix}{f.name}", str(f.type).replace("typing.", ""), repr(value), f.metadata.get("help", "")))
+            rows.append(
+                (f"{prefix}{f.name}", str(f.type).replace("typing.", ""), repr(value), f.metadata.get("help", ""))
+            )
     return rows
 
 
@@ -36,10 +38,12 @@ def config_help() -> str:
 
 
 _TRUST = [
-    "## A config is code; what kiln saves of it", "",
+    "## A config is code; what kiln saves of it",
+    "",
     "Treat a config file like a script: `task.model` and `task.data` name "
     "Python callables (`package.module:callable`) that kiln imports and calls, so running a config runs code from the modules it names. Only run "
-    "configs you would run as code.", "",
+    "configs you would run as code.",
+    "",
     "kiln resolves interpolations once, when it loads the config: training reads the values, and "
     "`${oc.env:VAR}` reads the environment variable then (an unset one is refused by name unless a default is given, "
     "`${oc.env:VAR,default}`). What kiln writes and logs of the config — every checkpoint's `config.yaml`, "
@@ -53,10 +57,20 @@ _TRUST = [
 
 def config_markdown() -> str:
     """docs/config.md: one table per group."""
-    out = ["# Config reference", "", "Generated from `kiln/config/schema.py` (`kiln config-docs`). "
-           "Every key can be set in YAML, as `key=value` on the command line, or in the Python API; "
-           "Hugging Face `TrainingArguments` names work too (table at the end).", "", *_TRUST, "", "## Top level", "",
-           "| key | type | default | meaning |", "|---|---|---|---|"]
+    out = [
+        "# Config reference",
+        "",
+        "Generated from `kiln/config/schema.py` (`kiln config-docs`). "
+        "Every key can be set in YAML, as `key=value` on the command line, or in the Python API; "
+        "Hugging Face `TrainingArguments` names work too (table at the end).",
+        "",
+        *_TRUST,
+        "",
+        "## Top level",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
     for key, kind, default, help_ in _rows(TrainingConfig()):
         if kind == "group":
             out += ["", f"## `{key}`", "", help_, "", "| key | type | default | meaning |", "|---|---|---|---|"]
@@ -64,13 +78,20 @@ def config_markdown() -> str:
             out.append(f"| `{key}` | `{kind}` | `{default}` | {help_} |")
     out += ["", "## Hugging Face names", "", "| HF name | kiln key |", "|---|---|"]
     out += [f"| `{k}` | `{v}` |" for k, v in sorted(aliases.PATHS.items())]
-    out += [f"| `{k}` | (switches a plugin; see kiln/config/aliases.py) |" for k in sorted(aliases.REWRITES)
-            if k not in aliases.UNSUPPORTED and k not in aliases.NO_EFFECT]
+    out += [
+        f"| `{k}` | (switches a plugin; see kiln/config/aliases.py) |"
+        for k in sorted(aliases.REWRITES)
+        if k not in aliases.UNSUPPORTED and k not in aliases.NO_EFFECT
+    ]
     out += ["", "Accepted and dropped: " + ", ".join(f"`{k}`" for k in sorted(aliases.IGNORED)) + ".", ""]
     out += ["Accepted with any value; switched on, one log line says it has no effect:", ""]
     out += [f"- `{k}`: {reason}." for k, reason in sorted(aliases.NO_EFFECT.items())]
-    out += ["",
-            "Accepted only while off (their HF default); switched on they are refused with the alternative:", "",
-            "| HF name | instead |", "|---|---|"]
+    out += [
+        "",
+        "Accepted only while off (their HF default); switched on they are refused with the alternative:",
+        "",
+        "| HF name | instead |",
+        "|---|---|",
+    ]
     out += [f"| `{k}` | {reason} |" for k, reason in sorted(aliases.UNSUPPORTED.items())]
     return "\n".join(out) + "\n"

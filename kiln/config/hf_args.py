@@ -8,19 +8,26 @@ than a path (`warmup_steps` as a ratio, `include_num_input_tokens_seen: "no"`, .
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 # accelerate's AcceleratorConfig defaults, which kiln's own dataloaders and process group behave as
-ACCELERATOR_DEFAULTS: dict[str, Any] = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
-                                        "use_seedable_sampler": True, "non_blocking": False,
-                                        "gradient_accumulation_kwargs": None}
+ACCELERATOR_DEFAULTS: dict[str, Any] = {
+    "split_batches": False,
+    "dispatch_batches": None,
+    "even_batches": True,
+    "use_seedable_sampler": True,
+    "non_blocking": False,
+    "gradient_accumulation_kwargs": None,
+}
 
 
 def is_training_arguments(obj: Any) -> bool:
     """True for `transformers.TrainingArguments` and its subclasses (Seq2SeqTrainingArguments, TRL's
     configs), without importing transformers."""
-    return any(cls.__name__ == "TrainingArguments" and cls.__module__.startswith("transformers")
-               for cls in type(obj).__mro__)
+    return any(
+        cls.__name__ == "TrainingArguments" and cls.__module__.startswith("transformers") for cls in type(obj).__mro__
+    )
 
 
 def training_arguments_to_dict(args: Any) -> dict[str, Any]:
@@ -58,15 +65,14 @@ def tokens_seen(value: Any) -> dict[str, Any]:
     if isinstance(value, str):
         word = value.strip().lower()
         if word == "non_padding":
-            raise ValueError("include_num_input_tokens_seen='non_padding' is not supported by kiln: it counts every "
-                             "input_ids element ('all'); use include_num_input_tokens_seen: all.")
+            raise ValueError(
+                "include_num_input_tokens_seen='non_padding' is not supported by kiln: it counts every "
+                "input_ids element ('all'); use include_num_input_tokens_seen: all."
+            )
         if word not in ("no", "all", "true", "false"):
             raise ValueError(f"include_num_input_tokens_seen must be 'no', 'all' or a boolean, got {value!r}.")
         return {"train.include_num_input_tokens_seen": word in ("all", "true")}
     return {"train.include_num_input_tokens_seen": bool(value)}
-
-
-
 
 
 def activation_checkpointing_kwargs(value: Any) -> dict[str, Any]:
@@ -77,6 +83,8 @@ def activation_checkpointing_kwargs(value: Any) -> dict[str, Any]:
         raise ValueError(f"activation_checkpointing_kwargs must be a mapping, got {value!r}.")
     extra = sorted(set(value) & {"every_n_layers", "offload"})
     if extra:
-        raise ValueError(f"activation_checkpointing_kwargs {', '.join(extra)} is not supported by kiln (every layer "
-                         "is checkpointed, on the device); drop it.")
+        raise ValueError(
+            f"activation_checkpointing_kwargs {', '.join(extra)} is not supported by kiln (every layer "
+            "is checkpointed, on the device); drop it."
+        )
     return {"train.gradient_checkpointing_kwargs": dict(value)}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from kiln.utils.truthy import truthy
 
@@ -29,8 +29,11 @@ _ACCELERATOR_KEYS: dict[str, str] = {
 # keys whose default is kiln's behaviour: accepted at that value, refused with the reason otherwise
 _ACCELERATOR_FIXED: dict[str, tuple[Any, str]] = {
     "non_blocking": (None, "kiln already copies pinned batches to the device with non_blocking=True"),
-    "gradient_accumulation_kwargs": (None, "use train.gradient_accumulation_steps; kiln always syncs gradients "
-                                           "once per window and steps the scheduler once per optimizer step"),
+    "gradient_accumulation_kwargs": (
+        None,
+        "use train.gradient_accumulation_steps; kiln always syncs gradients "
+        "once per window and steps the scheduler once per optimizer step",
+    ),
     "use_configured_state": (False, "kiln builds its own process group from the launcher's environment"),
 }
 
@@ -104,8 +107,9 @@ def include_for_metrics(value: Any) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"include_for_metrics={value!r} names unknown entries {unknown}; use 'inputs' and/or 'loss'.")
     if "loss" in items:
-        raise ValueError("include_for_metrics 'loss' is not supported: kiln reports the loss as eval_loss; "
-                         "keep only 'inputs'.")
+        raise ValueError(
+            "include_for_metrics 'loss' is not supported: kiln reports the loss as eval_loss; keep only 'inputs'."
+        )
     return {"eval.include_inputs_for_metrics": True} if "inputs" in items else {}
 
 
@@ -132,12 +136,16 @@ def parallelism_config(value: Any) -> dict[str, Any]:
     elif all(hasattr(value, name) for name in PARALLELISM_SIZES):
         given = {name: getattr(value, name) for name in (*PARALLELISM_SIZES, "sp_size")}
     else:
-        raise ValueError(f"parallelism_config={value!r} must be an accelerate ParallelismConfig or a mapping with "
-                         f"{', '.join(PARALLELISM_SIZES)}.")
+        raise ValueError(
+            f"parallelism_config={value!r} must be an accelerate ParallelismConfig or a mapping with "
+            f"{', '.join(PARALLELISM_SIZES)}."
+        )
     other = [k for k, v in given.items() if k not in PARALLELISM_SIZES and v not in (None, 1)]
     if other:
-        raise ValueError(f"parallelism_config sets {', '.join(other)}, which kiln does not support; give only "
-                         f"{', '.join(PARALLELISM_SIZES)} (DeepSpeed sequence parallelism is not available).")
+        raise ValueError(
+            f"parallelism_config sets {', '.join(other)}, which kiln does not support; give only "
+            f"{', '.join(PARALLELISM_SIZES)} (DeepSpeed sequence parallelism is not available)."
+        )
     mesh = {PARALLELISM_SIZES[k]: int(v) for k, v in given.items() if k in PARALLELISM_SIZES and v is not None}
     return {"strategy.name": "model_parallel", "strategy.options.mesh": mesh}
 
@@ -149,8 +157,10 @@ def generation_config(value: Any) -> dict[str, Any]:
     if hasattr(value, "to_diff_dict"):  # only what differs from GenerationConfig's defaults
         value = {k: v for k, v in value.to_diff_dict().items() if not k.startswith("_") and k != "transformers_version"}
     if not isinstance(value, Mapping):
-        raise ValueError(f"generation_config={value!r} must be a GenerationConfig or a dict; load a saved one with "
-                         "GenerationConfig.from_pretrained(path) first.")
+        raise ValueError(
+            f"generation_config={value!r} must be a GenerationConfig or a dict; load a saved one with "
+            "GenerationConfig.from_pretrained(path) first."
+        )
     return {"eval.generation_kwargs": dict(value)}
 
 

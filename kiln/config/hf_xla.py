@@ -26,5 +26,7 @@ def route_xla_fsdp(tree: dict[str, Any]) -> None:
         return
     for key in XLA_ONLY:
         if key in cfg and truthy(cfg[key]):
-            raise ConfigError(f"fsdp_config {key!r} applies to XLA FSDP only; add \"xla\": true to fsdp_config "
-                              f"(strategy xla_fsdp), or drop {key}.")
+            raise ConfigError(
+                f'fsdp_config {key!r} applies to XLA FSDP only; add "xla": true to fsdp_config '
+                f"(strategy xla_fsdp), or drop {key}."
+            )

@@ -7,15 +7,16 @@ import dataclasses
 import difflib
 import os
 import re
-from typing import Any, Iterable, Mapping, Sequence, Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kiln.config import aliases, conflicts, dialect, hf_args, hf_xla, redact, trl_packing
 from kiln.config.hf import deepspeed as hf_deepspeed
-from kiln.utils.errors import ConfigError
 from kiln.config.schema import StrategyConfig, TrainingConfig
+from kiln.utils.errors import ConfigError
 
 ConfigSource = Union[None, TrainingConfig, DictConfig, Mapping[str, Any], str, "os.PathLike[str]"]
 
@@ -83,7 +84,9 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
         elif key in ("strategy", "precision", "optim", "scheduler") and isinstance(value, str):
             _set_path(tree, f"{key}.name", value)
         elif key in ("strategy", "precision", "optim", "scheduler") and value is not None:
-            raise ConfigError(f"Config key {key!r} takes a name (e.g. {_EXAMPLES[key]}) or a mapping with `name:`, got {value!r}.")
+            raise ConfigError(
+                f"Config key {key!r} takes a name (e.g. {_EXAMPLES[key]}) or a mapping with `name:`, got {value!r}."
+            )
         elif key in groups:
             _set_path(tree, key, value)
         elif aliases.is_alias(key):
@@ -132,8 +135,9 @@ def _precision_word(value: Any) -> Any:
     return None
 
 
-def _check_conflict(tree: dict[str, Any], aliased: dict[str, tuple[str, Any]], path: str, key: str, value: Any,
-                    new: Any) -> None:
+def _check_conflict(
+    tree: dict[str, Any], aliased: dict[str, tuple[str, Any]], path: str, key: str, value: Any, new: Any
+) -> None:
     """Two HF names that set one key differently (`fp16: true` with `bf16: true`) are refused, as HF
     does, instead of the later one winning silently. A flat name over a nested key (`{**config,
     "learning_rate": x}` over `optim: {lr: ...}`) is an override and stays allowed."""
@@ -197,8 +201,10 @@ def _unresolvable(err: OmegaConfBaseException, what: str, key: str = "") -> Conf
     missing = re.search(r"Environment variable '([^']+)' not found", first)
     if missing:
         name = missing.group(1)
-        return ConfigError(f"{what} sets {key!r} from the environment variable {name}, which is not set: export {name}, or "
-                           f"give a default with ${{oc.env:{name},DEFAULT}}.")
+        return ConfigError(
+            f"{what} sets {key!r} from the environment variable {name}, which is not set: export {name}, or "
+            f"give a default with ${{oc.env:{name},DEFAULT}}."
+        )
     return ConfigError(f"{what} sets {key!r} to an interpolation that cannot be resolved ({first}).")
 
 
@@ -262,8 +268,10 @@ def _translate(err: OmegaConfBaseException) -> ConfigError:
     if want and value is not None:
         if names := redact.env_names(value):  # never print what came from the environment (a secret, perhaps)
             source = " and ".join(f"${{oc.env:{name}}}" for name in names)
-            return ConfigError(f"Config key {key!r} expects {want}, but it is set from {source}, whose value is not one "
-                               "(the value is not shown).")
+            return ConfigError(
+                f"Config key {key!r} expects {want}, but it is set from {source}, whose value is not one "
+                "(the value is not shown)."
+            )
         return ConfigError(f"Config key {key!r} expects {want}, got {value!r}.")
     return ConfigError(f"Config key {key!r}: {msg}")
 

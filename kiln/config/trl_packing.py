@@ -36,8 +36,12 @@ def pair(raw: Mapping[str, Any]) -> Mapping[str, Any]:
         return out
     for name in LENGTH_NAMES:
         if out.pop(name, None) is not None:
-            log.warning("%s=%r has no effect without packing: TRL truncates examples to it while tokenizing, and kiln "
-                        "does not tokenize; truncate the examples when you tokenize them.", name, raw[name])
+            log.warning(
+                "%s=%r has no effect without packing: TRL truncates examples to it while tokenizing, and kiln "
+                "does not tokenize; truncate the examples when you tokenize them.",
+                name,
+                raw[name],
+            )
     return out
 
 
@@ -46,8 +50,9 @@ def packing(value: Any) -> dict[str, Any]:
     if isinstance(value, str) and value.strip().lower() in STRATEGIES:
         return {"data.packing.strategy": value.strip().lower()}
     if isinstance(value, str) and not truthy(value) and value.strip().lower() not in ("0", "false", "no", "off", ""):
-        raise ValueError(f"{value!r} is not a packing strategy (packing / packing_strategy); choose one of "
-                         f"{', '.join(STRATEGIES)}.")
+        raise ValueError(
+            f"{value!r} is not a packing strategy (packing / packing_strategy); choose one of {', '.join(STRATEGIES)}."
+        )
     return {"data.packing.strategy": "bfd"} if truthy(value) else {}
 
 
@@ -66,8 +71,10 @@ def padding_free(value: Any) -> dict[str, Any]:
 def eval_packing(value: Any) -> dict[str, Any]:
     """TRL's `eval_packing`: kiln packs training batches only."""
     if truthy(value):
-        raise ValueError(f"eval_packing={value!r} is not supported by kiln: kiln packs training data only "
-                         "(data.packing); evaluation batches are padded. Drop eval_packing.")
+        raise ValueError(
+            f"eval_packing={value!r} is not supported by kiln: kiln packs training data only "
+            "(data.packing); evaluation batches are padded. Drop eval_packing."
+        )
     return {}
 
 

@@ -41,11 +41,15 @@ def validate(cfg: DictConfig) -> None:
     _positive("train.max_grad_norm", t.max_grad_norm, allow_zero=True)
     _positive("train.num_train_epochs", t.num_train_epochs, allow_zero=True)
     if t.max_steps == 0 or t.max_steps < -1:
-        raise ConfigError(f"Config key 'train.max_steps' must be > 0, or -1 to use num_train_epochs; got {t.max_steps}.")
+        raise ConfigError(
+            f"Config key 'train.max_steps' must be > 0, or -1 to use num_train_epochs; got {t.max_steps}."
+        )
     _positive("train.max_nonfinite_steps", t.max_nonfinite_steps, allow_zero=True)
     if cfg.strategy.timeout <= 0:
-        raise ConfigError(f"Config key 'strategy.timeout' (ddp_timeout) is the seconds a collective may wait and must be > 0, "
-                          f"got {cfg.strategy.timeout}.")
+        raise ConfigError(
+            f"Config key 'strategy.timeout' (ddp_timeout) is the seconds a collective may wait and must be > 0, "
+            f"got {cfg.strategy.timeout}."
+        )
     if t.torch_compile_backend is not None:
         _check_compile_backend(t.torch_compile_backend)
     check_compile_mode(t.torch_compile_mode)
@@ -66,7 +70,9 @@ def validate(cfg: DictConfig) -> None:
     _choice("log.level_replica", lg.level_replica, LEVELS)
     _choice("log.model_summary", lg.model_summary, ("auto", "table", "line", "off"))
     if lg.model_summary_depth < -1:
-        raise ConfigError(f"Config key 'log.model_summary_depth' must be -1 (every module) or >= 0, got {lg.model_summary_depth}.")
+        raise ConfigError(
+            f"Config key 'log.model_summary_depth' must be -1 (every module) or >= 0, got {lg.model_summary_depth}."
+        )
     _choice("log.nonfinite_window", lg.nonfinite_window, ("nan", "filtered"))
     for key, value in (("eval.steps", e.steps), ("save.steps", s.steps), ("log.steps", lg.steps)):
         _interval_steps(key, value)
@@ -75,7 +81,11 @@ def validate(cfg: DictConfig) -> None:
     if cfg.precision.full_eval is not None:
         _choice("precision.full_eval", cfg.precision.full_eval, ("fp16", "bf16"))
     _choice("precision.fp16_opt_level", cfg.precision.fp16_opt_level, ("O0", "O1", "O2", "O3"))
-    _choice("precision.half_precision_backend", cfg.precision.half_precision_backend, ("auto", "cpu_amp", "cuda_amp", "apex"))
+    _choice(
+        "precision.half_precision_backend",
+        cfg.precision.half_precision_backend,
+        ("auto", "cpu_amp", "cuda_amp", "apex"),
+    )
     if lg.log_artifacts is not None:
         _choice("log.log_artifacts", str(lg.log_artifacts).lower(), ("false", "end", "checkpoint"))
     _check_names(cfg)
@@ -103,17 +113,24 @@ def _check_names(cfg: DictConfig) -> None:
 def _check_data_and_debug(cfg: DictConfig) -> None:
     """accelerator_config's data options and `debug` values kiln cannot honour."""
     if not cfg.data.use_seedable_sampler:
-        raise ConfigError("data.use_seedable_sampler=false would draw the shuffle order from the global RNG, which a "
-                          "resumed run cannot reproduce; drop it (kiln's order depends only on data_seed and epoch).")
+        raise ConfigError(
+            "data.use_seedable_sampler=false would draw the shuffle order from the global RNG, which a "
+            "resumed run cannot reproduce; drop it (kiln's order depends only on data_seed and epoch)."
+        )
     for item in cfg.train.debug:
         _choice("train.debug", item, ("underflow_overflow", "tpu_metrics_debug"))
     if "tpu_metrics_debug" in cfg.train.debug and cfg.strategy.name not in ("xla", "xla_fsdp"):
-        raise ConfigError(f"debug 'tpu_metrics_debug' prints the XLA metrics report, but strategy is "
-                          f"{cfg.strategy.name!r}; use strategy xla or xla_fsdp, or drop it.")
+        raise ConfigError(
+            f"debug 'tpu_metrics_debug' prints the XLA metrics report, but strategy is "
+            f"{cfg.strategy.name!r}; use strategy xla or xla_fsdp, or drop it."
+        )
     _positive("train.torch_empty_cache_steps", cfg.train.torch_empty_cache_steps)
     if cfg.data.dataloader_multiprocessing_context is not None:
-        _choice("data.dataloader_multiprocessing_context", cfg.data.dataloader_multiprocessing_context,
-                ("fork", "spawn", "forkserver"))
+        _choice(
+            "data.dataloader_multiprocessing_context",
+            cfg.data.dataloader_multiprocessing_context,
+            ("fork", "spawn", "forkserver"),
+        )
 
 
 def _check_best_model(cfg: DictConfig) -> None:
@@ -121,16 +138,22 @@ def _check_best_model(cfg: DictConfig) -> None:
     # HF raises too, in these words; with load_best_model_at_end HF's arguments default the metric to the loss (as
     # kiln does)
     if s.strategy == "best" and not e.metric_for_best_model and not e.load_best_model_at_end:
-        raise ConfigError("`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
-                          "`args.load_best_model_at_end` is set to `True`: set eval.metric_for_best_model "
-                          "(metric_for_best_model) to the metric that decides which evaluation is best, e.g. 'loss'.")
+        raise ConfigError(
+            "`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
+            "`args.load_best_model_at_end` is set to `True`: set eval.metric_for_best_model "
+            "(metric_for_best_model) to the metric that decides which evaluation is best, e.g. 'loss'."
+        )
     if s.strategy == "best" and e.strategy == "no":  # it would train to the end without saving anything
-        raise ConfigError("save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy "
-                          "is 'no': set eval.strategy to 'steps' or 'epoch', or save on 'steps' or 'epoch'.")
+        raise ConfigError(
+            "save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy "
+            "is 'no': set eval.strategy to 'steps' or 'epoch', or save on 'steps' or 'epoch'."
+        )
     if not e.load_best_model_at_end:
         return
     if e.strategy == "no":
-        raise ConfigError("load_best_model_at_end needs evaluation during training: set eval.strategy to 'steps' or 'epoch'.")
+        raise ConfigError(
+            "load_best_model_at_end needs evaluation during training: set eval.strategy to 'steps' or 'epoch'."
+        )
     if s.strategy not in (e.strategy, "best"):
         raise ConfigError(
             f"load_best_model_at_end needs save.strategy ({s.strategy!r}) to match eval.strategy ({e.strategy!r}) "
@@ -154,8 +177,10 @@ def _check_output_dir(path: str) -> None:
     import os
 
     if not path:
-        raise ConfigError("output_dir is empty (''); name the folder for checkpoints and logs, e.g. output_dir: out "
-                          "(leave the key out for the default 'tmp_trainer').")
+        raise ConfigError(
+            "output_dir is empty (''); name the folder for checkpoints and logs, e.g. output_dir: out "
+            "(leave the key out for the default 'tmp_trainer')."
+        )
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"output_dir {path!r} is a file, not a folder; pick another output_dir.")
 
@@ -166,6 +191,8 @@ def _check_compile_backend(name: str) -> None:
     import torch._dynamo
 
     if name not in torch._dynamo.list_backends(exclude_tags=()):  # registered ones, entry points included
-        raise ConfigError(f"Config key 'train.torch_compile_backend' is {name!r}, which torch.compile does not know; "
-                          f"choose one of {', '.join(torch._dynamo.list_backends())} (or register yours as a "
-                          "torch_dynamo_backends entry point).")
+        raise ConfigError(
+            f"Config key 'train.torch_compile_backend' is {name!r}, which torch.compile does not know; "
+            f"choose one of {', '.join(torch._dynamo.list_backends())} (or register yours as a "
+            "torch_dynamo_backends entry point)."
+        )

@@ -13,10 +13,12 @@ from kiln.docgen.strategy_matrix import matrix_markdown
 
 def pages(repo: Path) -> dict[Path, str]:
     """Each generated page's path and its current text."""
-    return {repo / "docs" / "config.md": config_markdown(),
-            repo / "docs" / "choosing-a-strategy.md": matrix_markdown(repo),
-            repo / "docs" / "troubleshooting.md": troubleshooting_markdown(repo / "kiln"),
-            repo / "docs" / "checkpoints.md": with_format_table((repo / "docs" / "checkpoints.md").read_text())}
+    return {
+        repo / "docs" / "config.md": config_markdown(),
+        repo / "docs" / "choosing-a-strategy.md": matrix_markdown(repo),
+        repo / "docs" / "troubleshooting.md": troubleshooting_markdown(repo / "kiln"),
+        repo / "docs" / "checkpoints.md": with_format_table((repo / "docs" / "checkpoints.md").read_text()),
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -37,14 +37,16 @@ def format_rows() -> list[dict[str, Any]]:
         if io is None:
             continue
         own = [(name, [_io(f) for f in cls.checkpoint_formats]) for name, cls, _ in listed]
-        rows.append({
-            "format": fmt,
-            "written": [name for name, cls, _ in listed if fmt in cls.checkpoint_formats],
-            "resumed": [name for name, ios in own if any(i is not None and _resumes(i, fmt) for i in ios)],
-            "reshardable": bool(io.reshardable),
-            "background": io.saves_in_background(),
-            "convert": io.consolidate.__func__ is not CheckpointIO.consolidate.__func__,
-        })
+        rows.append(
+            {
+                "format": fmt,
+                "written": [name for name, cls, _ in listed if fmt in cls.checkpoint_formats],
+                "resumed": [name for name, ios in own if any(i is not None and _resumes(i, fmt) for i in ios)],
+                "reshardable": bool(io.reshardable),
+                "background": io.saves_in_background(),
+                "convert": io.consolidate.__func__ is not CheckpointIO.consolidate.__func__,
+            }
+        )
     return rows
 
 
@@ -53,13 +55,19 @@ def _names(names: list[str]) -> str:
 
 
 def format_table_markdown() -> str:
-    lines = [BEGIN, "",
-             "| format (in `COMPLETE`) | written by | resumed by | on another process count | written in the background "
-             "(`save.async`) | `kiln convert` |", "|---|---|---|---|---|---|"]
+    lines = [
+        BEGIN,
+        "",
+        "| format (in `COMPLETE`) | written by | resumed by | on another process count | written in the background "
+        "(`save.async`) | `kiln convert` |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in format_rows():
-        lines.append(f"| `{row['format']}` | {_names(row['written'])} | {_names(row['resumed']) if row['resumed'] else 'none'} "
-                     f"| {'yes' if row['reshardable'] else 'no: refused'} | {'yes' if row['background'] else 'no'} "
-                     f"| {'yes' if row['convert'] else 'no'} |")
+        lines.append(
+            f"| `{row['format']}` | {_names(row['written'])} | {_names(row['resumed']) if row['resumed'] else 'none'} "
+            f"| {'yes' if row['reshardable'] else 'no: refused'} | {'yes' if row['background'] else 'no'} "
+            f"| {'yes' if row['convert'] else 'no'} |"
+        )
     return "\n".join([*lines, "", END])
 
 

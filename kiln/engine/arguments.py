@@ -14,11 +14,15 @@ def config_or_args(config: Any, args: Any) -> Any:
     if args is None:
         return config
     if config is not None:
-        raise KilnError("Trainer got both `config=` and `args=`; pass the settings once (args= is HF's name for config=).")
+        raise KilnError(
+            "Trainer got both `config=` and `args=`; pass the settings once (args= is HF's name for config=)."
+        )
     return args
 
 
-def pop_objects(config: Any, strategy: Any, precision: Any, overrides: Iterable[str]) -> tuple[Any, Any, Any, list[str]]:
+def pop_objects(
+    config: Any, strategy: Any, precision: Any, overrides: Iterable[str]
+) -> tuple[Any, Any, Any, list[str]]:
     """Allow `{"strategy": MyStrategy(), ...}` in a dict config: objects travel beside the config.
     Names stay in the config, numbers and booleans too (`{"precision": 16}`: the config reads them);
     a name or number given as the `precision=` keyword becomes the config's (`precision="bf16"`, `16`),

@@ -48,11 +48,15 @@ def compile_optimizer_step(optimizer: Any, strategy: Any, train: Any) -> None:
     if not train.torch_compile_optimizer_step or optimizer is None:
         return
     if strategy.capabilities.owns_optimizer_step:
-        raise ConfigError(f"train.torch_compile_optimizer_step cannot be used with strategy {strategy.name!r}: its own "
-                          "engine runs the optimizer step; drop torch_compile_optimizer_step.")
+        raise ConfigError(
+            f"train.torch_compile_optimizer_step cannot be used with strategy {strategy.name!r}: its own "
+            "engine runs the optimizer step; drop torch_compile_optimizer_step."
+        )
     if getattr(optimizer, "owns_backward", False):
-        raise ConfigError(f"train.torch_compile_optimizer_step cannot be used with {type(optimizer).__name__}, which "
-                          "updates the weights inside backward and has no optimizer step to compile; drop the setting.")
+        raise ConfigError(
+            f"train.torch_compile_optimizer_step cannot be used with {type(optimizer).__name__}, which "
+            "updates the weights inside backward and has no optimizer step to compile; drop the setting."
+        )
     if getattr(optimizer.step, "_kiln_compiled", False):  # a second set-up of the same optimizer
         return
     inner = optimizer.step  # a bound method, or an LR scheduler's wrapper of it
@@ -88,5 +92,8 @@ def compile_optimizer_step(optimizer: Any, strategy: Any, train: Any) -> None:
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     step._kiln_compiled = True  # type: ignore[attr-defined]
     optimizer.step = step
-    log.info("The optimizer step of %s runs through torch.compile (backend %r).", type(optimizer).__name__,
-             compile_kwargs(train)["backend"])
+    log.info(
+        "The optimizer step of %s runs through torch.compile (backend %r).",
+        type(optimizer).__name__,
+        compile_kwargs(train)["backend"],
+    )

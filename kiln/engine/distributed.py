@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -19,22 +20,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
-          "critical": logging.CRITICAL}
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 
-def should_log(config: "DictConfig", strategy: "Strategy") -> bool:
+def should_log(config: DictConfig, strategy: Strategy) -> bool:
     """Whether this process logs at the main level (`log.level`) rather than `log.level_replica`."""
     return strategy.is_local_zero if config.log.on_each_node else strategy.is_global_zero
 
 
-def process_log_level(config: "DictConfig", strategy: "Strategy") -> Optional[int]:
+def process_log_level(config: DictConfig, strategy: Strategy) -> int | None:
     """The `logging` level for this process, or None for "passive" (leave the level alone)."""
     name = config.log.level if should_log(config, strategy) else config.log.level_replica
     return LEVELS.get(str(name))
 
 
-def configure_logging(config: "DictConfig", strategy: "Strategy") -> Optional[int]:
+def configure_logging(config: DictConfig, strategy: Strategy) -> int | None:
     """Apply this process's level to kiln's logger (and to Transformers' if it is already imported,
     as HF's Trainer does). Returns the level set, or None when passive."""
     level = process_log_level(config, strategy)
@@ -49,7 +55,7 @@ def configure_logging(config: "DictConfig", strategy: "Strategy") -> Optional[in
 
 
 @contextlib.contextmanager
-def main_process_first(local: bool = True, desc: str = "work", strategy: Optional["Strategy"] = None) -> Iterator[None]:
+def main_process_first(local: bool = True, desc: str = "work", strategy: Strategy | None = None) -> Iterator[None]:
     """Run the block on the main process first, then on the others (HF's `main_process_first`):
     e.g. dataset preprocessing that writes a cache the replicas then read.
 
@@ -73,7 +79,7 @@ def main_process_first(local: bool = True, desc: str = "work", strategy: Optiona
         barrier()
 
 
-def check_same_output_dir(config: "DictConfig", strategy: "Strategy") -> None:
+def check_same_output_dir(config: DictConfig, strategy: Strategy) -> None:
     """Every rank must write into one output_dir (checkpoints are assembled there from every rank's
     files); refuse a mismatch before training instead of failing later inside a save. With
     `save_on_each_node` each node writes its own copy (no shared filesystem), so only ranks of one
@@ -96,7 +102,7 @@ def check_same_output_dir(config: "DictConfig", strategy: "Strategy") -> None:
         raise ConfigError(f"output_dir differs between {where} ({shown}); give every rank the same output_dir.")
 
 
-def _topology(strategy: Optional["Strategy"]) -> tuple[int, int, int, Any]:
+def _topology(strategy: Strategy | None) -> tuple[int, int, int, Any]:
     if strategy is not None:
         return strategy.global_rank, strategy.local_rank, strategy.world_size, strategy.barrier
     from kiln.launch.environment import detect

@@ -14,8 +14,9 @@ With `backend="ray"` the trials run in Ray Tune instead (kiln/engine/hp_search_r
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.hp_trial import TrialRun, build_trial_trainer, trial_config
 from kiln.utils.errors import KilnError
@@ -32,9 +33,9 @@ class BestRun:
     """HF's `trainer_utils.BestRun`: the best trial's id, objective and hyperparameters."""
 
     run_id: str
-    objective: Union[float, list[float]]
+    objective: float | list[float]
     hyperparameters: dict[str, Any]
-    run_summary: Optional[Any] = None
+    run_summary: Any | None = None
 
 
 def default_hp_space_optuna(trial: Any) -> dict[str, Any]:
@@ -63,47 +64,62 @@ class HyperparameterSearchMixin:
     `kiln.engine.trainer.Trainer`); the attributes below are the Trainer's that the search uses."""
 
     config: Any
-    strategy: "Strategy"
-    run: "Run"
-    state: "TrainerState"
-    control: "TrainerControl"
-    callback_handler: "CallbackHandler"
-    model_init: Optional[Callable[..., Any]]
+    strategy: Strategy
+    run: Run
+    state: TrainerState
+    control: TrainerControl
+    callback_handler: CallbackHandler
+    model_init: Callable[..., Any] | None
     _init_call: tuple[tuple[Any, ...], dict[str, Any]]
 
     if TYPE_CHECKING:  # the Trainer's
-        def fit(self, resume_from_checkpoint: Any = None, trial: Any = None,
-                ignore_keys_for_eval: Optional[list[str]] = None) -> Any: ...
-        def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
-                     metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]: ...
+
+        def fit(
+            self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: list[str] | None = None
+        ) -> Any: ...
+        def evaluate(
+            self,
+            eval_dataset: Any = None,
+            ignore_keys: list[str] | None = None,
+            metric_key_prefix: str = "eval",
+            **gen_kwargs: Any,
+        ) -> dict[str, float]: ...
 
     def hyperparameter_search(
         self,
-        hp_space: Optional[Callable[[Any], dict[str, Any]]] = None,
-        compute_objective: Optional[Callable[[dict[str, float]], Union[float, list[float]]]] = None,
+        hp_space: Callable[[Any], dict[str, Any]] | None = None,
+        compute_objective: Callable[[dict[str, float]], float | list[float]] | None = None,
         n_trials: int = 20,
-        direction: Union[str, list[str]] = "minimize",
-        backend: Optional[str] = None,
-        hp_name: Optional[Callable[[Any], str]] = None,
+        direction: str | list[str] = "minimize",
+        backend: str | None = None,
+        hp_name: Callable[[Any], str] | None = None,
         **kwargs: Any,
-    ) -> Union[BestRun, list[BestRun]]:
+    ) -> BestRun | list[BestRun]:
         """Search hyperparameters with Optuna (HF's signature); kwargs go to `optuna.create_study`.
         Returns the best run, or the Pareto-best runs for several directions. `backend="ray"`: with
         Ray Tune, kwargs as HF's (`resources_per_trial`, `scheduler`, ...)."""
         if backend not in (None, "optuna", "ray"):
-            raise KilnError(f"hyperparameter_search backend {backend!r} is not available: kiln searches with optuna or ray.")
+            raise KilnError(
+                f"hyperparameter_search backend {backend!r} is not available: kiln searches with optuna or ray."
+            )
         if self.model_init is None:
-            raise KilnError("hyperparameter_search needs model_init= (a callable building a fresh model for each trial).")
+            raise KilnError(
+                "hyperparameter_search needs model_init= (a callable building a fresh model for each trial)."
+            )
         if self.run.user_optimizer:
-            raise KilnError("hyperparameter_search cannot reuse the optimizer passed in optimizers=: override "
-                            "create_optimizer (or use the config's optim) so each trial builds its own.")
+            raise KilnError(
+                "hyperparameter_search cannot reuse the optimizer passed in optimizers=: override "
+                "create_optimizer (or use the config's optim) so each trial builds its own."
+            )
         if self.strategy.world_size > 1:
             raise KilnError("hyperparameter_search runs in one process; start it without a launcher.")
         compute_objective = compute_objective or default_compute_objective
         if backend == "ray":
             from kiln.engine.hp_search_ray import run_hp_search_ray
 
-            return BestRun(*run_hp_search_ray(self, hp_space, compute_objective, n_trials, direction, hp_name, **kwargs))
+            return BestRun(
+                *run_hp_search_ray(self, hp_space, compute_objective, n_trials, direction, hp_name, **kwargs)
+            )
         from kiln.loggers.base import require
 
         require("optuna", "optuna", "hyperparameter_search")
@@ -111,13 +127,17 @@ class HyperparameterSearchMixin:
 
         hp_space = hp_space or default_hp_space_optuna
         several = isinstance(direction, (list, tuple))
-        study = optuna.create_study(directions=list(direction), **kwargs) if several else \
-            optuna.create_study(direction=direction, **kwargs)
+        study = (
+            optuna.create_study(directions=list(direction), **kwargs)
+            if several
+            else optuna.create_study(direction=direction, **kwargs)
+        )
 
-        def objective(trial: Any) -> Union[float, list[float]]:
+        def objective(trial: Any) -> float | list[float]:
             params = hp_space(trial)
-            run = TrialRun(trial, trial_config(self.config, trial, params, hp_name), params, compute_objective,
-                           prune=not several)
+            run = TrialRun(
+                trial, trial_config(self.config, trial, params, hp_name), params, compute_objective, prune=not several
+            )
             trainer = build_trial_trainer(type(self), self._init_call, run, self.callback_handler.callbacks)
             trainer.fit(trial=trial)  # model_init(trial), its own optimizer, state and folder
             if run.objective is None:  # no evaluation during training: evaluate once at the end

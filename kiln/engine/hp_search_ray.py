@@ -18,8 +18,8 @@ below), keyword arguments go to Ray Tune (`resources_per_trial`, default one CPU
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.callbacks.base import Callback
 from kiln.utils.errors import KilnError
@@ -30,8 +30,15 @@ if TYPE_CHECKING:
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 #: keyword arguments that configure the search (Ray Tune's TuneConfig) and the run (Ray Tune's RunConfig)
-_TUNE = ("search_alg", "scheduler", "max_concurrent_trials", "time_budget_s", "reuse_actors", "trial_name_creator",
-         "trial_dirname_creator")
+_TUNE = (
+    "search_alg",
+    "scheduler",
+    "max_concurrent_trials",
+    "time_budget_s",
+    "reuse_actors",
+    "trial_name_creator",
+    "trial_dirname_creator",
+)
 _RUN = ("name", "storage_path", "stop", "callbacks", "verbose", "failure_config")
 
 
@@ -56,21 +63,31 @@ class RayTrial(dict):  # type: ignore[type-arg]
         self.number = number
 
 
-def run_hp_search_ray(trainer: Any, hp_space: Optional[Callable[[Any], dict[str, Any]]],
-                      compute_objective: Callable[[dict[str, float]], Any], n_trials: int, direction: Any,
-                      hp_name: Optional[Callable[[Any], str]], **kwargs: Any) -> tuple[str, float, dict[str, Any], Any]:
+def run_hp_search_ray(
+    trainer: Any,
+    hp_space: Callable[[Any], dict[str, Any]] | None,
+    compute_objective: Callable[[dict[str, float]], Any],
+    n_trials: int,
+    direction: Any,
+    hp_name: Callable[[Any], str] | None,
+    **kwargs: Any,
+) -> tuple[str, float, dict[str, Any], Any]:
     """Run the search; the best trial as `BestRun`'s fields (run id, objective, hyperparameters, Ray's
     ResultGrid). (`BestRun` is built by kiln.engine.hp_search, which imports this module.)"""
     from kiln.launch.ray import require_ray
 
     require_ray("hyperparameter_search(backend='ray')")
     if direction not in ("minimize", "maximize"):
-        raise KilnError(f"hyperparameter_search(backend='ray') ranks trials by one objective: direction must be 'minimize' "
-                        f"or 'maximize', not {direction!r} (several directions need the optuna backend).")
+        raise KilnError(
+            f"hyperparameter_search(backend='ray') ranks trials by one objective: direction must be 'minimize' "
+            f"or 'maximize', not {direction!r} (several directions need the optuna backend)."
+        )
     unknown = sorted(set(kwargs) - {*_TUNE, *_RUN, "resources_per_trial"})
     if unknown:
-        raise KilnError(f"hyperparameter_search(backend='ray') does not know {', '.join(unknown)}; it takes "
-                        f"resources_per_trial, {', '.join(_TUNE)} (Ray Tune's TuneConfig) and {', '.join(_RUN)} (its RunConfig).")
+        raise KilnError(
+            f"hyperparameter_search(backend='ray') does not know {', '.join(unknown)}; it takes "
+            f"resources_per_trial, {', '.join(_TUNE)} (Ray Tune's TuneConfig) and {', '.join(_RUN)} (its RunConfig)."
+        )
     import ray
     from ray import tune
 
@@ -78,8 +95,12 @@ def run_hp_search_ray(trainer: Any, hp_space: Optional[Callable[[Any], dict[str,
     recipe = _recipe(trainer, compute_objective, hp_name)
     resources = kwargs.pop("resources_per_trial", {"cpu": 1})
     kwargs.setdefault("reuse_actors", True)  # a trial process imports torch and kiln once, not once per trial
-    run = {"name": "hp_search", "storage_path": os.path.abspath(os.path.join(str(trainer.config.output_dir), "ray_results")),
-           "verbose": 0, **{k: kwargs.pop(k) for k in _RUN if k in kwargs}}
+    run = {
+        "name": "hp_search",
+        "storage_path": os.path.abspath(os.path.join(str(trainer.config.output_dir), "ray_results")),
+        "verbose": 0,
+        **{k: kwargs.pop(k) for k in _RUN if k in kwargs},
+    }
     started = not ray.is_initialized()
     if started:  # a local instance for the search only (as `kiln fit --ray`)
         ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False)
@@ -101,7 +122,9 @@ def run_hp_search_ray(trainer: Any, hp_space: Optional[Callable[[Any], dict[str,
     return str(best.metrics["trial_id"]), best.metrics["objective"], dict(best.config), grid
 
 
-def _recipe(trainer: Any, compute_objective: Callable[..., Any], hp_name: Optional[Callable[[Any], str]]) -> dict[str, Any]:
+def _recipe(
+    trainer: Any, compute_objective: Callable[..., Any], hp_name: Callable[[Any], str] | None
+) -> dict[str, Any]:
     """What a trial builds its Trainer from (sent to each trial process by Ray's object store)."""
     from omegaconf import OmegaConf
 
@@ -109,8 +132,11 @@ def _recipe(trainer: Any, compute_objective: Callable[..., Any], hp_name: Option
     assert isinstance(config, dict)
     config["output_dir"] = os.path.abspath(str(trainer.config.output_dir))  # Tune runs a trial in a folder of its own
     return {
-        "cls": type(trainer), "init_call": trainer._init_call, "config": config,
-        "compute_objective": compute_objective, "hp_name": hp_name,
+        "cls": type(trainer),
+        "init_call": trainer._init_call,
+        "config": config,
+        "compute_objective": compute_objective,
+        "hp_name": hp_name,
         # callbacks added after construction travel with the trial (kiln's own are rebuilt by the trial's Trainer)
         "callbacks": [cb for cb in trainer.callback_handler.callbacks if not type(cb).__module__.startswith("kiln.")],
     }
@@ -126,15 +152,19 @@ class TuneReport(Callback):
     step ends and `on_train_end` runs), reports nothing more, and the trial function exits with
     `SystemExit(0)` (see `_trial`)."""
 
-    def __init__(self, compute_objective: Callable[[dict[str, float]], Any], datasets: int,
-                 report: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        compute_objective: Callable[[dict[str, float]], Any],
+        datasets: int,
+        report: Callable[[dict[str, Any]], None],
+    ) -> None:
         self.compute_objective, self.datasets, self.report = compute_objective, datasets, report
         self.reported: list[dict[str, Any]] = []  # what went to Tune, in order
         self.stopped = False  # Tune stopped the trial
         self._pending: dict[str, Any] = {}
         self._evaluated = 0
 
-    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_evaluate(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.stopped:
             return
         self._pending.update(kw.get("metrics") or {})

@@ -8,9 +8,10 @@ passes up, and the Run it starts holds the trial (`Run.trial`)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any
 
 from kiln.utils.errors import KilnError
 
@@ -35,15 +36,19 @@ class TrialRun:
 
 
 #: the trial whose Trainer is being constructed (read by kiln's Trainer.__init__)
-_BUILDING: ContextVar[Optional[TrialRun]] = ContextVar("kiln_building_trial", default=None)
+_BUILDING: ContextVar[TrialRun | None] = ContextVar("kiln_building_trial", default=None)
 
 
-def building_trial() -> Optional[TrialRun]:
+def building_trial() -> TrialRun | None:
     return _BUILDING.get()
 
 
-def build_trial_trainer(cls: type, init_call: tuple[tuple[Any, ...], dict[str, Any]], trial_run: TrialRun,
-                        callbacks: Iterable["Callback"] = ()) -> Any:
+def build_trial_trainer(
+    cls: type,
+    init_call: tuple[tuple[Any, ...], dict[str, Any]],
+    trial_run: TrialRun,
+    callbacks: Iterable[Callback] = (),
+) -> Any:
     """`cls(*args, **kwargs)` with the arguments the searching Trainer was constructed with, as the
     trial's Trainer; then `callbacks` (the searching Trainer's) whose class it lacks, e.g. added with
     `add_callback` after construction."""
@@ -60,7 +65,7 @@ def build_trial_trainer(cls: type, init_call: tuple[tuple[Any, ...], dict[str, A
     return trainer
 
 
-def trial_config(base: Any, trial: Any, params: dict[str, Any], hp_name: Optional[Callable[[Any], str]]) -> Any:
+def trial_config(base: Any, trial: Any, params: dict[str, Any], hp_name: Callable[[Any], str] | None) -> Any:
     """`base` (a loaded config) with `params` applied (HF names or dotted keys) and the trial's own output folder."""
     from omegaconf import OmegaConf
 
@@ -72,6 +77,8 @@ def trial_config(base: Any, trial: Any, params: dict[str, Any], hp_name: Optiona
     config = load_config(plain, {**params, "output_dir": os.path.join(base.output_dir, run_name)})
     for section in ("strategy", "precision"):  # built once, with the Trainer
         if OmegaConf.to_container(config[section]) != OmegaConf.to_container(base[section]):
-            raise KilnError(f"hyperparameter_search cannot change the {section} per trial (the Trainer set it up "
-                            f"once); search the {section} by running one search per {section}.")
+            raise KilnError(
+                f"hyperparameter_search cannot change the {section} per trial (the Trainer set it up "
+                f"once); search the {section} by running one search per {section}."
+            )
     return config

@@ -26,8 +26,9 @@ rather than the Trainer. Its parts:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,23 +41,22 @@ from kiln.optim.schedulers import scheduler_needs_metrics
 from kiln.utils.errors import ConfigError
 
 
-
 @dataclass(eq=False)
 class Run:
     model: nn.Module
     facts: ModelFacts
     micro_batch_size: int
     accumulation: int
-    optimizer: Optional[torch.optim.Optimizer] = None
+    optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
     #: the optimizer came from the user (`optimizers=(opt, sched)`), not from kiln or the TrainingModule
     user_optimizer: bool = False
     #: the scheduler was built by kiln for this run's length (a new run builds it again, as HF does)
     created_scheduler: bool = False
     scheduler_needs_metrics: bool = False
-    forward_module: Optional[nn.Module] = None
-    wrapped: Optional[nn.Module] = None
-    stage: Optional[str] = None
+    forward_module: nn.Module | None = None
+    wrapped: nn.Module | None = None
+    stage: str | None = None
     backward_owner: Any = None
     #: the micro-batch `training_step` is running, for an override with HF's signature (see loop/step.py)
     micro_batch: Any = None
@@ -68,7 +68,7 @@ class Run:
     #: the import one-way; `start_run` builds it)
     checkpoints: Any = None
     #: throughput figures the next `log()` sends to the loggers only (kept out of log_history)
-    log_to_loggers_only: Optional[dict[str, float]] = None
+    log_to_loggers_only: dict[str, float] | None = None
     #: the hyperparameter-search trial this run trains (None outside a search)
     trial: Any = None
 
@@ -116,15 +116,22 @@ def setup_for_eval(run: Run, strategy: Any, config: Any) -> nn.Module:
     return run.wrapped
 
 
-def setup_for_training(run: Run, strategy: Any, precision: Any, config: Any,
-                       create_optimizer: Callable[[], torch.optim.Optimizer],
-                       create_scheduler: Callable[[int, torch.optim.Optimizer], Any], max_steps: Optional[int]) -> None:
+def setup_for_training(
+    run: Run,
+    strategy: Any,
+    precision: Any,
+    config: Any,
+    create_optimizer: Callable[[], torch.optim.Optimizer],
+    create_scheduler: Callable[[int, torch.optim.Optimizer], Any],
+    max_steps: int | None,
+) -> None:
     """Module, optimizer and (given the step count) scheduler, set up by the strategy in one call.
     `create_optimizer` / `create_scheduler` are the Trainer's HF override points."""
     if run.stage != "train":
         schedule = (lambda optimizer: create_scheduler(max_steps, optimizer)) if max_steps is not None else None
-        setup = strategy.setup(module_to_set_up(run, config), lambda _model: create_optimizer(), schedule,
-                               max_steps=max_steps)
+        setup = strategy.setup(
+            module_to_set_up(run, config), lambda _model: create_optimizer(), schedule, max_steps=max_steps
+        )
         run.wrapped, run.optimizer = compiled(run, setup.model, config, strategy), setup.optimizer
         compile_optimizer_step(run.optimizer, strategy, config.train)
         if not strategy.capabilities.owns_optimizer_step:  # HF's two groups, stepped as one while their settings agree
@@ -162,9 +169,13 @@ def backward_owner(optimizer: Any, strategy: Any, precision: Any) -> Any:
         return None
     name = type(optimizer).__name__
     if strategy.world_size > 1:
-        raise ConfigError(f"{name} updates each parameter inside backward, before gradients could be averaged "
-                          "across processes, so the ranks would drift apart; run it on one process.")
+        raise ConfigError(
+            f"{name} updates each parameter inside backward, before gradients could be averaged "
+            "across processes, so the ranks would drift apart; run it on one process."
+        )
     if precision.uses_grad_scaler:
-        raise ConfigError(f"{name} updates each parameter inside backward, before a gradient scaler could unscale "
-                          "or skip the step; use precision bf16 or fp32 (LOMO scales an fp16 loss itself).")
+        raise ConfigError(
+            f"{name} updates each parameter inside backward, before a gradient scaler could unscale "
+            "or skip the step; use precision bf16 or fp32 (LOMO scales an fp16 loss itself)."
+        )
     return optimizer

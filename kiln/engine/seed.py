@@ -47,8 +47,13 @@ def rng_state() -> dict[str, Any]:
         # numpy's global RandomState is MT19937, whose legacy state is this tuple (never the dict form)
         legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
         kind, keys, pos, has_gauss, cached = legacy
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached": float(cached)}
+        state["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
     except ImportError:
         pass
     from kiln.accelerators import available_accelerators

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
 
+from kiln.config.hf_args import is_training_arguments
 from kiln.engine.arguments import config_or_args, pop_objects
 from kiln.engine.callbacks.base import Callback, CallbackHandler
 from kiln.engine.callbacks.defaults import default_callbacks
-from kiln.config.hf_args import is_training_arguments
 from kiln.engine.checkpoint.output_dir import refuse_overwrite, run_lock
 from kiln.engine.checkpoint.resume import choose_resume
 from kiln.engine.data.trainer_loaders import DataLoaderMixin
@@ -32,8 +32,8 @@ from kiln.engine.model.model_init import call_model_init
 from kiln.engine.model.module import loss_from_output
 from kiln.engine.model.neftune import neftune
 from kiln.engine.run_start import start_run
-from kiln.engine.trainer_attributes import RunAttributes
 from kiln.engine.seed import set_seed
+from kiln.engine.trainer_attributes import RunAttributes
 from kiln.engine.trainer_eval import EvaluationMixin
 from kiln.launch.settings import load_with_launcher_settings
 from kiln.optim.optimizers import build_optimizer
@@ -57,7 +57,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
     when done with it: it releases the process group and restores global flags; otherwise that
     happens when the interpreter exits."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Trainer":
+    def __new__(cls, *args: Any, **kwargs: Any) -> Trainer:
         trainer = super().__new__(cls)
         # the constructor's arguments: each hyperparameter-search trial builds its own Trainer from them,
         # through this class's constructor (hp_trial.build_trial_trainer)
@@ -66,16 +66,16 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
 
     def __init__(
         self,
-        model: Optional[nn.Module] = None,
+        model: nn.Module | None = None,
         config: Any = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
-        data_collator: Optional[Callable[[list[Any]], Any]] = None,
-        compute_metrics: Optional[Callable[..., dict[str, float]]] = None,
-        callbacks: Optional[Iterable[Union[Callback, type]]] = None,
-        optimizers: tuple[Optional[torch.optim.Optimizer], Any] = (None, None),
-        preprocess_logits_for_metrics: Optional[Callable[[Any, Any], Any]] = None,
-        model_init: Optional[Callable[..., nn.Module]] = None,
+        data_collator: Callable[[list[Any]], Any] | None = None,
+        compute_metrics: Callable[..., dict[str, float]] | None = None,
+        callbacks: Iterable[Callback | type] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+        model_init: Callable[..., nn.Module] | None = None,
         strategy: Any = None,
         precision: Any = None,
         processing_class: Any = None,
@@ -95,7 +95,9 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self.memory_tracker = MemoryTracker.from_config(cfg)  # HF's *_mem_* metrics; a no-op by default
         self.memory_tracker.start("init")
         # The strategy comes first: it decides where (and how sharded) a model the Trainer builds lives.
-        self.precision = precision if precision is not None and not isinstance(precision, type) else build_precision(cfg, precision)
+        self.precision = (
+            precision if precision is not None and not isinstance(precision, type) else build_precision(cfg, precision)
+        )
         adopt_model(cfg, model)  # a model transformers split at load picks its strategy, as in HF's Trainer
         self.strategy = build_strategy(cfg, self.precision, strategy)
         check_run_compatible(self.strategy, self.precision, cfg, user_optimizer=optimizers[0] is not None)
@@ -107,10 +109,14 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self.model_init = model_init
         if model is None or search is not None:  # a trial trains a fresh model_init(trial), as in HF
             if model_init is None:
-                raise KilnError("Trainer needs a model: pass `model=` or `model_init=` (a callable returning the model).")
+                raise KilnError(
+                    "Trainer needs a model: pass `model=` or `model_init=` (a callable returning the model)."
+                )
             model = self._build_model(search.trial if search is not None else None)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}.")
+            raise TypeError(
+                f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}."
+            )
         if cfg.train.use_cache is not None and getattr(model, "config", None) is not None:
             model.config.use_cache = cfg.train.use_cache  # HF sets it from TrainingArguments.use_cache
         self.args = cfg  # HF code reads trainer.args
@@ -123,28 +129,50 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self._remove_columns = bool(cfg.data.remove_unused_columns)  # read per micro-batch: a plain copy
         # num_items_in_batch is only worth waiting for (it is summed over ranks) when something reads
         # it; otherwise the all-reduce runs while the first forward does
-        self.wants_num_items = type(self).compute_loss is not Trainer.compute_loss or \
-            type(self).training_step is not Trainer.training_step
+        self.wants_num_items = (
+            type(self).compute_loss is not Trainer.compute_loss or type(self).training_step is not Trainer.training_step
+        )
         # evaluation's settings of the current call (HF keeps them on the Trainer too)
         self._gen_kwargs: dict[str, Any] = {}
         self._eval_step_name = "validation_step"
-        self._ignore_keys_for_eval: Optional[list[str]] = None
+        self._ignore_keys_for_eval: list[str] | None = None
         self._eval_dataloaders: dict[str, Any] = {}  # reused loaders (dataloader_persistent_workers)
         self._eval_compiler = EvalCompiler()  # eval.compile (jit_mode_eval)
-        self.callback_handler = CallbackHandler(default_callbacks(cfg, self.strategy), model=model, processing_class=processing_class,
-                                                optimizer=optimizers[0], lr_scheduler=optimizers[1])
+        self.callback_handler = CallbackHandler(
+            default_callbacks(cfg, self.strategy),
+            model=model,
+            processing_class=processing_class,
+            optimizer=optimizers[0],
+            lr_scheduler=optimizers[1],
+        )
         for cb in callbacks or ():
             self.callback_handler.add(cb)
-        self.run = start_run(cfg, self.strategy, self.precision, self.callback_handler, model, optimizers=optimizers,
-                             trial=search, training_args=self._given_args)
+        self.run = start_run(
+            cfg,
+            self.strategy,
+            self.precision,
+            self.callback_handler,
+            model,
+            optimizers=optimizers,
+            trial=search,
+            training_args=self._given_args,
+        )
         self.control = self.callback_handler.call("on_init_end", cfg, self.state, self.control)
         self.memory_tracker.stop("init")
 
-    def _start_run(self, model: Optional[nn.Module] = None) -> None:
+    def _start_run(self, model: nn.Module | None = None) -> None:
         """A new Run (run_start.py) of this Trainer's trial, if any: for `model`, or continuing the current
         one's model when None."""
-        self.run = start_run(self.config, self.strategy, self.precision, self.callback_handler, model, previous=self.run,
-                             trial=self.run.trial, training_args=self._given_args)
+        self.run = start_run(
+            self.config,
+            self.strategy,
+            self.precision,
+            self.callback_handler,
+            model,
+            previous=self.run,
+            trial=self.run.trial,
+            training_args=self._given_args,
+        )
         self.callback_handler.objects["model"] = self.run.model
 
     def _adopt(self, model: nn.Module) -> None:
@@ -155,13 +183,13 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self.run.state, self.run.control = old.state, old.control
 
     # -- callbacks (HF API) -----------------------------------------------------------------
-    def add_callback(self, callback: Union[Callback, type]) -> None:
+    def add_callback(self, callback: Callback | type) -> None:
         self.callback_handler.add(callback)
 
-    def pop_callback(self, callback: Union[Callback, type]) -> Optional[Callback]:
+    def pop_callback(self, callback: Callback | type) -> Callback | None:
         return self.callback_handler.pop(callback)
 
-    def remove_callback(self, callback: Union[Callback, type]) -> None:
+    def remove_callback(self, callback: Callback | type) -> None:
         self.callback_handler.pop(callback)
 
     # -- ranks ------------------------------------------------------------------------------
@@ -183,7 +211,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
                 self.optimizer = build_optimizer(self.model, self.config.optim)
         return self.optimizer
 
-    def create_scheduler(self, num_training_steps: int, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         if self.lr_scheduler is None:
             self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.config.scheduler, num_training_steps)
             self.run.created_scheduler = True  # a new run builds it again for its own length (HF)
@@ -194,7 +222,9 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self.create_optimizer()
         self.create_scheduler(num_training_steps, self.optimizer)
 
-    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         """The loss of one micro-batch (mean over its items); override for a custom loss."""
         facts = self.run.facts
         if facts.training_module:
@@ -203,16 +233,24 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
             if not isinstance(inputs, Mapping):
                 from kiln.engine.data.checks import describe
 
-                raise KilnError(f"HF-contract models are called as model(**batch), so the batch must be a dict of tensors, "
-                                f"not a {describe(inputs)}: return dicts from the dataset or the data_collator.")
+                raise KilnError(
+                    f"HF-contract models are called as model(**batch), so the batch must be a dict of tensors, "
+                    f"not a {describe(inputs)}: return dicts from the dataset or the data_collator."
+                )
             inputs = self.forward_inputs(inputs)
-            kwargs = {"num_items_in_batch": num_items_in_batch} if num_items_in_batch is not None and facts.model_divides(inputs) else {}
+            kwargs = (
+                {"num_items_in_batch": num_items_in_batch}
+                if num_items_in_batch is not None and facts.model_divides(inputs)
+                else {}
+            )
             if facts.label_smoothing and "labels" in inputs:
                 from kiln.engine.model.label_smoothing import smoothed_loss
 
                 labels = inputs["labels"]
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, **kwargs)
-                loss = smoothed_loss(self.model, outputs, labels, facts.label_smoothing, kwargs.get("num_items_in_batch"))
+                loss = smoothed_loss(
+                    self.model, outputs, labels, facts.label_smoothing, kwargs.get("num_items_in_batch")
+                )
                 return (loss, outputs) if return_outputs else loss
             outputs = model(**inputs, **kwargs)
         loss = loss_from_output(outputs)
@@ -224,8 +262,9 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
             return inputs
         return {k: v for k, v in inputs.items() if k in names}
 
-    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None,
-                      micro_batch: Optional[MicroBatch] = None) -> torch.Tensor:
+    def training_step(
+        self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None, micro_batch: MicroBatch | None = None
+    ) -> torch.Tensor:
         """Forward, loss, backward for one micro-batch; returns its detached (weighted) loss.
 
         The micro-batch's place in its accumulation window (its loss weight, whether it ends the window)
@@ -235,7 +274,9 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         micro_batch = micro_batch if micro_batch is not None else self.run.micro_batch
         with self.precision.forward_context():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        weight = micro_batch.weight if micro_batch is not None and micro_batch.weights is not None else None  # read once
+        weight = (
+            micro_batch.weight if micro_batch is not None and micro_batch.weights is not None else None
+        )  # read once
         loss = loss * weight if weight is not None else loss
         if self.run.backward_owner is not None:  # LOMO: the optimizer updates the weights inside backward
             self.run.backward_owner.backward_and_step(loss)
@@ -243,29 +284,37 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
             self.strategy.backward(loss, model, boundary=micro_batch.boundary if micro_batch is not None else True)
         return loss.detach()
 
-    def fit(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Optional[list[str]] = None) -> TrainOutput:
+    def fit(
+        self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: list[str] | None = None
+    ) -> TrainOutput:
         check_same_output_dir(self.config, self.strategy)  # one collective: a mismatch fails here, not inside a save
         with run_lock(self.config, self.strategy):  # one run per output_dir at a time (checkpoint/output_dir.py)
             return self._fit(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
-    def _fit(self, resume_from_checkpoint: Any, trial: Any, ignore_keys_for_eval: Optional[list[str]]) -> TrainOutput:
+    def _fit(self, resume_from_checkpoint: Any, trial: Any, ignore_keys_for_eval: list[str] | None) -> TrainOutput:
         cfg = self.config
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else cfg.resume_from_checkpoint
         path = choose_resume(resume, cfg, self.strategy)
         if path is None and not self._runs_started:  # a second train() continues this Trainer's own files
             refuse_overwrite(cfg)
         if trial is not None and trial is not self._trial:
-            raise KilnError("fit(trial=...) is driven by hyperparameter_search. To train with found hyperparameters, "
-                            "build Trainer(model_init=..., config={**config, **best_run.hyperparameters}).")
+            raise KilnError(
+                "fit(trial=...) is driven by hyperparameter_search. To train with found hyperparameters, "
+                "build Trainer(model_init=..., config={**config, **best_run.hyperparameters})."
+            )
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self._check_eval_setup()
         from kiln.engine.data.checks import check_training_data
 
-        check_training_data(self.train_dataset, self.data_collator, self.model, self.run.facts.training_module)  # before model work
+        check_training_data(
+            self.train_dataset, self.data_collator, self.model, self.run.facts.training_module
+        )  # before model work
         if self.strategy.is_global_zero and cfg.log.level not in ("error", "critical"):  # quiet runs stay quiet
             from kiln.engine.model.summary import start_summary
 
-            summary = start_summary(self.model, self.strategy, self.precision, cfg.log.model_summary, cfg.log.model_summary_depth)
+            summary = start_summary(
+                self.model, self.strategy, self.precision, cfg.log.model_summary, cfg.log.model_summary_depth
+            )
             if summary is not None:
                 print(summary, flush=True)
         if self._runs_started:  # HF: every train() is a new run, not a resume of the last
@@ -280,9 +329,17 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         try:  # the outer try: a Ctrl-C that lands while an error is being handled is still the interrupt
             try:
                 with neftune(self.model, cfg.train.neftune_noise_alpha):
-                    loop = FitLoop(self, self.run, self.strategy, self.precision, self.callback_handler, self.checkpoints,
-                                   cfg, self.memory_tracker,
-                                   wants_num_items=self.wants_num_items or self.run.facts.accepts_num_items)
+                    loop = FitLoop(
+                        self,
+                        self.run,
+                        self.strategy,
+                        self.precision,
+                        self.callback_handler,
+                        self.checkpoints,
+                        cfg,
+                        self.memory_tracker,
+                        wants_num_items=self.wants_num_items or self.run.facts.accepts_num_items,
+                    )
                     return loop.run_fit(path)
             except Exception as err:
                 from kiln.launch.worker import peer_interrupted
@@ -308,7 +365,9 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
             from kiln.utils.errors import TrainingInterrupted
 
             last = latest_checkpoint(cfg.output_dir) if os.path.isdir(cfg.output_dir) else None
-            raise TrainingInterrupted(f"interrupted at step {self.state.global_step}; last checkpoint: {last or 'none'}") from None
+            raise TrainingInterrupted(
+                f"interrupted at step {self.state.global_step}; last checkpoint: {last or 'none'}"
+            ) from None
 
     train = fit  # HF name
 
@@ -320,7 +379,9 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         and a schedule the Trainer built itself is built again for the new run's length."""
         model = None
         if self.model_init is not None:
-            set_seed(self.config.seed, self.config.full_determinism)  # before the model is built, so its init follows the seed
+            set_seed(
+                self.config.seed, self.config.full_determinism
+            )  # before the model is built, so its init follows the seed
             model = self._build_model(self._trial)
         self._start_run(model)
 
@@ -338,7 +399,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self.precision.teardown()
         self.strategy.teardown()
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -352,7 +413,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
             return float(scheduler.get_last_lr()[0])
         return float(run.optimizer.param_groups[0]["lr"]) if run.optimizer is not None else 0.0
 
-    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Record `logs` in the state's history and send them to every logger (on_log)."""
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
@@ -362,19 +423,26 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         logs = {**logs, **extra} if extra else logs
         self.control = self.callback_handler.call("on_log", self.config, self.state, self.control, logs=logs)
 
-    def _save_checkpoint(self, metrics: Optional[dict[str, float]] = None) -> str:
+    def _save_checkpoint(self, metrics: dict[str, float] | None = None) -> str:
         """Write `checkpoint-<global_step>` (HF's override point; `metrics` is accepted for HF's signature:
         the best metric is already in the state)."""
         return self.checkpoints.save(self.state)
 
-    def save_model(self, output_dir: Optional[str] = None, max_shard_size: Optional[Union[int, str]] = None) -> str:
+    def save_model(self, output_dir: str | None = None, max_shard_size: int | str | None = None) -> str:
         """Export full weights (safetensors) plus config; loadable without kiln, and with
         `from_pretrained` for Transformers models. Above `max_shard_size` (bytes or "5GB", as
         `save_pretrained`) the weights are split into shards with a `model.safetensors.index.json`."""
         from kiln.engine.checkpoint.export import export_model
 
-        return export_model(self.model, self.strategy, self.config, self.processing_class, output_dir or self.config.output_dir,
-                            max_shard_size, self._given_args)
+        return export_model(
+            self.model,
+            self.strategy,
+            self.config,
+            self.processing_class,
+            output_dir or self.config.output_dir,
+            max_shard_size,
+            self._given_args,
+        )
 
     def save_state(self) -> None:
         if self.strategy.is_global_zero:

@@ -5,7 +5,7 @@ holds each piece of run state, and HF code that reads or assigns these attribute
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,40 +19,40 @@ if TYPE_CHECKING:
 
 
 class RunAttributes:
-    run: "Run"
+    run: Run
 
     def _adopt(self, model: nn.Module) -> None:
         raise NotImplementedError  # the Trainer's: a new run for `model`
 
     # -- HF's attributes, over the run ------------------------------------------------------
     @property
-    def state(self) -> "TrainerState":
+    def state(self) -> TrainerState:
         return self.run.state
 
     @state.setter
-    def state(self, state: "TrainerState") -> None:
+    def state(self, state: TrainerState) -> None:
         self.run.state = state
 
     @property
-    def control(self) -> "TrainerControl":
+    def control(self) -> TrainerControl:
         """The run's flags: what the last callback event returned (the Run is the control's one owner)."""
         return self.run.control
 
     @control.setter
-    def control(self, control: "TrainerControl") -> None:
+    def control(self, control: TrainerControl) -> None:
         self.run.control = control
 
     @property
-    def checkpoints(self) -> "CheckpointManager":
+    def checkpoints(self) -> CheckpointManager:
         return self.run.checkpoints
 
     @property
-    def log_to_loggers_only(self) -> Optional[dict[str, float]]:
+    def log_to_loggers_only(self) -> dict[str, float] | None:
         """Throughput figures the next `log()` sends to the loggers only (the fit loop sets them)."""
         return self.run.log_to_loggers_only
 
     @log_to_loggers_only.setter
-    def log_to_loggers_only(self, figures: Optional[dict[str, float]]) -> None:
+    def log_to_loggers_only(self, figures: dict[str, float] | None) -> None:
         self.run.log_to_loggers_only = figures
 
     @property
@@ -76,11 +76,11 @@ class RunAttributes:
         return self.run.wrapped
 
     @property
-    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+    def optimizer(self) -> torch.optim.Optimizer | None:
         return self.run.optimizer
 
     @optimizer.setter
-    def optimizer(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         self.run.optimizer = optimizer
 
     @property
@@ -101,7 +101,7 @@ class RunAttributes:
         return self.run.micro_batch_size
 
     @property
-    def current_micro_batch(self) -> Optional[MicroBatch]:
+    def current_micro_batch(self) -> MicroBatch | None:
         """The micro-batch an override with HF's `training_step` signature is running (see loop/step.py)."""
         return self.run.micro_batch
 
@@ -112,7 +112,7 @@ class RunAttributes:
         """The learning rate of each optimizer param group (HF); an error before the optimizer exists."""
         return [group["lr"] for group in self._require_optimizer().param_groups]
 
-    def get_optimizer_group(self, param: Union[str, nn.Parameter, None] = None) -> Any:
+    def get_optimizer_group(self, param: str | nn.Parameter | None = None) -> Any:
         """HF's API: the param group holding `param` (a Parameter or its name), else every group's params."""
         groups = self._require_optimizer().param_groups
         if isinstance(param, str):
@@ -125,6 +125,8 @@ class RunAttributes:
 
     def _require_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before "
-                             "(call create_optimizer() or train() first).")
+            raise ValueError(
+                "Trainer optimizer is None, please make sure you have setup the optimizer before "
+                "(call create_optimizer() or train() first)."
+            )
         return self.optimizer

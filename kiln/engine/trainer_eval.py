@@ -20,24 +20,31 @@ import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from kiln.optim.optimizers import optimizer_mode
-from kiln.engine.checkpoint.best_model import metric_key, update_best
 from kiln.engine.callbacks.early_stopping import resolve_greater_is_better
+from kiln.engine.checkpoint.best_model import metric_key, update_best
 from kiln.engine.data.checks import check_eval_dataset
 from kiln.engine.data.loaders import SequentialDistributedSampler
-from kiln.engine.run import setup_for_eval
-from kiln.utils.errors import KilnError
-from kiln.engine.evaluation.gather import EvalAccumulator, OrderedGatherer, gather_across_processes, nested_detach
 from kiln.engine.evaluation.batches import collected, inputs_for_metrics, sampler_of, with_last, write_metrics
+from kiln.engine.evaluation.gather import EvalAccumulator, OrderedGatherer, gather_across_processes, nested_detach
 from kiln.engine.evaluation.object_gather import ObjectAccumulator
-from kiln.engine.evaluation.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, eval_prediction, step_outputs, to_python
-from kiln.utils.tensors import batch_size_of
+from kiln.engine.evaluation.outputs import (
+    EvalLoopOutput,
+    EvalPrediction,
+    PredictionOutput,
+    eval_prediction,
+    step_outputs,
+    to_python,
+)
+from kiln.engine.run import setup_for_eval
+from kiln.optim.optimizers import optimizer_mode
 from kiln.precision.base import cast_floating
+from kiln.utils.errors import KilnError
+from kiln.utils.tensors import batch_size_of
 
 if TYPE_CHECKING:
     from torch import nn
@@ -57,14 +64,14 @@ class EvaluationMixin:
     The attributes below are the Trainer's that evaluation uses."""
 
     config: Any
-    strategy: "Strategy"
-    precision: "Precision"
-    run: "Run"
-    state: "TrainerState"
-    control: "TrainerControl"
-    callback_handler: "CallbackHandler"
+    strategy: Strategy
+    precision: Precision
+    run: Run
+    state: TrainerState
+    control: TrainerControl
+    callback_handler: CallbackHandler
     memory_tracker: Any
-    model: "nn.Module"
+    model: nn.Module
     optimizer: Any
     lr_scheduler: Any
     label_names: list[str]
@@ -73,20 +80,23 @@ class EvaluationMixin:
     compute_metrics: Any
     preprocess_logits_for_metrics: Any
     is_in_train: bool
-    _eval_compiler: "EvalCompiler"
+    _eval_compiler: EvalCompiler
     _eval_dataloaders: dict[str, Any]
     _gen_kwargs: dict[str, Any]
     _eval_step_name: str
-    _ignore_keys_for_eval: Optional[list[str]]
+    _ignore_keys_for_eval: list[str] | None
 
     if TYPE_CHECKING:  # the Trainer's (and hyperparameter search's) methods that evaluation calls
-        def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None: ...
-        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any: ...
+
+        def log(self, logs: dict[str, float], start_time: float | None = None) -> None: ...
+        def compute_loss(
+            self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+        ) -> Any: ...
         def forward_inputs(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]: ...
         def _model_inputs(self, dataset: Any, description: str) -> tuple[Any, Any]: ...
         def _report_to_trial(self, metrics: dict[str, float]) -> None: ...
 
-    def setup_model(self) -> "nn.Module":
+    def setup_model(self) -> nn.Module:
         """The module set up by the strategy for evaluation (before training: without an optimizer)."""
         return setup_for_eval(self.run, self.strategy, self.config)
 
@@ -108,7 +118,9 @@ class EvaluationMixin:
         if isinstance(eval_dataset, str):
             named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
             if eval_dataset not in named:
-                raise KilnError(f"No eval dataset named {eval_dataset!r}; the Trainer's eval_dataset dict has: {', '.join(named) or 'none'}.")
+                raise KilnError(
+                    f"No eval dataset named {eval_dataset!r}; the Trainer's eval_dataset dict has: {', '.join(named) or 'none'}."
+                )
             eval_dataset = named[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
@@ -132,22 +144,38 @@ class EvaluationMixin:
             return s.process_dataloader(dataset)  # used as given
         cfg = self.config
         batch_size, drop_last = cfg.data.per_device_eval_batch_size, cfg.data.dataloader_drop_last
-        batch_size = per_rank_batch_size(batch_size, cfg.data.split_batches, s.data_shards,
-                                         "per_device_eval_batch_size")
+        batch_size = per_rank_batch_size(
+            batch_size, cfg.data.split_batches, s.data_shards, "per_device_eval_batch_size"
+        )
         sampler = None
         if is_sized(dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
-            sampler = SequentialDistributedSampler(len(dataset), s.data_shards, s.data_shard_rank,
-                                                   batch_size if drop_last else None, drop_last)
+            sampler = SequentialDistributedSampler(
+                len(dataset), s.data_shards, s.data_shard_rank, batch_size if drop_last else None, drop_last
+            )
         dataset, collator = self._model_inputs(dataset, "Evaluation")  # remove_unused_columns (HF)
-        loader = build_dataloader(dataset, batch_size, collator, cfg.data, cfg.seed, shuffle=False,
-                                  num_replicas=s.data_shards, rank=s.data_shard_rank, sampler=sampler,
-                                  drop_last=None if sampler is None else False,  # the sampler already dropped
-                                  pin_memory=s.accelerator.pin_memory)
+        loader = build_dataloader(
+            dataset,
+            batch_size,
+            collator,
+            cfg.data,
+            cfg.seed,
+            shuffle=False,
+            num_replicas=s.data_shards,
+            rank=s.data_shard_rank,
+            sampler=sampler,
+            drop_last=None if sampler is None else False,  # the sampler already dropped
+            pin_memory=s.accelerator.pin_memory,
+        )
         return s.process_dataloader(loader)
 
     # -- public API -------------------------------------------------------------------------
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
-                 metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]:
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+        **gen_kwargs: Any,
+    ) -> dict[str, float]:
         """Metrics `<prefix>_loss`, `compute_metrics`' keys prefixed, speed and `epoch`; logged and
         passed to `on_evaluate`. A dict of datasets is evaluated one by one as `<prefix>_<name>_*`.
         `gen_kwargs` go to `model.generate` with `predict_with_generate`."""
@@ -156,14 +184,21 @@ class EvaluationMixin:
         if isinstance(dataset, Mapping):
             metrics: dict[str, float] = {}
             for name, ds in dataset.items():
-                metrics.update(self.evaluate(ds if override else name, ignore_keys, f"{metric_key_prefix}_{name}", **gen_kwargs))
+                metrics.update(
+                    self.evaluate(ds if override else name, ignore_keys, f"{metric_key_prefix}_{name}", **gen_kwargs)
+                )
             return metrics
         self._gen_kwargs = gen_kwargs
         loader = self.get_eval_dataloader(eval_dataset)  # None: the Trainer's own (its loader may be reused)
         start = time.time()
         with self._memory_stage("eval"):  # ignored inside fit(): the train stage counts it
-            output = self.evaluation_loop(loader, "Evaluation", prediction_loss_only=True if self.compute_metrics is None else None,
-                                          ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            output = self.evaluation_loop(
+                loader,
+                "Evaluation",
+                prediction_loss_only=True if self.compute_metrics is None else None,
+                ignore_keys=ignore_keys,
+                metric_key_prefix=metric_key_prefix,
+            )
         metrics = output.metrics
         metrics.update(self._speed_metrics(metric_key_prefix, start, output.num_samples, loader))
         self.memory_tracker.stop_and_update("eval", metrics)
@@ -171,18 +206,27 @@ class EvaluationMixin:
         self.control = self.callback_handler.call("on_evaluate", self.config, self.state, self.control, metrics=metrics)
         return metrics
 
-    def predict(self, test_dataset: Any, ignore_keys: Optional[list[str]] = None,
-                metric_key_prefix: str = "test", **gen_kwargs: Any) -> PredictionOutput:
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+        **gen_kwargs: Any,
+    ) -> PredictionOutput:
         """Numpy predictions and label_ids in dataset order (ragged sequences right-padded with
         `eval.padding_index`) and metrics (`<prefix>_loss` etc. when the data has labels)."""
         self._gen_kwargs = gen_kwargs
         loader = self.get_test_dataloader(test_dataset)
         start = time.time()
         with self._memory_stage("test"):
-            output = self.evaluation_loop(loader, "Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            output = self.evaluation_loop(
+                loader, "Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
+            )
         output.metrics.update(self._speed_metrics(metric_key_prefix, start, output.num_samples, loader))
         self.memory_tracker.stop_and_update("test", output.metrics)
-        self.control = self.callback_handler.call("on_predict", self.config, self.state, self.control, metrics=output.metrics)
+        self.control = self.callback_handler.call(
+            "on_predict", self.config, self.state, self.control, metrics=output.metrics
+        )
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
     @contextlib.contextmanager
@@ -203,8 +247,14 @@ class EvaluationMixin:
         return speed_metrics(prefix, start, num_samples=num_samples, num_steps=steps)
 
     # -- the loop ---------------------------------------------------------------------------
-    def evaluation_loop(self, dataloader: Iterable[Any], description: str, prediction_loss_only: Optional[bool] = None,
-                        ignore_keys: Optional[list[str]] = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+    def evaluation_loop(
+        self,
+        dataloader: Iterable[Any],
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
         """Shared by evaluate ("Evaluation": TrainingModule.validation_step) and predict
         ("Prediction": predict_step). Works with or without labels."""
         cfg, s, e = self.config, self.strategy, self.config.eval
@@ -216,15 +266,25 @@ class EvaluationMixin:
         sampler = sampler_of(dataloader)
         distributed = s.data_shards > 1 and isinstance(sampler, SequentialDistributedSampler)
         if s.data_shards > 1 and not distributed:
-            logger.warning("Evaluating a loader without kiln's eval sampler on %d ranks: each rank reports its own shard.",
-                           s.data_shards)
+            logger.warning(
+                "Evaluating a loader without kiln's eval sampler on %d ranks: each rank reports its own shard.",
+                s.data_shards,
+            )
         per_batch, predicting = e.batch_eval_metrics, description == "Prediction"
         gatherer = OrderedGatherer.for_sampler(sampler, e.padding_index) if distributed else None
-        acc = EvalAccumulator(e.padding_index, e.do_concat_batches, e.accumulation_steps, gatherer=gatherer,
-                              gather_fn=s.all_gather if distributed and not per_batch else None)
+        acc = EvalAccumulator(
+            e.padding_index,
+            e.do_concat_batches,
+            e.accumulation_steps,
+            gatherer=gatherer,
+            gather_fn=s.all_gather if distributed and not per_batch else None,
+        )
         if e.use_gather_object and not per_batch:  # non-tensor outputs: one all_gather_object at the end
-            acc = ObjectAccumulator(s.all_gather_object if distributed else None,
-                                    sampler.num_examples if distributed else None, e.padding_index)
+            acc = ObjectAccumulator(
+                s.all_gather_object if distributed else None,
+                sampler.num_examples if distributed else None,
+                e.padding_index,
+            )
         metrics: Any = {}
         observed = 0
         dtype = self.precision.eval_dtype if not self.is_in_train else None  # HF: full-eval casting outside train()
@@ -275,23 +335,27 @@ class EvaluationMixin:
         num_samples = sampler.num_examples if isinstance(sampler, SequentialDistributedSampler) else observed
         return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics, num_samples=num_samples)
 
-    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
-                        ignore_keys: Optional[list[str]] = None) -> tuple[Any, Any, Any]:
+    def prediction_step(
+        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[Any, Any, Any]:
         """(loss, logits, labels) for one batch, each possibly None (HF override point)."""
         with torch.no_grad(), self.precision.eval_context():
             if self.run.facts.training_module:
                 return self._module_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
             return self._hf_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
-    def _module_prediction_step(self, model: Any, inputs: Any, loss_only: bool,
-                                ignore_keys: Optional[list[str]]) -> tuple[Any, Any, Any]:
+    def _module_prediction_step(
+        self, model: Any, inputs: Any, loss_only: bool, ignore_keys: list[str] | None
+    ) -> tuple[Any, Any, Any]:
         step = self._eval_step_name
         out = model(inputs, step=step)
         if isinstance(out, torch.Tensor):
             out = {"loss": out}
         if not isinstance(out, Mapping):
-            raise TypeError(f"{step} must return a loss tensor or a dict with 'loss', 'logits' or 'predictions' "
-                            f"and 'labels'; got {type(out).__name__}.")
+            raise TypeError(
+                f"{step} must return a loss tensor or a dict with 'loss', 'logits' or 'predictions' "
+                f"and 'labels'; got {type(out).__name__}."
+            )
         loss = out.get("loss")
         loss = loss.detach() if isinstance(loss, torch.Tensor) else None
         if loss_only:
@@ -305,13 +369,18 @@ class EvaluationMixin:
         return loss, nested_detach(logits), nested_detach(labels)
 
     def _labels_from(self, inputs: Any) -> Any:
-        if not isinstance(inputs, Mapping) or not self.label_names or any(inputs.get(k) is None for k in self.label_names):
+        if (
+            not isinstance(inputs, Mapping)
+            or not self.label_names
+            or any(inputs.get(k) is None for k in self.label_names)
+        ):
             return None
         labels = tuple(inputs[k].detach() for k in self.label_names)
         return labels[0] if len(labels) == 1 else labels
 
-    def _hf_prediction_step(self, model: Any, inputs: Any, loss_only: bool,
-                            ignore_keys: Optional[list[str]]) -> tuple[Any, Any, Any]:
+    def _hf_prediction_step(
+        self, model: Any, inputs: Any, loss_only: bool, ignore_keys: list[str] | None
+    ) -> tuple[Any, Any, Any]:
         if ignore_keys is None:  # HF: the config's list, else the KV cache ("cache"; "past_key_values" before v5)
             config = getattr(self.model, "config", None)
             ignore_keys = [] if config is None else list(getattr(config, "keys_to_ignore_at_inference", ["cache"]))
@@ -326,8 +395,17 @@ class EvaluationMixin:
         if self.config.eval.predict_with_generate:  # no forward without labels: decoders need targets
             from kiln.engine.evaluation.generation import generate_predictions
 
-            return loss, generate_predictions(self.model, self.forward_inputs(inputs) if isinstance(inputs, Mapping) else inputs,
-                                              set(self.label_names), self.config.eval, self._gen_kwargs), labels
+            return (
+                loss,
+                generate_predictions(
+                    self.model,
+                    self.forward_inputs(inputs) if isinstance(inputs, Mapping) else inputs,
+                    set(self.label_names),
+                    self.config.eval,
+                    self._gen_kwargs,
+                ),
+                labels,
+            )
         if outputs is None:
             outputs = model(**self.forward_inputs(inputs))
         if isinstance(outputs, Mapping):  # dicts and Transformers ModelOutputs
@@ -375,13 +453,18 @@ class EvaluationMixin:
         e = self.config.eval
         custom_loader = type(self).get_eval_dataloader is not EvaluationMixin.get_eval_dataloader
         if (e.strategy != "no" or e.on_start) and self.eval_dataset is None and not custom_loader:
-            raise KilnError(f"eval.strategy is {e.strategy!r}{' with eval_on_start' if e.on_start else ''} but the Trainer "
-                            "has no eval_dataset: pass eval_dataset=... or set eval_strategy='no'.")
+            raise KilnError(
+                f"eval.strategy is {e.strategy!r}{' with eval_on_start' if e.on_start else ''} but the Trainer "
+                "has no eval_dataset: pass eval_dataset=... or set eval_strategy='no'."
+            )
         if (e.strategy != "no" or e.on_start) and not custom_loader:
             named = self.eval_dataset.items() if isinstance(self.eval_dataset, Mapping) else [(None, self.eval_dataset)]
             for name, dataset in named:
-                check_eval_dataset(dataset, "eval_dataset" + (f" {name!r}" if name is not None else ""),
-                                   "pass a dataset with items, or set eval_strategy='no'")
+                check_eval_dataset(
+                    dataset,
+                    "eval_dataset" + (f" {name!r}" if name is not None else ""),
+                    "pass a dataset with items, or set eval_strategy='no'",
+                )
 
     # -- HF metric helpers ------------------------------------------------------------------
     def metrics_format(self, metrics: Mapping[str, float]) -> dict[str, Any]:

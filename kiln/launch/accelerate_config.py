@@ -7,17 +7,22 @@ by construction and the meaning is decided in one place."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from kiln.utils.truthy import truthy
 
 Env = Mapping[str, str]
 
 # accelerate's variable names that differ from the config file's keys (without the fsdp_ prefix)
-_FSDP_RENAMED = {"transformer_cls_to_wrap": "transformer_layer_cls_to_wrap", "backward_prefetch_policy": "backward_prefetch"}
+_FSDP_RENAMED = {
+    "transformer_cls_to_wrap": "transformer_layer_cls_to_wrap",
+    "backward_prefetch_policy": "backward_prefetch",
+}
 _DEEPSPEED_VARIABLES = {
-    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE", "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
     "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
     "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
     "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
@@ -42,28 +47,38 @@ class AccelerateConfig:
     dynamo_mode: str = ""
     num_processes: int = 1
     num_machines: int = 1
-    gpu_ids: Optional[str] = None  # CUDA_VISIBLE_DEVICES for the workers; None: every GPU
+    gpu_ids: str | None = None  # CUDA_VISIBLE_DEVICES for the workers; None: every GPU
 
     @classmethod
-    def from_env(cls, env: Env) -> Optional["AccelerateConfig"]:
+    def from_env(cls, env: Env) -> AccelerateConfig | None:
         """The configuration `accelerate launch` exported into `env`; None when it did not start us."""
         if not any(k.startswith("ACCELERATE_") for k in env):
             return None
-        kind = ("FSDP" if truthy(env.get("ACCELERATE_USE_FSDP")) else
-                "DEEPSPEED" if truthy(env.get("ACCELERATE_USE_DEEPSPEED")) else "NO")
+        kind = (
+            "FSDP"
+            if truthy(env.get("ACCELERATE_USE_FSDP"))
+            else "DEEPSPEED"
+            if truthy(env.get("ACCELERATE_USE_DEEPSPEED"))
+            else "NO"
+        )
         fsdp = {}
         for name, value in env.items():
             if name.startswith("FSDP_"):
-                key = name[len("FSDP_"):].lower()
+                key = name[len("FSDP_") :].lower()
                 fsdp[_FSDP_RENAMED.get(key, key)] = value
         deepspeed = {key: env[name] for key, name in _DEEPSPEED_VARIABLES.items() if name in env}
-        return cls(mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "").strip().lower(), use_cpu=truthy(env.get("ACCELERATE_USE_CPU")),
-                   distributed_type=kind, fsdp=fsdp, deepspeed=deepspeed,
-                   dynamo_backend=_backend(env.get("ACCELERATE_DYNAMO_BACKEND")),
-                   dynamo_mode=env.get("ACCELERATE_DYNAMO_MODE", ""))
+        return cls(
+            mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "").strip().lower(),
+            use_cpu=truthy(env.get("ACCELERATE_USE_CPU")),
+            distributed_type=kind,
+            fsdp=fsdp,
+            deepspeed=deepspeed,
+            dynamo_backend=_backend(env.get("ACCELERATE_DYNAMO_BACKEND")),
+            dynamo_mode=env.get("ACCELERATE_DYNAMO_MODE", ""),
+        )
 
     @classmethod
-    def from_file(cls, path: str) -> "AccelerateConfig":
+    def from_file(cls, path: str) -> AccelerateConfig:
         """The configuration in an `accelerate config` YAML file."""
         from omegaconf import OmegaConf
 
@@ -74,15 +89,25 @@ class AccelerateConfig:
         for key, value in (raw.get("fsdp_config") or {}).items():
             key = key.lower().removeprefix("fsdp_")
             fsdp[_FSDP_RENAMED.get(key, key)] = _text(value)
-        deepspeed = {k: _text(v) for k, v in (raw.get("deepspeed_config") or {}).items()
-                     if k in _DEEPSPEED_VARIABLES and v is not None}
+        deepspeed = {
+            k: _text(v)
+            for k, v in (raw.get("deepspeed_config") or {}).items()
+            if k in _DEEPSPEED_VARIABLES and v is not None
+        }
         dynamo = raw.get("dynamo_config") or {}
         gpu_ids = raw.get("gpu_ids")
-        return cls(mixed_precision=str(raw.get("mixed_precision") or "no").lower(), use_cpu=bool(raw.get("use_cpu", False)),
-                   distributed_type=str(raw.get("distributed_type", "NO")).upper(), fsdp=fsdp, deepspeed=deepspeed,
-                   dynamo_backend=_backend(dynamo.get("dynamo_backend")), dynamo_mode=str(dynamo.get("dynamo_mode") or ""),
-                   num_processes=int(raw.get("num_processes") or 1), num_machines=int(raw.get("num_machines", 1) or 1),
-                   gpu_ids=None if gpu_ids in (None, "", "all") or raw.get("use_cpu") else str(gpu_ids))
+        return cls(
+            mixed_precision=str(raw.get("mixed_precision") or "no").lower(),
+            use_cpu=bool(raw.get("use_cpu", False)),
+            distributed_type=str(raw.get("distributed_type", "NO")).upper(),
+            fsdp=fsdp,
+            deepspeed=deepspeed,
+            dynamo_backend=_backend(dynamo.get("dynamo_backend")),
+            dynamo_mode=str(dynamo.get("dynamo_mode") or ""),
+            num_processes=int(raw.get("num_processes") or 1),
+            num_machines=int(raw.get("num_machines", 1) or 1),
+            gpu_ids=None if gpu_ids in (None, "", "all") or raw.get("use_cpu") else str(gpu_ids),
+        )
 
 
 def _text(value: Any) -> str:

@@ -31,8 +31,8 @@ import sys
 import tempfile
 import threading
 import uuid
-from typing import Any, Optional, Sequence
-
+from collections.abc import Sequence
+from typing import Any
 
 #: set by `launch_local` for its workers only: where each rank writes its pid and, failing, its report
 REPORT_DIR = "KILN_LAUNCH_REPORT_DIR"
@@ -44,7 +44,7 @@ def launch_local(
     nproc: int,
     argv: Sequence[str],
     *,
-    extra_env: Optional[dict[str, str]] = None,
+    extra_env: dict[str, str] | None = None,
     monitor_interval: float = 0.1,
     max_restarts: int = 0,
 ) -> int:
@@ -60,8 +60,10 @@ def launch_local(
     from kiln.launch.environment import detect
 
     if detect().distributed:
-        raise RuntimeError("kiln --nproc was used inside an already launched job (WORLD_SIZE is set); "
-                           "drop --nproc, the launcher already started the processes.")
+        raise RuntimeError(
+            "kiln --nproc was used inside an already launched job (WORLD_SIZE is set); "
+            "drop --nproc, the launcher already started the processes."
+        )
     extra_env = dict(extra_env or {})
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}.")
@@ -75,8 +77,10 @@ def launch_local(
     report_dir = tempfile.mkdtemp(prefix="kiln-launch-")
     extra_env.update(_loopback_only())
     # torch's launch_agent exports TORCHELASTIC_SIGNALS_TO_HANDLE; it is put back with the rest
-    saved = {k: os.environ.get(k) for k in [REPORT_DIR, LAUNCHER_PID, "OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE",
-                                            *extra_env]}
+    saved = {
+        k: os.environ.get(k)
+        for k in [REPORT_DIR, LAUNCHER_PID, "OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", *extra_env]
+    }
     os.environ.update(extra_env)
     os.environ[REPORT_DIR] = report_dir
     os.environ[LAUNCHER_PID] = str(os.getpid())
@@ -96,8 +100,12 @@ def launch_local(
         if _interrupted(err):
             return 130  # Ctrl-C: rank 0 printed the one line; the others' exits are its echo
         if sigterm.received and all(f.exitcode == -signal.SIGTERM for f in err.failures.values()):
-            print("kiln: stopped by SIGTERM and no checkpoint was saved; save.on_preemption: true saves one on SIGTERM "
-                  "once training has started.", file=sys.stderr, flush=True)
+            print(
+                "kiln: stopped by SIGTERM and no checkpoint was saved; save.on_preemption: true saves one on SIGTERM "
+                "once training has started.",
+                file=sys.stderr,
+                flush=True,
+            )
             return 128 + signal.SIGTERM
         return _report(err, report_dir, attempt=max_restarts)
     except KeyboardInterrupt:  # Ctrl-C reached the launcher too (the terminal signals the whole group)
@@ -132,20 +140,32 @@ def warn_if_more_processes_than_cores(nproc: int, cores: int) -> None:
     import torch
 
     if nproc > cores and not torch.cuda.is_available():
-        print(f"kiln: warning: {nproc} processes on {cores} CPU core{'s' if cores != 1 else ''} take turns on the cores, "
-              f"so they train slower than {cores} process{'es' if cores != 1 else ''} (--nproc {cores}) would.",
-              file=sys.stderr, flush=True)
+        print(
+            f"kiln: warning: {nproc} processes on {cores} CPU core{'s' if cores != 1 else ''} take turns on the cores, "
+            f"so they train slower than {cores} process{'es' if cores != 1 else ''} (--nproc {cores}) would.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def launch_config(nproc: int, max_restarts: int = 0, monitor_interval: float = 0.1, handle_sigterm: bool = False) -> Any:
+def launch_config(
+    nproc: int, max_restarts: int = 0, monitor_interval: float = 0.1, handle_sigterm: bool = False
+) -> Any:
     """torch's `LaunchConfig` for a `--nproc` job: one node, its rendezvous and the address the workers
     meet at (MASTER_ADDR) on 127.0.0.1 only; `handle_sigterm`: whether torch's agent, not kiln's
     `_ForwardSigterm`, answers SIGTERM."""
     from torch.distributed.launcher.api import LaunchConfig
 
     return LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()), rdzv_backend=_register_loopback(),
-        local_addr=LOOPBACK, max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="spawn",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend=_register_loopback(),
+        local_addr=LOOPBACK,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method="spawn",
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT" if handle_sigterm else "SIGINT,SIGHUP,SIGQUIT",
     )
 
@@ -250,8 +270,16 @@ def _loopback_store() -> Any:
     sock.bind((LOOPBACK, 0))
     sock.listen(128)
     port = sock.getsockname()[1]
-    return TCPStore(LOOPBACK, port, None, True, timedelta(seconds=60), wait_for_workers=False, multi_tenant=True,
-                    master_listen_fd=sock.detach())
+    return TCPStore(
+        LOOPBACK,
+        port,
+        None,
+        True,
+        timedelta(seconds=60),
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
+    )
 
 
 _AGENT_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
@@ -284,21 +312,33 @@ def _report(err: Any, report_dir: str, attempt: int = 0) -> int:
     reported = {r["rank"] for r in reports}
     # A rank killed by a signal (SIGKILL: out of memory, an external kill) writes no report; the others'
     # errors then followed from its death. SIGTERM is how the agent stops the survivors: not a cause.
-    signalled = {rank: f for rank, f in err.failures.items()
-                 if f.exitcode < 0 and f.exitcode != -signal.SIGTERM and rank not in reported}
+    signalled = {
+        rank: f
+        for rank, f in err.failures.items()
+        if f.exitcode < 0 and f.exitcode != -signal.SIGTERM and rank not in reported
+    }
     if signalled:
         rank = min(signalled)
         code = signalled[rank].exitcode
-        print(f"kiln: rank {rank} died first (killed by signal {-code}, e.g. out of memory or an external kill); "
-              "the other ranks were stopped.", file=sys.stderr, flush=True)
+        print(
+            f"kiln: rank {rank} died first (killed by signal {-code}, e.g. out of memory or an external kill); "
+            "the other ranks were stopped.",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     if reports and len(reports) == len(err.failures) and len({(r["error"], r["exitcode"]) for r in reports}) == 1:
-        print(f"kiln: {reports[0]['error']}\n{reports[0]['detail']}".rstrip(), file=sys.stderr, flush=True)  # every rank alike
+        print(
+            f"kiln: {reports[0]['error']}\n{reports[0]['detail']}".rstrip(), file=sys.stderr, flush=True
+        )  # every rank alike
         return int(reports[0]["exitcode"]) or 1
     if reports:
         first = min(reports, key=lambda r: r["time"])
-        print(f"kiln: rank {first['rank']} failed first (exit code {first['exitcode']}): {first['error']}\n{first['detail']}".rstrip(),
-              file=sys.stderr, flush=True)
+        print(
+            f"kiln: rank {first['rank']} failed first (exit code {first['exitcode']}): {first['error']}\n{first['detail']}".rstrip(),
+            file=sys.stderr,
+            flush=True,
+        )
         return int(first["exitcode"]) or 1
     rank, failure = err.get_first_failure()
     print(f"kiln: rank {rank} failed (exit code {failure.exitcode}).", file=sys.stderr, flush=True)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from kiln.utils.errors import KilnError
 
@@ -48,12 +49,12 @@ class RayLaunch:
 
     num_workers: int = 1
     resources_per_worker: dict[str, float] = field(default_factory=dict)
-    address: Optional[str] = None
+    address: str | None = None
     max_failures: int = 0
-    storage_path: Optional[str] = None
+    storage_path: str | None = None
     name: str = "kiln"
-    num_to_keep: Optional[int] = None
-    checkpoint_score_attribute: Optional[str] = None
+    num_to_keep: int | None = None
+    checkpoint_score_attribute: str | None = None
     checkpoint_score_order: str = "min"
 
     def __post_init__(self) -> None:
@@ -63,13 +64,19 @@ class RayLaunch:
             raise KilnError(f"launcher.max_failures (--max-restarts) must be >= 0, got {self.max_failures}.")
         if self.checkpoint_score_order not in ("min", "max"):
             raise KilnError(f"launcher.checkpoint_score_order must be min or max, got {self.checkpoint_score_order!r}.")
-        bad = {k: v for k, v in self.resources_per_worker.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0}
+        bad = {
+            k: v
+            for k, v in self.resources_per_worker.items()
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
+        }
         if bad:
-            raise KilnError(f"launcher.resources_per_worker takes amounts per resource name (e.g. {{CPU: 2, GPU: 1}}); "
-                            f"{bad} is not one.")
+            raise KilnError(
+                f"launcher.resources_per_worker takes amounts per resource name (e.g. {{CPU: 2, GPU: 1}}); "
+                f"{bad} is not one."
+            )
 
     @classmethod
-    def from_config(cls, cfg: Any, num_workers: Optional[int] = None, max_failures: Optional[int] = None) -> "RayLaunch":
+    def from_config(cls, cfg: Any, num_workers: int | None = None, max_failures: int | None = None) -> RayLaunch:
         """From a loaded kiln config; `num_workers` / `max_failures` (the command line's --ray N /
         --max-restarts K) win over its `launcher` keys. Ray keeps its files in output_dir/ray_results
         unless `launcher.storage_path` says otherwise."""
@@ -77,8 +84,10 @@ class RayLaunch:
 
         launcher = cfg.launcher
         if launcher.name not in (None, "ray"):
-            raise KilnError(f"launcher.name {launcher.name!r} is not a launcher kiln starts; use launcher.name=ray, or "
-                            "leave it unset (torchrun, srun, accelerate launch and `kiln fit --nproc` need no key).")
+            raise KilnError(
+                f"launcher.name {launcher.name!r} is not a launcher kiln starts; use launcher.name=ray, or "
+                "leave it unset (torchrun, srun, accelerate launch and `kiln fit --nproc` need no key)."
+            )
         output_dir = os.path.abspath(str(cfg.output_dir))
         return cls(
             num_workers=int(num_workers if num_workers is not None else launcher.num_workers),
@@ -93,8 +102,9 @@ class RayLaunch:
         )
 
 
-def launch_ray(argv: Sequence[str], launch: RayLaunch, train_loop: Callable[[dict[str, Any]], None],
-               cwd: Optional[str] = None) -> Any:
+def launch_ray(
+    argv: Sequence[str], launch: RayLaunch, train_loop: Callable[[dict[str, Any]], None], cwd: str | None = None
+) -> Any:
     """Run `train_loop` (`kiln fit <argv>`: kiln.cli.train_loop_per_worker) in `launch.num_workers` Ray Train
     workers; returns Ray's `Result` (its
     `checkpoint` is the last kiln checkpoint reported). `cwd`: where the workers resolve relative
@@ -110,14 +120,21 @@ def launch_ray(argv: Sequence[str], launch: RayLaunch, train_loop: Callable[[dic
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"argv": list(argv), "cwd": os.path.abspath(cwd or os.getcwd())},
-            scaling_config=ScalingConfig(num_workers=launch.num_workers, use_gpu=resources.get("GPU", 0) > 0,
-                                         resources_per_worker=resources or None),
+            scaling_config=ScalingConfig(
+                num_workers=launch.num_workers,
+                use_gpu=resources.get("GPU", 0) > 0,
+                resources_per_worker=resources or None,
+            ),
             run_config=RunConfig(
-                name=launch.name, storage_path=launch.storage_path, worker_runtime_env=WORKER_RUNTIME_ENV,
+                name=launch.name,
+                storage_path=launch.storage_path,
+                worker_runtime_env=WORKER_RUNTIME_ENV,
                 failure_config=FailureConfig(max_failures=launch.max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=launch.num_to_keep,
-                                                   checkpoint_score_attribute=launch.checkpoint_score_attribute,
-                                                   checkpoint_score_order=launch.checkpoint_score_order),
+                checkpoint_config=CheckpointConfig(
+                    num_to_keep=launch.num_to_keep,
+                    checkpoint_score_attribute=launch.checkpoint_score_attribute,
+                    checkpoint_score_order=launch.checkpoint_score_order,
+                ),
             ),
         )
         return trainer.fit()
@@ -166,8 +183,16 @@ def _fit(fit: Callable[[list[str]], int], argv: list[str]) -> None:
         raise RuntimeError(f"kiln fit exited with code {code} in this Ray worker (its message is above).")
 
 
-def fit_with_ray(command: str, config: str, overrides: Sequence[str], num_workers: Optional[int], other_launcher: bool,
-                 max_restarts: int, *, train_loop: Callable[[dict[str, Any]], None]) -> Optional[int]:
+def fit_with_ray(
+    command: str,
+    config: str,
+    overrides: Sequence[str],
+    num_workers: int | None,
+    other_launcher: bool,
+    max_restarts: int,
+    *,
+    train_loop: Callable[[dict[str, Any]], None],
+) -> int | None:
     """The CLI's `kiln fit --ray N` / `launcher.name: ray`: the run in Ray Train workers (each running
     `train_loop`), and its exit code; None when this process trains itself (no Ray asked for, or this is
     one of Ray's workers)."""
@@ -179,7 +204,10 @@ def fit_with_ray(command: str, config: str, overrides: Sequence[str], num_worker
     if command != "fit":  # evaluate / predict ignore the launcher key, and refuse the flag
         if num_workers is None:
             return None
-        print(f"kiln: error: --ray starts training workers; kiln {command} runs in this process (drop --ray).", file=sys.stderr)
+        print(
+            f"kiln: error: --ray starts training workers; kiln {command} runs in this process (drop --ray).",
+            file=sys.stderr,
+        )
         return 2
     plain = [o for o in overrides if o != "--traceback"]
     # a config is loaded here only when it can ask for Ray (its text names the key): `kiln fit` stays as fast
@@ -192,8 +220,10 @@ def fit_with_ray(command: str, config: str, overrides: Sequence[str], num_worker
         if num_workers is None and cfg.launcher.name is None:
             return None
         if other_launcher:
-            raise KilnError("Ray starts the workers: drop --nproc / --accelerate-config (launcher.num_workers and "
-                            "launcher.resources_per_worker say how many and what each gets).")
+            raise KilnError(
+                "Ray starts the workers: drop --nproc / --accelerate-config (launcher.num_workers and "
+                "launcher.resources_per_worker say how many and what each gets)."
+            )
         return run_from_cli(config, overrides, cfg, num_workers, max_restarts, train_loop)
     except Exception as err:  # noqa: BLE001 - a config or launch setting that cannot work: one line
         if "--traceback" in overrides:
@@ -212,8 +242,14 @@ def _mentions_launcher(config: str, overrides: Sequence[str]) -> bool:
         return False
 
 
-def run_from_cli(config: str, overrides: Sequence[str], cfg: Any, num_workers: Optional[int], max_restarts: int,
-                 train_loop: Callable[[dict[str, Any]], None]) -> int:
+def run_from_cli(
+    config: str,
+    overrides: Sequence[str],
+    cfg: Any,
+    num_workers: int | None,
+    max_restarts: int,
+    train_loop: Callable[[dict[str, Any]], None],
+) -> int:
     """`kiln fit --ray N CONFIG ...` / `launcher.name: ray`: start the run, print where Ray keeps it;
     returns the exit code (one line on stderr when the run failed)."""
     import sys

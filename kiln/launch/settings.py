@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from kiln.config.hf.fsdp import SHARDING
 from kiln.launch.accelerate_config import AccelerateConfig
@@ -40,7 +41,7 @@ class LauncherSetting:
 _PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 
 
-def accelerate_settings(env: Optional[Env] = None) -> list[LauncherSetting]:
+def accelerate_settings(env: Env | None = None) -> list[LauncherSetting]:
     """What `accelerate launch` (its config file or flags, exported as ACCELERATE_* / FSDP_* variables)
     asks of the run, as kiln config keys; [] when accelerate did not start this process."""
     config = AccelerateConfig.from_env(_env(env))
@@ -54,16 +55,23 @@ def settings_of(config: AccelerateConfig) -> list[LauncherSetting]:
     out: list[LauncherSetting] = []
     mp = config.mixed_precision
     if mp in _PRECISIONS:
-        out.append(LauncherSetting("precision.name", {"precision.name": _PRECISIONS[mp]}, f"ACCELERATE_MIXED_PRECISION={mp}"))
+        out.append(
+            LauncherSetting("precision.name", {"precision.name": _PRECISIONS[mp]}, f"ACCELERATE_MIXED_PRECISION={mp}")
+        )
     elif mp and detect().rank == 0:
-        log.warning("accelerate launch asks for mixed precision %r (ACCELERATE_MIXED_PRECISION), which kiln does not "
-                    "provide; the kiln config's precision is used.", mp)
+        log.warning(
+            "accelerate launch asks for mixed precision %r (ACCELERATE_MIXED_PRECISION), which kiln does not "
+            "provide; the kiln config's precision is used.",
+            mp,
+        )
     if config.use_cpu:
         out.append(LauncherSetting("strategy.device", {"strategy.device": "cpu"}, "ACCELERATE_USE_CPU=true"))
     if config.distributed_type == "FSDP":
         out.append(LauncherSetting("strategy.name", _fsdp_values(config.fsdp), "ACCELERATE_USE_FSDP=true"))
     elif config.distributed_type == "DEEPSPEED":
-        out.append(LauncherSetting("strategy.name", _deepspeed_values(config.deepspeed), "ACCELERATE_USE_DEEPSPEED=true"))
+        out.append(
+            LauncherSetting("strategy.name", _deepspeed_values(config.deepspeed), "ACCELERATE_USE_DEEPSPEED=true")
+        )
     backend = config.dynamo_backend
     if backend:
         values: dict[str, Any] = {"train.torch_compile_backend": backend}
@@ -89,8 +97,9 @@ def _fsdp_values(fsdp: Mapping[str, str]) -> dict[str, Any]:
     if fsdp.get("version"):
         fsdp_config["version"] = int(fsdp["version"])
     if fsdp.get("transformer_layer_cls_to_wrap") and policy != "SIZE_BASED_WRAP":
-        fsdp_config["transformer_layer_cls_to_wrap"] = [c.strip() for c in fsdp["transformer_layer_cls_to_wrap"].split(",")
-                                                         if c.strip()]
+        fsdp_config["transformer_layer_cls_to_wrap"] = [
+            c.strip() for c in fsdp["transformer_layer_cls_to_wrap"].split(",") if c.strip()
+        ]
     if policy == "SIZE_BASED_WRAP" and fsdp.get("min_num_params"):
         fsdp_config["min_num_params"] = int(fsdp["min_num_params"])
     if fsdp.get("backward_prefetch") and fsdp["backward_prefetch"].upper() != "NO_PREFETCH":
@@ -100,8 +109,14 @@ def _fsdp_values(fsdp: Mapping[str, str]) -> dict[str, Any]:
     # accelerate's command line always exports FSDP_RESHARD_AFTER_FORWARD (default true); only FSDP2
     # configs use it, FSDP1 ones say it with the sharding strategy (2 = SHARD_GRAD_OP: no reshard)
     fsdp2 = fsdp.get("version", "1").strip() == "2"
-    for key in ("forward_prefetch", "use_orig_params", "cpu_ram_efficient_loading", "sync_module_states",
-                "activation_checkpointing", *(("reshard_after_forward",) if fsdp2 else ())):
+    for key in (
+        "forward_prefetch",
+        "use_orig_params",
+        "cpu_ram_efficient_loading",
+        "sync_module_states",
+        "activation_checkpointing",
+        *(("reshard_after_forward",) if fsdp2 else ()),
+    ):
         value = fsdp.get(key)
         if value is not None and value.lower() in ("true", "false"):
             fsdp_config[key] = truthy(value)
@@ -170,8 +185,8 @@ def launcher_overrides(
     source: Any = None,
     overrides: Sequence[str] | Mapping[str, Any] = (),
     config: Any = None,
-    env: Optional[Env] = None,
-    settings: Optional[list[LauncherSetting]] = None,
+    env: Env | None = None,
+    settings: list[LauncherSetting] | None = None,
 ) -> dict[str, Any]:
     """Config overrides `{dotted.key: value}` that the launcher asks for and the user's config
     (`source` plus `overrides`, as handed to the Trainer or the CLI) leaves unset; `config` is the
@@ -195,18 +210,30 @@ def launcher_overrides(
         # `strategy: auto` means "pick for me", so the launcher may pick
         if setting.key in explicit and not (setting.key == "strategy.name" and current == "auto"):
             if talk and current is not None and current != wanted:
-                log.warning("accelerate launch asks for %s=%s (%s), but the kiln config sets %s=%s, which wins.",
-                            setting.key, wanted, setting.origin, setting.key, current)
+                log.warning(
+                    "accelerate launch asks for %s=%s (%s), but the kiln config sets %s=%s, which wins.",
+                    setting.key,
+                    wanted,
+                    setting.origin,
+                    setting.key,
+                    current,
+                )
             continue
         if talk and current != wanted:
-            log.warning("Using %s=%s from accelerate launch (%s); the kiln config does not set %s.",
-                        setting.key, wanted, setting.origin, setting.key)
+            log.warning(
+                "Using %s=%s from accelerate launch (%s); the kiln config does not set %s.",
+                setting.key,
+                wanted,
+                setting.origin,
+                setting.key,
+            )
         chosen.update(setting.values)
     return chosen
 
 
-def load_with_launcher_settings(source: Any = None, overrides: Sequence[str] | Mapping[str, Any] = (),
-                                settings: Optional[list[LauncherSetting]] = None) -> Any:
+def load_with_launcher_settings(
+    source: Any = None, overrides: Sequence[str] | Mapping[str, Any] = (), settings: list[LauncherSetting] | None = None
+) -> Any:
     """`load_config(source, overrides)`, then the launcher's settings for the keys the user left unset."""
     from kiln.config.load import load_config
 
@@ -243,7 +270,9 @@ def accelerate_config_settings(path: str) -> tuple[int, list[LauncherSetting], d
     the workers' torch must see): what `kiln fit --accelerate-config FILE` hands its workers."""
     config = AccelerateConfig.from_file(path)
     if config.num_machines > 1:
-        raise ValueError(f"accelerate config {path!r} describes {config.num_machines} machines, but `kiln --nproc` starts "
-                         "processes on this machine only: run `accelerate launch` (or torchrun) on every node instead.")
+        raise ValueError(
+            f"accelerate config {path!r} describes {config.num_machines} machines, but `kiln --nproc` starts "
+            "processes on this machine only: run `accelerate launch` (or torchrun) on every node instead."
+        )
     devices = {"CUDA_VISIBLE_DEVICES": config.gpu_ids} if config.gpu_ids is not None else {}
     return config.num_processes, settings_of(config), devices

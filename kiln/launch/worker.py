@@ -15,7 +15,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 from kiln.launch.local import LAUNCHER_PID, REPORT_DIR
 
@@ -36,7 +37,7 @@ class _Tail:
         return self.stream.write(text)
 
     def text(self) -> str:
-        return "".join(self.parts)[-self.limit:]
+        return "".join(self.parts)[-self.limit :]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
@@ -49,8 +50,14 @@ def _write_report(error: str, detail: str, exitcode: int) -> None:
         return
     # the agent's attempt: with --max-restarts an earlier attempt's report stays in the folder, and only the last counts
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    report = {"rank": int(rank), "time": time.time(), "error": error, "detail": detail, "exitcode": exitcode,
-              "attempt": int(attempt) if attempt.isdigit() else 0}
+    report = {
+        "rank": int(rank),
+        "time": time.time(),
+        "error": error,
+        "detail": detail,
+        "exitcode": exitcode,
+        "attempt": int(attempt) if attempt.isdigit() else 0,
+    }
     tmp = os.path.join(directory, f".rank_{rank}.json")
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(report, fh)

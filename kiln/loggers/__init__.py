@@ -23,5 +23,16 @@ for _name, _module in (
     LOGGERS.add_lazy(_name, _module)
 
 #: what `report_to: all` means (as HF): every tracker whose package is installed; each name is its package's
-TRACKERS = ("tensorboard", "mlflow", "wandb", "comet_ml", "clearml", "dvclive", "aim", "trackio", "swanlab",
-            "codecarbon", "neptune")
+TRACKERS = (
+    "tensorboard",
+    "mlflow",
+    "wandb",
+    "comet_ml",
+    "clearml",
+    "dvclive",
+    "aim",
+    "trackio",
+    "swanlab",
+    "codecarbon",
+    "neptune",
+)

@@ -7,7 +7,8 @@ and terminal capture are off."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import Logger, grouped_name, require, run_name, setting
@@ -21,21 +22,27 @@ class AimLogger(Logger):
     name = "aim"
     package = "aim"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         require("aim", "aim", "report_to: aim")
         self.repo = os.path.abspath(str(config.output_dir))
         self.experiment: str = setting(config, "project", None, "kiln")
-        self.run: Optional[Any] = None
-        self.run_hash: Optional[str] = None  # kept after finalize, so later logs continue the run
+        self.run: Any | None = None
+        self.run_hash: str | None = None  # kept after finalize, so later logs continue the run
 
     def _start(self) -> Any:
         if self.run is None:
             from aim import Run
 
             os.makedirs(self.repo, exist_ok=True)
-            self.run = Run(run_hash=self.run_hash, repo=self.repo, experiment=self.experiment,
-                           system_tracking_interval=None, log_system_params=False, capture_terminal_logs=False)
+            self.run = Run(
+                run_hash=self.run_hash,
+                repo=self.repo,
+                experiment=self.experiment,
+                system_tracking_interval=None,
+                log_system_params=False,
+                capture_terminal_logs=False,
+            )
             if self.run_hash is None:
                 self.run.name = self.trial_name or run_name(self.config)
                 if self.trial_name:
@@ -43,7 +50,7 @@ class AimLogger(Logger):
                 self.run_hash = self.run.hash
         return self.run
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         if name != self.trial_name:
             self.finalize("success")
             self.run_hash = None

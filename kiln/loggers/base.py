@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import IO, TYPE_CHECKING, Any, ClassVar, Mapping, Optional
+from collections.abc import Mapping
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from kiln.utils.errors import KilnError
 
@@ -37,12 +38,12 @@ class Logger:
 
     name: ClassVar[str] = "base"
     #: the tracker's package, imported when training starts (None: nothing to import)
-    package: ClassVar[Optional[str]] = None
+    package: ClassVar[str | None] = None
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         self.config = config
-        self.trial_name: Optional[str] = None
-        self.trial_params: Optional[dict[str, Any]] = None
+        self.trial_name: str | None = None
+        self.trial_params: dict[str, Any] | None = None
 
     def capture(self) -> None:
         """Called on the training thread when training starts, before any call the background writer
@@ -70,7 +71,7 @@ class Logger:
         to `step` (the checkpoint's step) and drops the rest, so kill-and-resume ends with the same
         history as a run that never stopped; `step == 0` is a fresh start."""
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         """A hyperparameter-search trial begins: the next run is this trial's run."""
         self.trial_name = name
         self.trial_params = dict(params) if params else None
@@ -89,7 +90,7 @@ class AppendFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.handle: Optional[IO[str]] = None
+        self.handle: IO[str] | None = None
 
     def open(self) -> IO[str]:
         if self.handle is None:
@@ -132,7 +133,7 @@ def grouped_name(key: str) -> str:
     anything else -> train/<key>. TensorBoard and W&B use it; files and MLflow keep the raw names."""
     for prefix in ("eval", "test"):
         if key.startswith(prefix + "_"):
-            return f"{prefix}/{key[len(prefix) + 1:]}"
+            return f"{prefix}/{key[len(prefix) + 1 :]}"
     return f"train/{key}"
 
 
@@ -145,7 +146,7 @@ def require(package: str, extra: str, what: str) -> None:
         )
 
 
-def setting(config: "DictConfig", key: str, env: Optional[str] = None, default: Any = None) -> Any:
+def setting(config: DictConfig, key: str, env: str | None = None, default: Any = None) -> Any:
     """A tracker option: `log.<key>` when the config has it and it is set, else the environment variable
     the outside world sets for that tracker (HF's names, e.g. MLFLOW_EXPERIMENT_NAME), else `default`.
     A boolean default parses the variable as 1/true/yes."""
@@ -162,7 +163,7 @@ def setting(config: "DictConfig", key: str, env: Optional[str] = None, default: 
     return raw
 
 
-def run_name(config: "DictConfig") -> str:
+def run_name(config: DictConfig) -> str:
     """`run_name`, or the output directory's name as HF does; a value from `${oc.env:VAR}` is shown as
     that interpolation, as in the logged hyperparameters (kiln.config.redact)."""
     from kiln.config.redact import mask
@@ -171,7 +172,7 @@ def run_name(config: "DictConfig") -> str:
     return mask(str(name) if name else os.path.basename(os.path.abspath(str(config.output_dir))))
 
 
-def run_files_dir(config: "DictConfig") -> str:
+def run_files_dir(config: DictConfig) -> str:
     """Where the run files (metrics.csv, metrics.jsonl) go: `log.logging_dir`, else `output_dir/runs`,
     the folder HF's logging dir lives in. Never `output_dir` itself, beside the checkpoint folders.
     Fixed (no date stamp), so a resumed job finds and continues the killed job's files."""
@@ -179,7 +180,7 @@ def run_files_dir(config: "DictConfig") -> str:
     return str(configured) if configured else os.path.join(str(config.output_dir), "runs")
 
 
-def history_step(value: Any) -> Optional[int]:
+def history_step(value: Any) -> int | None:
     """The step stored in one history row, or None for a row that cannot be read (a torn last line)."""
     try:
         return int(float(value))
@@ -187,6 +188,6 @@ def history_step(value: Any) -> Optional[int]:
         return None
 
 
-def keep_on_resume(row_step: Optional[int], resume_step: int) -> bool:
+def keep_on_resume(row_step: int | None, resume_step: int) -> bool:
     """Whether a row a previous job wrote survives `resume(resume_step)`."""
     return resume_step > 0 and row_step is not None and row_step <= resume_step

@@ -4,8 +4,9 @@ loggers' floor; the callback that connects them to the loop is kiln.engine.callb
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from numbers import Number
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS, TRACKERS
 from kiln.loggers.base import Logger, MissingPackageError, setting
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 _ARTIFACT_ENV = {"mlflow": "HF_MLFLOW_LOG_ARTIFACTS", "wandb": "WANDB_LOG_MODEL"}
 
 
-def history_names(config: "DictConfig") -> list[str]:
+def history_names(config: DictConfig) -> list[str]:
     """The local history files: `log.history` when set; unset, csv and jsonl unless `report_to` is
     none (HF's default), where HF writes nothing under output_dir/runs and neither does kiln."""
     if config.log.history is not None:
@@ -27,7 +28,7 @@ def history_names(config: "DictConfig") -> list[str]:
     return [] if not reported or reported == ["none"] else ["csv", "jsonl"]
 
 
-def logger_names(config: "DictConfig") -> list[str]:
+def logger_names(config: DictConfig) -> list[str]:
     """`report_to` (with HF's `all` = every installed tracker, `none` = none) plus the local history
     files (history_names), without duplicates, in order."""
     names: list[str] = []
@@ -42,7 +43,7 @@ def logger_names(config: "DictConfig") -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def build_loggers(config: "DictConfig", *, is_global_zero: bool = True) -> list[Logger]:
+def build_loggers(config: DictConfig, *, is_global_zero: bool = True) -> list[Logger]:
     """The loggers the config names; `[]` off global rank 0. Every name is checked and every package
     found before anything is built, and building opens no run, so a bad `report_to` fails in one
     sentence before training and leaves nothing behind."""
@@ -71,8 +72,8 @@ def build_loggers(config: "DictConfig", *, is_global_zero: bool = True) -> list[
     return loggers
 
 
-def artifact_mode(config: "DictConfig", logger: str) -> str:
-    """"false", "end" (the best or last checkpoint when training ends) or "checkpoint" (every saved
+def artifact_mode(config: DictConfig, logger: str) -> str:
+    """ "false", "end" (the best or last checkpoint when training ends) or "checkpoint" (every saved
     checkpoint): `log.log_artifacts`, else HF's variable for that tracker."""
     value = setting(config, "log_artifacts", _ARTIFACT_ENV.get(logger), "false")
     value = str(value).strip().lower()

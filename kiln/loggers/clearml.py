@@ -11,7 +11,8 @@ ClearML's update server for a newer release)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import Logger, grouped_name, require, run_name, setting
@@ -23,8 +24,24 @@ log = logging.getLogger(__name__)
 
 # Task.init binds every framework it knows unless told not to, one key each; `detect_repository`
 # also starts the update check.
-_FRAMEWORKS = ("detect_repository", "pytorch", "tensorboard", "tensorflow", "tfdefines", "matplotlib", "scikit",
-               "joblib", "hydra", "xgboost", "catboost", "fastai", "lightgbm", "megengine", "jsonargparse", "gradio")
+_FRAMEWORKS = (
+    "detect_repository",
+    "pytorch",
+    "tensorboard",
+    "tensorflow",
+    "tfdefines",
+    "matplotlib",
+    "scikit",
+    "joblib",
+    "hydra",
+    "xgboost",
+    "catboost",
+    "fastai",
+    "lightgbm",
+    "megengine",
+    "jsonargparse",
+    "gradio",
+)
 
 
 @LOGGERS.register("clearml")
@@ -32,11 +49,11 @@ class ClearMLLogger(Logger):
     name = "clearml"
     package = "clearml"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         require("clearml", "clearml", "report_to: clearml")
         self.project: str = setting(config, "project", "CLEARML_PROJECT", "kiln")
-        self.task: Optional[Any] = None
+        self.task: Any | None = None
 
     def _start(self) -> Any:
         if self.task is None:
@@ -44,14 +61,19 @@ class ClearMLLogger(Logger):
 
             Task.set_offline(True)
             self.task = Task.init(
-                project_name=self.project, task_name=self.trial_name or run_name(self.config),
-                tags=[run_name(self.config)] if self.trial_name else None, reuse_last_task_id=False,
-                auto_connect_frameworks={key: False for key in _FRAMEWORKS}, auto_connect_arg_parser=False,
-                auto_connect_streams=False, auto_resource_monitoring=False)
+                project_name=self.project,
+                task_name=self.trial_name or run_name(self.config),
+                tags=[run_name(self.config)] if self.trial_name else None,
+                reuse_last_task_id=False,
+                auto_connect_frameworks={key: False for key in _FRAMEWORKS},
+                auto_connect_arg_parser=False,
+                auto_connect_streams=False,
+                auto_resource_monitoring=False,
+            )
             log.info("ClearML offline session: %s", self.task.get_offline_mode_folder())
         return self.task
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         if name != self.trial_name:
             self.finalize("success")
         super().set_trial(name, params)

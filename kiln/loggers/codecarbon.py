@@ -9,7 +9,8 @@ average."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import Logger, require, run_name
@@ -23,11 +24,11 @@ class CodeCarbonLogger(Logger):
     name = "codecarbon"
     package = "codecarbon"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         require("codecarbon", "codecarbon", "report_to: codecarbon")
         self.output_dir = os.path.abspath(str(config.output_dir))
-        self.tracker: Optional[Any] = None
+        self.tracker: Any | None = None
 
     def resume(self, step: int) -> None:
         """Training starts: so does the measurement."""
@@ -36,11 +37,14 @@ class CodeCarbonLogger(Logger):
 
             os.makedirs(self.output_dir, exist_ok=True)
             self.tracker = OfflineEmissionsTracker(
-                project_name=self.trial_name or run_name(self.config), output_dir=self.output_dir,
-                output_file="emissions.csv", save_to_file=True)
+                project_name=self.trial_name or run_name(self.config),
+                output_dir=self.output_dir,
+                output_file="emissions.csv",
+                save_to_file=True,
+            )
             self.tracker.start()
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         if name != self.trial_name:
             self.finalize("success")
         super().set_trial(name, params)

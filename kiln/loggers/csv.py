@@ -8,7 +8,8 @@ from __future__ import annotations
 import csv
 import io
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import AppendFile, Logger, history_step, keep_on_resume, run_files_dir
@@ -22,7 +23,7 @@ class CSVLogger(Logger):
     name = "csv"
     filename = "metrics.csv"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         self.path = os.path.join(run_files_dir(config), self.filename)
         self.file = AppendFile(self.path)

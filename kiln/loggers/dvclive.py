@@ -14,7 +14,8 @@ from __future__ import annotations
 import csv
 import glob
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import Logger, grouped_name, history_step, keep_on_resume, require
@@ -39,11 +40,11 @@ class DVCLiveLogger(Logger):
     name = "dvclive"
     package = "dvclive"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         require("dvclive", "dvclive", "report_to: dvclive")
         self.base_dir = os.path.join(os.path.abspath(str(config.output_dir)), "dvclive")
-        self.live: Optional[Any] = None
+        self.live: Any | None = None
         self.resume_step = 0
         self.continued = False  # finalized in this process: later logs (evaluate() after fit()) continue the files
         self.dirty = False  # logged since the last summary
@@ -60,14 +61,15 @@ class DVCLiveLogger(Logger):
             if keep and not self.continued:
                 drop_rows_after(os.path.join(self.directory, "plots", "metrics"), self.resume_step)
             # Live(resume=False) deletes the folder's earlier files: a fresh run
-            self.live = Live(dir=self.directory, resume=keep, save_dvc_exp=False, dvcyaml=None, report=None,
-                             monitor_system=False)
+            self.live = Live(
+                dir=self.directory, resume=keep, save_dvc_exp=False, dvcyaml=None, report=None, monitor_system=False
+            )
         return self.live
 
     def resume(self, step: int) -> None:
         self.resume_step, self.continued = step, False
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         if name != self.trial_name:
             self.finalize("success")
             self.continued = False

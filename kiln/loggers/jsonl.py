@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import AppendFile, Logger, history_step, keep_on_resume, run_files_dir
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 
-def _line_step(line: str) -> Optional[int]:
+def _line_step(line: str) -> int | None:
     try:
         return history_step(json.loads(line).get("step"))
     except (ValueError, AttributeError):
@@ -28,7 +29,7 @@ class JSONLLogger(Logger):
     name = "jsonl"
     filename = "metrics.jsonl"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         self.path = os.path.join(run_files_dir(config), self.filename)
         self.file = AppendFile(self.path)
@@ -38,7 +39,9 @@ class JSONLLogger(Logger):
         if os.path.exists(self.path):
             with open(self.path, encoding="utf-8") as fh:
                 lines = fh.read().splitlines(keepends=True)
-            self.previous = [line.rstrip("\n") for line in lines if line.endswith("\n") and _line_step(line) is not None]
+            self.previous = [
+                line.rstrip("\n") for line in lines if line.endswith("\n") and _line_step(line) is not None
+            ]
             self.dirty = len(self.previous) != len(lines)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:

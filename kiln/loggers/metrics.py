@@ -9,7 +9,8 @@ import gc
 import logging
 import threading
 import time
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -17,10 +18,10 @@ log = logging.getLogger(__name__)
 def speed_metrics(
     split: str,
     start_time: float,
-    num_samples: Optional[int] = None,
-    num_steps: Optional[int] = None,
-    num_tokens: Optional[int] = None,
-    end_time: Optional[float] = None,
+    num_samples: int | None = None,
+    num_steps: int | None = None,
+    num_tokens: int | None = None,
+    end_time: float | None = None,
 ) -> dict[str, float]:
     """HF's speed metrics for `split` ("train", "eval", "test"). `start_time` comes from `time.time()`;
     `end_time` defaults to now. Rates are omitted for a zero runtime."""
@@ -94,16 +95,16 @@ class MemoryTracker:
                 self.skip = True
             else:
                 self.process = psutil.Process()
-        self.stage: Optional[str] = None
+        self.stage: str | None = None
         self.cpu: dict[str, dict[str, int]] = {}
         self.gpu: dict[str, dict[str, int]] = {}
         self.init_reported = False
         self._peak = 0
         self._monitoring = False
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_config(cls, config: Any) -> "MemoryTracker":
+    def from_config(cls, config: Any) -> MemoryTracker:
         return cls(skip_memory_metrics=bool(config.log.skip_memory_metrics))
 
     # -- accelerator counters (the first accelerator of this process that keeps them) --------------

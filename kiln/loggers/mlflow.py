@@ -20,7 +20,8 @@ import os
 import pathlib
 import re
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import Logger, require, run_name, setting
@@ -53,19 +54,19 @@ class MLflowLogger(Logger):
     name = "mlflow"
     package = "mlflow"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         require("mlflow", "mlflow", "report_to: mlflow")
         self.output_dir = os.path.abspath(str(config.output_dir))
-        self.experiment_name: Optional[str] = setting(config, "project", "MLFLOW_EXPERIMENT_NAME")
+        self.experiment_name: str | None = setting(config, "project", "MLFLOW_EXPERIMENT_NAME")
         self.nested: bool = bool(setting(config, "nested_run", "MLFLOW_NESTED_RUN", False))
         self.tags: dict[str, Any] = json.loads(os.environ.get("MLFLOW_TAGS") or "{}")
-        self.continue_run_id: Optional[str] = os.environ.get("MLFLOW_RUN_ID") or None
+        self.continue_run_id: str | None = os.environ.get("MLFLOW_RUN_ID") or None
         self.client: Any = None  # an MlflowClient bound to the run's store, once started
-        self.run_id: Optional[str] = None
+        self.run_id: str | None = None
         self.owns_run = False  # False when logging into a run the caller started (they end it)
         self.live = False  # started or resumed, and not yet finalized
-        self.resumed_from: Optional[int] = None
+        self.resumed_from: int | None = None
         self.caller_run: Any = None  # the run the caller started on the training thread (MLflow's is per thread)
 
     # -- the run ------------------------------------------------------------------------------
@@ -79,6 +80,7 @@ class MLflowLogger(Logger):
         import mlflow
 
         return mlflow.active_run() or self.caller_run
+
     @property
     def local_uri(self) -> str:
         return "sqlite:///" + os.path.join(self.output_dir, "mlflow.db")
@@ -111,7 +113,7 @@ class MLflowLogger(Logger):
 
         uri = self.tracking_uri
         if uri.startswith("sqlite:///"):
-            os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
+            os.makedirs(os.path.dirname(uri[len("sqlite:///") :]) or ".", exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri)
         active = self._active_run()
         if self.continue_run_id:
@@ -152,7 +154,7 @@ class MLflowLogger(Logger):
             self.client.update_run(self.run_id, status="RUNNING")
             self.live = True
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         if name != self.trial_name and self.run_id is not None:
             self.finalize("success")
             self.run_id = None
@@ -163,13 +165,15 @@ class MLflowLogger(Logger):
 
         run_id = self._start()
         max_value, per_batch, _, max_key = _limits()
-        values = {k: str(v)[:max_value] for k, v in {**params, **(self.trial_params or {})}.items() if len(k) <= max_key}
+        values = {
+            k: str(v)[:max_value] for k, v in {**params, **(self.trial_params or {})}.items() if len(k) <= max_key
+        }
         if not self.owns_run or self.continue_run_id:  # an existing run: MLflow params are write-once
             existing = self.client.get_run(run_id).data.params
             values = {k: v for k, v in values.items() if k not in existing}
         items = [Param(k, v) for k, v in values.items()]
         for i in range(0, len(items), per_batch):
-            self.client.log_batch(run_id, params=items[i:i + per_batch])
+            self.client.log_batch(run_id, params=items[i : i + per_batch])
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -179,7 +183,7 @@ class MLflowLogger(Logger):
         now = int(time.time() * 1000)
         items = [Metric(metric_key(k), float(v), now, int(step)) for k, v in metrics.items()]
         for i in range(0, len(items), per_batch):
-            self.client.log_batch(run_id, metrics=items[i:i + per_batch])
+            self.client.log_batch(run_id, metrics=items[i : i + per_batch])
 
     def log_artifact(self, path: str) -> None:
         run_id = self._start()

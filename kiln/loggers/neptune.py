@@ -8,7 +8,8 @@ the run ended (an evaluate() after fit()) go to a second run of the same name.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import Logger, grouped_name, require, run_name
@@ -22,22 +23,29 @@ class NeptuneLogger(Logger):
     name = "neptune"
     package = "neptune"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         require("neptune", "neptune", "report_to: neptune")
-        self.run: Optional[Any] = None
+        self.run: Any | None = None
 
     def _start(self) -> Any:
         if self.run is None:
             import neptune
 
             self.run = neptune.init_run(
-                mode="offline", name=self.trial_name or run_name(self.config),
-                tags=[run_name(self.config)] if self.trial_name else None, source_files=[], git_ref=False,
-                capture_stdout=False, capture_stderr=False, capture_traceback=False, capture_hardware_metrics=False)
+                mode="offline",
+                name=self.trial_name or run_name(self.config),
+                tags=[run_name(self.config)] if self.trial_name else None,
+                source_files=[],
+                git_ref=False,
+                capture_stdout=False,
+                capture_stderr=False,
+                capture_traceback=False,
+                capture_hardware_metrics=False,
+            )
         return self.run
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         if name != self.trial_name:
             self.finalize("success")
         super().set_trial(name, params)

@@ -7,7 +7,8 @@ monitor) and console capture are off."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import Logger, grouped_name, require, run_name, setting
@@ -21,12 +22,12 @@ class SwanLabLogger(Logger):
     name = "swanlab"
     package = "swanlab"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         require("swanlab", "swanlab", "report_to: swanlab")
         self.log_dir = os.path.join(os.path.abspath(str(config.output_dir)), "swanlog")
         self.project: str = setting(config, "project", None, "kiln")
-        self.run: Optional[Any] = None
+        self.run: Any | None = None
         self.params: dict[str, Any] = {}
 
     def _start(self) -> Any:
@@ -34,17 +35,24 @@ class SwanLabLogger(Logger):
             import swanlab
 
             settings = swanlab.Settings(
-                probe=swanlab.Settings.Probe(hardware=False, runtime=False, requirements=False, conda=False, git=False,
-                                             monitor=False),
-                terminal=swanlab.Settings.Terminal(proxy_type="none"))
+                probe=swanlab.Settings.Probe(
+                    hardware=False, runtime=False, requirements=False, conda=False, git=False, monitor=False
+                ),
+                terminal=swanlab.Settings.Terminal(proxy_type="none"),
+            )
             os.makedirs(self.log_dir, exist_ok=True)
             self.run = swanlab.init(
-                mode="offline", log_dir=self.log_dir, project=self.project, name=self.trial_name or run_name(self.config),
-                group=run_name(self.config) if self.trial_name else None, config=self.params or None,
-                settings=settings)
+                mode="offline",
+                log_dir=self.log_dir,
+                project=self.project,
+                name=self.trial_name or run_name(self.config),
+                group=run_name(self.config) if self.trial_name else None,
+                config=self.params or None,
+                settings=settings,
+            )
         return self.run
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         if name != self.trial_name:
             self.finalize("success")
         super().set_trial(name, params)

@@ -15,7 +15,8 @@ import os
 import re
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import Logger, grouped_name, require
@@ -52,13 +53,13 @@ class TensorBoardLogger(Logger):
     name = "tensorboard"
     package = "torch.utils.tensorboard"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         require("tensorboard", "tensorboard", "report_to: tensorboard")
-        self.configured_dir: Optional[str] = config.log.logging_dir
+        self.configured_dir: str | None = config.log.logging_dir
         self.base_dir = self.configured_dir or default_logdir(str(config.output_dir))
-        self.writer: Optional[Any] = None
-        self.purge_step: Optional[int] = None
+        self.writer: Any | None = None
+        self.purge_step: int | None = None
 
     @property
     def log_dir(self) -> str:
@@ -82,7 +83,7 @@ class TensorBoardLogger(Logger):
                 self.base_dir = max(runs, key=os.path.getmtime)
         self.purge_step = step + 1
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         if name != self.trial_name:
             self.finalize("success")
         super().set_trial(name, params)

@@ -7,7 +7,8 @@ server or bucket, so the run stays on this machine unless Trackio's own environm
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.loggers import LOGGERS
 from kiln.loggers.base import Logger, grouped_name, require, run_name, setting
@@ -23,11 +24,11 @@ class TrackioLogger(Logger):
     name = "trackio"
     package = "trackio"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         require("trackio", "trackio", "report_to: trackio")
         self.project: str = setting(config, "project", None, "kiln")
-        self.run: Optional[Any] = None
+        self.run: Any | None = None
         self.started = False  # a later log (evaluate() after fit()) continues the run
         self.params: dict[str, Any] = {}
 
@@ -36,13 +37,19 @@ class TrackioLogger(Logger):
             import trackio
 
             self.run = trackio.init(
-                project=self.project, name=self.trial_name or run_name(self.config),
-                group=run_name(self.config) if self.trial_name else None, config=self.params or None,
-                resume="allow" if self.started else "never", embed=False, auto_log_gpu=False, auto_log_cpu=False)
+                project=self.project,
+                name=self.trial_name or run_name(self.config),
+                group=run_name(self.config) if self.trial_name else None,
+                config=self.params or None,
+                resume="allow" if self.started else "never",
+                embed=False,
+                auto_log_gpu=False,
+                auto_log_cpu=False,
+            )
             self.started = True
         return self.run
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         if name != self.trial_name:
             self.finalize("success")
             self.started = False

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import netrc
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from kiln.loggers import LOGGERS
@@ -42,13 +43,13 @@ class WandbLogger(Logger):
     name = "wandb"
     package = "wandb"
 
-    def __init__(self, config: "DictConfig") -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__(config)
         require("wandb", "wandb", "report_to: wandb")
         self.output_dir = os.path.abspath(str(config.output_dir))
         self.project: str = setting(config, "project", "WANDB_PROJECT", "kiln")
-        self.run: Optional[Any] = None
-        self.run_id: Optional[str] = None  # kept after finalize, so later logs continue the run
+        self.run: Any | None = None
+        self.run_id: str | None = None  # kept after finalize, so later logs continue the run
         self.owns_run = False
         self.params: dict[str, Any] = {}
 
@@ -60,8 +61,12 @@ class WandbLogger(Logger):
         if wandb.run is not None and not self.trial_name:
             self.run, self.owns_run = wandb.run, False
         else:
-            kwargs: dict[str, Any] = dict(project=self.project, name=self.trial_name or run_name(self.config),
-                                          dir=self.output_dir, config=self.params or None)
+            kwargs: dict[str, Any] = dict(
+                project=self.project,
+                name=self.trial_name or run_name(self.config),
+                dir=self.output_dir,
+                config=self.params or None,
+            )
             if self.trial_name:  # HF: trials are runs grouped under the search's run name
                 kwargs.update(group=run_name(self.config), reinit="create_new")
             if self.run_id:
@@ -71,8 +76,11 @@ class WandbLogger(Logger):
                 # passed explicitly: wandb reads the environment once per process, so a later change is missed
                 kwargs["mode"] = "offline" if mode == "dryrun" else mode
             elif not has_credentials():
-                log.warning("W&B has no API key here (set WANDB_API_KEY or run `wandb login`); logging offline "
-                            "under %s/wandb. Upload later with `wandb sync`.", self.output_dir)
+                log.warning(
+                    "W&B has no API key here (set WANDB_API_KEY or run `wandb login`); logging offline "
+                    "under %s/wandb. Upload later with `wandb sync`.",
+                    self.output_dir,
+                )
                 kwargs["mode"] = "offline"
             os.makedirs(self.output_dir, exist_ok=True)
             self.run, self.owns_run = wandb.init(**kwargs), True
@@ -81,7 +89,7 @@ class WandbLogger(Logger):
         self.run.define_metric("*", step_metric=STEP, step_sync=True)
         return self.run
 
-    def set_trial(self, name: Optional[str], params: Optional[Mapping[str, Any]]) -> None:
+    def set_trial(self, name: str | None, params: Mapping[str, Any] | None) -> None:
         if name != self.trial_name:
             self.finalize("success")
             self.run_id = None

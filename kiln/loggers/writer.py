@@ -29,7 +29,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 #: queued writes the training thread may run ahead of the writer by
 QUEUE_SIZE = 1024
@@ -48,8 +49,8 @@ class BackgroundWriter:
         # (holding it) must not deadlock.
         self._cond = threading.Condition(threading.RLock())
         self._busy = False  # the thread is running tasks it has taken off the queue
-        self._error: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue `fn(*args)`; waits while the queue is full. Raises an earlier write's error."""
@@ -66,7 +67,7 @@ class BackgroundWriter:
             self._wait_for_room()
         self._tasks.append((fn, args))
 
-    def flush(self, timeout: Optional[float] = None) -> None:
+    def flush(self, timeout: float | None = None) -> None:
         """Run every queued write now and wait until they are done (or `timeout` seconds); raises the
         first error one of them raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -126,7 +127,7 @@ class BackgroundWriter:
                     self._cond.notify_all()
 
 
-_WRITER: Optional[BackgroundWriter] = None
+_WRITER: BackgroundWriter | None = None
 _LOCK = threading.Lock()
 
 
@@ -139,13 +140,13 @@ def shared_writer() -> BackgroundWriter:
         return _WRITER
 
 
-def flush_writes(timeout: Optional[float] = None) -> None:
+def flush_writes(timeout: float | None = None) -> None:
     """Wait for every queued log write (a no-op when nothing was ever queued)."""
     if _WRITER is not None:
         _WRITER.flush(timeout)
 
 
-def flush_after_fit(error: Optional[BaseException]) -> None:
+def flush_after_fit(error: BaseException | None) -> None:
     """Wait for the writer when fit() leaves. While `error` propagates, a failed write is logged
     instead of replacing it."""
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional, Union
+from typing import Any
 
 from torch.optim import Optimizer
 
@@ -18,21 +18,74 @@ class GreedyLR:
     reductions spent at min_lr restart from the initial lr. Same arguments, arithmetic and state_dict keys as
     transformers.optimization.GreedyLR, so an HF user's run behaves the same and its checkpoints load here."""
 
-    _STATE = ("factor", "min_lrs", "max_lrs", "patience", "verbose", "cooldown", "warmup", "cooldown_counter", "mode",
-              "warmup_counter", "threshold", "threshold_mode", "best", "num_bad_epochs", "num_good_epochs", "eps",
-              "last_epoch", "smooth", "window_size", "reset_start", "reset_start_original", "_last_lr", "_init_lrs")
+    _STATE = (
+        "factor",
+        "min_lrs",
+        "max_lrs",
+        "patience",
+        "verbose",
+        "cooldown",
+        "warmup",
+        "cooldown_counter",
+        "mode",
+        "warmup_counter",
+        "threshold",
+        "threshold_mode",
+        "best",
+        "num_bad_epochs",
+        "num_good_epochs",
+        "eps",
+        "last_epoch",
+        "smooth",
+        "window_size",
+        "reset_start",
+        "reset_start_original",
+        "_last_lr",
+        "_init_lrs",
+    )
 
     def __init__(
-        self, optimizer: Optimizer, mode: str = "min", factor: float = 0.95, patience: int = 10,
-        threshold: float = 1e-6, threshold_mode: str = "abs", cooldown: int = 0, warmup: int = 0,
-        min_lr: Union[float, list[float]] = 1e-3, max_lr: Union[float, list[float]] = 1.0, eps: float = 1e-8,
-        verbose: bool = False, smooth: bool = False, window_size: int = 50, reset_start: int = 500,
+        self,
+        optimizer: Optimizer,
+        mode: str = "min",
+        factor: float = 0.95,
+        patience: int = 10,
+        threshold: float = 1e-6,
+        threshold_mode: str = "abs",
+        cooldown: int = 0,
+        warmup: int = 0,
+        min_lr: float | list[float] = 1e-3,
+        max_lr: float | list[float] = 1.0,
+        eps: float = 1e-8,
+        verbose: bool = False,
+        smooth: bool = False,
+        window_size: int = 50,
+        reset_start: int = 500,
     ) -> None:
         if factor >= 1.0 or mode not in ("min", "max") or threshold_mode not in ("rel", "abs"):
-            raise ValueError("lr scheduler 'greedy' needs `scheduler.kwargs` factor < 1, mode min|max, threshold_mode rel|abs.")
-        self.optimizer, self.mode, self.factor, self.patience, self.threshold = optimizer, mode, factor, patience, threshold
-        self.threshold_mode, self.cooldown, self.warmup, self.eps, self.verbose = threshold_mode, cooldown, warmup, eps, verbose
-        self.smooth, self.window_size, self.reset_start, self.reset_start_original = smooth, window_size, reset_start, reset_start
+            raise ValueError(
+                "lr scheduler 'greedy' needs `scheduler.kwargs` factor < 1, mode min|max, threshold_mode rel|abs."
+            )
+        self.optimizer, self.mode, self.factor, self.patience, self.threshold = (
+            optimizer,
+            mode,
+            factor,
+            patience,
+            threshold,
+        )
+        self.threshold_mode, self.cooldown, self.warmup, self.eps, self.verbose = (
+            threshold_mode,
+            cooldown,
+            warmup,
+            eps,
+            verbose,
+        )
+        self.smooth, self.window_size, self.reset_start, self.reset_start_original = (
+            smooth,
+            window_size,
+            reset_start,
+            reset_start,
+        )
         n = len(optimizer.param_groups)
         self.min_lrs = list(min_lr) if isinstance(min_lr, (list, tuple)) else [min_lr] * n
         self.max_lrs = list(max_lr) if isinstance(max_lr, (list, tuple)) else [max_lr] * n
@@ -53,7 +106,7 @@ class GreedyLR:
             return current < (best * (1.0 - self.threshold) if self.threshold_mode == "rel" else best - self.threshold)
         return current > (best * (1.0 + self.threshold) if self.threshold_mode == "rel" else best + self.threshold)
 
-    def step(self, metrics: float, epoch: Optional[int] = None) -> None:
+    def step(self, metrics: float, epoch: int | None = None) -> None:
         current = float(metrics)
         if self.smooth:
             self._values.append(current)

@@ -48,13 +48,16 @@ class LomoEntry(PackageOptimizer):
 
     def __call__(self, cfg: OptimConfig) -> tuple[Any, dict[str, Any]]:
         if self.name == "adalomo" and not torch.cuda.is_available():
-            raise ValueError("Optimizer 'adalomo' needs a CUDA GPU: lomo-optim's AdaLomo allocates its state with "
-                             ".cuda(); use optim lomo on the CPU.")
+            raise ValueError(
+                "Optimizer 'adalomo' needs a CUDA GPU: lomo-optim's AdaLomo allocates its state with "
+                ".cuda(); use optim lomo on the CPU."
+            )
         cls = _owning_backward(getattr(_package(self.module, self.pip_name, self.name), self.cls_name))
         return cls, {"lr": cfg.lr}
 
-    def param_groups(self, model: nn.Module, cfg: OptimConfig, extra: dict[str, Any],
-                     groups: list[dict[str, Any]]) -> Any:
+    def param_groups(
+        self, model: nn.Module, cfg: OptimConfig, extra: dict[str, Any], groups: list[dict[str, Any]]
+    ) -> Any:
         return model  # LOMO registers a gradient hook on each of the model's parameters
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -35,16 +35,35 @@ from torch.optim import optimizer as torch_optimizer
 from kiln.utils.kernels import mixes_meshes
 
 #: torch's optimizers whose `step` reads its param groups and writes only to `state`
-_READ_ONLY_GROUPS = tuple(getattr(torch.optim, name) for name in (
-    "Adadelta", "Adafactor", "Adagrad", "Adam", "Adamax", "AdamW", "ASGD", "NAdam", "RAdam", "RMSprop", "SGD",
-) if hasattr(torch.optim, name))
+_READ_ONLY_GROUPS = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "Adadelta",
+        "Adafactor",
+        "Adagrad",
+        "Adam",
+        "Adamax",
+        "AdamW",
+        "ASGD",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "SGD",
+    )
+    if hasattr(torch.optim, name)
+)
 
 
-def step_equal_groups_as_one(optimizer: Optional[torch.optim.Optimizer]) -> bool:
+def step_equal_groups_as_one(optimizer: torch.optim.Optimizer | None) -> bool:
     """Install the merged step on `optimizer` (an instance attribute, as torch's LR schedulers install
     theirs); returns whether it did. A no-op for optimizers it does not apply to (see the module docstring)."""
-    if (optimizer is None or type(optimizer) not in _READ_ONLY_GROUPS or len(optimizer.param_groups) < 2
-            or getattr(optimizer.step, "_kiln_compiled", False) or getattr(optimizer.step, "_kiln_merged", False)):
+    if (
+        optimizer is None
+        or type(optimizer) not in _READ_ONLY_GROUPS
+        or len(optimizer.param_groups) < 2
+        or getattr(optimizer.step, "_kiln_compiled", False)
+        or getattr(optimizer.step, "_kiln_merged", False)
+    ):
         return False
     inner = optimizer.step  # the bound step, or an LR scheduler's wrapper of it
     ref = weakref.ref(optimizer)  # no cycle: the optimizer holds this function
@@ -82,7 +101,7 @@ class _OneGroup:
         self.view = [self.group]
         self.mixed = False  # the parameters together mix meshes: they step grouped
 
-    def of(self, groups: list[dict[str, Any]]) -> Optional[list[dict[str, Any]]]:
+    def of(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
         """`[group]` with every parameter, or None when the groups' settings differ or their tensors mix meshes."""
         first = groups[0]
         keys = first.keys()
@@ -91,12 +110,18 @@ class _OneGroup:
                 return None
             for key, value in first.items():
                 theirs = other[key]
-                if key != "params" and theirs is not value and (
-                        type(value) is torch.Tensor or type(theirs) is torch.Tensor or theirs != value):
+                if (
+                    key != "params"
+                    and theirs is not value
+                    and (type(value) is torch.Tensor or type(theirs) is torch.Tensor or theirs != value)
+                ):
                     return None
         sources = self.sources
-        if len(sources) != len(groups) or any(g["params"] is not s for g, s in zip(groups, sources)) or (
-                len(self.group.get("params", ())) != sum(map(len, sources))):
+        if (
+            len(sources) != len(groups)
+            or any(g["params"] is not s for g, s in zip(groups, sources))
+            or (len(self.group.get("params", ())) != sum(map(len, sources)))
+        ):
             self.sources = sources = [g["params"] for g in groups]
             self.group["params"] = params = [p for params in sources for p in params]
             self.mixed = mixes_meshes(params)
@@ -110,5 +135,9 @@ class _OneGroup:
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+    return bool(
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or torch_optimizer._global_optimizer_pre_hooks
+        or torch_optimizer._global_optimizer_post_hooks
+    )

@@ -17,7 +17,8 @@ import importlib
 import inspect
 import logging
 import re
-from typing import Any, Callable, Mapping, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +32,12 @@ from kiln.utils.kernels import mixes_meshes
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "OPTIMIZERS", "build_optimizer", "decay_parameter_names", "is_norm_module", "optimizer_mode", "parameter_groups",
+    "OPTIMIZERS",
+    "build_optimizer",
+    "decay_parameter_names",
+    "is_norm_module",
+    "optimizer_mode",
+    "parameter_groups",
     "parse_optim_args",
 ]
 
@@ -41,8 +47,11 @@ OPTIMIZERS: Registry[OptimizerFactory] = publish(Registry("optimizer", "optim.na
 # Where an optimizer argument comes from when it is not in optim_args: setting it there as well would
 # give two sources of truth, so that is an error pointing at the config field.
 _FROM_CONFIG = {
-    "params": "the model", "lr": "optim.lr", "weight_decay": "optim.weight_decay",
-    "betas": "optim.adam_beta1 / optim.adam_beta2", "eps": "optim.adam_epsilon",
+    "params": "the model",
+    "lr": "optim.lr",
+    "weight_decay": "optim.weight_decay",
+    "betas": "optim.adam_beta1 / optim.adam_beta2",
+    "eps": "optim.adam_epsilon",
 }
 
 
@@ -104,8 +113,19 @@ def _bitsandbytes(name: str) -> OptimizerFactory:
     return factory
 
 
-for _name in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "lion_32bit", "lion_8bit",
-              "paged_lion_32bit", "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit"):
+for _name in (
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "paged_adamw_32bit",
+    "paged_adamw_8bit",
+    "lion_32bit",
+    "lion_8bit",
+    "paged_lion_32bit",
+    "paged_lion_8bit",
+    "rmsprop_bnb",
+    "rmsprop_bnb_8bit",
+    "rmsprop_bnb_32bit",
+):
     OPTIMIZERS.add(_name, _bitsandbytes(_name))
 
 
@@ -123,10 +143,19 @@ for _name, _instead in {
     "adamw_anyprecision": _USE_ADAMW + " with precision bf16-true",
     # these step each parameter inside a per-parameter hook of their own, which leaves nothing for kiln's
     # step (accumulation, clipping, the precision plugin's inf check) to do (LOMO: see lomo.py)
-    **dict.fromkeys(("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
-                     "apollo_adamw_layerwise"), "use the same name without _layerwise"),
-    **dict.fromkeys(("stable_adamw", "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit"),
-                    "register it with kiln.optim.optimizers.OPTIMIZERS.add(name, factory), or " + _USE_ADAMW),
+    **dict.fromkeys(
+        (
+            "galore_adamw_layerwise",
+            "galore_adamw_8bit_layerwise",
+            "galore_adafactor_layerwise",
+            "apollo_adamw_layerwise",
+        ),
+        "use the same name without _layerwise",
+    ),
+    **dict.fromkeys(
+        ("stable_adamw", "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit"),
+        "register it with kiln.optim.optimizers.OPTIMIZERS.add(name, factory), or " + _USE_ADAMW,
+    ),
 }.items():
     OPTIMIZERS.add(_name, _unsupported(_name, _instead))
 
@@ -165,7 +194,7 @@ def _literal(text: str) -> Any:
         return text
 
 
-def parse_optim_args(optim_args: Union[str, Mapping[str, Any], None]) -> dict[str, Any]:
+def parse_optim_args(optim_args: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """Parse HF's `optim_args` string "key=value,key=value" into Python values.
 
     HF hands the raw strings to each optimizer; kiln converts them once so that any optimizer class
@@ -287,7 +316,9 @@ def _check_optim_args(name: str, cls: type, base: dict[str, Any], extra: dict[st
     for key in extra:
         if key in fixed:
             source = _FROM_CONFIG.get(key, f"optim.name={name!r}")
-            raise ValueError(f"`optim.optim_args` sets {key!r}, which optimizer {name!r} takes from {source}; set it there.")
+            raise ValueError(
+                f"`optim.optim_args` sets {key!r}, which optimizer {name!r} takes from {source}; set it there."
+            )
         if not takes_any and key not in params:
             raise ValueError(
                 f"`optim.optim_args` sets {key!r}, which {cls.__name__} (optimizer {name!r}) does not take; "
@@ -309,12 +340,19 @@ def _kernels_for(name: str, cls: type, kwargs: dict[str, Any], groups: Any) -> d
     missing = sorted({p.device.type for p in params} - set(_get_fused_kernels_supported_devices()))
     mixed = any(mixes_meshes(group["params"]) for group in groups)
     if mixed and "foreach" in inspect.signature(cls).parameters:
-        logger.info("optim.name=%s: a param group mixes DTensors with plain tensors (or meshes), which no multi-tensor "
-                    "kernel spans; stepping with the per-parameter kernels (the same update).", name)
+        logger.info(
+            "optim.name=%s: a param group mixes DTensors with plain tensors (or meshes), which no multi-tensor "
+            "kernel spans; stepping with the per-parameter kernels (the same update).",
+            name,
+        )
         return {**{k: v for k, v in kwargs.items() if k != "fused"}, "foreach": False}
     if kwargs.get("fused") and missing:
-        logger.info("optim.name=%s: torch has no fused kernel for %s parameters; stepping with adamw_torch's kernels "
-                    "(the same update).", name, ", ".join(missing))
+        logger.info(
+            "optim.name=%s: torch has no fused kernel for %s parameters; stepping with adamw_torch's kernels "
+            "(the same update).",
+            name,
+            ", ".join(missing),
+        )
         return {k: v for k, v in kwargs.items() if k != "fused"}
     return kwargs
 
@@ -341,4 +379,3 @@ def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
         raise ValueError(
             f"Optimizer {cfg.name!r} rejected its arguments ({err}); check optim.lr, optim.adam_* and optim.optim_args."
         ) from err
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +22,9 @@ def _package(module: str, pip_name: str, name: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"Optimizer {name!r} (`optim.name`) needs the {pip_name} package: pip install {pip_name}.") from None
+        raise ImportError(
+            f"Optimizer {name!r} (`optim.name`) needs the {pip_name} package: pip install {pip_name}."
+        ) from None
 
 
 def _adam(cfg: OptimConfig) -> dict[str, Any]:
@@ -33,8 +35,15 @@ class PackageOptimizer:
     """A registry entry for a class in an optional package. `defaults` are HF's values for settings
     that `optim_args` may override (kiln's config-derived arguments may not be overridden)."""
 
-    def __init__(self, name: str, module: str, pip_name: str, cls_name: str, adam: bool = True,
-                 defaults: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        pip_name: str,
+        cls_name: str,
+        adam: bool = True,
+        defaults: dict[str, Any] | None = None,
+    ) -> None:
         self.name, self.module, self.pip_name, self.cls_name = name, module, pip_name, cls_name
         self.adam, self.defaults = adam, dict(defaults or {})
 
@@ -48,17 +57,50 @@ def _entries() -> list[PackageOptimizer]:
     # warmup_steps), so pair it with scheduler.name=constant
     sf = {"r": 0.0, "weight_lr_power": 2.0}
     return [
-        PackageOptimizer("schedule_free_adamw", "schedulefree", "schedulefree", "AdamWScheduleFree", defaults={**sf, "warmup_steps": 0}),
+        PackageOptimizer(
+            "schedule_free_adamw",
+            "schedulefree",
+            "schedulefree",
+            "AdamWScheduleFree",
+            defaults={**sf, "warmup_steps": 0},
+        ),
         PackageOptimizer("schedule_free_radam", "schedulefree", "schedulefree", "RAdamScheduleFree", defaults=sf),
-        PackageOptimizer("schedule_free_sgd", "schedulefree", "schedulefree", "SGDScheduleFree", adam=False,
-                  defaults={**sf, "warmup_steps": 0}),
+        PackageOptimizer(
+            "schedule_free_sgd",
+            "schedulefree",
+            "schedulefree",
+            "SGDScheduleFree",
+            adam=False,
+            defaults={**sf, "warmup_steps": 0},
+        ),
         # HF's defaults (equal to the package's); optim_args may change them
-        PackageOptimizer("grokadamw", "grokadamw", "grokadamw", "GrokAdamW", defaults={
-            "alpha_init": 0.98, "lamb": 2.0, "gamma": 0.1, "grokking_signal_decay_rate": 0.1, "gradient_clipping": 1.0}),
-        PackageOptimizer("adamw_torch_4bit", "torchao.optim", "torchao", "AdamW4bit",
-                  defaults={"block_size": 256, "bf16_stochastic_round": False}),
-        PackageOptimizer("adamw_torch_8bit", "torchao.optim", "torchao", "AdamW8bit",
-                  defaults={"block_size": 256, "bf16_stochastic_round": False}),
+        PackageOptimizer(
+            "grokadamw",
+            "grokadamw",
+            "grokadamw",
+            "GrokAdamW",
+            defaults={
+                "alpha_init": 0.98,
+                "lamb": 2.0,
+                "gamma": 0.1,
+                "grokking_signal_decay_rate": 0.1,
+                "gradient_clipping": 1.0,
+            },
+        ),
+        PackageOptimizer(
+            "adamw_torch_4bit",
+            "torchao.optim",
+            "torchao",
+            "AdamW4bit",
+            defaults={"block_size": 256, "bf16_stochastic_round": False},
+        ),
+        PackageOptimizer(
+            "adamw_torch_8bit",
+            "torchao.optim",
+            "torchao",
+            "AdamW8bit",
+            defaults={"block_size": 256, "bf16_stochastic_round": False},
+        ),
     ]
 
 
@@ -69,8 +111,10 @@ def _targets(model: nn.Module, targets: Any, name: str) -> list[str]:
     """Names of the nn.Linear weights matched by optim.target_modules (HF: a list of names, a regex, or
     'all-linear')."""
     if targets is None:
-        raise ValueError(f"Optimizer {name!r} needs optim.target_modules (optim_target_modules): the Linear "
-                         "modules to project, e.g. ['attn', 'mlp'] or 'all-linear'.")
+        raise ValueError(
+            f"Optimizer {name!r} needs optim.target_modules (optim_target_modules): the Linear "
+            "modules to project, e.g. ['attn', 'mlp'] or 'all-linear'."
+        )
     all_linear = isinstance(targets, str) and targets.replace("_", "-") == "all-linear"
     found = []
     for module_name, module in model.named_modules():
@@ -83,8 +127,10 @@ def _targets(model: nn.Module, targets: Any, name: str) -> list[str]:
         if hit:
             found.append(module_name + ".weight")
     if not found:
-        raise ValueError(f"optim.target_modules={targets!r} matches no nn.Linear of the model, so {name!r} would "
-                         "project nothing; name Linear modules (or use 'all-linear').")
+        raise ValueError(
+            f"optim.target_modules={targets!r} matches no nn.Linear of the model, so {name!r} would "
+            "project nothing; name Linear modules (or use 'all-linear')."
+        )
     return found
 
 
@@ -92,8 +138,17 @@ class LowRank(PackageOptimizer):
     """An entry whose optimizer needs the model: the matched Linear weights get the projection
     settings in their own param group (HF's layout); the rest keep kiln's decay / no-decay groups."""
 
-    def __init__(self, name: str, module: str, pip_name: str, cls_name: str, projection: dict[str, Any],
-                 projectors: tuple[str, ...], fixed: Optional[dict[str, Any]] = None, adam_in_targets: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        pip_name: str,
+        cls_name: str,
+        projection: dict[str, Any],
+        projectors: tuple[str, ...],
+        fixed: dict[str, Any] | None = None,
+        adam_in_targets: bool = False,
+    ) -> None:
         super().__init__(name, module, pip_name, cls_name, adam=False)  # HF passes only lr (GaLore's eps is 1e-6)
         self.projection, self.fixed, self.adam_in_targets = projection, dict(fixed or {}), adam_in_targets
         self.projectors = projectors
@@ -109,24 +164,33 @@ class LowRank(PackageOptimizer):
         torch.serialization.add_safe_globals(allowed)
         return cls, {**kwargs, **self.fixed}
 
-    def param_groups(self, model: nn.Module, cfg: OptimConfig, extra: dict[str, Any],
-                     groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def param_groups(
+        self, model: nn.Module, cfg: OptimConfig, extra: dict[str, Any], groups: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
         """kiln's decay / no-decay `groups` without the targets, then the targets with the projection
         settings (rank, update_proj_gap, scale, proj_type, ...), which are taken out of optim_args."""
         projection = {key: extra.pop(key, default) for key, default in self.projection.items()}
-        targets = {id(p) for n, p in model.named_parameters() if n in set(_targets(model, cfg.target_modules, self.name))}
-        groups = [{**g, "params": [p for p in g["params"] if id(p) not in targets]}
-                  for g in groups]
+        targets = {
+            id(p) for n, p in model.named_parameters() if n in set(_targets(model, cfg.target_modules, self.name))
+        }
+        groups = [{**g, "params": [p for p in g["params"] if id(p) not in targets]} for g in groups]
         chosen = [p for p in model.parameters() if id(p) in targets and p.requires_grad]
         adam = _adam(cfg) if self.adam_in_targets else {}  # APOLLO: HF gives the Adam settings to the targets only
         adam.pop("lr", None)
-        return [g for g in groups if g["params"]] + [{"params": chosen, "weight_decay": cfg.weight_decay, **adam,
-                                                      **projection}]
+        return [g for g in groups if g["params"]] + [
+            {"params": chosen, "weight_decay": cfg.weight_decay, **adam, **projection}
+        ]
 
 
 _GALORE = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
-_APOLLO = {"rank": 128, "proj": "random", "scale_type": "channel", "update_proj_gap": 200, "scale": 1.0,
-           "proj_type": "std"}
+_APOLLO = {
+    "rank": 128,
+    "proj": "random",
+    "scale_type": "channel",
+    "update_proj_gap": 200,
+    "scale": 1.0,
+    "proj_type": "std",
+}
 
 
 _GALORE_STATE = ("galore_torch.galore_projector.GaLoreProjector",)
@@ -137,10 +201,18 @@ def _low_rank() -> list[LowRank]:
     return [
         LowRank("galore_adamw", "galore_torch", "galore-torch", "GaLoreAdamW", _GALORE, _GALORE_STATE),
         LowRank("galore_adamw_8bit", "galore_torch", "galore-torch", "GaLoreAdamW8bit", _GALORE, _GALORE_STATE),
-        LowRank("galore_adafactor", "galore_torch", "galore-torch", "GaLoreAdafactor", _GALORE, _GALORE_STATE,
-                fixed={"scale_parameter": False, "relative_step": False}),
-        LowRank("apollo_adamw", "apollo_torch", "apollo-torch", "APOLLOAdamW", _APOLLO, _APOLLO_STATE,
-                adam_in_targets=True),
+        LowRank(
+            "galore_adafactor",
+            "galore_torch",
+            "galore-torch",
+            "GaLoreAdafactor",
+            _GALORE,
+            _GALORE_STATE,
+            fixed={"scale_parameter": False, "relative_step": False},
+        ),
+        LowRank(
+            "apollo_adamw", "apollo_torch", "apollo-torch", "APOLLOAdamW", _APOLLO, _APOLLO_STATE, adam_in_targets=True
+        ),
     ]
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
@@ -46,7 +47,9 @@ def _linear(step: int, *, num_warmup_steps: int, num_training_steps: int) -> flo
     return max(0.0, float(num_training_steps - step) / float(max(1, num_training_steps - num_warmup_steps)))
 
 
-def _cosine(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float, min_lr_rate: float) -> float:
+def _cosine(
+    step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float, min_lr_rate: float
+) -> float:
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
     progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
@@ -82,8 +85,13 @@ def _inverse_sqrt(step: int, *, num_warmup_steps: int, timescale: int) -> float:
 
 
 def _cosine_warmup_min_lr(
-    step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float, min_lr_rate: float,
-    warmup_lr_rate: Optional[float],
+    step: int,
+    *,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    num_cycles: float,
+    min_lr_rate: float,
+    warmup_lr_rate: float | None,
 ) -> float:
     """HF's cosine_warmup_with_min_lr: the warmup starts above 0 and the decay is shifted by one step."""
     cur, warm, total = float(step), float(num_warmup_steps), float(num_training_steps)
@@ -98,8 +106,15 @@ def _cosine_warmup_min_lr(
 
 
 def _wsd(
-    step: int, *, num_warmup_steps: int, num_stable_steps: int, num_decay_steps: int, warmup_type: str,
-    decay_type: str, min_lr_ratio: float, num_cycles: float,
+    step: int,
+    *,
+    num_warmup_steps: int,
+    num_stable_steps: int,
+    num_decay_steps: int,
+    warmup_type: str,
+    decay_type: str,
+    min_lr_ratio: float,
+    num_cycles: float,
 ) -> float:
     if step < num_warmup_steps:
         progress = float(step) / float(max(1, num_warmup_steps))
@@ -127,9 +142,11 @@ def _wsd(
 # ----------------------------------------------------------------------------- registry entries
 
 
-def _min_lr_rate(name: str, optimizer: Optimizer, min_lr: Optional[float], min_lr_rate: Optional[float]) -> float:
+def _min_lr_rate(name: str, optimizer: Optimizer, min_lr: float | None, min_lr_rate: float | None) -> float:
     if (min_lr is None) == (min_lr_rate is None):
-        raise ValueError(f"lr scheduler {name!r} needs one of `scheduler.kwargs.min_lr` or `scheduler.kwargs.min_lr_rate`.")
+        raise ValueError(
+            f"lr scheduler {name!r} needs one of `scheduler.kwargs.min_lr` or `scheduler.kwargs.min_lr_rate`."
+        )
     return min_lr / optimizer.defaults["lr"] if min_lr is not None else min_lr_rate  # type: ignore[return-value]
 
 
@@ -145,19 +162,40 @@ def _sched_constant_warmup(optimizer: Optimizer, num_warmup_steps: int, num_trai
 
 @SCHEDULERS.register("linear")
 def _sched_linear(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int) -> LambdaLR:
-    return LambdaLR(optimizer, partial(_linear, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps))
+    return LambdaLR(
+        optimizer, partial(_linear, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps)
+    )
 
 
 @SCHEDULERS.register("cosine")
-def _sched_cosine(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_cycles: float = 0.5) -> LambdaLR:
-    return LambdaLR(optimizer, partial(_cosine, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps,
-                                       num_cycles=num_cycles, min_lr_rate=0.0))
+def _sched_cosine(
+    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_cycles: float = 0.5
+) -> LambdaLR:
+    return LambdaLR(
+        optimizer,
+        partial(
+            _cosine,
+            num_warmup_steps=num_warmup_steps,
+            num_training_steps=num_training_steps,
+            num_cycles=num_cycles,
+            min_lr_rate=0.0,
+        ),
+    )
 
 
 @SCHEDULERS.register("cosine_with_restarts")
-def _sched_restarts(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_cycles: int = 1) -> LambdaLR:
-    return LambdaLR(optimizer, partial(_cosine_restarts, num_warmup_steps=num_warmup_steps,
-                                       num_training_steps=num_training_steps, num_cycles=num_cycles))
+def _sched_restarts(
+    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_cycles: int = 1
+) -> LambdaLR:
+    return LambdaLR(
+        optimizer,
+        partial(
+            _cosine_restarts,
+            num_warmup_steps=num_warmup_steps,
+            num_training_steps=num_training_steps,
+            num_cycles=num_cycles,
+        ),
+    )
 
 
 @SCHEDULERS.register("polynomial")
@@ -167,13 +205,22 @@ def _sched_polynomial(
     lr_init = optimizer.defaults["lr"]
     if not lr_init > lr_end:
         raise ValueError(f"`scheduler.kwargs.lr_end` ({lr_end}) must be smaller than the initial lr ({lr_init}).")
-    return LambdaLR(optimizer, partial(_polynomial, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps,
-                                       lr_end=lr_end, power=power, lr_init=lr_init))
+    return LambdaLR(
+        optimizer,
+        partial(
+            _polynomial,
+            num_warmup_steps=num_warmup_steps,
+            num_training_steps=num_training_steps,
+            lr_end=lr_end,
+            power=power,
+            lr_init=lr_init,
+        ),
+    )
 
 
 @SCHEDULERS.register("inverse_sqrt")
 def _sched_inverse_sqrt(
-    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, timescale: Optional[int] = None
+    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, timescale: int | None = None
 ) -> LambdaLR:
     timescale = timescale if timescale is not None else (num_warmup_steps or 10_000)
     return LambdaLR(optimizer, partial(_inverse_sqrt, num_warmup_steps=num_warmup_steps, timescale=timescale))
@@ -181,29 +228,64 @@ def _sched_inverse_sqrt(
 
 @SCHEDULERS.register("cosine_with_min_lr")
 def _sched_cosine_min_lr(
-    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_cycles: float = 0.5,
-    min_lr: Optional[float] = None, min_lr_rate: Optional[float] = None,
+    optimizer: Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    *,
+    num_cycles: float = 0.5,
+    min_lr: float | None = None,
+    min_lr_rate: float | None = None,
 ) -> LambdaLR:
     rate = _min_lr_rate("cosine_with_min_lr", optimizer, min_lr, min_lr_rate)
-    return LambdaLR(optimizer, partial(_cosine, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps,
-                                       num_cycles=num_cycles, min_lr_rate=rate))
+    return LambdaLR(
+        optimizer,
+        partial(
+            _cosine,
+            num_warmup_steps=num_warmup_steps,
+            num_training_steps=num_training_steps,
+            num_cycles=num_cycles,
+            min_lr_rate=rate,
+        ),
+    )
 
 
 @SCHEDULERS.register("cosine_warmup_with_min_lr")
 def _sched_cosine_warmup_min_lr(
-    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_cycles: float = 0.5,
-    min_lr: Optional[float] = None, min_lr_rate: Optional[float] = None, warmup_lr_rate: Optional[float] = None,
+    optimizer: Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    *,
+    num_cycles: float = 0.5,
+    min_lr: float | None = None,
+    min_lr_rate: float | None = None,
+    warmup_lr_rate: float | None = None,
 ) -> LambdaLR:
     rate = _min_lr_rate("cosine_warmup_with_min_lr", optimizer, min_lr, min_lr_rate)
-    return LambdaLR(optimizer, partial(_cosine_warmup_min_lr, num_warmup_steps=num_warmup_steps, num_cycles=num_cycles,
-                                       num_training_steps=num_training_steps, min_lr_rate=rate, warmup_lr_rate=warmup_lr_rate))
+    return LambdaLR(
+        optimizer,
+        partial(
+            _cosine_warmup_min_lr,
+            num_warmup_steps=num_warmup_steps,
+            num_cycles=num_cycles,
+            num_training_steps=num_training_steps,
+            min_lr_rate=rate,
+            warmup_lr_rate=warmup_lr_rate,
+        ),
+    )
 
 
 @SCHEDULERS.register("warmup_stable_decay")
 def _sched_wsd(
-    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, *, num_decay_steps: Optional[int] = None,
-    num_stable_steps: Optional[int] = None, warmup_type: str = "linear", decay_type: str = "cosine",
-    min_lr_ratio: float = 0, num_cycles: float = 0.5,
+    optimizer: Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    *,
+    num_decay_steps: int | None = None,
+    num_stable_steps: int | None = None,
+    warmup_type: str = "linear",
+    decay_type: str = "cosine",
+    min_lr_ratio: float = 0,
+    num_cycles: float = 0.5,
 ) -> LambdaLR:
     """Warmup, then constant, then decay; `num_stable_steps` defaults to the steps the other two leave."""
     if num_decay_steps is None:
@@ -213,13 +295,25 @@ def _sched_wsd(
             raise ValueError(f"`scheduler.kwargs.{key}` must be one of {', '.join(_SHAPES)}, got {shape!r}.")
     if num_stable_steps is None:
         num_stable_steps = num_training_steps - num_warmup_steps - num_decay_steps
-    return LambdaLR(optimizer, partial(_wsd, num_warmup_steps=num_warmup_steps, num_stable_steps=num_stable_steps,
-                                       num_decay_steps=num_decay_steps, warmup_type=warmup_type, decay_type=decay_type,
-                                       min_lr_ratio=min_lr_ratio, num_cycles=num_cycles))
+    return LambdaLR(
+        optimizer,
+        partial(
+            _wsd,
+            num_warmup_steps=num_warmup_steps,
+            num_stable_steps=num_stable_steps,
+            num_decay_steps=num_decay_steps,
+            warmup_type=warmup_type,
+            decay_type=decay_type,
+            min_lr_ratio=min_lr_ratio,
+            num_cycles=num_cycles,
+        ),
+    )
 
 
 @SCHEDULERS.register("reduce_lr_on_plateau")
-def _sched_plateau(optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, **kwargs: Any) -> ReduceLROnPlateau:
+def _sched_plateau(
+    optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, **kwargs: Any
+) -> ReduceLROnPlateau:
     """torch's ReduceLROnPlateau; the loop steps it with the eval metric after each evaluation."""
     _check_kwargs("reduce_lr_on_plateau", kwargs, ReduceLROnPlateau)
     return ReduceLROnPlateau(optimizer, **kwargs)
@@ -251,7 +345,7 @@ def _check_kwargs(name: str, kwargs: dict[str, Any], target: Callable[..., Any])
 
 def get_scheduler(
     name: str, optimizer: Optimizer, num_warmup_steps: int, num_training_steps: int, **kwargs: Any
-) -> Union[LRScheduler, GreedyLR]:
+) -> LRScheduler | GreedyLR:
     """The schedule named `name` (HF's `lr_scheduler_type`), with HF's `lr_scheduler_kwargs` as kwargs."""
     name = str(getattr(name, "value", name))  # also accepts HF's SchedulerType enum
     factory = SCHEDULERS.get(name)
@@ -265,7 +359,7 @@ def warmup_steps_for(sched_cfg: Any, num_training_steps: int) -> int:
     return steps if steps > 0 else math.ceil(float(_field(sched_cfg, "warmup_ratio", 0.0) or 0.0) * num_training_steps)
 
 
-def build_scheduler(optimizer: Optimizer, sched_cfg: Any, num_training_steps: int) -> Union[LRScheduler, GreedyLR]:
+def build_scheduler(optimizer: Optimizer, sched_cfg: Any, num_training_steps: int) -> LRScheduler | GreedyLR:
     """The schedule the `scheduler` config group (SchedulerConfig, DictConfig or mapping) asks for."""
     kwargs = _field(sched_cfg, "kwargs", None) or {}
     from omegaconf import OmegaConf  # lazy: importing kiln must not pay for omegaconf
@@ -274,7 +368,9 @@ def build_scheduler(optimizer: Optimizer, sched_cfg: Any, num_training_steps: in
         kwargs = OmegaConf.to_container(kwargs, resolve=True)
     name, warmup = str(_field(sched_cfg, "name", "linear")), warmup_steps_for(sched_cfg, num_training_steps)
     if warmup > 0 and name.lower() in ("constant", "reduce_lr_on_plateau", "greedy"):
-        logger.warning("lr scheduler %r has no warmup; ignoring %d warmup steps (use constant_with_warmup?).", name, warmup)
+        logger.warning(
+            "lr scheduler %r has no warmup; ignoring %d warmup steps (use constant_with_warmup?).", name, warmup
+        )
     return get_scheduler(name, optimizer, warmup, num_training_steps, **dict(kwargs))
 
 
@@ -290,8 +386,11 @@ def scheduler_needs_metrics(scheduler: Any) -> bool:
         params = list(inspect.signature(scheduler.step).parameters.values())
     except (AttributeError, TypeError, ValueError):
         return False
-    return bool(params) and params[0].default is params[0].empty and params[0].kind in (
-        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return (
+        bool(params)
+        and params[0].default is params[0].empty
+        and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    )
 
 
 def _field(cfg: Any, key: str, default: Any) -> Any:

@@ -7,8 +7,11 @@ from kiln.registry import Registry, publish
 PRECISIONS: Registry[type] = publish(Registry("precision plugin", "precision.name"))
 
 #: each group of names in config's vocabulary (kiln.config.names) -> the module that registers it
-for _names, _module in zip(PRECISION_GROUPS, ("kiln.precision.fp32", "kiln.precision.amp", "kiln.precision.half",
-                                              "kiln.precision.apex", "kiln.precision.tf32"), strict=True):
+for _names, _module in zip(
+    PRECISION_GROUPS,
+    ("kiln.precision.fp32", "kiln.precision.amp", "kiln.precision.half", "kiln.precision.apex", "kiln.precision.tf32"),
+    strict=True,
+):
     for _name in _names:
         PRECISIONS.add_lazy(_name, _module)
 

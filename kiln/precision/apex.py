@@ -34,7 +34,9 @@ def import_apex_amp() -> ModuleType:
             found = " (an `apex` package is installed, but it is not NVIDIA apex: PyPI's `apex` is unrelated)"
         except ImportError:
             found = ""
-        raise PrecisionError(f"precision 'apex' needs NVIDIA apex, which is not installed{found}; {INSTALL_HINT}.") from err
+        raise PrecisionError(
+            f"precision 'apex' needs NVIDIA apex, which is not installed{found}; {INSTALL_HINT}."
+        ) from err
 
 
 @PRECISIONS.register("apex")

@@ -191,7 +191,9 @@ def check_dtype_on_device(dtype: torch.dtype, device: torch.device, setting: str
     other = "bf16 instead (precision: bf16)" if dtype is torch.float16 else "fp16 instead (precision: fp16)"
     where = " or train on a CUDA GPU" if torch.device(device).type == "cpu" else ""
     place = _DEVICE_WORDS.get(torch.device(device).type, torch.device(device).type)
-    raise PrecisionError(f"{setting} needs {_DTYPE_NAMES[dtype]} support on the {place}, but {reason}; use {other}{where}.")
+    raise PrecisionError(
+        f"{setting} needs {_DTYPE_NAMES[dtype]} support on the {place}, but {reason}; use {other}{where}."
+    )
 
 
 #: whether the slow-fp16-on-CPU warning was given: a run checks fp16 for training and for full_eval
@@ -205,8 +207,12 @@ def _warn_slow_cpu_fp16(reason: str) -> None:
     _SLOW_FP16_WARNED[0] = True
     import warnings
 
-    warnings.warn(f"fp16 runs on this CPU, but slowly: {reason}, so torch computes fp16 through fallback "
-                  "kernels, often slower than fp32; precision: bf16 (or fp32) is faster here.", UserWarning, stacklevel=3)
+    warnings.warn(
+        f"fp16 runs on this CPU, but slowly: {reason}, so torch computes fp16 through fallback "
+        "kernels, often slower than fp32; precision: bf16 (or fp32) is faster here.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}

@@ -33,8 +33,13 @@ FP16_SAFE_EPS = 1e-4
 
 def vanishing_eps(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> list[float]:
     """The `eps` values of the optimizer's parameter groups that round to zero in `dtype`."""
-    return sorted({float(g["eps"]) for g in optimizer.param_groups
-                   if isinstance(g.get("eps"), float) and g["eps"] > 0 and float(torch.tensor(g["eps"], dtype=dtype)) == 0})
+    return sorted(
+        {
+            float(g["eps"])
+            for g in optimizer.param_groups
+            if isinstance(g.get("eps"), float) and g["eps"] > 0 and float(torch.tensor(g["eps"], dtype=dtype)) == 0
+        }
+    )
 
 
 @contextlib.contextmanager
@@ -84,6 +89,10 @@ class FP16TruePrecision(HalfPrecision):
         # Adam-style updates divide by sqrt(v) + eps in the parameters' dtype: an eps that is 0 in
         # fp16 lets a zero second moment blow the update up to inf
         for eps in vanishing_eps(optimizer, self.param_dtype):
-            log.warning("precision 'fp16-true': the optimizer's eps=%g rounds to 0 in fp16; set adam_epsilon: %g "
-                        "(or use bf16-true).", eps, FP16_SAFE_EPS)
+            log.warning(
+                "precision 'fp16-true': the optimizer's eps=%g rounds to 0 in fp16; set adam_epsilon: %g "
+                "(or use bf16-true).",
+                eps,
+                FP16_SAFE_EPS,
+            )
         return super().connect(module, optimizer)

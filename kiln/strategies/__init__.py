@@ -17,17 +17,30 @@ if TYPE_CHECKING:
 STRATEGIES: Registry[type] = publish(Registry("strategy", "strategy.name"))
 
 #: each group of names in config's vocabulary (kiln.config.names) -> the module that registers it
-STRATEGY_MODULES: dict[tuple[str, ...], str] = dict(zip(STRATEGY_GROUPS, (
-    "kiln.strategies.single", "kiln.strategies.ddp.strategy", "kiln.strategies.fsdp.strategy",
-    "kiln.strategies.model_parallel.strategy", "kiln.strategies.deepspeed.strategy", "kiln.strategies.xla.strategy",
-    "kiln.strategies.xla.fsdp", "kiln.strategies.mps", "kiln.strategies.auto"), strict=True))
+STRATEGY_MODULES: dict[tuple[str, ...], str] = dict(
+    zip(
+        STRATEGY_GROUPS,
+        (
+            "kiln.strategies.single",
+            "kiln.strategies.ddp.strategy",
+            "kiln.strategies.fsdp.strategy",
+            "kiln.strategies.model_parallel.strategy",
+            "kiln.strategies.deepspeed.strategy",
+            "kiln.strategies.xla.strategy",
+            "kiln.strategies.xla.fsdp",
+            "kiln.strategies.mps",
+            "kiln.strategies.auto",
+        ),
+        strict=True,
+    )
+)
 
 for _names, _module in STRATEGY_MODULES.items():
     for _name in _names:
         STRATEGIES.add_lazy(_name, _module)
 
 
-def build_strategy(config: "DictConfig", precision: "Precision", override: Any = None) -> "Strategy":
+def build_strategy(config: DictConfig, precision: Precision, override: Any = None) -> Strategy:
     """Instantiate the strategy the config names; `override` may be a Strategy class or instance (a name
     given to the Trainer is the config's `strategy.name` by then: kiln.engine.arguments.pop_objects)."""
     from kiln.strategies.base import Strategy
@@ -40,7 +53,7 @@ def build_strategy(config: "DictConfig", precision: "Precision", override: Any =
     return cls(config, precision)
 
 
-def adopt_model(config: "DictConfig", model: Any) -> None:
+def adopt_model(config: DictConfig, model: Any) -> None:
     """Let the model the Trainer was given settle `config.strategy` before the strategy is built: one that
     transformers split at load (`from_pretrained(tp_plan=...)`) trains under model_parallel over its tp
     size, or is refused under a strategy that cannot train it (HF's Trainer reads `model.tp_size` likewise)."""
@@ -54,17 +67,24 @@ def adopt_model(config: "DictConfig", model: Any) -> None:
         adopt_loaded_model(config, model, dist.get_world_size() if dist.is_initialized() else detect().world_size)
 
 
-def check_run_compatible(strategy: "Strategy", precision: "Precision", config: "DictConfig", *, user_optimizer: bool) -> None:
+def check_run_compatible(strategy: Strategy, precision: Precision, config: DictConfig, *, user_optimizer: bool) -> None:
     """Refuse an impossible strategy x precision x device x options combination before any process
     group starts (see kiln.strategies.capabilities)."""
     from kiln.strategies.capabilities import check_compatible
 
-    check_compatible(strategy.name, type(strategy).capabilities, precision=precision.name, device=strategy.root_device,
-                     full_eval=precision.eval_dtype is not None, auto_batch_size=bool(config.data.auto_find_batch_size),
-                     user_optimizer=user_optimizer, torch_compile=_compiles(config))
+    check_compatible(
+        strategy.name,
+        type(strategy).capabilities,
+        precision=precision.name,
+        device=strategy.root_device,
+        full_eval=precision.eval_dtype is not None,
+        auto_batch_size=bool(config.data.auto_find_batch_size),
+        user_optimizer=user_optimizer,
+        torch_compile=_compiles(config),
+    )
 
 
-def _compiles(config: "DictConfig") -> bool:
+def _compiles(config: DictConfig) -> bool:
     """Whether the config asks the engine to torch.compile the module (any of train.torch_compile*)."""
     train = config.get("train") if config is not None else None
     return bool(train is not None and (train.torch_compile or train.torch_compile_backend or train.torch_compile_mode))

@@ -18,8 +18,8 @@ hooks stay outside it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,9 +28,14 @@ from kiln.utils.errors import ConfigError
 
 #: torchtitan's save list, with the CPU and cuDNN attention kernels of the same op
 DEFAULT_SAVED_OPS = (
-    "aten.mm.default", "aten.addmm.default", "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_cudnn_attention.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten._scaled_mm.default", "aten.max.default",
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_mm.default",
+    "aten.max.default",
 )
 MODES = ("full", "selective")
 
@@ -45,8 +50,10 @@ def resolve_op(name: str) -> Any:
         for part in parts:
             target = getattr(target, part)
     except (AttributeError, RuntimeError):
-        raise ConfigError(f"activation_checkpointing.ops names {name!r}, which is not a torch operator; write it as "
-                          "aten.<op>[.<overload>], e.g. aten.mm or aten._scaled_dot_product_flash_attention") from None
+        raise ConfigError(
+            f"activation_checkpointing.ops names {name!r}, which is not a torch operator; write it as "
+            "aten.<op>[.<overload>], e.g. aten.mm or aten._scaled_dot_product_flash_attention"
+        ) from None
     return target
 
 
@@ -87,8 +94,9 @@ def without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str = "full", every: int = 1,
-                                   ops: Optional[Sequence[str]] = None) -> list[nn.Module]:
+def apply_activation_checkpointing(
+    blocks: Sequence[nn.Module], mode: str = "full", every: int = 1, ops: Sequence[str] | None = None
+) -> list[nn.Module]:
     """Checkpoint blocks `every`, 2x`every`, ... of `blocks` in `mode`; returns the checkpointed blocks."""
     from torch.utils.checkpoint import checkpoint
 
@@ -97,8 +105,10 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str = "ful
     if every < 1:
         raise ConfigError(f"activation_checkpointing.every is {every}; use 1 for every block, N for every N-th.")
     if ops is not None and mode != "selective":
-        raise ConfigError("activation_checkpointing.ops chooses what selective checkpointing keeps; set mode: selective "
-                          "or remove ops.")
+        raise ConfigError(
+            "activation_checkpointing.ops chooses what selective checkpointing keeps; set mode: selective "
+            "or remove ops."
+        )
     extra: dict[str, Any] = {}
     if mode == "selective":
         extra["context_fn"] = _selective_context(frozenset(resolve_op(n) for n in (ops or DEFAULT_SAVED_OPS)))

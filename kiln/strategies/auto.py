@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kiln.strategies import STRATEGIES
 from kiln.launch.environment import detect
+from kiln.strategies import STRATEGIES
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -17,7 +17,7 @@ class AutoStrategy:
     """Not a strategy itself: `resolve` returns the class to use."""
 
     @staticmethod
-    def resolve(config: "DictConfig") -> type:
+    def resolve(config: DictConfig) -> type:
         if detect().distributed:
             return STRATEGIES.get("ddp")
         from kiln.accelerators import ACCELERATORS

@@ -51,8 +51,10 @@ process whose gradients are already global, so 1); `num_devices` counts the devi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterable, Optional
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -79,7 +81,7 @@ class StepResult:
     clipped) stays a device tensor: the loop reads it only on logging steps."""
 
     stepped: bool
-    grad_norm: Optional[torch.Tensor] = None
+    grad_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -89,7 +91,7 @@ class Setup:
     evaluation only)."""
 
     model: nn.Module
-    optimizer: Optional[torch.optim.Optimizer] = None
+    optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
 
 
@@ -118,13 +120,14 @@ class Strategy:
                 f"strategy class {cls.__qualname__} does not implement the collective(s) {', '.join(missing)}. A strategy "
                 "that spans processes must implement every one of them (an identity default would let the ranks diverge "
                 "silently); a strategy that runs one process inherits kiln.strategies.base.SingleProcessCollectives "
-                "(listed before Strategy among its bases).")
+                "(listed before Strategy among its bases)."
+            )
 
-    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
+    def __init__(self, config: DictConfig, precision: Precision) -> None:
         self.config = config
         self.precision = precision
-        self._wrapped: Optional[nn.Module] = None
-        self._source: Optional[nn.Module] = None  # the module `_wrapped` was set up from
+        self._wrapped: nn.Module | None = None
+        self._source: nn.Module | None = None  # the module `_wrapped` was set up from
         self._check_options()
 
     def _check_options(self) -> None:
@@ -136,8 +139,9 @@ class Strategy:
                 close = difflib.get_close_matches(key, [*self.options, *_COMMON_FIELDS], n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 known = ", ".join(sorted(self.options)) or "none beyond the common fields"
-                raise ConfigError(f"Unknown option strategy.{key} for strategy {self.name!r}.{hint} "
-                                  f"Its options: {known}.")
+                raise ConfigError(
+                    f"Unknown option strategy.{key} for strategy {self.name!r}.{hint} Its options: {known}."
+                )
 
     def option(self, key: str, default: Any = None) -> Any:
         """A declared strategy-specific option (`strategy.<key>` in the config)."""
@@ -150,7 +154,7 @@ class Strategy:
         raise NotImplementedError
 
     @property
-    def accelerator(self) -> "Accelerator":
+    def accelerator(self) -> Accelerator:
         """The device kind's accelerator (RNG, memory counters, cache, pin-memory default)."""
         from kiln.accelerators import accelerator_for
 
@@ -199,14 +203,20 @@ class Strategy:
     def setup_environment(self) -> None:
         """Initialise the process group / device. Safe to call more than once."""
 
-    def connect_precision(self, precision: "Precision") -> "Precision":
+    def connect_precision(self, precision: Precision) -> Precision:
         """Return the precision plugin this strategy will really use (FSDP/DeepSpeed may substitute
         their own flavour; they must log that they did)."""
         self.precision = precision
         return precision
 
-    def setup(self, module: nn.Module, optimizer_factory: Optional[OptimizerFactory] = None,
-              scheduler_factory: Optional[SchedulerFactory] = None, *, max_steps: Optional[int] = None) -> Setup:
+    def setup(
+        self,
+        module: nn.Module,
+        optimizer_factory: OptimizerFactory | None = None,
+        scheduler_factory: SchedulerFactory | None = None,
+        *,
+        max_steps: int | None = None,
+    ) -> Setup:
         """Set up module, optimizer and scheduler together. Without factories (evaluation before
         training) only the module is set up; a later call with factories reuses it. `max_steps` is
         the run's optimizer step count (what `scheduler_factory` builds the schedule for; None when
@@ -233,7 +243,9 @@ class Strategy:
         """Move to the device and wrap (DDP, FSDP...). Returns the module to run forward on."""
         return module.to(self.root_device)
 
-    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def setup_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Hook for wrapping model and optimizer together; by default the precision plugin gets to
         connect them (apex's amp.initialize)."""
         return self.precision.connect(model, optimizer)
@@ -256,8 +268,9 @@ class Strategy:
         must not divide by the accumulation steps again)."""
         self.precision.backward(loss)
 
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       max_grad_norm: Optional[float]) -> StepResult:
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+    ) -> StepResult:
         """The whole step: unscale, (reduce), clip to `max_grad_norm` (None or 0: no clipping), step
         unless the gradients hold inf/nan. Returns whether it stepped and the pre-clip norm."""
         grad_norm = None
@@ -282,7 +295,7 @@ class Strategy:
         synchronisation, so a rank that runs out of memory cannot leave another in a collective."""
         return self.unwrap(model)
 
-    def eval_cast_context(self, module: nn.Module, dtype: Optional[torch.dtype]) -> ContextManager[Any]:
+    def eval_cast_context(self, module: nn.Module, dtype: torch.dtype | None) -> AbstractContextManager[Any]:
         """HF's fp16_full_eval / bf16_full_eval: the module cast to `dtype` for one evaluation and
         put back bit for bit afterwards (only where `capabilities.full_eval_cast`)."""
         from kiln.utils.cast import cast_module_temporarily
@@ -358,5 +371,13 @@ class SingleProcessCollectives:
 
 
 #: fields every strategy config has (kiln.config.schema.StrategyConfig), offered in suggestions
-_COMMON_FIELDS = ("name", "device", "backend", "timeout", "find_unused_parameters", "bucket_cap_mb",
-                  "broadcast_buffers", "static_graph")
+_COMMON_FIELDS = (
+    "name",
+    "device",
+    "backend",
+    "timeout",
+    "find_unused_parameters",
+    "bucket_cap_mb",
+    "broadcast_buffers",
+    "static_graph",
+)

@@ -9,7 +9,7 @@ instead of failing halfway through the first step. The same table is what docs/s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from kiln.utils.errors import CapabilityError
 
@@ -22,7 +22,7 @@ class Capabilities:
     #: device types the strategy runs on ("cpu", "cuda", "mps", "xla")
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     #: precision plugin names it accepts (None: every plugin)
-    precisions: Optional[frozenset[str]] = None
+    precisions: frozenset[str] | None = None
     #: `auto_find_batch_size` can probe on `probe_module` (an OOM on one rank must not hang the others)
     auto_batch_size: bool = True
     #: `precision.full_eval` can cast the module's parameters in place for evaluation
@@ -51,30 +51,48 @@ class Capabilities:
     reasons: dict[str, str] = field(default_factory=dict)
 
 
-def check_compatible(strategy_name: str, caps: Capabilities, *, precision: str, device: "torch.device",
-                     full_eval: bool = False, auto_batch_size: bool = False, user_optimizer: bool = False,
-                     torch_compile: bool = False) -> None:
+def check_compatible(
+    strategy_name: str,
+    caps: Capabilities,
+    *,
+    precision: str,
+    device: torch.device,
+    full_eval: bool = False,
+    auto_batch_size: bool = False,
+    user_optimizer: bool = False,
+    torch_compile: bool = False,
+) -> None:
     """Raise CapabilityError for the first impossible pairing, naming both sides and the fix."""
     if device.type not in caps.devices:
         why = caps.reasons.get(device.type, f"it runs on {', '.join(sorted(caps.devices))}")
-        raise CapabilityError(f"strategy {strategy_name!r} cannot run on {device.type!r}: {why}. "
-                              f"Use strategy: {_one_device_strategy(device.type)} on this device.")
+        raise CapabilityError(
+            f"strategy {strategy_name!r} cannot run on {device.type!r}: {why}. "
+            f"Use strategy: {_one_device_strategy(device.type)} on this device."
+        )
     if caps.precisions is not None and precision not in caps.precisions:
         why = caps.reasons.get(precision, f"it supports {', '.join(sorted(caps.precisions))}")
         raise CapabilityError(f"strategy {strategy_name!r} cannot train with precision {precision!r}: {why}.")
     if full_eval and not caps.full_eval_cast:
-        raise CapabilityError(f"precision.full_eval (fp16_full_eval / bf16_full_eval) casts the whole model in place, "
-                              f"which strategy {strategy_name!r} cannot do with its sharded parameters; remove full_eval.")
+        raise CapabilityError(
+            f"precision.full_eval (fp16_full_eval / bf16_full_eval) casts the whole model in place, "
+            f"which strategy {strategy_name!r} cannot do with its sharded parameters; remove full_eval."
+        )
     if auto_batch_size and not caps.auto_batch_size:
-        raise CapabilityError(f"auto_find_batch_size is not supported with strategy {strategy_name!r} (an out-of-memory "
-                              "probe on one rank would leave the others waiting); set per_device_train_batch_size yourself.")
+        raise CapabilityError(
+            f"auto_find_batch_size is not supported with strategy {strategy_name!r} (an out-of-memory "
+            "probe on one rank would leave the others waiting); set per_device_train_batch_size yourself."
+        )
     if user_optimizer and not caps.user_optimizer:
-        raise CapabilityError(f"strategy {strategy_name!r} must build the optimizer over the parameters it sets up, so an "
-                              "optimizer passed as optimizers=(...) cannot be used; configure optim.* instead "
-                              "(or override Trainer.create_optimizer).")
+        raise CapabilityError(
+            f"strategy {strategy_name!r} must build the optimizer over the parameters it sets up, so an "
+            "optimizer passed as optimizers=(...) cannot be used; configure optim.* instead "
+            "(or override Trainer.create_optimizer)."
+        )
     if torch_compile and not caps.torch_compile:
         why = caps.reasons.get("torch_compile", "it cannot run a compiled module")
-        raise CapabilityError(f"torch_compile cannot be used with strategy {strategy_name!r}: {why}; drop torch_compile.")
+        raise CapabilityError(
+            f"torch_compile cannot be used with strategy {strategy_name!r}: {why}; drop torch_compile."
+        )
 
 
 def _one_device_strategy(device_type: str) -> str:

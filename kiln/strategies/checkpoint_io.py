@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, ClassVar, Optional, Union
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,8 +34,9 @@ OPTIMIZER = "optimizer.pt"
 StagedWrite = Callable[[str], None]
 
 
-def save_weights(state: dict[str, torch.Tensor], directory: str, safetensors: bool = True,
-                 max_shard_size: Optional[Union[int, str]] = None) -> str:
+def save_weights(
+    state: dict[str, torch.Tensor], directory: str, safetensors: bool = True, max_shard_size: int | str | None = None
+) -> str:
     """Write a full state dict; returns the file name written (the index when sharded: with
     `max_shard_size`, weights above it are split into HF-layout shards)."""
     if not safetensors:
@@ -54,7 +56,9 @@ def save_weights(state: dict[str, torch.Tensor], directory: str, safetensors: bo
         seen[key] = name
         tensors[name] = t.to("cpu").contiguous()
     meta = {"format": "pt", "kiln_aliases": json.dumps(aliases)}
-    if max_shard_size is not None and sum(t.numel() * t.element_size() for t in tensors.values()) > parse_size(max_shard_size):
+    if max_shard_size is not None and sum(t.numel() * t.element_size() for t in tensors.values()) > parse_size(
+        max_shard_size
+    ):
         save_sharded(tensors, directory, max_shard_size, metadata={"kiln_aliases": meta["kiln_aliases"]})
         return INDEX
     save_file(tensors, os.path.join(directory, WEIGHTS_SAFE), metadata=meta)
@@ -76,14 +80,18 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{safe} is corrupt or truncated ({err}); resume from another checkpoint.") from None
         for alias, source in aliases.items():
             if source not in state:
-                raise CheckpointError(f"{safe} is damaged: tied weight {alias!r} points at {source!r}, which it does not hold.")
+                raise CheckpointError(
+                    f"{safe} is damaged: tied weight {alias!r} points at {source!r}, which it does not hold."
+                )
             state[alias] = state[source]
         return state
     if os.path.exists(os.path.join(directory, INDEX)):  # sharded (save_pretrained / save_model with max_shard_size)
         state, meta = load_sharded(directory)
         for alias, source in json.loads(meta.get("kiln_aliases", "{}")).items():
             if source not in state:
-                raise CheckpointError(f"{directory}/{INDEX} is damaged: tied weight {alias!r} points at {source!r}, which no shard holds.")
+                raise CheckpointError(
+                    f"{directory}/{INDEX} is damaged: tied weight {alias!r} points at {source!r}, which no shard holds."
+                )
             state[alias] = state[source]
         return state
     binary = os.path.join(directory, WEIGHTS_BIN)
@@ -92,7 +100,9 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise CheckpointError(f"{binary} does not hold a state dict (a mapping of names to tensors).")
         return state
-    raise CheckpointError(f"No model weights ({WEIGHTS_SAFE}, {INDEX} with its shards, or {WEIGHTS_BIN}) in {directory}.")
+    raise CheckpointError(
+        f"No model weights ({WEIGHTS_SAFE}, {INDEX} with its shards, or {WEIGHTS_BIN}) in {directory}."
+    )
 
 
 def apply_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -105,7 +115,9 @@ def apply_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str
             module.load_state_dict(state)
         except (RuntimeError, ValueError, KeyError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CheckpointError(f"{type(module).__name__}.load_state_dict refused the checkpoint {source} ({first}).") from None
+            raise CheckpointError(
+                f"{type(module).__name__}.load_state_dict refused the checkpoint {source} ({first})."
+            ) from None
         return
     own = module.state_dict()
     missing = sorted(set(own) - set(state))
@@ -116,8 +128,11 @@ def apply_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str
     tied = {k for k in missing if own[k].numel() and where(own[k]) in present}
     missing = [k for k in missing if k not in tied]
     unexpected = sorted(set(state) - set(own))
-    shapes = sorted(f"{k} (checkpoint {tuple(state[k].shape)}, model {tuple(own[k].shape)})"
-                    for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
+    shapes = sorted(
+        f"{k} (checkpoint {tuple(state[k].shape)}, model {tuple(own[k].shape)})"
+        for k in set(own) & set(state)
+        if tuple(own[k].shape) != tuple(state[k].shape)
+    )
     if missing or unexpected or shapes:
         parts = []
         for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped keys", shapes)):
@@ -179,16 +194,41 @@ class CheckpointIO:
         """Whether a checkpoint whose marker names format `fmt` can be resumed through this IO."""
         return fmt == self.format or fmt in self.also_resumes
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         raise NotImplementedError
 
-    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             load_optimizer: bool = True) -> None:
+    def load(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        load_optimizer: bool = True,
+    ) -> None:
         raise NotImplementedError
 
-    def stage(self, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-              save_optimizer: bool, safetensors: bool, writer: bool, staging: HostStaging) -> Optional[StagedWrite]:
+    def stage(
+        self,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+        staging: HostStaging,
+    ) -> StagedWrite | None:
         """The files `save` would write, copied to host memory now and written by the returned function
         later; None when this format cannot save in the background (see the class docstring)."""
         return None
@@ -242,14 +282,36 @@ class FullStateCheckpointIO(CheckpointIO):
     def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
         return load_weights(directory)
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         if writer:
-            _write_full(directory, module.state_dict(), optimizer.state_dict() if save_optimizer and optimizer is not None else None,
-                        safetensors)
+            _write_full(
+                directory,
+                module.state_dict(),
+                optimizer.state_dict() if save_optimizer and optimizer is not None else None,
+                safetensors,
+            )
 
-    def stage(self, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-              save_optimizer: bool, safetensors: bool, writer: bool, staging: HostStaging) -> Optional[StagedWrite]:
+    def stage(
+        self,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+        staging: HostStaging,
+    ) -> StagedWrite | None:
         """Host copies of the weights and optimizer state, written by the same code as `save`, so an
         asynchronous checkpoint holds the bytes a synchronous one would. A subclass that saves otherwise
         (XLA) must stage its own way: it saves synchronously until it does."""
@@ -257,21 +319,31 @@ class FullStateCheckpointIO(CheckpointIO):
             return None
         if not writer:
             return lambda directory: None
-        weights, optim = staging.copy((module.state_dict(),
-                                       optimizer.state_dict() if save_optimizer and optimizer is not None else None))
+        weights, optim = staging.copy(
+            (module.state_dict(), optimizer.state_dict() if save_optimizer and optimizer is not None else None)
+        )
         return lambda directory: _write_full(directory, weights, optim, safetensors)
 
     @classmethod
     def saves_in_background(cls) -> bool:
         return cls.save is FullStateCheckpointIO.save
 
-    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             load_optimizer: bool = True) -> None:
+    def load(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        load_optimizer: bool = True,
+    ) -> None:
         apply_weights(module, load_weights(directory), directory)
         if load_optimizer and optimizer is not None:
             path = os.path.join(directory, OPTIMIZER)
             if not os.path.exists(path):
-                raise CheckpointError(f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?).")
+                raise CheckpointError(
+                    f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?)."
+                )
             try:
                 optimizer.load_state_dict(regroup_optimizer_state(safe_torch_load(path), optimizer.param_groups))
             except (ValueError, KeyError) as err:
@@ -281,7 +353,9 @@ class FullStateCheckpointIO(CheckpointIO):
                 ) from None
 
 
-def _write_full(directory: str, weights: dict[str, torch.Tensor], optim: Optional[dict[str, Any]], safetensors: bool) -> None:
+def _write_full(
+    directory: str, weights: dict[str, torch.Tensor], optim: dict[str, Any] | None, safetensors: bool
+) -> None:
     save_weights(weights, directory, safetensors)
     if optim is not None:
         torch.save(optim, os.path.join(directory, OPTIMIZER))

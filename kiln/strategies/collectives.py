@@ -17,12 +17,19 @@ from __future__ import annotations
 import atexit
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from kiln.launch.environment import detect
-from kiln.strategies.process_group import barrier, default_backend, destroy_default_group, init_process_group, pick_device
+from kiln.strategies.process_group import (
+    barrier,
+    default_backend,
+    destroy_default_group,
+    init_process_group,
+    pick_device,
+)
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -40,13 +47,13 @@ class ProcessGroupCollectives:
     Inherit it before `Strategy`; it sets `cluster`, the ranks, `backend` and the device."""
 
     name: ClassVar[str]
-    config: "DictConfig"
+    config: DictConfig
     world_size: int
     global_rank: int
     _wrapped: Any
     _source: Any
 
-    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
+    def __init__(self, config: DictConfig, precision: Precision) -> None:
         super().__init__(config, precision)  # type: ignore[call-arg]  # Strategy.__init__, next in the MRO
         self.cluster = detect()
         self.world_size = self.cluster.world_size
@@ -72,8 +79,11 @@ class ProcessGroupCollectives:
             self._owns_group = True
             atexit.register(self.teardown)  # evaluate/predict may follow fit, so not before exit
             if not self.cluster.launched:
-                log.warning("strategy %r without a launcher runs one process; start several with "
-                            "`kiln fit --nproc N`, torchrun or accelerate launch.", self.name)
+                log.warning(
+                    "strategy %r without a launcher runs one process; start several with "
+                    "`kiln fit --nproc N`, torchrun or accelerate launch.",
+                    self.name,
+                )
         else:
             self.world_size, self.global_rank = dist.get_world_size(), dist.get_rank()
 

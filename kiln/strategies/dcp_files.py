@@ -6,7 +6,7 @@ pickle in a folder is vetted before DCP reads it (kiln.utils.safe_pickle)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -28,18 +28,22 @@ def consolidate(directory: str, subdir: str) -> dict[str, torch.Tensor]:
     vet_dcp_folder(path)  # DCP unpickles .metadata and non-tensor entries unchecked: vet them first
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(
+            state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
     except (Exception, CheckpointException) as err:  # DCP's own type is a BaseException
         if weights_only_refusal(err):
             raise dcp_load_error(path, err, False) from None
-        raise CheckpointError(f"{path} cannot be read ({(str(err) or type(err).__name__).splitlines()[0][:300]}).") from None
+        raise CheckpointError(
+            f"{path} cannot be read ({(str(err) or type(err).__name__).splitlines()[0][:300]})."
+        ) from None
     model = state.get("model")
     if not isinstance(model, dict):
         raise CheckpointError(f"{path} holds no model weights.")
     return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
 
 
-def saved_group_count(metadata: Any) -> Optional[int]:
+def saved_group_count(metadata: Any) -> int | None:
     """How many optimizer param groups a DCP checkpoint holds, from its (vetted) metadata (None: no
     optimizer state; dcp.load then reports what is wrong)."""
     keys = metadata.state_dict_metadata

@@ -20,7 +20,8 @@ owns, compiling per block), is a field of its `Capabilities` (kiln/strategies/ca
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager, Optional, Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ class BackwardSyncControl(ABC):
     at forward time whether its backward all-reduces, so the context must open before the forward."""
 
     @abstractmethod
-    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> ContextManager[Any]:
+    def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> AbstractContextManager[Any]:
         """Around one micro-batch's forward and backward (skip the reduction unless `boundary`)."""
 
 
@@ -59,7 +60,7 @@ class ShardedModuleInit(ABC):
     a model larger than one process's memory can be built at all."""
 
     @abstractmethod
-    def module_init_context(self) -> ContextManager[Any]:
+    def module_init_context(self) -> AbstractContextManager[Any]:
         """The context the Trainer builds the model in (may be a null context for some settings)."""
 
 
@@ -108,8 +109,7 @@ class OwnsMicroBatchWindow(ABC):
     updates the weights inside backward (LOMO)."""
 
     @abstractmethod
-    def run_window(self, model: nn.Module, window: list[Any],
-                   weights: Optional[LossWeights]) -> list[torch.Tensor]:
+    def run_window(self, model: nn.Module, window: list[Any], weights: LossWeights | None) -> list[torch.Tensor]:
         """Forward and backward of every micro-batch of `window`; their detached weighted losses."""
 
 

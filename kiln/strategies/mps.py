@@ -32,15 +32,20 @@ class MPSStrategy(SingleDeviceStrategy):
     capabilities = Capabilities(
         devices=frozenset({"mps"}),
         precisions=frozenset({"fp32", "fp16", "bf16", "fp16-true", "bf16-true"}),
-        reasons={"apex": "apex is CUDA-only; use precision: fp16 or bf16",
-                 "tf32": "TF32 is a mode of NVIDIA GPUs; use precision: fp32",
-                 "cpu": "it is the Apple-GPU strategy", "cuda": "it is the Apple-GPU strategy"},
+        reasons={
+            "apex": "apex is CUDA-only; use precision: fp16 or bf16",
+            "tf32": "TF32 is a mode of NVIDIA GPUs; use precision: fp32",
+            "cpu": "it is the Apple-GPU strategy",
+            "cuda": "it is the Apple-GPU strategy",
+        },
     )
 
-    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
+    def __init__(self, config: DictConfig, precision: Precision) -> None:
         requested = config.strategy.device
         if requested is not None and torch.device(requested).type != "mps":
-            raise ConfigError(f"strategy 'mps' runs on the Apple GPU, not on strategy.device={requested!r}; "
-                              "leave strategy.device unset, or use strategy: single for that device.")
+            raise ConfigError(
+                f"strategy 'mps' runs on the Apple GPU, not on strategy.device={requested!r}; "
+                "leave strategy.device unset, or use strategy: single for that device."
+            )
         self._device = resolve_device("mps")
         super(SingleDeviceStrategy, self).__init__(config, precision)

@@ -11,8 +11,9 @@ import socket
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -23,15 +24,17 @@ def default_backend(device: torch.device) -> str:
     return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
 
 
-def pick_device(env: ClusterEnvironment, requested: Optional[str], strategy: str = "ddp") -> torch.device:
+def pick_device(env: ClusterEnvironment, requested: str | None, strategy: str = "ddp") -> torch.device:
     """cuda:<local_rank> when CUDA is usable (CUDA_VISIBLE_DEVICES already remaps the indices), else
     the CPU. `requested` is `strategy.device` ("cpu" forces the CPU on a GPU machine)."""
     kind = torch.device(requested).type if requested is not None else None
     if kind == "cpu":
         return torch.device("cpu")
     if kind not in (None, "cuda"):
-        raise RuntimeError(f"strategy {strategy!r} runs on CPUs or CUDA GPUs, not on strategy.device={requested!r}; "
-                           f"use strategy: {kind} (one device) or strategy.device=cpu.")
+        raise RuntimeError(
+            f"strategy {strategy!r} runs on CPUs or CUDA GPUs, not on strategy.device={requested!r}; "
+            f"use strategy: {kind} (one device) or strategy.device=cpu."
+        )
     if not torch.cuda.is_available():
         if kind == "cuda":
             raise RuntimeError(f"strategy.device is {requested!r} but CUDA is not available; use strategy.device=cpu.")
@@ -85,7 +88,9 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) 
         if store is not None:
             dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)
+            dist.init_process_group(
+                backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout
+            )
         _leave_identity(env)
     return True
 
@@ -113,10 +118,17 @@ def _leave_identity(env: ClusterEnvironment) -> None:
     store.set(_key(host, env.local_rank), json.dumps([env.rank, pid, psutil.Process(pid).create_time()]))
     if env.rank == 0:  # without a launcher agent rank 0 hosts the store; with one, the agent does
         port = getattr(getattr(store, "_underlying_non_prefix_store", None), "port", None)
-        listening = {c.laddr.port for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        listening = {
+            c.laddr.port for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN
+        }
         store.set("kiln/ranks/store_on_rank0", "1" if port in listening else "0")
-    _IDENTITY.update(host=host, rank=env.rank, local_rank=env.local_rank, local_world_size=env.local_world_size,
-                     store_on_rank0=store.get("kiln/ranks/store_on_rank0") == b"1")
+    _IDENTITY.update(
+        host=host,
+        rank=env.rank,
+        local_rank=env.local_rank,
+        local_world_size=env.local_world_size,
+        store_on_rank0=store.get("kiln/ranks/store_on_rank0") == b"1",
+    )
     if not getattr(sys.excepthook, "_kiln_lost_peers", False):
         sys.excepthook = _naming_excepthook(sys.excepthook)
 
@@ -130,7 +142,7 @@ def _default_store() -> Any:
         return None
 
 
-def lost_peer_note(timeout_s: float = 5.0, dying_s: float = 2.0) -> Optional[str]:
+def lost_peer_note(timeout_s: float = 5.0, dying_s: float = 2.0) -> str | None:
     """One sentence naming the ranks of this machine that died (or the store's host, when the store
     no longer answers), for an error that followed from their death; None when none can be named."""
     if not _IDENTITY or _default_store() is None:
@@ -148,13 +160,17 @@ def lost_peer_note(timeout_s: float = 5.0, dying_s: float = 2.0) -> Optional[str
                 dead.append(f"rank {rank} (pid {pid})")
     except Exception:  # noqa: BLE001 - the store is gone too (DistStoreError, timeouts, resets)
         if me["store_on_rank0"] and me["rank"] != 0:
-            return (f"kiln: rank 0, which hosts the job's store, no longer answers; this error on rank {me['rank']} "
-                    "followed from losing it. Look at rank 0's output for the cause.")
+            return (
+                f"kiln: rank 0, which hosts the job's store, no longer answers; this error on rank {me['rank']} "
+                "followed from losing it. Look at rank 0's output for the cause."
+            )
         return None
     if not dead:
         return None
-    return (f"kiln: {', '.join(dead)} on this machine died; this error on rank {me['rank']} followed from it. Look at "
-            "that rank's output for the cause (no output: it was killed, e.g. by the out-of-memory killer).")
+    return (
+        f"kiln: {', '.join(dead)} on this machine died; this error on rank {me['rank']} followed from it. Look at "
+        "that rank's output for the cause (no output: it was killed, e.g. by the out-of-memory killer)."
+    )
 
 
 def _alive_after(pid: int, started: float, deadline: float) -> bool:
@@ -177,6 +193,7 @@ def _alive_after(pid: int, started: float, deadline: float) -> bool:
 
 def _naming_excepthook(previous: Callable[..., Any]) -> Callable[..., Any]:
     """An uncaught collective error (a RuntimeError) gets a note naming the dead rank, printed under it."""
+
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if isinstance(value, RuntimeError):
             try:
@@ -203,7 +220,7 @@ def barrier(device: torch.device, backend: str) -> None:
 
 
 # Objects holding the default group that the group's owner releases at teardown: (object, release).
-_GROUP_USERS: list[tuple["weakref.ref[Any]", Callable[[Any], None]]] = []
+_GROUP_USERS: list[tuple[weakref.ref[Any], Callable[[Any], None]]] = []
 
 
 def register_group_user(obj: Any, release: Callable[[Any], None]) -> None:

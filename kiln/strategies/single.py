@@ -20,10 +20,12 @@ if TYPE_CHECKING:
 @STRATEGIES.register("single", "cpu", "cuda")
 class SingleDeviceStrategy(SingleProcessCollectives, Strategy):
     name = "single"
-    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}),
-                                reasons={"mps": "Apple GPUs have their own strategy", "xla": "XLA devices have their own strategy"})
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        reasons={"mps": "Apple GPUs have their own strategy", "xla": "XLA devices have their own strategy"},
+    )
 
-    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
+    def __init__(self, config: DictConfig, precision: Precision) -> None:
         super().__init__(config, precision)
         requested = config.strategy.device
         if requested is None and config.strategy.name in ("cpu", "cuda"):

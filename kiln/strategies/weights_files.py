@@ -19,29 +19,42 @@ import json
 import os
 import re
 import struct
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
 from kiln.utils.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
-def parse_size(size: Union[int, str]) -> int:
+def parse_size(size: int | str) -> int:
     """`5GB` (10^9, as HF), `500MiB`, or a number of bytes."""
     if isinstance(size, int):
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), flags=re.IGNORECASE)
     if not match:
-        raise ValueError(f"max_shard_size {size!r} is not a size: use bytes or a number with KB, MB, GB (or KiB, MiB, GiB).")
+        raise ValueError(
+            f"max_shard_size {size!r} is not a size: use bytes or a number with KB, MB, GB (or KiB, MiB, GiB)."
+        )
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
-def save_sharded(tensors: dict[str, torch.Tensor], directory: str, max_shard_size: Union[int, str],
-                 metadata: Optional[dict[str, str]] = None) -> list[str]:
+def save_sharded(
+    tensors: dict[str, torch.Tensor], directory: str, max_shard_size: int | str, metadata: dict[str, str] | None = None
+) -> list[str]:
     """Write `tensors` in shards of at most `max_shard_size` bytes (a bigger tensor gets a shard of its
     own, as in HF) and the index; returns the shard file names."""
     from safetensors.torch import save_file
@@ -126,7 +139,12 @@ def share_tied(state: dict[str, torch.Tensor], groups: Any) -> dict[str, torch.T
         kept = state[group[0]]
         for name in group[1:]:
             value = state.get(name)
-            if value is not None and value.shape == kept.shape and value.dtype == kept.dtype and torch.equal(value, kept):
+            if (
+                value is not None
+                and value.shape == kept.shape
+                and value.dtype == kept.dtype
+                and torch.equal(value, kept)
+            ):
                 out[name] = kept
                 aliases.add(name)
     return {**{k: v for k, v in out.items() if k not in aliases}, **{k: v for k, v in out.items() if k in aliases}}

@@ -5,7 +5,6 @@ size, keeping tied weights in one unit. Shared by the mesh strategy (`fsdp`, `mo
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from torch import nn
 
@@ -28,7 +27,7 @@ def _inside(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def blocks_to_wrap(module: nn.Module, names: Optional[list[str]], min_num_params: Optional[int]) -> list[nn.Module]:
+def blocks_to_wrap(module: nn.Module, names: list[str] | None, min_num_params: int | None) -> list[nn.Module]:
     """The submodules to fully_shard before the root, innermost first. By class name (`names`, or
     the model's `_no_split_modules` when neither is given), or by size (`min_num_params`). A block
     that shares a parameter with a module outside it (tied weights) is left to its parent unit, so
@@ -43,10 +42,15 @@ def blocks_to_wrap(module: nn.Module, names: Optional[list[str]], min_num_params
         present = {type(m).__name__ for _, m in named}
         missing = [w for w in wanted if w not in present]
         if names is not None and missing:
-            found = sorted(type(m).__name__ for _, m in named if any(True for _ in m.parameters(recurse=False))
-                           or len(list(m.children())) > 0)
-            raise ConfigError(f"FSDP wrap class {', '.join(missing)} is not in the model; its module classes are: "
-                              f"{', '.join(sorted(set(found)))}.")
+            found = sorted(
+                type(m).__name__
+                for _, m in named
+                if any(True for _ in m.parameters(recurse=False)) or len(list(m.children())) > 0
+            )
+            raise ConfigError(
+                f"FSDP wrap class {', '.join(missing)} is not in the model; its module classes are: "
+                f"{', '.join(sorted(set(found)))}."
+            )
         candidates = [(n, m) for n, m in named if type(m).__name__ in wanted]
     owners = _owners(module)
     everything = {id(p) for p in module.parameters()}
@@ -58,8 +62,11 @@ def blocks_to_wrap(module: nn.Module, names: Optional[list[str]], min_num_params
             continue
         shared = [p for p in block.parameters() if any(not _inside(o, name) for o in owners.get(id(p), ()))]
         if shared:
-            log.info("FSDP: %s (%s) shares parameters with modules outside it; it stays in its parent's unit.",
-                     name, type(block).__name__)
+            log.info(
+                "FSDP: %s (%s) shares parameters with modules outside it; it stays in its parent's unit.",
+                name,
+                type(block).__name__,
+            )
             continue
         chosen.append((name, block))
     chosen.sort(key=lambda nb: -nb[0].count("."))  # innermost first

@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
-from typing import Optional
 
 import torch
 
 
 @contextlib.contextmanager
-def cast_module_temporarily(module: torch.nn.Module, dtype: Optional[torch.dtype]) -> Iterator[None]:
+def cast_module_temporarily(module: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     """Floating parameters and buffers cast to `dtype` inside the block (HF's fp16_full_eval /
     bf16_full_eval), their original tensors restored afterwards. Originals of accelerator tensors wait
     on the CPU, so the device really holds only the half-size copy."""

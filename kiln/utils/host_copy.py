@@ -15,7 +15,7 @@ The caller must be done with a copy before it makes the next one (one save in fl
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -50,8 +50,12 @@ class HostStaging:
 
 
 class _Copier:
-    def __init__(self, copies: dict[_Key, torch.UntypedStorage], used: dict[_BufferKey, torch.UntypedStorage],
-                 previous: dict[_BufferKey, torch.UntypedStorage]) -> None:
+    def __init__(
+        self,
+        copies: dict[_Key, torch.UntypedStorage],
+        used: dict[_BufferKey, torch.UntypedStorage],
+        previous: dict[_BufferKey, torch.UntypedStorage],
+    ) -> None:
         self.copies, self.used, self.previous = copies, used, previous
 
     def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -69,7 +73,7 @@ class _Copier:
         source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         pin = device.type == "cuda"
         reuse_key = (device.type, storage.data_ptr(), storage.nbytes())
-        buffer: Optional[torch.UntypedStorage] = self.previous.get(reuse_key)
+        buffer: torch.UntypedStorage | None = self.previous.get(reuse_key)
         if buffer is not None:
             host = torch.empty(0, dtype=torch.uint8).set_(buffer)
         else:

@@ -9,7 +9,8 @@ would fail at its first step there; the per-parameter kernel makes the same upda
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from kiln.utils.errors import ConfigError
 
@@ -33,9 +34,13 @@ def per_parameter_kernels_where_mixed(optimizer: Any) -> None:
             raise ConfigError(
                 f"Param group {index} of the {type(optimizer).__name__} optimizer mixes DTensors with plain tensors "
                 f"(or DTensors of different meshes), which its {asked[0]}=True kernel cannot step in one call; "
-                f"build it with {asked[0]}=False (the same update, one parameter at a time).")
+                f"build it with {asked[0]}=False (the same update, one parameter at a time)."
+            )
         if "foreach" in group and group["foreach"] is None:
             group["foreach"] = False
-            logger.info("Param group %d of the %s optimizer mixes DTensors with plain tensors (or meshes), which no "
-                        "multi-tensor kernel spans; it steps with the per-parameter kernel (the same update).",
-                        index, type(optimizer).__name__)
+            logger.info(
+                "Param group %d of the %s optimizer mixes DTensors with plain tensors (or meshes), which no "
+                "multi-tensor kernel spans; it steps with the per-parameter kernel (the same update).",
+                index,
+                type(optimizer).__name__,
+            )

@@ -11,7 +11,8 @@ ValueError, which the loaders turn into a CheckpointError."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 #: scheduler state entries that hold one value per param group (torch's schedulers and kiln's)
 PER_GROUP_KEYS = ("base_lrs", "_last_lr", "lr_lambdas", "_init_lrs", "min_lrs", "max_lrs")
@@ -43,10 +44,12 @@ def _with_kernels(saved: dict[str, Any], param_groups: Sequence[dict[str, Any]])
     if all(g.get(k) == run[k] for g, run in pairs for k in KERNEL_KEYS if k in run):
         return saved
     groups = [{**g, **{k: run[k] for k in KERNEL_KEYS if k in run}} for g, run in pairs]
-    return {**saved, "param_groups": groups + saved["param_groups"][len(groups):]}
+    return {**saved, "param_groups": groups + saved["param_groups"][len(groups) :]}
 
 
-def _recut(saved: dict[str, Any], groups: list[dict[str, Any]], param_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _recut(
+    saved: dict[str, Any], groups: list[dict[str, Any]], param_groups: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
     if len(groups) == len(param_groups):
         return saved
     sizes = [len(g["params"]) for g in param_groups]
@@ -57,11 +60,12 @@ def _recut(saved: dict[str, Any], groups: list[dict[str, Any]], param_groups: Se
     if differing:
         raise ValueError(
             f"its optimizer has {len(groups)} parameter groups with different {', '.join(differing)} and this run's "
-            f"has {len(param_groups)}; resume with the weight_decay the checkpoint was saved with")
+            f"has {len(param_groups)}; resume with the weight_decay the checkpoint was saved with"
+        )
     flat = [index for g in groups for index in g["params"]]
     regrouped, start = [], 0
     for size in sizes:
-        regrouped.append({**settings, "params": flat[start:start + size]})
+        regrouped.append({**settings, "params": flat[start : start + size]})
         start += size
     return {**saved, "param_groups": regrouped}
 
@@ -78,8 +82,10 @@ def regroup_scheduler_state(saved: Any, num_groups: int) -> Any:
         if not isinstance(values, list) or len(values) in (0, num_groups):
             continue
         if any(v != values[0] for v in values[1:]):
-            raise ValueError(f"its {key} holds {len(values)} different per-group values and this run has "
-                             f"{num_groups} parameter group(s)")
+            raise ValueError(
+                f"its {key} holds {len(values)} different per-group values and this run has "
+                f"{num_groups} parameter group(s)"
+            )
         out[key] = [values[0]] * num_groups
     if isinstance(out.get("_schedulers"), list):
         out["_schedulers"] = [regroup_scheduler_state(s, num_groups) for s in out["_schedulers"]]

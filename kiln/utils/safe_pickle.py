@@ -21,17 +21,29 @@ from typing import Any
 from kiln.utils.errors import CheckpointError, _reason
 
 #: the classes DCP's FileSystemWriter pickles into `.metadata` (seen in real files of torch 2.x)
-DCP_METADATA_CLASSES: frozenset[tuple[str, str]] = frozenset({
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a name -> torch.layout lookup
-    ("collections", "OrderedDict"),
-    *(("builtins", name) for name in ("set", "frozenset", "complex", "slice", "bytearray")),
-    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
-})
+DCP_METADATA_CLASSES: frozenset[tuple[str, str]] = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "ChunkStorageMetadata",
+                "BytesStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a name -> torch.layout lookup
+        ("collections", "OrderedDict"),
+        *(("builtins", name) for name in ("set", "frozenset", "complex", "slice", "bytearray")),
+        *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+    }
+)
 
 WHAT_DCP_HOLDS = "torch's distributed-checkpoint metadata, tensors and plain containers"
 
@@ -53,14 +65,18 @@ class DCPMetadataUnpickler(pickle.Unpickler):
     attributes (`metadata.os.system`) from an allowed module."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if "." not in name and ((module, name) in DCP_METADATA_CLASSES or (module == "torch" and _torch_constant(name))):
+        if "." not in name and (
+            (module, name) in DCP_METADATA_CLASSES or (module == "torch" and _torch_constant(name))
+        ):
             return super().find_class(module, name)
         raise UnsafePickle(f"global {module}.{name} is not allowed")
 
 
 def _refusal(path: str, reason: str) -> CheckpointError:
-    return CheckpointError(f"Refusing to load {path}: it holds Python objects other than {WHAT_DCP_HOLDS} ({reason}); "
-                           "kiln never executes code from a checkpoint, so re-create it with kiln.")
+    return CheckpointError(
+        f"Refusing to load {path}: it holds Python objects other than {WHAT_DCP_HOLDS} ({reason}); "
+        "kiln never executes code from a checkpoint, so re-create it with kiln."
+    )
 
 
 def load_dcp_metadata(path: str) -> Any:
@@ -88,8 +104,10 @@ def _vet_bytes_entry(folder: str, fqn: str, info: Any) -> None:
     path = os.path.join(folder, info.relative_path)
     where = f"{path} (entry {fqn})"
     if info.transform_descriptors:  # kiln writes no stream transforms (compression...); nothing else is vetted
-        raise CheckpointError(f"Refusing to load {where}: it is stored through stream transforms "
-                              f"{list(info.transform_descriptors)}, which kiln does not write or vet.")
+        raise CheckpointError(
+            f"Refusing to load {where}: it is stored through stream transforms "
+            f"{list(info.transform_descriptors)}, which kiln does not write or vet."
+        )
     try:
         with open(path, "rb") as fh:
             fh.seek(info.offset)
@@ -135,9 +153,14 @@ def dcp_load_error(path: str, err: BaseException, with_optim: bool) -> Checkpoin
     """One sentence for a failed `dcp.load` of the folder `path` (DCP wraps per-rank failures in its own
     exception types, whose first line is the useful part)."""
     if weights_only_refusal(err):  # torch refused a tensor entry that pickles more than a tensor
-        return CheckpointError(f"Refusing to load {path}: a .distcp file holds Python objects other than a tensor "
-                               "where a tensor belongs; kiln never executes code from a checkpoint, so re-create it with kiln.")
-    what = "has no optimizer state (saved with save_only_model?)" if with_optim and "optim" in str(err) else \
-        "does not fit this model"
+        return CheckpointError(
+            f"Refusing to load {path}: a .distcp file holds Python objects other than a tensor "
+            "where a tensor belongs; kiln never executes code from a checkpoint, so re-create it with kiln."
+        )
+    what = (
+        "has no optimizer state (saved with save_only_model?)"
+        if with_optim and "optim" in str(err)
+        else "does not fit this model"
+    )
     first = (str(err) or type(err).__name__).splitlines()[0][:300]
     return CheckpointError(f"The sharded checkpoint {path} {what} ({first}).")

@@ -16,8 +16,10 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if type(batch) is dict:  # the usual batch, a dict of tensors: no recursion for the tensors themselves
         for v in batch.values():
             if type(v) is not torch.Tensor or v.device != device:
-                return {k: v if type(v) is torch.Tensor and v.device == device else move_to_device(v, device)
-                        for k, v in batch.items()}
+                return {
+                    k: v if type(v) is torch.Tensor and v.device == device else move_to_device(v, device)
+                    for k, v in batch.items()
+                }
         return batch  # everything is there already (the CPU, or a loader that placed it): no new dict
     if isinstance(batch, torch.Tensor):
         if batch.device == device:

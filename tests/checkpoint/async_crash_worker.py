@@ -14,7 +14,8 @@ import shutil
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,8 +25,16 @@ sys.path.insert(0, REPO)
 from kiln.strategies import checkpoint_io
 from tests.checkpoint.crash_worker import main, quiet, train_and_record
 
-CONFIG = {"max_steps": 48, "save_steps": 4, "logging_steps": 4, "save_total_limit": 2, "learning_rate": 0.02,
-          "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "save": {"async": True}}
+CONFIG = {
+    "max_steps": 48,
+    "save_steps": 4,
+    "logging_steps": 4,
+    "save_total_limit": 2,
+    "learning_rate": 0.02,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 2,
+    "save": {"async": True},
+}
 
 
 def _in_background() -> bool:
@@ -44,6 +53,7 @@ def _kill_before(kill_at: int) -> None:
                     if seen[0] == kill_at:
                         os.kill(os.getpid(), signal.SIGKILL)
             return fn(*args, **kwargs)
+
         return step
 
     os.fsync, os.replace, shutil.rmtree = counted(os.fsync), counted(os.replace), counted(shutil.rmtree)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,7 +69,7 @@ class Stream(IterableDataset):
     def __init__(self, n: int = 30, seed: int = 2) -> None:
         self.items = regression_data(n, seed)
         self.pos = 0
-        self._resume: Optional[int] = None
+        self._resume: int | None = None
 
     def __iter__(self):
         self.pos, self._resume = (self._resume or 0), None
@@ -102,8 +102,15 @@ class CrashAfterSave(Callback):
 
 def config(out: str, **overrides: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "output_dir": out, "max_steps": 20, "per_device_train_batch_size": 4, "learning_rate": 0.05,
-        "logging_steps": 3, "save_steps": 5, "seed": 7, "report_to": "none", "disable_tqdm": True,
+        "output_dir": out,
+        "max_steps": 20,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 0.05,
+        "logging_steps": 3,
+        "save_steps": 5,
+        "seed": 7,
+        "report_to": "none",
+        "disable_tqdm": True,
         "log": {"history": []},
     }
     cfg.update(overrides)
@@ -118,12 +125,26 @@ def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def train(out: str, cfg: dict[str, Any], data: Callable[[], Any] = regression_data, eval_data: Optional[Callable[[], Any]] = None,
-          model_seed: int = 0, crash_at: Optional[int] = None, resume: Any = None, model_kw: Optional[dict] = None,
-          **trainer_kw: Any) -> Trainer:
+def train(
+    out: str,
+    cfg: dict[str, Any],
+    data: Callable[[], Any] = regression_data,
+    eval_data: Callable[[], Any] | None = None,
+    model_seed: int = 0,
+    crash_at: int | None = None,
+    resume: Any = None,
+    model_kw: dict | None = None,
+    **trainer_kw: Any,
+) -> Trainer:
     callbacks = list(trainer_kw.pop("callbacks", None) or []) + ([CrashAfterSave(crash_at)] if crash_at else [])
-    trainer = Trainer(make_model(model_seed, **(model_kw or {})), config(out, **cfg), train_dataset=data(),
-                      eval_dataset=eval_data() if eval_data else None, callbacks=callbacks, **trainer_kw)
+    trainer = Trainer(
+        make_model(model_seed, **(model_kw or {})),
+        config(out, **cfg),
+        train_dataset=data(),
+        eval_dataset=eval_data() if eval_data else None,
+        callbacks=callbacks,
+        **trainer_kw,
+    )
     trainer.fit(resume_from_checkpoint=resume)
     return trainer
 
@@ -135,8 +156,14 @@ def folders(out: str) -> set[str]:
     return {n for n in os.listdir(out) if "checkpoint" in n} if os.path.isdir(out) else set()
 
 
-def straight_vs_resumed(tmp_path: Any, cfg: dict[str, Any], crash_at: int, data: Callable[[], Any],
-                        eval_data: Optional[Callable[[], Any]] = None, model_kw: Optional[dict] = None) -> tuple[Trainer, Trainer]:
+def straight_vs_resumed(
+    tmp_path: Any,
+    cfg: dict[str, Any],
+    crash_at: int,
+    data: Callable[[], Any],
+    eval_data: Callable[[], Any] | None = None,
+    model_kw: dict | None = None,
+) -> tuple[Trainer, Trainer]:
     """Train uninterrupted; separately train, crash right after saving `crash_at`, and resume in a fresh
     Trainer with a fresh (differently initialised) model. Returns both finished trainers."""
     import pytest

@@ -16,22 +16,30 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from kiln.engine.checkpoint import manager as checkpoint
 from kiln.engine.callbacks.base import Callback
+from kiln.engine.checkpoint import manager as checkpoint
 from kiln.strategies.checkpoint_io import FullStateCheckpointIO
 from tests.checkpoint.checkpoint_helpers import config, make_model, numeric_history, regression_data
 
 WRITE_DELAY = 0.004
 STEP_DELAY = 0.01
-CONFIG = {"max_steps": 64, "save_steps": 4, "logging_steps": 4, "save_total_limit": 2, "learning_rate": 0.02,
-          "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}
+CONFIG = {
+    "max_steps": 64,
+    "save_steps": 4,
+    "logging_steps": 4,
+    "save_total_limit": 2,
+    "learning_rate": 0.02,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 2,
+}
 
 
 def _slow_writes() -> None:
@@ -93,8 +101,9 @@ def train_and_record(out: str, result: str, settings: dict[str, Any]) -> None:
         return load(self, path)
 
     checkpoint.CheckpointManager.load = recording_load  # type: ignore[method-assign]
-    trainer = Trainer(make_model(seed=0, width=256), config(out, **settings), train_dataset=regression_data(200),
-                      callbacks=[pace])
+    trainer = Trainer(
+        make_model(seed=0, width=256), config(out, **settings), train_dataset=regression_data(200), callbacks=[pace]
+    )
     trainer.fit(resume_from_checkpoint="if_exists")  # the first child finds no checkpoint
     payload = {"weights": trainer.model.state_dict(), "history": numeric_history(trainer)}
     torch.save(payload, result + ".tmp")

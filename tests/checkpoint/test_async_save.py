@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from kiln.engine.checkpoint import manager as manager_module
 from kiln.engine.callbacks.base import Callback
+from kiln.engine.checkpoint import manager as manager_module
 from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints
 from kiln.engine.checkpoint.integrity import ALGORITHM
 from kiln.strategies.checkpoint_io import FullStateCheckpointIO
@@ -40,7 +40,7 @@ def _same_bytes(a: str, b: str) -> bool:
     if not a.endswith(".safetensors"):
         return x == y
     (nx,), (ny,) = struct.unpack("<Q", x[:8]), struct.unpack("<Q", y[:8])
-    return nx == ny and json.loads(x[8:8 + nx]) == json.loads(y[8:8 + ny]) and x[8 + nx:] == y[8 + ny:]
+    return nx == ny and json.loads(x[8 : 8 + nx]) == json.loads(y[8 : 8 + ny]) and x[8 + nx :] == y[8 + ny :]
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,7 @@ def gate(monkeypatch):
             gate.writing.set()
             assert gate.release.wait(30)
             write(directory)
+
         return held
 
     monkeypatch.setattr(FullStateCheckpointIO, "stage", stage)
@@ -158,8 +159,14 @@ def test_the_next_save_waits_for_the_one_in_flight(tmp_path, monkeypatch):
     monkeypatch.setattr(manager_module.CheckpointManager, "_publish", publish)
     monkeypatch.setattr(manager_module.CheckpointManager, "save", save)
     train(str(tmp_path / "out"), {**CFG, "save": {"async": True}})
-    assert [o[:2] for o in order] == [("save", 4), ("publish", "checkpoint-4"), ("save", 8), ("publish", "checkpoint-8"),
-                                      ("save", 12), ("publish", "checkpoint-12")]
+    assert [o[:2] for o in order] == [
+        ("save", 4),
+        ("publish", "checkpoint-4"),
+        ("save", 8),
+        ("publish", "checkpoint-8"),
+        ("save", 12),
+        ("publish", "checkpoint-12"),
+    ]
     assert all(thread.startswith("kiln-checkpoint-") for kind, _, thread in order if kind == "publish")
 
 
@@ -190,12 +197,16 @@ def test_a_failed_background_write_is_raised_at_the_next_save_in_one_sentence_an
 
         def full(directory):  # type: ignore[no-untyped-def]
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
         return full
 
     monkeypatch.setattr(FullStateCheckpointIO, "stage", stage)
     out = str(tmp_path / "out")
-    with pytest.raises(CheckpointError, match=r"No space left on device \(ENOSPC\) while writing checkpoint-8 in .*; the "
-                                              r"previous checkpoint checkpoint-4 is intact"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"No space left on device \(ENOSPC\) while writing checkpoint-8 in .*; the "
+        r"previous checkpoint checkpoint-4 is intact",
+    ):
         train(out, {**CFG, "save": {"async": True}})
     assert folders(out) == {"checkpoint-4"} and is_complete(os.path.join(out, "checkpoint-4"))  # the tmp folder is gone
 
@@ -204,12 +215,16 @@ def test_a_failure_of_the_last_save_is_raised_by_the_end_of_fit(tmp_path, monkey
     def stage(self, **kw):  # type: ignore[no-untyped-def]
         def broken(directory):  # type: ignore[no-untyped-def]
             raise OSError(errno.EIO, os.strerror(errno.EIO))
+
         return broken
 
     monkeypatch.setattr(FullStateCheckpointIO, "stage", stage)
     out = str(tmp_path / "out")
-    with pytest.raises(CheckpointError, match=r"Input/output error \(EIO\) while writing checkpoint-4 .* no earlier "
-                                              "checkpoint exists"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"Input/output error \(EIO\) while writing checkpoint-4 .* no earlier "
+        "checkpoint exists",
+    ):
         train(out, {**CFG, "max_steps": 4, "save": {"async": True}})
     assert folders(out) == set()
 
@@ -220,8 +235,10 @@ def test_a_format_that_cannot_stage_saves_synchronously_with_one_log_line(tmp_pa
     with caplog.at_level(logging.WARNING, logger="kiln.engine.checkpoint.manager"):
         train(out, {**CFG, "save": {"async": True}})
     said = [r.getMessage() for r in caplog.records if "async_save" in r.getMessage()]
-    assert said == ["save.async_save: the 'full' checkpoint format cannot be written in the background yet, so its "
-                    "checkpoints are saved synchronously."]
+    assert said == [
+        "save.async_save: the 'full' checkpoint format cannot be written in the background yet, so its "
+        "checkpoints are saved synchronously."
+    ]
     assert folders(out) == {"checkpoint-8", "checkpoint-12"}
 
 
@@ -250,14 +267,20 @@ def test_sigterm_waits_for_the_save_in_flight_before_it_says_saved(tmp_path, mon
         def slow(directory):  # type: ignore[no-untyped-def]
             time.sleep(0.3)
             write(directory)
+
         return slow
 
     out = str(tmp_path / "out")
     complete_at_stop = []
     real_stop = Preemption.stop
     monkeypatch.setattr(FullStateCheckpointIO, "stage", slow_stage)
-    monkeypatch.setattr(Preemption, "stop", lambda self, step: complete_at_stop.append(
-        is_complete(os.path.join(out, f"checkpoint-{step}"))) or real_stop(self, step))
+    monkeypatch.setattr(
+        Preemption,
+        "stop",
+        lambda self, step: (
+            complete_at_stop.append(is_complete(os.path.join(out, f"checkpoint-{step}"))) or real_stop(self, step)
+        ),
+    )
     trainer = train(out, {**CFG, "save": {"async": True, "on_preemption": True}}, callbacks=[SigtermAt(6)])
     assert trainer.state.global_step == 6 and complete_at_stop == [True]
     assert folders(out) == {"checkpoint-4", "checkpoint-6"}
@@ -276,6 +299,7 @@ def test_every_rank_raises_the_writer_s_failure_at_the_same_wait():
         def all_gather_object(message):  # type: ignore[no-untyped-def]
             gathered.append(message)
             return messages
+
         strategy = SimpleNamespace(world_size=2, all_gather_object=all_gather_object)
         config = SimpleNamespace(save=SimpleNamespace(async_save=True))
         return SimpleNamespace(config=config, strategy=strategy, _background=BackgroundSave())
@@ -315,6 +339,7 @@ def _slowed(monkeypatch, fail: bool = False) -> None:
             if fail:
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             write(directory)
+
         return slow
 
     monkeypatch.setattr(FullStateCheckpointIO, "stage", stage)
@@ -335,5 +360,7 @@ def test_a_save_that_fails_while_training_fails_is_logged_under_the_training_err
         with pytest.raises(Crash, match="training failed at step 5"):
             train(out, {**CFG, "save": {"async": True}}, callbacks=[_CrashAtStep(5)])
     said = [r.getMessage() for r in caplog.records if "background save" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("The background save of checkpoint-4 failed too: Input/output error (EIO)")
+    assert len(said) == 1 and said[0].startswith(
+        "The background save of checkpoint-4 failed too: Input/output error (EIO)"
+    )
     assert folders(out) == set()

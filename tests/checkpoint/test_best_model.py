@@ -12,7 +12,16 @@ import torch
 from kiln.config import ConfigError
 from kiln.engine.trainer import Trainer
 from kiln.strategies.checkpoint_io import load_weights
-from tests.checkpoint.checkpoint_helpers import Crash, Scripted, config, folders, make_model, regression_data, train, weights
+from tests.checkpoint.checkpoint_helpers import (
+    Crash,
+    Scripted,
+    config,
+    folders,
+    make_model,
+    regression_data,
+    train,
+    weights,
+)
 
 
 def small_eval():
@@ -20,10 +29,22 @@ def small_eval():
 
 
 def best_run(out, scores, name="score", resume=None, crash_at=None, **cfg):
-    base = {"max_steps": 2 * len(scores), "save_steps": 2, "eval_strategy": "steps", "eval_steps": 2,
-            "metric_for_best_model": name}
+    base = {
+        "max_steps": 2 * len(scores),
+        "save_steps": 2,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "metric_for_best_model": name,
+    }
     base.update(cfg)
-    return train(out, base, eval_data=small_eval, compute_metrics=Scripted(scores, name.removeprefix("eval_")), resume=resume, crash_at=crash_at)
+    return train(
+        out,
+        base,
+        eval_data=small_eval,
+        compute_metrics=Scripted(scores, name.removeprefix("eval_")),
+        resume=resume,
+        crash_at=crash_at,
+    )
 
 
 @pytest.mark.parametrize("name", ["score", "eval_score"])
@@ -33,13 +54,25 @@ def test_metric_name_with_or_without_eval_prefix(tmp_path, name):
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-4")
 
 
-@pytest.mark.parametrize("metric, explicit, expected", [
-    (None, None, False), ("loss", None, False), ("eval_loss", None, False), ("nll_loss", None, False),
-    ("accuracy", None, True), ("eval_f1", None, True), ("loss", True, True), ("accuracy", False, False),
-])
+@pytest.mark.parametrize(
+    "metric, explicit, expected",
+    [
+        (None, None, False),
+        ("loss", None, False),
+        ("eval_loss", None, False),
+        ("nll_loss", None, False),
+        ("accuracy", None, True),
+        ("eval_f1", None, True),
+        ("loss", True, True),
+        ("accuracy", False, False),
+    ],
+)
 def test_greater_is_better_defaults_follow_hf(tmp_path, metric, explicit, expected):
-    trainer = Trainer(make_model(), config(str(tmp_path), metric_for_best_model=metric, greater_is_better=explicit),
-                      train_dataset=regression_data())
+    trainer = Trainer(
+        make_model(),
+        config(str(tmp_path), metric_for_best_model=metric, greater_is_better=explicit),
+        train_dataset=regression_data(),
+    )
     assert trainer.greater_is_better() is expected
 
 
@@ -70,14 +103,17 @@ def test_best_tracking_survives_a_resume(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("limit, scores, expected", [
-    # best at step 4; saves at 2, 4, ..., 12
-    (2, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 12}),  # the best plus the newest
-    (1, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 12}),  # limit 1 keeps the last and the best (HF)
-    (3, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 10, 12}),  # the best counts towards the limit
-    (2, [0.2, 0.3, 0.5, 0.7, 0.8, 0.9], {10, 12}),  # the best is the newest: just the two newest
-    (1, [0.2, 0.3, 0.5, 0.7, 0.8, 0.9], {12}),
-])
+@pytest.mark.parametrize(
+    "limit, scores, expected",
+    [
+        # best at step 4; saves at 2, 4, ..., 12
+        (2, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 12}),  # the best plus the newest
+        (1, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 12}),  # limit 1 keeps the last and the best (HF)
+        (3, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 10, 12}),  # the best counts towards the limit
+        (2, [0.2, 0.3, 0.5, 0.7, 0.8, 0.9], {10, 12}),  # the best is the newest: just the two newest
+        (1, [0.2, 0.3, 0.5, 0.7, 0.8, 0.9], {12}),
+    ],
+)
 def test_rotation_keeps_exactly_the_newest_and_the_best(tmp_path, limit, scores, expected):
     out = str(tmp_path / "run")
     best_run(out, scores, save_total_limit=limit)
@@ -90,13 +126,23 @@ def test_rotation_without_best_tracking_keeps_the_newest(tmp_path):
     assert folders(out) == {"checkpoint-10", "checkpoint-12"}
 
 
-@pytest.mark.parametrize("cfg, message", [
-    ({"load_best_model_at_end": True}, "load_best_model_at_end needs evaluation during training: set eval.strategy"),
-    ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "epoch"},
-     "needs save.strategy ('epoch') to match eval.strategy ('steps')"),
-    ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 4, "save_steps": 6},
-     "save.steps (6) to be a multiple of eval.steps (4)"),
-])
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (
+            {"load_best_model_at_end": True},
+            "load_best_model_at_end needs evaluation during training: set eval.strategy",
+        ),
+        (
+            {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "epoch"},
+            "needs save.strategy ('epoch') to match eval.strategy ('steps')",
+        ),
+        (
+            {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 4, "save_steps": 6},
+            "save.steps (6) to be a multiple of eval.steps (4)",
+        ),
+    ],
+)
 def test_incompatible_best_model_settings_fail_at_start_up(tmp_path, cfg, message):
     with pytest.raises(ConfigError) as err:
         Trainer(make_model(), config(str(tmp_path), **cfg), train_dataset=regression_data())

@@ -44,7 +44,10 @@ def saved_callbacks(ckpt: str) -> dict[str, Any]:
 def test_exportable_state_is_saved_and_its_attributes_restored(tmp_path):
     out = str(tmp_path / "run")
     train(out, {"max_steps": 4, "save_steps": 4}, callbacks=[Steps(every=3)])
-    assert saved_callbacks(os.path.join(out, "checkpoint-4"))["Steps"] == {"args": {"every": 3}, "attributes": {"seen": 4}}
+    assert saved_callbacks(os.path.join(out, "checkpoint-4"))["Steps"] == {
+        "args": {"every": 3},
+        "attributes": {"seen": 4},
+    }
     again = Steps(every=7)
     train(out, {"max_steps": 6, "save_steps": 4}, resume=True, callbacks=[again])
     assert again.seen == 6 and again.every == 7  # counters back; this run's args kept without the flag
@@ -61,24 +64,43 @@ def test_two_callbacks_of_one_class_are_saved_as_a_list_and_restored_in_order(tm
 def test_restore_callback_states_rebuilds_early_stopping_from_the_checkpoint(tmp_path):
     hf = pytest.importorskip("transformers")
     out = str(tmp_path / "run")
-    first = train(out, {"max_steps": 6, "save_steps": 6, **EVAL}, eval_data=small_eval,
-                  callbacks=[EarlyStoppingCallback(early_stopping_patience=50, early_stopping_threshold=0.25)])
+    first = train(
+        out,
+        {"max_steps": 6, "save_steps": 6, **EVAL},
+        eval_data=small_eval,
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=50, early_stopping_threshold=0.25)],
+    )
     ckpt = os.path.join(out, "checkpoint-6")
     saved = saved_callbacks(ckpt)["EarlyStoppingCallback"]
     counter = first.callback_handler.pop(EarlyStoppingCallback).early_stopping_patience_counter
-    assert saved["attributes"]["early_stopping_patience_counter"] == counter > 0  # threshold 0.25: no improvement counts
+    assert (
+        saved["attributes"]["early_stopping_patience_counter"] == counter > 0
+    )  # threshold 0.25: no improvement counts
     # HF's own callback reads kiln's saved state
     hf_cb = hf.EarlyStoppingCallback.from_state(saved)
     assert (hf_cb.early_stopping_patience, hf_cb.early_stopping_threshold) == (50, 0.25)
 
-    resumed = train(out, {"max_steps": 6, "save_steps": 6, **EVAL, "restore_callback_states_from_checkpoint": True},
-                    eval_data=small_eval, resume=ckpt, callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    resumed = train(
+        out,
+        {"max_steps": 6, "save_steps": 6, **EVAL, "restore_callback_states_from_checkpoint": True},
+        eval_data=small_eval,
+        resume=ckpt,
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=2)],
+    )
     [es] = [cb for cb in resumed.callback_handler.callbacks if isinstance(cb, EarlyStoppingCallback)]
-    assert (es.early_stopping_patience, es.early_stopping_threshold, es.early_stopping_patience_counter) == (50, 0.25, counter)
+    assert (es.early_stopping_patience, es.early_stopping_threshold, es.early_stopping_patience_counter) == (
+        50,
+        0.25,
+        counter,
+    )
 
     kept = EarlyStoppingCallback(early_stopping_patience=2)
     train(out, {"max_steps": 6, "save_steps": 6, **EVAL}, eval_data=small_eval, resume=ckpt, callbacks=[kept])
-    assert (kept.early_stopping_patience, kept.early_stopping_threshold, kept.early_stopping_patience_counter) == (2, 0.0, counter)
+    assert (kept.early_stopping_patience, kept.early_stopping_threshold, kept.early_stopping_patience_counter) == (
+        2,
+        0.0,
+        counter,
+    )
 
 
 def test_state_of_a_callback_no_longer_present_is_warned_about(tmp_path, caplog, hf_propagation):

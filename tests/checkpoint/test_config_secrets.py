@@ -67,8 +67,9 @@ def test_a_planted_interpolation_is_never_resolved_on_resume(planted, capsys, ca
 
 def test_the_comparison_and_the_saved_batch_size_read_text_only(planted):
     _, ckpt, secret = planted
-    moved = changed_settings(str(ckpt), {"seed": 7, "data": {"per_device_train_batch_size": 4}},
-                             ("seed", "data.per_device_train_batch_size"))
+    moved = changed_settings(
+        str(ckpt), {"seed": 7, "data": {"per_device_train_batch_size": 4}}, ("seed", "data.per_device_train_batch_size")
+    )
     assert moved == [f"seed '{PLANTED}' -> 7", f"data.per_device_train_batch_size '{PLANTED}' -> 4"]
     assert secret not in str(moved)
     assert saved_batch_size(str(ckpt)) is None  # not numbers: auto_find_batch_size searches again
@@ -93,8 +94,10 @@ def test_a_typed_value_error_names_the_key_and_variable_never_the_value(tmp_path
     with pytest.raises(ConfigError) as err:
         load_config(str(path) if source == "yaml" else raw)
     message = str(err.value)
-    assert message == ("Config key 'optim.lr' expects float, but it is set from ${oc.env:KILN_TEST_LR_SECRET}, whose "
-                       "value is not one (the value is not shown).")
+    assert message == (
+        "Config key 'optim.lr' expects float, but it is set from ${oc.env:KILN_TEST_LR_SECRET}, whose "
+        "value is not one (the value is not shown)."
+    )
     assert secret not in message
 
 
@@ -111,8 +114,10 @@ def test_a_secret_inside_a_config_list_is_masked_in_every_saved_file(tmp_path, m
     monkeypatch.setenv("KILN_TEST_LIST_SECRET", secret)
     out = tmp_path / "run"
     path = tmp_path / "cfg.yaml"
-    path.write_text("task:\n  model_args:\n    headers: [plain, '${oc.env:KILN_TEST_LIST_SECRET}', "
-                    "'Bearer ${oc.env:KILN_TEST_LIST_SECRET}']\n")
+    path.write_text(
+        "task:\n  model_args:\n    headers: [plain, '${oc.env:KILN_TEST_LIST_SECRET}', "
+        "'Bearer ${oc.env:KILN_TEST_LIST_SECRET}']\n"
+    )
     cfg = load_config(str(path))
     assert list(cfg.task.model_args.headers) == ["plain", secret, f"Bearer {secret}"]  # training sees the value
     raw = yaml.safe_load(path.read_text())["task"]
@@ -122,5 +127,8 @@ def test_a_secret_inside_a_config_list_is_masked_in_every_saved_file(tmp_path, m
     assert (out / "checkpoint-2" / "config.yaml").exists() and (out / "kiln_config.yaml").exists()
     assert _holding(out, secret) == []
     saved = yaml.safe_load((out / "checkpoint-2" / "config.yaml").read_text())
-    assert saved["task"]["model_args"]["headers"] == ["plain", "${oc.env:KILN_TEST_LIST_SECRET}",
-                                                      "Bearer ${oc.env:KILN_TEST_LIST_SECRET}"]
+    assert saved["task"]["model_args"]["headers"] == [
+        "plain",
+        "${oc.env:KILN_TEST_LIST_SECRET}",
+        "Bearer ${oc.env:KILN_TEST_LIST_SECRET}",
+    ]

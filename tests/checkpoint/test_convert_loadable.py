@@ -23,7 +23,9 @@ INPUT = torch.tensor([[1, 5, 9, 3, 7, 2, 30, 11]])
 
 
 def gpt2_config():
-    return transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=True)
+    return transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=True
+    )
 
 
 def tokenizer():
@@ -60,10 +62,24 @@ def test_single_process_checkpoint_converts_to_a_loadable_folder(tmp_path):
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(gpt2_config())
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": (ids := torch.randint(0, VOCAB, (12,), generator=g)), "labels": ids.clone()} for _ in range(16)]
-    trainer = Trainer(model, {"output_dir": str(tmp_path / "run"), "max_steps": 2, "save_steps": 2, "learning_rate": 1e-2,
-                              "per_device_train_batch_size": 4, "report_to": "none", "disable_tqdm": True,
-                              "log": {"history": []}}, train_dataset=data, processing_class=tokenizer())
+    data = [
+        {"input_ids": (ids := torch.randint(0, VOCAB, (12,), generator=g)), "labels": ids.clone()} for _ in range(16)
+    ]
+    trainer = Trainer(
+        model,
+        {
+            "output_dir": str(tmp_path / "run"),
+            "max_steps": 2,
+            "save_steps": 2,
+            "learning_rate": 1e-2,
+            "per_device_train_batch_size": 4,
+            "report_to": "none",
+            "disable_tqdm": True,
+            "log": {"history": []},
+        },
+        train_dataset=data,
+        processing_class=tokenizer(),
+    )
     trainer.fit()
     converted = str(tmp_path / "converted")
     assert cli.main(["convert", str(tmp_path / "run" / "checkpoint-2"), converted]) == 0
@@ -87,7 +103,7 @@ def test_fsdp_sharded_checkpoint_converts_to_a_loadable_folder(tmp_path):
     check_loadable(converted, logits(trained))
 
 
-def gpt2_config_of(checkpoint) -> "transformers.GPT2Config":
+def gpt2_config_of(checkpoint) -> transformers.GPT2Config:
     config = transformers.GPT2Config.from_pretrained(str(checkpoint))
     assert (config.n_embd, config.n_layer, config.vocab_size) == (16, 2, 64)  # worker_gpt2.py's model
     return config
@@ -120,7 +136,12 @@ def test_ties_are_recorded_source_first_and_applied_only_where_the_tensors_agree
     assert share_tied(damaged, None) is damaged and tie_groups(torch.nn.Linear(2, 2)) == []
     # a marker whose record is not lists of names (edited, or of another version) ties nothing, and fails nothing
     plain = {"head.weight": weight.clone(), "emb.weight": weight.clone()}
-    for record in ([["absent", "emb.weight", "head.weight"]], [("emb.weight", "head.weight")],
-                   [{"emb.weight": "head.weight"}], [[]], [["emb.weight", 3]]):
+    for record in (
+        [["absent", "emb.weight", "head.weight"]],
+        [("emb.weight", "head.weight")],
+        [{"emb.weight": "head.weight"}],
+        [[]],
+        [["emb.weight", 3]],
+    ):
         out = share_tied(plain, record)
         assert out["head.weight"] is plain["head.weight"] and out["emb.weight"] is plain["emb.weight"], record

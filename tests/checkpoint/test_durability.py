@@ -51,15 +51,18 @@ def test_every_file_and_folder_is_fsynced_before_the_marker_and_the_marker_befor
     final = os.path.join(out, "checkpoint-2")
     files = sorted(os.path.relpath(os.path.join(root, n), final) for root, _, names in os.walk(final) for n in names)
     dirs = sorted(os.path.relpath(root, final) for root, _, _ in os.walk(final))
-    synced_before_marker = {os.path.relpath(p, tmp) for what, p, marker in events if what == "fsync" and not marker
-                            and (p == tmp or p.startswith(tmp + os.sep))}
+    synced_before_marker = {
+        os.path.relpath(p, tmp)
+        for what, p, marker in events
+        if what == "fsync" and not marker and (p == tmp or p.startswith(tmp + os.sep))
+    }
     assert set(files) - {MARKER} <= synced_before_marker, "a file was not fsynced before COMPLETE was written"
     assert set(dirs) <= synced_before_marker, "a folder's entries were not fsynced before COMPLETE was written"
     assert MARKER not in synced_before_marker  # the marker came last: written after every other fsync
     order = [(what, p) for what, p, _ in events]
     rename = order.index(("rename", f"{tmp} -> {final}"))
     assert order.index(("fsync", os.path.join(tmp, MARKER))) < rename  # the marker is durable before the rename
-    assert ("fsync", tmp) in order[order.index(("fsync", os.path.join(tmp, MARKER))):rename]  # and its entry
+    assert ("fsync", tmp) in order[order.index(("fsync", os.path.join(tmp, MARKER))) : rename]  # and its entry
     assert ("fsync", out) in order[rename:], "the rename itself was not made durable (parent folder fsync)"
     assert all(not p.startswith(tmp + os.sep) for what, p in order[rename:] if what == "fsync")
 
@@ -138,26 +141,51 @@ def _edit(change):  # type: ignore[no-untyped-def]
         meta = json.loads(text)
         change(meta)
         return json.dumps(meta)
+
     return damage
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda text: text[: len(text) // 2], "not valid JSON, truncated or garbled"),
-    (lambda text: "", "not valid JSON, truncated or garbled"),
-    (lambda text: "\x00\x01garbage", "not valid JSON, truncated or garbled"),
-    (lambda text: "[1, 2]", "not a JSON object"),
-    (_edit(lambda m: m.update(files=list(m["files"]))), "its 'files' is not a mapping of names to sizes"),
-    (_edit(lambda m: m["files"].update({"optimizer.pt": "5475"})), "its 'files' is not a mapping of names to sizes"),
-    (_edit(lambda m: m["files"].update({"optimizer.pt": -1})), "its 'files' is not a mapping of names to sizes"),
-    (_edit(lambda m: m.pop("files")), "it lists no files"),
-    (_edit(lambda m: m.update(step="4")), "its 'step' is not a whole number"),
-    (_edit(lambda m: m.update(step=True)), "its 'step' is not a whole number"),
-    (_edit(lambda m: m.update(version="2")), "its 'version' is not a positive whole number"),
-    (_edit(lambda m: m.update(xxh3_64=["a"])), "its 'xxh3_64' is not a mapping of names to checksums"),
-    (_edit(lambda m: m["xxh3_64"].update({"optimizer.pt": 7})), "its 'xxh3_64' is not a mapping of names to checksums"),
-    (_edit(lambda m: m.update(signature="forged")), "its 'signature' is not a JSON object"),
-], ids=["truncated", "empty", "binary", "list", "files-list", "size-str", "size-negative", "no-files", "step-str",
-        "step-bool", "version-str", "digests-list", "digest-int", "signature-str"])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda text: text[: len(text) // 2], "not valid JSON, truncated or garbled"),
+        (lambda text: "", "not valid JSON, truncated or garbled"),
+        (lambda text: "\x00\x01garbage", "not valid JSON, truncated or garbled"),
+        (lambda text: "[1, 2]", "not a JSON object"),
+        (_edit(lambda m: m.update(files=list(m["files"]))), "its 'files' is not a mapping of names to sizes"),
+        (
+            _edit(lambda m: m["files"].update({"optimizer.pt": "5475"})),
+            "its 'files' is not a mapping of names to sizes",
+        ),
+        (_edit(lambda m: m["files"].update({"optimizer.pt": -1})), "its 'files' is not a mapping of names to sizes"),
+        (_edit(lambda m: m.pop("files")), "it lists no files"),
+        (_edit(lambda m: m.update(step="4")), "its 'step' is not a whole number"),
+        (_edit(lambda m: m.update(step=True)), "its 'step' is not a whole number"),
+        (_edit(lambda m: m.update(version="2")), "its 'version' is not a positive whole number"),
+        (_edit(lambda m: m.update(xxh3_64=["a"])), "its 'xxh3_64' is not a mapping of names to checksums"),
+        (
+            _edit(lambda m: m["xxh3_64"].update({"optimizer.pt": 7})),
+            "its 'xxh3_64' is not a mapping of names to checksums",
+        ),
+        (_edit(lambda m: m.update(signature="forged")), "its 'signature' is not a JSON object"),
+    ],
+    ids=[
+        "truncated",
+        "empty",
+        "binary",
+        "list",
+        "files-list",
+        "size-str",
+        "size-negative",
+        "no-files",
+        "step-str",
+        "step-bool",
+        "version-str",
+        "digests-list",
+        "digest-int",
+        "signature-str",
+    ],
+)
 def test_a_damaged_marker_is_rejected_in_one_sentence(out, damage, reason):
     path = os.path.join(out, "checkpoint-4", MARKER)
     text = open(path).read()

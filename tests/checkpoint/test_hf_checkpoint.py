@@ -21,8 +21,15 @@ HYPER = {"max_steps": 6, "save_steps": 3, "per_device_train_batch_size": 4, "lea
 
 
 def tiny_bert(seed: int):
-    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    cfg = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
     torch.manual_seed(seed)
     return transformers.BertForSequenceClassification(cfg)
 
@@ -35,8 +42,14 @@ def data():
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("hf") / "out")
-    args = transformers.TrainingArguments(output_dir=out, report_to="none", use_cpu=True, disable_tqdm=True,
-                                          save_only_model=False, **{**HYPER, "max_steps": 3})
+    args = transformers.TrainingArguments(
+        output_dir=out,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        save_only_model=False,
+        **{**HYPER, "max_steps": 3},
+    )
     transformers.Trainer(model=tiny_bert(0), args=args, train_dataset=data()).train()
     return out
 
@@ -55,13 +68,24 @@ def test_kiln_resumes_an_hf_trainer_checkpoint_and_says_what_it_could_not_restor
     ckpt = os.path.join(hf_run, "checkpoint-3")
     assert resolve_resume(ckpt, hf_run) == ckpt and latest_checkpoint(hf_run) == ckpt  # no marker needed
     probe = FirstStep()
-    trainer = Trainer(tiny_bert(seed=123), {**HYPER, "output_dir": str(tmp_path / "kiln"), "report_to": "none",
-                                            "disable_tqdm": True, "log": {"history": []}},
-                      train_dataset=data(), callbacks=[probe])
+    trainer = Trainer(
+        tiny_bert(seed=123),
+        {
+            **HYPER,
+            "output_dir": str(tmp_path / "kiln"),
+            "report_to": "none",
+            "disable_tqdm": True,
+            "log": {"history": []},
+        },
+        train_dataset=data(),
+        callbacks=[probe],
+    )
     with pytest.warns(UserWarning) as record:
         trainer.fit(resume_from_checkpoint=ckpt)
     [note] = [str(w.message) for w in record if "Hugging Face checkpoint" in str(w.message)]
-    assert "restored weights, optimizer, scheduler, trainer state" in note and "RNG state" in note.split("not restored")[0]
+    assert (
+        "restored weights, optimizer, scheduler, trainer state" in note and "RNG state" in note.split("not restored")[0]
+    )
     assert "not restored: the sampler position" in note and "loss sums" in note
 
     assert probe.step == 3  # continued at HF's step, then trained to max_steps
@@ -77,9 +101,18 @@ def test_kiln_resumes_an_hf_trainer_checkpoint_and_says_what_it_could_not_restor
 
 def test_optimizer_and_schedule_continue_from_the_hf_checkpoint(hf_run, tmp_path):
     ckpt = os.path.join(hf_run, "checkpoint-3")
-    trainer = Trainer(tiny_bert(seed=5), {**HYPER, "output_dir": str(tmp_path / "k"), "report_to": "none",
-                                          "disable_tqdm": True, "log": {"history": []}, "max_steps": 3},
-                      train_dataset=data())
+    trainer = Trainer(
+        tiny_bert(seed=5),
+        {
+            **HYPER,
+            "output_dir": str(tmp_path / "k"),
+            "report_to": "none",
+            "disable_tqdm": True,
+            "log": {"history": []},
+            "max_steps": 3,
+        },
+        train_dataset=data(),
+    )
     with pytest.warns(UserWarning, match="Hugging Face checkpoint"):
         trainer.fit(resume_from_checkpoint=ckpt)  # max_steps reached: only loads
     hf_opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True)
@@ -89,9 +122,19 @@ def test_optimizer_and_schedule_continue_from_the_hf_checkpoint(hf_run, tmp_path
 
 
 def test_changed_intervals_are_named(hf_run, tmp_path, caplog):
-    trainer = Trainer(tiny_bert(seed=5), {**HYPER, "output_dir": str(tmp_path / "k"), "report_to": "none",
-                                          "disable_tqdm": True, "log": {"history": []}, "max_steps": 3, "logging_steps": 2},
-                      train_dataset=data())
+    trainer = Trainer(
+        tiny_bert(seed=5),
+        {
+            **HYPER,
+            "output_dir": str(tmp_path / "k"),
+            "report_to": "none",
+            "disable_tqdm": True,
+            "log": {"history": []},
+            "max_steps": 3,
+            "logging_steps": 2,
+        },
+        train_dataset=data(),
+    )
     with pytest.warns(UserWarning, match="Hugging Face checkpoint"):
         trainer.fit(resume_from_checkpoint=os.path.join(hf_run, "checkpoint-3"))
     assert "logging_steps: 2 (from args) != 1 (from trainer_state.json)" in caplog.text  # logged, as HF does
@@ -130,9 +173,20 @@ def test_each_rank_takes_the_hf_rng_file_of_its_global_rank(hf_run, tmp_path):
         streams[rank] = torch.Generator().manual_seed(100 + rank).get_state()
         torch.save({**single, "cpu": streams[rank]}, ckpt / f"rng_state_{rank}.pth")
     probe = FirstStep()
-    trainer = Trainer(tiny_bert(seed=5), {**HYPER, "output_dir": str(tmp_path / "k"), "report_to": "none",
-                                          "disable_tqdm": True, "log": {"history": []}, "save_on_each_node": True},
-                      train_dataset=data(), callbacks=[probe], strategy=stand_in(2))
+    trainer = Trainer(
+        tiny_bert(seed=5),
+        {
+            **HYPER,
+            "output_dir": str(tmp_path / "k"),
+            "report_to": "none",
+            "disable_tqdm": True,
+            "log": {"history": []},
+            "save_on_each_node": True,
+        },
+        train_dataset=data(),
+        callbacks=[probe],
+        strategy=stand_in(2),
+    )
     with pytest.warns(UserWarning, match="Hugging Face checkpoint"):
         trainer.fit(resume_from_checkpoint=str(ckpt))
     assert torch.equal(probe.torch_rng, streams[2])

@@ -12,7 +12,7 @@ import torch
 
 from kiln.engine.checkpoint.files import MARKER, _fsync_tree
 from kiln.engine.checkpoint.manager import POSITION
-from tests.checkpoint.checkpoint_helpers import Crash, numeric_history, regression_data, train, weights
+from tests.checkpoint.checkpoint_helpers import Crash, numeric_history, train, weights
 
 
 def test_trainer_state_json_loads_with_transformers(tmp_path):

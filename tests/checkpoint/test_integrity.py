@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import warnings
 
 import pytest
 import torch
@@ -61,8 +60,11 @@ def test_flipped_bytes_fall_back_to_the_previous_intact_checkpoint(run, out, nam
     ckpt = os.path.join(out, "checkpoint-4")
     flip(os.path.join(ckpt, name))
     assert is_complete(ckpt)  # the sizes still match: only the checksum can tell
-    with pytest.warns(UserWarning, match=rf"Ignoring damaged checkpoint .*checkpoint-4: {name} does not match the "
-                                         r"checksum.*previous intact checkpoint"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"Ignoring damaged checkpoint .*checkpoint-4: {name} does not match the "
+        r"checksum.*previous intact checkpoint",
+    ):
         trainer = train(out, CFG, resume=True)
     final = weights(trainer)
     assert all(torch.equal(final[k], v) for k, v in run[1].items())  # resumed from checkpoint-2, exactly
@@ -71,8 +73,11 @@ def test_flipped_bytes_fall_back_to_the_previous_intact_checkpoint(run, out, nam
 def test_an_explicit_damaged_checkpoint_is_refused(out):
     ckpt = os.path.join(out, "checkpoint-4")
     flip(os.path.join(ckpt, "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"checkpoint-4 is damaged: model.safetensors does not match the checksum.*"
-                                              r"resume_from_checkpoint=true to pick the newest intact one"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint-4 is damaged: model.safetensors does not match the checksum.*"
+        r"resume_from_checkpoint=true to pick the newest intact one",
+    ):
         train(out, CFG, resume=ckpt)
 
 
@@ -161,7 +166,9 @@ def test_evaluate_refuses_damaged_weights(out):
     ckpt = os.path.join(out, "checkpoint-4")
     assert given_weights(ckpt).step == 4
     flip(os.path.join(ckpt, "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"--weights .*checkpoint-4' is damaged: model.safetensors does not match"):
+    with pytest.raises(
+        CheckpointError, match=r"--weights .*checkpoint-4' is damaged: model.safetensors does not match"
+    ):
         given_weights(ckpt)
     with pytest.raises(CheckpointError, match=r"the last checkpoint .*checkpoint-4' is damaged"):
         find_run_weights(out)

@@ -22,6 +22,7 @@ from kiln.strategies.weights_files import INDEX, save_sharded
 from tests.checkpoint.checkpoint_helpers import train, weights
 from tests.checkpoint.test_integrity import CFG, flip, out, run  # noqa: F401 - fixtures: checkpoint-2 and -4
 
+
 def rot_tail(path: str) -> None:
     """Invert the last 8 bytes (tensor data, not the safetensors header)."""
     with open(path, "r+b") as fh:
@@ -44,7 +45,9 @@ def refused_by_path_and_true(out: str, ckpt: str, reason: str) -> None:
     """A resume by path is refused naming `reason`; `true` passes over the checkpoint to checkpoint-2."""
     with pytest.raises(ResumeError, match=reason):
         resolve_resume(ckpt, out)
-    with pytest.warns(UserWarning, match=rf"Ignoring (incomplete|damaged) checkpoint .*{os.path.basename(ckpt)}.*{reason}"):
+    with pytest.warns(
+        UserWarning, match=rf"Ignoring (incomplete|damaged) checkpoint .*{os.path.basename(ckpt)}.*{reason}"
+    ):
         assert resolve_resume(True, out) == os.path.join(out, "checkpoint-2")
 
 
@@ -91,8 +94,16 @@ def test_bit_rot_inside_a_digested_shard_is_caught(out):
     refused_by_path_and_true(out, ckpt, f"{shards[-1]} does not match the checksum")
 
 
-@pytest.mark.parametrize("added", [INDEX, "model-00001-of-00001.safetensors", "pytorch_model.bin", "optimizer.pt.bak.pt",
-                                   "adapter_model.safetensors"])
+@pytest.mark.parametrize(
+    "added",
+    [
+        INDEX,
+        "model-00001-of-00001.safetensors",
+        "pytorch_model.bin",
+        "optimizer.pt.bak.pt",
+        "adapter_model.safetensors",
+    ],
+)
 def test_a_weights_file_added_after_sealing_is_damage(out, added):
     ckpt = os.path.join(out, "checkpoint-4")
     shutil.copyfile(os.path.join(ckpt, "model.safetensors"), os.path.join(ckpt, added))
@@ -144,7 +155,9 @@ def test_markers_of_every_known_version_are_read_and_empty_files_count(out):
 def test_a_marker_of_a_newer_kiln_is_refused(out):
     ckpt = os.path.join(out, "checkpoint-4")
     write_marker(ckpt, {**marker(ckpt), "version": 3})
-    with pytest.raises(ResumeError, match=r"written by a newer kiln \(marker version 3; this kiln reads up to 2\): upgrade kiln"):
+    with pytest.raises(
+        ResumeError, match=r"written by a newer kiln \(marker version 3; this kiln reads up to 2\): upgrade kiln"
+    ):
         resolve_resume(ckpt, out)
 
 
@@ -216,13 +229,16 @@ def _tensor_moved(ckpt: str) -> None:
     open(os.path.join(ckpt, INDEX), "w").write(json.dumps(index))
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (_nan, r"model.safetensors holds non-finite values \(nan or inf\) in inp.weight"),
-    (_truncated, "model.safetensors is truncated or its header is damaged"),
-    (_garbled_header, "model.safetensors is truncated or its header is damaged"),
-    (_shard_missing, r"model-00001-of-\d+.safetensors is missing"),
-    (_tensor_moved, "lacks out.bias, which model.safetensors.index.json places there"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (_nan, r"model.safetensors holds non-finite values \(nan or inf\) in inp.weight"),
+        (_truncated, "model.safetensors is truncated or its header is damaged"),
+        (_garbled_header, "model.safetensors is truncated or its header is damaged"),
+        (_shard_missing, r"model-00001-of-\d+.safetensors is missing"),
+        (_tensor_moved, "lacks out.bias, which model.safetensors.index.json places there"),
+    ],
+)
 def test_an_hf_checkpoint_with_bad_weights_is_refused(out, damage, reason):
     ckpt = os.path.join(out, "checkpoint-4")
     hf_checkpoint(ckpt)

@@ -37,8 +37,12 @@ def test_kiln_saves_then_train_returns_and_on_train_end_runs(tmp_path):
     out = str(tmp_path / "run")
     before = signal.getsignal(signal.SIGTERM)
     probe = SigtermAfterStep(3)
-    trainer = Trainer(make_model(), config(out, max_steps=8, save_steps=100, enable_jit_checkpoint=True),
-                      train_dataset=regression_data(), callbacks=[probe])
+    trainer = Trainer(
+        make_model(),
+        config(out, max_steps=8, save_steps=100, enable_jit_checkpoint=True),
+        train_dataset=regression_data(),
+        callbacks=[probe],
+    )
     result = trainer.fit()  # before: SystemExit(0) out of fit(), on_train_end skipped
     assert isinstance(result, TrainOutput) and result.global_step == 3 and "train_loss" in result.metrics
     assert probe.ends == 1
@@ -68,12 +72,21 @@ def test_hf_trainer_does_the_same(tmp_path):
             self.ends += 1
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": (ids := torch.randint(0, 32, (8,), generator=g)), "labels": ids.clone()} for _ in range(32)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=8, save_steps=100, use_cpu=True,
-                                          per_device_train_batch_size=2, report_to="none", disable_tqdm=True,
-                                          enable_jit_checkpoint=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"),
+        max_steps=8,
+        save_steps=100,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        report_to="none",
+        disable_tqdm=True,
+        enable_jit_checkpoint=True,
+    )
     before = signal.getsignal(signal.SIGTERM)
     probe = HFProbe()
     hf = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[probe])
@@ -86,7 +99,7 @@ def test_hf_trainer_does_the_same(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-TASK = '''
+TASK = """
 import os
 import signal
 
@@ -106,7 +119,7 @@ def model():
 
 def data():
     return {"train_dataset": regression_data(), "eval_dataset": regression_data(8), "callbacks": [Sigterm()]}
-'''
+"""
 
 
 def test_kiln_fit_exits_0_after_the_checkpoint_without_evaluating_or_exporting(tmp_path: Path, monkeypatch):
@@ -114,7 +127,8 @@ def test_kiln_fit_exits_0_after_the_checkpoint_without_evaluating_or_exporting(t
     (tmp_path / "cfg.yaml").write_text(
         "output_dir: run\ntask: {model: 'preempttask:model', data: 'preempttask:data'}\nmax_steps: 6\n"
         "per_device_train_batch_size: 4\nsave: {strategy: steps, steps: 100, on_preemption: true}\n"
-        "log: {disable_tqdm: true, history: []}\nreport_to: none\n")
+        "log: {disable_tqdm: true, history: []}\nreport_to: none\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     before = signal.getsignal(signal.SIGTERM)

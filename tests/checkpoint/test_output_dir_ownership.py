@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -42,8 +41,11 @@ def finished(tmp_path):
 @pytest.mark.parametrize("save", ["no", "steps", "epoch"])
 def test_a_new_run_never_replaces_a_finished_one_whatever_it_saves(finished, save):
     before = snapshot(finished)
-    with pytest.raises(KilnError, match=r"already holds checkpoints or an exported model \(checkpoint-4, \.\.\.\).*"
-                                        r"resume_from_checkpoint=true.*overwrite_output_dir=true"):
+    with pytest.raises(
+        KilnError,
+        match=r"already holds checkpoints or an exported model \(checkpoint-4, \.\.\.\).*"
+        r"resume_from_checkpoint=true.*overwrite_output_dir=true",
+    ):
         train(finished, {"max_steps": 3, "save_strategy": save})
     assert snapshot(finished) == before
 
@@ -92,7 +94,9 @@ HOLDER = textwrap.dedent("""
 
 
 def hold_lock(out: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, out], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, out], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -101,8 +105,11 @@ def test_a_second_live_run_is_refused_naming_the_holder_and_a_dead_ones_lock_is_
     out = str(tmp_path / "run")
     holder = hold_lock(out)
     try:
-        with pytest.raises(OutputDirInUse, match=rf"output_dir .* is in use by another kiln run \(pid {holder.pid} on .*, "
-                                                 r"started .*\); wait for it to finish, or pick another output_dir"):
+        with pytest.raises(
+            OutputDirInUse,
+            match=rf"output_dir .* is in use by another kiln run \(pid {holder.pid} on .*, "
+            r"started .*\); wait for it to finish, or pick another output_dir",
+        ):
             train(out, CFG)
         assert not any("checkpoint" in name for name in os.listdir(out))  # nothing written beside the live run
     finally:
@@ -111,7 +118,9 @@ def test_a_second_live_run_is_refused_naming_the_holder_and_a_dead_ones_lock_is_
     with caplog.at_level(logging.WARNING, logger="kiln.engine.checkpoint.output_dir"):
         trainer = train(out, CFG)
     assert trainer.state.global_step == 4
-    assert any(f"left by pid {holder.pid}" in r.getMessage() and "no longer running" in r.getMessage() for r in caplog.records)
+    assert any(
+        f"left by pid {holder.pid}" in r.getMessage() and "no longer running" in r.getMessage() for r in caplog.records
+    )
 
 
 def read_until(stream, word: str) -> None:
@@ -172,7 +181,6 @@ def test_the_lock_is_reentrant_within_a_process_and_released_by_the_last_holder(
     holder.wait()
 
 
-
 def test_the_cli_holds_the_lock_until_the_export_is_written(tmp_path):
     """Between `fit()` and `save_model()` another run must not slip in and have its files overwritten."""
     from kiln.cli import _fit
@@ -184,7 +192,9 @@ def test_the_cli_holds_the_lock_until_the_export_is_written(tmp_path):
 
     class Recording(Trainer):
         def save_model(self, output_dir=None, max_shard_size=None):  # type: ignore[no-untyped-def]
-            probe = subprocess.run([sys.executable, "-c", HOLDER, out], input="", capture_output=True, text=True, timeout=60)
+            probe = subprocess.run(
+                [sys.executable, "-c", HOLDER, out], input="", capture_output=True, text=True, timeout=60
+            )
             seen.append("is in use by another kiln run" in probe.stderr)
             return super().save_model(output_dir, max_shard_size)
 

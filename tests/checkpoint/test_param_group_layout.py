@@ -18,7 +18,12 @@ CFG = {"max_steps": 12, "save_steps": 5, "lr_scheduler_type": "cosine", "warmup_
 
 def one_group(model, weight_decay):
     """The layout older kiln versions used without weight decay: one group, the two groups' parameters in order."""
-    return [{"params": [p for g in parameter_groups(model, weight_decay) for p in g["params"]], "weight_decay": weight_decay}]
+    return [
+        {
+            "params": [p for g in parameter_groups(model, weight_decay) for p in g["params"]],
+            "weight_decay": weight_decay,
+        }
+    ]
 
 
 def crash(tmp_path, monkeypatch, layout=None, **cfg):
@@ -36,7 +41,9 @@ def test_without_weight_decay_there_are_still_hfs_two_groups():
     model = make_model()
     groups = parameter_groups(model, 0.0)
     assert [g["weight_decay"] for g in groups] == [0.0, 0.0]
-    assert [[id(p) for p in g["params"]] for g in groups] == [[id(p) for p in g["params"]] for g in parameter_groups(model, 0.1)]
+    assert [[id(p) for p in g["params"]] for g in groups] == [
+        [id(p) for p in g["params"]] for g in parameter_groups(model, 0.1)
+    ]
     assert [g["weight_decay"] for g in parameter_groups(model, 0.1)] == [0.1, 0.0]
 
 
@@ -86,7 +93,9 @@ def test_scheduler_state_follows_the_group_count():
     def schedule(groups):
         opt = torch.optim.AdamW(groups, lr=0.1)
         warm = torch.optim.lr_scheduler.LinearLR(opt, 0.1, total_iters=3)
-        return torch.optim.lr_scheduler.SequentialLR(opt, [warm, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)], [3])
+        return torch.optim.lr_scheduler.SequentialLR(
+            opt, [warm, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)], [3]
+        )
 
     two = schedule([{"params": params[:1]}, {"params": params[1:]}])
     for _ in range(4):

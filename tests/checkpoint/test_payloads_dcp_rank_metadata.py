@@ -25,8 +25,11 @@ def test_a_payload_in_a_per_rank_metadata_file_is_refused_and_never_runs(tmp_pat
     vet_dcp_folder(str(folder))  # clean: passes
     (folder / name).write_bytes(pickle.dumps(Payload(str(marker))))
     for read in (lambda: vet_dcp_folder(str(folder)), lambda: consolidate_spmd(str(tmp_path))):
-        with pytest.raises(CheckpointError, match=rf"^Refusing to load {folder / name}: .*global io.open is not allowed.*"
-                                                  "never executes code from a checkpoint"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"^Refusing to load {folder / name}: .*global io.open is not allowed.*"
+            "never executes code from a checkpoint",
+        ):
             read()
     assert not marker.exists(), "the planted payload ran"
 

@@ -31,8 +31,11 @@ def _dcp_checkpoint(directory) -> tuple[nn.Module, torch.optim.Optimizer]:
     opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-             storage_writer=dcp.FileSystemWriter(os.path.join(directory, SPMD_DIR)), no_dist=True)
+    dcp.save(
+        {"model": model.state_dict(), "optim": opt.state_dict()},
+        storage_writer=dcp.FileSystemWriter(os.path.join(directory, SPMD_DIR)),
+        no_dist=True,
+    )
     return model, opt
 
 
@@ -87,14 +90,17 @@ def test_a_planted_payload_is_refused_by_convert_and_the_xla_loader(tmp_path, xl
     assert not os.path.exists(marker), "the planted payload ran"
 
 
-@pytest.mark.parametrize("module, name", [
-    ("torch.distributed.checkpoint.metadata", "os.system"),  # a dotted walk out of an allowed module
-    ("torch.distributed.checkpoint.metadata", "os"),
-    ("builtins", "eval"),
-    ("builtins", "getattr"),
-    ("torch", "load"),
-    ("torch.distributed.checkpoint.filesystem", "FileSystem"),
-])
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("torch.distributed.checkpoint.metadata", "os.system"),  # a dotted walk out of an allowed module
+        ("torch.distributed.checkpoint.metadata", "os"),
+        ("builtins", "eval"),
+        ("builtins", "getattr"),
+        ("torch", "load"),
+        ("torch.distributed.checkpoint.filesystem", "FileSystem"),
+    ],
+)
 def test_the_metadata_unpickler_resolves_nothing_outside_the_allow_list(module, name):
     with pytest.raises(UnsafePickle):
         DCPMetadataUnpickler(io.BytesIO(f"c{module}\n{name}\n.".encode())).find_class(module, name)

@@ -19,8 +19,16 @@ from tests.checkpoint.test_planted_payloads import remark
 peft = pytest.importorskip("peft")
 from tests.distributed.worker_peft import data, lora_model  # noqa: E402
 
-CFG = {"max_steps": 2, "save_steps": 2, "per_device_train_batch_size": 4, "learning_rate": 0.05, "seed": 7,
-       "report_to": "none", "disable_tqdm": True, "log": {"history": []}}
+CFG = {
+    "max_steps": 2,
+    "save_steps": 2,
+    "per_device_train_batch_size": 4,
+    "learning_rate": 0.05,
+    "seed": 7,
+    "report_to": "none",
+    "disable_tqdm": True,
+    "log": {"history": []},
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,24 +48,33 @@ def _edit_adapter(ckpt: Path, change) -> str:  # type: ignore[no-untyped-def]
     return key
 
 
-@pytest.mark.parametrize("edit, label", [
-    (lambda tensors, key: tensors.pop(key), "missing keys"),
-    (lambda tensors, key: tensors.update({key.replace("lora_A", "lora_C"): tensors[key].clone()}), "unexpected keys"),
-])
+@pytest.mark.parametrize(
+    "edit, label",
+    [
+        (lambda tensors, key: tensors.pop(key), "missing keys"),
+        (
+            lambda tensors, key: tensors.update({key.replace("lora_A", "lora_C"): tensors[key].clone()}),
+            "unexpected keys",
+        ),
+    ],
+)
 def test_an_adapter_file_whose_keys_do_not_match_is_refused(checkpoint, tmp_path, edit, label):
     ckpt = tmp_path / "checkpoint-2"
     shutil.copytree(checkpoint, ckpt)
     key = _edit_adapter(ckpt, edit)
     shown = key if label == "missing keys" else key.replace("lora_A", "lora_C")
-    trainer = Trainer(lora_model(), {**CFG, "output_dir": str(tmp_path / "resumed"), "max_steps": 4},
-                      train_dataset=data())
-    with pytest.raises(CheckpointError, match=rf"^The adapter in {ckpt} does not fit adapter 'default' of this model "
-                                              rf"\({label}: .*{shown.replace('.', '[.]')}"):
+    trainer = Trainer(
+        lora_model(), {**CFG, "output_dir": str(tmp_path / "resumed"), "max_steps": 4}, train_dataset=data()
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^The adapter in {ckpt} does not fit adapter 'default' of this model "
+        rf"\({label}: .*{shown.replace('.', '[.]')}",
+    ):
         trainer.fit(resume_from_checkpoint=str(ckpt))
     with pytest.raises(CheckpointError, match=label):
         trainer._load_from_checkpoint(str(ckpt))  # load_best_model_at_end, kiln evaluate/predict
     assert os.path.isdir(ckpt)
-
 
 
 def test_many_foreign_keys_are_named_six_at_a_time(checkpoint, tmp_path):

@@ -77,8 +77,12 @@ def plant_dcp_entry(folder: Path, marker: str, kind: str) -> None:
 
     meta = _read_metadata(folder)
     wanted = BytesStorageMetadata if kind == "bytes" else TensorStorageMetadata
-    index = next(i for i in meta.storage_data if isinstance(meta.state_dict_metadata[i.fqn], wanted)
-                 and i.fqn.startswith("optim." if kind == "bytes" else "model."))
+    index = next(
+        i
+        for i in meta.storage_data
+        if isinstance(meta.state_dict_metadata[i.fqn], wanted)
+        and i.fqn.startswith("optim." if kind == "bytes" else "model.")
+    )
     info = meta.storage_data[index]
     buf = io.BytesIO()
     torch.save(Payload(marker), buf)
@@ -113,14 +117,28 @@ def plant(ckpt: Path, target: str, marker: str) -> None:
 
 
 #: case "<format>--<target>" for the worker formats; DeepSpeed targets are every .pt file under ds/
-FSDP_CASES = ["fsdp-sharded--dcp-metadata", "fsdp-sharded--dcp-bytes", "fsdp-sharded--dcp-tensor",
-              "fsdp-full--optimizer.pt", "ddp--optimizer.pt", "ddp--scheduler.pt"]
+FSDP_CASES = [
+    "fsdp-sharded--dcp-metadata",
+    "fsdp-sharded--dcp-bytes",
+    "fsdp-sharded--dcp-tensor",
+    "fsdp-full--optimizer.pt",
+    "ddp--optimizer.pt",
+    "ddp--scheduler.pt",
+]
 DS_FORMATS = ["zero0", "zero1", "zero2", "zero3"]
 
 
 def _launch(nproc: int, out: Path, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
-           str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(WORKER),
+        str(out),
+        *args,
+    ]
     run(cmd, timeout=900, env={"DS_ACCELERATOR": "cpu"})
 
 
@@ -139,7 +157,9 @@ def _prepare(out: Path, cases: list[str]) -> dict[str, dict[str, str]]:
     return markers
 
 
-def _family(tmp_path_factory, name: str, nproc: int, formats: list[str], cases_of) -> tuple[Path, list[str], dict, list[dict]]:
+def _family(
+    tmp_path_factory, name: str, nproc: int, formats: list[str], cases_of
+) -> tuple[Path, list[str], dict, list[dict]]:
     out = tmp_path_factory.mktemp(name)
     _launch(nproc, out, "save", *formats)
     cases = cases_of(out)
@@ -151,7 +171,9 @@ def _family(tmp_path_factory, name: str, nproc: int, formats: list[str], cases_o
 
 def _ds_cases(out: Path) -> list[str]:
     """Every .pt DeepSpeed wrote, per ZeRO stage ("__" stands for "/")."""
-    return [f"{fmt}--{DS}__{f.name}" for fmt in DS_FORMATS for f in sorted((out / fmt / "checkpoint-2" / DS).glob("*.pt"))]
+    return [
+        f"{fmt}--{DS}__{f.name}" for fmt in DS_FORMATS for f in sorted((out / fmt / "checkpoint-2" / DS).glob("*.pt"))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +207,9 @@ def _check_family(family) -> None:
 def _check_convert(family) -> None:
     """`kiln convert`'s reader in this process for every case; the CLI itself for the first one."""
     out, cases, markers, _ = family
-    converted = [case for case in cases if case.startswith(("fsdp-sharded", "zero"))]  # full/DDP: model.safetensors only
+    converted = [
+        case for case in cases if case.startswith(("fsdp-sharded", "zero"))
+    ]  # full/DDP: model.safetensors only
     for case in converted:
         ckpt = out / "convert_cases" / case / "checkpoint-2"
         with pytest.raises(CheckpointError) as err:
@@ -193,8 +217,12 @@ def _check_convert(family) -> None:
         _refused(f"CheckpointError: {err.value}", markers[case]["convert"])
         assert not (out / "converted" / case / "model.safetensors").exists()
     ckpt = out / "convert_cases" / converted[0] / "checkpoint-2"
-    proc = run([sys.executable, "-m", "kiln.cli", "convert", str(ckpt), str(out / "converted_cli")], timeout=300,
-               check=False, env={"DS_ACCELERATOR": "cpu"})
+    proc = run(
+        [sys.executable, "-m", "kiln.cli", "convert", str(ckpt), str(out / "converted_cli")],
+        timeout=300,
+        check=False,
+        env={"DS_ACCELERATOR": "cpu"},
+    )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "Refusing to load" in last, proc.stderr
     assert not os.path.exists(markers[converted[0]]["convert"])

@@ -14,9 +14,9 @@ import torch
 
 from kiln.engine.checkpoint.integrity import ALGORITHM, file_digest
 from kiln.engine.checkpoint.manager import MARKER, is_complete, latest_checkpoint
-from kiln.utils.errors import CheckpointError, KilnError, safe_torch_load
 from kiln.strategies.checkpoint_io import FullStateCheckpointIO
 from kiln.strategies.single import SingleDeviceStrategy
+from kiln.utils.errors import CheckpointError, KilnError, safe_torch_load
 from tests.checkpoint.checkpoint_helpers import folders, train
 
 CFG = {"max_steps": 4, "save_steps": 2}
@@ -95,10 +95,13 @@ def test_truncated_file_makes_the_checkpoint_incomplete(out, name):
         train(out, CFG, resume=ckpt)
 
 
-@pytest.mark.parametrize("name, message", [
-    ("model.safetensors", "model.safetensors is corrupt or truncated"),
-    ("optimizer.pt", "optimizer.pt is corrupt, truncated or not a torch file"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("model.safetensors", "model.safetensors is corrupt or truncated"),
+        ("optimizer.pt", "optimizer.pt is corrupt, truncated or not a torch file"),
+    ],
+)
 def test_corrupt_file_with_a_matching_marker_is_refused(out, name, message):
     """Damage the size check cannot see (a truncated file recorded as such, e.g. written by a broken
     tool): loading still refuses with the file's name."""
@@ -195,7 +198,9 @@ def test_world_size_change_is_refused_for_a_non_resharding_format(tmp_path):
     meta = json.loads(Path(marker).read_text())
     meta["world_size"] = 4  # saved by four processes
     Path(marker).write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match="holds shards for 4 processes but this run has 1.*resume with 4 processes"):
+    with pytest.raises(
+        CheckpointError, match="holds shards for 4 processes but this run has 1.*resume with 4 processes"
+    ):
         train(out, CFG, resume=ckpt, strategy=ShardedStrategy)
     with pytest.raises(CheckpointError, match="'test-shards' checkpoint format, but this run uses 'full'"):
         train(out, CFG, resume=ckpt)
@@ -218,7 +223,9 @@ def test_changed_batch_size_warns(out):
 # -- output_dir -----------------------------------------------------------------------------------
 def test_output_dir_with_checkpoints_is_not_overwritten(out):
     before = {f: os.path.getmtime(os.path.join(out, f)) for f in folders(out)}
-    with pytest.raises(KilnError, match="already holds checkpoints .*resume_from_checkpoint=true.*overwrite_output_dir=true"):
+    with pytest.raises(
+        KilnError, match="already holds checkpoints .*resume_from_checkpoint=true.*overwrite_output_dir=true"
+    ):
         train(out, CFG)
     assert {f: os.path.getmtime(os.path.join(out, f)) for f in folders(out)} == before
     trainer = train(out, {**CFG, "overwrite_output_dir": True})  # explicit: allowed

@@ -5,7 +5,7 @@ Each test first changes into a temporary folder, as a user running from their pr
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -13,36 +13,62 @@ import torch
 from kiln.engine.trainer import Trainer
 from kiln.strategies.checkpoint_io import load_weights
 from tests.checkpoint.checkpoint_helpers import (
-    Crash, CrashAfterSave, Scripted, config, folders, make_model, regression_data, weights,
+    Crash,
+    CrashAfterSave,
+    Scripted,
+    config,
+    folders,
+    make_model,
+    regression_data,
+    weights,
 )
 
 # spellings of one relative folder; None leaves output_dir unset (the default, tmp_trainer)
 SPELLINGS = ["run", "./run", "run/", "sub/../run", None]
 
 
-def best_run(output_dir: Optional[str], scores: list[float], resume: Any = None, crash_at: Optional[int] = None,
-             **overrides: Any) -> Trainer:
+def best_run(
+    output_dir: str | None, scores: list[float], resume: Any = None, crash_at: int | None = None, **overrides: Any
+) -> Trainer:
     """Evaluate and save every 2 steps; `scores` are the scripted metric values (greater is better)."""
-    cfg = config(output_dir or "unused", **{"max_steps": 2 * len(scores), "save_steps": 2, "eval_strategy": "steps",
-                                             "eval_steps": 2, "metric_for_best_model": "score", **overrides})
+    cfg = config(
+        output_dir or "unused",
+        **{
+            "max_steps": 2 * len(scores),
+            "save_steps": 2,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "metric_for_best_model": "score",
+            **overrides,
+        },
+    )
     if output_dir is None:
         del cfg["output_dir"]
-    trainer = Trainer(make_model(), cfg, train_dataset=regression_data(), eval_dataset=regression_data(8, seed=5),
-                      compute_metrics=Scripted(scores), callbacks=[CrashAfterSave(crash_at)] if crash_at else [])
+    trainer = Trainer(
+        make_model(),
+        cfg,
+        train_dataset=regression_data(),
+        eval_dataset=regression_data(8, seed=5),
+        compute_metrics=Scripted(scores),
+        callbacks=[CrashAfterSave(crash_at)] if crash_at else [],
+    )
     trainer.fit(resume_from_checkpoint=resume)
     return trainer
 
 
-def _where(output_dir: Optional[str]) -> str:
+def _where(output_dir: str | None) -> str:
     return os.path.normpath(output_dir or "tmp_trainer")
 
 
 @pytest.mark.parametrize("output_dir", SPELLINGS)
-@pytest.mark.parametrize("limit, scores, expected", [
-    (2, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 12}),  # the best (step 4) plus the newest
-    (1, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 12}),
-    (3, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 10, 12}),
-])
+@pytest.mark.parametrize(
+    "limit, scores, expected",
+    [
+        (2, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 12}),  # the best (step 4) plus the newest
+        (1, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 12}),
+        (3, [0.2, 0.9, 0.5, 0.7, 0.6, 0.4], {4, 10, 12}),
+    ],
+)
 def test_rotation_keeps_the_best_with_a_relative_output_dir(tmp_path, monkeypatch, output_dir, limit, scores, expected):
     monkeypatch.chdir(tmp_path)
     trainer = best_run(output_dir, scores, save_total_limit=limit)

@@ -28,8 +28,11 @@ def s3(tmp_path_factory):  # type: ignore[no-untyped-def]
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}",
-                                                                         "region_name": "eu-west-1"}}
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "eu-west-1"},
+    }
     s3fs.S3FileSystem(**options).mkdir("kiln-bucket")
     yield options
     server.stop()
@@ -50,15 +53,19 @@ def store(s3, request):  # type: ignore[no-untyped-def]
 
 
 def local_files(folder: str) -> dict[str, bytes]:
-    return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
-            for d, _, fs in os.walk(folder) for f in fs}
+    return {
+        os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+        for d, _, fs in os.walk(folder)
+        for f in fs
+    }
 
 
 def test_upload_puts_the_marker_last_and_download_brings_back_every_byte(store, run_dir, tmp_path, monkeypatch):
     order: list[str] = []
     put = store.fs.put_file
-    monkeypatch.setattr(store.fs, "put_file", lambda src, dst, **kw: (order.append(os.path.basename(dst)),
-                                                                       put(src, dst, **kw))[1])
+    monkeypatch.setattr(
+        store.fs, "put_file", lambda src, dst, **kw: (order.append(os.path.basename(dst)), put(src, dst, **kw))[1]
+    )
     for step in (5, 10):
         assert store.upload(os.path.join(run_dir, f"checkpoint-{step}")) == f"{store.url}/checkpoint-{step}"
     assert order[-1] == MARKER and order.count(MARKER) == 2 and order.index(MARKER) == len(order) // 2 - 1
@@ -79,8 +86,11 @@ def test_a_failure_past_the_retries_leaves_the_previous_checkpoint_newest(store,
         return put(src, dst, **kw)
 
     monkeypatch.setattr(store.fs, "put_file", flaky)  # the file system object is fsspec's cached instance
-    with pytest.raises(UploadFailed, match=r"failed after 5 tries \(ConnectionError: connection reset by peer\); the "
-                                           "store's earlier checkpoints are untouched"):
+    with pytest.raises(
+        UploadFailed,
+        match=r"failed after 5 tries \(ConnectionError: connection reset by peer\); the "
+        "store's earlier checkpoints are untouched",
+    ):
         store.upload(os.path.join(run_dir, "checkpoint-10"))
     assert len(calls) == 2 + 5 and not any(c.endswith(MARKER) for c in calls)
     assert store.steps() == [(5, "checkpoint-5")]
@@ -91,8 +101,11 @@ def test_a_transient_failure_is_retried_with_backoff(s3, run_dir, monkeypatch):
     sleeps: list[float] = []
     store = RemoteCheckpoints("s3://kiln-bucket/transient", s3, sleep=sleeps.append, backoff=0.25)
     put, failures = store.fs.put_file, [OSError("503 Slow Down")] * 2
-    monkeypatch.setattr(store.fs, "put_file", lambda src, dst, **kw: (_ for _ in ()).throw(failures.pop()) if failures
-                        else put(src, dst, **kw))
+    monkeypatch.setattr(
+        store.fs,
+        "put_file",
+        lambda src, dst, **kw: (_ for _ in ()).throw(failures.pop()) if failures else put(src, dst, **kw),
+    )
     store.upload(os.path.join(run_dir, "checkpoint-5"))
     assert sleeps == [0.25, 0.5] and store.steps() == [(5, "checkpoint-5")]
 
@@ -147,9 +160,19 @@ store.upload(sys.argv[3])
 
 def test_a_kill_in_mid_upload_leaves_the_previous_checkpoint_newest(store, s3, run_dir, tmp_path):
     store.upload(os.path.join(run_dir, "checkpoint-5"))
-    child = subprocess.Popen([sys.executable, "-c", UPLOADER, store.url, s3["client_kwargs"]["endpoint_url"],
-                              os.path.join(run_dir, "checkpoint-10")], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            UPLOADER,
+            store.url,
+            s3["client_kwargs"]["endpoint_url"],
+            os.path.join(run_dir, "checkpoint-10"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     try:
         assert child.stdout.readline().startswith("put ")  # the first file of checkpoint-10 is on the store
         child.send_signal(signal.SIGKILL)
@@ -168,6 +191,9 @@ def test_urls_and_a_missing_file_system(monkeypatch):
         raise ImportError("Install gcsfs to access Google Storage")
 
     monkeypatch.setattr(fsspec.core, "url_to_fs", missing)
-    with pytest.raises(ConfigError, match=r"gs://b/run is on a gs:// store, whose file system is not installed; "
-                                          r"pip install kiln\[gcs\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"gs://b/run is on a gs:// store, whose file system is not installed; "
+        r"pip install kiln\[gcs\]",
+    ):
         RemoteCheckpoints("gs://b/run")

@@ -15,7 +15,7 @@ from kiln.utils.errors import KilnError
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
 
-SCRIPT = '''
+SCRIPT = """
 import torch
 from transformers import TrainingArguments
 
@@ -37,7 +37,7 @@ args = TrainingArguments(output_dir="out", max_steps=2, save_steps=2, per_device
                          use_cpu=True, disable_tqdm=True)
 trainer = Trainer(model=Regressor(), args=args, train_dataset=data)
 result = trainer.train()
-'''
+"""
 
 
 def _run(folder: Path, script: str) -> dict:

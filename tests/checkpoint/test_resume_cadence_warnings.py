@@ -16,12 +16,16 @@ from tests.checkpoint.checkpoint_helpers import train
 from tests.hf_logs import hf_propagation, records  # noqa: F401 - a fixture
 
 KILN = "kiln.engine.checkpoint.hf_checkpoint"
-HF = "transformers.trainer_utils"  # HF's compare_trainer_and_checkpoint_args logs there; so does kiln, with transformers
+HF = (
+    "transformers.trainer_utils"  # HF's compare_trainer_and_checkpoint_args logs there; so does kiln, with transformers
+)
 
 
 def named(records: list[logging.LogRecord]) -> set[str]:
     """The argument names the mismatch warnings among `records` list ("\\n\\tname: new (from args) != ...")."""
-    text = "\n".join(r.getMessage() for r in records if "do not match the ones in the `trainer_state.json`" in r.getMessage())
+    text = "\n".join(
+        r.getMessage() for r in records if "do not match the ones in the `trainer_state.json`" in r.getMessage()
+    )
     return set(re.findall(r"\t(\w+): \S+ \(from args\)", text))
 
 
@@ -33,8 +37,11 @@ def test_a_kiln_checkpoint_names_each_changed_setting(tmp_path, caplog, hf_propa
     out = str(tmp_path / "run")
     train(out, {"max_steps": 4, "save_steps": 4, "logging_steps": 3, "eval_steps": 1, "per_device_train_batch_size": 4})
     with caplog.at_level(logging.WARNING, logger="kiln"):
-        train(out, {"max_steps": 6, "save_steps": 4, "logging_steps": 2, "eval_steps": 1, "per_device_train_batch_size": 2},
-              resume=True)
+        train(
+            out,
+            {"max_steps": 6, "save_steps": 4, "logging_steps": 2, "eval_steps": 1, "per_device_train_batch_size": 2},
+            resume=True,
+        )
     records = kiln_warnings(caplog)
     assert len(records) == 1, caplog.text
     assert named(records) == {"logging_steps", "per_device_train_batch_size"}
@@ -70,16 +77,18 @@ def test_an_hf_checkpoint_is_judged_as_hf_judges_it(tmp_path, caplog, hf_propaga
 
     def model():
         torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1,
-                                                                    n_head=2))
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+        )
 
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": (ids := torch.randint(0, 32, (8,), generator=g)), "labels": ids.clone()} for _ in range(16)]
     common = {"use_cpu": True, "report_to": "none", "disable_tqdm": True, "learning_rate": 1e-3}
     hf_out = str(tmp_path / "hf")
     saved = {"max_steps": 2, "save_steps": 2, "logging_steps": 1, "eval_steps": 1, "per_device_train_batch_size": 4}
-    transformers.Trainer(model=model(), args=transformers.TrainingArguments(output_dir=hf_out, **common, **saved),
-                         train_dataset=data).train()
+    transformers.Trainer(
+        model=model(), args=transformers.TrainingArguments(output_dir=hf_out, **common, **saved), train_dataset=data
+    ).train()
     checkpoint = os.path.join(hf_out, "checkpoint-2")
     changed = {"max_steps": 3, "save_steps": 3, "logging_steps": 1, "eval_steps": 2, "per_device_train_batch_size": 2}
 
@@ -90,6 +99,9 @@ def test_an_hf_checkpoint_is_judged_as_hf_judges_it(tmp_path, caplog, hf_propaga
     assert hf_named == {"save_steps", "eval_steps", "per_device_train_batch_size"}  # what HF itself says
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kiln"), pytest.warns(UserWarning, match="Hugging Face checkpoint"):
-        Trainer(model(), {"output_dir": str(tmp_path / "kiln"), **common, **changed, "log": {"history": []}},
-                train_dataset=data).fit(resume_from_checkpoint=checkpoint)
+        Trainer(
+            model(),
+            {"output_dir": str(tmp_path / "kiln"), **common, **changed, "log": {"history": []}},
+            train_dataset=data,
+        ).fit(resume_from_checkpoint=checkpoint)
     assert named(kiln_warnings(caplog)) == hf_named

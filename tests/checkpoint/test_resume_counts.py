@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint.checkpoint_helpers import Crash, numeric_history, regression_data, train, weights
+from tests.checkpoint.checkpoint_helpers import Crash, numeric_history, train, weights
 
 
 def test_resume_from_the_final_checkpoint_in_the_middle_of_an_epoch_trains_nothing(tmp_path):

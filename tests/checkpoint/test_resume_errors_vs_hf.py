@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -78,13 +79,30 @@ def test_the_same_inputs_raise_what_hf_raises(tmp_path, case):
     hf_out, kiln_out = str(tmp_path / "hf" / "out"), str(tmp_path / "kiln" / "out")
     for out in (hf_out, kiln_out):
         os.makedirs(os.path.dirname(out))
-    args = transformers.TrainingArguments(output_dir=hf_out, max_steps=1, per_device_train_batch_size=4, report_to="none",
-                                          use_cpu=True, save_strategy="no", disable_tqdm=True)
+    args = transformers.TrainingArguments(
+        output_dir=hf_out,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     hf_resume = CASES[case](os.path.dirname(hf_out), hf_out)
-    theirs = _raised(lambda: transformers.Trainer(model=HFRegressor(), args=args, train_dataset=data()).train(
-        resume_from_checkpoint=hf_resume))
-    cfg = {"output_dir": kiln_out, "max_steps": 1, "per_device_train_batch_size": 4, "report_to": "none",
-           "save": {"strategy": "no"}, "disable_tqdm": True, "strategy": {"device": "cpu"}}
+    theirs = _raised(
+        lambda: transformers.Trainer(model=HFRegressor(), args=args, train_dataset=data()).train(
+            resume_from_checkpoint=hf_resume
+        )
+    )
+    cfg = {
+        "output_dir": kiln_out,
+        "max_steps": 1,
+        "per_device_train_batch_size": 4,
+        "report_to": "none",
+        "save": {"strategy": "no"},
+        "disable_tqdm": True,
+        "strategy": {"device": "cpu"},
+    }
     kiln_resume = CASES[case](os.path.dirname(kiln_out), kiln_out)
     ours = _raised(lambda: Trainer(HFRegressor(), cfg, train_dataset=data()).fit(resume_from_checkpoint=kiln_resume))
     assert type(theirs) is ValueError, theirs  # what HF raises for every one of these inputs
@@ -109,8 +127,10 @@ def test_if_exists_without_a_checkpoint_starts_fresh_and_says_so_once(tmp_path, 
     with caplog.at_level(logging.INFO, logger="kiln.engine.checkpoint.resume"):
         started = train(str(tmp_path / "run"), CFG, resume="if_exists")
     lines = [r.getMessage() for r in caplog.records if r.name == "kiln.engine.checkpoint.resume"]
-    assert lines == [f"resume_from_checkpoint=if_exists: {tmp_path / 'run'} holds no complete checkpoint, so training "
-                     "starts from step 0."]
+    assert lines == [
+        f"resume_from_checkpoint=if_exists: {tmp_path / 'run'} holds no complete checkpoint, so training "
+        "starts from step 0."
+    ]
     assert started.state.global_step == 4
     assert all(torch.equal(a, b) for a, b in zip(weights(fresh).values(), weights(started).values()))
 

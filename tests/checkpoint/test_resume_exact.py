@@ -25,18 +25,50 @@ def small_eval():
 CASES = {
     # 40 samples / batch 4 = 10 batches per epoch; logging every 3 steps never lines up with the save
     "mid-epoch": ({"max_steps": 25, "save_steps": 13}, 13, regression_data, None),
-    "epoch-boundary-step-save": ({"max_steps": 25, "save_steps": 10, "eval_strategy": "epoch"}, 10, regression_data, small_eval),
-    "epoch-boundary-epoch-save": ({"num_train_epochs": 3, "max_steps": -1, "save_strategy": "epoch", "eval_strategy": "epoch"},
-                                  20, regression_data, small_eval),
+    "epoch-boundary-step-save": (
+        {"max_steps": 25, "save_steps": 10, "eval_strategy": "epoch"},
+        10,
+        regression_data,
+        small_eval,
+    ),
+    "epoch-boundary-epoch-save": (
+        {"num_train_epochs": 3, "max_steps": -1, "save_strategy": "epoch", "eval_strategy": "epoch"},
+        20,
+        regression_data,
+        small_eval,
+    ),
     # accumulation 3 over 10 batches: windows of 3, 3, 3 and a shorter 1 -> 4 steps per epoch
-    "accumulation-3-mid-epoch": ({"max_steps": 10, "save_steps": 2, "gradient_accumulation_steps": 3}, 6, regression_data, None),
-    "accumulation-3-after-short-window": ({"max_steps": 10, "save_steps": 2, "gradient_accumulation_steps": 3}, 4,
-                                          regression_data, None),
-    "reduce-on-plateau-with-eval": ({"max_steps": 20, "save_steps": 4, "eval_strategy": "steps", "eval_steps": 2,
-                                     "lr_scheduler_type": "reduce_lr_on_plateau",
-                                     "lr_scheduler_kwargs": {"patience": 0, "factor": 0.5, "threshold": 0.3}}, 8, regression_data, small_eval),
-    "heavy-dropout-warmup-cosine": ({"max_steps": 18, "save_steps": 7, "lr_scheduler_type": "cosine", "warmup_steps": 5},
-                                    7, regression_data, None),
+    "accumulation-3-mid-epoch": (
+        {"max_steps": 10, "save_steps": 2, "gradient_accumulation_steps": 3},
+        6,
+        regression_data,
+        None,
+    ),
+    "accumulation-3-after-short-window": (
+        {"max_steps": 10, "save_steps": 2, "gradient_accumulation_steps": 3},
+        4,
+        regression_data,
+        None,
+    ),
+    "reduce-on-plateau-with-eval": (
+        {
+            "max_steps": 20,
+            "save_steps": 4,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "lr_scheduler_type": "reduce_lr_on_plateau",
+            "lr_scheduler_kwargs": {"patience": 0, "factor": 0.5, "threshold": 0.3},
+        },
+        8,
+        regression_data,
+        small_eval,
+    ),
+    "heavy-dropout-warmup-cosine": (
+        {"max_steps": 18, "save_steps": 7, "lr_scheduler_type": "cosine", "warmup_steps": 5},
+        7,
+        regression_data,
+        None,
+    ),
     # 30 items / batch 4 = 8 batches per pass (the last one of 2); max_steps needed: no length
     "iterable-with-state_dict": ({"max_steps": 14, "save_steps": 5}, 5, StatefulStream, None),
     "iterable-without-state_dict": ({"max_steps": 14, "save_steps": 5}, 5, Stream, None),

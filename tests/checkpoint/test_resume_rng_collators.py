@@ -67,7 +67,9 @@ def test_the_collator_randomness_changes_the_result(tmp_path, name):
     """Guard: the drawn numbers really reach the weights (else the test above proves nothing). A run
     whose stream starts elsewhere ends elsewhere."""
     cfg = {**CFG, "save_strategy": "no"}
-    first = weights(train(str(tmp_path / "a"), cfg, regression_data, data_collator=COLLATORS[name], model_kw={"dropout": 0.0}))
+    first = weights(
+        train(str(tmp_path / "a"), cfg, regression_data, data_collator=COLLATORS[name], model_kw={"dropout": 0.0})
+    )
 
     class Shifted:
         """Draws once from every stream before the first batch, then collates as the collator under test."""
@@ -81,5 +83,7 @@ def test_the_collator_randomness_changes_the_result(tmp_path, name):
                 self.shifted = True
             return COLLATORS[name](features)
 
-    second = weights(train(str(tmp_path / "b"), cfg, regression_data, data_collator=Shifted(), model_kw={"dropout": 0.0}))
+    second = weights(
+        train(str(tmp_path / "b"), cfg, regression_data, data_collator=Shifted(), model_kw={"dropout": 0.0})
+    )
     assert any(not torch.equal(first[k], second[k]) for k in first)

@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from kiln.engine.callbacks.base import Callback
 from kiln.engine.checkpoint.manager import is_complete, read_marker
-from kiln.utils.errors import CheckpointError
 from kiln.strategies.single import SingleDeviceStrategy
+from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import Scripted, folders, regression_data, train, weights
 
 
@@ -31,12 +31,15 @@ def small_eval():
     return regression_data(8, seed=5)
 
 
-@pytest.mark.parametrize("cfg, expected", [
-    ({"max_steps": 12, "save_steps": 5}, {5, 10, 12}),  # every 5 steps, and always at the end (HF)
-    ({"max_steps": 12, "save_steps": 0.25}, {3, 6, 9, 12}),  # a ratio of the total steps
-    ({"max_steps": -1, "num_train_epochs": 2, "save_strategy": "epoch"}, {10, 20}),  # 10 batches per epoch
-    ({"max_steps": 12, "save_strategy": "no"}, set()),
-])
+@pytest.mark.parametrize(
+    "cfg, expected",
+    [
+        ({"max_steps": 12, "save_steps": 5}, {5, 10, 12}),  # every 5 steps, and always at the end (HF)
+        ({"max_steps": 12, "save_steps": 0.25}, {3, 6, 9, 12}),  # a ratio of the total steps
+        ({"max_steps": -1, "num_train_epochs": 2, "save_strategy": "epoch"}, {10, 20}),  # 10 batches per epoch
+        ({"max_steps": 12, "save_strategy": "no"}, set()),
+    ],
+)
 def test_save_strategy_and_steps(tmp_path, cfg, expected):
     out = str(tmp_path / "run")
     train(out, cfg)
@@ -47,8 +50,18 @@ def test_save_strategy_and_steps(tmp_path, cfg, expected):
 def test_save_strategy_best_saves_only_improvements(tmp_path):
     out = str(tmp_path / "run")
     scores = [1.0, 3.0, 2.0, 5.0, 4.0, 4.0]  # evaluated at steps 2, 4, ..., 12; greater is better
-    trainer = train(out, {"max_steps": 12, "save_strategy": "best", "eval_strategy": "steps", "eval_steps": 2,
-                          "metric_for_best_model": "score"}, eval_data=small_eval, compute_metrics=Scripted(scores))
+    trainer = train(
+        out,
+        {
+            "max_steps": 12,
+            "save_strategy": "best",
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "metric_for_best_model": "score",
+        },
+        eval_data=small_eval,
+        compute_metrics=Scripted(scores),
+    )
     assert folders(out) == {"checkpoint-2", "checkpoint-4", "checkpoint-8"}  # no save at the end for `best`
     assert trainer.state.best_metric == 5.0 and trainer.state.best_global_step == 8
     assert trainer.state.best_model_checkpoint == os.path.join(out, "checkpoint-8")
@@ -73,12 +86,28 @@ class Counter(Callback):
 def test_checkpoint_contents(tmp_path):
     out = str(tmp_path / "run")
     hf = hf_files()
-    trainer = train(out, {"max_steps": 6, "save_steps": 3, "eval_strategy": "steps", "eval_steps": 3,
-                          "metric_for_best_model": "loss"}, eval_data=small_eval, callbacks=[Counter()])
+    trainer = train(
+        out,
+        {"max_steps": 6, "save_steps": 3, "eval_strategy": "steps", "eval_steps": 3, "metric_for_best_model": "loss"},
+        eval_data=small_eval,
+        callbacks=[Counter()],
+    )
     ckpt = os.path.join(out, "checkpoint-6")
-    assert sorted(os.listdir(ckpt)) == sorted([
-        "model.safetensors", "optimizer.pt", "scheduler.pt", "precision.pt", "rng_state_0.pth", "loop_state_0.pt",
-        "trainer_state.json", "kiln_loop_position.json", "config.yaml", "COMPLETE", *hf])
+    assert sorted(os.listdir(ckpt)) == sorted(
+        [
+            "model.safetensors",
+            "optimizer.pt",
+            "scheduler.pt",
+            "precision.pt",
+            "rng_state_0.pth",
+            "loop_state_0.pt",
+            "trainer_state.json",
+            "kiln_loop_position.json",
+            "config.yaml",
+            "COMPLETE",
+            *hf,
+        ]
+    )
     marker = read_marker(ckpt)
     assert marker["step"] == 6 and marker["world_size"] == 1 and marker["resumable"]
     assert set(marker["files"]) == set(os.listdir(ckpt)) - {"COMPLETE"}
@@ -91,7 +120,9 @@ def test_checkpoint_contents(tmp_path):
     assert state["global_step"] == 6 and state["best_metric"] is not None and state["best_global_step"] in (3, 6)
     assert any("loss" in e for e in state["log_history"]) and any("eval_loss" in e for e in state["log_history"])
     assert state["stateful_callbacks"]["Counter"] == {"steps": 6}
-    assert OmegaConf.to_container(OmegaConf.load(os.path.join(ckpt, "config.yaml"))) == OmegaConf.to_container(trainer.config)
+    assert OmegaConf.to_container(OmegaConf.load(os.path.join(ckpt, "config.yaml"))) == OmegaConf.to_container(
+        trainer.config
+    )
 
     counter = Counter()
     train(out, {"max_steps": 8, "save_steps": 3}, resume=ckpt, callbacks=[counter])
@@ -103,8 +134,9 @@ def test_save_only_model_cannot_be_resumed(tmp_path):
     hf = hf_files()
     train(out, {"max_steps": 4, "save_steps": 2, "save_only_model": True})
     ckpt = os.path.join(out, "checkpoint-4")
-    assert sorted(os.listdir(ckpt)) == sorted(["COMPLETE", "config.yaml", "kiln_loop_position.json", "model.safetensors",
-                                               "trainer_state.json", *hf])
+    assert sorted(os.listdir(ckpt)) == sorted(
+        ["COMPLETE", "config.yaml", "kiln_loop_position.json", "model.safetensors", "trainer_state.json", *hf]
+    )
     with pytest.raises(CheckpointError, match="save_only_model"):
         train(out, {"max_steps": 6, "save_steps": 2, "save_only_model": True}, resume=ckpt)
 
@@ -131,8 +163,11 @@ class LocalZeroOfSecondNode(SingleDeviceStrategy):
 @pytest.mark.parametrize("on_each_node", [True, False])
 def test_save_on_each_node(tmp_path, on_each_node):
     out = str(tmp_path / "run")
-    trainer = train(out, {"max_steps": 2, "save_steps": 2, "save_on_each_node": on_each_node, "save_strategy": "no"},
-                    strategy=LocalZeroOfSecondNode)
+    trainer = train(
+        out,
+        {"max_steps": 2, "save_steps": 2, "save_on_each_node": on_each_node, "save_strategy": "no"},
+        strategy=LocalZeroOfSecondNode,
+    )
     trainer.config.save.strategy = "steps"
     if not on_each_node:
         os.makedirs(os.path.join(out, ".checkpoint-2.tmp"))  # global rank 0 creates it, behind a barrier
@@ -186,8 +221,9 @@ def test_save_model_loads_without_kiln(tmp_path):
     from tests.checkpoint.checkpoint_helpers import config
 
     torch.manual_seed(0)
-    trainer = Trainer(Tied(), config(str(tmp_path / "run"), max_steps=3),
-                      train_dataset=[{"input_ids": i, "labels": i} for i in ids])
+    trainer = Trainer(
+        Tied(), config(str(tmp_path / "run"), max_steps=3), train_dataset=[{"input_ids": i, "labels": i} for i in ids]
+    )
     trainer.fit()
     export = str(tmp_path / "export")
     trainer.save_model(export)
@@ -209,7 +245,9 @@ def test_save_model_of_a_transformers_model_loads_with_from_pretrained(tmp_path)
     model = transformers.GPT2LMHeadModel(hf_config)
     ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(1))
     out = str(tmp_path / "run")
-    trainer = Trainer(model, config(out, max_steps=3, save_steps=3), train_dataset=[{"input_ids": i, "labels": i} for i in ids])
+    trainer = Trainer(
+        model, config(out, max_steps=3, save_steps=3), train_dataset=[{"input_ids": i, "labels": i} for i in ids]
+    )
     trainer.fit()
     export = str(tmp_path / "export")
     trainer.save_model(export)

@@ -118,8 +118,10 @@ def test_another_key_is_refused(out):
 
 def test_a_signed_checkpoint_without_a_key_is_refused_naming_the_variable(out, tmp_path):
     ckpt = os.path.join(out, "checkpoint-4")
-    reason = (rf"it is signed \(with the key in {ENV}\) but this run has no signing key to verify it: set "
-              rf"save.signing_key_env to {ENV} \(kiln convert: --signing-key-env {ENV}\)")
+    reason = (
+        rf"it is signed \(with the key in {ENV}\) but this run has no signing key to verify it: set "
+        rf"save.signing_key_env to {ENV} \(kiln convert: --signing-key-env {ENV}\)"
+    )
     with pytest.raises(ResumeError, match=reason):
         resolve_resume(ckpt, out)
     with pytest.raises(CheckpointError, match=reason):

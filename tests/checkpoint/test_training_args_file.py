@@ -20,13 +20,25 @@ from kiln.engine.trainer import Trainer  # noqa: E402
 from tests.checkpoint.checkpoint_helpers import folders, make_model, regression_data, train  # noqa: E402
 from tests.checkpoint.test_planted_payloads import Payload, remark  # noqa: E402
 
-ARGS = {"max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 4, "learning_rate": 3e-3, "logging_steps": 1,
-        "weight_decay": 0.1, "lr_scheduler_type": "cosine", "seed": 11, "report_to": "none", "disable_tqdm": True}
+ARGS = {
+    "max_steps": 4,
+    "save_steps": 2,
+    "per_device_train_batch_size": 4,
+    "learning_rate": 3e-3,
+    "logging_steps": 1,
+    "weight_decay": 0.1,
+    "lr_scheduler_type": "cosine",
+    "seed": 11,
+    "report_to": "none",
+    "disable_tqdm": True,
+}
 
 
 def tiny_gpt2(seed: int = 0):
     torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    )
 
 
 def lm_data(n: int = 16):
@@ -34,7 +46,7 @@ def lm_data(n: int = 16):
     return [{"input_ids": (ids := torch.randint(0, 32, (8,), generator=g)), "labels": ids.clone()} for _ in range(n)]
 
 
-def read_args(folder) -> "transformers.TrainingArguments":
+def read_args(folder) -> transformers.TrainingArguments:
     return torch.load(os.path.join(folder, "training_args.bin"), weights_only=False)  # the test's own file
 
 
@@ -68,16 +80,39 @@ def test_built_from_kilns_config_with_the_users_values(tmp_path):
     TrainingArguments of the same settings holds (HF's enum types included)."""
     from transformers.trainer_utils import SchedulerType
 
-    cfg = {"output_dir": str(tmp_path / "run"), "optim": {"lr": 0.03, "weight_decay": 0.1}, "max_steps": 2,
-           "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
-           "lr_scheduler_type": "cosine", "seed": 7, "save_total_limit": 3, "warmup_steps": 1,
-           "report_to": "none", "disable_tqdm": True, "log": {"history": []}}
+    cfg = {
+        "output_dir": str(tmp_path / "run"),
+        "optim": {"lr": 0.03, "weight_decay": 0.1},
+        "max_steps": 2,
+        "save_steps": 2,
+        "logging_steps": 1,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "lr_scheduler_type": "cosine",
+        "seed": 7,
+        "save_total_limit": 3,
+        "warmup_steps": 1,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "log": {"history": []},
+    }
     trainer = Trainer(make_model(), cfg, train_dataset=regression_data())
     trainer.fit()
     trainer.save_model(str(tmp_path / "export"))
-    flat = {"output_dir": str(tmp_path / "run"), "learning_rate": 0.03, "weight_decay": 0.1, "max_steps": 2,
-            "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
-            "lr_scheduler_type": "cosine", "seed": 7, "save_total_limit": 3, "warmup_steps": 1}
+    flat = {
+        "output_dir": str(tmp_path / "run"),
+        "learning_rate": 0.03,
+        "weight_decay": 0.1,
+        "max_steps": 2,
+        "save_steps": 2,
+        "logging_steps": 1,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "lr_scheduler_type": "cosine",
+        "seed": 7,
+        "save_total_limit": 3,
+        "warmup_steps": 1,
+    }
     reference = transformers.TrainingArguments(use_cpu=True, **flat)
     for folder in (tmp_path / "run" / "checkpoint-2", tmp_path / "export"):
         loaded = read_args(folder)
@@ -124,20 +159,57 @@ def test_sealed_with_the_checkpoint_and_never_read_on_resume(tmp_path):
 
 def test_the_built_arguments_read_as_hfs_post_init_leaves_them(tmp_path):
     """No training: kiln's config straight to TrainingArguments, field by field against HF's own."""
-    from kiln.config.load import load_config
     from kiln.config.hf.training_args import training_arguments
+    from kiln.config.load import load_config
 
-    cfg = load_config({"output_dir": str(tmp_path), "logging_steps": 3, "save_steps": 0.25, "eval_strategy": "steps",
-                       "report_to": "none", "gradient_checkpointing": True, "warmup_ratio": 0.1, "fp16": True,
-                       "label_names": ["labels"], "adam_beta2": 0.95})
+    cfg = load_config(
+        {
+            "output_dir": str(tmp_path),
+            "logging_steps": 3,
+            "save_steps": 0.25,
+            "eval_strategy": "steps",
+            "report_to": "none",
+            "gradient_checkpointing": True,
+            "warmup_ratio": 0.1,
+            "fp16": True,
+            "label_names": ["labels"],
+            "adam_beta2": 0.95,
+        }
+    )
     ours = training_arguments(cfg)
     with pytest.warns(FutureWarning):  # HF 5's name for gradient_checkpointing is activation_checkpointing
-        hf = transformers.TrainingArguments(output_dir=str(tmp_path), logging_steps=3, save_steps=0.25, eval_strategy="steps",
-                                            report_to="none", gradient_checkpointing=True, warmup_steps=0.1, fp16=True,
-                                            label_names=["labels"], adam_beta2=0.95, use_cpu=True)
-    for key in ("logging_steps", "save_steps", "eval_steps", "eval_strategy", "report_to", "gradient_checkpointing",
-                "activation_checkpointing", "warmup_steps", "fp16", "bf16", "label_names", "adam_beta2", "save_strategy",
-                "hub_strategy", "debug", "output_dir", "include_for_metrics"):
+        hf = transformers.TrainingArguments(
+            output_dir=str(tmp_path),
+            logging_steps=3,
+            save_steps=0.25,
+            eval_strategy="steps",
+            report_to="none",
+            gradient_checkpointing=True,
+            warmup_steps=0.1,
+            fp16=True,
+            label_names=["labels"],
+            adam_beta2=0.95,
+            use_cpu=True,
+        )
+    for key in (
+        "logging_steps",
+        "save_steps",
+        "eval_steps",
+        "eval_strategy",
+        "report_to",
+        "gradient_checkpointing",
+        "activation_checkpointing",
+        "warmup_steps",
+        "fp16",
+        "bf16",
+        "label_names",
+        "adam_beta2",
+        "save_strategy",
+        "hub_strategy",
+        "debug",
+        "output_dir",
+        "include_for_metrics",
+    ):
         assert getattr(ours, key) == getattr(hf, key), key
         assert type(getattr(ours, key)) is type(getattr(hf, key)), key
 
@@ -145,13 +217,14 @@ def test_the_built_arguments_read_as_hfs_post_init_leaves_them(tmp_path):
 def test_values_from_the_environment_stay_masked(tmp_path, monkeypatch):
     """A token passed as `${oc.env:VAR}` reads as the interpolation in the pickle too, as in config.yaml
     (the masks must not be resolved again on the way to TrainingArguments)."""
-    from kiln.config.load import load_config
     from kiln.config.hf.training_args import training_arguments
+    from kiln.config.load import load_config
 
     monkeypatch.setenv("KILN_TEST_RUN", "run-3c9e11ab")
     monkeypatch.setenv("KILN_TEST_TOKEN", "tok-5d20f7aa")
-    cfg = load_config({"output_dir": str(tmp_path), "run_name": "${oc.env:KILN_TEST_RUN}"},
-                      ["hub_token=${oc.env:KILN_TEST_TOKEN}"])
+    cfg = load_config(
+        {"output_dir": str(tmp_path), "run_name": "${oc.env:KILN_TEST_RUN}"}, ["hub_token=${oc.env:KILN_TEST_TOKEN}"]
+    )
     assert cfg.run_name == "run-3c9e11ab"  # training reads the value
     ours = training_arguments(cfg)
     assert ours.run_name == "${oc.env:KILN_TEST_RUN}"
@@ -165,7 +238,9 @@ def test_a_file_that_cannot_be_written_costs_nothing_but_a_log_line(tmp_path, ca
     assert write_training_args(str(tmp_path), load_config({}), given=lambda: None) is None  # a lambda does not pickle
     assert not os.listdir(tmp_path)
     assert "training_args.bin was not written" in caplog.text
-    assert write_training_args(str(tmp_path), load_config({"learning_rate": 0.5})) == str(tmp_path / "training_args.bin")
+    assert write_training_args(str(tmp_path), load_config({"learning_rate": 0.5})) == str(
+        tmp_path / "training_args.bin"
+    )
     assert read_args(tmp_path).learning_rate == 0.5
 
 
@@ -196,8 +271,13 @@ def test_a_plain_pytorch_run_neither_imports_transformers_nor_writes_the_file(tm
         print("files", sorted(os.listdir(os.path.join(out, "checkpoint-2"))))
         print("transformers imported:", "transformers" in sys.modules)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "transformers imported: False" in proc.stdout, proc.stdout
     assert "training_args.bin" not in proc.stdout.split("files", 1)[1], proc.stdout

@@ -9,7 +9,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from kiln.engine.trainer import Trainer
-from tests.checkpoint.checkpoint_helpers import config, make_model, numeric_history, regression_data, straight_vs_resumed, weights
+from tests.checkpoint.checkpoint_helpers import (
+    config,
+    make_model,
+    numeric_history,
+    regression_data,
+    straight_vs_resumed,
+    weights,
+)
 
 
 def seeded_loader(seed: int = 3):

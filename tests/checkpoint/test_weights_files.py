@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 from kiln.engine.checkpoint.files import is_complete
 from kiln.strategies.checkpoint_io import WEIGHTS_SAFE, load_weights
@@ -76,10 +75,20 @@ def test_load_best_model_at_end_reads_resharded_checkpoints(tmp_path):
             reshard(os.path.join(config.output_dir, f"checkpoint-{state.global_step}"))
 
     out = str(tmp_path / "run")
-    trainer = train(out, {"max_steps": 6, "save_steps": 2, "eval_strategy": "steps", "eval_steps": 2,
-                          "metric_for_best_model": "score", "load_best_model_at_end": True},
-                    eval_data=lambda: regression_data(8, seed=5), compute_metrics=Scripted([1.0, 9.0, 2.0]),
-                    callbacks=[Reshard()])
+    trainer = train(
+        out,
+        {
+            "max_steps": 6,
+            "save_steps": 2,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "metric_for_best_model": "score",
+            "load_best_model_at_end": True,
+        },
+        eval_data=lambda: regression_data(8, seed=5),
+        compute_metrics=Scripted([1.0, 9.0, 2.0]),
+        callbacks=[Reshard()],
+    )
     best = os.path.join(out, "checkpoint-4")
     assert trainer.state.best_model_checkpoint == best and os.path.exists(os.path.join(best, INDEX))
     state = load_weights(best)

@@ -21,10 +21,12 @@ from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import folders, train
 
 CFG = {"max_steps": 4, "save_steps": 2}
-FIXES = {errno.ENOSPC: "Free some space (or lower save.total_limit)",
-         errno.EDQUOT: "Free some of your disk quota (or lower save.total_limit)",
-         errno.EFBIG: "Raise the file-size limit (ulimit -f) or save to a file system that allows larger files",
-         errno.EIO: "Check the disk or network file system (an I/O error is a device or storage fault)"}
+FIXES = {
+    errno.ENOSPC: "Free some space (or lower save.total_limit)",
+    errno.EDQUOT: "Free some of your disk quota (or lower save.total_limit)",
+    errno.EFBIG: "Raise the file-size limit (ulimit -f) or save to a file system that allows larger files",
+    errno.EIO: "Check the disk or network file system (an I/O error is a device or storage fault)",
+}
 
 
 class Arm(Callback):
@@ -46,6 +48,7 @@ def _torch_fails(code: int):  # type: ignore[no-untyped-def]
             raise OSError(code, os.strerror(code))
         except OSError:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+
     return "torch.save", save
 
 
@@ -59,12 +62,18 @@ def _safetensors_fails(code: int):  # type: ignore[no-untyped-def]
             open(filename, "wb").write(b"partial")
             raise Exception(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
         return real(tensors, filename, metadata=metadata)
+
     return "safetensors.torch.save_file", save_file
 
 
-@pytest.mark.parametrize("writer, code", [*((_torch_fails, code) for code in (errno.EFBIG, errno.EDQUOT, errno.EIO, errno.ENOSPC)),
-                                          (_safetensors_fails, errno.EDQUOT)],
-                         ids=["torch-EFBIG", "torch-EDQUOT", "torch-EIO", "torch-ENOSPC", "safetensors-EDQUOT"])
+@pytest.mark.parametrize(
+    "writer, code",
+    [
+        *((_torch_fails, code) for code in (errno.EFBIG, errno.EDQUOT, errno.EIO, errno.ENOSPC)),
+        (_safetensors_fails, errno.EDQUOT),
+    ],
+    ids=["torch-EFBIG", "torch-EDQUOT", "torch-EIO", "torch-ENOSPC", "safetensors-EDQUOT"],
+)
 def test_every_write_error_ends_like_a_full_disk(tmp_path, monkeypatch, code, writer):
     target, fake = writer(code)
     monkeypatch.setattr(target, fake)
@@ -72,9 +81,11 @@ def test_every_write_error_ends_like_a_full_disk(tmp_path, monkeypatch, code, wr
     out = str(tmp_path / "run")
     with pytest.raises(CheckpointError) as err:
         train(out, CFG, callbacks=[Arm()])
-    assert str(err.value) == (f"{os.strerror(code)} ({errno.errorcode[code]}) while writing checkpoint-4 in {out}; the "
-                              f"previous checkpoint checkpoint-2 is intact. {FIXES[code]} and resume with "
-                              "resume_from_checkpoint=true.")
+    assert str(err.value) == (
+        f"{os.strerror(code)} ({errno.errorcode[code]}) while writing checkpoint-4 in {out}; the "
+        f"previous checkpoint checkpoint-2 is intact. {FIXES[code]} and resume with "
+        "resume_from_checkpoint=true."
+    )
     assert err.value.__cause__ is None and err.value.__suppress_context__  # one sentence, not a torch traceback
     assert folders(out) == {"checkpoint-2"}  # no .checkpoint-4.tmp left behind
     ckpt = os.path.join(out, "checkpoint-2")
@@ -108,7 +119,8 @@ def test_the_errno_is_found_however_the_writer_reports_it(tmp_path):
     assert write_errno(RuntimeError("unexpected pos 1 vs 2"), str(tmp_path)) == 0  # the file system does not say
     assert write_failure(0, "checkpoint-4", "out", None) == (
         "A write failed (the writer gave no reason) while writing checkpoint-4 in out; no earlier checkpoint exists. "
-        "Fix the cause and resume with resume_from_checkpoint=true.")
+        "Fix the cause and resume with resume_from_checkpoint=true."
+    )
 
 
 CHILD = """
@@ -135,10 +147,14 @@ def test_a_real_file_size_limit(tmp_path):
     out = str(tmp_path / "run")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", CHILD, out], capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, out], capture_output=True, text=True, cwd=root, env=env, timeout=300
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, done.stdout[-2000:] + done.stderr[-2000:]
-    message = json.loads(lines[0][len("RESULT "):])
-    assert message.startswith(f"File too large (EFBIG) while writing checkpoint-4 in {out}; the previous checkpoint "
-                              "checkpoint-2 is intact. Raise the file-size limit (ulimit -f)"), message
+    message = json.loads(lines[0][len("RESULT ") :])
+    assert message.startswith(
+        f"File too large (EFBIG) while writing checkpoint-4 in {out}; the previous checkpoint "
+        "checkpoint-2 is intact. Raise the file-size limit (ulimit -f)"
+    ), message
     assert folders(out) == {"checkpoint-2"} and why_damaged(os.path.join(out, "checkpoint-2")) is None

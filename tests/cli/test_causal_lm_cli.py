@@ -13,7 +13,7 @@ from kiln import cli
 
 pytest.importorskip("transformers")
 
-TASK = '''
+TASK = """
 import numpy as np
 import torch
 import transformers
@@ -34,7 +34,7 @@ def data():
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, 64, (10, 16), generator=g)]
     return {"train_dataset": rows, "eval_dataset": rows, "compute_metrics": token_accuracy}
-'''
+"""
 
 
 def test_fit_evaluates_a_causal_lm_with_compute_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,7 +42,8 @@ def test_fit_evaluates_a_causal_lm_with_compute_metrics(tmp_path: Path, monkeypa
     (tmp_path / "cfg.yaml").write_text(
         "output_dir: run\ntask: {model: 'lmtask:model', data: 'lmtask:data'}\nmax_steps: 2\n"
         "per_device_train_batch_size: 4\nper_device_eval_batch_size: 4\n"
-        "eval: {strategy: steps, steps: 1}\nlog: {disable_tqdm: true}\nreport_to: none\n")
+        "eval: {strategy: steps, steps: 1}\nlog: {disable_tqdm: true}\nreport_to: none\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert cli.main(["fit", "cfg.yaml"]) == 0

@@ -10,7 +10,7 @@ import pytest
 
 from kiln import cli
 
-TASK = '''
+TASK = """
 import torch
 from kiln import TrainingModule
 
@@ -27,7 +27,7 @@ class Reg(TrainingModule):
 def data():
     x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
     return {"train_dataset": [{"x": row, "y": row.sum()} for row in x]}
-'''
+"""
 
 
 def test_bare_kiln_prints_the_help_and_fails(capsys: pytest.CaptureFixture) -> None:
@@ -40,8 +40,10 @@ def test_bare_kiln_prints_the_help_and_fails(capsys: pytest.CaptureFixture) -> N
 @pytest.fixture
 def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "outdirtask.py").write_text(TASK)
-    (tmp_path / "cfg.yaml").write_text("output_dir: out/run\ntask: {model: 'outdirtask:Reg', data: 'outdirtask:data'}\n"
-                                       "max_steps: 2\nper_device_train_batch_size: 8\nlog: {disable_tqdm: true}\n")
+    (tmp_path / "cfg.yaml").write_text(
+        "output_dir: out/run\ntask: {model: 'outdirtask:Reg', data: 'outdirtask:data'}\n"
+        "max_steps: 2\nper_device_train_batch_size: 8\nlog: {disable_tqdm: true}\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path

@@ -9,7 +9,7 @@ import pytest
 
 from kiln import cli
 
-TASK = '''
+TASK = """
 import torch
 from kiln import TrainingModule
 
@@ -34,14 +34,16 @@ def data(n=8):
 
 def not_a_model():
     return "a string"
-'''
+"""
 
 
 @pytest.fixture
 def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "linetask.py").write_text(TASK)
-    (tmp_path / "cfg.yaml").write_text(f"output_dir: {tmp_path / 'out'}\ntask: {{model: 'linetask:Reg', data: 'linetask:data'}}\n"
-                                       "max_steps: 1\nsave_strategy: 'no'\nlog: {disable_tqdm: true, history: []}\n")
+    (tmp_path / "cfg.yaml").write_text(
+        f"output_dir: {tmp_path / 'out'}\ntask: {{model: 'linetask:Reg', data: 'linetask:data'}}\n"
+        "max_steps: 1\nsave_strategy: 'no'\nlog: {disable_tqdm: true, history: []}\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
@@ -57,13 +59,16 @@ def _line(capsys: pytest.CaptureFixture, *argv: str) -> str:
 
 
 def test_training_step_returning_none(task: Path, capsys: pytest.CaptureFixture) -> None:
-    assert _line(capsys, "task.model_args.mode=none").startswith("Cannot find a loss in a model output of type NoneType")
+    assert _line(capsys, "task.model_args.mode=none").startswith(
+        "Cannot find a loss in a model output of type NoneType"
+    )
 
 
 def test_model_factory_of_the_wrong_type(task: Path, capsys: pytest.CaptureFixture) -> None:
     assert _line(capsys, "task.model=linetask:not_a_model") == (
         "task.model (linetask:not_a_model) returned a str, not a torch.nn.Module: return the model (a kiln "
-        "TrainingModule, or a Transformers-style model that returns its loss).")
+        "TrainingModule, or a Transformers-style model that returns its loss)."
+    )
 
 
 def test_an_exception_in_user_code_names_where(task: Path, capsys: pytest.CaptureFixture) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from kiln import cli
 
-TASK = '''
+TASK = """
 import torch
 import torch.nn.functional as F
 from kiln import TrainingModule
@@ -36,7 +36,7 @@ def data(n=32):
     x = torch.randn(n, 4, generator=g)
     rows = [{"x": x[i], "y": x[i].sum()} for i in range(n)]
     return {"train_dataset": rows, "eval_dataset": rows[:16]}
-'''
+"""
 
 
 @pytest.fixture
@@ -46,7 +46,8 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "cfg.yaml").write_text(
         "output_dir: run\ntask: {model: 'clitask:Reg', data: 'clitask:data'}\nmax_steps: 6\nlearning_rate: 0.05\n"
         "per_device_train_batch_size: 8\neval: {strategy: steps, steps: 2, metric_for_best_model: loss}\n"
-        "save: {strategy: steps, steps: 2}\nlog: {strategy: steps, steps: 2, disable_tqdm: true}\n")
+        "save: {strategy: steps, steps: 2}\nlog: {strategy: steps, steps: 2, disable_tqdm: true}\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert cli.main(["fit", "cfg.yaml"]) == 0
@@ -70,7 +71,9 @@ def test_evaluate_scores_the_best_checkpoint_and_leaves_the_run_alone(run: Path,
     assert result["step"] == best_step and result["weights"] == str(best.relative_to(run))
     assert result["epoch"] == json.loads((best / "trainer_state.json").read_text())["epoch"] > 0
     assert result["eval_loss"] == pytest.approx(_evals(state)[best_step], rel=1e-6)  # same weights, same data
-    assert {p: p.read_bytes() for p in (run / "run").iterdir() if p.is_file()} == before  # metrics.csv, eval_results.json
+    assert {
+        p: p.read_bytes() for p in (run / "run").iterdir() if p.is_file()
+    } == before  # metrics.csv, eval_results.json
 
 
 def test_predict_with_given_weights_writes_beside_them(run: Path, capsys: pytest.CaptureFixture) -> None:
@@ -94,7 +97,9 @@ def test_no_weights_is_refused_unless_random_weights_is_asked_for(tmp_path: Path
     monkeypatch.syspath_prepend(str(tmp_path))
     assert cli.main(["evaluate", "cfg.yaml"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"kiln: error: output_dir 'fresh' (in {tmp_path}) holds no checkpoint or exported model to score")
+    assert err.startswith(
+        f"kiln: error: output_dir 'fresh' (in {tmp_path}) holds no checkpoint or exported model to score"
+    )
     assert err.count("\n") == 1
     assert cli.main(["evaluate", "cfg.yaml", "--random-weights"]) == 0
     result = json.loads((tmp_path / "fresh" / "random-weights" / "evaluate_results.json").read_text())

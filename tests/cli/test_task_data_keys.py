@@ -13,7 +13,7 @@ import pytest
 from kiln import cli
 from tests.docs.blocks import REPO
 
-TASK = '''
+TASK = """
 import os
 
 import torch
@@ -80,12 +80,12 @@ def data(extra=None, bare=None):
     if extra:
         out[extra] = None
     return out
-'''
+"""
 
 
 def _documented() -> list[str]:
     text = (REPO / "docs" / "training-module.md").read_text()
-    section = text[text.index("## What a `task.data` function returns"):]
+    section = text[text.index("## What a `task.data` function returns") :]
     table = [line for line in section.splitlines() if line.startswith("| `")]
     return [re.match(r"\| `([^`]+)`", line).group(1) for line in table]
 
@@ -97,8 +97,10 @@ def test_the_documented_keys_are_the_ones_kiln_reads():
 @pytest.fixture
 def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "keystask.py").write_text(TASK)
-    (tmp_path / "cfg.yaml").write_text("output_dir: out\ntask: {model: 'keystask:Reg', data: 'keystask:data'}\nmax_steps: 2\n"
-                                       "per_device_train_batch_size: 4\nsave_steps: 2\nlog: {disable_tqdm: true}\n")
+    (tmp_path / "cfg.yaml").write_text(
+        "output_dir: out\ntask: {model: 'keystask:Reg', data: 'keystask:data'}\nmax_steps: 2\n"
+        "per_device_train_batch_size: 4\nsave_steps: 2\nlog: {disable_tqdm: true}\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
@@ -109,7 +111,13 @@ def test_every_key_reaches_what_it_is_for(task: Path) -> None:
 
     keystask.SEEN.clear()  # the module outlives a test: another test's runs may have filled it
     assert cli.main(["fit", "cfg.yaml"]) == 0
-    assert keystask.SEEN == {"width=3", "data_collator", "compute_metrics", "preprocess_logits_for_metrics", "callbacks"}
+    assert keystask.SEEN == {
+        "width=3",
+        "data_collator",
+        "compute_metrics",
+        "preprocess_logits_for_metrics",
+        "callbacks",
+    }
     results = json.loads((task / "out" / "eval_results.json").read_text())
     assert results["eval_a_shape"] == results["eval_b_shape"] == 2.0  # both eval sets, the logits cut to 2 columns
     assert (task / "out" / "tokenizer.json").is_file() and (task / "out" / "checkpoint-2" / "tokenizer.json").is_file()
@@ -127,14 +135,21 @@ def test_another_key_is_refused_before_the_model_is_built(task: Path, capsys: py
     keystask.SEEN.clear()
     assert cli.main(["fit", "cfg.yaml", "task.data_args.extra=collate_fn"]) == 2
     err = capsys.readouterr().err
-    assert err == ("kiln: error: task.data (keystask:data) returned 'collate_fn', which kiln does not read; it reads "
-                   f"{', '.join(cli.DATA_KEYS)} (docs/training-module.md). Did you mean 'data_collator'?\n"), err
+    assert err == (
+        "kiln: error: task.data (keystask:data) returned 'collate_fn', which kiln does not read; it reads "
+        f"{', '.join(cli.DATA_KEYS)} (docs/training-module.md). Did you mean 'data_collator'?\n"
+    ), err
     assert keystask.SEEN == set()
 
 
 @pytest.mark.parametrize("bare", ["list", "dict"])
-def test_a_return_without_a_dataset_to_train_or_evaluate_is_refused(task: Path, capsys: pytest.CaptureFixture, bare: str) -> None:
+def test_a_return_without_a_dataset_to_train_or_evaluate_is_refused(
+    task: Path, capsys: pytest.CaptureFixture, bare: str
+) -> None:
     assert cli.main(["fit", "cfg.yaml", f"task.data_args.bare={bare}"]) == 2
-    assert capsys.readouterr().err == ("kiln: error: task.data must return a dict with train_dataset (and optionally "
-                                       "eval_dataset, ...).\n")
-    assert cli.main(["evaluate", "cfg.yaml", "task.data_args.bare=eval", "--random-weights"]) == 0  # eval_dataset alone will do
+    assert capsys.readouterr().err == (
+        "kiln: error: task.data must return a dict with train_dataset (and optionally eval_dataset, ...).\n"
+    )
+    assert (
+        cli.main(["evaluate", "cfg.yaml", "task.data_args.bare=eval", "--random-weights"]) == 0
+    )  # eval_dataset alone will do

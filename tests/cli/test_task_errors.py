@@ -9,7 +9,7 @@ import pytest
 
 from kiln import cli
 
-TASK = '''
+TASK = """
 import torch
 from kiln import TrainingModule
 
@@ -28,14 +28,15 @@ class Reg(TrainingModule):
 def data(n=8):
     BUILT.append(n)
     return {"train_dataset": [{"x": torch.randn(4)} for _ in range(n)]}
-'''
+"""
 
 
 @pytest.fixture
 def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "errtask.py").write_text(TASK)
-    (tmp_path / "cfg.yaml").write_text(f"output_dir: {tmp_path / 'out'}\ntask: {{model: 'errtask:Reg', data: 'errtask:data'}}\n"
-                                       "max_steps: 1\n")
+    (tmp_path / "cfg.yaml").write_text(
+        f"output_dir: {tmp_path / 'out'}\ntask: {{model: 'errtask:Reg', data: 'errtask:data'}}\nmax_steps: 1\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
@@ -51,14 +52,17 @@ def _error(capsys: pytest.CaptureFixture, *argv: str) -> str:
 def test_unknown_model_args_name_the_callable_and_its_parameters(task: Path, capsys: pytest.CaptureFixture) -> None:
     import errtask
 
-    assert _error(capsys, "task.model_args.hiden=3") == ("task.model_args has 'hiden', which errtask:Reg does not take; "
-                                                           "its parameters are hidden, depth. Did you mean 'hidden'?")
+    assert _error(capsys, "task.model_args.hiden=3") == (
+        "task.model_args has 'hiden', which errtask:Reg does not take; "
+        "its parameters are hidden, depth. Did you mean 'hidden'?"
+    )
     assert errtask.BUILT == []  # refused before the data was built
 
 
 def test_unknown_data_args(task: Path, capsys: pytest.CaptureFixture) -> None:
-    assert _error(capsys, "task.data_args.size=3") == ("task.data_args has 'size', which errtask:data does not take; "
-                                                         "its parameters are n.")
+    assert _error(capsys, "task.data_args.size=3") == (
+        "task.data_args has 'size', which errtask:data does not take; its parameters are n."
+    )
 
 
 def test_import_path_not_found_names_the_working_directory(task: Path, capsys, monkeypatch) -> None:
@@ -69,8 +73,12 @@ def test_import_path_not_found_names_the_working_directory(task: Path, capsys, m
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     assert _error(capsys) == (
         f"cannot import task.model='nomod.models:Reg': no module 'nomod' on the import path (working directory {elsewhere}, "
-        "PYTHONPATH /somewhere); run kiln from the folder that holds 'nomod', or add that folder to PYTHONPATH.")
+        "PYTHONPATH /somewhere); run kiln from the folder that holds 'nomod', or add that folder to PYTHONPATH."
+    )
 
 
 def test_missing_attribute_suggests_the_close_name(task: Path, capsys: pytest.CaptureFixture) -> None:
-    assert _error(capsys, "task.model=errtask:Regg") == "cannot import task.model='errtask:Regg': module 'errtask' has no 'Regg'. Did you mean 'Reg'?"
+    assert (
+        _error(capsys, "task.model=errtask:Regg")
+        == "cannot import task.model='errtask:Regg': module 'errtask' has no 'Regg'. Did you mean 'Reg'?"
+    )

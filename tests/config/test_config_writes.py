@@ -17,7 +17,7 @@ BELOW_THE_ENGINE = ("strategies", "precision", "loggers", "optim", "accelerators
 #: file -> why it still writes (the write moves when its caller passes the result on)
 KNOWN = {
     "kiln/strategies/mesh/presharded.py": "adopt_loaded_model points strategy at model_parallel for a model "
-                                          "transformers split at load; the Trainer must take a settled config back",
+    "transformers split at load; the Trainer must take a settled config back",
 }
 _WRITERS = ("open_dict", "read_write", "update", "set_readonly", "set_struct", "merge_with")
 
@@ -25,8 +25,12 @@ _WRITERS = ("open_dict", "read_write", "update", "set_readonly", "set_struct", "
 def _config_root(node: ast.AST) -> bool:
     """`config`, `cfg.x[...]`, `self.config.x`: a config or a node inside one."""
     while isinstance(node, (ast.Attribute, ast.Subscript)):
-        if isinstance(node, ast.Attribute) and node.attr == "config" and isinstance(node.value, ast.Name) \
-                and node.value.id == "self":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "config"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
             return True
         node = node.value
     return isinstance(node, ast.Name) and node.id in ("config", "cfg")
@@ -35,9 +39,14 @@ def _config_root(node: ast.AST) -> bool:
 def config_writes(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
-        found += [f"{path.name}:{node.lineno} assigns {ast.unparse(t)}" for t in targets
-                  if isinstance(t, (ast.Attribute, ast.Subscript)) and _config_root(t.value)]
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
+        found += [
+            f"{path.name}:{node.lineno} assigns {ast.unparse(t)}"
+            for t in targets
+            if isinstance(t, (ast.Attribute, ast.Subscript)) and _config_root(t.value)
+        ]
         if isinstance(node, ast.Call):
             name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
             if name in _WRITERS and node.args and _config_root(node.args[0]):
@@ -53,17 +62,26 @@ def test_no_code_below_the_engine_writes_into_the_config(floor: str) -> None:
 
 def test_the_guard_sees_each_kind_of_write(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("from omegaconf import OmegaConf, open_dict\n"
-                   "def f(config, cfg, other):\n"
-                   "    with open_dict(config):\n        config.strategy.name = 'x'\n"
-                   "    cfg.train['max_steps'] += 1\n"
-                   "    OmegaConf.update(cfg, 'seed', 1)\n"
-                   "    other.name = 'fine'\n"
-                   "class S:\n    def g(self):\n        self.config.seed = 2\n        self.settings = 3\n")
+    bad.write_text(
+        "from omegaconf import OmegaConf, open_dict\n"
+        "def f(config, cfg, other):\n"
+        "    with open_dict(config):\n        config.strategy.name = 'x'\n"
+        "    cfg.train['max_steps'] += 1\n"
+        "    OmegaConf.update(cfg, 'seed', 1)\n"
+        "    other.name = 'fine'\n"
+        "class S:\n    def g(self):\n        self.config.seed = 2\n        self.settings = 3\n"
+    )
     found = config_writes(bad)
     assert [line.split(" ", 1)[1] for line in found] == sorted(
-        ["calls open_dict(config)", "assigns config.strategy.name", "assigns cfg.train['max_steps']",
-         "calls update(cfg)", "assigns self.config.seed"], key=[line.split(" ", 1)[1] for line in found].index)
+        [
+            "calls open_dict(config)",
+            "assigns config.strategy.name",
+            "assigns cfg.train['max_steps']",
+            "calls update(cfg)",
+            "assigns self.config.seed",
+        ],
+        key=[line.split(" ", 1)[1] for line in found].index,
+    )
     assert len(found) == 5
 
 

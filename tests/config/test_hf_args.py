@@ -47,10 +47,22 @@ def test_every_default_key_loads_from_object_and_json_dump(tmp_path, cls):
 
 
 def test_transformers5_values_are_converted(tmp_path):
-    cfg = load_config(_args(tmp_path, learning_rate=3e-4, warmup_steps=0.1, include_num_input_tokens_seen=True,
-                            activation_checkpointing=True, train_sampling_strategy="group_by_length",
-                            ddp_static_graph=True, include_for_metrics=["inputs"], lr_scheduler_kwargs={"power": 2.0},
-                            per_device_train_batch_size=4, bf16=True, use_cpu=True))
+    cfg = load_config(
+        _args(
+            tmp_path,
+            learning_rate=3e-4,
+            warmup_steps=0.1,
+            include_num_input_tokens_seen=True,
+            activation_checkpointing=True,
+            train_sampling_strategy="group_by_length",
+            ddp_static_graph=True,
+            include_for_metrics=["inputs"],
+            lr_scheduler_kwargs={"power": 2.0},
+            per_device_train_batch_size=4,
+            bf16=True,
+            use_cpu=True,
+        )
+    )
     assert cfg.optim.lr == 3e-4 and cfg.scheduler.warmup_ratio == 0.1 and cfg.scheduler.warmup_steps == 0
     assert cfg.train.include_num_input_tokens_seen is True and cfg.train.gradient_checkpointing is True
     assert cfg.data.group_by_length is True and cfg.strategy.static_graph is True
@@ -67,8 +79,9 @@ def test_lr_scheduler_kwargs_accepts_mappings_and_json_strings(tmp_path):
 
 
 def test_activation_checkpointing_and_activation_checkpointing_kwargs_mean_gradient_checkpointing(tmp_path):
-    cfg = load_config(_args(tmp_path, activation_checkpointing=True,
-                            activation_checkpointing_kwargs={"use_reentrant": False}))
+    cfg = load_config(
+        _args(tmp_path, activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False})
+    )
     assert cfg.train.gradient_checkpointing is True
     assert dict(cfg.train.gradient_checkpointing_kwargs) == {"use_reentrant": False}
     assert load_config(_args(tmp_path, activation_checkpointing=False)).train.gradient_checkpointing is False
@@ -79,10 +92,13 @@ def test_include_num_input_tokens_seen_takes_hf5_strings(value, expected):
     assert load_config({"include_num_input_tokens_seen": value}).train.include_num_input_tokens_seen is expected
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({"include_for_metrics": ["loss"]}, "only 'inputs'"),
-    ({"train_sampling_strategy": "sequential"}, "use 'random' or 'group_by_length'"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"include_for_metrics": ["loss"]}, "only 'inputs'"),
+        ({"train_sampling_strategy": "sequential"}, "use 'random' or 'group_by_length'"),
+    ],
+)
 def test_features_kiln_lacks_are_refused_when_on(tmp_path, kw, words):
     with pytest.raises(ConfigError, match="^[^\n]*$") as err:
         load_config(_args(tmp_path, **kw))
@@ -103,8 +119,16 @@ def test_trainer_takes_args_keyword_and_matches_hf_trainer(tmp_path):
     """The same TrainingArguments give the same weights in kiln and in HF's Trainer (one batch holds the
     whole dataset, so the two samplers' different orders cannot matter)."""
     data = _data()
-    kw = dict(learning_rate=0.05, per_device_train_batch_size=16, max_steps=4, save_strategy="no", logging_steps=1,
-              warmup_steps=1, weight_decay=0.01, disable_tqdm=True)
+    kw = dict(
+        learning_rate=0.05,
+        per_device_train_batch_size=16,
+        max_steps=4,
+        save_strategy="no",
+        logging_steps=1,
+        warmup_steps=1,
+        weight_decay=0.01,
+        disable_tqdm=True,
+    )
     torch.manual_seed(0)
     hf_model = HFRegressor()
     kiln_model = HFRegressor()
@@ -119,4 +143,3 @@ def test_trainer_takes_args_keyword_and_matches_hf_trainer(tmp_path):
 def test_args_and_config_together_are_refused(tmp_path):
     with pytest.raises(Exception, match="both `config=` and `args=`"):
         Trainer(HFRegressor(), {"max_steps": 1}, args=_args(tmp_path))
-

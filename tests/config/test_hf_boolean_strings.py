@@ -15,8 +15,11 @@ from kiln.config.load import load_config
 from kiln.utils.errors import ConfigError
 
 #: HF accelerator_config key -> where kiln keeps it
-ACCELERATOR = {"split_batches": "data.split_batches", "dispatch_batches": "data.dispatch_batches",
-               "even_batches": "data.even_batches"}
+ACCELERATOR = {
+    "split_batches": "data.split_batches",
+    "dispatch_batches": "data.dispatch_batches",
+    "even_batches": "data.even_batches",
+}
 FALSE, TRUE = ("false", "False", "0", " FALSE "), ("true", "True", "1")
 
 

@@ -27,7 +27,9 @@ def test_the_hf_script_in_the_migration_doc_runs_on_kiln(tmp_path):
     assert "args=args" in script and "TrainingArguments(" in script
     (tmp_path / "script.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'eval_accuracy':" in proc.stdout
     assert (tmp_path / "bert-out" / "final" / "model.safetensors").is_file()

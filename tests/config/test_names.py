@@ -26,6 +26,7 @@ def _registries() -> dict[str, Registry]:
 
 def _own_names(registry: Registry) -> list[str]:
     """The names kiln itself registers (plug-ins other tests register are left out)."""
+
     def module_of(name: str) -> str:
         return registry._lazy[name] if name in registry._lazy else registry.get(name).__module__
 
@@ -56,24 +57,37 @@ def test_an_unknown_strategy_is_refused_with_the_valid_names(tmp_path) -> None:
         load_config({"output_dir": str(tmp_path), "strategy": "dpp"})
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("optim", {"name": "adamw_torhc"}, r"Unknown optimizer 'adamw_torhc' in `optim.name`\. Did you mean 'adamw_torch'\?"),
-    ("scheduler", {"name": "cosin"}, r"Unknown lr scheduler 'cosin' in `scheduler.name`\. Did you mean 'cosine'\?"),
-    ("precision", {"name": "bf61"}, r"Unknown precision plugin 'bf61' in `precision.name`\."),
-    ("log", {"report_to": ["tensorbord"]}, r"Unknown logger 'tensorbord' in `log.report_to`\. Did you mean 'tensorboard'\?"),
-    ("log", {"history": ["jsonll"]}, r"Unknown logger 'jsonll' in `log.report_to`\. Did you mean 'jsonl'\?"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "optim",
+            {"name": "adamw_torhc"},
+            r"Unknown optimizer 'adamw_torhc' in `optim.name`\. Did you mean 'adamw_torch'\?",
+        ),
+        ("scheduler", {"name": "cosin"}, r"Unknown lr scheduler 'cosin' in `scheduler.name`\. Did you mean 'cosine'\?"),
+        ("precision", {"name": "bf61"}, r"Unknown precision plugin 'bf61' in `precision.name`\."),
+        (
+            "log",
+            {"report_to": ["tensorbord"]},
+            r"Unknown logger 'tensorbord' in `log.report_to`\. Did you mean 'tensorboard'\?",
+        ),
+        ("log", {"history": ["jsonll"]}, r"Unknown logger 'jsonll' in `log.report_to`\. Did you mean 'jsonl'\?"),
+    ],
+)
 def test_each_unknown_name_is_refused_with_the_closest_one(tmp_path, key, value, message) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config({"output_dir": str(tmp_path), key: value})
 
 
 def test_loading_a_config_imports_no_floor_above_config(tmp_path) -> None:
-    code = ("import sys\nfrom kiln.config import load_config\n"
-            f"load_config({{'output_dir': {str(tmp_path)!r}, 'strategy': 'deepspeed_stage_3', 'optim': 'lomo', "
-            "'precision': 'bf16', 'report_to': ['wandb']})\n"
-            "print([m for m in sys.modules if m.startswith(('kiln.strategies', 'kiln.engine', 'kiln.optim', "
-            "'kiln.loggers', 'kiln.precision'))])")
+    code = (
+        "import sys\nfrom kiln.config import load_config\n"
+        f"load_config({{'output_dir': {str(tmp_path)!r}, 'strategy': 'deepspeed_stage_3', 'optim': 'lomo', "
+        "'precision': 'bf16', 'report_to': ['wandb']})\n"
+        "print([m for m in sys.modules if m.startswith(('kiln.strategies', 'kiln.engine', 'kiln.optim', "
+        "'kiln.loggers', 'kiln.precision'))])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

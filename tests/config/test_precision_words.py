@@ -8,10 +8,17 @@ import pytest
 from kiln.config import ConfigError, load_config
 
 
-@pytest.mark.parametrize("source, overrides, name", [
-    ({"precision": 16}, [], "16"), ({"precision": {"name": 16}}, [], "16"), (None, ["precision=16"], "16"),
-    (None, ["precision.name=16"], "16"), ({"precision": {"name": False}}, [], "no"), (None, ["precision.name=no"], "no"),
-])
+@pytest.mark.parametrize(
+    "source, overrides, name",
+    [
+        ({"precision": 16}, [], "16"),
+        ({"precision": {"name": 16}}, [], "16"),
+        (None, ["precision=16"], "16"),
+        (None, ["precision.name=16"], "16"),
+        ({"precision": {"name": False}}, [], "no"),
+        (None, ["precision.name=no"], "no"),
+    ],
+)
 def test_precision_aliases_from_yaml_numbers_and_booleans(source, overrides, name):
     assert load_config(source, overrides).precision.name == name
 

@@ -25,8 +25,15 @@ def secrets(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _yaml(tmp_path: Path, **extra: str) -> Path:
-    lines = [f"output_dir: {tmp_path / 'out'}", "run_name: ${oc.env:SECRET_TOKEN}", "max_steps: 2",
-             "save_steps: 1", "logging_steps: 1", "strategy: {device: cpu}", "log: {disable_tqdm: true}"]
+    lines = [
+        f"output_dir: {tmp_path / 'out'}",
+        "run_name: ${oc.env:SECRET_TOKEN}",
+        "max_steps: 2",
+        "save_steps: 1",
+        "logging_steps: 1",
+        "strategy: {device: cpu}",
+        "log: {disable_tqdm: true}",
+    ]
     lines += [f"{k}: {v}" for k, v in extra.items()]
     path = tmp_path / "cfg.yaml"
     path.write_text("\n".join(lines) + "\n")
@@ -43,8 +50,13 @@ def _files_holding(root: Path, *values: str) -> list[str]:
 
 
 def test_training_sees_the_value_saving_sees_the_interpolation(tmp_path: Path, secrets: None) -> None:
-    cfg = load_config(_yaml(tmp_path), ["task.model_args={token: '${oc.env:OTHER_SECRET}'}",
-                                        "eval.generation_kwargs={auth: 'Bearer ${oc.env:OTHER_SECRET}'}"])
+    cfg = load_config(
+        _yaml(tmp_path),
+        [
+            "task.model_args={token: '${oc.env:OTHER_SECRET}'}",
+            "eval.generation_kwargs={auth: 'Bearer ${oc.env:OTHER_SECRET}'}",
+        ],
+    )
     assert cfg.run_name == SECRET and cfg.task.model_args.token == OTHER  # training reads the real values
     saved = config_for_saving(cfg)
     assert saved["run_name"] == "${oc.env:SECRET_TOKEN}"
@@ -53,8 +65,9 @@ def test_training_sees_the_value_saving_sees_the_interpolation(tmp_path: Path, s
     assert SECRET not in str(saved) and OTHER not in str(saved)
 
 
-def test_short_env_values_are_masked_only_where_they_are_the_whole_value(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_short_env_values_are_masked_only_where_they_are_the_whole_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KILN_TEST_TWO", "2")
     cfg = load_config({"output_dir": str(tmp_path / "run2"), "run_name": "${oc.env:KILN_TEST_TWO}"})
     saved = config_for_saving(cfg)
@@ -72,8 +85,9 @@ def test_unset_variable_is_one_sentence(tmp_path: Path, monkeypatch: pytest.Monk
 def test_trackers_never_get_the_value(tmp_path: Path, secrets: None) -> None:
     """TensorBoard's hparams and the csv/jsonl history: the logger path (kiln/loggers)."""
     path = _yaml(tmp_path, report_to="[tensorboard, csv, jsonl]", save_strategy="'no'")
-    trainer = Trainer(TinyRegressor(), str(path), overrides=["hub_token=${oc.env:OTHER_SECRET}"],
-                      train_dataset=regression_data(16))
+    trainer = Trainer(
+        TinyRegressor(), str(path), overrides=["hub_token=${oc.env:OTHER_SECRET}"], train_dataset=regression_data(16)
+    )
     assert trainer.config.run_name == SECRET
     trainer.fit()
     runs = tmp_path / "out" / "runs"
@@ -84,8 +98,9 @@ def test_trackers_never_get_the_value(tmp_path: Path, secrets: None) -> None:
 def test_no_file_under_output_dir_holds_the_value(tmp_path: Path, secrets: None) -> None:
     """Checkpoints' config.yaml and the exported kiln_config.yaml too (kiln/engine/checkpoint)."""
     path = _yaml(tmp_path, report_to="[tensorboard, csv, jsonl]")
-    trainer = Trainer(TinyRegressor(), str(path), overrides=["hub_token=${oc.env:OTHER_SECRET}"],
-                      train_dataset=regression_data(16))
+    trainer = Trainer(
+        TinyRegressor(), str(path), overrides=["hub_token=${oc.env:OTHER_SECRET}"], train_dataset=regression_data(16)
+    )
     trainer.fit()
     trainer.save_model()
     out = tmp_path / "out"

@@ -39,8 +39,10 @@ CONFLICTS = [
 
 def _sentence(first: str, first_value, second: str, second_value, a: str, b: str) -> str:
     """The flat-name conflict's sentence (kiln.config.conflicts.different), as a regex."""
-    return re.escape(f"{first}={first_value!r} and {second}={second_value!r} ask for different strategy.name "
-                     f"({a!r} vs {b!r}); keep one of them.")
+    return re.escape(
+        f"{first}={first_value!r} and {second}={second_value!r} ask for different strategy.name "
+        f"({a!r} vs {b!r}); keep one of them."
+    )
 
 
 # the order of the keys changes nothing: both orders for a few, the given order for the rest (each load costs)
@@ -67,20 +69,28 @@ def test_the_sentence_is_the_flat_name_conflicts(tmp_path):
         load_config({"output_dir": str(tmp_path), "deepspeed": DS, "fsdp_config": {"a": 1}})
 
 
-@pytest.mark.parametrize("explicit, key, value, name", [
-    ("deepspeed", "deepspeed", DS, "deepspeed"),
-    ("deepspeed_stage_3", "deepspeed", {"train_batch_size": "auto"}, "deepspeed_stage_3"),  # the preset's stage stays
-    ("deepspeed_stage_2_offload", "deepspeed", "ds.json", "deepspeed_stage_2_offload"),
-    ("fsdp", "fsdp", "full_shard", "fsdp"),
-    ("fsdp2", "fsdp", "full_shard", "fsdp2"),
-    ("fsdp", "fsdp_config", {"min_num_params": 10}, "fsdp"),
-    ("xla_fsdp", "fsdp", "full_shard", "xla_fsdp"),
-    ("model_parallel", "parallelism_config", {"tp_size": 2}, "model_parallel"),
-    ("mps", "use_mps_device", True, "mps"),
-    ("ddp", "use_mps_device", False, "ddp"),  # switched off: asks for nothing
-    ("ddp", "deepspeed", None, "ddp"),
-    ("single", "fsdp", "", "single"),
-])
+@pytest.mark.parametrize(
+    "explicit, key, value, name",
+    [
+        ("deepspeed", "deepspeed", DS, "deepspeed"),
+        (
+            "deepspeed_stage_3",
+            "deepspeed",
+            {"train_batch_size": "auto"},
+            "deepspeed_stage_3",
+        ),  # the preset's stage stays
+        ("deepspeed_stage_2_offload", "deepspeed", "ds.json", "deepspeed_stage_2_offload"),
+        ("fsdp", "fsdp", "full_shard", "fsdp"),
+        ("fsdp2", "fsdp", "full_shard", "fsdp2"),
+        ("fsdp", "fsdp_config", {"min_num_params": 10}, "fsdp"),
+        ("xla_fsdp", "fsdp", "full_shard", "xla_fsdp"),
+        ("model_parallel", "parallelism_config", {"tp_size": 2}, "model_parallel"),
+        ("mps", "use_mps_device", True, "mps"),
+        ("ddp", "use_mps_device", False, "ddp"),  # switched off: asks for nothing
+        ("ddp", "deepspeed", None, "ddp"),
+        ("single", "fsdp", "", "single"),
+    ],
+)
 def test_an_agreeing_name_stays(tmp_path, explicit, key, value, name):
     assert load_config({"output_dir": str(tmp_path), "strategy": explicit, key: value}).strategy.name == name
 
@@ -91,10 +101,16 @@ def test_a_preset_stays_when_the_hf_argument_comes_first(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", [{"strategy": "auto"}, {"strategy": {"timeout": 60}}])
-@pytest.mark.parametrize("key, value, name", [
-    ("deepspeed", DS, "deepspeed"), ("fsdp", "full_shard", "fsdp"), ("parallelism_config", {"tp_size": 2}, "model_parallel"),
-    ("use_mps_device", True, "mps"), ("fsdp_config", {"min_num_params": 10}, "auto"),  # configures only: no name
-])
+@pytest.mark.parametrize(
+    "key, value, name",
+    [
+        ("deepspeed", DS, "deepspeed"),
+        ("fsdp", "full_shard", "fsdp"),
+        ("parallelism_config", {"tp_size": 2}, "model_parallel"),
+        ("use_mps_device", True, "mps"),
+        ("fsdp_config", {"min_num_params": 10}, "auto"),  # configures only: no name
+    ],
+)
 def test_auto_takes_hfs_choice_in_either_order(tmp_path, strategy, key, value, name):
     first = load_config({"output_dir": str(tmp_path), **strategy, key: value})
     last = load_config({"output_dir": str(tmp_path), key: value, **strategy})
@@ -102,7 +118,9 @@ def test_auto_takes_hfs_choice_in_either_order(tmp_path, strategy, key, value, n
 
 
 def test_hf_fsdp_with_xla_routes_to_xla_fsdp_under_an_explicit_fsdp(tmp_path):
-    cfg = load_config({"output_dir": str(tmp_path), "strategy": "fsdp", "fsdp": "full_shard", "fsdp_config": {"xla": True}})
+    cfg = load_config(
+        {"output_dir": str(tmp_path), "strategy": "fsdp", "fsdp": "full_shard", "fsdp_config": {"xla": True}}
+    )
     assert cfg.strategy.name == "xla_fsdp"
 
 

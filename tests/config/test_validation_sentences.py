@@ -9,16 +9,25 @@ from kiln.config import load_config
 from kiln.utils.errors import ConfigError
 
 
-@pytest.mark.parametrize("overrides, sentence", [
-    (["report_to=5"], r"report_to is 5; give a tracker name or a list of them"),
-    (["report_to=[tensorboard, 5]"], r"report_to is \['tensorboard', 5\]; give a tracker name"),
-    (["log.report_to=5"], r"'log.report_to' expects List\[str\], got 5"),
-    (["ddp_timeout=-5"], r"'strategy.timeout' \(ddp_timeout\) is the seconds a collective may wait and must be > 0, got -5"),
-    (["strategy.timeout=0"], r"must be > 0, got 0"),
-    (["torch_compile_backend=nonexistent"], r"'train.torch_compile_backend' is 'nonexistent', which torch.compile does "
-                                            r"not know; choose one of .*inductor"),
-    (["train.max_nonfinite_steps=-1"], r"'train.max_nonfinite_steps' must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, sentence",
+    [
+        (["report_to=5"], r"report_to is 5; give a tracker name or a list of them"),
+        (["report_to=[tensorboard, 5]"], r"report_to is \['tensorboard', 5\]; give a tracker name"),
+        (["log.report_to=5"], r"'log.report_to' expects List\[str\], got 5"),
+        (
+            ["ddp_timeout=-5"],
+            r"'strategy.timeout' \(ddp_timeout\) is the seconds a collective may wait and must be > 0, got -5",
+        ),
+        (["strategy.timeout=0"], r"must be > 0, got 0"),
+        (
+            ["torch_compile_backend=nonexistent"],
+            r"'train.torch_compile_backend' is 'nonexistent', which torch.compile does "
+            r"not know; choose one of .*inductor",
+        ),
+        (["train.max_nonfinite_steps=-1"], r"'train.max_nonfinite_steps' must be >= 0"),
+    ],
+)
 def test_one_sentence(overrides: list[str], sentence: str) -> None:
     with pytest.raises(ConfigError, match=sentence) as err:
         load_config(None, overrides)
@@ -33,8 +42,11 @@ def test_zero_epochs_loads_for_evaluate_but_fit_refuses(tmp_path) -> None:
 
     assert load_config(None, ["num_train_epochs=0", "max_steps=3"]).train.max_steps == 3
     trainer = Trainer(TinyRegressor(), base_config(tmp_path, num_train_epochs=0), train_dataset=regression_data(8))
-    with pytest.raises(ValueError, match=r"^train.num_train_epochs is 0 and train.max_steps is unset, so fit\(\) would "
-                                         r"train nothing: set num_train_epochs > 0 or max_steps > 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"^train.num_train_epochs is 0 and train.max_steps is unset, so fit\(\) would "
+        r"train nothing: set num_train_epochs > 0 or max_steps > 0",
+    ):
         trainer.fit()
     assert trainer.state.global_step == 0 and trainer.optimizer is None
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -51,8 +52,11 @@ def reset() -> None:
 def counts() -> dict[str, int]:
     """Graphs compiled (with recompiles), distinct graphs dynamo captured, and graph breaks."""
     counters = torch._dynamo.utils.counters
-    return {"graphs": COUNT.graphs, "unique_graphs": int(counters["stats"]["unique_graphs"]),
-            "breaks": int(sum(counters["graph_break"].values()))}
+    return {
+        "graphs": COUNT.graphs,
+        "unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "breaks": int(sum(counters["graph_break"].values())),
+    }
 
 
 class CountsPerStep(Callback):
@@ -81,8 +85,19 @@ def gpt2(n_layer: int = 1, *, name_loss: bool = True) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_positions=32, n_layer=n_layer, n_head=2,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=64,
+            n_embd=32,
+            n_positions=32,
+            n_layer=n_layer,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+        )
+    )
     if name_loss:
         model.loss_type = "ForCausalLM"
     return model
@@ -132,7 +147,7 @@ def token_data(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     for _ in range(n):
         ids = torch.randint(0, 64, (SEQ,), generator=g)
         labels = ids.clone()
-        labels[int(torch.randint(4, SEQ + 1, (1,), generator=g)):] = -100
+        labels[int(torch.randint(4, SEQ + 1, (1,), generator=g)) :] = -100
         out.append({"input_ids": ids, "labels": labels})
     return out
 
@@ -144,7 +159,7 @@ class MLP(nn.Module):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         pred = self.net(x).squeeze(-1)
         return {"loss": F.mse_loss(pred, labels), "logits": pred}
 
@@ -163,15 +178,16 @@ def regression_data(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 
 # ----------------------------------------------------------------------------- hand-written loops
 
+
 def batches(data: list[dict], size: int) -> list[dict[str, torch.Tensor]]:
     """Consecutive batches of `size` (the last one short), collated as kiln's default collator does."""
     from torch.utils.data import default_collate
 
-    return [default_collate(data[i:i + size]) for i in range(0, len(data), size)]
+    return [default_collate(data[i : i + size]) for i in range(0, len(data), size)]
 
 
 def windows(micro: list[Any], accumulation: int) -> list[list[Any]]:
-    return [micro[i:i + accumulation] for i in range(0, len(micro), accumulation)]
+    return [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
 
 
 def lm_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -179,9 +195,17 @@ def lm_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["labels"][..., 1:].ne(-100).sum()
 
 
-def hand_loop(compiled: nn.Module, optimizer: torch.optim.Optimizer, train: list[list[dict]], evaluation: list[dict],
-              *, epochs: int, counts_items: bool, no_sync: Optional[Callable[[], Any]] = None,
-              on_epoch: Optional[Callable[[], None]] = None) -> None:
+def hand_loop(
+    compiled: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train: list[list[dict]],
+    evaluation: list[dict],
+    *,
+    epochs: int,
+    counts_items: bool,
+    no_sync: Callable[[], Any] | None = None,
+    on_epoch: Callable[[], None] | None = None,
+) -> None:
     """The loop a user writes around `torch.compile(model)`: per epoch, every accumulation window
     (forward, backward; `no_sync` inside a window under DDP), the step; then an evaluation in eval
     mode without gradients. A causal LM gets the window's item count as a tensor (HF's
@@ -194,7 +218,7 @@ def hand_loop(compiled: nn.Module, optimizer: torch.optim.Optimizer, train: list
             total = torch.stack([lm_items(b) for b in window]).sum() if counts_items else None
             for i, batch in enumerate(window):
                 last = i == len(window) - 1
-                with (no_sync() if no_sync is not None and not last else contextlib.nullcontext()):
+                with no_sync() if no_sync is not None and not last else contextlib.nullcontext():
                     kwargs = {"num_items_in_batch": total} if counts_items else {}
                     loss = compiled(**batch, **kwargs)["loss"]
                     (loss if counts_items else loss / len(window)).backward()
@@ -209,13 +233,21 @@ def hand_loop(compiled: nn.Module, optimizer: torch.optim.Optimizer, train: list
             on_epoch()
 
 
-def kiln_config(out: str, *, epochs: int = 2, batch: int, eval_batch: int, accumulation: int = 2,
-                **overrides: Any) -> dict[str, Any]:
+def kiln_config(
+    out: str, *, epochs: int = 2, batch: int, eval_batch: int, accumulation: int = 2, **overrides: Any
+) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "output_dir": out, "seed": 3, "learning_rate": 1e-2, "num_train_epochs": epochs,
-        "per_device_train_batch_size": batch, "per_device_eval_batch_size": eval_batch,
-        "gradient_accumulation_steps": accumulation, "eval_strategy": "epoch", "torch_compile_backend": BACKEND,
-        "log": {"history": [], "disable_tqdm": True, "steps": 1000, "level": "error"}, "save": {"strategy": "no"},
+        "output_dir": out,
+        "seed": 3,
+        "learning_rate": 1e-2,
+        "num_train_epochs": epochs,
+        "per_device_train_batch_size": batch,
+        "per_device_eval_batch_size": eval_batch,
+        "gradient_accumulation_steps": accumulation,
+        "eval_strategy": "epoch",
+        "torch_compile_backend": BACKEND,
+        "log": {"history": [], "disable_tqdm": True, "steps": 1000, "level": "error"},
+        "save": {"strategy": "no"},
     }
     cfg.update(overrides)
     return cfg

@@ -16,15 +16,23 @@ REPO = HERE.parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-def run(cmd: list[str], timeout: float = 120, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], timeout: float = 120, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run `cmd` from the repository root; returns the process with `.elapsed` seconds set."""
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     proc.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 

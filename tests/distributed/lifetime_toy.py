@@ -55,8 +55,9 @@ class DeafToCtrlC(Callback):
             signal.signal(signal.SIGINT, lambda signum, frame: None)
 
 
-def data(beacon: str = "", beacon_step: int = 2, slow_after: int = 0, slow_seconds: float = 0.0,
-         deaf_rank: int = -1) -> dict[str, Any]:
+def data(
+    beacon: str = "", beacon_step: int = 2, slow_after: int = 0, slow_seconds: float = 0.0, deaf_rank: int = -1
+) -> dict[str, Any]:
     """`task.data` for these tests: the CLI runs' regression data plus the callbacks above."""
     out = cli_data()
     if deaf_rank >= 0:
@@ -73,11 +74,20 @@ def write_config(path: str, output_dir: str, save_steps: int = 5, **data_args: A
     from omegaconf import OmegaConf
 
     cfg = {
-        "output_dir": output_dir, "seed": 5, "learning_rate": 1e-2, "max_steps": 100000, "per_device_train_batch_size": 4,
-        "save_steps": save_steps, "logging_steps": 1000, "disable_tqdm": True,
+        "output_dir": output_dir,
+        "seed": 5,
+        "learning_rate": 1e-2,
+        "max_steps": 100000,
+        "per_device_train_batch_size": 4,
+        "save_steps": save_steps,
+        "logging_steps": 1000,
+        "disable_tqdm": True,
         "strategy": {"name": "ddp", "device": "cpu", "timeout": 60},
-        "task": {"model": "tests.distributed.toy:cli_model", "data": "tests.distributed.lifetime_toy:data",
-                 "data_args": data_args},
+        "task": {
+            "model": "tests.distributed.toy:cli_model",
+            "data": "tests.distributed.lifetime_toy:data",
+            "data_args": data_args,
+        },
     }
     OmegaConf.save(OmegaConf.create(cfg), path)
     return path

@@ -18,11 +18,20 @@ from tests.engine.packing import tiny  # noqa: E402
 def train(output_dir: str, world: int, stream: bool = False) -> Any:
     from kiln import Trainer
 
-    cfg = {"output_dir": output_dir, "seed": 3, "learning_rate": 0.1, "optim": "sgd", "max_grad_norm": 0.0,
-           "lr_scheduler_type": "constant", "max_steps": 2, "per_device_train_batch_size": 4 // world,
-           "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
-           "strategy": {"name": "ddp" if world > 1 else "single", "device": "cpu"},
-           "data": {"packing": {"strategy": "bfd", "max_length": 24}}}
+    cfg = {
+        "output_dir": output_dir,
+        "seed": 3,
+        "learning_rate": 0.1,
+        "optim": "sgd",
+        "max_grad_norm": 0.0,
+        "lr_scheduler_type": "constant",
+        "max_steps": 2,
+        "per_device_train_batch_size": 4 // world,
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
+        "strategy": {"name": "ddp" if world > 1 else "single", "device": "cpu"},
+        "data": {"packing": {"strategy": "bfd", "max_length": 24}},
+    }
     examples = tiny.examples("llama", n=24)
     if stream:
         from tests.engine.packing.test_fit import Stream

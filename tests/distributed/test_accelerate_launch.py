@@ -48,8 +48,22 @@ def _accelerate(tmp_path, name: str, mixed: str, *overrides: str):
     conf = tmp_path / f"{name}-accelerate.yaml"
     conf.write_text(ACCELERATE_DDP.format(mixed=mixed, port=_free_port()))
     cfg = write_cli_config(str(tmp_path / f"{name}.yaml"), str(tmp_path / name))
-    return run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(conf),
-                "-m", "kiln.cli", "fit", cfg, *overrides], timeout=180)
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.accelerate_cli",
+            "launch",
+            "--config_file",
+            str(conf),
+            "-m",
+            "kiln.cli",
+            "fit",
+            cfg,
+            *overrides,
+        ],
+        timeout=180,
+    )
 
 
 def _weights(path):

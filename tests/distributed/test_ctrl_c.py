@@ -24,8 +24,15 @@ pytestmark = pytest.mark.distributed
 
 def _interrupt(cfg: str, tmp_path: Any) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "fit", cfg, "--nproc", "2", "max_steps=100000"], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli", "fit", cfg, "--nproc", "2", "max_steps=100000"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not (tmp_path / "run" / "checkpoint-3" / "COMPLETE").exists():

@@ -32,9 +32,13 @@ def _weights(output_dir) -> dict[str, torch.Tensor]:
 
 def test_async_save_under_ddp_matches_sync_and_resumes_bit_identically(tmp_path):
     sync, full, run = tmp_path / "sync", tmp_path / "async", tmp_path / "run"
-    job = torchrun("worker_cli_runs.py", write_cli_config(str(tmp_path / "sync.yaml"), str(sync)),
-             _async(write_cli_config(str(tmp_path / "async.yaml"), str(full))),
-             _async(write_cli_config(str(tmp_path / "kill.yaml"), str(run), kill_at=3)), timeout=240)
+    job = torchrun(
+        "worker_cli_runs.py",
+        write_cli_config(str(tmp_path / "sync.yaml"), str(sync)),
+        _async(write_cli_config(str(tmp_path / "async.yaml"), str(full))),
+        _async(write_cli_config(str(tmp_path / "kill.yaml"), str(run), kill_at=3)),
+        timeout=240,
+    )
     for out in (full, run):
         saved = list_checkpoints(str(out))
         assert saved and all(is_complete(path) for _, path in saved), out

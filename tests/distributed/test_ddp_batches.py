@@ -69,7 +69,10 @@ def test_split_batches_needs_a_multiple_of_the_world_size():
 
     assert per_rank_batch_size(8, True, 2, "per_device_train_batch_size") == 4
     assert per_rank_batch_size(8, False, 2, "per_device_train_batch_size") == 8
-    with pytest.raises(ConfigError, match=r"split_batches divides per_device_train_batch_size=7 over 2 ranks; make it a multiple of 2\."):
+    with pytest.raises(
+        ConfigError,
+        match=r"split_batches divides per_device_train_batch_size=7 over 2 ranks; make it a multiple of 2\.",
+    ):
         per_rank_batch_size(7, True, 2, "per_device_train_batch_size")
 
 

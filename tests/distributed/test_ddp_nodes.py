@@ -33,21 +33,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(tmp_path: Path, command: list[str], results: list[Path], flags: tuple[str, ...] = (),
-              timeout: float = 150, env: dict | None = None) -> tuple[list[subprocess.Popen], str]:
+def two_nodes(
+    tmp_path: Path,
+    command: list[str],
+    results: list[Path],
+    flags: tuple[str, ...] = (),
+    timeout: float = 150,
+    env: dict | None = None,
+) -> tuple[list[subprocess.Popen], str]:
     """Start node 0 and node 1 (one torchrun agent each, meeting at 127.0.0.1:<free port> through c10d),
     each running `command` (a script and its arguments, or `-m module ...`) after torchrun's `flags`;
     wait until both exit, or until every file of `results` exists (plus a grace period). Returns the
     agents (ended) and the tail of their logs."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5", **(env or {})}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5",
+        **(env or {}),
+    }
     logs = [open(tmp_path / f"agent{node}.log", "w") for node in (0, 1)]  # files: a full PIPE would block an agent
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
-         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
-         "--local_addr=127.0.0.1", "--monitor-interval=0.1",
-         *flags, *command],
-        cwd=REPO, env=env, stdout=logs[node], stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                f"--node_rank={node}",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                "--rdzv_id=two-nodes",
+                "--local_addr=127.0.0.1",
+                "--monitor-interval=0.1",
+                *flags,
+                *command,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=logs[node],
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     deadline, done_at = time.monotonic() + timeout, None
     try:
         # The workers' results decide the test. torchrun's exit barrier between two agents on one host
@@ -80,8 +111,9 @@ def test_two_nodes_train_like_one_process_and_save_and_log_per_node(tmp_path):
 
     # the two nodes train to the weights of one process with the double batch
     _, model = toy.train_scenario("plain", str(tmp_path / "one"), world=1)
-    torch.testing.assert_close(load_file(str(tmp_path / "parity.safetensors"))["params"], toy.flat_params(model),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        load_file(str(tmp_path / "parity.safetensors"))["params"], toy.flat_params(model), rtol=1e-5, atol=1e-6
+    )
 
     for node in (0, 1):  # save_on_each_node: every node holds a complete checkpoint
         files = set(os.listdir(tmp_path / f"node{node}" / "checkpoint-2"))

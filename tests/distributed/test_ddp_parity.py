@@ -51,7 +51,9 @@ def test_without_average_tokens_across_devices_ranks_means_are_averaged(ddp, tmp
     start = toy.flat_params(model).clone()
     grads, counts = [], []
     for rank in (0, 1):
-        batch = default_collate([data[i] for i in ResumableSampler(len(data), seed=3, num_replicas=2, rank=rank).indices()[:2]])
+        batch = default_collate(
+            [data[i] for i in ResumableSampler(len(data), seed=3, num_replicas=2, rank=rank).indices()[:2]]
+        )
         model.zero_grad()
         model.training_step(batch).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))

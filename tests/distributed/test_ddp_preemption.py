@@ -15,16 +15,21 @@ import time
 import pytest
 import torch
 
-from tests.distributed.conftest import REPO, TORCHRUN, HERE
+from tests.distributed.conftest import HERE, REPO, TORCHRUN
 
 pytestmark = pytest.mark.distributed
 WORKER = str(HERE / "worker_preempt.py")
 
 
 def _start(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*TORCHRUN, WORKER, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.Popen(
+        [*TORCHRUN, WORKER, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:

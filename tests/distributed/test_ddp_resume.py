@@ -26,8 +26,11 @@ def _losses(output_dir):
 def test_kill_and_resume_under_ddp_is_bit_identical_and_only_rank0_writes(tmp_path):
     full, run, audit = tmp_path / "full", tmp_path / "run", tmp_path / "audit"
     # one torchrun job runs the uninterrupted run, then the run that dies right after checkpoint-3
-    torchrun("worker_cli_runs.py", write_cli_config(str(tmp_path / "full.yaml"), str(full)),
-             write_cli_config(str(tmp_path / "kill.yaml"), str(run), kill_at=3))
+    torchrun(
+        "worker_cli_runs.py",
+        write_cli_config(str(tmp_path / "full.yaml"), str(full)),
+        write_cli_config(str(tmp_path / "kill.yaml"), str(run), kill_at=3),
+    )
     assert sorted(p for p in os.listdir(run) if p.startswith("checkpoint-")) == ["checkpoint-3"]
     assert not (run / "model.safetensors").exists()  # the process really ended at step 3
 

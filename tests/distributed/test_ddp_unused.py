@@ -36,5 +36,6 @@ def test_unset_find_unused_parameters_is_chosen_on_the_first_step(tmp_path):
         "kiln: DDP: 2 parameter(s) got no gradient in the first step (unused.weight, unused.bias); find_unused_parameters "
         "is on (set strategy.find_unused_parameters: false if they are frozen by mistake)",
         "kiln: DDP: every parameter got a gradient in the first step; find_unused_parameters is off "
-        "(set strategy.find_unused_parameters: true if later steps leave some out)"]
+        "(set strategy.find_unused_parameters: true if later steps leave some out)",
+    ]
     assert "find_unused_parameters=True was specified" not in proc.stderr  # torch's warning

@@ -30,11 +30,22 @@ def write_config(path: str, output_dir: str, **data_args) -> str:
     from omegaconf import OmegaConf
 
     cfg = {
-        "output_dir": output_dir, "seed": 5, "learning_rate": 1e-2, "max_steps": MAX_STEPS, "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 2, "save_steps": SAVE_STEPS, "logging_steps": 1, "disable_tqdm": True,
-        "report_to": "none", "strategy": {"name": "ddp", "device": "cpu", "timeout": 60},
-        "task": {"model": "tests.distributed.toy:cli_model", "data": "tests.distributed.worker_elastic:data",
-                 "data_args": data_args},
+        "output_dir": output_dir,
+        "seed": 5,
+        "learning_rate": 1e-2,
+        "max_steps": MAX_STEPS,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "save_steps": SAVE_STEPS,
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "report_to": "none",
+        "strategy": {"name": "ddp", "device": "cpu", "timeout": 60},
+        "task": {
+            "model": "tests.distributed.toy:cli_model",
+            "data": "tests.distributed.worker_elastic:data",
+            "data_args": data_args,
+        },
     }
     OmegaConf.save(OmegaConf.create(cfg), path)
     return path
@@ -63,8 +74,19 @@ def _launch(launcher: str, cfg: str, *overrides: str, restarts: int = 3):
     if launcher == "kiln":
         cmd = [sys.executable, "-m", "kiln.cli", "fit", cfg, "--nproc", "2", f"--max-restarts={restarts}"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               f"--max-restarts={restarts}", "--monitor-interval=0.1", "-m", "kiln.cli", "fit", cfg]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            f"--max-restarts={restarts}",
+            "--monitor-interval=0.1",
+            "-m",
+            "kiln.cli",
+            "fit",
+            cfg,
+        ]
     return run([*cmd, *overrides], timeout=600, check=False, env=ENV)
 
 
@@ -73,7 +95,9 @@ def test_three_kills_restart_resume_and_end_bit_identical(tmp_path, uninterrupte
     kills = seeded_kills(seed)
     marks, out = tmp_path / "marks", tmp_path / "run"
     marks.mkdir()
-    cfg = write_config(str(tmp_path / "c.yaml"), str(out), folder=str(marks), kills=[":".join(map(str, k)) for k in kills])
+    cfg = write_config(
+        str(tmp_path / "c.yaml"), str(out), folder=str(marks), kills=[":".join(map(str, k)) for k in kills]
+    )
     proc = _launch(launcher, cfg, "resume_from_checkpoint=if_exists")
     log = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert proc.returncode == 0, log
@@ -112,9 +136,14 @@ def test_two_nodes_on_one_host_restart_and_resume_bit_identical(tmp_path, uninte
     marks, out = tmp_path / "marks", tmp_path / "run"
     marks.mkdir()
     cfg = write_config(str(tmp_path / "c.yaml"), str(out), folder=str(marks), once=[f"{r}:{s}" for r, s in kills])
-    procs, log = two_nodes(tmp_path, ["-m", "kiln.cli", "fit", cfg, "resume_from_checkpoint=if_exists"],
-                           [out / "model.safetensors", out / "trainer_state.json"], flags=("--max-restarts=3",), timeout=600,
-                           env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # a fresh store per attempt (launching.md)
+    procs, log = two_nodes(
+        tmp_path,
+        ["-m", "kiln.cli", "fit", cfg, "resume_from_checkpoint=if_exists"],
+        [out / "model.safetensors", out / "trainer_state.json"],
+        flags=("--max-restarts=3",),
+        timeout=600,
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+    )  # a fresh store per attempt (launching.md)
     assert all(p.returncode in (0, -9) for p in procs), log  # -9: killed after the grace period (see two_nodes)
     assert all((marks / f"killed-{r}-{s}").exists() for r, s in kills), log
     starts = [int(line) for line in (marks / "starts").read_text().split()]

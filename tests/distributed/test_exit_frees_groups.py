@@ -13,8 +13,10 @@ import pytest
 
 from tests.distributed.conftest import torchrun
 
-pytestmark = [pytest.mark.distributed,
-              pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)"),
+]
 
 
 @pytest.mark.parametrize("how", ["hf_args", "own_destroy"])

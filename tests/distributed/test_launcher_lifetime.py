@@ -23,13 +23,20 @@ START = 180  # seconds until both workers train; a loaded machine needs ~20
 
 def _launch(cfg: str, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "kiln.cli", "fit", cfg, "--nproc", "2", *overrides], cwd=REPO,
-                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli", "fit", cfg, "--nproc", "2", *overrides],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _training(beacons: Path, proc: subprocess.Popen) -> list[int]:
     """The two worker pids, once both have finished a step (see lifetime_toy.Beacon)."""
+
     def both() -> list[int]:
         files = [beacons / f"rank{r}" for r in (0, 1)]
         return [int(f.read_text()) for f in files] if all(f.exists() for f in files) else []
@@ -77,8 +84,15 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes(tmp_path):
     (exit 143, no checkpoint); the launcher must wait for the checkpoint instead."""
     beacons, out = tmp_path / "beacons", tmp_path / "run"
     beacons.mkdir()
-    cfg = write_config(str(tmp_path / "c.yaml"), str(out), beacon=str(beacons), beacon_step=2, slow_after=2,
-                       slow_seconds=3.0, save_steps=1000)
+    cfg = write_config(
+        str(tmp_path / "c.yaml"),
+        str(out),
+        beacon=str(beacons),
+        beacon_step=2,
+        slow_after=2,
+        slow_seconds=3.0,
+        save_steps=1000,
+    )
     proc = _launch(cfg, "save.on_preemption=true", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"})
     pids: list[int] = []
     try:
@@ -94,8 +108,17 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes(tmp_path):
     assert step >= 3 and (out / f"checkpoint-{step}" / "COMPLETE").exists()
     assert f"Preempted (SIGTERM): saved checkpoint-{step}" in err
 
-    kiln_cli("fit", cfg, "--nproc", "2", "resume_from_checkpoint=true", f"max_steps={step + 2}", "save_steps=1",
-             "task.data_args.slow_seconds=0", timeout=300)
+    kiln_cli(
+        "fit",
+        cfg,
+        "--nproc",
+        "2",
+        "resume_from_checkpoint=true",
+        f"max_steps={step + 2}",
+        "save_steps=1",
+        "task.data_args.slow_seconds=0",
+        timeout=300,
+    )
     assert _checkpoints(out) == {f"checkpoint-{s}" for s in (step, step + 1, step + 2)}  # went on from `step`
 
 
@@ -110,9 +133,13 @@ def test_a_single_node_job_listens_on_loopback_only(tmp_path):
         pids = _training(beacons, proc)
         listening = {}
         for pid in [proc.pid, *pids]:
-            listening[pid] = [c.laddr for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+            listening[pid] = [
+                c.laddr for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+            ]
         assert listening[proc.pid], listening  # the rendezvous stores
-        assert all(ipaddress.ip_address(addr.ip).is_loopback for addrs in listening.values() for addr in addrs), listening
+        assert all(ipaddress.ip_address(addr.ip).is_loopback for addrs in listening.values() for addr in addrs), (
+            listening
+        )
         assert {psutil.Process(pid).environ().get("MASTER_ADDR") for pid in pids} == {"127.0.0.1"}
     finally:
         _stop(proc, pids)
@@ -138,11 +165,26 @@ def _free_port() -> int:
 def test_without_an_agent_the_survivor_names_the_rank_that_died(tmp_path, die_rank):
     """No launcher to report it (srun, processes started by hand): the survivor's error says which
     rank died: by its pid when it ran on this machine, or as the store's host when rank 0 died."""
-    base = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "worker_dead_peer.py"), str(tmp_path), str(die_rank)],
-                              cwd=REPO, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    base = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "worker_dead_peer.py"), str(tmp_path), str(die_rank)],
+            cwd=REPO,
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     survivor = procs[1 - die_rank]
     try:
         _, err = survivor.communicate(timeout=150)
@@ -184,7 +226,9 @@ def test_the_watchdog_ends_a_worker_whose_launcher_died():
     """Where the parent-death signal is not available (not Linux, or the launcher is not the direct
     parent), a thread polling the launcher's pid ends the worker."""
     launcher = subprocess.Popen(["sleep", "120"])
-    code = f"import os; from kiln.launch.worker import _watch_launcher; _watch_launcher({launcher.pid}, os.getppid(), 0.1)"
+    code = (
+        f"import os; from kiln.launch.worker import _watch_launcher; _watch_launcher({launcher.pid}, os.getppid(), 0.1)"
+    )
     worker = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         launcher.kill()

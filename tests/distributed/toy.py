@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,9 @@ class HFTokenLM(nn.Module):
         self.emb = nn.Embedding(vocab, dim)
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, num_items_in_batch: Any = None) -> dict:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, num_items_in_batch: Any = None
+    ) -> dict:
         logits = self.head(self.emb(input_ids))
         out = {"logits": logits}
         if labels is not None:
@@ -100,28 +102,81 @@ class Stream(torch.utils.data.IterableDataset):
 
 # name -> (model factory, data, config); `per_device` is the batch of ONE of two DDP ranks
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "plain": {"model": Regressor, "data": lambda: regression_data(32), "per_device": 4, "accum": 1, "max_steps": 6,
-              "extra": {}},
-    "accum": {"model": Regressor, "data": lambda: regression_data(32), "per_device": 2, "accum": 2, "max_steps": 6,
-              "extra": {}},
-    "tokens": {"model": TokenLM, "data": lambda: token_data(32), "per_device": 2, "accum": 2, "max_steps": 6,
-               "extra": {}},
-    "iterable": {"model": Regressor, "data": lambda: Stream(regression_data(32)), "per_device": 4, "accum": 1,
-                 "max_steps": 6, "extra": {}},
+    "plain": {
+        "model": Regressor,
+        "data": lambda: regression_data(32),
+        "per_device": 4,
+        "accum": 1,
+        "max_steps": 6,
+        "extra": {},
+    },
+    "accum": {
+        "model": Regressor,
+        "data": lambda: regression_data(32),
+        "per_device": 2,
+        "accum": 2,
+        "max_steps": 6,
+        "extra": {},
+    },
+    "tokens": {
+        "model": TokenLM,
+        "data": lambda: token_data(32),
+        "per_device": 2,
+        "accum": 2,
+        "max_steps": 6,
+        "extra": {},
+    },
+    "iterable": {
+        "model": Regressor,
+        "data": lambda: Stream(regression_data(32)),
+        "per_device": 4,
+        "accum": 1,
+        "max_steps": 6,
+        "extra": {},
+    },
     # 20 samples / (2 ranks x batch 2) = 5 micro-batches per rank: windows of 2, 2 and a short 1 each
     # epoch. The short window must synchronise gradients too (not run entirely under no_sync).
-    "short_window": {"model": Regressor, "data": lambda: regression_data(20), "per_device": 2, "accum": 2,
-                     "max_steps": 6, "extra": {}},
-    "tokens_short_window": {"model": TokenLM, "data": lambda: token_data(20), "per_device": 2, "accum": 2,
-                            "max_steps": 6, "extra": {}},
+    "short_window": {
+        "model": Regressor,
+        "data": lambda: regression_data(20),
+        "per_device": 2,
+        "accum": 2,
+        "max_steps": 6,
+        "extra": {},
+    },
+    "tokens_short_window": {
+        "model": TokenLM,
+        "data": lambda: token_data(20),
+        "per_device": 2,
+        "accum": 2,
+        "max_steps": 6,
+        "extra": {},
+    },
     # SGD without clipping: any wrong scale of the loss shows directly in the weights
-    "hf_num_items": {"model": HFTokenLM, "data": lambda: token_data(32), "per_device": 2, "accum": 2, "max_steps": 6,
-                     "extra": {"optim": {"name": "sgd"}, "max_grad_norm": 0.0, "learning_rate": 0.5}},
+    "hf_num_items": {
+        "model": HFTokenLM,
+        "data": lambda: token_data(32),
+        "per_device": 2,
+        "accum": 2,
+        "max_steps": 6,
+        "extra": {"optim": {"name": "sgd"}, "max_grad_norm": 0.0, "learning_rate": 0.5},
+    },
     # each rank's own mean, averaged over ranks (no item-count all-reduce): checked against a hand-computed
     # mean of rank means, not against one process
-    "tokens_rank_means": {"model": TokenLM, "data": lambda: token_data(32), "per_device": 2, "accum": 1, "max_steps": 1,
-                          "extra": {"optim": {"name": "sgd"}, "max_grad_norm": 0.0, "learning_rate": 0.5,
-                                    "average_tokens_across_devices": False}, "reference": "rank_means"},
+    "tokens_rank_means": {
+        "model": TokenLM,
+        "data": lambda: token_data(32),
+        "per_device": 2,
+        "accum": 1,
+        "max_steps": 1,
+        "extra": {
+            "optim": {"name": "sgd"},
+            "max_grad_norm": 0.0,
+            "learning_rate": 0.5,
+            "average_tokens_across_devices": False,
+        },
+        "reference": "rank_means",
+    },
 }
 
 
@@ -129,9 +184,14 @@ def scenario_config(name: str, output_dir: str, world: int, **extra: Any) -> dic
     """The same global batch for `world` processes: per-device batch scales as 2 / world."""
     sc = SCENARIOS[name]
     cfg: dict[str, Any] = {
-        "output_dir": output_dir, "seed": 3, "learning_rate": 1e-2, "max_steps": sc["max_steps"],
-        "per_device_train_batch_size": sc["per_device"] * 2 // world, "gradient_accumulation_steps": sc["accum"],
-        "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
+        "output_dir": output_dir,
+        "seed": 3,
+        "learning_rate": 1e-2,
+        "max_steps": sc["max_steps"],
+        "per_device_train_batch_size": sc["per_device"] * 2 // world,
+        "gradient_accumulation_steps": sc["accum"],
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
         "strategy": {"name": "ddp" if world > 1 else "single", "device": "cpu"},
     }
     cfg.update(sc["extra"])
@@ -219,7 +279,10 @@ class Audit(Callback):
             self._note(event, args[0])
 
     def on_train_begin(self, config: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.flags = {"is_world_process_zero": state.is_world_process_zero, "is_local_process_zero": state.is_local_process_zero}
+        self.flags = {
+            "is_world_process_zero": state.is_world_process_zero,
+            "is_local_process_zero": state.is_local_process_zero,
+        }
 
     def _dump(self) -> None:
         os.makedirs(self.audit_dir, exist_ok=True)
@@ -227,8 +290,9 @@ class Audit(Callback):
             json.dump({"rank": self.rank, "events": self.events, **self.flags}, fh)
 
 
-def cli_data(n: int = 48, kill_at: int = 0, fail_rank: int = -1, fail_step: int = 0, audit: str = "",
-             root: str = "") -> dict[str, Any]:
+def cli_data(
+    n: int = 48, kill_at: int = 0, fail_rank: int = -1, fail_step: int = 0, audit: str = "", root: str = ""
+) -> dict[str, Any]:
     """`task.data` for the CLI runs: the data plus the callbacks a test asks for."""
     callbacks: list[Callback] = []
     if audit:
@@ -249,10 +313,21 @@ def write_cli_config(path: str, output_dir: str, **data_args: Any) -> str:
     from omegaconf import OmegaConf
 
     cfg = {
-        "output_dir": output_dir, "seed": 5, "learning_rate": 1e-2, "max_steps": 6, "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 2, "save_steps": 3, "logging_steps": 1, "disable_tqdm": True,
+        "output_dir": output_dir,
+        "seed": 5,
+        "learning_rate": 1e-2,
+        "max_steps": 6,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "save_steps": 3,
+        "logging_steps": 1,
+        "disable_tqdm": True,
         "strategy": {"name": "auto", "device": "cpu", "timeout": 60},
-        "task": {"model": "tests.distributed.toy:cli_model", "data": "tests.distributed.toy:cli_data", "data_args": data_args},
+        "task": {
+            "model": "tests.distributed.toy:cli_model",
+            "data": "tests.distributed.toy:cli_data",
+            "data_args": data_args,
+        },
     }
     OmegaConf.save(OmegaConf.create(cfg), path)
     return path

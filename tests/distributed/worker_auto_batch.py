@@ -8,7 +8,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 import toy
 
 out = sys.argv[1]
@@ -26,8 +25,14 @@ def run(name: str, batch: int, auto: bool):
 
     torch.manual_seed(0)
     model = RankOneIsSmall(dropout=0.2)
-    cfg = toy.scenario_config("plain", os.path.join(out, name), world=2, per_device_train_batch_size=batch,
-                              auto_find_batch_size=auto, max_steps=4)
+    cfg = toy.scenario_config(
+        "plain",
+        os.path.join(out, name),
+        world=2,
+        per_device_train_batch_size=batch,
+        auto_find_batch_size=auto,
+        max_steps=4,
+    )
     trainer = Trainer(model, cfg, train_dataset=toy.regression_data(48))
     trainer.fit()
     return trainer, toy.flat_params(model)

@@ -6,11 +6,10 @@ import os
 import shutil
 import sys
 
-import torch.distributed as dist
-from safetensors.torch import save_file
-
 import batches_toy
+import torch.distributed as dist
 import toy
+from safetensors.torch import save_file
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
@@ -23,10 +22,12 @@ for name in batches_toy.SCENARIOS:
     every = trainer.strategy.all_gather(flat)
     loader = trainer.get_train_dataloader()
     results[name] = {
-        "ranks_identical": bool((every == every[0]).all()), "steps": trainer.state.global_step,
+        "ranks_identical": bool((every == every[0]).all()),
+        "steps": trainer.state.global_step,
         "losses": toy.losses(trainer),
-        "per_rank": trainer.strategy.all_gather_object({"iterations": len(batches_toy.ITERATIONS),
-                                                        "batch_size": getattr(loader, "batch_size", None)}),
+        "per_rank": trainer.strategy.all_gather_object(
+            {"iterations": len(batches_toy.ITERATIONS), "batch_size": getattr(loader, "batch_size", None)}
+        ),
         "eval_batch_size": trainer.get_eval_dataloader(toy.regression_data(8)).batch_size,
     }
     tensors[name] = flat

@@ -30,6 +30,7 @@ LM = which == "gpt2"  # a causal LM that divides by num_items_in_batch itself
 def make() -> torch.nn.Module:
     return toy.gpt2(2) if LM else toy.block_lm()
 
+
 dist.init_process_group("gloo")  # kiln's strategies use this group (one the user made)
 rank, world = dist.get_rank(), dist.get_world_size()
 TRAIN, EVAL = toy.token_data(20), toy.token_data(6, seed=1)
@@ -76,8 +77,9 @@ def run_kiln(strategy: str, compiled: bool) -> tuple[dict, dict, torch.Tensor]:
     toy.reset()
     seen = toy.CountsPerStep()
     model = make()
-    cfg = toy.kiln_config(os.path.join(out, f"{strategy}-{compiled}"), batch=4, eval_batch=2,
-                          strategy={"name": strategy, "device": "cpu"})
+    cfg = toy.kiln_config(
+        os.path.join(out, f"{strategy}-{compiled}"), batch=4, eval_batch=2, strategy={"name": strategy, "device": "cpu"}
+    )
     if not compiled:
         cfg["torch_compile_backend"] = None
     trainer = Trainer(model, cfg, train_dataset=TRAIN, eval_dataset=EVAL, callbacks=[seen])
@@ -85,7 +87,11 @@ def run_kiln(strategy: str, compiled: bool) -> tuple[dict, dict, torch.Tensor]:
     assert trainer.state.global_step == 4, trainer.state.global_step
     weights = trainer.strategy.model_state_for_export(model)
     flat = toy.flat(v for _, v in sorted(weights.items())) if weights else torch.zeros(0)
-    return toy.counts(), {"steps": seen.steps, "evals": seen.evals, "wrapped": type(trainer.model_wrapped).__name__}, flat
+    return (
+        toy.counts(),
+        {"steps": seen.steps, "evals": seen.evals, "wrapped": type(trainer.model_wrapped).__name__},
+        flat,
+    )
 
 
 result: dict = {}
@@ -93,8 +99,13 @@ for case in cases:
     hand = hand_ddp() if case == "ddp" else hand_fsdp()
     got, seen, weights = run_kiln(case, compiled=True)
     _, _, eager = run_kiln(case, compiled=False)
-    result[case] = {"hand": hand, "kiln": got, "seen": seen, "weights": int(weights.numel()),
-                    "max_diff": float((weights - eager).abs().max()) if weights.numel() else None}
+    result[case] = {
+        "hand": hand,
+        "kiln": got,
+        "seen": seen,
+        "weights": int(weights.numel()),
+        "max_diff": float((weights - eager).abs().max()) if weights.numel() else None,
+    }
 with open(os.path.join(out, f"{rank}.json"), "w") as fh:
     json.dump(result, fh)
 dist.barrier()

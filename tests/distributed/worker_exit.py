@@ -32,22 +32,33 @@ atexit.register(report)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 import toy  # noqa: E402
+
 from kiln import Trainer  # noqa: E402
 
 torch.manual_seed(0)
-if how == "hf_args":  # TrainingArguments makes the process group itself (accelerate's PartialState): kiln does not own it
+if (
+    how == "hf_args"
+):  # TrainingArguments makes the process group itself (accelerate's PartialState): kiln does not own it
     from transformers import TrainingArguments
 
-    args = TrainingArguments(output_dir=os.path.join(out, "run"), max_steps=3, per_device_train_batch_size=2,
-                             report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=os.path.join(out, "run"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     assert dist.is_initialized()
     trainer = Trainer(toy.Regressor(), args=args, train_dataset=toy.regression_data(16))
     trainer.fit()
     trainer.evaluate(toy.regression_data(8))
 else:  # FSDP, then the script destroys the group itself, as scripts (and kiln's own test workers) did
-    cfg = toy.scenario_config("plain", os.path.join(out, "run"), world=2, max_steps=3, strategy={"name": "fsdp", "device": "cpu"})
+    cfg = toy.scenario_config(
+        "plain", os.path.join(out, "run"), world=2, max_steps=3, strategy={"name": "fsdp", "device": "cpu"}
+    )
     model = toy.Regressor()
     trainer = Trainer(model, cfg, train_dataset=toy.regression_data(16))
     trainer.fit()

@@ -7,8 +7,8 @@ import signal
 import sys
 
 import torch
-
 import toy
+
 from kiln import Callback, Trainer
 
 
@@ -19,6 +19,8 @@ class Die(Callback):
 
 
 torch.manual_seed(0)
-cfg = toy.scenario_config("plain", sys.argv[1], world=2, max_steps=1000, strategy={"name": "ddp", "device": "cpu", "timeout": 60})
+cfg = toy.scenario_config(
+    "plain", sys.argv[1], world=2, max_steps=1000, strategy={"name": "ddp", "device": "cpu", "timeout": 60}
+)
 Trainer(toy.Regressor(), cfg, train_dataset=toy.regression_data(64), callbacks=[Die()]).fit()
 print("unreachable: training finished", flush=True)

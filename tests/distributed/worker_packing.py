@@ -5,10 +5,9 @@ import json
 import os
 import sys
 
-from safetensors.torch import save_file
-
 import packing_toy
 import toy
+from safetensors.torch import save_file
 
 out = sys.argv[1]
 results, tensors = {}, {}
@@ -17,8 +16,11 @@ for name, stream in (("rows", False), ("stream", True)):
     flat = toy.flat_params(trainer.model)
     every = trainer.strategy.all_gather(flat)
     first = next(iter(trainer.get_train_dataloader()))["input_ids"].tolist()
-    results[name] = {"ranks_identical": bool((every == every[0]).all()), "steps": trainer.state.global_step,
-                     "first_batches": trainer.strategy.all_gather_object(first)}
+    results[name] = {
+        "ranks_identical": bool((every == every[0]).all()),
+        "steps": trainer.state.global_step,
+        "first_batches": trainer.strategy.all_gather_object(first),
+    }
     tensors[name] = flat
 if trainer.strategy.global_rank == 0:
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "results.safetensors"))

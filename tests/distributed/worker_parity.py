@@ -8,9 +8,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-
 import toy
+from safetensors.torch import save_file
 
 out = sys.argv[1]
 results: dict = {}
@@ -19,9 +18,13 @@ for name in toy.SCENARIOS:
     trainer, model = toy.train_scenario(name, os.path.join(out, name), world=2)
     flat = toy.flat_params(model)
     every = trainer.strategy.all_gather(flat)
-    results[name] = {"losses": toy.losses(trainer), "ranks_identical": bool((every == every[0]).all()),
-                     "strategy": type(trainer.strategy).__name__, "wrapped": type(trainer.model_wrapped).__name__,
-                     "train_loss": trainer.state.log_history[-1].get("train_loss")}
+    results[name] = {
+        "losses": toy.losses(trainer),
+        "ranks_identical": bool((every == every[0]).all()),
+        "strategy": type(trainer.strategy).__name__,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "train_loss": trainer.state.log_history[-1].get("train_loss"),
+    }
     tensors[name] = flat
 
 # evaluation / prediction through the DDP-wrapped model, 7 samples over 2 ranks
@@ -36,7 +39,8 @@ for batch in (1, 3):
     tensors[f"pred_b{batch}"] = torch.as_tensor(pred.predictions)
     tensors[f"labels_b{batch}"] = torch.as_tensor(pred.label_ids)
 results["ranks"] = trainer.strategy.all_gather_object(
-    {"rank": dist.get_rank(), "world": trainer.is_world_process_zero(), "local": trainer.is_local_process_zero()})
+    {"rank": dist.get_rank(), "world": trainer.is_world_process_zero(), "local": trainer.is_local_process_zero()}
+)
 if dist.get_rank() == 0:
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "results.safetensors"))
     with open(os.path.join(out, "results.json"), "w") as fh:

@@ -21,17 +21,30 @@ import torch  # noqa: E402
 
 from tests.helpers import padded_token_data  # noqa: E402
 
-STRATEGIES = {"single": {"name": "single", "device": "cpu"}, "ddp": {"name": "ddp", "device": "cpu"},
-              "fsdp": {"name": "fsdp", "device": "cpu"},  # wraps GPT2Block (the base model's _no_split_modules)
-              "fsdp_full": {"name": "fsdp", "device": "cpu", "state_dict_type": "full"}}
+STRATEGIES = {
+    "single": {"name": "single", "device": "cpu"},
+    "ddp": {"name": "ddp", "device": "cpu"},
+    "fsdp": {"name": "fsdp", "device": "cpu"},  # wraps GPT2Block (the base model's _no_split_modules)
+    "fsdp_full": {"name": "fsdp", "device": "cpu", "state_dict_type": "full"},
+}
 
 
 def base_model(seed: int = 0) -> torch.nn.Module:
     """The 'pretrained' model: the same weights wherever it is built with the same seed."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=11, n_positions=10, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=11,
+        n_positions=10,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(seed)
     return GPT2LMHeadModel(cfg)
 
@@ -43,8 +56,15 @@ def lora_model(seed: int = 0, lora_seed: int = 1, **lora: Any) -> torch.nn.Modul
 
     model = base_model(seed)
     torch.manual_seed(lora_seed)
-    settings = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "lora_dropout": 0.0, "fan_in_fan_out": True,
-                "init_lora_weights": "gaussian", **lora}
+    settings = {
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["c_attn"],
+        "lora_dropout": 0.0,
+        "fan_in_fan_out": True,
+        "init_lora_weights": "gaussian",
+        **lora,
+    }
     peft = get_peft_model(model, LoraConfig(**settings))
     with torch.no_grad():
         for name, p in peft.named_parameters():
@@ -59,9 +79,15 @@ def data() -> list[dict[str, torch.Tensor]]:
 
 def config(case: str, root: str, world: int, **extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "output_dir": os.path.join(root, case), "seed": 3, "learning_rate": 0.05, "max_steps": 4,
-        "per_device_train_batch_size": 4 // world, "gradient_accumulation_steps": 2, "max_grad_norm": 0.5,
-        "save": {"strategy": "steps", "steps": 2}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
+        "output_dir": os.path.join(root, case),
+        "seed": 3,
+        "learning_rate": 0.05,
+        "max_steps": 4,
+        "per_device_train_batch_size": 4 // world,
+        "gradient_accumulation_steps": 2,
+        "max_grad_norm": 0.5,
+        "save": {"strategy": "steps", "steps": 2},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
         "strategy": STRATEGIES[case],
     }
     cfg.update(extra)
@@ -78,8 +104,11 @@ def _layout(model: torch.nn.Module) -> dict[str, Any]:
     trainable parameters together."""
     from torch.distributed.tensor import DTensor
 
-    mixed = [name for name, m in model.named_modules() if type(m).__name__.startswith("FSDP") and name
-             and len({p.requires_grad for p in m.parameters()}) == 2]
+    mixed = [
+        name
+        for name, m in model.named_modules()
+        if type(m).__name__.startswith("FSDP") and name and len({p.requires_grad for p in m.parameters()}) == 2
+    ]
     return {"sharded": any(isinstance(p, DTensor) for p in model.parameters()), "mixed_units": mixed}
 
 
@@ -93,8 +122,13 @@ def run_case(case: str, root: str, world: int) -> tuple[dict[str, Any], dict[str
     ckpt = os.path.join(root, case, "checkpoint-2")
     with open(os.path.join(ckpt, "COMPLETE")) as fh:
         fmt = json.load(fh)["format"]
-    result = {"files": sorted(os.listdir(ckpt)), "losses": [h["loss"] for h in straight.state.log_history if "loss" in h],
-              "strategy": type(straight.strategy).__name__, "format": fmt, **_layout(straight.model)}
+    result = {
+        "files": sorted(os.listdir(ckpt)),
+        "losses": [h["loss"] for h in straight.state.log_history if "loss" in h],
+        "strategy": type(straight.strategy).__name__,
+        "format": fmt,
+        **_layout(straight.model),
+    }
     resumed = Trainer(lora_model(lora_seed=7), config(case, os.path.join(root, "resumed"), world), train_dataset=data())
     resumed.fit(resume_from_checkpoint=ckpt)
     tensors.update({f"resumed/{k}": v for k, v in full_weights(resumed).items()})

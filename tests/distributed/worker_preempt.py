@@ -1,9 +1,9 @@
 """2-process worker for preemption and start-up checks. Usage:
-  worker_preempt.py preempt OUT MAX_STEPS SIGNAL_RANKS [resume]
-      on_step_end of step 3, each rank in SIGNAL_RANKS (e.g. "1" or "01") writes its pid to OUT/pid<rank>
-      and waits until it has received SIGTERM (the test sends it); then training goes on as kiln decides.
-  worker_preempt.py dirs OUT
-      each rank gets its own output_dir (OUT/rank<r>): refused at start-up."""
+worker_preempt.py preempt OUT MAX_STEPS SIGNAL_RANKS [resume]
+    on_step_end of step 3, each rank in SIGNAL_RANKS (e.g. "1" or "01") writes its pid to OUT/pid<rank>
+    and waits until it has received SIGTERM (the test sends it); then training goes on as kiln decides.
+worker_preempt.py dirs OUT
+    each rank gets its own output_dir (OUT/rank<r>): refused at start-up."""
 
 import json
 import os
@@ -12,8 +12,8 @@ import sys
 import time
 
 import torch
-
 import toy
+
 from kiln import Callback, Trainer
 
 mode, out = sys.argv[1], sys.argv[2]
@@ -45,15 +45,23 @@ class WaitForSigterm(Callback):
 torch.manual_seed(0)
 model = toy.Regressor(dropout=0.2)
 if mode == "dirs":
-    cfg = toy.scenario_config("plain", os.path.join(out, f"rank{rank}"), world=2,
-                              strategy={"name": "ddp", "device": "cpu", "timeout": 60})
+    cfg = toy.scenario_config(
+        "plain", os.path.join(out, f"rank{rank}"), world=2, strategy={"name": "ddp", "device": "cpu", "timeout": 60}
+    )
     Trainer(model, cfg, train_dataset=toy.regression_data(64)).fit()
     sys.exit(0)
 
 resume = len(sys.argv) > 5 and sys.argv[5] == "resume"
-cfg = toy.scenario_config("plain", out, world=2, max_steps=int(sys.argv[3]), enable_jit_checkpoint=True,
-                          save={"strategy": "steps", "steps": 100}, resume_from_checkpoint="true" if resume else None,
-                          strategy={"name": "ddp", "device": "cpu", "timeout": 60})
+cfg = toy.scenario_config(
+    "plain",
+    out,
+    world=2,
+    max_steps=int(sys.argv[3]),
+    enable_jit_checkpoint=True,
+    save={"strategy": "steps", "steps": 100},
+    resume_from_checkpoint="true" if resume else None,
+    strategy={"name": "ddp", "device": "cpu", "timeout": 60},
+)
 trainer = Trainer(model, cfg, train_dataset=toy.regression_data(64), callbacks=[WaitForSigterm()])
 trainer.fit()
 if rank == 0:

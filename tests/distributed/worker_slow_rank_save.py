@@ -14,8 +14,8 @@ import sys
 import time
 
 import torch
-
 import toy
+
 from kiln import Trainer
 from kiln.engine.checkpoint import manager
 
@@ -41,6 +41,12 @@ if rank == 1:
     manager.rng_state = slow_rng_state
 
 torch.manual_seed(0)
-cfg = toy.scenario_config("plain", run_dir, world=2, max_steps=4, save={"strategy": "steps", "steps": 2},
-                          strategy={"name": "ddp", "device": "cpu", "timeout": 120})
+cfg = toy.scenario_config(
+    "plain",
+    run_dir,
+    world=2,
+    max_steps=4,
+    save={"strategy": "steps", "steps": 2},
+    strategy={"name": "ddp", "device": "cpu", "timeout": 120},
+)
 Trainer(toy.Regressor(), cfg, train_dataset=toy.regression_data(64)).fit()

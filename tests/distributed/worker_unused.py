@@ -8,14 +8,18 @@ import os
 import sys
 
 import torch
+import toy
 from safetensors.torch import save_file
 
-import toy
 from kiln import Trainer
 
 out = sys.argv[1]
 results, tensors = {}, {}
-for name, make, find in (("auto", toy.WithUnused, None), ("forced", toy.WithUnused, True), ("all_used", toy.Regressor, None)):
+for name, make, find in (
+    ("auto", toy.WithUnused, None),
+    ("forced", toy.WithUnused, True),
+    ("all_used", toy.Regressor, None),
+):
     torch.manual_seed(0)
     model = make()
     cfg = toy.scenario_config("accum", os.path.join(out, name), world=2)
@@ -24,8 +28,11 @@ for name, make, find in (("auto", toy.WithUnused, None), ("forced", toy.WithUnus
     trainer.fit()
     flat = toy.flat_params(model)
     every = trainer.strategy.all_gather(flat)
-    results[name] = {"find_unused": trainer.model_wrapped.find_unused_parameters, "ranks_identical": bool((every == every[0]).all()),
-                     "unused_grad_is_none": model.unused.weight.grad is None if hasattr(model, "unused") else None}
+    results[name] = {
+        "find_unused": trainer.model_wrapped.find_unused_parameters,
+        "ranks_identical": bool((every == every[0]).all()),
+        "unused_grad_is_none": model.unused.weight.grad is None if hasattr(model, "unused") else None,
+    }
     tensors[name] = flat
 if trainer.is_world_process_zero():
     with open(os.path.join(out, "results.json"), "w") as fh:

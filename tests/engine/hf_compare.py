@@ -16,8 +16,18 @@ VOCAB, LENGTH = 40, 8
 def gpt2() -> torch.nn.Module:
     import transformers
 
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=LENGTH,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -26,15 +36,28 @@ def token_rows(n: int, seed: int = 1) -> dict[str, list[Any]]:
     """Columns of n rows: input_ids / labels as lists of ints, plus columns GPT-2's forward does not take."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
-    return {"input_ids": ids.tolist(), "labels": ids.tolist(), "idx": list(range(n)),
-            "text": [f"row {i}" for i in range(n)]}
+    return {
+        "input_ids": ids.tolist(),
+        "labels": ids.tolist(),
+        "idx": list(range(n)),
+        "text": [f"row {i}" for i in range(n)],
+    }
 
 
 def hf_args(out: str, **kw: Any) -> Any:
     import transformers
 
-    base = dict(output_dir=out, use_cpu=True, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
-                save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0)
+    base = dict(
+        output_dir=out,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     base.update(kw)
     return transformers.TrainingArguments(**base)
 

@@ -69,18 +69,32 @@ class _KilnInOrder(Trainer):
         return torch.utils.data.DataLoader(self.train_dataset, batch_size=self._train_batch_size, shuffle=False)
 
 
-SETTINGS = dict(max_steps=2, per_device_train_batch_size=16, auto_find_batch_size=True, learning_rate=1e-2,
-                optim="adamw_torch", save_strategy="steps", save_steps=1, seed=0)
+SETTINGS = dict(
+    max_steps=2,
+    per_device_train_batch_size=16,
+    auto_find_batch_size=True,
+    learning_rate=1e-2,
+    optim="adamw_torch",
+    save_strategy="steps",
+    save_steps=1,
+    seed=0,
+)
 
 
 def _hf(out, model, callbacks=(), **kw):
-    args = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], disable_tqdm=True, **SETTINGS)
+    args = transformers.TrainingArguments(
+        output_dir=str(out), use_cpu=True, report_to=[], disable_tqdm=True, **SETTINGS
+    )
     return _HFInOrder(model=model, args=args, train_dataset=_rows(), callbacks=list(callbacks), **kw)
 
 
 def _kiln(out, model, callbacks=(), **kw):
-    cfg = {"output_dir": str(out), "strategy": {"device": "cpu"}, "log": {"history": [], "disable_tqdm": True},
-           **{**SETTINGS, **kw.pop("settings", {})}}
+    cfg = {
+        "output_dir": str(out),
+        "strategy": {"device": "cpu"},
+        "log": {"history": [], "disable_tqdm": True},
+        **{**SETTINGS, **kw.pop("settings", {})},
+    }
     return _KilnInOrder(model, cfg, train_dataset=_rows(), callbacks=list(callbacks), **kw)
 
 
@@ -94,7 +108,11 @@ def test_an_out_of_memory_error_at_step_end_restarts_smaller_as_hf_does(tmp_path
     ours = _kiln(tmp_path / "kiln", kiln_model, [kiln_cb])
     ours.fit()
 
-    assert hf_cb.steps == [(0, 16), (0, 14), (1, 14)]  # step 1 at 16 fails after its update; 16 * 0.9 -> 14, from step 0
+    assert hf_cb.steps == [
+        (0, 16),
+        (0, 14),
+        (1, 14),
+    ]  # step 1 at 16 fails after its update; 16 * 0.9 -> 14, from step 0
     assert kiln_cb.steps == hf_cb.steps
     assert ours._train_batch_size == hf._train_batch_size == 14
     assert ours.state.global_step == hf.state.global_step == 2
@@ -179,10 +197,18 @@ class _AlwaysOom(Callback):
 
 def test_out_of_memory_in_evaluation_is_reported_not_retried(tmp_path):
     rec: list = []
-    trainer = _kiln(tmp_path / "eval", _EvalOom(), [_Record(rec)], eval_dataset=_rows(8),
-                    settings={"eval_strategy": "steps", "eval_steps": 1})
-    with pytest.raises(KilnError, match="Evaluation ran out of memory; auto_find_batch_size only adjusts the training "
-                                        "batch size: lower per_device_eval_batch_size"):
+    trainer = _kiln(
+        tmp_path / "eval",
+        _EvalOom(),
+        [_Record(rec)],
+        eval_dataset=_rows(8),
+        settings={"eval_strategy": "steps", "eval_steps": 1},
+    )
+    with pytest.raises(
+        KilnError,
+        match="Evaluation ran out of memory; auto_find_batch_size only adjusts the training "
+        "batch size: lower per_device_eval_batch_size",
+    ):
         trainer.fit()
     assert rec == [(0, 16)]  # no restart
 

@@ -29,8 +29,15 @@ class MemoryBound(TinyRegressor):
 
 
 def _config(tmp_path, name, batch, **extra):
-    return base_config(tmp_path / name, max_steps=6, per_device_train_batch_size=batch, gradient_accumulation_steps=2,
-                       learning_rate=1e-2, seed=7, **extra)
+    return base_config(
+        tmp_path / name,
+        max_steps=6,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        seed=7,
+        **extra,
+    )
 
 
 def _params(model):
@@ -70,35 +77,49 @@ def test_the_search_includes_the_optimizer_step(tmp_path):
 
             return Picky(self.parameters(), lr=1e-2)
 
-    trainer = Trainer(TightOptimizer(limit=12), _config(tmp_path, "opt", 16, auto_find_batch_size=True),
-                      train_dataset=regression_data(n=64))
+    trainer = Trainer(
+        TightOptimizer(limit=12),
+        _config(tmp_path, "opt", 16, auto_find_batch_size=True),
+        train_dataset=regression_data(n=64),
+    )
     trainer.fit()
     assert trainer._train_batch_size == 10
 
 
 def test_a_size_that_fits_is_kept_and_checked_once(tmp_path):
     model = MemoryBound(limit=64)
-    trainer = Trainer(model, _config(tmp_path, "fits", 8, auto_find_batch_size=True), train_dataset=regression_data(n=32))
+    trainer = Trainer(
+        model, _config(tmp_path, "fits", 8, auto_find_batch_size=True), train_dataset=regression_data(n=32)
+    )
     trainer.fit()
     assert trainer._train_batch_size == 8
     assert model.forwards == 2 + 6 * 2  # one probe window of 2 micro-batches, then 6 steps of 2
 
 
 def test_nothing_fits(tmp_path):
-    trainer = Trainer(MemoryBound(limit=0), _config(tmp_path, "none", 4, auto_find_batch_size=True),
-                      train_dataset=regression_data(n=16))
+    trainer = Trainer(
+        MemoryBound(limit=0),
+        _config(tmp_path, "none", 4, auto_find_batch_size=True),
+        train_dataset=regression_data(n=16),
+    )
     with pytest.raises(KilnError, match="even per_device_train_batch_size=1 runs out of memory"):
         trainer.fit()
 
 
 def test_resume_reuses_the_checkpoints_size(tmp_path):
     data = regression_data(n=64)
-    first = Trainer(MemoryBound(limit=10), _config(tmp_path, "run", 16, auto_find_batch_size=True,
-                                                   save={"strategy": "steps", "steps": 3}), train_dataset=data)
+    first = Trainer(
+        MemoryBound(limit=10),
+        _config(tmp_path, "run", 16, auto_find_batch_size=True, save={"strategy": "steps", "steps": 3}),
+        train_dataset=data,
+    )
     first.fit()
     model = MemoryBound(limit=10)
-    resumed = Trainer(model, _config(tmp_path, "run", 16, auto_find_batch_size=True, save={"strategy": "steps", "steps": 3}),
-                      train_dataset=data)
+    resumed = Trainer(
+        model,
+        _config(tmp_path, "run", 16, auto_find_batch_size=True, save={"strategy": "steps", "steps": 3}),
+        train_dataset=data,
+    )
     resumed.fit(resume_from_checkpoint=str(tmp_path / "run" / "out" / "checkpoint-3"))
     assert resumed._train_batch_size == 10
     assert model.forwards == 1 + 2 + 2  # steps 4..6 only (step 4 is the epoch's short last window): no search
@@ -110,7 +131,9 @@ def test_other_errors_are_not_mistaken_for_out_of_memory(tmp_path):
             raise ValueError("shape mismatch")
 
     with pytest.raises(ValueError, match="shape mismatch"):
-        Trainer(Broken(), _config(tmp_path, "broken", 4, auto_find_batch_size=True), train_dataset=regression_data(n=16)).fit()
+        Trainer(
+            Broken(), _config(tmp_path, "broken", 4, auto_find_batch_size=True), train_dataset=regression_data(n=16)
+        ).fit()
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
     assert not is_out_of_memory(RuntimeError("Expected all tensors to be on the same device"))
 
@@ -125,8 +148,11 @@ def test_a_second_train_searches_again_and_builds_its_own_schedule(tmp_path):
     """A second train() (a new run, HF) on a set-up Trainer: the search probes on the existing optimizer without
     a schedule, then the run builds its linear schedule for its own 6 steps, which ends at 0."""
     model = MemoryBound(limit=10)
-    trainer = Trainer(model, _config(tmp_path, "auto", 16, auto_find_batch_size=True, lr_scheduler_type="linear"),
-                      train_dataset=regression_data(n=64))
+    trainer = Trainer(
+        model,
+        _config(tmp_path, "auto", 16, auto_find_batch_size=True, lr_scheduler_type="linear"),
+        train_dataset=regression_data(n=64),
+    )
     trainer.fit()
     first = trainer.lr_scheduler
     out = trainer.train()

@@ -19,8 +19,13 @@ from tests.helpers import TinyRegressor, TokenModel, base_config, regression_dat
 
 def fit(tmp_path, model, data, **kw) -> Trainer:
     collator, optimizers = kw.pop("data_collator", None), kw.pop("optimizers", (None, None))
-    trainer = Trainer(model, base_config(tmp_path, **{"max_steps": 2, "per_device_train_batch_size": 4, **kw}),
-                      train_dataset=data, data_collator=collator, optimizers=optimizers)
+    trainer = Trainer(
+        model,
+        base_config(tmp_path, **{"max_steps": 2, "per_device_train_batch_size": 4, **kw}),
+        train_dataset=data,
+        data_collator=collator,
+        optimizers=optimizers,
+    )
     trainer.fit()
     return trainer
 
@@ -35,8 +40,10 @@ def one_line(err: pytest.ExceptionInfo) -> str:
 def test_an_empty_output_dir_is_refused_at_load():
     with pytest.raises(ConfigError) as err:
         load_config({"output_dir": ""})
-    assert one_line(err) == ("output_dir is empty (''); name the folder for checkpoints and logs, e.g. output_dir: out "
-                             "(leave the key out for the default 'tmp_trainer').")
+    assert one_line(err) == (
+        "output_dir is empty (''); name the folder for checkpoints and logs, e.g. output_dir: out "
+        "(leave the key out for the default 'tmp_trainer')."
+    )
 
 
 # -- rows of unequal length under the default collator ------------------------------------------
@@ -53,16 +60,25 @@ def _rows(kind: str) -> list[dict]:
 def test_rows_of_unequal_length_name_the_key_and_the_lengths(tmp_path, kind):
     with pytest.raises(KilnError) as err:
         fit(tmp_path, TokenModel(), _rows(kind), per_device_train_batch_size=8)  # one batch holds every row
-    assert one_line(err).startswith("The rows of a batch have different lengths under 'input_ids' (3, 4 and 5), and "
-                                    "kiln's default collator stacks rows as they are: pad them to one length")
+    assert one_line(err).startswith(
+        "The rows of a batch have different lengths under 'input_ids' (3, 4 and 5), and "
+        "kiln's default collator stacks rows as they are: pad them to one length"
+    )
     assert "pass a data_collator that pads each batch (e.g. transformers' DataCollatorWithPadding)" in str(err.value)
 
 
 def test_unequal_shapes_beyond_the_first_dimension_and_tuples():
-    rows = [(torch.zeros(2, 3), torch.zeros(())), (torch.zeros(2, 4), torch.zeros(())), (torch.zeros(2, 5), torch.zeros(())),
-            (torch.zeros(2, 6), torch.zeros(()))]
-    with pytest.raises(KilnError, match=r"different shapes under position 0 of the items \(\[2, 3\], \[2, 4\] and \[2, 5\], "
-                                        r"\.\.\.\)"):
+    rows = [
+        (torch.zeros(2, 3), torch.zeros(())),
+        (torch.zeros(2, 4), torch.zeros(())),
+        (torch.zeros(2, 5), torch.zeros(())),
+        (torch.zeros(2, 6), torch.zeros(())),
+    ]
+    with pytest.raises(
+        KilnError,
+        match=r"different shapes under position 0 of the items \(\[2, 3\], \[2, 4\] and \[2, 5\], "
+        r"\.\.\.\)",
+    ):
         default_data_collator(rows)
     with pytest.raises(KilnError, match=r"different lengths under the items \(2 and 3\)"):
         default_data_collator([torch.zeros(2), torch.zeros(3)])
@@ -108,27 +124,37 @@ class Frozen(TinyRegressor):
         self.requires_grad_(False)
 
 
-@pytest.mark.parametrize("make, model, maker", [
-    (Trainer, Detached, "Detached.training_step"),
-    (Trainer, HFDetached, "HFDetached.forward (read by Trainer.compute_loss)"),
-    (OwnLoss, TinyRegressor, "OwnLoss.compute_loss"),
-    (OwnStep, Detached, "OwnStep.training_step"),
-])
+@pytest.mark.parametrize(
+    "make, model, maker",
+    [
+        (Trainer, Detached, "Detached.training_step"),
+        (Trainer, HFDetached, "HFDetached.forward (read by Trainer.compute_loss)"),
+        (OwnLoss, TinyRegressor, "OwnLoss.compute_loss"),
+        (OwnStep, Detached, "OwnStep.training_step"),
+    ],
+)
 def test_a_loss_without_grad_fn_names_what_computed_it(tmp_path, make, model, maker):
-    trainer = make(model(), base_config(tmp_path, max_steps=2, per_device_train_batch_size=4), train_dataset=regression_data(8))
+    trainer = make(
+        model(), base_config(tmp_path, max_steps=2, per_device_train_batch_size=4), train_dataset=regression_data(8)
+    )
     with pytest.raises(KilnError) as err:
         trainer.fit()
-    assert one_line(err) == (f"The loss from {maker} has no grad_fn, so backward() has nothing to differentiate: compute "
-                             "it from the model's outputs without .detach(), .item(), a new torch.tensor(...) or "
-                             "torch.no_grad().")
+    assert one_line(err) == (
+        f"The loss from {maker} has no grad_fn, so backward() has nothing to differentiate: compute "
+        "it from the model's outputs without .detach(), .item(), a new torch.tensor(...) or "
+        "torch.no_grad()."
+    )
     assert "does not require grad" in str(err.value.__cause__)  # torch's error stays attached
 
 
 def test_a_model_without_trainable_parameters_is_told_so(tmp_path):
     """(kiln's own optimizer refuses such a model earlier; a user's optimizer may not)"""
     model = Frozen()
-    with pytest.raises(KilnError, match=r"The loss from Frozen.training_step has no grad_fn, so backward\(\) has nothing "
-                                        r"to differentiate: unfreeze some parameters \(none of the model's requires grad\)"):
+    with pytest.raises(
+        KilnError,
+        match=r"The loss from Frozen.training_step has no grad_fn, so backward\(\) has nothing "
+        r"to differentiate: unfreeze some parameters \(none of the model's requires grad\)",
+    ):
         fit(tmp_path, model, regression_data(8), optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
 
 
@@ -149,16 +175,28 @@ def one_list(items):
     return {"x": torch.stack([i["x"] for i in items]), "y": [float(i["y"]) for i in items]}
 
 
-@pytest.mark.parametrize("collator, sentence", [
-    (as_list, r"TinyRegressor.training_step reads the batch by key, but the batch is a list \(tensor\[4, 8\], tensor\[4\]\) "
-              r"\(TypeError: list indices must be integers or slices, not str\): have the data_collator return a dict of "
-              r"tensors"),
-    (as_tuple, r"TinyRegressor.training_step reads the batch by key, but the batch is a tuple \(tensor\[4, 8\], tensor\[4\]\)"),
-    (dict_of_lists, r"TinyRegressor.training_step failed on a batch whose 'x' and 'y' are Python lists of 4 rows, not a "
-                    r"tensor \(TypeError: .*\): stack the rows in the data_collator \(torch.stack or torch.tensor\), or leave "
-                    r"data_collator out for kiln's default collator, which does."),
-    (one_list, r"failed on a batch whose 'y' is a Python list of 4 rows, not a tensor"),
-])
+@pytest.mark.parametrize(
+    "collator, sentence",
+    [
+        (
+            as_list,
+            r"TinyRegressor.training_step reads the batch by key, but the batch is a list \(tensor\[4, 8\], tensor\[4\]\) "
+            r"\(TypeError: list indices must be integers or slices, not str\): have the data_collator return a dict of "
+            r"tensors",
+        ),
+        (
+            as_tuple,
+            r"TinyRegressor.training_step reads the batch by key, but the batch is a tuple \(tensor\[4, 8\], tensor\[4\]\)",
+        ),
+        (
+            dict_of_lists,
+            r"TinyRegressor.training_step failed on a batch whose 'x' and 'y' are Python lists of 4 rows, not a "
+            r"tensor \(TypeError: .*\): stack the rows in the data_collator \(torch.stack or torch.tensor\), or leave "
+            r"data_collator out for kiln's default collator, which does.",
+        ),
+        (one_list, r"failed on a batch whose 'y' is a Python list of 4 rows, not a tensor"),
+    ],
+)
 def test_a_collator_that_returns_lists_is_one_sentence(tmp_path, collator, sentence):
     with pytest.raises(KilnError, match=sentence) as err:
         fit(tmp_path, TinyRegressor(), regression_data(8), data_collator=collator)
@@ -204,27 +242,44 @@ class Counting(TinyRegressor):
         return super().training_step(batch)
 
 
-@pytest.mark.parametrize("eval_dataset, name", [([], "eval_dataset"), ({"a": regression_data(4), "b": []}, "eval_dataset 'b'"),
-                                                (torch.utils.data.DataLoader([]), "eval_dataset")])
+@pytest.mark.parametrize(
+    "eval_dataset, name",
+    [
+        ([], "eval_dataset"),
+        ({"a": regression_data(4), "b": []}, "eval_dataset 'b'"),
+        (torch.utils.data.DataLoader([]), "eval_dataset"),
+    ],
+)
 def test_an_empty_eval_dataset_is_refused_before_fit_trains(tmp_path, eval_dataset, name):
     model = Counting()
-    trainer = Trainer(model, base_config(tmp_path, max_steps=2, per_device_train_batch_size=4, eval_strategy="steps",
-                                         eval_steps=1), train_dataset=regression_data(8), eval_dataset=eval_dataset)
+    trainer = Trainer(
+        model,
+        base_config(tmp_path, max_steps=2, per_device_train_batch_size=4, eval_strategy="steps", eval_steps=1),
+        train_dataset=regression_data(8),
+        eval_dataset=eval_dataset,
+    )
     with pytest.raises(KilnError) as err:
         trainer.fit()
-    assert one_line(err) == (f"{name} is empty (0 items), so there would be no eval_loss to report: pass a dataset with "
-                             "items, or set eval_strategy='no'.")
+    assert one_line(err) == (
+        f"{name} is empty (0 items), so there would be no eval_loss to report: pass a dataset with "
+        "items, or set eval_strategy='no'."
+    )
     assert model.steps == 0
 
 
 def test_an_empty_eval_dataset_is_refused_by_evaluate(tmp_path):
     trainer = Trainer(TinyRegressor(), base_config(tmp_path), eval_dataset={"a": regression_data(4), "b": []})
-    with pytest.raises(KilnError, match=r"^eval_dataset 'b' is empty \(0 items\), so there would be no eval_loss to report: "
-                                        r"pass evaluate\(\) a dataset with items\.$"):
+    with pytest.raises(
+        KilnError,
+        match=r"^eval_dataset 'b' is empty \(0 items\), so there would be no eval_loss to report: "
+        r"pass evaluate\(\) a dataset with items\.$",
+    ):
         trainer.evaluate()
     with pytest.raises(KilnError, match=r"^eval_dataset is empty \(0 items\)"):
         trainer.evaluate([])
     assert "eval_loss" in trainer.evaluate(regression_data(4))
     # not evaluating during fit: an empty eval_dataset is not in the way
-    quiet = Trainer(TinyRegressor(), base_config(tmp_path, max_steps=1), train_dataset=regression_data(8), eval_dataset=[])
+    quiet = Trainer(
+        TinyRegressor(), base_config(tmp_path, max_steps=1), train_dataset=regression_data(8), eval_dataset=[]
+    )
     assert quiet.fit().global_step == 1

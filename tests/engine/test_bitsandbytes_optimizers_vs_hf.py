@@ -18,8 +18,19 @@ from kiln.optim.optimizers import build_optimizer
 
 transformers = pytest.importorskip("transformers")
 
-NAMES = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "lion_32bit", "lion_8bit",
-         "paged_lion_32bit", "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit")
+NAMES = (
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "paged_adamw_32bit",
+    "paged_adamw_8bit",
+    "lion_32bit",
+    "lion_8bit",
+    "paged_lion_32bit",
+    "paged_lion_8bit",
+    "rmsprop_bnb",
+    "rmsprop_bnb_8bit",
+    "rmsprop_bnb_32bit",
+)
 
 
 def _stand_in(name: str) -> type:
@@ -50,11 +61,19 @@ def fake_bnb(monkeypatch):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bitsandbytes_names_build_hfs_optimizer(fake_bnb, name, tmp_path):
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), optim=name, learning_rate=1e-3, adam_beta1=0.8,
-                                          adam_beta2=0.95, adam_epsilon=1e-7, report_to=[])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        optim=name,
+        learning_rate=1e-3,
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_epsilon=1e-7,
+        report_to=[],
+    )
     hf_cls, hf_kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args)
-    optimizer = build_optimizer(nn.Linear(2, 2), OptimConfig(name=name, lr=1e-3, adam_beta1=0.8, adam_beta2=0.95,
-                                                             adam_epsilon=1e-7))
+    optimizer = build_optimizer(
+        nn.Linear(2, 2), OptimConfig(name=name, lr=1e-3, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7)
+    )
     assert type(optimizer) is hf_cls
     assert optimizer.kwargs == hf_kwargs
     assert optimizer.kwargs["optim_bits"] == (8 if "8bit" in name else 32)

@@ -22,8 +22,18 @@ from tests.hf_logs import hf_propagation  # noqa: F401 - a fixture
 
 transformers = pytest.importorskip("transformers")
 
-SETTINGS = dict(max_steps=4, per_device_train_batch_size=8, learning_rate=1e-2, logging_steps=1, eval_strategy="steps",
-                eval_steps=2, save_strategy="steps", save_steps=2, metric_for_best_model="loss", seed=0)
+SETTINGS = dict(
+    max_steps=4,
+    per_device_train_batch_size=8,
+    learning_rate=1e-2,
+    logging_steps=1,
+    eval_strategy="steps",
+    eval_steps=2,
+    save_strategy="steps",
+    save_steps=2,
+    metric_for_best_model="loss",
+    seed=0,
+)
 
 
 class Lin(nn.Module):
@@ -46,8 +56,16 @@ class _Flags:
         self.seen: list[tuple] = []
 
     def _note(self, event, state, control):
-        self.seen.append((event, state.global_step, control.should_log, control.should_evaluate, control.should_save,
-                          control.should_training_stop))
+        self.seen.append(
+            (
+                event,
+                state.global_step,
+                control.should_log,
+                control.should_evaluate,
+                control.should_save,
+                control.should_training_stop,
+            )
+        )
 
     def on_log(self, args, state, control, **kw):
         self._note("log", state, control)
@@ -78,15 +96,30 @@ def test_checkpoints_carry_trainer_control_and_events_see_hf_s_flags(tmp_path):
     torch.manual_seed(0)
     model = Lin()
     hf_flags, kiln_flags = HFFlags(), KilnFlags()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], disable_tqdm=True,
-                                          **SETTINGS)
-    hf = transformers.Trainer(model=copy.deepcopy(model), args=args, train_dataset=_rows(64), eval_dataset=_rows(8),
-                              callbacks=[hf_flags, transformers.EarlyStoppingCallback(early_stopping_patience=5)])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], disable_tqdm=True, **SETTINGS
+    )
+    hf = transformers.Trainer(
+        model=copy.deepcopy(model),
+        args=args,
+        train_dataset=_rows(64),
+        eval_dataset=_rows(8),
+        callbacks=[hf_flags, transformers.EarlyStoppingCallback(early_stopping_patience=5)],
+    )
     hf.train()
-    cfg = {"output_dir": str(tmp_path / "kiln"), "strategy": {"device": "cpu"},
-           "log": {"history": [], "disable_tqdm": True}, **SETTINGS}
-    Trainer(copy.deepcopy(model), cfg, train_dataset=_rows(64), eval_dataset=_rows(8),
-            callbacks=[kiln_flags, EarlyStoppingCallback(early_stopping_patience=5)]).fit()
+    cfg = {
+        "output_dir": str(tmp_path / "kiln"),
+        "strategy": {"device": "cpu"},
+        "log": {"history": [], "disable_tqdm": True},
+        **SETTINGS,
+    }
+    Trainer(
+        copy.deepcopy(model),
+        cfg,
+        train_dataset=_rows(64),
+        eval_dataset=_rows(8),
+        callbacks=[kiln_flags, EarlyStoppingCallback(early_stopping_patience=5)],
+    ).fit()
 
     assert kiln_flags.seen == hf_flags.seen
     for step in (2, 4):
@@ -107,7 +140,9 @@ def test_a_duplicate_callback_is_logged_not_warned(caplog, hf_propagation):
         warnings.simplefilter("error")  # a Python warning would fail here
         CallbackHandler([Once(), Once()])
     [record] = [r for r in caplog.records if f"You are adding a {Once} to the callbacks" in r.getMessage()]
-    assert record.levelname == "WARNING" and record.name == "transformers.trainer_callback"  # HF's, as transformers is imported
+    assert (
+        record.levelname == "WARNING" and record.name == "transformers.trainer_callback"
+    )  # HF's, as transformers is imported
 
 
 def test_a_saved_trainer_control_is_not_reported_as_a_missing_callback():

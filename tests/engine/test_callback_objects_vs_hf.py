@@ -16,8 +16,20 @@ from tests.engine.test_callback_flags_vs_hf import SETTINGS, Lin, _rows
 
 transformers = pytest.importorskip("transformers")
 
-EVENTS = ("on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_pre_optimizer_step",
-          "on_optimizer_step", "on_step_end", "on_log", "on_evaluate", "on_save", "on_epoch_end", "on_train_end")
+EVENTS = (
+    "on_init_end",
+    "on_train_begin",
+    "on_epoch_begin",
+    "on_step_begin",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
+    "on_log",
+    "on_evaluate",
+    "on_save",
+    "on_epoch_end",
+    "on_train_end",
+)
 
 
 class _Seen:
@@ -44,13 +56,19 @@ def test_every_event_receives_hf_s_objects_at_the_same_points(tmp_path):
     torch.manual_seed(0)
     model = Lin()
     theirs, ours = _recorder(transformers.TrainerCallback), _recorder(Callback)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], disable_tqdm=True,
-                                          **SETTINGS)
-    hf = transformers.Trainer(model=copy.deepcopy(model), args=args, train_dataset=_rows(64), eval_dataset=_rows(8),
-                              callbacks=[theirs])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], disable_tqdm=True, **SETTINGS
+    )
+    hf = transformers.Trainer(
+        model=copy.deepcopy(model), args=args, train_dataset=_rows(64), eval_dataset=_rows(8), callbacks=[theirs]
+    )
     hf.train()
-    cfg = {"output_dir": str(tmp_path / "kiln"), "strategy": {"device": "cpu"}, "log": {"history": [], "disable_tqdm": True},
-           **SETTINGS}
+    cfg = {
+        "output_dir": str(tmp_path / "kiln"),
+        "strategy": {"device": "cpu"},
+        "log": {"history": [], "disable_tqdm": True},
+        **SETTINGS,
+    }
     trainer = Trainer(copy.deepcopy(model), cfg, train_dataset=_rows(64), eval_dataset=_rows(8), callbacks=[ours])
     trainer.fit()
 
@@ -75,7 +93,11 @@ def test_a_given_optimizer_pair_reaches_the_first_events(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ours = _recorder(Callback)
-    cfg = {"output_dir": str(tmp_path), "strategy": {"device": "cpu"}, "log": {"history": [], "disable_tqdm": True},
-           "max_steps": 1}
+    cfg = {
+        "output_dir": str(tmp_path),
+        "strategy": {"device": "cpu"},
+        "log": {"history": [], "disable_tqdm": True},
+        "max_steps": 1,
+    }
     Trainer(model, cfg, train_dataset=_rows(16), callbacks=[ours], optimizers=(opt, sched))
     assert "optimizer" not in ours.none["on_init_end"] and "lr_scheduler" not in ours.none["on_init_end"]

@@ -34,10 +34,18 @@ def test_loss_and_gradients_equal_the_plain_loss(chunk_size, counted):
     labels[0, :4] = -100
     labels[2, 7:] = -100
     items = torch.tensor(21.0) if counted else None
-    plain = grads_of(lambda: ForCausalLMLoss(nn.functional.linear(hidden, weight, bias), labels, 50,
-                                             num_items_in_batch=items), hidden, weight, bias)
-    chunked = grads_of(lambda: chunked_cross_entropy(hidden, weight, bias, labels, chunk_size=chunk_size,
-                                                     num_items_in_batch=items), hidden, weight, bias)
+    plain = grads_of(
+        lambda: ForCausalLMLoss(nn.functional.linear(hidden, weight, bias), labels, 50, num_items_in_batch=items),
+        hidden,
+        weight,
+        bias,
+    )
+    chunked = grads_of(
+        lambda: chunked_cross_entropy(hidden, weight, bias, labels, chunk_size=chunk_size, num_items_in_batch=items),
+        hidden,
+        weight,
+        bias,
+    )
     torch.testing.assert_close(chunked[0], plain[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(chunked[1], plain[1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -54,15 +62,23 @@ def test_shift_labels_are_used_as_given():
 
 def llama():  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-        vocab_size=97))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            vocab_size=97,
+        )
+    )
 
 
 def gpt2():  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97,
-                                                                n_positions=32))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=32)
+    )
 
 
 @pytest.mark.parametrize("build", [llama, gpt2], ids=["llama", "gpt2-tied-head"])
@@ -84,9 +100,18 @@ def test_a_causal_lm_gets_its_own_loss_and_gradients(build):
 
 def test_what_it_cannot_stand_in_for_is_one_sentence():
     torch.manual_seed(0)
-    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        intermediate_size=32, vocab_size=40, final_logit_softcapping=30.0))
+    gemma = transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(
+            num_hidden_layers=1,
+            hidden_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=32,
+            vocab_size=40,
+            final_logit_softcapping=30.0,
+        )
+    )
     batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4, dtype=torch.long)}
     with pytest.raises(ConfigError, match=r"Gemma2ForCausalLM transforms its logits .*final_logit_softcapping=30.0"):
         chunked_causal_lm_loss(gemma, batch, chunk_size=4)
@@ -95,5 +120,6 @@ def test_what_it_cannot_stand_in_for_is_one_sentence():
     with pytest.raises(ConfigError, match="this batch has none"):
         chunked_causal_lm_loss(llama(), {"input_ids": batch["input_ids"]}, chunk_size=4)
     with pytest.raises(ConfigError, match="chunk_size is 0"):
-        chunked_cross_entropy(torch.zeros(1, 2, 4), torch.zeros(3, 4), None, torch.zeros(1, 2, dtype=torch.long),
-                              chunk_size=0)
+        chunked_cross_entropy(
+            torch.zeros(1, 2, 4), torch.zeros(3, 4), None, torch.zeros(1, 2, dtype=torch.long), chunk_size=0
+        )

@@ -17,7 +17,9 @@ CASES = {
     "label_ids": [{"x": torch.ones(3) * i, "label_ids": [i, i + 1]} for i in range(4)],
     "float label_ids": [{"x": torch.ones(3) * i, "label_ids": [i / 2, i + 1.5]} for i in range(4)],
     "0-d tensor label": [{"x": torch.ones(3) * i, "label": torch.tensor(i)} for i in range(4)],
-    "0-d float64 tensor label": [{"x": torch.ones(3) * i, "label": torch.tensor(i / 3, dtype=torch.float64)} for i in range(4)],
+    "0-d float64 tensor label": [
+        {"x": torch.ones(3) * i, "label": torch.tensor(i / 3, dtype=torch.float64)} for i in range(4)
+    ],
     "int label from 1": [{"x": torch.ones(3) * i, "label": i + 1} for i in range(4)],
     "label_ids from 2": [{"x": torch.ones(3) * i, "label_ids": [i + 2, 1]} for i in range(4)],
     "tensor label_ids": [{"x": torch.ones(3) * i, "label_ids": torch.tensor([i, 2])} for i in range(4)],
@@ -34,7 +36,6 @@ def test_labels_as_hf_makes_them(name):
     for key in hf:
         assert ours[key].dtype == hf[key].dtype, key
         assert torch.equal(ours[key], hf[key]), key
-
 
 
 def test_a_float_label_keeps_a_float32_regression_loss_in_float32():

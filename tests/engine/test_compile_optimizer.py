@@ -16,8 +16,16 @@ from tests.distributed import compile_toy as toy
 
 def _train(tmp_path, name: str, **overrides):
     model = toy.mlp()
-    cfg = toy.kiln_config(str(tmp_path / name), batch=4, eval_batch=4, torch_compile_backend=None, eval_strategy="no",
-                          warmup_steps=2, max_grad_norm=0.5, weight_decay=0.01)
+    cfg = toy.kiln_config(
+        str(tmp_path / name),
+        batch=4,
+        eval_batch=4,
+        torch_compile_backend=None,
+        eval_strategy="no",
+        warmup_steps=2,
+        max_grad_norm=0.5,
+        weight_decay=0.01,
+    )
     cfg.update(overrides)
     trainer = Trainer(model, cfg, train_dataset=toy.regression_data(18))
     trainer.fit()
@@ -30,8 +38,9 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,flag", [("adamw_torch_fused", "fused"), ("adamw_torch_foreach", "foreach")])
-def test_fused_and_foreach_adamw_run_as_named_on_cpu_with_adamw_torch_weights(tmp_path, reference, monkeypatch, name,
-                                                                            flag):
+def test_fused_and_foreach_adamw_run_as_named_on_cpu_with_adamw_torch_weights(
+    tmp_path, reference, monkeypatch, name, flag
+):
     calls = []
     kernel = torch._fused_adamw_
     monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(1) or kernel(*a, **k))
@@ -45,8 +54,17 @@ def test_fused_and_foreach_adamw_run_as_named_on_cpu_with_adamw_torch_weights(tm
 def _compiled_step_run(tmp_path, name: str, **overrides):
     seen = toy.CountsPerStep()
     model = toy.mlp()
-    cfg = toy.kiln_config(str(tmp_path / name), batch=4, eval_batch=4, eval_strategy="no", warmup_steps=2,
-                          max_grad_norm=0.5, weight_decay=0.01, optim="adamw_torch", **overrides)
+    cfg = toy.kiln_config(
+        str(tmp_path / name),
+        batch=4,
+        eval_batch=4,
+        eval_strategy="no",
+        warmup_steps=2,
+        max_grad_norm=0.5,
+        weight_decay=0.01,
+        optim="adamw_torch",
+        **overrides,
+    )
     cfg["train"] = {"torch_compile_optimizer_step": True}
     toy.reset()
     with warnings.catch_warnings(record=True) as caught:
@@ -82,8 +100,11 @@ def test_compiled_optimizer_step_with_inductor_alone(tmp_path, reference):
 def test_a_scheduler_built_after_the_step_was_compiled_sees_every_step():
     """auto_find_batch_size builds the scheduler later: torch's scheduler wraps `optimizer.step` as a
     bound method unless it is marked wrapped, and warns unless the step records that it ran."""
-    train = type("Train", (), {"torch_compile_optimizer_step": True, "torch_compile_backend": toy.BACKEND,
-                               "torch_compile_mode": None})()
+    train = type(
+        "Train",
+        (),
+        {"torch_compile_optimizer_step": True, "torch_compile_backend": toy.BACKEND, "torch_compile_mode": None},
+    )()
     model = toy.mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     compile_optimizer_step(optimizer, _Plain(), train)
@@ -108,8 +129,9 @@ class _Plain:
 
 
 def test_compiled_step_is_refused_where_there_is_no_step_of_kilns_to_compile():
-    cfg = type("Train", (), {"torch_compile_optimizer_step": True, "torch_compile_backend": None,
-                             "torch_compile_mode": None})()
+    cfg = type(
+        "Train", (), {"torch_compile_optimizer_step": True, "torch_compile_backend": None, "torch_compile_mode": None}
+    )()
     optimizer = torch.optim.SGD(toy.mlp().parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="strategy 'deepspeed': its own engine runs the optimizer step"):
         compile_optimizer_step(optimizer, _OwnStep(), cfg)

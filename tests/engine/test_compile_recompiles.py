@@ -20,16 +20,28 @@ def _hand(model, *, lm: bool, train, evaluation) -> tuple[dict, list[int]]:
     compiled = torch.compile(model, backend=toy.BACKEND)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per_epoch: list[int] = []
-    toy.hand_loop(compiled, optimizer, toy.windows(toy.batches(train, 4), 2), toy.batches(evaluation, 4), epochs=2,
-                  counts_items=lm, on_epoch=lambda: per_epoch.append(toy.COUNT.graphs))
+    toy.hand_loop(
+        compiled,
+        optimizer,
+        toy.windows(toy.batches(train, 4), 2),
+        toy.batches(evaluation, 4),
+        epochs=2,
+        counts_items=lm,
+        on_epoch=lambda: per_epoch.append(toy.COUNT.graphs),
+    )
     return toy.counts(), per_epoch
 
 
 def _kiln(model, tmp_path, *, train, evaluation, **overrides) -> tuple[dict, toy.CountsPerStep, Trainer]:
     toy.reset()
     seen = toy.CountsPerStep()
-    trainer = Trainer(model, toy.kiln_config(str(tmp_path / "out"), batch=4, eval_batch=4, **overrides),
-                      train_dataset=train, eval_dataset=evaluation, callbacks=[seen])
+    trainer = Trainer(
+        model,
+        toy.kiln_config(str(tmp_path / "out"), batch=4, eval_batch=4, **overrides),
+        train_dataset=train,
+        eval_dataset=evaluation,
+        callbacks=[seen],
+    )
     trainer.fit()
     assert trainer.state.global_step == 6  # 3 windows x 2 epochs
     return toy.counts(), seen, trainer
@@ -51,8 +63,12 @@ def gpt2_runs(tmp_path_factory):
     compiled = toy.gpt2()
     got, seen, trainer = _kiln(compiled, tmp / "compiled", train=train, evaluation=evaluation)
     eager = toy.gpt2()
-    Trainer(eager, toy.kiln_config(str(tmp / "eager"), batch=4, eval_batch=4, torch_compile_backend=None),
-            train_dataset=train, eval_dataset=evaluation).fit()
+    Trainer(
+        eager,
+        toy.kiln_config(str(tmp / "eager"), batch=4, eval_batch=4, torch_compile_backend=None),
+        train_dataset=train,
+        eval_dataset=evaluation,
+    ).fit()
     return hand, (got, seen, trainer, compiled), eager
 
 
@@ -107,14 +123,28 @@ def test_eval_compile_alone_compiles_evaluation_and_leaves_training_eager(tmp_pa
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model, backend=None, mode=None: real(model, backend=toy.BACKEND))
     eager_model = toy.mlp()
-    Trainer(eager_model, toy.kiln_config(str(tmp_path / "eager"), batch=4, eval_batch=4, torch_compile_backend=None),
-            train_dataset=train, eval_dataset=evaluation).fit()
+    Trainer(
+        eager_model,
+        toy.kiln_config(str(tmp_path / "eager"), batch=4, eval_batch=4, torch_compile_backend=None),
+        train_dataset=train,
+        eval_dataset=evaluation,
+    ).fit()
     model = toy.mlp()
     toy.reset()
     seen = toy.CountsPerStep()
-    trainer = Trainer(model, toy.kiln_config(str(tmp_path / "out"), batch=4, eval_batch=4, torch_compile_backend=None,
-                                             eval={"compile": True, "strategy": "epoch"}),
-                      train_dataset=train, eval_dataset=evaluation, callbacks=[seen])
+    trainer = Trainer(
+        model,
+        toy.kiln_config(
+            str(tmp_path / "out"),
+            batch=4,
+            eval_batch=4,
+            torch_compile_backend=None,
+            eval={"compile": True, "strategy": "epoch"},
+        ),
+        train_dataset=train,
+        eval_dataset=evaluation,
+        callbacks=[seen],
+    )
     trainer.fit()
     got = toy.counts()
     assert not hasattr(trainer.model_wrapped, "_orig_mod")  # training runs the module itself
@@ -128,8 +158,9 @@ def test_eval_compile_with_a_compiled_model_reuses_its_graphs(tmp_path):
     graphs as train.torch_compile alone, so evaluation never makes training compile again."""
     train, evaluation = toy.regression_data(18), toy.regression_data(6, seed=1)
     alone, _, _ = _kiln(toy.mlp(), tmp_path / "a", train=train, evaluation=evaluation)
-    both, seen, _ = _kiln(toy.mlp(), tmp_path / "b", train=train, evaluation=evaluation,
-                          eval={"compile": True, "strategy": "epoch"})
+    both, seen, _ = _kiln(
+        toy.mlp(), tmp_path / "b", train=train, evaluation=evaluation, eval={"compile": True, "strategy": "epoch"}
+    )
     assert both == alone
     _assert_no_recompiles_after_first_epoch(seen, both["graphs"])
 
@@ -148,7 +179,10 @@ def test_the_module_is_compiled_once_and_not_over_a_strategy_that_compiles_its_b
 
     on = SimpleNamespace(torch_compile=True, torch_compile_backend=toy.BACKEND, torch_compile_mode=None)
     model = toy.mlp()
-    plain, per_block = SimpleNamespace(capabilities=Capabilities()), SimpleNamespace(capabilities=Capabilities(compiles_per_block=True))
+    plain, per_block = (
+        SimpleNamespace(capabilities=Capabilities()),
+        SimpleNamespace(capabilities=Capabilities(compiles_per_block=True)),
+    )
     compiled = compile_module(model, plain, on)
     assert compiled._orig_mod is model
     assert compile_module(compiled, plain, on) is compiled

@@ -11,13 +11,32 @@ from tests.helpers import TinyRegressor, base_config, regression_data
 
 
 def test_hf_flat_names_map_onto_the_tree():
-    cfg = load_config({
-        "learning_rate": 3e-4, "per_device_train_batch_size": 16, "gradient_accumulation_steps": 4, "max_steps": 100,
-        "num_train_epochs": 2, "warmup_ratio": 0.1, "lr_scheduler_type": "cosine", "weight_decay": 0.01,
-        "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6, "max_grad_norm": 0.5, "seed": 3, "data_seed": 4,
-        "output_dir": "o", "logging_steps": 10, "optim": "sgd", "evaluation_strategy": "steps", "eval_steps": 5,
-        "bf16": True, "report_to": "none", "ddp_backend": "gloo",
-    })
+    cfg = load_config(
+        {
+            "learning_rate": 3e-4,
+            "per_device_train_batch_size": 16,
+            "gradient_accumulation_steps": 4,
+            "max_steps": 100,
+            "num_train_epochs": 2,
+            "warmup_ratio": 0.1,
+            "lr_scheduler_type": "cosine",
+            "weight_decay": 0.01,
+            "adam_beta1": 0.8,
+            "adam_beta2": 0.95,
+            "adam_epsilon": 1e-6,
+            "max_grad_norm": 0.5,
+            "seed": 3,
+            "data_seed": 4,
+            "output_dir": "o",
+            "logging_steps": 10,
+            "optim": "sgd",
+            "evaluation_strategy": "steps",
+            "eval_steps": 5,
+            "bf16": True,
+            "report_to": "none",
+            "ddp_backend": "gloo",
+        }
+    )
     assert cfg.optim.lr == 3e-4 and cfg.optim.name == "sgd" and cfg.optim.adam_beta2 == 0.95
     assert cfg.data.per_device_train_batch_size == 16 and cfg.train.gradient_accumulation_steps == 4
     assert cfg.scheduler.name == "cosine" and cfg.scheduler.warmup_ratio == 0.1
@@ -27,7 +46,9 @@ def test_hf_flat_names_map_onto_the_tree():
 
 def test_hf_defaults():
     cfg = load_config(None)
-    assert cfg.optim.name == "adamw_torch_fused" and cfg.optim.lr == 5e-5 and cfg.scheduler.name == "linear"  # HF 5, torch >= 2.8
+    assert (
+        cfg.optim.name == "adamw_torch_fused" and cfg.optim.lr == 5e-5 and cfg.scheduler.name == "linear"
+    )  # HF 5, torch >= 2.8
     assert cfg.train.max_grad_norm == 1.0 and cfg.seed == 42 and cfg.train.num_train_epochs == 3.0
 
 
@@ -44,31 +65,42 @@ def test_strategy_mapping_keeps_unknown_keys_as_options():
     assert cfg.strategy.name == "fsdp" and cfg.strategy.options == {"sharding": "full_shard", "cpu_offload": True}
 
 
-@pytest.mark.parametrize("source, fragment", [
-    ({"learning_rat": 1e-3}, "Unknown config key 'learning_rat'. Did you mean 'learning_rate'?"),
-    ({"optim": {"lrr": 1}}, "Unknown config key 'optim.lrr'"),
-    ({"max_steps": "ten"}, "'train.max_steps' expects int, got 'ten'"),
-    ({"optim": "adamw_turbo"}, "Unknown optimizer 'adamw_turbo' in `optim.name`"),
-    ({"lr_scheduler_type": "cosin"}, "Did you mean 'cosine'?"),
-    ({"strategy": "dpp"}, "Unknown strategy 'dpp' in `strategy.name`. Did you mean 'ddp'?"),
-    ({"precision": "fp8"}, "Unknown precision plugin 'fp8'"),
-    ({"eval_strategy": "sometimes"}, "'eval.strategy' is 'sometimes'; choose one of no, steps, epoch"),
-    ({"gradient_accumulation_steps": 0}, "'train.gradient_accumulation_steps' must be > 0"),
-    ({"logging_steps": 2.5}, "'log.steps' must be an integer >= 1 or a ratio in (0, 1)"),
-    ({"report_to": ["tensorbord"]}, "Unknown logger 'tensorbord'"),
-    ({"push_to_hub": True}, "push_to_hub is not supported"),
-    ({"load_best_model_at_end": True}, "load_best_model_at_end needs evaluation during training"),
-    ({"past_index": 2}, "past_index=2 is not supported by kiln"),
-    ({"accelerator_config": {"gradient_accumulation_kwargs": {"num_steps": 2}}},
-     "accelerator_config gradient_accumulation_kwargs={'num_steps': 2} is not supported: use train.gradient_accumulation_steps"),
-    ({"save_strategy": "best", "metric_for_best_model": "loss"},
-     "save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy is 'no'"),
-    ({"save_strategy": "best", "eval_strategy": "steps"},  # HF's sentence, then kiln's key
-     "`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
-     "`args.load_best_model_at_end` is set to `True`: set eval.metric_for_best_model"),
-    ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 5},
-     "save.steps (5) to be a multiple of eval.steps (3)"),
-])
+@pytest.mark.parametrize(
+    "source, fragment",
+    [
+        ({"learning_rat": 1e-3}, "Unknown config key 'learning_rat'. Did you mean 'learning_rate'?"),
+        ({"optim": {"lrr": 1}}, "Unknown config key 'optim.lrr'"),
+        ({"max_steps": "ten"}, "'train.max_steps' expects int, got 'ten'"),
+        ({"optim": "adamw_turbo"}, "Unknown optimizer 'adamw_turbo' in `optim.name`"),
+        ({"lr_scheduler_type": "cosin"}, "Did you mean 'cosine'?"),
+        ({"strategy": "dpp"}, "Unknown strategy 'dpp' in `strategy.name`. Did you mean 'ddp'?"),
+        ({"precision": "fp8"}, "Unknown precision plugin 'fp8'"),
+        ({"eval_strategy": "sometimes"}, "'eval.strategy' is 'sometimes'; choose one of no, steps, epoch"),
+        ({"gradient_accumulation_steps": 0}, "'train.gradient_accumulation_steps' must be > 0"),
+        ({"logging_steps": 2.5}, "'log.steps' must be an integer >= 1 or a ratio in (0, 1)"),
+        ({"report_to": ["tensorbord"]}, "Unknown logger 'tensorbord'"),
+        ({"push_to_hub": True}, "push_to_hub is not supported"),
+        ({"load_best_model_at_end": True}, "load_best_model_at_end needs evaluation during training"),
+        ({"past_index": 2}, "past_index=2 is not supported by kiln"),
+        (
+            {"accelerator_config": {"gradient_accumulation_kwargs": {"num_steps": 2}}},
+            "accelerator_config gradient_accumulation_kwargs={'num_steps': 2} is not supported: use train.gradient_accumulation_steps",
+        ),
+        (
+            {"save_strategy": "best", "metric_for_best_model": "loss"},
+            "save.strategy 'best' saves when an evaluation improves the best metric, but eval.strategy is 'no'",
+        ),
+        (
+            {"save_strategy": "best", "eval_strategy": "steps"},  # HF's sentence, then kiln's key
+            "`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
+            "`args.load_best_model_at_end` is set to `True`: set eval.metric_for_best_model",
+        ),
+        (
+            {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 5},
+            "save.steps (5) to be a multiple of eval.steps (3)",
+        ),
+    ],
+)
 def test_bad_inputs_give_one_clear_sentence(source, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(source)
@@ -148,7 +180,17 @@ def test_docs_config_reference_is_current():
 def test_hf_arguments_kiln_lacks_are_accepted_while_off():
     """An HF TrainingArguments dump (every feature at its default) loads; hub settings without push_to_hub
     are dropped, and torchdynamo is the older name of torch_compile_backend."""
-    cfg = load_config({"jit_mode_eval": False, "use_ipex": False, "past_index": -1, "debug": "", "split_batches": None,
-                       "accelerator_config": None, "hub_model_id": "me/model", "hub_strategy": "every_save",
-                       "torchdynamo": "inductor"})
+    cfg = load_config(
+        {
+            "jit_mode_eval": False,
+            "use_ipex": False,
+            "past_index": -1,
+            "debug": "",
+            "split_batches": None,
+            "accelerator_config": None,
+            "hub_model_id": "me/model",
+            "hub_strategy": "every_save",
+            "torchdynamo": "inductor",
+        }
+    )
     assert cfg.train.torch_compile_backend == "inductor"

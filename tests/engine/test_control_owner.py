@@ -41,15 +41,20 @@ class FreshControl(Callback):
 
 def _fit(tmp_path, callback, **cfg):
     settings = {"max_steps": 6, "learning_rate": 1e-2, "per_device_train_batch_size": 4, **cfg}
-    trainer = Trainer(TinyRegressor(), base_config(tmp_path, **settings), train_dataset=regression_data(16),
-                      callbacks=[callback])
+    trainer = Trainer(
+        TinyRegressor(), base_config(tmp_path, **settings), train_dataset=regression_data(16), callbacks=[callback]
+    )
     trainer.fit()
     return trainer
 
 
 def _checkpoints(trainer):
     out = trainer.config.output_dir
-    return sorted(int(n.split("-")[1]) for n in os.listdir(out) if n.startswith("checkpoint-")) if os.path.isdir(out) else []
+    return (
+        sorted(int(n.split("-")[1]) for n in os.listdir(out) if n.startswith("checkpoint-"))
+        if os.path.isdir(out)
+        else []
+    )
 
 
 def test_a_new_control_from_on_step_end_saves_at_that_step(tmp_path):
@@ -96,8 +101,9 @@ def test_trainer_control_is_the_one_the_last_event_returned(tmp_path):
             returned.append(TrainerControl())
             return returned[-1]
 
-    trainer = Trainer(TinyRegressor(), base_config(tmp_path, max_steps=2), train_dataset=regression_data(16),
-                      callbacks=[Last()])
+    trainer = Trainer(
+        TinyRegressor(), base_config(tmp_path, max_steps=2), train_dataset=regression_data(16), callbacks=[Last()]
+    )
     trainer.fit()
     assert trainer.control is returned[0]
 
@@ -114,13 +120,25 @@ class SaveOnEvaluate(Callback):
 def test_a_save_asked_for_after_the_step_resumes_to_the_same_training_loss(tmp_path):
     # the save is decided only by on_evaluate's new control (no logging, no save cadence): the checkpoint must
     # still hold the loss sums up to its step, or the resumed run reports another train_loss
-    settings = {"max_steps": 6, "learning_rate": 1e-2, "per_device_train_batch_size": 4, "eval_strategy": "steps",
-                "eval_steps": 3}
+    settings = {
+        "max_steps": 6,
+        "learning_rate": 1e-2,
+        "per_device_train_batch_size": 4,
+        "eval_strategy": "steps",
+        "eval_steps": 3,
+    }
     data = regression_data(16)
 
     def trainer(out, **kw):
-        return Trainer(None, base_config(out, **settings), model_init=TinyRegressor, train_dataset=data,
-                       eval_dataset=data[:8], callbacks=[SaveOnEvaluate()], **kw)
+        return Trainer(
+            None,
+            base_config(out, **settings),
+            model_init=TinyRegressor,
+            train_dataset=data,
+            eval_dataset=data[:8],
+            callbacks=[SaveOnEvaluate()],
+            **kw,
+        )
 
     whole = trainer(tmp_path / "a").fit()
     first = trainer(tmp_path / "b")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.engine.data.loaders import ResumableSampler, build_dataloader, skip_batches
 from kiln.engine.data.length_grouping import LengthGroupedSampler
+from kiln.engine.data.loaders import ResumableSampler, build_dataloader, skip_batches
 
 
 def test_order_depends_only_on_seed_and_epoch():
@@ -53,8 +53,11 @@ def test_length_grouped_batches_are_homogeneous_and_cover_everything():
     sampler = LengthGroupedSampler(lengths, batch_size=10, seed=0)
     order = list(sampler)
     assert sorted(order) == list(range(1000))
-    spread = [max(lengths[i] for i in order[b:b + 10]) - min(lengths[i] for i in order[b:b + 10]) for b in range(0, 1000, 10)]
-    random_spread = [max(lengths[b:b + 10]) - min(lengths[b:b + 10]) for b in range(0, 1000, 10)]
+    spread = [
+        max(lengths[i] for i in order[b : b + 10]) - min(lengths[i] for i in order[b : b + 10])
+        for b in range(0, 1000, 10)
+    ]
+    random_spread = [max(lengths[b : b + 10]) - min(lengths[b : b + 10]) for b in range(0, 1000, 10)]
     assert sum(spread) < sum(random_spread) / 5
     first_mega = torch.randperm(1000, generator=torch.Generator().manual_seed(0)).tolist()[:500]
     assert lengths[order[0]] == max(lengths[i] for i in first_mega)  # longest batch first

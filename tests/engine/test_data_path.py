@@ -36,9 +36,16 @@ def _loader(pin_memory: bool = False, **data: object) -> torch.utils.data.DataLo
 
 def test_defaults_are_hfs_and_pin_memory_only_where_the_device_benefits():
     loader = _loader()  # the CPU accelerator's answer: pinning does not help
-    assert (loader.num_workers, loader.pin_memory, loader.persistent_workers, loader.prefetch_factor) == (0, False, False, None)
+    assert (loader.num_workers, loader.pin_memory, loader.persistent_workers, loader.prefetch_factor) == (
+        0,
+        False,
+        False,
+        None,
+    )
     assert _loader(pin_memory=True).pin_memory is True  # CUDA's answer, with dataloader_pin_memory's default (true)
-    assert _loader(pin_memory=True, dataloader_pin_memory=False).pin_memory is False  # the option can only switch it off
+    assert (
+        _loader(pin_memory=True, dataloader_pin_memory=False).pin_memory is False
+    )  # the option can only switch it off
 
 
 def test_worker_settings_are_passed_through():
@@ -58,8 +65,10 @@ def _global_rng():
     torch.set_rng_state(saved[2])
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
-                    reason="a usable device stream is still seeded, lazily where its runtime is not started")
+@pytest.mark.skipif(
+    torch.cuda.is_available() or torch.backends.mps.is_available(),
+    reason="a usable device stream is still seeded, lazily where its runtime is not started",
+)
 def test_a_worker_seeds_once_per_batch_without_lazy_device_seeds(monkeypatch, _global_rng):
     """Per fetched batch, one seed from its first index, and only for streams that can draw: torch.manual_seed
     would queue one for cuda, xpu and mtia even without them, each with traceback.format_stack() (~2,500
@@ -73,7 +82,9 @@ def test_a_worker_seeds_once_per_batch_without_lazy_device_seeds(monkeypatch, _g
     rows = SeededSamples(Augmenting(), rank=1).__getitems__([5, 2, 7, 0])
     assert mixed == [(info.seed - info.id, 1, 5)] and stacks == []
     worker_seeding._seed_all(real_mix(info.seed - info.id, 1, 5))
-    assert rows == [Augmenting()[i] for i in (5, 2, 7, 0)]  # one stream through the batch, as torch.manual_seed seeds it
+    assert rows == [
+        Augmenting()[i] for i in (5, 2, 7, 0)
+    ]  # one stream through the batch, as torch.manual_seed seeds it
     assert stacks  # the check above sees the stacks torch.manual_seed formats
 
 

@@ -21,8 +21,12 @@ transformers = pytest.importorskip("transformers")
 
 def _fit_both(tmp_path, data, steps: int = 4, collator=None, hf_kw=None, **kw):
     theirs, ours = gpt2(), gpt2()
-    hf = transformers.Trainer(model=theirs, args=hf_args(str(tmp_path / "hf"), max_steps=steps, **(hf_kw or kw)),
-                              train_dataset=data, data_collator=collator)
+    hf = transformers.Trainer(
+        model=theirs,
+        args=hf_args(str(tmp_path / "hf"), max_steps=steps, **(hf_kw or kw)),
+        train_dataset=data,
+        data_collator=collator,
+    )
     hf.train()
     mine = Trainer(ours, kiln_config(tmp_path, max_steps=steps, **kw), train_dataset=data, data_collator=collator)
     mine.fit()
@@ -47,13 +51,16 @@ def _stacking(features):
 
 def test_other_datasets_lose_the_keys_before_the_collator(tmp_path):
     cols = token_rows(16)
-    rows = [{k: (torch.tensor(v[i]) if k in ("input_ids", "labels") else v[i]) for k, v in cols.items()} for i in range(16)]
+    rows = [
+        {k: (torch.tensor(v[i]) if k in ("input_ids", "labels") else v[i]) for k, v in cols.items()} for i in range(16)
+    ]
     hf, mine, diff = _fit_both(tmp_path, rows, collator=_stacking)
     assert diff < 2e-5 and losses(mine) == pytest.approx(losses(hf), rel=1e-5)
     with pytest.raises(TypeError):  # the check above means something: the collator cannot take `text`
         _stacking(rows[:2])
-    kept = Trainer(gpt2(), kiln_config(tmp_path / "keep", remove_unused_columns=False), train_dataset=rows,
-                   data_collator=_stacking)
+    kept = Trainer(
+        gpt2(), kiln_config(tmp_path / "keep", remove_unused_columns=False), train_dataset=rows, data_collator=_stacking
+    )
     with pytest.raises(TypeError):
         next(iter(kept.get_train_dataloader()))
 
@@ -74,7 +81,9 @@ class Classifier(nn.Module):
 
 def _labelled(label: str):
     cols = token_rows(16)
-    return datasets.Dataset.from_dict({"input_ids": cols["input_ids"], label: [i % 3 for i in range(16)], "text": cols["text"]})
+    return datasets.Dataset.from_dict(
+        {"input_ids": cols["input_ids"], label: [i % 3 for i in range(16)], "text": cols["text"]}
+    )
 
 
 @pytest.mark.parametrize("label", ["label", "label_ids"])
@@ -145,10 +154,12 @@ def test_what_is_dropped_is_logged_once(tmp_path, caplog):
         assert [sorted(b) for b in trainer.get_train_dataloader()] == [["input_ids", "labels"]] * 4
         trainer.get_eval_dataloader()
     notes = [r.getMessage() for r in caplog.records if r.name == "kiln.engine.data.columns"]
-    assert notes == ["The following columns in the training set don't have a corresponding argument in "
-                     "`GPT2LMHeadModel.forward` and have been ignored: idx, text.",
-                     "The following columns in the evaluation set don't have a corresponding argument in "
-                     "`GPT2LMHeadModel.forward` and have been ignored: idx, text."]
+    assert notes == [
+        "The following columns in the training set don't have a corresponding argument in "
+        "`GPT2LMHeadModel.forward` and have been ignored: idx, text.",
+        "The following columns in the evaluation set don't have a corresponding argument in "
+        "`GPT2LMHeadModel.forward` and have been ignored: idx, text.",
+    ]
 
 
 def test_without_datasets_imported_nothing_is_taken_for_a_datasets_dataset(monkeypatch):

@@ -61,8 +61,10 @@ def test_detects_the_injected_overflow_where_hf_does(capsys):
     assert ours.batch_number == hf.batch_number == 3
     assert "Detected inf/nan during batch_number=3" in our_out and "has infs" in our_out
     assert our_out == hf_out  # the same frames, line for line
-    assert str(our_err) == ("debug underflow_overflow: inf/nan in block.0 (Linear) during batch 3; the frames printed "
-                            "above show where the values grew.")
+    assert str(our_err) == (
+        "debug underflow_overflow: inf/nan in block.0 (Linear) during batch 3; the frames printed "
+        "above show where the values grew."
+    )
 
 
 def test_keeps_only_the_last_frames(capsys):
@@ -110,9 +112,16 @@ def test_trainer_debug_option_stops_training_at_the_overflow(tmp_path, capsys):
             return ((self(batch["x"]) - batch["y"]) ** 2).mean()
 
     data = [{"x": torch.full((2,), 3e38 if i == 2 else 1.0), "y": torch.tensor(0.0)} for i in range(4)]
-    cfg = {"output_dir": str(tmp_path), "debug": "underflow_overflow", "per_device_train_batch_size": 1,
-           "max_steps": 4, "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True},
-           "data": {"dataloader_drop_last": False}, "strategy": {"name": "single", "device": "cpu"}}
+    cfg = {
+        "output_dir": str(tmp_path),
+        "debug": "underflow_overflow",
+        "per_device_train_batch_size": 1,
+        "max_steps": 4,
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True},
+        "data": {"dataloader_drop_last": False},
+        "strategy": {"name": "single", "device": "cpu"},
+    }
     trainer = Trainer(Blows(), {**cfg, "data_seed": 0}, train_dataset=data)
     trainer.train_dataset = torch.utils.data.DataLoader(data, batch_size=1)  # in order: batch 2 overflows
     with pytest.raises(OverflowDetected, match="inf/nan in lin .Linear. during batch 2"):

@@ -25,8 +25,15 @@ def _flags(control) -> tuple:
 @pytest.mark.parametrize("delay_at", ["none", "last", "past"])
 def test_every_step_sets_hf_s_flags(tmp_path, max_steps, eval_steps, first, delay_at):
     delay = {"none": 0, "last": max_steps, "past": max_steps + 1}[delay_at]
-    settings = dict(logging_steps=2, eval_strategy="steps", eval_steps=eval_steps, eval_delay=delay, save_strategy="steps",
-                    save_steps=3, logging_first_step=first)
+    settings = dict(
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=eval_steps,
+        eval_delay=delay,
+        save_strategy="steps",
+        save_steps=3,
+        logging_first_step=first,
+    )
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **settings)
     theirs = transformers.trainer_callback.DefaultFlowCallback()
     config = load_config({"output_dir": str(tmp_path), **settings})
@@ -49,12 +56,17 @@ def test_epoch_ends_set_hf_s_flags(tmp_path, delay, epoch):
     ours, state = DefaultFlowCallback(), TrainerState(epoch=epoch)
     ours.on_train_begin(config, state, TrainerControl())
     got = _flags(ours.on_epoch_end(config, state, TrainerControl()))
-    want = _flags(transformers.trainer_callback.DefaultFlowCallback().on_epoch_end(
-        args, transformers.TrainerState(epoch=epoch), transformers.TrainerControl()))
+    want = _flags(
+        transformers.trainer_callback.DefaultFlowCallback().on_epoch_end(
+            args, transformers.TrainerState(epoch=epoch), transformers.TrainerControl()
+        )
+    )
     assert got == want
 
 
-@pytest.mark.parametrize("value, max_steps, want", [(0.1, 5, 1), (0.25, 10, 3), (0.5, 3, 2), (None, 10, 500), (7, 10, 7)])
+@pytest.mark.parametrize(
+    "value, max_steps, want", [(0.1, 5, 1), (0.25, 10, 3), (0.5, 3, 2), (None, 10, 500), (7, 10, 7)]
+)
 def test_ratio_intervals_round_up_as_hf_does(value, max_steps, want):
     """HF: `math.ceil(max_steps * logging_steps)` for a ratio below 1, never 0."""
     assert interval(value, max_steps, 500) == want

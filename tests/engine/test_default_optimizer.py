@@ -12,7 +12,7 @@ import torch
 from kiln.config import schema
 from kiln.config.schema import OptimConfig
 from kiln.optim.optimizers import build_optimizer
-from tests.checkpoint.checkpoint_helpers import Crash, make_model, train, weights
+from tests.checkpoint.checkpoint_helpers import Crash, train, weights
 
 CFG = {"max_steps": 10, "save_steps": 5, "lr_scheduler_type": "linear", "warmup_steps": 2, "weight_decay": 0.01}
 
@@ -32,9 +32,17 @@ def test_the_default_is_the_one_of_the_installed_transformers():
     assert OptimConfig().name == str(getattr(args.optim, "value", args.optim)) == "adamw_torch_fused"
 
 
-@pytest.mark.parametrize("installed,name", [("2.7.1", "adamw_torch"), ("2.8.0", "adamw_torch_fused"),
-                                            ("2.13.0+cpu", "adamw_torch_fused"), ("3.0.0a0+git12ab", "adamw_torch_fused"),
-                                            ("1.13.1", "adamw_torch"), ("unknown", "adamw_torch")])
+@pytest.mark.parametrize(
+    "installed,name",
+    [
+        ("2.7.1", "adamw_torch"),
+        ("2.8.0", "adamw_torch_fused"),
+        ("2.13.0+cpu", "adamw_torch_fused"),
+        ("3.0.0a0+git12ab", "adamw_torch_fused"),
+        ("1.13.1", "adamw_torch"),
+        ("unknown", "adamw_torch"),
+    ],
+)
 @pytest.mark.parametrize("source", ["imported torch", "installed metadata"])
 def test_hfs_rule_by_torch_version(monkeypatch, installed, name, source):
     import importlib.metadata

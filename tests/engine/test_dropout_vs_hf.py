@@ -12,14 +12,24 @@ import pytest
 import torch
 
 from kiln import Trainer
-from tests.engine.hf_compare import VOCAB, LENGTH, hf_args, kiln_config, max_diff
+from tests.engine.hf_compare import LENGTH, VOCAB, hf_args, kiln_config, max_diff
 
 transformers = pytest.importorskip("transformers")
 
 
 def _gpt2_with_dropout() -> torch.nn.Module:
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.1,
-                                  embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=LENGTH,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -39,8 +49,9 @@ def test_losses_with_dropout_equal_hf_s_over_epochs_and_evaluations(tmp_path):
     model, data = _gpt2_with_dropout(), _rows(10)
     theirs_model, ours_model = copy.deepcopy(model), copy.deepcopy(model)
     settings = dict(per_device_train_batch_size=4, max_steps=7, seed=7, eval_strategy="steps", eval_steps=3)
-    theirs = transformers.Trainer(model=theirs_model, args=hf_args(str(tmp_path / "hf"), **settings),
-                                  train_dataset=data, eval_dataset=data[:4])
+    theirs = transformers.Trainer(
+        model=theirs_model, args=hf_args(str(tmp_path / "hf"), **settings), train_dataset=data, eval_dataset=data[:4]
+    )
     theirs.train()
     ours = Trainer(ours_model, kiln_config(tmp_path, **settings), train_dataset=data, eval_dataset=data[:4])
     ours.fit()
@@ -70,8 +81,11 @@ def test_every_new_iterator_draws_once_from_the_global_rng_and_a_reused_one_does
     plain = SimpleNamespace(dataloader_num_workers=0, dataloader_pin_memory=False, dataloader_drop_last=False)
     loader = build_dataloader(data, 2, None, plain, seed=0, shuffle=True)
     assert [draws(loader), draws(loader)] == [1, 1]
-    persistent = SimpleNamespace(**{**vars(plain), "dataloader_num_workers": 1}, dataloader_persistent_workers=True,
-                                 dataloader_prefetch_factor=None)
+    persistent = SimpleNamespace(
+        **{**vars(plain), "dataloader_num_workers": 1},
+        dataloader_persistent_workers=True,
+        dataloader_prefetch_factor=None,
+    )
     loader = build_dataloader(data, 2, None, persistent, seed=0, shuffle=True)
     assert [draws(loader), draws(loader)] == [1, 0]
     del loader
@@ -99,5 +113,8 @@ def test_a_dispatched_loader_draws_on_every_rank_when_its_iterator_is_made(rank)
     torch.manual_seed(3)
     torch.empty((), dtype=torch.int64).random_()
     assert torch.equal(moved, torch.get_rng_state())
-    assert next(batches)["x"].flatten().tolist() == [float(rank), float(rank + 2)]  # this rank's rows of the global batch
+    assert next(batches)["x"].flatten().tolist() == [
+        float(rank),
+        float(rank + 2),
+    ]  # this rank's rows of the global batch
     assert (sent[0] is not None) == (rank == 0)  # only rank 0 read the data

@@ -46,17 +46,23 @@ def test_tuple_items_for_an_hf_model_are_refused_before_the_model_is_placed(tmp_
         "The dataset's items are tuple (tensor[4], tensor[]), which the default collator turns into a list, but an "
         "HF-contract model is called as model(**batch) and needs a dict: return dicts such as {'input_ids': ..., "
         "'labels': ...} from __getitem__, pass a data_collator that builds one, or wrap the model in a TrainingModule "
-        "whose training_step(batch) takes the tuple.")
+        "whose training_step(batch) takes the tuple."
+    )
     assert trainer.model_wrapped is trainer.model and trainer.state.global_step == 0  # never set up
 
 
 def test_tuple_items_with_a_mapping_collator_say_what_the_collator_expects(tmp_path):
-    trainer = Trainer(TinyRegressor(d_in=4), base_config(tmp_path, max_steps=1), train_dataset=_tuples(),
-                      data_collator=_mapping_collator)
+    trainer = Trainer(
+        TinyRegressor(d_in=4),
+        base_config(tmp_path, max_steps=1),
+        train_dataset=_tuples(),
+        data_collator=_mapping_collator,
+    )
     with pytest.raises(KilnError) as err:
         trainer.fit()
     assert _one_line(err).startswith(
-        "The data collator (function) failed on the dataset's items, which are tuple (tensor[4], tensor[]) (AttributeError: ")
+        "The data collator (function) failed on the dataset's items, which are tuple (tensor[4], tensor[]) (AttributeError: "
+    )
     assert "it expects mappings such as {'input_ids': ..., 'labels': ...}; return dicts" in str(err.value)
 
 
@@ -87,7 +93,9 @@ class BareLogits(nn.Module):
 
 def test_a_bare_non_scalar_tensor_is_not_taken_for_a_loss(tmp_path):
     data = [{"x": torch.randn(4)} for _ in range(8)]
-    trainer = Trainer(BareLogits(), base_config(tmp_path, max_steps=1, per_device_train_batch_size=8), train_dataset=data)
+    trainer = Trainer(
+        BareLogits(), base_config(tmp_path, max_steps=1, per_device_train_batch_size=8), train_dataset=data
+    )
     with pytest.raises(ValueError) as err:
         trainer.fit()
     assert _one_line(err).startswith("The model returned a bare tensor has shape (8, 3), not a single loss value: ")
@@ -117,7 +125,9 @@ def _refused_before_the_model(config):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_device_without_cuda():
     err = _refused_before_the_model({"strategy": {"device": "cuda"}})
-    assert _one_line(err).startswith("strategy.device is 'cuda' but CUDA is not available on this machine; use strategy.device=cpu")
+    assert _one_line(err).startswith(
+        "strategy.device is 'cuda' but CUDA is not available on this machine; use strategy.device=cpu"
+    )
     assert "CUDA is not available" in _one_line(_refused_before_the_model({"strategy": "cuda"}))
 
 

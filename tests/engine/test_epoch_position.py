@@ -18,8 +18,15 @@ DATA, BATCH = 24, 4
 
 def _fit(tmp_path, name: str, resume: bool = False, **cfg) -> Trainer:
     torch.manual_seed(0)
-    config = base_config(tmp_path, output_dir=str(tmp_path / name), per_device_train_batch_size=BATCH,
-                         lr_scheduler_type="constant", learning_rate=0.05, save={"strategy": "epoch"}, **cfg)
+    config = base_config(
+        tmp_path,
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=BATCH,
+        lr_scheduler_type="constant",
+        learning_rate=0.05,
+        save={"strategy": "epoch"},
+        **cfg,
+    )
     trainer = Trainer(TinyRegressor(), config, train_dataset=regression_data(DATA))
     trainer.fit(resume_from_checkpoint=True if resume else None)
     return trainer
@@ -30,13 +37,16 @@ def _position(tmp_path, name: str, step: int) -> dict[str, int]:
         return json.load(fh)
 
 
-@pytest.mark.parametrize("cfg, step, epoch_index, batches", [
-    ({"max_steps": 9}, 9, 1, 3),                       # stopped half-way through the second epoch
-    ({"max_steps": 12}, 12, 2, 0),                     # stopped by max_steps at the second epoch's last batch
-    ({"num_train_epochs": 2}, 12, 2, 0),               # the epochs ran out
-    ({"max_steps": 6, "gradient_accumulation_steps": 2}, 6, 2, 0),  # 3 windows of 2 batches an epoch
-    ({"max_steps": 4, "gradient_accumulation_steps": 2}, 4, 1, 2),  # windows count their batches
-])
+@pytest.mark.parametrize(
+    "cfg, step, epoch_index, batches",
+    [
+        ({"max_steps": 9}, 9, 1, 3),  # stopped half-way through the second epoch
+        ({"max_steps": 12}, 12, 2, 0),  # stopped by max_steps at the second epoch's last batch
+        ({"num_train_epochs": 2}, 12, 2, 0),  # the epochs ran out
+        ({"max_steps": 6, "gradient_accumulation_steps": 2}, 6, 2, 0),  # 3 windows of 2 batches an epoch
+        ({"max_steps": 4, "gradient_accumulation_steps": 2}, 4, 1, 2),  # windows count their batches
+    ],
+)
 def test_the_saved_position_counts_an_epoch_finished_only_at_its_last_batch(tmp_path, cfg, step, epoch_index, batches):
     trainer = _fit(tmp_path, "run", **cfg)
     assert trainer.state.global_step == step

@@ -17,7 +17,9 @@ transformers = pytest.importorskip("transformers")
 
 def _rows(n: int = 6, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     cols = token_rows(n, seed)
-    return [{"input_ids": torch.tensor(cols["input_ids"][i]), "labels": torch.tensor(cols["labels"][i])} for i in range(n)]
+    return [
+        {"input_ids": torch.tensor(cols["input_ids"][i]), "labels": torch.tensor(cols["labels"][i])} for i in range(n)
+    ]
 
 
 def _both(tmp_path, persistent: bool, workers: int = 1, **data):
@@ -35,7 +37,11 @@ def test_eval_loader_is_reused_exactly_when_hf_reuses_it(tmp_path, persistent):
         assert (trainer.get_eval_dataloader("a") is trainer.get_eval_dataloader("a")) is persistent
         assert (trainer.get_eval_dataloader(own) is trainer.get_eval_dataloader(own)) is persistent
         assert trainer.get_eval_dataloader("a") is not trainer.get_eval_dataloader("b")
-    assert set(ours._eval_dataloaders) == set(getattr(hf, "_eval_dataloaders", {})) == ({"a", "b", "eval"} if persistent else set())
+    assert (
+        set(ours._eval_dataloaders)
+        == set(getattr(hf, "_eval_dataloaders", {}))
+        == ({"a", "b", "eval"} if persistent else set())
+    )
 
 
 def test_a_cached_key_is_rebuilt_for_another_dataset(tmp_path):

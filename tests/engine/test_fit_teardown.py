@@ -92,8 +92,9 @@ def slow_logger():
 
 
 def test_a_failing_fit_leaves_every_earlier_log_record_written(tmp_path: Path, slow_logger: None) -> None:
-    trainer = _trainer(tmp_path, [_Fail(3)], report_to=["slow_test_logger"],
-                       log={"history": [], "disable_tqdm": True, "steps": 1})
+    trainer = _trainer(
+        tmp_path, [_Fail(3)], report_to=["slow_test_logger"], log={"history": [], "disable_tqdm": True, "steps": 1}
+    )
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit()
     assert RECORDS == [1, 2]  # step 3 failed in on_step_end, before its log event

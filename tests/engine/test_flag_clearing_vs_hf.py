@@ -15,8 +15,9 @@ from tests.engine.test_callback_flags_vs_hf import Lin, _rows
 
 transformers = pytest.importorskip("transformers")
 
-SETTINGS = dict(max_steps=3, per_device_train_batch_size=8, learning_rate=1e-2, logging_steps=10, save_strategy="no",
-                seed=0)
+SETTINGS = dict(
+    max_steps=3, per_device_train_batch_size=8, learning_rate=1e-2, logging_steps=10, save_strategy="no", seed=0
+)
 
 
 class _AsksToSave:
@@ -50,11 +51,18 @@ def _checkpoints(folder) -> list[str]:
 def test_a_save_asked_for_before_the_step_begins_is_cleared_as_in_hf(tmp_path, event, saved):
     torch.manual_seed(0)
     model = Lin()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], disable_tqdm=True,
-                                          **SETTINGS)
-    transformers.Trainer(model=copy.deepcopy(model), args=args, train_dataset=_rows(64), callbacks=[HFAsks(event)]).train()
-    cfg = {"output_dir": str(tmp_path / "kiln"), "strategy": {"device": "cpu"}, "log": {"history": [], "disable_tqdm": True},
-           **SETTINGS}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], disable_tqdm=True, **SETTINGS
+    )
+    transformers.Trainer(
+        model=copy.deepcopy(model), args=args, train_dataset=_rows(64), callbacks=[HFAsks(event)]
+    ).train()
+    cfg = {
+        "output_dir": str(tmp_path / "kiln"),
+        "strategy": {"device": "cpu"},
+        "log": {"history": [], "disable_tqdm": True},
+        **SETTINGS,
+    }
     Trainer(copy.deepcopy(model), cfg, train_dataset=_rows(64), callbacks=[KilnAsks(event)]).fit()
     assert _checkpoints(tmp_path / "hf") == saved
     assert _checkpoints(tmp_path / "kiln") == saved

@@ -36,8 +36,9 @@ def test_a_model_with_num_parameters_counts_its_main_input_without_embeddings():
 
 def test_a_gpt2_is_counted_as_hfs_trainer_counts_it():
     transformers = pytest.importorskip("transformers")
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1,
-                                                                 n_head=2))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    )
     batch = {"input_ids": torch.zeros(3, 8, dtype=torch.long), "labels": torch.zeros(3, 8, dtype=torch.long)}
     hf = transformers.Trainer.floating_point_ops(types.SimpleNamespace(model=model), batch)
     assert FlopCount(model).count(batch) == hf == 6 * 24 * model.num_parameters(exclude_embeddings=True)

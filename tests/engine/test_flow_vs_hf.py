@@ -5,7 +5,6 @@ epoch end) when max_steps ends mid-epoch with save_strategy epoch."""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -56,9 +55,18 @@ class KilnRecord(_Record, Callback):
 
 def _hf(tmp_path, **kw):
     rec = HFRecord()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, per_device_train_batch_size=4,
-                                          report_to=[], disable_tqdm=True, logging_strategy="no", **kw)
-    transformers.Trainer(model=Lin(), args=args, train_dataset=_rows(16), eval_dataset=_rows(8), callbacks=[rec]).train()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        report_to=[],
+        disable_tqdm=True,
+        logging_strategy="no",
+        **kw,
+    )
+    transformers.Trainer(
+        model=Lin(), args=args, train_dataset=_rows(16), eval_dataset=_rows(8), callbacks=[rec]
+    ).train()
     return rec.flags
 
 

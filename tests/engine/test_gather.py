@@ -5,8 +5,9 @@ all_gather, so the exact collective sequence of the eval loop runs on one CPU.""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ class FakeWorld:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.barrier = threading.Barrier(world_size, timeout=20)
-        self.slots: list[Optional[torch.Tensor]] = [None] * world_size
+        self.slots: list[torch.Tensor | None] = [None] * world_size
         self.calls = 0
 
     def all_gather(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -61,7 +62,7 @@ class FakeWorld:
             return [f.result() for f in futures]
 
 
-def shards(n: int, world: int, sampler_batch: Optional[int] = None) -> list[list[int]]:
+def shards(n: int, world: int, sampler_batch: int | None = None) -> list[list[int]]:
     return [list(SequentialDistributedSampler(n, world, r, sampler_batch)) for r in range(world)]
 
 
@@ -69,7 +70,9 @@ def batches(indices: list[int], batch_size: int) -> list[list[int]]:
     return [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
 
 
-def gather_by_hand(n: int, world: int, batch_size: int, sampler_batch: Optional[int] = None, every: int = 1) -> list[np.ndarray]:
+def gather_by_hand(
+    n: int, world: int, batch_size: int, sampler_batch: int | None = None, every: int = 1
+) -> list[np.ndarray]:
     """What all_gather returns when the loop gathers every `every` steps: rank-major index chunks."""
     per_rank = [batches(s, batch_size) for s in shards(n, world, sampler_batch)]
     steps = len(per_rank[0])
@@ -108,7 +111,9 @@ def test_hf_worked_example_16_samples_3_processes_batch_2() -> None:
         (12, 3, 4, None, 1),  # no padding at all
     ],
 )
-def test_ordered_gatherer_restores_dataset_order(n: int, world: int, batch_size: int, sampler_batch: Optional[int], every: int) -> None:
+def test_ordered_gatherer_restores_dataset_order(
+    n: int, world: int, batch_size: int, sampler_batch: int | None, every: int
+) -> None:
     sampler = SequentialDistributedSampler(n, world, 0, sampler_batch)
     gatherer = OrderedGatherer.for_sampler(sampler)
     assert gatherer.process_length == len(sampler) and gatherer.total_samples == sampler.total_size
@@ -271,7 +276,10 @@ def _step_outputs(step: int, bs: int = 2) -> dict[str, Any]:
     ids = torch.arange(step * bs, (step + 1) * bs)
     return {
         "losses": torch.full((bs,), float(step)),
-        "predictions": (ids[:, None].repeat(1, seq).float().to(torch.bfloat16), ids[:, None, None].repeat(1, seq, 3).float()),
+        "predictions": (
+            ids[:, None].repeat(1, seq).float().to(torch.bfloat16),
+            ids[:, None, None].repeat(1, seq, 3).float(),
+        ),
         "label_ids": ids[:, None].repeat(1, seq),
     }
 
@@ -346,7 +354,9 @@ def _sample_outputs(indices: list[int], rank: int) -> dict[str, Any]:
 @pytest.mark.parametrize("n, world, bs", [(16, 3, 2), (7, 2, 3), (5, 4, 1)])
 @pytest.mark.parametrize("accumulation_steps", [None, 1, 2])
 @pytest.mark.parametrize("do_concat", [True, False])
-def test_eval_loop_simulated_world(n: int, world: int, bs: int, accumulation_steps: Optional[int], do_concat: bool) -> None:
+def test_eval_loop_simulated_world(
+    n: int, world: int, bs: int, accumulation_steps: int | None, do_concat: bool
+) -> None:
     """The loop exactly as the engine writes it, on `world` threads: results come back in dataset order."""
     fake = FakeWorld(world)
 

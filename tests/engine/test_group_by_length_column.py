@@ -50,10 +50,17 @@ def test_group_by_length_reads_the_column_as_hf_does(tmp_path, remove):
             seen["kiln"].append(inputs["input_ids"].clone())
             return super().training_step(model, inputs, num_items_in_batch, micro_batch)
 
-    kw = dict(train_sampling_strategy="group_by_length", length_column_name="length", remove_unused_columns=remove,
-              gradient_accumulation_steps=2, max_steps=6)
+    kw = dict(
+        train_sampling_strategy="group_by_length",
+        length_column_name="length",
+        remove_unused_columns=remove,
+        gradient_accumulation_steps=2,
+        max_steps=6,
+    )
     theirs, ours = gpt2(), gpt2()
-    HF(model=theirs, args=hf_args(str(tmp_path / "hf"), seed=SEED, **kw), train_dataset=data, data_collator=_collate).train()
+    HF(
+        model=theirs, args=hf_args(str(tmp_path / "hf"), seed=SEED, **kw), train_dataset=data, data_collator=_collate
+    ).train()
     Kiln(ours, kiln_config(tmp_path, seed=SEED, **kw), train_dataset=data, data_collator=_collate).fit()
     assert len(seen["kiln"]) == len(seen["hf"]) == 12
     assert all(torch.equal(a, b) for a, b in zip(seen["kiln"], seen["hf"]))

@@ -26,7 +26,12 @@ TABLE: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
     ("gradient_accumulation_steps", 3, {"train.gradient_accumulation_steps": 3}, {}),
     ("max_grad_norm", 0.5, {"train.max_grad_norm": 0.5}, {}),
     ("gradient_checkpointing", True, {"train.gradient_checkpointing": True}, {}),
-    ("gradient_checkpointing_kwargs", {"use_reentrant": False}, {"train.gradient_checkpointing_kwargs": {"use_reentrant": False}}, {}),
+    (
+        "gradient_checkpointing_kwargs",
+        {"use_reentrant": False},
+        {"train.gradient_checkpointing_kwargs": {"use_reentrant": False}},
+        {},
+    ),
     ("torch_compile", True, {"train.torch_compile": True}, {}),
     ("torch_compile_backend", "aot_eager", {"train.torch_compile_backend": "aot_eager"}, {}),
     ("torch_compile_mode", "reduce-overhead", {"train.torch_compile_mode": "reduce-overhead"}, {}),
@@ -120,10 +125,19 @@ TABLE: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
     ("use_cpu", True, {"strategy.device": "cpu"}, {}),
     ("no_cuda", True, {"strategy.device": "cpu"}, {}),
     ("deepspeed", "ds.json", {"strategy.name": "deepspeed", "strategy.options": {"config": "ds.json"}}, {}),
-    ("fsdp", "full_shard auto_wrap", {"strategy.name": "fsdp", "strategy.options": {"fsdp": ["full_shard", "auto_wrap"]}}, {}),
+    (
+        "fsdp",
+        "full_shard auto_wrap",
+        {"strategy.name": "fsdp", "strategy.options": {"fsdp": ["full_shard", "auto_wrap"]}},
+        {},
+    ),
     ("fsdp_config", {"min_num_params": 10}, {"strategy.options": {"fsdp_config": {"min_num_params": 10}}}, {}),
-    ("parallelism_config", {"dp_shard_size": 2, "tp_size": 2},
-     {"strategy.name": "model_parallel", "strategy.options": {"mesh": {"dp_shard": 2, "tp": 2}}}, {}),
+    (
+        "parallelism_config",
+        {"dp_shard_size": 2, "tp_size": 2},
+        {"strategy.name": "model_parallel", "strategy.options": {"mesh": {"dp_shard": 2, "tp": 2}}},
+        {},
+    ),
     # precision
     ("fp16", True, {"precision.name": "fp16"}, {}),
     ("bf16", True, {"precision.name": "bf16"}, {}),
@@ -143,8 +157,12 @@ TABLE: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
     ("even_batches", False, {"data.even_batches": False}, {}),
     ("use_seedable_sampler", True, {}, {}),  # what kiln's sampler always is; False is refused below
     ("activation_checkpointing", True, {"train.gradient_checkpointing": True}, {}),
-    ("activation_checkpointing_kwargs", {"use_reentrant": False},
-     {"train.gradient_checkpointing_kwargs": {"use_reentrant": False}}, {}),
+    (
+        "activation_checkpointing_kwargs",
+        {"use_reentrant": False},
+        {"train.gradient_checkpointing_kwargs": {"use_reentrant": False}},
+        {},
+    ),
     ("dataloader_in_order", True, {}, {}),  # kiln's batches always arrive in order
     ("dataloader_multiprocessing_context", "spawn", {"data.dataloader_multiprocessing_context": "spawn"}, {}),
     ("torch_empty_cache_steps", 5, {"train.torch_empty_cache_steps": 5}, {}),
@@ -161,19 +179,42 @@ TABLE: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
 ]
 
 # accepted and dropped: scripts read them, the Trainer does not (or a feature that is off)
-IGNORED = ["do_train", "do_eval", "do_predict", "local_rank", "tpu_num_cores", "ray_scope",
-           "project", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
-           "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token", "sortish_sampler"]
+IGNORED = [
+    "do_train",
+    "do_eval",
+    "do_predict",
+    "local_rank",
+    "tpu_num_cores",
+    "ray_scope",
+    "project",
+    "hub_model_id",
+    "hub_strategy",
+    "hub_token",
+    "hub_private_repo",
+    "hub_always_push",
+    "hub_revision",
+    "push_to_hub_model_id",
+    "push_to_hub_organization",
+    "push_to_hub_token",
+    "sortish_sampler",
+]
 
 # not implemented: accepted while off, refused (naming the argument) when on
 REFUSED_WHEN_ON = {
-    "use_ipex": True, "use_liger_kernel": True, "liger_kernel_config": {"rms_norm": True},
-    "past_index": 2, "tpu_metrics_debug": True,  # the XLA metrics report: refused without an XLA strategy
-    "use_legacy_prediction_loop": True, "sharded_ddp": "simple", "mp_parameters": "x",
+    "use_ipex": True,
+    "use_liger_kernel": True,
+    "liger_kernel_config": {"rms_norm": True},
+    "past_index": 2,
+    "tpu_metrics_debug": True,  # the XLA metrics report: refused without an XLA strategy
+    "use_legacy_prediction_loop": True,
+    "sharded_ddp": "simple",
+    "mp_parameters": "x",
     "push_to_hub": True,
     "eval_packing": True,  # TRL's: kiln packs training batches only
     # kiln logs Trackio locally: a Space or bucket to log to is refused, not silently dropped
-    "trackio_space_id": "me/space", "trackio_bucket_id": "me/bucket", "trackio_static_space_id": "me/static",
+    "trackio_space_id": "me/space",
+    "trackio_bucket_id": "me/bucket",
+    "trackio_static_space_id": "me/static",
 }
 OFF = {"past_index": -1, "mp_parameters": "", "liger_kernel_config": None, "sharded_ddp": ""}
 
@@ -209,7 +250,9 @@ def test_hf_name_lands_on_exactly_its_kiln_path(name, value, expected, shared):
 
 @pytest.mark.parametrize("name", IGNORED)
 def test_ignored_names_change_nothing(name):
-    assert _plain(load_config({name: "x" if name.startswith(("hub", "push")) else True})) == _plain(load_config(HF_BASELINE))
+    assert _plain(load_config({name: "x" if name.startswith(("hub", "push")) else True})) == _plain(
+        load_config(HF_BASELINE)
+    )
 
 
 @pytest.mark.parametrize("name", list(REFUSED_WHEN_ON))
@@ -221,11 +264,22 @@ def test_unimplemented_names_are_refused_when_on_and_accepted_when_off(name):
 
 
 # -- observable effects through the Trainer ---------------------------------------------------------
-@pytest.mark.parametrize("name, key", [("per_gpu_train_batch_size", "train"), ("train_batch_size", "train"),
-                                       ("per_gpu_eval_batch_size", "eval"), ("eval_batch_size", "eval")])
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("per_gpu_train_batch_size", "train"),
+        ("train_batch_size", "train"),
+        ("per_gpu_eval_batch_size", "eval"),
+        ("eval_batch_size", "eval"),
+    ],
+)
 def test_batch_size_aliases_set_the_batches(tmp_path, name, key):
-    trainer = Trainer(nn.Linear(2, 1), {**base_config(tmp_path), name: 3}, train_dataset=regression_data(10, d_in=2),
-                      eval_dataset=regression_data(10, d_in=2))
+    trainer = Trainer(
+        nn.Linear(2, 1),
+        {**base_config(tmp_path), name: 3},
+        train_dataset=regression_data(10, d_in=2),
+        eval_dataset=regression_data(10, d_in=2),
+    )
     loader = trainer.get_train_dataloader() if key == "train" else trainer.get_eval_dataloader()
     assert [len(b["y"]) for b in loader] == [3, 3, 3, 1]
 

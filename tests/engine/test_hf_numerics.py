@@ -16,8 +16,18 @@ transformers = pytest.importorskip("transformers")
 
 
 def _gpt2() -> torch.nn.Module:
-    cfg = transformers.GPT2Config(vocab_size=40, n_positions=12, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=40,
+        n_positions=12,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -28,7 +38,7 @@ def _data(n: int = 16, length: int = 12) -> list[dict[str, torch.Tensor]]:
     for i in range(n):
         ids = torch.randint(0, 40, (length,), generator=g)
         labels = ids.clone()
-        labels[(2 + 3 * i) % length + 1:] = -100  # 2..12 real tokens: micro-batches differ a lot
+        labels[(2 + 3 * i) % length + 1 :] = -100  # 2..12 real tokens: micro-batches differ a lot
         rows.append({"input_ids": ids, "labels": labels})
     return rows
 
@@ -42,9 +52,20 @@ class _InOrder(transformers.Trainer):
 
 def _hf_run(tmp_path, model, data, **kw):
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), use_cpu=True, per_device_train_batch_size=2, gradient_accumulation_steps=4,
-        max_steps=4, learning_rate=1e-2, warmup_steps=2, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-        disable_tqdm=True, **kw)
+        output_dir=str(tmp_path / "hf"),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        max_steps=4,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        **kw,
+    )
     trainer = _InOrder(model=model, args=args, train_dataset=data)
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h]
@@ -52,8 +73,9 @@ def _hf_run(tmp_path, model, data, **kw):
 
 def _kiln_run(tmp_path, model, data, **kw):
     loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=False)
-    cfg = base_config(tmp_path, max_steps=4, learning_rate=1e-2, warmup_steps=2, gradient_accumulation_steps=4,
-                      logging_steps=1, **kw)
+    cfg = base_config(
+        tmp_path, max_steps=4, learning_rate=1e-2, warmup_steps=2, gradient_accumulation_steps=4, logging_steps=1, **kw
+    )
     trainer = Trainer(model, cfg, train_dataset=loader)
     trainer.fit()
     return [h for h in trainer.state.log_history if "loss" in h]

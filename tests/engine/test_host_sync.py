@@ -14,7 +14,7 @@ import torch
 
 import kiln
 from kiln import Callback, Trainer
-from tests.helpers import TokenModel, TinyRegressor, base_config, padded_token_data, regression_data
+from tests.helpers import TinyRegressor, TokenModel, base_config, padded_token_data, regression_data
 
 KILN_DIR = os.path.dirname(os.path.abspath(kiln.__file__))
 #: host-side data preparation (samplers shuffle with a CPU generator once per epoch) is not a device read
@@ -55,15 +55,30 @@ def counter(monkeypatch):
     return c
 
 
-@pytest.mark.parametrize("precision, accumulation, model, preemption", [
-    ("fp32", 1, "regressor", False), ("fp32", 3, "tokens", False), ("bf16", 2, "tokens", False),
-    ("fp32", 1, "regressor", True)])  # save.on_preemption: one process has no flag to agree on, so no read
+@pytest.mark.parametrize(
+    "precision, accumulation, model, preemption",
+    [
+        ("fp32", 1, "regressor", False),
+        ("fp32", 3, "tokens", False),
+        ("bf16", 2, "tokens", False),
+        ("fp32", 1, "regressor", True),
+    ],
+)  # save.on_preemption: one process has no flag to agree on, so no read
 def test_no_host_reads_between_logging_steps(tmp_path, counter, precision, accumulation, model, preemption):
     log_every = 5
-    net, data = (TinyRegressor(), regression_data(64)) if model == "regressor" else (TokenModel(), padded_token_data(64))
-    cfg = base_config(tmp_path, max_steps=12, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
-                      max_grad_norm=1.0, precision=precision, log={"history": [], "disable_tqdm": True, "steps": log_every},
-                      save={"strategy": "steps", "steps": 6, "on_preemption": preemption})
+    net, data = (
+        (TinyRegressor(), regression_data(64)) if model == "regressor" else (TokenModel(), padded_token_data(64))
+    )
+    cfg = base_config(
+        tmp_path,
+        max_steps=12,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulation,
+        max_grad_norm=1.0,
+        precision=precision,
+        log={"history": [], "disable_tqdm": True, "steps": log_every},
+        save={"strategy": "steps", "steps": 6, "on_preemption": preemption},
+    )
     trainer = Trainer(net, cfg, train_dataset=data, callbacks=[counter])
     trainer.fit()
     busy = {s for s in range(1, 13) if s % log_every == 0 or s % 6 == 0 or s == 12}  # log, save, the end
@@ -76,9 +91,13 @@ def test_no_host_reads_between_logging_steps(tmp_path, counter, precision, accum
 def test_the_nonfinite_guard_reads_once_per_limit_steps_at_most(tmp_path, counter, limit, reads):
     """Between logs the guard reads the losses where a run of `max_nonfinite_steps` nan steps could end:
     every `limit` steps while they stay finite (kiln.engine.loop.loss_reads.NonFiniteGuard); off, never."""
-    cfg = base_config(tmp_path, max_steps=12, per_device_train_batch_size=4, log={"history": [], "disable_tqdm": True,
-                                                                                  "steps": 50},
-                      train={"max_nonfinite_steps": limit})
+    cfg = base_config(
+        tmp_path,
+        max_steps=12,
+        per_device_train_batch_size=4,
+        log={"history": [], "disable_tqdm": True, "steps": 50},
+        train={"max_nonfinite_steps": limit},
+    )
     Trainer(TinyRegressor(), cfg, train_dataset=regression_data(64), callbacks=[counter]).fit()
     assert {s for s, found in counter.per_step.items() if found} == reads  # 12: the end reads the rest
 
@@ -96,9 +115,16 @@ def test_no_device_sync_between_logging_steps_on_cuda(tmp_path, compiled):
         def on_step_end(self, config, state, control, **kw):
             torch.cuda.set_sync_debug_mode("default")
 
-    cfg = base_config(tmp_path, max_steps=9, per_device_train_batch_size=4, max_grad_norm=1.0, precision="bf16",
-                      log={"history": [], "disable_tqdm": True, "steps": 5}, strategy={"device": "cuda"},
-                      torch_compile=compiled)
+    cfg = base_config(
+        tmp_path,
+        max_steps=9,
+        per_device_train_batch_size=4,
+        max_grad_norm=1.0,
+        precision="bf16",
+        log={"history": [], "disable_tqdm": True, "steps": 5},
+        strategy={"device": "cuda"},
+        torch_compile=compiled,
+    )
     try:
         Trainer(TinyRegressor(), cfg, train_dataset=regression_data(64), callbacks=[Guard()]).fit()
     finally:

@@ -12,8 +12,21 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OPTIONAL = ("transformers", "deepspeed", "accelerate", "tensorboard", "torch.utils.tensorboard", "mlflow", "wandb",
-            "optuna", "safetensors", "lightning", "datasets", "matplotlib", "pandas")
+OPTIONAL = (
+    "transformers",
+    "deepspeed",
+    "accelerate",
+    "tensorboard",
+    "torch.utils.tensorboard",
+    "mlflow",
+    "wandb",
+    "optuna",
+    "safetensors",
+    "lightning",
+    "datasets",
+    "matplotlib",
+    "pandas",
+)
 CODE = f"""
 import json, sys
 names = {(*OPTIONAL, "torch", "omegaconf", "yaml")!r}
@@ -28,8 +41,14 @@ print(json.dumps([after_import, after_trainer, after_load_config]))
 
 
 def test_import_kiln_pulls_in_nothing_heavy_and_trainer_nothing_optional():
-    result = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", CODE],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     after_import, after_trainer, after_load_config = json.loads(result.stdout.strip().splitlines()[-1])
     assert after_import == []

@@ -36,9 +36,17 @@ def test_hf_computes_the_same_interval(max_steps, ratio, every, multiples):
 
 @pytest.mark.parametrize("max_steps, ratio, every, multiples", CASES)
 def test_fractional_log_eval_save_steps(tmp_path, max_steps, ratio, every, multiples):
-    cfg = base_config(tmp_path, max_steps=max_steps, per_device_train_batch_size=4, learning_rate=1e-3,
-                      logging_steps=ratio, eval_strategy="steps", eval_steps=ratio, save_strategy="steps",
-                      save_steps=ratio)
+    cfg = base_config(
+        tmp_path,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=ratio,
+        eval_strategy="steps",
+        eval_steps=ratio,
+        save_strategy="steps",
+        save_steps=ratio,
+    )
     cfg["log"] = {**cfg["log"], "steps": ratio}
     trainer = Trainer(TinyRegressor(), cfg, train_dataset=regression_data(32), eval_dataset=regression_data(4, seed=1))
     trainer.fit()
@@ -46,7 +54,9 @@ def test_fractional_log_eval_save_steps(tmp_path, max_steps, ratio, every, multi
     assert (trainer.state.logging_steps, trainer.state.eval_steps, trainer.state.save_steps) == (every, every, every)
     assert [h["step"] for h in history if "loss" in h] == multiples
     # evaluations at the multiples (HF 5 adds one at a final step that is not a multiple: issue 15)
-    assert [h["step"] for h in history if "eval_loss" in h and h["step"] < max_steps] == [m for m in multiples if m < max_steps]
+    assert [h["step"] for h in history if "eval_loss" in h and h["step"] < max_steps] == [
+        m for m in multiples if m < max_steps
+    ]
     saved = sorted(int(n.split("-")[1]) for n in os.listdir(cfg["output_dir"]) if n.startswith("checkpoint-"))
     assert saved == sorted(set(multiples) | {max_steps})  # and at the end, whatever the interval (HF)
 
@@ -54,8 +64,15 @@ def test_fractional_log_eval_save_steps(tmp_path, max_steps, ratio, every, multi
 def test_ratio_of_steps_derived_from_epochs(tmp_path):
     """The ratio applies to the max_steps that num_train_epochs gives: 2 epochs x 8 batches = 16 steps,
     0.3 * 16 = 4.8 -> every 5 steps."""
-    cfg = base_config(tmp_path, max_steps=-1, num_train_epochs=2, per_device_train_batch_size=4, learning_rate=1e-3,
-                      eval_strategy="steps", eval_steps=0.3)
+    cfg = base_config(
+        tmp_path,
+        max_steps=-1,
+        num_train_epochs=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        eval_strategy="steps",
+        eval_steps=0.3,
+    )
     cfg["log"] = {**cfg["log"], "steps": 0.3}
     trainer = Trainer(TinyRegressor(), cfg, train_dataset=regression_data(32), eval_dataset=regression_data(4, seed=1))
     trainer.fit()

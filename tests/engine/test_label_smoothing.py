@@ -16,17 +16,28 @@ transformers = pytest.importorskip("transformers")
 
 
 def _bert(problem_type):
-    cfg = transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=16, max_position_embeddings=16, num_labels=3, problem_type=problem_type,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        vocab_size=30,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+        num_labels=3,
+        problem_type=problem_type,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(cfg)
 
 
 def _rows(n=8):
     g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(0, 30, (6,), generator=g), "labels": torch.randint(0, 2, (3,), generator=g).float()}
-            for _ in range(n)]
+    return [
+        {"input_ids": torch.randint(0, 30, (6,), generator=g), "labels": torch.randint(0, 2, (3,), generator=g).float()}
+        for _ in range(n)
+    ]
 
 
 def test_multi_label_turns_smoothing_off_with_hfs_warning(tmp_path):
@@ -34,8 +45,9 @@ def test_multi_label_turns_smoothing_off_with_hfs_warning(tmp_path):
     untrained = copy.deepcopy(model)
     loader = torch.utils.data.DataLoader(rows, batch_size=len(rows))  # one batch: the logged loss is its loss
     with pytest.warns(UserWarning, match="Label smoothing is not compatible with multi-label classification"):
-        trainer = Trainer(model, base_config(tmp_path, max_steps=1, label_smoothing_factor=0.1, logging_steps=1),
-                          train_dataset=loader)
+        trainer = Trainer(
+            model, base_config(tmp_path, max_steps=1, label_smoothing_factor=0.1, logging_steps=1), train_dataset=loader
+        )
     trainer.fit()
     batch = torch.utils.data.default_collate(rows)
     with torch.no_grad():

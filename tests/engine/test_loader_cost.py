@@ -36,8 +36,13 @@ def _data() -> list[dict[str, torch.Tensor]]:
 
 
 def _kiln_loader(tmp_path) -> torch.utils.data.DataLoader:
-    cfg = {"output_dir": str(tmp_path), "per_device_train_batch_size": 16, "max_steps": 1, "strategy": {"device": "cpu"},
-           "log": {"disable_tqdm": True}}
+    cfg = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 16,
+        "max_steps": 1,
+        "strategy": {"device": "cpu"},
+        "log": {"disable_tqdm": True},
+    }
     return Trainer(LM(), cfg, train_dataset=_data()).get_train_dataloader()
 
 
@@ -76,4 +81,6 @@ def test_dicts_of_tensors_skip_default_collate_with_the_same_batch(monkeypatch):
     batch = loaders.default_data_collator(features)
     assert called == []
     assert list(batch) == list(expected) and all(torch.equal(batch[k], expected[k]) for k in expected)
-    assert loaders.default_data_collator([{"x": 1}, {"x": 2}])["x"].tolist() == [1, 2] and len(called) == 1  # other items
+    assert (
+        loaders.default_data_collator([{"x": 1}, {"x": 2}])["x"].tolist() == [1, 2] and len(called) == 1
+    )  # other items

@@ -35,8 +35,15 @@ def _full_loss(model):
 def _kiln(tmp_path, name, **extra):
     model = _initial()
     loader = torch.utils.data.DataLoader(_data(), batch_size=8)  # used as given: the order is fixed
-    cfg = base_config(tmp_path, optim=name, learning_rate=LR, max_steps=STEPS, warmup_steps=2,
-                      log={"history": [], "disable_tqdm": True, "steps": 1}, **extra)
+    cfg = base_config(
+        tmp_path,
+        optim=name,
+        learning_rate=LR,
+        max_steps=STEPS,
+        warmup_steps=2,
+        log={"history": [], "disable_tqdm": True, "steps": 1},
+        **extra,
+    )
     trainer = Trainer(model, cfg, train_dataset=loader)
     trainer.fit()
     return trainer, model
@@ -55,8 +62,18 @@ def _by_hand(name):
     return model, losses
 
 
-@pytest.mark.parametrize("name", ["lomo", pytest.param("adalomo", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="lomo-optim's AdaLomo allocates its state with .cuda()"))])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "lomo",
+        pytest.param(
+            "adalomo",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="lomo-optim's AdaLomo allocates its state with .cuda()"
+            ),
+        ),
+    ],
+)
 def test_training_equals_a_hand_written_loop(tmp_path, name, recwarn):
     trainer, model = _kiln(tmp_path, name)
     # the step still calls the optimizer's (no-op) step, which the scheduler's first step expects before it

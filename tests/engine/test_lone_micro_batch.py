@@ -5,7 +5,8 @@ out-of-memory guard and the strategy's synchronisation context; the micro-batch'
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -46,9 +47,11 @@ class Recording(Trainer):
 
 
 def _step(tmp_path, trainer_class: type = Recording, **cfg: Any) -> tuple[Any, Any, list[dict[str, torch.Tensor]]]:
-    trainer = trainer_class(TinyRegressor(), base_config(tmp_path, max_steps=1, per_device_train_batch_size=4,
-                                                          lr_scheduler_type="constant", **cfg),
-                            train_dataset=regression_data(16))
+    trainer = trainer_class(
+        TinyRegressor(),
+        base_config(tmp_path, max_steps=1, per_device_train_batch_size=4, lr_scheduler_type="constant", **cfg),
+        train_dataset=regression_data(16),
+    )
     trainer.seen = []
     trainer.fit()  # sets the run up: module, optimizer, scheduler
     trainer.seen.clear()
@@ -140,5 +143,7 @@ def test_a_window_owning_strategy_runs_the_whole_window_once_with_its_weights(tm
 def test_a_window_owner_refuses_a_trainer_that_overrides_what_acts_per_micro_batch(tmp_path, monkeypatch):
     trainer, _, _ = _step(tmp_path)  # Recording overrides training_step
     monkeypatch.setattr(trainer.strategy, "__class__", _window_owner(trainer, []))
-    with pytest.raises(KilnError, match=r"so Recording.training_step, which acts on one micro-batch, would never be called"):
+    with pytest.raises(
+        KilnError, match=r"so Recording.training_step, which acts on one micro-batch, would never be called"
+    ):
         train_step_of(trainer)

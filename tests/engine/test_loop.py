@@ -13,23 +13,34 @@ from kiln import Callback, Trainer
 from tests.helpers import TinyRegressor, TokenModel, base_config, padded_token_data, regression_data
 
 
-@pytest.mark.parametrize("n, batch, accum, epochs, max_steps, expected", [
-    (40, 4, 1, 3, -1, 30),      # 10 batches/epoch
-    (40, 4, 3, 1, -1, 4),       # ceil(10 / 3): the short last window is a step
-    (40, 4, 3, 2, -1, 8),
-    (40, 4, 1, 0.5, -1, 5),     # fractional epochs
-    (40, 4, 1, 2.25, -1, 23),   # ceil(2.25 * 10)
-    (40, 4, 1, 3, 7, 7),        # max_steps overrides epochs
-    (40, 4, 1, 1, 25, 25),      # max_steps beyond one epoch re-iterates the data
-])
+@pytest.mark.parametrize(
+    "n, batch, accum, epochs, max_steps, expected",
+    [
+        (40, 4, 1, 3, -1, 30),  # 10 batches/epoch
+        (40, 4, 3, 1, -1, 4),  # ceil(10 / 3): the short last window is a step
+        (40, 4, 3, 2, -1, 8),
+        (40, 4, 1, 0.5, -1, 5),  # fractional epochs
+        (40, 4, 1, 2.25, -1, 23),  # ceil(2.25 * 10)
+        (40, 4, 1, 3, 7, 7),  # max_steps overrides epochs
+        (40, 4, 1, 1, 25, 25),  # max_steps beyond one epoch re-iterates the data
+    ],
+)
 def test_step_counting(tmp_path, n, batch, accum, epochs, max_steps, expected):
-    cfg = base_config(tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
-                      num_train_epochs=epochs, max_steps=max_steps, learning_rate=1e-3)
+    cfg = base_config(
+        tmp_path,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum,
+        num_train_epochs=epochs,
+        max_steps=max_steps,
+        learning_rate=1e-3,
+    )
     trainer = Trainer(TinyRegressor(), cfg, train_dataset=regression_data(n))
     out = trainer.fit()
     assert out.global_step == expected == trainer.state.global_step
     if max_steps < 0:
-        assert trainer.state.epoch == pytest.approx(min(epochs, math.ceil(epochs * math.ceil(n / batch / accum)) / math.ceil(n / batch / accum)), abs=0.11)
+        assert trainer.state.epoch == pytest.approx(
+            min(epochs, math.ceil(epochs * math.ceil(n / batch / accum)) / math.ceil(n / batch / accum)), abs=0.11
+        )
 
 
 def test_logging_steps_first_step_and_history(tmp_path):
@@ -40,7 +51,13 @@ def test_logging_steps_first_step_and_history(tmp_path):
     steps = [h["step"] for h in trainer.state.log_history if "loss" in h]
     assert steps == [1, 4, 8]
     first = trainer.state.log_history[0]
-    assert set(first) == {"loss", "grad_norm", "learning_rate", "epoch", "step"}  # HF's keys; throughput goes to loggers
+    assert set(first) == {
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "epoch",
+        "step",
+    }  # HF's keys; throughput goes to loggers
     assert "train_runtime" in trainer.state.log_history[-1] and "train_loss" in trainer.state.log_history[-1]
 
 
@@ -120,13 +137,33 @@ def test_event_order(tmp_path):
     class Spy(Callback):
         pass
 
-    for name in ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end", "on_pre_optimizer_step",
-                 "on_optimizer_step", "on_step_end", "on_epoch_end", "on_train_end", "on_log"):
+    for name in (
+        "on_train_begin",
+        "on_epoch_begin",
+        "on_step_begin",
+        "on_substep_end",
+        "on_pre_optimizer_step",
+        "on_optimizer_step",
+        "on_step_end",
+        "on_epoch_end",
+        "on_train_end",
+        "on_log",
+    ):
         setattr(Spy, name, lambda self, c, s, ctl, _n=name, **kw: events.append(_n))
     cfg = base_config(tmp_path, max_steps=1, gradient_accumulation_steps=2, learning_rate=1e-3)
     Trainer(TinyRegressor(), cfg, train_dataset=regression_data(16), callbacks=[Spy()]).fit()
-    assert events == ["on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end", "on_pre_optimizer_step",
-                      "on_optimizer_step", "on_step_end", "on_epoch_end", "on_log", "on_train_end"]
+    assert events == [
+        "on_train_begin",
+        "on_epoch_begin",
+        "on_step_begin",
+        "on_substep_end",
+        "on_pre_optimizer_step",
+        "on_optimizer_step",
+        "on_step_end",
+        "on_epoch_end",
+        "on_log",
+        "on_train_end",
+    ]
 
 
 def test_hf_contract_model_plain_module(tmp_path):
@@ -163,7 +200,9 @@ def test_transformers_model_from_config(tmp_path):
 
 def test_dataloader_is_used_as_given(tmp_path):
     loader = torch.utils.data.DataLoader(regression_data(20), batch_size=5, shuffle=False)
-    trainer = Trainer(TinyRegressor(), base_config(tmp_path, num_train_epochs=2, learning_rate=1e-3), train_dataset=loader)
+    trainer = Trainer(
+        TinyRegressor(), base_config(tmp_path, num_train_epochs=2, learning_rate=1e-3), train_dataset=loader
+    )
     assert trainer.fit().global_step == 8
 
 
@@ -172,8 +211,11 @@ def test_iterable_dataset_with_max_steps(tmp_path):
         def __iter__(self):
             return iter(regression_data(12))
 
-    out = Trainer(TinyRegressor(), base_config(tmp_path, max_steps=7, per_device_train_batch_size=4, learning_rate=1e-3),
-                  train_dataset=Stream()).fit()
+    out = Trainer(
+        TinyRegressor(),
+        base_config(tmp_path, max_steps=7, per_device_train_batch_size=4, learning_rate=1e-3),
+        train_dataset=Stream(),
+    ).fit()
     assert out.global_step == 7  # 3 batches per pass, re-iterated until max_steps
 
 
@@ -188,7 +230,9 @@ def test_user_optimizer_and_configure_optimizers(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
-    trainer = Trainer(Own(), base_config(tmp_path / "b", max_steps=1, lr_scheduler_type="constant"), train_dataset=regression_data(16))
+    trainer = Trainer(
+        Own(), base_config(tmp_path / "b", max_steps=1, lr_scheduler_type="constant"), train_dataset=regression_data(16)
+    )
     trainer.fit()
     assert isinstance(trainer.optimizer, torch.optim.SGD) and trainer.get_learning_rates() == [0.5]
 
@@ -200,8 +244,12 @@ def test_warmup_and_schedule_reach_the_optimizer(tmp_path):
         def on_step_begin(self, config, state, control, optimizer=None, **kw):
             lrs.append(trainer.optimizer.param_groups[0]["lr"])
 
-    trainer = Trainer(TinyRegressor(), base_config(tmp_path, max_steps=6, warmup_steps=2, learning_rate=1.0),
-                      train_dataset=regression_data(64), callbacks=[LR()])
+    trainer = Trainer(
+        TinyRegressor(),
+        base_config(tmp_path, max_steps=6, warmup_steps=2, learning_rate=1.0),
+        train_dataset=regression_data(64),
+        callbacks=[LR()],
+    )
     trainer.fit()
     assert lrs == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25])
 
@@ -242,8 +290,9 @@ def test_strategy_step_interfaces_are_called_in_order_and_only_for_strategies_th
     step = ["context boundary=False", "micro_batch_end", "context boundary=True", "micro_batch_end", "step_end"]
     assert calls == step * 2
 
-    plain = Trainer(TinyRegressor(), base_config(tmp_path / "b", max_steps=2, learning_rate=1e-3),
-                    train_dataset=regression_data(32))
+    plain = Trainer(
+        TinyRegressor(), base_config(tmp_path / "b", max_steps=2, learning_rate=1e-3), train_dataset=regression_data(32)
+    )
     assert type(plain.strategy) is SingleDeviceStrategy
     assert not isinstance(plain.strategy, (BackwardSyncControl, GraphBoundaries))  # nothing to call per step
     assert not hasattr(plain.strategy, "micro_batch_context") and not hasattr(plain.strategy, "on_step_end")
@@ -293,8 +342,9 @@ def test_throughput_and_total_flos_count_every_rank(tmp_path):
     model = TokenModel()
     cfg = base_config(tmp_path, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3)
     cfg["log"]["steps"] = 1
-    out = Trainer(model, cfg, train_dataset=padded_token_data(n=8, length=12), strategy=TwoRanks,
-                  callbacks=[Figures()]).fit()
+    out = Trainer(
+        model, cfg, train_dataset=padded_token_data(n=8, length=12), strategy=TwoRanks, callbacks=[Figures()]
+    ).fit()
     assert len(seen) == 3
     for logs in seen:  # 2 ranks x 2 samples of 12 tokens per step
         assert logs["samples_per_second"] == pytest.approx(4 * logs["steps_per_second"])

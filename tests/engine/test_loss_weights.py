@@ -39,8 +39,13 @@ def test_models_that_divide_by_num_items_get_only_the_dp_factor(global_mean, sca
 @pytest.mark.parametrize("average, shards", [(True, 2), (False, 2), (True, 1)])
 def test_trainer_reduces_item_counts_only_for_the_global_mean(tmp_path, monkeypatch, average, shards):
     data = padded_token_data(n=8)
-    cfg = base_config(tmp_path, max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                      average_tokens_across_devices=average)
+    cfg = base_config(
+        tmp_path,
+        max_steps=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        average_tokens_across_devices=average,
+    )
     trainer = Trainer(TokenModel(), cfg, train_dataset=data)
     reduced = []
 
@@ -51,7 +56,7 @@ def test_trainer_reduces_item_counts_only_for_the_global_mean(tmp_path, monkeypa
     monkeypatch.setattr(type(trainer.strategy), "data_shards", property(lambda self: shards))
     monkeypatch.setattr(type(trainer.strategy), "grad_divisor", property(lambda self: shards))
     monkeypatch.setattr(trainer.strategy, "reduce_async", reduce_async)
-    window = [torch.utils.data.default_collate(data[i:i + 2]) for i in (0, 2)]
+    window = [torch.utils.data.default_collate(data[i : i + 2]) for i in (0, 2)]
     counts = [int(b["labels"].ne(-100).sum()) for b in window]
     weights = train_step_of(trainer).loss_weights(window)
     got = [float(weights.weight(i)) for i in (0, 1)]
@@ -73,7 +78,7 @@ def test_an_accumulated_window_has_the_gradient_of_one_batch_of_all_its_items(tm
     cfg = base_config(tmp_path, max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=2)
     trainer = Trainer(TokenModel(), cfg, train_dataset=data)
     model, params = setup_for_eval(trainer.run, trainer.strategy, trainer.config), list(trainer.model.parameters())
-    window = [torch.utils.data.default_collate(data[i:i + 2]) for i in (0, 2)]
+    window = [torch.utils.data.default_collate(data[i : i + 2]) for i in (0, 2)]
     assert window[0]["labels"].ne(-100).sum() != window[1]["labels"].ne(-100).sum()  # unequal: weights matter
     weights = train_step_of(trainer).loss_weights(window)
     for i, batch in enumerate(window):
@@ -99,7 +104,9 @@ def test_a_lone_micro_batch_on_several_shards_is_weighted_by_the_global_count(tm
     trainer = Recording(TokenModel(), cfg, train_dataset=padded_token_data(n=4))
     monkeypatch.setattr(type(trainer.strategy), "data_shards", property(lambda self: 2))
     monkeypatch.setattr(type(trainer.strategy), "grad_divisor", property(lambda self: 2))
-    monkeypatch.setattr(trainer.strategy, "reduce_async", lambda tensor, op="sum": lambda: tensor + 10)  # the other shard: 10
+    monkeypatch.setattr(
+        trainer.strategy, "reduce_async", lambda tensor, op="sum": lambda: tensor + 10
+    )  # the other shard: 10
     trainer.fit()
     [(weight, n)] = seen
     assert float(weight) == pytest.approx(n * 2 / (n + 10))

@@ -56,7 +56,7 @@ def test_the_logged_loss_and_train_loss_are_means_over_the_ranks(tmp_path):
     results = world.run(fit)
     own = [model.losses for model in models]
     assert own[0] != own[1]  # the shards differ, so a rank's own mean would not do
-    windows = [(sum(own[0][s:s + 2]) + sum(own[1][s:s + 2])) / 4 for s in (0, 2)]
+    windows = [(sum(own[0][s : s + 2]) + sum(own[1][s : s + 2])) / 4 for s in (0, 2)]
     for logged, training_loss in results:
         assert logged == pytest.approx(windows, rel=1e-6)
         assert training_loss == pytest.approx((sum(own[0]) + sum(own[1])) / 8, rel=1e-6)

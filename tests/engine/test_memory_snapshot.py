@@ -20,12 +20,25 @@ from tests.helpers import TinyRegressor, base_config, regression_data
 
 
 def block(size: int, filename: str, line: int, state: str = "active_allocated") -> dict:
-    return {"size": size, "state": state, "frames": [{"filename": "alloc.cpp", "line": 1},
-                                                     {"filename": filename, "line": line}]}
+    return {
+        "size": size,
+        "state": state,
+        "frames": [{"filename": "alloc.cpp", "line": 1}, {"filename": filename, "line": line}],
+    }
 
 
-SNAPSHOT = {"segments": [{"blocks": [block(3 << 20, "model.py", 10), block(1 << 20, "model.py", 10),
-                                     block(5 << 20, "loss.py", 7), block(9 << 20, "old.py", 1, state="inactive")]}]}
+SNAPSHOT = {
+    "segments": [
+        {
+            "blocks": [
+                block(3 << 20, "model.py", 10),
+                block(1 << 20, "model.py", 10),
+                block(5 << 20, "loss.py", 7),
+                block(9 << 20, "old.py", 1, state="inactive"),
+            ]
+        }
+    ]
+}
 
 
 @pytest.fixture
@@ -33,8 +46,9 @@ def fake_cuda(monkeypatch):
     calls: list = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(("record", a, k)))
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: SNAPSHOT)
-    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", lambda fn: calls.append(("observer", fn)),
-                        raising=False)
+    monkeypatch.setattr(
+        torch._C, "_cuda_attach_out_of_memory_observer", lambda fn: calls.append(("observer", fn)), raising=False
+    )
     return calls
 
 
@@ -76,7 +90,8 @@ def test_an_out_of_memory_dumps_a_snapshot_and_names_it_with_the_largest_sites(t
 def test_largest_sites_charge_blocks_to_their_innermost_python_frame():
     assert largest_sites(SNAPSHOT, top=1) == [("loss.py:7", 5 << 20)]
     assert largest_sites({"segments": [{"blocks": [{"size": 8, "state": "active_allocated", "frames": []}]}]}) == [
-        ("<no Python frame>", 8)]
+        ("<no Python frame>", 8)
+    ]
 
 
 def test_off_by_default_and_one_sentence_for_other_devices_and_step_zero(tmp_path):

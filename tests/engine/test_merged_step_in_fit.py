@@ -18,8 +18,17 @@ def _fit(tmp_path, name: str, monkeypatch, merged: bool = True, **overrides):
     kernel = torch._fused_adamw_
     monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     model = toy.mlp()
-    cfg = toy.kiln_config(str(tmp_path / name), batch=4, eval_batch=4, torch_compile_backend=None, eval_strategy="no",
-                          warmup_steps=2, max_grad_norm=0.5, optim="adamw_torch_fused", **overrides)
+    cfg = toy.kiln_config(
+        str(tmp_path / name),
+        batch=4,
+        eval_batch=4,
+        torch_compile_backend=None,
+        eval_strategy="no",
+        warmup_steps=2,
+        max_grad_norm=0.5,
+        optim="adamw_torch_fused",
+        **overrides,
+    )
     trainer = Trainer(model, cfg, train_dataset=toy.regression_data(18))
     trainer.fit()
     monkeypatch.undo()
@@ -43,8 +52,15 @@ def test_groups_that_differ_in_decay_step_grouped(tmp_path, monkeypatch):
 @pytest.mark.parametrize("setting", ["torch_compile_optimizer_step"])
 def test_a_compiled_optimizer_step_is_left_as_compiled(tmp_path, monkeypatch, setting):
     model = toy.mlp()
-    cfg = toy.kiln_config(str(tmp_path / "c"), batch=4, eval_batch=4, eval_strategy="no", optim="adamw_torch",
-                          max_steps=1, weight_decay=0.0)
+    cfg = toy.kiln_config(
+        str(tmp_path / "c"),
+        batch=4,
+        eval_batch=4,
+        eval_strategy="no",
+        optim="adamw_torch",
+        max_steps=1,
+        weight_decay=0.0,
+    )
     cfg["train"] = {setting: True}
     toy.reset()
     trainer = Trainer(model, cfg, train_dataset=toy.regression_data(8))

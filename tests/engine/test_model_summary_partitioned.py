@@ -16,6 +16,9 @@ def test_partitioned_parameters_are_counted_at_full_size():
     for p in model.parameters():  # what deepspeed.zero.Init leaves: an empty local tensor, the size aside
         p.ds_numel = p.numel()
         p.data = torch.empty(0)
-    line = model_summary(model, SimpleNamespace(name="deepspeed", root_device=torch.device("cpu"), world_size=1),
-                         SimpleNamespace(name="fp32", param_dtype=torch.float32, compute_dtype=torch.float32))
+    line = model_summary(
+        model,
+        SimpleNamespace(name="deepspeed", root_device=torch.device("cpu"), world_size=1),
+        SimpleNamespace(name="fp32", param_dtype=torch.float32, compute_dtype=torch.float32),
+    )
     assert line.startswith("model Linear: 15 parameters (15 trainable")

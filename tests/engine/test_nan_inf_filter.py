@@ -7,7 +7,7 @@ both trainers see the same numbers whatever they do to the model."""
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ class Scripted(nn.Module):
         self.w = nn.Parameter(torch.ones(1))
         self.values, self.calls = values, 0
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         value = self.values[self.calls]
         self.calls += 1
         return {"loss": (x * self.w).sum() * 0 + value}
@@ -53,8 +53,15 @@ def hand_rule(values: list[float], accum: int, log_every: int) -> list[float]:
 
 
 def run_kiln(tmp_path, values: list[float], accum: int, log_every: int, steps: int, flt: bool = True) -> list[float]:
-    cfg = base_config(tmp_path, max_steps=steps, per_device_train_batch_size=1, gradient_accumulation_steps=accum,
-                      learning_rate=0.0, max_grad_norm=0.0, logging_nan_inf_filter=flt)
+    cfg = base_config(
+        tmp_path,
+        max_steps=steps,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=accum,
+        learning_rate=0.0,
+        max_grad_norm=0.0,
+        logging_nan_inf_filter=flt,
+    )
     cfg["log"] = {**cfg["log"], "steps": log_every}
     trainer = Trainer(Scripted(values), cfg, train_dataset=data(len(values)))
     trainer.fit()
@@ -64,9 +71,19 @@ def run_kiln(tmp_path, values: list[float], accum: int, log_every: int, steps: i
 def run_hf(tmp_path, values: list[float], accum: int, log_every: int, steps: int) -> list[float]:
     transformers = pytest.importorskip("transformers")
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), max_steps=steps, per_device_train_batch_size=1,
-        gradient_accumulation_steps=accum, learning_rate=0.0, max_grad_norm=0.0, logging_steps=log_every,
-        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_pin_memory=False)
+        output_dir=str(tmp_path / "hf"),
+        max_steps=steps,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=accum,
+        learning_rate=0.0,
+        max_grad_norm=0.0,
+        logging_steps=log_every,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+    )
     trainer = transformers.Trainer(model=Scripted(values), args=args, train_dataset=data(len(values)))
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -123,9 +140,15 @@ def eval_loss(tmp_path, values: list[float], flt: bool, hf: bool = False) -> flo
     """eval_loss over 6 samples in batches of 2; `values` are the 3 batch losses."""
     if hf:
         transformers = pytest.importorskip("transformers")
-        args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_eval_batch_size=2,
-                                              report_to="none", use_cpu=True, disable_tqdm=True,
-                                              logging_nan_inf_filter=flt, dataloader_pin_memory=False)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "hf"),
+            per_device_eval_batch_size=2,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            logging_nan_inf_filter=flt,
+            dataloader_pin_memory=False,
+        )
         return transformers.Trainer(model=Scripted(values), args=args).evaluate(data(6))["eval_loss"]
     cfg = base_config(tmp_path, per_device_eval_batch_size=2, logging_nan_inf_filter=flt)
     return Trainer(Scripted(values), cfg).evaluate(data(6))["eval_loss"]

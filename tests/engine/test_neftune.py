@@ -41,8 +41,15 @@ class RecordingLM(TokenModel):
 def test_noise_is_bounded_uniform_and_only_in_training(tmp_path):
     data = padded_token_data(n=16, length=12)
     model = RecordingLM()
-    cfg = base_config(tmp_path, max_steps=4, per_device_train_batch_size=4, neftune_noise_alpha=ALPHA,
-                      eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    cfg = base_config(
+        tmp_path,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        neftune_noise_alpha=ALPHA,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=4,
+    )
     Trainer(model, cfg, train_dataset=data, eval_dataset=data[:4]).fit()
     bound = ALPHA / math.sqrt(12 * model.emb.embedding_dim)
     train = [(out - clean) for training, out, clean in model.seen if training]
@@ -57,13 +64,18 @@ def test_noise_is_bounded_uniform_and_only_in_training(tmp_path):
 
 def test_without_alpha_embeddings_are_untouched(tmp_path):
     model = RecordingLM()
-    Trainer(model, base_config(tmp_path, max_steps=2, per_device_train_batch_size=4), train_dataset=padded_token_data(n=8)).fit()
+    Trainer(
+        model, base_config(tmp_path, max_steps=2, per_device_train_batch_size=4), train_dataset=padded_token_data(n=8)
+    ).fit()
     assert model.seen and all(torch.equal(out, clean) for _, out, clean in model.seen)
 
 
 def test_a_model_without_input_embeddings_gets_a_clear_error(tmp_path):
-    trainer = Trainer(TinyRegressor(), base_config(tmp_path, max_steps=1, neftune_noise_alpha=ALPHA),
-                      train_dataset=[{"x": torch.randn(8), "y": torch.tensor(0.0)}] * 4)
+    trainer = Trainer(
+        TinyRegressor(),
+        base_config(tmp_path, max_steps=1, neftune_noise_alpha=ALPHA),
+        train_dataset=[{"x": torch.randn(8), "y": torch.tensor(0.0)}] * 4,
+    )
     with pytest.raises(KilnError, match="neftune_noise_alpha needs the input embeddings of TinyRegressor"):
         trainer.fit()
 

@@ -14,8 +14,17 @@ from tests.helpers import TinyRegressor, base_config, flat_params, regression_da
 
 
 def _cfg(tmp_path, **kw):
-    return base_config(tmp_path, **{"max_steps": 4, "per_device_train_batch_size": 8, "learning_rate": 1e-2,
-                                    "log": {"history": [], "disable_tqdm": True, "steps": 1}, "warmup_steps": 1, **kw})
+    return base_config(
+        tmp_path,
+        **{
+            "max_steps": 4,
+            "per_device_train_batch_size": 8,
+            "learning_rate": 1e-2,
+            "log": {"history": [], "disable_tqdm": True, "steps": 1},
+            "warmup_steps": 1,
+            **kw,
+        },
+    )
 
 
 def test_second_train_with_model_init_is_a_fresh_reseeded_run(tmp_path):
@@ -26,13 +35,16 @@ def test_second_train_with_model_init_is_a_fresh_reseeded_run(tmp_path):
     history = list(trainer.state.log_history)
     out = trainer.train()
     assert out.global_step == 4 and trainer.state.global_step == 4  # not "resumed at step 4, 0 steps trained"
-    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == \
-        pytest.approx([h["loss"] for h in history if "loss" in h])
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(
+        [h["loss"] for h in history if "loss" in h]
+    )
     assert torch.equal(flat_params(trainer.model), first)
 
     trainer.config.seed = 7  # a changed seed applies to the next run, model init included
     trainer.train()
-    fresh = Trainer(None, _cfg(tmp_path / "fresh", seed=7), model_init=lambda: TinyRegressor(dropout=0.2), train_dataset=data)
+    fresh = Trainer(
+        None, _cfg(tmp_path / "fresh", seed=7), model_init=lambda: TinyRegressor(dropout=0.2), train_dataset=data
+    )
     fresh.fit()
     assert torch.equal(flat_params(trainer.model), flat_params(fresh.model))
     assert not torch.equal(flat_params(trainer.model), first)
@@ -41,6 +53,7 @@ def test_second_train_with_model_init_is_a_fresh_reseeded_run(tmp_path):
 def test_second_train_without_model_init_matches_hf_trainer(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tests.engine.test_flow_vs_hf import Lin  # the same plain HF-contract model
+
     rows = [{"x": d["x"], "labels": d["y"]} for d in regression_data(16)]
     torch.manual_seed(0)
     model = Lin()
@@ -50,14 +63,26 @@ def test_second_train_without_model_init_matches_hf_trainer(tmp_path):
         def _get_train_sampler(self, train_dataset=None):
             return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
 
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, per_device_train_batch_size=4,
-                                          max_steps=3, learning_rate=1e-2, warmup_steps=1, logging_steps=1,
-                                          save_strategy="no", report_to=[], disable_tqdm=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=1e-2,
+        warmup_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
     hf = InOrder(model=theirs_model, args=args, train_dataset=rows)
     hf.train()
     hf.train()
-    ours = Trainer(ours_model, _cfg(tmp_path, max_steps=3, per_device_train_batch_size=4),
-                   train_dataset=torch.utils.data.DataLoader(rows, batch_size=4))
+    ours = Trainer(
+        ours_model,
+        _cfg(tmp_path, max_steps=3, per_device_train_batch_size=4),
+        train_dataset=torch.utils.data.DataLoader(rows, batch_size=4),
+    )
     ours.fit()
     ours.fit()
     assert ours.state.global_step == hf.state.global_step == 3
@@ -82,4 +107,4 @@ def test_a_second_train_keeps_the_users_own_scheduler(tmp_path):
         assert trainer.lr_scheduler is sched and trainer.optimizer is opt
         trainer.train()
     assert sched.last_epoch == 16  # 4 runs of 4 steps on the one schedule
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 16)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**16)

@@ -26,9 +26,19 @@ VALUES = [1.0, 2.0, NAN, NAN] + [NAN] * 4 + [3.0, 4.0, INF, 6.0]
 
 def hf_args(tmp_path, **kw):
     return transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=len(VALUES), per_device_train_batch_size=1, learning_rate=0.0,
-        max_grad_norm=0.0, logging_steps=4, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
-        dataloader_pin_memory=False, **kw)
+        output_dir=str(tmp_path / "out"),
+        max_steps=len(VALUES),
+        per_device_train_batch_size=1,
+        learning_rate=0.0,
+        max_grad_norm=0.0,
+        logging_steps=4,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        **kw,
+    )
 
 
 def losses(trainer) -> list[float]:
@@ -36,15 +46,22 @@ def losses(trainer) -> list[float]:
 
 
 def same(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all(x == pytest.approx(y, rel=1e-6) or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x == pytest.approx(y, rel=1e-6) or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize("flt", [True, False], ids=["filter", "no filter"])
 def test_training_arguments_log_what_hfs_trainer_logs(tmp_path, flt):
-    theirs = transformers.Trainer(model=Scripted(VALUES), args=hf_args(tmp_path / "hf", logging_nan_inf_filter=flt),
-                                  train_dataset=data(len(VALUES)))
+    theirs = transformers.Trainer(
+        model=Scripted(VALUES),
+        args=hf_args(tmp_path / "hf", logging_nan_inf_filter=flt),
+        train_dataset=data(len(VALUES)),
+    )
     their_out = theirs.train()
-    ours = Trainer(Scripted(VALUES), args=hf_args(tmp_path / "kiln", logging_nan_inf_filter=flt), train_dataset=data(len(VALUES)))
+    ours = Trainer(
+        Scripted(VALUES), args=hf_args(tmp_path / "kiln", logging_nan_inf_filter=flt), train_dataset=data(len(VALUES))
+    )
     our_out = ours.fit()
     assert our_out.global_step == their_out.global_step == len(VALUES)  # no stop after 10 nan steps: HF has none
     if flt:
@@ -58,17 +75,38 @@ def test_training_arguments_log_what_hfs_trainer_logs(tmp_path, flt):
 
 
 def test_hfs_flat_names_are_hfs_dialect_too(tmp_path):
-    args = {k: v for k, v in hf_args(tmp_path).to_dict().items() if k in (
-        "output_dir", "max_steps", "per_device_train_batch_size", "learning_rate", "max_grad_norm", "logging_steps",
-        "report_to", "save_strategy", "use_cpu", "disable_tqdm", "dataloader_pin_memory")}
+    args = {
+        k: v
+        for k, v in hf_args(tmp_path).to_dict().items()
+        if k
+        in (
+            "output_dir",
+            "max_steps",
+            "per_device_train_batch_size",
+            "learning_rate",
+            "max_grad_norm",
+            "logging_steps",
+            "report_to",
+            "save_strategy",
+            "use_cpu",
+            "disable_tqdm",
+            "dataloader_pin_memory",
+        )
+    }
     trainer = Trainer(Scripted(VALUES), args, train_dataset=data(len(VALUES)))
     trainer.fit()
     assert losses(trainer)[1] == 0.0 and trainer.state.global_step == len(VALUES)
 
 
 def test_kilns_dialect_keeps_its_guard_and_its_nan(tmp_path):
-    cfg = base_config(tmp_path, max_steps=len(VALUES), per_device_train_batch_size=1, learning_rate=0.0, max_grad_norm=0.0,
-                      logging_steps=4)
+    cfg = base_config(
+        tmp_path,
+        max_steps=len(VALUES),
+        per_device_train_batch_size=1,
+        learning_rate=0.0,
+        max_grad_norm=0.0,
+        logging_steps=4,
+    )
     trainer = Trainer(Scripted(VALUES), cfg, train_dataset=data(len(VALUES)))
     trainer.fit()  # 6 nan steps in a row: under kiln's limit of 10
     assert math.isnan(losses(trainer)[1])  # not a made-up 0.0
@@ -80,23 +118,32 @@ def test_kilns_dialect_keeps_its_guard_and_its_nan(tmp_path):
 
 
 def test_a_setting_given_explicitly_wins_over_the_dialect(tmp_path):
-    guarded = Trainer(Scripted(VALUES), args=hf_args(tmp_path), train_dataset=data(len(VALUES)),
-                      overrides=["train.max_nonfinite_steps=3", "log.nonfinite_window=nan"])
+    guarded = Trainer(
+        Scripted(VALUES),
+        args=hf_args(tmp_path),
+        train_dataset=data(len(VALUES)),
+        overrides=["train.max_nonfinite_steps=3", "log.nonfinite_window=nan"],
+    )
     with pytest.raises(NonFiniteLossError, match="for 3 consecutive steps"):
         guarded.fit()
     assert guarded.state.global_step == 5  # nan at steps 3, 4, 5
-    cfg = load_config({**base_config(tmp_path), "train": {"max_nonfinite_steps": 0}, "log": {"nonfinite_window": "filtered"}})
+    cfg = load_config(
+        {**base_config(tmp_path), "train": {"max_nonfinite_steps": 0}, "log": {"nonfinite_window": "filtered"}}
+    )
     assert (cfg.train.max_nonfinite_steps, cfg.log.nonfinite_window) == (0, "filtered")
 
 
-@pytest.mark.parametrize("source, hf", [
-    ({"learning_rate": 1e-3, "output_dir": "x", "seed": 1, "optim": "adamw_torch", "fp16": False}, True),
-    ({"learning_rate": 1e-3, "train": {"max_steps": 3}}, False),
-    ({"learning_rate": 1e-3, "strategy": "ddp"}, False),
-    ({"learning_rate": 1e-3, "optim": {"name": "sgd"}}, False),
-    ({"learning_rate": 1e-3, "optim.lr": 1e-3}, False),
-    ({}, False),
-])
+@pytest.mark.parametrize(
+    "source, hf",
+    [
+        ({"learning_rate": 1e-3, "output_dir": "x", "seed": 1, "optim": "adamw_torch", "fp16": False}, True),
+        ({"learning_rate": 1e-3, "train": {"max_steps": 3}}, False),
+        ({"learning_rate": 1e-3, "strategy": "ddp"}, False),
+        ({"learning_rate": 1e-3, "optim": {"name": "sgd"}}, False),
+        ({"learning_rate": 1e-3, "optim.lr": 1e-3}, False),
+        ({}, False),
+    ],
+)
 def test_which_configs_are_hfs_dialect(source, hf):
     cfg = load_config(source)
     assert (cfg.train.max_nonfinite_steps, cfg.log.nonfinite_window) == ((0, "filtered") if hf else (10, "nan"))
@@ -139,8 +186,15 @@ def test_hfs_own_logging_inf_nan_filter_test(tmp_path):
     train_dataset = RepeatDataset(torch.randint(0, 100, (16,)))
     histories = {}
     for flt in (False, True):
-        args = transformers.TrainingArguments(str(tmp_path / str(flt)), learning_rate=1e9, logging_steps=5,
-                                              logging_nan_inf_filter=flt, report_to="none", use_cpu=True, disable_tqdm=True)
+        args = transformers.TrainingArguments(
+            str(tmp_path / str(flt)),
+            learning_rate=1e9,
+            logging_steps=5,
+            logging_nan_inf_filter=flt,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
         trainer = Trainer(tiny_gpt2, args, train_dataset=train_dataset)
         assert trainer.fit().global_step == 24
         histories[flt] = trainer.state.log_history

@@ -18,10 +18,19 @@ from tests.helpers import base_config, regression_data
 def steps_run(tmp_path, limit: int, logging_steps: int, first_nan: int, accumulation: int = 1, **cfg) -> int:
     """The optimizer steps a run with nan losses from step `first_nan` on trains before it stops."""
     calls = range((first_nan - 1) * accumulation + 1, 10**6)  # training_step calls with a nan loss
-    trainer = Trainer(NanAt(calls), base_config(tmp_path, max_steps=60, per_device_train_batch_size=2, logging_steps=logging_steps,
-                                                gradient_accumulation_steps=accumulation,
-                                                train={"max_nonfinite_steps": limit}, **cfg),
-                      train_dataset=regression_data(64))
+    trainer = Trainer(
+        NanAt(calls),
+        base_config(
+            tmp_path,
+            max_steps=60,
+            per_device_train_batch_size=2,
+            logging_steps=logging_steps,
+            gradient_accumulation_steps=accumulation,
+            train={"max_nonfinite_steps": limit},
+            **cfg,
+        ),
+        train_dataset=regression_data(64),
+    )
     with pytest.raises(NonFiniteLossError, match=f"nan/inf for {limit} consecutive steps"):
         trainer.fit()
     return trainer.state.global_step
@@ -75,14 +84,20 @@ def test_every_rank_reads_at_the_same_step():
 
 def test_a_resumed_run_reads_where_the_uninterrupted_one_would(tmp_path):
     """The nan steps just before a checkpoint are saved with it, so the resumed run stops at the same step."""
-    cfg = {"max_steps": 20, "per_device_train_batch_size": 2, "logging_steps": 50, "train": {"max_nonfinite_steps": 4},
-           "save": {"strategy": "steps", "steps": 6}}
+    cfg = {
+        "max_steps": 20,
+        "per_device_train_batch_size": 2,
+        "logging_steps": 50,
+        "train": {"max_nonfinite_steps": 4},
+        "save": {"strategy": "steps", "steps": 6},
+    }
     straight = Trainer(NanAt(range(5, 100)), base_config(tmp_path / "a", **cfg), train_dataset=regression_data(64))
     with pytest.raises(NonFiniteLossError):
         straight.fit()
     assert straight.state.global_step == 8  # nan from step 5: 4 of them end at step 8
-    first = Trainer(NanAt(range(5, 100)), base_config(tmp_path / "b", **{**cfg, "max_steps": 6}),
-                    train_dataset=regression_data(64))
+    first = Trainer(
+        NanAt(range(5, 100)), base_config(tmp_path / "b", **{**cfg, "max_steps": 6}), train_dataset=regression_data(64)
+    )
     first.fit()  # saves checkpoint-6 after 2 nan steps
     again = NanAt(range(1, 100))  # the resumed steps are nan from the start
     resumed = Trainer(again, base_config(tmp_path / "b", **cfg), train_dataset=regression_data(64))

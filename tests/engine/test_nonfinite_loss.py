@@ -36,7 +36,9 @@ def _trainer(tmp_path, calls: range | None = None, **overrides) -> Trainer:
 def test_nan_from_the_first_step_stops_before_saving(tmp_path, caplog) -> None:
     trainer = _trainer(tmp_path, save={"strategy": "steps", "steps": 10})
     with caplog.at_level(logging.WARNING, logger="kiln"):
-        with pytest.raises(NonFiniteLossError, match=r"nan/inf for 10 consecutive steps \(train.max_nonfinite_steps=10\)"):
+        with pytest.raises(
+            NonFiniteLossError, match=r"nan/inf for 10 consecutive steps \(train.max_nonfinite_steps=10\)"
+        ):
             trainer.fit()
     assert "The training loss is nan at step 1" in caplog.text
     assert trainer.state.global_step == 10

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,8 +60,15 @@ def _one_step(tmp_path, model, rows, micro_sizes):
     # a loader with uneven micro-batches: 1 then 3 rows, so per-micro-batch means are weighted wrongly
     batches = [list(range(0, micro_sizes[0])), list(range(micro_sizes[0], sum(micro_sizes)))]
     loader = torch.utils.data.DataLoader(rows, batch_sampler=batches)
-    cfg = base_config(tmp_path, max_steps=1, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
-                      gradient_accumulation_steps=2, max_grad_norm=0)
+    cfg = base_config(
+        tmp_path,
+        max_steps=1,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        gradient_accumulation_steps=2,
+        max_grad_norm=0,
+    )
     Trainer(model, cfg, train_dataset=loader).fit()
     return flat_params(model)
 

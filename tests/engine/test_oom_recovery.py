@@ -33,8 +33,15 @@ class OomAt(TinyRegressor):
 
 
 def _config(tmp_path, name, batch, accumulation, **extra):
-    return base_config(tmp_path / name, max_steps=6, per_device_train_batch_size=batch,
-                       gradient_accumulation_steps=accumulation, learning_rate=1e-2, seed=7, **extra)
+    return base_config(
+        tmp_path / name,
+        max_steps=6,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        learning_rate=1e-2,
+        seed=7,
+        **extra,
+    )
 
 
 def _train(tmp_path, name, model, batch, accumulation, **extra):
@@ -49,16 +56,19 @@ _initial = TinyRegressor()  # every run starts from these weights
 
 
 @pytest.mark.parametrize("batch, accumulation, smaller, more", [(8, 2, 4, 4), (9, 1, 3, 3)])
-def test_out_of_memory_mid_window_redoes_the_step_with_smaller_micro_batches(tmp_path, caplog, batch, accumulation,
-                                                                             smaller, more):
+def test_out_of_memory_mid_window_redoes_the_step_with_smaller_micro_batches(
+    tmp_path, caplog, batch, accumulation, smaller, more
+):
     # forward 1..k is the probe; the OOM hits step 3's last micro-batch, after its first one's backward
     oom_at = accumulation * 3 + accumulation
     model = OomAt(at=(oom_at,))
     trainer, out = _train(tmp_path, "recovered", model, batch, accumulation, auto_find_batch_size=True)
     assert (trainer._train_batch_size, trainer.run.accumulation) == (smaller, more)
     assert trainer.state.train_batch_size == smaller
-    assert f"Out of memory at step 3 with per_device_train_batch_size={batch}: redoing the step with " \
-           f"per_device_train_batch_size={smaller} and gradient_accumulation_steps={more}" in caplog.text
+    assert (
+        f"Out of memory at step 3 with per_device_train_batch_size={batch}: redoing the step with "
+        f"per_device_train_batch_size={smaller} and gradient_accumulation_steps={more}" in caplog.text
+    )
     assert model.sizes[oom_at] == smaller  # the redo starts right after the failed forward
 
     reference = OomAt()
@@ -76,8 +86,11 @@ def test_a_checkpoint_after_the_change_resumes_with_the_new_sizes(tmp_path):
 
     resumed_model = OomAt()
     torch.manual_seed(0)
-    resumed = Trainer(resumed_model, _config(tmp_path, "run", 8, 2, auto_find_batch_size=True, save=save),
-                      train_dataset=regression_data(n=64))
+    resumed = Trainer(
+        resumed_model,
+        _config(tmp_path, "run", 8, 2, auto_find_batch_size=True, save=save),
+        train_dataset=regression_data(n=64),
+    )
     resumed.fit(resume_from_checkpoint=str(tmp_path / "run" / "out" / "checkpoint-4"))
     assert (resumed._train_batch_size, resumed.run.accumulation) == (4, 4)
     assert resumed_model.sizes == [4] * 8  # steps 5 and 6 only, 4 micro-batches of 4 each: no search, no replay
@@ -98,10 +111,15 @@ def test_a_loader_that_ignores_the_new_size_is_one_sentence(tmp_path):
 
     cfg = _config(tmp_path, "fixed", 8, 2, auto_find_batch_size=True)
     trainer = FixedLoader(OomAt(at=(4,)), cfg, train_dataset=regression_data(n=64))
-    with pytest.raises(KilnError, match="get_train_dataloader\\(\\) still returns batches of 8 after per_device_train_batch_size was set to 4"):
+    with pytest.raises(
+        KilnError,
+        match="get_train_dataloader\\(\\) still returns batches of 8 after per_device_train_batch_size was set to 4",
+    ):
         trainer.fit()
 
 
-@pytest.mark.parametrize("size, accumulation, expected", [(8, 2, 4), (10, 1, 5), (9, 1, 3), (9, 2, 3), (7, 1, 1), (2, 3, 1)])
+@pytest.mark.parametrize(
+    "size, accumulation, expected", [(8, 2, 4), (10, 1, 5), (9, 1, 3), (9, 2, 3), (7, 1, 1), (2, 3, 1)]
+)
 def test_the_smaller_micro_batch_divides_the_window(size, accumulation, expected):
     assert smaller_micro_batch(size, accumulation) == expected

@@ -21,8 +21,17 @@ from kiln.optim.optimizers import (
 )
 from kiln.registry import UnknownNameError
 
-BUILT_IN = ["adamw_torch", "adamw_hf", "adamw_torch_fused", "adamw_torch_foreach", "adam", "sgd", "adagrad",
-            "adafactor", "rmsprop"]
+BUILT_IN = [
+    "adamw_torch",
+    "adamw_hf",
+    "adamw_torch_fused",
+    "adamw_torch_foreach",
+    "adam",
+    "sgd",
+    "adagrad",
+    "adafactor",
+    "rmsprop",
+]
 
 
 class MyRMSNorm(nn.Module):
@@ -91,7 +100,9 @@ def test_optimizer_param_groups_match_parameter_groups() -> None:
     model = Toy()
     optimizer = build_optimizer(model, OptimConfig(weight_decay=0.05))
     expected = parameter_groups(model, 0.05)
-    assert [[id(p) for p in g["params"]] for g in optimizer.param_groups] == [[id(p) for p in g["params"]] for g in expected]
+    assert [[id(p) for p in g["params"]] for g in optimizer.param_groups] == [
+        [id(p) for p in g["params"]] for g in expected
+    ]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
 
 
@@ -104,10 +115,20 @@ def test_empty_groups_are_kept_as_hf_does_and_no_trainable_parameters_is_an_erro
         build_optimizer(nn.Linear(2, 2).requires_grad_(False), OptimConfig())
 
 
-@pytest.mark.parametrize("module", [
-    nn.LayerNorm(4), nn.GroupNorm(2, 4), nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.SyncBatchNorm(4), nn.RMSNorm(4),
-    nn.InstanceNorm1d(4, affine=True), MyRMSNorm(4),
-], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.LayerNorm(4),
+        nn.GroupNorm(2, 4),
+        nn.BatchNorm1d(4),
+        nn.BatchNorm2d(4),
+        nn.SyncBatchNorm(4),
+        nn.RMSNorm(4),
+        nn.InstanceNorm1d(4, affine=True),
+        MyRMSNorm(4),
+    ],
+    ids=lambda m: type(m).__name__,
+)
 def test_norm_layers_are_recognised(module: nn.Module) -> None:
     assert is_norm_module(module)
     assert decay_parameter_names(module) == []
@@ -153,11 +174,15 @@ def test_adam_family_takes_betas_and_eps_from_config() -> None:
     assert type(build_optimizer(Toy(), OptimConfig(name="adafactor"))) is torch.optim.Adafactor
 
 
-@pytest.mark.parametrize("cfg", [
-    OptimConfig(name="SGD", lr=0.1, optim_args="momentum=0.9"),
-    OmegaConf.structured(OptimConfig(name="sgd", lr=0.1, optim_args="momentum=0.9")),
-    {"name": "sgd", "lr": 0.1, "optim_args": "momentum=0.9"},
-], ids=["dataclass", "dictconfig", "dict"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        OptimConfig(name="SGD", lr=0.1, optim_args="momentum=0.9"),
+        OmegaConf.structured(OptimConfig(name="sgd", lr=0.1, optim_args="momentum=0.9")),
+        {"name": "sgd", "lr": 0.1, "optim_args": "momentum=0.9"},
+    ],
+    ids=["dataclass", "dictconfig", "dict"],
+)
 def test_build_optimizer_accepts_every_config_form(cfg: Any) -> None:
     optimizer = build_optimizer(Toy(), cfg)
     assert type(optimizer) is torch.optim.SGD
@@ -176,21 +201,38 @@ def test_every_transformers_optimizer_name_is_registered() -> None:
 
 
 def test_parse_optim_args_types() -> None:
-    parsed = parse_optim_args(" momentum=0.9, nesterov=True,dampening=0,flag=false,x=None,name=hello,eps=1e-3,"
-                              "betas=(0.9, 0.95),neg=-2")
-    assert parsed == {"momentum": 0.9, "nesterov": True, "dampening": 0, "flag": False, "x": None, "name": "hello",
-                      "eps": 1e-3, "betas": (0.9, 0.95), "neg": -2}
+    parsed = parse_optim_args(
+        " momentum=0.9, nesterov=True,dampening=0,flag=false,x=None,name=hello,eps=1e-3,betas=(0.9, 0.95),neg=-2"
+    )
+    assert parsed == {
+        "momentum": 0.9,
+        "nesterov": True,
+        "dampening": 0,
+        "flag": False,
+        "x": None,
+        "name": "hello",
+        "eps": 1e-3,
+        "betas": (0.9, 0.95),
+        "neg": -2,
+    }
     assert [type(parsed[k]) for k in ("momentum", "nesterov", "dampening", "name")] == [float, bool, int, str]
     assert parse_optim_args(None) == {} and parse_optim_args("") == {}
 
 
-@pytest.mark.parametrize("name,optim_args,expected", [
-    ("sgd", "momentum=0.9,nesterov=True", {"momentum": 0.9, "nesterov": True}),
-    ("rmsprop", "alpha=0.9,centered=true,momentum=0.5", {"alpha": 0.9, "centered": True, "momentum": 0.5}),
-    ("adagrad", "lr_decay=0.01,initial_accumulator_value=0.1", {"lr_decay": 0.01, "initial_accumulator_value": 0.1}),
-    ("adafactor", "beta2_decay=-0.5,eps=(None, 0.01),d=2.0", {"beta2_decay": -0.5, "eps": (None, 0.01), "d": 2.0}),
-    ("adamw_torch", "amsgrad=True", {"amsgrad": True}),
-])
+@pytest.mark.parametrize(
+    "name,optim_args,expected",
+    [
+        ("sgd", "momentum=0.9,nesterov=True", {"momentum": 0.9, "nesterov": True}),
+        ("rmsprop", "alpha=0.9,centered=true,momentum=0.5", {"alpha": 0.9, "centered": True, "momentum": 0.5}),
+        (
+            "adagrad",
+            "lr_decay=0.01,initial_accumulator_value=0.1",
+            {"lr_decay": 0.01, "initial_accumulator_value": 0.1},
+        ),
+        ("adafactor", "beta2_decay=-0.5,eps=(None, 0.01),d=2.0", {"beta2_decay": -0.5, "eps": (None, 0.01), "d": 2.0}),
+        ("adamw_torch", "amsgrad=True", {"amsgrad": True}),
+    ],
+)
 def test_optim_args_reach_the_optimizer(name: str, optim_args: str, expected: dict[str, Any]) -> None:
     optimizer = build_optimizer(Toy(), OptimConfig(name=name, optim_args=optim_args))
     assert {k: optimizer.defaults[k] for k in expected} == expected
@@ -208,14 +250,17 @@ def test_unknown_optimizer_name_lists_valid_names() -> None:
     assert all(name in message for name in BUILT_IN)
 
 
-@pytest.mark.parametrize("optim_args,bad", [
-    ("momentum", "'momentum' is not of the form key=value"),
-    ("=0.9", "'=0.9' is not of the form key=value"),
-    ("momentum=", "'momentum=' is not of the form key=value"),
-    ("momentum=0.9,,nesterov=True", "'' is not of the form key=value"),
-    ("momentum=0.9,momentum=0.8", "'momentum=0.8' is a repeated key"),
-    ("2x=1", "'2x=1' is not of the form key=value"),
-])
+@pytest.mark.parametrize(
+    "optim_args,bad",
+    [
+        ("momentum", "'momentum' is not of the form key=value"),
+        ("=0.9", "'=0.9' is not of the form key=value"),
+        ("momentum=", "'momentum=' is not of the form key=value"),
+        ("momentum=0.9,,nesterov=True", "'' is not of the form key=value"),
+        ("momentum=0.9,momentum=0.8", "'momentum=0.8' is a repeated key"),
+        ("2x=1", "'2x=1' is not of the form key=value"),
+    ],
+)
 def test_malformed_optim_args(optim_args: str, bad: str) -> None:
     with pytest.raises(ValueError) as err:
         build_optimizer(Toy(), OptimConfig(name="sgd", optim_args=optim_args))
@@ -232,30 +277,41 @@ def test_unknown_optim_args_key_names_optim_args() -> None:
         build_optimizer(Toy(), OptimConfig(name="sgd", optim_args="eps=1e-3"))
 
 
-@pytest.mark.parametrize("name,optim_args,source", [
-    ("sgd", "lr=0.1", "optim.lr"),
-    ("adamw_torch", "weight_decay=0.1", "optim.weight_decay"),
-    ("adamw_torch", "betas=(0.9, 0.95)", "optim.adam_beta1 / optim.adam_beta2"),
-    ("adam", "eps=1e-6", "optim.adam_epsilon"),
-    ("adamw_torch_fused", "fused=False", "optim.name='adamw_torch_fused'"),
-])
+@pytest.mark.parametrize(
+    "name,optim_args,source",
+    [
+        ("sgd", "lr=0.1", "optim.lr"),
+        ("adamw_torch", "weight_decay=0.1", "optim.weight_decay"),
+        ("adamw_torch", "betas=(0.9, 0.95)", "optim.adam_beta1 / optim.adam_beta2"),
+        ("adam", "eps=1e-6", "optim.adam_epsilon"),
+        ("adamw_torch_fused", "fused=False", "optim.name='adamw_torch_fused'"),
+    ],
+)
 def test_optim_args_may_not_repeat_config_fields(name: str, optim_args: str, source: str) -> None:
     key = optim_args.split("=")[0]
-    with pytest.raises(ValueError, match=f"`optim.optim_args` sets '{key}', which optimizer '{name}' takes from "
-                                         f"{source}; set it there."):
+    with pytest.raises(
+        ValueError,
+        match=f"`optim.optim_args` sets '{key}', which optimizer '{name}' takes from {source}; set it there.",
+    ):
         build_optimizer(Toy(), OptimConfig(name=name, optim_args=optim_args))
 
 
 def test_optimizer_rejecting_its_arguments_names_optim_args() -> None:
-    with pytest.raises(ValueError, match=r"Optimizer 'sgd' rejected its arguments \(Nesterov momentum requires .*\); "
-                                         r"check .*optim.optim_args"):
+    with pytest.raises(
+        ValueError,
+        match=r"Optimizer 'sgd' rejected its arguments \(Nesterov momentum requires .*\); "
+        r"check .*optim.optim_args",
+    ):
         build_optimizer(Toy(), OptimConfig(name="sgd", optim_args="nesterov=True"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed")
 def test_bitsandbytes_optimizer_without_the_package_says_what_to_install() -> None:
-    with pytest.raises(ImportError, match=r"Optimizer 'adamw_bnb_8bit' \(`optim.name`\) needs bitsandbytes: "
-                                          r"pip install bitsandbytes, or use optim.name=adamw_torch\."):
+    with pytest.raises(
+        ImportError,
+        match=r"Optimizer 'adamw_bnb_8bit' \(`optim.name`\) needs bitsandbytes: "
+        r"pip install bitsandbytes, or use optim.name=adamw_torch\.",
+    ):
         build_optimizer(Toy(), OptimConfig(name="adamw_bnb_8bit"))
 
 
@@ -265,10 +321,13 @@ def test_xla_optimizer_without_torch_xla_says_what_to_install() -> None:
         build_optimizer(Toy(), OptimConfig(name="adamw_torch_xla"))
 
 
-@pytest.mark.parametrize("name,instead", [
-    ("stable_adamw", "register it with kiln.optim.optimizers.OPTIMIZERS.add"),
-    ("adamw_apex_fused", "use adamw_torch_fused"),
-])
+@pytest.mark.parametrize(
+    "name,instead",
+    [
+        ("stable_adamw", "register it with kiln.optim.optimizers.OPTIMIZERS.add"),
+        ("adamw_apex_fused", "use adamw_torch_fused"),
+    ],
+)
 def test_unsupported_optimizer_says_what_to_use(name: str, instead: str) -> None:
     with pytest.raises(ValueError, match=f"Optimizer '{name}' \\(`optim.name`\\) is not supported by kiln; {instead}"):
         build_optimizer(Toy(), OptimConfig(name=name))

@@ -11,10 +11,13 @@ from kiln.config.schema import OptimConfig
 from kiln.optim.optimizers import build_optimizer
 
 
-@pytest.mark.parametrize("name,own,from_config", [
-    ("sgd", {"momentum", "nesterov", "dampening"}, {"lr"}),
-    ("adamw_torch", {"amsgrad", "maximize"}, {"lr", "betas", "eps"}),
-])
+@pytest.mark.parametrize(
+    "name,own,from_config",
+    [
+        ("sgd", {"momentum", "nesterov", "dampening"}, {"lr"}),
+        ("adamw_torch", {"amsgrad", "maximize"}, {"lr", "betas", "eps"}),
+    ],
+)
 def test_the_refusal_lists_only_keys_optim_args_may_set(name, own, from_config):
     with pytest.raises(ValueError) as err:
         build_optimizer(nn.Linear(2, 2), OptimConfig(name=name, optim_args="momentun=0.9"))

@@ -16,8 +16,14 @@ from kiln.config.schema import OptimConfig
 from kiln.optim.optimizers import build_optimizer
 from tests.distributed import toy
 
-PACKAGE = {"schedulefree": "schedulefree", "grokadamw": "grokadamw", "torchao": "torchao",
-           "galore_torch": "galore-torch", "apollo_torch": "apollo-torch", "bitsandbytes": "bitsandbytes"}
+PACKAGE = {
+    "schedulefree": "schedulefree",
+    "grokadamw": "grokadamw",
+    "torchao": "torchao",
+    "galore_torch": "galore-torch",
+    "apollo_torch": "apollo-torch",
+    "bitsandbytes": "bitsandbytes",
+}
 # name -> (module it needs, learning rate, extra config)
 CASES: dict[str, tuple[str, float, dict[str, Any]]] = {
     "schedule_free_adamw": ("schedulefree", 0.05, {"lr_scheduler_type": "constant"}),
@@ -26,7 +32,11 @@ CASES: dict[str, tuple[str, float, dict[str, Any]]] = {
     "grokadamw": ("grokadamw", 0.05, {"optim_args": "lamb=3.0"}),
     "adamw_torch_4bit": ("torchao", 0.05, {}),
     "adamw_torch_8bit": ("torchao", 0.05, {}),
-    "galore_adamw": ("galore_torch", 0.05, {"optim_target_modules": ["net.0"], "optim_args": "rank=2,update_proj_gap=2"}),
+    "galore_adamw": (
+        "galore_torch",
+        0.05,
+        {"optim_target_modules": ["net.0"], "optim_args": "rank=2,update_proj_gap=2"},
+    ),
     "galore_adafactor": ("galore_torch", 0.05, {"optim_target_modules": "net\\.0", "optim_args": "rank=2"}),
     "apollo_adamw": ("apollo_torch", 0.05, {"optim_target_modules": "all-linear", "optim_args": "rank=2,proj=random"}),
     "adamw_bnb_8bit": ("bitsandbytes", 0.05, {}),
@@ -52,9 +62,20 @@ def _fit(name: str, out: str, lr: float, extra: dict[str, Any], resume: Any = No
     from kiln import Trainer
 
     torch.manual_seed(0)
-    cfg = {"output_dir": out, "seed": 3, "optim": name, "learning_rate": lr, "max_steps": 8,
-           "per_device_train_batch_size": 8, "save_steps": 4, "logging_steps": 1, "max_grad_norm": 0.0,
-           "log": {"history": [], "disable_tqdm": True}, "strategy": {"name": "single", "device": "cpu"}, **extra}
+    cfg = {
+        "output_dir": out,
+        "seed": 3,
+        "optim": name,
+        "learning_rate": lr,
+        "max_steps": 8,
+        "per_device_train_batch_size": 8,
+        "save_steps": 4,
+        "logging_steps": 1,
+        "max_grad_norm": 0.0,
+        "log": {"history": [], "disable_tqdm": True},
+        "strategy": {"name": "single", "device": "cpu"},
+        **extra,
+    }
     model = toy.Regressor()
     trainer = Trainer(model, cfg, train_dataset=toy.regression_data(64, seed=5), eval_dataset=eval_dataset)
     trainer.fit(resume_from_checkpoint=resume)
@@ -89,8 +110,9 @@ def test_optim_args_reach_the_optional_optimizers():
     _needs("galore_torch")
     opt = build_optimizer(toy.Regressor(), OptimConfig(name="grokadamw", optim_args="lamb=3.0,gamma=0.2"))
     assert opt.defaults["lamb"] == 3.0 and opt.defaults["gamma"] == 0.2 and opt.defaults["alpha_init"] == 0.98
-    opt = build_optimizer(toy.Regressor(), OptimConfig(name="galore_adamw", target_modules=["net.0"],
-                                                       optim_args="rank=4,scale=0.5"))
+    opt = build_optimizer(
+        toy.Regressor(), OptimConfig(name="galore_adamw", target_modules=["net.0"], optim_args="rank=4,scale=0.5")
+    )
     target = opt.param_groups[-1]
     assert (target["rank"], target["scale"], target["update_proj_gap"], target["proj_type"]) == (4, 0.5, 200, "std")
     assert len(target["params"]) == 1 and target["params"][0].shape == (12, 6)  # net.0.weight only
@@ -99,29 +121,46 @@ def test_optim_args_reach_the_optional_optimizers():
 
 def test_galore_needs_target_modules_that_match():
     _needs("galore_torch")
-    with pytest.raises(ValueError, match=r"^Optimizer 'galore_adamw' needs optim.target_modules \(optim_target_modules\)"):
+    with pytest.raises(
+        ValueError, match=r"^Optimizer 'galore_adamw' needs optim.target_modules \(optim_target_modules\)"
+    ):
         build_optimizer(toy.Regressor(), OptimConfig(name="galore_adamw"))
     with pytest.raises(ValueError, match=r"^optim.target_modules=\['attn'\] matches no nn.Linear of the model"):
         build_optimizer(toy.Regressor(), OptimConfig(name="galore_adamw", target_modules=["attn"]))
 
 
-@pytest.mark.parametrize("name,pip_name", [("schedule_free_adamw", "schedulefree"), ("grokadamw", "grokadamw"),
-                                           ("adamw_torch_4bit", "torchao"), ("galore_adamw", "galore-torch"),
-                                           ("apollo_adamw", "apollo-torch")])
+@pytest.mark.parametrize(
+    "name,pip_name",
+    [
+        ("schedule_free_adamw", "schedulefree"),
+        ("grokadamw", "grokadamw"),
+        ("adamw_torch_4bit", "torchao"),
+        ("galore_adamw", "galore-torch"),
+        ("apollo_adamw", "apollo-torch"),
+    ],
+)
 def test_missing_package_is_one_sentence(name, pip_name, monkeypatch):
-    module = {"galore-torch": "galore_torch", "apollo-torch": "apollo_torch", "torchao": "torchao.optim"}.get(pip_name, pip_name)
+    module = {"galore-torch": "galore_torch", "apollo-torch": "apollo_torch", "torchao": "torchao.optim"}.get(
+        pip_name, pip_name
+    )
     monkeypatch.setitem(sys.modules, module, None)  # import of it raises ImportError
-    with pytest.raises(ImportError, match=f"^Optimizer '{name}' \\(`optim.name`\\) needs the {pip_name} package: "
-                                          f"pip install {pip_name}\\.$"):
+    with pytest.raises(
+        ImportError,
+        match=f"^Optimizer '{name}' \\(`optim.name`\\) needs the {pip_name} package: pip install {pip_name}\\.$",
+    ):
         build_optimizer(toy.Regressor(), OptimConfig(name=name, target_modules="all-linear"))
 
 
 def test_schedule_free_evaluates_the_averaged_weights_and_trains_on(tmp_path):
     _needs("schedulefree")
     data = toy.regression_data(16, seed=9)
-    trainer, model = _fit("schedule_free_adamw", str(tmp_path), 0.05, {"lr_scheduler_type": "constant",
-                                                                      "eval_strategy": "steps", "eval_steps": 4},
-                          eval_dataset=data)
+    trainer, model = _fit(
+        "schedule_free_adamw",
+        str(tmp_path),
+        0.05,
+        {"lr_scheduler_type": "constant", "eval_strategy": "steps", "eval_steps": 4},
+        eval_dataset=data,
+    )
     assert trainer.optimizer.param_groups[0]["train_mode"]  # back in train mode after the evaluations in fit
     metrics = trainer.evaluate(data)
     assert not trainer.optimizer.param_groups[0]["train_mode"]  # HF leaves it in eval mode outside training

@@ -41,8 +41,14 @@ def test_no_wd_param_group(tmp_path):
     model = nn.Sequential(TstLayer(128), nn.ModuleList([TstLayer(128), TstLayer(128)]))
     trainer = Trainer(model, base_config(tmp_path))
     trainer.create_optimizer()
-    wd_names = ["0.linear1.weight", "0.linear2.weight", "1.0.linear1.weight", "1.0.linear2.weight",
-                "1.1.linear1.weight", "1.1.linear2.weight"]
+    wd_names = [
+        "0.linear1.weight",
+        "0.linear2.weight",
+        "1.0.linear1.weight",
+        "1.0.linear2.weight",
+        "1.1.linear1.weight",
+        "1.1.linear2.weight",
+    ]
     wd_params = [p for n, p in model.named_parameters() if n in wd_names]
     no_wd_params = [p for n, p in model.named_parameters() if n not in wd_names]
     assert trainer.optimizer.param_groups[0]["params"] == wd_params
@@ -55,8 +61,9 @@ def test_groups_and_learning_rates_are_hfs(tmp_path, weight_decay):
     model = TinyRegressor()
     ours = Trainer(model, base_config(tmp_path, learning_rate=0.01, weight_decay=weight_decay))
     ours.create_optimizer()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True,
-                                          learning_rate=0.01, weight_decay=weight_decay)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True, learning_rate=0.01, weight_decay=weight_decay
+    )
     hf = transformers.Trainer(model=model, args=args)
     hf.create_optimizer()
     assert ours.get_learning_rates() == hf.get_learning_rates() == [0.01, 0.01]
@@ -73,8 +80,15 @@ def test_an_empty_group_is_kept_as_hf_keeps_it():
 
 
 def tiny_bert(seed: int):
-    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    cfg = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
     torch.manual_seed(seed)
     return transformers.BertForSequenceClassification(cfg)
 
@@ -87,12 +101,16 @@ def bert_data():
 def test_hf_trainer_resumes_a_kiln_checkpoint_saved_without_weight_decay(tmp_path):
     hyper = {"max_steps": 5, "save_steps": 3, "per_device_train_batch_size": 4, "learning_rate": 1e-3}
     kiln_out = str(tmp_path / "kiln")
-    Trainer(tiny_bert(0), {**hyper, "output_dir": kiln_out, "report_to": "none", "disable_tqdm": True},
-            train_dataset=bert_data()).fit()
+    Trainer(
+        tiny_bert(0),
+        {**hyper, "output_dir": kiln_out, "report_to": "none", "disable_tqdm": True},
+        train_dataset=bert_data(),
+    ).fit()
     ckpt = os.path.join(kiln_out, "checkpoint-3")
     assert len(torch.load(os.path.join(ckpt, "optimizer.pt"))["param_groups"]) == 2
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True,
-                                          disable_tqdm=True, save_strategy="no", **hyper)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", **hyper
+    )
     hf = transformers.Trainer(model=tiny_bert(1), args=args, train_dataset=bert_data())
     hf.train(resume_from_checkpoint=ckpt)  # HF raised "different number of parameter groups" with kiln's one group
     assert hf.state.global_step == 5 and len(hf.optimizer.param_groups) == 2

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils.data._utils.collate import default_collate
 
@@ -17,10 +15,15 @@ def hand_loop(model, data, *, lr, wd, warmup, total_steps, batch, accum, clip, s
     no_decay = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
     no_decay |= {id(p) for n, p in model.named_parameters() if n.endswith("bias")}
     params = list(model.parameters())
-    opt = torch.optim.AdamW([
-        {"params": [p for p in params if id(p) not in no_decay], "weight_decay": wd},
-        {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
-    ], lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if id(p) not in no_decay], "weight_decay": wd},
+            {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+    )
 
     def lam(step):
         if step < warmup:
@@ -31,9 +34,9 @@ def hand_loop(model, data, *, lr, wd, warmup, total_steps, batch, accum, clip, s
     step = 0
     for epoch in range(epochs):
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        batches = [default_collate([data[i] for i in order[j:j + batch]]) for j in range(0, len(order), batch)]
+        batches = [default_collate([data[i] for i in order[j : j + batch]]) for j in range(0, len(order), batch)]
         for w in range(0, len(batches), accum):
-            window = batches[w:w + accum]
+            window = batches[w : w + accum]
             for b in window:
                 (model.training_step(b) / len(window)).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -49,11 +52,22 @@ def hand_loop(model, data, *, lr, wd, warmup, total_steps, batch, accum, clip, s
 def test_weights_match_hand_written_loop(tmp_path):
     data = regression_data(n=48)
     torch.manual_seed(0)
-    ref = hand_loop(TinyRegressor(), data, lr=1e-2, wd=0.01, warmup=3, total_steps=12, batch=4, accum=2, clip=0.5, seed=7, epochs=2)
+    ref = hand_loop(
+        TinyRegressor(), data, lr=1e-2, wd=0.01, warmup=3, total_steps=12, batch=4, accum=2, clip=0.5, seed=7, epochs=2
+    )
     torch.manual_seed(0)
     model = TinyRegressor()
-    cfg = base_config(tmp_path, learning_rate=1e-2, weight_decay=0.01, warmup_steps=3, max_steps=12,
-                      per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5, seed=7)
+    cfg = base_config(
+        tmp_path,
+        learning_rate=1e-2,
+        weight_decay=0.01,
+        warmup_steps=3,
+        max_steps=12,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.5,
+        seed=7,
+    )
     out = Trainer(model, cfg, train_dataset=data).fit()
     assert out.global_step == 12
     # 48 samples / 4 = 12 micro-batches = 6 steps per epoch, so 12 steps cross an epoch boundary
@@ -82,8 +96,14 @@ def _first_step_grads(tmp_path, data, batch, accum):
                 grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
 
     torch.manual_seed(0)
-    cfg = base_config(tmp_path, max_steps=1, per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
-                      max_grad_norm=0.0, learning_rate=1e-3)
+    cfg = base_config(
+        tmp_path,
+        max_steps=1,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum,
+        max_grad_norm=0.0,
+        learning_rate=1e-3,
+    )
     trainer = Trainer(TokenModel(), cfg, train_dataset=data, callbacks=[Grab()])
     trainer.fit()
     return grads
@@ -103,7 +123,7 @@ def test_accumulation_equals_big_batch_with_uneven_token_counts(tmp_path):
 def test_naive_loss_over_k_would_differ(tmp_path):
     """Guard that the data really has uneven token counts (otherwise the test above proves nothing)."""
     data = padded_token_data(n=64)
-    counts = [int((torch.stack([d["labels"] for d in data[i:i + 8]]) != -100).sum()) for i in range(0, 32, 8)]
+    counts = [int((torch.stack([d["labels"] for d in data[i : i + 8]]) != -100).sum()) for i in range(0, 32, 8)]
     assert max(counts) - min(counts) >= 5
 
 
@@ -123,8 +143,14 @@ def test_last_short_window_is_normalised_by_its_own_count(tmp_path):
     torch.manual_seed(0)
     model = TinyRegressor()
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    cfg = base_config(tmp_path, num_train_epochs=1, per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                      learning_rate=0.0, max_grad_norm=0.0)
+    cfg = base_config(
+        tmp_path,
+        num_train_epochs=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        learning_rate=0.0,
+        max_grad_norm=0.0,
+    )
     trainer = Trainer(model, cfg, train_dataset=data, callbacks=[Grab()])
     out = trainer.fit()
     assert out.global_step == 3  # ceil(10 / 4)

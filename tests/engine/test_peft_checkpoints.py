@@ -23,18 +23,33 @@ peft = pytest.importorskip("peft")
 
 
 def _config(out: str, **overrides: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"output_dir": out, "max_steps": 6, "per_device_train_batch_size": 4, "learning_rate": 0.05,
-                           "logging_steps": 1, "save_steps": 3, "seed": 7, "report_to": "none", "disable_tqdm": True,
-                           "log": {"history": []}}
+    cfg: dict[str, Any] = {
+        "output_dir": out,
+        "max_steps": 6,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 0.05,
+        "logging_steps": 1,
+        "save_steps": 3,
+        "seed": 7,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "log": {"history": []},
+    }
     cfg.update(overrides)
     return cfg
 
 
-def _train(out: str, model: Any = None, resume: Any = None, metrics: Any = None, crash_at: Any = None,
-           **overrides: Any) -> Trainer:
-    trainer = Trainer(model if model is not None else lora_model(lora_dropout=0.3), _config(out, **overrides),
-                      train_dataset=data(), eval_dataset=data()[:6], compute_metrics=metrics,
-                      callbacks=[CrashAfterSave(crash_at)] if crash_at else None)
+def _train(
+    out: str, model: Any = None, resume: Any = None, metrics: Any = None, crash_at: Any = None, **overrides: Any
+) -> Trainer:
+    trainer = Trainer(
+        model if model is not None else lora_model(lora_dropout=0.3),
+        _config(out, **overrides),
+        train_dataset=data(),
+        eval_dataset=data()[:6],
+        compute_metrics=metrics,
+        callbacks=[CrashAfterSave(crash_at)] if crash_at else None,
+    )
     trainer.fit(resume_from_checkpoint=resume)
     return trainer
 
@@ -109,8 +124,16 @@ def test_resume_from_an_adapter_checkpoint_is_bitwise_identical(tmp_path):
 
 def test_load_best_model_at_end_restores_the_best_adapter(tmp_path):
     out = str(tmp_path / "run")
-    trainer = _train(out, max_steps=6, save_steps=2, eval_strategy="steps", eval_steps=2, metric_for_best_model="score",
-                     load_best_model_at_end=True, metrics=Scripted([0.2, 0.9, 0.5]))
+    trainer = _train(
+        out,
+        max_steps=6,
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="score",
+        load_best_model_at_end=True,
+        metrics=Scripted([0.2, 0.9, 0.5]),
+    )
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-4")
     best = load_file(os.path.join(out, "checkpoint-4", "adapter_model.safetensors"))
     last = load_file(os.path.join(out, "checkpoint-6", "adapter_model.safetensors"))
@@ -123,10 +146,15 @@ def test_an_adapter_that_does_not_fit_is_refused(tmp_path):
     out = str(tmp_path / "run")
     _train(out, max_steps=3)
     other = Trainer(lora_model(r=8), _config(str(tmp_path / "other")), train_dataset=data())
-    with pytest.raises(CheckpointError, match=r"does not fit this model: .*lora_A\.weight is \(4, 16\) there and "
-                                              r"\(8, 16\) here; use the peft config"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"does not fit this model: .*lora_A\.weight is \(4, 16\) there and "
+        r"\(8, 16\) here; use the peft config",
+    ):
         other._load_from_checkpoint(os.path.join(out, "checkpoint-3"))
-    with pytest.raises(CheckpointError, match=r"^No adapter weights \(adapter_model.safetensors or adapter_model.bin\) in "):
+    with pytest.raises(
+        CheckpointError, match=r"^No adapter weights \(adapter_model.safetensors or adapter_model.bin\) in "
+    ):
         os.remove(os.path.join(out, "checkpoint-3", "adapter_model.safetensors"))
         other._load_from_checkpoint(os.path.join(out, "checkpoint-3"))
 

@@ -56,7 +56,9 @@ def test_only_the_adapter_trains_and_matches_one_process(job, single, case):
         assert torch.equal(value, initial[name.replace(".base_layer", "")]), f"{case}: base weight {name} changed"
     for name in lora:
         assert not torch.equal(lora[name], start[name]), f"{case}: {name} did not train"
-        torch.testing.assert_close(lora[name], want_lora[name], rtol=0, atol=1e-6, msg=lambda m, n=name: f"{case} {n}: {m}")
+        torch.testing.assert_close(
+            lora[name], want_lora[name], rtol=0, atol=1e-6, msg=lambda m, n=name: f"{case} {n}: {m}"
+        )
     assert results[case]["losses"] == pytest.approx(single[0]["losses"], abs=1e-5)
 
 
@@ -74,4 +76,6 @@ def test_checkpoint_holds_the_adapter_and_resume_is_exact(job, case):
     assert straight.keys() == resumed.keys()
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), f"{case}: {name} differs after resume"
-    assert results[case]["resumed_losses"] == results[case]["losses"]  # the history before step 2 comes from the checkpoint
+    assert (
+        results[case]["resumed_losses"] == results[case]["losses"]
+    )  # the history before step 2 comes from the checkpoint

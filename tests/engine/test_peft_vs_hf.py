@@ -7,7 +7,7 @@ output require grad) and a run resumed from its step-2 adapter checkpoint, kiln'
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -31,18 +31,28 @@ class _InOrder(transformers.Trainer):
 
 def _hf(tmp_path, model, **kw: Any) -> Any:
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), use_cpu=True, per_device_train_batch_size=BATCH, max_steps=STEPS,
-        gradient_accumulation_steps=ACCUMULATION, learning_rate=LR, logging_steps=1, report_to=[], seed=0,
-        disable_tqdm=True, **{"save_strategy": "no", **kw})
+        output_dir=str(tmp_path / "hf"),
+        use_cpu=True,
+        per_device_train_batch_size=BATCH,
+        max_steps=STEPS,
+        gradient_accumulation_steps=ACCUMULATION,
+        learning_rate=LR,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        **{"save_strategy": "no", **kw},
+    )
     trainer = _InOrder(model=model, args=args, train_dataset=data())
     trainer.train()
     return trainer
 
 
-def _kiln(tmp_path, model, resume: Optional[str] = None, **kw: Any) -> Trainer:
+def _kiln(tmp_path, model, resume: str | None = None, **kw: Any) -> Trainer:
     loader = torch.utils.data.DataLoader(data(), batch_size=BATCH, shuffle=False)
-    cfg = base_config(tmp_path, max_steps=STEPS, learning_rate=LR, gradient_accumulation_steps=ACCUMULATION,
-                      logging_steps=1, **kw)
+    cfg = base_config(
+        tmp_path, max_steps=STEPS, learning_rate=LR, gradient_accumulation_steps=ACCUMULATION, logging_steps=1, **kw
+    )
     trainer = Trainer(model, cfg, train_dataset=loader)
     trainer.fit(resume_from_checkpoint=resume)
     return trainer
@@ -89,8 +99,11 @@ def test_label_smoothing_treats_a_peft_causal_lm_as_hf_does(tmp_path):
 
 def _checkpointing(model) -> dict[str, Any]:
     """Each checkpointed module's checkpoint function keywords, and whether the input hook is set."""
-    funcs = {n: dict(m._gradient_checkpointing_func.keywords) for n, m in model.named_modules()
-             if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")}
+    funcs = {
+        n: dict(m._gradient_checkpointing_func.keywords)
+        for n, m in model.named_modules()
+        if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")
+    }
     return {"funcs": funcs, "input_hook": bool(getattr(model.get_base_model(), "_require_grads_hooks", None))}
 
 

@@ -18,8 +18,11 @@ from tests.helpers import TinyRegressor, base_config, regression_data
 
 
 def fit(tmp_path, steps: int = 6, **profile):  # type: ignore[no-untyped-def]
-    cfg = load_config(OmegaConf.create(base_config(tmp_path, profile=profile, train={"max_steps": steps},
-                                                   data={"per_device_train_batch_size": 4})))
+    cfg = load_config(
+        OmegaConf.create(
+            base_config(tmp_path, profile=profile, train={"max_steps": steps}, data={"per_device_train_batch_size": 4})
+        )
+    )
     Trainer(TinyRegressor(), cfg, train_dataset=regression_data(32)).fit()
     return cfg
 
@@ -30,7 +33,9 @@ def traces(cfg, rank: int = 0) -> list[dict]:  # type: ignore[no-untyped-def]
 
 
 def profiled_steps(trace: dict) -> list[int]:
-    return sorted(int(e["name"].split("#")[1]) for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#"))
+    return sorted(
+        int(e["name"].split("#")[1]) for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")
+    )
 
 
 def test_the_active_steps_of_the_schedule_are_traced_with_their_operators(tmp_path):
@@ -84,11 +89,14 @@ def test_activities_default_to_cpu_and_the_training_device(tmp_path):
     assert profiler_callback(config(tmp_path, active=1, activities=["cuda"]), 0, "cpu").activities == ["cuda"]
 
 
-@pytest.mark.parametrize("profile, words", [
-    ({"active": 1, "schedule_option": {"steps": 3}}, "unknown key(s) ['steps']"),
-    ({"active": 2, "wait": -1}, "profile.wait is -1"),
-    ({"active": 1, "activities": ["gpu"]}, "profile.activities names ['gpu']"),
-])
+@pytest.mark.parametrize(
+    "profile, words",
+    [
+        ({"active": 1, "schedule_option": {"steps": 3}}, "unknown key(s) ['steps']"),
+        ({"active": 2, "wait": -1}, "profile.wait is -1"),
+        ({"active": 1, "activities": ["gpu"]}, "profile.activities names ['gpu']"),
+    ],
+)
 def test_a_bad_profile_setting_is_one_sentence(tmp_path, profile, words):
     with pytest.raises(ConfigError) as err:
         profiler_callback(config(tmp_path, **profile), 0, "cpu")

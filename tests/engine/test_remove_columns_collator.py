@@ -75,5 +75,7 @@ def test_the_dropped_columns_are_named_once(caplog: pytest.LogCaptureFixture) ->
         collate([_item(0, text="a", idx=0), _item(1, text="b", idx=1)])
         collate([_item(2, text="c", idx=2)])
     notes = [r.getMessage() for r in caplog.records if "have been ignored" in r.getMessage()]
-    assert notes == ["The following columns in the training set don't have a corresponding argument in `Model.forward` "
-                     "and have been ignored: idx, text."]
+    assert notes == [
+        "The following columns in the training set don't have a corresponding argument in `Model.forward` "
+        "and have been ignored: idx, text."
+    ]

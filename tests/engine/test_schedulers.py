@@ -44,8 +44,16 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1}),
     ("cosine_warmup_with_min_lr", {"min_lr": 2e-4, "num_cycles": 0.4, "warmup_lr_rate": 0.2}),
     ("warmup_stable_decay", {"num_decay_steps": 10}),
-    ("warmup_stable_decay", {"num_decay_steps": 8, "num_stable_steps": 12, "warmup_type": "cosine",
-                             "decay_type": "1-sqrt", "min_lr_ratio": 0.1}),
+    (
+        "warmup_stable_decay",
+        {
+            "num_decay_steps": 8,
+            "num_stable_steps": 12,
+            "warmup_type": "cosine",
+            "decay_type": "1-sqrt",
+            "min_lr_ratio": 0.1,
+        },
+    ),
     ("warmup_stable_decay", {"num_decay_steps": 15, "warmup_type": "1-sqrt", "decay_type": "linear"}),
     ("warmup_stable_decay", {"num_decay_steps": 15, "decay_type": "cosine", "num_cycles": 0.3}),
 ]
@@ -73,8 +81,9 @@ def test_schedule_matches_transformers(name: str, kwargs: dict[str, Any], warmup
     transformers = pytest.importorskip("transformers")
     ours_opt, hf_opt = _optimizer(), _optimizer()
     ours = get_scheduler(name, ours_opt, warmup, TOTAL, **kwargs)
-    hf = transformers.get_scheduler(name, hf_opt, num_warmup_steps=warmup, num_training_steps=TOTAL,
-                                    scheduler_specific_kwargs=dict(kwargs))
+    hf = transformers.get_scheduler(
+        name, hf_opt, num_warmup_steps=warmup, num_training_steps=TOTAL, scheduler_specific_kwargs=dict(kwargs)
+    )
     assert _lrs(ours, ours_opt, TOTAL + 5) == _lrs(hf, hf_opt, TOTAL + 5)  # exact, and past the end
 
 
@@ -85,11 +94,14 @@ def test_every_transformers_scheduler_type_is_registered() -> None:
     assert {name for name, _ in CASES} | {"reduce_lr_on_plateau", "greedy"} == set(SCHEDULERS.names())
 
 
-@pytest.mark.parametrize("cfg", [
-    SchedulerConfig(name="cosine", warmup_ratio=0.1),
-    OmegaConf.structured(SchedulerConfig(name="cosine", warmup_ratio=0.1)),
-    {"name": "cosine", "warmup_ratio": 0.1},
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SchedulerConfig(name="cosine", warmup_ratio=0.1),
+        OmegaConf.structured(SchedulerConfig(name="cosine", warmup_ratio=0.1)),
+        {"name": "cosine", "warmup_ratio": 0.1},
+    ],
+)
 def test_build_scheduler_resolves_warmup_ratio_like_hf(cfg: Any) -> None:
     transformers = pytest.importorskip("transformers")
     total = 45  # 0.1 * 45 = 4.5 -> 5 warmup steps (HF rounds up)
@@ -109,8 +121,11 @@ def test_warmup_steps_override_warmup_ratio() -> None:
 
 
 def test_build_scheduler_passes_kwargs_from_dictconfig() -> None:
-    cfg = OmegaConf.structured(SchedulerConfig(name="warmup_stable_decay", warmup_steps=2,
-                                               kwargs={"num_decay_steps": 4, "decay_type": "linear"}))
+    cfg = OmegaConf.structured(
+        SchedulerConfig(
+            name="warmup_stable_decay", warmup_steps=2, kwargs={"num_decay_steps": 4, "decay_type": "linear"}
+        )
+    )
     optimizer = _optimizer()
     lrs = [lr for lr, _ in _lrs(build_scheduler(optimizer, cfg, 10), optimizer, 11)]
     assert lrs[:7] == pytest.approx([0.0, LR / 2, LR, LR, LR, LR, LR])
@@ -141,11 +156,23 @@ def test_reduce_lr_on_plateau_matches_transformers() -> None:
         assert ours.get_last_lr() == hf.get_last_lr()
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"patience": 2, "factor": 0.5, "min_lr": 1e-4, "max_lr": 4e-3, "reset_start": 3},
-    {"patience": 1, "mode": "max", "threshold": 0.01, "threshold_mode": "rel", "cooldown": 1, "warmup": 2,
-     "smooth": True, "window_size": 3, "min_lr": [1e-4, 2e-4]},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"patience": 2, "factor": 0.5, "min_lr": 1e-4, "max_lr": 4e-3, "reset_start": 3},
+        {
+            "patience": 1,
+            "mode": "max",
+            "threshold": 0.01,
+            "threshold_mode": "rel",
+            "cooldown": 1,
+            "warmup": 2,
+            "smooth": True,
+            "window_size": 3,
+            "min_lr": [1e-4, 2e-4],
+        },
+    ],
+)
 def test_greedy_matches_transformers(kwargs: dict[str, Any]) -> None:
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers.optimization, "GreedyLR"):
@@ -154,8 +181,42 @@ def test_greedy_matches_transformers(kwargs: dict[str, Any]) -> None:
     ours = get_scheduler("greedy", ours_opt, 0, 10, **kwargs)
     hf = transformers.get_scheduler("greedy", hf_opt, scheduler_specific_kwargs=kwargs)
     assert isinstance(ours, GreedyLR) and scheduler_needs_metrics(ours)
-    metrics = [1.0, 0.9, 0.8, 0.7, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6,
-               0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    metrics = [
+        1.0,
+        0.9,
+        0.8,
+        0.7,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.5,
+        0.4,
+        0.3,
+        0.2,
+        0.1,
+        0.1,
+        0.1,
+        0.1,
+        0.1,
+        0.1,
+        0.1,
+        0.1,
+        0.1,
+        0.1,
+        0.1,
+        0.1,
+    ]
     for i, metric in enumerate(metrics):
         if i == len(metrics) // 2:  # resume mid-way from a state_dict, as from a checkpoint
             state = ours.state_dict()
@@ -199,8 +260,11 @@ def test_unknown_scheduler_name_lists_valid_names() -> None:
 
 
 def test_unknown_scheduler_kwarg_names_scheduler_kwargs() -> None:
-    with pytest.raises(ValueError, match=r"Unknown argument 'num_cycle' in `scheduler.kwargs` for lr scheduler "
-                                         r"'cosine'; it accepts: num_cycles\."):
+    with pytest.raises(
+        ValueError,
+        match=r"Unknown argument 'num_cycle' in `scheduler.kwargs` for lr scheduler "
+        r"'cosine'; it accepts: num_cycles\.",
+    ):
         get_scheduler("cosine", _optimizer(), 0, 10, num_cycle=2)
     with pytest.raises(ValueError, match=r"'power' in `scheduler.kwargs` for lr scheduler 'linear'; it accepts: no"):
         build_scheduler(_optimizer(), SchedulerConfig(name="linear", kwargs={"power": 2.0}), 10)
@@ -210,14 +274,21 @@ def test_unknown_scheduler_kwarg_names_scheduler_kwargs() -> None:
         get_scheduler("greedy", _optimizer(), 0, 10, window=3)
 
 
-@pytest.mark.parametrize("name,kwargs,message", [
-    ("cosine_with_min_lr", {}, "needs one of `scheduler.kwargs.min_lr` or `scheduler.kwargs.min_lr_rate`"),
-    ("cosine_with_min_lr", {"min_lr": 1e-4, "min_lr_rate": 0.1}, "needs one of `scheduler.kwargs.min_lr`"),
-    ("warmup_stable_decay", {}, "needs `scheduler.kwargs.num_decay_steps`"),
-    ("warmup_stable_decay", {"num_decay_steps": 3, "decay_type": "exp"}, "`scheduler.kwargs.decay_type` must be one of"),
-    ("polynomial", {"lr_end": 1.0}, r"`scheduler.kwargs.lr_end` \(1.0\) must be smaller than the initial lr"),
-    ("greedy", {"factor": 1.5}, "factor < 1"),
-])
+@pytest.mark.parametrize(
+    "name,kwargs,message",
+    [
+        ("cosine_with_min_lr", {}, "needs one of `scheduler.kwargs.min_lr` or `scheduler.kwargs.min_lr_rate`"),
+        ("cosine_with_min_lr", {"min_lr": 1e-4, "min_lr_rate": 0.1}, "needs one of `scheduler.kwargs.min_lr`"),
+        ("warmup_stable_decay", {}, "needs `scheduler.kwargs.num_decay_steps`"),
+        (
+            "warmup_stable_decay",
+            {"num_decay_steps": 3, "decay_type": "exp"},
+            "`scheduler.kwargs.decay_type` must be one of",
+        ),
+        ("polynomial", {"lr_end": 1.0}, r"`scheduler.kwargs.lr_end` \(1.0\) must be smaller than the initial lr"),
+        ("greedy", {"factor": 1.5}, "factor < 1"),
+    ],
+)
 def test_bad_scheduler_kwargs_name_the_key(name: str, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         get_scheduler(name, _optimizer(), 2, 10, **kwargs)

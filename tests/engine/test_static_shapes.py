@@ -22,8 +22,13 @@ class StaticShapes(SingleDeviceStrategy):
 
 def _trainer(tmp_path, name, strategy=None, **over):
     # 60 samples in batches of 8: 7 full batches and 4 samples left over; 2 micro-batches a window
-    settings = dict(num_train_epochs=2, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-                    learning_rate=1e-2, max_grad_norm=0.5)
+    settings = dict(
+        num_train_epochs=2,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        max_grad_norm=0.5,
+    )
     cfg = base_config(tmp_path, **{**settings, **over})
     cfg["output_dir"] = str(tmp_path / name)
     torch.manual_seed(0)

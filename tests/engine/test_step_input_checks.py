@@ -42,31 +42,60 @@ def _pairs(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8), torch.randn(())) for _ in range(n)]
 
 
-@pytest.mark.parametrize("module, data, sentence", [
-    (TinyRegressor(), ["some text"] * 4, r"TinyRegressor.training_step reads batch\['x'\], but the dataset's items are "
-                                         r"str, which batch into a list: return dicts such as \{'x': ...\}"),
-    (TinyRegressor(), _pairs(), r"reads batch\['x'\], but the dataset's items are tuple \(tensor\[8\], tensor\[\]\)"),
-    (TinyRegressor(), [{"x": torch.randn(8)}] * 4, r"reads batch\['y'\], which the batches lack: the dataset's items are "
-                                                   r"dict with keys \['x'\]; add 'y' to the items"),
-    (Scaled(), [{"x": torch.randn(8)}] * 4, r"Scaled.training_step reads batch\['y'\], which the batches lack"),
-    (Pairs(), regression_data(4), r"Pairs.training_step unpacks the batch as a sequence, but the dataset's items are dict "
-                                  r"with keys \['x', 'y'\], which batch into a dict"),
-    (Pairs(), [(torch.randn(8),)] * 4, r"unpacks the batch into 2 values, but the dataset's items are tuple \(tensor\[8\]\), "
-                                       r"which batch into 1"),
-])
+@pytest.mark.parametrize(
+    "module, data, sentence",
+    [
+        (
+            TinyRegressor(),
+            ["some text"] * 4,
+            r"TinyRegressor.training_step reads batch\['x'\], but the dataset's items are "
+            r"str, which batch into a list: return dicts such as \{'x': ...\}",
+        ),
+        (
+            TinyRegressor(),
+            _pairs(),
+            r"reads batch\['x'\], but the dataset's items are tuple \(tensor\[8\], tensor\[\]\)",
+        ),
+        (
+            TinyRegressor(),
+            [{"x": torch.randn(8)}] * 4,
+            r"reads batch\['y'\], which the batches lack: the dataset's items are "
+            r"dict with keys \['x'\]; add 'y' to the items",
+        ),
+        (Scaled(), [{"x": torch.randn(8)}] * 4, r"Scaled.training_step reads batch\['y'\], which the batches lack"),
+        (
+            Pairs(),
+            regression_data(4),
+            r"Pairs.training_step unpacks the batch as a sequence, but the dataset's items are dict "
+            r"with keys \['x', 'y'\], which batch into a dict",
+        ),
+        (
+            Pairs(),
+            [(torch.randn(8),)] * 4,
+            r"unpacks the batch into 2 values, but the dataset's items are tuple \(tensor\[8\]\), "
+            r"which batch into 1",
+        ),
+    ],
+)
 def test_wrong_shape_is_one_sentence(module: TrainingModule, data: list, sentence: str) -> None:
     with pytest.raises(KilnError, match=sentence):
         check_step_input(module, data, None)
 
 
-@pytest.mark.parametrize("module, data, collator", [
-    (TinyRegressor(), regression_data(4), None),
-    (Pairs(), _pairs(), None),
-    (Optional_(), regression_data(4), None),  # `"w" in batch`: an optional key is not required
-    (TinyRegressor(), [{"x": torch.randn(8)}] * 4,  # the collator adds the key the items lack
-     lambda items: {"x": torch.stack([i["x"] for i in items]), "y": torch.zeros(len(items))}),
-    (nn.Linear(2, 2), ["text"] * 4, None),  # not a TrainingModule: check_first_item's business
-])
+@pytest.mark.parametrize(
+    "module, data, collator",
+    [
+        (TinyRegressor(), regression_data(4), None),
+        (Pairs(), _pairs(), None),
+        (Optional_(), regression_data(4), None),  # `"w" in batch`: an optional key is not required
+        (
+            TinyRegressor(),
+            [{"x": torch.randn(8)}] * 4,  # the collator adds the key the items lack
+            lambda items: {"x": torch.stack([i["x"] for i in items]), "y": torch.zeros(len(items))},
+        ),
+        (nn.Linear(2, 2), ["text"] * 4, None),  # not a TrainingModule: check_first_item's business
+    ],
+)
 def test_data_that_fits_passes(module: nn.Module, data: list, collator) -> None:
     check_step_input(module, data, collator)
 

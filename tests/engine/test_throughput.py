@@ -16,8 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 def gpt2():  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=50,
-                                                                n_positions=64))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=50, n_positions=64)
+    )
 
 
 def test_gpt2_counts_its_tied_head_and_not_its_position_table():
@@ -35,8 +36,15 @@ def test_gpt2_counts_its_tied_head_and_not_its_position_table():
 
 def test_llama_counts_an_untied_head_and_its_own_head_dim():
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, head_dim=16,
-                                      num_key_value_heads=2, intermediate_size=64, vocab_size=40)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        head_dim=16,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=40,
+    )
     model = transformers.LlamaForCausalLM(config)
     every = sum(p.numel() for p in model.parameters())
     assert matmul_parameters(model) == every - model.model.embed_tokens.weight.numel()
@@ -60,19 +68,22 @@ def test_a_models_own_count_wins_and_a_plain_module_counts_6n_per_token():
     assert ModelFlops(plain).count({"x": torch.zeros(2, 7)}) == (0, 0.0)  # no main input: nothing counted
 
 
-@pytest.mark.parametrize("name, precision, tf32, peak", [
-    ("NVIDIA H100 80GB HBM3", "bf16", False, 989.4),
-    ("NVIDIA H100 PCIe", "bf16", False, 756.0),
-    ("NVIDIA H200", "fp8", False, 1978.9),
-    ("NVIDIA A100-SXM4-80GB", "fp16", False, 312.0),
-    ("NVIDIA A100-SXM4-80GB", "fp32", True, 156.0),
-    ("NVIDIA A100-SXM4-80GB", "fp32", False, 19.5),
-    ("NVIDIA A100-SXM4-80GB", "fp8", False, None),  # no fp8 on Ampere
-    ("NVIDIA L4", "bf16-true", False, 121.0),
-    ("AMD Instinct MI300X", "bf16", False, 1307.4),
-    ("NVIDIA GeForce GTX 1080", "bf16", False, None),
-    (None, "bf16", False, None),  # the CPU
-])
+@pytest.mark.parametrize(
+    "name, precision, tf32, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", False, 989.4),
+        ("NVIDIA H100 PCIe", "bf16", False, 756.0),
+        ("NVIDIA H200", "fp8", False, 1978.9),
+        ("NVIDIA A100-SXM4-80GB", "fp16", False, 312.0),
+        ("NVIDIA A100-SXM4-80GB", "fp32", True, 156.0),
+        ("NVIDIA A100-SXM4-80GB", "fp32", False, 19.5),
+        ("NVIDIA A100-SXM4-80GB", "fp8", False, None),  # no fp8 on Ampere
+        ("NVIDIA L4", "bf16-true", False, 121.0),
+        ("AMD Instinct MI300X", "bf16", False, 1307.4),
+        ("NVIDIA GeForce GTX 1080", "bf16", False, None),
+        (None, "bf16", False, None),  # the CPU
+    ],
+)
 def test_the_peak_is_the_devices_dense_rate_for_the_runs_number_format(name, precision, tf32, peak):
     assert peak_tflops(name, precision, tf32) == peak
     if not tf32:
@@ -82,8 +93,15 @@ def test_the_peak_is_the_devices_dense_rate_for_the_runs_number_format(name, pre
 def test_figures_give_the_job_and_each_rank_and_mfu_against_the_peak():
     meter = Throughput(nn.Linear(2, 2), peak_tflops=100.0)
     out = meter.figures(tokens=4000, flops=6e14, elapsed=2.0, ranks=2)
-    assert out == pytest.approx({"train_tokens_per_second": 2000.0, "train_tokens_per_second_per_rank": 1000.0,
-                                 "train_tflops": 300.0, "train_tflops_per_rank": 150.0, "mfu": 1.5})
+    assert out == pytest.approx(
+        {
+            "train_tokens_per_second": 2000.0,
+            "train_tokens_per_second_per_rank": 1000.0,
+            "train_tflops": 300.0,
+            "train_tflops_per_rank": 150.0,
+            "mfu": 1.5,
+        }
+    )
     no_peak = Throughput(nn.Linear(2, 2), peak_tflops=None).figures(tokens=0, flops=1e12, elapsed=1.0, ranks=1)
     assert no_peak == {"train_tflops": 1.0, "train_tflops_per_rank": 1.0}
 

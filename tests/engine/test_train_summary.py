@@ -63,8 +63,9 @@ def _capture(name: str) -> _Lines:
 def _hf_block(out, model, resume=None, **settings) -> list[str]:
     handler = _capture("transformers.trainer")
     try:
-        args = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], disable_tqdm=True,
-                                              log_level="info", **settings)
+        args = transformers.TrainingArguments(
+            output_dir=str(out), use_cpu=True, report_to=[], disable_tqdm=True, log_level="info", **settings
+        )
         transformers.Trainer(model=model, args=args, train_dataset=_rows()).train(resume_from_checkpoint=resume)
         return handler.block()
     finally:
@@ -74,18 +75,26 @@ def _hf_block(out, model, resume=None, **settings) -> list[str]:
 def _kiln_block(out, model, resume=None, **settings) -> list[str]:
     handler = _capture("kiln.engine.loop.summary")
     try:
-        cfg = {"output_dir": str(out), "strategy": {"device": "cpu"}, "log": {"history": [], "disable_tqdm": True},
-               "log_level": "info", **settings}
+        cfg = {
+            "output_dir": str(out),
+            "strategy": {"device": "cpu"},
+            "log": {"history": [], "disable_tqdm": True},
+            "log_level": "info",
+            **settings,
+        }
         Trainer(model, cfg, train_dataset=_rows()).fit(resume_from_checkpoint=resume)
         return handler.block()
     finally:
         logging.getLogger("kiln.engine.loop.summary").removeHandler(handler)
 
 
-@pytest.mark.parametrize("settings", [
-    dict(max_steps=5, per_device_train_batch_size=4, gradient_accumulation_steps=2),  # 15 batches: 8 steps an epoch
-    dict(num_train_epochs=2, per_device_train_batch_size=8, gradient_accumulation_steps=3),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(max_steps=5, per_device_train_batch_size=4, gradient_accumulation_steps=2),  # 15 batches: 8 steps an epoch
+        dict(num_train_epochs=2, per_device_train_batch_size=8, gradient_accumulation_steps=3),
+    ],
+)
 def test_the_block_matches_hf_s(tmp_path, settings):
     model = Lin()
     theirs = _hf_block(tmp_path / "hf", copy.deepcopy(model), save_strategy="no", **settings)
@@ -106,16 +115,27 @@ def test_a_resumed_run_says_where_it_picks_up_as_hf_does(tmp_path):
 
 
 def _fake_loop(global_zero: bool, local_zero: bool, on_each_node: bool) -> SimpleNamespace:
-    cfg = OmegaConf.create({"log": {"on_each_node": on_each_node}, "data": {"per_device_train_batch_size": 4},
-                            "train": {"ignore_data_skip": False}})
+    cfg = OmegaConf.create(
+        {
+            "log": {"on_each_node": on_each_node},
+            "data": {"per_device_train_batch_size": 4},
+            "train": {"ignore_data_skip": False},
+        }
+    )
     strategy = SimpleNamespace(is_global_zero=global_zero, is_local_zero=local_zero, data_shards=2)
     run = SimpleNamespace(micro_batch_size=4, accumulation=1, model=nn.Linear(2, 1), state=TrainerState())
     return SimpleNamespace(config=cfg, run=run, strategy=strategy)
 
 
-@pytest.mark.parametrize("global_zero, local_zero, on_each_node, logs", [
-    (True, True, False, True), (False, True, False, False), (False, True, True, True), (False, False, True, False),
-])
+@pytest.mark.parametrize(
+    "global_zero, local_zero, on_each_node, logs",
+    [
+        (True, True, False, True),
+        (False, True, False, False),
+        (False, True, True, True),
+        (False, False, True, False),
+    ],
+)
 def test_only_the_main_process_logs_it_and_only_at_info(caplog, global_zero, local_zero, on_each_node, logs):
     loop = _fake_loop(global_zero, local_zero, on_each_node)
     with caplog.at_level(logging.INFO, logger="kiln.engine.loop.summary"):

@@ -33,10 +33,12 @@ def _fit_with(tmp_path, make_scheduler):
     model = TinyRegressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = make_scheduler(opt)
-    cfg = base_config(tmp_path, max_steps=4, per_device_train_batch_size=8, eval_strategy="steps", eval_steps=2,
-                      logging_steps=1)
-    trainer = Trainer(model, cfg, train_dataset=regression_data(32), eval_dataset=regression_data(16, seed=1),
-                      optimizers=(opt, sched))
+    cfg = base_config(
+        tmp_path, max_steps=4, per_device_train_batch_size=8, eval_strategy="steps", eval_steps=2, logging_steps=1
+    )
+    trainer = Trainer(
+        model, cfg, train_dataset=regression_data(32), eval_dataset=regression_data(16, seed=1), optimizers=(opt, sched)
+    )
     trainer.fit()
     return trainer, opt, sched
 
@@ -51,7 +53,7 @@ def test_a_users_metric_driven_scheduler_is_stepped_with_the_eval_metric(tmp_pat
 
 
 def test_transformers_greedy_lr_is_stepped_with_the_eval_metric(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.optimization import GreedyLR
 
     trainer, opt, sched = _fit_with(tmp_path, lambda o: GreedyLR(o, patience=0, factor=0.5, min_lr=1e-4))

@@ -11,9 +11,18 @@ from kiln.engine.callbacks.state import TrainerState
 
 
 def _state() -> TrainerState:
-    return TrainerState(epoch=1.5, global_step=9, max_steps=12, logging_steps=3, total_flos=12.0,
-                        log_history=[{"loss": 0.5, "step": 3}, {"loss": math.nan, "grad_norm": math.inf, "step": 6}],
-                        best_metric=0.25, trial_params={"lr": 0.1}, epoch_index=1, batches_into_epoch=3)
+    return TrainerState(
+        epoch=1.5,
+        global_step=9,
+        max_steps=12,
+        logging_steps=3,
+        total_flos=12.0,
+        log_history=[{"loss": 0.5, "step": 3}, {"loss": math.nan, "grad_norm": math.inf, "step": 6}],
+        best_metric=0.25,
+        trial_params={"lr": 0.1},
+        epoch_index=1,
+        batches_into_epoch=3,
+    )
 
 
 def test_trainer_state_json_is_hfs_text_nan_included(tmp_path):

@@ -16,7 +16,9 @@ from kiln.utils.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
-HF_FIELDS = [f for f in dataclasses.fields(transformers.Seq2SeqTrainingArguments) if f.init]  # TrainingArguments + Seq2Seq
+HF_FIELDS = [
+    f for f in dataclasses.fields(transformers.Seq2SeqTrainingArguments) if f.init
+]  # TrainingArguments + Seq2Seq
 TOP_LEVEL = {f.name for f in dataclasses.fields(TrainingConfig)}
 
 
@@ -42,14 +44,18 @@ def test_every_training_argument_is_mapped_implemented_or_refused(field):
         kind = "mapped"
     elif name in aliases.UNSUPPORTED:
         kind = "refused"
-        assert f"`{name}`" in (REPO / "docs" / "migration.md").read_text(), f"{name} is refused but not in docs/migration.md"
+        assert f"`{name}`" in (REPO / "docs" / "migration.md").read_text(), (
+            f"{name} is refused but not in docs/migration.md"
+        )
     elif name in aliases.REWRITES:
         kind = "translated"
         tests = [t for t in _test_names() if name in t]
         assert tests, f"HF's {name!r} is translated by kiln.config.aliases but no test is named after it"
     else:
-        pytest.fail(f"transformers.TrainingArguments.{name} is new to kiln: map it in kiln/config/aliases.py, "
-                    "implement it (with a test named after it), or refuse it in UNSUPPORTED and docs/migration.md")
+        pytest.fail(
+            f"transformers.TrainingArguments.{name} is new to kiln: map it in kiln/config/aliases.py, "
+            "implement it (with a test named after it), or refuse it in UNSUPPORTED and docs/migration.md"
+        )
     default = _hf_default(field)
     if default is not None and name != "output_dir":  # None is HF's "unset" (handled with args=TrainingArguments)
         load_config({name: default})  # HF's default always loads, whatever the kind
@@ -75,8 +81,11 @@ def test_use_mps_device_selects_the_mps_strategy():
 
 def test_tpu_metrics_debug_needs_an_xla_strategy():
     for source in ({"tpu_metrics_debug": True}, {"debug": "tpu_metrics_debug"}):
-        with pytest.raises(ConfigError, match=r"^debug 'tpu_metrics_debug' prints the XLA metrics report, but strategy "
-                                              r"is 'single'; use strategy xla or xla_fsdp, or drop it\.$"):
+        with pytest.raises(
+            ConfigError,
+            match=r"^debug 'tpu_metrics_debug' prints the XLA metrics report, but strategy "
+            r"is 'single'; use strategy xla or xla_fsdp, or drop it\.$",
+        ):
             load_config({**source, "strategy": "single"})
     assert hf_rewrites.tpu_metrics_debug(True) == {"train.debug": ["tpu_metrics_debug"]}
     assert hf_rewrites.tpu_metrics_debug(False) == {}
@@ -88,8 +97,11 @@ def test_debug_accepts_hf_strings_lists_and_enums():
     assert load_config({"debug": "underflow_overflow"}).train.debug == ["underflow_overflow"]
     assert load_config({"debug": [DebugOption.UNDERFLOW_OVERFLOW]}).train.debug == ["underflow_overflow"]
     assert load_config({"debug": ""}).train.debug == []
-    with pytest.raises(ConfigError, match=r"^debug='overflow' names unknown options \['overflow'\]; choose from "
-                                          r"underflow_overflow, tpu_metrics_debug\.$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^debug='overflow' names unknown options \['overflow'\]; choose from "
+        r"underflow_overflow, tpu_metrics_debug\.$",
+    ):
         load_config({"debug": "overflow"})
 
 
@@ -98,11 +110,22 @@ def test_accelerator_config_maps_the_data_options():
 
     hf = AcceleratorConfig(split_batches=True, even_batches=False, dispatch_batches=True)
     data = load_config({"accelerator_config": hf}).data
-    assert (data.split_batches, data.even_batches, data.dispatch_batches, data.use_seedable_sampler) == (True, False, True, True)
-    assert load_config({"accelerator_config": AcceleratorConfig()}).data.dispatch_batches is False  # None: kiln's default
-    with pytest.raises(ConfigError, match=r"^accelerator_config non_blocking=True is not supported: kiln already copies"):
+    assert (data.split_batches, data.even_batches, data.dispatch_batches, data.use_seedable_sampler) == (
+        True,
+        False,
+        True,
+        True,
+    )
+    assert (
+        load_config({"accelerator_config": AcceleratorConfig()}).data.dispatch_batches is False
+    )  # None: kiln's default
+    with pytest.raises(
+        ConfigError, match=r"^accelerator_config non_blocking=True is not supported: kiln already copies"
+    ):
         load_config({"accelerator_config": {"non_blocking": True}})
-    with pytest.raises(ConfigError, match=r"^accelerator_config has unknown key 'splitbatches'; kiln reads split_batches"):
+    with pytest.raises(
+        ConfigError, match=r"^accelerator_config has unknown key 'splitbatches'; kiln reads split_batches"
+    ):
         load_config({"accelerator_config": {"splitbatches": True}})
 
 
@@ -123,22 +146,30 @@ def test_flat_accelerator_names_map_to_data(name):
 
 
 def test_use_seedable_sampler_false_is_refused():
-    with pytest.raises(ConfigError, match=r"^data\.use_seedable_sampler=false would draw the shuffle order from the "
-                                          r"global RNG, which a resumed run cannot reproduce"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.use_seedable_sampler=false would draw the shuffle order from the "
+        r"global RNG, which a resumed run cannot reproduce",
+    ):
         load_config({"accelerator_config": {"use_seedable_sampler": False}})
 
 
 def test_include_for_metrics():
     assert load_config({"include_for_metrics": ["inputs"]}).eval.include_inputs_for_metrics is True
     assert load_config({"include_for_metrics": []}).eval.include_inputs_for_metrics is False
-    with pytest.raises(ConfigError, match=r"^include_for_metrics 'loss' is not supported: kiln reports the loss as eval_loss"):
+    with pytest.raises(
+        ConfigError, match=r"^include_for_metrics 'loss' is not supported: kiln reports the loss as eval_loss"
+    ):
         load_config({"include_for_metrics": ["inputs", "loss"]})
 
 
 def test_train_sampling_strategy():
     assert load_config({"train_sampling_strategy": "group_by_length"}).data.group_by_length is True
     assert load_config({"train_sampling_strategy": "random"}).data.group_by_length is False
-    with pytest.raises(ConfigError, match=r"^train_sampling_strategy='sequential' is not supported; use 'random' or 'group_by_length'\.$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train_sampling_strategy='sequential' is not supported; use 'random' or 'group_by_length'\.$",
+    ):
         load_config({"train_sampling_strategy": "sequential"})
 
 
@@ -197,8 +228,11 @@ def test_fsdp_config_goes_to_the_strategy_options():
 
 def test_push_to_hub_is_refused_with_how_to_upload():
     assert load_config({"push_to_hub": False}).output_dir == "tmp_trainer"
-    with pytest.raises(ConfigError, match=r"^push_to_hub is not supported: kiln runs offline\. Save with "
-                                          r"trainer\.save_model\(\) and upload the folder yourself\.$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^push_to_hub is not supported: kiln runs offline\. Save with "
+        r"trainer\.save_model\(\) and upload the folder yourself\.$",
+    ):
         load_config({"push_to_hub": True})
 
 

@@ -10,8 +10,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from kiln import Trainer
-from tests.checkpoint.checkpoint_helpers import CrashAfterSave, config, make_model, numeric_history, regression_data, weights
-from tests.checkpoint.checkpoint_helpers import Crash
+from tests.checkpoint.checkpoint_helpers import (
+    Crash,
+    CrashAfterSave,
+    config,
+    make_model,
+    numeric_history,
+    regression_data,
+    weights,
+)
 from tests.engine.hf_compare import gpt2, hf_args, kiln_config, max_diff, token_rows
 
 transformers = pytest.importorskip("transformers")
@@ -21,7 +28,10 @@ ROWS = 12  # 6 batches of 2: the last batch is full, so only a request past the 
 
 def _rows() -> list[dict[str, torch.Tensor]]:
     cols = token_rows(ROWS)
-    return [{"input_ids": torch.tensor(cols["input_ids"][i]), "labels": torch.tensor(cols["labels"][i])} for i in range(ROWS)]
+    return [
+        {"input_ids": torch.tensor(cols["input_ids"][i]), "labels": torch.tensor(cols["labels"][i])}
+        for i in range(ROWS)
+    ]
 
 
 def _users_loader(rows: list) -> DataLoader:

@@ -38,8 +38,18 @@ def t5() -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
-    return T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_decoder_layers=1,
-                                               num_heads=2, relative_attention_num_buckets=4))
+    return T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=32,
+            d_model=8,
+            d_kv=4,
+            d_ff=16,
+            num_layers=1,
+            num_decoder_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=4,
+        )
+    )
 
 
 def gpt2() -> nn.Module:
@@ -76,10 +86,17 @@ def test_norm_names_and_a_parameter_inside_a_layernorm_follow_hf():
             super().__init__(dim)
             self.gate = nn.Linear(dim, dim, bias=False)
 
-    model = nn.ModuleDict({"norm": nn.Linear(2, 2, bias=False), "pre_norm": nn.Linear(2, 2, bias=False),
-                           "final_layernorm": nn.Linear(2, 2, bias=False), "q_rmsnorm": nn.Linear(2, 2, bias=False),
-                           "normal": nn.Linear(2, 2, bias=False), "norms": nn.Linear(2, 2, bias=False),
-                           "gated": Gated(2)})
+    model = nn.ModuleDict(
+        {
+            "norm": nn.Linear(2, 2, bias=False),
+            "pre_norm": nn.Linear(2, 2, bias=False),
+            "final_layernorm": nn.Linear(2, 2, bias=False),
+            "q_rmsnorm": nn.Linear(2, 2, bias=False),
+            "normal": nn.Linear(2, 2, bias=False),
+            "norms": nn.Linear(2, 2, bias=False),
+            "gated": Gated(2),
+        }
+    )
     assert decay_parameter_names(model) == hf_decay_names(model) == ["normal.weight", "norms.weight"]
 
 

@@ -21,7 +21,9 @@ class Augmenting(torch.utils.data.Dataset):
         return 16
 
     def __getitem__(self, i: int):
-        return torch.tensor([float(i), random.random(), float(np.random.rand()), float(torch.rand(()))], dtype=torch.float64)
+        return torch.tensor(
+            [float(i), random.random(), float(np.random.rand()), float(torch.rand(()))], dtype=torch.float64
+        )
 
 
 class Stream(torch.utils.data.IterableDataset):

@@ -3,7 +3,7 @@ download) with a small MLP, as a kiln TrainingModule and as an HF-contract nn.Mo
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,8 +21,10 @@ def digits(n_train: int = 64, n_eval: int = 100) -> tuple[DigitsDataset, DigitsD
     if not _DIGITS:
         _DIGITS.update(build_data(seed=0))
     train, evals = _DIGITS["train_dataset"], _DIGITS["eval_dataset"]
-    return (DigitsDataset(train.pixels[:n_train], train.labels[:n_train]),
-            DigitsDataset(evals.pixels[:n_eval], evals.labels[:n_eval]))
+    return (
+        DigitsDataset(train.pixels[:n_train], train.labels[:n_train]),
+        DigitsDataset(evals.pixels[:n_eval], evals.labels[:n_eval]),
+    )
 
 
 def _mlp() -> nn.Sequential:
@@ -56,7 +58,7 @@ class HFDigits(nn.Module):
         super().__init__()
         self.net = _mlp()
 
-    def forward(self, pixels: torch.Tensor, labels: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         logits = self.net(pixels)
         out = {"logits": logits}
         if labels is not None:
@@ -102,8 +104,13 @@ def hand_logits(model: nn.Module, dataset: DigitsDataset) -> torch.Tensor:
 
 def config(tmp_path: Any, **overrides: Any) -> dict[str, Any]:
     """A quiet CPU config (no history files, no progress bar, no checkpoints) plus `overrides`."""
-    cfg: dict[str, Any] = {"output_dir": str(tmp_path / "out"), "log": {"history": [], "disable_tqdm": True},
-                           "save_strategy": "no", "strategy": {"device": "cpu"}, "per_device_eval_batch_size": 32}
+    cfg: dict[str, Any] = {
+        "output_dir": str(tmp_path / "out"),
+        "log": {"history": [], "disable_tqdm": True},
+        "save_strategy": "no",
+        "strategy": {"device": "cpu"},
+        "per_device_eval_batch_size": 32,
+    }
     cfg.update(overrides)
     return cfg
 

@@ -3,7 +3,7 @@ second OpenMP thread only adds spin-waits (a tiny generate() call is ~10x slower
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch

@@ -24,8 +24,15 @@ def _gpt2() -> Any:
 
 def _llama() -> Any:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -54,10 +61,22 @@ def test_causal_lm_evaluates_during_training_with_compute_metrics(build: Any, tm
     model = build()
     model.config.use_cache = True  # the model returns its KV cache (a DynamicCache) from every forward
     rows = _rows()
-    trainer = Trainer(model, {"output_dir": str(tmp_path), "max_steps": 2, "per_device_train_batch_size": 4,
-                              "per_device_eval_batch_size": 4, "eval_strategy": "steps", "eval_steps": 1,
-                              "report_to": "none", "disable_tqdm": True},
-                      train_dataset=rows, eval_dataset=rows, compute_metrics=_token_accuracy)
+    trainer = Trainer(
+        model,
+        {
+            "output_dir": str(tmp_path),
+            "max_steps": 2,
+            "per_device_train_batch_size": 4,
+            "per_device_eval_batch_size": 4,
+            "eval_strategy": "steps",
+            "eval_steps": 1,
+            "report_to": "none",
+            "disable_tqdm": True,
+        },
+        train_dataset=rows,
+        eval_dataset=rows,
+        compute_metrics=_token_accuracy,
+    )
     trainer.train()
     evals = [row for row in trainer.state.log_history if "eval_loss" in row]
     assert [row["step"] for row in evals] == [1, 2]
@@ -70,8 +89,11 @@ def test_explicit_ignore_keys_replace_the_default(tmp_path: Any) -> None:
     """ignore_keys=[] keeps every output, as in HF: the cache is then the caller's to deal with."""
     model = _gpt2()
     model.config.use_cache = True
-    trainer = Trainer(model, {"output_dir": str(tmp_path), "per_device_eval_batch_size": 4, "report_to": "none"},
-                      compute_metrics=lambda p: {})
+    trainer = Trainer(
+        model,
+        {"output_dir": str(tmp_path), "per_device_eval_batch_size": 4, "report_to": "none"},
+        compute_metrics=lambda p: {},
+    )
     with pytest.raises(TypeError, match="Cache"):
         trainer.evaluate(_rows(), ignore_keys=[])
 
@@ -88,8 +110,9 @@ def test_eval_loss_is_hf_eval_loss_on_the_same_weights(build: Any, tmp_path: Any
     its summed loss by the batch's label count (`num_items_in_batch`)."""
     model, rows = build(), _rows()
     hf_model = copy.deepcopy(model)
-    kiln = Trainer(model, {"output_dir": str(tmp_path / "kiln"), "per_device_eval_batch_size": 4,
-                           "report_to": "none"}).evaluate(rows)["eval_loss"]
+    kiln = Trainer(
+        model, {"output_dir": str(tmp_path / "kiln"), "per_device_eval_batch_size": 4, "report_to": "none"}
+    ).evaluate(rows)["eval_loss"]
     hf = _hf_eval_loss(hf_model, rows, str(tmp_path / "hf"))
     assert kiln == pytest.approx(hf, abs=1e-6)
 
@@ -101,8 +124,11 @@ def test_two_ranks_gather_the_logits_without_the_cache(tmp_path: Any) -> None:
     from tests.evaluation.test_simulated_world import SimulatedRank, World
 
     rows, world = _rows(), World(2)
-    single = Trainer(_gpt2(), {"output_dir": str(tmp_path / "one"), "per_device_eval_batch_size": 2,
-                               "report_to": "none"}).predict(rows).predictions
+    single = (
+        Trainer(_gpt2(), {"output_dir": str(tmp_path / "one"), "per_device_eval_batch_size": 2, "report_to": "none"})
+        .predict(rows)
+        .predictions
+    )
     ranks = []
     for rank in range(2):
         cfg = {"output_dir": str(tmp_path / str(rank)), "per_device_eval_batch_size": 2, "report_to": "none"}

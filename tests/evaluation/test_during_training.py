@@ -17,23 +17,34 @@ def fit(tmp_path: Any, eval_dataset: Any = None, **overrides: Any) -> tuple[Trai
     train, evals = digits(n_train=64, n_eval=32)
     recorder = Recorder()
     cfg = config(tmp_path, per_device_train_batch_size=16, learning_rate=1e-3, **overrides)
-    trainer = Trainer(make_model("module"), cfg, train_dataset=train,
-                      eval_dataset=evals if eval_dataset is None else eval_dataset,
-                      compute_metrics=accuracy, callbacks=[recorder])
+    trainer = Trainer(
+        make_model("module"),
+        cfg,
+        train_dataset=train,
+        eval_dataset=evals if eval_dataset is None else eval_dataset,
+        compute_metrics=accuracy,
+        callbacks=[recorder],
+    )
     trainer.fit()
     return trainer, recorder
 
 
-@pytest.mark.parametrize("overrides, steps", [
-    ({"eval_strategy": "steps", "eval_steps": 3, "max_steps": 7}, [3, 6, 7]),  # and the final step (HF)
-    ({"eval_strategy": "steps", "logging_steps": 2, "max_steps": 5}, [2, 4, 5]),  # eval_steps defaults to logging_steps
-    ({"eval_strategy": "steps", "eval_steps": 0.25, "max_steps": 8}, [2, 4, 6, 8]),  # a ratio of max_steps
-    ({"eval_strategy": "steps", "eval_steps": 2, "eval_delay": 4, "max_steps": 8}, [4, 6, 8]),
-    ({"eval_strategy": "epoch", "num_train_epochs": 3}, [4, 8, 12]),
-    ({"eval_strategy": "epoch", "num_train_epochs": 3, "eval_delay": 2}, [8, 12]),
-    ({"eval_strategy": "no", "max_steps": 4}, []),
-    ({"eval_strategy": "steps", "eval_steps": 3, "max_steps": 4, "eval_on_start": True}, [0, 3, 4]),
-])
+@pytest.mark.parametrize(
+    "overrides, steps",
+    [
+        ({"eval_strategy": "steps", "eval_steps": 3, "max_steps": 7}, [3, 6, 7]),  # and the final step (HF)
+        (
+            {"eval_strategy": "steps", "logging_steps": 2, "max_steps": 5},
+            [2, 4, 5],
+        ),  # eval_steps defaults to logging_steps
+        ({"eval_strategy": "steps", "eval_steps": 0.25, "max_steps": 8}, [2, 4, 6, 8]),  # a ratio of max_steps
+        ({"eval_strategy": "steps", "eval_steps": 2, "eval_delay": 4, "max_steps": 8}, [4, 6, 8]),
+        ({"eval_strategy": "epoch", "num_train_epochs": 3}, [4, 8, 12]),
+        ({"eval_strategy": "epoch", "num_train_epochs": 3, "eval_delay": 2}, [8, 12]),
+        ({"eval_strategy": "no", "max_steps": 4}, []),
+        ({"eval_strategy": "steps", "eval_steps": 3, "max_steps": 4, "eval_on_start": True}, [0, 3, 4]),
+    ],
+)
 def test_when_evaluation_runs(tmp_path: Any, overrides: dict[str, Any], steps: list[int]) -> None:
     trainer, recorder = fit(tmp_path, **overrides)
     logged = eval_logs(trainer)
@@ -65,7 +76,9 @@ def test_model_is_back_in_train_mode_and_eval_does_not_touch_training(tmp_path: 
         original = model.training_step
         model.training_step = lambda batch, m=model, step=original: modes.append(m.training) or step(batch)  # type: ignore
         model.net.insert(1, torch.nn.Dropout(0.2))  # randomness that evaluation must not shift
-        cfg = config(tmp_path / strategy, per_device_train_batch_size=16, max_steps=6, eval_strategy=strategy, eval_steps=2)
+        cfg = config(
+            tmp_path / strategy, per_device_train_batch_size=16, max_steps=6, eval_strategy=strategy, eval_steps=2
+        )
         draws = [DrawLikeAnEvaluation()] if strategy == "no" else []
         Trainer(model, cfg, train_dataset=train, eval_dataset=evals, callbacks=draws).fit()
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -74,8 +87,9 @@ def test_model_is_back_in_train_mode_and_eval_does_not_touch_training(tmp_path: 
 
 
 def test_eval_on_start_does_not_count_as_a_best_model(tmp_path: Any) -> None:
-    trainer, recorder = fit(tmp_path, eval_strategy="steps", eval_steps=2, max_steps=2, eval_on_start=True,
-                            metric_for_best_model="accuracy")
+    trainer, recorder = fit(
+        tmp_path, eval_strategy="steps", eval_steps=2, max_steps=2, eval_on_start=True, metric_for_best_model="accuracy"
+    )
     assert [step for step, _ in recorder.evaluations] == [0, 2]
     assert trainer.state.best_global_step == 2
     assert trainer.state.best_metric == recorder.evaluations[1][1]["eval_accuracy"]
@@ -93,9 +107,18 @@ def test_evaluation_strategy_without_eval_dataset_fails_before_training(tmp_path
 
 def test_dict_of_eval_datasets_during_training_and_metric_for_best_model(tmp_path: Any) -> None:
     _, evals = digits(n_eval=64)
-    datasets = {"easy": torch.utils.data.Subset(evals, range(32)), "hard": torch.utils.data.Subset(evals, range(32, 64))}
-    trainer, recorder = fit(tmp_path, eval_dataset=datasets, eval_strategy="steps", eval_steps=2, max_steps=6,
-                            metric_for_best_model="hard_loss")
+    datasets = {
+        "easy": torch.utils.data.Subset(evals, range(32)),
+        "hard": torch.utils.data.Subset(evals, range(32, 64)),
+    }
+    trainer, recorder = fit(
+        tmp_path,
+        eval_dataset=datasets,
+        eval_strategy="steps",
+        eval_steps=2,
+        max_steps=6,
+        metric_for_best_model="hard_loss",
+    )
     hard = [(step, m["eval_hard_loss"]) for step, m in recorder.evaluations if "eval_hard_loss" in m]
     easy = [step for step, m in recorder.evaluations if "eval_easy_loss" in m]
     assert [s for s, _ in hard] == easy == [2, 4, 6]
@@ -103,17 +126,34 @@ def test_dict_of_eval_datasets_during_training_and_metric_for_best_model(tmp_pat
     assert trainer.state.best_metric == best and trainer.state.best_global_step == best_step
 
     with pytest.raises(KilnError, match="eval_loss"):  # "loss" alone names no metric of a dict evaluation
-        fit(tmp_path / "again", eval_dataset=datasets, eval_strategy="steps", eval_steps=2, max_steps=2,
-            metric_for_best_model="loss")
+        fit(
+            tmp_path / "again",
+            eval_dataset=datasets,
+            eval_strategy="steps",
+            eval_steps=2,
+            max_steps=2,
+            metric_for_best_model="loss",
+        )
 
 
 def test_greater_is_better_follows_the_metric_name(tmp_path: Any) -> None:
     scores = iter([0.5, 0.9, 0.7])
     train, evals = digits(n_train=64, n_eval=32)
-    cfg = config(tmp_path, per_device_train_batch_size=16, max_steps=6, eval_strategy="steps", eval_steps=2,
-                 metric_for_best_model="eval_score")
-    trainer = Trainer(make_model("module"), cfg, train_dataset=train, eval_dataset=evals,
-                      compute_metrics=lambda p: {"score": next(scores)})
+    cfg = config(
+        tmp_path,
+        per_device_train_batch_size=16,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="eval_score",
+    )
+    trainer = Trainer(
+        make_model("module"),
+        cfg,
+        train_dataset=train,
+        eval_dataset=evals,
+        compute_metrics=lambda p: {"score": next(scores)},
+    )
     trainer.fit()
     assert (trainer.state.best_metric, trainer.state.best_global_step) == (0.9, 4)
 
@@ -129,11 +169,26 @@ def test_load_best_model_at_end(tmp_path: Any) -> None:
             snapshots[state.global_step] = torch.cat([p.detach().flatten().clone() for p in kw["model"].parameters()])
 
     model = make_model("module")
-    cfg = config(tmp_path, per_device_train_batch_size=16, learning_rate=1e-2, max_steps=6, eval_strategy="steps",
-                 eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
-                 metric_for_best_model="score")
-    trainer = Trainer(model, cfg, train_dataset=train, eval_dataset=evals, callbacks=[Snapshot()],
-                      compute_metrics=lambda p: {"score": next(scores)})
+    cfg = config(
+        tmp_path,
+        per_device_train_batch_size=16,
+        learning_rate=1e-2,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="score",
+    )
+    trainer = Trainer(
+        model,
+        cfg,
+        train_dataset=train,
+        eval_dataset=evals,
+        callbacks=[Snapshot()],
+        compute_metrics=lambda p: {"score": next(scores)},
+    )
     trainer.fit()
     assert trainer.state.best_global_step == 2 and trainer.state.best_model_checkpoint.endswith("checkpoint-2")
     final = torch.cat([p.detach().flatten() for p in model.parameters()])

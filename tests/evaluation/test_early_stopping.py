@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -14,15 +15,33 @@ from kiln import Callback, EarlyStoppingCallback, KilnError, Trainer
 from tests.evaluation.common import config, digits, eval_logs, make_model
 
 
-def run(tmp_path: Any, callback: EarlyStoppingCallback, compute_metrics: Any = None, resume: Any = None,
-        extra: Optional[list[Callback]] = None, **overrides: Any) -> Trainer:
+def run(
+    tmp_path: Any,
+    callback: EarlyStoppingCallback,
+    compute_metrics: Any = None,
+    resume: Any = None,
+    extra: list[Callback] | None = None,
+    **overrides: Any,
+) -> Trainer:
     """lr = 0: the weights never change, so eval_loss is the same at every evaluation (a plateau)."""
     train, evals = digits(n_train=64, n_eval=32)
-    settings = dict(per_device_train_batch_size=16, learning_rate=0.0, max_steps=40, eval_strategy="steps",
-                    eval_steps=2, metric_for_best_model="loss")
+    settings = dict(
+        per_device_train_batch_size=16,
+        learning_rate=0.0,
+        max_steps=40,
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="loss",
+    )
     settings.update(overrides)
-    trainer = Trainer(make_model("module"), config(tmp_path, **settings), train_dataset=train, eval_dataset=evals,
-                      compute_metrics=compute_metrics, callbacks=[callback, *(extra or [])])
+    trainer = Trainer(
+        make_model("module"),
+        config(tmp_path, **settings),
+        train_dataset=train,
+        eval_dataset=evals,
+        compute_metrics=compute_metrics,
+        callbacks=[callback, *(extra or [])],
+    )
     trainer.fit(resume_from_checkpoint=resume)
     return trainer
 
@@ -60,8 +79,14 @@ def test_threshold_and_greater_is_better(tmp_path: Any) -> None:
 
     # a falling metric improves when greater_is_better is False
     falling = [5.0, 4.0, 3.0, 3.5, 3.2, 0.0]
-    trainer = run(tmp_path / "b", EarlyStoppingCallback(2), scripted(falling), metric_for_best_model="score",
-                  greater_is_better=False, eval_steps=1)
+    trainer = run(
+        tmp_path / "b",
+        EarlyStoppingCallback(2),
+        scripted(falling),
+        metric_for_best_model="score",
+        greater_is_better=False,
+        eval_steps=1,
+    )
     assert trainer.state.global_step == 5 and trainer.state.best_metric == 3.0
 
 
@@ -106,8 +131,10 @@ def test_counter_survives_resume(tmp_path: Any) -> None:
     out = tmp_path / "crash" / "out"
     with open(out / "checkpoint-4" / "trainer_state.json") as fh:
         saved = json.load(fh)["stateful_callbacks"]["EarlyStoppingCallback"]
-    assert saved == {"args": {"early_stopping_patience": 3, "early_stopping_threshold": 0.0},
-                     "attributes": {"early_stopping_patience_counter": 1}}  # HF's ExportableState layout
+    assert saved == {
+        "args": {"early_stopping_patience": 3, "early_stopping_threshold": 0.0},
+        "attributes": {"early_stopping_patience_counter": 1},
+    }  # HF's ExportableState layout
 
     resumed_cb = EarlyStoppingCallback(3)
     resumed = run(tmp_path / "crash", resumed_cb, resume=True, **settings)
@@ -117,14 +144,19 @@ def test_counter_survives_resume(tmp_path: Any) -> None:
     assert os.path.isdir(out / "checkpoint-8")
 
 
-@pytest.mark.parametrize("values, greater, stop_step", [
-    ([0.5, 0.75, 0.75, 0.75], True, 2),  # exactly the threshold better: not an improvement (HF's strict >)
-    ([0.5, 0.25, 0.25, 0.25], False, 2),  # the same when lower is better
-    ([0.5, 0.76, 0.76, 0.76], True, 3),  # beyond the threshold: an improvement, the counter resets
-    ([0.5, 0.5, 0.5, 0.5], True, 2),  # equal is never better, even with threshold 0
-])
+@pytest.mark.parametrize(
+    "values, greater, stop_step",
+    [
+        ([0.5, 0.75, 0.75, 0.75], True, 2),  # exactly the threshold better: not an improvement (HF's strict >)
+        ([0.5, 0.25, 0.25, 0.25], False, 2),  # the same when lower is better
+        ([0.5, 0.76, 0.76, 0.76], True, 3),  # beyond the threshold: an improvement, the counter resets
+        ([0.5, 0.5, 0.5, 0.5], True, 2),  # equal is never better, even with threshold 0
+    ],
+)
 def test_an_improvement_of_exactly_the_threshold_does_not_count(tmp_path: Any, values, greater, stop_step) -> None:
     threshold = 0.0 if values[1] == values[0] else 0.25
     cb = EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=threshold)
-    trainer = run(tmp_path, cb, scripted(values), metric_for_best_model="score", greater_is_better=greater, eval_steps=1)
+    trainer = run(
+        tmp_path, cb, scripted(values), metric_for_best_model="score", greater_is_better=greater, eval_steps=1
+    )
     assert trainer.state.global_step == stop_step

@@ -20,8 +20,17 @@ from tests.helpers import regression_data
 transformers = pytest.importorskip("transformers")
 
 SCORES = [0.5, 0.75, 0.8, 0.79, 0.78, 0.9, 0.95, 0.95]  # +0.05 is no improvement with threshold 0.1: stops early
-SETTINGS = dict(max_steps=8, per_device_train_batch_size=8, learning_rate=1e-2, eval_strategy="steps", eval_steps=1,
-                metric_for_best_model="score", greater_is_better=True, save_strategy="no", seed=0)
+SETTINGS = dict(
+    max_steps=8,
+    per_device_train_batch_size=8,
+    learning_rate=1e-2,
+    eval_strategy="steps",
+    eval_steps=1,
+    metric_for_best_model="score",
+    greater_is_better=True,
+    save_strategy="no",
+    seed=0,
+)
 
 
 class Lin(nn.Module):
@@ -66,17 +75,34 @@ def test_an_hf_style_override_runs_unchanged_and_sees_what_it_sees_on_hf(tmp_pat
     torch.manual_seed(0)
     model = Lin()
     hf_cb = HFRecording(early_stopping_patience=2, early_stopping_threshold=0.1)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], disable_tqdm=True,
-                                          **SETTINGS)
-    hf = transformers.Trainer(model=copy.deepcopy(model), args=args, train_dataset=_rows(64), eval_dataset=_rows(8),
-                              compute_metrics=_scores(), callbacks=[hf_cb])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], disable_tqdm=True, **SETTINGS
+    )
+    hf = transformers.Trainer(
+        model=copy.deepcopy(model),
+        args=args,
+        train_dataset=_rows(64),
+        eval_dataset=_rows(8),
+        compute_metrics=_scores(),
+        callbacks=[hf_cb],
+    )
     hf.train()
 
     ours_cb = KilnRecording(early_stopping_patience=2, early_stopping_threshold=0.1)
-    cfg = {"output_dir": str(tmp_path / "kiln"), "strategy": {"device": "cpu"},
-           "log": {"history": [], "disable_tqdm": True}, **SETTINGS}
-    ours = Trainer(copy.deepcopy(model), cfg, train_dataset=_rows(64), eval_dataset=_rows(8), compute_metrics=_scores(),
-                   callbacks=[ours_cb])
+    cfg = {
+        "output_dir": str(tmp_path / "kiln"),
+        "strategy": {"device": "cpu"},
+        "log": {"history": [], "disable_tqdm": True},
+        **SETTINGS,
+    }
+    ours = Trainer(
+        copy.deepcopy(model),
+        cfg,
+        train_dataset=_rows(64),
+        eval_dataset=_rows(8),
+        compute_metrics=_scores(),
+        callbacks=[ours_cb],
+    )
     ours.fit()
 
     assert ours_cb.calls == hf_cb.calls

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,7 +72,11 @@ def test_metric_key_prefix_and_compute_metrics_values(tmp_path: Any) -> None:
 
     def metrics(p: EvalPrediction) -> dict[str, Any]:
         assert isinstance(p.predictions, np.ndarray) and len(p) == 2
-        return {"n": np.int64(len(p.label_ids)), "mean_label": np.float32(p.label_ids.mean()), "val_x": torch.tensor(2.5)}
+        return {
+            "n": np.int64(len(p.label_ids)),
+            "mean_label": np.float32(p.label_ids.mean()),
+            "val_x": torch.tensor(2.5),
+        }
 
     trainer = Trainer(make_model("module"), config(tmp_path), eval_dataset=evals, compute_metrics=metrics)
     out = trainer.evaluate(metric_key_prefix="val")
@@ -88,7 +92,9 @@ def test_dict_of_eval_datasets(tmp_path: Any) -> None:
     b = torch.utils.data.Subset(evals, range(40, 100))
     model = make_model("module")
     recorder = Recorder()
-    trainer = Trainer(model, config(tmp_path), eval_dataset={"a": a, "b": b}, compute_metrics=accuracy, callbacks=[recorder])
+    trainer = Trainer(
+        model, config(tmp_path), eval_dataset={"a": a, "b": b}, compute_metrics=accuracy, callbacks=[recorder]
+    )
     metrics = trainer.evaluate()
 
     logits = hand_logits(model, evals)
@@ -99,7 +105,10 @@ def test_dict_of_eval_datasets(tmp_path: Any) -> None:
         assert f"eval_{name}_runtime" in metrics and f"eval_{name}_steps_per_second" in metrics
     assert "eval_loss" not in metrics
     # one evaluation (log entry, on_evaluate call) per dataset
-    assert [sorted(k for k in m if k.endswith("_loss")) for _, m in recorder.evaluations] == [["eval_a_loss"], ["eval_b_loss"]]
+    assert [sorted(k for k in m if k.endswith("_loss")) for _, m in recorder.evaluations] == [
+        ["eval_a_loss"],
+        ["eval_b_loss"],
+    ]
     assert len(eval_logs(trainer, "eval_a_loss")) == len(eval_logs(trainer, "eval_b_loss")) == 1
     # one of them by name, and a dict passed to evaluate() itself
     by_name = trainer.evaluate("b")  # HF: a single dataset picked by name keeps the plain prefix
@@ -143,8 +152,12 @@ def test_per_device_eval_batch_size_and_drop_last(tmp_path: Any) -> None:
 def test_prediction_loss_only(tmp_path: Any) -> None:
     _, evals = digits(n_eval=40)
     called = []
-    trainer = Trainer(make_model("hf"), config(tmp_path, prediction_loss_only=True), eval_dataset=evals,
-                      compute_metrics=lambda p: called.append(p) or {"x": 1.0})
+    trainer = Trainer(
+        make_model("hf"),
+        config(tmp_path, prediction_loss_only=True),
+        eval_dataset=evals,
+        compute_metrics=lambda p: called.append(p) or {"x": 1.0},
+    )
     out = trainer.predict(evals)
     assert out.predictions is None and out.label_ids is None
     assert "test_loss" in out.metrics and "test_x" not in out.metrics
@@ -168,7 +181,7 @@ class TargetModel(nn.Module):
         torch.manual_seed(0)
         self.net = nn.Linear(64, 10)
 
-    def forward(self, pixels: torch.Tensor, target: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+    def forward(self, pixels: torch.Tensor, target: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         logits = self.net(pixels)
         return (logits,) if target is None else (F.cross_entropy(logits, target), logits)
 
@@ -201,7 +214,7 @@ class MultiHead(nn.Module):
         torch.manual_seed(0)
         self.net = nn.Linear(64, 10)
 
-    def forward(self, pixels: torch.Tensor, labels: Optional[torch.Tensor] = None) -> dict[str, Any]:
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
         logits = self.net(pixels)
         out: dict[str, Any] = {"logits": logits, "hidden": pixels[:, :3], "cache": None, "debug": pixels.sum(-1)}
         if labels is not None:

@@ -65,7 +65,9 @@ def test_cast_for_evaluation_only_and_restored(tmp_path: Any, monkeypatch: Any, 
 def test_not_cast_during_training(tmp_path: Any) -> None:
     train, evals = digits(n_train=32, n_eval=32)
     model = probe()
-    cfg = config(tmp_path, bf16_full_eval=True, max_steps=2, per_device_train_batch_size=16, eval_strategy="steps", eval_steps=1)
+    cfg = config(
+        tmp_path, bf16_full_eval=True, max_steps=2, per_device_train_batch_size=16, eval_strategy="steps", eval_steps=1
+    )
     trainer = Trainer(model, cfg, train_dataset=train, eval_dataset=evals)
     trainer.fit()
     assert set(model.seen) == {(torch.float32, torch.float32)}  # HF: full-eval casting only outside train()

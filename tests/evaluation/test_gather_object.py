@@ -44,14 +44,20 @@ def decode(logits: torch.Tensor, labels: Any) -> list[str]:
 
 def text_accuracy(pred: Any) -> dict[str, float]:
     assert isinstance(pred.predictions, list) and all(isinstance(p, str) for p in pred.predictions)
-    return {"accuracy": float(np.mean([p == f"class-{int(y)}" for p, y in zip(pred.predictions, pred.label_ids)])),
-            "n": float(len(pred.predictions))}
+    return {
+        "accuracy": float(np.mean([p == f"class-{int(y)}" for p, y in zip(pred.predictions, pred.label_ids)])),
+        "n": float(len(pred.predictions)),
+    }
 
 
 def test_string_predictions_are_gathered_in_dataset_order(tmp_path: Any) -> None:
     _, evals = digits(n_eval=16)
-    single = Trainer(make_model("module"), config(tmp_path / "single", per_device_eval_batch_size=2, eval_use_gather_object=True),
-                     preprocess_logits_for_metrics=decode, compute_metrics=text_accuracy).evaluate(evals)  # one process
+    single = Trainer(
+        make_model("module"),
+        config(tmp_path / "single", per_device_eval_batch_size=2, eval_use_gather_object=True),
+        preprocess_logits_for_metrics=decode,
+        compute_metrics=text_accuracy,
+    ).evaluate(evals)  # one process
     expected = Trainer(make_model("module"), config(tmp_path / "ref", per_device_eval_batch_size=2)).predict(evals)
     expected_text = [f"class-{int(i)}" for i in expected.predictions.argmax(-1)]
 
@@ -59,8 +65,15 @@ def test_string_predictions_are_gathered_in_dataset_order(tmp_path: Any) -> None
     ranks = []
     for rank in range(3):
         cfg = config(tmp_path / str(rank), per_device_eval_batch_size=2, eval_use_gather_object=True)
-        ranks.append(Trainer(make_model("module"), cfg, strategy=ObjectRank(load_config(cfg), None, world, rank),
-                             preprocess_logits_for_metrics=decode, compute_metrics=text_accuracy))
+        ranks.append(
+            Trainer(
+                make_model("module"),
+                cfg,
+                strategy=ObjectRank(load_config(cfg), None, world, rank),
+                preprocess_logits_for_metrics=decode,
+                compute_metrics=text_accuracy,
+            )
+        )
     results = world.run(lambda r: ranks[r].predict(evals))
     assert world.calls == 3  # once per rank, at the end, not per step
     for out in results:

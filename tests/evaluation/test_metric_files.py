@@ -16,8 +16,13 @@ from tests.evaluation.common import accuracy, config, digits, make_model
 @pytest.fixture()
 def trainer(tmp_path: Any) -> Trainer:
     train, evals = digits(n_train=32, n_eval=32)
-    return Trainer(make_model("module"), config(tmp_path, max_steps=2, per_device_train_batch_size=16),
-                   train_dataset=train, eval_dataset=evals, compute_metrics=accuracy)
+    return Trainer(
+        make_model("module"),
+        config(tmp_path, max_steps=2, per_device_train_batch_size=16),
+        train_dataset=train,
+        eval_dataset=evals,
+        compute_metrics=accuracy,
+    )
 
 
 def test_save_metrics_writes_split_and_merged_files(trainer: Trainer, tmp_path: Any) -> None:
@@ -48,10 +53,22 @@ def test_log_metrics_prints_an_aligned_block(trainer: Trainer, capsys: Any) -> N
 
 
 def test_metrics_format(trainer: Trainer) -> None:
-    formatted = trainer.metrics_format({"eval_loss": 0.123456789, "eval_runtime": 3.25, "train_mem_cpu_alloc_delta": 5 << 20,
-                                        "total_flos": 2 << 30, "eval_samples": 7})
-    assert formatted == {"eval_loss": 0.1235, "eval_runtime": "0:00:03.25", "train_mem_cpu_alloc_delta": "5MB",
-                         "total_flos": "2GF", "eval_samples": 7}
+    formatted = trainer.metrics_format(
+        {
+            "eval_loss": 0.123456789,
+            "eval_runtime": 3.25,
+            "train_mem_cpu_alloc_delta": 5 << 20,
+            "total_flos": 2 << 30,
+            "eval_samples": 7,
+        }
+    )
+    assert formatted == {
+        "eval_loss": 0.1235,
+        "eval_runtime": "0:00:03.25",
+        "train_mem_cpu_alloc_delta": "5MB",
+        "total_flos": "2GF",
+        "eval_samples": 7,
+    }
 
 
 def test_save_state(trainer: Trainer, tmp_path: Any) -> None:
@@ -71,4 +88,6 @@ def test_memory_metrics(tmp_path: Any) -> None:
     metrics = trainer.evaluate()
     assert {"eval_mem_cpu_alloc_delta", "eval_mem_cpu_peaked_delta"} <= set(metrics)
     assert {"test_mem_cpu_alloc_delta", "test_mem_cpu_peaked_delta"} <= set(trainer.predict(evals).metrics)
-    assert "eval_mem_cpu_alloc_delta" not in Trainer(make_model("module"), config(tmp_path), eval_dataset=evals).evaluate()
+    assert (
+        "eval_mem_cpu_alloc_delta" not in Trainer(make_model("module"), config(tmp_path), eval_dataset=evals).evaluate()
+    )

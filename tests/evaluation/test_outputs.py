@@ -137,7 +137,10 @@ def test_eval_accumulation_steps_moves_predictions_off_the_device(tmp_path: Any,
         assert all(kinds == ["torch"] for kinds in log)
     else:
         for i, kinds in enumerate(log, start=1):
-            assert kinds == (["numpy"] if i % steps == 0 else ["numpy", "torch"] if i > steps else ["torch"]), (i, kinds)
+            assert kinds == (["numpy"] if i % steps == 0 else ["numpy", "torch"] if i > steps else ["torch"]), (
+                i,
+                kinds,
+            )
     np.testing.assert_allclose(out.predictions, hand_logits(model, evals).numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out.label_ids, evals.labels.numpy())
     assert out.metrics["test_accuracy"] == float((out.predictions.argmax(-1) == evals.labels.numpy()).mean())
@@ -178,8 +181,12 @@ def test_include_inputs_for_metrics(tmp_path: Any) -> None:
     _, evals = digits(n_eval=50)
     seen: list[EvalPrediction] = []
     model = make_model("hf")  # main_input_name = "pixels"
-    trainer = Trainer(model, config(tmp_path, include_inputs_for_metrics=True), eval_dataset=evals,
-                      compute_metrics=lambda p: seen.append(p) or {})
+    trainer = Trainer(
+        model,
+        config(tmp_path, include_inputs_for_metrics=True),
+        eval_dataset=evals,
+        compute_metrics=lambda p: seen.append(p) or {},
+    )
     trainer.evaluate()
     (p,) = seen
     assert len(p) == 3  # (predictions, label_ids, inputs), as HF
@@ -190,7 +197,9 @@ def test_include_inputs_for_metrics(tmp_path: Any) -> None:
     with pytest.raises(KilnError, match="main_input_name"):
         Trainer(module, config(tmp_path, include_inputs_for_metrics=True), compute_metrics=accuracy).predict(evals)
     module.main_input_name = "pixels"
-    trainer = Trainer(module, config(tmp_path, include_inputs_for_metrics=True), compute_metrics=lambda p: seen.append(p) or {})
+    trainer = Trainer(
+        module, config(tmp_path, include_inputs_for_metrics=True), compute_metrics=lambda p: seen.append(p) or {}
+    )
     trainer.predict(evals)
     np.testing.assert_array_equal(seen[-1].inputs, evals.pixels.numpy())
 
@@ -208,7 +217,9 @@ def test_preprocess_logits_for_metrics(tmp_path: Any) -> None:
         assert p.predictions.shape == (70,)
         return {"accuracy": float((p.predictions == p.label_ids).mean())}
 
-    trainer = Trainer(model, config(tmp_path), eval_dataset=evals, compute_metrics=metrics, preprocess_logits_for_metrics=argmax)
+    trainer = Trainer(
+        model, config(tmp_path), eval_dataset=evals, compute_metrics=metrics, preprocess_logits_for_metrics=argmax
+    )
     out = trainer.evaluate()
     assert calls == [((32, 10), True), ((32, 10), True), ((6, 10), True)]
     hand = hand_logits(model, evals).argmax(-1)

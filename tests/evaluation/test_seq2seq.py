@@ -22,9 +22,24 @@ BATCH = 2
 @pytest.fixture(scope="module")
 def model() -> Any:
     cfg = transformers.BartConfig(
-        vocab_size=24, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-        encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=0, bos_token_id=2, eos_token_id=1,
-        decoder_start_token_id=1, forced_eos_token_id=None, forced_bos_token_id=None, init_std=0.5, dropout=0.0)
+        vocab_size=24,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+        decoder_start_token_id=1,
+        forced_eos_token_id=None,
+        forced_bos_token_id=None,
+        init_std=0.5,
+        dropout=0.0,
+    )
     torch.manual_seed(0)
     return transformers.BartForConditionalGeneration(cfg).eval()
 
@@ -34,7 +49,9 @@ def rows() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 24, (8, 6), generator=g)
     labels = torch.randint(3, 24, (8, 5), generator=g)
-    return [{"input_ids": ids[i], "attention_mask": torch.ones(6, dtype=torch.long), "labels": labels[i]} for i in range(8)]
+    return [
+        {"input_ids": ids[i], "attention_mask": torch.ones(6, dtype=torch.long), "labels": labels[i]} for i in range(8)
+    ]
 
 
 def by_hand(model: Any, rows: list[dict[str, torch.Tensor]], **kwargs: Any) -> list[torch.Tensor]:
@@ -58,8 +75,13 @@ def test_predict_with_generate(tmp_path: Any, model: Any, rows: list[dict[str, t
     assert len({g.shape[1] for g in generated}) > 1, "pick another EOS: every batch has the same length"
     expected = concat_padded([g.numpy() for g in generated], -100)
     seen: list[EvalPrediction] = []
-    cfg = config(tmp_path, per_device_eval_batch_size=BATCH, predict_with_generate=True, generation_max_length=8,
-                 generation_num_beams=2)
+    cfg = config(
+        tmp_path,
+        per_device_eval_batch_size=BATCH,
+        predict_with_generate=True,
+        generation_max_length=8,
+        generation_num_beams=2,
+    )
     trainer = Trainer(model, cfg, compute_metrics=lambda p: seen.append(p) or {"rows": len(p.predictions)})
     out = trainer.predict(rows, eos_token_id=eos)  # generate() kwargs of the call reach the model
     np.testing.assert_array_equal(out.predictions, expected)
@@ -96,10 +118,20 @@ def test_evaluate_with_generate_and_call_kwargs(tmp_path: Any, model: Any, rows:
 
 
 def test_generation_kwargs_precedence(tmp_path: Any) -> None:
-    e = load_config({"output_dir": str(tmp_path), "generation_max_length": 20, "generation_num_beams": 4,
-                     "eval": {"generation_kwargs": {"max_new_tokens": 5, "do_sample": False, "num_beams": 2}}}).eval
+    e = load_config(
+        {
+            "output_dir": str(tmp_path),
+            "generation_max_length": 20,
+            "generation_num_beams": 4,
+            "eval": {"generation_kwargs": {"max_new_tokens": 5, "do_sample": False, "num_beams": 2}},
+        }
+    ).eval
     assert generation_kwargs(e, {}) == {"max_length": 20, "num_beams": 4, "do_sample": False}
-    assert generation_kwargs(e, {"max_new_tokens": 3, "num_beams": 1}) == {"max_new_tokens": 3, "num_beams": 1, "do_sample": False}
+    assert generation_kwargs(e, {"max_new_tokens": 3, "num_beams": 1}) == {
+        "max_new_tokens": 3,
+        "num_beams": 1,
+        "do_sample": False,
+    }
     assert generation_kwargs(e, {"max_length": None}) == {"max_length": 20, "num_beams": 4, "do_sample": False}
     plain = load_config({"output_dir": str(tmp_path)}).eval
     assert generation_kwargs(plain, {}) == {}  # the model's generation_config decides
@@ -107,12 +139,26 @@ def test_generation_kwargs_precedence(tmp_path: Any) -> None:
 
 def test_generate_without_labels_needs_no_forward(tmp_path: Any) -> None:
     """T5's forward fails without decoder inputs: unlabeled data must only be generated from."""
-    cfg = transformers.T5Config(vocab_size=24, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
-                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    cfg = transformers.T5Config(
+        vocab_size=24,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        dropout_rate=0.0,
+    )
     torch.manual_seed(0)
     t5 = transformers.T5ForConditionalGeneration(cfg).eval()
     rows = [{"input_ids": torch.arange(3, 9) + i, "attention_mask": torch.ones(6, dtype=torch.long)} for i in range(4)]
-    out = Trainer(t5, config(tmp_path, per_device_eval_batch_size=BATCH, predict_with_generate=True,
-                             generation_max_length=4)).predict(rows)
+    out = Trainer(
+        t5, config(tmp_path, per_device_eval_batch_size=BATCH, predict_with_generate=True, generation_max_length=4)
+    ).predict(rows)
     assert out.label_ids is None and "test_loss" not in out.metrics
-    np.testing.assert_array_equal(out.predictions, concat_padded([g.numpy() for g in by_hand(t5, rows, max_length=4)], -100))
+    np.testing.assert_array_equal(
+        out.predictions, concat_padded([g.numpy() for g in by_hand(t5, rows, max_length=4)], -100)
+    )

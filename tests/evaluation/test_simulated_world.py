@@ -6,8 +6,9 @@ rules themselves are tested in tests/engine/test_gather.py; a real DDP run is te
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ class World:
     def __init__(self, size: int) -> None:
         self.size = size
         self.barrier = threading.Barrier(size, timeout=30)
-        self.slots: list[Optional[torch.Tensor]] = [None] * size
+        self.slots: list[torch.Tensor | None] = [None] * size
 
     def all_gather(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
         self.slots[rank] = tensor.clone()
@@ -60,8 +61,9 @@ def trainers(tmp_path: Any, world: World, compute_metrics: Any = accuracy, **ove
 def test_predict_matches_one_process(tmp_path: Any, overrides: dict[str, Any]) -> None:
     """HF's worked example: 16 samples, batch 2, 3 processes (rank 2 repeats samples 0 and 1)."""
     _, evals = digits(n_eval=16)
-    single = Trainer(make_model("module"), config(tmp_path / "single", per_device_eval_batch_size=2),
-                     compute_metrics=accuracy).predict(evals)
+    single = Trainer(
+        make_model("module"), config(tmp_path / "single", per_device_eval_batch_size=2), compute_metrics=accuracy
+    ).predict(evals)
     world = World(3)
     ranks = trainers(tmp_path, world, **overrides)
     assert [len(t.get_test_dataloader(evals)) for t in ranks] == [3, 3, 3]  # each rank sees its shard only
@@ -74,7 +76,9 @@ def test_predict_matches_one_process(tmp_path: Any, overrides: dict[str, Any]) -
         np.testing.assert_array_equal(labels, evals.labels.numpy())
         assert out.metrics["test_accuracy"] == single.metrics["test_accuracy"]
         assert out.metrics["test_loss"] == pytest.approx(single.metrics["test_loss"], rel=1e-6)
-        assert out.metrics["test_samples_per_second"] == pytest.approx(16 / out.metrics["test_runtime"], rel=0.05, abs=1)
+        assert out.metrics["test_samples_per_second"] == pytest.approx(
+            16 / out.metrics["test_runtime"], rel=0.05, abs=1
+        )
 
 
 def test_batch_eval_metrics_sees_each_sample_once(tmp_path: Any) -> None:
@@ -86,6 +90,7 @@ def test_batch_eval_metrics_sees_each_sample_once(tmp_path: Any) -> None:
         def metrics(p: EvalPrediction, compute_result: bool) -> dict[str, float]:
             seen.setdefault(rank, []).extend(p.label_ids.tolist())
             return {"rows": float(len(seen[rank]))} if compute_result else {}
+
         return metrics
 
     ranks = trainers(tmp_path, world, batch_eval_metrics=True)

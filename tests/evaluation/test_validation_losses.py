@@ -28,5 +28,7 @@ class PerSample(TrainingModule):
 @pytest.mark.parametrize("reduce", [True, False], ids=["batch-mean", "per-sample"])
 def test_eval_loss_is_the_mean_over_samples(reduce: bool, tmp_path: Any) -> None:
     rows = [{"x": torch.tensor(float(i * i))} for i in range(10)]  # batches of 4, 4 and 2
-    trainer = Trainer(PerSample(reduce), {"output_dir": str(tmp_path), "per_device_eval_batch_size": 4, "report_to": "none"})
+    trainer = Trainer(
+        PerSample(reduce), {"output_dir": str(tmp_path), "per_device_eval_batch_size": 4, "report_to": "none"}
+    )
     assert trainer.evaluate(rows)["eval_loss"] == pytest.approx(sum(i * i for i in range(10)) / 10)

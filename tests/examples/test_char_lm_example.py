@@ -120,8 +120,9 @@ def test_generate_returns_requested_length(data: dict) -> None:
 def test_loss_decreases_in_a_plain_loop(data: dict) -> None:
     model = tiny_model(data)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = torch.utils.data.DataLoader(data["train_dataset"], batch_size=16, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        data["train_dataset"], batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     losses = []
     for _, batch in zip(range(20), loader):
         loss = model.training_step(batch)

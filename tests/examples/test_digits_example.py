@@ -47,8 +47,9 @@ def test_loss_decreases_in_a_plain_loop(data: dict) -> None:
     torch.manual_seed(0)
     model = MLPClassifier(**data["model_args"])
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
-    loader = torch.utils.data.DataLoader(data["train_dataset"], batch_size=32, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        data["train_dataset"], batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     losses = []
     for _, batch in zip(range(20), loader):
         loss = model.training_step(batch)

@@ -13,21 +13,35 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TINY = {
     "char_lm": [
-        "task.data_args.max_chars=200000", "task.data_args.block_size=32", "task.data_args.sample_chars=20",
-        "task.model_args.n_layer=1", "task.model_args.n_head=2", "task.model_args.n_embd=32",
-        "data.per_device_eval_batch_size=256", "scheduler.warmup_steps=1",
+        "task.data_args.max_chars=200000",
+        "task.data_args.block_size=32",
+        "task.data_args.sample_chars=20",
+        "task.model_args.n_layer=1",
+        "task.model_args.n_head=2",
+        "task.model_args.n_embd=32",
+        "data.per_device_eval_batch_size=256",
+        "scheduler.warmup_steps=1",
     ],
     "digits": [],
 }
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
-def test_example_config_runs_through_kiln_fit(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture) -> None:
+def test_example_config_runs_through_kiln_fit(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.chdir(REPO_ROOT)  # the configs name their code by import path from the repository root
     monkeypatch.syspath_prepend(str(REPO_ROOT))
-    argv = ["fit", f"examples/{name}/config.yaml", f"output_dir={tmp_path}", "train.max_steps=5",
-            "log.strategy=steps", "log.steps=1", "log.disable_tqdm=true", *TINY[name]]
+    argv = [
+        "fit",
+        f"examples/{name}/config.yaml",
+        f"output_dir={tmp_path}",
+        "train.max_steps=5",
+        "log.strategy=steps",
+        "log.steps=1",
+        "log.disable_tqdm=true",
+        *TINY[name],
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
 

@@ -57,11 +57,23 @@ MAX_STEPS, SAVE_STEPS = 6, 2
 def write_config(path: Path, output_dir: Path, **data_args: Any) -> str:
     """A `kiln fit` config over the CLI runs' model and this module's `data` (its arguments: data_args)."""
     cfg = {
-        "output_dir": str(output_dir), "seed": 5, "learning_rate": 1e-2, "max_steps": MAX_STEPS,
-        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "save_steps": SAVE_STEPS, "logging_steps": 1,
-        "disable_tqdm": True, "report_to": "none", "strategy": {"name": "auto", "device": "cpu", "timeout": 60},
-        "task": {"model": "tests.distributed.toy:cli_model", "model_args": {"dropout": 0.0},
-                 "data": "tests.launch.ray_toy:data", "data_args": data_args},
+        "output_dir": str(output_dir),
+        "seed": 5,
+        "learning_rate": 1e-2,
+        "max_steps": MAX_STEPS,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "save_steps": SAVE_STEPS,
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "report_to": "none",
+        "strategy": {"name": "auto", "device": "cpu", "timeout": 60},
+        "task": {
+            "model": "tests.distributed.toy:cli_model",
+            "model_args": {"dropout": 0.0},
+            "data": "tests.launch.ray_toy:data",
+            "data_args": data_args,
+        },
     }
     OmegaConf.save(OmegaConf.create(cfg), path)
     return str(path)

@@ -31,18 +31,41 @@ class FakeCluster(ClusterKind):
     @classmethod
     def read(cls, env: Env) -> ClusterEnvironment:
         world = int(env["FAKECLUSTER_WORLD_SIZE"])
-        return ClusterEnvironment(world_size=world, rank=int(env["FAKECLUSTER_RANK"]),
-                                  local_rank=int(env["FAKECLUSTER_LOCAL_RANK"]), local_world_size=world, source=cls.name,
-                                  main_address=env["FAKECLUSTER_ADDR"], main_port=int(env["FAKECLUSTER_PORT"]), rendezvous=True)
+        return ClusterEnvironment(
+            world_size=world,
+            rank=int(env["FAKECLUSTER_RANK"]),
+            local_rank=int(env["FAKECLUSTER_LOCAL_RANK"]),
+            local_world_size=world,
+            source=cls.name,
+            main_address=env["FAKECLUSTER_ADDR"],
+            main_port=int(env["FAKECLUSTER_PORT"]),
+            rendezvous=True,
+        )
 
 
 register(FakeCluster)
 
 # every variable a known launcher or scheduler sets: the workers must be found by FakeCluster alone
-KNOWN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-         "TORCHELASTIC_RUN_ID", "CROSS_RANK", "LOCAL_SIZE")
-FAKE = {"FAKECLUSTER_RANK": "1", "FAKECLUSTER_WORLD_SIZE": "2", "FAKECLUSTER_LOCAL_RANK": "1",
-        "FAKECLUSTER_ADDR": "127.0.0.1", "FAKECLUSTER_PORT": "29999"}
+KNOWN = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "CROSS_RANK",
+    "LOCAL_SIZE",
+)
+FAKE = {
+    "FAKECLUSTER_RANK": "1",
+    "FAKECLUSTER_WORLD_SIZE": "2",
+    "FAKECLUSTER_LOCAL_RANK": "1",
+    "FAKECLUSTER_ADDR": "127.0.0.1",
+    "FAKECLUSTER_PORT": "29999",
+}
 
 
 def test_detect_returns_the_registered_kinds_topology():
@@ -62,16 +85,31 @@ def test_two_plain_processes_train_like_one_process(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    base = {k: v for k, v in os.environ.items()
-            if k not in KNOWN and not k.startswith(("SLURM_", "ACCELERATE_", "FSDP_", "FAKECLUSTER_"))}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in KNOWN and not k.startswith(("SLURM_", "ACCELERATE_", "FSDP_", "FAKECLUSTER_"))
+    }
     base.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     procs = []
     for rank in (0, 1):
-        env = {**base, "FAKECLUSTER_RANK": str(rank), "FAKECLUSTER_WORLD_SIZE": "2", "FAKECLUSTER_LOCAL_RANK": str(rank),
-               "FAKECLUSTER_ADDR": "127.0.0.1", "FAKECLUSTER_PORT": str(port)}
+        env = {
+            **base,
+            "FAKECLUSTER_RANK": str(rank),
+            "FAKECLUSTER_WORLD_SIZE": "2",
+            "FAKECLUSTER_LOCAL_RANK": str(rank),
+            "FAKECLUSTER_ADDR": "127.0.0.1",
+            "FAKECLUSTER_PORT": str(port),
+        }
         log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, str(tmp_path)], cwd=REPO, env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, __file__, str(tmp_path)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+                ),
+                log,
+            )
+        )
     codes = []
     for proc, log in procs:
         try:
@@ -84,8 +122,9 @@ def test_two_plain_processes_train_like_one_process(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result == {"source": "fakecluster", "world_size": 2, "strategy": "DDPStrategy", "ranks_identical": True}
     _, model = toy.train_scenario("plain", str(tmp_path / "one"), world=1)
-    torch.testing.assert_close(load_file(str(tmp_path / "params.safetensors"))["params"], toy.flat_params(model),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        load_file(str(tmp_path / "params.safetensors"))["params"], toy.flat_params(model), rtol=1e-5, atol=1e-6
+    )
 
 
 if __name__ == "__main__":
@@ -100,5 +139,12 @@ if __name__ == "__main__":
     if trainer.is_world_process_zero():
         save_file({"params": flat.contiguous()}, os.path.join(out, "params.safetensors"))
         with open(os.path.join(out, "result.json"), "w") as fh:
-            json.dump({"source": detect().source, "world_size": trainer.strategy.world_size,
-                       "strategy": type(trainer.strategy).__name__, "ranks_identical": bool((every == every[0]).all())}, fh)
+            json.dump(
+                {
+                    "source": detect().source,
+                    "world_size": trainer.strategy.world_size,
+                    "strategy": type(trainer.strategy).__name__,
+                    "ranks_identical": bool((every == every[0]).all()),
+                },
+                fh,
+            )

@@ -29,23 +29,32 @@ def test_the_launch_config_meets_on_loopback_with_kilns_rendezvous():
 def test_the_rendezvous_store_listens_on_127_0_0_1_only():
     store = local._loopback_store()
     try:
-        listening = [c.laddr for c in psutil.Process().net_connections(kind="inet")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
+        listening = [
+            c.laddr
+            for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
+        ]
         assert [addr.ip for addr in listening] == ["127.0.0.1"], listening
         assert store.host == "127.0.0.1"
     finally:
         del store
 
 
-@pytest.mark.parametrize("env, count", [
-    ({}, 0),
-    ({"TORCHELASTIC_RESTART_COUNT": "0", "WORLD_SIZE": "2", "RANK": "1"}, 0),
-    ({"TORCHELASTIC_RESTART_COUNT": "3", "WORLD_SIZE": "2", "RANK": "1"}, 3),  # torchrun, kiln --nproc --max-restarts
-    ({"SLURM_RESTART_COUNT": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, 1),  # a requeued srun job
-    ({"SLURM_RESTART_COUNT": "2"}, 2),  # a requeued one-task job: no launcher, still restarted
-    ({"SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RESTART_COUNT": "2", "WORLD_SIZE": "2", "RANK": "0"}, 3),
-    ({"TORCHELASTIC_RESTART_COUNT": "", "SLURM_RESTART_COUNT": "x"}, 0),
-])
+@pytest.mark.parametrize(
+    "env, count",
+    [
+        ({}, 0),
+        ({"TORCHELASTIC_RESTART_COUNT": "0", "WORLD_SIZE": "2", "RANK": "1"}, 0),
+        (
+            {"TORCHELASTIC_RESTART_COUNT": "3", "WORLD_SIZE": "2", "RANK": "1"},
+            3,
+        ),  # torchrun, kiln --nproc --max-restarts
+        ({"SLURM_RESTART_COUNT": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, 1),  # a requeued srun job
+        ({"SLURM_RESTART_COUNT": "2"}, 2),  # a requeued one-task job: no launcher, still restarted
+        ({"SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RESTART_COUNT": "2", "WORLD_SIZE": "2", "RANK": "0"}, 3),
+        ({"TORCHELASTIC_RESTART_COUNT": "", "SLURM_RESTART_COUNT": "x"}, 0),
+    ],
+)
 def test_restart_count_is_read_from_whoever_restarted_the_job(env, count):
     assert detect(env).restart_count == count
 
@@ -71,9 +80,13 @@ def test_a_negative_max_restarts_is_refused_in_one_line(capsys):
 
 def test_the_report_names_the_last_attempts_failure(tmp_path, capsys):
     """With restarts, an earlier attempt's report stays in the folder; the job failed in the last one."""
+
     def write(rank, attempt, error):
-        (tmp_path / f"rank_{rank}.json").write_text(json.dumps(
-            {"rank": rank, "time": 1.0 + attempt, "error": error, "detail": "", "exitcode": 1, "attempt": attempt}))
+        (tmp_path / f"rank_{rank}.json").write_text(
+            json.dumps(
+                {"rank": rank, "time": 1.0 + attempt, "error": error, "detail": "", "exitcode": 1, "attempt": attempt}
+            )
+        )
 
     write(0, 0, "ValueError: attempt 0")  # rank 0 failed first time round, was restarted, and did not fail again
     write(1, 2, "ValueError: attempt 2")
@@ -104,8 +117,14 @@ def test_a_restarted_attempt_meets_in_its_own_namespace_of_the_agents_store():
     from kiln.launch.environment import attempt_store
 
     server = local._loopback_store()
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(server.port), "WORLD_SIZE": "2", "RANK": "0"}
+    env = {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(server.port),
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+    }
     store = attempt_store(timedelta(seconds=30), env)
     assert isinstance(store, dist.PrefixStore)
     store.set("rank_0", "fresh")
@@ -115,20 +134,30 @@ def test_a_restarted_attempt_meets_in_its_own_namespace_of_the_agents_store():
     assert attempt_store(timedelta(seconds=30), {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
 
 
-@pytest.mark.parametrize("change,warned", [
-    ({}, True),  # 2 nodes of 2, --max-restarts 3, the agents' shared store: rank 0 warns
-    ({"RANK": "1"}, False),  # once per job
-    ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, False),  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    ({"TORCHELASTIC_MAX_RESTARTS": "0"}, False),  # nothing restarts
-    ({"LOCAL_WORLD_SIZE": "4"}, False),  # one node
-])
+@pytest.mark.parametrize(
+    "change,warned",
+    [
+        ({}, True),  # 2 nodes of 2, --max-restarts 3, the agents' shared store: rank 0 warns
+        ({"RANK": "1"}, False),  # once per job
+        ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, False),  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+        ({"TORCHELASTIC_MAX_RESTARTS": "0"}, False),  # nothing restarts
+        ({"LOCAL_WORLD_SIZE": "4"}, False),  # one node
+    ],
+)
 def test_restarts_across_nodes_on_the_shared_store_are_warned_about_up_front(caplog, change, warned):
     from datetime import timedelta
 
     from kiln.launch.environment import attempt_store
 
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "3",
-           "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0", **change}
+    env = {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "RANK": "0",
+        **change,
+    }
     with caplog.at_level("WARNING", logger="kiln"):
         assert attempt_store(timedelta(seconds=5), env) is None  # attempt 0: env:// as it is
     assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text) is warned

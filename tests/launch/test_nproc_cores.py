@@ -39,8 +39,10 @@ def test_more_processes_than_cores_is_warned_once(started, capsys, nproc, warned
     assert cli.main(["fit", "c.yaml", *flags]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     if warned:
-        assert err == ["kiln: warning: 3 processes on 2 CPU cores take turns on the cores, so they train slower than 2 "
-                       "processes (--nproc 2) would."]
+        assert err == [
+            "kiln: warning: 3 processes on 2 CPU cores take turns on the cores, so they train slower than 2 "
+            "processes (--nproc 2) would."
+        ]
     else:
         assert err == []
     assert started["nproc"] == nproc
@@ -56,7 +58,9 @@ def test_a_machine_with_a_gpu_is_not_warned(started, monkeypatch, capsys):
 def test_the_cores_are_the_affinity_not_the_machine(monkeypatch):
     from kiln.launch import local
 
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3} if pid == 0 else set(range(8)), raising=False)  # 0: this process
+    monkeypatch.setattr(
+        os, "sched_getaffinity", lambda pid: {3} if pid == 0 else set(range(8)), raising=False
+    )  # 0: this process
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     assert local.cpu_cores() == 1
     monkeypatch.delattr(os, "sched_getaffinity")

@@ -81,18 +81,20 @@ def test_fit_reports_a_lost_peer_without_an_interrupt_as_the_error(tmp_path: Pat
         _fit(tmp_path)
 
 
-TASK = '''
+TASK = """
 def data():
     raise RuntimeError("[gloo] Connection closed by peer")
-'''
+"""
 
 
 @pytest.mark.parametrize("interrupted", [True, False])
-def test_cli_outside_fit(tmp_path: Path, report_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                         capsys: pytest.CaptureFixture, interrupted: bool) -> None:
+def test_cli_outside_fit(
+    tmp_path: Path, report_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, interrupted: bool
+) -> None:
     (tmp_path / "peertask.py").write_text(TASK)
-    (tmp_path / "cfg.yaml").write_text(f"output_dir: {tmp_path / 'out'}\n"
-                                       "task: {model: 'tests.helpers:TinyRegressor', data: 'peertask:data'}\n")
+    (tmp_path / "cfg.yaml").write_text(
+        f"output_dir: {tmp_path / 'out'}\ntask: {{model: 'tests.helpers:TinyRegressor', data: 'peertask:data'}}\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     if interrupted:
@@ -115,6 +117,12 @@ def test_the_worker_shim_marks_ctrl_c_only_under_kiln_launcher(tmp_path: Path, u
     env = {k: v for k, v in os.environ.items() if k not in (REPORT_DIR, "RANK")}
     if under_launcher:
         env[REPORT_DIR] = str(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "kiln.launch.worker", str(script)], env=env, capture_output=True,
-                         text=True, timeout=60, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-m", "kiln.launch.worker", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
     assert out == ("_on_sigint" if under_launcher else "default_int_handler")

@@ -26,15 +26,31 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeContext:
-    def get_world_size(self): return 4
-    def get_world_rank(self): return 3
-    def get_local_rank(self): return 1
-    def get_local_world_size(self): return 2
-    def get_node_rank(self): return 1
+    def get_world_size(self):
+        return 4
+
+    def get_world_rank(self):
+        return 3
+
+    def get_local_rank(self):
+        return 1
+
+    def get_local_world_size(self):
+        return 2
+
+    def get_node_rank(self):
+        return 1
 
 
-RAY_VARS = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234",
-            "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_TORCH_DEVICE": "cpu"}
+RAY_VARS = {
+    "RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "1234",
+    "ACCELERATE_MIXED_PRECISION": "no",
+    "ACCELERATE_TORCH_DEVICE": "cpu",
+}
 
 
 def test_the_ray_kind_reads_rays_context_before_torchrun_and_accelerate(monkeypatch):
@@ -51,15 +67,19 @@ def test_the_ray_kind_reads_rays_context_before_torchrun_and_accelerate(monkeypa
 def test_outside_a_ray_train_worker_the_same_variables_belong_to_the_other_kinds(monkeypatch):
     assert ray_env.train_context() is None  # this process is no Ray Train worker
     assert detect(RAY_VARS).source == "accelerate"
-    monkeypatch.setitem(sys.modules, "ray.train", SimpleNamespace(get_context=lambda: (_ for _ in ()).throw(RuntimeError())))
+    monkeypatch.setitem(
+        sys.modules, "ray.train", SimpleNamespace(get_context=lambda: (_ for _ in ()).throw(RuntimeError()))
+    )
     assert ray_env.train_context() is None  # Ray imported, but outside a Train worker (the driver, a Tune trial)
     monkeypatch.setitem(sys.modules, "ray.train", SimpleNamespace(get_context=FakeContext))
     assert isinstance(ray_env.train_context(), FakeContext)
 
 
 def test_importing_kiln_and_its_cli_does_not_import_ray():
-    code = ("import sys, kiln, kiln.cli, kiln.launch.ray, kiln.launch.environment, kiln.engine.hp_search; "
-            "from kiln.launch.environment import detect; detect(); assert 'ray' not in sys.modules, 'ray imported'")
+    code = (
+        "import sys, kiln, kiln.cli, kiln.launch.ray, kiln.launch.environment, kiln.engine.hp_search; "
+        "from kiln.launch.environment import detect; detect(); assert 'ray' not in sys.modules, 'ray imported'"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
 
 
@@ -85,7 +105,11 @@ def test_fit_ray_n_hands_the_config_and_overrides_to_the_launcher(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     cfg = write(tmp_path / "c.yaml", launcher={"max_failures": 3, "resources_per_worker": {"CPU": 2}})
     assert cli.main(["fit", "c.yaml", "--ray", "2", "seed=3"]) == 0
-    assert launched["argv"] == [cfg, "seed=3", f"output_dir={tmp_path / 'out'}"]  # absolute: Ray's workers run elsewhere
+    assert launched["argv"] == [
+        cfg,
+        "seed=3",
+        f"output_dir={tmp_path / 'out'}",
+    ]  # absolute: Ray's workers run elsewhere
     launch = launched["launch"]
     assert (launch.num_workers, launch.max_failures, launch.resources_per_worker) == (2, 3, {"CPU": 2})
     assert (launch.storage_path, launch.name, launch.address) == (str(tmp_path / "out" / "ray_results"), "out", None)
@@ -96,14 +120,31 @@ def test_fit_ray_n_hands_the_config_and_overrides_to_the_launcher(tmp_path, monk
 
 def test_the_config_key_alone_starts_ray(tmp_path, monkeypatch, launched):
     monkeypatch.chdir(tmp_path)
-    write(tmp_path / "c.yaml", launcher={"name": "ray", "num_workers": 3, "address": "auto", "num_to_keep": 2,
-                                         "checkpoint_score_attribute": "eval_loss", "storage_path": "store"}, run_name="r")
+    write(
+        tmp_path / "c.yaml",
+        launcher={
+            "name": "ray",
+            "num_workers": 3,
+            "address": "auto",
+            "num_to_keep": 2,
+            "checkpoint_score_attribute": "eval_loss",
+            "storage_path": "store",
+        },
+        run_name="r",
+    )
     assert cli.main(["fit", "c.yaml"]) == 0
     launch = launched["launch"]
-    assert (launch.num_workers, launch.address, launch.num_to_keep, launch.checkpoint_score_attribute) == (3, "auto", 2, "eval_loss")
+    assert (launch.num_workers, launch.address, launch.num_to_keep, launch.checkpoint_score_attribute) == (
+        3,
+        "auto",
+        2,
+        "eval_loss",
+    )
     assert (launch.storage_path, launch.name, launch.checkpoint_score_order) == (str(tmp_path / "store"), "r", "min")
     launched.clear()
-    assert cli.main(["fit", "c.yaml", "launcher.name=null", "--nproc", "0"]) == 2  # the override turns Ray off: --nproc's own check
+    assert (
+        cli.main(["fit", "c.yaml", "launcher.name=null", "--nproc", "0"]) == 2
+    )  # the override turns Ray off: --nproc's own check
     assert launched == {}
 
 
@@ -118,15 +159,27 @@ def test_inside_a_ray_worker_the_cli_trains_instead_of_launching_again(tmp_path,
     assert launched == {}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["fit", "c.yaml", "--ray", "0"], "Ray needs at least one worker: num_workers (--ray) is 0."),
-    (["fit", "c.yaml", "--ray", "2", "--nproc", "2"], "Ray starts the workers: drop --nproc / --accelerate-config"),
-    (["fit", "c.yaml", "--ray", "2", "launcher.max_failures=-1"], "launcher.max_failures (--max-restarts) must be >= 0, got -1."),
-    (["fit", "c.yaml", "launcher.name=slurm"], "launcher.name 'slurm' is not a launcher kiln starts"),
-    (["fit", "c.yaml", "--ray", "2", "launcher.checkpoint_score_order=best"], "must be min or max, got 'best'."),
-    (["fit", "c.yaml", "--ray", "2", "launcher.resources_per_worker={CPU: many}"], "launcher.resources_per_worker takes amounts"),
-    (["evaluate", "c.yaml", "--ray", "2"], "--ray starts training workers; kiln evaluate runs in this process (drop --ray)."),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["fit", "c.yaml", "--ray", "0"], "Ray needs at least one worker: num_workers (--ray) is 0."),
+        (["fit", "c.yaml", "--ray", "2", "--nproc", "2"], "Ray starts the workers: drop --nproc / --accelerate-config"),
+        (
+            ["fit", "c.yaml", "--ray", "2", "launcher.max_failures=-1"],
+            "launcher.max_failures (--max-restarts) must be >= 0, got -1.",
+        ),
+        (["fit", "c.yaml", "launcher.name=slurm"], "launcher.name 'slurm' is not a launcher kiln starts"),
+        (["fit", "c.yaml", "--ray", "2", "launcher.checkpoint_score_order=best"], "must be min or max, got 'best'."),
+        (
+            ["fit", "c.yaml", "--ray", "2", "launcher.resources_per_worker={CPU: many}"],
+            "launcher.resources_per_worker takes amounts",
+        ),
+        (
+            ["evaluate", "c.yaml", "--ray", "2"],
+            "--ray starts training workers; kiln evaluate runs in this process (drop --ray).",
+        ),
+    ],
+)
 def test_bad_ray_settings_are_one_sentence(tmp_path, monkeypatch, launched, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "c.yaml")
@@ -142,9 +195,12 @@ def test_a_missing_ray_names_the_extra(tmp_path, monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     assert cli.main(["fit", "c.yaml", "--ray", "2"]) == 2
-    assert capsys.readouterr().err.strip() == ("kiln: error: kiln fit --ray needs Ray Train, which is not installed: "
-                                               "pip install 'kiln[ray]'")
-    with pytest.raises(KilnError, match=r"hyperparameter_search\(backend='ray'\) needs Ray Train.*pip install 'kiln\[ray\]'"):
+    assert capsys.readouterr().err.strip() == (
+        "kiln: error: kiln fit --ray needs Ray Train, which is not installed: pip install 'kiln[ray]'"
+    )
+    with pytest.raises(
+        KilnError, match=r"hyperparameter_search\(backend='ray'\) needs Ray Train.*pip install 'kiln\[ray\]'"
+    ):
         ray_launch.require_ray("hyperparameter_search(backend='ray')")
 
 
@@ -157,8 +213,13 @@ def test_a_failed_ray_run_is_one_line(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(ray_launch, "launch_ray", failing)
     assert cli.main(["fit", "c.yaml", "--ray", "2"]) == 1
-    assert capsys.readouterr().err.strip() == "kiln: error: the Ray Train run failed: RuntimeError: Training failed due to worker errors:"
-    monkeypatch.setattr(ray_launch, "launch_ray", lambda argv, launch, train_loop, cwd=None: SimpleNamespace(error=ValueError("x")))
+    assert (
+        capsys.readouterr().err.strip()
+        == "kiln: error: the Ray Train run failed: RuntimeError: Training failed due to worker errors:"
+    )
+    monkeypatch.setattr(
+        ray_launch, "launch_ray", lambda argv, launch, train_loop, cwd=None: SimpleNamespace(error=ValueError("x"))
+    )
     assert cli.main(["fit", "c.yaml", "--ray", "2"]) == 1
     assert capsys.readouterr().err.strip() == "kiln: error: the Ray Train run failed: ValueError: x"
 
@@ -173,7 +234,9 @@ def test_launch_settings_from_the_config():
 
 def test_a_local_ray_instance_is_sized_for_the_workers_and_an_address_is_joined(monkeypatch):
     calls: list = []
-    fake = SimpleNamespace(is_initialized=lambda: bool(calls and calls[-1] == "running"), init=lambda **kw: calls.append(kw))
+    fake = SimpleNamespace(
+        is_initialized=lambda: bool(calls and calls[-1] == "running"), init=lambda **kw: calls.append(kw)
+    )
     monkeypatch.setitem(sys.modules, "ray", fake)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert ray_launch._start(ray_launch.RayLaunch(num_workers=3, resources_per_worker={"CPU": 1.5})) is True
@@ -201,8 +264,10 @@ def test_the_report_callback_hands_rank_zeros_sealed_checkpoint_and_the_steps_me
 
     callback = RayReportCallback()  # checks that Ray is installed: before the stand-in replaces it
     reports: list = []
-    train = SimpleNamespace(Checkpoint=SimpleNamespace(from_directory=lambda path: ("checkpoint", path)),
-                            report=lambda metrics, **kw: reports.append((metrics, kw)))
+    train = SimpleNamespace(
+        Checkpoint=SimpleNamespace(from_directory=lambda path: ("checkpoint", path)),
+        report=lambda metrics, **kw: reports.append((metrics, kw)),
+    )
     monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(train=train))
     monkeypatch.setitem(sys.modules, "ray.train", train)
     folder = tmp_path / "checkpoint-4"
@@ -215,14 +280,31 @@ def test_the_report_callback_hands_rank_zeros_sealed_checkpoint_and_the_steps_me
         callback.on_save(config, state, TrainerControl())
     from kiln.engine.checkpoint.integrity import ALGORITHM, VERSION, file_digest
 
-    (folder / "COMPLETE").write_text(json.dumps({"files": {"model.safetensors": 4}, "step": 4, "version": VERSION,
-                                                 ALGORITHM: {"model.safetensors": file_digest(str(folder / "model.safetensors"))}}))
+    (folder / "COMPLETE").write_text(
+        json.dumps(
+            {
+                "files": {"model.safetensors": 4},
+                "step": 4,
+                "version": VERSION,
+                ALGORITHM: {"model.safetensors": file_digest(str(folder / "model.safetensors"))},
+            }
+        )
+    )
     callback.on_save(config, TrainerState(global_step=4, epoch=1.5, log_history=history), TrainerControl())
     metrics = {"loss": 0.5, "learning_rate": 0.01, "eval_loss": 0.4, "step": 4, "epoch": 1.5}
     unsealed = {"checkpoint": None, "checkpoint_dir_name": None, "delete_local_checkpoint_after_upload": False}
-    assert reports == [(metrics, unsealed), (metrics, unsealed),  # no marker yet: not a checkpoint to hand over
-                       (metrics, {"checkpoint": ("checkpoint", str(folder)), "checkpoint_dir_name": "checkpoint-4",
-                                  "delete_local_checkpoint_after_upload": False})]
+    assert reports == [
+        (metrics, unsealed),
+        (metrics, unsealed),  # no marker yet: not a checkpoint to hand over
+        (
+            metrics,
+            {
+                "checkpoint": ("checkpoint", str(folder)),
+                "checkpoint_dir_name": "checkpoint-4",
+                "delete_local_checkpoint_after_upload": False,
+            },
+        ),
+    ]
     assert callback.reported == [4, 4, 4]
 
 

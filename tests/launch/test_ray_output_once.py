@@ -20,10 +20,14 @@ pytestmark = pytest.mark.distributed
 def _worker_output(ray, marker: str) -> str:
     """stdout + stderr of the Ray worker processes whose output holds `marker`."""
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # noqa: SLF001 - the session's log folder
-    stems = {p.with_suffix("") for p in logs.glob("worker-*.out")} | {p.with_suffix("") for p in logs.glob("worker-*.err")}
+    stems = {p.with_suffix("") for p in logs.glob("worker-*.out")} | {
+        p.with_suffix("") for p in logs.glob("worker-*.err")
+    }
     texts = []
     for stem in stems:
-        text = "".join(p.read_text(errors="replace") for p in (stem.with_suffix(".out"), stem.with_suffix(".err")) if p.exists())
+        text = "".join(
+            p.read_text(errors="replace") for p in (stem.with_suffix(".out"), stem.with_suffix(".err")) if p.exists()
+        )
         if marker in text:
             texts.append(text)
     return "".join(texts)
@@ -33,8 +37,12 @@ def test_every_kiln_line_and_metrics_block_of_a_ray_worker_is_printed_once(local
     out, _ = ray_fsdp_run  # `kiln fit --ray 2` (tests/launch/conftest.py): rank 0 prints, rank 1 does not
     text = _worker_output(local_ray, f"kiln: output_dir {out}")
     lines = [line for line in text.splitlines() if line.strip()]
-    for wanted in (f"kiln: output_dir {out}", f"kiln: done; the run's files are in {out}", "***** train metrics *****",
-                   "***** eval metrics *****"):
+    for wanted in (
+        f"kiln: output_dir {out}",
+        f"kiln: done; the run's files are in {out}",
+        "***** train metrics *****",
+        "***** eval metrics *****",
+    ):
         assert sum(line.endswith(wanted) for line in lines) == 1, (wanted, text[-3000:])
     model = [line for line in lines if "kiln: model Regressor" in line]
     assert len(model) == 1, model

@@ -46,8 +46,8 @@ def losses(output_dir: Path) -> list[float]:
 def restarted(local_ray, tmp_path_factory):
     """DDP in 2 Ray workers (`launcher: {max_failures: 1, num_to_keep: 2, checkpoint_score_attribute:
     loss}`), rank 1 killed at step 5 of the first attempt: (output_dir, marks folder, Ray's Result)."""
-    from kiln.config.load import load_config
     from kiln.cli import train_loop_per_worker
+    from kiln.config.load import load_config
     from kiln.launch.ray import RayLaunch, launch_ray
 
     root = tmp_path_factory.mktemp("ray_ddp")
@@ -63,8 +63,14 @@ def restarted(local_ray, tmp_path_factory):
 def nproc(tmp_path_factory):
     """The uninterrupted reference: `kiln fit --nproc 2` (torch's launcher, no Ray), same config."""
     root = tmp_path_factory.mktemp("nproc")
-    subprocess.run([sys.executable, "-m", "kiln.cli", "fit", write_config(root / "c.yaml", root / "run"), "--nproc", "2"],
-                   cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "fit", write_config(root / "c.yaml", root / "run"), "--nproc", "2"],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     return root / "run"
 
 
@@ -72,8 +78,17 @@ def nproc(tmp_path_factory):
 def single(tmp_path_factory):
     """One process (no Ray) with the double batch."""
     root = tmp_path_factory.mktemp("single")
-    assert cli.main(["fit", write_config(root / "c.yaml", root / "run"), "per_device_train_batch_size=8",
-                     "strategy.name=single"]) == 0
+    assert (
+        cli.main(
+            [
+                "fit",
+                write_config(root / "c.yaml", root / "run"),
+                "per_device_train_batch_size=8",
+                "strategy.name=single",
+            ]
+        )
+        == 0
+    )
     return root / "run"
 
 
@@ -107,11 +122,15 @@ def test_a_worker_that_dies_is_restarted_by_ray_and_resumes_exactly(restarted, n
 
 def test_ray_keeps_kilns_checkpoints_by_its_checkpoint_config_each_with_its_seal(restarted):
     out, _, result = restarted
-    runs = [p for p in (out / "ray_results").iterdir() if p.is_dir()]  # storage_path's default; the run: output_dir's name
+    runs = [
+        p for p in (out / "ray_results").iterdir() if p.is_dir()
+    ]  # storage_path's default; the run: output_dir's name
     assert [r.name for r in runs] == ["run"] and Path(result.path) == runs[0]
     # CheckpointConfig(num_to_keep=2, score: the reported loss) on kiln's checkpoints: the two lowest losses
     # stay in Ray's storage, and the latest (Ray never deletes it)
-    loss_at = {h["step"]: h["loss"] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h}
+    loss_at = {
+        h["step"]: h["loss"] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h
+    }
     best_two = sorted(range(SAVE_STEPS, MAX_STEPS + 1, SAVE_STEPS), key=lambda step: loss_at[step])[:2]
     copies = sorted(p for p in runs[0].iterdir() if p.name.startswith("checkpoint-"))
     assert {int(p.name.split("-")[1]) for p in copies} == {*best_two, MAX_STEPS}

@@ -56,11 +56,28 @@ class Marked(Trainer):
 
 
 def trainer(output_dir, callbacks=(), eval_dataset=None, cls=Trainer, cls_kwargs=None, **extra) -> Trainer:
-    config = {"output_dir": str(output_dir), "max_steps": MAX_STEPS, "per_device_train_batch_size": 8, "report_to": "none",
-              "eval_strategy": "steps", "eval_steps": EVAL_STEPS, "disable_tqdm": True, "save_strategy": "no", "seed": 1,
-              "strategy": {"name": "single", "device": "cpu"}, **extra}
-    return cls(None, config, model_init=model_init, train_dataset=regression_data(32), callbacks=list(callbacks),
-               eval_dataset=regression_data(16, seed=1) if eval_dataset is None else eval_dataset, **(cls_kwargs or {}))
+    config = {
+        "output_dir": str(output_dir),
+        "max_steps": MAX_STEPS,
+        "per_device_train_batch_size": 8,
+        "report_to": "none",
+        "eval_strategy": "steps",
+        "eval_steps": EVAL_STEPS,
+        "disable_tqdm": True,
+        "save_strategy": "no",
+        "seed": 1,
+        "strategy": {"name": "single", "device": "cpu"},
+        **extra,
+    }
+    return cls(
+        None,
+        config,
+        model_init=model_init,
+        train_dataset=regression_data(32),
+        callbacks=list(callbacks),
+        eval_dataset=regression_data(16, seed=1) if eval_dataset is None else eval_dataset,
+        **(cls_kwargs or {}),
+    )
 
 
 def stop_second_trial():
@@ -83,8 +100,13 @@ def stop_second_trial():
 
 def test_a_four_trial_ray_tune_search_reports_every_evaluation_and_returns_the_best_run(local_ray, tmp_path):
     t = trainer(tmp_path / "search", callbacks=[Ended()], cls=Marked, cls_kwargs={"mark": "marked"})
-    best = t.hyperparameter_search(hp_space=lambda _: {"learning_rate": tune.loguniform(1e-4, 1e-1), "seed": tune.uniform(1, 40)},
-                                   n_trials=4, direction="minimize", backend="ray", scheduler=stop_second_trial())
+    best = t.hyperparameter_search(
+        hp_space=lambda _: {"learning_rate": tune.loguniform(1e-4, 1e-1), "seed": tune.uniform(1, 40)},
+        n_trials=4,
+        direction="minimize",
+        backend="ray",
+        scheduler=stop_second_trial(),
+    )
     assert isinstance(best, BestRun)
     grid = best.run_summary
     assert len(grid) == 4 and not grid.errors
@@ -99,7 +121,9 @@ def test_a_four_trial_ray_tune_search_reports_every_evaluation_and_returns_the_b
     # ends, the stopped one right after the evaluation Tune stopped it at, and Tune reused its process
     runs = sorted(p.name for p in (tmp_path / "search").iterdir() if p.name.startswith("run-"))
     assert runs == sorted(f"run-{trial_id}" for trial_id in reports)
-    ended = {trial_id: json.loads((tmp_path / "search" / f"run-{trial_id}" / "ended").read_text()) for trial_id in reports}
+    ended = {
+        trial_id: json.loads((tmp_path / "search" / f"run-{trial_id}" / "ended").read_text()) for trial_id in reports
+    }
     assert sorted(e["step"] for e in ended.values()) == [EVAL_STEPS, MAX_STEPS, MAX_STEPS, MAX_STEPS]
     assert len({e["pid"] for e in ended.values()}) <= 2  # at most two trials at a time, in processes Tune reused
     # each trial's Trainer was built by the subclass's own __init__ (with its argument), in Tune's process
@@ -109,8 +133,9 @@ def test_a_four_trial_ray_tune_search_reports_every_evaluation_and_returns_the_b
     assert best.hyperparameters == next(r.config for r in grid if r.metrics["trial_id"] == best.run_id)
     # the objective is the trial's last evaluation loss (the stopped trial's too): a run with the best
     # hyperparameters scores it again at that step
-    again = trainer(tmp_path / "again", learning_rate=best.hyperparameters["learning_rate"],
-                    seed=int(best.hyperparameters["seed"]))
+    again = trainer(
+        tmp_path / "again", learning_rate=best.hyperparameters["learning_rate"], seed=int(best.hyperparameters["seed"])
+    )
     again.fit()
     evaluations = {h["step"]: h["eval_loss"] for h in again.state.log_history if "eval_loss" in h}
     assert evaluations[reports[best.run_id]["step"].iloc[-1]] == pytest.approx(best.objective, abs=1e-6)
@@ -126,7 +151,11 @@ def test_a_trial_reports_once_per_evaluation_and_stops_when_tune_says_so(tmp_pat
 
     # two evaluation datasets: one report per evaluation, with both datasets' metrics
     reporter = TuneReport(default_compute_objective, 2, report)
-    t = trainer(tmp_path, callbacks=[reporter, Ended()], eval_dataset={"a": regression_data(8, seed=1), "b": regression_data(8, seed=2)})
+    t = trainer(
+        tmp_path,
+        callbacks=[reporter, Ended()],
+        eval_dataset={"a": regression_data(8, seed=1), "b": regression_data(8, seed=2)},
+    )
     t.fit()
     assert [r["step"] for r in reports] == [2, 4] and reporter.stopped and reporter.reported == reports
     assert t.state.global_step == 4 and json.loads((tmp_path / "ended").read_text())["step"] == 4
@@ -135,7 +164,9 @@ def test_a_trial_reports_once_per_evaluation_and_stops_when_tune_says_so(tmp_pat
     t.evaluate()  # nothing more goes to a Tune that stopped listening
     assert len(reports) == 2
     with pytest.raises(SystemExit) as exited:  # any other exit is not Tune's stop
-        TuneReport(default_compute_objective, 1, lambda m: sys.exit(3)).on_evaluate(t.config, t.state, t.control, metrics={})
+        TuneReport(default_compute_objective, 1, lambda m: sys.exit(3)).on_evaluate(
+            t.config, t.state, t.control, metrics={}
+        )
     assert exited.value.code == 3
 
 
@@ -145,8 +176,16 @@ def test_the_default_search_space_is_hfs():
     hf_space = pytest.importorskip("transformers.trainer_utils").default_hp_space_ray
 
     def described(space):  # each distribution: its kind, bounds or categories, and sampler
-        return {k: (type(v).__name__, getattr(v, "lower", None), getattr(v, "upper", None), getattr(v, "categories", None),
-                    type(v.get_sampler()).__name__) for k, v in space.items()}
+        return {
+            k: (
+                type(v).__name__,
+                getattr(v, "lower", None),
+                getattr(v, "upper", None),
+                getattr(v, "categories", None),
+                type(v.get_sampler()).__name__,
+            )
+            for k, v in space.items()
+        }
 
     assert described(default_hp_space_ray(None)) == described(hf_space(None))
 

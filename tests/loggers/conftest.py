@@ -3,13 +3,14 @@ calls, and a driver that plays it through LoggerCallback the way the loop does."
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import pytest
 
 from kiln.config import load_config
-from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.callbacks.loggers import LoggerCallback
+from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.loggers.writer import flush_writes
 
 #: (step, logs) in the order the loop would log them: train windows, an eval, the final summary
@@ -34,8 +35,14 @@ def make_config(tmp_path, **overrides: Any):
     return load_config(raw)
 
 
-def drive(callback: LoggerCallback, config, sequence: Iterable[tuple[int, dict[str, float]]] = SEQUENCE,
-          start_step: int = 0, end: bool = True, state: Optional[TrainerState] = None) -> TrainerState:
+def drive(
+    callback: LoggerCallback,
+    config,
+    sequence: Iterable[tuple[int, dict[str, float]]] = SEQUENCE,
+    start_step: int = 0,
+    end: bool = True,
+    state: TrainerState | None = None,
+) -> TrainerState:
     """on_train_begin at `start_step`, on_log per entry (state.global_step = its step), on_train_end."""
     state = state or TrainerState(max_steps=6)
     state.global_step = start_step

@@ -28,7 +28,9 @@ def runs(repo_dir: str) -> list[Read]:
         metrics = {}
         for metric in run.metrics():
             frame = metric.dataframe()
-            metrics[f"{metric.context['subset']}/{metric.name}"] = list(zip(frame["step"].tolist(), frame["value"].tolist()))
+            metrics[f"{metric.context['subset']}/{metric.name}"] = list(
+                zip(frame["step"].tolist(), frame["value"].tolist())
+            )
         found.append(Read(run.name, metrics, run.get("hparams", {})))
         found[-1].experiment = run.experiment  # type: ignore[attr-defined]
     return found
@@ -56,5 +58,6 @@ def test_trials_are_runs_tagged_with_the_search(tmp_path):
     cfg = make_config(tmp_path, report_to=["aim"])
     trials(LoggerCallback(cfg, build_loggers(cfg)), cfg)
     found = sorted(runs(cfg.output_dir), key=lambda r: r.name)
-    assert [(r.name, r.params["lr"], r.metrics) for r in found] == \
-        [(f"trial-{i}", i, {"train/loss": [(1, float(i))]}) for i in range(2)]
+    assert [(r.name, r.params["lr"], r.metrics) for r in found] == [
+        (f"trial-{i}", i, {"train/loss": [(1, float(i))]}) for i in range(2)
+    ]

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from kiln import Callback, Trainer
+from kiln.engine.callbacks.loggers import LoggerCallback
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.loggers import writer as writer_module
 from kiln.loggers.base import Logger
-from kiln.engine.callbacks.loggers import LoggerCallback
 from kiln.loggers.csv import CSVLogger
 from kiln.loggers.jsonl import JSONLLogger
 from tests.helpers import TinyRegressor, regression_data
@@ -45,8 +45,9 @@ def without_timing(rows):
 
 def train(out, *callbacks, resume=None):
     torch.manual_seed(0)  # the same initial weights in every process
-    trainer = Trainer(TinyRegressor(), run_config(str(out)), train_dataset=regression_data(64),
-                      callbacks=list(callbacks))
+    trainer = Trainer(
+        TinyRegressor(), run_config(str(out)), train_dataset=regression_data(64), callbacks=list(callbacks)
+    )
     trainer.fit(resume_from_checkpoint=resume)
     return trainer
 
@@ -93,9 +94,17 @@ def workers(tmp_path_factory):
     procs = {}
     for how in ("sigterm", "sigkill"):
         out = tmp_path_factory.mktemp(how) / "out"
-        procs[how] = out, subprocess.Popen([sys.executable, "-m", "tests.loggers.writer_worker", str(out), how], cwd=REPO,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                           env={**os.environ, "PYTHONPATH": REPO})
+        procs[how] = (
+            out,
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.loggers.writer_worker", str(out), how],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONPATH": REPO},
+            ),
+        )
     results = {}
     for how, (out, proc) in procs.items():
         stdout, stderr = proc.communicate(timeout=300)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.engine.callbacks.loggers import LoggerCallback
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.loggers import TRACKERS
 from kiln.loggers.base import Logger, MissingPackageError, flatten, grouped_name
-from kiln.engine.callbacks.loggers import LoggerCallback
 from kiln.loggers.build import artifact_mode, build_loggers, logger_names, scalar_metrics
 from kiln.registry import UnknownNameError
 from tests.loggers.conftest import SEQUENCE, drive, make_config
@@ -47,7 +47,10 @@ class Recorder(Logger):
 
 def test_names_all_none_and_history(tmp_path):
     assert logger_names(make_config(tmp_path)) == []
-    assert logger_names(make_config(tmp_path, report_to=["none"], log={"history": ["csv", "jsonl"]})) == ["csv", "jsonl"]
+    assert logger_names(make_config(tmp_path, report_to=["none"], log={"history": ["csv", "jsonl"]})) == [
+        "csv",
+        "jsonl",
+    ]
     both = make_config(tmp_path, report_to=["csv", "tensorboard"], log={"history": ["csv"]})
     assert logger_names(both) == ["csv", "tensorboard"]
     everything = logger_names(make_config(tmp_path, report_to=["all"]))
@@ -91,17 +94,19 @@ def test_all_skips_trackers_that_are_not_installed(tmp_path, monkeypatch):
 
 
 def test_import_kiln_does_not_import_trackers():
-    code = ("import sys, kiln, kiln.loggers, kiln.loggers.build, kiln.engine.callbacks.loggers, kiln.loggers.metrics, kiln.engine.callbacks.progress, kiln.plot\n"
-            "from omegaconf import OmegaConf\n"
-            "from kiln.config.schema import TrainingConfig\n"
-            "from kiln.loggers.build import build_loggers\n"
-            "import tempfile\n"
-            "log = {'report_to': ['tensorboard', 'mlflow', 'wandb']}\n"
-            "cfg = OmegaConf.merge(OmegaConf.structured(TrainingConfig), {'output_dir': tempfile.mkdtemp(), 'log': log})\n"
-            "build_loggers(cfg)\n"
-            "names = ('tensorboard', 'mlflow', 'wandb', 'matplotlib', 'torch.utils.tensorboard')\n"
-            "heavy = [m for m in names if m in sys.modules]\n"
-            "print(heavy)")
+    code = (
+        "import sys, kiln, kiln.loggers, kiln.loggers.build, kiln.engine.callbacks.loggers, kiln.loggers.metrics, kiln.engine.callbacks.progress, kiln.plot\n"
+        "from omegaconf import OmegaConf\n"
+        "from kiln.config.schema import TrainingConfig\n"
+        "from kiln.loggers.build import build_loggers\n"
+        "import tempfile\n"
+        "log = {'report_to': ['tensorboard', 'mlflow', 'wandb']}\n"
+        "cfg = OmegaConf.merge(OmegaConf.structured(TrainingConfig), {'output_dir': tempfile.mkdtemp(), 'log': log})\n"
+        "build_loggers(cfg)\n"
+        "names = ('tensorboard', 'mlflow', 'wandb', 'matplotlib', 'torch.utils.tensorboard')\n"
+        "heavy = [m for m in names if m in sys.modules]\n"
+        "print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -135,8 +140,17 @@ def test_trials_start_new_runs_with_their_params(tmp_path):
 
 
 def test_only_numbers_reach_the_loggers():
-    logs = {"loss": 1.5, "step_count": 3, "flag": True, "note": "hi", "np": np.float32(0.25), "t": torch.tensor(2.0),
-            "vec": torch.ones(3), "arr": np.ones(2), "none": None}
+    logs = {
+        "loss": 1.5,
+        "step_count": 3,
+        "flag": True,
+        "note": "hi",
+        "np": np.float32(0.25),
+        "t": torch.tensor(2.0),
+        "vec": torch.ones(3),
+        "arr": np.ones(2),
+        "none": None,
+    }
     assert scalar_metrics(logs) == {"loss": 1.5, "step_count": 3, "np": 0.25, "t": 2.0}
 
 
@@ -169,11 +183,17 @@ def test_artifact_uploads_on_save_and_at_the_end(tmp_path, monkeypatch):
     state.best_model_checkpoint = os.path.join(cfg.output_dir, "checkpoint-2")
     callback.on_save(cfg, state, TrainerControl())
     callback.on_train_end(cfg, state, TrainerControl())
-    assert [c[1] for c in ml.calls if c[0] == "artifact"] == [os.path.join(cfg.output_dir, f"checkpoint-{s}") for s in (2, 4)]
+    assert [c[1] for c in ml.calls if c[0] == "artifact"] == [
+        os.path.join(cfg.output_dir, f"checkpoint-{s}") for s in (2, 4)
+    ]
     assert [c[1] for c in wb.calls if c[0] == "artifact"] == [state.best_model_checkpoint]
 
 
 def test_flatten_and_grouped_names():
     assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": 1, "a.c": "[1, 2]", "d": None}
-    assert [grouped_name(k) for k in ("loss", "eval_loss", "test_acc", "evaluation")] == \
-        ["train/loss", "eval/loss", "test/acc", "train/evaluation"]
+    assert [grouped_name(k) for k in ("loss", "eval_loss", "test_acc", "evaluation")] == [
+        "train/loss",
+        "eval/loss",
+        "test/acc",
+        "train/evaluation",
+    ]

@@ -32,12 +32,16 @@ def read(session: str) -> Read:
         for line in fh:
             for event in json.loads(line):
                 if event["type"] == "training_stats_scalar":
-                    metrics.setdefault(f"{event['metric']}/{event['variant']}", []).append((event["iter"], event["value"]))
+                    metrics.setdefault(f"{event['metric']}/{event['variant']}", []).append(
+                        (event["iter"], event["value"])
+                    )
     return Read(task["name"], metrics, params)
 
 
 def test_a_run_holds_what_tensorboard_holds(tmp_path, monkeypatch, cache, no_network):
-    out = train(tmp_path, monkeypatch, "clearml", log={"steps": 2, "history": [], "disable_tqdm": True, "project": "mine"})
+    out = train(
+        tmp_path, monkeypatch, "clearml", log={"steps": 2, "history": [], "disable_tqdm": True, "project": "mine"}
+    )
     [session] = [d for d in glob.glob(str(cache / "offline" / "*")) if os.path.isdir(d)]
     assert os.path.exists(session + ".zip")  # what Task.import_offline_session uploads
     assert_same(read(session), out)
@@ -49,5 +53,6 @@ def test_trials_are_tasks_of_their_own(tmp_path, cache):
     callback = LoggerCallback(cfg, build_loggers(cfg))
     trials(callback, cfg)
     runs = sorted((read(d) for d in glob.glob(str(cache / "offline" / "*")) if os.path.isdir(d)), key=lambda r: r.name)
-    assert [(r.name, r.params["lr"], r.metrics) for r in runs] == \
-        [(f"trial-{i}", str(i), {"train/loss": [(1, float(i))]}) for i in range(2)]
+    assert [(r.name, r.params["lr"], r.metrics) for r in runs] == [
+        (f"trial-{i}", str(i), {"train/loss": [(1, float(i))]}) for i in range(2)
+    ]

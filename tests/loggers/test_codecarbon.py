@@ -20,7 +20,10 @@ def test_training_is_measured_under_the_run_name(tmp_path, monkeypatch, no_netwo
     out = train(tmp_path, monkeypatch, "codecarbon")
     with open(os.path.join(out, "emissions.csv"), newline="") as fh:
         [row] = list(csv.DictReader(fh))
-    assert row["project_name"] == MASKED == tensorboard(out).name and SECRET not in open(os.path.join(out, "emissions.csv")).read()
+    assert (
+        row["project_name"] == MASKED == tensorboard(out).name
+        and SECRET not in open(os.path.join(out, "emissions.csv")).read()
+    )
     assert float(row["duration"]) > 0 and float(row["energy_consumed"]) > 0 and row["country_iso_code"] == "FRA"
 
 

@@ -77,6 +77,9 @@ def test_trials_are_experiments_of_their_own(tmp_path):
     callback = LoggerCallback(cfg, build_loggers(cfg))
     trials(callback, cfg)
     runs = sorted((read(a) for a in archives(cfg.output_dir)), key=lambda r: r.name)
-    assert [(r.name, r.params["lr"], r.metrics) for r in runs] == \
-        [(f"trial-{i}", i, {"train/loss": [(1, float(i))]}) for i in range(2)]
-    assert all(json.loads(zipfile.ZipFile(a).read("experiment.json"))["tags"] == ["unit-run"] for a in archives(cfg.output_dir))
+    assert [(r.name, r.params["lr"], r.metrics) for r in runs] == [
+        (f"trial-{i}", i, {"train/loss": [(1, float(i))]}) for i in range(2)
+    ]
+    assert all(
+        json.loads(zipfile.ZipFile(a).read("experiment.json"))["tags"] == ["unit-run"] for a in archives(cfg.output_dir)
+    )

@@ -45,7 +45,11 @@ def test_a_run_holds_what_tensorboard_holds(tmp_path, monkeypatch, no_network):
     latest = parse_json(os.path.join(folder, "metrics.json"))  # the summary: each metric's last value
     assert latest["train"]["loss"] == pytest.approx(tb.metrics["train/loss"][-1][1], rel=1e-6)
     assert latest["eval"]["loss"] == pytest.approx(tb.metrics["eval/loss"][-1][1], rel=1e-6)
-    assert sorted(os.listdir(folder)) == ["metrics.json", "params.yaml", "plots"]  # no dvc.yaml, report or system metrics
+    assert sorted(os.listdir(folder)) == [
+        "metrics.json",
+        "params.yaml",
+        "plots",
+    ]  # no dvc.yaml, report or system metrics
 
 
 def test_resume_drops_what_the_killed_job_wrote_after_the_checkpoint(tmp_path):
@@ -55,7 +59,9 @@ def test_resume_drops_what_the_killed_job_wrote_after_the_checkpoint(tmp_path):
     drive(LoggerCallback(cfg, build_loggers(cfg)), cfg, SEQUENCE[5:], start_step=4)
     got = read(os.path.join(cfg.output_dir, "dvclive"))
     for name in {k for _, logs in SEQUENCE for k in logs}:
-        assert got.metrics[grouped_name(name)] == [(s, v) for s, logs in SEQUENCE for k, v in logs.items() if k == name], name
+        assert got.metrics[grouped_name(name)] == [
+            (s, v) for s, logs in SEQUENCE for k, v in logs.items() if k == name
+        ], name
 
 
 def test_a_fresh_run_replaces_and_evaluate_after_fit_continues(tmp_path):

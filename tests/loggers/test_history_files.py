@@ -39,7 +39,11 @@ def test_csv_reads_back_every_value_and_the_header_grows(config):
     logger.log_metrics({"eval_loss": 0.75}, 2)
     header, rows = read_csv(logger.path)
     assert header == ["step", "loss", "learning_rate", "eval_loss"]
-    assert rows == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5, "learning_rate": 1e-3}, {"step": 2, "eval_loss": 0.75}]
+    assert rows == [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 0.5, "learning_rate": 1e-3},
+        {"step": 2, "eval_loss": 0.75},
+    ]
 
 
 def test_history_files_through_the_callback(tmp_path):
@@ -94,7 +98,9 @@ def test_a_fresh_start_replaces_a_stale_history_but_keeps_this_process_rows(tmp_
     callback = LoggerCallback(cfg, build_loggers(cfg))
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
-    callback.on_log(cfg, TrainerState(global_step=0), TrainerControl(), logs={"eval_loss": 3.0})  # evaluate() before fit()
+    callback.on_log(
+        cfg, TrainerState(global_step=0), TrainerControl(), logs={"eval_loss": 3.0}
+    )  # evaluate() before fit()
     drive(callback, cfg, SEQUENCE[:2])
     path = f"{cfg.output_dir}/runs/metrics.{kind}"
     rows = read_csv(path)[1] if kind == "csv" else [{k: float(v) for k, v in r.items()} for r in read_jsonl(path)]
@@ -107,7 +113,7 @@ def test_a_torn_last_line_is_dropped_before_appending(tmp_path, kind):
     drive(LoggerCallback(cfg, build_loggers(cfg)), cfg, SEQUENCE[:2], end=False)
     path = f"{cfg.output_dir}/runs/metrics.{kind}"
     with open(path, "a") as fh:
-        fh.write('4,1.5' if kind == "csv" else '{"step": 4, "lo')  # killed mid-write
+        fh.write("4,1.5" if kind == "csv" else '{"step": 4, "lo')  # killed mid-write
     drive(LoggerCallback(cfg, build_loggers(cfg)), cfg, SEQUENCE[2:3], start_step=2)
     rows = read_csv(path)[1] if kind == "csv" else read_jsonl(path)
     assert [r["step"] for r in rows] == [1, 2, 2]

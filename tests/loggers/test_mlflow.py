@@ -13,8 +13,8 @@ import pytest
 mlflow = pytest.importorskip("mlflow", reason="pip install kiln[mlflow]")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from kiln.engine.callbacks.state import TrainerState  # noqa: E402
 from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
+from kiln.engine.callbacks.state import TrainerState  # noqa: E402
 from kiln.loggers.build import build_loggers  # noqa: E402
 from kiln.loggers.mlflow import MLflowLogger, metric_key  # noqa: E402
 from tests.loggers.conftest import SEQUENCE, drive, expected_points, make_config  # noqa: E402
@@ -35,8 +35,14 @@ def template_db(tmp_path_factory):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_NESTED_RUN",
-                 "MLFLOW_TAGS", "HF_MLFLOW_LOG_ARTIFACTS"):
+    for name in (
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_RUN_ID",
+        "MLFLOW_NESTED_RUN",
+        "MLFLOW_TAGS",
+        "HF_MLFLOW_LOG_ARTIFACTS",
+    ):
         monkeypatch.delenv(name, raising=False)
     yield monkeypatch
     while mlflow.active_run():
@@ -54,7 +60,9 @@ def store(tmp_path, template_db, clean_env):
 
 
 def history(client, run_id, name):
-    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, name), key=lambda m: (m.step, m.timestamp))]
+    return [
+        (m.step, m.value) for m in sorted(client.get_metric_history(run_id, name), key=lambda m: (m.step, m.timestamp))
+    ]
 
 
 def test_local_store_in_output_dir_through_the_callback(tmp_path, template_db, clean_env):
@@ -102,7 +110,10 @@ def test_direct_use_artifacts_and_failed_status(tmp_path, store):
     run = store.get_run(logger.run_id)
     assert run.info.status == "FAILED"
     assert history(store, logger.run_id, "loss") == [(3, 1.0)]
-    assert history(store, logger.run_id, metric_key("eval_f1@0.5")) == [(3, 0.5)] and metric_key("eval_f1@0.5") == "eval_f1_0.5"
+    assert (
+        history(store, logger.run_id, metric_key("eval_f1@0.5")) == [(3, 0.5)]
+        and metric_key("eval_f1@0.5") == "eval_f1_0.5"
+    )
     assert {a.path for a in store.list_artifacts(logger.run_id)} == {"final", "note.txt"}
     assert [a.path for a in store.list_artifacts(logger.run_id, "final")] == ["final/model.safetensors"]
 

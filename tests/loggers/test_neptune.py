@@ -53,14 +53,17 @@ def test_trials_and_a_failed_run(tmp_path, monkeypatch):
     cfg = make_config(tmp_path, report_to=["neptune"])
     trials(LoggerCallback(cfg, build_loggers(cfg)), cfg)
     found = sorted((read(d) for d in glob.glob(str(tmp_path / "neptune" / "offline" / "run__*"))), key=lambda r: r.name)
-    assert [(r.name, r.params["lr"], r.metrics) for r in found] == \
-        [(f"trial-{i}", i, {"train/loss": [(1, float(i))]}) for i in range(2)]
+    assert [(r.name, r.params["lr"], r.metrics) for r in found] == [
+        (f"trial-{i}", i, {"train/loss": [(1, float(i))]}) for i in range(2)
+    ]
     monkeypatch.setenv("NEPTUNE_DATA_DIRECTORY", str(tmp_path / "failed"))
     logger = NeptuneLogger(cfg)
     logger.log_metrics({"loss": 1.0}, 1)
     logger.finalize("failed")
     [run_dir] = glob.glob(str(tmp_path / "failed" / "offline" / "run__*"))
-    assert failed(run_dir) is True and not any(failed(d) for d in glob.glob(str(tmp_path / "neptune" / "offline" / "run__*")))
+    assert failed(run_dir) is True and not any(
+        failed(d) for d in glob.glob(str(tmp_path / "neptune" / "offline" / "run__*"))
+    )
 
 
 def failed(run_dir: str) -> bool:

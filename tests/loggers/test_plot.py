@@ -26,7 +26,7 @@ def write_runs(tmp_path):
     with open(b / "metrics.csv", "w") as fh:
         fh.write("step,loss,learning_rate,eval_loss\n")
         for step in range(1, 41):
-            fh.write(f"{step},{1.0 / step ** 0.5},{5e-4},{'' if step % 10 else 1.5 / step}\n")
+            fh.write(f"{step},{1.0 / step**0.5},{5e-4},{'' if step % 10 else 1.5 / step}\n")
     history = [{"loss": 3.0 / s, "step": s} for s in range(1, 31)]
     (c / "checkpoint-10" / "trainer_state.json").write_text(json.dumps({"log_history": history[:10]}))
     (c / "checkpoint-30" / "trainer_state.json").write_text(json.dumps({"log_history": history}))
@@ -35,9 +35,11 @@ def write_runs(tmp_path):
 
 def test_histories_from_each_kind_of_file(tmp_path):
     a, b, c = write_runs(tmp_path)
-    assert read_history(a)[:2] == [(1, {"loss": 2.0, "learning_rate": 1e-3 * (1 - 1 / 40)}),
-                                   (2, {"loss": 1.0, "learning_rate": 1e-3 * (1 - 2 / 40)})]
-    assert read_history(b)[9] == (10, {"loss": 1.0 / 10 ** 0.5, "learning_rate": 5e-4, "eval_loss": 0.15})
+    assert read_history(a)[:2] == [
+        (1, {"loss": 2.0, "learning_rate": 1e-3 * (1 - 1 / 40)}),
+        (2, {"loss": 1.0, "learning_rate": 1e-3 * (1 - 2 / 40)}),
+    ]
+    assert read_history(b)[9] == (10, {"loss": 1.0 / 10**0.5, "learning_rate": 5e-4, "eval_loss": 0.15})
     assert len(read_history(c)) == 30  # the newest checkpoint's log_history
 
 

@@ -6,7 +6,7 @@ import io
 import time
 from datetime import timedelta
 
-from kiln.engine.callbacks.progress import PrinterCallback, clock, ProgressCallback, console_callbacks, is_interactive
+from kiln.engine.callbacks.progress import PrinterCallback, ProgressCallback, clock, console_callbacks, is_interactive
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from tests.loggers.conftest import make_config
 
@@ -18,7 +18,9 @@ def run_loop(callback, steps=200, log_every=50, eval_batches=0):
         state.global_step = step
         callback.on_step_end(cfg, state, control)
         if step % log_every == 0:
-            callback.on_log(cfg, state, control, logs={"loss": 1.0 / step, "learning_rate": 1e-3, "epoch": step / steps})
+            callback.on_log(
+                cfg, state, control, logs={"loss": 1.0 / step, "learning_rate": 1e-3, "epoch": step / steps}
+            )
             for _ in range(eval_batches):
                 callback.on_prediction_step(cfg, state, control, eval_dataloader=[0] * eval_batches)
             if eval_batches:
@@ -145,11 +147,21 @@ def test_lines_logged_before_a_failure_reach_the_stream(tmp_path):
         def forward(self, x, labels):
             return {"loss": torch.nn.functional.cross_entropy(self.lin(x), labels)}
 
-    cfg = {"output_dir": str(tmp_path), "max_steps": 10, "per_device_train_batch_size": 4, "logging_steps": 1,
-           "save_strategy": "no", "report_to": "none", "disable_tqdm": False, "log": {"history": []}}
+    cfg = {
+        "output_dir": str(tmp_path),
+        "max_steps": 10,
+        "per_device_train_batch_size": 4,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": False,
+        "log": {"history": []},
+    }
     trainer = Trainer(Net(), cfg, train_dataset=data, callbacks=[Boom()])
-    trainer.callback_handler.callbacks = [ProgressCallback(file=stream) if isinstance(cb, ProgressCallback) else cb
-                                          for cb in trainer.callback_handler.callbacks]
+    trainer.callback_handler.callbacks = [
+        ProgressCallback(file=stream) if isinstance(cb, ProgressCallback) else cb
+        for cb in trainer.callback_handler.callbacks
+    ]
     trainer.callback_handler._index()
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit()

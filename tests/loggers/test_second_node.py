@@ -28,8 +28,15 @@ class LocalZeroOfSecondNode(SingleDeviceStrategy):
 @pytest.fixture
 def sandbox(tmp_path, monkeypatch):
     """Trackers offline and local; the working folder is tmp_path, so stray ./mlruns or ./wandb show."""
-    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "WANDB_API_KEY", "WANDB_PROJECT",
-                 "WANDB_RUN_ID", "WANDB_DIR"):
+    for name in (
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_RUN_ID",
+        "WANDB_API_KEY",
+        "WANDB_PROJECT",
+        "WANDB_RUN_ID",
+        "WANDB_DIR",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -39,16 +46,30 @@ def sandbox(tmp_path, monkeypatch):
 
 
 def _config(out: str, report_to: list[str], **extra):
-    return {"output_dir": out, "run_name": "node-test", "max_steps": 4, "learning_rate": 1e-2,
-            "per_device_train_batch_size": 4, "report_to": report_to, "log_on_each_node": True,
-            "log": {"steps": 2, "history": ["csv", "jsonl"], "disable_tqdm": True},
-            "eval": {"strategy": "steps", "steps": 2}, "save": {"strategy": "steps", "steps": 4, "on_each_node": True},
-            "strategy": {"device": "cpu"}, **extra}
+    return {
+        "output_dir": out,
+        "run_name": "node-test",
+        "max_steps": 4,
+        "learning_rate": 1e-2,
+        "per_device_train_batch_size": 4,
+        "report_to": report_to,
+        "log_on_each_node": True,
+        "log": {"steps": 2, "history": ["csv", "jsonl"], "disable_tqdm": True},
+        "eval": {"strategy": "steps", "steps": 2},
+        "save": {"strategy": "steps", "steps": 4, "on_each_node": True},
+        "strategy": {"device": "cpu"},
+        **extra,
+    }
 
 
 def _run(out: str, report_to: list[str], strategy=None) -> Trainer:
-    trainer = Trainer(TinyRegressor(), _config(out, report_to), train_dataset=regression_data(32),
-                      eval_dataset=regression_data(8, seed=1), strategy=strategy)
+    trainer = Trainer(
+        TinyRegressor(),
+        _config(out, report_to),
+        train_dataset=regression_data(32),
+        eval_dataset=regression_data(8, seed=1),
+        strategy=strategy,
+    )
     out_metrics = trainer.fit().metrics
     trainer.log_metrics("train", out_metrics)
     trainer.save_metrics("train", out_metrics)
@@ -88,4 +109,9 @@ def test_global_rank_zero_writes_them_all(sandbox, capsys):
     assert logger_names(trainer.config) == ["tensorboard", "csv", "jsonl"]
     full = Trainer(TinyRegressor(), _config(str(sandbox / "unused"), TRACKERS), train_dataset=regression_data(8)).config
     assert [type(lg).__name__ for lg in build_loggers(full)] == [
-        "TensorBoardLogger", "MLflowLogger", "WandbLogger", "CSVLogger", "JSONLLogger"]
+        "TensorBoardLogger",
+        "MLflowLogger",
+        "WandbLogger",
+        "CSVLogger",
+        "JSONLLogger",
+    ]

@@ -58,8 +58,9 @@ def test_trials_and_a_failed_run(tmp_path):
     callback = LoggerCallback(cfg, build_loggers(cfg))
     trials(callback, cfg)
     found = sorted((read(d) for d in glob.glob(os.path.join(cfg.output_dir, "swanlog", "run-*"))), key=lambda r: r.name)
-    assert [(r.name, r.params["lr"], r.metrics) for r in found] == \
-        [(f"trial-{i}", i, {"train/loss": [(1, float(i))]}) for i in range(2)]
+    assert [(r.name, r.params["lr"], r.metrics) for r in found] == [
+        (f"trial-{i}", i, {"train/loss": [(1, float(i))]}) for i in range(2)
+    ]
     logger = SwanLabLogger(make_config(tmp_path / "failed"))
     logger.log_metrics({"loss": 1.0}, 1)
     logger.finalize("failed")
@@ -79,7 +80,12 @@ def finish_state(run_dir: str) -> str:
         record = Record()
         record.ParseFromString(data)
         if record.WhichOneof("record_type") == "finish":
-            states.append(type(record.finish).DESCRIPTOR.fields_by_name["state"].enum_type.values_by_number[record.finish.state].name)
+            states.append(
+                type(record.finish)
+                .DESCRIPTOR.fields_by_name["state"]
+                .enum_type.values_by_number[record.finish.state]
+                .name
+            )
     reader.close()
     return states[-1]
 

@@ -12,8 +12,8 @@ pytest.importorskip("tensorboard", reason="pip install kiln[tensorboard]")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.plugins.hparams import plugin_data_pb2  # noqa: E402
 
-from kiln.loggers.base import grouped_name  # noqa: E402
 from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
+from kiln.loggers.base import grouped_name  # noqa: E402
 from kiln.loggers.build import build_loggers  # noqa: E402
 from kiln.loggers.tensorboard import TensorBoardLogger  # noqa: E402
 from tests.loggers.conftest import SEQUENCE, drive, expected_points, make_config  # noqa: E402
@@ -44,7 +44,9 @@ def test_scalars_and_hparams_through_the_callback(tmp_path):
     callback = LoggerCallback(cfg, build_loggers(cfg))
     drive(callback, cfg)
     runs = glob.glob(os.path.join(cfg.output_dir, "runs", "*"))
-    assert len(runs) == 1 and re.fullmatch(r"[A-Z][a-z]{2}\d\d_\d\d-\d\d-\d\d_.+", os.path.basename(runs[0]))  # HF's name
+    assert len(runs) == 1 and re.fullmatch(
+        r"[A-Z][a-z]{2}\d\d_\d\d-\d\d-\d\d_.+", os.path.basename(runs[0])
+    )  # HF's name
     acc = read(runs[0])
     assert set(acc.Tags()["scalars"]) == {grouped_name(k) for k in all_names()}
     for name in all_names():

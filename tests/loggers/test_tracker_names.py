@@ -14,9 +14,16 @@ from kiln.loggers.build import build_loggers, logger_names
 from tests.loggers.conftest import make_config
 
 # report_to name -> (package, extra)
-NEW = {"comet_ml": ("comet_ml", "comet"), "clearml": ("clearml", "clearml"), "dvclive": ("dvclive", "dvclive"),
-       "aim": ("aim", "aim"), "trackio": ("trackio", "trackio"), "swanlab": ("swanlab", "swanlab"),
-       "codecarbon": ("codecarbon", "codecarbon"), "neptune": ("neptune", "neptune")}
+NEW = {
+    "comet_ml": ("comet_ml", "comet"),
+    "clearml": ("clearml", "clearml"),
+    "dvclive": ("dvclive", "dvclive"),
+    "aim": ("aim", "aim"),
+    "trackio": ("trackio", "trackio"),
+    "swanlab": ("swanlab", "swanlab"),
+    "codecarbon": ("codecarbon", "codecarbon"),
+    "neptune": ("neptune", "neptune"),
+}
 
 
 def test_every_hf_tracker_name_is_known():
@@ -31,7 +38,9 @@ def test_missing_package_is_one_sentence_with_the_extra(tmp_path, monkeypatch, n
     with pytest.raises(MissingPackageError) as info:
         build_loggers(cfg)
     message = str(info.value)
-    assert message == f"report_to: {name} needs the `{package}` package, which is not installed: pip install kiln[{extra}]"
+    assert (
+        message == f"report_to: {name} needs the `{package}` package, which is not installed: pip install kiln[{extra}]"
+    )
     assert info.value.extra == extra and not os.path.exists(cfg.output_dir)
     assert name not in logger_names(make_config(tmp_path, report_to=["all"]))
 
@@ -39,7 +48,9 @@ def test_missing_package_is_one_sentence_with_the_extra(tmp_path, monkeypatch, n
 def test_two_missing_name_their_extras(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "comet_ml", None)
     monkeypatch.setitem(sys.modules, "neptune", None)
-    with pytest.raises(MissingPackageError, match=r"report_to: comet_ml, neptune need .*pip install kiln\[comet,neptune\]$"):
+    with pytest.raises(
+        MissingPackageError, match=r"report_to: comet_ml, neptune need .*pip install kiln\[comet,neptune\]$"
+    ):
         build_loggers(make_config(tmp_path, report_to=["comet_ml", "neptune"]))
 
 

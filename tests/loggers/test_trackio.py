@@ -34,7 +34,9 @@ def test_a_run_holds_what_tensorboard_holds(tmp_path, monkeypatch, no_network):
     from trackio.sqlite_storage import SQLiteStorage
 
     project = f"kiln-{os.path.basename(tmp_path)}"
-    out = train(tmp_path, monkeypatch, "trackio", log={"steps": 2, "history": [], "disable_tqdm": True, "project": project})
+    out = train(
+        tmp_path, monkeypatch, "trackio", log={"steps": 2, "history": [], "disable_tqdm": True, "project": project}
+    )
     [run] = SQLiteStorage.get_runs(project)
     assert_same(read(project, run), out)
 

@@ -21,10 +21,18 @@ TIMING = re.compile(r"_runtime$|per_second$")
 
 
 def config(tmp_path, **extra):
-    cfg = {"output_dir": str(tmp_path / "out"), "run_name": "e2e", "max_steps": 8, "learning_rate": 1e-2,
-           "per_device_train_batch_size": 4, "report_to": ["tensorboard", "csv", "jsonl"],
-           "log": {"steps": 2, "history": [], "disable_tqdm": True},
-           "eval": {"strategy": "steps", "steps": 4}, "save": {"strategy": "no"}, "strategy": {"device": "cpu"}}
+    cfg = {
+        "output_dir": str(tmp_path / "out"),
+        "run_name": "e2e",
+        "max_steps": 8,
+        "learning_rate": 1e-2,
+        "per_device_train_batch_size": 4,
+        "report_to": ["tensorboard", "csv", "jsonl"],
+        "log": {"steps": 2, "history": [], "disable_tqdm": True},
+        "eval": {"strategy": "steps", "steps": 4},
+        "save": {"strategy": "no"},
+        "strategy": {"device": "cpu"},
+    }
     cfg.update(extra)
     return cfg
 
@@ -56,23 +64,30 @@ def tensorboard_scalars(output_dir):
 
 def test_every_file_matches_the_log_history(tmp_path):
     pytest.importorskip("tensorboard")
-    trainer = Trainer(TinyRegressor(), config(tmp_path), train_dataset=regression_data(64),
-                      eval_dataset=regression_data(16, seed=1))
+    trainer = Trainer(
+        TinyRegressor(), config(tmp_path), train_dataset=regression_data(64), eval_dataset=regression_data(16, seed=1)
+    )
     trainer.fit()
     history = [numeric(h) for h in trainer.state.log_history]
     assert any("eval_loss" in h for h in history) and "train_runtime" in history[-1]
     out = trainer.config.output_dir
 
-    assert not os.path.exists(f"{out}/metrics.jsonl") and not os.path.exists(f"{out}/metrics.csv")  # not beside checkpoints
+    assert not os.path.exists(f"{out}/metrics.jsonl") and not os.path.exists(
+        f"{out}/metrics.csv"
+    )  # not beside checkpoints
     steps = [h for h in history if "loss" in h]
     assert steps and all(set(h) == {"loss", "grad_norm", "learning_rate", "epoch", "step"} for h in steps)  # HF's keys
     rows = read_jsonl(f"{out}/runs/metrics.jsonl")
-    assert [{k: v for k, v in r.items() if k in h or k == "step"} for r, h in zip(rows, history)] == \
-        [{"step": h["step"], **h} for h in history] and len(rows) == len(history)
-    assert all("samples_per_second" in r and "steps_per_second" in r for r in rows if "loss" in r)  # loggers keep throughput
+    assert [{k: v for k, v in r.items() if k in h or k == "step"} for r, h in zip(rows, history)] == [
+        {"step": h["step"], **h} for h in history
+    ] and len(rows) == len(history)
+    assert all(
+        "samples_per_second" in r and "steps_per_second" in r for r in rows if "loss" in r
+    )  # loggers keep throughput
     csv_rows = read_csv_rows(f"{out}/runs/metrics.csv")
-    assert [{k: v for k, v in r.items() if k in h} for r, h in zip(csv_rows, history)] == \
-        [{k: float(v) for k, v in h.items()} for h in history]
+    assert [{k: v for k, v in r.items() if k in h} for r, h in zip(csv_rows, history)] == [
+        {k: float(v) for k, v in h.items()} for h in history
+    ]
     scalars = tensorboard_scalars(out)
     names = {k for r in rows for k in r if k != "step"}
     assert set(scalars) == {grouped_name(k) for k in names}

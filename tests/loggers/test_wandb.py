@@ -8,9 +8,9 @@ import pytest
 
 wandb = pytest.importorskip("wandb", reason="pip install kiln[wandb]")
 
+from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
 from kiln.engine.callbacks.state import TrainerState  # noqa: E402
 from kiln.loggers.base import grouped_name  # noqa: E402
-from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
 from kiln.loggers.build import build_loggers  # noqa: E402
 from kiln.loggers.wandb import WandbLogger, has_credentials  # noqa: E402
 from tests.loggers.conftest import SEQUENCE, drive, make_config  # noqa: E402
@@ -19,8 +19,15 @@ from tests.loggers.wandb_reader import offline_runs, read_run  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def offline_env(monkeypatch, tmp_path):
-    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME",
-                 "WANDB_LOG_MODEL", "WANDB_BASE_URL"):
+    for name in (
+        "WANDB_API_KEY",
+        "WANDB_IDENTITY_TOKEN_FILE",
+        "WANDB_PROJECT",
+        "WANDB_RUN_ID",
+        "WANDB_RESUME",
+        "WANDB_LOG_MODEL",
+        "WANDB_BASE_URL",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

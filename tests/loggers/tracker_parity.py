@@ -13,7 +13,7 @@ import math
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -39,7 +39,7 @@ NEW_FIGURES = {"train_tokens_per_second": 1024.0, "train_tflops": 1.5, "mfu": 0.
 class _MoreFigures(Trainer):
     """Hands figures to the loggers with each training log, the way the fit loop hands them throughput."""
 
-    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
             self.log_to_loggers_only = {**(self.log_to_loggers_only or {}), **NEW_FIGURES}
         super().log(logs, start_time)
@@ -49,11 +49,23 @@ def train(tmp_path, monkeypatch, tracker: str, **extra: Any) -> str:
     """Fit TinyRegressor for 8 steps (a log every 2, with NEW_FIGURES; an evaluation every 4); the output_dir."""
     pytest.importorskip("tensorboard")
     monkeypatch.setenv("KILN_TRACKER_RUN", SECRET)
-    cfg = {"output_dir": str(tmp_path / "out"), "run_name": MASKED, "max_steps": 8, "learning_rate": 1e-2,
-           "per_device_train_batch_size": 4, "report_to": ["tensorboard", tracker],
-           "log": {"steps": 2, "history": [], "disable_tqdm": True}, "optim": {"weight_decay": 0.01},
-           "eval": {"strategy": "steps", "steps": 4}, "save": {"strategy": "no"}, "strategy": {"device": "cpu"}, **extra}
-    trainer = _MoreFigures(TinyRegressor(), cfg, train_dataset=regression_data(32), eval_dataset=regression_data(8, seed=1))
+    cfg = {
+        "output_dir": str(tmp_path / "out"),
+        "run_name": MASKED,
+        "max_steps": 8,
+        "learning_rate": 1e-2,
+        "per_device_train_batch_size": 4,
+        "report_to": ["tensorboard", tracker],
+        "log": {"steps": 2, "history": [], "disable_tqdm": True},
+        "optim": {"weight_decay": 0.01},
+        "eval": {"strategy": "steps", "steps": 4},
+        "save": {"strategy": "no"},
+        "strategy": {"device": "cpu"},
+        **extra,
+    }
+    trainer = _MoreFigures(
+        TinyRegressor(), cfg, train_dataset=regression_data(32), eval_dataset=regression_data(8, seed=1)
+    )
     trainer.fit()
     return str(trainer.config.output_dir)
 
@@ -102,7 +114,9 @@ def assert_same(got: Read, output_dir: str, one_per_step: bool = False) -> Read:
         assert [s for s, _ in mine] == [s for s, _ in points], tag
         assert [v for _, v in mine] == pytest.approx([v for _, v in points], rel=1e-6), tag  # float32 events
     mine, want = ({k: canonical(v) for k, v in p.items()} for p in (got.params, tb.params))
-    differ = {k: (mine.get(k, "<missing>"), want.get(k, "<missing>")) for k in {*mine, *want} if mine.get(k) != want.get(k)}
+    differ = {
+        k: (mine.get(k, "<missing>"), want.get(k, "<missing>")) for k in {*mine, *want} if mine.get(k) != want.get(k)
+    }
     assert not differ, f"parameters (tracker, TensorBoard) that differ: {differ}"
     assert SECRET not in json.dumps(got.params, default=str) + got.name
     return tb
@@ -124,7 +138,7 @@ def no_network(monkeypatch):
     attempts: list[Any] = []
     connect, lookup = socket.socket.connect, socket.getaddrinfo
 
-    def loopback(host: Optional[str]) -> bool:
+    def loopback(host: str | None) -> bool:
         return host in (None, "localhost", "") or str(host).startswith("127.") or host == "::1"
 
     def guarded_connect(sock, address):
@@ -145,4 +159,15 @@ def no_network(monkeypatch):
     assert attempts == [], f"the tracker reached for the network: {attempts}"
 
 
-__all__ = ["MASKED", "Read", "SECRET", "assert_same", "canonical", "grouped_name", "no_network", "tensorboard", "train", "trials"]
+__all__ = [
+    "MASKED",
+    "Read",
+    "SECRET",
+    "assert_same",
+    "canonical",
+    "grouped_name",
+    "no_network",
+    "tensorboard",
+    "train",
+    "trials",
+]

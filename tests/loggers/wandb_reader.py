@@ -29,10 +29,10 @@ def records(path: str) -> list[Any]:
         if left < HEADER:  # block trailer padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         if pos + HEADER + length > len(data):  # still being written
             break
-        chunk = data[pos + HEADER:pos + HEADER + length]
+        chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == 0 and length == 0:
             break
@@ -72,7 +72,9 @@ def read_run(run_dir: str, timeout: float = 30.0) -> dict[str, Any]:
         elif kind == "config":
             run["config"].update({u.key: json.loads(u.value_json) for u in record.config.update})
         elif kind == "history":
-            run["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+            run["history"].append(
+                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            )
         elif kind == "exit":
             run["exit_code"] = record.exit.exit_code
     return run

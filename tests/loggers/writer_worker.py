@@ -31,9 +31,16 @@ WRITE_DELAY = 0.05
 
 
 def run_config(out: str) -> dict[str, Any]:
-    return {"output_dir": out, "max_steps": 12, "learning_rate": 1e-2, "per_device_train_batch_size": 4, "seed": 3,
-            "log": {"steps": 2, "history": ["csv", "jsonl"], "disable_tqdm": True},
-            "save": {"strategy": "steps", "steps": 4}, "strategy": {"device": "cpu"}}
+    return {
+        "output_dir": out,
+        "max_steps": 12,
+        "learning_rate": 1e-2,
+        "per_device_train_batch_size": 4,
+        "seed": 3,
+        "log": {"steps": 2, "history": ["csv", "jsonl"], "disable_tqdm": True},
+        "save": {"strategy": "steps", "steps": 4},
+        "strategy": {"device": "cpu"},
+    }
 
 
 def slow_writes(patch: Any = None, delay: float = WRITE_DELAY) -> None:
@@ -84,8 +91,12 @@ def main() -> None:
     slow_writes(delay=0.5 if how == "sigkill" else WRITE_DELAY)
     stop = {"sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}[how]
     torch.manual_seed(0)  # the initial weights the test's uninterrupted run has
-    Trainer(TinyRegressor(), run_config(out), train_dataset=regression_data(64),
-            callbacks=[Recorder(echo=True, stop_with=stop)]).fit()
+    Trainer(
+        TinyRegressor(),
+        run_config(out),
+        train_dataset=regression_data(64),
+        callbacks=[Recorder(echo=True, stop_with=stop)],
+    ).fit()
 
 
 if __name__ == "__main__":

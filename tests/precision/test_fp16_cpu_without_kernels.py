@@ -14,8 +14,9 @@ from kiln import Trainer
 from tests.helpers import TinyRegressor, base_config, regression_data
 
 
-@pytest.mark.parametrize("settings", [{"fp16": True, "fp16_full_eval": True}, {"precision": "16-mixed"}],
-                         ids=["hf-names", "16-mixed"])
+@pytest.mark.parametrize(
+    "settings", [{"fp16": True, "fp16_full_eval": True}, {"precision": "16-mixed"}], ids=["hf-names", "16-mixed"]
+)
 def test_trains_and_evaluates_with_one_warning(tmp_path, no_fp16_kernels, settings):
     seen = []
 
@@ -28,8 +29,12 @@ def test_trains_and_evaluates_with_one_warning(tmp_path, no_fp16_kernels, settin
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = Trainer(Probe(), base_config(tmp_path, max_steps=4, **settings), train_dataset=regression_data(32),
-                          eval_dataset=regression_data(16))
+        trainer = Trainer(
+            Probe(),
+            base_config(tmp_path, max_steps=4, **settings),
+            train_dataset=regression_data(32),
+            eval_dataset=regression_data(16),
+        )
         trainer.fit()
         metrics = trainer.evaluate()
     slow = [str(w.message) for w in caught if "fp16 runs on this CPU, but slowly" in str(w.message)]
@@ -51,8 +56,15 @@ def test_hf_trainer_accepts_fp16_on_this_cpu(tmp_path):
             return {"loss": ((out.float() - labels) ** 2).mean()}
 
     data = [{"x": item["x"], "labels": item["y"]} for item in regression_data(16)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, fp16=True,
-                                          max_steps=2, per_device_train_batch_size=4, disable_tqdm=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        fp16=True,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        disable_tqdm=True,
+    )
     trainer = transformers.Trainer(model=Model(), args=args, train_dataset=data)
     trainer.train()
     assert trainer.state.global_step == 2

@@ -28,7 +28,9 @@ def _batch(device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fp16(make_config, device: torch.device = CPU, init_scale: float = 2.0**10) -> FP16MixedPrecision:
-    plugin = FP16MixedPrecision(make_config(name="fp16"), scaler=torch.amp.GradScaler(device.type, init_scale=init_scale))
+    plugin = FP16MixedPrecision(
+        make_config(name="fp16"), scaler=torch.amp.GradScaler(device.type, init_scale=init_scale)
+    )
     plugin.check_device(device)
     return plugin
 
@@ -124,7 +126,9 @@ def _state_roundtrip(state: dict) -> dict:
 
 
 def test_fp16_state_dict_restores_scale_and_growth_tracker_exactly(make_config, fp16_cpu):
-    plugin = FP16MixedPrecision(make_config(name="fp16"), scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    plugin = FP16MixedPrecision(
+        make_config(name="fp16"), scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    )
     plugin.check_device(CPU)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -135,7 +139,9 @@ def test_fp16_state_dict_restores_scale_and_growth_tracker_exactly(make_config, 
             model[0].bias.grad[0] = float("inf")
         plugin.optimizer_step(opt)
     state = plugin.state_dict()
-    assert state["scaler"]["_growth_tracker"] == 1 and state["scaler"]["scale"] == 2.0**10 and state["skipped_steps"] == 1
+    assert (
+        state["scaler"]["_growth_tracker"] == 1 and state["scaler"]["scale"] == 2.0**10 and state["skipped_steps"] == 1
+    )
 
     fresh = FP16MixedPrecision(make_config(name="fp16"))
     fresh.load_state_dict(_state_roundtrip(copy.deepcopy(state)))
@@ -159,8 +165,18 @@ def test_fp16_state_dict_restores_scale_and_growth_tracker_exactly(make_config, 
 
 def test_fp16_scaler_state_moves_to_the_checked_device(make_config, fp16_cpu):
     plugin = FP16MixedPrecision(make_config(name="fp16"))
-    plugin.load_state_dict({"scaler": {"scale": 256.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                       "growth_interval": 2000, "_growth_tracker": 7}, "skipped_steps": 3})
+    plugin.load_state_dict(
+        {
+            "scaler": {
+                "scale": 256.0,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 2000,
+                "_growth_tracker": 7,
+            },
+            "skipped_steps": 3,
+        }
+    )
     plugin.check_device(CPU)
     assert plugin.scaler.get_scale() == 256.0 and plugin.skipped_steps == 3
 

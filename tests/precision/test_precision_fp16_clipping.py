@@ -26,9 +26,9 @@ def hand_fp16_loop(model, data, batch: int, accum: int) -> tuple[torch.nn.Module
     while step < STEPS:
         # kiln's documented sample order: randperm seeded with seed + epoch
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
-        batches = [default_collate([data[i] for i in order[j:j + batch]]) for j in range(0, len(order), batch)]
+        batches = [default_collate([data[i] for i in order[j : j + batch]]) for j in range(0, len(order), batch)]
         for w in range(0, len(batches), accum):
-            window = batches[w:w + accum]
+            window = batches[w : w + accum]
             for b in window:
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = model.training_step(b)
@@ -53,9 +53,19 @@ def test_fp16_trainer_clips_unscaled_gradients_like_a_grad_scaler_loop(tmp_path,
     ref, norms = hand_fp16_loop(TinyRegressor(), data, batch, accum)
     torch.manual_seed(0)
     model = TinyRegressor()
-    cfg = base_config(tmp_path, precision="fp16", optim="sgd", lr_scheduler_type="constant", learning_rate=LR,
-                      max_grad_norm=CLIP, max_steps=STEPS, per_device_train_batch_size=batch,
-                      gradient_accumulation_steps=accum, seed=SEED, logging_steps=1)
+    cfg = base_config(
+        tmp_path,
+        precision="fp16",
+        optim="sgd",
+        lr_scheduler_type="constant",
+        learning_rate=LR,
+        max_grad_norm=CLIP,
+        max_steps=STEPS,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum,
+        seed=SEED,
+        logging_steps=1,
+    )
     trainer = Trainer(model, cfg, train_dataset=data)
     trainer.fit()
     logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]

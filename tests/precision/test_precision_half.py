@@ -134,7 +134,8 @@ def test_fp16_true_warns_when_adam_epsilon_vanishes_in_fp16(make_config, caplog)
     with caplog.at_level("WARNING", logger="kiln.precision.half"):
         plugin.connect(model, torch.optim.AdamW(model.parameters(), eps=1e-8))
     assert [r.getMessage() for r in caplog.records] == [
-        "precision 'fp16-true': the optimizer's eps=1e-08 rounds to 0 in fp16; set adam_epsilon: 0.0001 (or use bf16-true)."]
+        "precision 'fp16-true': the optimizer's eps=1e-08 rounds to 0 in fp16; set adam_epsilon: 0.0001 (or use bf16-true)."
+    ]
     caplog.clear()
     with caplog.at_level("WARNING", logger="kiln.precision.half"):
         plugin.connect(model, torch.optim.AdamW(model.parameters(), eps=1e-4))

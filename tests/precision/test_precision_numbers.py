@@ -24,11 +24,22 @@ def _plugin(value: Any, tmp_path: Any) -> str:
         return picked.group(1)
 
 
-@pytest.mark.parametrize("value, plugin", [
-    (32, "fp32"), (32.0, "fp32"), ("32", "fp32"), ("32-true", "fp32"),
-    (16, "fp16"), ("16", "fp16"), ("16-mixed", "fp16"),
-    ("bf16", "bf16"), ("bf16-mixed", "bf16"), ("bf16-true", "bf16-true"), ("16-true", "fp16-true"),
-])
+@pytest.mark.parametrize(
+    "value, plugin",
+    [
+        (32, "fp32"),
+        (32.0, "fp32"),
+        ("32", "fp32"),
+        ("32-true", "fp32"),
+        (16, "fp16"),
+        ("16", "fp16"),
+        ("16-mixed", "fp16"),
+        ("bf16", "bf16"),
+        ("bf16-mixed", "bf16"),
+        ("bf16-true", "bf16-true"),
+        ("16-true", "fp16-true"),
+    ],
+)
 def test_precision_value_in_a_dict_config_picks_lightnings_plugin(value: Any, plugin: str, tmp_path: Any) -> None:
     assert _plugin(value, tmp_path) == plugin
 

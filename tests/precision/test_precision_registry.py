@@ -17,11 +17,20 @@ from kiln.precision.tf32 import TF32Precision
 from kiln.registry import UnknownNameError
 
 EXPECTED = {
-    "fp32": FP32Precision, "32": FP32Precision, "32-true": FP32Precision, "no": FP32Precision,
-    "fp16": FP16MixedPrecision, "16-mixed": FP16MixedPrecision, "16": FP16MixedPrecision,
-    "bf16": BF16MixedPrecision, "bf16-mixed": BF16MixedPrecision,
-    "fp16-true": FP16TruePrecision, "16-true": FP16TruePrecision, "bf16-true": BF16TruePrecision,
-    "apex": ApexPrecision, "tf32": TF32Precision,
+    "fp32": FP32Precision,
+    "32": FP32Precision,
+    "32-true": FP32Precision,
+    "no": FP32Precision,
+    "fp16": FP16MixedPrecision,
+    "16-mixed": FP16MixedPrecision,
+    "16": FP16MixedPrecision,
+    "bf16": BF16MixedPrecision,
+    "bf16-mixed": BF16MixedPrecision,
+    "fp16-true": FP16TruePrecision,
+    "16-true": FP16TruePrecision,
+    "bf16-true": BF16TruePrecision,
+    "apex": ApexPrecision,
+    "tf32": TF32Precision,
 }
 
 
@@ -86,7 +95,11 @@ def test_dtype_seam_for_strategies():
     """FSDP / DeepSpeed read these instead of asking for a plugin type."""
     import torch
 
-    assert (FP32Precision.compute_dtype, FP32Precision.param_dtype, FP32Precision.uses_grad_scaler) == (None, None, False)
+    assert (FP32Precision.compute_dtype, FP32Precision.param_dtype, FP32Precision.uses_grad_scaler) == (
+        None,
+        None,
+        False,
+    )
     assert (BF16MixedPrecision.compute_dtype, BF16MixedPrecision.param_dtype) == (torch.bfloat16, None)
     assert (FP16MixedPrecision.compute_dtype, FP16MixedPrecision.uses_grad_scaler) == (torch.float16, True)
     assert (BF16TruePrecision.param_dtype, FP16TruePrecision.param_dtype) == (torch.bfloat16, torch.float16)

@@ -45,8 +45,14 @@ def blobs(n: int = 256, d_in: int = 16, classes: int = 4, seed: int = 0) -> list
 
 
 def _fit(tmp_path, name: str, model: nn.Module, train, eval_data=None, **overrides):
-    cfg = base_config(tmp_path / name, precision=name, learning_rate=5e-3, per_device_train_batch_size=32,
-                      lr_scheduler_type="linear", **overrides)
+    cfg = base_config(
+        tmp_path / name,
+        precision=name,
+        learning_rate=5e-3,
+        per_device_train_batch_size=32,
+        lr_scheduler_type="linear",
+        **overrides,
+    )
     trainer = Trainer(model, cfg, train_dataset=train, eval_dataset=eval_data)
     out = trainer.fit()
     return trainer, out
@@ -74,8 +80,14 @@ def test_bf16_on_the_digits_example_matches_fp32(tmp_path):
     accuracy = {}
     for name in ("fp32", "bf16"):
         torch.manual_seed(0)
-        trainer, _ = _fit(tmp_path, name, MLPClassifier(**data["model_args"], dropout=0.0),
-                            data["train_dataset"], data["eval_dataset"], num_train_epochs=2)
+        trainer, _ = _fit(
+            tmp_path,
+            name,
+            MLPClassifier(**data["model_args"], dropout=0.0),
+            data["train_dataset"],
+            data["eval_dataset"],
+            num_train_epochs=2,
+        )
         trainer.compute_metrics = data["compute_metrics"]
         accuracy[name] = trainer.evaluate()["eval_accuracy"]
     assert accuracy["fp32"] > 0.9
@@ -104,7 +116,7 @@ def test_fp16_skips_the_inf_step_and_the_scheduler_does_not_advance(tmp_path, fp
     out = trainer.fit()
     assert out.global_step == steps and len(recorder.rows) == steps
 
-    (skipped_before, sched_before, w_before), (skipped_at, sched_at, w_at) = recorder.rows[poisoned - 2: poisoned]
+    (skipped_before, sched_before, w_before), (skipped_at, sched_at, w_at) = recorder.rows[poisoned - 2 : poisoned]
     assert skipped_at == skipped_before + 1  # counted
     assert sched_at == sched_before  # the scheduler did not advance on it
     assert torch.equal(w_at, w_before)  # and the weights did not move
@@ -123,8 +135,14 @@ def test_fp16_scaler_state_is_resumed_from_a_checkpoint(tmp_path, fp16_cpu):
     saved = trainer.precision.state_dict()
     assert saved["skipped_steps"] == 1 and saved["scaler"]["scale"] == 2.0**15
 
-    cfg = base_config(tmp_path / "fp16", precision="fp16", learning_rate=5e-3, per_device_train_batch_size=32,
-                      max_steps=6, save={"strategy": "steps", "steps": 4})
+    cfg = base_config(
+        tmp_path / "fp16",
+        precision="fp16",
+        learning_rate=5e-3,
+        per_device_train_batch_size=32,
+        max_steps=6,
+        save={"strategy": "steps", "steps": 4},
+    )
     resumed = Trainer(Classifier(), cfg, train_dataset=blobs(128))
     resumed.fit(resume_from_checkpoint=True)
     assert resumed.precision.skipped_steps == 1
@@ -134,8 +152,9 @@ def test_fp16_scaler_state_is_resumed_from_a_checkpoint(tmp_path, fp16_cpu):
 
 def test_bf16_true_trains_through_the_trainer(tmp_path):
     everything = blobs(384)
-    cfg = base_config(tmp_path, precision="bf16-true", learning_rate=5e-3, per_device_train_batch_size=32,
-                      num_train_epochs=4)
+    cfg = base_config(
+        tmp_path, precision="bf16-true", learning_rate=5e-3, per_device_train_batch_size=32, num_train_epochs=4
+    )
     trainer = Trainer(Classifier(), cfg, train_dataset=everything[:256], eval_dataset=everything[256:])
     trainer.fit()
     assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())

@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 
-def run_cases(run_case: Callable[[str, str, int], tuple[dict[str, Any], dict[str, torch.Tensor]]], out: str,
-              names: list[str]) -> None:
+def run_cases(
+    run_case: Callable[[str, str, int], tuple[dict[str, Any], dict[str, torch.Tensor]]], out: str, names: list[str]
+) -> None:
     """In a worker, on every rank: `run_case(entry, root, world)` for each entry (a case name, or
     `NAME=ARG` for a worker whose cases take an argument, filed under NAME); rank 0 writes
     OUT/results.json and OUT/tensors.safetensors (`<case>/<weight>`), then the group is left."""
@@ -37,15 +39,27 @@ def run_cases(run_case: Callable[[str, str, int], tuple[dict[str, Any], dict[str
         dist.destroy_process_group()
 
 
-def start(worker: Path, out: Path, names: list[str], timeout: float = 1200,
-          nproc: int = 2) -> tuple[dict[str, Any], dict[str, dict]]:
+def start(
+    worker: Path, out: Path, names: list[str], timeout: float = 1200, nproc: int = 2
+) -> tuple[dict[str, Any], dict[str, dict]]:
     """In the test: run `worker` on `nproc` processes over `names`; (results, {case: {weight: tensor}})."""
     from safetensors.torch import load_file
 
     from tests.distributed.conftest import run
 
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(worker),
-         str(out), *names], timeout=timeout)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(worker),
+            str(out),
+            *names,
+        ],
+        timeout=timeout,
+    )
     by_case: dict[str, dict] = {}
     for key, value in load_file(str(out / "tensors.safetensors")).items():
         case, name = key.split("/", 1)

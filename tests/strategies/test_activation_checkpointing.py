@@ -32,9 +32,17 @@ class Ops(TorchDispatchMode):
 
 def llama():  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-        vocab_size=50, attn_implementation="sdpa")).train()  # train mode: Transformers still builds a KV cache
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=4,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            vocab_size=50,
+            attn_implementation="sdpa",
+        )
+    ).train()  # train mode: Transformers still builds a KV cache
 
 
 def backward(**ac):  # type: ignore[no-untyped-def]
@@ -54,9 +62,17 @@ def plain():  # type: ignore[no-untyped-def]
     return backward()
 
 
-@pytest.mark.parametrize("ac", [{"mode": "full"}, {"mode": "full", "every": 2}, {"mode": "selective"},
-                                {"mode": "selective", "every": 3}, {"mode": "selective", "ops": ["aten.mm"]}],
-                         ids=["full", "full-every-2", "selective", "selective-every-3", "selective-mm-only"])
+@pytest.mark.parametrize(
+    "ac",
+    [
+        {"mode": "full"},
+        {"mode": "full", "every": 2},
+        {"mode": "selective"},
+        {"mode": "selective", "every": 3},
+        {"mode": "selective", "ops": ["aten.mm"]},
+    ],
+    ids=["full", "full-every-2", "selective", "selective-every-3", "selective-mm-only"],
+)
 def test_gradients_are_the_unchecked_runs(plain, ac):
     grads, _ = backward(**ac)
     torch.testing.assert_close(grads, plain[0], rtol=1e-6, atol=1e-7)
@@ -64,8 +80,9 @@ def test_gradients_are_the_unchecked_runs(plain, ac):
 
 def test_each_policy_recomputes_what_it_says(plain):
     base = plain[1]
-    full, half, selective = (backward(**ac)[1] for ac in ({"mode": "full"}, {"mode": "full", "every": 2},
-                                                           {"mode": "selective"}))
+    full, half, selective = (
+        backward(**ac)[1] for ac in ({"mode": "full"}, {"mode": "full", "every": 2}, {"mode": "selective"})
+    )
     extra = {name: counts[MM] - base[MM] for name, counts in (("full", full), ("half", half), ("sel", selective))}
     assert extra["full"] > 0 and extra["full"] == 2 * extra["half"]  # every 2nd of 4 blocks: half the recompute
     assert 0 < extra["sel"] < extra["full"]  # every second matmul is recomputed, the others kept
@@ -84,12 +101,15 @@ def test_every_n_checkpoints_blocks_n_2n_and_leaves_the_forward_without_grad_alo
     torch.testing.assert_close(checkpointed, llama()(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("ac, words", [
-    ({"mode": "partial"}, "activation_checkpointing.mode is 'partial'; use full or selective"),
-    ({"every": 0}, "activation_checkpointing.every is 0"),
-    ({"mode": "full", "ops": ["aten.mm"]}, "set mode: selective or remove ops"),
-    ({"mode": "selective", "ops": ["aten.not_an_op"]}, "names 'aten.not_an_op', which is not a torch operator"),
-])
+@pytest.mark.parametrize(
+    "ac, words",
+    [
+        ({"mode": "partial"}, "activation_checkpointing.mode is 'partial'; use full or selective"),
+        ({"every": 0}, "activation_checkpointing.every is 0"),
+        ({"mode": "full", "ops": ["aten.mm"]}, "set mode: selective or remove ops"),
+        ({"mode": "selective", "ops": ["aten.not_an_op"]}, "names 'aten.not_an_op', which is not a torch operator"),
+    ],
+)
 def test_a_bad_setting_is_one_sentence(ac, words):
     with pytest.raises(ConfigError) as err:
         apply_activation_checkpointing([torch.nn.Linear(2, 2)], **ac)

@@ -10,15 +10,26 @@ from torch import nn
 
 from kiln import Trainer
 from kiln.config import load_config
+from kiln.launch.environment import ClusterEnvironment
 from kiln.precision import build_precision
 from kiln.strategies import STRATEGIES
 from kiln.strategies.ddp.strategy import DDPStrategy
 from kiln.strategies.process_group import default_backend, pick_device
-from kiln.launch.environment import ClusterEnvironment
 from tests.distributed import toy
 
-LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID", "MASTER_ADDR", "MASTER_PORT",
-               "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+LAUNCH_VARS = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "ACCELERATE_MIXED_PRECISION",
+    "ACCELERATE_USE_CPU",
+    "ACCELERATE_USE_FSDP",
+    "ACCELERATE_USE_DEEPSPEED",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +58,10 @@ def buffers(kwargs):
 def test_hf_defaults_for_ddp_options():
     kw = make().ddp_kwargs()  # find_unused_parameters unset: off, decided on the first step (test_ddp_unused.py)
     assert kw["find_unused_parameters"] is False and buffers(kw) is True and kw["static_graph"] is False
-    assert make().choose_unused_on_first_step() and not make({"find_unused_parameters": True}).choose_unused_on_first_step()
+    assert (
+        make().choose_unused_on_first_step()
+        and not make({"find_unused_parameters": True}).choose_unused_on_first_step()
+    )
     assert "bucket_cap_mb" not in kw
     checkpointing = make(gradient_checkpointing=True).ddp_kwargs()
     assert checkpointing["find_unused_parameters"] is False and buffers(checkpointing) is False
@@ -55,7 +69,9 @@ def test_hf_defaults_for_ddp_options():
 
 
 def test_explicit_ddp_options_and_the_find_unused_alias():
-    kw = make({"find_unused_parameters": False, "bucket_cap_mb": 50, "static_graph": True, "broadcast_buffers": False}).ddp_kwargs()
+    kw = make(
+        {"find_unused_parameters": False, "bucket_cap_mb": 50, "static_graph": True, "broadcast_buffers": False}
+    ).ddp_kwargs()
     assert kw["find_unused_parameters"] is False and kw["bucket_cap_mb"] == 50 and kw["static_graph"] is True
     assert buffers(kw) is False
     alias = make({"name": "ddp_find_unused_parameters_true"}, gradient_checkpointing=True).ddp_kwargs()
@@ -63,8 +79,16 @@ def test_explicit_ddp_options_and_the_find_unused_alias():
 
 
 def test_hf_flat_names_reach_the_strategy():
-    cfg = load_config({"strategy": "ddp", "ddp_backend": "gloo", "ddp_timeout": 30, "ddp_find_unused_parameters": False,
-                       "ddp_bucket_cap_mb": 10, "ddp_broadcast_buffers": False})
+    cfg = load_config(
+        {
+            "strategy": "ddp",
+            "ddp_backend": "gloo",
+            "ddp_timeout": 30,
+            "ddp_find_unused_parameters": False,
+            "ddp_bucket_cap_mb": 10,
+            "ddp_broadcast_buffers": False,
+        }
+    )
     s = DDPStrategy(cfg, build_precision(cfg))
     assert s.backend == "gloo" and cfg.strategy.timeout == 30
     assert s.ddp_kwargs()["find_unused_parameters"] is False and s.ddp_kwargs()["bucket_cap_mb"] == 10
@@ -89,7 +113,9 @@ def test_cuda_device_follows_local_rank_and_names_cuda_visible_devices(monkeypat
     with pytest.raises(RuntimeError, match=r"Local rank 2 has no CUDA device: 2 visible \(CUDA_VISIBLE_DEVICES=0,2\)"):
         pick_device(ClusterEnvironment(world_size=4, rank=2, local_rank=2), None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # srun --gpus-per-task=1
-    assert pick_device(ClusterEnvironment(world_size=4, rank=3, local_rank=3, source="slurm"), None) == torch.device("cuda", 0)
+    assert pick_device(ClusterEnvironment(world_size=4, rank=3, local_rank=3, source="slurm"), None) == torch.device(
+        "cuda", 0
+    )
 
 
 def test_process_group_is_created_once_and_destroyed_by_its_owner():
@@ -160,8 +186,11 @@ def test_one_process_ddp_fit_is_bit_identical_to_single(tmp_path):
 def test_a_misspelt_strategy_option_is_refused_with_a_suggestion():
     from kiln.utils.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"Unknown option strategy\.find_unsed_parameters for strategy 'ddp'\. "
-                                          r"Did you mean 'find_unused_parameters'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"Unknown option strategy\.find_unsed_parameters for strategy 'ddp'\. "
+        r"Did you mean 'find_unused_parameters'\?",
+    ):
         make({"find_unsed_parameters": True})
 
 

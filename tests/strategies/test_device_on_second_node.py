@@ -14,11 +14,26 @@ from kiln.launch.environment import detect
 from kiln.strategies.process_group import pick_device
 
 #: global rank 3 of 4 = local rank 1 on node 1, as torchrun --nnodes=2 --nproc_per_node=2 sets it
-TORCHRUN_NODE1 = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-                  "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+TORCHRUN_NODE1 = {
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+}
 #: the same process started by `srun --nodes=2 --ntasks-per-node=2`
-SLURM_NODE1 = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "4", "SLURM_NNODES": "2",
-               "SLURM_NTASKS_PER_NODE": "2(x2)", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}
+SLURM_NODE1 = {
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_NNODES": "2",
+    "SLURM_NTASKS_PER_NODE": "2(x2)",
+    "SLURM_JOB_ID": "7",
+    "SLURM_JOB_NODELIST": "n[1-2]",
+}
 
 
 def _gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:

@@ -30,7 +30,6 @@ from tests.strategies.test_ddp_strategy import LAUNCH_VARS, no_launcher  # noqa:
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 
 
-
 def gloo_workers() -> int:
     names = []
     for tid in os.listdir("/proc/self/task"):
@@ -103,11 +102,14 @@ def test_at_exit_a_group_kiln_did_not_make_is_freed_too(monkeypatch):
     assert slept == []  # freed: nothing is left to wait for before the interpreter finalizes
 
 
-@pytest.mark.parametrize("device, backend, kwargs", [
-    (torch.device("cuda", 1), "nccl", {"device_ids": [1]}),  # NCCL's barrier on this rank's own GPU
-    (torch.device("cpu"), "gloo", {}),
-    (torch.device("cuda", 1), "gloo", {}),
-])
+@pytest.mark.parametrize(
+    "device, backend, kwargs",
+    [
+        (torch.device("cuda", 1), "nccl", {"device_ids": [1]}),  # NCCL's barrier on this rank's own GPU
+        (torch.device("cpu"), "gloo", {}),
+        (torch.device("cuda", 1), "gloo", {}),
+    ],
+)
 def test_barrier_names_the_gpu_only_to_nccl(monkeypatch, device, backend, kwargs):
     from kiln.strategies.process_group import barrier
 
@@ -128,15 +130,19 @@ def test_the_lost_peer_note_names_the_dead_ranks_of_this_machine_and_never_itsel
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     me = os.getpid()
-    monkeypatch.setattr(process_group, "_IDENTITY", {"host": "h", "rank": 4, "local_rank": 0, "local_world_size": 3,
-                                                     "store_on_rank0": False})
+    monkeypatch.setattr(
+        process_group,
+        "_IDENTITY",
+        {"host": "h", "rank": 4, "local_rank": 0, "local_world_size": 3, "store_on_rank0": False},
+    )
     store = process_group._default_store()
     store.set("kiln/ranks/h/0", json.dumps([4, me, psutil.Process(me).create_time()]))  # this rank, alive
     store.set("kiln/ranks/h/1", json.dumps([5, me, 0.0]))  # its pid now belongs to another process: dead
     store.set("kiln/ranks/h/2", json.dumps([6, me, psutil.Process(me).create_time()]))  # alive
     assert process_group.lost_peer_note(dying_s=0) == (
         f"kiln: rank 5 (pid {me}) on this machine died; this error on rank 4 followed from it. Look at that rank's "
-        "output for the cause (no output: it was killed, e.g. by the out-of-memory killer).")
+        "output for the cause (no output: it was killed, e.g. by the out-of-memory killer)."
+    )
 
 
 def test_a_rank_leaves_its_identity_and_its_error_hook_adds_the_note_once(monkeypatch):
@@ -159,12 +165,16 @@ def test_a_rank_leaves_its_identity_and_its_error_hook_adds_the_note_once(monkey
     process_group._leave_identity(env)
     store, me = process_group._default_store(), os.getpid()
     assert json.loads(store.get(f"kiln/ranks/{socket.gethostname()}/0"))[:2] == [0, me]
-    store.set(f"kiln/ranks/{socket.gethostname()}/1", json.dumps([1, me, 0.0]))  # rank 1: its pid is another process now
+    store.set(
+        f"kiln/ranks/{socket.gethostname()}/1", json.dumps([1, me, 0.0])
+    )  # rank 1: its pid is another process now
     err = RuntimeError("Connection reset by peer")
     sys.excepthook(RuntimeError, err, None)
     assert printed == [err]
-    assert err.__notes__ == [f"kiln: rank 1 (pid {me}) on this machine died; this error on rank 0 followed from it. Look "
-                             "at that rank's output for the cause (no output: it was killed, e.g. by the out-of-memory killer)."]
+    assert err.__notes__ == [
+        f"kiln: rank 1 (pid {me}) on this machine died; this error on rank 0 followed from it. Look "
+        "at that rank's output for the cause (no output: it was killed, e.g. by the out-of-memory killer)."
+    ]
 
 
 def test_at_exit_groups_a_script_destroyed_itself_are_released_from_their_holders(monkeypatch):

@@ -95,7 +95,13 @@ def _kiln_view(settings: list) -> dict:
     for setting in settings:
         out.update(setting.values)
     cfg = out.pop("strategy.options.fsdp_config", {})
-    out.update({f"fsdp_config.{k}": cfg[k] for k in ("transformer_layer_cls_to_wrap", "state_dict_type", "use_orig_params") if k in cfg})
+    out.update(
+        {
+            f"fsdp_config.{k}": cfg[k]
+            for k in ("transformer_layer_cls_to_wrap", "state_dict_type", "use_orig_params")
+            if k in cfg
+        }
+    )
     return out
 
 
@@ -112,23 +118,58 @@ def _accelerate_env(path: str) -> dict:
     return prepare_multi_gpu_env(args)
 
 
-@pytest.mark.parametrize("text, nproc, expected", [
-    (FSDP, 2, {"precision.name": "bf16", "strategy.name": "fsdp", "strategy.options.fsdp": ["full_shard", "auto_wrap"],
-               "fsdp_config.transformer_layer_cls_to_wrap": ["BertLayer"], "fsdp_config.state_dict_type": "FULL_STATE_DICT",
-               "fsdp_config.use_orig_params": True}),
-    (DS_FILE, 4, {"precision.name": "fp32", "strategy.name": "deepspeed",
-                  "strategy.options.config": "/home/user/configs/ds_zero3_config.json"}),
-    (DS_INLINE, 4, {"precision.name": "bf16", "strategy.name": "deepspeed", "strategy.options.config": {
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-        "gradient_accumulation_steps": 1, "gradient_clipping": 0.7}}),
-])
+@pytest.mark.parametrize(
+    "text, nproc, expected",
+    [
+        (
+            FSDP,
+            2,
+            {
+                "precision.name": "bf16",
+                "strategy.name": "fsdp",
+                "strategy.options.fsdp": ["full_shard", "auto_wrap"],
+                "fsdp_config.transformer_layer_cls_to_wrap": ["BertLayer"],
+                "fsdp_config.state_dict_type": "FULL_STATE_DICT",
+                "fsdp_config.use_orig_params": True,
+            },
+        ),
+        (
+            DS_FILE,
+            4,
+            {
+                "precision.name": "fp32",
+                "strategy.name": "deepspeed",
+                "strategy.options.config": "/home/user/configs/ds_zero3_config.json",
+            },
+        ),
+        (
+            DS_INLINE,
+            4,
+            {
+                "precision.name": "bf16",
+                "strategy.name": "deepspeed",
+                "strategy.options.config": {
+                    "zero_optimization": {
+                        "stage": 3,
+                        "offload_optimizer": {"device": "cpu"},
+                        "offload_param": {"device": "cpu"},
+                    },
+                    "gradient_accumulation_steps": 1,
+                    "gradient_clipping": 0.7,
+                },
+            },
+        ),
+    ],
+)
 def test_accelerate_config_files_mean_what_accelerate_launch_makes_of_them(tmp_path, text, nproc, expected):
     path = tmp_path / "accelerate.yaml"
     path.write_text(text)
     num, settings, devices = accelerate_config_settings(str(path))
     assert num == nproc and devices == {}
     assert _kiln_view(settings) == expected
-    assert _kiln_view(accelerate_settings(_accelerate_env(str(path)))) == expected  # same result as through accelerate itself
+    assert (
+        _kiln_view(accelerate_settings(_accelerate_env(str(path)))) == expected
+    )  # same result as through accelerate itself
 
 
 @pytest.mark.parametrize("text", [FSDP, DS_FILE, DS_INLINE])
@@ -140,7 +181,9 @@ def test_the_file_and_accelerates_variables_read_into_one_structure(tmp_path, te
     for name in ("mixed_precision", "use_cpu", "distributed_type", "dynamo_backend"):
         assert getattr(from_file, name) == getattr(from_env, name), name
     assert {k: v for k, v in from_env.fsdp.items() if k in from_file.fsdp} == from_file.fsdp
-    assert from_env.deepspeed.items() >= {k: v for k, v in from_file.deepspeed.items() if k != "zero3_init_flag"}.items()
+    assert (
+        from_env.deepspeed.items() >= {k: v for k, v in from_file.deepspeed.items() if k != "zero3_init_flag"}.items()
+    )
     # accelerate adds its defaults for what the file leaves out (cpu_ram_efficient_loading, ...): kiln's view above
     assert _kiln_view(settings_of(from_file)) == _kiln_view(settings_of(from_env))
 
@@ -156,7 +199,9 @@ def test_single_machine_multi_gpu_config_sets_gpus(tmp_path):
     path = tmp_path / "a.yaml"
     path.write_text(MULTI_GPU.replace("num_machines: 2", "num_machines: 1").replace("gpu_ids: all", "gpu_ids: 0,2"))
     num, settings, devices = accelerate_config_settings(str(path))
-    assert num == 8 and devices == {"CUDA_VISIBLE_DEVICES": "0,2"} and _kiln_view(settings) == {"precision.name": "fp16"}
+    assert (
+        num == 8 and devices == {"CUDA_VISIBLE_DEVICES": "0,2"} and _kiln_view(settings) == {"precision.name": "fp16"}
+    )
 
 
 def test_launch_refuses_to_nest(monkeypatch):
@@ -171,7 +216,9 @@ def _failure(code):
 
 
 def _write(tmp_path, rank, t, error, code=1):
-    (tmp_path / f"rank_{rank}.json").write_text(json.dumps({"rank": rank, "time": t, "error": error, "detail": "", "exitcode": code}))
+    (tmp_path / f"rank_{rank}.json").write_text(
+        json.dumps({"rank": rank, "time": t, "error": error, "detail": "", "exitcode": code})
+    )
 
 
 def test_report_picks_the_earliest_failure_not_the_consequences(tmp_path, capsys):

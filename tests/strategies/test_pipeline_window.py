@@ -12,12 +12,11 @@ Run as a script under torchrun, this file is the worker (`python -m torch.distri
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -70,8 +69,13 @@ class ToyPipeline(ProcessGroupCollectives, Strategy, OwnsMicroBatchWindow):
     """Two stages over two processes, GPipe's schedule: all forwards of the window, then all backwards."""
 
     name = "toy_pipeline"
-    capabilities = Capabilities(devices=frozenset({"cpu"}), auto_batch_size=False, full_eval_cast=False,
-                                user_optimizer=False, torch_compile=False)
+    capabilities = Capabilities(
+        devices=frozenset({"cpu"}),
+        auto_batch_size=False,
+        full_eval_cast=False,
+        user_optimizer=False,
+        torch_compile=False,
+    )
 
     data_shards = item_shards = grad_divisor = 1  # both stages read the same batches; no gradient is reduced
     data_shard_rank = 0
@@ -81,7 +85,7 @@ class ToyPipeline(ProcessGroupCollectives, Strategy, OwnsMicroBatchWindow):
         self.full = module
         return (module.stem if self.global_rank == 0 else module.head).to(self.root_device)
 
-    def run_window(self, model: nn.Module, window: list[Any], weights: Optional[LossWeights]) -> list[torch.Tensor]:
+    def run_window(self, model: nn.Module, window: list[Any], weights: LossWeights | None) -> list[torch.Tensor]:
         first = self.global_rank == 0
         kept = []  # stage 0: its outputs; stage 1: (its input, its weighted loss)
         for i, batch in enumerate(window):  # every forward
@@ -125,14 +129,23 @@ class ToyPipeline(ProcessGroupCollectives, Strategy, OwnsMicroBatchWindow):
 
 def config(out: str, strategy: str) -> dict[str, Any]:
     """7 micro-batches of 3 (the last of 2), 2 a window: three windows of two, then a short one of one."""
-    return {"output_dir": out, "seed": 5, "learning_rate": 0.05, "num_train_epochs": 1,
-            "per_device_train_batch_size": 3, "gradient_accumulation_steps": 2, "max_grad_norm": 0.5,
-            "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
-            "strategy": {"name": strategy, "device": "cpu"}}
+    return {
+        "output_dir": out,
+        "seed": 5,
+        "learning_rate": 0.05,
+        "num_train_epochs": 1,
+        "per_device_train_batch_size": 3,
+        "gradient_accumulation_steps": 2,
+        "max_grad_norm": 0.5,
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
+        "strategy": {"name": strategy, "device": "cpu"},
+    }
 
 
-def train(out: str, strategy: str, trainer_class: Any = None, *,
-          teardown: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(
+    out: str, strategy: str, trainer_class: Any = None, *, teardown: bool = True
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train `TwoStageLM`; the per-step logged losses and the final weights. `teardown=False` keeps the
     process group for the job's next Trainer: a default group made again from the launcher's store after
     one was destroyed can read the old group's gloo addresses there (the keys are not namespaced by
@@ -141,7 +154,9 @@ def train(out: str, strategy: str, trainer_class: Any = None, *,
 
     torch.manual_seed(0)
     model = TwoStageLM()
-    trainer = (trainer_class or Trainer)(model, config(out, strategy), train_dataset=padded_token_data(20, length=6, seed=1))
+    trainer = (trainer_class or Trainer)(
+        model, config(out, strategy), train_dataset=padded_token_data(20, length=6, seed=1)
+    )
     trainer.fit()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -167,18 +182,30 @@ def worker(out: str) -> None:
         refused = ""
     except KilnError as err:
         refused = str(err)
-    torch.save({"losses": losses, "state": {k: v for k, v in state.items() if k.startswith(own)},
-                "others_untouched": untouched, "schedule": ToyPipeline.schedule, "refused": refused},
-               os.path.join(out, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "losses": losses,
+            "state": {k: v for k, v in state.items() if k.startswith(own)},
+            "others_untouched": untouched,
+            "schedule": ToyPipeline.schedule,
+            "refused": refused,
+        },
+        os.path.join(out, f"rank{rank}.pt"),
+    )
 
 
 @pytest.mark.distributed
 def test_a_window_owning_two_stage_pipeline_equals_single(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"the pipeline job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"the pipeline job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     want_losses, want_state = train(str(tmp_path / "single"), "single")

@@ -13,14 +13,27 @@ from kiln.engine.distributed import configure_logging, main_process_first, proce
 
 
 def fake(rank, local_rank, world=4):
-    return SimpleNamespace(global_rank=rank, local_rank=local_rank, world_size=world, is_global_zero=rank == 0,
-                           is_local_zero=local_rank == 0, barrier=lambda name=None: None)
+    return SimpleNamespace(
+        global_rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        is_global_zero=rank == 0,
+        is_local_zero=local_rank == 0,
+        barrier=lambda name=None: None,
+    )
 
 
-@pytest.mark.parametrize("on_each_node, rank, local, expected", [
-    (True, 0, 0, logging.INFO), (True, 2, 0, logging.INFO), (True, 3, 1, logging.ERROR),
-    (False, 0, 0, logging.INFO), (False, 2, 0, logging.ERROR), (False, 3, 1, logging.ERROR),
-])
+@pytest.mark.parametrize(
+    "on_each_node, rank, local, expected",
+    [
+        (True, 0, 0, logging.INFO),
+        (True, 2, 0, logging.INFO),
+        (True, 3, 1, logging.ERROR),
+        (False, 0, 0, logging.INFO),
+        (False, 2, 0, logging.ERROR),
+        (False, 3, 1, logging.ERROR),
+    ],
+)
 def test_levels_by_rank(on_each_node, rank, local, expected):
     cfg = load_config({"log_level": "info", "log_level_replica": "error", "log_on_each_node": on_each_node})
     assert process_log_level(cfg, fake(rank, local)) == expected

@@ -32,7 +32,7 @@ def test_the_same_module_is_set_up_once_and_a_new_one_anew():
     evaluated = strategy.setup(first)  # evaluation before training
     trained = strategy.setup(first, _factory, lambda opt: ("schedule of", opt))
     assert strategy.wrapped == [first] and trained.model is evaluated.model
-    assert trained.optimizer.param_groups[0]["params"][0] is first.weight 
+    assert trained.optimizer.param_groups[0]["params"][0] is first.weight
     assert trained.scheduler == ("schedule of", trained.optimizer)
     second = torch.nn.Linear(2, 2)
     again = strategy.setup(second, _factory)

@@ -40,8 +40,12 @@ def test_fsdp_and_model_parallel_are_presets_of_the_mesh_strategy():
 
 def _imports(path: Path) -> list[tuple[str, str]]:
     tree = ast.parse(path.read_text())
-    return [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
-            for alias in node.names]
+    return [
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    ]
 
 
 def test_no_strategy_package_imports_another_ones_private_names():

@@ -22,8 +22,15 @@ def _stepped() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _save(directory, model, optimizer, save_optimizer: bool, writer: bool = True) -> None:
-    XLACheckpointIO().save(str(directory), model=model, module=model, optimizer=optimizer, save_optimizer=save_optimizer,
-                           safetensors=True, writer=writer)
+    XLACheckpointIO().save(
+        str(directory),
+        model=model,
+        module=model,
+        optimizer=optimizer,
+        save_optimizer=save_optimizer,
+        safetensors=True,
+        writer=writer,
+    )
 
 
 def test_the_optimizer_state_is_saved_when_asked_for(tmp_path):

@@ -41,8 +41,9 @@ def test_to_cpu_copies_one_object_reached_twice_once():
 
 def test_the_checkpoint_stores_the_tie_once(tmp_path):
     model = Tied()
-    XLACheckpointIO().save(str(tmp_path), model=model, module=model, optimizer=None, save_optimizer=False,
-                           safetensors=True, writer=True)
+    XLACheckpointIO().save(
+        str(tmp_path), model=model, module=model, optimizer=None, save_optimizer=False, safetensors=True, writer=True
+    )
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as fh:
         keys, meta = list(fh.keys()), fh.metadata()
     assert keys == ["emb.weight"] and json.loads(meta["kiln_aliases"]) == {"head.weight": "emb.weight"}

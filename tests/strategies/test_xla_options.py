@@ -33,23 +33,40 @@ def test_xla_only_keys_without_xla_are_refused(key):
 
 
 def test_hf_forms_map_onto_the_settings():
-    s = resolve(_options(fsdp="full_shard auto_wrap", fsdp_config={
-        "xla": True, "xla_fsdp_v2": False, "xla_fsdp_settings": {"compute_dtype": "bfloat16"},
-        "xla_fsdp_grad_ckpt": True, "transformer_layer_cls_to_wrap": "Block"}))
-    assert (s.wrapper, s.wrap, s.activation_checkpointing, s.settings) == ("classic", ["Block"], True, {"compute_dtype": "bfloat16"})
+    s = resolve(
+        _options(
+            fsdp="full_shard auto_wrap",
+            fsdp_config={
+                "xla": True,
+                "xla_fsdp_v2": False,
+                "xla_fsdp_settings": {"compute_dtype": "bfloat16"},
+                "xla_fsdp_grad_ckpt": True,
+                "transformer_layer_cls_to_wrap": "Block",
+            },
+        )
+    )
+    assert (s.wrapper, s.wrap, s.activation_checkpointing, s.settings) == (
+        "classic",
+        ["Block"],
+        True,
+        {"compute_dtype": "bfloat16"},
+    )
     assert resolve(_options(fsdp_config={"xla": True})).wrapper == "spmd"  # kiln's default (HF's is classic)
     assert resolve(_options(fsdp_config={"xla": True, "min_num_params": 100})).min_num_params == 100
     assert resolve(_options(fsdp="shard_grad_op", wrapper="classic")).settings == {"reshard_after_forward": False}
     assert resolve(_options(wrapper="classic", fsdp_config={"xla_fsdp_v2": True})).wrapper == "classic"  # native wins
 
 
-@pytest.mark.parametrize("given, message", [
-    (dict(fsdp_config={"xla": True, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}), "configure the classic"),
-    (dict(wrap=["Block"], min_num_params=10), "set only one of them"),
-    (dict(fsdp="full_shard offload"), "'offload' is not available with XLA FSDP"),
-    (dict(wrapper="gspmd"), "not one of spmd, classic"),
-    (dict(fsdp_config={"xla": True, "sharding_strategy": 1}), "not an XLA FSDP setting"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (dict(fsdp_config={"xla": True, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}), "configure the classic"),
+        (dict(wrap=["Block"], min_num_params=10), "set only one of them"),
+        (dict(fsdp="full_shard offload"), "'offload' is not available with XLA FSDP"),
+        (dict(wrapper="gspmd"), "not one of spmd, classic"),
+        (dict(fsdp_config={"xla": True, "sharding_strategy": 1}), "not an XLA FSDP setting"),
+    ],
+)
 def test_bad_settings_are_one_sentence(given, message):
     with pytest.raises(ConfigError, match=message) as err:
         resolve(_options(**given))
@@ -74,12 +91,15 @@ def test_without_torch_xla_the_strategies_say_how_to_get_it(name, tmp_path):
         Trainer(TinyRegressor(), cfg, train_dataset=regression_data(n=8))
 
 
-@pytest.mark.parametrize("options, chosen", [
-    ({}, "SPMDXLAFSDPStrategy"),
-    ({"wrapper": "classic"}, "ClassicXLAFSDPStrategy"),
-    ({"fsdp_config": {"xla": True, "xla_fsdp_v2": False}}, "ClassicXLAFSDPStrategy"),
-    ({"fsdp_config": {"xla": True, "xla_fsdp_v2": True}}, "SPMDXLAFSDPStrategy"),
-])
+@pytest.mark.parametrize(
+    "options, chosen",
+    [
+        ({}, "SPMDXLAFSDPStrategy"),
+        ({"wrapper": "classic"}, "ClassicXLAFSDPStrategy"),
+        ({"fsdp_config": {"xla": True, "xla_fsdp_v2": False}}, "ClassicXLAFSDPStrategy"),
+        ({"fsdp_config": {"xla": True, "xla_fsdp_v2": True}}, "SPMDXLAFSDPStrategy"),
+    ],
+)
 def test_xla_fsdp_resolves_one_class_per_wrapper(options, chosen):
     """`xla_fsdp` is one name for two classes; the options pick one before anything imports torch_xla."""
     from omegaconf import OmegaConf
@@ -89,4 +109,6 @@ def test_xla_fsdp_resolves_one_class_per_wrapper(options, chosen):
 
     cls = STRATEGIES.get("xla_fsdp").resolve(OmegaConf.create({"strategy": {"name": "xla_fsdp", "options": options}}))
     assert cls.__name__ == chosen and issubclass(cls, XLAFSDPBase) and cls.name == "xla_fsdp"
-    assert len(cls.checkpoint_formats) == 1 and cls.checkpoint_formats[0] in STRATEGIES.get("xla_fsdp").checkpoint_formats
+    assert (
+        len(cls.checkpoint_formats) == 1 and cls.checkpoint_formats[0] in STRATEGIES.get("xla_fsdp").checkpoint_formats
+    )

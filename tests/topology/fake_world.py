@@ -14,7 +14,8 @@ Ranks are placed as torchrun places them: node `rank // per_node`, local rank `r
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,8 +24,16 @@ from kiln.strategies.single import SingleDeviceStrategy
 
 def stand_in(rank: int, per_node: int = 2, nodes: int = 2) -> type[SingleDeviceStrategy]:
     """A strategy class (Trainer(strategy=...)) for global rank `rank` of a `nodes` x `per_node` job."""
-    return type(f"Rank{rank}Of{nodes}x{per_node}", (SingleDeviceStrategy,), {
-        "world_size": nodes * per_node, "global_rank": rank, "local_rank": rank % per_node, "node_rank": rank // per_node})
+    return type(
+        f"Rank{rank}Of{nodes}x{per_node}",
+        (SingleDeviceStrategy,),
+        {
+            "world_size": nodes * per_node,
+            "global_rank": rank,
+            "local_rank": rank % per_node,
+            "node_rank": rank // per_node,
+        },
+    )
 
 
 class ThreadWorld:
@@ -38,7 +47,7 @@ class ThreadWorld:
         self._here = threading.local()
 
     @property
-    def current_rank(self) -> Optional[int]:
+    def current_rank(self) -> int | None:
         """The rank whose thread calls this (None outside `run`)."""
         return getattr(self._here, "rank", None)
 

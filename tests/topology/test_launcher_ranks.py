@@ -12,34 +12,70 @@ from kiln.launch.environment import detect
 from kiln.launch.environment import ray as ray_env
 
 #: global rank 5 of a 3-node x 2-process job: local rank 1 on node 2 (5 % 2 == 1, 5 // 2 == 2)
-TORCHRUN = {"WORLD_SIZE": "6", "RANK": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2",
-            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-DEEPSPEED = {"WORLD_SIZE": "6", "RANK": "5", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "CROSS_RANK": "2", "CROSS_SIZE": "3",
-             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-SLURM = {"SLURM_NTASKS": "6", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_NNODES": "3",
-         "SLURM_NTASKS_PER_NODE": "2(x3)", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "42"}
+TORCHRUN = {
+    "WORLD_SIZE": "6",
+    "RANK": "5",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "2",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+}
+DEEPSPEED = {
+    "WORLD_SIZE": "6",
+    "RANK": "5",
+    "LOCAL_RANK": "1",
+    "LOCAL_SIZE": "2",
+    "CROSS_RANK": "2",
+    "CROSS_SIZE": "3",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+}
+SLURM = {
+    "SLURM_NTASKS": "6",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "2",
+    "SLURM_NNODES": "3",
+    "SLURM_NTASKS_PER_NODE": "2(x3)",
+    "SLURM_JOB_NODELIST": "n[1-3]",
+    "SLURM_JOB_ID": "42",
+}
 ACCELERATE = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "True"}
 
 
 class RayContext:
     """What Ray Train's context says on the same process."""
 
-    def get_world_size(self): return 6
-    def get_world_rank(self): return 5
-    def get_local_rank(self): return 1
-    def get_local_world_size(self): return 2
-    def get_node_rank(self): return 2
+    def get_world_size(self):
+        return 6
+
+    def get_world_rank(self):
+        return 5
+
+    def get_local_rank(self):
+        return 1
+
+    def get_local_world_size(self):
+        return 2
+
+    def get_node_rank(self):
+        return 2
 
 
-@pytest.mark.parametrize("env, source", [
-    (TORCHRUN, "torchrun"),
-    (DEEPSPEED, "deepspeed"),
-    ({**TORCHRUN, **ACCELERATE}, "accelerate"),
-    ({**DEEPSPEED, **ACCELERATE}, "accelerate"),
-    (SLURM, "slurm"),
-    ({**SLURM, **TORCHRUN}, "torchrun"),  # torchrun inside an sbatch allocation
-    ("ray", "ray"),
-], ids=["torchrun", "deepspeed", "accelerate-torchrun", "accelerate-deepspeed", "slurm", "torchrun-in-slurm", "ray"])
+@pytest.mark.parametrize(
+    "env, source",
+    [
+        (TORCHRUN, "torchrun"),
+        (DEEPSPEED, "deepspeed"),
+        ({**TORCHRUN, **ACCELERATE}, "accelerate"),
+        ({**DEEPSPEED, **ACCELERATE}, "accelerate"),
+        (SLURM, "slurm"),
+        ({**SLURM, **TORCHRUN}, "torchrun"),  # torchrun inside an sbatch allocation
+        ("ray", "ray"),
+    ],
+    ids=["torchrun", "deepspeed", "accelerate-torchrun", "accelerate-deepspeed", "slurm", "torchrun-in-slurm", "ray"],
+)
 def test_each_launcher_gives_global_local_and_node_rank_of_a_third_node_process(monkeypatch, env, source):
     if env == "ray":
         monkeypatch.setattr(ray_env, "train_context", lambda: RayContext())
@@ -55,10 +91,19 @@ def test_torchrun_without_a_group_rank_derives_the_node_from_rank_over_local_wor
     """GROUP_RANK is torchrun's; a process started another way that exports torchrun's rank variables
     may lack it: the node is then `RANK // LOCAL_WORLD_SIZE` (RANK=2, LOCAL_WORLD_SIZE=2 is node 1;
     `%` would give its local rank, 0)."""
-    env = {"WORLD_SIZE": "8", "RANK": str(rank), "LOCAL_RANK": str(rank % local_world), "LOCAL_WORLD_SIZE": str(local_world)}
+    env = {
+        "WORLD_SIZE": "8",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % local_world),
+        "LOCAL_WORLD_SIZE": str(local_world),
+    }
     reading = detect(env)
-    assert (reading.rank, reading.local_rank, reading.node_rank, reading.num_nodes) == (rank, rank % local_world, node,
-                                                                                        8 // local_world)
+    assert (reading.rank, reading.local_rank, reading.node_rank, reading.num_nodes) == (
+        rank,
+        rank % local_world,
+        node,
+        8 // local_world,
+    )
 
 
 def test_torchrun_takes_node_rank_when_group_rank_is_missing():
@@ -81,8 +126,15 @@ def test_without_local_world_size_every_process_is_on_one_node():
 
 
 # -- the strategy takes the launcher's ranks --------------------------------------------------------------
-NODE1 = {"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+NODE1 = {
+    "WORLD_SIZE": "4",
+    "RANK": "2",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "1",
+}
 
 
 @pytest.fixture
@@ -134,14 +186,18 @@ def test_in_a_group_that_already_exists_the_group_gives_world_and_rank_the_launc
     assert dist.is_initialized()
 
 
-@pytest.mark.parametrize("rank, local_rank, local, goes_first", [
-    (2, 0, True, True),    # node 1's local rank 0: first on its node
-    (2, 0, False, False),  # ... but not the job's main process
-    (3, 1, True, False),
-    (0, 0, False, True),
-])
-def test_main_process_first_before_a_trainer_reads_the_launcher(monkeypatch, node1, fake_group, rank, local_rank, local,
-                                                                goes_first):
+@pytest.mark.parametrize(
+    "rank, local_rank, local, goes_first",
+    [
+        (2, 0, True, True),  # node 1's local rank 0: first on its node
+        (2, 0, False, False),  # ... but not the job's main process
+        (3, 1, True, False),
+        (0, 0, False, True),
+    ],
+)
+def test_main_process_first_before_a_trainer_reads_the_launcher(
+    monkeypatch, node1, fake_group, rank, local_rank, local, goes_first
+):
     from kiln.engine.distributed import main_process_first
     from kiln.strategies import process_group
 

@@ -21,6 +21,9 @@ def _named_tests() -> list[tuple[str, str]]:
 def test_every_test_the_topology_rules_name_exists():
     named = _named_tests()
     assert len(named) >= 20
-    missing = [f"{path}::{name}" for path, name in named
-               if not re.search(rf"^def {name}\(", (REPO / path).read_text(), re.MULTILINE)]
+    missing = [
+        f"{path}::{name}"
+        for path, name in named
+        if not re.search(rf"^def {name}\(", (REPO / path).read_text(), re.MULTILINE)
+    ]
     assert not missing, f"docs/contributing.md names tests that do not exist: {missing}"

@@ -18,9 +18,16 @@ RANKS = [0, 1, 2, 3]
 
 
 def _config(out, **overrides):
-    cfg = {"output_dir": str(out), "max_steps": 3, "per_device_train_batch_size": 2, "learning_rate": 1e-2,
-           "report_to": "none", "strategy": {"device": "cpu"}, "save": {"strategy": "no"},
-           "log": {"history": [], "disable_tqdm": True, "steps": 1}}
+    cfg = {
+        "output_dir": str(out),
+        "max_steps": 3,
+        "per_device_train_batch_size": 2,
+        "learning_rate": 1e-2,
+        "report_to": "none",
+        "strategy": {"device": "cpu"},
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
+    }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(cfg.get(key), dict):
             cfg[key] = {**cfg[key], **value}
@@ -30,8 +37,13 @@ def _config(out, **overrides):
 
 
 def _trainer(out, rank, callbacks=(), **overrides):
-    return Trainer(TinyRegressor(), _config(out, **overrides), train_dataset=regression_data(16),
-                   strategy=stand_in(rank), callbacks=list(callbacks))
+    return Trainer(
+        TinyRegressor(),
+        _config(out, **overrides),
+        train_dataset=regression_data(16),
+        strategy=stand_in(rank),
+        callbacks=list(callbacks),
+    )
 
 
 class Flags(Callback):
@@ -90,8 +102,9 @@ def test_console_output_is_global_rank_0s(tmp_path, capsys, rank):
 
 @pytest.mark.parametrize("on_each_node", [True, False])
 @pytest.mark.parametrize("rank", RANKS)
-def test_the_training_summary_is_logged_by_the_main_process_of_each_node_or_of_the_job(tmp_path, caplog, rank,
-                                                                                        on_each_node):
+def test_the_training_summary_is_logged_by_the_main_process_of_each_node_or_of_the_job(
+    tmp_path, caplog, rank, on_each_node
+):
     """HF's `should_log`: each node's local rank 0 with log_on_each_node (the default), else global rank 0
     (replicas log at INFO here too, so only that rule can keep the block off them)."""
     trainer = _trainer(tmp_path, rank, log={"level": "info", "level_replica": "info", "on_each_node": on_each_node})

@@ -56,8 +56,19 @@ def _reseal(folder) -> None:
 
 
 def _strategies(world: ThreadWorld, out_of_rank, on_each_node: bool) -> list:
-    return [world.strategy(rank)(load_config({"output_dir": str(out_of_rank(rank)), "save": {"on_each_node": on_each_node},
-                                              "strategy": {"device": "cpu"}}), None) for rank in RANKS]
+    return [
+        world.strategy(rank)(
+            load_config(
+                {
+                    "output_dir": str(out_of_rank(rank)),
+                    "save": {"on_each_node": on_each_node},
+                    "strategy": {"device": "cpu"},
+                }
+            ),
+            None,
+        )
+        for rank in RANKS
+    ]
 
 
 @pytest.fixture
@@ -70,7 +81,9 @@ def checkpoints(tmp_path):
 def _resolvers(monkeypatch, world: ThreadWorld) -> list:
     calls: list = []
     real = resume_module.resolve_resume
-    monkeypatch.setattr(resume_module, "resolve_resume", lambda *a, **k: (calls.append(world.current_rank), real(*a, **k))[1])
+    monkeypatch.setattr(
+        resume_module, "resolve_resume", lambda *a, **k: (calls.append(world.current_rank), real(*a, **k))[1]
+    )
     return calls
 
 
@@ -81,7 +94,9 @@ def test_on_a_shared_folder_global_rank_0_alone_chooses_the_checkpoint(checkpoin
     chosen = world.run(lambda rank: choose_resume(True, strategies[rank].config, strategies[rank]))
     assert calls == [0]  # one reader of every file's checksums
     assert chosen == [str(checkpoints / "node0" / "checkpoint-4")] * 4
-    with pytest.raises(ResumeError, match="Can.t find a valid checkpoint at .*missing"):  # its refusal reaches every rank
+    with pytest.raises(
+        ResumeError, match="Can.t find a valid checkpoint at .*missing"
+    ):  # its refusal reaches every rank
         world.run(lambda rank: choose_resume(str(checkpoints / "missing"), strategies[rank].config, strategies[rank]))
 
 
@@ -92,15 +107,20 @@ def test_with_save_on_each_node_every_rank_reads_its_nodes_copy(checkpoints, mon
     strategies = _strategies(world, lambda rank: checkpoints / f"node{rank // 2}", on_each_node=True)
     chosen = world.run(lambda rank: choose_resume(True, strategies[rank].config, strategies[rank]))
     assert sorted(calls) == RANKS
-    assert chosen == [str(checkpoints / "node0" / "checkpoint-4")] * 2 + [str(checkpoints / "node1" / "checkpoint-2")] * 2
+    assert (
+        chosen == [str(checkpoints / "node0" / "checkpoint-4")] * 2 + [str(checkpoints / "node1" / "checkpoint-2")] * 2
+    )
 
 
-@pytest.mark.parametrize("on_each_node, folders, refused", [
-    (False, ["a", "a", "a", "a"], False),
-    (False, ["a", "a", "b", "b"], True),   # one folder for the whole job
-    (True, ["a", "a", "b", "b"], False),   # one per node
-    (True, ["a", "a", "b", "c"], True),    # ... shared by the ranks of that node
-])
+@pytest.mark.parametrize(
+    "on_each_node, folders, refused",
+    [
+        (False, ["a", "a", "a", "a"], False),
+        (False, ["a", "a", "b", "b"], True),  # one folder for the whole job
+        (True, ["a", "a", "b", "b"], False),  # one per node
+        (True, ["a", "a", "b", "c"], True),  # ... shared by the ranks of that node
+    ],
+)
 def test_every_rank_names_the_same_output_dir_or_one_per_node(tmp_path, on_each_node, folders, refused):
     world = ThreadWorld()
     strategies = _strategies(world, lambda rank: tmp_path / folders[rank], on_each_node)
@@ -116,9 +136,17 @@ def test_each_rank_trains_on_the_shard_of_its_global_rank(tmp_path):
     data = [{"x": torch.full((8,), float(i)), "y": torch.tensor(0.0)} for i in range(16)]
     shards = []
     for rank in RANKS:
-        trainer = Trainer(torch.nn.Linear(8, 1), {"output_dir": str(tmp_path), "per_device_train_batch_size": 2,
-                                                  "strategy": {"device": "cpu"}, "report_to": "none"},
-                          train_dataset=data, strategy=stand_in(rank))
+        trainer = Trainer(
+            torch.nn.Linear(8, 1),
+            {
+                "output_dir": str(tmp_path),
+                "per_device_train_batch_size": 2,
+                "strategy": {"device": "cpu"},
+                "report_to": "none",
+            },
+            train_dataset=data,
+            strategy=stand_in(rank),
+        )
         shards.append({int(x[0]) for batch in trainer.get_train_dataloader() for x in batch["x"]})
     assert all(len(shard) == 4 for shard in shards)
     assert set().union(*shards) == set(range(16))  # disjoint quarters: ranks 2 and 3 do not repeat ranks 0 and 1

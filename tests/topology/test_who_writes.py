@@ -28,9 +28,16 @@ SHARED = {"model.safetensors", "optimizer.pt", "scheduler.pt", "precision.pt", "
 
 
 def _config(out, **overrides):
-    cfg = {"output_dir": str(out), "max_steps": 3, "per_device_train_batch_size": 2, "learning_rate": 1e-2,
-           "report_to": "none", "strategy": {"device": "cpu"}, "save": {"strategy": "steps", "steps": 2},
-           "log": {"history": [], "disable_tqdm": True, "steps": 10}}
+    cfg = {
+        "output_dir": str(out),
+        "max_steps": 3,
+        "per_device_train_batch_size": 2,
+        "learning_rate": 1e-2,
+        "report_to": "none",
+        "strategy": {"device": "cpu"},
+        "save": {"strategy": "steps", "steps": 2},
+        "log": {"history": [], "disable_tqdm": True, "steps": 10},
+    }
     cfg.update(overrides)
     return cfg
 
@@ -44,12 +51,18 @@ def _record(monkeypatch, world: ThreadWorld) -> dict[int, list[str]]:
         def call(*args, **kwargs):
             seen[world.current_rank].append(name_of(*args, **kwargs))
             return real(*args, **kwargs)
+
         return call
 
-    monkeypatch.setattr(torch, "save", noting(torch.save, lambda obj, f, *a, **k: os.path.basename(getattr(f, "name", f))))
-    monkeypatch.setattr(checkpoint_io, "save_weights", noting(checkpoint_io.save_weights, lambda *a, **k: "model.safetensors"))
-    monkeypatch.setattr(TrainerState, "save_to_json", noting(TrainerState.save_to_json,
-                                                             lambda self, path: os.path.basename(path)))
+    monkeypatch.setattr(
+        torch, "save", noting(torch.save, lambda obj, f, *a, **k: os.path.basename(getattr(f, "name", f)))
+    )
+    monkeypatch.setattr(
+        checkpoint_io, "save_weights", noting(checkpoint_io.save_weights, lambda *a, **k: "model.safetensors")
+    )
+    monkeypatch.setattr(
+        TrainerState, "save_to_json", noting(TrainerState.save_to_json, lambda self, path: os.path.basename(path))
+    )
     monkeypatch.setattr(CheckpointManager, "_publish", noting(CheckpointManager._publish, lambda *a, **k: "COMPLETE"))
     monkeypatch.setattr(output_dir_module, "acquire", noting(output_dir_module.acquire, lambda out: "LOCK"))
     return seen
@@ -61,8 +74,12 @@ def _fit_world(monkeypatch, out_of_rank, **overrides) -> dict[int, list[str]]:
     models = [TinyRegressor() for _ in RANKS]  # built here: model construction draws from the shared RNG
 
     def fit(rank: int) -> None:
-        Trainer(models[rank], _config(out_of_rank(rank), **overrides), train_dataset=regression_data(32),
-                strategy=world.strategy(rank)).fit()
+        Trainer(
+            models[rank],
+            _config(out_of_rank(rank), **overrides),
+            train_dataset=regression_data(32),
+            strategy=world.strategy(rank),
+        ).fit()
 
     world.run(fit)
     return seen
@@ -89,8 +106,11 @@ def test_on_a_shared_folder_rank_0_writes_the_checkpoint_and_every_rank_its_own_
 
 def test_with_save_on_each_node_each_nodes_local_rank_0_writes_its_nodes_checkpoint(tmp_path, monkeypatch):
     """Node-local disks: each node has its own output_dir (the ranks of one node share it)."""
-    seen = _fit_world(monkeypatch, lambda rank: tmp_path / f"node{rank // 2}", save={"strategy": "steps", "steps": 2,
-                                                                                       "on_each_node": True})
+    seen = _fit_world(
+        monkeypatch,
+        lambda rank: tmp_path / f"node{rank // 2}",
+        save={"strategy": "steps", "steps": 2, "on_each_node": True},
+    )
     for rank in RANKS:
         own = {f"rng_state_{rank}.pth", f"loop_state_{rank}.pt"}
         assert _per_checkpoint(seen[rank]) == (SHARED | own | {"LOCK"} if rank % 2 == 0 else own)
@@ -106,8 +126,9 @@ def test_save_model_is_written_by_the_writer_and_save_state_and_metrics_by_globa
     """save_model follows the checkpoint writer (HF's `should_save`); trainer_state.json and the results
     files are global rank 0's even with save_on_each_node (HF's save_state / save_metrics)."""
     out = tmp_path / f"rank{rank}"
-    trainer = Trainer(TinyRegressor(), _config(out, save={"strategy": "no", "on_each_node": on_each_node}),
-                      strategy=stand_in(rank))
+    trainer = Trainer(
+        TinyRegressor(), _config(out, save={"strategy": "no", "on_each_node": on_each_node}), strategy=stand_in(rank)
+    )
     trainer.save_model()
     trainer.save_state()
     trainer.save_metrics("train", {"train_loss": 0.5})

@@ -13,7 +13,10 @@ from kiln.utils.host_copy import HostStaging, host_copy
 
 def test_the_copy_does_not_change_when_the_originals_do():
     weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(4)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    state = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(4)}},
+        "param_groups": [{"lr": 0.1, "params": [0]}],
+    }
     copy_w, copy_s = host_copy(weight), host_copy(state)
     weight.add_(100)
     state["state"][0]["exp_avg"].mul_(7)
@@ -26,7 +29,12 @@ def test_the_copy_does_not_change_when_the_originals_do():
 
 def test_shared_storages_stay_shared_at_the_same_offsets_shape_and_strides():
     base = torch.arange(12, dtype=torch.float32)
-    tree = {"a": base, "b": base[2:8].view(2, 3), "c": base.view(3, 4).t(), "tied": base.view(-1)}  # state_dict() gives each tied name its own tensor
+    tree = {
+        "a": base,
+        "b": base[2:8].view(2, 3),
+        "c": base.view(3, 4).t(),
+        "tied": base.view(-1),
+    }  # state_dict() gives each tied name its own tensor
     copy = host_copy(tree)
     for key in tree:
         assert torch.equal(copy[key], tree[key]), key

@@ -23,14 +23,17 @@ def _param(mesh: object = None) -> torch.nn.Parameter:
 MESH_A, MESH_B = object(), object()
 
 
-@pytest.mark.parametrize("meshes,mixed", [
-    ((None, None), False),
-    ((MESH_A, MESH_A), False),
-    ((MESH_A, None), True),
-    ((None, MESH_A), True),
-    ((MESH_A, MESH_B), True),
-    ((), False),
-])
+@pytest.mark.parametrize(
+    "meshes,mixed",
+    [
+        ((None, None), False),
+        ((MESH_A, MESH_A), False),
+        ((MESH_A, None), True),
+        ((None, MESH_A), True),
+        ((MESH_A, MESH_B), True),
+        ((), False),
+    ],
+)
 def test_a_group_mixes_when_its_parameters_do_not_share_one_mesh(meshes, mixed):
     assert mixes_meshes([_param(m) for m in meshes]) is mixed
 
@@ -48,8 +51,11 @@ def test_only_the_mixed_groups_left_to_torch_step_per_parameter(caplog):
 @pytest.mark.parametrize("flag", ["foreach", "fused"])
 def test_a_mixed_group_that_asks_for_a_multi_tensor_kernel_is_one_sentence(flag):
     opt = torch.optim.AdamW([{"params": [_param()]}, {"params": [_param(MESH_A), _param()]}], **{flag: True})
-    with pytest.raises(ConfigError, match=rf"^Param group 1 of the AdamW optimizer mixes DTensors .* its {flag}=True "
-                                          rf"kernel cannot step in one call; build it with {flag}=False"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^Param group 1 of the AdamW optimizer mixes DTensors .* its {flag}=True "
+        rf"kernel cannot step in one call; build it with {flag}=False",
+    ):
         per_parameter_kernels_where_mixed(opt)
 
 

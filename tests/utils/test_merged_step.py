@@ -7,7 +7,8 @@ from __future__ import annotations
 import collections
 import copy
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -82,13 +83,16 @@ def _assert_same(net_a: nn.Module, opt_a: Any, net_b: nn.Module, opt_b: Any) -> 
             assert torch.equal(value, sb["state"][i][key]), (i, key)
 
 
-@pytest.mark.parametrize("make", [
-    pytest.param(lambda net: _optimizer(net), id="adamw"),
-    pytest.param(lambda net: _optimizer(net, foreach=True), id="adamw-foreach"),
-    pytest.param(lambda net: _optimizer(net, fused=True), id="adamw-fused"),
-    pytest.param(lambda net: _optimizer(net, torch.optim.SGD, momentum=0.9, nesterov=True), id="sgd-nesterov"),
-    pytest.param(lambda net: _optimizer(net, torch.optim.Adagrad), id="adagrad"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda net: _optimizer(net), id="adamw"),
+        pytest.param(lambda net: _optimizer(net, foreach=True), id="adamw-foreach"),
+        pytest.param(lambda net: _optimizer(net, fused=True), id="adamw-fused"),
+        pytest.param(lambda net: _optimizer(net, torch.optim.SGD, momentum=0.9, nesterov=True), id="sgd-nesterov"),
+        pytest.param(lambda net: _optimizer(net, torch.optim.Adagrad), id="adagrad"),
+    ],
+)
 def test_weights_and_state_are_those_of_the_grouped_step_bit_for_bit(make: Any) -> None:
     grouped, a, merged, b = _pair(make)
     sched_a = torch.optim.lr_scheduler.LambdaLR(a, lambda s: 1.0 - s / 20)
@@ -217,12 +221,15 @@ class OwnAdamW(torch.optim.AdamW):
     pass
 
 
-@pytest.mark.parametrize("make", [
-    pytest.param(lambda net: None, id="no optimizer"),
-    pytest.param(lambda net: torch.optim.AdamW(net.parameters()), id="one group"),
-    pytest.param(lambda net: OwnAdamW(parameter_groups(net, 0.0)), id="a subclass"),
-    pytest.param(lambda net: torch.optim.LBFGS(net.parameters()), id="not a read-only step"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda net: None, id="no optimizer"),
+        pytest.param(lambda net: torch.optim.AdamW(net.parameters()), id="one group"),
+        pytest.param(lambda net: OwnAdamW(parameter_groups(net, 0.0)), id="a subclass"),
+        pytest.param(lambda net: torch.optim.LBFGS(net.parameters()), id="not a read-only step"),
+    ],
+)
 def test_it_leaves_other_optimizers_alone(make: Any) -> None:
     opt = make(Net())
     step = getattr(opt, "step", None)

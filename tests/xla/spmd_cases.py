@@ -19,8 +19,14 @@ def train_data():
 
 
 def config(output_dir: str, strategy: str = "xla_fsdp", **over) -> dict:
-    settings = dict(max_steps=6, per_device_train_batch_size=8, learning_rate=1e-2, max_grad_norm=0.5,
-                    dataloader_drop_last=True, overwrite_output_dir=True)
+    settings = dict(
+        max_steps=6,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        max_grad_norm=0.5,
+        dataloader_drop_last=True,
+        overwrite_output_dir=True,
+    )
     cfg = base_config(pathlib.Path(output_dir), strategy={"name": strategy}, **{**settings, **over})
     cfg["output_dir"] = output_dir
     if strategy == "single":

@@ -33,8 +33,10 @@ class AtStep3(Callback):
     def on_step_begin(self, args, state, control, **kw):
         if state.global_step == 3:
             opt = self.trainer.optimizer.state_dict()
-            self.snapshot = {**params(self.trainer), **{f"optim.{i}.{k}": v.detach().cpu() for i, s in opt["state"].items()
-                                                        for k, v in s.items()}}
+            self.snapshot = {
+                **params(self.trainer),
+                **{f"optim.{i}.{k}": v.detach().cpu() for i, s in opt["state"].items() for k, v in s.items()},
+            }
             self.compiled = compilations()
 
     def on_step_end(self, args, state, control, **kw):
@@ -54,8 +56,12 @@ def params(trainer):
 def main(out: str) -> None:
     results = {}
     seen = AtStep3()
-    trainer = Trainer(model(), config(os.path.join(out, "full"), save_steps=3, save_strategy="steps"), train_dataset=train_data(),
-                      callbacks=[seen])
+    trainer = Trainer(
+        model(),
+        config(os.path.join(out, "full"), save_steps=3, save_strategy="steps"),
+        train_dataset=train_data(),
+        callbacks=[seen],
+    )
     seen.trainer = trainer
     trainer.fit()
     results["full_at_3"] = seen.snapshot
@@ -66,15 +72,24 @@ def main(out: str) -> None:
     trainer.save_model(os.path.join(out, "model"))
 
     seen = AtStep3()
-    resumed = Trainer(model(seed=123), config(os.path.join(out, "resumed")), train_dataset=train_data(), callbacks=[seen])
+    resumed = Trainer(
+        model(seed=123), config(os.path.join(out, "resumed")), train_dataset=train_data(), callbacks=[seen]
+    )
     seen.trainer = resumed
     resumed.fit(resume_from_checkpoint=os.path.join(out, "full", "checkpoint-3"))
     results["resumed"] = params(resumed)
     results["resumed_at_3"] = seen.snapshot
     results["resumed_compiled"] = seen.compiled  # steps 4-6 after the load: 0 if they replay the full run's graphs
 
-    hf = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True,
-                                                           "transformer_layer_cls_to_wrap": ["Linear"]}}
+    hf = {
+        "fsdp": "full_shard auto_wrap",
+        "fsdp_config": {
+            "xla": True,
+            "xla_fsdp_v2": True,
+            "xla_fsdp_grad_ckpt": True,
+            "transformer_layer_cls_to_wrap": ["Linear"],
+        },
+    }
     cfg = config(os.path.join(out, "wrapped"), **hf)
     del cfg["strategy"]
     wrapped = Trainer(model(), cfg, train_dataset=train_data())

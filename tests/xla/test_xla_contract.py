@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
-from tests.strategies.contract import test_contract as contract  # noqa: E402
 from tests.strategies.contract import scenarios  # noqa: E402
+from tests.strategies.contract import test_contract as contract  # noqa: E402
 from tests.strategies.contract.scenarios import run_all  # noqa: E402
 
 

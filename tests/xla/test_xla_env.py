@@ -25,11 +25,19 @@ def test_xla_suite_passes_in_the_xla_environment():
         pytest.skip("already inside an XLA environment: pytest runs tests/xla directly")
     python = xla_python()
     if not os.path.exists(python):
-        pytest.skip(f"no XLA environment at {os.path.dirname(os.path.dirname(python))}; build it with: bash scripts/xla-env.sh")
+        pytest.skip(
+            f"no XLA environment at {os.path.dirname(os.path.dirname(python))}; build it with: bash scripts/xla-env.sh"
+        )
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
     env.pop("CPU_NUM_DEVICES", None)  # the SPMD tests set it for their own subprocesses
-    proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/xla"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/xla"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     summary = out.strip().splitlines()[-1]

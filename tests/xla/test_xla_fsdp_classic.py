@@ -16,8 +16,10 @@ from kiln import Trainer  # noqa: E402
 from kiln.engine.checkpoint.convert import convert_checkpoint  # noqa: E402
 from tests.xla.spmd_cases import config, model, train_data  # noqa: E402
 
-HF = {"fsdp": "full_shard", "fsdp_config": {"xla": True, "xla_fsdp_v2": False,
-                                            "xla_fsdp_settings": {"compute_dtype": "float32"}}}
+HF = {
+    "fsdp": "full_shard",
+    "fsdp_config": {"xla": True, "xla_fsdp_v2": False, "xla_fsdp_settings": {"compute_dtype": "float32"}},
+}
 
 
 def _hf_config(output_dir, **over):
@@ -27,7 +29,9 @@ def _hf_config(output_dir, **over):
 
 
 def test_classic_wrapper_trains_saves_resumes_and_converts(tmp_path):
-    full = Trainer(model(), _hf_config(str(tmp_path / "full"), save_steps=3, save_strategy="steps"), train_dataset=train_data())
+    full = Trainer(
+        model(), _hf_config(str(tmp_path / "full"), save_steps=3, save_strategy="steps"), train_dataset=train_data()
+    )
     full.fit()
     assert (full.strategy.name, full.strategy.settings.wrapper) == ("xla_fsdp", "classic")
     assert type(full.model_wrapped).__name__ == "XlaFullyShardedDataParallel"

@@ -17,8 +17,9 @@ from tests.helpers import TinyRegressor, base_config, flat_params, regression_da
 
 
 def _config(tmp_path, name, strategy="xla", **over):
-    settings = dict(max_steps=6, per_device_train_batch_size=8, learning_rate=1e-2, max_grad_norm=0.5,
-                    dataloader_drop_last=True)
+    settings = dict(
+        max_steps=6, per_device_train_batch_size=8, learning_rate=1e-2, max_grad_norm=0.5, dataloader_drop_last=True
+    )
     cfg = base_config(tmp_path, strategy={"name": strategy}, **{**settings, **over})
     cfg["output_dir"] = str(tmp_path / name)
     if strategy == "single":
@@ -81,8 +82,12 @@ def test_no_host_reads_and_no_recompilation_between_logging_steps(tmp_path):
     met.clear_all()
     counters = _Counters()
     torch.manual_seed(0)
-    trainer = Trainer(TinyRegressor(), _config(tmp_path, "sync", max_steps=16, logging_steps=5),
-                      train_dataset=regression_data(n=64), callbacks=[counters])
+    trainer = Trainer(
+        TinyRegressor(),
+        _config(tmp_path, "sync", max_steps=16, logging_steps=5),
+        train_dataset=regression_data(n=64),
+        callbacks=[counters],
+    )
     trainer.fit()
     rows = counters.rows
     # the loop reads loss and grad norm back on logging steps only (steps 5, 10, 15, after on_step_end)
@@ -102,8 +107,11 @@ def test_refusals_are_one_sentence(tmp_path):
         cfg["strategy"]["device"] = "cpu"
         Trainer(TinyRegressor(), cfg, train_dataset=regression_data(n=8))
     # declared (Capabilities.torch_compile), so refused by the constructor, before anything starts
-    with pytest.raises(CapabilityError, match=r"^torch_compile cannot be used with strategy 'xla': XLA already compiles "
-                                              r"every step into one graph; drop torch_compile\.$"):
+    with pytest.raises(
+        CapabilityError,
+        match=r"^torch_compile cannot be used with strategy 'xla': XLA already compiles "
+        r"every step into one graph; drop torch_compile\.$",
+    ):
         Trainer(TinyRegressor(), _config(tmp_path, "compile", torch_compile=True), train_dataset=regression_data(n=8))
 
 
@@ -123,7 +131,9 @@ def test_bf16_and_bf16_true_train_on_xla(tmp_path, precision):
     model = TinyRegressor()
     seen = []
     model.net[0].register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
-    trainer = Trainer(model, _config(tmp_path, precision, max_steps=2, precision=precision), train_dataset=regression_data(n=64))
+    trainer = Trainer(
+        model, _config(tmp_path, precision, max_steps=2, precision=precision), train_dataset=regression_data(n=64)
+    )
     out = trainer.fit()
     assert set(seen) == {torch.bfloat16}, precision  # the matmuls ran in bf16 on the XLA device
     assert torch.isfinite(torch.tensor(out.training_loss))
@@ -143,7 +153,9 @@ def test_a_parameter_without_gradients_is_not_stepped(tmp_path):
         torch.manual_seed(0)
         model = _WithUnusedHead()
         before = model.unused.weight.detach().clone()
-        trainer = Trainer(model, _config(tmp_path, strategy, strategy, weight_decay=0.1), train_dataset=regression_data(n=64))
+        trainer = Trainer(
+            model, _config(tmp_path, strategy, strategy, weight_decay=0.1), train_dataset=regression_data(n=64)
+        )
         trainer.fit()
         assert torch.equal(model.unused.weight.detach().cpu(), before), strategy  # weight decay did not shrink it
         trained[strategy] = flat_params(model).cpu()

@@ -26,17 +26,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("spmd")
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2",
-           "PYTHONPATH": os.path.dirname(os.path.dirname(HERE))}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "spmd_worker.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=400)
+    env = {
+        **os.environ,
+        "PJRT_DEVICE": "CPU",
+        "CPU_NUM_DEVICES": "2",
+        "PYTHONPATH": os.path.dirname(os.path.dirname(HERE)),
+    }
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "spmd_worker.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return out, torch.load(out / "results.pt")
 
 
 @pytest.fixture(scope="module")
 def cpu_reference(tmp_path_factory):
-    trainer = Trainer(model(), config(str(tmp_path_factory.mktemp("cpu")), strategy="single"), train_dataset=train_data())
+    trainer = Trainer(
+        model(), config(str(tmp_path_factory.mktemp("cpu")), strategy="single"), train_dataset=train_data()
+    )
     trainer.fit()
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 

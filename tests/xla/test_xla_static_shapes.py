@@ -24,8 +24,13 @@ N, BATCH, ACCUMULATE = 60, 8, 2
 
 
 def _config(tmp_path, name, strategy, **over):
-    settings = dict(num_train_epochs=2, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
-                    learning_rate=1e-2, max_grad_norm=0.5)
+    settings = dict(
+        num_train_epochs=2,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE,
+        learning_rate=1e-2,
+        max_grad_norm=0.5,
+    )
     cfg = base_config(tmp_path, strategy={"name": strategy}, **{**settings, **over})
     cfg["output_dir"] = str(tmp_path / name)
     if strategy == "single":
@@ -47,7 +52,9 @@ def test_short_last_batch_and_window_compile_nothing_new_and_match_the_cpu(tmp_p
     seen = _Compilations()
     torch.manual_seed(0)
     with caplog.at_level(logging.WARNING, logger="kiln.engine.data.static_shapes"):
-        xla = Trainer(TinyRegressor(), _config(tmp_path, "xla", "xla"), train_dataset=regression_data(n=N), callbacks=[seen])
+        xla = Trainer(
+            TinyRegressor(), _config(tmp_path, "xla", "xla"), train_dataset=regression_data(n=N), callbacks=[seen]
+        )
         out = xla.fit()
     assert "drops 4 sample(s) of each epoch" in caplog.text
     rows = seen.rows
@@ -57,8 +64,11 @@ def test_short_last_batch_and_window_compile_nothing_new_and_match_the_cpu(tmp_p
     assert rows[0][2] > 0 and len({c for step, _, c in rows if step >= 2}) == 1, rows
 
     torch.manual_seed(0)
-    cpu = Trainer(TinyRegressor(), _config(tmp_path, "cpu", "single", dataloader_drop_last=True),
-                  train_dataset=regression_data(n=N))
+    cpu = Trainer(
+        TinyRegressor(),
+        _config(tmp_path, "cpu", "single", dataloader_drop_last=True),
+        train_dataset=regression_data(n=N),
+    )
     out_cpu = cpu.fit()
     assert out_cpu.global_step == 8
     # the same maths on another backend: equal to float32 rounding
@@ -69,8 +79,12 @@ def test_short_last_batch_and_window_compile_nothing_new_and_match_the_cpu(tmp_p
 def test_only_a_users_dataloader_with_a_short_batch_is_warned_about(tmp_path, caplog):
     from torch.utils.data import DataLoader
 
-    trainer = Trainer(TinyRegressor(), _config(tmp_path, "warn", "xla"), train_dataset=regression_data(n=N),
-                      eval_dataset=regression_data(n=12))
+    trainer = Trainer(
+        TinyRegressor(),
+        _config(tmp_path, "warn", "xla"),
+        train_dataset=regression_data(n=N),
+        eval_dataset=regression_data(n=12),
+    )
     with caplog.at_level(logging.WARNING, logger="kiln.strategies.xla.loader"):
         assert len(trainer.get_eval_dataloader()) == 2  # kiln's evaluation keeps its short batch, silently
         assert not caplog.records

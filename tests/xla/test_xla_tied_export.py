@@ -32,8 +32,9 @@ def test_a_tied_weight_on_an_xla_device_is_saved_once(tmp_path):
     assert model.head.weight is model.emb.weight and model.emb.weight.device.type == "xla"
     state = module_state_cpu(model)  # what the export (model_state_for_export) writes
     assert state["emb.weight"] is state["head.weight"] and state["emb.weight"].device.type == "cpu"
-    XLACheckpointIO().save(str(tmp_path), model=model, module=model, optimizer=None, save_optimizer=False,
-                           safetensors=True, writer=True)
+    XLACheckpointIO().save(
+        str(tmp_path), model=model, module=model, optimizer=None, save_optimizer=False, safetensors=True, writer=True
+    )
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as fh:
         keys, meta = list(fh.keys()), fh.metadata()
     assert keys == ["emb.weight"] and json.loads(meta["kiln_aliases"]) == {"head.weight": "emb.weight"}
@@ -55,9 +56,19 @@ def test_training_on_xla_keeps_a_tie_one_parameter(tmp_path):
 
     torch.manual_seed(0)
     data = [{"input_ids": torch.randint(0, 5, (3,)), "labels": torch.randint(0, 5, (3,))} for _ in range(16)]
-    trainer = Trainer(TiedLM(), {"output_dir": str(tmp_path / "run"), "strategy": "xla", "max_steps": 3, "report_to": "none",
-                                 "per_device_train_batch_size": 4, "save_strategy": "no", "disable_tqdm": True},
-                      train_dataset=data)
+    trainer = Trainer(
+        TiedLM(),
+        {
+            "output_dir": str(tmp_path / "run"),
+            "strategy": "xla",
+            "max_steps": 3,
+            "report_to": "none",
+            "per_device_train_batch_size": 4,
+            "save_strategy": "no",
+            "disable_tqdm": True,
+        },
+        train_dataset=data,
+    )
     trainer.fit()
     model = trainer.model
     assert model.head.weight is model.emb.weight and model.emb.weight.device.type == "xla"

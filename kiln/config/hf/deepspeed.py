@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 from kiln.utils.errors import ConfigError
 
@@ -33,7 +33,11 @@ NAMED_STAGES: dict[str, dict[str, Any]] = {
     "deepspeed_stage_2": {"stage": 2},
     "deepspeed_stage_3": {"stage": 3},
     "deepspeed_stage_2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-    "deepspeed_stage_3_offload": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    "deepspeed_stage_3_offload": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"},
+    },
 }
 
 #: (DeepSpeed key, kiln key) pairs that must agree; the kiln side is the source of truth
@@ -58,7 +62,9 @@ def read_user_config(value: Any) -> dict[str, Any]:
         text = value
         if not value.lstrip().startswith("{"):
             if not os.path.exists(value):
-                raise ConfigError(f"DeepSpeed config file {value!r} does not exist; pass a JSON file path or a mapping.")
+                raise ConfigError(
+                    f"DeepSpeed config file {value!r} does not exist; pass a JSON file path or a mapping."
+                )
             with open(value, encoding="utf-8") as fh:
                 text = fh.read()
         try:
@@ -80,7 +86,7 @@ def read_user_config(value: Any) -> dict[str, Any]:
     raise ConfigError(f"strategy.config must be a DeepSpeed JSON path or a mapping, not {type(value).__name__}.")
 
 
-def _node(config: dict[str, Any], dotted: str, create: bool = False) -> tuple[Optional[dict[str, Any]], str]:
+def _node(config: dict[str, Any], dotted: str, create: bool = False) -> tuple[dict[str, Any] | None, str]:
     *parents, leaf = dotted.split(".")
     node: Any = config
     for part in parents:
@@ -118,8 +124,11 @@ class Mismatches(list):
 
     def raise_if_any(self) -> None:
         if self:
-            raise ConfigError("The DeepSpeed config and kiln's config disagree (" + "; ".join(self) +
-                              "); set the DeepSpeed values to \"auto\" or make both sides equal.")
+            raise ConfigError(
+                "The DeepSpeed config and kiln's config disagree ("
+                + "; ".join(self)
+                + '); set the DeepSpeed values to "auto" or make both sides equal.'
+            )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -130,8 +139,15 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _match(ds: dict[str, Any], cfg: Any, ds_key: str, kiln_key: str, bad: Mismatches, kiln_value: Any = None,
-           fill_absent: bool = True) -> None:
+def _match(
+    ds: dict[str, Any],
+    cfg: Any,
+    ds_key: str,
+    kiln_key: str,
+    bad: Mismatches,
+    kiln_value: Any = None,
+    fill_absent: bool = True,
+) -> None:
     """One key: fill "auto" (and absent when `fill_absent`), else record a mismatch."""
     value = _kiln(cfg, kiln_key) if kiln_value is None else kiln_value
     node, leaf = _node(ds, ds_key, create=fill_absent)
@@ -155,14 +171,19 @@ def adopt(cfg: Any) -> None:
         user = read_user_config((cfg.strategy.get("options") or {}).get("config"))
     except ConfigError:  # refused in these words when the strategy is built (a config may load on another machine)
         return
-    pairs = [*_MATCHED, *(_OPTIMIZER if "optimizer" in user else ()),
-             *((("scheduler.params.warmup_max_lr", "optim.lr"),) if "scheduler" in user else ())]
+    pairs = [
+        *_MATCHED,
+        *(_OPTIMIZER if "optimizer" in user else ()),
+        *((("scheduler.params.warmup_max_lr", "optim.lr"),) if "scheduler" in user else ()),
+    ]
     for ds_key, kiln_key in pairs:
         current, value = _get(user, ds_key), _kiln(cfg, kiln_key)
         if current not in (None, "auto") and not _same(current, value) and _same(value, _kiln_default(kiln_key)):
             from omegaconf import OmegaConf
 
-            log.info("DeepSpeed config sets %s=%r; kiln's %s (at its default) takes that value.", ds_key, current, kiln_key)
+            log.info(
+                "DeepSpeed config sets %s=%r; kiln's %s (at its default) takes that value.", ds_key, current, kiln_key
+            )
             OmegaConf.update(cfg, kiln_key, current, merge=False)
 
 
@@ -177,14 +198,25 @@ def process(cfg: Any, user: dict[str, Any], *, world_size: int, precision: str, 
     bad = Mismatches()
     for ds_key, kiln_key in _MATCHED:
         _match(ds, cfg, ds_key, kiln_key, bad)
-    per_device, accumulation = _kiln(cfg, "data.per_device_train_batch_size"), _kiln(cfg, "train.gradient_accumulation_steps")
-    _match(ds, cfg, "train_batch_size", "train_batch_size (per_device_train_batch_size x gradient_accumulation_steps x world size)",
-           bad, kiln_value=world_size * per_device * accumulation)
+    per_device, accumulation = (
+        _kiln(cfg, "data.per_device_train_batch_size"),
+        _kiln(cfg, "train.gradient_accumulation_steps"),
+    )
+    _match(
+        ds,
+        cfg,
+        "train_batch_size",
+        "train_batch_size (per_device_train_batch_size x gradient_accumulation_steps x world size)",
+        bad,
+        kiln_value=world_size * per_device * accumulation,
+    )
     if "optimizer" in ds:
         for ds_key, kiln_key in _OPTIMIZER:
             _match(ds, cfg, ds_key, kiln_key, bad, fill_absent=False)
         betas = [_kiln(cfg, "optim.adam_beta1"), _kiln(cfg, "optim.adam_beta2")]
-        _match(ds, cfg, "optimizer.params.betas", "optim.adam_beta1+adam_beta2", bad, kiln_value=betas, fill_absent=False)
+        _match(
+            ds, cfg, "optimizer.params.betas", "optim.adam_beta1+adam_beta2", bad, kiln_value=betas, fill_absent=False
+        )
     if "scheduler" in ds:
         node, leaf = _node(ds, "scheduler.params.warmup_min_lr")
         if node is not None and node.get(leaf) == "auto":  # HF's fill_only: not a trainer argument
@@ -209,8 +241,8 @@ def _precision(ds: dict[str, Any], precision: str, bad: Mismatches) -> None:
             bad.add(f"{kind}.enabled", True, "precision.name", precision)
 
 
-def dtype_of(ds: dict[str, Any]) -> Optional[str]:
-    """"fp16", "bf16" or None (fp32), as the finished DeepSpeed config says."""
+def dtype_of(ds: dict[str, Any]) -> str | None:
+    """ "fp16", "bf16" or None (fp32), as the finished DeepSpeed config says."""
     for kind in ("bf16", "fp16"):
         section = ds.get(kind)
         if isinstance(section, dict) and section.get("enabled") is True:
@@ -218,7 +250,7 @@ def dtype_of(ds: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def hidden_size(model: Any) -> Optional[int]:
+def hidden_size(model: Any) -> int | None:
     """The model's hidden size as HF reads it for the bucket-size "auto" values."""
     config = getattr(model, "config", None)
     for node in (config, getattr(config, "text_config", None)):
@@ -231,7 +263,7 @@ def hidden_size(model: Any) -> Optional[int]:
     return None
 
 
-def finalize(ds: dict[str, Any], model: Any, *, cfg: Any, max_steps: Optional[int]) -> dict[str, Any]:
+def finalize(ds: dict[str, Any], model: Any, *, cfg: Any, max_steps: int | None) -> dict[str, Any]:
     """HF's `trainer_config_finalize`: the hidden-size based bucket sizes and the scheduler's steps
     (`max_steps`: the run's optimizer step count as the loop computed it, HF's num_training_steps)."""
     zero = ds.get("zero_optimization", {})
@@ -240,8 +272,10 @@ def finalize(ds: dict[str, Any], model: Any, *, cfg: Any, max_steps: Optional[in
     if auto:
         size = hidden_size(model)
         if size is None:
-            raise ConfigError(f"The model's config has no hidden_size, so the DeepSpeed \"auto\" values "
-                              f"{', '.join('zero_optimization.' + k for k in auto)} cannot be filled; give them numbers.")
+            raise ConfigError(
+                f'The model\'s config has no hidden_size, so the DeepSpeed "auto" values '
+                f"{', '.join('zero_optimization.' + k for k in auto)} cannot be filled; give them numbers."
+            )
         if zero.get("reduce_bucket_size") == "auto":
             zero["reduce_bucket_size"] = size * size
         if zero.get("stage") == 3:
@@ -253,7 +287,7 @@ def finalize(ds: dict[str, Any], model: Any, *, cfg: Any, max_steps: Optional[in
     return ds
 
 
-def _scheduler_steps(ds: dict[str, Any], cfg: Any, max_steps: Optional[int]) -> None:
+def _scheduler_steps(ds: dict[str, Any], cfg: Any, max_steps: int | None) -> None:
     """HF's rule for WarmupLR / WarmupDecayLR / WarmupCosineLR: `total_num_steps` is the run's step
     count and `warmup_num_steps` is `get_warmup_steps(count)` kept at least 1; "auto" is filled, a
     number that differs is a mismatch (a warmup number is kept while kiln's warmup is at its default)."""
@@ -262,18 +296,24 @@ def _scheduler_steps(ds: dict[str, Any], cfg: Any, max_steps: Optional[int]) -> 
         return
     if max_steps is None or max_steps <= 0:
         if "auto" in (params.get("total_num_steps"), params.get("warmup_num_steps")):
-            raise ConfigError("The DeepSpeed scheduler's \"auto\" total_num_steps/warmup_num_steps need the run's step "
-                              "count, which is not known yet (auto_find_batch_size?); give them as numbers.")
+            raise ConfigError(
+                "The DeepSpeed scheduler's \"auto\" total_num_steps/warmup_num_steps need the run's step "
+                "count, which is not known yet (auto_find_batch_size?); give them as numbers."
+            )
         return
     warmup = int(cfg.scheduler.warmup_steps or 0)
     warmup = warmup if warmup > 0 else math.ceil(float(cfg.scheduler.warmup_ratio or 0.0) * max_steps)
     warmup_is_default = not cfg.scheduler.warmup_steps and not cfg.scheduler.warmup_ratio
     bad = Mismatches()
-    for key, value, kiln_key in (("total_num_steps", max_steps, "the run's optimizer steps (max_steps or epochs x steps per epoch)"),
-                                 ("warmup_num_steps", max(1, warmup), "scheduler.warmup_steps/warmup_ratio")):
+    for key, value, kiln_key in (
+        ("total_num_steps", max_steps, "the run's optimizer steps (max_steps or epochs x steps per epoch)"),
+        ("warmup_num_steps", max(1, warmup), "scheduler.warmup_steps/warmup_ratio"),
+    ):
         current = params.get(key)
         if current == "auto":
             params[key] = value
-        elif current is not None and not _same(current, value) and not (key == "warmup_num_steps" and warmup_is_default):
+        elif (
+            current is not None and not _same(current, value) and not (key == "warmup_num_steps" and warmup_is_default)
+        ):
             bad.add(f"scheduler.params.{key}", current, kiln_key, value)
     bad.raise_if_any()

@@ -13,9 +13,8 @@ import json
 import os
 from typing import Any
 
-from kiln.utils.truthy import truthy
-
 from kiln.utils.errors import ConfigError
+from kiln.utils.truthy import truthy
 
 #: FSDP's sharding strategies, in the order of HF's / accelerate's numbering (1 = full_shard)
 SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
@@ -39,8 +38,9 @@ def read_fsdp_config(value: Any, *, strict: bool) -> dict[str, Any]:
     if isinstance(value, str):
         if not os.path.isfile(value):
             if strict:
-                raise ConfigError(f"fsdp_config {value!r} is neither a mapping nor an existing JSON file; "
-                                  "pass a dict or a file path.")
+                raise ConfigError(
+                    f"fsdp_config {value!r} is neither a mapping nor an existing JSON file; pass a dict or a file path."
+                )
             return {}
         with open(value, encoding="utf-8") as fh:
             try:
@@ -51,7 +51,7 @@ def read_fsdp_config(value: Any, *, strict: bool) -> dict[str, Any]:
         if strict:
             raise ConfigError(f"fsdp_config must be a mapping or a JSON file path, got {type(value).__name__}.")
         return {}
-    return {(str(k)[len("fsdp_"):] if str(k).startswith("fsdp_") else str(k)): v for k, v in dict(value).items()}
+    return {(str(k)[len("fsdp_") :] if str(k).startswith("fsdp_") else str(k)): v for k, v in dict(value).items()}
 
 
 def class_names(value: Any) -> list[str]:
@@ -79,8 +79,9 @@ def fsdp_options(fsdp: Any, fsdp_config: Any) -> list[tuple[str, Any, str]]:
     argument) in the order they apply (a later one overrides an earlier one): the flags, then
     `fsdp_config` (read strictly), whose keys keep their names except the three HF renames."""
     out: list[tuple[str, Any, str]] = []
-    for flag in _flags(fsdp, (*SHARDING, "offload", "auto_wrap"),
-                       "fsdp flag {flag!r} is not one of {known}; fix the `fsdp` argument."):
+    for flag in _flags(
+        fsdp, (*SHARDING, "offload", "auto_wrap"), "fsdp flag {flag!r} is not one of {known}; fix the `fsdp` argument."
+    ):
         if flag in SHARDING:
             out.append(("sharding", flag, "fsdp"))
         elif flag == "offload":
@@ -97,16 +98,28 @@ def fsdp_options(fsdp: Any, fsdp_config: Any) -> list[tuple[str, Any, str]]:
 #: the `fsdp` flags XLA FSDP takes
 XLA_FLAGS = ("full_shard", "shard_grad_op", "auto_wrap")
 #: fsdp_config keys that only the CUDA/CPU FSDP strategy reads; accepted and said to have no effect
-XLA_IGNORED = {"version", "use_orig_params", "limit_all_gathers", "backward_prefetch", "forward_prefetch",
-               "sync_module_states", "cpu_ram_efficient_loading", "auto_wrap_policy", "state_dict_type"}
+XLA_IGNORED = {
+    "version",
+    "use_orig_params",
+    "limit_all_gathers",
+    "backward_prefetch",
+    "forward_prefetch",
+    "sync_module_states",
+    "cpu_ram_efficient_loading",
+    "auto_wrap_policy",
+    "state_dict_type",
+}
 
 
 def xla_fsdp_options(fsdp: Any, fsdp_config: Any) -> tuple[dict[str, Any], dict[str, str]]:
     """HF's `fsdp` flags and `fsdp_config` (read leniently) for the xla_fsdp strategy: its options by
     kiln's names, and the settings given that have no effect there (name -> why)."""
     merged: dict[str, Any] = {}
-    for flag in _flags(fsdp, XLA_FLAGS, "fsdp flag {flag!r} is not available with XLA FSDP (it takes {known}); "
-                                        "fix the `fsdp` argument."):
+    for flag in _flags(
+        fsdp,
+        XLA_FLAGS,
+        "fsdp flag {flag!r} is not available with XLA FSDP (it takes {known}); fix the `fsdp` argument.",
+    ):
         if flag == "shard_grad_op":
             merged.setdefault("settings", {})["reshard_after_forward"] = False
     no_effect: dict[str, str] = {}
@@ -126,6 +139,8 @@ def xla_fsdp_options(fsdp: Any, fsdp_config: Any) -> tuple[dict[str, Any], dict[
         elif key in XLA_IGNORED:
             no_effect[key] = "it is a setting of the CPU/CUDA fsdp strategy"
         else:
-            raise ConfigError(f"fsdp_config key {key!r} is not an XLA FSDP setting; known: xla, xla_fsdp_v2, "
-                              "xla_fsdp_settings, xla_fsdp_grad_ckpt, transformer_layer_cls_to_wrap, min_num_params.")
+            raise ConfigError(
+                f"fsdp_config key {key!r} is not an XLA FSDP setting; known: xla, xla_fsdp_v2, "
+                "xla_fsdp_settings, xla_fsdp_grad_ckpt, transformer_layer_cls_to_wrap, min_num_params."
+            )
     return merged, no_effect

@@ -18,10 +18,17 @@ import typing
 from typing import Any
 
 #: kiln config keys outside kiln.config.aliases.PATHS, with their TrainingArguments names
-_TOP_LEVEL = {"output_dir": "output_dir", "run_name": "run_name", "seed": "seed", "data_seed": "data_seed",
-              "full_determinism": "full_determinism", "resume_from_checkpoint": "resume_from_checkpoint",
-              "scheduler.warmup_steps": "warmup_steps", "scheduler.kwargs": "lr_scheduler_kwargs",
-              "log.report_to": "report_to"}
+_TOP_LEVEL = {
+    "output_dir": "output_dir",
+    "run_name": "run_name",
+    "seed": "seed",
+    "data_seed": "data_seed",
+    "full_determinism": "full_determinism",
+    "resume_from_checkpoint": "resume_from_checkpoint",
+    "scheduler.warmup_steps": "warmup_steps",
+    "scheduler.kwargs": "lr_scheduler_kwargs",
+    "log.report_to": "report_to",
+}
 
 
 def training_arguments(config: Any) -> Any:
@@ -102,4 +109,3 @@ def _as_enum(field: dataclasses.Field, value: Any) -> Any:
             except ValueError:
                 return value
     return value
-

@@ -9,7 +9,8 @@ control flags ask. Callbacks observe and set flags; they never change the loop's
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from kiln.utils.hf_logging import hf_logger
 
@@ -21,9 +22,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EVENTS = (
-    "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
-    "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_evaluate",
-    "on_predict", "on_prediction_step", "on_save", "on_log",
+    "on_init_end",
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_step_begin",
+    "on_substep_end",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
+    "on_evaluate",
+    "on_predict",
+    "on_prediction_step",
+    "on_save",
+    "on_log",
 )
 
 
@@ -43,31 +56,38 @@ class Callback:
 
     reads_checkpoint_on_save: bool = True
 
-    def on_init_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_train_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_epoch_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_epoch_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_step_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_substep_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_pre_optimizer_step(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_optimizer_step(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_step_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_predict(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_prediction_step(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_save(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
-    def on_log(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any: ...
+    def on_init_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_train_begin(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_train_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_epoch_begin(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_epoch_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_step_begin(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_substep_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_pre_optimizer_step(
+        self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> Any: ...
+    def on_optimizer_step(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_step_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_evaluate(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_predict(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_prediction_step(
+        self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> Any: ...
+    def on_save(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_log(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
 
 
-CallbackLike = Union[Callback, type]
+CallbackLike = Callback | type
 
 # The flags HF's CallbackHandler clears before it calls an event, so a callback sees (and a checkpoint's
 # saved TrainerControl records) the same flags as under HF: e.g. should_log is False again once on_log ran.
 _CLEARS = {
-    "on_train_begin": ("should_training_stop",), "on_epoch_begin": ("should_epoch_stop",),
-    "on_step_begin": ("should_log", "should_evaluate", "should_save"), "on_evaluate": ("should_evaluate",),
-    "on_save": ("should_save",), "on_log": ("should_log",),
+    "on_train_begin": ("should_training_stop",),
+    "on_epoch_begin": ("should_epoch_stop",),
+    "on_step_begin": ("should_log", "should_evaluate", "should_save"),
+    "on_evaluate": ("should_evaluate",),
+    "on_save": ("should_save",),
+    "on_log": ("should_log",),
 }
 
 
@@ -92,11 +112,12 @@ class CallbackHandler:
             names = "\n".join(type(c).__name__ for c in self.callbacks)
             hf_logger("transformers.trainer_callback", logger).warning(
                 f"You are adding a {type(cb)} to the callbacks of this Trainer, but there is already one; its events will "
-                f"run twice (remove one, or pass a single instance). The current list of callbacks is:\n{names}")
+                f"run twice (remove one, or pass a single instance). The current list of callbacks is:\n{names}"
+            )
         self.callbacks.append(cb)
         self._index()
 
-    def pop(self, callback: CallbackLike) -> Optional[Callback]:
+    def pop(self, callback: CallbackLike) -> Callback | None:
         for cb in self.callbacks:
             if (isinstance(callback, type) and isinstance(cb, callback)) or cb is callback:
                 self.callbacks.remove(cb)
@@ -107,7 +128,11 @@ class CallbackHandler:
     def _index(self) -> None:
         # Only callbacks that override an event are called for it: keeps the per-step cost small.
         self.by_event = {
-            event: [getattr(cb, event) for cb in self.callbacks if getattr(type(cb), event, None) is not getattr(Callback, event)]
+            event: [
+                getattr(cb, event)
+                for cb in self.callbacks
+                if getattr(type(cb), event, None) is not getattr(Callback, event)
+            ]
             for event in EVENTS
         }
 
@@ -116,7 +141,9 @@ class CallbackHandler:
         before on_save runs, as HF's callbacks expect)."""
         return any(getattr(handler.__self__, "reads_checkpoint_on_save", True) for handler in self.by_event["on_save"])
 
-    def call(self, event: str, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> "TrainerControl":
+    def call(
+        self, event: str, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> TrainerControl:
         for flag in _CLEARS.get(event, ()):
             setattr(control, flag, False)
         handlers = self.by_event[event]
@@ -130,7 +157,7 @@ class CallbackHandler:
         return control
 
     # -- callback state in checkpoints ------------------------------------------------------
-    def state_dict(self, control: Optional["TrainerControl"] = None) -> dict[str, Any]:
+    def state_dict(self, control: TrainerControl | None = None) -> dict[str, Any]:
         """`trainer_state.json`'s `stateful_callbacks`, in HF's layout: class name -> state, or a list of
         states when several callbacks share a class, and last (as HF's `_save_checkpoint` does) the
         run's `TrainerControl` flags as they stand when the checkpoint is written."""
@@ -168,7 +195,7 @@ class CallbackHandler:
         return missing
 
 
-def _export(cb: Any) -> Optional[Any]:
+def _export(cb: Any) -> Any | None:
     if callable(getattr(cb, "state", None)):  # HF's ExportableState
         return cb.state()
     if callable(getattr(cb, "state_dict", None)):
@@ -192,7 +219,7 @@ def _restore(cb: Any, entry: Any, restore_args: bool) -> Any:
     return cb
 
 
-def interval(value: Optional[float], max_steps: int, default: int) -> int:
+def interval(value: float | None, max_steps: int, default: int) -> int:
     """HF's `*_steps`: an int, or a ratio in (0, 1) of the total steps (rounded up)."""
     import math
 
@@ -208,12 +235,12 @@ class DefaultFlowCallback(Callback):
 
     The settings are copied to plain attributes at train begin: this runs every step."""
 
-    def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_train_begin(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         self.log_first = bool(config.log.first_step)
         self.log_strategy, self.eval_strategy = config.log.strategy, config.eval.strategy
         self.save_strategy, self.eval_delay = config.save.strategy, float(config.eval.delay)
 
-    def on_step_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_step_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         step = state.global_step
         if step == 1 and self.log_first:
             control.should_log = True
@@ -233,7 +260,7 @@ class DefaultFlowCallback(Callback):
                 control.should_save = True
         return control
 
-    def on_epoch_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_epoch_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         if self.log_strategy == "epoch":
             control.should_log = True
         if self.eval_strategy == "epoch" and self.eval_delay <= state.epoch:

@@ -15,7 +15,8 @@ guides written for HF's tool read the same."""
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,17 +56,17 @@ class DebugUnderflowOverflow(Callback):
 
     def __init__(
         self,
-        model: Optional[nn.Module] = None,
+        model: nn.Module | None = None,
         max_frames_to_save: int = 21,
         trace_batch_nums: Iterable[int] = (),
-        abort_after_batch_num: Optional[int] = None,
+        abort_after_batch_num: int | None = None,
         print_fn: Callable[[str], None] = print,
     ) -> None:
         self.max_frames_to_save = max_frames_to_save
         self.trace_batch_nums = list(trace_batch_nums)
         self.abort_after_batch_num = abort_after_batch_num
         self.print_fn = print_fn
-        self.model: Optional[nn.Module] = None
+        self.model: nn.Module | None = None
         self._handles: list[Any] = []
         if model is not None:
             self.attach(model)

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from kiln.strategies.base import Strategy
 
 
-def default_callbacks(config: Any, strategy: "Strategy") -> list[Callback]:
+def default_callbacks(config: Any, strategy: Strategy) -> list[Callback]:
     from kiln.engine.callbacks.progress import console_callbacks
 
     cbs: list[Callback] = [DefaultFlowCallback(), *console_callbacks(config)]
@@ -30,7 +30,7 @@ def logger_callback(config: Any) -> Callback:
     return LoggerCallback(config, build_loggers(config))
 
 
-def _debug_callbacks(config: Any, strategy: "Strategy") -> list[Callback]:
+def _debug_callbacks(config: Any, strategy: Strategy) -> list[Callback]:
     """`debug: underflow_overflow` / `tpu_metrics_debug` and `torch_empty_cache_steps` (HF's TrainingArguments),
     and kiln's `profile:` and `memory_snapshot:`."""
     cbs: list[Callback] = []

@@ -5,7 +5,8 @@ the config check refuses the option with strategies whose device keeps no such r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.callbacks.base import Callback
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class DeviceMetricsReport(Callback):
-    def __init__(self, report: Callable[[], Optional[str]], main_process: bool = True) -> None:
+    def __init__(self, report: Callable[[], str | None], main_process: bool = True) -> None:
         self.report = report
         self.main_process = main_process
 
@@ -25,8 +26,8 @@ class DeviceMetricsReport(Callback):
         if self.main_process and text:
             print(text, flush=True)
 
-    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_evaluate(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         self._print()
 
-    def on_train_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_train_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         self._print()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.callbacks.base import Callback
 from kiln.utils.errors import KilnError
@@ -34,7 +34,9 @@ def _takes_control(method: Any) -> bool:
     params = inspect.signature(method).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         return True
-    return sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params) >= 4
+    return (
+        sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params) >= 4
+    )
 
 
 # -- what metric_for_best_model means (shared with the Trainer's best-model tracking) -------------
@@ -65,7 +67,7 @@ class EarlyStoppingCallback(Callback):
     datasets, name the metric with its dataset (`metric_for_best_model: eval_<name>_loss`); the other
     datasets' evaluations are not counted."""
 
-    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: Optional[float] = 0.0) -> None:
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0) -> None:
         if early_stopping_patience < 1:
             raise ValueError(f"early_stopping_patience must be >= 1, got {early_stopping_patience}.")
         self.early_stopping_patience = early_stopping_patience
@@ -73,17 +75,22 @@ class EarlyStoppingCallback(Callback):
         self.early_stopping_patience_counter = 0
         self._warned_missing = False
 
-    def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_train_begin(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         e = eval_settings(config)
         if not e.metric_for_best_model:
-            raise KilnError("EarlyStoppingCallback needs eval.metric_for_best_model (metric_for_best_model), "
-                            "e.g. 'loss' or 'accuracy'.")
+            raise KilnError(
+                "EarlyStoppingCallback needs eval.metric_for_best_model (metric_for_best_model), "
+                "e.g. 'loss' or 'accuracy'."
+            )
         if (e.strategy if e is not config else config.eval_strategy) == "no":
-            raise KilnError("EarlyStoppingCallback needs evaluation during training: set eval.strategy "
-                            "(eval_strategy) to 'steps' or 'epoch'.")
+            raise KilnError(
+                "EarlyStoppingCallback needs evaluation during training: set eval.strategy "
+                "(eval_strategy) to 'steps' or 'epoch'."
+            )
 
-    def check_metric_value(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl",
-                           metric_value: float) -> None:
+    def check_metric_value(
+        self, config: DictConfig, state: TrainerState, control: TrainerControl, metric_value: float
+    ) -> None:
         """Reset the counter on an improvement beyond the threshold, count one more evaluation otherwise.
 
         HF's signature `(args, state, control, metric_value)`, so a subclass written for HF's callback
@@ -97,12 +104,14 @@ class EarlyStoppingCallback(Callback):
             improved = better and abs(metric_value - best) > self.early_stopping_threshold
         self.early_stopping_patience_counter = 0 if improved else self.early_stopping_patience_counter + 1
 
-    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_evaluate(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         key = best_metric_key(eval_settings(config).metric_for_best_model)
         value = (kw.get("metrics") or {}).get(key)
         if value is None:  # e.g. another dataset of an eval dict: not this callback's metric
             if not self._warned_missing:
-                logger.warning("EarlyStoppingCallback: evaluation returned no %r; such evaluations are not counted.", key)
+                logger.warning(
+                    "EarlyStoppingCallback: evaluation returned no %r; such evaluations are not counted.", key
+                )
                 self._warned_missing = True
             return
         if _takes_control(self.check_metric_value):
@@ -115,8 +124,10 @@ class EarlyStoppingCallback(Callback):
     # -- saved in every checkpoint (HF's ExportableState layout) -----------------------------
     def state(self) -> dict[str, Any]:
         return {
-            "args": {"early_stopping_patience": self.early_stopping_patience,
-                     "early_stopping_threshold": self.early_stopping_threshold},
+            "args": {
+                "early_stopping_patience": self.early_stopping_patience,
+                "early_stopping_threshold": self.early_stopping_threshold,
+            },
             "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
         }
 

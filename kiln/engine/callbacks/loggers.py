@@ -18,7 +18,7 @@ import collections
 import functools
 import os
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.callbacks.base import Callback
 from kiln.loggers.base import Logger, flatten
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 
-def _checkpoint_dir(config: "DictConfig", state: "TrainerState", at_end: bool) -> Optional[str]:
+def _checkpoint_dir(config: DictConfig, state: TrainerState, at_end: bool) -> str | None:
     if at_end and state.best_model_checkpoint and os.path.isdir(state.best_model_checkpoint):
         return state.best_model_checkpoint
     path = os.path.join(str(config.output_dir), f"checkpoint-{state.global_step}")
@@ -39,12 +39,12 @@ def _checkpoint_dir(config: "DictConfig", state: "TrainerState", at_end: bool) -
 
 
 class LoggerCallback(Callback):
-    def __init__(self, config: "DictConfig", loggers: list[Logger]) -> None:
+    def __init__(self, config: DictConfig, loggers: list[Logger]) -> None:
         self.config = config
         self.loggers = loggers
         self.artifacts = {id(lg): artifact_mode(config, lg.name) for lg in loggers}
         self._params_run: Any = _NOT_LOGGED  # the trial whose run has the config logged
-        self._trial: Optional[str] = None
+        self._trial: str | None = None
         self._training = False
         self._records: collections.deque[tuple[dict[str, float], int]] = collections.deque()  # not yet written
         self._exit_hook = functools.partial(_finalize_at_exit, weakref.ref(self))
@@ -57,7 +57,7 @@ class LoggerCallback(Callback):
         atexit.unregister(self._exit_hook)
         atexit.register(self._exit_hook)
 
-    def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_train_begin(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if not self.loggers:  # nothing to write: no writer thread, no SIGTERM handler
             return
         trial = state.trial_name if (state.is_hyper_param_search or state.trial_name) else None
@@ -74,7 +74,7 @@ class LoggerCallback(Callback):
         self.writer.submit(self._begin, trial if new_trial else _SAME, state.trial_params, state.global_step, params)
         self._training = True
 
-    def _begin(self, trial: Any, trial_params: Any, step: int, params: Optional[dict[str, Any]]) -> None:
+    def _begin(self, trial: Any, trial_params: Any, step: int, params: dict[str, Any] | None) -> None:
         if trial is not _SAME:
             for logger in self.loggers:
                 logger.set_trial(trial, trial_params)
@@ -85,7 +85,7 @@ class LoggerCallback(Callback):
                 logger.log_hyperparams(params)
         self._register_exit_hook()
 
-    def on_log(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_log(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if not self.loggers:
             return
         metrics = scalar_metrics(kw.get("logs") or {})
@@ -117,7 +117,7 @@ class LoggerCallback(Callback):
         if error is not None:
             raise error
 
-    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_evaluate(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.loggers and not self._training:  # evaluate() on its own: its record is on disk when it returns
             self.writer.flush()
 
@@ -126,14 +126,14 @@ class LoggerCallback(Callback):
         """Only an upload of each checkpoint (log.log_artifacts) reads its folder on save."""
         return "checkpoint" in self.artifacts.values()
 
-    def on_save(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_save(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self._upload(config, state, "checkpoint")
 
-    def on_train_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_train_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self._upload(config, state, "end")
         self.finalize("success")
 
-    def _upload(self, config: "DictConfig", state: "TrainerState", when: str) -> None:
+    def _upload(self, config: DictConfig, state: TrainerState, when: str) -> None:
         targets = [lg for lg in self.loggers if self.artifacts[id(lg)] == when]
         path = _checkpoint_dir(config, state, at_end=when == "end") if targets else None
         if targets and path:
@@ -165,9 +165,7 @@ _NOT_LOGGED = object()
 _SAME = object()  # on_train_begin: the trial has not changed
 
 
-def _finalize_at_exit(ref: "weakref.ref[LoggerCallback]") -> None:
+def _finalize_at_exit(ref: weakref.ref[LoggerCallback]) -> None:
     callback = ref()
     if callback is not None:
         callback.finalize("failed" if callback._training else "success")
-
-

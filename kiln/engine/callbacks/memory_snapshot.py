@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.callbacks.base import Callback
 from kiln.utils.errors import ConfigError
@@ -26,19 +26,24 @@ if TYPE_CHECKING:
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 
-def memory_snapshot_callback(config: Any, global_rank: int, device_type: str) -> Optional["MemorySnapshot"]:
+def memory_snapshot_callback(config: Any, global_rank: int, device_type: str) -> MemorySnapshot | None:
     """The callback `memory_snapshot:` asks for, or None when the section is off."""
     section = config.memory_snapshot
     steps = sorted({int(s) for s in section.steps})
     if not steps and not section.on_oom:
         return None
     if device_type != "cuda":
-        raise ConfigError(f"memory_snapshot records the CUDA allocator's history, and this run trains on {device_type}; "
-                          "remove the memory_snapshot section or train on a GPU.")
+        raise ConfigError(
+            f"memory_snapshot records the CUDA allocator's history, and this run trains on {device_type}; "
+            "remove the memory_snapshot section or train on a GPU."
+        )
     if any(s < 1 for s in steps):
-        raise ConfigError(f"memory_snapshot.steps holds {steps[0]}; name optimizer steps from 1 (global_step after "
-                          "the step).")
-    folder = os.path.join(section.output_dir or os.path.join(config.output_dir, "memory_snapshots"), f"rank{global_rank}")
+        raise ConfigError(
+            f"memory_snapshot.steps holds {steps[0]}; name optimizer steps from 1 (global_step after the step)."
+        )
+    folder = os.path.join(
+        section.output_dir or os.path.join(config.output_dir, "memory_snapshots"), f"rank{global_rank}"
+    )
     return MemorySnapshot(folder, steps, bool(section.on_oom), int(section.max_entries))
 
 
@@ -61,7 +66,7 @@ class MemorySnapshot(Callback):
 
     def __init__(self, folder: str, steps: list[int], on_oom: bool, max_entries: int) -> None:
         self.folder, self.steps, self.on_oom, self.max_entries = folder, set(steps), on_oom, max_entries
-        self.oom_path: Optional[str] = None
+        self.oom_path: str | None = None
         self.oom_sites: list[tuple[str, int]] = []
 
     def _dump(self, name: str) -> tuple[str, dict[str, Any]]:
@@ -78,26 +83,28 @@ class MemorySnapshot(Callback):
         self.oom_path, snapshot = self._dump("oom.pickle")
         self.oom_sites = largest_sites(snapshot)
 
-    def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_train_begin(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         import torch
 
         torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
         if self.on_oom:
             torch._C._cuda_attach_out_of_memory_observer(self._observe_oom)
 
-    def on_step_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_step_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         if state.global_step in self.steps:
             self._dump(f"step{state.global_step}.pickle")
 
-    def on_train_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_train_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         import torch
 
         torch.cuda.memory._record_memory_history(enabled=None)
 
-    def oom_note(self) -> Optional[str]:
+    def oom_note(self) -> str | None:
         """What an out-of-memory error that ends the run should add: the snapshot and where the memory was."""
         if self.oom_path is None:
             return None
         sites = "; ".join(f"{where} ({size / 2**20:.1f} MiB)" for where, size in self.oom_sites) or "none recorded"
-        return (f"The CUDA memory at the failed allocation is in {self.oom_path} (open it at https://pytorch.org/memory_viz); "
-                f"the largest allocation sites: {sites}.")
+        return (
+            f"The CUDA memory at the failed allocation is in {self.oom_path} (open it at https://pytorch.org/memory_viz); "
+            f"the largest allocation sites: {sites}."
+        )

@@ -12,7 +12,8 @@ accelerate user's settings carry over.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.callbacks.base import Callback
 from kiln.utils.errors import ConfigError
@@ -32,8 +33,10 @@ def profile_schedule(profile: Any) -> dict[str, int]:
     option: Mapping[str, Any] = profile.schedule_option or {}
     unknown = sorted(set(option) - set(SCHEDULE_KEYS))
     if unknown:
-        raise ConfigError(f"profile.schedule_option has unknown key(s) {unknown}; it takes {list(SCHEDULE_KEYS)} "
-                          "(accelerate's ProfileKwargs.schedule_option).")
+        raise ConfigError(
+            f"profile.schedule_option has unknown key(s) {unknown}; it takes {list(SCHEDULE_KEYS)} "
+            "(accelerate's ProfileKwargs.schedule_option)."
+        )
     schedule.update({key: int(value) for key, value in option.items()})
     negative = [key for key, value in schedule.items() if value < 0]
     if negative:
@@ -41,47 +44,62 @@ def profile_schedule(profile: Any) -> dict[str, int]:
     return schedule
 
 
-def profiler_callback(config: Any, global_rank: int, device_type: str) -> Optional["ProfilerCallback"]:
+def profiler_callback(config: Any, global_rank: int, device_type: str) -> ProfilerCallback | None:
     """The callback `profile:` asks for on this rank, or None (profiling off, or another rank's job)."""
     profile = config.profile
     schedule = profile_schedule(profile)
     if schedule["active"] == 0:
         return None
-    activities = list(profile.activities) if profile.activities else ["cpu"] + ([device_type] if device_type in ACTIVITIES[1:] else [])
+    activities = (
+        list(profile.activities)
+        if profile.activities
+        else ["cpu"] + ([device_type] if device_type in ACTIVITIES[1:] else [])
+    )
     unknown = [a for a in activities if a not in ACTIVITIES]
     if unknown:
         raise ConfigError(f"profile.activities names {unknown}; use any of {list(ACTIVITIES)}.")
     if profile.ranks is not None and global_rank not in list(profile.ranks):
         return None
     folder = os.path.join(profile.output_trace_dir or os.path.join(config.output_dir, "profiles"), f"rank{global_rank}")
-    return ProfilerCallback(schedule, activities, folder, f"rank{global_rank}",
-                            {key: bool(profile[key]) for key in ("record_shapes", "profile_memory", "with_stack",
-                                                                 "with_flops", "with_modules")})
+    return ProfilerCallback(
+        schedule,
+        activities,
+        folder,
+        f"rank{global_rank}",
+        {
+            key: bool(profile[key])
+            for key in ("record_shapes", "profile_memory", "with_stack", "with_flops", "with_modules")
+        },
+    )
 
 
 class ProfilerCallback(Callback):
     reads_checkpoint_on_save = False
 
-    def __init__(self, schedule: dict[str, int], activities: list[str], folder: str, worker_name: str,
-                 options: dict[str, bool]) -> None:
+    def __init__(
+        self, schedule: dict[str, int], activities: list[str], folder: str, worker_name: str, options: dict[str, bool]
+    ) -> None:
         self.schedule, self.activities, self.folder = schedule, activities, folder
         self.worker_name, self.options = worker_name, options
         self.profiler: Any = None
 
-    def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_train_begin(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         import torch.profiler as tp
 
         kinds = {"cpu": tp.ProfilerActivity.CPU, "cuda": tp.ProfilerActivity.CUDA, "xpu": tp.ProfilerActivity.XPU}
-        self.profiler = tp.profile(activities=[kinds[a] for a in self.activities], schedule=tp.schedule(**self.schedule),
-                                   on_trace_ready=tp.tensorboard_trace_handler(self.folder, worker_name=self.worker_name),
-                                   **self.options)
+        self.profiler = tp.profile(
+            activities=[kinds[a] for a in self.activities],
+            schedule=tp.schedule(**self.schedule),
+            on_trace_ready=tp.tensorboard_trace_handler(self.folder, worker_name=self.worker_name),
+            **self.options,
+        )
         self.profiler.start()
 
-    def on_step_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_step_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         if self.profiler is not None:
             self.profiler.step()
 
-    def on_train_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> Any:
+    def on_train_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         if self.profiler is not None:  # an active span cut short by the end of training is written too
             self.profiler.stop()
             self.profiler = None

@@ -18,7 +18,8 @@ import collections
 import sys
 import threading
 import time
-from typing import IO, TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import IO, TYPE_CHECKING, Any
 
 from kiln.engine.callbacks.base import Callback
 
@@ -67,23 +68,25 @@ class ProgressCallback(Callback):
     `file` is the stream (default: sys.stderr when training starts); `interactive` overrides the
     terminal detection."""
 
-    def __init__(self, file: Optional[IO[str]] = None, interactive: Optional[bool] = None) -> None:
+    def __init__(self, file: IO[str] | None = None, interactive: bool | None = None) -> None:
         self.file = file
         self.interactive = interactive
-        self.bar: Optional[Any] = None
-        self.eval_bar: Optional[Any] = None
-        self._stream: Optional[IO[str]] = None
+        self.bar: Any | None = None
+        self.eval_bar: Any | None = None
+        self._stream: IO[str] | None = None
         self._tty = False
-        self._start: Optional[float] = None
+        self._start: float | None = None
         self._start_step = 0
-        self._lines: collections.deque[tuple[int, int, float, dict[str, Any]]] = collections.deque()  # lines not yet written
+        self._lines: collections.deque[tuple[int, int, float, dict[str, Any]]] = (
+            collections.deque()
+        )  # lines not yet written
         self._write_lock = threading.Lock()  # the writer thread and train end both drain: one at a time, in order
 
     def _setup(self) -> None:
         self._stream = self.file or sys.stderr
         self._tty = self.interactive if self.interactive is not None else is_interactive(self._stream)
 
-    def on_train_begin(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_train_begin(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if not state.is_world_process_zero:
             return
         self._setup()
@@ -91,31 +94,38 @@ class ProgressCallback(Callback):
         if self._tty:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
-                            dynamic_ncols=True, file=self._stream, mininterval=REFRESH_S)
+            self.bar = tqdm(
+                total=state.max_steps,
+                initial=state.global_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=self._stream,
+                mininterval=REFRESH_S,
+            )
         else:
             start = f" from step {state.global_step}" if state.global_step else ""
             self._print(f"training {state.max_steps} steps{start}")
 
-    def on_step_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_step_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         # O(1), no tensor read: the step count only; values reach the bar at log events
         if self.bar is not None:
             self.bar.update(state.global_step - self.bar.n)
 
-    def on_prediction_step(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl",
-                           **kw: Any) -> None:
+    def on_prediction_step(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if not (state.is_world_process_zero and self._tty):
             return
         loader = kw.get("eval_dataloader")
         if self.eval_bar is None:
             try:
-                total: Optional[int] = len(loader)  # type: ignore[arg-type]
+                total: int | None = len(loader)  # type: ignore[arg-type]
             except TypeError:
                 total = None
             from tqdm.auto import tqdm
 
-            self.eval_bar = tqdm(total=total, desc="eval", unit="batch", leave=self.bar is None,
-                                 dynamic_ncols=True, file=self._stream)
+            self.eval_bar = tqdm(
+                total=total, desc="eval", unit="batch", leave=self.bar is None, dynamic_ncols=True, file=self._stream
+            )
         self.eval_bar.update(1)
 
     def _close_eval(self) -> None:
@@ -123,13 +133,13 @@ class ProgressCallback(Callback):
             self.eval_bar.close()
             self.eval_bar = None
 
-    def on_evaluate(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_evaluate(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self._close_eval()
 
-    def on_predict(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_predict(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self._close_eval()
 
-    def on_log(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_log(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if not state.is_world_process_zero:
             return
         if self._stream is None:
@@ -180,7 +190,7 @@ class ProgressCallback(Callback):
                 self._stream.write(text)
                 self._stream.flush()
 
-    def on_train_end(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_train_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self._drain()
         self._close_eval()
         if self.bar is not None:
@@ -192,16 +202,16 @@ class ProgressCallback(Callback):
 class PrinterCallback(Callback):
     """Prints each log dict (HF's behaviour with `disable_tqdm`), on the global main process."""
 
-    def __init__(self, file: Optional[IO[str]] = None) -> None:
+    def __init__(self, file: IO[str] | None = None) -> None:
         self.file = file
 
-    def on_log(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_log(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if state.is_world_process_zero:
             logs = {k: v for k, v in (kw.get("logs") or {}).items() if k != "total_flos"}
             print(logs, file=self.file or sys.stdout, flush=True)
 
 
-def console_callbacks(config: "DictConfig") -> list[Callback]:
+def console_callbacks(config: DictConfig) -> list[Callback]:
     """PrinterCallback when `log.disable_tqdm` is set, else ProgressCallback. Unset follows HF: the bar
     is on unless the log level is above warning (error, critical)."""
     disable = config.log.disable_tqdm

@@ -12,7 +12,7 @@ relative, so the copy is as complete as the original and kiln resumes from it.""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.callbacks.base import Callback
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 
-def step_metrics(state: "TrainerState") -> dict[str, Any]:
+def step_metrics(state: TrainerState) -> dict[str, Any]:
     """What the run logged at this step (training loss, learning rate, evaluation metrics), plus `step`
     and `epoch`: the metrics reported to Ray with the step's checkpoint."""
     metrics: dict[str, Any] = {}
@@ -42,18 +42,22 @@ class RayReportCallback(Callback):
         require_ray("RayReportCallback")
         self.reported: list[int] = []  # the steps handed to Ray, in order (for tests and logs)
 
-    def on_save(self, config: "DictConfig", state: "TrainerState", control: "TrainerControl", **kw: Any) -> None:
+    def on_save(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         import ray.train
 
         folder = self._folder(config, state)
         # Ray's copy is its own: kiln's rotation (save.total_limit) keeps deleting the folders in output_dir
         checkpoint = ray.train.Checkpoint.from_directory(folder) if folder is not None else None
-        ray.train.report(step_metrics(state), checkpoint=checkpoint, checkpoint_dir_name=os.path.basename(folder) if folder else None,
-                         delete_local_checkpoint_after_upload=False)
+        ray.train.report(
+            step_metrics(state),
+            checkpoint=checkpoint,
+            checkpoint_dir_name=os.path.basename(folder) if folder else None,
+            delete_local_checkpoint_after_upload=False,
+        )
         self.reported.append(state.global_step)
 
     @staticmethod
-    def _folder(config: "DictConfig", state: "TrainerState") -> Optional[str]:
+    def _folder(config: DictConfig, state: TrainerState) -> str | None:
         """This step's complete checkpoint folder on global rank 0; None elsewhere, or where the save was
         declined (save.strategy: best without a better metric)."""
         from kiln.engine.checkpoint.files import PREFIX, is_complete

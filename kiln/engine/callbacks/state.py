@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
-
+from typing import Any
 
 #: kiln's fields that trainer_state.json does not hold (HF's TrainerState(**json) would refuse them)
 LOOP_POSITION = ("epoch_index", "batches_into_epoch")
@@ -32,14 +31,14 @@ class TrainerState:
     num_input_tokens_seen: int = 0
     total_flos: float = 0.0
     log_history: list[dict[str, Any]] = field(default_factory=list)
-    best_metric: Optional[float] = None
-    best_global_step: Optional[int] = None
-    best_model_checkpoint: Optional[str] = None
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
     is_hyper_param_search: bool = False
-    trial_name: Optional[str] = None
-    trial_params: Optional[dict[str, Any]] = None
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)
     # kiln: where inside the epoch the loop stands, so a resume jumps straight there (not in trainer_state.json)
     epoch_index: int = 0
@@ -62,12 +61,12 @@ class TrainerState:
             fh.write(self.to_json())
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainerState":
+    def from_dict(cls, data: dict[str, Any]) -> TrainerState:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
-    def load_from_json(cls, path: str) -> "TrainerState":
+    def load_from_json(cls, path: str) -> TrainerState:
         with open(path, encoding="utf-8") as fh:
             return cls.from_dict(json.load(fh))
 
@@ -96,7 +95,7 @@ class TrainerControl:
         return {"args": dataclasses.asdict(self), "attributes": {}}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "TrainerControl":
+    def from_state(cls, state: dict[str, Any]) -> TrainerControl:
         control = cls(**state["args"])
         for key, value in state.get("attributes", {}).items():
             setattr(control, key, value)

@@ -14,16 +14,16 @@ finishes writing it first, so the checkpoint it had staged still lands."""
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 
 class BackgroundSave:
     """Runs one checkpoint job at a time on a thread and keeps its failure for `join`."""
 
     def __init__(self) -> None:
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-        self.step: Optional[int] = None  # the step of the save in flight (or of the last one)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.step: int | None = None  # the step of the save in flight (or of the last one)
 
     @property
     def in_flight(self) -> bool:
@@ -48,7 +48,7 @@ class BackgroundSave:
             self._thread.join()
             self._thread = None
 
-    def join(self) -> Optional[BaseException]:
+    def join(self) -> BaseException | None:
         """Wait for the save in flight, if any; return (and forget) its failure."""
         self.finish()
         error, self._error = self._error, None

@@ -19,12 +19,14 @@ def metric_key(config: Any, metrics: Mapping[str, float]) -> str:
     name = config.eval.metric_for_best_model or "loss"
     key = best_metric_key(name)
     if key not in metrics:
-        raise KilnError(f"metric_for_best_model is {name!r} but evaluation returned no {key!r} "
-                        f"(it returned: {', '.join(sorted(metrics))}).")
+        raise KilnError(
+            f"metric_for_best_model is {name!r} but evaluation returned no {key!r} "
+            f"(it returned: {', '.join(sorted(metrics))})."
+        )
     return key
 
 
-def update_best(state: "TrainerState", config: Any, metrics: Mapping[str, float]) -> bool:
+def update_best(state: TrainerState, config: Any, metrics: Mapping[str, float]) -> bool:
     """Record `metrics` as the best so far when they are (and the run tracks a best model at all);
     returns whether they improved on it."""
     e = config.eval

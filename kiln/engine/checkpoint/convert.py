@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import os
 
-from typing import Optional
-
 from kiln.engine.checkpoint.files import read_marker, why_damaged, why_incomplete
 from kiln.engine.checkpoint.hf_files import copy_model_files
 from kiln.engine.checkpoint.signing import SigningKey
@@ -30,7 +28,7 @@ from kiln.strategies.weights_files import share_tied
 from kiln.utils.errors import CheckpointError
 
 
-def convert_checkpoint(checkpoint: str, output_dir: str, key: Optional[SigningKey] = None) -> str:
+def convert_checkpoint(checkpoint: str, output_dir: str, key: SigningKey | None = None) -> str:
     """Write the checkpoint's full weights to `output_dir/model.safetensors`, and its model and
     tokenizer files beside them; returns the weights file's path. The checkpoint must be complete and
     intact, as for a resume, and signed with `key` when one is given (kiln.engine.checkpoint.signing)."""
@@ -45,8 +43,9 @@ def convert_checkpoint(checkpoint: str, output_dir: str, key: Optional[SigningKe
     try:
         io = FORMATS.get(fmt)
     except UnknownNameError:
-        raise CheckpointError(f"kiln convert cannot read checkpoints of format {fmt!r}; it reads "
-                              f"{', '.join(FORMATS.names())}.") from None
+        raise CheckpointError(
+            f"kiln convert cannot read checkpoints of format {fmt!r}; it reads {', '.join(FORMATS.names())}."
+        ) from None
     state = share_tied(io.consolidate(checkpoint), marker.get("tied"))
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, save_weights(state, output_dir, safetensors=True))

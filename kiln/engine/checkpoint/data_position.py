@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from typing import Any, Optional
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +26,9 @@ def stateful_dataset(loader: Iterable[Any]) -> Any:
     return None
 
 
-def resume_iterator(loader: Iterable[Any], skip: int, saved_dataset: Optional[dict[str, Any]], *, main: bool,
-                    progress: bool) -> Iterator[Any]:
+def resume_iterator(
+    loader: Iterable[Any], skip: int, saved_dataset: dict[str, Any] | None, *, main: bool, progress: bool
+) -> Iterator[Any]:
     """An iterator over `loader` starting `skip` batches into the epoch: kiln's sampler jumps to the
     batch; an iterable dataset with `state_dict()` restores its saved position (`saved_dataset`);
     anything else is iterated past, with a note (and a progress bar on the main process). It ends
@@ -49,10 +50,17 @@ def resume_iterator(loader: Iterable[Any], skip: int, saved_dataset: Optional[di
 def _iterate_past(loader: Iterable[Any], skip: int, *, main: bool, progress: bool) -> Iterator[Any]:
     if main:
         dataset = getattr(loader, "dataset", None)
-        why = ("its state_dict() is not used with dataloader_num_workers > 0" if callable(getattr(dataset, "state_dict", None))
-               else "the dataset has no state_dict()")
-        log.warning("Resuming: skipping the first %d batches of the epoch by iterating over them (%s; set "
-                    "ignore_data_skip=true to start the epoch over instead).", skip, why)
+        why = (
+            "its state_dict() is not used with dataloader_num_workers > 0"
+            if callable(getattr(dataset, "state_dict", None))
+            else "the dataset has no state_dict()"
+        )
+        log.warning(
+            "Resuming: skipping the first %d batches of the epoch by iterating over them (%s; set "
+            "ignore_data_skip=true to start the epoch over instead).",
+            skip,
+            why,
+        )
     it = iter(loader)
     bar = None
     if main and progress and skip >= 1000:

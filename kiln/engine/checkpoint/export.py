@@ -7,7 +7,8 @@ import contextlib
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.checkpoint.hf_files import write_training_args
 from kiln.strategies.checkpoint_io import save_weights
@@ -18,8 +19,15 @@ if TYPE_CHECKING:
     from kiln.strategies.base import Strategy
 
 
-def export_model(model: "nn.Module", strategy: "Strategy", config: Any, processing_class: Any, output_dir: str,
-                 max_shard_size: Optional[Union[int, str]] = None, training_args: Any = None) -> str:
+def export_model(
+    model: nn.Module,
+    strategy: Strategy,
+    config: Any,
+    processing_class: Any,
+    output_dir: str,
+    max_shard_size: int | str | None = None,
+    training_args: Any = None,
+) -> str:
     """Write `model`'s full weights (gathered by the strategy if sharded) into `output_dir`; every
     rank calls this, the node's writer writes. `training_args` (the user's TrainingArguments, else
     built from `config`) is written as `training_args.bin`, as HF's `save_model` does."""
@@ -41,6 +49,7 @@ def export_model(model: "nn.Module", strategy: "Strategy", config: Any, processi
         from omegaconf import OmegaConf
 
         from kiln.config.redact import config_for_saving
+
         OmegaConf.save(config_for_saving(config), os.path.join(output_dir, "kiln_config.yaml"))
         write_training_args(output_dir, config, training_args)
     strategy.barrier("save-model")

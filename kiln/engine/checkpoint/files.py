@@ -9,24 +9,35 @@ import os
 import re
 import shutil
 import warnings
-from typing import Optional
 
 from kiln.engine.checkpoint.hf_folder import hf_weights_damage, is_hf_checkpoint, missing_marker_reason
-from kiln.engine.checkpoint.integrity import MARKER, damage, file_digest as digest_file, load_marker, read_marker
+from kiln.engine.checkpoint.integrity import MARKER, damage, load_marker, read_marker
+from kiln.engine.checkpoint.integrity import file_digest as digest_file
 from kiln.engine.checkpoint.signing import SigningKey, signature_problem
 
 PREFIX = "checkpoint-"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
-__all__ = ["MARKER", "PREFIX", "is_complete", "is_hf_checkpoint", "latest_checkpoint", "list_checkpoints", "read_marker",
-           "why_damaged", "why_incomplete"]
+__all__ = [
+    "MARKER",
+    "PREFIX",
+    "is_complete",
+    "is_hf_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "read_marker",
+    "why_damaged",
+    "why_incomplete",
+]
 
 
-def hf_damage(path: str, key: Optional[SigningKey]) -> Optional[str]:
+def hf_damage(path: str, key: SigningKey | None) -> str | None:
     """Why the HF checkpoint at `path` must not be resumed: unsigned where a key is configured, or
     weights that fail the checks an unrecorded folder allows (kiln.engine.checkpoint.hf_folder)."""
     if key is not None:
-        return (f"it was written by HF's Trainer and is not signed, and this run requires checkpoints signed with the "
-                f"key in {key.env} (save.signing_key_env)")
+        return (
+            f"it was written by HF's Trainer and is not signed, and this run requires checkpoints signed with the "
+            f"key in {key.env} (save.signing_key_env)"
+        )
     return hf_weights_damage(path)
 
 
@@ -74,7 +85,7 @@ def _remove(path: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def why_incomplete(path: str) -> Optional[str]:
+def why_incomplete(path: str) -> str | None:
     """Why `path` is not a complete checkpoint (no marker, a damaged marker, a listed file missing or of
     another size than recorded), or None."""
     if not os.path.exists(os.path.join(path, MARKER)):
@@ -100,12 +111,15 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every `checkpoint-<step>` folder, oldest first (complete or not)."""
     if not os.path.isdir(output_dir):
         return []
-    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
-             if (m := _STEP.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
+    found = [
+        (int(m.group(1)), os.path.join(output_dir, name))
+        for name in os.listdir(output_dir)
+        if (m := _STEP.match(name)) and os.path.isdir(os.path.join(output_dir, name))
+    ]
     return sorted(found)
 
 
-def why_damaged(path: str, key: Optional[SigningKey] = None) -> Optional[str]:
+def why_damaged(path: str, key: SigningKey | None = None) -> str | None:
     """Why a complete-looking kiln checkpoint must not be read (its signature under the signing policy
     with `key`, a checksum, a missing or unrecorded file, a step mismatch), or None."""
     meta, problem = load_marker(path)
@@ -117,7 +131,7 @@ def why_damaged(path: str, key: Optional[SigningKey] = None) -> Optional[str]:
         return f"{os.path.relpath(err.filename or path, path)} is unreadable ({err.strerror})"
 
 
-def latest_checkpoint(output_dir: str, verify: bool = False, key: Optional[SigningKey] = None) -> Optional[str]:
+def latest_checkpoint(output_dir: str, verify: bool = False, key: SigningKey | None = None) -> str | None:
     """Newest complete checkpoint (or one written by HF's Trainer, which has no marker); incomplete
     ones are skipped with a warning. With `verify` (resume), every file's checksum, the step and the
     signature (with `key`; kiln.engine.checkpoint.signing) are checked too, an HF checkpoint's weights
@@ -132,7 +146,8 @@ def latest_checkpoint(output_dir: str, verify: bool = False, key: Optional[Signi
             reason = why_damaged(path, key) if verify else None
         if reason is None:
             return path
-        warnings.warn(f"Ignoring damaged checkpoint {path}: {reason}. Resuming from the previous intact checkpoint instead.",
-                      stacklevel=2)
+        warnings.warn(
+            f"Ignoring damaged checkpoint {path}: {reason}. Resuming from the previous intact checkpoint instead.",
+            stacklevel=2,
+        )
     return None
-

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 from kiln.engine.callbacks.state import TrainerState
 from kiln.engine.checkpoint.restored import Restored
@@ -28,21 +28,29 @@ from kiln.utils.param_groups import regroup_optimizer_state
 log = logging.getLogger(__name__)
 
 
-def _hf_rng(path: str) -> Optional[dict[str, Any]]:
+def _hf_rng(path: str) -> dict[str, Any] | None:
     """HF's RNG file (numpy's state is an ndarray) in kiln's layout; numpy's array types are the only
     extra globals allowed, so nothing in the file can run code."""
     import numpy as np
     import torch
 
     allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    reconstruct = getattr(getattr(np, "_core", np.core), "multiarray")._reconstruct
+    reconstruct = getattr(np, "_core", np.core).multiarray._reconstruct
     try:
         with torch.serialization.safe_globals([*allowed, reconstruct]):
             raw = torch.load(path, map_location="cpu", weights_only=True)
         kind, keys, pos, has_gauss, cached = raw["numpy"]
-        state: dict[str, Any] = {"python": _py_state_to_plain(raw["python"]), "torch": raw["cpu"],
-                                 "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys).astype("int64")),
-                                           "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
+        state: dict[str, Any] = {
+            "python": _py_state_to_plain(raw["python"]),
+            "torch": raw["cpu"],
+            "numpy": {
+                "kind": kind,
+                "keys": torch.from_numpy(np.asarray(keys).astype("int64")),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached": float(cached),
+            },
+        }
     except Exception as err:  # an unexpected layout or a file that needs other globals
         log.warning("Could not read HF's RNG state %s (%s); random streams are not restored.", path, err)
         return None
@@ -64,8 +72,10 @@ def load_hf_checkpoint(manager: Any, path: str) -> Restored:
             run.optimizer.load_state_dict(regroup_optimizer_state(saved, run.optimizer.param_groups))
             restored.append("optimizer")
         except (ValueError, KeyError) as err:
-            raise CheckpointError(f"{path}/optimizer.pt does not fit this run's optimizer ({err}); use the optim and "
-                                  "weight_decay the HF run used.") from None
+            raise CheckpointError(
+                f"{path}/optimizer.pt does not fit this run's optimizer ({err}); use the optim and "
+                "weight_decay the HF run used."
+            ) from None
     else:
         missing.append("optimizer state")
     if run.scheduler is not None and os.path.exists(os.path.join(path, "scheduler.pt")):
@@ -82,18 +92,29 @@ def load_hf_checkpoint(manager: Any, path: str) -> Restored:
     if manager.load_callback_state(path, state):
         restored.append("callback state")
     rank = manager.strategy.global_rank
-    rng_file = next((os.path.join(path, n) for n in (f"rng_state_{rank}.pth", "rng_state.pth")
-                     if os.path.exists(os.path.join(path, n))), None)
+    rng_file = next(
+        (
+            os.path.join(path, n)
+            for n in (f"rng_state_{rank}.pth", "rng_state.pth")
+            if os.path.exists(os.path.join(path, n))
+        ),
+        None,
+    )
     rng = _hf_rng(rng_file) if rng_file else None
     (restored if rng is not None else missing).append("RNG state")
     _set_position(state, run.accumulation, manager.loader)
-    missing += ["the sampler position (kiln's sampler orders samples differently from HF's; the epoch position is kept)",
-                "the running loss sums of the interrupted logging window"]
+    missing += [
+        "the sampler position (kiln's sampler orders samples differently from HF's; the epoch position is kept)",
+        "the running loss sums of the interrupted logging window",
+    ]
     if os.path.exists(os.path.join(path, "scaler.pt")):
         missing.append("the fp16 grad scaler (scaler.pt)")
-    warnings.warn(f"Resumed from Hugging Face checkpoint {path} at step {state.global_step}: restored "
-                  f"{', '.join(restored)}; not restored: {'; '.join(missing)}. The run continues from here but will "
-                  "not match the HF run it came from exactly.", stacklevel=3)
+    warnings.warn(
+        f"Resumed from Hugging Face checkpoint {path} at step {state.global_step}: restored "
+        f"{', '.join(restored)}; not restored: {'; '.join(missing)}. The run continues from here but will "
+        "not match the HF run it came from exactly.",
+        stacklevel=3,
+    )
     return Restored(state, rng)
 
 
@@ -118,16 +139,19 @@ def compare_with_checkpoint(saved: TrainerState, manager: Any, path: str) -> Non
             shown = int(value) if float(value).is_integer() else value  # 2, not the config's 2.0
             lines.append(f"{name}: {shown} (from args) != {old} (from trainer_state.json)")
     if saved.train_batch_size and saved.train_batch_size != run.micro_batch_size:  # both per device (no DataParallel)
-        lines.append(f"per_device_train_batch_size: {run.micro_batch_size} (from args) != {saved.train_batch_size} "
-                     "(from trainer_state.json)")
+        lines.append(
+            f"per_device_train_batch_size: {run.micro_batch_size} (from args) != {saved.train_batch_size} "
+            "(from trainer_state.json)"
+        )
     if lines:  # HF's warning, on its logger
         listed = "".join(f"\n\t{line}" for line in lines)
         hf_logger("transformers.trainer_utils", log).warning(
             "Warning: The following arguments do not match the ones in the `trainer_state.json` within the checkpoint "
-            f"directory {path} (the run continues with this run's values): {listed}")
+            f"directory {path} (the run continues with this run's values): {listed}"
+        )
 
 
-def _max_steps(cfg: Any, accumulation: int, loader: Any) -> Optional[int]:
+def _max_steps(cfg: Any, accumulation: int, loader: Any) -> int | None:
     """This run's total steps (HF's rule, kiln.engine.loop.plan), which a ratio of steps is of."""
     from kiln.engine.loop.plan import plan_steps
 
@@ -146,4 +170,6 @@ def _set_position(st: TrainerState, k: int, loader: Any) -> None:
         st.set_loop_position({"epoch_index": 0, "batches_into_epoch": 0})
         return
     per_epoch = max(math.ceil(batches / k), 1)
-    st.set_loop_position({"epoch_index": st.global_step // per_epoch, "batches_into_epoch": (st.global_step % per_epoch) * k})
+    st.set_loop_position(
+        {"epoch_index": st.global_step // per_epoch, "batches_into_epoch": (st.global_step % per_epoch) * k}
+    )

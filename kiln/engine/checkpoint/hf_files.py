@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 TRAINING_ARGS = "training_args.bin"
 
 
-def write_training_args(folder: str, config: Any, given: Any = None) -> Optional[str]:
+def write_training_args(folder: str, config: Any, given: Any = None) -> str | None:
     """Write `training_args.bin` into `folder` (the caller is the writing rank); returns its path, or
     None where transformers is not installed (or the object would not pickle: logged, not raised)."""
     import torch
@@ -48,17 +48,35 @@ def write_training_args(folder: str, config: Any, given: Any = None) -> Optional
     except Exception as err:  # a record for other tools must never cost the checkpoint itself
         if os.path.exists(path):
             os.remove(path)
-        log.warning("%s was not written (%s: %s); the checkpoint is complete without it.", TRAINING_ARGS,
-                    type(err).__name__, err)
+        log.warning(
+            "%s was not written (%s: %s); the checkpoint is complete without it.",
+            TRAINING_ARGS,
+            type(err).__name__,
+            err,
+        )
         return None
     return path
 
 
 #: tokenizer and processor files `save_pretrained` writes (copied by `kiln convert` when present)
-PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                   "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
-                   "feature_extractor_config.json", "video_preprocessor_config.json")
+PROCESSOR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "feature_extractor_config.json",
+    "video_preprocessor_config.json",
+)
 MODEL_FILES = ("config.json", "generation_config.json")
 
 
@@ -70,7 +88,11 @@ def write_model_files(folder: str, model: Any, processing_class: Any) -> None:
         to_json_file(os.path.join(folder, "config.json"))
     generation = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", None)
-    if generation is not None and hasattr(generation, "save_pretrained") and (not callable(can_generate) or can_generate()):
+    if (
+        generation is not None
+        and hasattr(generation, "save_pretrained")
+        and (not callable(can_generate) or can_generate())
+    ):
         try:
             generation.save_pretrained(folder)
         except ValueError as err:  # HF refuses to save an inconsistent generation config; the weights still count

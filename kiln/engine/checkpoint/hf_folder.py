@@ -14,7 +14,6 @@ import fnmatch
 import json
 import os
 import struct
-from typing import Optional
 
 from kiln.engine.checkpoint.integrity import MARKER
 from kiln.utils.errors import CheckpointError
@@ -24,8 +23,18 @@ STATE = "trainer_state.json"
 #: strategies' folders (fsdp_dcp/, ds/, ...) are named here rather than imported, to keep this module light
 #: (tests/strategies/test_checkpoint_formats.py checks them against the strategies' own names; model_parallel_dcp
 #: is the folder model_parallel wrote before it became a preset of the mesh strategy, still resumable)
-KILN_FILES = (MARKER, "config.yaml", "kiln_loop_position.json", "precision.pt", "loop_state_*.pt", "fsdp_dcp",
-              "model_parallel_dcp", "xla_dcp", "xla_fsdp_classic", "ds")
+KILN_FILES = (
+    MARKER,
+    "config.yaml",
+    "kiln_loop_position.json",
+    "precision.pt",
+    "loop_state_*.pt",
+    "fsdp_dcp",
+    "model_parallel_dcp",
+    "xla_dcp",
+    "xla_fsdp_classic",
+    "ds",
+)
 _SAFE, _INDEX, _BIN = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"
 _ADAPTERS = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -60,12 +69,14 @@ def missing_marker_reason(path: str) -> str:
     """Why a folder without a COMPLETE marker is no checkpoint to trust (for the refusal)."""
     found = kiln_files(path)
     if found:
-        return (f"it holds kiln's own files ({', '.join(found[:4])}) but no {MARKER} marker, so it is a damaged kiln "
-                "checkpoint (or a save_model export), not one HF's Trainer wrote")
+        return (
+            f"it holds kiln's own files ({', '.join(found[:4])}) but no {MARKER} marker, so it is a damaged kiln "
+            "checkpoint (or a save_model export), not one HF's Trainer wrote"
+        )
     return f"it has no {MARKER} marker"
 
 
-def _finite_problem(name: str, tensors: dict) -> Optional[str]:
+def _finite_problem(name: str, tensors: dict) -> str | None:
     import torch
 
     for key, t in tensors.items():
@@ -74,7 +85,7 @@ def _finite_problem(name: str, tensors: dict) -> Optional[str]:
     return None
 
 
-def _safetensors_problem(folder: str, name: str, expected: Optional[set[str]] = None) -> Optional[str]:
+def _safetensors_problem(folder: str, name: str, expected: set[str] | None = None) -> str | None:
     from safetensors import safe_open
 
     from kiln.strategies.weights_files import safetensors_intact
@@ -97,7 +108,7 @@ def _safetensors_problem(folder: str, name: str, expected: Optional[set[str]] = 
     return None
 
 
-def hf_weights_damage(path: str) -> Optional[str]:
+def hf_weights_damage(path: str) -> str | None:
     """Why the weights of the HF checkpoint at `path` cannot be trusted, or None (module docstring)."""
     from kiln.strategies.weights_files import read_index
     from kiln.utils.errors import safe_torch_load

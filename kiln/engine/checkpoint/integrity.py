@@ -22,7 +22,7 @@ import json
 import os
 import re
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 from kiln.utils.errors import CheckpointError
 
@@ -57,13 +57,13 @@ def file_digest(path: str) -> str:
                 view = memoryview(mapped)
                 try:
                     for start in range(0, size, _CHUNK):
-                        digest.update(view[start:start + _CHUNK])
+                        digest.update(view[start : start + _CHUNK])
                 finally:
                     view.release()  # before the map closes
     return digest.hexdigest()
 
 
-def _marker_problem(meta: Any) -> Optional[str]:
+def _marker_problem(meta: Any) -> str | None:
     """What is wrong with a parsed marker's shape, or None."""
     if not isinstance(meta, dict):
         return "not a JSON object"
@@ -78,15 +78,16 @@ def _marker_problem(meta: Any) -> Optional[str]:
     if version is not None and (type(version) is not int or version < 1):
         return "its 'version' is not a positive whole number"
     digests = meta.get(ALGORITHM)
-    if digests is not None and not (isinstance(digests, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                                       for k, v in digests.items())):
+    if digests is not None and not (
+        isinstance(digests, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in digests.items())
+    ):
         return f"its '{ALGORITHM}' is not a mapping of names to checksums"
     if "signature" in meta and not isinstance(meta["signature"], dict):
         return "its 'signature' is not a JSON object"
     return None
 
 
-def load_marker(path: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+def load_marker(path: str) -> tuple[dict[str, Any] | None, str | None]:
     """The COMPLETE marker of the checkpoint folder `path` checked for shape, or why it cannot be used
     (missing, unreadable, truncated, not JSON, of the wrong types, or written by a newer kiln)."""
     file = os.path.join(path, MARKER)
@@ -96,14 +97,17 @@ def load_marker(path: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     except FileNotFoundError:
         return None, f"it has no {MARKER} marker"
     except (OSError, ValueError) as err:
-        return None, f"its {MARKER} marker is damaged: " + (str(err.strerror or err) if isinstance(err, OSError) else
-                                                             "not valid JSON, truncated or garbled")
+        return None, f"its {MARKER} marker is damaged: " + (
+            str(err.strerror or err) if isinstance(err, OSError) else "not valid JSON, truncated or garbled"
+        )
     problem = _marker_problem(meta)
     if problem is not None:
         return None, f"its {MARKER} marker is damaged: {problem}"
     if meta.get("version", 1) > VERSION:
-        return None, (f"it was written by a newer kiln (marker version {meta['version']}; this kiln reads up to "
-                      f"{VERSION}): upgrade kiln to use it")
+        return None, (
+            f"it was written by a newer kiln (marker version {meta['version']}; this kiln reads up to "
+            f"{VERSION}): upgrade kiln to use it"
+        )
     return meta, None
 
 
@@ -126,13 +130,14 @@ def _unlisted(path: str, listed: dict[str, Any]) -> list[str]:
     return sorted(found)
 
 
-def digest_damage(path: str, meta: dict[str, Any]) -> Optional[str]:
+def digest_damage(path: str, meta: dict[str, Any]) -> str | None:
     """Why the files of the checkpoint at `path` do not match its (already shape-checked) marker `meta`
     by checksum, or None. A marker that predates digests is judged by sizes alone, with a warning."""
     files, digests = meta["files"], meta.get(ALGORITHM)
     if digests is None and "version" not in meta:
-        warnings.warn(f"{path} predates checksums (written by an older kiln): it is judged by its file sizes only.",
-                      stacklevel=4)
+        warnings.warn(
+            f"{path} predates checksums (written by an older kiln): it is judged by its file sizes only.", stacklevel=4
+        )
     else:
         digests = digests or {}
         if undigested := sorted(set(files) - set(digests)):
@@ -148,7 +153,7 @@ def digest_damage(path: str, meta: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def damage(path: str, meta: dict[str, Any]) -> Optional[str]:
+def damage(path: str, meta: dict[str, Any]) -> str | None:
     """Why the checkpoint at `path` (whose marker `meta` already matched its file sizes) cannot be
     trusted, or None: a file whose digest differs from the one recorded or is missing, a file kiln
     would read that is not recorded, or a step that disagrees between the folder name, the marker and

@@ -19,14 +19,23 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.engine.callbacks.state import TrainerState
 from kiln.engine.checkpoint.background import BackgroundSave
 from kiln.engine.checkpoint.data_position import stateful_dataset
 from kiln.engine.checkpoint.files import (
-    MARKER, PREFIX, _fsync_dir, _fsync_tree, _remove, is_complete, latest_checkpoint, list_checkpoints, read_marker,
+    MARKER,
+    PREFIX,
+    _fsync_dir,
+    _fsync_tree,
+    _remove,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+    read_marker,
 )
 from kiln.engine.checkpoint.hf_files import write_model_files, write_training_args
 from kiln.engine.checkpoint.integrity import ALGORITHM, VERSION
@@ -34,15 +43,14 @@ from kiln.engine.checkpoint.restored import Restored
 from kiln.engine.checkpoint.saved_config import CONFIG, changed_settings
 from kiln.engine.checkpoint.signing import SIGNATURE, sign, signing_key
 from kiln.engine.checkpoint.write_errors import write_errno, write_failure
+from kiln.engine.model.peft import checkpoint_io_for
+from kiln.engine.seed import rng_state
 from kiln.strategies.checkpoint_io import StagedWrite
 from kiln.strategies.weights_files import tie_groups
-from kiln.engine.model.peft import checkpoint_io_for
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.hf_logging import hf_logger
 from kiln.utils.host_copy import HostStaging
 from kiln.utils.param_groups import regroup_scheduler_state
-from kiln.engine.seed import rng_state
-from kiln.engine.callbacks.state import TrainerState
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -62,8 +70,14 @@ RNG = "rng_state_{rank}.pth"
 LOOP = "loop_state_{rank}.pt"
 _DEBRIS = re.compile(rf"^\.{PREFIX}\d+\.(tmp|old|deleting)$")
 #: config keys whose change makes the saved data position mean something else (warned about on resume)
-_POSITION_KEYS = ("data.per_device_train_batch_size", "train.gradient_accumulation_steps", "seed", "data_seed",
-                  "data.dataloader_drop_last", "data.group_by_length")
+_POSITION_KEYS = (
+    "data.per_device_train_batch_size",
+    "train.gradient_accumulation_steps",
+    "seed",
+    "data_seed",
+    "data.dataloader_drop_last",
+    "data.group_by_length",
+)
 
 
 def _plain(value: Any) -> bool:
@@ -87,14 +101,27 @@ def _save(obj: Any, path: str) -> None:
 class CheckpointManager:
     """Saves, rotates and loads the checkpoints of one training run."""
 
-    def __init__(self, config: "DictConfig", strategy: "Strategy", precision: "Precision", callbacks: "CallbackHandler",
-                 run: "Run", training_args: Any = None) -> None:
-        self.config, self.strategy, self.precision, self.callbacks, self.run = config, strategy, precision, callbacks, run
+    def __init__(
+        self,
+        config: DictConfig,
+        strategy: Strategy,
+        precision: Precision,
+        callbacks: CallbackHandler,
+        run: Run,
+        training_args: Any = None,
+    ) -> None:
+        self.config, self.strategy, self.precision, self.callbacks, self.run = (
+            config,
+            strategy,
+            precision,
+            callbacks,
+            run,
+        )
         self.training_args = training_args  # the user's TrainingArguments, written as training_args.bin (HF)
-        self.loop: Optional[Stateful] = None
-        self.loader: Optional[Iterable[Any]] = None
-        self.saved_step: Optional[int] = None  # the step of the last checkpoint this process wrote
-        self.preempted_step: Optional[int] = None  # set when SIGTERM stopped the run after saving this step
+        self.loop: Stateful | None = None
+        self.loader: Iterable[Any] | None = None
+        self.saved_step: int | None = None  # the step of the last checkpoint this process wrote
+        self.preempted_step: int | None = None  # set when SIGTERM stopped the run after saving this step
         self._debris_cleared = False
         self._background = BackgroundSave()  # the save in flight with save.async_save
         self._staging = HostStaging()  # its host copy, in buffers reused from save to save
@@ -153,33 +180,55 @@ class CheckpointManager:
         strategy.barrier("checkpoint-done")
         return final
 
-    def _stage(self, io: Any, writer: bool) -> Optional[StagedWrite]:
+    def _stage(self, io: Any, writer: bool) -> StagedWrite | None:
         """The host copy of the model and optimizer files for a background write, or None to write them now."""
         cfg, run = self.config, self.run
         if not cfg.save.async_save:
             return None
-        staged = io.stage(model=run.wrapped, module=run.model, optimizer=run.optimizer, save_optimizer=not cfg.save.only_model,
-                          safetensors=cfg.save.safetensors, writer=writer, staging=self._staging)
+        staged = io.stage(
+            model=run.wrapped,
+            module=run.model,
+            optimizer=run.optimizer,
+            save_optimizer=not cfg.save.only_model,
+            safetensors=cfg.save.safetensors,
+            writer=writer,
+            staging=self._staging,
+        )
         if staged is None and not self._said_synchronous:
-            log.warning("save.async_save: the %r checkpoint format cannot be written in the background yet, so its "
-                        "checkpoints are saved synchronously.", io.format)
+            log.warning(
+                "save.async_save: the %r checkpoint format cannot be written in the background yet, so its "
+                "checkpoints are saved synchronously.",
+                io.format,
+            )
             self._said_synchronous = True
         return staged
 
     def _io_save(self, io: Any, tmp: str, writer: bool) -> None:
         cfg, run = self.config, self.run
-        io.save(tmp, model=run.wrapped, module=run.model, optimizer=run.optimizer, save_optimizer=not cfg.save.only_model,
-                safetensors=cfg.save.safetensors, writer=writer)
+        io.save(
+            tmp,
+            model=run.wrapped,
+            module=run.model,
+            optimizer=run.optimizer,
+            save_optimizer=not cfg.save.only_model,
+            safetensors=cfg.save.safetensors,
+            writer=writer,
+        )
 
     def _marker(self, io: Any, state: TrainerState) -> dict[str, Any]:
         """What COMPLETE records besides the files (which `_publish` adds)."""
-        meta = {"version": VERSION, "step": state.global_step, "world_size": self.strategy.world_size,
-                "format": io.format, "resumable": not self.config.save.only_model}
+        meta = {
+            "version": VERSION,
+            "step": state.global_step,
+            "world_size": self.strategy.world_size,
+            "format": io.format,
+            "resumable": not self.config.save.only_model,
+        }
         if ties := tie_groups(self.run.model):  # `kiln convert` stores each tie once again (weights_files)
             meta["tied"] = ties
         return meta
 
-    def _complete(self, staged: StagedWrite, tmp: str, final: str, meta: dict[str, Any], best: Optional[str]) -> None:
+    def _complete(self, staged: StagedWrite, tmp: str, final: str, meta: dict[str, Any], best: str | None) -> None:
         """The background half of an asynchronous save, on the writer: the staged files, then exactly
         what a synchronous save does after them."""
         try:
@@ -308,7 +357,7 @@ class CheckpointManager:
             state["dataset"] = ds_state
         return state
 
-    def rotate(self, best_checkpoint: Optional[str]) -> None:
+    def rotate(self, best_checkpoint: str | None) -> None:
         """Keep the newest `total_limit` complete checkpoints; the best one (`best_checkpoint`) is always
         kept, and counts towards the limit unless the limit is 1 (HF: limit 5 keeps the 4 newest plus the
         best; limit 1 keeps the newest and the best)."""
@@ -320,7 +369,7 @@ class CheckpointManager:
         best = os.path.abspath(best_checkpoint) if best_checkpoint else None
         keep = set(complete[-limit:])
         if best in complete and best not in keep:
-            keep = set(complete[-(limit - 1):]) if limit > 1 else keep
+            keep = set(complete[-(limit - 1) :]) if limit > 1 else keep
             keep.add(best)
         for path in complete:
             if path not in keep:
@@ -338,7 +387,9 @@ class CheckpointManager:
         strategy, run = self.strategy, self.run
         meta = read_marker(path)
         if not meta.get("resumable", True):
-            raise CheckpointError(f"{path} was saved with save_only_model=true and cannot be resumed; load its weights instead.")
+            raise CheckpointError(
+                f"{path} was saved with save_only_model=true and cannot be resumed; load its weights instead."
+            )
         io = checkpoint_io_for(strategy, self.run.model)  # a PeftModel: its adapter only (HF)
         if not io.resumes(meta.get("format", "full")):
             raise CheckpointError(
@@ -355,7 +406,9 @@ class CheckpointManager:
             warnings.warn(
                 f"{path} was saved by {saved_world} processes and this run has {strategy.world_size}: weights, optimizer "
                 "and schedule are restored, but each rank's data position and random streams cannot be, so the run "
-                "will not match an uninterrupted one.", stacklevel=2)
+                "will not match an uninterrupted one.",
+                stacklevel=2,
+            )
         self._check_config(path)
         io.load(path, model=run.wrapped, module=run.model, optimizer=run.optimizer)
         self.load_scheduler(path, "was scheduler.name changed?")
@@ -373,12 +426,20 @@ class CheckpointManager:
         rng_file = os.path.join(path, RNG.format(rank=rank))
         rng = safe_torch_load(rng_file) if os.path.exists(rng_file) else None
         if rng is None:
-            warnings.warn(f"{rng_file} is missing: random streams are not restored, results will differ from an "
-                          "uninterrupted run.", stacklevel=2)
+            warnings.warn(
+                f"{rng_file} is missing: random streams are not restored, results will differ from an "
+                "uninterrupted run.",
+                stacklevel=2,
+            )
         loop_file = os.path.join(path, LOOP.format(rank=rank))
         loop = safe_torch_load(loop_file) if os.path.exists(loop_file) else {}
-        log.info("Resuming from %s: step %d, epoch %d, %d batches into the epoch.", path, state.global_step,
-                 state.epoch_index, state.batches_into_epoch)
+        log.info(
+            "Resuming from %s: step %d, epoch %d, %d batches into the epoch.",
+            path,
+            state.global_step,
+            state.epoch_index,
+            state.batches_into_epoch,
+        )
         return Restored(state, rng, loop.get("loop"), loop.get("dataset"))
 
     def load_scheduler(self, path: str, hint: str) -> bool:
@@ -396,19 +457,24 @@ class CheckpointManager:
                 saved = regroup_scheduler_state(saved, len(run.optimizer.param_groups))
             run.scheduler.load_state_dict(saved)
         except (KeyError, ValueError, TypeError, AttributeError) as err:
-            raise CheckpointError(f"{sched} does not fit this run's scheduler {type(run.scheduler).__name__} ({err}); "
-                                  f"{hint}") from None
+            raise CheckpointError(
+                f"{sched} does not fit this run's scheduler {type(run.scheduler).__name__} ({err}); {hint}"
+            ) from None
         return True
 
     def load_callback_state(self, path: str, state: TrainerState) -> bool:
         """Give each callback its saved state; warn about state no callback of this run takes."""
-        callbacks = {k: v for k, v in (state.stateful_callbacks or {}).items() if k != "TrainerControl"}  # HF's; not kept
-        missing = self.callbacks.load_state_dict(callbacks,
-                                                 restore_args=bool(self.config.save.restore_callback_states_from_checkpoint))
+        callbacks = {
+            k: v for k, v in (state.stateful_callbacks or {}).items() if k != "TrainerControl"
+        }  # HF's; not kept
+        missing = self.callbacks.load_state_dict(
+            callbacks, restore_args=bool(self.config.save.restore_callback_states_from_checkpoint)
+        )
         if missing:  # HF's _load_callback_state's warning, on its logger
             hf_logger("transformers.trainer", log).warning(
                 f"Checkpoint included callbacks not included in current configuration. Ignoring. ({', '.join(missing)}: "
-                f"{path} holds their state, and this run has no such callback)")
+                f"{path} holds their state, and this run has no such callback)"
+            )
         return bool(callbacks)
 
     def _load_position(self, path: str, state: TrainerState) -> None:
@@ -427,6 +493,8 @@ class CheckpointManager:
         """Warn when a setting that decides the data position changed since the checkpoint. The saved
         config.yaml is data: read without resolving anything, compared as text (saved_config)."""
         if moved := changed_settings(path, self.saved_tree(), _POSITION_KEYS):
-            warnings.warn(f"Resuming {path} with changed settings ({'; '.join(moved)}): the data position saved in the "
-                          "checkpoint no longer points at the same samples, so the run will not match an uninterrupted one.",
-                          stacklevel=3)
+            warnings.warn(
+                f"Resuming {path} with changed settings ({'; '.join(moved)}): the data position saved in the "
+                "checkpoint no longer points at the same samples, so the run will not match an uninterrupted one.",
+                stacklevel=3,
+            )

@@ -21,7 +21,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from kiln.utils.errors import KilnError
 
@@ -34,8 +34,15 @@ log = logging.getLogger(__name__)
 
 LOCK = ".kiln-run.lock"
 #: files a finished run leaves at the top of output_dir (kiln's export and HF's save_model)
-FINISHED_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-                  "adapter_model.safetensors", "adapter_model.bin", "trainer_state.json")
+FINISHED_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "trainer_state.json",
+)
 
 #: locks this process holds: real path -> [file descriptor, how many nested holders]
 _held: dict[str, list[int]] = {}
@@ -45,7 +52,7 @@ class OutputDirInUse(KilnError):
     """Another live process holds the output_dir's run lock."""
 
 
-def _holder(fd: int) -> Optional[dict[str, Any]]:
+def _holder(fd: int) -> dict[str, Any] | None:
     """What the lock file says of the process that holds (or last held) it."""
     try:
         raw = os.pread(fd, 4096, 0)
@@ -96,8 +103,12 @@ def acquire(output_dir: str) -> None:
         os.close(fd)
     previous = _holder(fd)
     if previous and previous.get("pid") != os.getpid():
-        log.warning("Took over the run lock of %s left by pid %s on %s, which is no longer running (it crashed or was killed).",
-                    output_dir, previous.get("pid", "?"), previous.get("host", "?"))
+        log.warning(
+            "Took over the run lock of %s left by pid %s on %s, which is no longer running (it crashed or was killed).",
+            output_dir,
+            previous.get("pid", "?"),
+            previous.get("host", "?"),
+        )
     info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode("utf-8")
     os.ftruncate(fd, 0)
     os.pwrite(fd, info, 0)
@@ -119,16 +130,16 @@ def release(output_dir: str) -> None:
     os.close(entry[0])  # closing the descriptor drops the flock
 
 
-def is_writer(config: "DictConfig", strategy: "Strategy") -> bool:
+def is_writer(config: DictConfig, strategy: Strategy) -> bool:
     return strategy.is_global_zero or bool(config.save.on_each_node and strategy.is_local_zero)
 
 
 @contextlib.contextmanager
-def run_lock(config: "DictConfig", strategy: "Strategy") -> Iterator[None]:
+def run_lock(config: DictConfig, strategy: Strategy) -> Iterator[None]:
     """Hold `config.output_dir`'s run lock (on the writer rank) for the block; every rank raises the
     writer's refusal."""
     out = str(config.output_dir)
-    error: Optional[str] = None
+    error: str | None = None
     writer = is_writer(config, strategy)
     if writer:
         try:
@@ -149,7 +160,7 @@ def run_lock(config: "DictConfig", strategy: "Strategy") -> Iterator[None]:
             release(out)
 
 
-def finished_work(output_dir: str) -> Optional[str]:
+def finished_work(output_dir: str) -> str | None:
     """The first thing in `output_dir` a new run would overwrite (a checkpoint or an exported model), or None."""
     from kiln.engine.checkpoint.files import list_checkpoints
 
@@ -162,7 +173,7 @@ def finished_work(output_dir: str) -> Optional[str]:
     return None
 
 
-def refuse_overwrite(config: "DictConfig") -> None:
+def refuse_overwrite(config: DictConfig) -> None:
     """A fresh run (not resuming) must not write over a finished run's checkpoints or exported model. The
     sentence names the way a script can say `overwrite_output_dir` whose settings are transformers 5's
     TrainingArguments, which raise TypeError for it: kiln's keys ride beside them as `overrides`."""

@@ -28,7 +28,8 @@ import shutil
 import socket
 import time
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from kiln.engine.checkpoint.files import PREFIX, why_damaged, why_incomplete
 from kiln.engine.checkpoint.integrity import MARKER
@@ -54,8 +55,15 @@ class UploadFailed(CheckpointError):
 class RemoteCheckpoints:
     """The checkpoints under one store URL (`checkpoint-<step>` prefixes, as in a local output_dir)."""
 
-    def __init__(self, url: str, storage_options: Optional[Mapping[str, Any]] = None, *, retries: int = 4,
-                 backoff: float = 0.5, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        retries: int = 4,
+        backoff: float = 0.5,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         import fsspec
 
         scheme = url.partition("://")[0]
@@ -77,8 +85,10 @@ class RemoteCheckpoints:
                 return action()
             except Exception as err:  # the stores' clients raise their own types (botocore, aiohttp, OSError)
                 if attempt == self.retries:
-                    raise UploadFailed(f"{what} failed after {self.retries + 1} tries ({type(err).__name__}: {err}); "
-                                       "the store's earlier checkpoints are untouched.") from err
+                    raise UploadFailed(
+                        f"{what} failed after {self.retries + 1} tries ({type(err).__name__}: {err}); "
+                        "the store's earlier checkpoints are untouched."
+                    ) from err
                 delay = self.backoff * 2**attempt
                 log.warning("%s failed (%s: %s); retrying in %.1f s.", what, type(err).__name__, err, delay)
                 self.sleep(delay)
@@ -93,8 +103,10 @@ class RemoteCheckpoints:
         files = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
         for rel in [f for f in files if f != MARKER] + [MARKER]:
             target = self._path(name, *rel.split(os.sep))
-            self._retrying(f"Uploading {rel} of {name} to {self.url}",
-                           lambda rel=rel, target=target: self.fs.put_file(os.path.join(local, rel), target))
+            self._retrying(
+                f"Uploading {rel} of {name} to {self.url}",
+                lambda rel=rel, target=target: self.fs.put_file(os.path.join(local, rel), target),
+            )
         return f"{self.url}/{name}"
 
     def delete(self, name: str) -> None:
@@ -111,11 +123,11 @@ class RemoteCheckpoints:
         found = []
         for entry in self.fs.ls(self.root, detail=False) if self.fs.exists(self.root) else []:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if name.startswith(PREFIX) and name[len(PREFIX):].isdigit() and self.fs.exists(self._path(name, MARKER)):
-                found.append((int(name[len(PREFIX):]), name))
+            if name.startswith(PREFIX) and name[len(PREFIX) :].isdigit() and self.fs.exists(self._path(name, MARKER)):
+                found.append((int(name[len(PREFIX) :]), name))
         return sorted(found)
 
-    def download_newest(self, local_root: str, key: Any = None) -> Optional[str]:
+    def download_newest(self, local_root: str, key: Any = None) -> str | None:
         """Download the newest intact checkpoint into `local_root/<name>` and return that path (None: the
         store has none). Each candidate's digests are checked before it is put in place; a damaged one is
         skipped, with a warning, for the one before it."""
@@ -133,8 +145,11 @@ class RemoteCheckpoints:
                 os.replace(partial, final)
                 return final
             shutil.rmtree(partial, ignore_errors=True)
-            warnings.warn(f"Ignoring damaged checkpoint {self.url}/{name}: {problem}. Resuming from the previous "
-                          "intact checkpoint instead.", stacklevel=2)
+            warnings.warn(
+                f"Ignoring damaged checkpoint {self.url}/{name}: {problem}. Resuming from the previous "
+                "intact checkpoint instead.",
+                stacklevel=2,
+            )
         return None
 
     # -- the run lock -------------------------------------------------------------------------
@@ -151,11 +166,15 @@ class RemoteCheckpoints:
                 who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
             except (OSError, ValueError):
                 who = "another process"
-            raise OutputDirInUse(f"output_dir {self.url!r} is in use by another kiln run ({who}); wait for it to "
-                                 f"finish, or delete {self.url}/{LOCK} if that run is dead.") from None
+            raise OutputDirInUse(
+                f"output_dir {self.url!r} is in use by another kiln run ({who}); wait for it to "
+                f"finish, or delete {self.url}/{LOCK} if that run is dead."
+            ) from None
         except (NotImplementedError, ValueError) as err:
-            raise ConfigError(f"{self.url} is on a store that cannot create a file exclusively ({err}), so two runs "
-                              "could write the same checkpoints; use an S3 or GCS bucket, or a local output_dir.") from None
+            raise ConfigError(
+                f"{self.url} is on a store that cannot create a file exclusively ({err}), so two runs "
+                "could write the same checkpoints; use an S3 or GCS bucket, or a local output_dir."
+            ) from None
 
     def release_lock(self) -> None:
         path = self._path(LOCK)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from kiln.engine.callbacks.state import TrainerState
 
@@ -15,6 +15,6 @@ class Restored:
     before the first resumed batch, the running loss sums, an iterable dataset's position)."""
 
     state: TrainerState
-    rng: Optional[dict[str, Any]] = None
-    loop: Optional[dict[str, Any]] = None
-    dataset: Optional[dict[str, Any]] = None
+    rng: dict[str, Any] | None = None
+    loop: dict[str, Any] | None = None
+    dataset: dict[str, Any] | None = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.checkpoint.files import hf_damage, is_hf_checkpoint, latest_checkpoint, why_damaged, why_incomplete
 from kiln.engine.checkpoint.signing import SigningKey, signing_key
@@ -40,7 +40,7 @@ class ResumeError(CheckpointError, ValueError):
     for the same inputs, and a `CheckpointError`, as kiln raised before."""
 
 
-def resolve_resume(resume: Any, output_dir: str, key: Optional[SigningKey] = None) -> Optional[str]:
+def resolve_resume(resume: Any, output_dir: str, key: SigningKey | None = None) -> str | None:
     """The checkpoint folder `resume` asks for, or None to start fresh.
 
     None / False / "false" -> None; True / "true" -> the newest complete checkpoint in `output_dir`
@@ -59,26 +59,35 @@ def resolve_resume(resume: Any, output_dir: str, key: Optional[SigningKey] = Non
                 "to start fresh when there is none."
             )
         if path is None:
-            log.info("resume_from_checkpoint=%s: %s holds no complete checkpoint, so training starts from step 0.",
-                     IF_EXISTS, output_dir)
+            log.info(
+                "resume_from_checkpoint=%s: %s holds no complete checkpoint, so training starts from step 0.",
+                IF_EXISTS,
+                output_dir,
+            )
         return path
     path = os.fspath(resume)
     if not os.path.isdir(path):  # HF's sentence first, as users search for it
         what = "a file, not a folder" if os.path.exists(path) else "no such folder"
-        raise ResumeError(f"Can't find a valid checkpoint at {path} ({what}): name a checkpoint-<step> folder, or use "
-                          f"resume_from_checkpoint=true (or {IF_EXISTS}) for the newest one in output_dir.")
+        raise ResumeError(
+            f"Can't find a valid checkpoint at {path} ({what}): name a checkpoint-<step> folder, or use "
+            f"resume_from_checkpoint=true (or {IF_EXISTS}) for the newest one in output_dir."
+        )
     hf = is_hf_checkpoint(path)
     if not hf and (incomplete := why_incomplete(path)) is not None:
-        raise ResumeError(f"{path} is incomplete or damaged ({incomplete}); resume from another checkpoint, or use "
-                          "resume_from_checkpoint=true to pick the newest complete one.")
+        raise ResumeError(
+            f"{path} is incomplete or damaged ({incomplete}); resume from another checkpoint, or use "
+            "resume_from_checkpoint=true to pick the newest complete one."
+        )
     reason = hf_damage(path, key) if hf else why_damaged(path, key)
     if reason is not None:
-        raise ResumeError(f"{path} is damaged: {reason}. Resume from another checkpoint, or use "
-                          "resume_from_checkpoint=true to pick the newest intact one.")
+        raise ResumeError(
+            f"{path} is damaged: {reason}. Resume from another checkpoint, or use "
+            "resume_from_checkpoint=true to pick the newest intact one."
+        )
     return path
 
 
-def choose_resume(resume: Any, config: "DictConfig", strategy: "Strategy") -> Optional[str]:
+def choose_resume(resume: Any, config: DictConfig, strategy: Strategy) -> str | None:
     """The checkpoint folder to resume from (None: start fresh), the same on every rank."""
     output_dir = str(config.output_dir)
     key = signing_key(config.save.signing_key_env)
@@ -86,8 +95,8 @@ def choose_resume(resume: Any, config: "DictConfig", strategy: "Strategy") -> Op
         _warn_restart_without_resume(resume, output_dir)
     if strategy.world_size <= 1 or config.save.on_each_node:
         return resolve_resume(resume, output_dir, key)
-    path: Optional[str] = None
-    error: Optional[str] = None
+    path: str | None = None
+    error: str | None = None
     if strategy.is_global_zero:
         try:
             path = resolve_resume(resume, output_dir, key)
@@ -107,9 +116,13 @@ def _warn_restart_without_resume(resume: Any, output_dir: str) -> None:
 
     restarts = detect().restart_count
     if restarts and _off(resume):
-        log.warning("This is restart %d of the job (the launcher restarted it) and resume_from_checkpoint is not set, so "
-                    "it starts from step 0; set resume_from_checkpoint=%s to resume from the newest checkpoint in %s.",
-                    restarts, IF_EXISTS, output_dir)
+        log.warning(
+            "This is restart %d of the job (the launcher restarted it) and resume_from_checkpoint is not set, so "
+            "it starts from step 0; set resume_from_checkpoint=%s to resume from the newest checkpoint in %s.",
+            restarts,
+            IF_EXISTS,
+            output_dir,
+        )
 
 
 def _off(resume: Any) -> bool:

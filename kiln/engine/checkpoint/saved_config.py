@@ -9,7 +9,7 @@ values are compared and shown as the text they are in the file (an interpolation
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 from kiln.config.redact import select
 from kiln.utils.errors import CheckpointError
@@ -17,7 +17,7 @@ from kiln.utils.errors import CheckpointError
 CONFIG = "config.yaml"
 
 
-def read_saved_config(checkpoint: str) -> Optional[dict[str, Any]]:
+def read_saved_config(checkpoint: str) -> dict[str, Any] | None:
     """The checkpoint's config.yaml as plain containers, nothing resolved; None when it has none."""
     import yaml
 

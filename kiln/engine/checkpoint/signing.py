@@ -22,7 +22,7 @@ import hmac
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from kiln.utils.errors import ConfigError
 
@@ -41,15 +41,17 @@ class SigningKey:
         return f"SigningKey(env={self.env!r})"
 
 
-def signing_key(env: Optional[str]) -> Optional[SigningKey]:
+def signing_key(env: str | None) -> SigningKey | None:
     """The key in the environment variable `env` (`save.signing_key_env`), or None when none is
     configured. The one place kiln reads it: the user named this variable for exactly this secret."""
     if not env:
         return None
     value = os.environ.get(env)
     if not value:
-        raise ConfigError(f"save.signing_key_env is {env}, but that environment variable is not set (or empty): export "
-                          f"{env} with the checkpoint signing key, or unset save.signing_key_env.")
+        raise ConfigError(
+            f"save.signing_key_env is {env}, but that environment variable is not set (or empty): export "
+            f"{env} with the checkpoint signing key, or unset save.signing_key_env."
+        )
     return SigningKey(env, value.encode("utf-8"))
 
 
@@ -63,20 +65,30 @@ def sign(meta: dict[str, Any], key: SigningKey) -> dict[str, str]:
     return {"scheme": SCHEME, "key_env": key.env, "hmac": _mac(meta, key)}
 
 
-def signature_problem(meta: dict[str, Any], key: Optional[SigningKey]) -> Optional[str]:
+def signature_problem(meta: dict[str, Any], key: SigningKey | None) -> str | None:
     """Why the marker `meta` fails the signing policy (module docstring) with `key`, or None."""
     signature = meta.get(SIGNATURE)
     if key is None:
         if signature is None:
             return None
         env = signature.get("key_env") if isinstance(signature.get("key_env"), str) else "?"
-        return (f"it is signed (with the key in {env}) but this run has no signing key to verify it: set "
-                f"save.signing_key_env to {env} (kiln convert: --signing-key-env {env})")
+        return (
+            f"it is signed (with the key in {env}) but this run has no signing key to verify it: set "
+            f"save.signing_key_env to {env} (kiln convert: --signing-key-env {env})"
+        )
     if signature is None:
-        return (f"it is not signed, and this run requires checkpoints signed with the key in {key.env} "
-                "(save.signing_key_env)")
+        return (
+            f"it is not signed, and this run requires checkpoints signed with the key in {key.env} "
+            "(save.signing_key_env)"
+        )
     given = signature.get("hmac")
-    if signature.get("scheme") != SCHEME or not isinstance(given, str) or not hmac.compare_digest(given, _mac(meta, key)):
-        return (f"its signature does not verify with the key in {key.env} (the checkpoint was changed after it was "
-                "signed, or signed with another key)")
+    if (
+        signature.get("scheme") != SCHEME
+        or not isinstance(given, str)
+        or not hmac.compare_digest(given, _mac(meta, key))
+    ):
+        return (
+            f"its signature does not verify with the key in {key.env} (the checkpoint was changed after it was "
+            "signed, or signed with another key)"
+        )
     return None

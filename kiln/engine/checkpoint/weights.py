@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints, why_damaged, why_incomplete
 from kiln.engine.checkpoint.signing import SigningKey
@@ -29,16 +29,16 @@ class EvalWeights:
     why it was chosen ('given', 'best checkpoint', 'exported model', 'last checkpoint')."""
 
     path: str
-    step: Optional[int]
+    step: int | None
     origin: str
-    epoch: Optional[float] = None
+    epoch: float | None = None
 
     def describe(self) -> str:
         step = f"step {self.step}" if self.step is not None else "step unknown"
         return f"{self.origin} {self.path} ({step})"
 
 
-def load_weights_for_eval(strategy: "Strategy", wrapped: "nn.Module", module: "nn.Module", path: str) -> None:
+def load_weights_for_eval(strategy: Strategy, wrapped: nn.Module, module: nn.Module, path: str) -> None:
     """Load the model weights in `path` (a checkpoint or a save_model folder) into `module` (the
     user's model) as the strategy placed it (`wrapped`, its set-up module), through the strategy's
     CheckpointIO (`load_weights_only`; a PeftModel's adapter, as HF's `load_adapter`), leaving optimizer
@@ -56,11 +56,17 @@ def _state(path: str) -> dict[str, Any]:
 
 
 def _holds_weights(path: str) -> bool:
-    names = (WEIGHTS_SAFE, WEIGHTS_BIN, f"{WEIGHTS_SAFE}.index.json", ADAPTER_SAFE, ADAPTER_BIN)  # save_model of a PeftModel
+    names = (
+        WEIGHTS_SAFE,
+        WEIGHTS_BIN,
+        f"{WEIGHTS_SAFE}.index.json",
+        ADAPTER_SAFE,
+        ADAPTER_BIN,
+    )  # save_model of a PeftModel
     return any(os.path.exists(os.path.join(path, name)) for name in names)
 
 
-def weights_step(path: str) -> Optional[int]:
+def weights_step(path: str) -> int | None:
     """The global step of the weights in `path`: its trainer_state.json, else its checkpoint-<N> name."""
     step = _state(path).get("global_step")
     if isinstance(step, int):
@@ -74,24 +80,29 @@ def _weights(path: str, origin: str) -> EvalWeights:
     return EvalWeights(path, weights_step(path), origin, float(epoch) if isinstance(epoch, (int, float)) else None)
 
 
-def given_weights(path: str, key: Optional[SigningKey] = None) -> EvalWeights:
+def given_weights(path: str, key: SigningKey | None = None) -> EvalWeights:
     """`--weights PATH`: a complete checkpoint or a folder written by save_model (with a signing `key`,
     only a checkpoint whose signature verifies: kiln.engine.checkpoint.signing)."""
     if not os.path.isdir(path):
-        raise CheckpointError(f"--weights {path!r} is not a folder; pass a checkpoint-<step> folder or one written by "
-                              "trainer.save_model() / kiln fit.")
+        raise CheckpointError(
+            f"--weights {path!r} is not a folder; pass a checkpoint-<step> folder or one written by "
+            "trainer.save_model() / kiln fit."
+        )
     marked = os.path.exists(os.path.join(path, MARKER))
     if marked and (incomplete := why_incomplete(path)) is not None:
-        raise CheckpointError(f"--weights {path!r} is an incomplete or damaged checkpoint ({incomplete}); pass another "
-                              "checkpoint.")
+        raise CheckpointError(
+            f"--weights {path!r} is an incomplete or damaged checkpoint ({incomplete}); pass another checkpoint."
+        )
     if not marked and key is not None:
-        raise CheckpointError(f"--weights {path!r} has no {MARKER} marker, so it carries no signature, and save.signing_key_env "
-                              f"({key.env}) asks for signed checkpoints only; pass a signed checkpoint-<step> folder.")
+        raise CheckpointError(
+            f"--weights {path!r} has no {MARKER} marker, so it carries no signature, and save.signing_key_env "
+            f"({key.env}) asks for signed checkpoints only; pass a signed checkpoint-<step> folder."
+        )
     _refuse_damaged(path, "--weights", key)
     return _weights(path, "given weights")
 
 
-def _refuse_damaged(path: str, what: str, key: Optional[SigningKey]) -> None:
+def _refuse_damaged(path: str, what: str, key: SigningKey | None) -> None:
     """Weights whose bytes changed since the checkpoint was written (or whose signature does not
     verify) would score silently wrong."""
     reason = why_damaged(path, key) if os.path.exists(os.path.join(path, MARKER)) else None
@@ -99,7 +110,7 @@ def _refuse_damaged(path: str, what: str, key: Optional[SigningKey]) -> None:
         raise CheckpointError(f"{what} {path!r} is damaged: {reason}; pass another checkpoint with --weights.")
 
 
-def find_run_weights(output_dir: str, key: Optional[SigningKey] = None) -> Optional[EvalWeights]:
+def find_run_weights(output_dir: str, key: SigningKey | None = None) -> EvalWeights | None:
     """The run's best checkpoint, else its exported model, else its newest complete checkpoint. With a
     signing `key` the exported model (unsigned: only checkpoints are signed) is passed over."""
     complete = [path for _, path in list_checkpoints(output_dir) if is_complete(path)]

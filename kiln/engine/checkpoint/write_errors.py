@@ -13,7 +13,6 @@ import errno
 import os
 import re
 import shutil
-from typing import Optional
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 #: what the writers say without an errno: the OS's own words, or torch's "the stream fell short"
@@ -27,11 +26,11 @@ _FIXES = {
 }
 
 
-def write_errno(err: BaseException, directory: str) -> Optional[int]:
+def write_errno(err: BaseException, directory: str) -> int | None:
     """The errno of a failed checkpoint write (0: a writer's short write whose cause the file system does
     not show), or None when `err` is no file-system failure (a bug, a refusal of kiln's own: those are
     raised as they are)."""
-    seen: Optional[BaseException] = err
+    seen: BaseException | None = err
     short_write = False
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno:
@@ -47,7 +46,7 @@ def write_errno(err: BaseException, directory: str) -> Optional[int]:
     return (_ask_file_system(directory) or 0) if short_write else None
 
 
-def _ask_file_system(directory: str) -> Optional[int]:
+def _ask_file_system(directory: str) -> int | None:
     """ENOSPC or EFBIG when the file system shows it; None when it does not say."""
     import resource
 
@@ -69,9 +68,17 @@ def disk_full(err: BaseException, directory: str) -> bool:
     return write_errno(err, directory) == errno.ENOSPC
 
 
-def write_failure(code: int, checkpoint: str, out: str, previous: Optional[str]) -> str:
+def write_failure(code: int, checkpoint: str, out: str, previous: str | None) -> str:
     """The one sentence for a checkpoint write that failed with `code` (0: the writer gave no reason)."""
-    what = f"{os.strerror(code)} ({errno.errorcode.get(code, code)})" if code else "A write failed (the writer gave no reason)"
-    kept = f"the previous checkpoint {os.path.basename(previous)} is intact" if previous else "no earlier checkpoint exists"
+    what = (
+        f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+        if code
+        else "A write failed (the writer gave no reason)"
+    )
+    kept = (
+        f"the previous checkpoint {os.path.basename(previous)} is intact"
+        if previous
+        else "no earlier checkpoint exists"
+    )
     fix = _FIXES.get(code, "Fix the cause") if code else "Fix the cause"
     return f"{what} while writing {checkpoint} in {out}; {kept}. {fix} and resume with resume_from_checkpoint=true."

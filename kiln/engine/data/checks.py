@@ -7,8 +7,8 @@ lack, or unpacks dicts), instead of a KeyError from inside the user's code."""
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -17,6 +17,7 @@ from kiln.utils.errors import KilnError
 
 def describe(item: Any) -> str:
     """`tuple (tensor[8], tensor[])` style: the type and what it holds, without values."""
+
     def one(x: Any) -> str:
         if isinstance(x, torch.Tensor):
             return f"tensor{list(x.shape)}"
@@ -53,7 +54,9 @@ def _collate_quietly(collator: Callable[[list[Any]], Any], item: Any) -> Any:
         np.random.set_state(npy)
 
 
-def check_training_data(dataset: Any, collator: Optional[Callable[[list[Any]], Any]], module: Any, training_module: bool) -> None:
+def check_training_data(
+    dataset: Any, collator: Callable[[list[Any]], Any] | None, module: Any, training_module: bool
+) -> None:
     """Both checks below on one read of the first item (reading a sample can be costly, and a resumed
     run must not read more of the data than the batches it trains on)."""
     item = _first_item(dataset)
@@ -64,8 +67,9 @@ def check_training_data(dataset: Any, collator: Optional[Callable[[list[Any]], A
 _UNREAD = object()
 
 
-def check_first_item(dataset: Any, collator: Optional[Callable[[list[Any]], Any]], training_module: bool,
-                     item: Any = _UNREAD) -> None:
+def check_first_item(
+    dataset: Any, collator: Callable[[list[Any]], Any] | None, training_module: bool, item: Any = _UNREAD
+) -> None:
     """Raise KilnError if the dataset's items (tuples/lists) cannot become what the model needs."""
     item = _first_item(dataset) if item is _UNREAD else item
     if item is None or isinstance(item, Mapping) or not isinstance(item, Sequence) or isinstance(item, (str, bytes)):
@@ -81,16 +85,18 @@ def check_first_item(dataset: Any, collator: Optional[Callable[[list[Any]], Any]
         raise KilnError(
             f"The data collator ({name}) failed on the dataset's items, which are {describe(item)} ({type(err).__name__}: "
             f"{err}): it expects mappings such as {{'input_ids': ..., 'labels': ...}}; return dicts from the dataset's "
-            "__getitem__, or pass a data_collator that accepts tuples.") from None
+            "__getitem__, or pass a data_collator that accepts tuples."
+        ) from None
     if not training_module and not isinstance(batch, Mapping):
         raise KilnError(
             f"The dataset's items are {describe(item)}, which {name} turns into a {type(batch).__name__}, but an "
             "HF-contract model is called as model(**batch) and needs a dict: return dicts such as {'input_ids': ..., "
             "'labels': ...} from __getitem__, pass a data_collator that builds one, or wrap the model in a "
-            "TrainingModule whose training_step(batch) takes the tuple.")
+            "TrainingModule whose training_step(batch) takes the tuple."
+        )
 
 
-def _step_reads(step: Callable[..., Any]) -> Optional[tuple[set[str], Optional[int]]]:
+def _step_reads(step: Callable[..., Any]) -> tuple[set[str], int | None] | None:
     """What `training_step(batch)` reads of its batch, from its source: the string keys it subscripts
     (`batch["x"]`) and the length it unpacks it into (`x, y = batch`, -1 with a starred target), or
     None when that cannot be told (no source, the batch rebound, keys tested with `in` / `.get`), so
@@ -105,7 +111,7 @@ def _step_reads(step: Callable[..., Any]) -> Optional[tuple[set[str], Optional[i
     except (TypeError, ValueError, OSError, SyntaxError, StopIteration):
         return None
     keys: set[str] = set()
-    unpacked: Optional[int] = None
+    unpacked: int | None = None
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
             return None  # the batch is rebound: what is read later is something else
@@ -122,13 +128,18 @@ def _step_reads(step: Callable[..., Any]) -> Optional[tuple[set[str], Optional[i
     return keys, unpacked
 
 
-def check_step_input(module: Any, dataset: Any, collator: Optional[Callable[[list[Any]], Any]], item: Any = _UNREAD) -> None:
+def check_step_input(
+    module: Any, dataset: Any, collator: Callable[[list[Any]], Any] | None, item: Any = _UNREAD
+) -> None:
     """Raise KilnError when a TrainingModule's training_step would fail on the first batch because
     the data has the wrong shape for it (strings or tuples where it reads keys, a key the items lack,
     dicts where it unpacks a tuple): one sentence about the data, not a KeyError from the user's code."""
     from kiln.engine.model.module import TrainingModule
 
-    if not isinstance(module, TrainingModule) or getattr(type(module), "training_step", None) is TrainingModule.training_step:
+    if (
+        not isinstance(module, TrainingModule)
+        or getattr(type(module), "training_step", None) is TrainingModule.training_step
+    ):
         return
     step = module.training_step
     from kiln.engine.data.loaders import default_data_collator
@@ -145,24 +156,39 @@ def check_step_input(module: Any, dataset: Any, collator: Optional[Callable[[lis
         batch = _collate_quietly(collator or default_data_collator, item)
     except Exception:  # noqa: BLE001 - the loader will report the collator's own failure
         return
-    what = f"the dataset's items are {describe(item)}" + (f" with keys {sorted(map(str, item))}" if isinstance(item, Mapping) else "")
+    what = f"the dataset's items are {describe(item)}" + (
+        f" with keys {sorted(map(str, item))}" if isinstance(item, Mapping) else ""
+    )
     step_name = f"{type(module).__name__}.training_step"
     if keys and not isinstance(batch, Mapping):
         key = sorted(keys)[0]
-        raise KilnError(f"{step_name} reads batch[{key!r}], but {what}, which batch into a {type(batch).__name__}: return "
-                        f"dicts such as {{{key!r}: ...}} from the dataset's __getitem__, or pass a data_collator that builds them.")
+        raise KilnError(
+            f"{step_name} reads batch[{key!r}], but {what}, which batch into a {type(batch).__name__}: return "
+            f"dicts such as {{{key!r}: ...}} from the dataset's __getitem__, or pass a data_collator that builds them."
+        )
     if keys and isinstance(batch, Mapping):
         missing = sorted(k for k in keys if k not in batch)
         if missing:
-            raise KilnError(f"{step_name} reads batch[{missing[0]!r}], which the batches lack: {what}"
-                            f"{'' if collator is None else f' (batches: {sorted(map(str, batch))})'}; add {missing[0]!r} "
-                            "to the items, or pass a data_collator that adds it.")
+            raise KilnError(
+                f"{step_name} reads batch[{missing[0]!r}], which the batches lack: {what}"
+                f"{'' if collator is None else f' (batches: {sorted(map(str, batch))})'}; add {missing[0]!r} "
+                "to the items, or pass a data_collator that adds it."
+            )
     if unpacked is not None and isinstance(batch, Mapping):
-        raise KilnError(f"{step_name} unpacks the batch as a sequence, but {what}, which batch into a dict (unpacking "
-                        "it gives its keys): read batch['key'] in training_step, or return tuples from the dataset.")
-    if unpacked not in (None, -1) and isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) != unpacked:
-        raise KilnError(f"{step_name} unpacks the batch into {unpacked} values, but {what}, which batch into "
-                        f"{len(batch)}: return {unpacked}-tuples from the dataset, or unpack what it returns.")
+        raise KilnError(
+            f"{step_name} unpacks the batch as a sequence, but {what}, which batch into a dict (unpacking "
+            "it gives its keys): read batch['key'] in training_step, or return tuples from the dataset."
+        )
+    if (
+        unpacked not in (None, -1)
+        and isinstance(batch, Sequence)
+        and not isinstance(batch, str)
+        and len(batch) != unpacked
+    ):
+        raise KilnError(
+            f"{step_name} unpacks the batch into {unpacked} values, but {what}, which batch into "
+            f"{len(batch)}: return {unpacked}-tuples from the dataset, or unpack what it returns."
+        )
 
 
 def check_eval_dataset(dataset: Any, what: str, fix: str) -> None:

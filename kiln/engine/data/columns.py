@@ -14,7 +14,8 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kiln.engine.data.loaders import default_data_collator
 from kiln.utils.errors import KilnError
@@ -34,7 +35,7 @@ def _inspected(model: Any) -> Any:
     return model
 
 
-def signature_columns(model: Any, label_names: Sequence[str]) -> Optional[list[str]]:
+def signature_columns(model: Any, label_names: Sequence[str]) -> list[str] | None:
     """The columns HF keeps for `model`, in HF's order; None when `forward` takes only `**kwargs`
     (or has no signature), which keeps every column."""
     try:
@@ -51,8 +52,13 @@ class RemoveColumnsCollator:
     """Drops the keys of each item that `forward` does not take, then calls the wrapped collator (HF's class
     of the same name; the note about what was dropped is logged once)."""
 
-    def __init__(self, data_collator: Callable[[list[Any]], Any], columns: Sequence[str], model_name: str = "",
-                 description: str = "") -> None:
+    def __init__(
+        self,
+        data_collator: Callable[[list[Any]], Any],
+        columns: Sequence[str],
+        model_name: str = "",
+        description: str = "",
+    ) -> None:
         self.data_collator = data_collator
         self.signature_columns = list(columns)
         self._keep = frozenset(columns)
@@ -91,8 +97,12 @@ class RemoveColumnsCollator:
 def _note_ignored(ignored: set[str], model_name: str, description: str) -> None:
     if ignored:
         where = f" in the {description} set" if description else ""
-        log.info("The following columns%s don't have a corresponding argument in `%s.forward` and have been "
-                 "ignored: %s.", where, model_name, ", ".join(sorted(ignored)))
+        log.info(
+            "The following columns%s don't have a corresponding argument in `%s.forward` and have been ignored: %s.",
+            where,
+            model_name,
+            ", ".join(sorted(ignored)),
+        )
 
 
 def is_datasets_dataset(dataset: Any) -> bool:
@@ -104,9 +114,14 @@ def is_datasets_dataset(dataset: Any) -> bool:
     return isinstance(dataset, datasets.Dataset)
 
 
-def without_unused_columns(dataset: Any, collator: Optional[Callable[[list[Any]], Any]], model: Any,
-                           label_names: Sequence[str], description: str,
-                           default_collator: Callable[[list[Any]], Any]) -> tuple[Any, Optional[Callable[[list[Any]], Any]]]:
+def without_unused_columns(
+    dataset: Any,
+    collator: Callable[[list[Any]], Any] | None,
+    model: Any,
+    label_names: Sequence[str],
+    description: str,
+    default_collator: Callable[[list[Any]], Any],
+) -> tuple[Any, Callable[[list[Any]], Any] | None]:
     """(dataset, collator) as HF's `_get_dataloader` builds them with `remove_unused_columns`: a
     `datasets.Dataset` without the unused columns, or the collator (the default one when None) wrapped in a
     RemoveColumnsCollator. Raises KilnError when no column of a `datasets.Dataset` is one forward takes."""
@@ -122,7 +137,8 @@ def without_unused_columns(dataset: Any, collator: Optional[Callable[[list[Any]]
             raise KilnError(
                 f"No column of the {description.lower()} dataset ({', '.join(dataset.column_names)}) is an argument of "
                 f"{name}.forward ({', '.join(columns)}): rename the columns to the model's inputs, or set "
-                "data.remove_unused_columns=false to pass them all.")
+                "data.remove_unused_columns=false to pass them all."
+            )
         _note_ignored(set(ignored), name, description.lower())
         return dataset.remove_columns(ignored), collator
     return dataset, RemoveColumnsCollator(collator or default_collator, columns, name, description.lower())

@@ -10,8 +10,8 @@ samples either way."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -23,7 +23,9 @@ def per_rank_batch_size(batch_size: int, split_batches: bool, world: int, key: s
     if not split_batches or world == 1:
         return batch_size
     if batch_size % world:
-        raise ConfigError(f"split_batches divides {key}={batch_size} over {world} ranks; make it a multiple of {world}.")
+        raise ConfigError(
+            f"split_batches divides {key}={batch_size} over {world} ranks; make it a multiple of {world}."
+        )
     return batch_size // world
 
 
@@ -50,7 +52,7 @@ def _take(batch: Any, rows: torch.Tensor) -> Any:
     return batch
 
 
-def slice_rows(rows: int, world: int, rank: int, even: bool) -> Optional[list[int]]:
+def slice_rows(rows: int, world: int, rank: int, even: bool) -> list[int] | None:
     """Row indices of a global batch of `rows` that rank `rank` keeps (strided, like the sampler).
 
     `even`: a short batch is padded by repeating its first rows so that every rank gets
@@ -91,7 +93,7 @@ class DispatchedLoader:
         global_draw()  # what rank 0's iterator draws: every rank's global RNG moves alike (as accelerate's)
         return self._batches(None)
 
-    def _batches(self, source: Optional[Iterator[Any]]) -> Iterator[Any]:
+    def _batches(self, source: Iterator[Any] | None) -> Iterator[Any]:
         while True:
             batch = next(source, _END) if source is not None else None
             batch = self.broadcast(batch)  # every rank calls it once per batch, so none can hang

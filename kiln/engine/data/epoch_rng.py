@@ -10,12 +10,12 @@ kiln's own loaders, whose order depends only on (seed, epoch), go through the sa
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 
-def _generator(loader: Any) -> Optional[torch.Generator]:
+def _generator(loader: Any) -> torch.Generator | None:
     generator = getattr(loader, "generator", None)
     return generator if isinstance(generator, torch.Generator) else None
 
@@ -23,8 +23,8 @@ def _generator(loader: Any) -> Optional[torch.Generator]:
 class EpochRandomState:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
-        self.start: Optional[dict[str, Any]] = None  # the states at the current epoch's start
-        self.resumed: Optional[dict[str, Any]] = None  # what a checkpoint held, until the first epoch uses it
+        self.start: dict[str, Any] | None = None  # the states at the current epoch's start
+        self.resumed: dict[str, Any] | None = None  # what a checkpoint held, until the first epoch uses it
 
     def begin_epoch(self, skip: int) -> None:
         """Before the epoch's iterator is built: replay the saved epoch start (resumed mid-epoch), continue
@@ -38,12 +38,14 @@ class EpochRandomState:
             torch.set_rng_state(start["torch"])  # the caller restores the mid-epoch RNG after skipping
         elif saved is not None and generator is not None and saved.get("generator_now") is not None:
             generator.set_state(saved["generator_now"])
-        self.start = {"generator": generator.get_state() if generator is not None else None,
-                      "torch": torch.get_rng_state()}
+        self.start = {
+            "generator": generator.get_state() if generator is not None else None,
+            "torch": torch.get_rng_state(),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         generator = _generator(self.loader)
         return {"start": self.start, "generator_now": generator.get_state() if generator is not None else None}
 
-    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
         self.resumed = state

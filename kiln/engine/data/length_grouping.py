@@ -17,8 +17,8 @@ no resume could replay: kiln draws it from `data_seed + epoch` (seed when data_s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -40,20 +40,24 @@ def sample_lengths(dataset: Any, column: str, input_name: str = "input_ids") -> 
     for i in range(len(dataset)):
         item = dataset[i]
         if not isinstance(item, Mapping) or (column not in item and input_name not in item):
-            raise ConfigError(f"group_by_length reads each sample's length from its {column!r} or the length of its "
-                              f"{input_name!r}, but sample {i} is a {type(item).__name__} without either: add one of the "
-                              "keys, or set group_by_length=false.")
+            raise ConfigError(
+                f"group_by_length reads each sample's length from its {column!r} or the length of its "
+                f"{input_name!r}, but sample {i} is a {type(item).__name__} without either: add one of the "
+                "keys, or set group_by_length=false."
+            )
         lengths.append(int(item[column]) if column in item else len(item[input_name]))
     return lengths
 
 
-def length_grouped_indices(lengths: Sequence[int], group: int, generator: Optional[torch.Generator]) -> list[int]:
+def length_grouped_indices(lengths: Sequence[int], group: int, generator: torch.Generator | None) -> list[int]:
     """HF's `get_length_grouped_indices(lengths, group, generator=generator)`, step for step."""
     mult = min(len(lengths) // (group * 4), MEGABATCH) or 1
     indices = torch.randperm(len(lengths), generator=generator)
     size = mult * group
-    megabatches = [sorted(indices[i:i + size].tolist(), key=lambda j: lengths[j], reverse=True)
-                   for i in range(0, len(lengths), size)]
+    megabatches = [
+        sorted(indices[i : i + size].tolist(), key=lambda j: lengths[j], reverse=True)
+        for i in range(0, len(lengths), size)
+    ]
     longest = int(torch.argmax(torch.tensor([lengths[m[0]] for m in megabatches])).item())
     megabatches[0][0], megabatches[longest][0] = megabatches[longest][0], megabatches[0][0]
     return [i for m in megabatches for i in m]
@@ -63,23 +67,44 @@ class LengthGroupedSampler(ResumableSampler):
     """`batch_size`: the per-device batch (the unit ranks take in turn); `group`: HF's grouping unit,
     the per-device batch times the accumulation steps (defaults to `batch_size`)."""
 
-    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, num_replicas: int = 1, rank: int = 0,
-                 drop_last: bool = False, group: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        seed: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+        group: int | None = None,
+    ) -> None:
         super().__init__(len(lengths), seed, True, num_replicas, rank, drop_last)
         self.lengths = list(lengths)
         self.batch_size = batch_size
         self.group = group or batch_size
 
     @classmethod
-    def for_dataset(cls, dataset: Any, data_cfg: Any, seed: int, batch_size: int, accumulation: int, shards: int,
-                    rank: int, input_name: str = "input_ids") -> "LengthGroupedSampler":
+    def for_dataset(
+        cls,
+        dataset: Any,
+        data_cfg: Any,
+        seed: int,
+        batch_size: int,
+        accumulation: int,
+        shards: int,
+        rank: int,
+        input_name: str = "input_ids",
+    ) -> LengthGroupedSampler:
         lengths = sample_lengths(dataset, data_cfg.length_column_name, input_name)
-        return cls(lengths, batch_size, seed, shards, rank, data_cfg.dataloader_drop_last, group=batch_size * accumulation)
+        return cls(
+            lengths, batch_size, seed, shards, rank, data_cfg.dataloader_drop_last, group=batch_size * accumulation
+        )
 
     def indices(self) -> list[int]:
         if not self.lengths:
             return []
-        grouped = length_grouped_indices(self.lengths, self.group, torch.Generator().manual_seed(self.seed + self.epoch))
+        grouped = length_grouped_indices(
+            self.lengths, self.group, torch.Generator().manual_seed(self.seed + self.epoch)
+        )
         total = self.per_rank * self.num_replicas
         if total > len(grouped):
             grouped += grouped[: total - len(grouped)]
@@ -88,5 +113,5 @@ class LengthGroupedSampler(ResumableSampler):
         per = self.batch_size
         out: list[int] = []
         for b in range(0, total, per * self.num_replicas):
-            out += grouped[b + self.rank * per: b + (self.rank + 1) * per]
+            out += grouped[b + self.rank * per : b + (self.rank + 1) * per]
         return out

@@ -11,8 +11,8 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator, Optional, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
@@ -38,12 +38,19 @@ def default_data_collator(features: list[Any]) -> Any:
         if "labels" not in first and (first.get("label") is not None or first.get("label_ids") is not None):
             key = "label" if first.get("label") is not None else "label_ids"
             rest = [{k: v for k, v in f.items() if k not in ("label", "label_ids")} for f in features]
-            return {"labels": _hf_labels([f[key] for f in features]), **(default_data_collator(rest) if rest[0] else {})}
+            return {
+                "labels": _hf_labels([f[key] for f in features]),
+                **(default_data_collator(rest) if rest[0] else {}),
+            }
         if type(first) is dict and _stackable(first.values()) and get_worker_info() is None:
             return _stacked(first, features)
         if any(map(isinstance, first.values(), itertools.repeat(list))):
-            return {k: _list_tensor([f[k] for f in features]) if isinstance(v, list) else default_collate([f[k] for f in features])
-                    for k, v in first.items()}
+            return {
+                k: _list_tensor([f[k] for f in features])
+                if isinstance(v, list)
+                else default_collate([f[k] for f in features])
+                for k, v in first.items()
+            }
         return default_collate(features)
     except (RuntimeError, ValueError):
         from kiln.engine.data.unequal_rows import unequal_rows
@@ -188,16 +195,16 @@ def is_sized(obj: Any) -> bool:
 def build_dataloader(
     dataset: Any,
     batch_size: int,
-    collate_fn: Optional[Callable[[list[Any]], Any]],
+    collate_fn: Callable[[list[Any]], Any] | None,
     data_cfg: Any,
     seed: int,
     shuffle: bool,
     num_replicas: int = 1,
     rank: int = 0,
-    sampler: Optional[Sampler[int]] = None,
-    drop_last: Optional[bool] = None,
+    sampler: Sampler[int] | None = None,
+    drop_last: bool | None = None,
     pin_memory: bool = False,
-    broadcast: Optional[Callable[[Any], Any]] = None,
+    broadcast: Callable[[Any], Any] | None = None,
 ) -> Any:
     """A DataLoader over `dataset` with kiln's sampler (map-style) or rank sharding (iterable).
 
@@ -210,11 +217,13 @@ def build_dataloader(
     if broadcast is not None:
         from kiln.engine.data.dispatch_batches import DispatchedLoader, per_rank_batch_size
 
-        batch_size = per_rank_batch_size(batch_size, bool(getattr(data_cfg, "split_batches", False)), num_replicas,
-                                         "per_device_train_batch_size")
+        batch_size = per_rank_batch_size(
+            batch_size, bool(getattr(data_cfg, "split_batches", False)), num_replicas, "per_device_train_batch_size"
+        )
         if getattr(data_cfg, "dispatch_batches", False) and num_replicas > 1 and sampler is None:
-            loader = build_dataloader(dataset, batch_size * num_replicas, collate_fn, data_cfg, seed, shuffle,
-                                      drop_last=drop_last)  # the whole data, in global batches
+            loader = build_dataloader(
+                dataset, batch_size * num_replicas, collate_fn, data_cfg, seed, shuffle, drop_last=drop_last
+            )  # the whole data, in global batches
             return DispatchedLoader(loader, broadcast, num_replicas, rank, even)
     kwargs: dict[str, Any] = dict(
         batch_size=batch_size,
@@ -233,7 +242,9 @@ def build_dataloader(
         from kiln.engine.data.worker_seeding import SeededSamples, seed_worker
 
         # different random streams on every rank and worker, exact on resume (see worker_seeding)
-        kwargs["worker_init_fn"] = functools.partial(seed_worker, num_workers=data_cfg.dataloader_num_workers, rank=rank)
+        kwargs["worker_init_fn"] = functools.partial(
+            seed_worker, num_workers=data_cfg.dataloader_num_workers, rank=rank
+        )
         if not isinstance(dataset, IterableDataset) and is_sized(dataset):
             fetched = SeededSamples.wrap(dataset, rank)
         kwargs["persistent_workers"] = data_cfg.dataloader_persistent_workers
@@ -246,8 +257,11 @@ def build_dataloader(
     else:
         if sampler is None:
             sampler = ResumableSampler(len(dataset), seed, shuffle, num_replicas, rank, drop_last, even, batch_size)
-        loader = (SeededLoader(dataset, sampler=sampler, **kwargs) if fetched is None
-                  else WorkerSeededLoader(dataset, fetched, sampler=sampler, **kwargs))
+        loader = (
+            SeededLoader(dataset, sampler=sampler, **kwargs)
+            if fetched is None
+            else WorkerSeededLoader(dataset, fetched, sampler=sampler, **kwargs)
+        )
     loader.kiln_built = True  # set_epoch re-seeds only the generators kiln made
     return loader
 
@@ -326,8 +340,11 @@ def reads_to_the_end(loader: Any) -> bool:
     RandomSampler draws one more permutation when asked past its end, so HF's next epoch starts elsewhere."""
     from kiln.engine.data.dispatch_batches import DispatchedLoader
 
-    return (bool(getattr(loader, "kiln_built", False) or getattr(loader, "kiln_as_given", False))
-            or isinstance(loader, DispatchedLoader) or not is_sized(loader))
+    return (
+        bool(getattr(loader, "kiln_built", False) or getattr(loader, "kiln_as_given", False))
+        or isinstance(loader, DispatchedLoader)
+        or not is_sized(loader)
+    )
 
 
 def epoch_iterator(loader: Any, iterator: Iterator[Any], skipped: int) -> Iterator[Any]:
@@ -338,7 +355,7 @@ def epoch_iterator(loader: Any, iterator: Iterator[Any], skipped: int) -> Iterat
     return itertools.islice(iterator, max(len(loader) - skipped, 0))
 
 
-def loader_length(loader: Iterable[Any]) -> Optional[int]:
+def loader_length(loader: Iterable[Any]) -> int | None:
     """Batches per epoch, or None for loaders without a length."""
     if not is_sized(loader):
         return None
@@ -348,13 +365,25 @@ def loader_length(loader: Iterable[Any]) -> Optional[int]:
         return None
 
 
-def dataset_length(dataset: Any) -> Optional[int]:
+def dataset_length(dataset: Any) -> int | None:
     return len(dataset) if isinstance(dataset, Sized) and not isinstance(dataset, IterableDataset) else None
 
 
 __all__ = [
-    "Dataset", "DataLoader", "ResumableSampler", "WorkerSeededLoader", "ShardedIterable", "build_dataloader", "default_data_collator",
-    "set_epoch", "skip_batches", "epoch_iterator", "reads_to_the_end", "loader_length", "dataset_length", "is_sized",
+    "Dataset",
+    "DataLoader",
+    "ResumableSampler",
+    "WorkerSeededLoader",
+    "ShardedIterable",
+    "build_dataloader",
+    "default_data_collator",
+    "set_epoch",
+    "skip_batches",
+    "epoch_iterator",
+    "reads_to_the_end",
+    "loader_length",
+    "dataset_length",
+    "is_sized",
 ]
 
 
@@ -371,7 +400,7 @@ class SequentialDistributedSampler(Sampler[int]):
     """
 
     def __init__(
-        self, dataset_len: int, num_replicas: int, rank: int, batch_size: Optional[int] = None, drop_last: bool = False
+        self, dataset_len: int, num_replicas: int, rank: int, batch_size: int | None = None, drop_last: bool = False
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}.")

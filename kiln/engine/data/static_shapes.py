@@ -11,12 +11,12 @@ shapes already; its item counts are padded with zeros in `Trainer.loss_weights`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-def samples_dropped(dataset: Any, loader: Any, shards: int) -> Optional[int]:
+def samples_dropped(dataset: Any, loader: Any, shards: int) -> int | None:
     """Samples of `dataset` that no batch of the drop_last `loader` carries in one epoch, over all
     `shards` (None when the dataset or the loader has no length)."""
     try:
@@ -32,6 +32,10 @@ def report_drop_last(dataset: Any, loader: Any, shards: int, strategy: str) -> N
     if dropped == 0:
         return
     what = f"{dropped} sample(s)" if dropped is not None else "the short last batch"
-    log.warning("Strategy %r compiles one graph per input shape, so training drops %s of each epoch (the short "
-                "last batch, as dataloader_drop_last does) instead of compiling a graph for it; shuffling changes "
-                "which samples each epoch.", strategy, what)
+    log.warning(
+        "Strategy %r compiles one graph per input shape, so training drops %s of each epoch (the short "
+        "last batch, as dataloader_drop_last does) instead of compiling a graph for it; shuffling changes "
+        "which samples each epoch.",
+        strategy,
+        what,
+    )

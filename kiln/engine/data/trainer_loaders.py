@@ -7,8 +7,8 @@ A mixin of the Trainer: it reads the Trainer's config, strategy, run and dataset
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,11 +25,11 @@ log = logging.getLogger(__name__)
 
 class DataLoaderMixin:
     config: Any
-    strategy: "Strategy"
+    strategy: Strategy
     run: Any  # kiln.engine.run.Run (a floor above this one)
-    model: "nn.Module"
+    model: nn.Module
     train_dataset: Any
-    data_collator: Optional[Callable[[list[Any]], Any]]
+    data_collator: Callable[[list[Any]], Any] | None
     processing_class: Any
 
     def get_train_dataloader(self) -> Iterable[Any]:
@@ -38,22 +38,41 @@ class DataLoaderMixin:
         if self.train_dataset is None:
             raise KilnError("Trainer.fit() needs a train_dataset (or override get_train_dataloader).")
         if isinstance(self.train_dataset, torch.utils.data.DataLoader):
-            self.train_dataset.kiln_as_given = True  # its epochs run as a plain loop runs them (loaders.reads_to_the_end)
+            self.train_dataset.kiln_as_given = (
+                True  # its epochs run as a plain loop runs them (loaders.reads_to_the_end)
+            )
             return self.strategy.process_dataloader(self.train_dataset)
         cfg, strategy = self.config, self.strategy
         seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
-        drop_last = bool(cfg.data.dataloader_drop_last or strategy.capabilities.static_shapes)  # see kiln.engine.data.static_shapes
+        drop_last = bool(
+            cfg.data.dataloader_drop_last or strategy.capabilities.static_shapes
+        )  # see kiln.engine.data.static_shapes
         dataset, collator = self._model_inputs(self.train_dataset, "Training")
         if cfg.data.packing.strategy is not None or cfg.data.packing.padding_free:  # kiln.engine.data.packing
             from kiln.engine.data.packing import packed_training_data
 
-            dataset, collator = packed_training_data(dataset, collator, user_collator=self.data_collator, model=self.model,
-                                                     training_module=self.run.facts.training_module, data_cfg=cfg.data,
-                                                     strategy=strategy)
+            dataset, collator = packed_training_data(
+                dataset,
+                collator,
+                user_collator=self.data_collator,
+                model=self.model,
+                training_module=self.run.facts.training_module,
+                data_cfg=cfg.data,
+                strategy=strategy,
+            )
         loader = build_dataloader(
-            dataset, self.run.micro_batch_size, collator, cfg.data, seed, shuffle=True,
-            num_replicas=strategy.data_shards, rank=strategy.data_shard_rank, sampler=self._length_grouped_sampler(dataset, seed),
-            drop_last=drop_last, pin_memory=strategy.accelerator.pin_memory, broadcast=strategy.broadcast_object,
+            dataset,
+            self.run.micro_batch_size,
+            collator,
+            cfg.data,
+            seed,
+            shuffle=True,
+            num_replicas=strategy.data_shards,
+            rank=strategy.data_shard_rank,
+            sampler=self._length_grouped_sampler(dataset, seed),
+            drop_last=drop_last,
+            pin_memory=strategy.accelerator.pin_memory,
+            broadcast=strategy.broadcast_object,
         )
         if drop_last and not cfg.data.dataloader_drop_last:
             from kiln.engine.data.static_shapes import report_drop_last
@@ -61,15 +80,16 @@ class DataLoaderMixin:
             report_drop_last(dataset, loader, strategy.data_shards, strategy.name)
         return strategy.process_dataloader(loader)
 
-    def _model_inputs(self, dataset: Any, description: str) -> tuple[Any, Optional[Callable[[list[Any]], Any]]]:
+    def _model_inputs(self, dataset: Any, description: str) -> tuple[Any, Callable[[list[Any]], Any] | None]:
         """(dataset, collator) for a loader over `dataset`: with `remove_unused_columns` and an HF-contract
         model, without what its forward does not take (HF's `_get_dataloader`)."""
         if not self.config.data.remove_unused_columns or self.run.facts.training_module:
             return dataset, self.data_collator
         from kiln.engine.data.columns import without_unused_columns
 
-        return without_unused_columns(dataset, self.data_collator, self.model, self.run.facts.label_names, description,
-                                      default_data_collator)
+        return without_unused_columns(
+            dataset, self.data_collator, self.model, self.run.facts.label_names, description, default_data_collator
+        )
 
     def _length_grouped_sampler(self, dataset: Any, seed: int) -> Any:
         if not self.config.data.group_by_length:
@@ -78,14 +98,23 @@ class DataLoaderMixin:
         from kiln.engine.data.loaders import is_sized
 
         if not is_sized(dataset) or isinstance(dataset, torch.utils.data.IterableDataset):
-            log.warning("group_by_length is ignored: the training dataset is a stream without a length, whose "
-                        "examples are read in its own order (as HF does).")
+            log.warning(
+                "group_by_length is ignored: the training dataset is a stream without a length, whose "
+                "examples are read in its own order (as HF does)."
+            )
             return None
         names = getattr(self.processing_class, "model_input_names", None)
         s = self.strategy
-        return LengthGroupedSampler.for_dataset(dataset, self.config.data, seed, self.run.micro_batch_size,
-                                                self.run.accumulation, s.data_shards, s.data_shard_rank,
-                                                names[0] if names else "input_ids")
+        return LengthGroupedSampler.for_dataset(
+            dataset,
+            self.config.data,
+            seed,
+            self.run.micro_batch_size,
+            self.run.accumulation,
+            s.data_shards,
+            s.data_shard_rank,
+            names[0] if names else "input_ids",
+        )
 
 
 def cached_eval_loader(cache: dict[str, Any], own: Any, eval_dataset: Any, build: Callable[[Any], Any]) -> Any:

@@ -6,14 +6,14 @@ the remedy. Built only after the collator failed, so it costs the batches that c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from kiln.utils.errors import KilnError
 
 
-def _shape(value: Any) -> Optional[tuple[int, ...]]:
+def _shape(value: Any) -> tuple[int, ...] | None:
     """The shape stacking would see: a tensor's or array's, a list's nested lengths; None for scalars
     and other values (which stack whatever their value)."""
     if isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype")):
@@ -32,7 +32,7 @@ def _fields(item: Any) -> list[tuple[str, Any]]:
     return [("the items", None)]
 
 
-def unequal_rows(features: list[Any]) -> Optional[KilnError]:
+def unequal_rows(features: list[Any]) -> KilnError | None:
     """The error naming the first field whose rows differ in shape, with the shapes; None when every
     field's rows have one shape (the collator failed for another reason, which is left as it is)."""
     if not features:
@@ -52,5 +52,6 @@ def unequal_rows(features: list[Any]) -> Optional[KilnError]:
             f"The rows of a batch have different {'lengths' if flat else 'shapes'} under {name} ({listed}), and kiln's "
             "default collator stacks rows as they are: pad them to one length when preparing the data (e.g. the "
             "tokenizer's padding='max_length'), or pass a data_collator that pads each batch (e.g. transformers' "
-            "DataCollatorWithPadding).")
+            "DataCollatorWithPadding)."
+        )
     return None

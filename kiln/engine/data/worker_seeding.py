@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
@@ -87,7 +88,7 @@ class SeededSamples(Dataset):
         self.dataset, self.rank = dataset, rank
 
     @staticmethod
-    def wrap(dataset: Any, rank: int) -> "SeededSamples":
+    def wrap(dataset: Any, rank: int) -> SeededSamples:
         return SeededSamples(dataset, rank)
 
     def _reseed(self, index: Any) -> None:

@@ -71,8 +71,10 @@ def inputs_for_metrics(model: Any, batch: Any) -> Any:
     name = getattr(model, "main_input_name", "input_ids")
     if isinstance(batch, Mapping):
         if name not in batch:
-            raise KilnError(f"include_inputs_for_metrics: the batch has no {name!r} (keys: {', '.join(map(str, batch))}); "
-                            "set `main_input_name` on the model to the key that holds its inputs.")
+            raise KilnError(
+                f"include_inputs_for_metrics: the batch has no {name!r} (keys: {', '.join(map(str, batch))}); "
+                "set `main_input_name` on the model to the key that holds its inputs."
+            )
         return batch[name]
     if isinstance(batch, (list, tuple)) and batch:
         return batch[0]

@@ -31,6 +31,9 @@ class EvalCompiler:
             backend = train_config.torch_compile_backend or "inductor"
             self._compiled = torch.compile(model, backend=backend, mode=train_config.torch_compile_mode)
             self._source = model
-            log.info("jit_mode_eval (eval.compile): evaluation runs the model compiled with torch.compile "
-                     "(backend %r) instead of TorchScript tracing, which PyTorch has deprecated.", backend)
+            log.info(
+                "jit_mode_eval (eval.compile): evaluation runs the model compiled with torch.compile "
+                "(backend %r) instead of TorchScript tracing, which PyTorch has deprecated.",
+                backend,
+            )
         return self._compiled

@@ -21,8 +21,8 @@ import functools
 import logging
 import math
 import operator
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Callable, Literal, Optional, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -133,7 +133,9 @@ def concat_padded(arrays: Sequence[Array], padding_index: float = -100) -> Array
             return np.full(shape, padding_index, dtype=np_dtype)
     else:
         kinds = sorted({type(a).__name__ for a in arrays})
-        raise TypeError(f"Cannot concatenate {kinds}: pass all torch tensors or all numpy arrays (nested_numpify first)")
+        raise TypeError(
+            f"Cannot concatenate {kinds}: pass all torch tensors or all numpy arrays (nested_numpify first)"
+        )
     if len({t.ndim for t in tensors}) != 1:
         raise ValueError(f"Cannot concatenate arrays with different ranks: {[tuple(t.shape) for t in tensors]}.")
     if len(tensors) == 1:
@@ -213,8 +215,9 @@ class OrderedGatherer:
     the arrays truncated to `num_samples`, dropping the sampler's padding duplicates.
     """
 
-    def __init__(self, world_size: int, num_samples: int, make_multiple_of: Optional[int] = None,
-                 padding_index: float = -100) -> None:
+    def __init__(
+        self, world_size: int, num_samples: int, make_multiple_of: int | None = None, padding_index: float = -100
+    ) -> None:
         self.world_size = world_size
         self.num_samples = num_samples
         total = world_size * (make_multiple_of or 1)
@@ -225,7 +228,7 @@ class OrderedGatherer:
         self._offsets = [r * self.process_length for r in range(world_size)]
 
     @classmethod
-    def for_sampler(cls, sampler: SequentialDistributedSampler, padding_index: float = -100) -> "OrderedGatherer":
+    def for_sampler(cls, sampler: SequentialDistributedSampler, padding_index: float = -100) -> OrderedGatherer:
         """The gatherer whose layout is `sampler`'s, by construction."""
         return cls(sampler.num_replicas, sampler.num_examples, sampler.batch_size, padding_index)
 
@@ -238,8 +241,10 @@ class OrderedGatherer:
             raise ValueError(f"A gathered chunk of {rows} rows does not split evenly over {self.world_size} ranks.")
         slice_len = rows // self.world_size
         if self._offsets[0] + slice_len > self.process_length:
-            raise ValueError(f"Got more rows than each rank's shard holds ({self.process_length}); the sampler and "
-                             "the gatherer disagree (build the gatherer with OrderedGatherer.for_sampler).")
+            raise ValueError(
+                f"Got more rows than each rank's shard holds ({self.process_length}); the sampler and "
+                "the gatherer disagree (build the gatherer with OrderedGatherer.for_sampler)."
+            )
         if self._storage is None:
             self._storage = _map(self._allocate, arrays)
         self._storage = _map(functools.partial(self._place, slice_len=slice_len), self._storage, arrays)
@@ -265,8 +270,11 @@ class OrderedGatherer:
         if self._storage is None:
             return None
         if self._offsets[0] != self.process_length:
-            logger.warning("OrderedGatherer got %d of %d rows per rank; the rest stay padding.",
-                           self._offsets[0], self.process_length)
+            logger.warning(
+                "OrderedGatherer got %d of %d rows per rank; the rest stay padding.",
+                self._offsets[0],
+                self.process_length,
+            )
         return nested_truncate(self._storage, self.num_samples)
 
     def drop_duplicates(self, gathered: Any, rows_before: int) -> Any:
@@ -278,8 +286,12 @@ class OrderedGatherer:
         """
         rows = _rows(gathered)
         per_rank = rows // self.world_size
-        index = [rank * per_rank + j for rank in range(self.world_size) for j in range(per_rank)
-                 if rank * self.process_length + rows_before + j < self.num_samples]
+        index = [
+            rank * per_rank + j
+            for rank in range(self.world_size)
+            for j in range(per_rank)
+            if rank * self.process_length + rows_before + j < self.num_samples
+        ]
         if len(index) == rows:
             return gathered
         return _map(functools.partial(_take_rows, index=index), gathered)
@@ -289,8 +301,12 @@ def _take_rows(x: Array, index: list[int]) -> Array:
     return x[torch.tensor(index, dtype=torch.long, device=x.device)] if isinstance(x, torch.Tensor) else x[index]
 
 
-def restore_order(gathered_per_rank: Sequence[Any], num_samples: int,
-                  layout: Literal["contiguous", "strided"] = "contiguous", padding_index: float = -100) -> Any:
+def restore_order(
+    gathered_per_rank: Sequence[Any],
+    num_samples: int,
+    layout: Literal["contiguous", "strided"] = "contiguous",
+    padding_index: float = -100,
+) -> Any:
     """Dataset-ordered outputs from each rank's complete outputs (e.g. from one all_gather_object).
 
     `gathered_per_rank[r]` is everything rank r produced, in its sampler's order, and all ranks hold
@@ -336,11 +352,20 @@ class EvalAccumulator:
     distributed run: rank 0's batches, then rank 1's, ..., i.e. still dataset order, duplicates cut).
     """
 
-    def __init__(self, padding_index: float = -100, do_concat_batches: bool = True, accumulation_steps: Optional[int] = None,
-                 *, gather_fn: Optional[GatherFn] = None, gatherer: Optional[OrderedGatherer] = None) -> None:
+    def __init__(
+        self,
+        padding_index: float = -100,
+        do_concat_batches: bool = True,
+        accumulation_steps: int | None = None,
+        *,
+        gather_fn: GatherFn | None = None,
+        gatherer: OrderedGatherer | None = None,
+    ) -> None:
         if gather_fn is not None and gatherer is None:
-            raise ValueError("gather_fn needs a gatherer to restore dataset order: "
-                             "pass gatherer=OrderedGatherer.for_sampler(sampler).")
+            raise ValueError(
+                "gather_fn needs a gatherer to restore dataset order: "
+                "pass gatherer=OrderedGatherer.for_sampler(sampler)."
+            )
         if accumulation_steps is not None and accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be None or >= 1, got {accumulation_steps}.")
         self.padding_index = padding_index

@@ -39,8 +39,9 @@ def generation_kwargs(eval_config: Any, call_kwargs: Mapping[str, Any]) -> dict[
     return kwargs
 
 
-def generate_predictions(model: "nn.Module", inputs: Mapping[str, Any], skip: set[str], eval_config: Any,
-                         call_kwargs: Mapping[str, Any]) -> torch.Tensor:
+def generate_predictions(
+    model: nn.Module, inputs: Mapping[str, Any], skip: set[str], eval_config: Any, call_kwargs: Mapping[str, Any]
+) -> torch.Tensor:
     """Generated token ids `[batch, length]` for one batch. `inputs` are the forward's inputs; the
     label keys in `skip` and the decoder inputs are left out (generate builds the decoder side)."""
     generate = getattr(model, "generate", None)

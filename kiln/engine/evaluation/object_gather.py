@@ -9,7 +9,8 @@ drops the padding duplicates. The cost is pickling every output, which is why it
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -19,14 +20,15 @@ from kiln.engine.evaluation.gather import concat_padded, nested_numpify
 class ObjectAccumulator:
     """Drop-in for EvalAccumulator's `add` / `get_arrays` (with do_concat_batches)."""
 
-    def __init__(self, all_gather_object: Optional[Callable[[Any], list[Any]]], num_samples: Optional[int],
-                 padding_index: float = -100) -> None:
+    def __init__(
+        self, all_gather_object: Callable[[Any], list[Any]] | None, num_samples: int | None, padding_index: float = -100
+    ) -> None:
         self.all_gather_object = all_gather_object  # None on one process
         self.num_samples = num_samples
         self.padding_index = padding_index
         self.parts: dict[str, list[Any]] = {}
 
-    def add(self, outputs: Optional[dict[str, Any]]) -> None:
+    def add(self, outputs: dict[str, Any] | None) -> None:
         for key, value in (outputs or {}).items():
             self.parts.setdefault(key, []).append(nested_numpify(value))
 

@@ -14,7 +14,7 @@ Arrays are numpy (or nested tuples/lists/dicts of numpy arrays) once the loop ha
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,8 +37,8 @@ class EvalPrediction:
         self,
         predictions: Any,
         label_ids: Any,
-        inputs: Optional[Any] = None,
-        losses: Optional[Any] = None,
+        inputs: Any | None = None,
+        losses: Any | None = None,
     ) -> None:
         self.predictions = predictions
         self.label_ids = label_ids
@@ -54,7 +54,7 @@ class EvalPrediction:
     def __iter__(self) -> Iterator[Any]:
         return iter(self.elements)
 
-    def __getitem__(self, index: Union[int, slice]) -> Any:
+    def __getitem__(self, index: int | slice) -> Any:
         return self.elements[index]
 
     def __len__(self) -> int:
@@ -72,17 +72,17 @@ class PredictionOutput(NamedTuple):
     """`Trainer.predict` result. `label_ids` and `metrics` are None when the data has no labels."""
 
     predictions: Arrays
-    label_ids: Optional[Arrays]
-    metrics: Optional[dict[str, float]]
+    label_ids: Arrays | None
+    metrics: dict[str, float] | None
 
 
 class EvalLoopOutput(NamedTuple):
     """The evaluation loop's result: gathered arrays in dataset order, metrics, and the sample count."""
 
-    predictions: Optional[Arrays]
-    label_ids: Optional[Arrays]
-    metrics: Optional[dict[str, float]]
-    num_samples: Optional[int]
+    predictions: Arrays | None
+    label_ids: Arrays | None
+    metrics: dict[str, float] | None
+    num_samples: int | None
 
 
 # -- helpers of the evaluation loop --------------------------------------------------------------

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -35,11 +36,15 @@ from kiln.engine.callbacks.state import TrainerState
 from kiln.engine.seed import rng_state, set_rng_state
 from kiln.utils.errors import KilnError
 
-
 log = logging.getLogger(__name__)
 
-_OOM_MESSAGES = (" out of memory", "MPS backend out of memory", "CUDNN_STATUS_NOT_SUPPORTED",
-                 "DefaultCPUAllocator: can't allocate memory", "PT_DEVMEM Allocation failed")
+_OOM_MESSAGES = (
+    " out of memory",
+    "MPS backend out of memory",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "DefaultCPUAllocator: can't allocate memory",
+    "PT_DEVMEM Allocation failed",
+)
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -68,8 +73,10 @@ def find_batch_size(loop: Any) -> Iterable[Any]:  # the FitLoop (not imported: i
 
     run, hooks, strategy = loop.run, loop.hooks, loop.strategy
     if isinstance(hooks.train_dataset, torch.utils.data.DataLoader):
-        raise KilnError("auto_find_batch_size needs kiln to build the train dataloader: a DataLoader passed as "
-                        "train_dataset has a fixed batch size. Pass the dataset instead.")
+        raise KilnError(
+            "auto_find_batch_size needs kiln to build the train dataloader: a DataLoader passed as "
+            "train_dataset has a fixed batch size. Pass the dataset instead."
+        )
     setup_for_training(run, strategy, loop.precision, loop.config, hooks.create_optimizer, hooks.create_scheduler, None)
     size = run.micro_batch_size
     saved = rng_state()
@@ -82,8 +89,10 @@ def find_batch_size(loop: Any) -> Iterable[Any]:  # the FitLoop (not imported: i
         if not failed:
             return loader
         if size == 1:
-            raise KilnError("auto_find_batch_size: even per_device_train_batch_size=1 runs out of memory; use a smaller "
-                            "model, gradient_checkpointing, lower precision, or shard the model (strategy: fsdp).")
+            raise KilnError(
+                "auto_find_batch_size: even per_device_train_batch_size=1 runs out of memory; use a smaller "
+                "model, gradient_checkpointing, lower precision, or shard the model (strategy: fsdp)."
+            )
         new = max(1, int(size * 0.9))
         log.warning("auto_find_batch_size: per_device_train_batch_size=%d ran out of memory; trying %d.", size, new)
         size = run.micro_batch_size = new
@@ -124,7 +133,7 @@ def _attempt(loop: Any, loader: Iterable[Any]) -> bool:
         strategy.accelerator.empty_cache()
 
 
-def restart_smaller(loop: Any, err: BaseException, resume_path: Optional[str]) -> bool:
+def restart_smaller(loop: Any, err: BaseException, resume_path: str | None) -> bool:
     """After an out-of-memory error escaped a fit (`loop._run`), set the loop up to train again from
     step 0 with `int(size * 0.9)` (HF's `find_executable_batch_size` around `_inner_training_loop`) and
     return True; return False where this does not apply and the caller re-raises `err`.
@@ -143,21 +152,32 @@ def restart_smaller(loop: Any, err: BaseException, resume_path: Optional[str]) -
     size = run.micro_batch_size
     new = int(size * 0.9)
     if new < 1:
-        raise KilnError("auto_find_batch_size: out of memory during training even with per_device_train_batch_size=1; "
-                        "use a smaller model, gradient_checkpointing, lower precision, or shard the model "
-                        "(strategy: fsdp).") from err
+        raise KilnError(
+            "auto_find_batch_size: out of memory during training even with per_device_train_batch_size=1; "
+            "use a smaller model, gradient_checkpointing, lower precision, or shard the model "
+            "(strategy: fsdp)."
+        ) from err
     old = run.state
-    log.warning("auto_find_batch_size: out of memory with per_device_train_batch_size=%d after %d optimizer steps, outside "
-                "a window's forward and backward; training restarts from step 0 with per_device_train_batch_size=%d (as "
-                "HF's Trainer does), from the current weights and optimizer state.", size, old.global_step, new)
+    log.warning(
+        "auto_find_batch_size: out of memory with per_device_train_batch_size=%d after %d optimizer steps, outside "
+        "a window's forward and backward; training restarts from step 0 with per_device_train_batch_size=%d (as "
+        "HF's Trainer does), from the current weights and optimizer state.",
+        size,
+        old.global_step,
+        new,
+    )
     if run.optimizer is not None:  # an optimizer step that failed half-way leaves gradients behind
         strategy.zero_grad(run.wrapped, run.optimizer)
     run.micro_batch, run.micro_batch_size = None, new
     if run.created_scheduler:  # HF's `_prepare_for_training` drops the schedule it built; setup builds it again
         run.scheduler = None
-    run.state = TrainerState(is_world_process_zero=old.is_world_process_zero, is_local_process_zero=old.is_local_process_zero,
-                               is_hyper_param_search=old.is_hyper_param_search, trial_name=old.trial_name,
-                               trial_params=old.trial_params)
+    run.state = TrainerState(
+        is_world_process_zero=old.is_world_process_zero,
+        is_local_process_zero=old.is_local_process_zero,
+        is_hyper_param_search=old.is_hyper_param_search,
+        trial_name=old.trial_name,
+        trial_params=old.trial_params,
+    )
     # the control stays, as in HF: on_train_begin, on_epoch_begin and on_step_begin clear its flags
     loop.checkpoints.saved_step = None  # no checkpoint of the new attempt yet (a preemption save checks it)
     loop.restarted = True  # the size is chosen: no probe before the next attempt (HF has none either)
@@ -178,6 +198,8 @@ def evaluation_out_of_memory(enabled: bool) -> Iterator[None]:
         yield
     except Exception as err:  # noqa: BLE001 - anything but out-of-memory propagates unchanged
         if enabled and is_out_of_memory(err):
-            raise KilnError("Evaluation ran out of memory; auto_find_batch_size only adjusts the training batch size: "
-                            "lower per_device_eval_batch_size (or set eval_accumulation_steps).") from err
+            raise KilnError(
+                "Evaluation ran out of memory; auto_find_batch_size only adjusts the training batch size: "
+                "lower per_device_eval_batch_size (or set eval_accumulation_steps)."
+            ) from err
         raise

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,8 +21,13 @@ from kiln.engine.callbacks.base import interval
 from kiln.engine.checkpoint.data_position import resume_iterator
 from kiln.engine.data.epoch_rng import EpochRandomState
 from kiln.engine.data.loaders import loader_length, set_epoch
-from kiln.engine.loop.batch_size import (evaluation_out_of_memory, find_batch_size, free_memory, restart_smaller,
-                                         saved_batch_size)
+from kiln.engine.loop.batch_size import (
+    evaluation_out_of_memory,
+    find_batch_size,
+    free_memory,
+    restart_smaller,
+    saved_batch_size,
+)
 from kiln.engine.loop.flops import FlopCount
 from kiln.engine.loop.loss_reads import NonFiniteGuard
 from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
@@ -47,7 +54,7 @@ if TYPE_CHECKING:
 class TrainOutput(tuple):
     """(global_step, training_loss, metrics), with attribute access as in HF."""
 
-    def __new__(cls, global_step: int, training_loss: float, metrics: dict[str, float]) -> "TrainOutput":
+    def __new__(cls, global_step: int, training_loss: float, metrics: dict[str, float]) -> TrainOutput:
         return super().__new__(cls, (global_step, training_loss, metrics))
 
     global_step = property(lambda self: self[0])
@@ -59,16 +66,31 @@ class TrainOutput(tuple):
 
 
 class FitLoop:
-    def __init__(self, hooks: "TrainerHooks", run: "Run", strategy: "Strategy", precision: "Precision",
-                 callbacks: "CallbackHandler", checkpoints: "CheckpointManager", config: Any, memory_tracker: Any, *,
-                 wants_num_items: bool) -> None:
+    def __init__(
+        self,
+        hooks: TrainerHooks,
+        run: Run,
+        strategy: Strategy,
+        precision: Precision,
+        callbacks: CallbackHandler,
+        checkpoints: CheckpointManager,
+        config: Any,
+        memory_tracker: Any,
+        *,
+        wants_num_items: bool,
+    ) -> None:
         self.hooks, self.run, self.strategy, self.precision = hooks, run, strategy, precision
-        self.callbacks, self.checkpoints, self.config, self.memory_tracker = callbacks, checkpoints, config, memory_tracker
+        self.callbacks, self.checkpoints, self.config, self.memory_tracker = (
+            callbacks,
+            checkpoints,
+            config,
+            memory_tracker,
+        )
         self.wants_num_items = wants_num_items
-        self._rng: Optional[dict[str, Any]] = None  # a resumed run's RNG streams, set right before its first batch
+        self._rng: dict[str, Any] | None = None  # a resumed run's RNG streams, set right before its first batch
         self.restarted = False  # auto_find_batch_size restarted the fit with a smaller batch (restart_smaller)
 
-    def run_fit(self, resume_path: Optional[str]) -> TrainOutput:
+    def run_fit(self, resume_path: str | None) -> TrainOutput:
         with Preemption(self.strategy, bool(self.config.save.on_preemption)) as self.preemption:
             while True:  # auto_find_batch_size: out of memory outside a window restarts smaller, as HF (batch_size.py)
                 try:
@@ -78,16 +100,20 @@ class FitLoop:
                         raise
                 free_memory(self.strategy)
 
-    def _run(self, resume_path: Optional[str]) -> TrainOutput:
+    def _run(self, resume_path: str | None) -> TrainOutput:
         hooks, run, cfg, strategy = self.hooks, self.run, self.config, self.strategy
         loader = self._train_dataloader(resume_path)
         self.checkpoints.attach(self, loader)  # the loop's sums and the data position go into checkpoints
         batches_per_epoch = loader_length(loader)
         max_steps, num_epochs, updates_per_epoch = plan_steps(cfg, run.accumulation, batches_per_epoch)
         if max_steps <= 0:  # HF trains 0 steps and reports success; a config for evaluate/predict may say 0
-            raise ValueError("train.num_train_epochs is 0 and train.max_steps is unset, so fit() would train nothing: set "
-                             "num_train_epochs > 0 or max_steps > 0 (to score a model without training, use evaluate).")
-        setup_for_training(run, strategy, self.precision, cfg, hooks.create_optimizer, hooks.create_scheduler, max_steps)
+            raise ValueError(
+                "train.num_train_epochs is 0 and train.max_steps is unset, so fit() would train nothing: set "
+                "num_train_epochs > 0 or max_steps > 0 (to score a model without training, use evaluate)."
+            )
+        setup_for_training(
+            run, strategy, self.precision, cfg, hooks.create_optimizer, hooks.create_scheduler, max_steps
+        )
         self._show_callbacks(loader)
         restored = self.checkpoints.load(resume_path) if resume_path else None
         if restored is not None:
@@ -99,11 +125,20 @@ class FitLoop:
         state.save_steps = interval(cfg.save.steps, max_steps, 500)
         state.train_batch_size = run.micro_batch_size
         state.is_world_process_zero, state.is_local_process_zero = strategy.is_global_zero, strategy.is_local_zero
-        log_training_start(self, loader, batches_per_epoch, max_steps, num_epochs, updates_per_epoch, resume_path)  # HF's block
+        log_training_start(
+            self, loader, batches_per_epoch, max_steps, num_epochs, updates_per_epoch, resume_path
+        )  # HF's block
 
         model = run.wrapped
-        self.step = TrainStep(run, strategy, run.facts, cfg, hooks.training_step, hooks.current_learning_rate,
-                              wants_num_items=self.wants_num_items)
+        self.step = TrainStep(
+            run,
+            strategy,
+            run.facts,
+            cfg,
+            hooks.training_step,
+            hooks.current_learning_rate,
+            wants_num_items=self.wants_num_items,
+        )
         self.count_tokens_seen = bool(cfg.train.include_num_input_tokens_seen)
         self.flops = FlopCount(run.model)  # total_flos, HF's count (loop/flops.py)
         self.local_flos = 0.0
@@ -112,12 +147,13 @@ class FitLoop:
             with evaluation_out_of_memory(bool(cfg.data.auto_find_batch_size)):
                 hooks.evaluate_during_training(on_start=True)
         start = time.perf_counter()
-        self.losses = RunningLoss(NonFiniteGuard(int(cfg.train.max_nonfinite_steps)), bool(cfg.log.nan_inf_filter),
-                                  state.global_step)  # nan/inf losses: warn, then stop
+        self.losses = RunningLoss(
+            NonFiniteGuard(int(cfg.train.max_nonfinite_steps)), bool(cfg.log.nan_inf_filter), state.global_step
+        )  # nan/inf losses: warn, then stop
         self.nan_window = cfg.log.nonfinite_window == "nan"  # kiln's; HF's "filtered" logs the filter's stand-in
         self.steps_this_run, self.samples, self.tokens = 0, 0, 0
         self.window_start, self.samples_at_log, self.tokens_at_log = start, 0, 0
-        self.grad_norm: Optional[torch.Tensor] = None
+        self.grad_norm: torch.Tensor | None = None
         self.epoch_rng = EpochRandomState(loader)
         self.oom = OomRecovery(self)  # auto_find_batch_size: a later out-of-memory shrinks the micro-batch
         self.guarding = self.oom.enabled
@@ -137,8 +173,9 @@ class FitLoop:
             if not skip:  # the iterator draws its epoch order from the restored RNG, as the uninterrupted run's did
                 self._restore_rng()
             self.epoch_rng.begin_epoch(skip)  # resumed mid-epoch: the epoch start's RNG, for the same order
-            iterator = resume_iterator(loader, skip, saved_dataset, main=strategy.is_global_zero,
-                                       progress=not cfg.log.disable_tqdm)  # jumps; never re-iterates map-style data
+            iterator = resume_iterator(
+                loader, skip, saved_dataset, main=strategy.is_global_zero, progress=not cfg.log.disable_tqdm
+            )  # jumps; never re-iterates map-style data
             saved_dataset = None
             state.epoch_index, state.batches_into_epoch = epoch, skip
             self._restore_rng()  # right before the first batch: nothing in between draws
@@ -177,7 +214,7 @@ class FitLoop:
                 break
         return self._finish(start)
 
-    def _event(self, name: str, **kw: Any) -> "TrainerControl":
+    def _event(self, name: str, **kw: Any) -> TrainerControl:
         """Call `name` on the callbacks. What they return (a callback may return a new TrainerControl, as in
         HF) is the run's control from then on: the Run is its one owner, and every reader reads it there."""
         run = self.run
@@ -201,10 +238,11 @@ class FitLoop:
     def _show_callbacks(self, loader: Iterable[Any]) -> None:
         """The set-up objects every callback event receives from here on (HF updates them at the same point)."""
         run = self.run
-        self.callbacks.objects.update(model=run.model, optimizer=run.optimizer, lr_scheduler=run.scheduler,
-                                      train_dataloader=loader)
+        self.callbacks.objects.update(
+            model=run.model, optimizer=run.optimizer, lr_scheduler=run.scheduler, train_dataloader=loader
+        )
 
-    def _train_dataloader(self, resume_path: Optional[str]) -> Iterable[Any]:
+    def _train_dataloader(self, resume_path: str | None) -> Iterable[Any]:
         hooks, run = self.hooks, self.run
         if not self.config.data.auto_find_batch_size or self.restarted:
             return hooks.get_train_dataloader()
@@ -251,7 +289,7 @@ class FitLoop:
             self.run.state.num_input_tokens_seen += tokens
 
     # StepEvents: what happens between the parts of a step (and `guarding`, set with `oom`)
-    def guard(self, model: Any) -> ContextManager[Any]:
+    def guard(self, model: Any) -> AbstractContextManager[Any]:
         return self.oom.guard(model)
 
     def substep_end(self) -> None:
@@ -270,8 +308,11 @@ class FitLoop:
         """Add this window's FLOPs, summed over ranks, to state.total_flos (before logs and saves)."""
         strategy = self.strategy
         if strategy.world_size > 1:
-            self.local_flos = float(strategy.reduce(torch.tensor(self.local_flos, dtype=torch.float64,
-                                                                 device=strategy.root_device), "sum").item())
+            self.local_flos = float(
+                strategy.reduce(
+                    torch.tensor(self.local_flos, dtype=torch.float64, device=strategy.root_device), "sum"
+                ).item()
+            )
         self.run.state.total_flos += self.local_flos
         self.local_flos = 0.0
 

@@ -73,11 +73,18 @@ class NonFiniteGuard:
         self.longest = max(self.longest, self.consecutive)
         if not self.warned:
             self.warned = True
-            stop = (f"kiln stops after {self.limit} consecutive non-finite steps (train.max_nonfinite_steps)"
-                    if self.limit else "train.max_nonfinite_steps is 0, so training goes on regardless")
-            log.warning("The training loss is %s at step %d: the weights may be nan/inf from here on; %s. Lower the "
-                        "learning rate, check the data for nan/inf, or use bf16 rather than fp16.",
-                        next(v for v in values if not math.isfinite(v)), global_step, stop)
+            stop = (
+                f"kiln stops after {self.limit} consecutive non-finite steps (train.max_nonfinite_steps)"
+                if self.limit
+                else "train.max_nonfinite_steps is 0, so training goes on regardless"
+            )
+            log.warning(
+                "The training loss is %s at step %d: the weights may be nan/inf from here on; %s. Lower the "
+                "learning rate, check the data for nan/inf, or use bf16 rather than fp16.",
+                next(v for v in values if not math.isfinite(v)),
+                global_step,
+                stop,
+            )
 
     def check(self, strategy: Any, global_step: int) -> None:
         """Raise (on every rank at once) when some rank saw `limit` consecutive non-finite steps; else
@@ -94,10 +101,14 @@ class NonFiniteGuard:
             raise NonFiniteLossError(
                 f"The training loss was nan/inf for {longest} consecutive steps (train.max_nonfinite_steps={self.limit}), "
                 "so kiln stopped before saving nan/inf weights: lower the learning rate, check the data for nan/inf, "
-                "or use bf16 rather than fp16 (set train.max_nonfinite_steps=0 to train on regardless).")
+                "or use bf16 rather than fp16 (set train.max_nonfinite_steps=0 to train on regardless)."
+            )
 
     def note_save(self, what: str) -> None:
         """A checkpoint or the final model is written while the latest steps' loss was nan/inf: say so."""
         if self.consecutive:
-            log.warning("%s comes after %d consecutive step(s) with a nan/inf training loss: its weights may be nan/inf.",
-                        what, self.consecutive)
+            log.warning(
+                "%s comes after %d consecutive step(s) with a nan/inf training loss: its weights may be nan/inf.",
+                what,
+                self.consecutive,
+            )

@@ -12,8 +12,9 @@ weights a shard's items by how few it has.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -21,15 +22,30 @@ import torch
 class WindowWeights:
     """`scale` is what every weight is multiplied by: d for a global mean, d / shards otherwise."""
 
-    def __init__(self, counts: list[torch.Tensor], scale: float, wait_total: Callable[[], torch.Tensor], *,
-                 global_mean: bool, model_divides: bool) -> None:
+    def __init__(
+        self,
+        counts: list[torch.Tensor],
+        scale: float,
+        wait_total: Callable[[], torch.Tensor],
+        *,
+        global_mean: bool,
+        model_divides: bool,
+    ) -> None:
         self.counts, self.scale, self.global_mean, self.model_divides = counts, scale, global_mean, model_divides
-        self._wait: Optional[Callable[[], torch.Tensor]] = wait_total
-        self._total: Optional[torch.Tensor] = None
+        self._wait: Callable[[], torch.Tensor] | None = wait_total
+        self._total: torch.Tensor | None = None
 
     @classmethod
-    def for_window(cls, counts: list[torch.Tensor], *, item_shards: int, grad_divisor: int, global_mean: bool,
-                   model_divides: bool, reduce_async: Callable[[torch.Tensor, str], Callable[[], torch.Tensor]]) -> "WindowWeights":
+    def for_window(
+        cls,
+        counts: list[torch.Tensor],
+        *,
+        item_shards: int,
+        grad_divisor: int,
+        global_mean: bool,
+        model_divides: bool,
+        reduce_async: Callable[[torch.Tensor, str], Callable[[], torch.Tensor]],
+    ) -> WindowWeights:
         total = torch.stack(counts).sum()
         global_mean = global_mean and item_shards > 1
         wait = reduce_async(total, "sum") if global_mean else (lambda: total)
@@ -59,7 +75,7 @@ class MicroBatch:
 
     index: int
     boundary: bool
-    weights: Optional[WindowWeights] = None
+    weights: WindowWeights | None = None
 
     @property
     def weight(self) -> Any:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import gc
 import logging
-from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 from kiln.engine.data.epoch_rng import EpochRandomState
 from kiln.engine.data.loaders import set_epoch, skip_batches
@@ -42,9 +43,11 @@ def smaller_micro_batch(micro_batch: int, accumulation: int) -> int:
     accumulation) that is at most half the micro-batch, so windows keep their exact samples — half of
     an even size; for an odd one a smaller divisor (9 x 1 -> 3 x 3, 7 x 1 -> 1 x 7)."""
     if micro_batch <= 1:
-        raise KilnError("auto_find_batch_size: out of memory during training with per_device_train_batch_size=1, which "
-                        "cannot be halved further; use a smaller model, gradient_checkpointing, lower precision, or shard "
-                        "the model (strategy: fsdp).")
+        raise KilnError(
+            "auto_find_batch_size: out of memory during training with per_device_train_batch_size=1, which "
+            "cannot be halved further; use a smaller model, gradient_checkpointing, lower precision, or shard "
+            "the model (strategy: fsdp)."
+        )
     window = micro_batch * accumulation
     return max(size for size in range(1, micro_batch // 2 + 1) if window % size == 0)
 
@@ -57,7 +60,7 @@ class OomRecovery:
         # several processes: an OOM on one rank leaves the others in a collective (see the module docstring)
         self.enabled = bool(loop.config.data.auto_find_batch_size) and loop.strategy.world_size == 1
 
-    def guard(self, model: Any) -> ContextManager[None]:
+    def guard(self, model: Any) -> AbstractContextManager[None]:
         return self._guard(model) if self.enabled else _NULL
 
     @contextmanager
@@ -88,9 +91,11 @@ class OomRecovery:
         state.train_batch_size = new_size
         loader = loop.hooks.get_train_dataloader()
         if getattr(loader, "batch_size", new_size) != new_size:  # an override that ignores the setting
-            raise KilnError(f"auto_find_batch_size: out of memory at step {state.global_step + 1}, but get_train_dataloader() "
-                            f"still returns batches of {loader.batch_size} after per_device_train_batch_size was set to "
-                            f"{new_size}; build the loader with the Trainer's `_train_batch_size` (HF's name for the run's live size).")
+            raise KilnError(
+                f"auto_find_batch_size: out of memory at step {state.global_step + 1}, but get_train_dataloader() "
+                f"still returns batches of {loader.batch_size} after per_device_train_batch_size was set to "
+                f"{new_size}; build the loader with the Trainer's `_train_batch_size` (HF's name for the run's live size)."
+            )
         loop.checkpoints.attach(loop, loader)
         start = loop.epoch_rng.start
         loop.epoch_rng = EpochRandomState(loader)
@@ -98,7 +103,13 @@ class OomRecovery:
         set_epoch(loader, epoch, seed)
         state.batches_into_epoch = first_sample // new_size
         iterator, _ = skip_batches(loader, state.batches_into_epoch)
-        log.warning("Out of memory at step %d with per_device_train_batch_size=%d: redoing the step with "
-                    "per_device_train_batch_size=%d and gradient_accumulation_steps=%d (the same %d samples per step).",
-                    state.global_step + 1, size, new_size, new_k, size * k)
+        log.warning(
+            "Out of memory at step %d with per_device_train_batch_size=%d: redoing the step with "
+            "per_device_train_batch_size=%d and gradient_accumulation_steps=%d (the same %d samples per step).",
+            state.global_step + 1,
+            size,
+            new_size,
+            new_k,
+            size * k,
+        )
         return loader, iterator

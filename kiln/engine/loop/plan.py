@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Optional
+from typing import Any
 
 
-def plan_steps(cfg: Any, k: int, batches_per_epoch: Optional[int]) -> tuple[int, int, int]:
+def plan_steps(cfg: Any, k: int, batches_per_epoch: int | None) -> tuple[int, int, int]:
     """(max_steps, num_epochs, updates_per_epoch) exactly as HF defines them.
 
     An epoch of b micro-batches gives ceil(b / k) optimizer steps (k: the run's accumulation): the

@@ -17,7 +17,7 @@ import logging
 import signal
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,18 +31,20 @@ class Preemption:
     """Install with `with Preemption(strategy, enabled):` around training; the previous SIGTERM
     handler is put back on exit."""
 
-    def __init__(self, strategy: "Strategy", enabled: bool) -> None:
+    def __init__(self, strategy: Strategy, enabled: bool) -> None:
         self.strategy = strategy
         self.enabled = enabled
         self.signalled = False  # this process got SIGTERM
         self.triggered = False  # every rank agreed to save and stop
         self._previous: Any = None
 
-    def __enter__(self) -> "Preemption":
+    def __enter__(self) -> Preemption:
         if self.enabled:
             if threading.current_thread() is not threading.main_thread():
-                log.warning("save.on_preemption is ignored: fit() does not run in the main thread, where Python "
-                            "delivers signals.")
+                log.warning(
+                    "save.on_preemption is ignored: fit() does not run in the main thread, where Python "
+                    "delivers signals."
+                )
                 self.enabled = False
             else:
                 self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -53,7 +55,7 @@ class Preemption:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
 
-    def _on_sigterm(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self.signalled = True
 
     def requested(self) -> bool:
@@ -70,5 +72,8 @@ class Preemption:
     def stop(self, step: int) -> None:
         """After the checkpoint is complete on every rank: say so; the loop then ends training (HF's
         JIT checkpoint sets should_training_stop; `train()` returns normally)."""
-        log.warning("Preempted (SIGTERM): saved checkpoint-%d on every rank; training stops here. Resume with "
-                    "resume_from_checkpoint=true.", step)
+        log.warning(
+            "Preempted (SIGTERM): saved checkpoint-%d on every rank; training stops here. Resume with "
+            "resume_from_checkpoint=true.",
+            step,
+        )

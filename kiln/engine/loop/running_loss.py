@@ -27,10 +27,13 @@ class RunningLoss:
 
     def state_dict(self, steps_this_run: int) -> dict[str, Any]:
         # float64 tensors (checkpoints before host sums held a float32 tr_loss; both load)
-        return {"tr_loss": torch.tensor(self.tr_loss, dtype=torch.float64),
-                "total_loss": torch.tensor(self.total_loss, dtype=torch.float64),
-                "last_logged": self.last_logged, "steps": self.steps_before_resume + steps_this_run,
-                "nonfinite_streak": self.guard.consecutive}  # so a resumed run reads the losses at the same steps
+        return {
+            "tr_loss": torch.tensor(self.tr_loss, dtype=torch.float64),
+            "total_loss": torch.tensor(self.total_loss, dtype=torch.float64),
+            "last_logged": self.last_logged,
+            "steps": self.steps_before_resume + steps_this_run,
+            "nonfinite_streak": self.guard.consecutive,
+        }  # so a resumed run reads the losses at the same steps
 
     def load_state_dict(self, state: dict[str, Any], global_step: int) -> None:
         self.tr_loss, self.total_loss = float(state["tr_loss"]), float(state["total_loss"])
@@ -58,7 +61,7 @@ class RunningLoss:
         else:
             i = 0
             for j, micro_losses in enumerate(pending):
-                self.guard.step(first_step + j, values[i:i + len(micro_losses)])
+                self.guard.step(first_step + j, values[i : i + len(micro_losses)])
                 i += len(micro_losses)
         self.guard.check(strategy, global_step)  # too many nan/inf steps: stop here, before a log or save uses them
         if not self.nan_inf_filter or math.isfinite(total):

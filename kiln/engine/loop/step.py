@@ -28,8 +28,9 @@ boundary, weights) is `Run.micro_batch` while it runs, so an override that calls
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
-from typing import Any, Callable, ContextManager, Optional, Protocol
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
@@ -43,7 +44,7 @@ from kiln.strategies.interfaces import BackwardSyncControl, GraphBoundaries, Own
 _NULL = contextlib.nullcontext()  # reusable: no new object per micro-batch
 
 
-def _no_sync_control(model: Any, *, boundary: bool) -> ContextManager[Any]:
+def _no_sync_control(model: Any, *, boundary: bool) -> AbstractContextManager[Any]:
     return _NULL
 
 
@@ -52,7 +53,7 @@ class StepEvents(Protocol):
 
     guarding: bool  # whether `guard` does anything (auto_find_batch_size on one process)
 
-    def guard(self, model: Any) -> ContextManager[Any]: ...
+    def guard(self, model: Any) -> AbstractContextManager[Any]: ...
 
     def substep_end(self) -> None: ...
 
@@ -64,9 +65,17 @@ class StepEvents(Protocol):
 class TrainStep:
     """Runs optimizer steps for one fit. `training_step` is the Trainer's HF override point."""
 
-    def __init__(self, run: Run, strategy: Any, facts: ModelFacts, config: Any,
-                 training_step: Callable[..., torch.Tensor], learning_rate: Callable[[], float], *,
-                 wants_num_items: bool) -> None:
+    def __init__(
+        self,
+        run: Run,
+        strategy: Any,
+        facts: ModelFacts,
+        config: Any,
+        training_step: Callable[..., torch.Tensor],
+        learning_rate: Callable[[], float],
+        *,
+        wants_num_items: bool,
+    ) -> None:
         self.run, self.strategy, self.facts = run, strategy, facts
         self.training_step, self.learning_rate = training_step, learning_rate
         self.step_lr = 0.0
@@ -75,7 +84,7 @@ class TrainStep:
         self.global_mean = bool(config.train.average_tokens_across_devices)
         self.static_shapes = strategy.capabilities.static_shapes
         self.sync = strategy.micro_batch_context if isinstance(strategy, BackwardSyncControl) else _no_sync_control
-        self.cuts: Optional[GraphBoundaries] = strategy if isinstance(strategy, GraphBoundaries) else None
+        self.cuts: GraphBoundaries | None = strategy if isinstance(strategy, GraphBoundaries) else None
         self.weighs = self.windows_need_weights(run.accumulation)
         #: forward and backward of a window: the per-micro-batch loop, or a strategy that owns the window
         self.forward_backward = self.micro_batches
@@ -84,7 +93,7 @@ class TrainStep:
             self.owner: OwnsMicroBatchWindow = strategy
             self.forward_backward = self.owned_window
 
-    def __call__(self, window: list[Any], model: Any, events: "StepEvents") -> tuple[list[torch.Tensor], StepResult]:
+    def __call__(self, window: list[Any], model: Any, events: StepEvents) -> tuple[list[torch.Tensor], StepResult]:
         """Forward and backward of every micro-batch of `window`, the optimizer step, the schedule.
         Returns the micro-batches' detached losses (still on the device) and what the step did."""
         run, strategy = self.run, self.strategy
@@ -93,8 +102,9 @@ class TrainStep:
             with events.guard(model):  # auto_find_batch_size: out of memory in here redoes the window smaller
                 losses = self.forward_backward(model, window, weights, events)
         except (RuntimeError, TypeError, AttributeError) as err:
-            explained = explain(err, window[0], loss_maker(self.training_step, run.model, self.facts.training_module),
-                                run.model)
+            explained = explain(
+                err, window[0], loss_maker(self.training_step, run.model, self.facts.training_module), run.model
+            )
             if explained is None:
                 raise
             raise explained from err
@@ -109,8 +119,9 @@ class TrainStep:
             self.cuts.on_step_end()
         return losses, result
 
-    def micro_batches(self, model: Any, window: list[Any], weights: Optional[WindowWeights],
-                      events: "StepEvents") -> list[torch.Tensor]:
+    def micro_batches(
+        self, model: Any, window: list[Any], weights: WindowWeights | None, events: StepEvents
+    ) -> list[torch.Tensor]:
         """Forward and backward of each micro-batch of `window` in its synchronisation context, through
         `training_step` (which reads its place in the window from `Run.micro_batch`); the detached losses."""
         run = self.run
@@ -128,8 +139,9 @@ class TrainStep:
         run.micro_batch = None
         return losses
 
-    def owned_window(self, model: Any, window: list[Any], weights: Optional[WindowWeights],
-                     events: "StepEvents") -> list[torch.Tensor]:
+    def owned_window(
+        self, model: Any, window: list[Any], weights: WindowWeights | None, events: StepEvents
+    ) -> list[torch.Tensor]:
         """The window run by a strategy that owns it (`OwnsMicroBatchWindow`: a pipeline schedule);
         `on_substep_end` still fires once per micro-batch but the last, after the window."""
         losses = self.owner.run_window(model, window, weights)
@@ -154,7 +166,7 @@ class TrainStep:
         s = self.strategy
         return micro_batches > 1 or (s.item_shards > 1 and self.global_mean) or self.facts.accepts_num_items
 
-    def loss_weights(self, window: list[Any]) -> Optional[WindowWeights]:
+    def loss_weights(self, window: list[Any]) -> WindowWeights | None:
         """Per-micro-batch loss weights for this window (None: one micro-batch on one shard, whose
         mean loss needs no weighting). See kiln.engine.loop.loss_weights."""
         s = self.strategy
@@ -168,9 +180,14 @@ class TrainStep:
             counts = [torch.as_tensor(c, device=s.root_device) for c in raw]
         else:  # one upload for the window (XLA would make a 0-dim 0 or 1 a graph constant, not an input)
             counts = list(torch.tensor(raw, device=s.root_device).unbind())
-        return WindowWeights.for_window(counts, item_shards=s.item_shards, grad_divisor=s.grad_divisor,
-                                        global_mean=self.global_mean, model_divides=self.facts.model_divides(window[0]),
-                                        reduce_async=s.reduce_async)
+        return WindowWeights.for_window(
+            counts,
+            item_shards=s.item_shards,
+            grad_divisor=s.grad_divisor,
+            global_mean=self.global_mean,
+            model_divides=self.facts.model_divides(window[0]),
+            reduce_async=s.reduce_async,
+        )
 
 
 def batch_tokens(batch: Any) -> int:

@@ -21,7 +21,7 @@ attention term; these figures are for comparing with the hardware, not with HF's
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,7 +74,7 @@ class Throughput:
     """Tokens and FLOPs counted per micro-batch on this rank; `figures` turns a logging window's counts
     (summed over the ranks by the caller's reduction) into the logged numbers."""
 
-    def __init__(self, model: Any, peak_tflops: Optional[float]) -> None:
+    def __init__(self, model: Any, peak_tflops: float | None) -> None:
         self.flops = ModelFlops(model)
         self.peak = peak_tflops
         self.tokens, self.flop_count = 0, 0.0  # this window, this rank
@@ -90,7 +90,9 @@ class Throughput:
         self.tokens, self.flop_count = 0, 0.0
         return counts
 
-    def figures(self, tokens: float, flops: float, elapsed: float, ranks: int, prefix: str = "train_") -> dict[str, float]:
+    def figures(
+        self, tokens: float, flops: float, elapsed: float, ranks: int, prefix: str = "train_"
+    ) -> dict[str, float]:
         """The logged figures for `tokens` and `flops` done by `ranks` processes in `elapsed` seconds: the
         job's tokens/s and TFLOP/s, the same per rank, and MFU (per device, so the job's equals a rank's
         average) when a peak is known."""

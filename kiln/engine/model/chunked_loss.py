@@ -17,7 +17,8 @@ chunked loss would be silently different from theirs.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,15 +31,24 @@ from kiln.utils.errors import ConfigError
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
-                ignore_index: int) -> torch.Tensor:
+def _chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                          labels: torch.Tensor, *, chunk_size: int, num_items_in_batch: Any = None,
-                          ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int,
+    num_items_in_batch: Any = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`ForCausalLMLoss(F.linear(hidden, weight, bias), labels, ...)` computed `chunk_size` tokens at a time.
     `hidden` is [..., tokens, width]; `labels` (or the already shifted `shift_labels`) [..., tokens]."""
     if chunk_size < 1:
@@ -50,8 +60,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
     total = flat_hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat_hidden.shape[0], chunk_size):
         chunk = slice(start, start + chunk_size)
-        total = total + checkpoint(_chunk_loss, flat_hidden[chunk], weight, bias, flat_labels[chunk], ignore_index,
-                                   use_reentrant=False)
+        total = total + checkpoint(
+            _chunk_loss, flat_hidden[chunk], weight, bias, flat_labels[chunk], ignore_index, use_reentrant=False
+        )
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)
@@ -67,27 +78,40 @@ def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     for attr in LOGIT_TRANSFORMS:
         value = getattr(config, attr, None)
         if value not in (None, 1, 1.0):
-            raise ConfigError(f"{name} transforms its logits after the LM head ({attr}={value}), which the chunked loss "
-                              "does not; unset train.loss.chunked for this model.")
+            raise ConfigError(
+                f"{name} transforms its logits after the LM head ({attr}={value}), which the chunked loss "
+                "does not; unset train.loss.chunked for this model."
+            )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if type(head) is not nn.Linear or decoder is None or decoder is model:
-        raise ConfigError(f"train.loss.chunked needs a Transformers causal LM with a plain nn.Linear LM head and a "
-                          f"decoder (get_decoder()); {name} has neither form, so unset train.loss.chunked.")
+        raise ConfigError(
+            f"train.loss.chunked needs a Transformers causal LM with a plain nn.Linear LM head and a "
+            f"decoder (get_decoder()); {name} has neither form, so unset train.loss.chunked."
+        )
     return decoder, head
 
 
-def chunked_causal_lm_loss(model: nn.Module, inputs: Mapping[str, Any], *, chunk_size: int,
-                           num_items_in_batch: Any = None) -> torch.Tensor:
+def chunked_causal_lm_loss(
+    model: nn.Module, inputs: Mapping[str, Any], *, chunk_size: int, num_items_in_batch: Any = None
+) -> torch.Tensor:
     """The loss `model(**inputs).loss` would return, without building the logits: the decoder's last
     hidden state through the LM head chunk by chunk."""
     decoder, head = lm_parts(model)
     inputs = dict(inputs)
     labels, shift_labels = inputs.pop("labels", None), inputs.pop("shift_labels", None)
     if labels is None and shift_labels is None:
-        raise ConfigError("train.loss.chunked computes the loss from the batch's labels, and this batch has none; "
-                          "add labels (a causal-LM collator does) or unset train.loss.chunked.")
+        raise ConfigError(
+            "train.loss.chunked computes the loss from the batch's labels, and this batch has none; "
+            "add labels (a causal-LM collator does) or unset train.loss.chunked."
+        )
     hidden = decoder(**inputs).last_hidden_state
-    return chunked_cross_entropy(hidden, head.weight, head.bias, labels if labels is not None else shift_labels,
-                                 chunk_size=chunk_size, num_items_in_batch=num_items_in_batch,
-                                 shift_labels=shift_labels)
+    return chunked_cross_entropy(
+        hidden,
+        head.weight,
+        head.bias,
+        labels if labels is not None else shift_labels,
+        chunk_size=chunk_size,
+        num_items_in_batch=num_items_in_batch,
+        shift_labels=shift_labels,
+    )

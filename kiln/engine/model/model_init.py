@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kiln.utils.errors import KilnError
 
@@ -11,7 +12,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-def call_model_init(model_init: Callable[..., "nn.Module"], trial: Any = None) -> "nn.Module":
+def call_model_init(model_init: Callable[..., nn.Module], trial: Any = None) -> nn.Module:
     """`model_init()` or `model_init(trial)`, so a trial can change the architecture (HF)."""
     params = list(inspect.signature(model_init).parameters.values())
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -5,8 +5,8 @@ is the loss). Helpers here turn either kind's outputs into (loss, predictions, l
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-from typing import Any, Callable, Optional, Sequence, TypeGuard, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -43,12 +43,12 @@ class TrainingModule(nn.Module):
         """Return None (use the config's optimizer), an optimizer, or (optimizer, scheduler)."""
         return None
 
-    def num_items(self, batch: Any) -> Union[int, torch.Tensor]:
+    def num_items(self, batch: Any) -> int | torch.Tensor:
         """Items the loss of `batch` averages over (tokens with a label, or samples)."""
         return count_items(batch)
 
 
-def count_items(batch: Any, label_names: Optional[Sequence[str]] = None, ignore_index: int = -100) -> Union[int, torch.Tensor]:
+def count_items(batch: Any, label_names: Sequence[str] | None = None, ignore_index: int = -100) -> int | torch.Tensor:
     """Labelled items in a batch: non-ignored label entries if the batch has labels, else samples."""
     if isinstance(batch, Mapping):
         for name in label_names or ("labels",):
@@ -133,12 +133,12 @@ def loss_shifts_labels(model: nn.Module) -> bool:
     return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and not encoder_decoder
 
 
-def item_counter(model: nn.Module, label_names: Sequence[str]) -> Callable[[Any], Union[int, torch.Tensor]]:
+def item_counter(model: nn.Module, label_names: Sequence[str]) -> Callable[[Any], int | torch.Tensor]:
     """Items in one micro-batch of an HF-contract model, counted as HF counts `num_items_in_batch`:
     a batch's `shift_labels` if it has them, else the labels (without position 0 for causal LMs)."""
     shifts = loss_shifts_labels(model)
 
-    def count(batch: Any) -> Union[int, torch.Tensor]:
+    def count(batch: Any) -> int | torch.Tensor:
         if isinstance(batch, Mapping):
             shifted = batch.get("shift_labels")
             if isinstance(shifted, torch.Tensor):
@@ -151,7 +151,7 @@ def item_counter(model: nn.Module, label_names: Sequence[str]) -> Callable[[Any]
     return count
 
 
-def forward_argument_names(model: nn.Module) -> Optional[set[str]]:
+def forward_argument_names(model: nn.Module) -> set[str] | None:
     """Names `model.forward` accepts, or None if it takes **kwargs (anything goes)."""
     try:
         params = inspect.signature(model.forward).parameters

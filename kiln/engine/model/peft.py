@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Optional, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -70,7 +70,7 @@ def _holds_model(directory: str) -> bool:
     return any(os.path.exists(os.path.join(directory, name)) for name in (WEIGHTS_SAFE, WEIGHTS_BIN, INDEX))
 
 
-def checkpoint_io_for(strategy: "Strategy", model: nn.Module) -> CheckpointIO:
+def checkpoint_io_for(strategy: Strategy, model: nn.Module) -> CheckpointIO:
     """The CheckpointIO for the run's `model` (the user's module): the adapter one for a PeftModel
     under a strategy whose format it can stand in for, else the strategy's own."""
     io = strategy.checkpoint_io()
@@ -139,8 +139,10 @@ def _read_adapter(folder: str) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{safe} is corrupt or truncated ({err}); use another checkpoint.") from None
     if os.path.exists(binary):
         return safe_torch_load(binary)  # tensors only: nothing in the file can run code
-    raise CheckpointError(f"No adapter weights ({ADAPTER_SAFE} or {ADAPTER_BIN}) in {folder}; the model is a PeftModel, "
-                          "so the checkpoint must hold its adapter (saved by kiln or HF's Trainer from a PeftModel).")
+    raise CheckpointError(
+        f"No adapter weights ({ADAPTER_SAFE} or {ADAPTER_BIN}) in {folder}; the model is a PeftModel, "
+        "so the checkpoint must hold its adapter (saved by kiln or HF's Trainer from a PeftModel)."
+    )
 
 
 def load_adapter(module: nn.Module, directory: str) -> None:
@@ -153,15 +155,22 @@ def load_adapter(module: nn.Module, directory: str) -> None:
         saved, names = _read_adapter(folder), _key_map(module, live, adapter)
         unexpected, missing = sorted(set(saved) - set(names)), sorted(set(names) - set(saved))
         if unexpected or missing:
-            what = "; ".join(f"{label}: {', '.join(keys[:6])}" + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
-                             for label, keys in (("missing keys", missing), ("unexpected keys", unexpected)) if keys)
-            raise CheckpointError(f"The adapter in {folder} does not fit adapter {adapter!r} of this model ({what}); "
-                                  "load it into a PeftModel built with the same peft config and base model.")
+            what = "; ".join(
+                f"{label}: {', '.join(keys[:6])}" + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+                for label, keys in (("missing keys", missing), ("unexpected keys", unexpected))
+                if keys
+            )
+            raise CheckpointError(
+                f"The adapter in {folder} does not fit adapter {adapter!r} of this model ({what}); "
+                "load it into a PeftModel built with the same peft config and base model."
+            )
         for key, t in saved.items():
             own = live[names[key]]
             if tuple(own.shape) != tuple(t.shape):
-                raise CheckpointError(f"The adapter in {folder} does not fit this model: {key} is {tuple(t.shape)} there "
-                                      f"and {tuple(own.shape)} here; use the peft config (rank r) it was trained with.")
+                raise CheckpointError(
+                    f"The adapter in {folder} does not fit this model: {key} is {tuple(t.shape)} there "
+                    f"and {tuple(own.shape)} here; use the peft config (rank r) it was trained with."
+                )
             full[names[key]] = t
     if _sharded(module):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -183,7 +192,7 @@ class AdapterCheckpointIO(CheckpointIO):
     reshardable = True
     sharded = False
 
-    def __init__(self, inner: Optional[CheckpointIO] = None) -> None:
+    def __init__(self, inner: CheckpointIO | None = None) -> None:
         self.inner = inner
 
     @classmethod
@@ -191,8 +200,17 @@ class AdapterCheckpointIO(CheckpointIO):
         """The default adapter's tensors, under the names `save_pretrained` gave them."""
         return _read_adapter(directory)
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         sharded = _sharded(module)
         state = _gathered_adapter(module) if sharded else None  # collective when sharded
         optim = None
@@ -200,8 +218,9 @@ class AdapterCheckpointIO(CheckpointIO):
             if sharded:  # collective: every rank takes part; keyed by parameter name
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-                optim = get_optimizer_state_dict(module, optimizer,
-                                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                optim = get_optimizer_state_dict(
+                    module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+                )
             else:
                 optim = optimizer.state_dict()
         if not writer:
@@ -211,8 +230,15 @@ class AdapterCheckpointIO(CheckpointIO):
         if optim is not None and (not sharded or _rank() == 0):  # gathered with cpu_offload: rank 0 holds it
             torch.save(optim, os.path.join(directory, OPTIMIZER))
 
-    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             load_optimizer: bool = True) -> None:
+    def load(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        load_optimizer: bool = True,
+    ) -> None:
         load_adapter(module, directory)
         if load_optimizer and optimizer is not None:
             _load_optimizer(directory, module, optimizer)
@@ -233,9 +259,11 @@ def _load_optimizer(directory: str, module: nn.Module, optimizer: torch.optim.Op
     sharded = _sharded(module)
     by_name = any(isinstance(k, str) for k in (saved.get("state") or {}))
     if by_name != sharded:
-        raise CheckpointError(f"{path} was saved by a run whose parameters were {'' if by_name else 'not '}sharded "
-                              f"(FSDP) and this run's are {'' if sharded else 'not'}; resume with a strategy like the one "
-                              "that saved it.")
+        raise CheckpointError(
+            f"{path} was saved by a run whose parameters were {'' if by_name else 'not '}sharded "
+            f"(FSDP) and this run's are {'' if sharded else 'not'}; resume with a strategy like the one "
+            "that saved it."
+        )
     try:
         regrouped = regroup_optimizer_state(saved, optimizer.param_groups)
         if sharded:
@@ -245,5 +273,7 @@ def _load_optimizer(directory: str, module: nn.Module, optimizer: torch.optim.Op
         else:
             optimizer.load_state_dict(regrouped)
     except (ValueError, KeyError) as err:
-        raise CheckpointError(f"The optimizer state in {path} does not fit this optimizer ({err}); was optim.name or "
-                              "the peft config (which parameters train) changed?") from None
+        raise CheckpointError(
+            f"The optimizer state in {path} does not fit this optimizer ({err}); was optim.name or "
+            "the peft config (which parameters train) changed?"
+        ) from None

@@ -6,7 +6,7 @@ process, below it, Lightning's ModelSummary table: one row per module down to `l
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,9 +42,11 @@ def model_summary(model: nn.Module, strategy: Any, precision: Any) -> str:
         weights = counts.most_common(1)[0][0] if counts else None
     compute = precision.compute_dtype or weights
     procs = strategy.world_size
-    return (f"model {type(model).__name__}: {_count(total)} parameters ({_count(trainable)} trainable, {_dtype(weights)}); "
-            f"strategy {strategy.name} on {strategy.root_device.type}, {procs} process{'es' if procs != 1 else ''}; "
-            f"precision {precision.name} ({_dtype(weights)} weights, {_dtype(compute)} compute)")
+    return (
+        f"model {type(model).__name__}: {_count(total)} parameters ({_count(trainable)} trainable, {_dtype(weights)}); "
+        f"strategy {strategy.name} on {strategy.root_device.type}, {procs} process{'es' if procs != 1 else ''}; "
+        f"precision {precision.name} ({_dtype(weights)} weights, {_dtype(compute)} compute)"
+    )
 
 
 def _size(n_bytes: float) -> str:
@@ -54,7 +56,7 @@ def _size(n_bytes: float) -> str:
     return f"{int(n_bytes)} B"
 
 
-def _tally(params: list[Any], dtype: Optional[torch.dtype]) -> tuple[int, int, float]:
+def _tally(params: list[Any], dtype: torch.dtype | None) -> tuple[int, int, float]:
     """(parameters, trainable, bytes) of `params`; bytes in `dtype` when training casts to it."""
     total = trainable = 0
     size = 0.0
@@ -83,12 +85,16 @@ def model_table(model: nn.Module, precision: Any, max_depth: int = 1) -> list[st
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     rule = "-" * max(len(line) for line in lines)
     total, trainable, size = _tally(list(model.parameters()), dtype)
-    totals = [(_count(trainable), "Trainable params"), (_count(total - trainable), "Non-trainable params"),
-              (_count(total), "Total params"), (_size(size), "Total estimated model params size")]
+    totals = [
+        (_count(trainable), "Trainable params"),
+        (_count(total - trainable), "Non-trainable params"),
+        (_count(total), "Total params"),
+        (_size(size), "Total estimated model params size"),
+    ]
     return [lines[0], rule, *lines[1:], rule, *(f"{value:<10}{what}" for value, what in totals)]
 
 
-def start_summary(model: nn.Module, strategy: Any, precision: Any, mode: str, max_depth: int) -> Optional[str]:
+def start_summary(model: nn.Module, strategy: Any, precision: Any, mode: str, max_depth: int) -> str | None:
     """What `fit` prints on the main process when it starts (`log.model_summary`): `line`, `table` (the line,
     then `model_table`), `off`, or `auto`: the table on one process, the line alone with several (each
     of their start-ups would otherwise scroll a table past)."""

@@ -11,7 +11,6 @@ What a launcher asks of the run's *settings* is `kiln/launch/settings.py`."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 from kiln.launch.environment.accelerate import Accelerate
 from kiln.launch.environment.base import ClusterEnvironment, ClusterKind, Env, current, restart_count, visible_devices
@@ -27,7 +26,7 @@ __all__ = ["KINDS", "ClusterEnvironment", "ClusterKind", "attempt_store", "detec
 KINDS: list[type[ClusterKind]] = [Accelerate, DeepSpeedLauncher, Torchrun, Slurm, NoLauncher]
 
 
-def register(kind: type[ClusterKind], before: Optional[type[ClusterKind]] = None) -> None:
+def register(kind: type[ClusterKind], before: type[ClusterKind] | None = None) -> None:
     """Add a cluster kind, asked just before `before` (default: before "no launcher", i.e. after
     every built-in one). Registering a kind again moves it."""
     if kind in KINDS:
@@ -35,7 +34,7 @@ def register(kind: type[ClusterKind], before: Optional[type[ClusterKind]] = None
     KINDS.insert(KINDS.index(before if before is not None else NoLauncher), kind)
 
 
-def detect(env: Optional[Env] = None) -> ClusterEnvironment:
+def detect(env: Env | None = None) -> ClusterEnvironment:
     """Read the process topology from the environment a launcher set up (`env` defaults to
     `os.environ`): the reading of the first kind in `KINDS` that recognises it."""
     env = current(env)

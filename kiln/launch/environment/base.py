@@ -5,8 +5,9 @@ and reads the topology from them)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Optional
+from typing import ClassVar
 
 Env = Mapping[str, str]
 
@@ -22,9 +23,11 @@ class ClusterEnvironment:
     local_world_size: int = 1
     node_rank: int = 0
     num_nodes: int = 1
-    source: str = "none"  # the `name` of the ClusterKind that read it: ray | torchrun | accelerate | deepspeed | slurm | none
-    main_address: Optional[str] = None
-    main_port: Optional[int] = None
+    source: str = (
+        "none"  # the `name` of the ClusterKind that read it: ray | torchrun | accelerate | deepspeed | slurm | none
+    )
+    main_address: str | None = None
+    main_port: int | None = None
     rendezvous: bool = False  # whether the launcher gave an address for the process group to meet at
     #: how many times this job was started before: torchrun's elastic restarts plus SLURM requeues
     restart_count: int = 0
@@ -61,12 +64,12 @@ class ClusterKind:
         raise NotImplementedError
 
 
-def current(env: Optional[Env]) -> Env:
+def current(env: Env | None) -> Env:
     """`env`, or this process's environment when None."""
     return os.environ if env is None else env
 
 
-def visible_devices(env: Optional[Env] = None) -> Optional[str]:
+def visible_devices(env: Env | None = None) -> str | None:
     """`CUDA_VISIBLE_DEVICES` as the user set it (None when unset), for error messages."""
     return current(env).get("CUDA_VISIBLE_DEVICES")
 

@@ -9,12 +9,12 @@ and use it (`kiln.strategies.process_group.init_process_group` creates none when
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from kiln.launch.environment.base import ClusterEnvironment, ClusterKind, Env
 
 
-def train_context() -> Optional[Any]:
+def train_context() -> Any | None:
     """Ray Train's context in this process, or None outside a Ray Train worker (a plain process, Ray's
     driver, a Ray Tune trial). Never imports Ray: a process Ray Train started has imported it already."""
     train = sys.modules.get("ray.train")

@@ -5,7 +5,6 @@ as Lightning's SLURMEnvironment does, unless MASTER_ADDR / MASTER_PORT are set."
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 from kiln.launch.environment.base import ClusterEnvironment, ClusterKind, Env
 
@@ -39,7 +38,7 @@ class Slurm(ClusterKind):
         )
 
 
-def first_host(nodelist: str) -> Optional[str]:
+def first_host(nodelist: str) -> str | None:
     """The first host of a SLURM nodelist: `gpu[003-005,009],cpu01` -> `gpu003`."""
     if not nodelist:
         return None

@@ -4,7 +4,7 @@ so the process group meets at `env://` (a restarted attempt: see `attempt_store`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from kiln.launch.environment.base import ClusterEnvironment, ClusterKind, Env, current
 
@@ -36,7 +36,7 @@ class Torchrun(ClusterKind):
         )
 
 
-def attempt_store(timeout: "timedelta", env: Optional[Env] = None) -> Any:
+def attempt_store(timeout: timedelta, env: Env | None = None) -> Any:
     """The store a restarted attempt of an elastic job meets in, or None where torch's `env://` is right.
 
     torch's elastic agent keeps one store for the workers (MASTER_ADDR / MASTER_PORT, hosted by the
@@ -60,13 +60,25 @@ def attempt_store(timeout: "timedelta", env: Optional[Env] = None) -> Any:
 
 def _warn_shared_store_across_nodes(env: Env) -> None:
     """Rank 0's warning, before anything fails, for restarts across nodes on the agents' shared store."""
-    restarts, world, local = env.get("TORCHELASTIC_MAX_RESTARTS", "0"), env.get("WORLD_SIZE", "1"), env.get("LOCAL_WORLD_SIZE")
-    if (env.get("RANK") != "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not restarts.isdigit()
-            or int(restarts) == 0 or not local or int(world) <= int(local)):
+    restarts, world, local = (
+        env.get("TORCHELASTIC_MAX_RESTARTS", "0"),
+        env.get("WORLD_SIZE", "1"),
+        env.get("LOCAL_WORLD_SIZE"),
+    )
+    if (
+        env.get("RANK") != "0"
+        or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or not restarts.isdigit()
+        or int(restarts) == 0
+        or not local
+        or int(world) <= int(local)
+    ):
         return
     import logging
 
     logging.getLogger("kiln").warning(
         "This job spans several nodes with --max-restarts %s on the store torchrun's agents share: each node's "
         "agent counts its restarts on its own, so a restarted attempt can meet keys another attempt left and hang; "
-        "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node (docs/launching.md).", restarts)
+        "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node (docs/launching.md).",
+        restarts,
+    )

@@ -19,7 +19,7 @@ over every item of the global window (see kiln/engine/loop/loss_weights.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
@@ -52,7 +52,7 @@ def _tracked(ddp: nn.parallel.DistributedDataParallel) -> nn.parallel.Distribute
     return ddp
 
 
-def _ddp(module: nn.Module) -> Optional[nn.parallel.DistributedDataParallel]:
+def _ddp(module: nn.Module) -> nn.parallel.DistributedDataParallel | None:
     """The DDP wrapper inside `module` (which may be torch.compile's wrapper around it)."""
     module = getattr(module, "_orig_mod", module)
     return module if isinstance(module, nn.parallel.DistributedDataParallel) else None
@@ -63,8 +63,10 @@ class DDPStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
     name = "ddp"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
-        reasons={"mps": "DDP needs gloo or NCCL collectives, which Apple GPUs do not have (one MPS device: strategy mps)",
-                 "xla": "XLA devices synchronise through XLA's own collectives (use strategy xla or xla_fsdp)"},
+        reasons={
+            "mps": "DDP needs gloo or NCCL collectives, which Apple GPUs do not have (one MPS device: strategy mps)",
+            "xla": "XLA devices synchronise through XLA's own collectives (use strategy xla or xla_fsdp)",
+        },
     )
 
     # -- set-up -----------------------------------------------------------------------------
@@ -77,7 +79,11 @@ class DDPStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
             # unset: False, then chosen on the first step (choose_unused_on_first_step); HF's default is True
             find = s.name == "ddp_find_unused_parameters_true"
         broadcast = s.broadcast_buffers if s.broadcast_buffers is not None else not checkpointing
-        kwargs: dict[str, Any] = {"find_unused_parameters": find, _buffers_keyword(): broadcast, "static_graph": s.static_graph}
+        kwargs: dict[str, Any] = {
+            "find_unused_parameters": find,
+            _buffers_keyword(): broadcast,
+            "static_graph": s.static_graph,
+        }
         if s.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = s.bucket_cap_mb
         return kwargs
@@ -93,8 +99,12 @@ class DDPStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
         """Whether find_unused_parameters is left for the first step to decide (unset, and neither
         gradient checkpointing nor a static graph, which settle it already)."""
         s = self.config.strategy
-        return (s.find_unused_parameters is None and s.name != "ddp_find_unused_parameters_true"
-                and not self.config.train.gradient_checkpointing and not s.static_graph)
+        return (
+            s.find_unused_parameters is None
+            and s.name != "ddp_find_unused_parameters_true"
+            and not self.config.train.gradient_checkpointing
+            and not s.static_graph
+        )
 
     def _first_step_chooser(self, ddp: nn.parallel.DistributedDataParallel) -> contextlib.AbstractContextManager[Any]:
         from kiln.strategies.ddp.unused_parameters import first_boundary
@@ -107,7 +117,12 @@ class DDPStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
             if self.is_global_zero and self.config.log.level not in ("error", "critical"):
                 print(f"kiln: {line}", flush=True)
 
-        return first_boundary(ddp, self.world_size, lambda m: _tracked(nn.parallel.DistributedDataParallel(m, device_ids=device_ids, **kwargs)), say)
+        return first_boundary(
+            ddp,
+            self.world_size,
+            lambda m: _tracked(nn.parallel.DistributedDataParallel(m, device_ids=device_ids, **kwargs)),
+            say,
+        )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         ddp = _ddp(model)

@@ -15,8 +15,8 @@ False and runs the first window's last micro-batch without DDP's reduction (`no_
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,8 +56,12 @@ def rebuild_with_find_unused(ddp: nn.parallel.DistributedDataParallel, make: Cal
 
 
 @contextlib.contextmanager
-def first_boundary(ddp: nn.parallel.DistributedDataParallel, world_size: int,
-                   make: Callable[[nn.Module], Any], say: Callable[[str], None]) -> Iterator[None]:
+def first_boundary(
+    ddp: nn.parallel.DistributedDataParallel,
+    world_size: int,
+    make: Callable[[nn.Module], Any],
+    say: Callable[[str], None],
+) -> Iterator[None]:
     """The first window's last micro-batch: backward without DDP's reduction, then decide."""
     with ddp.no_sync():
         yield
@@ -65,8 +69,12 @@ def first_boundary(ddp: nn.parallel.DistributedDataParallel, world_size: int,
     if unused:
         rebuild_with_find_unused(ddp, make)
         shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
-        say(f"DDP: {len(unused)} parameter(s) got no gradient in the first step ({shown}); find_unused_parameters "
-            "is on (set strategy.find_unused_parameters: false if they are frozen by mistake)")
+        say(
+            f"DDP: {len(unused)} parameter(s) got no gradient in the first step ({shown}); find_unused_parameters "
+            "is on (set strategy.find_unused_parameters: false if they are frozen by mistake)"
+        )
     else:
-        say("DDP: every parameter got a gradient in the first step; find_unused_parameters is off "
-            "(set strategy.find_unused_parameters: true if later steps leave some out)")
+        say(
+            "DDP: every parameter got a gradient in the first step; find_unused_parameters is off "
+            "(set strategy.find_unused_parameters: true if later steps leave some out)"
+        )

@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO, apply_weights, register_format, save_weights
+from kiln.strategies.checkpoint_io import (
+    CheckpointIO,
+    FullStateCheckpointIO,
+    apply_weights,
+    register_format,
+    save_weights,
+)
 from kiln.strategies.weights_files import share_tied, tie_groups
 from kiln.utils.errors import CheckpointError, safe_torch_load
 
@@ -30,8 +36,12 @@ FORMAT = "deepspeed"
 
 #: (module, class) DeepSpeed pickles into its checkpoint files besides tensors and containers; found by
 #: saving ZeRO 0-3 checkpoints (DeepSpeed 0.19) and loading them with weights_only=True
-DS_CLASSES = (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-              ("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.utils.tensor_fragment", "fragment_address"))
+DS_CLASSES = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
 
 
 def _ds_classes() -> list[type]:
@@ -42,8 +52,9 @@ def _ds_classes() -> list[type]:
 
 def load_ds_file(path: str, mmap: bool = False) -> Any:
     """One of DeepSpeed's checkpoint files, read without running code (`weights_only=True` + DS_CLASSES)."""
-    return safe_torch_load(path, allow=_ds_classes(), what="DeepSpeed's loss scaler, ZeRO stage, fragment records",
-                           mmap=mmap)
+    return safe_torch_load(
+        path, allow=_ds_classes(), what="DeepSpeed's loss scaler, ZeRO stage, fragment records", mmap=mmap
+    )
 
 
 def vet_ds_files(directory: str) -> None:
@@ -55,7 +66,9 @@ def vet_ds_files(directory: str) -> None:
 
 
 def is_deepspeed_checkpoint(directory: str) -> bool:
-    return os.path.isdir(os.path.join(directory, TAG)) and bool(glob.glob(os.path.join(directory, TAG, "*model_states.pt")))
+    return os.path.isdir(os.path.join(directory, TAG)) and bool(
+        glob.glob(os.path.join(directory, TAG, "*model_states.pt"))
+    )
 
 
 def _prefix(engine_module: nn.Module, module: nn.Module) -> str:
@@ -99,14 +112,21 @@ def _check_group_count(directory: str, engine: Any) -> None:
         return
     state = load_ds_file(files[0], mmap=True)
     shapes, plain = state.get("param_shapes"), state.get("optimizer")
-    saved = len(shapes) if isinstance(shapes, list) else len(plain.get("param_groups", [])) if isinstance(plain, dict) else 0
+    saved = (
+        len(shapes)
+        if isinstance(shapes, list)
+        else len(plain.get("param_groups", []))
+        if isinstance(plain, dict)
+        else 0
+    )
     current = len(optimizer.param_groups)
     if saved and saved != current:
         raise CheckpointError(
             f"{directory} holds DeepSpeed optimizer state in {saved} parameter groups and this run's optimizer has "
             f"{current} (kiln builds HF's two groups; on 2026-11-25, before HF-parity round 3, it built one when "
             "weight_decay was 0), and DeepSpeed's partitioned state cannot be regrouped: resume with the kiln version "
-            "that saved it.")
+            "that saved it."
+        )
 
 
 def gathered_state(module: nn.Module, fp32: bool = False) -> dict[str, torch.Tensor]:
@@ -124,7 +144,11 @@ def gathered_state(module: nn.Module, fp32: bool = False) -> dict[str, torch.Ten
             for name, param in module.named_parameters(remove_duplicate=False):  # every name of a tie
                 full = safe_get_full_fp32_param(param)
                 if full is not None:
-                    state[name] = full.detach().cpu().clone().view_as(state[name]) if full.numel() == state[name].numel() else state[name]
+                    state[name] = (
+                        full.detach().cpu().clone().view_as(state[name])
+                        if full.numel() == state[name].numel()
+                        else state[name]
+                    )
     return share_tied(state, tie_groups(module))
 
 
@@ -152,17 +176,28 @@ class DeepSpeedCheckpointIO(CheckpointIO):
         """Full fp32 weights merged from every ZeRO shard (any process count), the user's key names."""
         state = consolidated_state(directory)
         if state and all(k.startswith("module.") for k in state):  # kiln's StepDispatcher around a TrainingModule
-            state = {k[len("module."):]: v for k, v in state.items()}
+            state = {k[len("module.") :]: v for k, v in state.items()}
         return state
 
     def _engine(self, model: nn.Module) -> Any:
         engine = self.strategy.engine
         if engine is None:
-            raise CheckpointError("A DeepSpeed checkpoint is saved and resumed through the training engine; train first.")
+            raise CheckpointError(
+                "A DeepSpeed checkpoint is saved and resumed through the training engine; train first."
+            )
         return engine
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         engine = self._engine(model)
         if save_optimizer:  # every rank writes its shard; the manager's marker follows all of them
             engine.save_checkpoint(directory, tag=TAG, save_latest=False)
@@ -173,13 +208,22 @@ class DeepSpeedCheckpointIO(CheckpointIO):
             if writer:
                 save_weights(state, directory, safetensors)
 
-    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             load_optimizer: bool = True) -> None:
+    def load(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        load_optimizer: bool = True,
+    ) -> None:
         if not load_optimizer:
             return self.load_weights_only(directory, model=model, module=module)
         if not is_deepspeed_checkpoint(directory):
-            raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint ({TAG}/ is missing); it cannot be resumed "
-                                  "with strategy deepspeed.")
+            raise CheckpointError(
+                f"{directory} is not a DeepSpeed checkpoint ({TAG}/ is missing); it cannot be resumed "
+                "with strategy deepspeed."
+            )
         engine = self._engine(model)
         vet_ds_files(directory)  # the engine's load_checkpoint reads with weights_only=False
         _check_group_count(directory, engine)
@@ -195,7 +239,7 @@ class DeepSpeedCheckpointIO(CheckpointIO):
         state = consolidated_state(directory)
         engine_module: nn.Module = getattr(model, "module", model)
         prefix = _prefix(engine_module, module)
-        _load_into(module, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, directory)
+        _load_into(module, {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, directory)
         engine = self.strategy.engine
         if engine is not None and self.strategy.stage in (1, 2):  # the fp32 master copy must follow the weights
             engine.optimizer.refresh_fp32_params()

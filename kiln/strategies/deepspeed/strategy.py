@@ -24,11 +24,13 @@ import contextlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Iterator, Optional, TypeGuard
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
 
+from kiln.config.hf.deepspeed import NAMED_STAGES, dtype_of, finalize, process, read_user_config
 from kiln.precision.base import Precision, cast_floating
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import OptimizerFactory, SchedulerFactory, Setup, StepResult, Strategy
@@ -36,7 +38,6 @@ from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.collectives import ProcessGroupCollectives
 from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
-from kiln.config.hf.deepspeed import NAMED_STAGES, dtype_of, finalize, process, read_user_config
 from kiln.utils.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class DeepSpeedPrecision(Precision):
     the loss itself (the `fp16` / `bf16` sections of its config), so the plugin only casts float
     inputs to the engine's dtype and reports the fp16 steps the engine skipped."""
 
-    def __init__(self, original: Precision, dtype: Optional[str], strategy: "DeepSpeedStrategy") -> None:
+    def __init__(self, original: Precision, dtype: str | None, strategy: DeepSpeedStrategy) -> None:
         super().__init__(original.config)
         self.name = original.name  # type: ignore[misc]  # the run still reports the plugin it asked for
         self.dtype = _DTYPES.get(dtype or "")
@@ -88,10 +89,16 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         precisions=frozenset({"fp32", "fp16", "bf16", "fp16-true", "bf16-true"}),
-        auto_batch_size=False, full_eval_cast=False, user_optimizer=False, owns_optimizer_step=True,
-        reasons={"mps": "DeepSpeed has no Apple GPU accelerator", "xla": "DeepSpeed does not run on XLA devices",
-                 "apex": "DeepSpeed's engine wraps the optimizer and scales the fp16 loss itself (apex's amp.initialize "
-                         "would wrap the optimizer a second time); use precision: fp16 or bf16"},
+        auto_batch_size=False,
+        full_eval_cast=False,
+        user_optimizer=False,
+        owns_optimizer_step=True,
+        reasons={
+            "mps": "DeepSpeed has no Apple GPU accelerator",
+            "xla": "DeepSpeed does not run on XLA devices",
+            "apex": "DeepSpeed's engine wraps the optimizer and scales the fp16 loss itself (apex's amp.initialize "
+            "would wrap the optimizer a second time); use precision: fp16 or bf16",
+        },
     )
     checkpoint_formats = ("deepspeed",)
     options = {
@@ -100,15 +107,17 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         "export_fp32": "save_model() under ZeRO writes the fp32 master weights instead of the 16-bit gathered ones (default false).",
     }
 
-    def __init__(self, config: "DictConfig", precision: Precision) -> None:
+    def __init__(self, config: DictConfig, precision: Precision) -> None:
         super().__init__(config, precision)
         if self._device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed guesses and warns
         user = read_user_config(self.option("config"))
-        self.ds_config = process(config, user, world_size=self.world_size, precision=precision.name, name=config.strategy.name)
+        self.ds_config = process(
+            config, user, world_size=self.world_size, precision=precision.name, name=config.strategy.name
+        )
         self.stage = int(self.ds_config["zero_optimization"].get("stage", 0))
         self.engine: Any = None
-        self._eval_module: Optional[nn.Module] = None
+        self._eval_module: nn.Module | None = None
         self._scheduler: Any = None
         self._hf_config: Any = None
         self._unpatched_build = False  # a Transformers model may have been built under zero.Init unpatched
@@ -141,8 +150,11 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
     def connect_precision(self, precision: Precision) -> Precision:
         dtype = dtype_of(self.ds_config)
         if not isinstance(precision, DeepSpeedPrecision):
-            log.info("strategy deepspeed: precision %r is applied by DeepSpeed's engine (%s) instead of kiln's plugin.",
-                     precision.name, f"{dtype}.enabled" if dtype else "fp32")
+            log.info(
+                "strategy deepspeed: precision %r is applied by DeepSpeed's engine (%s) instead of kiln's plugin.",
+                precision.name,
+                f"{dtype}.enabled" if dtype else "fp32",
+            )
             precision = DeepSpeedPrecision(precision, dtype, self)
         self.precision = precision
         return precision
@@ -156,7 +168,12 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
             return contextlib.nullcontext()
         from kiln.strategies.deepspeed.zero_init import zero_init
 
-        return zero_init(import_deepspeed(), self.ds_config, self._record_unpatched, partition=bool(self.option("zero3_init_flag", True)))
+        return zero_init(
+            import_deepspeed(),
+            self.ds_config,
+            self._record_unpatched,
+            partition=bool(self.option("zero3_init_flag", True)),
+        )
 
     def _record_unpatched(self, unpatched: bool) -> None:
         self._unpatched_build = unpatched
@@ -166,16 +183,24 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         if not _partitioned(module):
             return
         if self.stage != 3:
-            raise ConfigError(f"The model's parameters are partitioned by deepspeed.zero.Init (ZeRO-3) but the DeepSpeed config "
-                              f"runs ZeRO-{self.stage}; use strategy deepspeed_stage_3 (zero_optimization.stage: 3) or build the "
-                              "model without zero.Init.")
+            raise ConfigError(
+                f"The model's parameters are partitioned by deepspeed.zero.Init (ZeRO-3) but the DeepSpeed config "
+                f"runs ZeRO-{self.stage}; use strategy deepspeed_stage_3 (zero_optimization.stage: 3) or build the "
+                "model without zero.Init."
+            )
         if self._unpatched_build:
             from kiln.strategies.deepspeed.zero_init import refuse_unpatched
 
             refuse_unpatched(module)
 
-    def setup(self, module: nn.Module, optimizer_factory: Optional[OptimizerFactory] = None,
-              scheduler_factory: Optional[SchedulerFactory] = None, *, max_steps: Optional[int] = None) -> Setup:
+    def setup(
+        self,
+        module: nn.Module,
+        optimizer_factory: OptimizerFactory | None = None,
+        scheduler_factory: SchedulerFactory | None = None,
+        *,
+        max_steps: int | None = None,
+    ) -> Setup:
         if self.engine is not None:
             return Setup(self.engine, self.engine.optimizer, self._scheduler)
         if optimizer_factory is None:  # evaluation before training: no engine yet
@@ -191,15 +216,20 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
             else:
                 optimizer = optimizer_factory(module)
                 if getattr(optimizer, "owns_backward", False):  # LOMO: DeepSpeed's engine runs backward itself
-                    raise ConfigError(f"{type(optimizer).__name__} updates parameters inside backward, which DeepSpeed's "
-                                      "engine runs itself; use strategy single (LOMO runs on one process).")
+                    raise ConfigError(
+                        f"{type(optimizer).__name__} updates parameters inside backward, which DeepSpeed's "
+                        "engine runs itself; use strategy single (LOMO runs on one process)."
+                    )
                 ds["zero_allow_untested_optimizer"] = True  # HF's rule for a Trainer-made optimizer
         module = module if _partitioned(module) else module.to(self.root_device)
         try:
-            engine, ds_optimizer, _, ds_scheduler = _compiling(lambda: deepspeed.initialize(
-                model=module, model_parameters=params, optimizer=optimizer, config=ds))
+            engine, ds_optimizer, _, ds_scheduler = _compiling(
+                lambda: deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer, config=ds)
+            )
         except (AssertionError, ValueError) as err:  # DeepSpeed rejects a combination with an assert
-            raise ConfigError(f"DeepSpeed refused this config ({err}); check zero_optimization's stage and offload settings.") from None
+            raise ConfigError(
+                f"DeepSpeed refused this config ({err}); check zero_optimization's stage and offload settings."
+            ) from None
         except Exception as err:
             if type(err).__name__ == "ZeRORuntimeException":
                 raise ConfigError(f"DeepSpeed refused this config: {err}") from None
@@ -241,11 +271,13 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         engine.set_gradient_accumulation_boundary(boundary)
         engine.backward(loss, scale_wrt_gas=False)  # kiln already weighted the loss over the window
 
-    def optimizer_step(self, model: nn.Module, optimizer: Any, max_grad_norm: Optional[float]) -> StepResult:
+    def optimizer_step(self, model: nn.Module, optimizer: Any, max_grad_norm: float | None) -> StepResult:
         engine = self._engine_of(model)
         clip = float(engine.gradient_clipping() or 0.0)
         if abs(clip - float(max_grad_norm or 0.0)) > 1e-12:  # cannot happen unless someone edits one copy
-            raise ConfigError(f"DeepSpeed gradient_clipping={clip} but kiln's max_grad_norm={max_grad_norm}; they must agree.")
+            raise ConfigError(
+                f"DeepSpeed gradient_clipping={clip} but kiln's max_grad_norm={max_grad_norm}; they must agree."
+            )
         own_norm = None
         if clip and not (self.stage or engine.fp16_enabled() or engine.bfloat16_enabled()):
             # ZeRO-0 fp32 clips torch's way without keeping the norm: measure it (after the all-reduce)
@@ -320,12 +352,21 @@ def _ds_optimizer_from_kiln(cfg: Any) -> dict[str, Any]:
     the DeepSpeed config's optimizer section (what HF users write by hand)."""
     name = str(cfg.optim.name).lower()
     if not name.startswith("adam"):
-        raise ConfigError(f"ZeRO-Offload needs a DeepSpeed optimizer, and kiln's optim.name={cfg.optim.name!r} has none; "
-                          "add an \"optimizer\" section to the DeepSpeed config or use optim.name: adamw_torch.")
+        raise ConfigError(
+            f"ZeRO-Offload needs a DeepSpeed optimizer, and kiln's optim.name={cfg.optim.name!r} has none; "
+            'add an "optimizer" section to the DeepSpeed config or use optim.name: adamw_torch.'
+        )
     kind = "Adam" if name in ("adam", "adam_torch") else "AdamW"
     log.info("ZeRO-Offload: kiln's optimizer %r runs as DeepSpeed's %s (DeepSpeedCPUAdam).", cfg.optim.name, kind)
-    return {"type": kind, "params": {"lr": float(cfg.optim.lr), "betas": [float(cfg.optim.adam_beta1), float(cfg.optim.adam_beta2)],
-                                     "eps": float(cfg.optim.adam_epsilon), "weight_decay": float(cfg.optim.weight_decay)}}
+    return {
+        "type": kind,
+        "params": {
+            "lr": float(cfg.optim.lr),
+            "betas": [float(cfg.optim.adam_beta1), float(cfg.optim.adam_beta2)],
+            "eps": float(cfg.optim.adam_epsilon),
+            "weight_decay": float(cfg.optim.weight_decay),
+        },
+    }
 
 
 @contextlib.contextmanager
@@ -357,7 +398,13 @@ def _compiling(call: Any) -> Any:
         text = str(err)
         if "ninja" in text.lower():
             raise ConfigError("DeepSpeed JIT-compiles its C++ ops and needs ninja: pip install ninja.") from None
-        if isinstance(err, (subprocess.CalledProcessError, FileNotFoundError)) or "c++" in text.lower() or "compiler" in text.lower():
-            raise ConfigError("DeepSpeed JIT-compiles its C++ ops and found no working C++ compiler: install g++ "
-                              f"(apt-get install g++) or set CXX ({text.splitlines()[0] if text else type(err).__name__}).") from None
+        if (
+            isinstance(err, (subprocess.CalledProcessError, FileNotFoundError))
+            or "c++" in text.lower()
+            or "compiler" in text.lower()
+        ):
+            raise ConfigError(
+                "DeepSpeed JIT-compiles its C++ ops and found no working C++ compiler: install g++ "
+                f"(apt-get install g++) or set CXX ({text.splitlines()[0] if text else type(err).__name__})."
+            ) from None
         raise

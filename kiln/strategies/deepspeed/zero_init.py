@@ -26,15 +26,29 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch import nn
 
 from kiln.utils.errors import ConfigError
 
-
-_TORCH_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
-                "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+_TORCH_INITS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
 
 
 def not_available(param: Any) -> bool:
@@ -44,7 +58,9 @@ def not_available(param: Any) -> bool:
 
 
 @contextlib.contextmanager
-def zero_init(deepspeed: Any, ds_config: dict[str, Any], record: Callable[[bool], None], *, partition: bool = True) -> Iterator[None]:
+def zero_init(
+    deepspeed: Any, ds_config: dict[str, Any], record: Callable[[bool], None], *, partition: bool = True
+) -> Iterator[None]:
     """deepspeed.zero.Init, with Transformers' initialisation gathered (see the module docstring).
     `partition=False` (`zero3_init_flag: false`): no zero.Init, and Transformers' `from_config` /
     `from_pretrained` build whole too, as the flag says. `record(True)` at exit means Transformers
@@ -147,6 +163,8 @@ def refuse_unpatched(module: nn.Module) -> None:
 
     built = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
     if built is not None:
-        raise ConfigError(f"{type(built).__name__} was built under ZeRO-3's zero.Init before Transformers was imported, so its "
-                          "weights were never initialised; import transformers before creating the Trainer (e.g. at the top "
-                          "of the module naming task.model) or set strategy.zero3_init_flag: false.")
+        raise ConfigError(
+            f"{type(built).__name__} was built under ZeRO-3's zero.Init before Transformers was imported, so its "
+            "weights were never initialised; import transformers before creating the Trainer (e.g. at the top "
+            "of the module naming task.model) or set strategy.zero3_init_flag: false."
+        )

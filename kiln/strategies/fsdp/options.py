@@ -14,8 +14,9 @@ having no effect, so nothing is silently dropped."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 from kiln.config.hf.fsdp import SHARDING, fsdp_options, sharding_name
 from kiln.strategies.mesh.settings import SHARED, MeshSettings, check_shared, set_shared
@@ -38,12 +39,12 @@ NO_EFFECT = {
 #: strategy's shared settings plus how the fsdp preset writes its mesh
 NATIVE = {
     "sharding": f"one of {', '.join(SHARDING)} (default full_shard): the mesh full_shard / shard_grad_op "
-                "{dp_shard: N}, no_shard {dp_replicate: N}, hybrid_shard(_zero2) {dp_replicate: N / shard_size, "
-                "dp_shard: shard_size}",
+    "{dp_shard: N}, no_shard {dp_replicate: N}, hybrid_shard(_zero2) {dp_replicate: N / shard_size, "
+    "dp_shard: shard_size}",
     "shard_size": "processes per shard group for hybrid_shard (default: processes per node; with tp, data-parallel "
-                  "ranks per shard group)",
+    "ranks per shard group)",
     "tp": "tensor-parallel size: the mesh gains a tp axis of this size and the sharding option takes the rest "
-          "(full_shard: {dp_shard: N / tp, tp}); default 1",
+    "(full_shard: {dp_shard: N / tp, tp}); default 1",
     **SHARED,
     "backward_prefetch": "backward_pre (FSDP2's default) or backward_post (no effect in FSDP2)",
     "use_orig_params": "(accepted; no effect in FSDP2)",
@@ -57,7 +58,7 @@ NATIVE = {
 @dataclass
 class FSDPSettings(MeshSettings):
     sharding: str = "full_shard"
-    shard_size: Optional[int] = None
+    shard_size: int | None = None
     tp: int = 1
     #: settings given that have no effect (name -> why), logged once by the strategy
     no_effect: dict[str, str] = field(default_factory=dict)
@@ -94,7 +95,9 @@ def resolve(option: Callable[[str], Any]) -> FSDPSettings:
         elif key == "sharding":
             name = sharding_name(value)
             if name not in SHARDING:
-                raise ConfigError(f"FSDP sharding {value!r} is not one of {', '.join(SHARDING)}; fix strategy.sharding.")
+                raise ConfigError(
+                    f"FSDP sharding {value!r} is not one of {', '.join(SHARDING)}; fix strategy.sharding."
+                )
             s.sharding = name
         elif key in ("shard_size", "tp"):
             setattr(s, key, int(value))
@@ -104,7 +107,9 @@ def resolve(option: Callable[[str], Any]) -> FSDPSettings:
             if str(value).lower() in ("backward_post",):
                 s.no_effect[key] = "FSDP2 prefetches the next block's parameters before backward (backward_pre) only"
         elif not set_shared(s, key, value):
-            raise ConfigError(f"fsdp_config key {key!r} is not an FSDP setting kiln knows; known: "
-                              f"{', '.join(sorted(k for k in NATIVE if k not in ('fsdp', 'fsdp_config')))}.")
+            raise ConfigError(
+                f"fsdp_config key {key!r} is not an FSDP setting kiln knows; known: "
+                f"{', '.join(sorted(k for k in NATIVE if k not in ('fsdp', 'fsdp_config')))}."
+            )
     check_shared(s)
     return s

@@ -21,7 +21,6 @@ The loss weights are DDP's: FSDP2 divides the reduced gradients by the data-para
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from kiln.strategies import STRATEGIES
 from kiln.strategies.fsdp.options import NATIVE, FSDPSettings, resolve
@@ -43,12 +42,14 @@ class FSDPStrategy(MeshStrategy):
             log.warning("FSDP setting %r has no effect: %s.", key, why)
         return settings
 
-    def mesh_request(self, world_size: int) -> Optional[dict[str, int]]:
+    def mesh_request(self, world_size: int) -> dict[str, int] | None:
         """The sharding option's mesh on `world_size` processes (see the module docstring)."""
         s = self.settings
         if s.tp < 1 or world_size % s.tp:
-            raise ConfigError(f"strategy.tp is {s.tp}, which does not divide the world size ({world_size}); set tp to a "
-                              f"divisor of {world_size}.")
+            raise ConfigError(
+                f"strategy.tp is {s.tp}, which does not divide the world size ({world_size}); set tp to a "
+                f"divisor of {world_size}."
+            )
         dp = world_size // s.tp
         tp = {"tp": s.tp} if s.tp > 1 else {}
         if s.sharding in ("full_shard", "shard_grad_op"):
@@ -59,6 +60,8 @@ class FSDPStrategy(MeshStrategy):
         shard = s.shard_size or per_node or dp
         if shard < 1 or dp % shard:
             size = "world size" if s.tp == 1 else "data-parallel size (world size / tp)"
-            raise ConfigError(f"{s.sharding} needs the {size} ({dp}) to be a multiple of the shard group size ({shard}); "
-                              f"set strategy.shard_size to a divisor of {dp}.")
+            raise ConfigError(
+                f"{s.sharding} needs the {size} ({dp}) to be a multiple of the shard group size ({shard}); "
+                f"set strategy.shard_size to a divisor of {dp}."
+            )
         return {"dp_replicate": dp // shard, "dp_shard": shard, **tp}

@@ -17,13 +17,19 @@ plain exported model folder (model.safetensors / pytorch_model.bin) for `load_we
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import (OPTIMIZER, CheckpointIO, apply_weights, load_weights, register_format,
-                                           save_weights)
+from kiln.strategies.checkpoint_io import (
+    OPTIMIZER,
+    CheckpointIO,
+    apply_weights,
+    load_weights,
+    register_format,
+    save_weights,
+)
 from kiln.strategies.dcp_files import consolidate, regrouped, saved_group_count
 from kiln.strategies.weights_files import share_tied, tie_groups
 from kiln.utils.errors import CheckpointError, safe_torch_load
@@ -125,29 +131,53 @@ class ShardedCheckpointIO(_MeshCheckpointIO):
     def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
         return consolidate(directory, cls.folder_in(directory))  # vets the DCP folder's pickles first
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
         if save_optimizer and optimizer is not None:
             state["optim"] = get_optimizer_state_dict(module, optimizer)
-        dcp.save(state, checkpoint_id=os.path.join(directory, self.folders[0]))  # collective: every rank writes its shards
+        dcp.save(
+            state, checkpoint_id=os.path.join(directory, self.folders[0])
+        )  # collective: every rank writes its shards
 
-    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             load_optimizer: bool = True) -> None:
+    def load(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        load_optimizer: bool = True,
+    ) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         path = os.path.join(directory, self.folder_in(directory))
         optim = optimizer if load_optimizer else None
         with_optim = optim is not None
         if not os.path.isdir(path):
             if with_optim:
-                raise CheckpointError(f"{path} is missing: {directory} is not a sharded checkpoint of strategy fsdp or "
-                                      "model_parallel; resume with the strategy and state_dict_type that saved it.")
+                raise CheckpointError(
+                    f"{path} is missing: {directory} is not a sharded checkpoint of strategy fsdp or "
+                    "model_parallel; resume with the strategy and state_dict_type that saved it."
+                )
             return load_plain_weights(directory, module)  # an exported model folder
         metadata = vet_dcp_folder(path)  # DCP unpickles .metadata and non-tensor entries unchecked: vet them first
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
@@ -187,14 +217,25 @@ class FullCheckpointIO(_MeshCheckpointIO):
     def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
         return load_weights(directory)
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         weights = full_model_state(module, every_rank=writer and not self.strategy.is_global_zero)
         optim = None
         if save_optimizer and optimizer is not None:  # collective: every rank takes part
-            optim = get_optimizer_state_dict(module, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
+            optim = get_optimizer_state_dict(
+                module, optimizer, options=_options(full_state_dict=True, cpu_offload=True)
+            )
         if writer and self.strategy.is_global_zero:
             save_weights(weights, directory, safetensors)
             if optim is not None:
@@ -202,14 +243,23 @@ class FullCheckpointIO(_MeshCheckpointIO):
         elif writer:  # another node's local rank 0 (save.on_each_node) writes the weights it gathered
             save_weights(weights, directory, safetensors)
 
-    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             load_optimizer: bool = True) -> None:
+    def load(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        load_optimizer: bool = True,
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         load_plain_weights(directory, module)
         if load_optimizer and optimizer is not None:
             path = os.path.join(directory, OPTIMIZER)
             if not os.path.exists(path):
-                raise CheckpointError(f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?).")
+                raise CheckpointError(
+                    f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?)."
+                )
             saved = regrouped(safe_torch_load(path), optimizer.param_groups, path)
             set_optimizer_state_dict(module, optimizer, saved, options=_options(full_state_dict=True))

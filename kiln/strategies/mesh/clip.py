@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 
-def clip_global_norm(params: list[torch.nn.Parameter], max_norm: float, *, tp: bool, world: int,
-                     device: torch.device) -> torch.Tensor:
+def clip_global_norm(
+    params: list[torch.nn.Parameter], max_norm: float, *, tp: bool, world: int, device: torch.device
+) -> torch.Tensor:
     """Clip the gradients of `params` (each with a gradient) to `max_norm`; returns the norm before.
 
     Without tp every gradient is an FSDP shard on the one dp mesh: each rank's norm over its shards is

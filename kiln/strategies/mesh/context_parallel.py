@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Mapping
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,29 +62,41 @@ def prepare_batch(batch: Any, cp: int, rank: int, load_balance: bool) -> dict[st
     """This cp rank's share of a training batch (see the module docstring); refuses, one sentence
     each, what cannot be split exactly. Checks read the batch before it moves to the device."""
     if not isinstance(batch, Mapping):
-        raise ConfigError(f"strategy.mesh.cp is {cp}, so batches must be dicts with input_ids of shape (batch, sequence) "
-                          f"for kiln to split the sequence, not a {type(batch).__name__}.")
+        raise ConfigError(
+            f"strategy.mesh.cp is {cp}, so batches must be dicts with input_ids of shape (batch, sequence) "
+            f"for kiln to split the sequence, not a {type(batch).__name__}."
+        )
     ref = next((batch[k] for k in REFERENCE_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
     if ref is None or ref.dim() < 2:
-        raise ConfigError(f"strategy.mesh.cp is {cp}, so each batch needs input_ids (or inputs_embeds) of shape (batch, "
-                          "sequence) to split along the sequence; this batch has none.")
+        raise ConfigError(
+            f"strategy.mesh.cp is {cp}, so each batch needs input_ids (or inputs_embeds) of shape (batch, "
+            "sequence) to split along the sequence; this batch has none."
+        )
     rows, length = ref.shape[0], ref.shape[1]
     if length % pieces(cp, load_balance):
         how = f"2 x cp = {2 * cp} (load balancing cuts it in two pieces per rank)" if load_balance else f"cp = {cp}"
-        raise ConfigError(f"a training batch has sequence length {length}, which {how} does not divide; pad or pack "
-                          f"sequences to a multiple of {pieces(cp, load_balance)}.")
+        raise ConfigError(
+            f"a training batch has sequence length {length}, which {how} does not divide; pad or pack "
+            f"sequences to a multiple of {pieces(cp, load_balance)}."
+        )
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
-        raise ConfigError("context parallel attends causally over whole rows and cannot apply a padding attention_mask "
-                          "(it has zeros); pad on the right with labels -100 and no attention_mask, or pack the sequences.")
+        raise ConfigError(
+            "context parallel attends causally over whole rows and cannot apply a padding attention_mask "
+            "(it has zeros); pad on the right with labels -100 and no attention_mask, or pack the sequences."
+        )
     positions = batch.get("position_ids")
     count = torch.arange(length, device=ref.device)
     if isinstance(positions, torch.Tensor) and not bool((positions.to(ref.device) == count).all()):
-        raise ConfigError("context parallel's causal ring attention would attend across the documents of a packed row "
-                          "(position_ids that do not count 0..L-1); give one sequence per row under cp.")
+        raise ConfigError(
+            "context parallel's causal ring attention would attend across the documents of a packed row "
+            "(position_ids that do not count 0..L-1); give one sequence per row under cp."
+        )
     out = dict(batch)
     labels = batch.get("labels")
-    if isinstance(labels, torch.Tensor) and "shift_labels" not in batch:  # before the split: the boundary keeps its target
+    if (
+        isinstance(labels, torch.Tensor) and "shift_labels" not in batch
+    ):  # before the split: the boundary keeps its target
         out["shift_labels"] = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
     # before the split, so a chunk keeps its true positions (given ones equal these: checked above)
     out["position_ids"] = count.expand(rows, length).contiguous()
@@ -104,14 +116,18 @@ def ring_attention(cp_mesh: Any, load_balance: bool) -> Iterator[None]:
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     previous = (cp._dispatch_mode, cp._cp_options.enable_load_balance)
-    cp._dispatch_mode = cp._DispatchMode.MONKEY_PATCH  # F.scaled_dot_product_attention is swapped, as context_parallel does
+    cp._dispatch_mode = (
+        cp._DispatchMode.MONKEY_PATCH
+    )  # F.scaled_dot_product_attention is swapped, as context_parallel does
     cp._cp_options.enable_load_balance = load_balance
     cp._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=cp_mesh)
     try:
         yield
     except NotImplementedError as err:
         if "scaled_dot_product" in str(err):  # torch registers ring handlers only for the CUDA SDPA kernels
-            raise ConfigError("context parallel's ring attention needs CUDA SDPA (flash/efficient/cudnn); on CPU use cp: 1.") from err
+            raise ConfigError(
+                "context parallel's ring attention needs CUDA SDPA (flash/efficient/cudnn); on CPU use cp: 1."
+            ) from err
         raise
     finally:
         cp._disable_context_parallel_dispatcher_impl()
@@ -123,8 +139,9 @@ def transformers_models(root: nn.Module) -> list[tuple[str, Any]]:
     duck-typed, so Any)."""
     found: list[tuple[str, Any]] = []
     for name, sub in root.named_modules():
-        if hasattr(getattr(sub, "config", None), "_attn_implementation") and \
-                not any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
+        if hasattr(getattr(sub, "config", None), "_attn_implementation") and not any(
+            name.startswith(f"{outer}.") or not outer for outer, _ in found
+        ):
             found.append((name, sub))
     return found
 
@@ -140,24 +157,36 @@ def check_model(root: nn.Module, device_type: str) -> int:
         config = model.config
         impl = config._attn_implementation
         if impl == "eager":
-            raise ConfigError(f"{what} uses eager attention, which under context parallel would attend only within each "
-                              "rank's chunk of the sequence (wrong results); load it with attn_implementation='sdpa'.")
+            raise ConfigError(
+                f"{what} uses eager attention, which under context parallel would attend only within each "
+                "rank's chunk of the sequence (wrong results); load it with attn_implementation='sdpa'."
+            )
         if impl != "sdpa":
-            raise ConfigError(f"{what} uses {impl!r} attention, but context parallel shards only torch's SDPA attention; "
-                              "load it with attn_implementation='sdpa'.")
+            raise ConfigError(
+                f"{what} uses {impl!r} attention, but context parallel shards only torch's SDPA attention; "
+                "load it with attn_implementation='sdpa'."
+            )
         if device_type != "cuda":
-            raise ConfigError("context parallel's ring attention needs CUDA SDPA (flash/efficient/cudnn); on CPU use cp: 1.")
+            raise ConfigError(
+                "context parallel's ring attention needs CUDA SDPA (flash/efficient/cudnn); on CPU use cp: 1."
+            )
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         kinds = set(getattr(text, "layer_types", None) or ()) - {"full_attention"}
         if kinds or (getattr(text, "layer_types", None) is None and getattr(text, "sliding_window", None)):
-            raise ConfigError(f"{what} has attention layers stricter than causal ({', '.join(sorted(kinds)) or 'sliding window'}), "
-                              "which context parallel's ring (causal over the whole row) would train as full causal; use cp: 1.")
+            raise ConfigError(
+                f"{what} has attention layers stricter than causal ({', '.join(sorted(kinds)) or 'sliding window'}), "
+                "which context parallel's ring (causal over the whole row) would train as full causal; use cp: 1."
+            )
         if not type(model).__name__.endswith("ForCausalLM"):  # encoder-decoders are ...ForConditionalGeneration
-            raise ConfigError(f"{what} is not a causal language model; kiln's context parallel is built for causal "
-                              "attention and the shifted-label loss (…ForCausalLM models with sdpa).")
+            raise ConfigError(
+                f"{what} is not a causal language model; kiln's context parallel is built for causal "
+                "attention and the shifted-label loss (…ForCausalLM models with sdpa)."
+            )
         if not _takes(model.forward, "shift_labels"):
-            raise ConfigError(f"{what}.forward does not take shift_labels, which context parallel needs to keep the "
-                              "target of each chunk's last token; use a model whose forward passes **kwargs to its loss.")
+            raise ConfigError(
+                f"{what}.forward does not take shift_labels, which context parallel needs to keep the "
+                "target of each chunk's last token; use a model whose forward passes **kwargs to its loss."
+            )
         hooked += causal_attention_hooks(model)
     return hooked
 
@@ -167,7 +196,7 @@ def causal_attention_hooks(model: nn.Module) -> int:
     attention mask and `is_causal=True`, since the ring kernels take no mask (training batches have
     no padding: prepare_batch checks). Evaluation is not context parallel and keeps its masks."""
 
-    def causal(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+    def causal(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if module.training and "attention_mask" in kwargs:
             kwargs["attention_mask"], kwargs["is_causal"] = None, True
         return args, kwargs

@@ -27,8 +27,9 @@ or a mapping with its `*_size` keys) becomes the same mapping (kiln.config.hf_re
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from kiln.utils.errors import ConfigError
 
@@ -83,40 +84,49 @@ class ParallelDims:
         return " x ".join(f"{axis} {size}" for axis, size in zip(AXES, self.sizes) if size > 1) or "one process"
 
 
-def parse_mesh(value: Optional[Mapping[str, Any]], world_size: int) -> ParallelDims:
+def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims:
     """The mesh a config asks for, resolved for `world_size` processes (None: FSDP over every
     process, `{dp_shard: -1}`). One clear sentence for every way it can be wrong."""
     given = dict(value) if value is not None else {"dp_shard": -1}
     unknown = [k for k in given if k not in AXES and k not in RESERVED]
     if unknown:
-        raise ConfigError(f"strategy.mesh has unknown axis {', '.join(map(repr, unknown))}; its axes are "
-                          f"{', '.join(AXES)}.")
+        raise ConfigError(
+            f"strategy.mesh has unknown axis {', '.join(map(repr, unknown))}; its axes are {', '.join(AXES)}."
+        )
     for axis, what in RESERVED.items():
         if given.get(axis, 1) != 1:
-            raise ConfigError(f"strategy.mesh.{axis} is {given[axis]!r}, but kiln does not run {what} yet (the {axis} "
-                              f"axis is reserved for it); drop {axis} and spend the processes on {', '.join(AXES)}.")
+            raise ConfigError(
+                f"strategy.mesh.{axis} is {given[axis]!r}, but kiln does not run {what} yet (the {axis} "
+                f"axis is reserved for it); drop {axis} and spend the processes on {', '.join(AXES)}."
+            )
     sizes: dict[str, int] = {}
     for axis in AXES:
         raw = given.get(axis, 1)
         if isinstance(raw, bool) or not isinstance(raw, int) or (raw < 1 and raw != -1):
-            raise ConfigError(f"strategy.mesh.{axis} is {raw!r}; give a positive whole number, or -1 for the rest "
-                              "of the processes.")
+            raise ConfigError(
+                f"strategy.mesh.{axis} is {raw!r}; give a positive whole number, or -1 for the rest of the processes."
+            )
         sizes[axis] = raw
     free = [axis for axis, size in sizes.items() if size == -1]
     if len(free) > 1:
-        raise ConfigError(f"strategy.mesh sets {' and '.join(free)} to -1; only one axis may take the rest of the "
-                          "processes.")
+        raise ConfigError(
+            f"strategy.mesh sets {' and '.join(free)} to -1; only one axis may take the rest of the processes."
+        )
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if free:
         if world_size % fixed:
-            raise ConfigError(f"strategy.mesh's fixed axes multiply to {fixed}, which does not divide the world size "
-                              f"{world_size}, so {free[0]}: -1 has no whole size; choose axes whose product divides "
-                              f"{world_size}.")
+            raise ConfigError(
+                f"strategy.mesh's fixed axes multiply to {fixed}, which does not divide the world size "
+                f"{world_size}, so {free[0]}: -1 has no whole size; choose axes whose product divides "
+                f"{world_size}."
+            )
         sizes[free[0]] = world_size // fixed
     elif fixed != world_size:
         shown = ", ".join(f"{axis}: {size}" for axis, size in sizes.items() if size > 1) or "all axes 1"
-        raise ConfigError(f"strategy.mesh ({shown}) multiplies to {fixed} processes but this run has {world_size}; "
-                          "make the product of the axes equal the number of processes (or set one axis to -1).")
+        raise ConfigError(
+            f"strategy.mesh ({shown}) multiplies to {fixed} processes but this run has {world_size}; "
+            "make the product of the axes equal the number of processes (or set one axis to -1)."
+        )
     return ParallelDims(**sizes)
 
 

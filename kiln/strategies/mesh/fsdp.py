@@ -7,7 +7,7 @@ and its gradients reduce-scattered, over a 1-D `dp_shard` mesh (ZeRO-3 / ZeRO-2)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torch import nn
 
@@ -23,16 +23,28 @@ def is_fsdp(module: nn.Module) -> TypeGuard[FSDPModule]:
     return isinstance(module, FSDPModule)
 
 
-def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dp_mesh: Any, *, reshard: bool, offload: bool,
-               pin_memory: bool, mp_policy: Optional[Any], forward_prefetch: bool) -> None:
+def apply_fsdp(
+    root: nn.Module,
+    blocks: list[nn.Module],
+    dp_mesh: Any,
+    *,
+    reshard: bool,
+    offload: bool,
+    pin_memory: bool,
+    mp_policy: Any | None,
+    forward_prefetch: bool,
+) -> None:
     """Shard `blocks` (innermost first), then `root`, over `dp_mesh`, in place. A block or root that
     is an FSDP module already (a TrainingModule's `configure_model(mesh)` sharded it) is left as it is."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     from kiln.strategies.mesh.direct_calls import gather_root_on_direct_calls
 
-    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard,
-                              "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()}
+    kwargs: dict[str, Any] = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": reshard,
+        "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy(),
+    }
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     units: list[FSDPModule] = []  # fully_shard turns a module into an FSDPModule in place and returns it

@@ -23,8 +23,13 @@ class ShardedLocalGradScaler(ShardedGradScaler):
     [1]-shaped flag breaks after an unscale for clipping ("output with shape [] doesn't match the
     broadcast shape [1]")."""
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
         from torch.distributed.tensor import DTensor
 
         grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)

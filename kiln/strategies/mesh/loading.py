@@ -8,7 +8,8 @@ sharded by FSDP, so they are broadcast whole."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,8 +84,10 @@ def scatter_from_rank0(module: nn.Module, full: dict[str, torch.Tensor], device:
     dist.all_gather_object(every, mine)
     names = [name for name, _, _ in mine]
     if any([n for n, _, _ in other] != names for other in every):
-        raise ConfigError("cpu_ram_efficient_loading: the ranks built models with different parameters; "
-                          "model_init must build the same model on every rank.")
+        raise ConfigError(
+            "cpu_ram_efficient_loading: the ranks built models with different parameters; "
+            "model_init must build the same model on every rank."
+        )
     params = dict(module.named_parameters())
     with torch.no_grad():
         for i, name in enumerate(names):

@@ -20,14 +20,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, MutableMapping
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
 log = logging.getLogger(__name__)
 
 
-def find_head(root: nn.Module, plan: dict[str, str], model: Optional[nn.Module]) -> tuple[Optional[str], str]:
+def find_head(root: nn.Module, plan: dict[str, str], model: nn.Module | None) -> tuple[str | None, str]:
     """The name in `root` of the head of `model` (the Transformers model in `root`, or None) and "",
     where kiln can keep its logits split; else (None, why not)."""
     output_embeddings = getattr(model, "get_output_embeddings", None)
@@ -36,14 +36,18 @@ def find_head(root: nn.Module, plan: dict[str, str], model: Optional[nn.Module])
         return None, f"{type(root).__name__} holds no Transformers model with an output head (get_output_embeddings)"
     name = next(n for n, m in root.named_modules() if m is head)
     if plan.get(name) not in ("colwise_gather_output", "colwise_rep"):
-        return None, (f"tp_plan does not split the head {name} colwise (tied input/output embeddings stay whole), "
-                            "so there are no split logits to keep")
+        return None, (
+            f"tp_plan does not split the head {name} colwise (tied input/output embeddings stay whole), "
+            "so there are no split logits to keep"
+        )
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     loss = getattr(model, "loss_function", None)
     if loss is not ForCausalLMLoss:
-        return None, (f"{type(model).__name__}'s loss is {getattr(loss, '__name__', loss)!r}, not HF's ForCausalLMLoss, "
-                            "the loss kiln knows runs on vocab-split logits")
+        return None, (
+            f"{type(model).__name__}'s loss is {getattr(loss, '__name__', loss)!r}, not HF's ForCausalLMLoss, "
+            "the loss kiln knows runs on vocab-split logits"
+        )
     return name, ""
 
 
@@ -53,8 +57,9 @@ def head_style(sequence_parallel: bool) -> Any:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    return ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1),
-                           use_local_output=False)
+    return ColwiseParallel(
+        input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1), use_local_output=False
+    )
 
 
 class LossParallel:
@@ -76,7 +81,9 @@ class LossParallel:
             return logits  # split by vocabulary: the model's ForCausalLMLoss runs on it under loss_parallel()
         from torch.distributed.tensor import Replicate
 
-        return logits.redistribute(placements=[Replicate()] * logits.device_mesh.ndim).to_local()  # colwise_gather_output
+        return logits.redistribute(
+            placements=[Replicate()] * logits.device_mesh.ndim
+        ).to_local()  # colwise_gather_output
 
     def _model_out(self, module: nn.Module, args: tuple, output: Any) -> Any:
         from torch.distributed.tensor import DTensor

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 _NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-def mesh_precision(precision: "Precision", device: torch.device, fsdp: bool) -> tuple["Precision", Optional[Any]]:
+def mesh_precision(precision: Precision, device: torch.device, fsdp: bool) -> tuple[Precision, Any | None]:
     """The plugin to train with and the MixedPrecisionPolicy for fully_shard (None: no policy).
     `fsdp`: FSDP2 shards the model (else tensor parallelism alone splits it, and autocast stays)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -34,10 +34,14 @@ def mesh_precision(precision: "Precision", device: torch.device, fsdp: bool) -> 
     cls = type(precision)
     new: Any
     if fsdp:  # the same plugin (name, loss scaling, skipped-step accounting), minus autocast: FSDP casts
-        substitute = type(f"FSDP{cls.__name__}", (cls,), {
-            "forward_context": lambda self: contextlib.nullcontext(),
-            "eval_context": lambda self: contextlib.nullcontext(),
-        })
+        substitute = type(
+            f"FSDP{cls.__name__}",
+            (cls,),
+            {
+                "forward_context": lambda self: contextlib.nullcontext(),
+                "eval_context": lambda self: contextlib.nullcontext(),
+            },
+        )
         new = object.__new__(substitute)  # no precision plugin defines __new__
         new.__dict__.update(precision.__dict__)
     else:
@@ -50,8 +54,12 @@ def mesh_precision(precision: "Precision", device: torch.device, fsdp: bool) -> 
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if fsdp else None
     scaler = " and ShardedLocalGradScaler" if precision.uses_grad_scaler else ""
     if fsdp:
-        log.info("precision %r under FSDP: autocast replaced by MixedPrecisionPolicy(param_dtype=%s, reduce_dtype=fp32)%s.",
-                 precision.name, _NAMES.get(compute, compute), scaler)
+        log.info(
+            "precision %r under FSDP: autocast replaced by MixedPrecisionPolicy(param_dtype=%s, reduce_dtype=fp32)%s.",
+            precision.name,
+            _NAMES.get(compute, compute),
+            scaler,
+        )
     else:
         log.info("precision %r under tensor parallelism: autocast%s.", precision.name, scaler)
     return new, policy

@@ -12,7 +12,7 @@ parallelism, load the model whole and give kiln the mesh with `tp_plan: auto`.""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
@@ -22,7 +22,7 @@ from kiln.utils.errors import ConfigError
 _OTHER_AXES = ("fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
 
 
-def loaded_tp_size(model: Optional[nn.Module]) -> Optional[int]:
+def loaded_tp_size(model: nn.Module | None) -> int | None:
     """N for a model transformers distributed with tensor parallelism N at load; None for any other model."""
     if model is None or not is_loaded_split(model):
         return None
@@ -31,13 +31,15 @@ def loaded_tp_size(model: Optional[nn.Module]) -> Optional[int]:
     sizes = {axis: getattr(config, axis, 1) for axis in _OTHER_AXES}  # ints in transformers' DistributedConfig
     other = [f"{axis} {size}" for axis, size in sizes.items() if size > 1]
     if other:
-        raise ConfigError(f"{name} was distributed by transformers at load with {', '.join(other)}; kiln takes over "
-                          "only the tensor parallelism of such a load: load the model whole and set strategy "
-                          "model_parallel with mesh (dp_shard, dp_replicate, tp) and tp_plan: auto instead.")
+        raise ConfigError(
+            f"{name} was distributed by transformers at load with {', '.join(other)}; kiln takes over "
+            "only the tensor parallelism of such a load: load the model whole and set strategy "
+            "model_parallel with mesh (dp_shard, dp_replicate, tp) and tp_plan: auto instead."
+        )
     return int(getattr(model, "tp_size", None) or config.tp_size)  # the model's, else its DistributedConfig's
 
 
-def adopt_loaded_model(config: Any, model: Optional[nn.Module], world_size: int) -> None:
+def adopt_loaded_model(config: Any, model: nn.Module | None, world_size: int) -> None:
     """Point `config.strategy` at model_parallel over the loaded model's tp size (strategy auto or
     model_parallel without a mesh), or refuse a strategy or mesh that cannot train it, in one sentence."""
     from omegaconf import open_dict
@@ -49,11 +51,15 @@ def adopt_loaded_model(config: Any, model: Optional[nn.Module], world_size: int)
     given = options.get("mesh") if options is not None else None
     what = f"{type(model).__name__} was split by transformers at load (tensor parallelism {tp})"
     if name not in ("auto", "model_parallel"):
-        raise ConfigError(f"{what}; strategy {name!r} cannot train a model whose layers are already DTensors: use "
-                          "strategy auto or model_parallel (or load the model without tp_plan / distributed_config).")
+        raise ConfigError(
+            f"{what}; strategy {name!r} cannot train a model whose layers are already DTensors: use "
+            "strategy auto or model_parallel (or load the model without tp_plan / distributed_config)."
+        )
     if world_size != tp:
-        raise ConfigError(f"{what} and this run has {world_size} processes; a loaded model trains with tensor "
-                          f"parallelism only, so start {tp} processes (or load it whole and give kiln the whole mesh).")
+        raise ConfigError(
+            f"{what} and this run has {world_size} processes; a loaded model trains with tensor "
+            f"parallelism only, so start {tp} processes (or load it whole and give kiln the whole mesh)."
+        )
     if given is not None and {axis: size for axis, size in dict(given).items() if size != 1} != {"tp": tp}:
         raise ConfigError(f"{what}, and strategy.mesh is {dict(given)}; drop strategy.mesh or set it to {{tp: {tp}}}.")
     if options is not None and options.get("tp_plan") is not None:

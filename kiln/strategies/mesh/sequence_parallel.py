@@ -56,8 +56,11 @@ def _is_norm(module: nn.Module) -> bool:
     names them) with only 1-D weights of its own: it gives the same result on any split of the tokens."""
     kind = type(module).__name__.lower()
     own = list(module.parameters(recurse=False))
-    return (kind.endswith("rmsnorm") or kind.endswith("layernorm")) and all(p.dim() == 1 for p in own) \
+    return (
+        (kind.endswith("rmsnorm") or kind.endswith("layernorm"))
+        and all(p.dim() == 1 for p in own)
         and not any(list(child.parameters()) for child in module.children())
+    )
 
 
 class _Underivable(Exception):
@@ -74,9 +77,11 @@ def derive_layout(root: nn.Module, plan: dict[str, str]) -> SequenceLayout:
     try:
         return _derive(root, plan)
     except _Underivable as why:
-        raise ConfigError(f"strategy.sequence_parallel cannot derive a sequence-sharded layout for {type(root).__name__}: "
-                          f"{why}; set sequence_parallel: false (plain tensor parallel), or parallelise the model "
-                          "yourself in configure_model(mesh).") from None
+        raise ConfigError(
+            f"strategy.sequence_parallel cannot derive a sequence-sharded layout for {type(root).__name__}: "
+            f"{why}; set sequence_parallel: false (plain tensor parallel), or parallelise the model "
+            "yourself in configure_model(mesh)."
+        ) from None
 
 
 def _derive(root: nn.Module, plan: dict[str, str]) -> SequenceLayout:
@@ -85,28 +90,37 @@ def _derive(root: nn.Module, plan: dict[str, str]) -> SequenceLayout:
         by_style.setdefault(style, []).append(name)
     embeddings, heads = by_style.get("embedding_rowwise", []), [n for s in HEAD_STYLES for n in by_style.get(s, [])]
     if len(embeddings) != 1 or len(heads) != 1:
-        raise _Underivable(f"tp_plan splits {len(embeddings)} input embedding(s) (embedding_rowwise) and {len(heads)} "
-                            "output head(s) (colwise_gather_output), and it needs one of each, where the sequence "
-                            "split starts and ends (tied input/output embeddings stay whole)")
+        raise _Underivable(
+            f"tp_plan splits {len(embeddings)} input embedding(s) (embedding_rowwise) and {len(heads)} "
+            "output head(s) (colwise_gather_output), and it needs one of each, where the sequence "
+            "split starts and ends (tied input/output embeddings stay whole)"
+        )
     layout = SequenceLayout(embedding=embeddings[0], head=heads[0], rowwise=sorted(by_style.get("rowwise", [])))
     layout.blocks = sorted({_parent(name) for name in layout.rowwise})
     for name in by_style.get("colwise", []):
         if _parent(name) not in layout.blocks:
-            raise _Underivable(f"the colwise layer {name} is not beside a rowwise layer, so kiln cannot tell where its "
-                                "block's whole input comes from")
+            raise _Underivable(
+                f"the colwise layer {name} is not beside a rowwise layer, so kiln cannot tell where its "
+                "block's whole input comes from"
+            )
     if not layout.blocks or "" in layout.blocks:
         raise _Underivable("tp_plan has no block of colwise layers ending in a rowwise layer inside a decoder layer")
     layers = sorted({_parent(block) for block in layout.blocks})
     base = _parent(layout.embedding)  # the base model: embedding, decoder layers, final norm
     if not base or layout.head.startswith(base + "."):
-        raise _Underivable(f"the embedding {layout.embedding} and the head {layout.head} are not in a base model and "
-                            "beside it respectively, so kiln cannot tell which output the head reads")
+        raise _Underivable(
+            f"the embedding {layout.embedding} and the head {layout.head} are not in a base model and "
+            "beside it respectively, so kiln cannot tell which output the head reads"
+        )
     for layer in layers:
         if not layer.startswith(base + "."):
             raise _Underivable(f"the decoder layer {layer} is not inside {base}, which holds the embedding")
         layout.norms += _norms_beside(root, layer, skip=set(layout.blocks))
-    containers = {f"{base}.{child}" for child, _ in root.get_submodule(base).named_children()
-                  if any(layer.startswith(f"{base}.{child}.") for layer in layers)}
+    containers = {
+        f"{base}.{child}"
+        for child, _ in root.get_submodule(base).named_children()
+        if any(layer.startswith(f"{base}.{child}.") for layer in layers)
+    }
     layout.norms += _norms_beside(root, base, skip=containers | {layout.embedding})
     return layout
 
@@ -116,16 +130,20 @@ def _norms_beside(root: nn.Module, parent: str, skip: set[str]) -> list[str]:
     (returned), parameterless modules (dropout, rotary embeddings: left alone), nothing else."""
     module = root.get_submodule(parent)
     if any(p is not None for p in module._parameters.values()):
-        raise _Underivable(f"{parent} ({type(module).__name__}) has parameters of its own on the residual "
-                            "stream, which kiln does not know how to split by sequence")
+        raise _Underivable(
+            f"{parent} ({type(module).__name__}) has parameters of its own on the residual "
+            "stream, which kiln does not know how to split by sequence"
+        )
     norms = []
     for child_name, child in module.named_children():
         name = f"{parent}.{child_name}"
         if name in skip or not _has_params(child):
             continue
         if not _is_norm(child):
-            raise _Underivable(f"{name} ({type(child).__name__}) sits on the residual stream between tensor-parallel "
-                                "blocks and is no RMSNorm/LayerNorm, so kiln does not know how it handles a sequence split")
+            raise _Underivable(
+                f"{name} ({type(child).__name__}) sits on the residual stream between tensor-parallel "
+                "blocks and is no RMSNorm/LayerNorm, so kiln does not know how it handles a sequence split"
+            )
         norms.append(name)
     return norms
 
@@ -137,8 +155,9 @@ def sequence_styles(layout: SequenceLayout, loss_parallel: bool) -> dict[str, An
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     # use_local_output=False: the residual stream stays a DTensor (see the module docstring)
-    styles: dict[str, Any] = {layout.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                                use_local_output=False)}
+    styles: dict[str, Any] = {
+        layout.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    }
     styles.update({name: RowwiseParallel(output_layouts=Shard(1), use_local_output=False) for name in layout.rowwise})
     styles.update({name: SequenceParallel() for name in layout.norms})
     if not loss_parallel:  # else loss_parallel.head_style takes the head
@@ -168,9 +187,11 @@ def _gather_hidden_states(name: str) -> Any:
         if isinstance(kwargs.get("hidden_states"), DTensor):
             return args, {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
         # a whole plain tensor here means the model left the sharded residual stream somewhere kiln did not see
-        raise RuntimeError(f"sequence parallel: {name} ({type(module).__name__}) got no sequence-sharded hidden states "
-                           "(a DTensor as its first argument or hidden_states=); set strategy.sequence_parallel: false "
-                           "for this model.")
+        raise RuntimeError(
+            f"sequence parallel: {name} ({type(module).__name__}) got no sequence-sharded hidden states "
+            "(a DTensor as its first argument or hidden_states=); set strategy.sequence_parallel: false "
+            "for this model."
+        )
 
     return hook
 

@@ -6,55 +6,69 @@ feature below means the same under both, or is refused under both in the same se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from kiln.config.hf.fsdp import class_names
 from kiln.utils.errors import ConfigError
 from kiln.utils.truthy import truthy
 
-STATE_DICT_TYPES = {"sharded": "sharded", "sharded_state_dict": "sharded", "full": "full", "full_state_dict": "full",
-                    "local_state_dict": "sharded", "local": "sharded"}
+STATE_DICT_TYPES = {
+    "sharded": "sharded",
+    "sharded_state_dict": "sharded",
+    "full": "full",
+    "full_state_dict": "full",
+    "local_state_dict": "sharded",
+    "local": "sharded",
+}
 
 #: the options both presets take -> help (part of each preset's declared `options`)
 SHARED = {
     "wrap": "class names of the blocks each made one FSDP unit (HF: transformer_layer_cls_to_wrap); "
-            "default: the model's _no_split_modules",
+    "default: the model's _no_split_modules",
     "min_num_params": "wrap every submodule holding at least this many not-yet-wrapped parameters instead of by class",
     "offload": "keep parameters, gradients and optimizer state on the CPU (CPUOffloadPolicy); needs FSDP, i.e. a "
-               "mesh that is not tensor parallel alone",
+    "mesh that is not tensor parallel alone",
     "offload_pin_memory": "pin the offloaded host memory (default: when the device is an accelerator; needs one)",
     "reshard_after_forward": "free the gathered parameters after forward (default true; fsdp: false for "
-                             "shard_grad_op and hybrid_shard_zero2)",
+    "shard_grad_op and hybrid_shard_zero2)",
     "state_dict_type": "checkpoint format: sharded (torch.distributed.checkpoint, default) or full (safetensors)",
     "activation_checkpointing": "recompute each wrapped block's activations in backward",
     "forward_prefetch": "all-gather the next block's parameters during the current block's forward",
     "sync_module_states": "broadcast rank 0's parameters and buffers before sharding (default: false for fsdp, "
-                          "true for model_parallel)",
+    "true for model_parallel)",
     "cpu_ram_efficient_loading": "a model the Trainer builds (model_init) is built on rank 0 only, the other ranks on "
-                                 "the meta device, and rank 0's values are scattered into the shards (implies sync_module_states)",
+    "the meta device, and rank 0's values are scattered into the shards (implies sync_module_states)",
     "tp_plan": "with a tp axis: auto (the Transformers model's plan) or {module-name pattern: colwise | rowwise | "
-               "colwise_gather_output | embedding_rowwise | replicate}",
+    "colwise_gather_output | embedding_rowwise | replicate}",
     "sequence_parallel": "with a tp axis: the activations between the tp_plan's TP regions are split by sequence (norms "
-                         "run on 1/tp of the tokens; reduce-scatter + all-gather instead of all-reduce); derived from "
-                         "the plan, refused where kiln cannot derive it; default false",
+    "run on 1/tp of the tokens; reduce-scatter + all-gather instead of all-reduce); derived from "
+    "the plan, refused where kiln cannot derive it; default false",
     "loss_parallel": "with a tp axis: the head's logits stay split by vocabulary and the model's cross entropy runs on "
-                     "the split (HF ForCausalLMLoss; else the head stays gathered, with a log line); default false",
+    "the split (HF ForCausalLMLoss; else the head stays gathered, with a log line); default false",
 }
 
-_FLAGS = ("offload", "activation_checkpointing", "forward_prefetch", "sync_module_states", "cpu_ram_efficient_loading",
-          "offload_pin_memory", "reshard_after_forward")
+_FLAGS = (
+    "offload",
+    "activation_checkpointing",
+    "forward_prefetch",
+    "sync_module_states",
+    "cpu_ram_efficient_loading",
+    "offload_pin_memory",
+    "reshard_after_forward",
+)
 _STRICT = ("sequence_parallel", "loss_parallel")  # kiln's own keys only: no text forms to read
 
 
 @dataclass
 class MeshSettings:
-    wrap: Optional[list[str]] = None
-    min_num_params: Optional[int] = None
+    wrap: list[str] | None = None
+    min_num_params: int | None = None
     offload: bool = False
     #: None: pin when the device is an accelerator
-    offload_pin_memory: Optional[bool] = None
-    reshard_after_forward: Optional[bool] = None
+    offload_pin_memory: bool | None = None
+    reshard_after_forward: bool | None = None
     state_dict_type: str = "sharded"
     activation_checkpointing: bool = False
     forward_prefetch: bool = False
@@ -107,4 +121,6 @@ def read_shared(option: Callable[[str], Any], s: MeshSettings) -> MeshSettings:
 
 def check_shared(s: MeshSettings) -> None:
     if s.wrap and s.min_num_params:
-        raise ConfigError("FSDP wrap (transformer_layer_cls_to_wrap) and min_num_params are both set; set only one of them.")
+        raise ConfigError(
+            "FSDP wrap (transformer_layer_cls_to_wrap) and min_num_params are both set; set only one of them."
+        )

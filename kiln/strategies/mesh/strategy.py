@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,8 +40,14 @@ from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.collectives import ProcessGroupCollectives, check_op
 from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
-from kiln.strategies.mesh.dims import (ParallelDims, build_device_mesh, dp_mesh, flatten_axes, parse_mesh,
-                                       release_mesh_groups)
+from kiln.strategies.mesh.dims import (
+    ParallelDims,
+    build_device_mesh,
+    dp_mesh,
+    flatten_axes,
+    parse_mesh,
+    release_mesh_groups,
+)
 from kiln.strategies.mesh.settings import MeshSettings
 from kiln.strategies.process_group import register_group_user
 from kiln.utils.errors import ConfigError
@@ -66,16 +72,18 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         full_eval_cast=False,
         user_optimizer=False,
         compiles_per_block=True,  # each block's forward before the tp split and `fully_shard`, as torchtitan
-        reasons={"mps": "it needs gloo or NCCL collectives and DTensor support, which Apple GPUs do not have "
-                        "(one MPS device: strategy mps)",
-                 "xla": "XLA devices shard through XLA's own FSDP and SPMD (use strategy xla_fsdp)",
-                 "apex": "apex's amp cannot handle FSDP's or tensor parallelism's DTensor parameters; use precision: bf16 "
-                         "or fp16"},
+        reasons={
+            "mps": "it needs gloo or NCCL collectives and DTensor support, which Apple GPUs do not have "
+            "(one MPS device: strategy mps)",
+            "xla": "XLA devices shard through XLA's own FSDP and SPMD (use strategy xla_fsdp)",
+            "apex": "apex's amp cannot handle FSDP's or tensor parallelism's DTensor parameters; use precision: bf16 "
+            "or fp16",
+        },
     )
     checkpoint_formats = ("fsdp-sharded", "fsdp-full")  # strategy.state_dict_type: sharded (default) or full
     settings: MeshSettings
 
-    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
+    def __init__(self, config: DictConfig, precision: Precision) -> None:
         super().__init__(config, precision)
         self.settings = self.read_settings()
         self.shape: ParallelDims = self.parallel_dims(self.world_size)
@@ -83,7 +91,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         self.device_mesh: Any = None
         self._cp_rank = 0
         self._dp_group: Any = None
-        self._root: Optional[nn.Module] = None
+        self._root: nn.Module | None = None
         self._mp_policy: Any = None
         self._loss_parallel: Any = None  # loss_parallel.LossParallel once the head keeps split logits
 
@@ -92,7 +100,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         """The shared settings, from however the preset's config writes them."""
         raise NotImplementedError
 
-    def mesh_request(self, world_size: int) -> Optional[dict[str, int]]:
+    def mesh_request(self, world_size: int) -> dict[str, int] | None:
         """The mesh the preset asks for on `world_size` processes, as `strategy.mesh` would write it
         (None: `{dp_shard: -1}`)."""
         raise NotImplementedError
@@ -131,20 +139,28 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         under both presets."""
         s, dims = self.settings, self.shape
         if s.offload and s.offload_pin_memory and self.root_device.type == "cpu":
-            raise ConfigError("FSDP offload with pinned memory needs an accelerator, but this run is on the CPU; "
-                              "set strategy.offload_pin_memory: false (or run on a GPU).")
+            raise ConfigError(
+                "FSDP offload with pinned memory needs an accelerator, but this run is on the CPU; "
+                "set strategy.offload_pin_memory: false (or run on a GPU)."
+            )
         if s.offload and not dims.fsdp:
-            raise ConfigError(f"strategy.offload moves FSDP's shards to the CPU, and this mesh ({dims.describe()}) is "
-                              "tensor parallel alone, with no FSDP to offload; give the mesh a data-parallel axis "
-                              "(dp_shard) or drop offload.")
+            raise ConfigError(
+                f"strategy.offload moves FSDP's shards to the CPU, and this mesh ({dims.describe()}) is "
+                "tensor parallel alone, with no FSDP to offload; give the mesh a data-parallel axis "
+                "(dp_shard) or drop offload."
+            )
         for key in ("sequence_parallel", "loss_parallel"):
             if getattr(s, key) and dims.tp == 1:
-                raise ConfigError(f"strategy.{key} splits the activations of tensor parallelism, and this mesh has no "
-                                  f"tp axis ({dims.describe()}); set mesh.tp (fsdp: strategy.tp) to 2 or more, or drop "
-                                  f"{key}.")
+                raise ConfigError(
+                    f"strategy.{key} splits the activations of tensor parallelism, and this mesh has no "
+                    f"tp axis ({dims.describe()}); set mesh.tp (fsdp: strategy.tp) to 2 or more, or drop "
+                    f"{key}."
+                )
         if s.cpu_ram_efficient_loading and dims.tp > 1:
-            raise ConfigError("strategy.cpu_ram_efficient_loading builds the model on rank 0 alone, which tensor "
-                              f"parallelism cannot split from (this mesh: {dims.describe()}); drop it, or the tp axis.")
+            raise ConfigError(
+                "strategy.cpu_ram_efficient_loading builds the model on rank 0 alone, which tensor "
+                f"parallelism cannot split from (this mesh: {dims.describe()}); drop it, or the tp axis."
+            )
         self._check_cp_config()
 
     def _check_cp_config(self) -> None:
@@ -154,11 +170,15 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         _ = self.cp_load_balance  # a wrong value fails here, not at the first batch
         train = self.config.train
         if train.label_smoothing_factor:
-            raise ConfigError("label_smoothing_factor with strategy.mesh.cp > 1 is not supported: kiln's label smoother "
-                              "shifts each rank's chunk of labels itself and would drop every chunk boundary's target.")
+            raise ConfigError(
+                "label_smoothing_factor with strategy.mesh.cp > 1 is not supported: kiln's label smoother "
+                "shifts each rank's chunk of labels itself and would drop every chunk boundary's target."
+            )
         if train.neftune_noise_alpha:
-            raise ConfigError("neftune_noise_alpha with strategy.mesh.cp > 1 is not supported: NEFTune scales its noise "
-                              "by the sequence length, which each cp rank sees as its chunk's.")
+            raise ConfigError(
+                "neftune_noise_alpha with strategy.mesh.cp > 1 is not supported: NEFTune scales its noise "
+                "by the sequence length, which each cp rank sees as its chunk's."
+            )
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -170,11 +190,13 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         self.device_mesh = build_device_mesh(self.shape, self.root_device.type)
         register_group_user(self.device_mesh, release_mesh_groups)
         # flattened mesh axes: their groups are the mesh's own (same backend, released with it)
-        self._dp_group = flatten_axes(self.device_mesh, self.shape)  # with tp: the ranks of my TP position with other data
+        self._dp_group = flatten_axes(
+            self.device_mesh, self.shape
+        )  # with tp: the ranks of my TP position with other data
         self._cp_rank = self.device_mesh["cp"].get_local_rank()
         log.info("%s: %s over %d process(es).", self.name, self.shape.describe(), self.world_size)
 
-    def connect_precision(self, precision: "Precision") -> "Precision":
+    def connect_precision(self, precision: Precision) -> Precision:
         """Where FSDP shards the model, mixed precision (autocast) becomes FSDP's MixedPrecisionPolicy
         (parameters, TP-split ones included, gathered in the compute dtype, gradients reduced in fp32);
         with tp alone autocast stays. fp16's loss scale is kept by a scaler whose inf check spans every
@@ -198,7 +220,12 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         from kiln.strategies.mesh.compile import compile_units
         from kiln.strategies.mesh.context_parallel import check_model
         from kiln.strategies.mesh.fsdp import apply_fsdp
-        from kiln.strategies.mesh.loading import has_meta_tensors, rank0_parameters, scatter_from_rank0, sync_module_states
+        from kiln.strategies.mesh.loading import (
+            has_meta_tensors,
+            rank0_parameters,
+            scatter_from_rank0,
+            sync_module_states,
+        )
         from kiln.strategies.mesh.presharded import is_loaded_split
         from kiln.strategies.mesh.tp_plan import user_module
         from kiln.strategies.wrap_policy import blocks_to_wrap
@@ -208,8 +235,10 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
             check_model(module, self.root_device.type)
         on_meta = has_meta_tensors(module)
         if on_meta and (self.is_global_zero or not s.cpu_ram_efficient_loading):
-            raise ConfigError("The model has parameters on the meta device; build it with real weights, or let "
-                              "the Trainer build it (model_init) with strategy.cpu_ram_efficient_loading: true.")
+            raise ConfigError(
+                "The model has parameters on the meta device; build it with real weights, or let "
+                "the Trainer build it (model_init) with strategy.cpu_ram_efficient_loading: true."
+            )
         if self.device_mesh is None:
             self.setup_environment()
         dims, mesh = self.shape, self.device_mesh  # the mesh of the world the group has
@@ -230,18 +259,35 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         compiled = compile_units(blocks or [module], self.config.train) if self.config is not None else 0
         if dims.fsdp:
             pin = self.accelerator.pin_memory if s.offload_pin_memory is None else s.offload_pin_memory
-            apply_fsdp(module, blocks, dp_mesh(mesh, dims), reshard=s.reshard, offload=s.offload, pin_memory=pin,
-                       mp_policy=self._mp_policy, forward_prefetch=s.forward_prefetch)
+            apply_fsdp(
+                module,
+                blocks,
+                dp_mesh(mesh, dims),
+                reshard=s.reshard,
+                offload=s.offload,
+                pin_memory=pin,
+                mp_policy=self._mp_policy,
+                forward_prefetch=s.forward_prefetch,
+            )
         if efficient:
             if on_meta:  # only this rank's shards are materialised
                 module.to_empty(device="cpu" if s.offload else self.root_device)
             scatter_from_rank0(module, full, self.root_device)
             del full
-        extras = [f"{len(blocks)} wrapped block(s)", *(["CPU offload"] if s.offload else []),
-                  *(["activation checkpointing"] if s.activation_checkpointing else []),
-                  *([f"{compiled} compiled forward(s)"] if compiled else [])]
-        log.info("%s: %s, %s over %d rank(s) (dp x cp), %s.", self.name, what,
-                 "FSDP" if dims.fsdp else "no FSDP", dims.dp_cp, ", ".join(extras))
+        extras = [
+            f"{len(blocks)} wrapped block(s)",
+            *(["CPU offload"] if s.offload else []),
+            *(["activation checkpointing"] if s.activation_checkpointing else []),
+            *([f"{compiled} compiled forward(s)"] if compiled else []),
+        ]
+        log.info(
+            "%s: %s, %s over %d rank(s) (dp x cp), %s.",
+            self.name,
+            what,
+            "FSDP" if dims.fsdp else "no FSDP",
+            dims.dp_cp,
+            ", ".join(extras),
+        )
         self._root = module
         return module
 
@@ -255,22 +301,40 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         if loaded_split:
             return f"the tensor parallelism transformers applied at load (tp {dims.tp})"
         if callable(hook):
-            given = [key for key, on in (("tp_plan", s.tp_plan is not None), ("sequence_parallel", s.sequence_parallel),
-                                         ("loss_parallel", s.loss_parallel)) if on]
+            given = [
+                key
+                for key, on in (
+                    ("tp_plan", s.tp_plan is not None),
+                    ("sequence_parallel", s.sequence_parallel),
+                    ("loss_parallel", s.loss_parallel),
+                )
+                if on
+            ]
             if given:
-                raise ConfigError(f"{type(user).__name__} defines configure_model(mesh), which parallelises the model "
-                                  f"itself, and strategy.{' and strategy.'.join(given)} {'is' if len(given) == 1 else 'are'}"
-                                  " set too; drop one of them (configure_model can apply torch's SequenceParallel and "
-                                  "loss_parallel itself).")
+                raise ConfigError(
+                    f"{type(user).__name__} defines configure_model(mesh), which parallelises the model "
+                    f"itself, and strategy.{' and strategy.'.join(given)} {'is' if len(given) == 1 else 'are'}"
+                    " set too; drop one of them (configure_model can apply torch's SequenceParallel and "
+                    "loss_parallel itself)."
+                )
             hook(self.device_mesh)  # the user's own parallelize code (TP, and FSDP on blocks if it wants)
             return "configure_model(mesh)"
         if dims.tp == 1:
             return "no tensor parallelism"
-        tp = apply_tp(user, self.device_mesh["tp"], s.tp_plan, dims.tp, sequence_parallel=s.sequence_parallel,
-                      loss_parallel=s.loss_parallel)
+        tp = apply_tp(
+            user,
+            self.device_mesh["tp"],
+            s.tp_plan,
+            dims.tp,
+            sequence_parallel=s.sequence_parallel,
+            loss_parallel=s.loss_parallel,
+        )
         self._loss_parallel = tp.loss_parallel
-        return (f"{tp.layers} tensor-parallel layer(s)" + (", sequence parallel" if tp.sequence_parallel else "")
-                + (", loss parallel" if tp.loss_parallel is not None else ""))
+        return (
+            f"{tp.layers} tensor-parallel layer(s)"
+            + (", sequence parallel" if tp.sequence_parallel else "")
+            + (", loss parallel" if tp.loss_parallel is not None else "")
+        )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """Every parallelism changes the module in place: the wrapped module is the user's module."""
@@ -288,7 +352,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         return super().batch_to_device(batch)
 
     @contextlib.contextmanager
-    def eval_cast_context(self, module: nn.Module, dtype: Optional[torch.dtype]) -> Iterator[None]:
+    def eval_cast_context(self, module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
         """Around one evaluation. When units do not reshard after forward (shard_grad_op) a forward
         without a backward leaves every unit's parameters gathered, and nothing reshards them: the
         optimizer then updates the shards while later forwards keep reading the stale gathered copies

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from torch import nn
 
@@ -40,20 +41,38 @@ from kiln.utils.errors import ConfigError
 log = logging.getLogger(__name__)
 
 #: style -> the dimension it splits: Linear "out" / "in" features, Embedding "vocab" rows (None: nothing)
-STYLES = {"colwise": "out", "rowwise": "in", "colwise_gather_output": "out", "colwise_rep": "out",
-          "embedding_rowwise": "vocab", "replicate": None}
+STYLES = {
+    "colwise": "out",
+    "rowwise": "in",
+    "colwise_gather_output": "out",
+    "colwise_rep": "out",
+    "embedding_rowwise": "vocab",
+    "replicate": None,
+}
 #: HF styles kiln does not take in a mapping -> what to do instead
-_REFUSED = {"sequence_parallel": "kiln derives sequence parallelism from the whole plan, so set "
-                                 "strategy.sequence_parallel: true and leave the norms out of tp_plan"}
+_REFUSED = {
+    "sequence_parallel": "kiln derives sequence parallelism from the whole plan, so set "
+    "strategy.sequence_parallel: true and leave the norms out of tp_plan"
+}
 
-_WHAT: dict[Optional[str], str] = {"out": "output features", "in": "input features", "vocab": "vocabulary rows"}
+_WHAT: dict[str | None, str] = {"out": "output features", "in": "input features", "vocab": "vocabulary rows"}
 
 PlanOption = None | str | Mapping[str, str]
 
 #: model families (as the refusal names them -> transformers' model_type) whose config defines the
 #: tensor-parallel plan `tp_plan: auto` takes; a test checks each against the installed transformers
-TP_FAMILIES = {"Llama": "llama", "Mistral": "mistral", "Mixtral": "mixtral", "Qwen2": "qwen2", "Qwen3": "qwen3",
-               "Gemma": "gemma", "Phi-3": "phi3", "OLMo": "olmo", "GPT-NeoX": "gpt_neox", "Granite": "granite"}
+TP_FAMILIES = {
+    "Llama": "llama",
+    "Mistral": "mistral",
+    "Mixtral": "mixtral",
+    "Qwen2": "qwen2",
+    "Qwen3": "qwen3",
+    "Gemma": "gemma",
+    "Phi-3": "phi3",
+    "OLMo": "olmo",
+    "GPT-NeoX": "gpt_neox",
+    "Granite": "granite",
+}
 
 
 def user_module(module: nn.Module) -> nn.Module:
@@ -65,7 +84,7 @@ def user_module(module: nn.Module) -> nn.Module:
     return module
 
 
-def hf_model(root: nn.Module) -> tuple[str, Optional[nn.Module]]:
+def hf_model(root: nn.Module) -> tuple[str, nn.Module | None]:
     """The outermost Transformers model in `root` (one with a `tp_plan` or a config's
     `base_model_tp_plan`) and its name in `root`."""
     for name, sub in root.named_modules():
@@ -78,9 +97,11 @@ def hf_model(root: nn.Module) -> tuple[str, Optional[nn.Module]]:
 def _auto_plan(root: nn.Module) -> dict[str, str]:
     prefix, model = hf_model(root)
     if model is None:
-        raise ConfigError(f"strategy.tp_plan is auto but {type(root).__name__} holds no Transformers model with a "
-                          "tensor-parallel plan (config.base_model_tp_plan); give strategy.tp_plan as a mapping of "
-                          "module-name patterns to colwise / rowwise.")
+        raise ConfigError(
+            f"strategy.tp_plan is auto but {type(root).__name__} holds no Transformers model with a "
+            "tensor-parallel plan (config.base_model_tp_plan); give strategy.tp_plan as a mapping of "
+            "module-name patterns to colwise / rowwise."
+        )
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, Mapping) or not plan:
         config: Any = model.config  # a Transformers config (duck-typed)
@@ -97,14 +118,21 @@ def _auto_plan(root: nn.Module) -> dict[str, str]:
 def no_plan_sentence(model: nn.Module) -> str:
     """Why `tp_plan: auto` cannot split `model`, and which model families it can."""
     conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
-    why = ("; its Conv1D layers (GPT-2's transposed linear layers) cannot be split colwise or rowwise at all, so give "
-           "it no tp axis (shard it with dp_shard instead)") if conv1d else (
-           "; give strategy.tp_plan as a mapping of its nn.Linear / nn.Embedding layers to styles, or no tp axis")
-    return (f"{type(model).__name__} has no tensor-parallel plan in transformers (config.base_model_tp_plan), which "
-            f"tp_plan: auto needs: it splits model families that define one, such as {', '.join(TP_FAMILIES)}{why}.")
+    why = (
+        (
+            "; its Conv1D layers (GPT-2's transposed linear layers) cannot be split colwise or rowwise at all, so give "
+            "it no tp axis (shard it with dp_shard instead)"
+        )
+        if conv1d
+        else ("; give strategy.tp_plan as a mapping of its nn.Linear / nn.Embedding layers to styles, or no tp axis")
+    )
+    return (
+        f"{type(model).__name__} has no tensor-parallel plan in transformers (config.base_model_tp_plan), which "
+        f"tp_plan: auto needs: it splits model families that define one, such as {', '.join(TP_FAMILIES)}{why}."
+    )
 
 
-def _pattern(text: str) -> "re.Pattern[str]":
+def _pattern(text: str) -> re.Pattern[str]:
     parts = ["[^.]+" if part == "*" else re.escape(part).replace(r"\*", "[^.]*") for part in text.split(".")]
     return re.compile(r"\.".join(parts))
 
@@ -118,24 +146,31 @@ def resolve_plan(root: nn.Module, option: PlanOption) -> dict[str, str]:
     elif isinstance(option, Mapping):
         plan = {str(k): str(v) for k, v in option.items()}
     else:
-        raise ConfigError(f"strategy.tp_plan is {option!r}; give auto (the model's own plan) or a mapping of module-name "
-                          "patterns to styles such as {'layers.*.mlp.up_proj': 'colwise'}.")
+        raise ConfigError(
+            f"strategy.tp_plan is {option!r}; give auto (the model's own plan) or a mapping of module-name "
+            "patterns to styles such as {'layers.*.mlp.up_proj': 'colwise'}."
+        )
     names = [name for name, _ in root.named_modules() if name]
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
         if style in _REFUSED:
-            raise ConfigError(f"strategy.tp_plan gives {pattern} the style {style!r}, which kiln does not take in a "
-                              f"mapping: {_REFUSED[style]}.")
+            raise ConfigError(
+                f"strategy.tp_plan gives {pattern} the style {style!r}, which kiln does not take in a "
+                f"mapping: {_REFUSED[style]}."
+            )
         if style not in STYLES:
-            raise ConfigError(f"strategy.tp_plan gives {pattern} the unknown style {style!r}; the styles are "
-                              f"{', '.join(STYLES)}.")
+            raise ConfigError(
+                f"strategy.tp_plan gives {pattern} the unknown style {style!r}; the styles are {', '.join(STYLES)}."
+            )
         regex = _pattern(pattern)
         matched = [name for name in names if regex.fullmatch(name)]
         if not matched and auto:  # a model's own plan may name optional layers this configuration lacks
             continue
         if not matched:
-            raise ConfigError(f"strategy.tp_plan names {pattern!r}, which matches no module of {type(root).__name__}; "
-                              f"fix the pattern (module names look like {', '.join(_examples(names))}).")
+            raise ConfigError(
+                f"strategy.tp_plan names {pattern!r}, which matches no module of {type(root).__name__}; "
+                f"fix the pattern (module names look like {', '.join(_examples(names))})."
+            )
         for name in matched:
             resolved.setdefault(name, style)  # the first pattern that names a module decides its style
     return {name: style for name, style in resolved.items() if style != "replicate"}
@@ -154,10 +189,15 @@ def check_plan(root: nn.Module, plan: dict[str, str], tp: int) -> dict[str, str]
     heads = getattr(config, "num_attention_heads", None)
     if plan and isinstance(heads, int):
         kv = getattr(config, "num_key_value_heads", None) or heads
-        for what, count in (("attention heads (num_attention_heads)", heads), ("key/value heads (num_key_value_heads)", kv)):
+        for what, count in (
+            ("attention heads (num_attention_heads)", heads),
+            ("key/value heads (num_key_value_heads)", kv),
+        ):
             if count % tp:
-                raise ConfigError(f"tp {tp} does not divide the model's {count} {what}; choose a tp that divides both "
-                                  f"num_attention_heads ({heads}) and num_key_value_heads ({kv}).")
+                raise ConfigError(
+                    f"tp {tp} does not divide the model's {count} {what}; choose a tp that divides both "
+                    f"num_attention_heads ({heads}) and num_key_value_heads ({kv})."
+                )
     owners: dict[int, set[str]] = {}
     for name, sub in root.named_modules(remove_duplicate=False):
         for p in sub._parameters.values():
@@ -168,10 +208,14 @@ def check_plan(root: nn.Module, plan: dict[str, str], tp: int) -> dict[str, str]
         layer = root.get_submodule(name)
         size = _split_size(name, layer, style)
         if size % tp:
-            raise ConfigError(f"tp {tp} does not divide the {size} {_WHAT[STYLES[style]]} of {name} "
-                              f"({type(layer).__name__}) that tp_plan's {style!r} splits; choose a tp that divides {size}.")
+            raise ConfigError(
+                f"tp {tp} does not divide the {size} {_WHAT[STYLES[style]]} of {name} "
+                f"({type(layer).__name__}) that tp_plan's {style!r} splits; choose a tp that divides {size}."
+            )
         if any(owners[id(p)] - {name} for p in layer.parameters(recurse=False)):
-            log.info("tensor parallel: %s shares its weight with another layer (tied embeddings); it stays replicated.", name)
+            log.info(
+                "tensor parallel: %s shares its weight with another layer (tied embeddings); it stays replicated.", name
+            )
             continue
         kept[name] = style
     return kept
@@ -184,8 +228,10 @@ def _split_size(name: str, layer: nn.Module, style: str) -> int:
     if isinstance(layer, nn.Embedding) and side == "vocab":
         return layer.num_embeddings
     kind = "Embedding layers" if side == "vocab" else "Linear layers"
-    raise ConfigError(f"strategy.tp_plan gives {name} ({type(layer).__name__}) the style {style!r}, which applies to "
-                      f"{kind} only; give it another style or leave it out of the plan.")
+    raise ConfigError(
+        f"strategy.tp_plan gives {name} ({type(layer).__name__}) the style {style!r}, which applies to "
+        f"{kind} only; give it another style or leave it out of the plan."
+    )
 
 
 def parallel_styles(plan: dict[str, str]) -> dict[str, Any]:
@@ -211,11 +257,18 @@ class TensorParallel:
 
     layers: int
     sequence_parallel: bool = False
-    loss_parallel: Optional[Any] = None  # loss_parallel.LossParallel
+    loss_parallel: Any | None = None  # loss_parallel.LossParallel
 
 
-def apply_tp(root: nn.Module, tp_mesh: Any, option: PlanOption, tp: int, *, sequence_parallel: bool = False,
-               loss_parallel: bool = False) -> TensorParallel:
+def apply_tp(
+    root: nn.Module,
+    tp_mesh: Any,
+    option: PlanOption,
+    tp: int,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> TensorParallel:
     """Resolve, check and apply the plan on `root` over `tp_mesh`, sequence-sharding the activations
     between its TP regions and keeping the head's logits split where asked (and derivable)."""
     from torch.distributed.tensor.parallel import parallelize_module

@@ -12,8 +12,6 @@ the mesh strategy's and means what it means under `strategy: fsdp`; the one defa
 
 from __future__ import annotations
 
-from typing import Optional
-
 from kiln.strategies import STRATEGIES
 from kiln.strategies.mesh.dims import AXES
 from kiln.strategies.mesh.settings import SHARED, MeshSettings, read_shared
@@ -25,16 +23,16 @@ class ModelParallelStrategy(MeshStrategy):
     name = "model_parallel"
     options = {
         "mesh": f"axis sizes {{{', '.join(AXES)}}}; missing axes are 1, one may be -1 (the rest); default "
-                "{dp_shard: -1}; pp and ep are reserved (refused)",
+        "{dp_shard: -1}; pp and ep are reserved (refused)",
         **SHARED,
         "cp_load_balance": "with cp: cut each sequence in 2 x cp pieces, rank r keeping pieces r and 2cp-1-r "
-                           "(torch's head-tail order, balancing causal attention's work; the default, true), or false: "
-                           "piece r of cp",
+        "(torch's head-tail order, balancing causal attention's work; the default, true), or false: "
+        "piece r of cp",
     }
 
     def read_settings(self) -> MeshSettings:
         return read_shared(self.option, MeshSettings(sync_module_states=True))
 
-    def mesh_request(self, world_size: int) -> Optional[dict[str, int]]:
+    def mesh_request(self, world_size: int) -> dict[str, int] | None:
         mesh = self.option("mesh")
         return None if mesh is None else dict(mesh)

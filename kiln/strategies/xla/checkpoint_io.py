@@ -9,7 +9,7 @@ optimizer moves its loaded state to its parameters' device."""
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from torch import nn
 from kiln.strategies.checkpoint_io import OPTIMIZER, FullStateCheckpointIO, register_format, save_weights
 
 
-def to_cpu(tree: Any, memo: Optional[dict[int, torch.Tensor]] = None) -> Any:
+def to_cpu(tree: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
     """`tree` with every tensor copied to the CPU; one tensor object reached twice (tied weights)
     becomes one CPU tensor."""
     memo = {} if memo is None else memo
@@ -26,8 +26,11 @@ def to_cpu(tree: Any, memo: Optional[dict[int, torch.Tensor]] = None) -> Any:
             memo[id(tree)] = tree.detach().to("cpu")
         return memo[id(tree)]
     if isinstance(tree, dict):
-        return type(tree)((k, to_cpu(v, memo)) for k, v in tree.items()) if type(tree) is not dict else \
-            {k: to_cpu(v, memo) for k, v in tree.items()}
+        return (
+            type(tree)((k, to_cpu(v, memo)) for k, v in tree.items())
+            if type(tree) is not dict
+            else {k: to_cpu(v, memo) for k, v in tree.items()}
+        )
     if isinstance(tree, (list, tuple)):
         return type(tree)(to_cpu(v, memo) for v in tree)
     return tree
@@ -44,8 +47,17 @@ class XLACheckpointIO(FullStateCheckpointIO):
     format = "xla-full"
     reshardable = True
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         weights = module_state_cpu(module)
         optim = to_cpu(optimizer.state_dict()) if save_optimizer and optimizer is not None else None
         if not writer:

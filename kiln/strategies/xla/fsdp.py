@@ -36,6 +36,6 @@ class XLAFSDPStrategy:
     checkpoint_formats = (*SPMDXLAFSDPStrategy.checkpoint_formats, *ClassicXLAFSDPStrategy.checkpoint_formats)
 
     @staticmethod
-    def resolve(config: "DictConfig") -> type[XLAFSDPBase]:
+    def resolve(config: DictConfig) -> type[XLAFSDPBase]:
         given = dict(config.strategy.get("options") or {}) if config is not None else {}
         return ClassicXLAFSDPStrategy if resolve(given.get).wrapper == "classic" else SPMDXLAFSDPStrategy

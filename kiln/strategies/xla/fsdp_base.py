@@ -26,14 +26,22 @@ class XLAFSDPBase(XLAStrategy):
 
     name = "xla_fsdp"
     capabilities = Capabilities(
-        devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, auto_batch_size=False,
-        full_eval_cast=False, user_optimizer=False, torch_compile=False, static_shapes=True, reasons=XLA_REASONS,
+        devices=frozenset({"xla"}),
+        precisions=XLA_PRECISIONS,
+        auto_batch_size=False,
+        full_eval_cast=False,
+        user_optimizer=False,
+        torch_compile=False,
+        static_shapes=True,
+        reasons=XLA_REASONS,
     )
     options = dict(OPTIONS)
 
-    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
+    def __init__(self, config: DictConfig, precision: Precision) -> None:
         if type(self) is XLAFSDPBase:
-            raise TypeError("XLAFSDPBase is no strategy by itself: `xla_fsdp` resolves to its SPMD or classic subclass.")
+            raise TypeError(
+                "XLAFSDPBase is no strategy by itself: `xla_fsdp` resolves to its SPMD or classic subclass."
+            )
         self.settings: XLAFSDPSettings = XLAFSDPSettings()
         self._prefixes: dict[int, str] = {}
         super().__init__(config, precision)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,19 +46,39 @@ class SPMDCheckpointIO(CheckpointIO):
     def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
         return consolidate_spmd(directory)
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         import torch.distributed.checkpoint as dcp
         from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
         state: dict[str, Any] = {"model": module.state_dict()}
         if save_optimizer and optimizer is not None:
             state["optim"] = optimizer.state_dict()
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(directory, SPMD_DIR)),
-                 planner=SPMDSavePlanner(), no_dist=True)
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(os.path.join(directory, SPMD_DIR)),
+            planner=SPMDSavePlanner(),
+            no_dist=True,
+        )
 
-    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             load_optimizer: bool = True) -> None:
+    def load(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        load_optimizer: bool = True,
+    ) -> None:
         import torch.distributed.checkpoint as dcp
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, prime_optimizer
 
@@ -67,8 +87,10 @@ class SPMDCheckpointIO(CheckpointIO):
         with_optim = optim is not None
         if not os.path.isdir(path):
             if with_optim:
-                raise CheckpointError(f"{path} is missing: {directory} is not an SPMD XLA FSDP checkpoint; resume with "
-                                      "the strategy that saved it.")
+                raise CheckpointError(
+                    f"{path} is missing: {directory} is not an SPMD XLA FSDP checkpoint; resume with "
+                    "the strategy that saved it."
+                )
             apply_weights(module, load_weights(directory), directory)  # an exported model folder
             return
         vet_dcp_folder(path)  # DCP unpickles .metadata and non-tensor entries unchecked: vet them first
@@ -134,7 +156,7 @@ def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
     """Names relative to the user's module (the wrapped root may be kiln's step dispatcher around it)."""
     if not prefix:
         return state
-    return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+    return {k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + ".")}
 
 
 def classic_full_state(strategy: Any, wrapped: Any, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -150,7 +172,9 @@ def consolidate_classic(directory: str) -> dict[str, torch.Tensor]:
     folder = os.path.join(directory, CLASSIC_DIR)
     metas = sorted(f for f in os.listdir(folder) if f.endswith(".json")) if os.path.isdir(folder) else []
     if not metas:
-        raise CheckpointError(f"{directory} has no {CLASSIC_DIR}/ shard files, so it is not a classic XLA FSDP checkpoint.")
+        raise CheckpointError(
+            f"{directory} has no {CLASSIC_DIR}/ shard files, so it is not a classic XLA FSDP checkpoint."
+        )
     with open(os.path.join(folder, metas[0]), encoding="utf-8") as fh:
         first = json.load(fh)
     world = int(first["shard_metadata"]["world_size"])
@@ -176,8 +200,17 @@ class ClassicXLAFSDPCheckpointIO(CheckpointIO):
     def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
         return consolidate_classic(directory)
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         s = self.strategy
         weights, meta = _files(directory, s.global_rank, s.world_size)
         os.makedirs(os.path.dirname(weights), exist_ok=True)
@@ -189,18 +222,29 @@ class ClassicXLAFSDPCheckpointIO(CheckpointIO):
             wrapped: Any = model  # torch_xla's XlaFullyShardedDataParallel (no type information)
             json.dump({"shard_metadata": wrapped.get_shard_metadata(), "prefix": s.prefix_of(module)}, fh)
 
-    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             load_optimizer: bool = True) -> None:
+    def load(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        load_optimizer: bool = True,
+    ) -> None:
         s = self.strategy
         weights, _ = _files(directory, s.global_rank, s.world_size)
         if not os.path.exists(weights):
             if os.path.isdir(os.path.join(directory, CLASSIC_DIR)):
-                raise CheckpointError(f"{weights} is missing: a classic XLA FSDP checkpoint resumes only on the number "
-                                      "of processes that saved it.")
+                raise CheckpointError(
+                    f"{weights} is missing: a classic XLA FSDP checkpoint resumes only on the number "
+                    "of processes that saved it."
+                )
             raise CheckpointError(f"{directory} is not a classic XLA FSDP checkpoint ({CLASSIC_DIR}/ is missing).")
         payload = safe_torch_load(weights)
         model.load_state_dict(payload["model"])
         if load_optimizer and optimizer is not None:
             if "optimizer" not in payload:
-                raise CheckpointError(f"{weights} has no optimizer state (saved with save_only_model?); it cannot be resumed.")
+                raise CheckpointError(
+                    f"{weights} has no optimizer state (saved with save_only_model?); it cannot be resumed."
+                )
             optimizer.load_state_dict(regroup_optimizer_state(payload["optimizer"], optimizer.param_groups))

@@ -11,7 +11,8 @@ wrapper's shard metadata (fsdp_checkpoint_io.py)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,8 +47,14 @@ class ClassicXLAFSDPStrategy(XLAFSDPBase):
     checkpoint_formats = ("xla-fsdp-classic",)
     persistent_gradients = False  # the wrapper hands its reduced shards to the optimizer itself
 
-    def setup(self, module: nn.Module, optimizer_factory: Optional[Any] = None, scheduler_factory: Optional[Any] = None,
-              *, max_steps: Optional[int] = None) -> Any:
+    def setup(
+        self,
+        module: nn.Module,
+        optimizer_factory: Any | None = None,
+        scheduler_factory: Any | None = None,
+        *,
+        max_steps: int | None = None,
+    ) -> Any:
         """The wrapper takes the parameters away from the user's module and registers flat shards on
         itself. The optimizer is still built by the user's factory over the user's parameters (so
         weight-decay groups stay what they are), with them registered back for that call, and each
@@ -75,16 +82,21 @@ class ClassicXLAFSDPStrategy(XLAFSDPBase):
         if chosen:
             kwargs["auto_wrap_policy"] = lambda module, recurse, *args, **kw: recurse or id(module) in chosen
         if chosen and self.settings.activation_checkpointing:
-            kwargs["auto_wrapper_callable"] = lambda m, *args, **kw: XlaFullyShardedDataParallel(checkpoint_module(m), *args, **kw)
+            kwargs["auto_wrapper_callable"] = lambda m, *args, **kw: XlaFullyShardedDataParallel(
+                checkpoint_module(m), *args, **kw
+            )
         try:
             return XlaFullyShardedDataParallel(module, **kwargs)
         except TypeError as err:
-            raise ConfigError(f"xla_fsdp_settings (strategy.settings) holds an argument XlaFullyShardedDataParallel "
-                              f"does not take ({err}); fix the settings.") from None
+            raise ConfigError(
+                f"xla_fsdp_settings (strategy.settings) holds an argument XlaFullyShardedDataParallel "
+                f"does not take ({err}); fix the settings."
+            ) from None
 
     # -- step -------------------------------------------------------------------------------
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       max_grad_norm: Optional[float]) -> StepResult:
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+    ) -> StepResult:
         """The wrapper reduce-scattered the gradients in backward; its own clip_grad_norm_ reduces
         the norm over the shards."""
         self.settle_gradients()
@@ -92,7 +104,9 @@ class ClassicXLAFSDPStrategy(XLAFSDPBase):
         grad_norm = None
         if max_grad_norm:
             clip = getattr(model, "clip_grad_norm_", None)
-            grad_norm = clip(max_grad_norm) if clip is not None else self.clip_gradients(model, optimizer, max_grad_norm)
+            grad_norm = (
+                clip(max_grad_norm) if clip is not None else self.clip_gradients(model, optimizer, max_grad_norm)
+            )
         return StepResult(self.precision.optimizer_step(optimizer), grad_norm)
 
     # -- checkpoints and export -------------------------------------------------------------

@@ -12,12 +12,13 @@ Note: HF's own default is the classic wrapper; kiln's is SPMD, which torch_xla r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 from kiln.config.hf.fsdp import class_names, xla_fsdp_options
-from kiln.utils.truthy import truthy
 from kiln.utils.errors import ConfigError
+from kiln.utils.truthy import truthy
 
 WRAPPERS = ("spmd", "classic")
 
@@ -25,7 +26,7 @@ WRAPPERS = ("spmd", "classic")
 OPTIONS = {
     "wrapper": "spmd (SPMD FSDPv2 over every device in one process, default) or classic (XlaFullyShardedDataParallel)",
     "wrap": "class names of the blocks each made one FSDP unit (HF: transformer_layer_cls_to_wrap); "
-            "default: the model's _no_split_modules",
+    "default: the model's _no_split_modules",
     "min_num_params": "wrap every submodule holding at least this many not-yet-wrapped parameters instead of by class",
     "activation_checkpointing": "recompute each wrapped block in backward (HF: xla_fsdp_grad_ckpt); needs an auto-wrap policy",
     "settings": "keyword arguments of the classic wrapper (HF: xla_fsdp_settings); compute_dtype/buffer_dtype by name",
@@ -37,8 +38,8 @@ OPTIONS = {
 @dataclass
 class XLAFSDPSettings:
     wrapper: str = "spmd"
-    wrap: Optional[list[str]] = None
-    min_num_params: Optional[int] = None
+    wrap: list[str] | None = None
+    min_num_params: int | None = None
     activation_checkpointing: bool = False
     settings: dict[str, Any] = field(default_factory=dict)
     #: settings given that have no effect here (name -> why), logged once by the strategy
@@ -55,21 +56,29 @@ def resolve(option: Callable[[str], Any]) -> XLAFSDPSettings:
     s = XLAFSDPSettings(no_effect=no_effect)
     s.wrapper = str(merged.get("wrapper", "spmd")).lower()
     if s.wrapper not in WRAPPERS:
-        raise ConfigError(f"strategy.wrapper {merged['wrapper']!r} is not one of {', '.join(WRAPPERS)}; fix strategy.wrapper.")
+        raise ConfigError(
+            f"strategy.wrapper {merged['wrapper']!r} is not one of {', '.join(WRAPPERS)}; fix strategy.wrapper."
+        )
     s.wrap = class_names(merged["wrap"]) or None if merged.get("wrap") else None
     s.min_num_params = int(merged.get("min_num_params") or 0) or None
     s.activation_checkpointing = truthy(merged.get("activation_checkpointing", False))
     s.settings = dict(merged.get("settings") or {})
     if s.wrap and s.min_num_params:
-        raise ConfigError("XLA FSDP wrap (transformer_layer_cls_to_wrap) and min_num_params are both set; set only one of them.")
+        raise ConfigError(
+            "XLA FSDP wrap (transformer_layer_cls_to_wrap) and min_num_params are both set; set only one of them."
+        )
     if s.settings and s.wrapper == "spmd":
-        raise ConfigError("xla_fsdp_settings (strategy.settings) configure the classic XLA FSDP wrapper, but SPMD FSDPv2 "
-                          "is chosen; set xla_fsdp_v2: false (strategy.wrapper: classic) or drop the settings.")
+        raise ConfigError(
+            "xla_fsdp_settings (strategy.settings) configure the classic XLA FSDP wrapper, but SPMD FSDPv2 "
+            "is chosen; set xla_fsdp_v2: false (strategy.wrapper: classic) or drop the settings."
+        )
     return s
 
 
 def check_activation_checkpointing(s: XLAFSDPSettings, has_policy: bool) -> None:
     """HF: xla_fsdp_grad_ckpt works on the auto-wrapped blocks, so it needs a policy that finds some."""
     if s.activation_checkpointing and not has_policy:
-        raise ConfigError("xla_fsdp_grad_ckpt (strategy.activation_checkpointing) needs an auto-wrap policy: set "
-                          "transformer_layer_cls_to_wrap (strategy.wrap) or min_num_params, or give the model _no_split_modules.")
+        raise ConfigError(
+            "xla_fsdp_grad_ckpt (strategy.activation_checkpointing) needs an auto-wrap policy: set "
+            "transformer_layer_cls_to_wrap (strategy.wrap) or min_num_params, or give the model _no_split_modules."
+        )

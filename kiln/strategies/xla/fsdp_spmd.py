@@ -12,7 +12,8 @@ torch_xla's SPMD planners (fsdp_checkpoint_io.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,8 +44,10 @@ class SPMDXLAFSDPStrategy(XLAFSDPBase):
 
     def _init_devices(self, xr: Any) -> None:
         if int(xr.process_count()) > 1:
-            raise ConfigError("SPMD XLA FSDP runs as one process per host, and several hosts are not supported yet; "
-                              "start one process (it drives every device of the host).")
+            raise ConfigError(
+                "SPMD XLA FSDP runs as one process per host, and several hosts are not supported yet; "
+                "start one process (it drives every device of the host)."
+            )
         xr.use_spmd()  # before any tensor is placed: the one process now sees one virtual device over all
         self.world_size, self.global_rank, self.local_rank = 1, 0, 0
         self._device = self.accelerator_device()
@@ -81,7 +84,7 @@ class SPMDXLAFSDPStrategy(XLAFSDPBase):
             block.register_forward_hook(lambda _m, _args, output: _shard_batch_dim(output, mesh))
         return SpmdFullyShardedDataParallel(module, mesh=mesh, shard_output=_shard_batch_dim)
 
-    def prepare_batch(self) -> Optional[Callable[[Any], Any]]:
+    def prepare_batch(self) -> Callable[[Any], Any] | None:
         return self.shard_batch
 
     def shard_batch(self, batch: Any) -> Any:
@@ -107,8 +110,9 @@ class SPMDXLAFSDPStrategy(XLAFSDPBase):
         return self.shard_batch(super().batch_to_device(batch))
 
     # -- step -------------------------------------------------------------------------------
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       max_grad_norm: Optional[float]) -> StepResult:
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+    ) -> StepResult:
         """The gradients are global already: no reduction, the plain clip sees the true norm."""
         self.settle_gradients()
         self.precision.unscale_gradients(optimizer)

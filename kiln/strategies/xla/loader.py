@@ -11,7 +11,8 @@ more compilation, once (the graph is cached for later epochs). `static_shape_war
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ class XLADeviceLoader:
     """Iterates `loader` through `MpDeviceLoader(loader, device, **kwargs)`; everything else
     (len, sampler, batch_size, dataset, set_epoch...) is the wrapped loader's."""
 
-    def __init__(self, loader: Any, device: Any, *, prepare: Optional[Callable[[Any], Any]] = None, **kwargs: Any) -> None:
+    def __init__(self, loader: Any, device: Any, *, prepare: Callable[[Any], Any] | None = None, **kwargs: Any) -> None:
         self._loader = loader
         self._device = device
         self._prepare = prepare  # e.g. SPMD's batch sharding annotations, once the batch is on the device
@@ -43,7 +44,7 @@ class XLADeviceLoader:
         return getattr(self._loader, name)
 
 
-def short_last_batch(loader: Any) -> Optional[tuple[int, int]]:
+def short_last_batch(loader: Any) -> tuple[int, int] | None:
     """(rows of the last batch, batch size) when a map-style DataLoader ends with a short batch."""
     batch_size = getattr(loader, "batch_size", None)
     sampler = getattr(loader, "sampler", None)
@@ -60,5 +61,8 @@ def short_last_batch(loader: Any) -> Optional[tuple[int, int]]:
 def static_shape_warning(loader: Any) -> None:
     short = short_last_batch(loader)
     if short is not None:
-        log.warning("XLA: the last batch of each epoch has %d rows instead of %d, so XLA compiles one more graph "
-                    "for it (once); build the DataLoader with drop_last=True to keep a single shape.", *short)
+        log.warning(
+            "XLA: the last batch of each epoch has %d rows instead of %d, so XLA compiles one more graph "
+            "for it (once); build the DataLoader with drop_last=True to keep a single shape.",
+            *short,
+        )

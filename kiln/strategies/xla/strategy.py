@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import pickle
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,8 +31,8 @@ from torch import nn
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import StepResult, Strategy
 from kiln.strategies.capabilities import Capabilities
-from kiln.strategies.interfaces import GraphBoundaries
 from kiln.strategies.checkpoint_io import CheckpointIO
+from kiln.strategies.interfaces import GraphBoundaries
 from kiln.utils.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -60,8 +61,10 @@ def import_torch_xla() -> Any:
     try:
         import torch_xla
     except ImportError:
-        raise ConfigError("The XLA strategies need torch_xla, which is not installed: pip install kiln[xla] "
-                          "(torch-xla pins its own torch; scripts/xla-env.sh builds such an environment).") from None
+        raise ConfigError(
+            "The XLA strategies need torch_xla, which is not installed: pip install kiln[xla] "
+            "(torch-xla pins its own torch; scripts/xla-env.sh builds such an environment)."
+        ) from None
     return torch_xla
 
 
@@ -77,20 +80,29 @@ class XLAStrategy(Strategy, GraphBoundaries):
     name = "xla"
     # auto_find_batch_size, full-eval casts and a user-built optimizer have not been run on XLA (an XLA
     # out-of-memory error is no torch.OutOfMemoryError, so the probe could not see it): refused
-    capabilities = Capabilities(devices=frozenset({"xla"}), precisions=XLA_PRECISIONS, auto_batch_size=False,
-                                full_eval_cast=False, user_optimizer=False, torch_compile=False, static_shapes=True,
-                                reasons=XLA_REASONS)
+    capabilities = Capabilities(
+        devices=frozenset({"xla"}),
+        precisions=XLA_PRECISIONS,
+        auto_batch_size=False,
+        full_eval_cast=False,
+        user_optimizer=False,
+        torch_compile=False,
+        static_shapes=True,
+        reasons=XLA_REASONS,
+    )
     checkpoint_formats = ("xla-full",)
 
-    def __init__(self, config: "DictConfig", precision: "Precision") -> None:
+    def __init__(self, config: DictConfig, precision: Precision) -> None:
         super().__init__(config, precision)
         import_torch_xla()
         import torch_xla.runtime as xr
 
         requested = config.strategy.device if config is not None else None
         if requested is not None and torch.device(requested).type != "xla":
-            raise ConfigError(f"strategy {self.name!r} runs on an XLA device, not on strategy.device={requested!r}; "
-                              "leave strategy.device unset, or use strategy: single for that device.")
+            raise ConfigError(
+                f"strategy {self.name!r} runs on an XLA device, not on strategy.device={requested!r}; "
+                "leave strategy.device unset, or use strategy: single for that device."
+            )
         self._init_topology(xr)
 
     def _init_topology(self, xr: Any) -> None:
@@ -115,8 +127,14 @@ class XLAStrategy(Strategy, GraphBoundaries):
     #: the uninterrupted run's graphs.
     persistent_gradients: bool = True
 
-    def setup(self, module: nn.Module, optimizer_factory: Optional[Any] = None,
-              scheduler_factory: Optional[Any] = None, *, max_steps: Optional[int] = None) -> Any:
+    def setup(
+        self,
+        module: nn.Module,
+        optimizer_factory: Any | None = None,
+        scheduler_factory: Any | None = None,
+        *,
+        max_steps: int | None = None,
+    ) -> Any:
         setup = super().setup(module, optimizer_factory, scheduler_factory, max_steps=max_steps)
         if setup.optimizer is not None and self.persistent_gradients:
             from kiln.strategies.xla.gradients import PersistentGradients
@@ -159,7 +177,7 @@ class XLAStrategy(Strategy, GraphBoundaries):
             static_shape_warning(dataloader)
         return XLADeviceLoader(dataloader, self.root_device, prepare=self.prepare_batch())
 
-    def prepare_batch(self) -> Optional[Callable[[Any], Any]]:
+    def prepare_batch(self) -> Callable[[Any], Any] | None:
         """What is done to each batch once it is on the device (SPMD marks its sharding); None: nothing."""
         return None
 
@@ -167,8 +185,9 @@ class XLAStrategy(Strategy, GraphBoundaries):
     def on_micro_batch_end(self) -> None:
         sync()
 
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       max_grad_norm: Optional[float]) -> StepResult:
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+    ) -> StepResult:
         """Average the replicas' gradients (before clipping, so the norm is the global one), clip,
         step; all on the device: the norm stays a device tensor."""
         self.settle_gradients()

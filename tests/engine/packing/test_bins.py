@@ -50,12 +50,18 @@ def test_bfd_is_best_fit_decreasing_and_never_splits_an_example(seed):
 def test_bfd_fills_the_fullest_row_that_fits():
     # 6 opens row 0 (room 2), 5 opens row 1 (room 3); 2 goes to row 0 (the tighter fit), 3 to row 1
     assert best_fit_decreasing([Piece(0, 0, 6), Piece(1, 0, 5), Piece(2, 0, 2), Piece(3, 0, 3)], 8) == [
-        [Piece(0, 0, 6), Piece(2, 0, 2)], [Piece(1, 0, 5), Piece(3, 0, 3)]]
+        [Piece(0, 0, 6), Piece(2, 0, 2)],
+        [Piece(1, 0, 5), Piece(3, 0, 3)],
+    ]
     # equal lengths keep their order; a tie in room goes to the row opened first
     assert best_fit_decreasing([Piece(0, 0, 4), Piece(1, 0, 4), Piece(2, 0, 4)], 8) == [
-        [Piece(0, 0, 4), Piece(1, 0, 4)], [Piece(2, 0, 4)]]
+        [Piece(0, 0, 4), Piece(1, 0, 4)],
+        [Piece(2, 0, 4)],
+    ]
     assert best_fit_decreasing([Piece(0, 0, 3), Piece(1, 0, 3), Piece(2, 0, 1), Piece(3, 0, 1)], 4) == [
-        [Piece(0, 0, 3), Piece(2, 0, 1)], [Piece(1, 0, 3), Piece(3, 0, 1)]]
+        [Piece(0, 0, 3), Piece(2, 0, 1)],
+        [Piece(1, 0, 3), Piece(3, 0, 1)],
+    ]
 
 
 def test_bfd_cuts_an_overlong_example_and_counts_what_it_drops():
@@ -68,15 +74,24 @@ def test_bfd_cuts_an_overlong_example_and_counts_what_it_drops():
 def test_bfd_split_places_every_piece_of_an_overlong_example():
     packed = plan("bfd_split", [19, 3], 8)
     assert (packed.truncated, packed.dropped) == (0, 0)
-    assert sorted(p for row in packed.rows for p in row) == [Piece(0, 0, 8), Piece(0, 8, 16), Piece(0, 16, 19),
-                                                              Piece(1, 0, 3)]
+    assert sorted(p for row in packed.rows for p in row) == [
+        Piece(0, 0, 8),
+        Piece(0, 8, 16),
+        Piece(0, 16, 19),
+        Piece(1, 0, 3),
+    ]
     assert all(sum(p.length for p in row) <= 8 for row in packed.rows)
 
 
 def test_wrapped_concatenates_in_order_and_cuts_every_row():
     assert plan("wrapped", [5, 0, 6, 2, 8], 4).rows == [
-        [Piece(0, 0, 4)], [Piece(0, 4, 5), Piece(2, 0, 3)], [Piece(2, 3, 6), Piece(3, 0, 1)],
-        [Piece(3, 1, 2), Piece(4, 0, 3)], [Piece(4, 3, 7)], [Piece(4, 7, 8)]]
+        [Piece(0, 0, 4)],
+        [Piece(0, 4, 5), Piece(2, 0, 3)],
+        [Piece(2, 3, 6), Piece(3, 0, 1)],
+        [Piece(3, 1, 2), Piece(4, 0, 3)],
+        [Piece(4, 3, 7)],
+        [Piece(4, 7, 8)],
+    ]
     assert plan("wrapped", [4, 4], 4).rows == [[Piece(0, 0, 4)], [Piece(1, 0, 4)]]
 
 

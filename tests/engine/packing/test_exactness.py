@@ -22,21 +22,32 @@ ONE_PROCESS = SimpleNamespace(data_shards=1, data_shard_rank=0, item_shards=1)
 
 def data_cfg(strategy="bfd", max_length=24, padding_free=None, **data):
     data = {"group_by_length": False, "dispatch_batches": False, **data}
-    return SimpleNamespace(packing=SimpleNamespace(strategy=strategy, max_length=max_length, padding_free=padding_free),
-                           **data)
+    return SimpleNamespace(
+        packing=SimpleNamespace(strategy=strategy, max_length=max_length, padding_free=padding_free), **data
+    )
 
 
 def pack(model, examples, strategy="bfd", max_length=24, padding_free=None):
     """Every row of `examples` packed into one batch, and each row's pieces."""
-    rows, collator = packed_training_data(examples, None, user_collator=None, model=model, training_module=False,
-                                          data_cfg=data_cfg(strategy, max_length, padding_free), strategy=ONE_PROCESS)
+    rows, collator = packed_training_data(
+        examples,
+        None,
+        user_collator=None,
+        model=model,
+        training_module=False,
+        data_cfg=data_cfg(strategy, max_length, padding_free),
+        strategy=ONE_PROCESS,
+    )
     return collator([rows[i] for i in range(len(rows))]), rows.rows, collator
 
 
 def assert_pieces_match(model, examples, batch, pieces, padding_free, shift, reference=None):
     packed = tiny.packed_token_losses(model, batch, pieces, examples, shift, padding_free)
-    by_piece = dict(zip([p for row in pieces for p in row], tiny.padded_token_losses(model, reference, shift))) \
-        if reference is not None else None
+    by_piece = (
+        dict(zip([p for row in pieces for p in row], tiny.padded_token_losses(model, reference, shift)))
+        if reference is not None
+        else None
+    )
     alone = tiny.padded_token_losses(model, examples, shift)
     assert len(packed) == sum(len(row) for row in pieces)
     for piece, losses in packed:
@@ -58,7 +69,7 @@ def test_packed_per_token_loss_and_model_loss_equal_the_padded_ones(name, impl, 
         assert_pieces_match(model, examples, batch, pieces, padding_free, shift)
         padded = tiny.padded_batch(examples)
         # num_items_in_batch counts the real targets: labels after each example's first token for causal LMs
-        items = sum(sum(label != -100 for label in e["labels"][1 if shift else 0:]) for e in examples)
+        items = sum(sum(label != -100 for label in e["labels"][1 if shift else 0 :]) for e in examples)
         assert int(item_counter(model, ["labels"])(batch)) == items
         loss = model(**batch, num_items_in_batch=items).loss
         torch.testing.assert_close(loss, model(**padded, num_items_in_batch=items).loss, atol=1e-5, rtol=0)
@@ -70,7 +81,9 @@ def test_causal_labels_are_ignored_at_each_examples_first_token_and_nowhere_else
     batch, pieces, _ = pack(model, examples, padding_free=True)
     starts = batch["position_ids"][0] == 0
     assert (batch["labels"][0][starts] == -100).all()
-    expected = torch.cat([torch.tensor(examples[p.example]["labels"][p.start + 1: p.end]) for row in pieces for p in row])
+    expected = torch.cat(
+        [torch.tensor(examples[p.example]["labels"][p.start + 1 : p.end]) for row in pieces for p in row]
+    )
     assert torch.equal(batch["labels"][0][~starts], expected)
 
 
@@ -97,7 +110,9 @@ def test_the_block_mask_is_what_keeps_examples_apart(name):
         first = pieces[0][0]
         changed = dict(inputs, input_ids=inputs["input_ids"].clone())
         changed["input_ids"][0, : first.length] = (changed["input_ids"][0, : first.length] + 1) % tiny.VOCAB
-        torch.testing.assert_close(model(**changed).logits[0, first.length:], masked[0, first.length:], atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            model(**changed).logits[0, first.length :], masked[0, first.length :], atol=1e-6, rtol=0
+        )
         model._kiln_packing_hook.remove()
         with pytest.raises(AssertionError):
             assert_pieces_match(model, examples, batch, pieces, True, shift)
@@ -113,8 +128,9 @@ def test_split_examples_are_scored_as_pieces_of_their_own(name, strategy):
     assert all(sum(p.length for p in row) <= 8 for row in pieces)
     every = [p for row in pieces for p in row]
     with torch.no_grad():
-        assert_pieces_match(model, examples, batch, pieces, False, tiny.shifts(model),
-                            reference=tiny.as_examples(examples, every))
+        assert_pieces_match(
+            model, examples, batch, pieces, False, tiny.shifts(model), reference=tiny.as_examples(examples, every)
+        )
 
 
 def test_bfd_cuts_examples_longer_than_a_row_to_their_first_tokens(caplog):
@@ -150,9 +166,18 @@ def varlen_reference(module, query, key, value, attention_mask, scaling=None, dr
     b, h, n, d = query.shape
     q, k, v = (t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (query, key, value))
     k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
-    out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), scale=scaling,
-        is_causal=module.is_causal).transpose(0, 1) for s, e in zip(cu[:-1], cu[1:])])
+    out = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1),
+                k[s:e].transpose(0, 1),
+                v[s:e].transpose(0, 1),
+                scale=scaling,
+                is_causal=module.is_causal,
+            ).transpose(0, 1)
+            for s, e in zip(cu[:-1], cu[1:])
+        ]
+    )
     return out.view(b, n, h, d), None
 
 

@@ -23,8 +23,17 @@ LR = 0.1
 
 def config(tmp_path, name="run", **overrides):
     packing = overrides.pop("packing", {"strategy": "bfd", "max_length": 24})
-    return base_config(tmp_path, output_dir=str(tmp_path / name), per_device_train_batch_size=2, learning_rate=LR,
-                       optim="sgd", lr_scheduler_type="constant", max_grad_norm=0, data={"packing": packing}, **overrides)
+    return base_config(
+        tmp_path,
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=2,
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0,
+        data={"packing": packing},
+        **overrides,
+    )
 
 
 class Stream(IterableDataset):

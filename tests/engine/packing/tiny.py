@@ -3,7 +3,8 @@ reference: each example as one right-padded row of an ordinary batch, with its a
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,14 +30,34 @@ def config(name: str, impl: str = "sdpa") -> Any:
     elif name == "mistral":
         cfg = T.MistralConfig(**common, num_key_value_heads=2, max_position_embeddings=128)  # sliding_window 4096
     elif name == "gpt2":
-        cfg = T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
-                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg = T.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     elif name == "bert":
-        cfg = T.BertConfig(**common, max_position_embeddings=128, hidden_dropout_prob=0.0,
-                           attention_probs_dropout_prob=0.0, type_vocab_size=2)
+        cfg = T.BertConfig(
+            **common,
+            max_position_embeddings=128,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            type_vocab_size=2,
+        )
     elif name == "roberta":
-        cfg = T.RobertaConfig(**common, max_position_embeddings=130, hidden_dropout_prob=0.0,
-                              attention_probs_dropout_prob=0.0, pad_token_id=1)
+        cfg = T.RobertaConfig(
+            **common,
+            max_position_embeddings=130,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=1,
+        )
     else:
         raise ValueError(name)
     cfg._attn_implementation = impl
@@ -78,10 +99,12 @@ def padded_batch(examples: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[st
     """The unpacked reference batch: one example per row, right-padded, with its attention mask."""
     width = max(len(e["input_ids"]) for e in examples)
     pads = {"input_ids": pad_id, "labels": -100}
-    batch = {k: torch.tensor([list(e[k]) + [pads.get(k, 0)] * (width - len(e[k])) for e in examples])
-             for k in examples[0]}
-    batch["attention_mask"] = torch.tensor([[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"]))
-                                            for e in examples])
+    batch = {
+        k: torch.tensor([list(e[k]) + [pads.get(k, 0)] * (width - len(e[k])) for e in examples]) for k in examples[0]
+    }
+    batch["attention_mask"] = torch.tensor(
+        [[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"])) for e in examples]
+    )
     return batch
 
 
@@ -96,12 +119,20 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> tor
 def padded_token_losses(model: Any, examples: Sequence[dict[str, Any]], shift: bool) -> list[torch.Tensor]:
     batch = padded_batch(examples)
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-    return [token_losses(logits[i, : len(e["input_ids"])], batch["labels"][i, : len(e["input_ids"])], shift)
-            for i, e in enumerate(examples)]
+    return [
+        token_losses(logits[i, : len(e["input_ids"])], batch["labels"][i, : len(e["input_ids"])], shift)
+        for i, e in enumerate(examples)
+    ]
 
 
-def packed_token_losses(model: Any, batch: dict[str, Any], pieces: Sequence[Sequence[Any]], original: Sequence[dict],
-                        shift: bool, padding_free: bool) -> list[tuple[Any, torch.Tensor]]:
+def packed_token_losses(
+    model: Any,
+    batch: dict[str, Any],
+    pieces: Sequence[Sequence[Any]],
+    original: Sequence[dict],
+    shift: bool,
+    padding_free: bool,
+) -> list[tuple[Any, torch.Tensor]]:
     """(piece, per-token losses) for every piece of the packed batch (rows of `pieces`, in batch order). The
     targets are the original examples' labels, so a label packing wrongly changed inside a piece shows."""
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
@@ -112,12 +143,12 @@ def packed_token_losses(model: Any, batch: dict[str, Any], pieces: Sequence[Sequ
         if not padding_free:
             offset = r * width
         for piece in row:
-            labels = torch.tensor(original[piece.example]["labels"][piece.start:piece.end])
-            out.append((piece, token_losses(flat[offset: offset + piece.length], labels, shift)))
+            labels = torch.tensor(original[piece.example]["labels"][piece.start : piece.end])
+            out.append((piece, token_losses(flat[offset : offset + piece.length], labels, shift)))
             offset += piece.length
     return out
 
 
 def as_examples(original: Sequence[dict[str, Any]], pieces: Sequence[Any]) -> list[dict[str, Any]]:
     """The pieces as examples of their own (the unpacked reference of wrapped or split rows)."""
-    return [{k: list(v)[p.start:p.end] for k, v in original[p.example].items()} for p in pieces]
+    return [{k: list(v)[p.start : p.end] for k, v in original[p.example].items()} for p in pieces]

@@ -13,12 +13,12 @@ kiln/engine/.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
-from kiln.strategies.base import Setup, SingleProcessCollectives, Strategy, StepResult
+from kiln.strategies.base import Setup, SingleProcessCollectives, StepResult, Strategy
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO, register_format
 from kiln.strategies.single import SingleDeviceStrategy
@@ -42,7 +42,7 @@ class Engine(nn.Module):
         self.micro_batches += 1
         self.at_boundary = boundary
 
-    def step(self, max_norm: Optional[float]) -> Optional[torch.Tensor]:
+    def step(self, max_norm: float | None) -> torch.Tensor | None:
         if not self.at_boundary:
             raise RuntimeError("Engine.step() without an accumulation boundary")
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm) if max_norm else None
@@ -59,13 +59,27 @@ class EngineCheckpointIO(CheckpointIO):
     reshardable = True
     FILE = "engine_state.pt"
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Any, save_optimizer: bool,
-             safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: Any,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         if writer:
-            state = {"module": module.state_dict(), "optimizer": optimizer.state_dict() if save_optimizer and optimizer else None}
+            state = {
+                "module": module.state_dict(),
+                "optimizer": optimizer.state_dict() if save_optimizer and optimizer else None,
+            }
             torch.save(state, os.path.join(directory, self.FILE))
 
-    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Any, load_optimizer: bool = True) -> None:
+    def load(
+        self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Any, load_optimizer: bool = True
+    ) -> None:
         path = os.path.join(directory, self.FILE)
         if not os.path.exists(path):  # an exported model folder: plain weights
             if load_optimizer:
@@ -83,20 +97,27 @@ class EngineCheckpointIO(CheckpointIO):
 
 class OwnStepStrategy(SingleProcessCollectives, Strategy):
     name = "fake_own_step"
-    capabilities = Capabilities(devices=frozenset({"cpu"}), precisions=frozenset({"fp32"}), user_optimizer=False,
-                                auto_batch_size=False, full_eval_cast=False, owns_optimizer_step=True)
+    capabilities = Capabilities(
+        devices=frozenset({"cpu"}),
+        precisions=frozenset({"fp32"}),
+        user_optimizer=False,
+        auto_batch_size=False,
+        full_eval_cast=False,
+        owns_optimizer_step=True,
+    )
     checkpoint_formats = (EngineCheckpointIO.format,)
 
     def __init__(self, config: Any, precision: Any) -> None:
         super().__init__(config, precision)
-        self.engine: Optional[Engine] = None
+        self.engine: Engine | None = None
 
     @property
     def root_device(self) -> torch.device:
         return torch.device("cpu")
 
-    def setup(self, module: nn.Module, optimizer_factory: Any = None, scheduler_factory: Any = None, *,
-              max_steps: Any = None) -> Setup:
+    def setup(
+        self, module: nn.Module, optimizer_factory: Any = None, scheduler_factory: Any = None, *, max_steps: Any = None
+    ) -> Setup:
         module = self.precision.convert_module(module).to(self.root_device)
         if optimizer_factory is None:
             return Setup(module)
@@ -111,7 +132,9 @@ class OwnStepStrategy(SingleProcessCollectives, Strategy):
         assert isinstance(model, Engine), "training must run through the engine setup() returned"
         model.backward(loss, boundary)
 
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: Optional[float]) -> StepResult:
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+    ) -> StepResult:
         assert isinstance(model, Engine)
         return StepResult(True, model.step(max_grad_norm))
 

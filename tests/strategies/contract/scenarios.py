@@ -11,7 +11,8 @@ depends on how the ranks' shards cut the batches.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,10 +57,16 @@ def token_data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 
 def config(root: str, name: str, world: int, **extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "output_dir": os.path.join(root, name), "seed": 5, "learning_rate": 0.05, "max_steps": STEPS,
+        "output_dir": os.path.join(root, name),
+        "seed": 5,
+        "learning_rate": 0.05,
+        "max_steps": STEPS,
         "per_device_train_batch_size": 4 // world,
-        "per_device_eval_batch_size": 1, "gradient_accumulation_steps": 2, "max_grad_norm": 0.5,
-        "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
+        "per_device_eval_batch_size": 1,
+        "gradient_accumulation_steps": 2,
+        "max_grad_norm": 0.5,
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
         "strategy": {"device": "cpu"},
     }
     cfg.update(extra)
@@ -76,8 +83,13 @@ def trainer_for(strategy: Any, root: str, name: str, world: int, **extra: Any) -
     torch.manual_seed(0)
     model = ContractNet()
     try:
-        return Trainer(model, config(root, name, world, **extra), train_dataset=token_data(40, seed=1),
-                       eval_dataset=token_data(7, seed=2), strategy=strategy)
+        return Trainer(
+            model,
+            config(root, name, world, **extra),
+            train_dataset=token_data(40, seed=1),
+            eval_dataset=token_data(7, seed=2),
+            strategy=strategy,
+        )
     except CapabilityError as err:  # only here: a refusal later than construction is a failure
         raise Refused(str(err)) from None
 
@@ -93,7 +105,12 @@ def _fit(strategy: Any, root: str, world: int) -> tuple[dict, dict]:
     out = trainer.fit()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     grad_norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
-    return {"losses": losses, "grad_norms": grad_norms, "train_loss": out.training_loss, "steps": out.global_step}, full_weights(trainer)
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "train_loss": out.training_loss,
+        "steps": out.global_step,
+    }, full_weights(trainer)
 
 
 def _evaluate(strategy: Any, root: str, world: int) -> tuple[dict, dict]:
@@ -107,14 +124,18 @@ def _predict(strategy: Any, root: str, world: int) -> tuple[dict, dict]:
     trainer = trainer_for(strategy, root, "predict", world)
     trainer.fit()
     out = trainer.predict(token_data(7, seed=2))
-    return {"test_loss": out.metrics["test_loss"]}, {"predictions": torch.as_tensor(out.predictions),
-                                                     "label_ids": torch.as_tensor(out.label_ids)}
+    return {"test_loss": out.metrics["test_loss"]}, {
+        "predictions": torch.as_tensor(out.predictions),
+        "label_ids": torch.as_tensor(out.label_ids),
+    }
 
 
 def _resume(strategy: Any, root: str, world: int) -> tuple[dict, dict]:
     save = {"save": {"strategy": "steps", "steps": 2}}
     trainer_for(strategy, root, "resume", world, **save).fit()
-    resumed = trainer_for(strategy, root, "resume", world, resume_from_checkpoint=os.path.join(root, "resume", "checkpoint-2"), **save)
+    resumed = trainer_for(
+        strategy, root, "resume", world, resume_from_checkpoint=os.path.join(root, "resume", "checkpoint-2"), **save
+    )
     resumed.fit()
     return {"steps": resumed.state.global_step}, full_weights(resumed)
 
@@ -145,8 +166,13 @@ def _full_eval(strategy: Any, root: str, world: int) -> tuple[dict, dict]:
 
 
 RUNNERS: dict[str, Callable[[Any, str, int], tuple[dict, dict]]] = {
-    "fit": _fit, "evaluate": _evaluate, "predict": _predict, "resume": _resume, "export": _export,
-    "auto_batch_size": _auto_batch_size, "full_eval": _full_eval,
+    "fit": _fit,
+    "evaluate": _evaluate,
+    "predict": _predict,
+    "resume": _resume,
+    "export": _export,
+    "auto_batch_size": _auto_batch_size,
+    "full_eval": _full_eval,
 }
 
 

@@ -19,7 +19,9 @@ from kiln.strategies.interfaces import BackwardSyncControl
 @pytest.mark.parametrize("missing", COLLECTIVES)
 def test_a_multi_process_strategy_missing_a_collective_is_refused_at_class_creation(missing):
     body = {name: (lambda self, *a, **k: None) for name in COLLECTIVES if name != missing}
-    with pytest.raises(TypeError, match=rf"does not implement the collective\(s\) {missing}\b.*SingleProcessCollectives"):
+    with pytest.raises(
+        TypeError, match=rf"does not implement the collective\(s\) {missing}\b.*SingleProcessCollectives"
+    ):
         type("Forgetful", (Strategy,), body)
 
 
@@ -90,8 +92,11 @@ def test_a_strategy_that_cannot_be_compiled_refuses_torch_compile_from_the_confi
     for compiles in ({"torch_compile": True}, {"torch_compile_backend": "eager"}):
         cfg = load_config({"strategy": {"device": "cpu"}, **compiles})
         strategy = Uncompilable(cfg, build_precision(cfg))
-        with pytest.raises(CapabilityError, match=r"^torch_compile cannot be used with strategy 'uncompilable': it compiles "
-                                                  r"itself; drop torch_compile\.$"):
+        with pytest.raises(
+            CapabilityError,
+            match=r"^torch_compile cannot be used with strategy 'uncompilable': it compiles "
+            r"itself; drop torch_compile\.$",
+        ):
             check_run_compatible(strategy, strategy.precision, cfg, user_optimizer=False)
     cfg = load_config({"strategy": {"device": "cpu"}})
     check_run_compatible(Uncompilable(cfg, build_precision(cfg)), build_precision(cfg), cfg, user_optimizer=False)

@@ -27,7 +27,11 @@ STRATEGIES = {
     "ddp": ("ddp", 2, 1e-5),
     "fsdp": ("fsdp", 2, 1e-5),
     "model_parallel": ("model_parallel", 2, 1e-5),  # its default mesh: dp_shard over both processes
-    "model_parallel_tp": ("model_parallel_tp", 2, 1e-5),  # tp 2 with a plan (tests/strategies/model_parallel/contract_tp.py)
+    "model_parallel_tp": (
+        "model_parallel_tp",
+        2,
+        1e-5,
+    ),  # tp 2 with a plan (tests/strategies/model_parallel/contract_tp.py)
     "deepspeed": ("deepspeed", 2, 1e-5),  # ZeRO-2
     "deepspeed_stage_3": ("deepspeed_stage_3", 2, 1e-5),
     "fake_own_step": (OwnStepStrategy, 1, 0.0),
@@ -45,12 +49,27 @@ NEEDS = {"auto_batch_size": "auto_batch_size", "full_eval": "full_eval_cast"}
 def _run(strategy, world: int, out: Path):
     if world == 1:
         return run_all(strategy, str(out), 1)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(HERE / "worker.py"), strategy, str(out), str(DATA_SHARDS.get(strategy, world))]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        str(HERE / "worker.py"),
+        strategy,
+        str(out),
+        str(DATA_SHARDS.get(strategy, world)),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        pytest.fail(f"contract worker for {strategy} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"contract worker for {strategy} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     from safetensors.torch import load_file
 
     return json.loads((out / "results.json").read_text()), load_file(str(out / "tensors.safetensors"))
@@ -101,7 +120,9 @@ def test_strategy_matches_single_or_refuses_up_front(key, reference, tmp_path):
         for name, ref in ref_tensors.items():
             if name.startswith(f"{scenario}/"):
                 assert name in tensors, f"{key}: {scenario} did not produce {name}"
-                torch.testing.assert_close(tensors[name], ref, rtol=tol, atol=tol, msg=f"{key}: {name} differs from single")
+                torch.testing.assert_close(
+                    tensors[name], ref, rtol=tol, atol=tol, msg=f"{key}: {name} differs from single"
+                )
 
 
 def test_every_runnable_registered_strategy_is_in_the_suite():
@@ -113,4 +134,6 @@ def test_every_runnable_registered_strategy_is_in_the_suite():
             implemented.add(REGISTRY.get(name).name)
         except Exception:  # not written yet (UnknownNameError), or its package is missing
             continue
-    assert implemented - {"single"} <= set(STRATEGIES), f"add {sorted(implemented - set(STRATEGIES) - {'single'})} to STRATEGIES"
+    assert implemented - {"single"} <= set(STRATEGIES), (
+        f"add {sorted(implemented - set(STRATEGIES) - {'single'})} to STRATEGIES"
+    )

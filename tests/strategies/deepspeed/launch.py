@@ -16,9 +16,22 @@ REPO = HERE.parents[2]
 
 def launch_worker(script: str, out: Path, *checks: str) -> tuple[dict, dict]:
     """(results.json, tensors.safetensors) of `torchrun --nproc_per_node=2 script out checks...`."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / script), str(out), *checks]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(HERE / script),
+        str(out),
+        *checks,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     if proc.returncode != 0:
         pytest.fail(f"worker exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -22,27 +22,59 @@ pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 
 # the HF guide's accelerate config with a DeepSpeed file (test_launch's DS_FILE): 2 CPU processes, a free port
-ACCELERATE_DS_FILE = DS_FILE.replace("/home/user/configs/ds_zero3_config.json", "{path}").replace(
-    "num_processes: 4", "num_processes: 2").replace("use_cpu: false", "use_cpu: true\nmain_process_port: {port}")
+ACCELERATE_DS_FILE = (
+    DS_FILE.replace("/home/user/configs/ds_zero3_config.json", "{path}")
+    .replace("num_processes: 4", "num_processes: 2")
+    .replace("use_cpu: false", "use_cpu: true\nmain_process_port: {port}")
+)
 # HF's ds_config_zero3.json, less what this model cannot fill (no hidden_size: bucket sizes) and kiln's optimizer
-DS_ZERO3 = {"zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-                                  "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-                                  "stage3_gather_16bit_weights_on_model_save": True, "stage3_param_persistence_threshold": 0},
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
-            "train_micro_batch_size_per_gpu": "auto", "steps_per_print": 2000, "wall_clock_breakdown": False}
+DS_ZERO3 = {
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "stage3_param_persistence_threshold": 0,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "steps_per_print": 2000,
+    "wall_clock_breakdown": False,
+}
 # the same guide's accelerate config with DeepSpeed plugin settings (test_launch's DS_INLINE) in the form
 # the issue names: ZeRO-2, accumulation 2, clipping 0.7, CPU offload, bf16; 2 CPU processes, a free port
-ACCELERATE_DS_PLUGIN = DS_INLINE.replace("gradient_accumulation_steps: 1", "gradient_accumulation_steps: 2").replace(
-    "zero_stage: 3", "zero_stage: 2").replace("num_processes: 4", "num_processes: 2").replace(
-    "use_cpu: false", "use_cpu: true\nmain_process_port: {port}")
+ACCELERATE_DS_PLUGIN = (
+    DS_INLINE.replace("gradient_accumulation_steps: 1", "gradient_accumulation_steps: 2")
+    .replace("zero_stage: 3", "zero_stage: 2")
+    .replace("num_processes: 4", "num_processes: 2")
+    .replace("use_cpu: false", "use_cpu: true\nmain_process_port: {port}")
+)
 
 
 def _launch(tmp_path, name: str, accelerate_yaml: str) -> dict:
     conf = tmp_path / f"{name}-accelerate.yaml"
     conf.write_text(accelerate_yaml)
     cfg = write_cli_config(str(tmp_path / f"{name}.yaml"), str(tmp_path / name))
-    run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(conf),
-         "-m", "kiln.cli", "fit", cfg], timeout=600)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.accelerate_cli",
+            "launch",
+            "--config_file",
+            str(conf),
+            "-m",
+            "kiln.cli",
+            "fit",
+            cfg,
+        ],
+        timeout=600,
+    )
     return load_file(str(tmp_path / name / "model.safetensors"))
 
 
@@ -75,5 +107,19 @@ def test_accelerate_deepspeed_plugin_settings_run_like_the_kiln_config(tmp_path)
     got = _launch(tmp_path, "acc", ACCELERATE_DS_PLUGIN.format(port=_free_port()))
     saved = OmegaConf.load(tmp_path / "acc" / "kiln_config.yaml")
     assert saved.strategy.name == "deepspeed" and saved.precision.name == "bf16" and saved.train.max_grad_norm == 0.7
-    _same(got, _native(tmp_path, "own", bf16=True, max_grad_norm=0.7, deepspeed={"zero_optimization": {
-        "stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}))
+    _same(
+        got,
+        _native(
+            tmp_path,
+            "own",
+            bf16=True,
+            max_grad_norm=0.7,
+            deepspeed={
+                "zero_optimization": {
+                    "stage": 2,
+                    "offload_optimizer": {"device": "cpu"},
+                    "offload_param": {"device": "cpu"},
+                }
+            },
+        ),
+    )

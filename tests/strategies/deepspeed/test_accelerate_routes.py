@@ -41,9 +41,15 @@ use_cpu: true
 
 
 def _ds(config):
-    return process(config, dict(config.strategy.options.get("config") or {}) if not isinstance(
-        config.strategy.options.get("config"), str) else json.load(open(config.strategy.options.config)),
-        world_size=2, precision=config.precision.name, name=config.strategy.name)
+    return process(
+        config,
+        dict(config.strategy.options.get("config") or {})
+        if not isinstance(config.strategy.options.get("config"), str)
+        else json.load(open(config.strategy.options.config)),
+        world_size=2,
+        precision=config.precision.name,
+        name=config.strategy.name,
+    )
 
 
 def _via_accelerate(tmp_path, text, monkeypatch):
@@ -56,8 +62,16 @@ def _via_accelerate(tmp_path, text, monkeypatch):
 
 def test_accelerate_deepspeed_config_file_route_equals_kiln_config(tmp_path, monkeypatch):
     ds_file = tmp_path / "ds.json"
-    ds_file.write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": "auto",
-                                   "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto"}))
+    ds_file.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3},
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+            }
+        )
+    )
     launched = _via_accelerate(tmp_path, FILE.format(path=ds_file), monkeypatch)
     assert launched.strategy.name == "deepspeed"
     from kiln.config import load_config
@@ -71,8 +85,21 @@ def test_accelerate_plugin_route_equals_kiln_config(tmp_path, monkeypatch):
     ds = _ds(launched)
     from kiln.config import load_config
 
-    direct = load_config({**BASE, "bf16": True, "gradient_accumulation_steps": 2, "max_grad_norm": 0.7, "deepspeed": {
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}})
+    direct = load_config(
+        {
+            **BASE,
+            "bf16": True,
+            "gradient_accumulation_steps": 2,
+            "max_grad_norm": 0.7,
+            "deepspeed": {
+                "zero_optimization": {
+                    "stage": 2,
+                    "offload_optimizer": {"device": "cpu"},
+                    "offload_param": {"device": "cpu"},
+                }
+            },
+        }
+    )
     assert ds == _ds(direct)
     # kiln's config holds accelerate's values, so the loop accumulates and clips as DeepSpeed does
     assert launched.train.gradient_accumulation_steps == 2 and launched.train.max_grad_norm == 0.7

@@ -14,19 +14,44 @@ from kiln.utils.errors import ConfigError
 
 
 def _cfg(**extra):
-    return load_config({"learning_rate": 0.01, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
-                        "max_grad_norm": 0.5, "weight_decay": 0.1, "adam_epsilon": 1e-7, "warmup_steps": 3,
-                        "max_steps": 20, **extra})
+    return load_config(
+        {
+            "learning_rate": 0.01,
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+            "max_grad_norm": 0.5,
+            "weight_decay": 0.1,
+            "adam_epsilon": 1e-7,
+            "warmup_steps": 3,
+            "max_steps": 20,
+            **extra,
+        }
+    )
 
 
 AUTO = {
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto", "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                          "stage3_param_persistence_threshold": "auto"},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+    },
 }
 
 
@@ -38,7 +63,12 @@ def test_every_auto_value_is_filled_as_hf_documents():
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2
     assert ds["train_batch_size"] == 16 and ds["gradient_clipping"] == 0.5
     assert ds["optimizer"]["params"] == {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-7, "weight_decay": 0.1}
-    assert ds["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 3, "total_num_steps": 20}
+    assert ds["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 0.01,
+        "warmup_num_steps": 3,
+        "total_num_steps": 20,
+    }
     assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
     zero = ds["zero_optimization"]
     assert zero["reduce_bucket_size"] == 256 and zero["stage3_prefetch_bucket_size"] == int(0.9 * 256)
@@ -54,13 +84,24 @@ def test_absent_values_come_from_kiln_so_deepspeed_defaults_cannot_drift():
 
 
 def test_values_set_on_both_sides_that_differ_are_one_error_naming_both():
-    user = {"gradient_clipping": 1.0, "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
-            "fp16": {"enabled": True}}
+    user = {
+        "gradient_clipping": 1.0,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+        "fp16": {"enabled": True},
+    }
     with pytest.raises(ConfigError) as err:
         process(_cfg(bf16=True), user, world_size=2, precision="bf16", name="deepspeed")
     text = str(err.value)
-    for part in ("gradient_clipping=1.0", "max_grad_norm=0.5", "gradient_accumulation_steps=4", "optimizer.params.lr=0.5",
-                 "optim.lr=0.01", "fp16.enabled", "precision.name='bf16'"):
+    for part in (
+        "gradient_clipping=1.0",
+        "max_grad_norm=0.5",
+        "gradient_accumulation_steps=4",
+        "optimizer.params.lr=0.5",
+        "optim.lr=0.01",
+        "fp16.enabled",
+        "precision.name='bf16'",
+    ):
         assert part in text, text
     assert "\n" not in text
 
@@ -68,8 +109,12 @@ def test_values_set_on_both_sides_that_differ_are_one_error_naming_both():
 def test_a_kiln_value_at_its_default_takes_the_deepspeed_value():
     """accelerate's plugin settings (gradient_clipping: 0.7, gradient_accumulation_steps) arrive in the
     DeepSpeed config; kiln's config then holds them, so there is one copy."""
-    user = {"gradient_clipping": 0.7, "gradient_accumulation_steps": 3, "optimizer": {"params": {"lr": 0.25}},
-            "scheduler": {"params": {"warmup_max_lr": 0.5}}}
+    user = {
+        "gradient_clipping": 0.7,
+        "gradient_accumulation_steps": 3,
+        "optimizer": {"params": {"lr": 0.25}},
+        "scheduler": {"params": {"warmup_max_lr": 0.5}},
+    }
     cfg = load_config({"max_steps": 4, "deepspeed": user})  # as it loads: the config is read-only after
     assert cfg.train.max_grad_norm == 0.7 and cfg.train.gradient_accumulation_steps == 3 and cfg.optim.lr == 0.25
     with pytest.raises(ConfigError, match=r"warmup_max_lr=0.5 vs kiln optim.lr=0.25"):  # lr is no longer a default
@@ -147,16 +192,26 @@ def test_auto_scheduler_steps_follow_hf_rule(warmup, steps):
     hf = HfTrainerDeepSpeedConfig({"scheduler": json.loads(json.dumps(scheduler))})
     hf.trainer_config_finalize(hf_args, SimpleNamespace(config=None), steps)
     cfg = load_config({"num_train_epochs": 2, **warmup})
-    ours = finalize({"scheduler": json.loads(json.dumps(scheduler)), "zero_optimization": {}}, None, cfg=cfg, max_steps=steps)
+    ours = finalize(
+        {"scheduler": json.loads(json.dumps(scheduler)), "zero_optimization": {}}, None, cfg=cfg, max_steps=steps
+    )
     assert ours["scheduler"]["params"] == hf.config["scheduler"]["params"]
 
 
 def test_scheduler_step_numbers_that_disagree_with_the_run_are_one_error():
-    user = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 99}}, "zero_optimization": {}}
+    user = {
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 99}},
+        "zero_optimization": {},
+    }
     with pytest.raises(ConfigError) as err:
         finalize(user, None, cfg=_cfg(), max_steps=20)
     assert "total_num_steps=99" in str(err.value) and "warmup_num_steps=5" in str(err.value)
-    kept = finalize({"scheduler": {"params": {"warmup_num_steps": 5, "total_num_steps": 20}}}, None, cfg=_cfg(warmup_steps=0), max_steps=20)
+    kept = finalize(
+        {"scheduler": {"params": {"warmup_num_steps": 5, "total_num_steps": 20}}},
+        None,
+        cfg=_cfg(warmup_steps=0),
+        max_steps=20,
+    )
     assert kept["scheduler"]["params"] == {"warmup_num_steps": 5, "total_num_steps": 20}  # kiln's warmup at its default
     with pytest.raises(ConfigError, match="not known yet"):
         finalize({"scheduler": {"params": {"total_num_steps": "auto"}}}, None, cfg=_cfg(), max_steps=None)

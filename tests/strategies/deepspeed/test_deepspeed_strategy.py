@@ -16,7 +16,7 @@ def run(tmp_path_factory):
 
 
 def _weights(tensors, prefix):
-    return {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + "/")}
+    return {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + "/")}
 
 
 @pytest.mark.distributed
@@ -31,7 +31,9 @@ def test_zero_stage_fp32_matches_ddp(run, stage):
         torch.testing.assert_close(zero[name], ddp[name], rtol=1e-5, atol=1e-5, msg=f"ZeRO-{stage} {name}")
     for field in ("losses", "grad_norms"):
         assert len(results[f"zero{stage}"][field]) == len(results["ddp"][field]) == 6
-        torch.testing.assert_close(torch.tensor(results[f"zero{stage}"][field]), torch.tensor(results["ddp"][field]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(results[f"zero{stage}"][field]), torch.tensor(results["ddp"][field]), rtol=1e-5, atol=1e-6
+        )
     assert abs(results[f"zero{stage}"]["eval_loss"] - results["ddp"]["eval_loss"]) < 1e-5
 
 

@@ -40,8 +40,12 @@ def _expected_lrs(params: dict, steps: int) -> list[float]:
 def test_deepspeed_scheduler_is_stepped_once_per_optimizer_step(run):
     got = run[0]["schedule"]
     params = got["params"]
-    assert (params["warmup_min_lr"], params["warmup_max_lr"], params["warmup_num_steps"], params["total_num_steps"]) == \
-        (0, 0.01, 4, 8)
+    assert (
+        params["warmup_min_lr"],
+        params["warmup_max_lr"],
+        params["warmup_num_steps"],
+        params["total_num_steps"],
+    ) == (0, 0.01, 4, 8)
     assert got["steps"] == 8
     want = _expected_lrs(params, 8)
     # linear warm-up over 4 steps to 0.01, then linear decay to 0 at step 8 (each value is the rate the step used)
@@ -57,7 +61,7 @@ def test_a_zero3_checkpoint_loads_without_deepspeed(run, tmp_path):
 
     results, tensors = run
     ckpt = results["zero3"]["checkpoint"]
-    live = {k[len("zero3/"):]: v for k, v in tensors.items() if k.startswith("zero3/")}
+    live = {k[len("zero3/") :]: v for k, v in tensors.items() if k.startswith("zero3/")}
     assert os.path.isfile(os.path.join(ckpt, "model.safetensors"))
     saved = load_file(os.path.join(ckpt, "model.safetensors"))
     plain = ContractNet()

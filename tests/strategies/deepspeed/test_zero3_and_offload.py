@@ -18,11 +18,13 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    return launch_worker("worker_zero3.py", tmp_path_factory.mktemp("ds3"), *os.environ.get("KILN_DS3_CHECKS", "").split())
+    return launch_worker(
+        "worker_zero3.py", tmp_path_factory.mktemp("ds3"), *os.environ.get("KILN_DS3_CHECKS", "").split()
+    )
 
 
 def _weights(tensors, prefix):
-    found = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + "/")}
+    found = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + "/")}
     assert found, f"no weights for {prefix}"
     return found
 
@@ -99,5 +101,8 @@ def test_auto_scheduler_steps_come_from_the_loop(run):
     """An epoch-based run (no max_steps): DeepSpeed's WarmupDecayLR gets the loop's step count and HF's warmup."""
     got = run[0]["scheduler"]
     assert got["max_steps"] == 10  # 2 epochs x 40 rows / (2 per device x 2 ranks x accumulation 2)
-    assert got["total_num_steps"] == got["scheduler_total"] == 10 and got["warmup_num_steps"] == got["expected_warmup"] == 3
+    assert (
+        got["total_num_steps"] == got["scheduler_total"] == 10
+        and got["warmup_num_steps"] == got["expected_warmup"] == 3
+    )
     assert len(got["lrs"]) == 10 and got["lrs"][-1] < got["lrs"][3]  # decays after the warmup

@@ -22,17 +22,44 @@ pytest.importorskip("transformers")
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK")
-WAYS = [("class", 1), ("class", 0), ("from_config", 1), ("from_config", 0), ("plain", 1), ("pretrained", 1), ("pretrained", 0)]
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "NODE_RANK",
+)
+WAYS = [
+    ("class", 1),
+    ("class", 0),
+    ("from_config", 1),
+    ("from_config", 0),
+    ("plain", 1),
+    ("pretrained", 1),
+    ("pretrained", 0),
+]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds_build")
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, str(HERE / "worker_model_building.py"), str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "worker_model_building.py"), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode != 0:
         pytest.fail(f"worker exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     from safetensors.torch import load_file
@@ -44,11 +71,13 @@ def run(tmp_path_factory):
 def run2(tmp_path_factory):
     from tests.strategies.deepspeed.launch import launch_worker
 
-    return launch_worker("worker_model_building.py", tmp_path_factory.mktemp("ds_build2"), "gpt2", "plain", "pretrained")
+    return launch_worker(
+        "worker_model_building.py", tmp_path_factory.mktemp("ds_build2"), "gpt2", "plain", "pretrained"
+    )
 
 
 def _weights(tensors: dict, prefix: str) -> dict:
-    found = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + "/")}
+    found = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + "/")}
     assert found, f"no weights for {prefix}"
     return found
 
@@ -79,7 +108,12 @@ def test_zero3_trains_like_single(run, way, zero_init):
 @pytest.mark.parametrize("zero_init", [1, 0])
 def test_from_pretrained_under_zero3_starts_from_the_saved_weights(run, zero_init):
     _, tensors = run
-    _close(_weights(tensors, f"pretrained/zero3_init{zero_init}/initial"), _weights(tensors, "pretrained/saved"), 0.0, "loaded")
+    _close(
+        _weights(tensors, f"pretrained/zero3_init{zero_init}/initial"),
+        _weights(tensors, "pretrained/saved"),
+        0.0,
+        "loaded",
+    )
 
 
 @pytest.mark.slow
@@ -89,15 +123,20 @@ def test_transformers_first_imported_inside_the_factory_is_refused(run):
     results, _ = run
     assert results["transformers_before"] is False  # the scenario is real: nothing imported it earlier
     message = results["late_import"]["refused"]
-    assert message and message.startswith("GPT2LMHeadModel was built under ZeRO-3's zero.Init before Transformers was imported")
-    assert "import transformers before creating the Trainer" in message and message.replace("e.g.", "eg").count(". ") == 0
+    assert message and message.startswith(
+        "GPT2LMHeadModel was built under ZeRO-3's zero.Init before Transformers was imported"
+    )
+    assert (
+        "import transformers before creating the Trainer" in message and message.replace("e.g.", "eg").count(". ") == 0
+    )
 
 
 @pytest.mark.slow
 def test_model_partitioned_outside_kiln_is_refused_by_zero2(run):
     results, _ = run
-    assert results["mismatch"]["refused"].startswith("The model's parameters are partitioned by deepspeed.zero.Init (ZeRO-3) but "
-                                                     "the DeepSpeed config runs ZeRO-2")
+    assert results["mismatch"]["refused"].startswith(
+        "The model's parameters are partitioned by deepspeed.zero.Init (ZeRO-3) but the DeepSpeed config runs ZeRO-2"
+    )
 
 
 @pytest.mark.slow

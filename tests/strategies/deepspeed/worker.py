@@ -33,9 +33,11 @@ if "parity" in checks:
     for key, strategy, extra in [("ddp", "ddp", {}), *[(f"zero{s}", "deepspeed", ds(s)) for s in range(4)]]:
         trainer = trainer_for(strategy, root, key, world, **extra)
         trainer.fit()
-        results[key] = {"grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
-                        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                        "eval_loss": trainer.evaluate()["eval_loss"]}
+        results[key] = {
+            "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "eval_loss": trainer.evaluate()["eval_loss"],
+        }
         tensors.update({f"{key}/{k}": v for k, v in full_weights(trainer).items()})
 
 if "bf16" in checks:
@@ -45,8 +47,11 @@ if "bf16" in checks:
         before = full_weights(trainer)
         trainer.fit()
         after = full_weights(trainer)
-        results[key] = {"eval_loss": trainer.evaluate()["eval_loss"], "param_dtype": str(next(trainer.model.parameters()).dtype),
-                        "moved": max(float((after[k] - before[k]).abs().max()) for k in before)}
+        results[key] = {
+            "eval_loss": trainer.evaluate()["eval_loss"],
+            "param_dtype": str(next(trainer.model.parameters()).dtype),
+            "moved": max(float((after[k] - before[k]).abs().max()) for k in before),
+        }
 
 if "resume" in checks:
     from kiln.engine.checkpoint.convert import convert_checkpoint as convert
@@ -57,8 +62,14 @@ if "resume" in checks:
         whole = trainer_for("deepspeed", root, key, world, **save, **ds(stage))
         whole.fit()  # uninterrupted; its checkpoint-2 is where the "killed" run restarts
         live = full_weights(whole)
-        resumed = trainer_for("deepspeed", root, key + "_b", world, resume_from_checkpoint=os.path.join(root, key, "checkpoint-2"),
-                              **ds(stage))
+        resumed = trainer_for(
+            "deepspeed",
+            root,
+            key + "_b",
+            world,
+            resume_from_checkpoint=os.path.join(root, key, "checkpoint-2"),
+            **ds(stage),
+        )
         resumed.fit()
         tensors.update({f"{key}/whole/{k}": v for k, v in live.items()})
         tensors.update({f"{key}/resumed/{k}": v for k, v in full_weights(resumed).items()})
@@ -75,7 +86,9 @@ if "layouts" in checks:  # a checkpoint of older kiln's one-group layout resumed
     two_groups, save = optimizers.parameter_groups, {"save": {"strategy": "steps", "steps": 2}}
 
     def one_group(model, weight_decay):
-        return [{"params": [p for g in two_groups(model, weight_decay) for p in g["params"]], "weight_decay": weight_decay}]
+        return [
+            {"params": [p for g in two_groups(model, weight_decay) for p in g["params"]], "weight_decay": weight_decay}
+        ]
 
     for stage in (0, 3):
         key = f"layout_zero{stage}"
@@ -84,8 +97,14 @@ if "layouts" in checks:  # a checkpoint of older kiln's one-group layout resumed
         old.fit()
         optimizers.parameter_groups = two_groups
         try:
-            resumed = trainer_for("deepspeed", root, key + "_b", world, resume_from_checkpoint=os.path.join(root, key, "checkpoint-2"),
-                                  **ds(stage))
+            resumed = trainer_for(
+                "deepspeed",
+                root,
+                key + "_b",
+                world,
+                resume_from_checkpoint=os.path.join(root, key, "checkpoint-2"),
+                **ds(stage),
+            )
             resumed.fit()
             results[key] = {"error": None, "groups": len(resumed.optimizer.param_groups)}
             tensors.update({f"{key}/resumed/{k}": v for k, v in full_weights(resumed).items()})

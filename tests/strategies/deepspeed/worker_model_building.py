@@ -41,9 +41,17 @@ tensors: dict = {}
 
 
 def config(name: str, stage: int = 0, zero_init: bool = True, **extra) -> dict:
-    cfg = {"output_dir": os.path.join(root, name), "seed": 3, "learning_rate": 0.01, "max_steps": 6,
-           "per_device_train_batch_size": 4 // world, "per_device_eval_batch_size": 4 // world,
-           "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1}, "strategy": {"device": "cpu"}}
+    cfg = {
+        "output_dir": os.path.join(root, name),
+        "seed": 3,
+        "learning_rate": 0.01,
+        "max_steps": 6,
+        "per_device_train_batch_size": 4 // world,
+        "per_device_eval_batch_size": 4 // world,
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
+        "strategy": {"device": "cpu"},
+    }
     if stage:
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
         cfg["deepspeed"] = {"zero_optimization": zero}
@@ -58,13 +66,21 @@ def lm_rows(n: int, seed: int) -> list:
 
 
 def fit(key: str, model_init, strategy: str, **cfg) -> Trainer:
-    trainer = Trainer(model_init=model_init, config=config(key, **cfg), train_dataset=lm_rows(32, 1), eval_dataset=lm_rows(8, 2),
-                      strategy=strategy)
+    trainer = Trainer(
+        model_init=model_init,
+        config=config(key, **cfg),
+        train_dataset=lm_rows(32, 1),
+        eval_dataset=lm_rows(8, 2),
+        strategy=strategy,
+    )
     partitioned = all(hasattr(p, "ds_id") for p in trainer.model.parameters())
     tensors.update({f"{key}/initial/{k}": v for k, v in full_weights(trainer).items()})
     trainer.fit()
-    results[key] = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                    "eval_loss": trainer.evaluate()["eval_loss"], "partitioned_at_build": partitioned}
+    results[key] = {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "partitioned_at_build": partitioned,
+    }
     tensors.update({f"{key}/final/{k}": v for k, v in full_weights(trainer).items()})
     return trainer
 
@@ -80,8 +96,9 @@ def refused(key: str, call) -> None:
 def gpt2_config():
     import transformers
 
-    return transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
 
 
 if "late_import" in checks:
@@ -134,10 +151,17 @@ if "plain" in checks:
 if "pretrained" in checks:
     import transformers
 
-    path = os.path.join(out, f"pretrained{rank}")  # each rank saves the same weights: no collective before a group exists
+    path = os.path.join(
+        out, f"pretrained{rank}"
+    )  # each rank saves the same weights: no collective before a group exists
     torch.manual_seed(11)
     transformers.GPT2LMHeadModel(gpt2_config()).save_pretrained(path)
-    tensors.update({f"pretrained/saved/{k}": v.clone() for k, v in transformers.GPT2LMHeadModel.from_pretrained(path).state_dict().items()})
+    tensors.update(
+        {
+            f"pretrained/saved/{k}": v.clone()
+            for k, v in transformers.GPT2LMHeadModel.from_pretrained(path).state_dict().items()
+        }
+    )
     builders["pretrained"] = lambda: transformers.AutoModelForCausalLM.from_pretrained(path)
 # every reference first: a DeepSpeed strategy's ZeRO-3 config stays registered with Transformers
 # for the life of the process (as HF's Trainer leaves it), so a later from_config would partition

@@ -23,19 +23,44 @@ results: dict = {}
 tensors: dict = {}
 
 # DeepSpeed's WarmupDecayLR, its numbers filled from kiln's (learning_rate, warmup_steps, max_steps)
-sched = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
-                                             "total_num_steps": "auto", "warmup_type": "linear"}}
-trainer = trainer_for("deepspeed", root, "schedule", world, learning_rate=0.01, warmup_steps=4, max_steps=8,
-                      deepspeed={"zero_optimization": {"stage": 2}, "scheduler": sched})
+sched = {
+    "type": "WarmupDecayLR",
+    "params": {
+        "warmup_min_lr": "auto",
+        "warmup_max_lr": "auto",
+        "warmup_num_steps": "auto",
+        "total_num_steps": "auto",
+        "warmup_type": "linear",
+    },
+}
+trainer = trainer_for(
+    "deepspeed",
+    root,
+    "schedule",
+    world,
+    learning_rate=0.01,
+    warmup_steps=4,
+    max_steps=8,
+    deepspeed={"zero_optimization": {"stage": 2}, "scheduler": sched},
+)
 trainer.fit()
-results["schedule"] = {"params": trainer.strategy.ds_config["scheduler"]["params"],
-                       "lrs": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h],
-                       "steps": trainer.state.global_step}
+results["schedule"] = {
+    "params": trainer.strategy.ds_config["scheduler"]["params"],
+    "lrs": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h],
+    "steps": trainer.state.global_step,
+}
 
 # ZeRO-3 (every parameter partitioned), saved at its last step: its live full weights are the checkpoint's
 zero3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
-trainer = trainer_for("deepspeed", root, "zero3", world, max_steps=2, save={"strategy": "steps", "steps": 2},
-                      deepspeed={"zero_optimization": zero3})
+trainer = trainer_for(
+    "deepspeed",
+    root,
+    "zero3",
+    world,
+    max_steps=2,
+    save={"strategy": "steps", "steps": 2},
+    deepspeed={"zero_optimization": zero3},
+)
 trainer.fit()
 tensors.update({f"zero3/{k}": v for k, v in full_weights(trainer).items()})
 results["zero3"] = {"checkpoint": os.path.join(root, "zero3", "checkpoint-2")}

@@ -53,19 +53,32 @@ if "offload" in checks:
         whole = trainer_for("deepspeed", root, key, world, **save, **ds(stage, offload=True))
         whole.fit()
         engine = whole.strategy.engine
-        results[key] = {"optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
-                        "offload": bool(engine.zero_cpu_offload())}
+        results[key] = {
+            "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
+            "offload": bool(engine.zero_cpu_offload()),
+        }
         keep(f"{key}/whole", whole)
-        resumed = trainer_for("deepspeed", root, key + "_b", world, resume_from_checkpoint=os.path.join(root, key, "checkpoint-2"),
-                              **ds(stage, offload=True))
+        resumed = trainer_for(
+            "deepspeed",
+            root,
+            key + "_b",
+            world,
+            resume_from_checkpoint=os.path.join(root, key, "checkpoint-2"),
+            **ds(stage, offload=True),
+        )
         resumed.fit()
         results[key]["resumed_steps"] = resumed.state.global_step
         keep(f"{key}/resumed", resumed)
     # zero_force_ds_cpu_optimizer: false keeps kiln's torch AdamW on the offloaded partition (no op to compile)
-    torch_offload = trainer_for("deepspeed", root, "offload2_torch", world, **ds(2, offload=True, zero_force_ds_cpu_optimizer=False))
+    torch_offload = trainer_for(
+        "deepspeed", root, "offload2_torch", world, **ds(2, offload=True, zero_force_ds_cpu_optimizer=False)
+    )
     torch_offload.fit()
     engine = torch_offload.strategy.engine
-    results["offload2_torch"] = {"optimizer": type(engine.optimizer.optimizer).__name__, "offload": bool(engine.zero_cpu_offload())}
+    results["offload2_torch"] = {
+        "optimizer": type(engine.optimizer.optimizer).__name__,
+        "offload": bool(engine.zero_cpu_offload()),
+    }
     keep("offload2_torch", torch_offload)
 
 if "zero_init" in checks:
@@ -75,23 +88,43 @@ if "zero_init" in checks:
         torch.manual_seed(0)  # as trainer_for builds the reference model
         return ContractNet()
 
-    trainer = Trainer(model_init=build, config=config(root, "zero_init", world, **ds(3)), train_dataset=token_data(40, seed=1),
-                      eval_dataset=token_data(7, seed=2), strategy="deepspeed")
-    results["zero_init"] = {name: {"ds_numel": int(p.ds_numel), "local": int(p.ds_tensor.numel()), "numel": int(p.numel()),
-                                   "full": list(p.ds_shape)} for name, p in trainer.model.named_parameters()}
+    trainer = Trainer(
+        model_init=build,
+        config=config(root, "zero_init", world, **ds(3)),
+        train_dataset=token_data(40, seed=1),
+        eval_dataset=token_data(7, seed=2),
+        strategy="deepspeed",
+    )
+    results["zero_init"] = {
+        name: {
+            "ds_numel": int(p.ds_numel),
+            "local": int(p.ds_tensor.numel()),
+            "numel": int(p.numel()),
+            "full": list(p.ds_shape),
+        }
+        for name, p in trainer.model.named_parameters()
+    }
     trainer.fit()
     keep("zero_init", trainer)
 
 if "best" in checks:
     # greater_is_better on eval_loss picks the worst evaluation: with a falling loss that is the first
     # (checkpoint-2), so loading the best checkpoint visibly changes the weights
-    best = {"eval_strategy": "steps", "eval_steps": 2, "save": {"strategy": "steps", "steps": 2}, "load_best_model_at_end": True,
-            "metric_for_best_model": "eval_loss", "greater_is_better": True}
+    best = {
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "save": {"strategy": "steps", "steps": 2},
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "eval_loss",
+        "greater_is_better": True,
+    }
     for key, strategy, extra in [("best_ddp", "ddp", {}), ("best_zero3", "deepspeed", ds(3))]:
         trainer = trainer_for(strategy, root, key, world, **best, **extra)
         trainer.fit()
-        results[key] = {"best": os.path.basename(trainer.state.best_model_checkpoint or ""),
-                        "eval_losses": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]}
+        results[key] = {
+            "best": os.path.basename(trainer.state.best_model_checkpoint or ""),
+            "eval_losses": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+        }
         keep(key, trainer)
 
 if "generate" in checks:
@@ -101,16 +134,40 @@ if "generate" in checks:
 
     def bart(plain: bool = False) -> "transformers.BartForConditionalGeneration":
         cfg = transformers.BartConfig(
-            vocab_size=24, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-            encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=0, bos_token_id=2, eos_token_id=1,
-            decoder_start_token_id=1, forced_eos_token_id=None, forced_bos_token_id=None, init_std=0.5, dropout=0.0)
+            vocab_size=24,
+            d_model=16,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_position_embeddings=32,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=1,
+            decoder_start_token_id=1,
+            forced_eos_token_id=None,
+            forced_bos_token_id=None,
+            init_std=0.5,
+            dropout=0.0,
+        )
         torch.manual_seed(0)  # from_config: HF's own ZeRO-3 construction (partitioned, weights initialised gathered)
-        return transformers.BartForConditionalGeneration(cfg) if plain else transformers.AutoModelForSeq2SeqLM.from_config(cfg)
+        return (
+            transformers.BartForConditionalGeneration(cfg)
+            if plain
+            else transformers.AutoModelForSeq2SeqLM.from_config(cfg)
+        )
 
     g = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(3, 24, (8, 6), generator=g), torch.randint(3, 24, (8, 5), generator=g)
-    rows = [{"input_ids": ids[i], "attention_mask": torch.ones(6, dtype=torch.long), "labels": labels[i]} for i in range(8)]
-    gen = {"max_length": 8, "eos_token_id": 7}  # an id at which rows stop at different lengths: ranks finish at different steps
+    rows = [
+        {"input_ids": ids[i], "attention_mask": torch.ones(6, dtype=torch.long), "labels": labels[i]} for i in range(8)
+    ]
+    gen = {
+        "max_length": 8,
+        "eos_token_id": 7,
+    }  # an id at which rows stop at different lengths: ranks finish at different steps
     cfg = config(root, "generate", world, predict_with_generate=True, max_steps=2, learning_rate=0.01, **ds(3))
     trainer = Trainer(model_init=bart, config=cfg, train_dataset=rows, strategy="deepspeed")
     initial = full_weights(trainer)
@@ -118,29 +175,60 @@ if "generate" in checks:
     trainer.fit()
     after = trainer.predict(rows, **gen).predictions  # partitioned by the training engine
     trained = full_weights(trainer)
-    if rank == 0:  # generate() in one process (not synced: the other rank is not generating), row by row like the 1-row eval batches
+    if (
+        rank == 0
+    ):  # generate() in one process (not synced: the other rank is not generating), row by row like the 1-row eval batches
         plain = bart(plain=True).eval()
         reference = {"before": [], "after": []}
         for phase, weights in (("before", initial), ("after", trained)):
             plain.load_state_dict(weights)
             with torch.no_grad():
                 for row in rows:
-                    reference[phase].append(plain.generate(input_ids=row["input_ids"][None], attention_mask=row["attention_mask"][None],
-                                                           synced_gpus=False, **gen)[0].tolist())
-        results["generate"] = {"before": torch.as_tensor(before).tolist(), "after": torch.as_tensor(after).tolist(), "reference": reference,
-                               "partitioned": all(p.numel() == 0 for p in trainer.model.parameters())}
+                    reference[phase].append(
+                        plain.generate(
+                            input_ids=row["input_ids"][None],
+                            attention_mask=row["attention_mask"][None],
+                            synced_gpus=False,
+                            **gen,
+                        )[0].tolist()
+                    )
+        results["generate"] = {
+            "before": torch.as_tensor(before).tolist(),
+            "after": torch.as_tensor(after).tolist(),
+            "reference": reference,
+            "partitioned": all(p.numel() == 0 for p in trainer.model.parameters()),
+        }
 
 if "scheduler" in checks:
-    sched = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
-                                                 "total_num_steps": "auto"}}
-    trainer = trainer_for("deepspeed", root, "scheduler", world, max_steps=-1, num_train_epochs=2, warmup_steps=0.25,
-                          **ds(2, scheduler=sched))
+    sched = {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    }
+    trainer = trainer_for(
+        "deepspeed",
+        root,
+        "scheduler",
+        world,
+        max_steps=-1,
+        num_train_epochs=2,
+        warmup_steps=0.25,
+        **ds(2, scheduler=sched),
+    )
     trainer.fit()
     params = trainer.strategy.ds_config["scheduler"]["params"]
-    results["scheduler"] = {"max_steps": trainer.state.max_steps, "total_num_steps": params["total_num_steps"],
-                            "warmup_num_steps": params["warmup_num_steps"], "expected_warmup": math.ceil(0.25 * trainer.state.max_steps),
-                            "scheduler_total": trainer.lr_scheduler.total_num_steps,
-                            "lrs": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]}
+    results["scheduler"] = {
+        "max_steps": trainer.state.max_steps,
+        "total_num_steps": params["total_num_steps"],
+        "warmup_num_steps": params["warmup_num_steps"],
+        "expected_warmup": math.ceil(0.25 * trainer.state.max_steps),
+        "scheduler_total": trainer.lr_scheduler.total_num_steps,
+        "lrs": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h],
+    }
 
 if rank == 0:
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "tensors.safetensors"))

@@ -33,8 +33,16 @@ def model_config(family: str) -> Any:
         return GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2)
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=True)
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        tie_word_embeddings=True,
+    )
 
 
 def build(family: str) -> Any:
@@ -50,9 +58,16 @@ def train_and_export(name: str, out: str, world: int) -> dict[str, torch.Tensor]
 
     strategy, family = CASES[name]
     shards = 1 if "mesh" in strategy else world
-    cfg = {"output_dir": os.path.join(out, "runs", name), "seed": 3, "learning_rate": 0.05, "max_steps": 2,
-           "per_device_train_batch_size": 4 // shards, "save": {"strategy": "no"}, "strategy": strategy,
-           "log": {"history": [], "disable_tqdm": True}}
+    cfg = {
+        "output_dir": os.path.join(out, "runs", name),
+        "seed": 3,
+        "learning_rate": 0.05,
+        "max_steps": 2,
+        "per_device_train_batch_size": 4 // shards,
+        "save": {"strategy": "no"},
+        "strategy": strategy,
+        "log": {"history": [], "disable_tqdm": True},
+    }
     trainer = Trainer(build(family), cfg, train_dataset=padded_token_data(16, 8, VOCAB, seed=1))
     trainer.fit()
     trainer.save_model(os.path.join(out, name))

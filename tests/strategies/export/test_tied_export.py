@@ -9,7 +9,6 @@ weights the strategy trained. (xla's export keeps ties by its own tested path, t
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -29,8 +28,20 @@ DISTRIBUTED = ["ddp", "fsdp", "fsdp_full", "model_parallel", "model_parallel_tp"
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tied_exports")
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(HERE / "worker.py"), str(out), *DISTRIBUTED], timeout=1500, env={"DS_ACCELERATOR": "cpu"})
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(HERE / "worker.py"),
+            str(out),
+            *DISTRIBUTED,
+        ],
+        timeout=1500,
+        env={"DS_ACCELERATOR": "cpu"},
+    )
     for name in ("single", "single_llama"):
         weights = cases.train_and_export(name, str(out), 1)
         from safetensors.torch import save_file
@@ -52,7 +63,10 @@ def test_an_export_stores_a_tie_once_and_loads_with_both_loaders(exports, name):
     folder = exports / name
     reference = exports / ("single" if family == "gpt2" else "single_llama")
     assert _keys(folder) == _keys(reference)  # the tie stored once, under the name single's export uses
-    tie = {"gpt2": ("transformer.wte.weight", "lm_head.weight"), "llama": ("model.embed_tokens.weight", "lm_head.weight")}
+    tie = {
+        "gpt2": ("transformer.wte.weight", "lm_head.weight"),
+        "llama": ("model.embed_tokens.weight", "lm_head.weight"),
+    }
     assert sum(key in _keys(folder) for key in tie[family]) == 1
     plain = AutoModelForCausalLM.from_config(cases.model_config(family))
     missing, unexpected = load_model(plain, str(folder / "model.safetensors"))  # strict: raises on a foreign key

@@ -54,8 +54,11 @@ class TinyLM(TrainingModule):
 
     def validation_step(self, batch: dict) -> dict:
         logits = self.logits(batch)
-        return {"loss": F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100),
-                "logits": logits, "labels": batch["labels"]}
+        return {
+            "loss": F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100),
+            "logits": logits,
+            "labels": batch["labels"],
+        }
 
 
 FSDP = {"name": "fsdp", "device": "cpu", "wrap": ["Block"]}
@@ -77,17 +80,25 @@ CASES: dict[str, dict[str, Any]] = {
     "forward_prefetch": {"strategy": {**FSDP, "forward_prefetch": True, "sync_module_states": True}},
     "bf16": {"strategy": FSDP, "bf16": True},
     # HF arguments: the flag string and fsdp_config with prefixed keys
-    "hf": {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_transformer_layer_cls_to_wrap": ["Block"],
-                                                            "use_orig_params": True}, "strategy": {"device": "cpu"}},
+    "hf": {
+        "fsdp": "full_shard auto_wrap",
+        "fsdp_config": {"fsdp_transformer_layer_cls_to_wrap": ["Block"], "use_orig_params": True},
+        "strategy": {"device": "cpu"},
+    },
 }
 
 
 def config(name: str, root: str, world: int, **extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "output_dir": os.path.join(root, name), "seed": 3, "learning_rate": 0.02, "max_steps": 6,
-        "per_device_train_batch_size": 4 // world, "gradient_accumulation_steps": 2,
+        "output_dir": os.path.join(root, name),
+        "seed": 3,
+        "learning_rate": 0.02,
+        "max_steps": 6,
+        "per_device_train_batch_size": 4 // world,
+        "gradient_accumulation_steps": 2,
         "max_grad_norm": 0.3,  # small enough that every step clips
-        "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
     }
     cfg.update(CASES[name])
     cfg.update(extra)
@@ -98,8 +109,12 @@ def trainer_for(name: str, root: str, world: int, model: Any = None, **extra: An
     from kiln import Trainer
 
     torch.manual_seed(0)
-    return Trainer(model if model is not None else TinyLM(), config(name, root, world, **extra),
-                   train_dataset=padded_token_data(48, 10, 11, seed=1), eval_dataset=padded_token_data(6, 10, 11, seed=2))
+    return Trainer(
+        model if model is not None else TinyLM(),
+        config(name, root, world, **extra),
+        train_dataset=padded_token_data(48, 10, 11, seed=1),
+        eval_dataset=padded_token_data(6, 10, 11, seed=2),
+    )
 
 
 def full_weights(trainer: Any) -> dict[str, torch.Tensor]:
@@ -111,6 +126,10 @@ def run_case(name: str, root: str, world: int, **extra: Any) -> tuple[dict[str, 
     trainer = trainer_for(name, root, world, **extra)
     trainer.fit()
     hist = trainer.state.log_history
-    result = {"losses": [h["loss"] for h in hist if "loss" in h], "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
-              "precision": type(trainer.precision).__name__, "strategy": type(trainer.strategy).__name__}
+    result = {
+        "losses": [h["loss"] for h in hist if "loss" in h],
+        "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
+        "precision": type(trainer.precision).__name__,
+        "strategy": type(trainer.strategy).__name__,
+    }
     return result, full_weights(trainer)

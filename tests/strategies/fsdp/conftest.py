@@ -13,8 +13,15 @@ HERE = Path(__file__).resolve().parent
 
 
 def torchrun(nproc: int, script: str, *args, timeout: float = 600, check: bool = True, env: dict | None = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(HERE / script),
-           *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(HERE / script),
+        *map(str, args),
+    ]
     return run(cmd, timeout=timeout, check=check, env=env)
 
 

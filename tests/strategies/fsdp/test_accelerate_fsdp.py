@@ -49,13 +49,31 @@ use_cpu: false
 main_process_port: {port}
 """
 
-NATIVE = ["strategy.name=fsdp", "strategy.sharding=full_shard", "strategy.wrap=[Linear]", "strategy.offload=true",
-          "strategy.sync_module_states=true"]
+NATIVE = [
+    "strategy.name=fsdp",
+    "strategy.sharding=full_shard",
+    "strategy.wrap=[Linear]",
+    "strategy.offload=true",
+    "strategy.sync_module_states=true",
+]
 
 
-CLI_FLAGS = ["--use_fsdp", "--num_processes", "2", "--fsdp_sharding_strategy=1", "--fsdp_auto_wrap_policy",
-             "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Linear", "--fsdp_offload_params", "true",
-             "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--mixed_precision", "no"]
+CLI_FLAGS = [
+    "--use_fsdp",
+    "--num_processes",
+    "2",
+    "--fsdp_sharding_strategy=1",
+    "--fsdp_auto_wrap_policy",
+    "TRANSFORMER_BASED_WRAP",
+    "--fsdp_transformer_layer_cls_to_wrap",
+    "Linear",
+    "--fsdp_offload_params",
+    "true",
+    "--fsdp_state_dict_type",
+    "SHARDED_STATE_DICT",
+    "--mixed_precision",
+    "no",
+]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +96,14 @@ def _accelerate_launch(*args: str, timeout: float = 300):
 def test_accelerate_fsdp_config_runs_like_the_native_config(tmp_path, native):
     conf = tmp_path / "accelerate.yaml"
     conf.write_text(ACCELERATE_FSDP.format(port=_free_port()))
-    acc = _accelerate_launch("--config_file", str(conf), "-m", "kiln.cli", "fit",
-                             write_cli_config(str(tmp_path / "acc.yaml"), str(tmp_path / "acc")))
+    acc = _accelerate_launch(
+        "--config_file",
+        str(conf),
+        "-m",
+        "kiln.cli",
+        "fit",
+        write_cli_config(str(tmp_path / "acc.yaml"), str(tmp_path / "acc")),
+    )
     assert "has no effect" in acc.stderr  # use_orig_params, said once per rank, not dropped silently
     _same_run(tmp_path / "acc", native)
 
@@ -87,13 +111,25 @@ def test_accelerate_fsdp_config_runs_like_the_native_config(tmp_path, native):
 def test_kiln_fit_with_the_accelerate_config_file_runs_like_the_native_config(tmp_path, native):
     conf = tmp_path / "accelerate.yaml"
     conf.write_text(ACCELERATE_FSDP.format(port=_free_port()))
-    kiln_cli("fit", write_cli_config(str(tmp_path / "kiln.yaml"), str(tmp_path / "kiln")), "--accelerate-config", conf,
-             timeout=300)
+    kiln_cli(
+        "fit",
+        write_cli_config(str(tmp_path / "kiln.yaml"), str(tmp_path / "kiln")),
+        "--accelerate-config",
+        conf,
+        timeout=300,
+    )
     _same_run(tmp_path / "kiln", native)
 
 
 def test_accelerate_command_line_flags_run_like_the_native_config(tmp_path, native):
-    flags = _accelerate_launch(*CLI_FLAGS, "--main_process_port", str(_free_port()), "-m", "kiln.cli", "fit",
-                               write_cli_config(str(tmp_path / "flags.yaml"), str(tmp_path / "flags")))
+    flags = _accelerate_launch(
+        *CLI_FLAGS,
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "kiln.cli",
+        "fit",
+        write_cli_config(str(tmp_path / "flags.yaml"), str(tmp_path / "flags")),
+    )
     assert "'cpu_ram_efficient_loading'" not in flags.stderr  # it has an effect now: not logged as ignored
     _same_run(tmp_path / "flags", native)

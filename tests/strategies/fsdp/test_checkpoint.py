@@ -79,8 +79,15 @@ def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
     torchrun(2, "worker_resume.py", two, kind, one / "full_shard" / "checkpoint-2", 6)
     _equal(load_file(str(two / "final.safetensors")), load_file(str(one / "final.safetensors")))
     # saved in one group, resumed with weight decay set: the saved settings, no decay, win
-    torchrun(2, "worker_resume.py", decay, kind, one / "full_shard" / "checkpoint-4", 6,
-             env={"KILN_TEST_WEIGHT_DECAY": "0.01"})
+    torchrun(
+        2,
+        "worker_resume.py",
+        decay,
+        kind,
+        one / "full_shard" / "checkpoint-4",
+        6,
+        env={"KILN_TEST_WEIGHT_DECAY": "0.01"},
+    )
     _equal(load_file(str(decay / "final.safetensors")), load_file(str(one / "final.safetensors")))
 
 
@@ -92,7 +99,10 @@ def test_sharded_checkpoint_reshards_between_process_counts(tmp_path, uninterrup
     # 2 -> 1: loading alone restores the saved weights exactly; training on reaches the 2-process result
     ckpt2 = two / "full_shard" / "checkpoint-4"
     torchrun(1, "worker_resume.py", tmp_path / "2to1_load", "sharded", ckpt2, 4)
-    _equal(load_file(str(tmp_path / "2to1_load" / "final.safetensors")), {k: v.float() for k, v in ShardedCheckpointIO.consolidate(str(ckpt2)).items()})
+    _equal(
+        load_file(str(tmp_path / "2to1_load" / "final.safetensors")),
+        {k: v.float() for k, v in ShardedCheckpointIO.consolidate(str(ckpt2)).items()},
+    )
     torchrun(1, "worker_resume.py", tmp_path / "2to1", "sharded", ckpt2, 6)
     _equal(load_file(str(tmp_path / "2to1" / "final.safetensors")), load_file(str(two / "final.safetensors")), 1e-5)
     # 1 -> 2

@@ -21,8 +21,11 @@ def _option(**given):
 def test_a_file_and_a_mapping_read_the_same_with_prefixes_dropped(tmp_path):
     path = tmp_path / "fsdp.json"
     path.write_text(json.dumps({"fsdp_min_num_params": 7, "xla": True}))
-    assert read_fsdp_config(str(path), strict=True) == read_fsdp_config({"min_num_params": 7, "fsdp_xla": True}, strict=False) \
+    assert (
+        read_fsdp_config(str(path), strict=True)
+        == read_fsdp_config({"min_num_params": 7, "fsdp_xla": True}, strict=False)
         == {"min_num_params": 7, "xla": True}
+    )
 
 
 @pytest.mark.parametrize("value", ["no/such/file.json", 3, ["a"]])
@@ -50,8 +53,10 @@ def test_both_strategies_and_the_router_read_one_file_alike(tmp_path):
     assert resolve_fsdp(_option(fsdp_config={"transformer_layer_cls_to_wrap": ["Block"]})).wrap == ["Block"]
 
 
-@pytest.mark.parametrize("given, name", [(1, "full_shard"), ("2", "shard_grad_op"), ("5", "hybrid_shard_zero2"),
-                                         ("NO_SHARD", "no_shard"), ("9", "9")])
+@pytest.mark.parametrize(
+    "given, name",
+    [(1, "full_shard"), ("2", "shard_grad_op"), ("5", "hybrid_shard_zero2"), ("NO_SHARD", "no_shard"), ("9", "9")],
+)
 def test_sharding_by_number_or_name(given, name):
     assert sharding_name(given) == name
     if name in SHARDING:

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-
 pytestmark = pytest.mark.distributed
 
 

@@ -23,21 +23,39 @@ pytestmark = pytest.mark.distributed
 
 
 def _digests(folder) -> dict:
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_kill_during_a_sharded_save_resumes_from_the_previous_checkpoint_exactly(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "worker_kill.py"),
-           str(tmp_path), "kill"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(HERE / "worker_kill.py"),
+        str(tmp_path),
+        "kill",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 300
         while not (tmp_path / "blocked").exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert (tmp_path / "blocked").exists(), proc.communicate(timeout=30)[1][-4000:] if proc.poll() is not None else "timeout"
+        assert (tmp_path / "blocked").exists(), (
+            proc.communicate(timeout=30)[1][-4000:] if proc.poll() is not None else "timeout"
+        )
     finally:  # the workers run in sessions of their own (torchrun's agent starts them so)
         for rank in (0, 1):
             if (tmp_path / f"pid{rank}").exists():
@@ -57,6 +75,10 @@ def test_kill_during_a_sharded_save_resumes_from_the_previous_checkpoint_exactly
     torchrun(2, "worker_kill.py", tmp_path, "resume")
     assert (tmp_path / "resumed_at").read_text() == "2"
     assert _digests(run / "checkpoint-2") == saved  # nothing already saved was lost or rewritten
-    assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
     got, want = load_file(str(tmp_path / "resumed.safetensors")), load_file(str(tmp_path / "straight.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-
 pytestmark = pytest.mark.distributed
 
 
@@ -37,4 +36,6 @@ def test_rank1_never_holds_a_full_copy_and_the_run_is_unchanged(loading, model):
     names = [k.split("/", 1)[1] for k in weights if k.startswith(f"{model}_normal/")]
     assert names
     for name in names:
-        torch.testing.assert_close(weights[f"{model}_efficient/{name}"], weights[f"{model}_normal/{name}"], rtol=0, atol=0)
+        torch.testing.assert_close(
+            weights[f"{model}_efficient/{name}"], weights[f"{model}_normal/{name}"], rtol=0, atol=0
+        )

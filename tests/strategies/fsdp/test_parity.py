@@ -17,8 +17,20 @@ from tests.strategies.fsdp.conftest import torchrun
 
 pytestmark = pytest.mark.distributed
 
-SAME_AS_DDP = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_1", "hybrid_shard_zero2",
-               "offload", "min_num_params", "default_wrap", "activation_checkpointing", "forward_prefetch", "hf"]
+SAME_AS_DDP = [
+    "full_shard",
+    "shard_grad_op",
+    "no_shard",
+    "hybrid_shard",
+    "hybrid_shard_1",
+    "hybrid_shard_zero2",
+    "offload",
+    "min_num_params",
+    "default_wrap",
+    "activation_checkpointing",
+    "forward_prefetch",
+    "hf",
+]
 
 
 @pytest.fixture(scope="module")

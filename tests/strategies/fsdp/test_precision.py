@@ -10,7 +10,6 @@ import math
 
 import pytest
 
-
 pytestmark = pytest.mark.distributed
 
 

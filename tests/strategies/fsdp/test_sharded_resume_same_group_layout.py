@@ -26,8 +26,9 @@ def _optimizer(model: nn.Sequential, groups: int, lr: float) -> torch.optim.Adam
     no_decay = [model[0].bias, model[1].weight, model[1].bias, model[2].bias]
     if groups == 1:
         return torch.optim.AdamW([{"params": decay + no_decay, "weight_decay": 0.0, "lr": lr}])
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1, "lr": lr},
-                              {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}])
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1, "lr": lr}, {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}]
+    )
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> list[tuple[float, float, int]]:
@@ -43,7 +44,15 @@ def test_a_sharded_checkpoint_resumes_into_the_layout_it_was_saved_in(tmp_path, 
         model(torch.randn(5, 3)).square().sum().backward()
         optimizer.step()
     io = ShardedCheckpointIO()
-    io.save(str(tmp_path), model=model, module=model, optimizer=optimizer, save_optimizer=True, safetensors=True, writer=True)
+    io.save(
+        str(tmp_path),
+        model=model,
+        module=model,
+        optimizer=optimizer,
+        save_optimizer=True,
+        safetensors=True,
+        writer=True,
+    )
 
     fresh = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     resumed = _optimizer(fresh, groups, lr=0.5)  # different settings: the saved ones must win

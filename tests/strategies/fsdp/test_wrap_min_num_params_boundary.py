@@ -28,8 +28,14 @@ def test_the_boundary_is_torchs_size_based_policy():
     """torch's FSDP1 policy answers the same question for a leaf with `nonwrapped_numel` parameters."""
     model = _model()
     for min_num_params in (11, 12, 13, 15, 16, 17):
-        torch_wraps = {name for name, m in model.items()
-                       if size_based_auto_wrap_policy(m, recurse=False, nonwrapped_numel=sum(p.numel() for p in m.parameters()),
-                                                      min_num_params=min_num_params)}
-        kiln_wraps = {name for name, m in model.items() if any(m is b for b in blocks_to_wrap(model, None, min_num_params))}
+        torch_wraps = {
+            name
+            for name, m in model.items()
+            if size_based_auto_wrap_policy(
+                m, recurse=False, nonwrapped_numel=sum(p.numel() for p in m.parameters()), min_num_params=min_num_params
+            )
+        }
+        kiln_wraps = {
+            name for name, m in model.items() if any(m is b for b in blocks_to_wrap(model, None, min_num_params))
+        }
         assert kiln_wraps == torch_wraps, min_num_params

@@ -26,9 +26,19 @@ def main(out: str) -> None:
     model = CharGPT(**SIZES)
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": x[:-1], "labels": x[1:]} for x in torch.randint(1, 16, (8, 9), generator=g)]
-    trainer = Trainer(model, {"output_dir": os.path.join(out, "run"), "max_steps": 2, "per_device_train_batch_size": 2,
-                              "learning_rate": 0.1, "log": {"disable_tqdm": True}, "save": {"strategy": "no"},
-                              "strategy": {"name": "fsdp", "device": "cpu", "wrap": ["Block"]}}, train_dataset=rows)
+    trainer = Trainer(
+        model,
+        {
+            "output_dir": os.path.join(out, "run"),
+            "max_steps": 2,
+            "per_device_train_batch_size": 2,
+            "learning_rate": 0.1,
+            "log": {"disable_tqdm": True},
+            "save": {"strategy": "no"},
+            "strategy": {"name": "fsdp", "device": "cpu", "wrap": ["Block"]},
+        },
+        train_dataset=rows,
+    )
     trainer.fit()
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
@@ -39,11 +49,20 @@ def main(out: str) -> None:
     trainer.save_model(os.path.join(out, "full"))
     dist.barrier()
     plain = CharGPT(**SIZES)
-    plain.load_state_dict(load_file(os.path.join(out, "full", "model.safetensors")), strict=False)  # head tied to tok_emb
+    plain.load_state_dict(
+        load_file(os.path.join(out, "full", "model.safetensors")), strict=False
+    )  # head tied to tok_emb
     with torch.no_grad():
         expected = plain(ids)
     if dist.get_rank() == 0:
         with open(os.path.join(out, "result.json"), "w") as fh:
-            json.dump({"max_diff": float((direct - expected).abs().max()), "generated": generated.tolist(),
-                       "expected": plain.generate(ids, max_new_tokens=4, temperature=0).tolist(),
-                       "sharded_after": sharded, "trained": trainer.state.global_step}, fh)
+            json.dump(
+                {
+                    "max_diff": float((direct - expected).abs().max()),
+                    "generated": generated.tolist(),
+                    "expected": plain.generate(ids, max_new_tokens=4, temperature=0).tolist(),
+                    "sharded_after": sharded,
+                    "trained": trainer.state.global_step,
+                },
+                fh,
+            )

@@ -22,8 +22,18 @@ NEW = 6
 
 def model():
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, pad_token_id=0,
-                                      bos_token_id=0, eos_token_id=0)).eval()
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=64,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ).eval()
 
 
 g = torch.Generator().manual_seed(1)
@@ -35,8 +45,13 @@ BATCHES = {0: ((0,), (2,), (4,), (6,)), 1: ((1,), (3,), (5,), (7,))}  # the eval
 
 def generate(rows_, **kw):
     with torch.no_grad():
-        return plain.generate(input_ids=ids[list(rows_)], attention_mask=torch.ones(len(rows_), 5, dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, **kw)[:, 5:]
+        return plain.generate(
+            input_ids=ids[list(rows_)],
+            attention_mask=torch.ones(len(rows_), 5, dtype=torch.long),
+            max_new_tokens=NEW,
+            do_sample=False,
+            **kw,
+        )[:, 5:]
 
 
 free = {b: generate(b, eos_token_id=None) for batches in BATCHES.values() for b in batches}
@@ -55,13 +70,27 @@ by_hand = {str(b): generate(b, eos_token_id=eos).tolist() for batches in BATCHES
 
 
 def main(out: str) -> None:
-    trainer = Trainer(model(), {"output_dir": os.path.join(out, "run"), "per_device_eval_batch_size": 1,
-                                "predict_with_generate": True, "log": {"disable_tqdm": True},
-                                "strategy": {"name": "fsdp", "device": "cpu"}})
+    trainer = Trainer(
+        model(),
+        {
+            "output_dir": os.path.join(out, "run"),
+            "per_device_eval_batch_size": 1,
+            "predict_with_generate": True,
+            "log": {"disable_tqdm": True},
+            "strategy": {"name": "fsdp", "device": "cpu"},
+        },
+    )
     pred = trainer.predict(rows, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
     if dist.get_rank() == 0:
         with open(os.path.join(out, "result.json"), "w") as fh:
-            json.dump({"predictions": pred.predictions.tolist(), "by_hand": by_hand, "prompts": ids.tolist(), "eos": eos,
-                       "imbalance": imbalance(eos),
-                       "sharded": type(trainer.strategy).__name__}, fh)
-
+            json.dump(
+                {
+                    "predictions": pred.predictions.tolist(),
+                    "by_hand": by_hand,
+                    "prompts": ids.tolist(),
+                    "eos": eos,
+                    "imbalance": imbalance(eos),
+                    "sharded": type(trainer.strategy).__name__,
+                },
+                fh,
+            )

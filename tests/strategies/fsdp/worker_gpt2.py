@@ -30,10 +30,20 @@ def data(n: int = 24) -> list:
 
 torch.manual_seed(0)
 model = GPT2LMHeadModel(config())
-trainer = Trainer(model, {"output_dir": os.path.join(out, "run"), "seed": 1, "learning_rate": 1e-2, "max_steps": 4,
-                          "per_device_train_batch_size": 4 // world, "save": {"strategy": "steps", "steps": 2},
-                          "log": {"disable_tqdm": True}, "strategy": {"name": "fsdp", "device": "cpu"}},
-                  train_dataset=data())
+trainer = Trainer(
+    model,
+    {
+        "output_dir": os.path.join(out, "run"),
+        "seed": 1,
+        "learning_rate": 1e-2,
+        "max_steps": 4,
+        "per_device_train_batch_size": 4 // world,
+        "save": {"strategy": "steps", "steps": 2},
+        "log": {"disable_tqdm": True},
+        "strategy": {"name": "fsdp", "device": "cpu"},
+    },
+    train_dataset=data(),
+)
 trainer.fit()
 tied = model.lm_head.weight is model.transformer.wte.weight
 trainer.save_model(os.path.join(out, "export"))

@@ -14,14 +14,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
-from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
 from kiln import Trainer  # noqa: E402
 from tests.helpers import padded_token_data  # noqa: E402
 from tests.strategies.fsdp import cases  # noqa: E402
-
 
 
 class LiveElements(TorchDispatchMode):
@@ -74,10 +73,20 @@ def run(out, name, build, data, efficient):
 
     counter = LiveElements()
     strategy = {"name": "fsdp", "device": "cpu", "cpu_ram_efficient_loading": efficient}
-    trainer = Trainer(model_init=model_init, config={
-        "output_dir": os.path.join(out, name), "seed": 5, "learning_rate": 0.01, "max_steps": 3,
-        "per_device_train_batch_size": 2, "save": {"strategy": "no"}, "log": {"disable_tqdm": True},
-        "strategy": strategy}, train_dataset=data)
+    trainer = Trainer(
+        model_init=model_init,
+        config={
+            "output_dir": os.path.join(out, name),
+            "seed": 5,
+            "learning_rate": 0.01,
+            "max_steps": 3,
+            "per_device_train_batch_size": 2,
+            "save": {"strategy": "no"},
+            "log": {"disable_tqdm": True},
+            "strategy": strategy,
+        },
+        train_dataset=data,
+    )
     setup_module = trainer.strategy.setup_module
 
     def counted(module):
@@ -89,8 +98,12 @@ def run(out, name, build, data, efficient):
     shard = sum(p.to_local().numel() for p in trainer.model.parameters())
     weights = cases.full_weights(trainer)
     head = getattr(trainer.model, "lm_head", None)
-    facts = {**seen, "peak": counter.peak, "shard": shard,
-             "tied": head is not None and head.weight is trainer.model.transformer.wte.weight}
+    facts = {
+        **seen,
+        "peak": counter.peak,
+        "shard": shard,
+        "tied": head is not None and head.weight is trainer.model.transformer.wte.weight,
+    }
     return dist.all_gather_object(every := [None] * dist.get_world_size(), facts) or every, weights
 
 
@@ -105,4 +118,3 @@ def main(out: str) -> None:
         save_file(tensors, os.path.join(out, "weights.safetensors"))
         with open(os.path.join(out, "result.json"), "w") as fh:
             json.dump(result, fh)
-

@@ -34,9 +34,13 @@ for case, settings in OPTIONS.items():
     owner = owner or strategy
     model = strategy.setup_module(nn.Sequential(nn.Linear(4, 8, bias=False)))
     weight = model[0].weight
-    results[case] = {"mesh": list(weight.device_mesh.shape), "dims": list(weight.device_mesh.mesh_dim_names or []),
-                     "local": list(weight.to_local().shape), "full": list(weight.shape),
-                     "placements": [type(p).__name__ for p in weight.placements]}
+    results[case] = {
+        "mesh": list(weight.device_mesh.shape),
+        "dims": list(weight.device_mesh.mesh_dim_names or []),
+        "local": list(weight.to_local().shape),
+        "full": list(weight.shape),
+        "placements": [type(p).__name__ for p in weight.placements],
+    }
 if owner.global_rank == 0:
     with open(os.path.join(out, "mesh.json"), "w") as fh:
         json.dump(results, fh)

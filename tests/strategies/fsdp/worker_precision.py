@@ -42,7 +42,9 @@ class Watch(Callback):
         params, scale = self.before
         scaler = getattr(self.trainer.precision, "scaler", None) if self.trainer.precision.uses_grad_scaler else None
         changed = any(not torch.equal(a, b) for a, b in zip(params, self._locals()))
-        self.steps.append({"changed": changed, "scale_before": scale, "scale_after": scaler.get_scale() if scaler else None})
+        self.steps.append(
+            {"changed": changed, "scale_before": scale, "scale_after": scaler.get_scale() if scaler else None}
+        )
 
 
 def run(out: str, name: str, poison: bool, **extra):
@@ -51,11 +53,15 @@ def run(out: str, name: str, poison: bool, **extra):
     trainer.add_callback(watch)
     trainer.fit()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    facts = {"steps": watch.steps, "losses": losses, "precision": type(trainer.precision).__name__,
-             "scaler": type(trainer.precision.scaler).__name__ if trainer.precision.uses_grad_scaler else None,
-             "skipped": getattr(trainer.precision, "skipped_steps", 0),
-             "shard_dtypes": sorted({str(p.to_local().dtype) for p in trainer.model.parameters()}),
-             "sharded": all(p.to_local().numel() < p.numel() for p in trainer.model.parameters() if p.numel() > 1)}
+    facts = {
+        "steps": watch.steps,
+        "losses": losses,
+        "precision": type(trainer.precision).__name__,
+        "scaler": type(trainer.precision.scaler).__name__ if trainer.precision.uses_grad_scaler else None,
+        "skipped": getattr(trainer.precision, "skipped_steps", 0),
+        "shard_dtypes": sorted({str(p.to_local().dtype) for p in trainer.model.parameters()}),
+        "sharded": all(p.to_local().numel() < p.numel() for p in trainer.model.parameters() if p.numel() > 1),
+    }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, facts)
     return every
@@ -64,8 +70,10 @@ def run(out: str, name: str, poison: bool, **extra):
 def main(out: str) -> None:
     # torch computes fp16 on any CPU (slowly, without AVX512-FP16); kiln refuses it there for speed only
     cpu.cpu_supports_fp16 = lambda: True
-    result = {"fp16": run(out, "fp16", True, fp16=True), "bf16-true": run(out, "bf16_true", False, precision="bf16-true")}
+    result = {
+        "fp16": run(out, "fp16", True, fp16=True),
+        "bf16-true": run(out, "bf16_true", False, precision="bf16-true"),
+    }
     if dist.get_rank() == 0:
         with open(os.path.join(out, "result.json"), "w") as fh:
             json.dump(result, fh)
-

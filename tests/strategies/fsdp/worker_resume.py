@@ -21,8 +21,13 @@ extra = {"save": {"strategy": "steps", "steps": 2}, "strategy": {**cases.FSDP, "
 if os.environ.get("KILN_TEST_TP"):
     from tests.strategies.mesh.cases import PLAN  # noqa: E402
 
-    extra["strategy"] = {**cases.FSDP, "name": "model_parallel", "mesh": {"tp": 2}, "tp_plan": PLAN,
-                         "state_dict_type": kind}
+    extra["strategy"] = {
+        **cases.FSDP,
+        "name": "model_parallel",
+        "mesh": {"tp": 2},
+        "tp_plan": PLAN,
+        "state_dict_type": kind,
+    }
 if len(sys.argv) > 3:
     extra.update(resume_from_checkpoint=sys.argv[3], max_steps=int(sys.argv[4]))
 if os.environ.get("KILN_TEST_WEIGHT_DECAY"):
@@ -33,7 +38,9 @@ if os.environ.get("KILN_TEST_ONE_GROUP"):
     _two_groups = optimizers.parameter_groups
 
     def _one_group(model, weight_decay):
-        return [{"params": [p for g in _two_groups(model, weight_decay) for p in g["params"]], "weight_decay": weight_decay}]
+        return [
+            {"params": [p for g in _two_groups(model, weight_decay) for p in g["params"]], "weight_decay": weight_decay}
+        ]
 
     optimizers.parameter_groups = _one_group
 trainer = cases.trainer_for("full_shard", out, world, **extra)

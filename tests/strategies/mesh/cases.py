@@ -24,8 +24,10 @@ from tests.strategies.fsdp.cases import TinyLM  # noqa: E402
 #: TinyLM's blocks as one TP region each: `up` split by its outputs (tanh works on the split), `down`
 #: by its inputs (its outputs summed whole)
 PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
-PRESETS = {"fsdp": {"name": "fsdp", "device": "cpu", "wrap": ["Block"]},
-           "mp": {"name": "model_parallel", "device": "cpu", "wrap": ["Block"]}}
+PRESETS = {
+    "fsdp": {"name": "fsdp", "device": "cpu", "wrap": ["Block"]},
+    "mp": {"name": "model_parallel", "device": "cpu", "wrap": ["Block"]},
+}
 #: the tp axis of size 2 over both processes, as each preset writes it
 TP = {"fsdp": {"tp": 2, "tp_plan": PLAN}, "mp": {"mesh": {"tp": 2}, "tp_plan": PLAN}}
 COMPILE = {"torch_compile_backend": "aot_eager"}  # AOT autograd's graphs, without inductor's C++ build
@@ -52,13 +54,23 @@ def split(name: str) -> tuple[str, str]:
 
 def config(name: str, root: str, world: int) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "output_dir": os.path.join(root, name), "seed": 3, "learning_rate": 0.02, "max_steps": 6,
-        "gradient_accumulation_steps": 2, "max_grad_norm": 0.3, "save": {"strategy": "no"},
+        "output_dir": os.path.join(root, name),
+        "seed": 3,
+        "learning_rate": 0.02,
+        "max_steps": 6,
+        "gradient_accumulation_steps": 2,
+        "max_grad_norm": 0.3,
+        "save": {"strategy": "no"},
         "log": {"history": [], "disable_tqdm": True, "steps": 1},
     }
     if name in ("single", "single_fp16"):
-        cfg.update({"strategy": {"name": "single", "device": "cpu"}, "per_device_train_batch_size": 4,
-                    **({"fp16": True} if name == "single_fp16" else {})})
+        cfg.update(
+            {
+                "strategy": {"name": "single", "device": "cpu"},
+                "per_device_train_batch_size": 4,
+                **({"fp16": True} if name == "single_fp16" else {}),
+            }
+        )
         return cfg
     preset, feature = split(name)
     options, extra, tp = FEATURES[feature]
@@ -93,11 +105,16 @@ def run_case(name: str, root: str, world: int) -> tuple[dict[str, Any], dict[str
     trainer.fit()
     hist = trainer.state.log_history
     model, precision = trainer.model, trainer.precision
-    result = {"losses": [h["loss"] for h in hist if "loss" in h], "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
-              "strategy": type(trainer.strategy).__name__, "data_shards": trainer.strategy.data_shards,
-              "precision": type(precision).__name__, "skipped": getattr(precision, "skipped_steps", 0),
-              "scaler": type(precision.scaler).__name__ if precision.uses_grad_scaler else None,
-              **facts(model)}
+    result = {
+        "losses": [h["loss"] for h in hist if "loss" in h],
+        "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
+        "strategy": type(trainer.strategy).__name__,
+        "data_shards": trainer.strategy.data_shards,
+        "precision": type(precision).__name__,
+        "skipped": getattr(precision, "skipped_steps", 0),
+        "scaler": type(precision.scaler).__name__ if precision.uses_grad_scaler else None,
+        **facts(model),
+    }
     every: list[Any] = [result["skipped"]] * world
     if world > 1:
         torch.distributed.all_gather_object(every, result["skipped"])
@@ -113,12 +130,20 @@ def facts(model: Any) -> dict[str, Any]:
 
     blocks = list(model.blocks)
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    offload = {type(u._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for u in units
-               if u._get_fsdp_state()._fsdp_param_group is not None}
-    return {"fsdp_units": len(units), "offload": sorted(offload),
-            "tp_split": sum(1 for p in model.parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())),
-            "checkpointed": sum(1 for b in blocks if _wraps(b.forward, "checkpoint")),
-            "compiled": sum(1 for b in blocks if _compiled(b.forward))}
+    offload = {
+        type(u._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+        for u in units
+        if u._get_fsdp_state()._fsdp_param_group is not None
+    }
+    return {
+        "fsdp_units": len(units),
+        "offload": sorted(offload),
+        "tp_split": sum(
+            1 for p in model.parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
+        ),
+        "checkpointed": sum(1 for b in blocks if _wraps(b.forward, "checkpoint")),
+        "compiled": sum(1 for b in blocks if _compiled(b.forward)),
+    }
 
 
 def _compiled(forward: Any) -> bool:

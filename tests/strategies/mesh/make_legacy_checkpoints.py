@@ -34,9 +34,18 @@ RUNS = {
 
 def config(fmt: str, out: str, **extra) -> dict:
     strategy, shards = RUNS[fmt]
-    cfg = {"output_dir": out, "seed": 3, "learning_rate": 0.02, "max_steps": 4, "per_device_train_batch_size": 4 // shards,
-           "gradient_accumulation_steps": 2, "max_grad_norm": 0.3, "save": {"strategy": "steps", "steps": 2},
-           "log": {"history": [], "disable_tqdm": True, "steps": 1}, "strategy": strategy}
+    cfg = {
+        "output_dir": out,
+        "seed": 3,
+        "learning_rate": 0.02,
+        "max_steps": 4,
+        "per_device_train_batch_size": 4 // shards,
+        "gradient_accumulation_steps": 2,
+        "max_grad_norm": 0.3,
+        "save": {"strategy": "steps", "steps": 2},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
+        "strategy": strategy,
+    }
     cfg.update(extra)
     return cfg
 

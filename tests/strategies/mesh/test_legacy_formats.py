@@ -24,8 +24,10 @@ from tests.strategies.mesh.make_legacy_checkpoints import config, trainer
 LEGACY = Path(__file__).resolve().parent / "legacy"
 #: old format -> the DCP folder it wrote
 FOLDERS = {"fsdp-sharded": "fsdp_dcp", "model-parallel-dcp": "model_parallel_dcp"}
-PRESETS = {"fsdp": {"name": "fsdp", "device": "cpu", "wrap": ["Block"]},
-           "model_parallel": {"name": "model_parallel", "device": "cpu", "wrap": ["Block"]}}
+PRESETS = {
+    "fsdp": {"name": "fsdp", "device": "cpu", "wrap": ["Block"]},
+    "model_parallel": {"name": "model_parallel", "device": "cpu", "wrap": ["Block"]},
+}
 
 
 def _checkpoint(fmt: str) -> Path:
@@ -36,8 +38,15 @@ def _checkpoint(fmt: str) -> Path:
 
 
 def _resume(fmt: str, preset: str, out: Path, max_steps: int) -> tuple[dict, list]:
-    cfg = config(fmt, str(out), strategy=PRESETS[preset], per_device_train_batch_size=4, max_steps=max_steps,
-                 save={"strategy": "no"}, resume_from_checkpoint=str(_checkpoint(fmt)))
+    cfg = config(
+        fmt,
+        str(out),
+        strategy=PRESETS[preset],
+        per_device_train_batch_size=4,
+        max_steps=max_steps,
+        save={"strategy": "no"},
+        resume_from_checkpoint=str(_checkpoint(fmt)),
+    )
     with pytest.warns(UserWarning, match="was saved by 2 processes and this run has 1"), trainer(cfg) as t:
         t.fit()
         weights = {k: v.detach().float().clone() for k, v in t.strategy.model_state_for_export(t.model).items()}

@@ -34,32 +34,53 @@ def _refusal(name: str, **options) -> str:
 @pytest.fixture
 def two_processes(monkeypatch):
     """The environment torchrun gives rank 0 of 2 (no group is started from it here)."""
-    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+    for key, value in {
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29999",
+    }.items():
         monkeypatch.setenv(key, value)
 
 
-@pytest.mark.parametrize("options, words", [
-    ({"offload": True}, r"strategy.offload moves FSDP's shards to the CPU, and this mesh \(tp 2\) is tensor parallel "
-                        r"alone, with no FSDP to offload"),
-    ({"cpu_ram_efficient_loading": True}, "strategy.cpu_ram_efficient_loading builds the model on rank 0 alone, which "
-                                          "tensor parallelism cannot split from"),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        (
+            {"offload": True},
+            r"strategy.offload moves FSDP's shards to the CPU, and this mesh \(tp 2\) is tensor parallel "
+            r"alone, with no FSDP to offload",
+        ),
+        (
+            {"cpu_ram_efficient_loading": True},
+            "strategy.cpu_ram_efficient_loading builds the model on rank 0 alone, which "
+            "tensor parallelism cannot split from",
+        ),
+    ],
+)
 def test_what_tp_alone_cannot_do_is_refused_alike_under_both_presets(two_processes, options, words):
     fsdp, model_parallel = (_refusal(name, **TP2[name], **options) for name in ("fsdp", "model_parallel"))
     assert fsdp == model_parallel
     assert re.search(words, fsdp)
 
 
-@pytest.mark.parametrize("options, words", [
-    ({"sequence_parallel": True}, r"strategy.sequence_parallel splits the activations of tensor parallelism, and this "
-                                  r"mesh has no tp axis \(one process\); set mesh.tp \(fsdp: strategy.tp\) to 2 or more"),
-    ({"loss_parallel": True}, "strategy.loss_parallel splits the activations of tensor parallelism"),
-    ({"offload": True, "offload_pin_memory": True}, "FSDP offload with pinned memory needs an accelerator"),
-    ({"loss_parallel": "yes"}, "strategy.loss_parallel is 'yes'; give true or false"),
-    ({"state_dict_type": "local_in_time"}, "state_dict_type 'local_in_time' is not sharded or full"),
-    ({"wrap": ["Block"], "min_num_params": 10}, "wrap .* and min_num_params are both set"),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        (
+            {"sequence_parallel": True},
+            r"strategy.sequence_parallel splits the activations of tensor parallelism, and this "
+            r"mesh has no tp axis \(one process\); set mesh.tp \(fsdp: strategy.tp\) to 2 or more",
+        ),
+        ({"loss_parallel": True}, "strategy.loss_parallel splits the activations of tensor parallelism"),
+        ({"offload": True, "offload_pin_memory": True}, "FSDP offload with pinned memory needs an accelerator"),
+        ({"loss_parallel": "yes"}, "strategy.loss_parallel is 'yes'; give true or false"),
+        ({"state_dict_type": "local_in_time"}, "state_dict_type 'local_in_time' is not sharded or full"),
+        ({"wrap": ["Block"], "min_num_params": 10}, "wrap .* and min_num_params are both set"),
+    ],
+)
 def test_what_a_setting_cannot_do_is_refused_alike_under_both_presets(options, words):
     fsdp, model_parallel = (_refusal(name, **options) for name in ("fsdp", "model_parallel"))
     assert fsdp == model_parallel
@@ -67,7 +88,10 @@ def test_what_a_setting_cannot_do_is_refused_alike_under_both_presets(options, w
 
 
 def test_the_fsdp_preset_refuses_a_tp_that_does_not_divide_the_world(two_processes):
-    assert _refusal("fsdp", tp=3) == "strategy.tp is 3, which does not divide the world size (2); set tp to a divisor of 2."
+    assert (
+        _refusal("fsdp", tp=3)
+        == "strategy.tp is 3, which does not divide the world size (2); set tp to a divisor of 2."
+    )
 
 
 def test_both_presets_take_the_same_features():
@@ -75,8 +99,16 @@ def test_both_presets_take_the_same_features():
     fsdp, model_parallel = STRATEGIES.get("fsdp"), STRATEGIES.get("model_parallel")
     assert fsdp.capabilities == model_parallel.capabilities
     assert fsdp.capabilities.torch_compile and "fp16" in fsdp.capabilities.precisions
-    for option in ("offload", "activation_checkpointing", "tp_plan", "sequence_parallel", "loss_parallel", "wrap",
-                   "state_dict_type", "cpu_ram_efficient_loading"):
+    for option in (
+        "offload",
+        "activation_checkpointing",
+        "tp_plan",
+        "sequence_parallel",
+        "loss_parallel",
+        "wrap",
+        "state_dict_type",
+        "cpu_ram_efficient_loading",
+    ):
         assert option in fsdp.options and option in model_parallel.options
     assert fsdp.checkpoint_formats == model_parallel.checkpoint_formats == ("fsdp-sharded", "fsdp-full")
 
@@ -86,13 +118,39 @@ def test_the_presets_defaults_differ_only_in_sync_module_states(name, sync):
     """model_parallel broadcasts rank 0's weights before sharding (each rank may have built its own), fsdp
     only when asked (HF's default); everything else is off until asked for, under both."""
     s = STRATEGIES.get(name)(load_config({"strategy": {"name": name, "device": "cpu"}}), FP32Precision()).settings
-    got = {key: getattr(s, key) for key in ("wrap", "min_num_params", "offload", "offload_pin_memory", "activation_checkpointing",
-                                            "forward_prefetch", "sync_module_states", "cpu_ram_efficient_loading",
-                                            "state_dict_type", "tp_plan", "sequence_parallel", "loss_parallel", "reshard")}
-    assert got == {"wrap": None, "min_num_params": None, "offload": False, "offload_pin_memory": None,
-                   "activation_checkpointing": False, "forward_prefetch": False, "sync_module_states": sync,
-                   "cpu_ram_efficient_loading": False, "state_dict_type": "sharded", "tp_plan": None,
-                   "sequence_parallel": False, "loss_parallel": False, "reshard": True}
+    got = {
+        key: getattr(s, key)
+        for key in (
+            "wrap",
+            "min_num_params",
+            "offload",
+            "offload_pin_memory",
+            "activation_checkpointing",
+            "forward_prefetch",
+            "sync_module_states",
+            "cpu_ram_efficient_loading",
+            "state_dict_type",
+            "tp_plan",
+            "sequence_parallel",
+            "loss_parallel",
+            "reshard",
+        )
+    }
+    assert got == {
+        "wrap": None,
+        "min_num_params": None,
+        "offload": False,
+        "offload_pin_memory": None,
+        "activation_checkpointing": False,
+        "forward_prefetch": False,
+        "sync_module_states": sync,
+        "cpu_ram_efficient_loading": False,
+        "state_dict_type": "sharded",
+        "tp_plan": None,
+        "sequence_parallel": False,
+        "loss_parallel": False,
+        "reshard": True,
+    }
 
 
 # -- tp on a model without a plan (issue 52 item 14) -----------------------------------------------
@@ -127,8 +185,11 @@ def test_a_mapping_on_gpt2s_conv1d_layers_is_refused_too():
     from kiln.strategies.mesh.tp_plan import check_plan, resolve_plan
 
     model = _gpt2()
-    with pytest.raises(ConfigError, match=r"gives transformer.h.0.mlp.c_fc \(Conv1D\) the style 'colwise', which applies "
-                                          "to Linear layers only"):
+    with pytest.raises(
+        ConfigError,
+        match=r"gives transformer.h.0.mlp.c_fc \(Conv1D\) the style 'colwise', which applies "
+        "to Linear layers only",
+    ):
         check_plan(model, resolve_plan(model, {"transformer.h.*.mlp.c_fc": "colwise"}), 2)
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -25,8 +26,16 @@ VOCAB = 64
 def llama_config() -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
 
 
 def llama(seed: int = 0) -> Any:
@@ -49,8 +58,11 @@ class HookedLlama(TrainingModule):
 
         self.meshes.append(tuple(mesh.mesh_dim_names))
         for layer in self.llm.model.layers:
-            parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                                                       "down_proj": RowwiseParallel()})
+            parallelize_module(
+                layer.mlp,
+                mesh["tp"],
+                {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()},
+            )
 
     def training_step(self, batch: dict) -> torch.Tensor:
         return self.llm(**batch).loss
@@ -126,20 +138,33 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     # sequence parallel (sp) and loss parallel (lp) over tp 2, and both with FSDP (4 processes)
     "tp2_sp": ({"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True}}, 1),
     "tp2_lp": ({"strategy": {**MP, "mesh": {"tp": 2}, "loss_parallel": True}, **EVERY_2}, 1),
-    "tp2_sp_lp": ({"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True, "loss_parallel": True}, **EVERY_2}, 1),
+    "tp2_sp_lp": (
+        {"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True, "loss_parallel": True}, **EVERY_2},
+        1,
+    ),
     # TupleLlama, and the same module on one process (its loss is a mean per micro-batch); SGD, so a
     # weight's distance is its gradient's (AdamW's first steps divide by sqrt(v): near-zero gradient
     # elements would magnify float-order differences to 1e-4)
     "tp2_lp_tuple": ({"strategy": {**MP, "mesh": {"tp": 2}, "loss_parallel": True}, **SGD}, 1),
     "tuple_single": ({**SINGLE, **SGD}, 1),
-    "tp2_sp_lp_bf16": ({"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True, "loss_parallel": True}, **BF16}, 1),
-    "dp2tp2_sp_lp": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "tp": 2}, "sequence_parallel": True,
-                                   "loss_parallel": True}}, 2),
+    "tp2_sp_lp_bf16": (
+        {"strategy": {**MP, "mesh": {"tp": 2}, "sequence_parallel": True, "loss_parallel": True}, **BF16},
+        1,
+    ),
+    "dp2tp2_sp_lp": (
+        {"strategy": {**MP, "mesh": {"dp_shard": 2, "tp": 2}, "sequence_parallel": True, "loss_parallel": True}},
+        2,
+    ),
 }
 
 #: the cases whose activations and parameters probes.py records (result["probe"], result["params"])
 PROBED = ("tp2_sp", "tp2_lp", "tp2_sp_lp", "dp2tp2_sp_lp", "tp2_lp_tuple")
-WRAPPED = {"hook": HookedLlama, "hook_single": HookedLlama, "tp2_lp_tuple": TupleLlama, "tuple_single": TupleLlama}  # a TrainingModule holding the Llama as .llm
+WRAPPED = {
+    "hook": HookedLlama,
+    "hook_single": HookedLlama,
+    "tp2_lp_tuple": TupleLlama,
+    "tuple_single": TupleLlama,
+}  # a TrainingModule holding the Llama as .llm
 
 
 def resumed(name: str) -> tuple[str, bool]:
@@ -153,16 +178,23 @@ def resumed(name: str) -> tuple[str, bool]:
     return name, False
 
 
-def config(name: str, root: str, table: Optional[dict[str, tuple[dict[str, Any], int]]] = None,
-           **extra: Any) -> dict[str, Any]:
+def config(
+    name: str, root: str, table: dict[str, tuple[dict[str, Any], int]] | None = None, **extra: Any
+) -> dict[str, Any]:
     """The config of the named run of `table` (CASES by default; cp_cases keeps its own), with `extra` on top."""
     case, stops = resumed(name)
     entries, shards = (CASES if table is None else table)[case]
     cfg: dict[str, Any] = {
-        "output_dir": os.path.join(root, name), "seed": 3, "learning_rate": 0.01, "max_steps": 4,
-        "per_device_train_batch_size": 4 // shards, "per_device_eval_batch_size": 1,  # eval loss is a mean of batch means: one sample each
-        "gradient_accumulation_steps": 2, "max_grad_norm": 1.0,
-        "save": {"strategy": "no"}, "log": {"history": [], "disable_tqdm": True, "steps": 1},
+        "output_dir": os.path.join(root, name),
+        "seed": 3,
+        "learning_rate": 0.01,
+        "max_steps": 4,
+        "per_device_train_batch_size": 4 // shards,
+        "per_device_eval_batch_size": 1,  # eval loss is a mean of batch means: one sample each
+        "gradient_accumulation_steps": 2,
+        "max_grad_norm": 1.0,
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
     }
     cfg.update(entries)
     if case != name:  # a resumed run: no checkpoints of its own
@@ -179,7 +211,13 @@ def data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def trainer_for(name: str, root: str, model: Any = None, **extra: Any) -> Any:
     from kiln import Trainer
 
-    if model is None and name in ("dp2", "dp2tp2", "dp2tp2_ck", "hsdp", "dp2tp2_sp_lp"):  # each rank builds other weights: rank 0's must win (sync before sharding)
+    if model is None and name in (
+        "dp2",
+        "dp2tp2",
+        "dp2tp2_ck",
+        "hsdp",
+        "dp2tp2_sp_lp",
+    ):  # each rank builds other weights: rank 0's must win (sync before sharding)
         model = llama(seed=int(os.environ.get("RANK", "0")))
     if model is None and name == "loaded_tp2":
         from transformers import LlamaForCausalLM
@@ -213,11 +251,17 @@ def run_case(name: str, root: str, export: Any = None, **extra: Any) -> tuple[di
     if export is not None:
         trainer.save_model(export)
     hist = trainer.state.log_history
-    result = {"losses": [h["loss"] for h in hist if "loss" in h], "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
-              "eval_loss": metrics["eval_loss"], "strategy": type(trainer.strategy).__name__,
-              "data_shards": trainer.strategy.data_shards, "tp_split": tp_split(trainer.model),
-              "steps": trainer.state.global_step, "fsdp_units": fsdp_units(trainer.model),
-              "releases_groups": releases_groups(trainer.model)}
+    result = {
+        "losses": [h["loss"] for h in hist if "loss" in h],
+        "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
+        "eval_loss": metrics["eval_loss"],
+        "strategy": type(trainer.strategy).__name__,
+        "data_shards": trainer.strategy.data_shards,
+        "tp_split": tp_split(trainer.model),
+        "steps": trainer.state.global_step,
+        "fsdp_units": fsdp_units(trainer.model),
+        "releases_groups": releases_groups(trainer.model),
+    }
     if name.startswith("hook"):
         result["meshes"] = trainer.model.meshes
         result["foreach"] = [group["foreach"] for group in trainer.optimizer.param_groups]

@@ -39,7 +39,10 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "cp_single_bf16": ({**SINGLE, "bf16": True, "optim": "sgd", "learning_rate": 0.5}, 1),
     "dp2cp2": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "cp": 2}}}, 2),
     "cp_one": ({"strategy": {**MP, "mesh": {"dp_shard": 1}}}, 1),
-    "cp2tp2": ({"strategy": {**MP, "mesh": {"cp": 2, "tp": 2}, "tp_plan": TOKEN_PLAN}}, 1),  # resumes a cp checkpoint on one process
+    "cp2tp2": (
+        {"strategy": {**MP, "mesh": {"cp": 2, "tp": 2}, "tp_plan": TOKEN_PLAN}},
+        1,
+    ),  # resumes a cp checkpoint on one process
     "llama_single_cuda": ({"strategy": {"name": "single", "device": "cuda"}}, 1),
     "llama_cp2_cuda": ({"strategy": {**MP, "device": "cuda", "mesh": {"cp": 2}}}, 1),
 }
@@ -73,8 +76,9 @@ class TokenLocalLM(TrainingModule):
 
     def training_step(self, batch: dict) -> torch.Tensor:
         targets = self.targets(batch)
-        total = F.cross_entropy(self.logits(batch).flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
-                                reduction="sum")
+        total = F.cross_entropy(
+            self.logits(batch).flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+        )
         return total / targets.ne(-100).sum().clamp(min=1)  # a chunk without targets: 0 (kiln weighs it 0)
 
     def num_items(self, batch: dict) -> torch.Tensor:
@@ -97,9 +101,13 @@ def _counting_trainer() -> Any:
 
         items: list[float] = []
 
-        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        def compute_loss(
+            self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+        ) -> Any:
             self.items.append(float(num_items_in_batch))
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
 
     return CountingTrainer
 
@@ -115,14 +123,22 @@ def llama_sdpa() -> Any:
 
 def run_case(name: str, root: str, **extra: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     model = llama_sdpa() if name.startswith("llama") else TokenLocalLM()
-    trainer = _counting_trainer()(model, config(name, root, **extra), train_dataset=data(32, seed=1),
-                                  eval_dataset=data(8, seed=2))
+    trainer = _counting_trainer()(
+        model, config(name, root, **extra), train_dataset=data(32, seed=1), eval_dataset=data(8, seed=2)
+    )
     trainer.items = []
     trainer.fit()
     metrics = trainer.evaluate()
     hist, s = trainer.state.log_history, trainer.strategy
-    result = {"losses": [h["loss"] for h in hist if "loss" in h], "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
-              "eval_loss": metrics["eval_loss"], "items": trainer.items, "tokens_seen": trainer.state.num_input_tokens_seen,
-              "steps": trainer.state.global_step, "data_shards": s.data_shards, "item_shards": s.item_shards,
-              "grad_divisor": s.grad_divisor}
+    result = {
+        "losses": [h["loss"] for h in hist if "loss" in h],
+        "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
+        "eval_loss": metrics["eval_loss"],
+        "items": trainer.items,
+        "tokens_seen": trainer.state.num_input_tokens_seen,
+        "steps": trainer.state.global_step,
+        "data_shards": s.data_shards,
+        "item_shards": s.item_shards,
+        "grad_divisor": s.grad_divisor,
+    }
     return result, cases.full_weights(trainer)

@@ -18,14 +18,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
 
 
-def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False,
-             options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def describe(
+    world: int, rank: int, mesh: dict[str, int], bf16: bool = False, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     import logging
 
     import torch.distributed as dist
@@ -71,23 +72,39 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False,
     params = {}
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
-            params[name] = {"mesh": list(p.device_mesh.mesh_dim_names), "placements": [repr(x) for x in p.placements],
-                            "local": list(p.to_local().shape), "global": list(p.shape)}
+            params[name] = {
+                "mesh": list(p.device_mesh.mesh_dim_names),
+                "placements": [repr(x) for x in p.placements],
+                "local": list(p.to_local().shape),
+                "global": list(p.shape),
+            }
         else:
             params[name] = {"mesh": None, "placements": None, "local": list(p.shape), "global": list(p.shape)}
     group = strategy._dp_group
-    out = {"names": list(device_mesh.mesh_dim_names), "sizes": list(device_mesh.shape),
-           "coordinate": device_mesh.get_coordinate(), "data_shards": strategy.data_shards,
-           "data_shard_rank": strategy.data_shard_rank, "grad_divisor": strategy.grad_divisor,
-           "dp_group": None if group is None else dist.get_process_group_ranks(group), "params": params,
-           "precision": type(precision).__name__,
-           "fsdp_param_dtypes": sorted({str(m._get_fsdp_state()._mp_policy.param_dtype)
-                                        for m in model.modules() if isinstance(m, FSDPModule)}),
-           # FSDP2 keeps a unit's gathered parameters after forward unless it reshards (ZeRO-3's memory)
-           "reshard_after_forward": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
-                                            for m in model.modules() if isinstance(m, FSDPModule)
-                                            and m._get_fsdp_state()._fsdp_param_group is not None}),
-           "loss_parallel": strategy._loss_parallel is not None, "logs": logs}
+    out = {
+        "names": list(device_mesh.mesh_dim_names),
+        "sizes": list(device_mesh.shape),
+        "coordinate": device_mesh.get_coordinate(),
+        "data_shards": strategy.data_shards,
+        "data_shard_rank": strategy.data_shard_rank,
+        "grad_divisor": strategy.grad_divisor,
+        "dp_group": None if group is None else dist.get_process_group_ranks(group),
+        "params": params,
+        "precision": type(precision).__name__,
+        "fsdp_param_dtypes": sorted(
+            {str(m._get_fsdp_state()._mp_policy.param_dtype) for m in model.modules() if isinstance(m, FSDPModule)}
+        ),
+        # FSDP2 keeps a unit's gathered parameters after forward unless it reshards (ZeRO-3's memory)
+        "reshard_after_forward": sorted(
+            {
+                m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+                for m in model.modules()
+                if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None
+            }
+        ),
+        "loss_parallel": strategy._loss_parallel is not None,
+        "logs": logs,
+    }
     logger.removeHandler(handler)
     out["sdpa"] = _sdpa(strategy, model)  # without cp, plain SDPA runs inside the micro-batch context
     if cp:
@@ -100,8 +117,6 @@ def describe(world: int, rank: int, mesh: dict[str, int], bf16: bool = False,
 def _cp_probe(strategy: Any, model: Any) -> dict[str, Any]:
     import torch
 
-    from kiln.utils.errors import ConfigError
-
     ids = torch.arange(16).view(2, 8)  # token t of row b is 8b + t: the chunk names its own indices
     labels = ids + 100
     model.train()
@@ -109,13 +124,17 @@ def _cp_probe(strategy: Any, model: Any) -> dict[str, Any]:
     model.eval()
     whole = strategy.batch_to_device({"input_ids": ids, "labels": labels})
     model.train()
-    return {"cp_rank": strategy._cp_rank, "item_shards": strategy.item_shards,
-            "chunk": {k: v.tolist() for k, v in train.items()}, "eval_keys": sorted(whole),
-            "eval_ids": whole["input_ids"].tolist()}
+    return {
+        "cp_rank": strategy._cp_rank,
+        "item_shards": strategy.item_shards,
+        "chunk": {k: v.tolist() for k, v in train.items()},
+        "eval_keys": sorted(whole),
+        "eval_ids": whole["input_ids"].tolist(),
+    }
 
 
 def _sdpa(strategy: Any, model: Any) -> str:
-    """"ran", or the sentence an SDPA call inside `micro_batch_context` fails with (under cp on CPU)."""
+    """ "ran", or the sentence an SDPA call inside `micro_batch_context` fails with (under cp on CPU)."""
     import torch
 
     from kiln.utils.errors import ConfigError

@@ -11,8 +11,12 @@ from typing import Any
 
 import torch
 
-NORMS = ("model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm", "model.layers.1.input_layernorm",
-         "model.norm")
+NORMS = (
+    "model.layers.0.input_layernorm",
+    "model.layers.0.post_attention_layernorm",
+    "model.layers.1.input_layernorm",
+    "model.norm",
+)
 BLOCKS = ("model.layers.0.self_attn", "model.layers.0.mlp")
 COLWISE = "model.layers.0.self_attn.q_proj"
 PARAMS = ("model.norm.weight", "model.layers.0.input_layernorm.weight", "lm_head.weight", "model.embed_tokens.weight")
@@ -22,7 +26,11 @@ def layout(x: Any) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     if isinstance(x, DTensor):
-        return {"placements": [repr(p) for p in x.placements], "local": list(x.to_local().shape), "global": list(x.shape)}
+        return {
+            "placements": [repr(p) for p in x.placements],
+            "local": list(x.to_local().shape),
+            "global": list(x.shape),
+        }
     return {"placements": None, "local": list(x.shape), "global": list(x.shape)}
 
 
@@ -49,11 +57,13 @@ def watch(llm: torch.nn.Module) -> dict[str, Any]:
     def on_input(place: str) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             note(module, place, args[0] if args else kwargs["hidden_states"])
+
         return hook
 
     def on_output(place: str) -> Any:
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             note(module, place, output[0] if isinstance(output, tuple) else output)
+
         return hook
 
     for name in (*NORMS, COLWISE, *BLOCKS):
@@ -67,8 +77,10 @@ def watch(llm: torch.nn.Module) -> dict[str, Any]:
         mode = _mode(module)
         seen.setdefault(f"{mode} loss_parallel in forward", _loss_parallel_on())
         if split.requires_grad:
+
             def backward(grad: Any) -> None:
                 seen.setdefault(f"{mode} loss_parallel in backward", _loss_parallel_on())
+
             split.register_hook(backward)
 
     llm.register_forward_hook(logits)
@@ -83,8 +95,11 @@ def parameters(model: torch.nn.Module) -> dict[str, Any]:
     for full, p in model.named_parameters():
         name = next((want for want in PARAMS if full == want or full.endswith("." + want)), None)
         if name is not None:
-            out[name] = ([list(p.device_mesh.mesh_dim_names), [repr(x) for x in p.placements]]
-                         if isinstance(p, DTensor) else None)
+            out[name] = (
+                [list(p.device_mesh.mesh_dim_names), [repr(x) for x in p.placements]]
+                if isinstance(p, DTensor)
+                else None
+            )
     return out
 
 

@@ -54,23 +54,45 @@ def test_contiguous_chunks_keep_true_positions_and_the_boundary_target():
 
 
 def test_every_batch_by_sequence_tensor_is_split_and_the_rest_left_whole():
-    batch = {"input_ids": IDS, "loss_mask": torch.ones(2, 8), "embeds": torch.zeros(2, 8, 3), "label": torch.tensor([1, 0]),
-             "shift_labels": LABELS, "attention_mask": torch.ones(2, 8, dtype=torch.long), "position_ids": torch.arange(8)}
+    batch = {
+        "input_ids": IDS,
+        "loss_mask": torch.ones(2, 8),
+        "embeds": torch.zeros(2, 8, 3),
+        "label": torch.tensor([1, 0]),
+        "shift_labels": LABELS,
+        "attention_mask": torch.ones(2, 8, dtype=torch.long),
+        "position_ids": torch.arange(8),
+    }
     mine = prepare_batch(batch, cp=2, rank=1, load_balance=False)
-    assert mine["loss_mask"].shape == (2, 4) and mine["embeds"].shape == (2, 4, 3) and mine["attention_mask"].shape == (2, 4)
+    assert (
+        mine["loss_mask"].shape == (2, 4)
+        and mine["embeds"].shape == (2, 4, 3)
+        and mine["attention_mask"].shape == (2, 4)
+    )
     assert torch.equal(mine["label"], batch["label"])  # per sample: whole
     assert mine["shift_labels"].tolist() == [[104, 105, 106, 107], [112, 113, 114, 115]]  # given ones are kept, split
     assert mine["position_ids"].tolist() == [[4, 5, 6, 7]] * 2  # a given 0..L-1 (broadcast) is split like the rest
-    assert "labels" not in mine and batch["input_ids"] is IDS and batch["input_ids"].shape == (2, 8)  # the input is untouched
+    assert (
+        "labels" not in mine and batch["input_ids"] is IDS and batch["input_ids"].shape == (2, 8)
+    )  # the input is untouched
 
 
-@pytest.mark.parametrize("batch, words", [
-    ({"input_ids": torch.zeros(2, 6, dtype=torch.long)}, r"sequence length 6, which 2 x cp = 4 \(load balancing"),
-    ({"input_ids": IDS, "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])}, "cannot apply a padding attention_mask"),
-    ({"input_ids": IDS, "position_ids": torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])}, "across the documents of a packed row"),
-    ([IDS], "batches must be dicts with input_ids"),
-    ({"pixels": torch.zeros(2, 3, 8, 8)}, "needs input_ids"),
-])
+@pytest.mark.parametrize(
+    "batch, words",
+    [
+        ({"input_ids": torch.zeros(2, 6, dtype=torch.long)}, r"sequence length 6, which 2 x cp = 4 \(load balancing"),
+        (
+            {"input_ids": IDS, "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])},
+            "cannot apply a padding attention_mask",
+        ),
+        (
+            {"input_ids": IDS, "position_ids": torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])},
+            "across the documents of a packed row",
+        ),
+        ([IDS], "batches must be dicts with input_ids"),
+        ({"pixels": torch.zeros(2, 3, 8, 8)}, "needs input_ids"),
+    ],
+)
 def test_a_batch_cp_cannot_split_exactly_is_one_sentence(batch, words):
     with pytest.raises(ConfigError, match=words) as err:
         prepare_batch(batch, cp=2, rank=0, load_balance=True)
@@ -92,11 +114,26 @@ def _llama(impl: str):
     return model
 
 
-@pytest.mark.parametrize("impl, device, words", [
-    ("eager", "cuda", "uses eager attention, which under context parallel would attend only within each rank's chunk"),
-    ("flash_attention_2", "cuda", "uses 'flash_attention_2' attention, but context parallel shards only torch's SDPA"),
-    ("sdpa", "cpu", "^context parallel's ring attention needs CUDA SDPA \\(flash/efficient/cudnn\\); on CPU use cp: 1.$"),
-])
+@pytest.mark.parametrize(
+    "impl, device, words",
+    [
+        (
+            "eager",
+            "cuda",
+            "uses eager attention, which under context parallel would attend only within each rank's chunk",
+        ),
+        (
+            "flash_attention_2",
+            "cuda",
+            "uses 'flash_attention_2' attention, but context parallel shards only torch's SDPA",
+        ),
+        (
+            "sdpa",
+            "cpu",
+            "^context parallel's ring attention needs CUDA SDPA \\(flash/efficient/cudnn\\); on CPU use cp: 1.$",
+        ),
+    ],
+)
 def test_attention_cp_cannot_shard_is_refused(impl, device, words):
     with pytest.raises(ConfigError, match=words) as err:
         check_model(_llama(impl), device)
@@ -147,16 +184,20 @@ def test_cp_composes_with_the_data_parallel_axes_and_tp():
     assert (shape.dp, shape.dp_cp, shape.model_ranks) == (1, 2, 4)
 
 
-@pytest.mark.parametrize("extra, words", [
-    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor with strategy.mesh.cp > 1 is not supported"),
-    ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha with strategy.mesh.cp > 1 is not supported"),
-    ({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"cp": 2}, "cp_load_balance": "yes"}},
-     "strategy.cp_load_balance is 'yes'; give true or false"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"label_smoothing_factor": 0.1}, "label_smoothing_factor with strategy.mesh.cp > 1 is not supported"),
+        ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha with strategy.mesh.cp > 1 is not supported"),
+        (
+            {"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"cp": 2}, "cp_load_balance": "yes"}},
+            "strategy.cp_load_balance is 'yes'; give true or false",
+        ),
+    ],
+)
 def test_what_cp_was_not_made_to_work_with_is_refused_before_any_group(extra, words):
     import torch.distributed as dist
 
-    from kiln.precision import build_precision
     from kiln.strategies.model_parallel.strategy import ModelParallelStrategy
 
     cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}, **extra})
@@ -165,4 +206,3 @@ def test_what_cp_was_not_made_to_work_with_is_refused_before_any_group(extra, wo
     with pytest.raises(ConfigError, match=words):
         strategy._check_cp_config()
     assert not dist.is_initialized()
-

@@ -44,7 +44,9 @@ def test_cp2_trains_like_one_process(two, single, case):
     got = results[case]
     assert (got["data_shards"], got["item_shards"], got["grad_divisor"]) == (1, 2, 2)
     assert any(n > 1.0 for n in single[0]["grad_norms"])  # clipping at 1.0 really acts
-    assert len(single[0]["items"]) == 8 and single[0]["tokens_seen"] == 4 * 2 * 4 * cp_cases.LENGTH  # steps x micro x rows
+    assert (
+        len(single[0]["items"]) == 8 and single[0]["tokens_seen"] == 4 * 2 * 4 * cp_cases.LENGTH
+    )  # steps x micro x rows
     _same_run(got, single[0])
     _same_weights(weights[case], single[1])
 
@@ -101,7 +103,9 @@ def test_cp2_x_tp2_on_four_processes_trains_like_one(tmp_path, single):
     _same_weights(weights["cp2tp2"], single[1])
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ring attention needs 2 CUDA devices (torch has no CPU kernel)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="ring attention needs 2 CUDA devices (torch has no CPU kernel)"
+)
 def test_llama_sdpa_cp2_on_cuda_trains_like_one_gpu(tmp_path):
     """Never run on this project's CPU machines: the ring attention itself (torch's flash/efficient
     SDPA handlers), with the attention-mask hook and head-tail load balancing."""

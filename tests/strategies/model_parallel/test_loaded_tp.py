@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from torch import nn
 
 from kiln.config import load_config
@@ -51,22 +49,43 @@ class _Split(nn.Module):
         self.config = SimpleNamespace(distributed_config=SimpleNamespace(tp_size=tp, **axes))
 
 
-@pytest.mark.parametrize("cfg, model, world, words", [
-    ({"strategy": {"name": "ddp"}}, _Split(), 2, "strategy 'ddp' cannot train a model whose layers are already DTensors"),
-    ({}, _Split(), 4, "this run has 4 processes; a loaded model trains with tensor parallelism only, so start 2"),
-    ({"strategy": {"name": "model_parallel", "options": {"mesh": {"dp_shard": 2, "tp": 2}}}}, _Split(), 2,
-     r"strategy.mesh is \{'dp_shard': 2, 'tp': 2\}; drop strategy.mesh or set it to \{tp: 2\}"),
-    ({"strategy": {"name": "model_parallel", "options": {"tp_plan": "auto"}}}, _Split(), 2, "drop strategy.tp_plan"),
-    ({}, _Split(fsdp_size=2), 4, "with fsdp_size 2; kiln takes over only the tensor parallelism"),
-    ({}, _Split(pp_size=2, ep_size=2), 8, "with pp_size 2, ep_size 2;"),
-])
+@pytest.mark.parametrize(
+    "cfg, model, world, words",
+    [
+        (
+            {"strategy": {"name": "ddp"}},
+            _Split(),
+            2,
+            "strategy 'ddp' cannot train a model whose layers are already DTensors",
+        ),
+        ({}, _Split(), 4, "this run has 4 processes; a loaded model trains with tensor parallelism only, so start 2"),
+        (
+            {"strategy": {"name": "model_parallel", "options": {"mesh": {"dp_shard": 2, "tp": 2}}}},
+            _Split(),
+            2,
+            r"strategy.mesh is \{'dp_shard': 2, 'tp': 2\}; drop strategy.mesh or set it to \{tp: 2\}",
+        ),
+        (
+            {"strategy": {"name": "model_parallel", "options": {"tp_plan": "auto"}}},
+            _Split(),
+            2,
+            "drop strategy.tp_plan",
+        ),
+        ({}, _Split(fsdp_size=2), 4, "with fsdp_size 2; kiln takes over only the tensor parallelism"),
+        ({}, _Split(pp_size=2, ep_size=2), 8, "with pp_size 2, ep_size 2;"),
+    ],
+)
 def test_what_cannot_train_a_model_split_at_load_is_refused(cfg, model, world, words):
     with pytest.raises(ConfigError, match=words):
         adopt_loaded_model(load_config(cfg), model, world)
 
 
 def test_strategy_auto_becomes_model_parallel_over_the_loaded_tp_size():
-    for cfg in ({}, {"strategy": {"name": "model_parallel"}}, {"strategy": {"name": "model_parallel", "options": {"mesh": {"tp": 2, "dp_shard": 1}}}}):
+    for cfg in (
+        {},
+        {"strategy": {"name": "model_parallel"}},
+        {"strategy": {"name": "model_parallel", "options": {"mesh": {"tp": 2, "dp_shard": 1}}}},
+    ):
         config = load_config(cfg)
         adopt_loaded_model(config, _Split(), 2)
         assert config.strategy.name == "model_parallel" and dict(config.strategy.options.mesh) == {"tp": 2}
@@ -90,9 +109,11 @@ def test_a_plain_model_never_loads_this_module(tmp_path):
     """The Trainer asks every model whether transformers split it; for any other model the answer costs no import."""
     import subprocess
 
-    code = ("import sys, torch; from kiln import Trainer; "
-            f"Trainer(torch.nn.Linear(2, 1), {{'output_dir': {str(tmp_path)!r}, 'strategy': {{'device': 'cpu'}}}}); "
-            "print('kiln.strategies.mesh.presharded' in sys.modules)")
+    code = (
+        "import sys, torch; from kiln import Trainer; "
+        f"Trainer(torch.nn.Linear(2, 1), {{'output_dir': {str(tmp_path)!r}, 'strategy': {{'device': 'cpu'}}}}); "
+        "print('kiln.strategies.mesh.presharded' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"

@@ -35,15 +35,22 @@ def test_a_mesh_describes_itself_by_the_axes_it_uses():
     assert parse_mesh({"dp_shard": 1}, 1).describe() == "one process"
 
 
-@pytest.mark.parametrize("mesh, world, words", [
-    ({"dp_shard": 2, "tp": 2}, 6, "multiplies to 4 processes but this run has 6"),
-    ({"dp_shard": -1, "tp": 4}, 6, "does not divide the world size 6"),
-    ({"dp_shard": -1, "tp": -1}, 4, "only one axis may take the rest"),
-    ({"tp": 0}, 1, "strategy.mesh.tp is 0"),
-    ({"pp": 2}, 2, r"strategy.mesh.pp is 2, but kiln does not run pipeline parallelism yet \(the pp axis is reserved"),
-    ({"ep": 2, "dp_shard": 2}, 2, r"strategy.mesh.ep is 2, but kiln does not run expert parallelism yet"),
-    ({"dp": 2}, 2, "unknown axis 'dp'"),
-])
+@pytest.mark.parametrize(
+    "mesh, world, words",
+    [
+        ({"dp_shard": 2, "tp": 2}, 6, "multiplies to 4 processes but this run has 6"),
+        ({"dp_shard": -1, "tp": 4}, 6, "does not divide the world size 6"),
+        ({"dp_shard": -1, "tp": -1}, 4, "only one axis may take the rest"),
+        ({"tp": 0}, 1, "strategy.mesh.tp is 0"),
+        (
+            {"pp": 2},
+            2,
+            r"strategy.mesh.pp is 2, but kiln does not run pipeline parallelism yet \(the pp axis is reserved",
+        ),
+        ({"ep": 2, "dp_shard": 2}, 2, r"strategy.mesh.ep is 2, but kiln does not run expert parallelism yet"),
+        ({"dp": 2}, 2, "unknown axis 'dp'"),
+    ],
+)
 def test_a_wrong_mesh_is_one_sentence(mesh, world, words):
     with pytest.raises(ConfigError, match=words) as err:
         parse_mesh(mesh, world)
@@ -71,16 +78,31 @@ def _trainer(tmp_path, **cfg):
     return Trainer(llama(), {**base, **cfg}, train_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}])
 
 
-@pytest.mark.parametrize("cfg, error, words", [
-    ({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"tp": 2}}}, ConfigError,
-     r"strategy.mesh \(tp: 2\) multiplies to 2 processes but this run has 1"),
-    ({"parallelism_config": {"dp_shard_size": 2, "tp_size": 2}, "strategy": {"device": "cpu"}}, ConfigError,
-     "multiplies to 4 processes but this run has 1"),
-    ({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"cp": 1, "tp": 1}}, "precision": "apex"},
-     CapabilityError, "cannot train with precision 'apex': apex's amp cannot handle"),
-    ({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"tp": 1}, "tp_pln": "auto"}}, ConfigError,
-     "Did you mean 'tp_plan'"),
-])
+@pytest.mark.parametrize(
+    "cfg, error, words",
+    [
+        (
+            {"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"tp": 2}}},
+            ConfigError,
+            r"strategy.mesh \(tp: 2\) multiplies to 2 processes but this run has 1",
+        ),
+        (
+            {"parallelism_config": {"dp_shard_size": 2, "tp_size": 2}, "strategy": {"device": "cpu"}},
+            ConfigError,
+            "multiplies to 4 processes but this run has 1",
+        ),
+        (
+            {"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"cp": 1, "tp": 1}}, "precision": "apex"},
+            CapabilityError,
+            "cannot train with precision 'apex': apex's amp cannot handle",
+        ),
+        (
+            {"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"tp": 1}, "tp_pln": "auto"}},
+            ConfigError,
+            "Did you mean 'tp_plan'",
+        ),
+    ],
+)
 def test_the_trainer_refuses_in_its_constructor(tmp_path, cfg, error, words):
     import torch.distributed as dist
 
@@ -101,28 +123,50 @@ def test_auto_is_the_llama_plan_with_its_prefixes():
 
 
 def test_a_mapping_matches_patterns_and_replicate_leaves_a_layer_whole():
-    plan = resolve_plan(llama(), {"model.layers.*.mlp.up_proj": "colwise", "model.layers.0.mlp.down_proj": "replicate",
-                                  "model.layers.*.mlp.down_proj": "rowwise"})
-    assert plan == {"model.layers.0.mlp.up_proj": "colwise", "model.layers.1.mlp.up_proj": "colwise",
-                    "model.layers.1.mlp.down_proj": "rowwise"}
+    plan = resolve_plan(
+        llama(),
+        {
+            "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.0.mlp.down_proj": "replicate",
+            "model.layers.*.mlp.down_proj": "rowwise",
+        },
+    )
+    assert plan == {
+        "model.layers.0.mlp.up_proj": "colwise",
+        "model.layers.1.mlp.up_proj": "colwise",
+        "model.layers.1.mlp.down_proj": "rowwise",
+    }
 
 
-@pytest.mark.parametrize("plan, words", [
-    ({"model.layers.*.mlp.up_prj": "colwise"}, "names 'model.layers.*.mlp.up_prj', which matches no module of LlamaForCausalLM"),
-    ({"model.layers.*.mlp.up_proj": "diagonal"}, "unknown style 'diagonal'"),
-    ({"model.norm": "sequence_parallel"}, "style 'sequence_parallel', which kiln does not take in a mapping"),
-    ("everything", "strategy.tp_plan is 'everything'"),
-])
+@pytest.mark.parametrize(
+    "plan, words",
+    [
+        (
+            {"model.layers.*.mlp.up_prj": "colwise"},
+            "names 'model.layers.*.mlp.up_prj', which matches no module of LlamaForCausalLM",
+        ),
+        ({"model.layers.*.mlp.up_proj": "diagonal"}, "unknown style 'diagonal'"),
+        ({"model.norm": "sequence_parallel"}, "style 'sequence_parallel', which kiln does not take in a mapping"),
+        ("everything", "strategy.tp_plan is 'everything'"),
+    ],
+)
 def test_a_wrong_plan_is_one_sentence(plan, words):
     with pytest.raises(ConfigError, match=words):
         resolve_plan(llama(), plan)
 
 
-@pytest.mark.parametrize("plan, tp, words", [
-    ("auto", 8, "tp 8 does not divide the model's 4 attention heads"),
-    ("auto", 4, "tp 4 does not divide the model's 2 key/value heads"),
-    ({"model.norm": "colwise"}, 2, r"gives model.norm \(LlamaRMSNorm\) the style 'colwise', which applies to Linear"),
-])
+@pytest.mark.parametrize(
+    "plan, tp, words",
+    [
+        ("auto", 8, "tp 8 does not divide the model's 4 attention heads"),
+        ("auto", 4, "tp 4 does not divide the model's 2 key/value heads"),
+        (
+            {"model.norm": "colwise"},
+            2,
+            r"gives model.norm \(LlamaRMSNorm\) the style 'colwise', which applies to Linear",
+        ),
+    ],
+)
 def test_the_tp_size_must_fit_the_model(plan, tp, words):
     model = llama()
     with pytest.raises(ConfigError, match=words):

@@ -28,10 +28,18 @@ DP_CP = {"dp_shard": 2, "cp": 2}
 HSDP_CP = {"dp_replicate": 2, "dp_shard": 2, "cp": 2}
 SP_LP = {"sequence_parallel": True, "loss_parallel": True}
 #: [world, rank, mesh, bf16(, options)], one fake world each (cp worlds train cp_cases.TokenLocalLM)
-WORLDS = [[8, 5, HSDP_TP, True], [4, 2, HSDP, False], [4, 3, DP_TP, False], [2, 1, {"tp": 2}, True],
-          [2, 1, CP, True], [4, 3, DP_CP, False], [8, 5, HSDP_CP, False],
-          [4, 3, DP_TP, False, SP_LP], [2, 0, {"tp": 2}, False, {"loss_parallel": True, "tie_word_embeddings": True}],
-          [8, 7, {"dp_shard": 2, "cp": 2, "tp": 2}, False, {"tp_plan": cp_cases.TOKEN_PLAN}]]
+WORLDS = [
+    [8, 5, HSDP_TP, True],
+    [4, 2, HSDP, False],
+    [4, 3, DP_TP, False],
+    [2, 1, {"tp": 2}, True],
+    [2, 1, CP, True],
+    [4, 3, DP_CP, False],
+    [8, 5, HSDP_CP, False],
+    [4, 3, DP_TP, False, SP_LP],
+    [2, 0, {"tp": 2}, False, {"loss_parallel": True, "tie_word_embeddings": True}],
+    [8, 7, {"dp_shard": 2, "cp": 2, "tp": 2}, False, {"tp_plan": cp_cases.TOKEN_PLAN}],
+]
 
 
 @pytest.fixture(scope="module")
@@ -68,21 +76,50 @@ def test_hsdp_x_tp_mesh_and_the_place_of_a_rank(layouts):
 # (parameter, its mesh, placements per axis, local shard) of the 8-rank HSDP x TP world
 HSDP_TP_LAYOUT = [
     # colwise: TP splits the output features, FSDP shards that split again (strided), replicas hold it whole
-    ("model.layers.0.self_attn.q_proj.weight", ["dp_replicate", "dp_shard", "tp"],
-     ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [8, 32]),
-    ("model.layers.0.self_attn.k_proj.weight", ["dp_replicate", "dp_shard", "tp"],
-     ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [4, 32]),
-    ("model.layers.1.mlp.up_proj.weight", ["dp_replicate", "dp_shard", "tp"],
-     ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [16, 32]),
+    (
+        "model.layers.0.self_attn.q_proj.weight",
+        ["dp_replicate", "dp_shard", "tp"],
+        ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"],
+        [8, 32],
+    ),
+    (
+        "model.layers.0.self_attn.k_proj.weight",
+        ["dp_replicate", "dp_shard", "tp"],
+        ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"],
+        [4, 32],
+    ),
+    (
+        "model.layers.1.mlp.up_proj.weight",
+        ["dp_replicate", "dp_shard", "tp"],
+        ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"],
+        [16, 32],
+    ),
     # rowwise: TP splits the input features, FSDP the rows
-    ("model.layers.0.self_attn.o_proj.weight", ["dp_replicate", "dp_shard", "tp"],
-     ["Replicate()", "Shard(dim=0)", "Shard(dim=1)"], [16, 16]),
-    ("model.layers.1.mlp.down_proj.weight", ["dp_replicate", "dp_shard", "tp"],
-     ["Replicate()", "Shard(dim=0)", "Shard(dim=1)"], [16, 32]),
+    (
+        "model.layers.0.self_attn.o_proj.weight",
+        ["dp_replicate", "dp_shard", "tp"],
+        ["Replicate()", "Shard(dim=0)", "Shard(dim=1)"],
+        [16, 16],
+    ),
+    (
+        "model.layers.1.mlp.down_proj.weight",
+        ["dp_replicate", "dp_shard", "tp"],
+        ["Replicate()", "Shard(dim=0)", "Shard(dim=1)"],
+        [16, 32],
+    ),
     # the vocabulary split of the embedding and of lm_head (gathered output)
-    ("model.embed_tokens.weight", ["dp_replicate", "dp_shard", "tp"],
-     ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [16, 32]),
-    ("lm_head.weight", ["dp_replicate", "dp_shard", "tp"], ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [16, 32]),
+    (
+        "model.embed_tokens.weight",
+        ["dp_replicate", "dp_shard", "tp"],
+        ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"],
+        [16, 32],
+    ),
+    (
+        "lm_head.weight",
+        ["dp_replicate", "dp_shard", "tp"],
+        ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"],
+        [16, 32],
+    ),
     # not in the plan: FSDP alone, on the 2-D data-parallel mesh
     ("model.layers.0.input_layernorm.weight", ["dp_replicate", "dp_shard"], ["Replicate()", "Shard(dim=0)"], [16]),
     ("model.norm.weight", ["dp_replicate", "dp_shard"], ["Replicate()", "Shard(dim=0)"], [16]),
@@ -120,7 +157,10 @@ def test_dp_shard_x_tp_has_no_replicate_axis(layouts):
     assert mesh["sizes"] == [1, 2, 1, 2] and mesh["coordinate"] == [0, 1, 0, 1]
     assert (mesh["data_shards"], mesh["data_shard_rank"], mesh["grad_divisor"], mesh["dp_group"]) == (2, 1, 2, [1, 3])
     assert _param(mesh, "model.layers.0.self_attn.q_proj.weight") == (
-        ["dp_shard", "tp"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], [8, 32])
+        ["dp_shard", "tp"],
+        ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"],
+        [8, 32],
+    )
     assert _param(mesh, "model.norm.weight") == (["dp_shard"], ["Shard(dim=0)"], [16])
     _every_shard_accounted(mesh, DP_TP)
 
@@ -148,7 +188,9 @@ def test_cp_alone_shards_fsdp_over_the_cp_ranks(layouts):
     for name, p in mesh["params"].items():
         assert (p["mesh"], p["placements"]) == (["dp_shard_cp"], ["Shard(dim=0)"]), name
     _every_shard_accounted(mesh, {"dp_shard_cp": 2})
-    assert mesh["fsdp_param_dtypes"] == ["torch.bfloat16"] and mesh["precision"].startswith("FSDP")  # bf16: FSDP's policy
+    assert mesh["fsdp_param_dtypes"] == ["torch.bfloat16"] and mesh["precision"].startswith(
+        "FSDP"
+    )  # bf16: FSDP's policy
 
 
 def test_cp_rank_trains_on_its_own_chunk_and_evaluates_whole_sequences(layouts):
@@ -164,8 +206,9 @@ def test_cp_rank_trains_on_its_own_chunk_and_evaluates_whole_sequences(layouts):
 
 
 def test_sdpa_under_cp_on_cpu_is_refused_with_the_sentence(layouts):
-    assert layouts[4]["sdpa"] == ("context parallel's ring attention needs CUDA SDPA (flash/efficient/cudnn); "
-                                  "on CPU use cp: 1.")
+    assert layouts[4]["sdpa"] == (
+        "context parallel's ring attention needs CUDA SDPA (flash/efficient/cudnn); on CPU use cp: 1."
+    )
     assert layouts[3]["sdpa"] == layouts[1]["sdpa"] == "ran"  # no cp (tp 2; HSDP): plain SDPA, no CP dispatcher
 
 
@@ -187,6 +230,8 @@ def test_hsdp_x_cp_replicates_over_dp_replicate_and_shards_over_dp_shard_cp(layo
     for name, p in mesh["params"].items():
         assert (p["mesh"], p["placements"]) == (["dp_replicate", "dp_shard_cp"], ["Replicate()", "Shard(dim=0)"]), name
     _every_shard_accounted(mesh, {"dp_replicate": 2, "dp_shard_cp": 4})
+
+
 def test_dp_shard_x_cp_x_tp_splits_tokens_over_cp_and_features_over_tp(layouts):
     """dp_shard 2 x cp 2 x tp 2, rank 7: shard 1, cp rank 1, tp rank 1. The four ranks of a cp x tp
     block read one data shard; both tp ranks of a cp position train on the same chunk; FSDP shards
@@ -235,5 +280,7 @@ def test_loss_parallel_with_tied_embeddings_keeps_the_head_whole_and_says_so(lay
     world = layouts[8]
     assert not world["loss_parallel"]
     assert world["params"]["model.embed_tokens.weight"]["mesh"] is None  # the tie (lm_head's weight too) stays whole
-    assert any("loss_parallel is off, the head's logits are gathered whole: tp_plan does not split the head lm_head"
-               in line for line in world["logs"])
+    assert any(
+        "loss_parallel is off, the head's logits are gathered whole: tp_plan does not split the head lm_head" in line
+        for line in world["logs"]
+    )

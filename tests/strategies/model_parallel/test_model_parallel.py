@@ -79,8 +79,14 @@ def test_dp_shard2_trains_like_one_process(two, single):
     results, weights, _ = two
     assert results["dp2"]["data_shards"] == 2 and results["dp2"]["tp_split"] == 0
     # a unit per decoder layer (the model's _no_split_modules) and the root, not the root alone
-    assert sorted(results["dp2"]["fsdp_units"]) == ["FSDPLlamaDecoderLayer", "FSDPLlamaDecoderLayer", "FSDPLlamaForCausalLM"]
-    assert results["dp2"]["releases_groups"] and not results["tp2"]["releases_groups"]  # FSDP's groups only, freed at exit
+    assert sorted(results["dp2"]["fsdp_units"]) == [
+        "FSDPLlamaDecoderLayer",
+        "FSDPLlamaDecoderLayer",
+        "FSDPLlamaForCausalLM",
+    ]
+    assert (
+        results["dp2"]["releases_groups"] and not results["tp2"]["releases_groups"]
+    )  # FSDP's groups only, freed at exit
     _same_run(results["dp2"], single[0])
     _same_weights(weights["dp2"], single[1])
 
@@ -146,8 +152,11 @@ def reshard(two, one, tmp_path_factory):
     """Every resume of RESHARDS in one 2-process job: `<mesh>_from_<source>` trains on to step 4,
     `<mesh>_at_<source>` stops where it loaded (step 2)."""
     folders = {"tp2": two[2], "dp2": two[2], "one": one[2]}
-    runs = [f"{target}_{how}_{source}={_checkpoint(folders[source], source)}"
-            for target, source in RESHARDS for how in ("from", "at")]
+    runs = [
+        f"{target}_{how}_{source}={_checkpoint(folders[source], source)}"
+        for target, source in RESHARDS
+        for how in ("from", "at")
+    ]
     return _torchrun(2, tmp_path_factory.mktemp("mp_reshard"), *runs)
 
 
@@ -202,15 +211,27 @@ def test_a_checkpoint_moves_along_tp2_x_dp2_to_dp4_to_one_process_and_back(tmp_p
     there, back = tmp_path / "there", tmp_path / "back"
     first, first_w = _torchrun(4, there, "dp2tp2_ck", f"dp4_hop_a={_checkpoint(there, 'dp2tp2_ck')}")
     last, last_w = _torchrun(1, back, f"one_from_dp4={_checkpoint(there, 'dp4_hop_a', 3)}", "one")
-    again, again_w = _torchrun(4, tmp_path / "again", f"dp4_hop_one={_checkpoint(back, 'one')}",
-                               f"dp2tp2_from_dp4={_checkpoint(tmp_path / 'again', 'dp4_hop_one', 3)}")
+    again, again_w = _torchrun(
+        4,
+        tmp_path / "again",
+        f"dp4_hop_one={_checkpoint(back, 'one')}",
+        f"dp2tp2_from_dp4={_checkpoint(tmp_path / 'again', 'dp4_hop_one', 3)}",
+    )
     assert first["dp4_hop_a"]["data_shards"] == 4 and first["dp2tp2_ck"]["tp_split"] == 2 * 7 + 2
     assert again["dp2tp2_from_dp4"]["tp_split"] == 2 * 7 + 2 and last["one_from_dp4"]["data_shards"] == 1
-    for hops, source, reference in ((first, "dp4_hop_a", first), (last, "one_from_dp4", first),
-                                    (again, "dp4_hop_one", last), (again, "dp2tp2_from_dp4", last)):
+    for hops, source, reference in (
+        (first, "dp4_hop_a", first),
+        (last, "one_from_dp4", first),
+        (again, "dp4_hop_one", last),
+        (again, "dp2tp2_from_dp4", last),
+    ):
         origin = "dp2tp2_ck" if reference is first else "one"
         assert hops[source]["steps"] == 4
         assert hops[source]["losses"] == pytest.approx(reference[origin]["losses"], rel=1e-6), source
-    for got, want in ((first_w["dp4_hop_a"], first_w["dp2tp2_ck"]), (last_w["one_from_dp4"], first_w["dp2tp2_ck"]),
-                      (again_w["dp4_hop_one"], last_w["one"]), (again_w["dp2tp2_from_dp4"], last_w["one"])):
+    for got, want in (
+        (first_w["dp4_hop_a"], first_w["dp2tp2_ck"]),
+        (last_w["one_from_dp4"], first_w["dp2tp2_ck"]),
+        (again_w["dp4_hop_one"], last_w["one"]),
+        (again_w["dp2tp2_from_dp4"], last_w["one"]),
+    ):
         _same_weights(got, want, 1e-6)

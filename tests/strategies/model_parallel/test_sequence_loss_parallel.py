@@ -15,7 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from tests.strategies.model_parallel import cases
@@ -76,8 +75,12 @@ def test_sequence_parallel_splits_the_residual_stream_by_sequence(two, case, mod
     results = two[0]
     half, whole = [batch, SEQUENCE // 2, 32], [batch, SEQUENCE, 32]
     # the embedding's and each rowwise layer's output reach the next norm split by sequence (reduce-scatter)
-    for norm in ("model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
-                 "model.layers.1.input_layernorm", "model.norm"):
+    for norm in (
+        "model.layers.0.input_layernorm",
+        "model.layers.0.post_attention_layernorm",
+        "model.layers.1.input_layernorm",
+        "model.norm",
+    ):
         assert _seen(results, case, f"{mode} {norm} input") == (HALF, half, whole), norm
     for block in ("model.layers.0.self_attn", "model.layers.0.mlp"):
         assert _seen(results, case, f"{mode} {block} input") == (HALF, half, whole), block  # the norm's output
@@ -100,8 +103,11 @@ def test_without_sequence_parallel_the_stream_stays_whole(two):
 def test_loss_parallel_keeps_training_logits_split_by_vocabulary(two, case):
     results = two[0]
     probe = results[case]["probe"]
-    assert _seen(results, case, "train logits") == (["Shard(dim=2)"], [4, SEQUENCE, cases.VOCAB // 2],
-                                                    [4, SEQUENCE, cases.VOCAB])
+    assert _seen(results, case, "train logits") == (
+        ["Shard(dim=2)"],
+        [4, SEQUENCE, cases.VOCAB // 2],
+        [4, SEQUENCE, cases.VOCAB],
+    )
     assert probe["train loss_parallel in forward"] and probe["train loss_parallel in backward"]
     assert probe["train loss type"] == "Tensor"  # the model's replicated DTensor loss reaches the engine as a tensor
     # evaluation: no loss_parallel(), and the head gathers the logits whole as before

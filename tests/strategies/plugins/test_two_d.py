@@ -39,14 +39,26 @@ def test_two_processes_train_like_one_and_kiln_convert_reads_the_own_format(tmp_
     from kiln.cli import main as kiln
     from tests.distributed.conftest import run
 
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path / "two")],
-        timeout=600)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            __file__,
+            str(tmp_path / "two"),
+        ],
+        timeout=600,
+    )
     _train("single", str(tmp_path / "one"), 1)
     live = load_file(str(tmp_path / "two" / "live.safetensors"))
     single = load_file(str(tmp_path / "one" / "live.safetensors"))
     assert live.keys() == single.keys()
     for name in live:
-        torch.testing.assert_close(live[name], single[name], rtol=1e-5, atol=1e-6, msg=f"{name}: two_d differs from single")
+        torch.testing.assert_close(
+            live[name], single[name], rtol=1e-5, atol=1e-6, msg=f"{name}: two_d differs from single"
+        )
 
     from tests.strategies.contract.scenarios import STEPS
 
@@ -57,7 +69,9 @@ def test_two_processes_train_like_one_and_kiln_convert_reads_the_own_format(tmp_
     converted = load_file(str(tmp_path / "converted" / "model.safetensors"))
     assert converted.keys() == live.keys()
     for name in live:
-        assert torch.equal(converted[name].float(), live[name]), f"{name}: converted weights differ from the trained ones"
+        assert torch.equal(converted[name].float(), live[name]), (
+            f"{name}: converted weights differ from the trained ones"
+        )
 
 
 if __name__ == "__main__":

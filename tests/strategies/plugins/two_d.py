@@ -19,7 +19,7 @@ import glob
 import json
 import os
 import re
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,32 +60,55 @@ class TwoDShardsCheckpointIO(CheckpointIO):
         s = self.strategy
         return os.path.join(directory, FOLDER, f"rank{s.global_rank}-of-{s.world_size}.safetensors")
 
-    def save(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             save_optimizer: bool, safetensors: bool, writer: bool) -> None:
+    def save(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+    ) -> None:
         from safetensors.torch import save_file
         from torch.distributed.tensor import DTensor
 
         state = module.state_dict()
         layout = {k: {"shape": list(v.shape), "sharded": isinstance(v, DTensor)} for k, v in state.items()}
         os.makedirs(os.path.join(directory, FOLDER), exist_ok=True)
-        save_file({k: _local(v).cpu().clone().contiguous() for k, v in state.items()}, self._file(directory),
-                  metadata={"layout": json.dumps(layout)})
+        save_file(
+            {k: _local(v).cpu().clone().contiguous() for k, v in state.items()},
+            self._file(directory),
+            metadata={"layout": json.dumps(layout)},
+        )
         if save_optimizer and optimizer is not None:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            dcp.save({"optim": get_optimizer_state_dict(module, optimizer)},
-                     checkpoint_id=os.path.join(directory, FOLDER, "optim"))
+            dcp.save(
+                {"optim": get_optimizer_state_dict(module, optimizer)},
+                checkpoint_id=os.path.join(directory, FOLDER, "optim"),
+            )
 
-    def load(self, directory: str, *, model: nn.Module, module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             load_optimizer: bool = True) -> None:
+    def load(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        load_optimizer: bool = True,
+    ) -> None:
         from safetensors.torch import load_file
 
         with_optim = load_optimizer and optimizer is not None
         path = self._file(directory)
         if not os.path.exists(path):
             if with_optim:
-                raise CheckpointError(f"{path} is missing: resume a two_d checkpoint with the world size that saved it.")
+                raise CheckpointError(
+                    f"{path} is missing: resume a two_d checkpoint with the world size that saved it."
+                )
             return set_full_model_state(module, load_weights(directory), directory)  # an exported model folder
         saved = load_file(path)
         with torch.no_grad():
@@ -125,7 +148,9 @@ class TwoDShardsCheckpointIO(CheckpointIO):
         for name, info in layout.items():
             value = torch.cat([s[name] for s in shards]) if info["sharded"] else shards[0][name]
             if list(value.shape) != info["shape"]:
-                raise CheckpointError(f"{directory}/{FOLDER}: the shards of {name} do not make its shape {info['shape']}.")
+                raise CheckpointError(
+                    f"{directory}/{FOLDER}: the shards of {name} do not make its shape {info['shape']}."
+                )
             full[name] = value
         return full
 
@@ -135,9 +160,14 @@ class TwoDStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
     """kiln's process group and collectives (the mixin); FSDP2 over a (replicate=1, shard=world) mesh."""
 
     name = "two_d"
-    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), precisions=frozenset({"fp32"}), auto_batch_size=False,
-                                full_eval_cast=False, user_optimizer=False,
-                                reasons={"bf16": "two_d has no mixed-precision policy; use precision: fp32"})
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        precisions=frozenset({"fp32"}),
+        auto_batch_size=False,
+        full_eval_cast=False,
+        user_optimizer=False,
+        reasons={"bf16": "two_d has no mixed-precision policy; use precision: fp32"},
+    )
     checkpoint_formats = (TwoDShardsCheckpointIO.format,)
 
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -14,7 +14,7 @@ too; `create_bidirectional_mask` never does. Each of those would silently attend
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -51,17 +51,19 @@ class PackedAttention:
     """The pre-hook (see the module docstring); `window` is the sliding window of a model whose mask kiln
     builds, which a piece longer than it would overrun."""
 
-    def __init__(self, kind: str, causal: bool, window: Optional[int], name: str) -> None:
+    def __init__(self, kind: str, causal: bool, window: int | None, name: str) -> None:
         self.kind, self.causal, self.window, self.name = kind, causal, window, name
 
-    def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> Optional[tuple[tuple, dict[str, Any]]]:
+    def __call__(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         cu = kwargs.get("cu_seq_lens_q")
         if cu is None:  # not a packed batch (evaluation, generation)
             return None
         if self.window is not None and int(kwargs.get("max_length_q", 0)) > self.window:
-            raise ConfigError(f"{self.name} attends within a sliding window of {self.window} tokens, but a packed example "
-                              f"has {int(kwargs['max_length_q'])}; with data.packing, give examples of at most "
-                              f"{self.window} tokens or use a flash-attention implementation.")
+            raise ConfigError(
+                f"{self.name} attends within a sliding window of {self.window} tokens, but a packed example "
+                f"has {int(kwargs['max_length_q'])}; with data.packing, give examples of at most "
+                f"{self.window} tokens or use a flash-attention implementation."
+            )
         if self.kind == "varlen":
             return None
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -73,8 +75,11 @@ class PackedAttention:
             kwargs["attention_mask"] = flex_block_mask(seg, self.causal)
         else:
             mask = block_mask(seg, self.causal)
-            kwargs["attention_mask"] = mask if self.kind == "sdpa" else torch.zeros(
-                mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)
+            kwargs["attention_mask"] = (
+                mask
+                if self.kind == "sdpa"
+                else torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)
+            )
         return args, kwargs
 
 

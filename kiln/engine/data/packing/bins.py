@@ -17,7 +17,8 @@ space of the open rows (TRL's segment tree), so a plan costs O(n log capacity)."
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 
 class Piece(NamedTuple):
@@ -115,7 +116,7 @@ class _FreeSpace:
     def remove(self, value: int) -> None:
         self._set(value, False)
 
-    def smallest_at_least(self, n: int) -> "int | None":
+    def smallest_at_least(self, n: int) -> int | None:
         if self.tree[1] < n:
             return None
         i = 1

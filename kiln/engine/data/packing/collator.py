@@ -18,7 +18,8 @@ one piece). The batch has:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -44,8 +45,10 @@ class PackingCollator:
         rows = [self._labelled(tensors, lengths) for tensors, lengths in parts]
         keys = list(rows[0])
         if any(list(row) != keys for row in rows):
-            raise ConfigError(f"data.packing got items with different keys in one batch ({keys} and "
-                              f"{next(list(row) for row in rows if list(row) != keys)}); give every example the same keys.")
+            raise ConfigError(
+                f"data.packing got items with different keys in one batch ({keys} and "
+                f"{next(list(row) for row in rows if list(row) != keys)}); give every example the same keys."
+            )
         pieces = [lengths for _, lengths in parts]
         if self.padding_free:
             rows = [{k: torch.cat([row[k] for row in rows]) for k in rows[0]}]
@@ -54,7 +57,9 @@ class PackingCollator:
         pads = {"input_ids": self.pad_id, "labels": -100}
         batch: dict[str, Any] = {k: torch.stack([_pad(row[k], width, pads.get(k, 0)) for row in rows]) for k in rows[0]}
         with_padding = [lengths + ([width - sum(lengths)] if sum(lengths) < width else []) for lengths in pieces]
-        batch["position_ids"] = torch.cat([torch.arange(n) for lengths in with_padding for n in lengths]).view(len(rows), width)
+        batch["position_ids"] = torch.cat([torch.arange(n) for lengths in with_padding for n in lengths]).view(
+            len(rows), width
+        )
         cu = torch.tensor([0, *(n for lengths in with_padding for n in lengths)]).cumsum(0).to(torch.int32)
         longest = max(n for lengths in with_padding for n in lengths)
         batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
@@ -71,7 +76,9 @@ class PackingCollator:
 
 
 def _ids(item: Any) -> Sequence[Any]:
-    return item["input_ids"] if isinstance(item, dict) and "input_ids" in item else [None]  # the reader refuses the rest
+    return (
+        item["input_ids"] if isinstance(item, dict) and "input_ids" in item else [None]
+    )  # the reader refuses the rest
 
 
 def _starts(lengths: list[int]) -> torch.Tensor:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -36,18 +37,26 @@ def build_row(pieces: Sequence[Piece], example: Callable[[int], dict[str, torch.
     keys = list(parts[0][0])
     for tensors, _ in parts[1:]:
         if list(tensors) != keys:
-            raise ConfigError(f"data.packing put examples with different keys in one row ({keys} and {list(tensors)}); "
-                              "give every example the same keys (labels in all or in none).")
-    row: dict[str, Any] = {k: torch.cat([tensors[k][p.start:p.end] for tensors, p in parts]) for k in keys}
+            raise ConfigError(
+                f"data.packing put examples with different keys in one row ({keys} and {list(tensors)}); "
+                "give every example the same keys (labels in all or in none)."
+            )
+    row: dict[str, Any] = {k: torch.cat([tensors[k][p.start : p.end] for tensors, p in parts]) for k in keys}
     row["seq_lengths"] = [p.length for p in pieces]
     return row
 
 
 def report_truncation(packed: Plan, strategy: str, capacity: int, more: bool = False) -> None:
     if packed.truncated:
-        log.warning("data.packing (bfd) cut %d example(s) longer than max_length=%d to their first %d tokens, dropping "
-                    "%d tokens%s; strategy bfd_split or wrapped keeps them.", packed.truncated, capacity, capacity,
-                    packed.dropped, " (so far; later ones are not reported)" if more else "")
+        log.warning(
+            "data.packing (bfd) cut %d example(s) longer than max_length=%d to their first %d tokens, dropping "
+            "%d tokens%s; strategy bfd_split or wrapped keeps them.",
+            packed.truncated,
+            capacity,
+            capacity,
+            packed.dropped,
+            " (so far; later ones are not reported)" if more else "",
+        )
 
 
 class PackedRows(Dataset):
@@ -71,16 +80,27 @@ class PackedRows(Dataset):
 class PackedStream(IterableDataset):
     shards_itself = True  # kiln's loader must not deal it out again (see the module docstring)
 
-    def __init__(self, source: Any, strategy: str, capacity: int, reader: ExampleReader, num_replicas: int = 1,
-                 rank: int = 0, buffer: int = BUFFER) -> None:
+    def __init__(
+        self,
+        source: Any,
+        strategy: str,
+        capacity: int,
+        reader: ExampleReader,
+        num_replicas: int = 1,
+        rank: int = 0,
+        buffer: int = BUFFER,
+    ) -> None:
         self.source, self.strategy, self.capacity, self.reader = source, strategy, capacity, reader
         self.num_replicas, self.rank, self.buffer = num_replicas, rank, buffer
         self.deals = num_replicas > 1 and not getattr(source, "shards_itself", False)
         # the stream's own position is only meaningful when this rank reads all of it
-        self.stateful = not self.deals and callable(getattr(source, "state_dict", None)) and \
-            callable(getattr(source, "load_state_dict", None))
+        self.stateful = (
+            not self.deals
+            and callable(getattr(source, "state_dict", None))
+            and callable(getattr(source, "load_state_dict", None))
+        )
         self._position: dict[str, Any] = {"examples": 0, "rows": 0, "source": None}
-        self._resume: Optional[dict[str, Any]] = None
+        self._resume: dict[str, Any] | None = None
         self._reported = False
 
     def set_epoch(self, epoch: int) -> None:
