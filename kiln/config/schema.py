@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Dict, List, Optional
 
 
 def opt(default: Any, help: str) -> Any:
@@ -30,10 +30,10 @@ class TrainConfig:
     gradient_accumulation_steps: int = opt(1, "Micro-batches accumulated into one optimizer step.")
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).")
     gradient_checkpointing: bool = opt(False, "Call the model's gradient_checkpointing_enable().")
-    gradient_checkpointing_kwargs: dict[str, Any] | None = opt(None, "Passed to gradient_checkpointing_enable.")
+    gradient_checkpointing_kwargs: Optional[Dict[str, Any]] = opt(None, "Passed to gradient_checkpointing_enable.")
     torch_compile: bool = opt(False, "Compile the model with torch.compile.")
-    torch_compile_backend: str | None = opt(None, "torch.compile backend; setting it implies torch_compile.")
-    torch_compile_mode: str | None = opt(None, "torch.compile mode; setting it implies torch_compile.")
+    torch_compile_backend: Optional[str] = opt(None, "torch.compile backend; setting it implies torch_compile.")
+    torch_compile_mode: Optional[str] = opt(None, "torch.compile mode; setting it implies torch_compile.")
     torch_compile_optimizer_step: bool = opt(
         False,
         "Compile the optimizer step with torch.compile (train.torch_compile_backend, default inductor), as "
@@ -43,7 +43,7 @@ class TrainConfig:
     ignore_data_skip: bool = opt(False, "On resume, start the epoch's data from the beginning instead of skipping.")
     label_smoothing_factor: float = opt(0.0, "Label smoothing for HF-contract classification/LM models.")
     include_num_input_tokens_seen: bool = opt(False, "Track num_input_tokens_seen in the state.")
-    neftune_noise_alpha: float | None = opt(
+    neftune_noise_alpha: Optional[float] = opt(
         None,
         "NEFTune: add uniform noise of size alpha / sqrt(seq_len * hidden) to the input embeddings while training.",
     )
@@ -52,17 +52,17 @@ class TrainConfig:
         "Normalise the loss by the items (tokens with a label) summed over all data-parallel ranks, so the "
         "gradient is that of the global mean (one scalar all-reduce per step); false: each rank's own mean, averaged.",
     )
-    debug: list[str] = opt(
+    debug: List[str] = opt(
         [],
         "HF debug features: underflow_overflow (stop at the first inf/nan activation or weight and print the "
         "frames before it), tpu_metrics_debug (XLA strategies only).",
     )
-    use_cache: bool | None = opt(
+    use_cache: Optional[bool] = opt(
         None,
         "Set the model's config.use_cache (HF's TrainingArguments default is false); unset leaves the model's own.",
     )
-    torch_empty_cache_steps: int | None = opt(None, "Empty the accelerator's memory cache every N optimizer steps.")
-    max_nonfinite_steps: int | None = opt(
+    torch_empty_cache_steps: Optional[int] = opt(None, "Empty the accelerator's memory cache every N optimizer steps.")
+    max_nonfinite_steps: Optional[int] = opt(
         None,
         "Stop with an error once the training loss has been nan/inf for this many consecutive optimizer steps "
         "(0: never stop), before saving them; the first non-finite loss is warned about, and a checkpoint or export made "
@@ -76,7 +76,7 @@ class TrainConfig:
 class PackingConfig:
     """Packing: several examples per row, each with its own positions and attention (TRL's packing)."""
 
-    strategy: str | None = opt(
+    strategy: Optional[str] = opt(
         None,
         "How training examples become rows of max_length tokens: bfd (best-fit decreasing: whole examples, one "
         "longer than max_length cut to it), bfd_split (the same, an overlong example split into max_length pieces), "
@@ -86,7 +86,7 @@ class PackingConfig:
         "([fine-tuning](fine-tuning.md#packing)).",
     )
     max_length: int = opt(1024, "Tokens per packed row (TRL's max_length).")
-    padding_free: bool | None = opt(
+    padding_free: Optional[bool] = opt(
         None,
         "Concatenate each micro-batch (its packed rows, or its examples when strategy is null) into one row "
         "without padding; false: rows are padded to the longest row of the micro-batch. Unset: true with "
@@ -105,7 +105,7 @@ class DataConfig:
     dataloader_pin_memory: bool = opt(True, "Pin host memory (only has an effect with an accelerator).")
     dataloader_drop_last: bool = opt(False, "Drop the last incomplete batch.")
     dataloader_persistent_workers: bool = opt(False, "Keep workers alive between epochs.")
-    dataloader_prefetch_factor: int | None = opt(None, "Batches each worker loads ahead.")
+    dataloader_prefetch_factor: Optional[int] = opt(None, "Batches each worker loads ahead.")
     auto_find_batch_size: bool = opt(
         False,
         "Before training, lower per_device_train_batch_size by 10% steps until the first step fits in memory; a later "
@@ -115,7 +115,7 @@ class DataConfig:
     group_by_length: bool = opt(False, "Group samples of similar length into batches (less padding).")
     length_column_name: str = opt("length", "Key holding precomputed lengths for group_by_length.")
     remove_unused_columns: bool = opt(True, "Drop batch keys the model's forward() does not accept (HF models).")
-    label_names: list[str] | None = opt(None, "Batch keys that hold labels (default: 'labels'-like keys).")
+    label_names: Optional[List[str]] = opt(None, "Batch keys that hold labels (default: 'labels'-like keys).")
     split_batches: bool = opt(
         False,
         "The configured batch sizes are global: each of the N data-parallel ranks gets batch_size / N "
@@ -136,7 +136,7 @@ class DataConfig:
         "Shuffle with an order that depends only on (data_seed, epoch), the same on every rank "
         "(kiln's sampler always is; false is refused because resume could not reproduce the order).",
     )
-    dataloader_multiprocessing_context: str | None = opt(
+    dataloader_multiprocessing_context: Optional[str] = opt(
         None, "Start method of the worker processes: fork, spawn or forkserver."
     )
     dataloader_in_order: bool = opt(True, "Yield batches in order; false yields each as soon as a worker has it.")
@@ -185,7 +185,7 @@ class OptimConfig:
     adam_beta1: float = opt(0.9, "Adam beta1.")
     adam_beta2: float = opt(0.999, "Adam beta2.")
     adam_epsilon: float = opt(1e-8, "Adam epsilon.")
-    optim_args: str | None = opt(None, "Extra optimizer arguments, 'key=value,key=value'.")
+    optim_args: Optional[str] = opt(None, "Extra optimizer arguments, 'key=value,key=value'.")
     target_modules: Any = opt(
         None,
         "GaLore/APOLLO: module names (a list, or one regex) whose 2-D weights get the low-rank optimizer "
@@ -200,7 +200,7 @@ class SchedulerConfig:
     name: str = opt("linear", "Schedule name, e.g. linear, cosine, constant_with_warmup, warmup_stable_decay.")
     warmup_steps: int = opt(0, "Linear warmup steps; overrides warmup_ratio when > 0.")
     warmup_ratio: float = opt(0.0, "Fraction of total steps used for linear warmup.")
-    kwargs: dict[str, Any] = opt({}, "Extra schedule arguments (lr_scheduler_kwargs).")
+    kwargs: Dict[str, Any] = opt({}, "Extra schedule arguments (lr_scheduler_kwargs).")
 
 
 @dataclass
@@ -208,12 +208,12 @@ class EvalConfig:
     """Evaluation during and after training."""
 
     strategy: str = opt("no", "When to evaluate during training: no, steps or epoch.")
-    steps: float | None = opt(
+    steps: Optional[float] = opt(
         None, "Steps between evaluations (int, or a ratio < 1 of total steps); default logging steps."
     )
     delay: float = opt(0, "Epochs or steps to wait before the first evaluation.")
     on_start: bool = opt(False, "Evaluate once before training starts (sanity check).")
-    accumulation_steps: int | None = opt(None, "Move accumulated predictions to CPU every N eval steps.")
+    accumulation_steps: Optional[int] = opt(None, "Move accumulated predictions to CPU every N eval steps.")
     prediction_loss_only: bool = opt(False, "Only compute the loss in evaluate/predict.")
     include_inputs_for_metrics: bool = opt(False, "Pass the inputs to compute_metrics (EvalPrediction.inputs).")
     do_concat_batches: bool = opt(True, "Concatenate per-batch predictions (False keeps a list per batch).")
@@ -229,13 +229,13 @@ class EvalConfig:
         "Gather outputs across ranks as Python objects (all_gather_object), for predictions that are not "
         "tensors (e.g. decoded strings); slower, opt-in (eval_use_gather_object).",
     )
-    metric_for_best_model: str | None = opt(None, "Metric that picks the best checkpoint (with or without 'eval_').")
-    greater_is_better: bool | None = opt(None, "Whether a larger metric is better (HF default by metric name).")
+    metric_for_best_model: Optional[str] = opt(None, "Metric that picks the best checkpoint (with or without 'eval_').")
+    greater_is_better: Optional[bool] = opt(None, "Whether a larger metric is better (HF default by metric name).")
     load_best_model_at_end: bool = opt(False, "Restore the best checkpoint's weights when training ends.")
     predict_with_generate: bool = opt(False, "Use model.generate() for predictions (seq2seq).")
-    generation_max_length: int | None = opt(None, "max_length for generate().")
-    generation_num_beams: int | None = opt(None, "num_beams for generate().")
-    generation_kwargs: dict[str, Any] = opt({}, "Other generate() keyword arguments.")
+    generation_max_length: Optional[int] = opt(None, "max_length for generate().")
+    generation_num_beams: Optional[int] = opt(None, "num_beams for generate().")
+    generation_kwargs: Dict[str, Any] = opt({}, "Other generate() keyword arguments.")
 
 
 @dataclass
@@ -244,7 +244,7 @@ class SaveConfig:
 
     strategy: str = opt("steps", "When to save: no, steps, epoch or best.")
     steps: float = opt(500, "Steps between saves (int, or a ratio < 1 of total steps).")
-    total_limit: int | None = opt(None, "Keep at most this many checkpoints (the best one is always kept).")
+    total_limit: Optional[int] = opt(None, "Keep at most this many checkpoints (the best one is always kept).")
     only_model: bool = opt(False, "Save only the weights (such checkpoints cannot be resumed).")
     safetensors: bool = opt(True, "Save weights as safetensors.")
     on_each_node: bool = opt(False, "Save on every node's local rank 0, not only on global rank 0.")
@@ -257,7 +257,7 @@ class SaveConfig:
         "On SIGTERM, save a checkpoint at the next step boundary on every rank and stop: fit() returns, kiln fit "
         "exits 0 (enable_jit_checkpoint).",
     )
-    signing_key_env: str | None = opt(
+    signing_key_env: Optional[str] = opt(
         None,
         "Name of an environment variable holding a secret key: each checkpoint's COMPLETE marker is signed "
         "(HMAC-SHA256 over its checksums), and resume, kiln convert, evaluate and predict accept only checkpoints whose "
@@ -286,26 +286,26 @@ class LogConfig:
         "batches out of eval_loss (HF's logging_nan_inf_filter); see nonfinite_window for a "
         "window without a finite loss.",
     )
-    nonfinite_window: str | None = opt(
+    nonfinite_window: Optional[str] = opt(
         None,
         "The logged loss of a window whose every step had a nan/inf loss, and train_loss of a run without a finite "
         "one, under nan_inf_filter: 'nan' (kiln: there is no finite loss to stand in with) or 'filtered' (HF: the "
         "filter's stand-in, 0.0). Unset: 'filtered' when the config comes in HF's dialect (see "
         "train.max_nonfinite_steps), else 'nan'.",
     )
-    report_to: list[str] = opt(
+    report_to: List[str] = opt(
         ["none"],
         "Trackers: tensorboard, mlflow, wandb, comet_ml, clearml, dvclive, aim, trackio, "
         "swanlab, codecarbon, neptune, csv, jsonl, all or none.",
     )
-    logging_dir: str | None = opt(
+    logging_dir: Optional[str] = opt(
         None,
         "Run files (metrics.csv/jsonl; default output_dir/runs) and TensorBoard events (default output_dir/runs/<date>_<host>).",
     )
     level: str = opt("passive", "Log level on the main process: debug, info, warning, error, critical, passive.")
     level_replica: str = opt("warning", "Log level on the other processes.")
     on_each_node: bool = opt(True, "Apply `level` on each node's main process, not only node 0.")
-    disable_tqdm: bool | None = opt(None, "Disable the progress bar.")
+    disable_tqdm: Optional[bool] = opt(None, "Disable the progress bar.")
     model_summary: str = opt(
         "auto",
         "What fit prints about the model when it starts, on the main process: table (a line, "
@@ -319,23 +319,23 @@ class LogConfig:
     )
     skip_memory_metrics: bool = opt(True, "Skip memory metrics (they slow training).")
     include_tokens_per_second: bool = opt(False, "Report tokens per second.")
-    history: list[str] | None = opt(
+    history: Optional[List[str]] = opt(
         None,
         "Local history files (csv, jsonl) written to logging_dir, default output_dir/runs. "
         "Unset: csv and jsonl, except with report_to none (HF's default), which writes "
         "nothing there, as HF does; [] for none.",
     )
-    project: str | None = opt(
+    project: Optional[str] = opt(
         None,
         "Tracker project: W&B, Comet, ClearML, Trackio, SwanLab project, MLflow or Aim "
         "experiment (default WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME / COMET_PROJECT_NAME / "
         "CLEARML_PROJECT, then 'kiln').",
     )
-    log_artifacts: str | None = opt(
+    log_artifacts: Optional[str] = opt(
         None,
         "Upload the model to trackers: false, end or checkpoint (default HF_MLFLOW_LOG_ARTIFACTS / WANDB_LOG_MODEL).",
     )
-    nested_run: bool | None = opt(
+    nested_run: Optional[bool] = opt(
         None, "MLflow: open the run as a child of the caller's active run (default MLFLOW_NESTED_RUN)."
     )
 
@@ -345,16 +345,16 @@ class StrategyConfig:
     """How the model is placed and replicated. `name` picks the class; the other fields are its options."""
 
     name: str = opt("auto", "single, ddp, fsdp, model_parallel, deepspeed, xla, xla_fsdp, mps or auto.")
-    device: str | None = opt(None, "Device for the single strategy (cpu, cuda, cuda:1); default the best available.")
-    backend: str | None = opt(None, "torch.distributed backend (nccl, gloo, ...); default by device.")
+    device: Optional[str] = opt(None, "Device for the single strategy (cpu, cuda, cuda:1); default the best available.")
+    backend: Optional[str] = opt(None, "torch.distributed backend (nccl, gloo, ...); default by device.")
     timeout: int = opt(1800, "Seconds before a collective times out (ddp_timeout).")
-    find_unused_parameters: bool | None = opt(
+    find_unused_parameters: Optional[bool] = opt(
         None, "DDP find_unused_parameters; unset: on only if the first step leaves a parameter without a gradient."
     )
-    bucket_cap_mb: int | None = opt(None, "DDP bucket size in MB.")
-    broadcast_buffers: bool | None = opt(None, "DDP broadcast_buffers.")
+    bucket_cap_mb: Optional[int] = opt(None, "DDP bucket size in MB.")
+    broadcast_buffers: Optional[bool] = opt(None, "DDP broadcast_buffers.")
     static_graph: bool = opt(False, "DDP static_graph.")
-    options: dict[str, Any] = opt({}, "Further strategy-specific options (FSDP, model_parallel, DeepSpeed, XLA).")
+    options: Dict[str, Any] = opt({}, "Further strategy-specific options (FSDP, model_parallel, DeepSpeed, XLA).")
 
 
 @dataclass
@@ -362,20 +362,20 @@ class PrecisionConfig:
     """Numeric precision. `name` picks the plugin."""
 
     name: str = opt("fp32", "fp32, fp16, bf16, fp16-true, bf16-true, tf32 or apex.")
-    tf32: bool | None = opt(None, "Allow TF32 matmuls on Ampere+ GPUs (combinable with any plugin).")
+    tf32: Optional[bool] = opt(None, "Allow TF32 matmuls on Ampere+ GPUs (combinable with any plugin).")
     fp16_opt_level: str = opt("O1", "Apex AMP optimisation level O0-O3.")
     half_precision_backend: str = opt("auto", "auto, cpu_amp, cuda_amp or apex.")
-    full_eval: str | None = opt(None, "Run evaluation with the model cast to fp16 or bf16.")
+    full_eval: Optional[str] = opt(None, "Run evaluation with the model cast to fp16 or bf16.")
 
 
 @dataclass
 class TaskConfig:
     """What to train, by import path (used by the CLI; the Python API passes objects instead)."""
 
-    model: str | None = opt(None, "'package.module:callable' returning the model.")
-    model_args: dict[str, Any] = opt({}, "Keyword arguments for the model callable.")
-    data: str | None = opt(None, "'package.module:callable' returning a dict with train_dataset, eval_dataset, ...")
-    data_args: dict[str, Any] = opt({}, "Keyword arguments for the data callable.")
+    model: Optional[str] = opt(None, "'package.module:callable' returning the model.")
+    model_args: Dict[str, Any] = opt({}, "Keyword arguments for the model callable.")
+    data: Optional[str] = opt(None, "'package.module:callable' returning a dict with train_dataset, eval_dataset, ...")
+    data_args: Dict[str, Any] = opt({}, "Keyword arguments for the data callable.")
 
 
 @dataclass
@@ -384,13 +384,15 @@ class LauncherConfig:
     do the same without a config key). Empty: this process trains, or the launcher that started it
     (torchrun, srun, accelerate launch) decides."""
 
-    name: str | None = opt(None, "ray: train in Ray Train workers (a TorchTrainer); unset: no launcher of kiln's own.")
+    name: Optional[str] = opt(
+        None, "ray: train in Ray Train workers (a TorchTrainer); unset: no launcher of kiln's own."
+    )
     num_workers: int = opt(1, "ray: the number of training workers (processes), like --nproc.")
-    resources_per_worker: dict[str, Any] = opt(
+    resources_per_worker: Dict[str, Any] = opt(
         {},
         "ray: Ray resources each worker asks for, e.g. {CPU: 2} or {GPU: 1} (a GPU makes Ray use NCCL); default 1 CPU.",
     )
-    address: str | None = opt(
+    address: Optional[str] = opt(
         None,
         "ray: the cluster to join ('auto', or ray://host:port); unset: start a local Ray "
         "instance on this machine for this run.",
@@ -400,13 +402,13 @@ class LauncherConfig:
         "ray: restart the workers up to this many times when one fails (Ray's FailureConfig); each "
         "restart resumes from the newest checkpoint reported to Ray.",
     )
-    storage_path: str | None = opt(
+    storage_path: Optional[str] = opt(
         None, "ray: where Ray keeps its copies of the checkpoints and the run's state (default output_dir/ray_results)."
     )
-    num_to_keep: int | None = opt(
+    num_to_keep: Optional[int] = opt(
         None, "ray: checkpoints Ray keeps in storage_path (CheckpointConfig.num_to_keep); unset: all."
     )
-    checkpoint_score_attribute: str | None = opt(
+    checkpoint_score_attribute: Optional[str] = opt(
         None,
         "ray: the reported metric (e.g. eval_loss) that ranks checkpoints for num_to_keep and Result.best_checkpoints; "
         "unset: the newest are kept.",
@@ -424,8 +426,8 @@ class ProfileConfig:
     warmup: int = opt(1, "Steps profiled but discarded before the active ones (the profiler's own start-up cost).")
     repeat: int = opt(1, "Cycles of wait + warmup + active; 0: cycle until training ends.")
     skip_first: int = opt(0, "Steps skipped once, before the first cycle.")
-    ranks: list[int] | None = opt(None, "Global ranks that profile; unset: every rank.")
-    activities: list[str] | None = opt(
+    ranks: Optional[List[int]] = opt(None, "Global ranks that profile; unset: every rank.")
+    activities: Optional[List[str]] = opt(
         None, "cpu, cuda, xpu: what is traced; unset: cpu, and the GPU when training on one."
     )
     record_shapes: bool = opt(False, "Record each operator's input shapes.")
@@ -433,20 +435,20 @@ class ProfileConfig:
     with_stack: bool = opt(False, "Record the Python source line of each operator.")
     with_flops: bool = opt(False, "Estimate the FLOPs of matmuls and convolutions.")
     with_modules: bool = opt(False, "Record the module hierarchy of each operator.")
-    schedule_option: dict[str, int] | None = opt(
+    schedule_option: Optional[Dict[str, int]] = opt(
         None, "accelerate's form of the schedule ({wait, warmup, active, repeat, skip_first}); overrides those keys."
     )
-    output_trace_dir: str | None = opt(None, "Where the traces go (default output_dir/profiles).")
+    output_trace_dir: Optional[str] = opt(None, "Where the traces go (default output_dir/profiles).")
 
 
 @dataclass
 class MemorySnapshotConfig:
     """CUDA allocation history for PyTorch's memory viewer (pytorch.org/memory_viz); CUDA only."""
 
-    steps: list[int] = opt([], "Optimizer steps (global_step, from 1) after which a snapshot is dumped.")
+    steps: List[int] = opt([], "Optimizer steps (global_step, from 1) after which a snapshot is dumped.")
     on_oom: bool = opt(False, "Dump a snapshot when CUDA runs out of memory.")
     max_entries: int = opt(100000, "Allocation events kept in the history.")
-    output_dir: str | None = opt(None, "Where the snapshots go (default output_dir/memory_snapshots).")
+    output_dir: Optional[str] = opt(None, "Where the snapshots go (default output_dir/memory_snapshots).")
 
 
 @dataclass
@@ -455,11 +457,11 @@ class TrainingConfig:
 
     output_dir: str = opt("tmp_trainer", "Where checkpoints, logs and the final model go.")
     overwrite_output_dir: bool = opt(False, "Allow writing into an output_dir that holds checkpoints without resuming.")
-    run_name: str | None = opt(None, "Run name for trackers (default output_dir).")
+    run_name: Optional[str] = opt(None, "Run name for trackers (default output_dir).")
     seed: int = opt(42, "Seed set before the model is built and before training.")
-    data_seed: int | None = opt(None, "Seed for data sampling (default seed).")
+    data_seed: Optional[int] = opt(None, "Seed for data sampling (default seed).")
     full_determinism: bool = opt(False, "Deterministic algorithms everywhere (slow; for debugging).")
-    resume_from_checkpoint: str | None = opt(
+    resume_from_checkpoint: Optional[str] = opt(
         None,
         "A checkpoint path, or 'true' for the newest complete one in output_dir (an error when there is none, as "
         "in HF), or 'if_exists': the newest one if there is one, else start fresh (restarted and pre-empted jobs).",
