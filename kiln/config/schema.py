@@ -319,6 +319,11 @@ class LogConfig:
     )
     skip_memory_metrics: bool = opt(True, "Skip memory metrics (they slow training).")
     include_tokens_per_second: bool = opt(False, "Report tokens per second.")
+    mfu_peak_tflops: Optional[float] = opt(
+        None,
+        "Peak TFLOP/s of one device, for the logged mfu; unset: the table's figure for the GPU and precision "
+        "(H100, H200, A100, L4, MI300), none on the CPU.",
+    )
     history: Optional[List[str]] = opt(
         None,
         "Local history files (csv, jsonl) written to logging_dir, default output_dir/runs. "

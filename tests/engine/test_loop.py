@@ -348,7 +348,11 @@ def test_throughput_and_total_flos_count_every_rank(tmp_path):
     assert len(seen) == 3
     for logs in seen:  # 2 ranks x 2 samples of 12 tokens per step
         assert logs["samples_per_second"] == pytest.approx(4 * logs["steps_per_second"])
-        assert logs["tokens_per_second"] == pytest.approx(12 * logs["samples_per_second"])
+        assert logs["train_tokens_per_second"] == pytest.approx(12 * logs["samples_per_second"])
+        assert logs["train_tokens_per_second_per_rank"] == pytest.approx(logs["train_tokens_per_second"] / 2)
+        per_token = 6 * sum(p.numel() for p in model.parameters() if p is not model.emb.weight)  # 6 N, N without the table
+        assert logs["train_tflops"] == pytest.approx(logs["train_tokens_per_second"] * per_token / 1e12)
+        assert "mfu" not in logs  # no peak on the CPU
     m = out.metrics
     assert m["train_samples_per_second"] == pytest.approx(4 * m["train_steps_per_second"])
     assert m["train_tokens_per_second"] == pytest.approx(12 * m["train_samples_per_second"])

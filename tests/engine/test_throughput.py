@@ -112,3 +112,26 @@ def test_take_returns_the_windows_counts_and_starts_a_new_window():
     meter.count({"input_ids": torch.zeros(1, 3, dtype=torch.long)})
     assert meter.take() == (9, 0.0)  # an embedding table alone multiplies nothing
     assert meter.take() == (0, 0.0)
+
+
+def test_a_fit_logs_throughput_and_mfu_against_the_configured_peak(tmp_path):
+    from kiln import Trainer
+    from kiln.engine.callbacks.base import Callback
+    from tests.helpers import TokenModel, base_config, padded_token_data
+
+    seen = []
+
+    class Figures(Callback):
+        def on_log(self, config, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
+            if "loss" in logs:
+                seen.append(logs)
+
+    model = TokenModel()
+    cfg = base_config(tmp_path, max_steps=2, per_device_train_batch_size=2)
+    cfg["log"].update(steps=1, mfu_peak_tflops=1e-6)
+    Trainer(model, cfg, train_dataset=padded_token_data(n=8, length=12), callbacks=[Figures()]).fit()
+    assert len(seen) == 2
+    for logs in seen:  # one process: the job's figures are the rank's
+        assert logs["train_tokens_per_second"] == pytest.approx(24 * logs["steps_per_second"])
+        assert logs["train_tflops_per_rank"] == logs["train_tflops"]
+        assert logs["mfu"] == pytest.approx(logs["train_tflops"] / 1e-6)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.accelerators.peaks import peak_tflops
 from kiln.engine.callbacks.base import interval
 from kiln.engine.checkpoint.data_position import resume_iterator
 from kiln.engine.data.epoch_rng import EpochRandomState
@@ -33,9 +34,10 @@ from kiln.engine.loop.loss_reads import NonFiniteGuard
 from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
 from kiln.engine.loop.plan import plan_steps
 from kiln.engine.loop.preemption import Preemption
-from kiln.engine.loop.running_loss import RunningLoss, mean_over_ranks
+from kiln.engine.loop.running_loss import RunningLoss, mean_over_ranks, sum_over_ranks
 from kiln.engine.loop.step import TrainStep, batch_tokens
 from kiln.engine.loop.summary import log_training_start
+from kiln.engine.loop.throughput import Throughput
 from kiln.engine.run import setup_for_training
 from kiln.engine.seed import set_rng_state
 from kiln.optim.optimizers import optimizer_mode
@@ -141,6 +143,7 @@ class FitLoop:
         )
         self.count_tokens_seen = bool(cfg.train.include_num_input_tokens_seen)
         self.flops = FlopCount(run.model)  # total_flos, HF's count (loop/flops.py)
+        self.throughput = Throughput(run.model, self._peak_tflops())  # tokens/s, TFLOP/s, MFU (loop/throughput.py)
         self.local_flos = 0.0
         self._event("on_train_begin")
         if cfg.eval.on_start and not resume_path:
@@ -152,7 +155,7 @@ class FitLoop:
         )  # nan/inf losses: warn, then stop
         self.nan_window = cfg.log.nonfinite_window == "nan"  # kiln's; HF's "filtered" logs the filter's stand-in
         self.steps_this_run, self.samples, self.tokens = 0, 0, 0
-        self.window_start, self.samples_at_log, self.tokens_at_log = start, 0, 0
+        self.window_start, self.samples_at_log = start, 0
         self.grad_norm: torch.Tensor | None = None
         self.epoch_rng = EpochRandomState(loader)
         self.oom = OomRecovery(self)  # auto_find_batch_size: a later out-of-memory shrinks the micro-batch
@@ -281,6 +284,7 @@ class FitLoop:
             self.samples += batch_size_of(batch)
             tokens += batch_tokens(batch)
             self.local_flos += self.flops.count(batch)
+            self.throughput.count(batch)
         self.tokens += tokens
         if self.count_tokens_seen:  # a host read per step only when several shards must be summed (as HF)
             strategy = self.strategy
@@ -316,6 +320,14 @@ class FitLoop:
         self.run.state.total_flos += self.local_flos
         self.local_flos = 0.0
 
+    def _peak_tflops(self) -> float | None:
+        """One device's peak for MFU: `log.mfu_peak_tflops`, else the table's for this GPU and precision."""
+        cfg, strategy = self.config, self.strategy
+        if cfg.log.mfu_peak_tflops:
+            return float(cfg.log.mfu_peak_tflops)
+        name = strategy.accelerator.device_name(strategy.root_device)
+        return peak_tflops(name, cfg.precision.name, bool(cfg.precision.tf32))
+
     def _log_save_evaluate(self) -> None:
         hooks, run, losses = self.hooks, self.run, self.losses
         control, state = run.control, run.state
@@ -327,7 +339,10 @@ class FitLoop:
             losses.fold(state.global_step, self.strategy)
         if control.should_log and state.global_step > losses.last_logged:
             steps = state.global_step - losses.last_logged
-            loss = mean_over_ranks(losses.tr_loss, self.strategy) / steps
+            strategy = self.strategy
+            # the loss sums and this window's tokens and FLOPs, summed over the ranks in one collective
+            loss_sum, tokens, flops = sum_over_ranks([losses.tr_loss, *self.throughput.take()], strategy)
+            loss = loss_sum / strategy.world_size / steps
             if not losses.guard.window_finite and self.nan_window:  # all nan/inf: the filter's stand-in reads 0.0
                 loss = math.nan
             losses.guard.window_finite = False
@@ -345,9 +360,10 @@ class FitLoop:
             world = self.strategy.data_shards
             figures["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
             figures["steps_per_second"] = steps / elapsed
-            if self.tokens > self.tokens_at_log:
-                figures["tokens_per_second"] = (self.tokens - self.tokens_at_log) * self.strategy.item_shards / elapsed
-            self.window_start, self.samples_at_log, self.tokens_at_log = now, self.samples, self.tokens
+            # ranks that see the same tokens (tensor parallel) count them once: x item shards / world size
+            once = strategy.item_shards / strategy.world_size
+            figures.update(self.throughput.figures(tokens * once, flops * once, elapsed, strategy.world_size))
+            self.window_start, self.samples_at_log = now, self.samples
             losses.last_logged = state.global_step
             losses.tr_loss = 0.0
             run.log_to_loggers_only = figures

@@ -84,3 +84,10 @@ def mean_over_ranks(value: float, strategy: Any) -> float:
     if strategy.world_size == 1:
         return value
     return float(strategy.reduce(torch.tensor(value, dtype=torch.float64), "mean").item())
+
+
+def sum_over_ranks(values: list[float], strategy: Any) -> list[float]:
+    """`values` summed over the processes, in one collective (none on a single process)."""
+    if strategy.world_size == 1:
+        return list(values)
+    return [float(v) for v in strategy.reduce(torch.tensor(values, dtype=torch.float64), "sum").tolist()]
