@@ -350,7 +350,8 @@ def test_throughput_and_total_flos_count_every_rank(tmp_path):
         assert logs["samples_per_second"] == pytest.approx(4 * logs["steps_per_second"])
         assert logs["train_tokens_per_second"] == pytest.approx(12 * logs["samples_per_second"])
         assert logs["train_tokens_per_second_per_rank"] == pytest.approx(logs["train_tokens_per_second"] / 2)
-        per_token = 6 * sum(p.numel() for p in model.parameters() if p is not model.emb.weight)  # 6 N, N without the table
+        # 6 N per token, N without the embedding table
+        per_token = 6 * sum(p.numel() for p in model.parameters() if p is not model.emb.weight)
         assert logs["train_tflops"] == pytest.approx(logs["train_tokens_per_second"] * per_token / 1e12)
         assert "mfu" not in logs  # no peak on the CPU
     m = out.metrics
