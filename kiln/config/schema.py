@@ -451,7 +451,7 @@ class MemorySnapshotConfig:
     """CUDA allocation history for PyTorch's memory viewer (pytorch.org/memory_viz); CUDA only."""
 
     steps: List[int] = opt([], "Optimizer steps (global_step, from 1) after which a snapshot is dumped.")
-    on_oom: bool = opt(False, "Dump a snapshot when CUDA runs out of memory.")
+    on_oom: bool = opt(False, "Dump a snapshot when CUDA runs out of memory; the error then names it.")
     max_entries: int = opt(100000, "Allocation events kept in the history.")
     output_dir: Optional[str] = opt(None, "Where the snapshots go (default output_dir/memory_snapshots).")
 

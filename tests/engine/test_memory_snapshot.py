@@ -109,3 +109,18 @@ def test_a_cpu_fit_refuses_the_section_before_training(tmp_path):
     with pytest.raises(ConfigError, match="memory_snapshot"):
         Trainer(model, cfg, train_dataset=regression_data(8)).fit()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_note_goes_on_an_out_of_memory_error_only(tmp_path, fake_cuda):
+    callback = memory_snapshot_callback(config(tmp_path, on_oom=True), 0, "cuda")
+    events(callback, steps=1)
+    other = RuntimeError("shapes do not match")
+    callback.on_exception(None, TrainerState(), TrainerControl(), exception=other)
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    callback.on_exception(None, TrainerState(), TrainerControl(), exception=oom)
+    assert not hasattr(oom, "__notes__")  # nothing ran out in the allocator yet: no snapshot to name
+    [(kind, observer)] = [c for c in fake_cuda if c[0] == "observer"]
+    observer(0, 1 << 30, 0, 0)
+    callback.on_exception(None, TrainerState(), TrainerControl(), exception=oom)
+    callback.on_exception(None, TrainerState(), TrainerControl(), exception=other)
+    assert oom.__notes__ == [callback.oom_note()] and not hasattr(other, "__notes__")

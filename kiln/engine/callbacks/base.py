@@ -37,6 +37,7 @@ EVENTS = (
     "on_prediction_step",
     "on_save",
     "on_log",
+    "on_exception",  # kiln's (Lightning's): the fit is ending with `exception=`; it is re-raised afterwards
 )
 
 
@@ -75,6 +76,7 @@ class Callback:
     ) -> Any: ...
     def on_save(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
     def on_log(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
+    def on_exception(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any: ...
 
 
 CallbackLike = Callback | type
@@ -131,7 +133,7 @@ class CallbackHandler:
             event: [
                 getattr(cb, event)
                 for cb in self.callbacks
-                if getattr(type(cb), event, None) is not getattr(Callback, event)
+                if getattr(type(cb), event, None) not in (None, getattr(Callback, event))  # HF's have no on_exception
             ]
             for event in EVENTS
         }

@@ -5,7 +5,8 @@ allocation with its Python and C++ stack, up to `max_entries` events). A snapsho
 optimizer step named in `steps`, and with `on_oom` when the CUDA allocator runs out of memory (torch's
 out-of-memory observer runs before the error is raised, while the allocations are still live). Files go
 to `<output_dir>/memory_snapshots/rank<R>/step<N>.pickle` and `oom.pickle`. An out-of-memory error that
-ends the run carries a note naming the snapshot and the largest allocation sites in it.
+ends the run carries a note naming the snapshot and the largest allocation sites in it (the `on_exception`
+event, before the error leaves the fit).
 
 Only CUDA keeps an allocation history, so the section is refused for any other device.
 """
@@ -98,6 +99,14 @@ class MemorySnapshot(Callback):
         import torch
 
         torch.cuda.memory._record_memory_history(enabled=None)
+
+    def on_exception(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
+        import torch
+
+        err = kw.get("exception")
+        note = self.oom_note()
+        if note is not None and isinstance(err, torch.OutOfMemoryError):
+            err.add_note(note)  # printed under the error's message by the traceback
 
     def oom_note(self) -> str | None:
         """What an out-of-memory error that ends the run should add: the snapshot and where the memory was."""

@@ -9,6 +9,7 @@ loss sums are `RunningLoss` (loop/running_loss.py).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -42,6 +43,8 @@ from kiln.engine.run import setup_for_training
 from kiln.engine.seed import set_rng_state
 from kiln.optim.optimizers import optimizer_mode
 from kiln.utils.tensors import batch_size_of
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from kiln.engine.callbacks.base import CallbackHandler
@@ -99,8 +102,17 @@ class FitLoop:
                     return self._run(resume_path)
                 except Exception as err:
                     if not restart_smaller(self, err, resume_path):
+                        self._ending_with(err)
                         raise
                 free_memory(self.strategy)
+
+    def _ending_with(self, err: Exception) -> None:
+        """`on_exception` before the error leaves the fit (a callback may add a note to it); a callback that
+        fails here is logged, never raised over the error that ends the run."""
+        try:
+            self._event("on_exception", exception=err)
+        except Exception:  # noqa: BLE001 - the run's own error is the one to raise
+            log.exception("A callback's on_exception failed while the fit was ending with %s.", type(err).__name__)
 
     def _run(self, resume_path: str | None) -> TrainOutput:
         hooks, run, cfg, strategy = self.hooks, self.run, self.config, self.strategy
