@@ -34,7 +34,9 @@ def format_rows() -> list[dict[str, Any]]:
     rows = []
     for fmt in sorted(FORMATS.names()):
         io = _io(fmt)
-        if io is None or not io.__module__.startswith("kiln."):  # a plug-in a caller (a test) registered
+        # the strategies' formats: not a plug-in a caller (a test) registered, nor the engine's `peft-adapter`
+        # (chosen by the model, not the strategy: docs/checkpoints.md's PEFT section)
+        if io is None or not io.__module__.startswith("kiln.strategies."):
             continue
         own = [(name, [_io(f) for f in cls.checkpoint_formats]) for name, cls, _ in listed]
         rows.append(
