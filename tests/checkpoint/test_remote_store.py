@@ -197,3 +197,20 @@ def test_urls_and_a_missing_file_system(monkeypatch):
         r"pip install kiln\[gcs\]",
     ):
         RemoteCheckpoints("gs://b/run")
+
+
+def test_a_checkpoint_downloaded_before_is_reused_unless_damaged(store, run_dir, tmp_path, monkeypatch):
+    store.upload(os.path.join(run_dir, "checkpoint-5"))
+    gets: list[str] = []
+    get = store.fs.get
+    monkeypatch.setattr(store.fs, "get", lambda src, dst, **kw: (gets.append(src), get(src, dst, **kw))[1])
+    path = store.download_newest(str(tmp_path / "cache"))
+    assert store.download_newest(str(tmp_path / "cache")) == path and len(gets) == 1  # intact: not fetched again
+    weights = next(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    with open(os.path.join(path, weights), "r+b") as f:  # the local copy rots: same size, other bytes
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert store.download_newest(str(tmp_path / "cache")) == path and len(gets) == 2
+    assert local_files(path) == local_files(os.path.join(run_dir, "checkpoint-5"))

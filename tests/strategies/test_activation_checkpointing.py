@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kiln.strategies.activation_checkpointing import apply_activation_checkpointing
+from kiln.strategies.activation_checkpointing import apply_activation_checkpointing, without_cache
 from kiln.utils.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -85,7 +85,9 @@ def test_each_policy_recomputes_what_it_says(plain):
     )
     extra = {name: counts[MM] - base[MM] for name, counts in (("full", full), ("half", half), ("sel", selective))}
     assert extra["full"] > 0 and extra["full"] == 2 * extra["half"]  # every 2nd of 4 blocks: half the recompute
-    assert 0 < extra["sel"] < extra["full"]  # every second matmul is recomputed, the others kept
+    # a block's 7 matmuls (q, k, v, o, gate, up, down): selective recomputes the 2nd, 4th and 6th; full recomputes
+    # all but the last, whose output backward does not need (the recompute stops early)
+    assert (extra["full"], extra["sel"]) == (4 * 6, 4 * 3)
     assert base[SDPA] == 0 and full[SDPA] == 4 and half[SDPA] == 2 and selective[SDPA] == 0  # attention is kept
 
 
@@ -114,3 +116,14 @@ def test_a_bad_setting_is_one_sentence(ac, words):
     with pytest.raises(ConfigError) as err:
         apply_activation_checkpointing([torch.nn.Linear(2, 2)], **ac)
     assert words in str(err.value)
+
+
+def test_a_checkpointed_block_never_gets_a_kv_cache():
+    cache, other = object(), object()
+    given = {"past_key_values": cache, "attention_mask": other}
+    assert without_cache(given) == {"past_key_values": None, "attention_mask": other}
+    assert given["past_key_values"] is cache  # the caller's dict is left alone
+    assert without_cache({"layer_past": cache, "use_cache": True}) == {"layer_past": None, "use_cache": False}
+    assert without_cache({"cache": cache}) == {"cache": None}
+    plain = {"attention_mask": other, "use_cache": False}
+    assert without_cache(plain) is plain  # nothing to drop: no new dict
