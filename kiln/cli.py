@@ -8,9 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kiln.task_import import TaskError
+
+if TYPE_CHECKING:
+    from kiln.launch.settings import LauncherSetting
 
 USAGE = """kiln: train PyTorch models from a YAML config.
 
@@ -87,8 +90,9 @@ def _build(cfg: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
         raise TaskError("the config must name task.model and task.data ('package.module:callable').")
     model_fn = import_callable(cfg.task.model, "task.model")
     data_fn = import_callable(cfg.task.data, "task.data")
-    model_args = OmegaConf.to_container(cfg.task.model_args)
-    data_args = OmegaConf.to_container(cfg.task.data_args)
+    # the schema types both Dict[str, Any]: to_container gives a dict with str keys
+    model_args = cast(dict[str, Any], OmegaConf.to_container(cfg.task.model_args))
+    data_args = cast(dict[str, Any], OmegaConf.to_container(cfg.task.data_args))
     check_kwargs(model_fn, model_args, "task.model_args", cfg.task.model)
     check_kwargs(data_fn, data_args, "task.data_args", cfg.task.data)
     data = data_fn(**data_args)
@@ -445,7 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kiln.launch.settings import accelerate_config_settings, settings_to_json
 
         flags = ([f"--weights={weights}"] if weights else []) + (["--random-weights"] if random_weights else [])
-        nproc, devices = ns.nproc, {}
+        nproc = ns.nproc
+        devices: dict[str, str] = {}
         try:
             if ns.accelerate_config:  # its settings travel to the workers as an argument, not as variables
                 num, settings, devices = accelerate_config_settings(ns.accelerate_config)
@@ -460,13 +465,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as err:  # a launch setting that cannot work (the workers' errors are reported, not raised)
             print(f"kiln: error: {err}", file=sys.stderr)
             return 2
-    settings = None
+    received: list[LauncherSetting] | None = None
     if ns.launcher_settings:
         from kiln.launch.settings import settings_from_json
 
-        settings = settings_from_json(ns.launcher_settings)
+        received = settings_from_json(ns.launcher_settings)
     overrides = [o for o in overrides if o != "--traceback"]
-    return _run(command, ns.config, overrides, weights, random_weights, settings, show_traceback)
+    return _run(command, ns.config, overrides, weights, random_weights, received, show_traceback)
 
 
 if __name__ == "__main__":
