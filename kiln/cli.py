@@ -15,6 +15,9 @@ from kiln.task_import import TaskError
 if TYPE_CHECKING:
     from kiln.launch.settings import LauncherSetting
 
+#: optimizer steps `kiln fit --profile` records
+PROFILE_STEPS = 3
+
 USAGE = """kiln: train PyTorch models from a YAML config.
 
 commands:
@@ -35,6 +38,9 @@ options for fit/evaluate/predict:
   --accelerate-config FILE   honour an `accelerate config` YAML (mixed precision, FSDP, DeepSpeed, num_processes)
   --traceback                show the full traceback of an error (default: one line naming the problem)
   -h, --help                 list every config key with its default and meaning
+
+options for fit:
+  --profile                  profile 3 optimizer steps (profile.active=3) unless the config or a key=value sets it
 
 options for evaluate/predict:
   --weights PATH             a checkpoint-<step> folder or a folder written by save_model; default: the run's
@@ -340,7 +346,7 @@ def _help(command: str) -> str:
     scoring = command in ("evaluate", "predict")
     lines = [
         f"usage: kiln {command} CONFIG.yaml [--nproc N [--max-restarts K]] [--accelerate-config FILE]"
-        f"{' [--weights PATH | --random-weights]' if scoring else ''} [key=value ...]",
+        f"{' [--weights PATH | --random-weights]' if scoring else ' [--profile]'} [key=value ...]",
         "",
         "options:",
         "  --nproc N                  start N local processes (data parallel)",
@@ -349,6 +355,10 @@ def _help(command: str) -> str:
         "  --accelerate-config FILE   honour an `accelerate config` YAML",
         "  --traceback                show the full traceback of an error, not one line",
     ]
+    if command == "fit":
+        lines.append(
+            "  --profile                  profile 3 optimizer steps (profile.active=3) unless the config or a key=value sets it"
+        )
     if scoring:
         lines += [
             "  --weights PATH             a checkpoint-<step> folder or a save_model folder (default: the run's best",
@@ -357,6 +367,15 @@ def _help(command: str) -> str:
         ]
     lines += ["", "config keys (in the YAML, or key=value on the command line):", "", config_help()]
     return "\n".join(lines)
+
+
+def _profile_overrides(config: str, overrides: list[str]) -> list[str]:
+    """`kiln fit --profile`: record 3 optimizer steps (wait and warmup keep their defaults), unless the
+    config file or a `key=value` already sets `profile.active`, which then wins."""
+    from kiln.launch.settings import explicit_keys
+
+    given = explicit_keys(config, [o for o in overrides if o != "--traceback"])
+    return [] if "profile.active" in given else [f"profile.active={PROFILE_STEPS}"]
 
 
 def _convert(rest: list[str]) -> int:
@@ -417,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command != "fit":
         parser.add_argument("--weights", default=None)
         parser.add_argument("--random-weights", dest="random_weights", action="store_true")
+    else:
+        parser.add_argument("--profile", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     ns, overrides = parser.parse_known_args(rest)
     if ns.help or not ns.config:
@@ -428,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         print(f"kiln: error: unrecognised argument {bad[0]!r}; overrides look like key=value.", file=sys.stderr)
         return 2
+    if getattr(ns, "profile", False):  # an override like any other, so every launcher hands it to its workers
+        overrides = [*overrides, *_profile_overrides(ns.config, overrides)]
     weights, random_weights = getattr(ns, "weights", None), getattr(ns, "random_weights", False)
     if command == "fit" or ns.ray is not None:  # `--ray N` or `launcher.name: ray`: the run goes to Ray Train's workers
         from kiln.launch.ray import fit_with_ray
