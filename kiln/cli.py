@@ -8,9 +8,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kiln.task_import import TaskError
+
+if TYPE_CHECKING:
+    from kiln.launch.settings import LauncherSetting
+
+#: optimizer steps `kiln fit --profile` records
+PROFILE_STEPS = 3
 
 USAGE = """kiln: train PyTorch models from a YAML config.
 
@@ -32,6 +38,9 @@ options for fit/evaluate/predict:
   --accelerate-config FILE   honour an `accelerate config` YAML (mixed precision, FSDP, DeepSpeed, num_processes)
   --traceback                show the full traceback of an error (default: one line naming the problem)
   -h, --help                 list every config key with its default and meaning
+
+options for fit:
+  --profile                  profile 3 optimizer steps (profile.active=3) unless the config or a key=value sets it
 
 options for evaluate/predict:
   --weights PATH             a checkpoint-<step> folder or a folder written by save_model; default: the run's
@@ -87,8 +96,9 @@ def _build(cfg: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
         raise TaskError("the config must name task.model and task.data ('package.module:callable').")
     model_fn = import_callable(cfg.task.model, "task.model")
     data_fn = import_callable(cfg.task.data, "task.data")
-    model_args = OmegaConf.to_container(cfg.task.model_args)
-    data_args = OmegaConf.to_container(cfg.task.data_args)
+    # the schema types both Dict[str, Any]: to_container gives a dict with str keys
+    model_args = cast(dict[str, Any], OmegaConf.to_container(cfg.task.model_args))
+    data_args = cast(dict[str, Any], OmegaConf.to_container(cfg.task.data_args))
     check_kwargs(model_fn, model_args, "task.model_args", cfg.task.model)
     check_kwargs(data_fn, data_args, "task.data_args", cfg.task.data)
     data = data_fn(**data_args)
@@ -336,7 +346,7 @@ def _help(command: str) -> str:
     scoring = command in ("evaluate", "predict")
     lines = [
         f"usage: kiln {command} CONFIG.yaml [--nproc N [--max-restarts K]] [--accelerate-config FILE]"
-        f"{' [--weights PATH | --random-weights]' if scoring else ''} [key=value ...]",
+        f"{' [--weights PATH | --random-weights]' if scoring else ' [--profile]'} [key=value ...]",
         "",
         "options:",
         "  --nproc N                  start N local processes (data parallel)",
@@ -345,6 +355,10 @@ def _help(command: str) -> str:
         "  --accelerate-config FILE   honour an `accelerate config` YAML",
         "  --traceback                show the full traceback of an error, not one line",
     ]
+    if command == "fit":
+        lines.append(
+            "  --profile                  profile 3 optimizer steps (profile.active=3) unless the config or a key=value sets it"
+        )
     if scoring:
         lines += [
             "  --weights PATH             a checkpoint-<step> folder or a save_model folder (default: the run's best",
@@ -353,6 +367,15 @@ def _help(command: str) -> str:
         ]
     lines += ["", "config keys (in the YAML, or key=value on the command line):", "", config_help()]
     return "\n".join(lines)
+
+
+def _profile_overrides(config: str, overrides: list[str]) -> list[str]:
+    """`kiln fit --profile`: record 3 optimizer steps (wait and warmup keep their defaults), unless the
+    config file or a `key=value` already sets `profile.active`, which then wins."""
+    from kiln.launch.settings import explicit_keys
+
+    given = explicit_keys(config, [o for o in overrides if o != "--traceback"])
+    return [] if "profile.active" in given else [f"profile.active={PROFILE_STEPS}"]
 
 
 def _convert(rest: list[str]) -> int:
@@ -413,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command != "fit":
         parser.add_argument("--weights", default=None)
         parser.add_argument("--random-weights", dest="random_weights", action="store_true")
+    else:
+        parser.add_argument("--profile", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     ns, overrides = parser.parse_known_args(rest)
     if ns.help or not ns.config:
@@ -424,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         print(f"kiln: error: unrecognised argument {bad[0]!r}; overrides look like key=value.", file=sys.stderr)
         return 2
+    if getattr(ns, "profile", False):  # an override like any other, so every launcher hands it to its workers
+        overrides = [*overrides, *_profile_overrides(ns.config, overrides)]
     weights, random_weights = getattr(ns, "weights", None), getattr(ns, "random_weights", False)
     if command == "fit" or ns.ray is not None:  # `--ray N` or `launcher.name: ray`: the run goes to Ray Train's workers
         from kiln.launch.ray import fit_with_ray
@@ -445,7 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kiln.launch.settings import accelerate_config_settings, settings_to_json
 
         flags = ([f"--weights={weights}"] if weights else []) + (["--random-weights"] if random_weights else [])
-        nproc, devices = ns.nproc, {}
+        nproc = ns.nproc
+        devices: dict[str, str] = {}
         try:
             if ns.accelerate_config:  # its settings travel to the workers as an argument, not as variables
                 num, settings, devices = accelerate_config_settings(ns.accelerate_config)
@@ -460,13 +488,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as err:  # a launch setting that cannot work (the workers' errors are reported, not raised)
             print(f"kiln: error: {err}", file=sys.stderr)
             return 2
-    settings = None
+    received: list[LauncherSetting] | None = None
     if ns.launcher_settings:
         from kiln.launch.settings import settings_from_json
 
-        settings = settings_from_json(ns.launcher_settings)
+        received = settings_from_json(ns.launcher_settings)
     overrides = [o for o in overrides if o != "--traceback"]
-    return _run(command, ns.config, overrides, weights, random_weights, settings, show_traceback)
+    return _run(command, ns.config, overrides, weights, random_weights, received, show_traceback)
 
 
 if __name__ == "__main__":

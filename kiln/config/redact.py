@@ -75,7 +75,7 @@ def config_for_saving(config: Any) -> dict[str, Any]:
         tree = dict(config)
     else:
         raise TypeError(f"config_for_saving takes a DictConfig or a mapping, not {type(config).__name__}.")
-    return mask(tree)  # type: ignore[no-any-return]
+    return mask(tree)
 
 
 def select(tree: Any, key: str) -> Any:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import Any, Dict, List, Optional
 def opt(default: Any, help: str) -> Any:
     """A dataclass field with a help text (mutable defaults are copied per instance)."""
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
+        return field(default_factory=functools.partial(type(default), default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 

@@ -5,7 +5,9 @@ hand-written page; `python -m kiln.docgen` rewrites only what is between them.""
 
 from __future__ import annotations
 
-from typing import Any
+import types
+from collections.abc import Callable
+from typing import Any, cast
 
 BEGIN = "<!-- generated: format table (python -m kiln.docgen) -->"
 END = "<!-- end of generated format table -->"
@@ -46,7 +48,7 @@ def format_rows() -> list[dict[str, Any]]:
                 "resumed": [name for name, ios in own if any(i is not None and _resumes(i, fmt) for i in ios)],
                 "reshardable": bool(io.reshardable),
                 "background": io.saves_in_background(),
-                "convert": io.consolidate.__func__ is not CheckpointIO.consolidate.__func__,
+                "convert": _function(io.consolidate) is not _function(CheckpointIO.consolidate),
             }
         )
     return rows
@@ -77,3 +79,9 @@ def with_format_table(page: str) -> str:
     """`page` with the text between the markers replaced by the current table."""
     start, end = page.index(BEGIN), page.index(END) + len(END)
     return page[:start] + format_table_markdown() + page[end:]
+
+
+def _function(method: Callable[..., Any]) -> object:
+    """The function behind a classmethod bound to its class (the same object for every subclass that inherits it);
+    the cast: `consolidate` is a classmethod, so reading it gives a bound method (mypy types it a plain callable)."""
+    return cast(types.MethodType, method).__func__

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from kiln.precision.base import Precision
     from kiln.registry import Registry
     from kiln.strategies.base import Strategy
 
@@ -45,7 +46,8 @@ def strategies() -> list[tuple[str, type[Strategy], list[str]]]:
 def precisions() -> list[tuple[str, list[str]]]:
     from kiln.precision import PRECISIONS
 
-    out = [(cls.name, sorted(n for n in names if n != cls.name)) for cls, names in _grouped(PRECISIONS)]
+    registry: Registry[type[Precision]] = PRECISIONS  # its entries are Precision subclasses
+    out = [(cls.name, sorted(n for n in names if n != cls.name)) for cls, names in _grouped(registry)]
     return sorted(out)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,7 +35,8 @@ def compile_module(model: nn.Module, strategy: Any, train: Any) -> nn.Module:
     kwargs = model_compile_kwargs(train)
     if kwargs is None or hasattr(model, "_orig_mod") or strategy.capabilities.compiles_per_block:
         return model
-    return torch.compile(model, **kwargs)
+    # torch.compile of an nn.Module returns an OptimizedModule (an nn.Module); its stub says only Callable
+    return cast(nn.Module, torch.compile(model, **kwargs))
 
 
 def compile_optimizer_step(optimizer: Any, strategy: Any, train: Any) -> None:

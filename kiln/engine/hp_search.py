@@ -128,9 +128,9 @@ class HyperparameterSearchMixin:
         hp_space = hp_space or default_hp_space_optuna
         several = isinstance(direction, (list, tuple))
         study = (
-            optuna.create_study(directions=list(direction), **kwargs)
+            optuna.create_study(directions=list(direction), **kwargs)  # type: ignore[arg-type]  # optuna's stub wants Literal["minimize", "maximize"]; HF's signature takes str, which optuna validates
             if several
-            else optuna.create_study(direction=direction, **kwargs)
+            else optuna.create_study(direction=direction, **kwargs)  # type: ignore[arg-type]  # as above
         )
 
         def objective(trial: Any) -> float | list[float]:
@@ -148,7 +148,9 @@ class HyperparameterSearchMixin:
         if several:
             return [BestRun(str(t.number), t.values, t.params) for t in study.best_trials]
         best = study.best_trial
-        return BestRun(str(best.number), best.value, best.params)
+        value = best.value
+        assert value is not None  # the best trial of a single-objective study is a completed one
+        return BestRun(str(best.number), value, best.params)
 
     def _report_to_trial(self, metrics: dict[str, float]) -> None:
         """After each evaluation during a trial: record the objective and let Optuna prune."""

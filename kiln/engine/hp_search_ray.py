@@ -54,7 +54,7 @@ def default_hp_space_ray(trial: Any) -> dict[str, Any]:
     }
 
 
-class RayTrial(dict):  # type: ignore[type-arg]
+class RayTrial(dict):
     """What `model_init(trial)` and `hp_name(trial)` receive in a Ray trial: the trial's hyperparameters
     (a dict, as HF passes them), with `number` (Ray's trial id) naming its folder `run-<number>`."""
 
@@ -112,14 +112,16 @@ def run_hp_search_ray(
             run_config=tune.RunConfig(**run),
         )
         grid = tuner.fit()
-        failed = [r.error for r in grid if r.error is not None]
+        failed = [grid[i].error for i in range(len(grid)) if grid[i].error is not None]  # ResultGrid: no __iter__
         if len(failed) == len(grid):
             raise KilnError(f"every Ray Tune trial failed; the first: {type(failed[0]).__name__}: {failed[0]}")
         best = grid.get_best_result(metric="objective", mode=mode, scope="last")
     finally:
         if started:
             ray.shutdown()
-    return str(best.metrics["trial_id"]), best.metrics["objective"], dict(best.config), grid
+    metrics, config = best.metrics, best.config
+    assert metrics is not None and config is not None  # a trial that reported its objective has both
+    return str(metrics["trial_id"]), metrics["objective"], dict(config), grid
 
 
 def _recipe(

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kiln.utils.errors import KilnError
 
@@ -72,7 +72,7 @@ def trial_config(base: Any, trial: Any, params: dict[str, Any], hp_name: Callabl
     from kiln.config.load import load_config
 
     run_name = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
-    plain = OmegaConf.to_container(base, resolve=True)
+    plain = cast(dict[str, Any], OmegaConf.to_container(base, resolve=True))  # `base` is a DictConfig: str keys
     # the trial's values are a layer on top of the config, so they win
     config = load_config(plain, {**params, "output_dir": os.path.join(base.output_dir, run_name)})
     for section in ("strategy", "precision"):  # built once, with the Trainer

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from kiln.engine.model.facts import ModelFacts
 from kiln.optim.merged_step import step_equal_groups_as_one
 from kiln.optim.schedulers import scheduler_needs_metrics
 from kiln.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kiln.engine.model.module import TrainingModule
 
 
 @dataclass(eq=False)
@@ -90,7 +93,10 @@ def module_to_set_up(run: Run, config: Any) -> nn.Module:
 
         if config.train.gradient_checkpointing:
             enable_gradient_checkpointing(run.model, config.train.gradient_checkpointing_kwargs)
-        run.forward_module = StepDispatcher(run.model) if run.facts.training_module else run.model
+        # facts.training_module is is_training_module(run.model), so the cast only tells mypy what it found
+        run.forward_module = (
+            StepDispatcher(cast("TrainingModule", run.model)) if run.facts.training_module else run.model
+        )
     return run.forward_module
 
 
@@ -101,10 +107,11 @@ def enable_gradient_checkpointing(model: nn.Module, kwargs: Any) -> None:
     the call to its base model, which also calls `enable_input_require_grads()` (for `input_ids`
     models), so gradients reach the adapters inside checkpointed blocks whose frozen inputs need none."""
     given = dict(kwargs) if kwargs else None
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=given)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=given)
+    hf: Any = model  # HF methods, found by hasattr (nn.Module.__getattr__ would type them Tensor | Module)
+    if hasattr(hf, "activation_checkpointing_enable"):
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs=given)
+    elif hasattr(hf, "gradient_checkpointing_enable"):
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=given)
 
 
 def setup_for_eval(run: Run, strategy: Any, config: Any) -> nn.Module:

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from kiln.precision import build_precision
 from kiln.strategies import adopt_model, build_strategy, check_run_compatible
 from kiln.strategies.interfaces import ShardedModuleInit
 from kiln.utils.errors import KilnError
+
+if TYPE_CHECKING:
+    from kiln.engine.model.module import TrainingModule
 
 
 class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSearchMixin):
@@ -118,7 +121,8 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
                 f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}."
             )
         if cfg.train.use_cache is not None and getattr(model, "config", None) is not None:
-            model.config.use_cache = cfg.train.use_cache  # HF sets it from TrainingArguments.use_cache
+            hf: Any = model  # an HF model's config (nn.Module.__getattr__ would type it Tensor | Module)
+            hf.config.use_cache = cfg.train.use_cache  # HF sets it from TrainingArguments.use_cache
         self.args = cfg  # HF code reads trainer.args
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator, self.processing_class = data_collator, processing_class
@@ -202,7 +206,10 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
     # -- optimizer & scheduler (HF override points) -----------------------------------------
     def create_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            configured = self.model.configure_optimizers() if self.run.facts.training_module else None
+            # facts.training_module is is_training_module(self.model): the cast only tells mypy what it found
+            configured = (
+                cast("TrainingModule", self.model).configure_optimizers() if self.run.facts.training_module else None
+            )
             if isinstance(configured, (tuple, list)):
                 self.optimizer, self.lr_scheduler = configured[0], configured[1] if len(configured) > 1 else None
             elif configured is not None:
@@ -213,7 +220,9 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         if self.lr_scheduler is None:
-            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.config.scheduler, num_training_steps)
+            optimizer = optimizer or self.optimizer
+            assert optimizer is not None  # HF's order: create_optimizer() has run (create_optimizer_and_scheduler)
+            self.lr_scheduler = build_scheduler(optimizer, self.config.scheduler, num_training_steps)
             self.run.created_scheduler = True  # a new run builds it again for its own length (HF)
         self.run.scheduler_needs_metrics = scheduler_needs_metrics(self.lr_scheduler)
         return self.lr_scheduler
@@ -388,8 +397,10 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
     def _build_model(self, trial: Any = None) -> nn.Module:
         """`model_init(trial)` (or `model_init()`), inside a sharding strategy's context where it has one."""
         context = self.strategy.module_init_context() if isinstance(self.strategy, ShardedModuleInit) else nullcontext()
+        model_init = self.model_init
+        assert model_init is not None  # both callers build a model only when model_init was given
         with context:
-            return call_model_init(self.model_init, trial)
+            return call_model_init(model_init, trial)
 
     def teardown(self) -> None:
         """Release what this Trainer holds outside Python objects: the strategy's process group and

@@ -74,7 +74,6 @@ class EvaluationMixin:
     model: nn.Module
     optimizer: Any
     lr_scheduler: Any
-    label_names: list[str]
     eval_dataset: Any
     data_collator: Any
     compute_metrics: Any
@@ -87,6 +86,9 @@ class EvaluationMixin:
     _ignore_keys_for_eval: list[str] | None
 
     if TYPE_CHECKING:  # the Trainer's (and hyperparameter search's) methods that evaluation calls
+
+        @property
+        def label_names(self) -> list[str]: ...
 
         def log(self, logs: dict[str, float], start_time: float | None = None) -> None: ...
         def compute_loss(
@@ -199,6 +201,7 @@ class EvaluationMixin:
                 ignore_keys=ignore_keys,
                 metric_key_prefix=metric_key_prefix,
             )
+        assert output.metrics is not None and output.num_samples is not None  # evaluation_loop always sets both
         metrics = output.metrics
         metrics.update(self._speed_metrics(metric_key_prefix, start, output.num_samples, loader))
         self.memory_tracker.stop_and_update("eval", metrics)
@@ -222,12 +225,12 @@ class EvaluationMixin:
             output = self.evaluation_loop(
                 loader, "Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
             )
-        output.metrics.update(self._speed_metrics(metric_key_prefix, start, output.num_samples, loader))
-        self.memory_tracker.stop_and_update("test", output.metrics)
-        self.control = self.callback_handler.call(
-            "on_predict", self.config, self.state, self.control, metrics=output.metrics
-        )
-        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
+        metrics, num_samples = output.metrics, output.num_samples
+        assert metrics is not None and num_samples is not None  # evaluation_loop always sets both
+        metrics.update(self._speed_metrics(metric_key_prefix, start, num_samples, loader))
+        self.memory_tracker.stop_and_update("test", metrics)
+        self.control = self.callback_handler.call("on_predict", self.config, self.state, self.control, metrics=metrics)
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=metrics)
 
     @contextlib.contextmanager
     def _memory_stage(self, stage: str) -> Iterator[None]:
@@ -272,7 +275,7 @@ class EvaluationMixin:
             )
         per_batch, predicting = e.batch_eval_metrics, description == "Prediction"
         gatherer = OrderedGatherer.for_sampler(sampler, e.padding_index) if distributed else None
-        acc = EvalAccumulator(
+        acc: EvalAccumulator | ObjectAccumulator = EvalAccumulator(
             e.padding_index,
             e.do_concat_batches,
             e.accumulation_steps,

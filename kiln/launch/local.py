@@ -257,7 +257,7 @@ def _loopback_handler(params: Any) -> Any:
     store = _loopback_store()
     handler = create_handler(store, Backend(store, params.run_id), params)
     if hasattr(handler, "_create_tcp_store_server"):  # the store torch shares with the workers (torch >= 2.4)
-        handler._create_tcp_store_server = lambda *args, **kwargs: _loopback_store()  # noqa: SLF001
+        handler._create_tcp_store_server = lambda *args, **kwargs: _loopback_store()  # type: ignore[method-assign]  # noqa: SLF001  # deliberate patch of torch's handler
     return handler
 
 

@@ -128,7 +128,7 @@ def launch_ray(
             run_config=RunConfig(
                 name=launch.name,
                 storage_path=launch.storage_path,
-                worker_runtime_env=WORKER_RUNTIME_ENV,
+                worker_runtime_env=WORKER_RUNTIME_ENV,  # type: ignore[call-arg]  # ray.train exports Train v2's RunConfig (which has it) when v2 is enabled at import; mypy sees v1's
                 failure_config=FailureConfig(max_failures=launch.max_failures),
                 checkpoint_config=CheckpointConfig(
                     num_to_keep=launch.num_to_keep,

@@ -173,7 +173,7 @@ def run_worker(argv: Sequence[str]) -> None:
         signal.signal(signal.SIGINT, _on_sigint)
     argv = list(argv)
     tail = _Tail(sys.stderr)
-    sys.stderr = tail  # type: ignore[assignment]
+    sys.stderr = tail
     try:
         if argv[:1] == ["-m"]:
             sys.argv = [argv[1], *argv[2:]]

@@ -16,7 +16,7 @@ for _names, _module in zip(
         PRECISIONS.add_lazy(_name, _module)
 
 
-def build_precision(config, override=None):  # type: ignore[no-untyped-def]
+def build_precision(config, override=None):
     """Instantiate the plugin the config names; `override` may be a Precision class or instance.
 
     HF's `fp16: true` with `half_precision_backend: apex` means Apex AMP, so an fp16 name with that

@@ -48,8 +48,9 @@ def build_strategy(config: DictConfig, precision: Precision, override: Any = Non
     if isinstance(override, Strategy):
         return override
     cls = override if isinstance(override, type) else STRATEGIES.get(config.strategy.name)
-    if getattr(cls, "resolve", None) is not None:
-        cls = cls.resolve(config)  # `auto` and `xla_fsdp` pick a concrete class from the config
+    resolve = getattr(cls, "resolve", None)
+    if resolve is not None:
+        cls = resolve(config)  # `auto` and `xla_fsdp` pick a concrete class from the config
     return cls(config, precision)
 
 

@@ -122,5 +122,5 @@ def apply_activation_checkpointing(
                 return _inner(*args, **kwargs)
             return checkpoint(_inner, *args, use_reentrant=False, **extra, **without_cache(kwargs))
 
-        block.forward = forward  # type: ignore[method-assign]
+        block.forward = forward
     return chosen

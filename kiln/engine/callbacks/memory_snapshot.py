@@ -89,7 +89,7 @@ class MemorySnapshot(Callback):
 
         torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
         if self.on_oom:
-            torch._C._cuda_attach_out_of_memory_observer(self._observe_oom)
+            torch._C._cuda_attach_out_of_memory_observer(self._observe_oom)  # type: ignore[attr-defined]  # private torch API (what torch.cuda.memory._record_memory_history uses), absent from torch's stubs
 
     def on_step_end(self, config: DictConfig, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         if state.global_step in self.steps:

@@ -91,7 +91,11 @@ class ProfilerCallback(Callback):
             activities=[kinds[a] for a in self.activities],
             schedule=tp.schedule(**self.schedule),
             on_trace_ready=tp.tensorboard_trace_handler(self.folder, worker_name=self.worker_name),
-            **self.options,
+            record_shapes=self.options["record_shapes"],
+            profile_memory=self.options["profile_memory"],
+            with_stack=self.options["with_stack"],
+            with_flops=self.options["with_flops"],
+            with_modules=self.options["with_modules"],
         )
         self.profiler.start()
 

@@ -178,6 +178,7 @@ class ProgressCallback(Callback):
     def _print(self, text: str) -> None:
         self._drain()  # after the lines queued before it
         stream = self._stream
+        assert stream is not None  # on_train_begin sets it before any line is printed
         stream.write(text + "\n")  # one write, then flush: a job log shows each line as it happens
         stream.flush()
 

@@ -410,6 +410,7 @@ class CheckpointManager:
                 stacklevel=2,
             )
         self._check_config(path)
+        assert run.wrapped is not None  # Run.__post_init__ sets it, and nothing sets it back to None
         io.load(path, model=run.wrapped, module=run.model, optimizer=run.optimizer)
         self.load_scheduler(path, "was scheduler.name changed?")
         prec = os.path.join(path, "precision.pt")

@@ -21,6 +21,7 @@ one sentence naming it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -105,7 +106,7 @@ class RemoteCheckpoints:
             target = self._path(name, *rel.split(os.sep))
             self._retrying(
                 f"Uploading {rel} of {name} to {self.url}",
-                lambda rel=rel, target=target: self.fs.put_file(os.path.join(local, rel), target),
+                functools.partial(self.fs.put_file, os.path.join(local, rel), target),
             )
         return f"{self.url}/{name}"
 

@@ -69,9 +69,10 @@ class EvalPrediction:
 
 
 class PredictionOutput(NamedTuple):
-    """`Trainer.predict` result. `label_ids` and `metrics` are None when the data has no labels."""
+    """`Trainer.predict` result. `label_ids` and `metrics` are None when the data has no labels;
+    `predictions` is None when the model returns no logits (or with `eval.prediction_loss_only`)."""
 
-    predictions: Arrays
+    predictions: Arrays | None
     label_ids: Arrays | None
     metrics: dict[str, float] | None
 

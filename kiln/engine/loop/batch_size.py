@@ -81,7 +81,7 @@ def find_batch_size(loop: Any) -> Iterable[Any]:  # the FitLoop (not imported: i
     size = run.micro_batch_size
     saved = rng_state()
     while True:
-        loader = hooks.get_train_dataloader()
+        loader: Iterable[Any] = hooks.get_train_dataloader()
         failed = _attempt(loop, loader)
         set_rng_state(saved)  # the attempt drew dropout masks and the loader's seed
         if strategy.world_size > 1:

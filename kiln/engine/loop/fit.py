@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from kiln.strategies.base import Strategy
 
 
-class TrainOutput(tuple):
+class TrainOutput(tuple[Any, ...]):
     """(global_step, training_loss, metrics), with attribute access as in HF."""
 
     def __new__(cls, global_step: int, training_loss: float, metrics: dict[str, float]) -> TrainOutput:
@@ -144,6 +144,7 @@ class FitLoop:
         )  # HF's block
 
         model = run.wrapped
+        assert model is not None  # Run.__post_init__ sets it, and nothing sets it back to None
         self.step = TrainStep(
             run,
             strategy,

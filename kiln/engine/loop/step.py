@@ -89,7 +89,7 @@ class TrainStep:
         #: forward and backward of a window: the per-micro-batch loop, or a strategy that owns the window
         self.forward_backward = self.micro_batches
         if isinstance(strategy, OwnsMicroBatchWindow):
-            refuse_per_micro_batch_overrides(training_step, run, strategy.name)
+            refuse_per_micro_batch_overrides(training_step, run, self.strategy.name)  # (self.strategy: Any)
             self.owner: OwnsMicroBatchWindow = strategy
             self.forward_backward = self.owned_window
 
@@ -156,7 +156,8 @@ class TrainStep:
         if run.backward_owner is not None:
             run.optimizer.step()  # type: ignore[union-attr]
             return StepResult(True, None)
-        return self.strategy.optimizer_step(model, run.optimizer, self.max_grad_norm)
+        result: StepResult = self.strategy.optimizer_step(model, run.optimizer, self.max_grad_norm)
+        return result
 
     # -- loss weights -------------------------------------------------------------------------
     def windows_need_weights(self, micro_batches: int) -> bool:

@@ -54,7 +54,8 @@ def matmul_parameters(model: nn.Module) -> int:
     """N: the parameters a token multiplies, once each: all but the embedding tables (lookups), except an
     output projection tied to one (GPT-2's LM head is its token table: the projection multiplies)."""
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    hf: Any = model  # an HF method, found by hasattr (nn.Module.__getattr__ would type it Tensor | Module)
+    output = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     if output is not None and getattr(output, "weight", None) is not None:
         lookups.discard(id(output.weight))
     return sum(p.numel() for p in model.parameters() if id(p) not in lookups)

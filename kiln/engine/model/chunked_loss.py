@@ -82,8 +82,9 @@ def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
                 f"{name} transforms its logits after the LM head ({attr}={value}), which the chunked loss "
                 "does not; unset train.loss.chunked for this model."
             )
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    hf: Any = model  # HF methods, found by hasattr (nn.Module.__getattr__ would type them Tensor | Module)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
     if type(head) is not nn.Linear or decoder is None or decoder is model:
         raise ConfigError(
             f"train.loss.chunked needs a Transformers causal LM with a plain nn.Linear LM head and a "
