@@ -353,9 +353,9 @@ class FitLoop:
         if control.should_log and state.global_step > losses.last_logged:
             steps = state.global_step - losses.last_logged
             strategy = self.strategy
-            # the loss sums and this window's tokens and FLOPs, summed over the ranks in one collective
-            loss_sum, tokens, flops = sum_over_ranks([losses.tr_loss, *self.throughput.take()], strategy)
-            loss = loss_sum / strategy.world_size / steps
+            loss = mean_over_ranks(losses.tr_loss, strategy) / steps
+            # this window's tokens and FLOPs, summed as the strategy sums (tensor-parallel copies count once)
+            tokens, flops = sum_over_ranks(list(self.throughput.take()), strategy)
             if not losses.guard.window_finite and self.nan_window:  # all nan/inf: the filter's stand-in reads 0.0
                 loss = math.nan
             losses.guard.window_finite = False
@@ -373,9 +373,7 @@ class FitLoop:
             world = self.strategy.data_shards
             figures["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
             figures["steps_per_second"] = steps / elapsed
-            # ranks that see the same tokens (tensor parallel) count them once: x item shards / world size
-            once = strategy.item_shards / strategy.world_size
-            figures.update(self.throughput.figures(tokens * once, flops * once, elapsed, strategy.world_size))
+            figures.update(self.throughput.figures(tokens, flops, elapsed, strategy.world_size))
             self.window_start, self.samples_at_log = now, self.samples
             losses.last_logged = state.global_step
             losses.tr_loss = 0.0
