@@ -34,4 +34,8 @@ def test_a_conflict_line_and_an_every_rank_error_are_printed_once(tmp_path):
     assert proc.returncode == 2, out
     assert out.count("but the kiln config sets precision.name=fp32, which wins") == 1, out
     assert out.count("hybrid_shard needs the world size (2) to be a multiple of the shard group size (3)") == 1, out
-    assert "kiln: error: hybrid_shard needs" in out and "failed first" not in out, out
+    # every rank hits the error; one whose report the agent's SIGTERM cut short (a loaded machine) leaves the
+    # other rank's report alone, which kiln then names: either way the error is printed once, as kiln's line
+    assert "kiln: error: hybrid_shard needs" in out or "failed first (exit code 2): error: hybrid_shard needs" in out, (
+        out
+    )
