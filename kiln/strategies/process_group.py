@@ -61,6 +61,10 @@ def join_default_group(env: ClusterEnvironment, timeout_s: float = 1800) -> tupl
     return device, backend
 
 
+#: default groups this process made from a launcher's rendezvous (see attempt_store's `creation`)
+_GROUPS_MADE = 0
+
+
 def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) -> bool:
     """Create the default process group from the launcher's environment; False if one exists.
 
@@ -83,8 +87,11 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) 
     else:
         from kiln.launch.environment import attempt_store
 
-        # a restarted elastic attempt meets in a namespace of its own (the last attempt's keys are still there)
-        store = attempt_store(timeout) if env.main_address is None else None
+        # a restarted elastic attempt, and a group made again in one process, meet in a namespace of their
+        # own (the keys of the last attempt or group are still in the agent's store)
+        global _GROUPS_MADE
+        store = attempt_store(timeout, creation=_GROUPS_MADE) if env.main_address is None else None
+        _GROUPS_MADE += 1
         if store is not None:
             dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         else:

@@ -132,6 +132,13 @@ def test_a_restarted_attempt_meets_in_its_own_namespace_of_the_agents_store():
     assert server.get("kiln/attempt_2/rank_0") == b"fresh"
     assert attempt_store(timedelta(seconds=30), {**env, "TORCHELASTIC_RESTART_COUNT": "0"}) is None
     assert attempt_store(timedelta(seconds=30), {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    # a group made again in one process (a second Trainer after teardown) meets apart from the first one
+    again = attempt_store(timedelta(seconds=30), {**env, "TORCHELASTIC_RESTART_COUNT": "0"}, creation=1)
+    again.set("rank_0", "second")
+    assert server.get("kiln/attempt_0/group_1/rank_0") == b"second"
+    attempt_store(timedelta(seconds=30), env, creation=2).set("rank_0", "third")
+    assert server.get("kiln/attempt_2/group_2/rank_0") == b"third"
+    assert attempt_store(timedelta(seconds=30), {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}, creation=1) is None
 
 
 @pytest.mark.parametrize(

@@ -143,13 +143,10 @@ def config(out: str, strategy: str) -> dict[str, Any]:
     }
 
 
-def train(
-    out: str, strategy: str, trainer_class: Any = None, *, teardown: bool = True
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train `TwoStageLM`; the per-step logged losses and the final weights. `teardown=False` keeps the
-    process group for the job's next Trainer: a default group made again from the launcher's store after
-    one was destroyed can read the old group's gloo addresses there (the keys are not namespaced by
-    attempt) and fail to connect."""
+def train(out: str, strategy: str, trainer_class: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train `TwoStageLM`; the per-step logged losses and the final weights. Each Trainer tears its process
+    group down, so the job's next Trainer makes the default group again from the launcher's store (in a
+    namespace of its own: the old group's gloo addresses are still there)."""
     from kiln import Trainer
 
     torch.manual_seed(0)
@@ -160,8 +157,7 @@ def train(
     trainer.fit()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if teardown:
-        trainer.teardown()
+    trainer.teardown()
     return losses, state
 
 
@@ -169,7 +165,7 @@ def worker(out: str) -> None:
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     initial = {k: v.clone() for k, v in TwoStageLM().state_dict().items()}
-    losses, state = train(os.path.join(out, "pp"), "toy_pipeline", teardown=False)  # the next Trainer joins its group
+    losses, state = train(os.path.join(out, "pp"), "toy_pipeline")
     own = "stem." if rank == 0 else "head."
     untouched = all(torch.equal(v, initial[k]) for k, v in state.items() if not k.startswith(own))
 

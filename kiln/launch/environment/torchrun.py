@@ -36,7 +36,7 @@ class Torchrun(ClusterKind):
         )
 
 
-def attempt_store(timeout: timedelta, env: Env | None = None) -> Any:
+def attempt_store(timeout: timedelta, env: Env | None = None, creation: int = 0) -> Any:
     """The store a restarted attempt of an elastic job meets in, or None where torch's `env://` is right.
 
     torch's elastic agent keeps one store for the workers (MASTER_ADDR / MASTER_PORT, hosted by the
@@ -46,16 +46,24 @@ def attempt_store(timeout: timedelta, env: Env | None = None) -> Any:
     that are gone ("Connection refused") or passes a barrier early. So from the first restart on, each
     attempt meets under `kiln/attempt_<n>/` of that store. Every worker of one agent sees the same n;
     several nodes' agents count their restarts each on its own, which is why restarts across nodes
-    need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt, hosted by rank 0)."""
+    need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt, hosted by rank 0).
+
+    The same holds within one attempt: a default group made again after one was destroyed (two
+    Trainers with `teardown()` between them in one job) would read the first group's addresses, so
+    the process's `creation`-th group (counted from 0, the same count on every rank of a symmetric
+    program) meets under `kiln/attempt_<n>/group_<creation>/`."""
     env = current(env)
     _warn_shared_store_across_nodes(env)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not attempt.isdigit() or int(attempt) == 0:
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not attempt.isdigit():
+        return None
+    if int(attempt) == 0 and creation == 0:
         return None
     import torch.distributed as dist
 
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), False, timeout)
-    return dist.PrefixStore(f"kiln/attempt_{attempt}", store)  # keys: kiln/attempt_<n>/<key>
+    prefix = f"kiln/attempt_{attempt}" + (f"/group_{creation}" if creation else "")
+    return dist.PrefixStore(prefix, store)  # keys: kiln/attempt_<n>[/group_<c>]/<key>
 
 
 def _warn_shared_store_across_nodes(env: Env) -> None:
