@@ -92,7 +92,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         keep_stage(module, decoder, ranges[index], first=first, last=last)
         self.stage_forward = StageForward(module, decoder, self.precision, first=first, last=last)
         self._stage = PipelineStage(
-            self.stage_forward, index, dims.pp, self.root_device, group=self.device_mesh["pp"].get_group()
+            self.stage_forward, index, dims.pp, self.root_device, group=self.pp_group
         )
         self._schedule: Any = None
         self._shape_key: tuple[Any, ...] | None = None
@@ -131,7 +131,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         )
         self._window = ([], None)
         out = torch.stack([loss.detach().float() for loss in losses]) if last else torch.empty(n, device=ids.device)
-        dist.broadcast(out, src=self._last_stage_rank(), group=self.device_mesh["pp"].get_group())
+        dist.broadcast(out, src=self._last_stage_rank(), group=self.pp_group)
         return list(out.unbind())
 
     def _schedule_for(self, key: tuple[Any, ...]) -> Any:
@@ -174,7 +174,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         local = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         squares = local.float().pow(2).to(self.root_device)
-        dist.all_reduce(squares, group=self.device_mesh["pp"].get_group())
+        dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
@@ -195,7 +195,16 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     def all_gather_object(self, obj: Any) -> list[Any]:
         return super().all_gather_object(obj)[: self.shape.stage_ranks]
 
-    # -- export -----------------------------------------------------------------------------
+    # -- checkpoints and export -------------------------------------------------------------
+    @property
+    def pp_group(self) -> Any:
+        return self.device_mesh["pp"].get_group()
+
+    def checkpoint_io(self) -> Any:
+        from kiln.strategies.mesh.pipeline_checkpoint import PipelineCheckpointIO
+
+        return PipelineCheckpointIO(self)
+
     def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Every stage's weights, under the full model's names, on rank 0 (the others get {}), or on
         every rank with save.on_each_node."""

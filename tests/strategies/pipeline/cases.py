@@ -44,12 +44,13 @@ def data(n: int = 22) -> list[dict[str, torch.Tensor]]:
 
 def config(out: str, strategy: Any, **extra: Any) -> dict[str, Any]:
     """Micro-batches of 3, windows of 2: 22 samples are 8 micro-batches (the last of 1), so 4 steps an
-    epoch; SGD, so that the comparison sees the gradients and not AdamW's magnified float noise."""
+    epoch; SGD with momentum (optimizer state to resume), so that the comparison sees the gradients and
+    not AdamW's magnified float noise."""
     cfg: dict[str, Any] = {
         "output_dir": out,
         "seed": 7,
         "learning_rate": 0.5,
-        "optim": {"name": "sgd"},
+        "optim": {"name": "sgd", "optim_args": "momentum=0.9"},
         "num_train_epochs": 1,
         "per_device_train_batch_size": 3,
         "gradient_accumulation_steps": 2,
