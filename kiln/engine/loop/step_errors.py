@@ -83,7 +83,10 @@ def explain(err: BaseException, batch: Any, maker: str, model: Any) -> KilnError
 
 
 def refuse_per_micro_batch_overrides(
-    training_step: Callable[..., Any], run: Any, strategy: str, loss_source: str = "the model's forward (its 'loss' output)"
+    training_step: Callable[..., Any],
+    run: Any,
+    strategy: str,
+    loss_source: str = "the model's forward (its 'loss' output)",
 ) -> None:
     """Refuse what acts per micro-batch under a strategy that runs the whole window as one schedule
     (`OwnsMicroBatchWindow`): it would silently never be called. `loss_source` is the strategy's, where

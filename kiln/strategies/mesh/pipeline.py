@@ -91,9 +91,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         first, last = index == 0, index == dims.pp - 1
         keep_stage(module, decoder, ranges[index], first=first, last=last)
         self.stage_forward = StageForward(module, decoder, self.precision, first=first, last=last)
-        self._stage = PipelineStage(
-            self.stage_forward, index, dims.pp, self.root_device, group=self.pp_group
-        )
+        self._stage = PipelineStage(self.stage_forward, index, dims.pp, self.root_device, group=self.pp_group)
         self._schedule: Any = None
         self._shape_key: tuple[Any, ...] | None = None
         self._window: tuple[list[torch.Tensor], LossWeights | None] = ([], None)

@@ -39,7 +39,9 @@ def read_pipeline(value: Any) -> PipelineSettings:
         raise ConfigError(f"strategy.pipeline is {value!r}; give a mapping such as {{schedule: 1f1b, split: auto}}.")
     unknown = [k for k in given if k not in _KEYS]
     if unknown:
-        raise ConfigError(f"strategy.pipeline has unknown key(s) {', '.join(map(repr, unknown))}; its keys are {', '.join(_KEYS)}.")
+        raise ConfigError(
+            f"strategy.pipeline has unknown key(s) {', '.join(map(repr, unknown))}; its keys are {', '.join(_KEYS)}."
+        )
     schedule = str(given.get("schedule", "1f1b")).lower()
     if schedule not in SCHEDULES:
         raise ConfigError(f"strategy.pipeline.schedule is {given['schedule']!r}; choose one of {', '.join(SCHEDULES)}.")
@@ -79,7 +81,9 @@ def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, con
         train = config.train
         settings.update(
             {
-                "train.torch_compile": bool(train.torch_compile or train.torch_compile_backend or train.torch_compile_mode),
+                "train.torch_compile": bool(
+                    train.torch_compile or train.torch_compile_backend or train.torch_compile_mode
+                ),
                 "train.gradient_checkpointing": bool(train.gradient_checkpointing),
                 "train.label_smoothing_factor": bool(train.label_smoothing_factor),
                 "train.neftune_noise_alpha": bool(train.neftune_noise_alpha),

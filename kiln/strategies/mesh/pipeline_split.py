@@ -34,11 +34,11 @@ class StageLayers(nn.ModuleDict):
             return list(self.values())[key]
         return super().__getitem__(key)
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Any]:
         return iter(self.values())
 
 
-def decoder_of(model: nn.Module) -> nn.Module:
+def decoder_of(model: Any) -> Any:
     """The decoder (`model.model` for LlamaForCausalLM) of a model kiln can split; one sentence otherwise."""
     name = type(model).__name__
     prefix = getattr(model, "base_model_prefix", None)
@@ -82,9 +82,7 @@ def stage_layers(
     stage's layer count, then the earliest cuts."""
     n = len(costs)
     if n < stages:
-        raise ConfigError(
-            f"strategy.mesh.pp is {stages}, but the model has {n} decoder layer(s); give pp at most {n}."
-        )
+        raise ConfigError(f"strategy.mesh.pp is {stages}, but the model has {n} decoder layer(s); give pp at most {n}.")
     if split is not None:
         cuts = list(split)
         if (
@@ -119,24 +117,26 @@ def _balanced(costs: list[int], stages: int, first: int, last: int) -> list[rang
     for k in range(1, stages):
         for b in range(k + 1, n - (stages - 1 - k) + 1):
             options = [
-                (max(best[k - 1][a][0], cost(k, a, b)), [*best[k - 1][a][1], a]) for a in range(k, b) if a in best[k - 1]
+                (max(best[k - 1][a][0], cost(k, a, b)), [*best[k - 1][a][1], a])
+                for a in range(k, b)
+                if a in best[k - 1]
             ]
             best[k][b] = min(options, key=lambda o: (o[0], o[1]))
     bounds = [0, *best[stages - 1][n][1], n]
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def layer_costs(decoder: nn.Module) -> list[int]:
+def layer_costs(decoder: Any) -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in decoder.layers]
 
 
-def auto_costs(model: nn.Module, decoder: nn.Module) -> tuple[list[int], int, int]:
+def auto_costs(model: Any, decoder: Any) -> tuple[list[int], int, int]:
     """Each layer's parameter count, and the extra held by the first stage (embeddings) and the last (norm, head)."""
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     return layer_costs(decoder), count(decoder.embed_tokens), count(decoder.norm) + count(model.lm_head)
 
 
-def keep_stage(model: nn.Module, decoder: nn.Module, layers: range, *, first: bool, last: bool) -> None:
+def keep_stage(model: Any, decoder: Any, layers: range, *, first: bool, last: bool) -> None:
     """Prune `model` in place to one stage: its layers (under their own indices), the embeddings on the
     first stage, the final norm and the head on the last."""
     held = StageLayers({str(i): decoder.layers[i] for i in layers})
@@ -159,7 +159,8 @@ class StageForward(nn.Module):
         self.first, self.last, self.precision = first, last, precision
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        model, decoder = self.model, self._decoder
+        model: Any = self.model
+        decoder = self._decoder
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
         with self.precision.forward_context():
             hidden = decoder(**given, attention_mask=attention_mask, use_cache=False).last_hidden_state

@@ -63,7 +63,9 @@ def config(out: str, strategy: Any, **extra: Any) -> dict[str, Any]:
     return cfg
 
 
-def train(out: str, strategy: Any, *, teardown: bool = True, **extra: Any) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+def train(
+    out: str, strategy: Any, *, teardown: bool = True, **extra: Any
+) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     from kiln import Trainer
 
     model = llama()

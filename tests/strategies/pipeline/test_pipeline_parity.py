@@ -71,7 +71,9 @@ def test_pipeline_stages_equal_single_and_resume_on_one_process(tmp_path):
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"the pipeline job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"the pipeline job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     want_losses, want, _ = train(str(tmp_path / "single"), {"name": "single", "device": "cpu"})
@@ -81,19 +83,26 @@ def test_pipeline_stages_equal_single_and_resume_on_one_process(tmp_path):
         first, last = (rank[schedule]["state"] for rank in ranks)
         assert layers(first) == [0, 1] and layers(last) == [2, 3]
         assert "model.embed_tokens.weight" in first and "model.embed_tokens.weight" not in last
-        assert {"model.norm.weight", "lm_head.weight"} <= set(last) and not {"model.norm.weight", "lm_head.weight"} & set(first)
+        assert {"model.norm.weight", "lm_head.weight"} <= set(last) and not {
+            "model.norm.weight",
+            "lm_head.weight",
+        } & set(first)
         assert not set(first) & set(last) and sorted({**first, **last}) == sorted(want)
         for rank in ranks:  # the last stage's losses, broadcast to the first
             torch.testing.assert_close(rank[schedule]["losses"], want_losses, rtol=1e-5, atol=1e-5)
         for name, value in {**first, **last}.items():
-            torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=f"{schedule}: {name} differs from single")
+            torch.testing.assert_close(
+                value, want[name], rtol=1e-5, atol=1e-5, msg=f"{schedule}: {name} differs from single"
+            )
     for rank in ranks:
         assert "OwnLoss.compute_loss" in rank["refused"] and "loss_function" in rank["refused"]
 
     # checkpoint-2 of the 1f1b run: its two stages are one model, which one process resumes
     checkpoint = tmp_path / "1f1b" / "checkpoint-2"
     model = llama(seed=1)
-    trainer = Trainer(model, config(str(tmp_path / "resumed"), {"name": "model_parallel", "device": "cpu"}), train_dataset=data())
+    trainer = Trainer(
+        model, config(str(tmp_path / "resumed"), {"name": "model_parallel", "device": "cpu"}), train_dataset=data()
+    )
     trainer.fit(resume_from_checkpoint=str(checkpoint))
     resumed = trainer.strategy.model_state_for_export(trainer.model)
     trainer.teardown()

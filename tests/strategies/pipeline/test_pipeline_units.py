@@ -86,7 +86,10 @@ def test_padding_a_window_to_one_shape_keeps_each_micro_batchs_loss_and_gradient
     g = torch.Generator().manual_seed(1)
     window = [
         {"input_ids": torch.randint(0, VOCAB, (3, 6), generator=g)},
-        {"input_ids": torch.randint(0, VOCAB, (2, 9), generator=g), "attention_mask": torch.ones(2, 9, dtype=torch.long)},
+        {
+            "input_ids": torch.randint(0, VOCAB, (2, 9), generator=g),
+            "attention_mask": torch.ones(2, 9, dtype=torch.long),
+        },
     ]
     window[1]["attention_mask"][0, 7:] = 0
     for b in window:
@@ -114,14 +117,20 @@ def test_padding_a_window_to_one_shape_keeps_each_micro_batchs_loss_and_gradient
 def test_a_batch_a_stage_cannot_read_is_one_sentence():
     with pytest.raises(KilnError, match="dict batches with input_ids and labels"):
         stack_window([(torch.zeros(2, 3),)])
-    with pytest.raises(KilnError, match="reads only input_ids, labels, attention_mask of a batch, and it holds token_type_ids"):
-        stack_window([{"input_ids": torch.zeros(1, 2), "labels": torch.zeros(1, 2), "token_type_ids": torch.zeros(1, 2)}])
+    with pytest.raises(
+        KilnError, match="reads only input_ids, labels, attention_mask of a batch, and it holds token_type_ids"
+    ):
+        stack_window(
+            [{"input_ids": torch.zeros(1, 2), "labels": torch.zeros(1, 2), "token_type_ids": torch.zeros(1, 2)}]
+        )
 
 
 def test_a_model_kiln_cannot_split_is_one_sentence():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    with pytest.raises(ConfigError, match="cannot split GPT2LMHeadModel: kiln splits Transformers decoders shaped as Llama"):
+    with pytest.raises(
+        ConfigError, match="cannot split GPT2LMHeadModel: kiln splits Transformers decoders shaped as Llama"
+    ):
         decoder_of(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32)))
     tied = llama()
     tied.config.tie_word_embeddings = True
@@ -172,7 +181,9 @@ def test_what_the_pipeline_cannot_run_yet_is_refused_at_config_load():
         check_pipeline(ok, pp2, MeshSettings(), _config(), "fp16")
     with pytest.raises(ConfigError, match=r"eval.strategy"):
         check_pipeline(ok, pp2, MeshSettings(), OmegaConf.merge(_config(), {"eval": {"strategy": "steps"}}), "fp32")
-    with pytest.raises(ConfigError, match=r"microbatches is 4, but .* window's \(2\); set train.gradient_accumulation_steps to 4"):
+    with pytest.raises(
+        ConfigError, match=r"microbatches is 4, but .* window's \(2\); set train.gradient_accumulation_steps to 4"
+    ):
         check_pipeline(PipelineSettings(microbatches=4), pp2, MeshSettings(), _config(), "fp32")
     with pytest.raises(ConfigError, match=r"1f1b needs at least as many micro-batches as stages"):
         check_pipeline(ok, ParallelDims(pp=4), MeshSettings(), _config(), "fp32")
