@@ -5,7 +5,7 @@ processes, as `strategy: {name: model_parallel, mesh: {pp: 2}}` on a tiny Llama 
   batch (windows of 2 micro-batches whose item counts differ, and a short last window of 1, which 1F1B
   runs in GPipe's order), with SGD with momentum and global gradient clipping;
 - rank 0 holds the embeddings and decoder layers 0-1, rank 1 layers 2-3, the final norm and lm_head,
-  under the full model's names;
+  under the full model's names, and the saved model gathers both stages' weights on rank 0;
 - a checkpoint saved under pp 2 mid-run resumes on one process (model_parallel without pp) and ends
   equal to the run that never stopped; `kiln convert` makes it a from_pretrained folder;
 - a Trainer that overrides compute_loss is refused, naming where the pipeline's loss comes from.
@@ -42,8 +42,9 @@ def worker(out: str) -> None:
     results = {}
     for schedule in ("gpipe", "1f1b"):  # the later Trainers join the first one's process group
         save = {"strategy": "steps", "steps": 2} if schedule == "1f1b" else {"strategy": "no"}
-        losses, state, _ = train(os.path.join(out, schedule), pp(schedule), teardown=False, save=save)
+        losses, state, trainer = train(os.path.join(out, schedule), pp(schedule), teardown=False, save=save)
         results[schedule] = {"losses": losses, "state": state}
+        results[f"{schedule} export"] = trainer.strategy.model_state_for_export(trainer.model)  # {} off rank 0
 
     class OwnLoss(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
@@ -94,6 +95,10 @@ def test_pipeline_stages_equal_single_and_resume_on_one_process(tmp_path):
             torch.testing.assert_close(
                 value, want[name], rtol=1e-5, atol=1e-5, msg=f"{schedule}: {name} differs from single"
             )
+        exported = ranks[0][f"{schedule} export"]  # the saved model: every stage's weights on rank 0
+        assert ranks[1][f"{schedule} export"] == {} and sorted(exported) == sorted(want)
+        for name, value in exported.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=f"{schedule} export: {name}")
     for rank in ranks:
         assert "OwnLoss.compute_loss" in rank["refused"] and "loss_function" in rank["refused"]
 
