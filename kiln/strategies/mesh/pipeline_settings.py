@@ -12,7 +12,7 @@ do yet, refused at config load in one sentence each (pipeline.py runs it):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,7 @@ def read_pipeline(value: Any) -> PipelineSettings:
     split = given.get("split", "auto")
     if split == "auto" or split is None:
         cuts = None
-    elif isinstance(split, (list, tuple)) or hasattr(split, "__iter__") and not isinstance(split, str):
+    elif isinstance(split, Iterable) and not isinstance(split, str):  # a list, or OmegaConf's ListConfig
         cuts = tuple(split)
     else:
         raise ConfigError(

@@ -146,10 +146,14 @@ def test_a_model_kiln_cannot_split_is_one_sentence():
 def test_the_pipeline_settings_are_read_once_with_one_sentence_per_mistake():
     assert read_pipeline(None) == PipelineSettings("1f1b", None, None)
     assert read_pipeline({"schedule": "GPipe", "microbatches": 4, "split": [2]}) == PipelineSettings("gpipe", 4, (2,))
+    given = OmegaConf.create({"microbatches": 1, "split": [1, 3]})  # as the config holds it
+    assert read_pipeline(given) == PipelineSettings("1f1b", 1, (1, 3))
     for bad, match in [
         ({"schedule": "zbv"}, "schedule is 'zbv'; choose one of gpipe, 1f1b"),
         ({"microbatches": 0}, "microbatches is 0; give a positive"),
         ({"split": "even"}, "split is 'even'; give auto or a list"),
+        ({"split": 2}, "split is 2; give auto or a list"),
+        ({"microbatches": -1}, "microbatches is -1; give a positive"),
         ({"stages": 2}, "unknown key"),
         ("1f1b", "give a mapping"),
     ]:
