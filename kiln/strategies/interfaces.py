@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -106,7 +106,11 @@ class OwnsMicroBatchWindow(ABC):
 
     The Trainer's per-micro-batch override points (`training_step`, `compute_loss`) cannot run inside a
     schedule, so a Trainer that overrides them is refused when the fit starts, as is an optimizer that
-    updates the weights inside backward (LOMO)."""
+    updates the weights inside backward (LOMO); the refusal names `loss_source`, where the loss comes
+    from instead."""
+
+    #: where the window's losses come from, named by the refusal of a per-micro-batch override
+    loss_source: ClassVar[str] = "the model's forward (its 'loss' output)"
 
     @abstractmethod
     def run_window(self, model: nn.Module, window: list[Any], weights: LossWeights | None) -> list[torch.Tensor]:

@@ -89,7 +89,7 @@ class TrainStep:
         #: forward and backward of a window: the per-micro-batch loop, or a strategy that owns the window
         self.forward_backward = self.micro_batches
         if isinstance(strategy, OwnsMicroBatchWindow):
-            refuse_per_micro_batch_overrides(training_step, run, self.strategy.name)  # (self.strategy: Any)
+            refuse_per_micro_batch_overrides(training_step, run, self.strategy.name, strategy.loss_source)
             self.owner: OwnsMicroBatchWindow = strategy
             self.forward_backward = self.owned_window
 

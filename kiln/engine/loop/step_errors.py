@@ -82,16 +82,21 @@ def explain(err: BaseException, batch: Any, maker: str, model: Any) -> KilnError
     return None
 
 
-def refuse_per_micro_batch_overrides(training_step: Callable[..., Any], run: Any, strategy: str) -> None:
+def refuse_per_micro_batch_overrides(
+    training_step: Callable[..., Any],
+    run: Any,
+    strategy: str,
+    loss_source: str = "the model's forward (its 'loss' output)",
+) -> None:
     """Refuse what acts per micro-batch under a strategy that runs the whole window as one schedule
-    (`OwnsMicroBatchWindow`): it would silently never be called."""
+    (`OwnsMicroBatchWindow`): it would silently never be called. `loss_source` is the strategy's, where
+    the loss comes from instead."""
     trainer = getattr(training_step, "__self__", None)
     user = _own(trainer, "training_step") or _own(trainer, "compute_loss")
     if user is not None:
         raise KilnError(
             f"strategy {strategy!r} runs each accumulation window as one schedule, so {user}, which acts on "
-            "one micro-batch, would never be called: compute the loss in the model's forward (its 'loss' "
-            "output) and drop the override."
+            f"one micro-batch, would never be called: compute the loss in {loss_source}, and drop the override."
         )
     if run.backward_owner is not None:
         raise KilnError(

@@ -147,7 +147,7 @@ class ShardedCheckpointIO(_MeshCheckpointIO):
 
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
         if save_optimizer and optimizer is not None:
-            state["optim"] = get_optimizer_state_dict(module, optimizer)
+            state["optim"] = self.optimizer_state(get_optimizer_state_dict(module, optimizer))
         dcp.save(
             state, checkpoint_id=os.path.join(directory, self.folders[0])
         )  # collective: every rank writes its shards
@@ -193,7 +193,18 @@ class ShardedCheckpointIO(_MeshCheckpointIO):
             raise dcp_load_error(path, err, with_optim) from None
         set_model_state_dict(module, state["model"])
         if optim is not None:
-            set_optimizer_state_dict(module, optim, regrouped(state["optim"], groups, path))
+            saved = self.loaded_optimizer_state(state["optim"], groups)
+            set_optimizer_state_dict(module, optim, regrouped(saved, groups, path))
+
+    def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer state as this rank writes it (a pipeline stage adds the others' parameter names
+        to its param groups: pipeline_checkpoint.py)."""
+        return state
+
+    def loaded_optimizer_state(self, saved: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
+        """The optimizer state as read, before it is set into this rank's optimizer (`groups`: its
+        param groups, by parameter name)."""
+        return saved
 
 
 @register_format

@@ -9,11 +9,12 @@ context_parallel.py) and `tp` (tensor parallel, innermost so one TP group is nei
 one node). Ranks fill the mesh in that row-major order, so the data shard of rank r is
 r // (cp * tp): the `cp * tp` ranks of one data shard read the same batches.
 
-Two more axes are reserved for issue 57 and refused today, one sentence each: `pp` (pipeline stages;
-it will be the outermost axis, ahead of dp_replicate) and `ep` (expert parallelism; as torchtitan's, it
-will not multiply the world but borrow its ranks from dp_shard x cp, so that the experts are sharded
-over `ep` and FSDP shards them over what is left of the dp axes). `ParallelDims` already carries both
-at size 1, so the arithmetic below is the one they will extend.
+`pp` (pipeline stages, kiln/strategies/mesh/pipeline.py) is the outermost axis, ahead of dp_replicate:
+rank r holds stage r // (world / pp), and the ranks of one stage are the mesh above. It is left out of
+the DeviceMesh's dimensions unless it is used (`mesh_axes`). `ep` is reserved for issue 57 and refused
+today, in one sentence (expert parallelism; as torchtitan's, it will not multiply the world but borrow
+its ranks from dp_shard x cp, so that the experts are sharded over `ep` and FSDP shards them over what
+is left of the dp axes). `ParallelDims` already carries it at size 1.
 
 FSDP2 shards over `dp_shard` and `cp` flattened into one axis (torchtitan's `dp_shard_cp`): the cp
 ranks compute gradients from different tokens, so those gradients must be reduced over them too,
@@ -35,13 +36,15 @@ from kiln.utils.errors import ConfigError
 
 #: the axes of the DeviceMesh, outermost first (its dimension names)
 AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+#: the pipeline axis, outermost (a DeviceMesh dimension only when it is larger than 1)
+PP = "pp"
 #: axes a config may name that kiln does not run yet (issue 57) -> what they are, for the refusal
-RESERVED = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
+RESERVED = {"ep": "expert parallelism"}
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The resolved sizes of the axes (the product of AXES is the world size; pp and ep are 1)."""
+    """The resolved sizes of the axes (pp times the product of AXES is the world size; ep is 1)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -71,27 +74,45 @@ class ParallelDims:
         return self.cp * self.tp
 
     @property
+    def stage_ranks(self) -> int:
+        """Ranks of one pipeline stage (the whole world without pp)."""
+        return math.prod(self.sizes)
+
+    @property
     def fsdp(self) -> bool:
         """Whether FSDP2 shards over the dp axes: when they (with cp) hold more than one rank, and also
         on one rank when no tp axis splits the model either, so that a one-process run is still an
-        FSDP run (its CPU offload, its mixed-precision policy), as `strategy: fsdp` always was."""
-        return self.dp_cp > 1 or self.tp == 1
+        FSDP run (its CPU offload, its mixed-precision policy), as `strategy: fsdp` always was. Not
+        under pp: the pipeline runs its stages without FSDP (pipeline.py)."""
+        return (self.dp_cp > 1 or self.tp == 1) and self.pp == 1
 
     def data_rank(self, global_rank: int) -> int:
-        return global_rank // self.model_ranks
+        """The data shard of `global_rank`: every pipeline stage reads the same batches."""
+        return (global_rank % self.stage_ranks) // self.model_ranks
+
+    def stage(self, global_rank: int) -> int:
+        """The pipeline stage `global_rank` holds (0 without pp)."""
+        return global_rank // self.stage_ranks
+
+    def mesh_axes(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The DeviceMesh's dimension names and sizes: pp ahead of AXES when it is used."""
+        if self.pp > 1:
+            return (PP, *AXES), (self.pp, *self.sizes)
+        return AXES, self.sizes
 
     def describe(self) -> str:
-        return " x ".join(f"{axis} {size}" for axis, size in zip(AXES, self.sizes) if size > 1) or "one process"
+        names, sizes = self.mesh_axes()
+        return " x ".join(f"{axis} {size}" for axis, size in zip(names, sizes) if size > 1) or "one process"
 
 
 def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims:
     """The mesh a config asks for, resolved for `world_size` processes (None: FSDP over every
     process, `{dp_shard: -1}`). One clear sentence for every way it can be wrong."""
     given = dict(value) if value is not None else {"dp_shard": -1}
-    unknown = [k for k in given if k not in AXES and k not in RESERVED]
+    unknown = [k for k in given if k not in (PP, *AXES) and k not in RESERVED]
     if unknown:
         raise ConfigError(
-            f"strategy.mesh has unknown axis {', '.join(map(repr, unknown))}; its axes are {', '.join(AXES)}."
+            f"strategy.mesh has unknown axis {', '.join(map(repr, unknown))}; its axes are {', '.join((PP, *AXES))}."
         )
     for axis, what in RESERVED.items():
         if given.get(axis, 1) != 1:
@@ -100,7 +121,7 @@ def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims
                 f"axis is reserved for it); drop {axis} and spend the processes on {', '.join(AXES)}."
             )
     sizes: dict[str, int] = {}
-    for axis in AXES:
+    for axis in (PP, *AXES):
         raw = given.get(axis, 1)
         if isinstance(raw, bool) or not isinstance(raw, int) or (raw < 1 and raw != -1):
             raise ConfigError(
@@ -132,10 +153,12 @@ def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims
 
 def build_device_mesh(shape: ParallelDims, device_type: str) -> Any:
     """One DeviceMesh with all four named axes (axes of size 1 included, so `mesh["tp"]` always works
-    in a user's `configure_model(mesh)`). A collective: every rank calls it."""
+    in a user's `configure_model(mesh)`), and `pp` ahead of them when it is used. A collective: every
+    rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, shape.sizes, mesh_dim_names=AXES)
+    names, sizes = shape.mesh_axes()
+    return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 
 def dp_mesh(mesh: Any, shape: ParallelDims) -> Any:

@@ -12,23 +12,41 @@ the mesh strategy's and means what it means under `strategy: fsdp`; the one defa
 
 from __future__ import annotations
 
+from typing import Any
+
 from kiln.strategies import STRATEGIES
-from kiln.strategies.mesh.dims import AXES
+from kiln.strategies.mesh.dims import AXES, PP
+from kiln.strategies.mesh.pipeline import PipelineStrategy
 from kiln.strategies.mesh.settings import SHARED, MeshSettings, read_shared
 from kiln.strategies.mesh.strategy import MeshStrategy
+from kiln.utils.errors import ConfigError
 
 
 @STRATEGIES.register("model_parallel")
 class ModelParallelStrategy(MeshStrategy):
     name = "model_parallel"
     options = {
-        "mesh": f"axis sizes {{{', '.join(AXES)}}}; missing axes are 1, one may be -1 (the rest); default "
-        "{dp_shard: -1}; pp and ep are reserved (refused)",
+        "mesh": f"axis sizes {{{', '.join((PP, *AXES))}}}; missing axes are 1, one may be -1 (the rest); default "
+        "{dp_shard: -1}; pp (pipeline stages) runs alone so far; ep is reserved (refused)",
+        "pipeline": "with a pp axis: {schedule: gpipe | 1f1b (default), microbatches: the accumulation window's "
+        "(gradient_accumulation_steps), split: auto (default) | [first layer of each stage after the first]}",
         **SHARED,
         "cp_load_balance": "with cp: cut each sequence in 2 x cp pieces, rank r keeping pieces r and 2cp-1-r "
         "(torch's head-tail order, balancing causal attention's work; the default, true), or false: "
         "piece r of cp",
     }
+
+    @classmethod
+    def resolve(cls, config: Any) -> type[MeshStrategy]:
+        """The pipeline's class when the mesh has a pp axis (it owns the accumulation window)."""
+        options = config.strategy.get("options") or {}
+        pp = (options.get("mesh") or {}).get(PP, 1)
+        if pp == 1 and options.get("pipeline") is not None:
+            raise ConfigError(
+                "strategy.pipeline is set, but strategy.mesh has no pp axis; set mesh.pp to the number of "
+                "stages, or drop pipeline."
+            )
+        return cls if pp == 1 else ModelParallelPipeline
 
     def read_settings(self) -> MeshSettings:
         return read_shared(self.option, MeshSettings(sync_module_states=True))
@@ -36,3 +54,7 @@ class ModelParallelStrategy(MeshStrategy):
     def mesh_request(self, world_size: int) -> dict[str, int] | None:
         mesh = self.option("mesh")
         return None if mesh is None else dict(mesh)
+
+
+class ModelParallelPipeline(ModelParallelStrategy, PipelineStrategy):
+    """`model_parallel` with a pp axis (kiln/strategies/mesh/pipeline.py); chosen by `resolve`."""

@@ -42,11 +42,7 @@ def test_a_mesh_describes_itself_by_the_axes_it_uses():
         ({"dp_shard": -1, "tp": 4}, 6, "does not divide the world size 6"),
         ({"dp_shard": -1, "tp": -1}, 4, "only one axis may take the rest"),
         ({"tp": 0}, 1, "strategy.mesh.tp is 0"),
-        (
-            {"pp": 2},
-            2,
-            r"strategy.mesh.pp is 2, but kiln does not run pipeline parallelism yet \(the pp axis is reserved",
-        ),
+        ({"pp": 2}, 3, "multiplies to 2 processes but this run has 3"),
         ({"ep": 2, "dp_shard": 2}, 2, r"strategy.mesh.ep is 2, but kiln does not run expert parallelism yet"),
         ({"dp": 2}, 2, "unknown axis 'dp'"),
     ],

@@ -1,0 +1,264 @@
+"""The pipeline axis `pp` of the mesh strategy: a Transformers decoder cut into stages
+(pipeline_split.py), one per rank, run by torch.distributed.pipelining's schedules (GPipe, 1F1B).
+
+    strategy: {name: model_parallel, mesh: {pp: 2}, pipeline: {schedule: 1f1b, split: auto}}
+
+The accumulation window is the pipeline's micro-batches: the strategy owns the window
+(`OwnsMicroBatchWindow.run_window`), so the engine's loop has no pipeline branch. The window's
+micro-batches are padded to one shape (rows whose labels are all -100, positions after each sequence's
+end -- which a causal decoder never attends to from the positions before), stacked, and handed to the
+schedule, which cuts them apart again; the last stage computes micro-batch i's loss with the model's own
+`loss_function` on its logits and weighs it with kiln's item-count rule (`weights`), exactly what
+`Trainer.training_step` does for it on one process. The losses are broadcast from the last stage, so
+every rank logs them. Gradient clipping takes the norm over every stage's gradients.
+
+Every stage reads the same batches (one data shard), so sums and means of what the loop counts are
+each rank's own value, and gathers keep one entry. The pruned model keeps the full model's parameter
+names (pipeline_split.py), so the mesh strategy's DCP checkpoints hold one model, which resumes on one
+process or on any other mesh; exporting gathers every stage's weights to rank 0.
+
+This first slice runs pp alone (no dp, cp or tp beside it), without evaluation: what it cannot run is
+refused at config load (pipeline_settings.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from kiln.strategies.interfaces import LossWeights, OwnsMicroBatchWindow
+from kiln.strategies.mesh.pipeline_settings import PipelineSettings, check_pipeline, read_pipeline
+from kiln.strategies.mesh.strategy import MeshStrategy
+from kiln.utils.errors import KilnError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+#: the batch keys a stage reads; the rest would be dropped silently
+_READ = ("input_ids", "labels", "attention_mask")
+
+
+class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
+    """The mesh strategy with a `pp` axis; a preset supplies `read_settings` and `mesh_request`."""
+
+    loss_source: ClassVar[str] = (
+        "the model's loss_function, which the last stage applies to the logits (assign model.loss_function "
+        "to change it)"
+    )
+    pipeline: PipelineSettings
+
+    def _check_settings(self) -> None:
+        super()._check_settings()
+        self.pipeline = read_pipeline(self.option("pipeline"))
+        check_pipeline(self.pipeline, self.shape, self.settings, self.config, self.precision.name)
+
+    # -- topology: every stage reads the same batches ------------------------------------------
+    @property
+    def stage_index(self) -> int:
+        return self.shape.stage(self.global_rank)
+
+    def _last_stage_rank(self) -> int:
+        """The global rank at this rank's place in the last stage (it computes the losses)."""
+        ranks = self.shape.stage_ranks
+        return (self.shape.pp - 1) * ranks + self.global_rank % ranks
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.pipelining import PipelineStage
+
+        from kiln.strategies.mesh.loading import sync_module_states
+        from kiln.strategies.mesh.pipeline_split import (
+            StageForward,
+            auto_costs,
+            decoder_of,
+            keep_stage,
+            stage_layers,
+        )
+
+        decoder = decoder_of(module)
+        if self.device_mesh is None:
+            self.setup_environment()
+        dims, index = self.shape, self.stage_index
+        module = module.to(self.root_device)
+        if self.settings.sync_module_states:
+            sync_module_states(module)  # every stage cut from rank 0's weights, whatever seed built them
+        costs, first_cost, last_cost = auto_costs(module, decoder)
+        ranges = stage_layers(costs, dims.pp, self.pipeline.split, first=first_cost, last=last_cost)
+        first, last = index == 0, index == dims.pp - 1
+        keep_stage(module, decoder, ranges[index], first=first, last=last)
+        self.stage_forward = StageForward(module, decoder, self.precision, first=first, last=last)
+        self._stage = PipelineStage(self.stage_forward, index, dims.pp, self.root_device, group=self.pp_group)
+        self._schedule: Any = None
+        self._shape_key: tuple[Any, ...] | None = None
+        self._window: tuple[list[torch.Tensor], LossWeights | None] = ([], None)
+        self._model = module
+        log.info(
+            "%s: pipeline stage %d of %d holds decoder layers %d-%d%s%s (schedule %s).",
+            self.name,
+            index,
+            dims.pp,
+            ranges[index].start,
+            ranges[index].stop - 1,
+            ", the embeddings" if first else "",
+            ", the final norm and lm_head" if last else "",
+            self.pipeline.schedule,
+        )
+        self._root = module
+        return module
+
+    # -- the window -------------------------------------------------------------------------
+    def run_window(self, model: nn.Module, window: list[Any], weights: LossWeights | None) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        ids, mask, labels = stack_window(window)
+        n = len(window)
+        schedule = self._schedule_for((n, tuple(ids.shape), mask is None))
+        self._window = (labels, weights)
+        last = self._stage.is_last
+        losses: list[torch.Tensor] = []
+        schedule.step(
+            *((ids,) if self._stage.is_first else ()),
+            target=torch.arange(n, device=ids.device) if last else None,  # micro-batch i's index, for `_loss`
+            losses=losses if last else None,
+            return_outputs=False,
+            **({"attention_mask": mask} if mask is not None else {}),
+        )
+        self._window = ([], None)
+        out = torch.stack([loss.detach().float() for loss in losses]) if last else torch.empty(n, device=ids.device)
+        dist.broadcast(out, src=self._last_stage_rank(), group=self.pp_group)
+        return list(out.unbind())
+
+    def _schedule_for(self, key: tuple[Any, ...]) -> Any:
+        """The schedule for windows of this many micro-batches of this shape: the stage's buffers are
+        sized by the first micro-batch it sees, so a new shape (the epoch's short last window, another
+        padded length) gets a new schedule, which measures the stage again. 1F1B needs as many
+        micro-batches as stages; a shorter window (only the epoch's last can be) runs GPipe's order,
+        whose gradients are the same."""
+        if key != self._shape_key:
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+            n = key[0]
+            cls = Schedule1F1B if self.pipeline.schedule == "1f1b" and n >= self.shape.pp else ScheduleGPipe
+            self._schedule = cls(self._stage, n_microbatches=n, loss_fn=self._loss, scale_grads=False)
+            self._shape_key = key
+        return self._schedule
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Micro-batch `target[0]`'s loss, weighted as `Trainer.training_step` weighs it (the schedule
+        also calls this once, on micro-batch 0, when it measures a new stage: that loss is dropped)."""
+        labels, weights = self._window
+        i = int(target[0])
+        model: Any = self._model
+        divides = weights is not None and weights.model_divides
+        loss = model.loss_function(
+            logits=logits,
+            labels=labels[i],
+            vocab_size=model.config.vocab_size,
+            num_items_in_batch=weights.total if divides else None,  # type: ignore[union-attr]
+        )
+        weight = weights.weight(i) if weights is not None else None
+        return loss if weight is None else loss * weight
+
+    # -- step -------------------------------------------------------------------------------
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """The 2-norm over every stage's gradients (each parameter lives on one stage), then each
+        stage's gradients scaled by the same factor."""
+        import torch.distributed as dist
+
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        squares = local.float().pow(2).to(self.root_device)
+        dist.all_reduce(squares, group=self.pp_group)
+        norm = squares.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    # -- collectives: the stages hold copies of what the loop counts ---------------------------
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        if op in ("sum", "mean"):  # one data shard (pp alone): each rank's value is the value
+            return torch.as_tensor(tensor)
+        return super().reduce(tensor, op)
+
+    def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+        done = self.reduce(tensor, op)
+        return lambda: done
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return super().all_gather(tensor)[: self.shape.stage_ranks]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return super().all_gather_object(obj)[: self.shape.stage_ranks]
+
+    # -- checkpoints and export -------------------------------------------------------------
+    @property
+    def pp_group(self) -> Any:
+        return self.device_mesh["pp"].get_group()
+
+    def checkpoint_io(self) -> Any:
+        from kiln.strategies.mesh.pipeline_checkpoint import PipelineCheckpointIO
+
+        return PipelineCheckpointIO(self)
+
+    def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Every stage's weights, under the full model's names, on rank 0 (the others get {}), or on
+        every rank with save.on_each_node."""
+        import torch.distributed as dist
+
+        own = {k: v.detach().cpu() for k, v in self.unwrap(module).state_dict().items()}
+        every_rank = bool(self.config.save.on_each_node) if self.config is not None else False
+        parts: list[Any] = [None] * self.world_size
+        if every_rank:
+            dist.all_gather_object(parts, own)
+        else:
+            dist.gather_object(own, parts if self.is_global_zero else None, dst=0)
+            if not self.is_global_zero:
+                return {}
+        return {k: v for part in parts for k, v in part.items()}
+
+    def teardown(self) -> None:
+        self._schedule = self._stage = self.stage_forward = None  # type: ignore[assignment]
+        super().teardown()
+
+
+def stack_window(window: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """The window's input_ids (and attention_mask, if any micro-batch has one) padded to one shape and
+    stacked, and each micro-batch's labels padded alike; one sentence for a batch a stage cannot read."""
+    first = window[0]
+    if not isinstance(first, dict) or "input_ids" not in first or "labels" not in first:
+        raise KilnError(
+            "strategy.mesh.pp feeds the pipeline's stages from dict batches with input_ids and labels; "
+            f"this batch is a {type(first).__name__}{' with keys ' + ', '.join(first) if isinstance(first, dict) else ''}"
+            ": use a causal-LM collator (kiln's default, or DataCollatorForLanguageModeling)."
+        )
+    extra = sorted({k for b in window for k in b} - set(_READ))
+    if extra:
+        raise KilnError(
+            f"strategy.mesh.pp reads only {', '.join(_READ)} of a batch, and it holds {', '.join(extra)} too; "
+            "drop them from the collator's batches (remove_unused_columns), or train without pp."
+        )
+    rows = max(b["input_ids"].shape[0] for b in window)
+    length = max(b["input_ids"].shape[1] for b in window)
+    masked = any(b.get("attention_mask") is not None for b in window)
+    ids, masks, labels = [], [], []
+    for b in window:
+        r, t = b["input_ids"].shape
+        ids.append(_pad(b["input_ids"], rows, length, 0))
+        labels.append(_pad(b["labels"], rows, length, -100))
+        if masked:
+            given = b.get("attention_mask")
+            mask = _pad(given if given is not None else torch.ones_like(b["input_ids"]), rows, length, 0)
+            mask[r:] = 1  # rows added for the shape attend normally (a row attending to nothing is NaN)
+            masks.append(mask)
+    return torch.cat(ids), torch.cat(masks) if masked else None, labels
+
+
+def _pad(t: torch.Tensor, rows: int, length: int, value: int) -> torch.Tensor:
+    if t.shape == (rows, length):
+        return t
+    out = t.new_full((rows, length), value)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out

@@ -1,0 +1,114 @@
+"""`strategy.pipeline` of `model_parallel` with a `pp` axis, read once, and what a pipeline run cannot
+do yet, refused at config load in one sentence each (pipeline.py runs it):
+
+    strategy: {name: model_parallel, mesh: {pp: 2}, pipeline: {schedule: 1f1b, microbatches: 4, split: auto}}
+
+- `schedule`: gpipe (every forward of the window, then every backward) or 1f1b (one forward, one
+  backward in the steady state: at most pp micro-batches' activations alive); default 1f1b.
+- `microbatches`: the pipeline's micro-batches are the accumulation window's, so when given it must
+  equal `gradient_accumulation_steps` (a reminder the config can carry, not a second knob).
+- `split`: auto (contiguous runs of decoder layers, balanced by parameters, then by count) or the
+  index of the first layer of each stage after the first (`[2]`: layers 0-1 on stage 0, the rest on 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.strategies.mesh.dims import AXES, ParallelDims
+from kiln.strategies.mesh.settings import MeshSettings
+from kiln.utils.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b")
+_KEYS = ("schedule", "microbatches", "split")
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    #: the first layer of each stage after the first; None: auto
+    split: tuple[int, ...] | None = None
+
+
+def read_pipeline(value: Any) -> PipelineSettings:
+    """`strategy.pipeline` (None: the defaults), one sentence for each way it can be wrong."""
+    given = dict(value) if isinstance(value, Mapping) else {} if value is None else None
+    if given is None:
+        raise ConfigError(f"strategy.pipeline is {value!r}; give a mapping such as {{schedule: 1f1b, split: auto}}.")
+    unknown = [k for k in given if k not in _KEYS]
+    if unknown:
+        raise ConfigError(
+            f"strategy.pipeline has unknown key(s) {', '.join(map(repr, unknown))}; its keys are {', '.join(_KEYS)}."
+        )
+    schedule = str(given.get("schedule", "1f1b")).lower()
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"strategy.pipeline.schedule is {given['schedule']!r}; choose one of {', '.join(SCHEDULES)}.")
+    micro = given.get("microbatches")
+    if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
+        raise ConfigError(f"strategy.pipeline.microbatches is {micro!r}; give a positive whole number.")
+    split = given.get("split", "auto")
+    if split == "auto" or split is None:
+        cuts = None
+    elif isinstance(split, Iterable) and not isinstance(split, str):  # a list, or OmegaConf's ListConfig
+        cuts = tuple(split)
+    else:
+        raise ConfigError(
+            f"strategy.pipeline.split is {split!r}; give auto or a list of layer indices (where each stage "
+            "after the first begins)."
+        )
+    return PipelineSettings(schedule, micro, cuts)
+
+
+def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, config: Any, precision: str) -> None:
+    """What this first pipeline cannot run, refused before any process group starts."""
+    others = [f"{axis} {getattr(dims, axis)}" for axis in AXES if getattr(dims, axis) > 1]
+    if others:
+        raise ConfigError(
+            f"strategy.mesh combines pp {dims.pp} with {', '.join(others)}, but kiln runs the pipeline axis "
+            "alone so far (pp with dp_replicate, dp_shard, cp or tp is not supported yet); set the other axes "
+            "to 1, or drop pp."
+        )
+    settings = {
+        "offload": s.offload,
+        "cpu_ram_efficient_loading": s.cpu_ram_efficient_loading,
+        "activation_checkpointing": s.activation_checkpointing,
+        "tp_plan": s.tp_plan is not None,
+        "state_dict_type: full": s.state_dict_type == "full",
+    }
+    if config is not None:
+        train = config.train
+        settings.update(
+            {
+                "train.torch_compile": bool(
+                    train.torch_compile or train.torch_compile_backend or train.torch_compile_mode
+                ),
+                "train.gradient_checkpointing": bool(train.gradient_checkpointing),
+                "train.label_smoothing_factor": bool(train.label_smoothing_factor),
+                "train.neftune_noise_alpha": bool(train.neftune_noise_alpha),
+                "eval.strategy (evaluation runs the whole model)": str(config.eval.strategy) != "no",
+            }
+        )
+    if precision in ("fp16", "fp16-true"):
+        settings[f"precision {precision} (its loss scale is not carried through the schedule; bf16 is)"] = True
+    refused = [key for key, on in settings.items() if on]
+    if refused:
+        raise ConfigError(
+            f"strategy.mesh.pp {dims.pp} does not run with {', '.join(refused)} yet; drop "
+            f"{'it' if len(refused) == 1 else 'them'}, or drop pp."
+        )
+    if config is None:
+        return
+    window = int(config.train.gradient_accumulation_steps)
+    if p.microbatches is not None and p.microbatches != window:
+        raise ConfigError(
+            f"strategy.pipeline.microbatches is {p.microbatches}, but the pipeline's micro-batches are the "
+            f"accumulation window's ({window}); set train.gradient_accumulation_steps to {p.microbatches}."
+        )
+    if p.schedule == "1f1b" and window < dims.pp:
+        raise ConfigError(
+            f"schedule 1f1b needs at least as many micro-batches as stages, and the accumulation window has "
+            f"{window} for pp {dims.pp}; set train.gradient_accumulation_steps to {dims.pp} or more, or "
+            "schedule: gpipe."
+        )

@@ -1,0 +1,167 @@
+"""A Transformers decoder cut into pipeline stages (the `pp` axis, pipeline.py).
+
+Kiln splits models shaped as Llama, Qwen2/3 and Mistral are: `<prefix>.embed_tokens`, a ModuleList
+`<prefix>.layers` of decoder layers, `<prefix>.norm`, and `lm_head` beside the decoder. Stage 0 keeps
+the embeddings, the last stage the final norm and the head, and every stage a contiguous run of
+decoder layers (`stage_layers`). The model is pruned in place on each rank (`keep_stage`): what the
+rank does not hold is dropped, and the layers it holds stay under their own indices (`StageLayers`),
+so its `state_dict()` keys and the optimizer's are the full model's names -- a checkpoint's pieces
+from every stage are one model's, which DCP loads on any other mesh, or on one process.
+
+Each stage runs the decoder's own forward (`StageForward`), on `inputs_embeds` after stage 0, so the
+causal mask and the rotary embeddings are the model's own code's. A model whose layers differ in
+attention type (`config.layer_types` mixing full and sliding attention) is refused: the decoder picks a
+layer's mask by its position in the list it iterates, which a stage's shorter list would shift."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.utils.errors import ConfigError
+
+
+class StageLayers(nn.ModuleDict):
+    """The decoder layers one stage holds, keyed by their index in the full model (so that their
+    parameters keep the full model's names); sliced, as the decoder's forward slices its ModuleList,
+    it gives the held layers in order."""
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return list(self.values())[key]
+        return super().__getitem__(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.values())
+
+
+def decoder_of(model: Any) -> Any:
+    """The decoder (`model.model` for LlamaForCausalLM) of a model kiln can split; one sentence otherwise."""
+    name = type(model).__name__
+    prefix = getattr(model, "base_model_prefix", None)
+    decoder = getattr(model, prefix, None) if isinstance(prefix, str) else None
+    parts = ("embed_tokens", "layers", "norm")
+    if (
+        decoder is None
+        or not all(isinstance(getattr(decoder, p, None), nn.Module) for p in parts)
+        or not isinstance(decoder.layers, nn.ModuleList)
+        or not isinstance(getattr(model, "lm_head", None), nn.Module)
+    ):
+        raise ConfigError(
+            f"strategy.mesh.pp cannot split {name}: kiln splits Transformers decoders shaped as Llama, Qwen2/3 "
+            "and Mistral are (embed_tokens, a layers list and norm in the decoder, lm_head beside it); "
+            "train it without pp."
+        )
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False) and decoder.embed_tokens.weight is model.lm_head.weight:
+        raise ConfigError(
+            f"strategy.mesh.pp cannot split {name}: its lm_head shares its weight with the embeddings "
+            "(tie_word_embeddings), which would sit on the first and the last stage; load it with "
+            "tie_word_embeddings=False, or train it without pp."
+        )
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"strategy.mesh.pp cannot split {name}: its layers mix attention types ({', '.join(sorted(kinds))}), "
+            "which the decoder assigns by position in the layer list a stage shortens; train it without pp."
+        )
+    return decoder
+
+
+def stage_layers(
+    costs: Sequence[int], stages: int, split: Sequence[int] | None, *, first: int = 0, last: int = 0
+) -> list[range]:
+    """The decoder layers of each stage: contiguous runs, at least one layer each.
+
+    `split` gives the index of each stage's first layer after stage 0 (pp - 1 of them); None balances:
+    the largest stage's cost (the parameters of its layers, plus `first` on stage 0 -- the embeddings --
+    and `last` on the last stage -- norm and head) as small as it can be, ties broken by the largest
+    stage's layer count, then the earliest cuts."""
+    n = len(costs)
+    if n < stages:
+        raise ConfigError(f"strategy.mesh.pp is {stages}, but the model has {n} decoder layer(s); give pp at most {n}.")
+    if split is not None:
+        cuts = list(split)
+        if (
+            len(cuts) != stages - 1
+            or any(isinstance(c, bool) or not isinstance(c, int) for c in cuts)
+            or [0, *cuts, n] != sorted(set([0, *cuts, n]))
+        ):
+            raise ConfigError(
+                f"strategy.pipeline.split is {cuts!r}; give {stages - 1} increasing layer index(es) between 1 and "
+                f"{n - 1} (where each stage after the first begins), or auto."
+            )
+        bounds = [0, *cuts, n]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return _balanced(list(costs), stages, first, last)
+
+
+def _balanced(costs: list[int], stages: int, first: int, last: int) -> list[range]:
+    """Min-max contiguous partition by dynamic programming over (stages used, layers used)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(k: int, a: int, b: int) -> tuple[int, int]:
+        extra = (first if k == 0 else 0) + (last if k == stages - 1 else 0)
+        return prefix[b] - prefix[a] + extra, b - a
+
+    # best[k][b]: (worst cost, worst count, cuts) for layers [0, b) over stages 0..k
+    best: list[dict[int, tuple[tuple[int, int], list[int]]]] = [{} for _ in range(stages)]
+    for b in range(1, n - stages + 2):
+        best[0][b] = (cost(0, 0, b), [])
+    for k in range(1, stages):
+        for b in range(k + 1, n - (stages - 1 - k) + 1):
+            options = [
+                (max(best[k - 1][a][0], cost(k, a, b)), [*best[k - 1][a][1], a])
+                for a in range(k, b)
+                if a in best[k - 1]
+            ]
+            best[k][b] = min(options, key=lambda o: (o[0], o[1]))
+    bounds = [0, *best[stages - 1][n][1], n]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def layer_costs(decoder: Any) -> list[int]:
+    return [sum(p.numel() for p in layer.parameters()) for layer in decoder.layers]
+
+
+def auto_costs(model: Any, decoder: Any) -> tuple[list[int], int, int]:
+    """Each layer's parameter count, and the extra held by the first stage (embeddings) and the last (norm, head)."""
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    return layer_costs(decoder), count(decoder.embed_tokens), count(decoder.norm) + count(model.lm_head)
+
+
+def keep_stage(model: Any, decoder: Any, layers: range, *, first: bool, last: bool) -> None:
+    """Prune `model` in place to one stage: its layers (under their own indices), the embeddings on the
+    first stage, the final norm and the head on the last."""
+    held = StageLayers({str(i): decoder.layers[i] for i in layers})
+    decoder.layers = held
+    if not first:
+        decoder.embed_tokens = None
+    if not last:
+        decoder.norm = nn.Identity()  # the decoder's forward applies it: the identity until the last stage
+        model.lm_head = None
+
+
+class StageForward(nn.Module):
+    """One stage's forward, as `PipelineStage` calls it: stage 0 takes `input_ids`, the others the
+    previous stage's hidden states; the last returns the logits. Runs in the precision's forward context."""
+
+    def __init__(self, model: nn.Module, decoder: nn.Module, precision: Any, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.model = model  # the pruned model: the stage's parameters
+        self._decoder = decoder
+        self.first, self.last, self.precision = first, last, precision
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        model: Any = self.model
+        decoder = self._decoder
+        given = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        with self.precision.forward_context():
+            hidden = decoder(**given, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            return model.lm_head(hidden) if self.last else hidden

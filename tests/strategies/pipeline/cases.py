@@ -1,0 +1,78 @@
+"""A tiny Llama (hidden 32, 4 layers, vocab 128, from a config), its data and the runs the pipeline
+tests compare: `train(out, strategy, ...)` trains it with one global batch on any strategy and returns
+the per-step logged losses and the final weights this rank holds (under pp: its stage's)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from tests.helpers import padded_token_data  # noqa: E402
+
+VOCAB = 128
+
+
+def llama(seed: int = 0) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def data(n: int = 22) -> list[dict[str, torch.Tensor]]:
+    """Sequences with 1..10 real tokens (the rest -100): micro-batches of one window differ in items."""
+    return padded_token_data(n, length=10, vocab=VOCAB, seed=3)
+
+
+def config(out: str, strategy: Any, **extra: Any) -> dict[str, Any]:
+    """Micro-batches of 3, windows of 2: 22 samples are 8 micro-batches (the last of 1), so 4 steps an
+    epoch; SGD with momentum (optimizer state to resume), so that the comparison sees the gradients and
+    not AdamW's magnified float noise."""
+    cfg: dict[str, Any] = {
+        "output_dir": out,
+        "seed": 7,
+        "learning_rate": 0.5,
+        "optim": {"name": "sgd", "optim_args": "momentum=0.9"},
+        "num_train_epochs": 1,
+        "per_device_train_batch_size": 3,
+        "gradient_accumulation_steps": 2,
+        "max_grad_norm": 0.3,
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True, "steps": 1},
+        "strategy": strategy,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def train(
+    out: str, strategy: Any, *, teardown: bool = True, **extra: Any
+) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    from kiln import Trainer
+
+    model = llama()
+    trainer = Trainer(model, config(out, strategy, **extra), train_dataset=data())
+    trainer.fit()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if teardown:
+        trainer.teardown()
+    return losses, state, trainer
