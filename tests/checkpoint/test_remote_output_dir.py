@@ -169,6 +169,9 @@ def test_convert_and_evaluate_read_a_checkpoint_url(s3, request, tmp_path, monke
     assert chosen.step == 5 and os.path.isfile(os.path.join(chosen.path, MARKER))
     with pytest.raises(KilnError, match=rf"{url}/checkpoint-9 is not a complete checkpoint on the store"):
         _pick_weights(cfg, f"{url}/checkpoint-9", False)
+    run = load_config({"output_dir": url, "save": {"storage_options": s3, "staging_dir": str(tmp_path / "fresh")}})
+    found = _pick_weights(run, None, False)  # the run's own weights: nothing local, so the store's newest
+    assert found.path == str(tmp_path / "fresh" / "checkpoint-5") and found.step == 5
 
 
 def test_storage_credentials_never_reach_a_saved_config_and_a_missing_store_is_one_sentence(
