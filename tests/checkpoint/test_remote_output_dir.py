@@ -82,7 +82,9 @@ def test_a_run_on_s3_rotates_there_and_another_machine_resumes_it_bitwise(s3, re
     assert not runs.fs.exists(f"{runs.root}/{LOCK}")  # the run lock went with the run
     fetched: list[str] = []
     fetch = RemoteCheckpoints._fetch
-    monkeypatch.setattr(RemoteCheckpoints, "_fetch", lambda self, name, *a: (fetched.append(name), fetch(self, name, *a))[1])
+    monkeypatch.setattr(
+        RemoteCheckpoints, "_fetch", lambda self, name, *a: (fetched.append(name), fetch(self, name, *a))[1]
+    )
     resumed = train(url, settings(s3, tmp_path / "machine-b"), model_seed=1234, resume=True)
     assert fetched == ["checkpoint-15"]  # only the newest intact checkpoint came down
     assert resumed.state.global_step == 20
@@ -128,7 +130,9 @@ def test_one_run_per_url_and_a_finished_one_is_never_overwritten(s3, request, tm
     url = remote(s3, request)
     runs = store(url, s3)
     runs.fs.pipe_file(f"{runs.root}/{LOCK}", json.dumps({"pid": 4242, "host": "node-7"}).encode())
-    with pytest.raises(OutputDirInUse, match=rf"output_dir '{url}' is in use by another kiln run \(pid 4242 on node-7\)"):
+    with pytest.raises(
+        OutputDirInUse, match=rf"output_dir '{url}' is in use by another kiln run \(pid 4242 on node-7\)"
+    ):
         train(url, settings(s3, tmp_path / "a", **{"strategy": "no"}))
     import socket
     import subprocess

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from kiln.engine.checkpoint.integrity import MARKER
 from kiln.engine.checkpoint.in_use import LOCK, OutputDirInUse
+from kiln.engine.checkpoint.integrity import MARKER
 from kiln.engine.checkpoint.remote import RemoteCheckpoints, UploadFailed, is_remote
 from kiln.utils.errors import ConfigError
 from tests.checkpoint.checkpoint_helpers import train
@@ -144,7 +144,9 @@ def test_one_run_holds_a_prefix_at_a_time(store):
     store.release_lock()
     assert not store.fs.exists(lock)
     store.fs.pipe_file(lock, json.dumps({"pid": 4242, "host": "node-7"}).encode())
-    with pytest.raises(OutputDirInUse, match=r"is in use by another kiln run \(pid 4242 on node-7\); wait .* or delete"):
+    with pytest.raises(
+        OutputDirInUse, match=r"is in use by another kiln run \(pid 4242 on node-7\); wait .* or delete"
+    ):
         store.acquire_lock()  # a holder on another host may be alive: refused
     store.fs.rm_file(lock)
     store.acquire_lock()  # free again
@@ -152,7 +154,9 @@ def test_one_run_holds_a_prefix_at_a_time(store):
 
 
 def test_a_store_that_cannot_create_exclusively_is_refused_in_one_sentence(store, monkeypatch):
-    monkeypatch.setattr(store.fs, "open", lambda path, mode="rb", **kw: (_ for _ in ()).throw(NotImplementedError(mode)))
+    monkeypatch.setattr(
+        store.fs, "open", lambda path, mode="rb", **kw: (_ for _ in ()).throw(NotImplementedError(mode))
+    )
     with pytest.raises(ConfigError, match=r"is on a store that cannot create a file exclusively \(xb\), so two runs"):
         store.acquire_lock()
 

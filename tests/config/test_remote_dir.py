@@ -46,7 +46,10 @@ def test_file_urls_are_local_folders():
         ({"save": {"remote_dir": "/local/mirror"}}, r"^save.remote_dir '/local/mirror' is not the URL of a store"),
         ({"output_dir": "nosuch://b/run"}, r"^output_dir nosuch://b/run names the store nosuch://, which fsspec"),
         ({"resume_from_checkpoint": "nosuch://b/c"}, r"^resume_from_checkpoint nosuch://b/c names the store nosuch://"),
-        ({"save": {"storage_options": "hunter2-secret"}}, r"^Config key 'save.storage_options' expects Dict\[str, Any\] \(the value is not shown\)\.$"),
+        (
+            {"save": {"storage_options": "hunter2-secret"}},
+            r"^Config key 'save.storage_options' expects Dict\[str, Any\] \(the value is not shown\)\.$",
+        ),
     ],
 )
 def test_bad_store_settings_are_one_sentence(config, sentence):
@@ -61,7 +64,9 @@ def test_a_missing_store_package_names_its_extra(monkeypatch):
         raise ImportError("Install s3fs to access S3")
 
     monkeypatch.setattr(fsspec, "get_filesystem_class", missing)
-    with pytest.raises(ConfigError, match=r"^save.remote_dir s3://b/r is on a s3:// store, .*pip install kiln\[s3\]\.$"):
+    with pytest.raises(
+        ConfigError, match=r"^save.remote_dir s3://b/r is on a s3:// store, .*pip install kiln\[s3\]\.$"
+    ):
         load_config({"save": {"remote_dir": "s3://b/r"}})
 
 

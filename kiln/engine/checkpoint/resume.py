@@ -118,7 +118,9 @@ def choose_resume(resume: Any, config: DictConfig, strategy: Strategy) -> str | 
         return resolve_resume(resume, output_dir, key, config)
     path: str | None = None
     error: str | None = None
-    resolves = is_writer(config, strategy) if remote else strategy.is_global_zero  # a store: each copy's writer downloads
+    resolves = (
+        is_writer(config, strategy) if remote else strategy.is_global_zero
+    )  # a store: each copy's writer downloads
     if resolves:
         try:
             path = resolve_resume(resume, output_dir, key, config)
