@@ -198,3 +198,17 @@ def test_storage_credentials_never_reach_a_saved_config_and_a_missing_store_is_o
         match=r"^output_dir gs://b/run is on a gs:// store, whose file system is not installed; pip install kiln\[gcs\]\.$",
     ):
         load_config({"output_dir": "gs://b/run"})
+
+
+def test_a_failed_rotation_on_the_store_is_a_warning_too(tmp_path):
+    from types import SimpleNamespace
+
+    uploads: list[str] = []
+
+    def rotate(limit: int, best: str | None) -> None:
+        raise OSError("503 Slow Down")
+
+    fake = SimpleNamespace(url="s3://b/run", uploaded=None, upload=uploads.append, rotate=rotate)
+    with pytest.warns(UserWarning, match=r"Rotating the checkpoints on s3://b/run failed \(OSError: 503 Slow Down\); it keeps"):
+        assert remote_run.publish(fake, str(tmp_path / "checkpoint-4"), 2, None)  # type: ignore[arg-type]
+    assert uploads == [str(tmp_path / "checkpoint-4")]

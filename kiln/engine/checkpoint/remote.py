@@ -71,6 +71,7 @@ class RemoteCheckpoints:
         except ImportError:
             raise missing_file_system(url) from None
         self.url, self.retries, self.backoff, self.sleep = url.rstrip("/"), retries, backoff, sleep
+        self.uploaded: str | None = None  # the last checkpoint this object uploaded whole
         self.root = self.root.rstrip("/")
 
     def _path(self, *parts: str) -> str:
@@ -100,6 +101,7 @@ class RemoteCheckpoints:
         marker = self._path(name, MARKER)
         if self.fs.exists(marker):  # the same step uploaded again: never half-replaced under an intact marker
             self.fs.rm_file(marker)
+            self.uploaded = None if self.uploaded == name else self.uploaded
         files = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
         for rel in [f for f in files if f != MARKER] + [MARKER]:
             target = self._path(name, *rel.split(os.sep))
@@ -107,6 +109,7 @@ class RemoteCheckpoints:
                 f"Uploading {rel} of {name} to {self.url}",
                 functools.partial(self.fs.put_file, os.path.join(local, rel), target),
             )
+        self.uploaded = name
         return f"{self.url}/{name}"
 
     def delete(self, name: str) -> None:

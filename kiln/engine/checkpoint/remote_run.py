@@ -44,21 +44,29 @@ def options(config: DictConfig) -> dict[str, Any]:
 
 def publish(store: RemoteCheckpoints, local: str, limit: int | None, best: str | None) -> bool:
     """Upload the complete local checkpoint `local`, then rotate the store (`limit` newest kept, and the
-    checkpoint named by the path `best`); returns whether it is on the store. A failure is a warning."""
+    checkpoint named by the path `best`); returns whether it is on the store. A failure of either is a
+    warning: the run goes on, and what the store held is untouched (an upload) or kept (a rotation)."""
     name = os.path.basename(os.path.normpath(local))
     try:
         store.upload(local)
     except UploadFailed as err:
-        previous = [n for _, n in store.steps() if n != name]
+        newest = f"is {store.uploaded}" if store.uploaded else "is the newest one it held before"
         warnings.warn(
             f"{name} was saved in {os.path.dirname(local)} but not uploaded to {store.url}: {err} The store's newest "
-            f"intact checkpoint is {previous[-1] if previous else 'none'}; training goes on.",
+            f"intact checkpoint {newest}; training goes on.",
             stacklevel=2,
         )
         return False
     log.info("Uploaded %s to %s.", name, store.url)
     if limit:
-        store.rotate(limit, os.path.basename(os.path.normpath(best)) if best else None)
+        try:
+            store.rotate(limit, os.path.basename(os.path.normpath(best)) if best else None)
+        except Exception as err:  # the stores' clients raise their own types (botocore, aiohttp, OSError)
+            warnings.warn(
+                f"Rotating the checkpoints on {store.url} failed ({type(err).__name__}: {err}); it keeps more than "
+                f"save.total_limit={limit} until the next save rotates them; training goes on.",
+                stacklevel=2,
+            )
     return True
 
 
