@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import re
 
@@ -22,9 +21,10 @@ from kiln.engine.checkpoint.integrity import MARKER
 from kiln.engine.checkpoint.remote import RemoteCheckpoints
 from kiln.utils.errors import ConfigError, KilnError
 from tests.checkpoint.checkpoint_helpers import train, weights
+from tests.checkpoint.s3_server import s3_endpoint
 
 s3fs = pytest.importorskip("s3fs", reason="pip install kiln[s3]")
-moto_server = pytest.importorskip("moto.server", reason="pip install moto[server]")
+pytest.importorskip("moto.server", reason="pip install moto[server]")
 
 BUCKET = "kiln-runs"
 CFG = {"max_steps": 20, "save_steps": 5}
@@ -32,20 +32,8 @@ CFG = {"max_steps": 20, "save_steps": 5}
 
 @pytest.fixture(scope="module")
 def s3():  # type: ignore[no-untyped-def]
-    """A fresh S3 endpoint on a free port with a bucket; yields the storage options that reach it."""
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {
-        "key": "AKIAKILNTESTKEY",
-        "secret": "kiln-test-secret-value",
-        "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "eu-west-1"},
-    }
-    s3fs.S3FileSystem(**options).mkdir(BUCKET)
-    yield options
-    s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps file systems by their options: none outlives the server
-    server.stop()
+    with s3_endpoint(BUCKET, key="AKIAKILNTESTKEY", secret="kiln-test-secret-value") as options:
+        yield options
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +114,9 @@ def test_an_upload_failure_is_a_warning_and_the_store_keeps_the_previous_checkpo
         assert torch.equal(tensor, straight[name]), name
 
 
-def test_one_run_per_url_and_a_finished_one_is_never_overwritten(s3, request, tmp_path, caplog):
+def test_one_run_per_url_and_a_finished_one_is_never_overwritten(s3, request, tmp_path, caplog, monkeypatch):
+    from kiln.engine.checkpoint.output_dir import run_lock
+
     url = remote(s3, request)
     runs = store(url, s3)
     runs.fs.pipe_file(f"{runs.root}/{LOCK}", json.dumps({"pid": 4242, "host": "node-7"}).encode())
@@ -143,11 +133,16 @@ def test_one_run_per_url_and_a_finished_one_is_never_overwritten(s3, request, tm
     with caplog.at_level("WARNING", logger="kiln.engine.checkpoint.remote"):
         trainer = train(url, {**settings(s3, tmp_path / "b"), "max_steps": 5})  # a killed run's lock: taken over
     assert "no longer running" in caplog.text
-    trainer.save_model()
-    trainer.save_state()
-    for name in ("model.safetensors", "trainer_state.json", "kiln_config.yaml"):
-        assert runs.fs.exists(f"{runs.root}/{name}"), name  # the final outputs went up too
-    assert not runs.fs.exists(f"{runs.root}/{LOCK}")
+    fs = s3fs.S3FileSystem(**s3)  # fsspec's cached instance: the one the run uploads through
+    put, sent = fs.put_file, []
+    monkeypatch.setattr(
+        fs, "put_file", lambda src, dst, **kw: (sent.append(dst.rsplit("/", 1)[-1]), put(src, dst, **kw))
+    )
+    with run_lock(trainer.config, trainer.strategy):  # as kiln fit exports: under the run lock, local and remote
+        trainer.save_model()
+        trainer.save_state()
+    assert {"model.safetensors", "trainer_state.json", "kiln_config.yaml"} <= set(sent)  # the final outputs went up
+    assert LOCK not in sent and not runs.fs.exists(f"{runs.root}/{LOCK}")  # never the local lock over the store's
     with pytest.raises(KilnError, match=rf"output_dir '{url}' already holds checkpoints .*\(checkpoint-5, "):
         train(url, settings(s3, tmp_path / "c"))  # a fresh machine: the store is what counts
 
@@ -200,15 +195,24 @@ def test_storage_credentials_never_reach_a_saved_config_and_a_missing_store_is_o
         load_config({"output_dir": "gs://b/run"})
 
 
-def test_a_failed_rotation_on_the_store_is_a_warning_too(tmp_path):
+def test_a_failed_rotation_or_final_upload_is_a_warning_too(tmp_path):
     from types import SimpleNamespace
+
+    from kiln.engine.checkpoint.remote import UploadFailed
 
     uploads: list[str] = []
 
-    def rotate(limit: int, best: str | None) -> None:
+    def refuse(*args: object) -> None:
         raise OSError("503 Slow Down")
 
-    fake = SimpleNamespace(url="s3://b/run", uploaded=None, upload=uploads.append, rotate=rotate)
-    with pytest.warns(UserWarning, match=r"Rotating the checkpoints on s3://b/run failed \(OSError: 503 Slow Down\); it keeps"):
-        assert remote_run.publish(fake, str(tmp_path / "checkpoint-4"), 2, None)  # type: ignore[arg-type]
+    def cut(folder: str) -> None:
+        raise UploadFailed("Uploading model.safetensors to s3://b/run failed after 5 tries (OSError: 503 Slow Down)")
+
+    fake = SimpleNamespace(url="s3://b/run", uploaded=None, upload=uploads.append, rotate=refuse, upload_files=cut)
+    with pytest.warns(
+        UserWarning, match=r"Rotating the checkpoints on s3://b/run failed \(OSError: 503 Slow Down\); it keeps"
+    ):
+        remote_run.publish(fake, str(tmp_path / "checkpoint-4"), 2, None)  # type: ignore[arg-type]
     assert uploads == [str(tmp_path / "checkpoint-4")]
+    with pytest.warns(UserWarning, match=rf"^The run's final files stay in {tmp_path}: Uploading model.safetensors"):
+        remote_run.upload_outputs(fake, str(tmp_path))  # type: ignore[arg-type]

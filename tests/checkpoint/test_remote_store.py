@@ -18,25 +18,16 @@ from kiln.engine.checkpoint.integrity import MARKER
 from kiln.engine.checkpoint.remote import RemoteCheckpoints, UploadFailed, is_remote
 from kiln.utils.errors import ConfigError
 from tests.checkpoint.checkpoint_helpers import train
+from tests.checkpoint.s3_server import s3_endpoint
 
 s3fs = pytest.importorskip("s3fs", reason="pip install kiln[s3]")
-moto_server = pytest.importorskip("moto.server", reason="pip install moto[server]")
+pytest.importorskip("moto.server", reason="pip install moto[server]")
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """A fresh S3 endpoint on a free port, with credentials for it; yields the storage options."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "eu-west-1"},
-    }
-    s3fs.S3FileSystem(**options).mkdir("kiln-bucket")
-    yield options
-    server.stop()
+def s3():  # type: ignore[no-untyped-def]
+    with s3_endpoint("kiln-bucket") as options:
+        yield options
 
 
 @pytest.fixture(scope="module")

@@ -42,10 +42,10 @@ def options(config: DictConfig) -> dict[str, Any]:
     return dict(OmegaConf.to_container(raw, resolve=True) if raw is not None else {})  # type: ignore[arg-type]
 
 
-def publish(store: RemoteCheckpoints, local: str, limit: int | None, best: str | None) -> bool:
+def publish(store: RemoteCheckpoints, local: str, limit: int | None, best: str | None) -> None:
     """Upload the complete local checkpoint `local`, then rotate the store (`limit` newest kept, and the
-    checkpoint named by the path `best`); returns whether it is on the store. A failure of either is a
-    warning: the run goes on, and what the store held is untouched (an upload) or kept (a rotation)."""
+    checkpoint named by the path `best`). A failure of either is a warning: the run goes on, and what
+    the store held is untouched (an upload) or kept (a rotation)."""
     name = os.path.basename(os.path.normpath(local))
     try:
         store.upload(local)
@@ -56,7 +56,7 @@ def publish(store: RemoteCheckpoints, local: str, limit: int | None, best: str |
             f"intact checkpoint {newest}; training goes on.",
             stacklevel=2,
         )
-        return False
+        return
     log.info("Uploaded %s to %s.", name, store.url)
     if limit:
         try:
@@ -67,7 +67,6 @@ def publish(store: RemoteCheckpoints, local: str, limit: int | None, best: str |
                 f"save.total_limit={limit} until the next save rotates them; training goes on.",
                 stacklevel=2,
             )
-    return True
 
 
 def upload_outputs(store: RemoteCheckpoints, folder: str) -> None:
