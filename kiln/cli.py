@@ -28,7 +28,8 @@ commands:
   kiln config-docs                            print the config reference (markdown)
   kiln convert CHECKPOINT OUT [--signing-key-env NAME]
                                               a checkpoint's full weights (FSDP or ZeRO shards merged) as
-                                              OUT/model.safetensors (signed checkpoints: the key is in $NAME)
+                                              OUT/model.safetensors (signed checkpoints: the key is in $NAME);
+                                              CHECKPOINT may be a URL (s3://bucket/run/checkpoint-500)
   kiln --version                              print kiln's version
 
 options for fit/evaluate/predict:
@@ -43,8 +44,9 @@ options for fit:
   --profile                  profile 3 optimizer steps (profile.active=3) unless the config or a key=value sets it
 
 options for evaluate/predict:
-  --weights PATH             a checkpoint-<step> folder or a folder written by save_model; default: the run's
-                             best checkpoint, else its exported model, else its newest checkpoint (in output_dir)
+  --weights PATH             a checkpoint-<step> folder (or its URL on a store) or a folder written by save_model;
+                             default: the run's best checkpoint, else its exported model, else its newest
+                             checkpoint (in output_dir; for an output_dir URL, downloaded when none is local)
   --random-weights           score the untrained model (refused unless asked for)
 
 examples:
@@ -248,6 +250,8 @@ def _fit(trainer: Any, data: dict[str, Any]) -> None:
 
     cfg = trainer.config
     where = os.path.abspath(cfg.output_dir)
+    if cfg.save.remote_dir:  # an output_dir URL: written locally, uploaded
+        where = f"{cfg.save.remote_dir} (staged in {where})"
     say = trainer.is_world_process_zero() and cfg.log.level not in ("error", "critical")  # as the model summary
     if say:
         print(f"kiln: output_dir {where}", flush=True)
@@ -270,9 +274,11 @@ def _fit(trainer: Any, data: dict[str, Any]) -> None:
 def _pick_weights(cfg: Any, weights: str | None, random_weights: bool) -> Any:
     """The weights evaluate/predict score: --weights, resume_from_checkpoint=PATH, or the run's own;
     None only with --random-weights. Chosen before the model and data are built."""
+    from kiln.engine.checkpoint.remote_run import fetch_checkpoint, options, store_of
     from kiln.engine.checkpoint.signing import signing_key
     from kiln.engine.checkpoint.weights import find_run_weights, given_weights
     from kiln.utils.errors import KilnError
+    from kiln.utils.storage_urls import is_remote
 
     resume = cfg.resume_from_checkpoint
     if weights is None and resume and str(resume).lower() not in ("true", "false", "none", "if_exists"):
@@ -283,8 +289,13 @@ def _pick_weights(cfg: Any, weights: str | None, random_weights: bool) -> Any:
         return None
     key = signing_key(cfg.save.signing_key_env)  # signed checkpoints only, when set
     if weights is not None:
+        if is_remote(weights):  # a checkpoint on a store: downloaded, digests checked
+            weights = fetch_checkpoint(weights, options(cfg), key)
         return given_weights(weights, key)
     found = find_run_weights(cfg.output_dir, key)
+    store = store_of(cfg)
+    if found is None and store is not None and store.download_newest(cfg.output_dir, key) is not None:
+        found = find_run_weights(cfg.output_dir, key)  # the run's store: its newest intact checkpoint
     if found is None:
         import os
 

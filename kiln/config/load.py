@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kiln.config import aliases, conflicts, dialect, hf_args, hf_xla, redact, trl_packing
 from kiln.config.hf import deepspeed as hf_deepspeed
+from kiln.config.remote_dir import place_output_dir
 from kiln.config.schema import StrategyConfig, TrainingConfig
 from kiln.utils.errors import ConfigError
 
@@ -252,6 +253,7 @@ def _load(source: ConfigSource, overrides: Sequence[str] | Mapping[str, Any]) ->
     assert isinstance(cfg, DictConfig)
     dialect.fill_defaults(cfg, hf=hf_args.is_training_arguments(source) or dialect.is_hf_dialect(plain))
     hf_deepspeed.adopt(cfg)  # kiln values at their defaults take the DeepSpeed config's numbers
+    place_output_dir(cfg)  # output_dir: s3://...: a local staging folder, uploaded to the URL
     from kiln.config.validate import validate
 
     validate(cfg)
@@ -266,6 +268,8 @@ def _translate(err: OmegaConfBaseException) -> ConfigError:
     want = _field_type(key)
     value = getattr(err, "value", None)
     if want and value is not None:
+        if key.startswith("save.storage_options"):  # credentials, perhaps
+            return ConfigError(f"Config key {key!r} expects {want} (the value is not shown).")
         if names := redact.env_names(value):  # never print what came from the environment (a secret, perhaps)
             source = " and ".join(f"${{oc.env:{name}}}" for name in names)
             return ConfigError(

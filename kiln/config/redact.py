@@ -8,7 +8,10 @@ every checkpoint's config.yaml, the exported kiln_config.yaml and the trackers' 
 hold them in clear text. So the loader remembers each environment value it resolved (`remember`), and
 `config_for_saving` is the one function every writer and logger of the config calls: it masks those
 values wherever they appear in a string, as CI systems mask registered secrets. A saved config
-therefore still resolves to the same run where the same variables are set."""
+therefore still resolves to the same run where the same variables are set.
+
+Credentials written into `save.storage_options` as they are (an S3 `secret`, a GCS `token`) are hidden
+too: every value under a key that names a secret reads `<hidden>` in what is saved and logged."""
 
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ _ENV = re.compile(r"\$\{oc\.env:\s*([A-Za-z_][A-Za-z0-9_]*)")
 # every "2" inside other strings (an output_dir "run2") into an interpolation.
 _MIN_SUBSTRING = 6
 _MASKS: dict[str, str] = {}  # resolved value -> the interpolation that produced it
+#: keys of save.storage_options whose values are credentials (s3fs, gcsfs, adlfs, botocore's client_kwargs)
+_SECRET_KEY = re.compile(r"key|secret|token|password|credential|sas|connection_string", re.IGNORECASE)
+HIDDEN = "<hidden>"
 
 
 def remember(raw: Any) -> None:
@@ -75,7 +81,24 @@ def config_for_saving(config: Any) -> dict[str, Any]:
         tree = dict(config)
     else:
         raise TypeError(f"config_for_saving takes a DictConfig or a mapping, not {type(config).__name__}.")
-    return mask(tree)
+    tree = mask(tree)
+    save = tree.get("save")
+    if isinstance(save, dict) and save.get("storage_options"):
+        save["storage_options"] = hide_secrets(save["storage_options"])
+    return tree
+
+
+def hide_secrets(options: Any) -> Any:
+    """`options` (fsspec storage options) with the value of every key that names a secret replaced by
+    HIDDEN, at any depth."""
+    if isinstance(options, Mapping):
+        return {
+            k: HIDDEN if isinstance(k, str) and _SECRET_KEY.search(k) and v is not None else hide_secrets(v)
+            for k, v in options.items()
+        }
+    if isinstance(options, (list, tuple)):
+        return [hide_secrets(v) for v in options]
+    return options
 
 
 def select(tree: Any, key: str) -> Any:

@@ -272,6 +272,25 @@ class SaveConfig:
         "(single device, DDP) writes in the background; the others (FSDP, DeepSpeed, model parallel, XLA, PEFT adapters) "
         "save synchronously, with one log line.",
     )
+    remote_dir: Optional[str] = opt(
+        None,
+        "An fsspec URL (s3://bucket/run, gs://..., memory://...) each checkpoint is uploaded to once it is complete in "
+        "output_dir, its COMPLETE marker last; rotation and resume then work on the store. Set by kiln from an "
+        "output_dir URL, whose local folder becomes output_dir; set it yourself to keep the local copy in a folder "
+        "of your choice.",
+    )
+    staging_dir: Optional[str] = opt(
+        None,
+        "The local folder a run whose output_dir is a URL writes into before uploading (default: a folder for that "
+        "URL under the system's temporary folder, the same on every run, so a restarted job reuses what it "
+        "downloaded). It needs room for save.total_limit checkpoints.",
+    )
+    storage_options: Dict[str, Any] = opt(
+        {},
+        "Options for the store's fsspec file system (s3fs: endpoint_url in client_kwargs, key/secret, profile; gcsfs: "
+        "project, token). Unset, the store's own configuration is used (AWS_* variables, ~/.aws, gcloud). Keys naming "
+        "secrets (key, secret, token, password, ...) are never written to saved configs or trackers.",
+    )
 
 
 @dataclass
@@ -461,7 +480,12 @@ class MemorySnapshotConfig:
 class TrainingConfig:
     """The whole run. Flat Hugging Face TrainingArguments names are accepted too (see kiln.config.aliases)."""
 
-    output_dir: str = opt("tmp_trainer", "Where checkpoints, logs and the final model go.")
+    output_dir: str = opt(
+        "tmp_trainer",
+        "Where checkpoints, logs and the final model go: a folder, or an fsspec URL (s3://bucket/run, gs://..., "
+        "memory://...; file:// is a local folder) whose checkpoints and final model are written in save.staging_dir "
+        "and uploaded (save.remote_dir).",
+    )
     overwrite_output_dir: bool = opt(False, "Allow writing into an output_dir that holds checkpoints without resuming.")
     run_name: Optional[str] = opt(None, "Run name for trackers (default output_dir).")
     seed: int = opt(42, "Seed set before the model is built and before training.")

@@ -74,7 +74,10 @@ def trial_config(base: Any, trial: Any, params: dict[str, Any], hp_name: Callabl
     run_name = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
     plain = cast(dict[str, Any], OmegaConf.to_container(base, resolve=True))  # `base` is a DictConfig: str keys
     # the trial's values are a layer on top of the config, so they win
-    config = load_config(plain, {**params, "output_dir": os.path.join(base.output_dir, run_name)})
+    own = {"output_dir": os.path.join(base.output_dir, run_name)}
+    if base.save.remote_dir:  # an output_dir URL: each trial's checkpoints under a prefix of their own too
+        own["save.remote_dir"] = f"{base.save.remote_dir}/{run_name}"
+    config = load_config(plain, {**params, **own})
     for section in ("strategy", "precision"):  # built once, with the Trainer
         if OmegaConf.to_container(config[section]) != OmegaConf.to_container(base[section]):
             raise KilnError(

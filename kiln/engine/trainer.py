@@ -445,7 +445,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         `save_pretrained`) the weights are split into shards with a `model.safetensors.index.json`."""
         from kiln.engine.checkpoint.export import export_model
 
-        return export_model(
+        folder = export_model(
             self.model,
             self.strategy,
             self.config,
@@ -454,8 +454,12 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
             max_shard_size,
             self._given_args,
         )
+        if output_dir is None:  # the run's own folder: its store gets the model too (checkpoint/remote_run.py)
+            self.checkpoints.upload_outputs()
+        return folder
 
     def save_state(self) -> None:
         if self.strategy.is_global_zero:
             os.makedirs(self.config.output_dir, exist_ok=True)
             self.state.save_to_json(os.path.join(self.config.output_dir, "trainer_state.json"))
+        self.checkpoints.upload_outputs()

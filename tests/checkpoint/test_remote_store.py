@@ -5,6 +5,7 @@ one run holds a prefix at a time. A URL whose file system is not installed is on
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,30 +13,21 @@ import sys
 
 import pytest
 
+from kiln.engine.checkpoint.in_use import LOCK, OutputDirInUse
 from kiln.engine.checkpoint.integrity import MARKER
-from kiln.engine.checkpoint.output_dir import OutputDirInUse
 from kiln.engine.checkpoint.remote import RemoteCheckpoints, UploadFailed, is_remote
 from kiln.utils.errors import ConfigError
 from tests.checkpoint.checkpoint_helpers import train
+from tests.checkpoint.s3_server import s3_endpoint
 
 s3fs = pytest.importorskip("s3fs", reason="pip install kiln[s3]")
-moto_server = pytest.importorskip("moto.server", reason="pip install moto[server]")
+pytest.importorskip("moto.server", reason="pip install moto[server]")
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """A fresh S3 endpoint on a free port, with credentials for it; yields the storage options."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "eu-west-1"},
-    }
-    s3fs.S3FileSystem(**options).mkdir("kiln-bucket")
-    yield options
-    server.stop()
+def s3():  # type: ignore[no-untyped-def]
+    with s3_endpoint("kiln-bucket") as options:
+        yield options
 
 
 @pytest.fixture(scope="module")
@@ -135,12 +127,29 @@ def test_rotation_deletes_the_marker_before_the_files(store, run_dir, monkeypatc
 
 
 def test_one_run_holds_a_prefix_at_a_time(store):
+    lock = f"{store.root}/{LOCK}"
     store.acquire_lock()
-    with pytest.raises(OutputDirInUse, match=f"is in use by another kiln run \\(pid {os.getpid()} on "):
-        store.acquire_lock()
+    store.acquire_lock()  # re-entrant in the process that holds it (kiln fit holds it around fit's own hold)
     store.release_lock()
+    assert store.fs.exists(lock)
+    store.release_lock()
+    assert not store.fs.exists(lock)
+    store.fs.pipe_file(lock, json.dumps({"pid": 4242, "host": "node-7"}).encode())
+    with pytest.raises(
+        OutputDirInUse, match=r"is in use by another kiln run \(pid 4242 on node-7\); wait .* or delete"
+    ):
+        store.acquire_lock()  # a holder on another host may be alive: refused
+    store.fs.rm_file(lock)
     store.acquire_lock()  # free again
     store.release_lock()
+
+
+def test_a_store_that_cannot_create_exclusively_is_refused_in_one_sentence(store, monkeypatch):
+    monkeypatch.setattr(
+        store.fs, "open", lambda path, mode="rb", **kw: (_ for _ in ()).throw(NotImplementedError(mode))
+    )
+    with pytest.raises(ConfigError, match=r"is on a store that cannot create a file exclusively \(xb\), so two runs"):
+        store.acquire_lock()
 
 
 UPLOADER = """

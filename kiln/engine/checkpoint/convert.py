@@ -18,20 +18,29 @@ code from it."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from kiln.engine.checkpoint.files import read_marker, why_damaged, why_incomplete
 from kiln.engine.checkpoint.hf_files import copy_model_files
+from kiln.engine.checkpoint.remote_run import fetch_checkpoint
 from kiln.engine.checkpoint.signing import SigningKey
 from kiln.registry import UnknownNameError
 from kiln.strategies.checkpoint_io import FORMATS, save_weights
 from kiln.strategies.weights_files import share_tied
 from kiln.utils.errors import CheckpointError
+from kiln.utils.storage_urls import is_remote
 
 
-def convert_checkpoint(checkpoint: str, output_dir: str, key: SigningKey | None = None) -> str:
+def convert_checkpoint(
+    checkpoint: str, output_dir: str, key: SigningKey | None = None, storage_options: dict[str, Any] | None = None
+) -> str:
     """Write the checkpoint's full weights to `output_dir/model.safetensors`, and its model and
     tokenizer files beside them; returns the weights file's path. The checkpoint must be complete and
-    intact, as for a resume, and signed with `key` when one is given (kiln.engine.checkpoint.signing)."""
+    intact, as for a resume, and signed with `key` when one is given (kiln.engine.checkpoint.signing).
+    A checkpoint URL (`s3://bucket/run/checkpoint-500`) is downloaded first, digests checked, with
+    `storage_options` (default: the store's own configuration, as fsspec reads it)."""
+    if is_remote(checkpoint):
+        checkpoint = fetch_checkpoint(checkpoint, storage_options, key)
     if not os.path.isdir(checkpoint):
         raise CheckpointError(f"{checkpoint} is not a checkpoint folder.")
     if (reason := why_incomplete(checkpoint)) is not None:

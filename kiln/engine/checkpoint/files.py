@@ -119,6 +119,17 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def kept(complete: list[str], limit: int, best: str | None) -> set[str]:
+    """Which of the `complete` checkpoints (oldest first) rotation keeps: the newest `limit`, and the best
+    one (`best`) always, which counts towards the limit unless the limit is 1 (HF: limit 5 keeps the 4
+    newest plus the best; limit 1 keeps the newest and the best)."""
+    keep = set(complete[-limit:])
+    if best in complete and best not in keep:
+        keep = set(complete[-(limit - 1) :]) if limit > 1 else keep
+        keep.add(best)
+    return keep
+
+
 def why_damaged(path: str, key: SigningKey | None = None) -> str | None:
     """Why a complete-looking kiln checkpoint must not be read (its signature under the signing policy
     with `key`, a checksum, a missing or unrecorded file, a step mismatch), or None."""

@@ -33,12 +33,15 @@ from kiln.engine.checkpoint.files import (
     _fsync_tree,
     _remove,
     is_complete,
+    kept,
     latest_checkpoint,
     list_checkpoints,
     read_marker,
 )
 from kiln.engine.checkpoint.hf_files import write_model_files, write_training_args
 from kiln.engine.checkpoint.integrity import ALGORITHM, VERSION
+from kiln.engine.checkpoint.remote import RemoteCheckpoints
+from kiln.engine.checkpoint.remote_run import publish, store_of, upload_outputs
 from kiln.engine.checkpoint.restored import Restored
 from kiln.engine.checkpoint.saved_config import CONFIG, changed_settings
 from kiln.engine.checkpoint.signing import SIGNATURE, sign, signing_key
@@ -127,6 +130,7 @@ class CheckpointManager:
         self._staging = HostStaging()  # its host copy, in buffers reused from save to save
         self._said_synchronous = False  # the one log line of a format that cannot save in the background
         self.signing_key = signing_key(config.save.signing_key_env)  # fails here, before training, when unset
+        self._store: RemoteCheckpoints | None = None  # save.remote_dir's, built at the first upload
 
     def attach(self, loop: Stateful, loader: Iterable[Any]) -> None:
         """The fit loop registers itself and its train loader: both have per-rank state to save."""
@@ -176,7 +180,7 @@ class CheckpointManager:
                     self._background.finish()
             return final
         if writer:
-            self.rotate(best)
+            self._published(final, best)
         strategy.barrier("checkpoint-done")
         return final
 
@@ -237,7 +241,28 @@ class CheckpointManager:
         except Exception as err:
             self._failed(err, tmp, final, True)
             raise
+        self._published(final, best)
+
+    def _published(self, final: str, best: str | None) -> None:
+        """The one place a complete checkpoint is announced, on the writer: local rotation, then, for a run
+        with an object store (save.remote_dir), its upload and the store's rotation (remote_run.publish),
+        from global rank 0."""
         self.rotate(best)
+        if self.store is not None and self.strategy.is_global_zero:
+            publish(self.store, final, self.config.save.total_limit, best)
+
+    @property
+    def store(self) -> RemoteCheckpoints | None:
+        """The run's object store (save.remote_dir), or None."""
+        if self._store is None and self.config.save.remote_dir:
+            self._store = store_of(self.config)
+        return self._store
+
+    def upload_outputs(self) -> None:
+        """Upload the files at the top of output_dir (the exported model, trainer_state.json) to the run's
+        store, from global rank 0; nothing for a run without one."""
+        if self.store is not None and self.strategy.is_global_zero:
+            upload_outputs(self.store, str(self.config.output_dir))
 
     def _failed(self, err: BaseException, tmp: str, final: str, writer: bool) -> None:
         """Clean up after a failed write and raise the one-sentence error of a file-system failure;
@@ -366,11 +391,7 @@ class CheckpointManager:
         if not limit:
             return
         complete = [os.path.abspath(p) for _, p in list_checkpoints(cfg.output_dir) if is_complete(p)]
-        best = os.path.abspath(best_checkpoint) if best_checkpoint else None
-        keep = set(complete[-limit:])
-        if best in complete and best not in keep:
-            keep = set(complete[-(limit - 1) :]) if limit > 1 else keep
-            keep.add(best)
+        keep = kept(complete, limit, os.path.abspath(best_checkpoint) if best_checkpoint else None)
         for path in complete:
             if path not in keep:
                 _remove(path)

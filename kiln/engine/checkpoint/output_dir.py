@@ -23,7 +23,9 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from kiln.utils.errors import KilnError
+from kiln.engine.checkpoint.in_use import FINISHED_FILES, LOCK, OutputDirInUse
+from kiln.engine.checkpoint.remote_run import store_of
+from kiln.utils.errors import ConfigError, KilnError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -32,24 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOCK = ".kiln-run.lock"
-#: files a finished run leaves at the top of output_dir (kiln's export and HF's save_model)
-FINISHED_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-    "trainer_state.json",
-)
-
 #: locks this process holds: real path -> [file descriptor, how many nested holders]
 _held: dict[str, list[int]] = {}
-
-
-class OutputDirInUse(KilnError):
-    """Another live process holds the output_dir's run lock."""
 
 
 def _holder(fd: int) -> dict[str, Any] | None:
@@ -139,25 +125,35 @@ def run_lock(config: DictConfig, strategy: Strategy) -> Iterator[None]:
     """Hold `config.output_dir`'s run lock (on the writer rank) for the block; every rank raises the
     writer's refusal."""
     out = str(config.output_dir)
-    error: str | None = None
+    error: tuple[bool, str] | None = None  # (refused by the store's kind, the sentence)
     writer = is_writer(config, strategy)
+    store = store_of(config) if strategy.is_global_zero else None  # save.remote_dir: its lock too
+    remote_held = False
     if writer:
         try:
             acquire(out)
-        except OutputDirInUse as err:
-            error = str(err)
+            if store is not None:
+                store.acquire_lock()
+                remote_held = True
+        except (OutputDirInUse, ConfigError) as err:
+            error = (isinstance(err, ConfigError), str(err))
     if strategy.world_size > 1:
         errors = [e for e in strategy.all_gather_object(error) if e]
         error = errors[0] if errors else None
     if error is not None:
         if writer and os.path.realpath(out) in _held:  # another node's writer was refused: give ours back
             release(out)
-        raise OutputDirInUse(error)
+        if remote_held:
+            assert store is not None
+            store.release_lock()
+        raise ConfigError(error[1]) if error[0] else OutputDirInUse(error[1])
     try:
         yield
     finally:
         if writer:
             release(out)
+        if store is not None:
+            store.release_lock()
 
 
 def finished_work(output_dir: str) -> str | None:
@@ -179,10 +175,13 @@ def refuse_overwrite(config: DictConfig) -> None:
     TrainingArguments, which raise TypeError for it: kiln's keys ride beside them as `overrides`."""
     if config.overwrite_output_dir:
         return
-    found = finished_work(str(config.output_dir))
+    store = store_of(config)
+    where = store.url if store is not None else str(config.output_dir)
+    found = store.finished_work() if store is not None else None
+    found = found or finished_work(str(config.output_dir))
     if found is not None:
         raise KilnError(
-            f"output_dir {config.output_dir!r} already holds checkpoints or an exported model ({found}, ...). Resume with "
+            f"output_dir {where!r} already holds checkpoints or an exported model ({found}, ...). Resume with "
             "resume_from_checkpoint=true, pick another output_dir, or set overwrite_output_dir=true (from a script "
             'with TrainingArguments, which no longer take it: Trainer(..., overrides=["overwrite_output_dir=true"])).'
         )

@@ -13,7 +13,9 @@ then mirrors it to the store and back, keeping the local rules on a store that h
   checked (files.why_damaged) before it is renamed into place; a damaged one is skipped, with a warning,
   for the one before it.
 - **The run lock**: one run per store prefix, taken by an exclusive create of `.kiln-run.lock` (S3's
-  `If-None-Match: *`); a store that cannot create exclusively is refused in one sentence.
+  `If-None-Match: *`); a store that cannot create exclusively is refused in one sentence. A lock left by
+  a dead process on this host is taken over (as the local flock's kernel drops it); one held from
+  another host is refused, naming it: a store has no way to tell a live holder from a dead one.
 
 The store's package is an extra: `kiln[s3]` (s3fs), `kiln[gcs]` (gcsfs); a URL whose package is missing is
 one sentence naming it.
@@ -32,21 +34,18 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kiln.engine.checkpoint.files import PREFIX, why_damaged, why_incomplete
+from kiln.engine.checkpoint.files import PREFIX, kept, why_damaged, why_incomplete
+from kiln.engine.checkpoint.in_use import FINISHED_FILES, LOCK, OutputDirInUse
 from kiln.engine.checkpoint.integrity import MARKER
-from kiln.engine.checkpoint.output_dir import LOCK, OutputDirInUse
 from kiln.utils.errors import CheckpointError, ConfigError
+from kiln.utils.storage_urls import EXTRAS, is_remote, missing_file_system
+
+__all__ = ["EXTRAS", "RemoteCheckpoints", "UploadFailed", "is_remote"]
 
 log = logging.getLogger(__name__)
 
-#: URL scheme -> the kiln extra that installs its fsspec file system
-EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-
-
-def is_remote(path: str) -> bool:
-    """Whether `path` is a URL of a store other than the local file system."""
-    scheme, sep, _ = str(path).partition("://")
-    return bool(sep) and scheme not in ("", "file", "local")
+#: store prefixes whose run lock this process holds -> how many nested holders
+_held: dict[str, int] = {}
 
 
 class UploadFailed(CheckpointError):
@@ -67,14 +66,12 @@ class RemoteCheckpoints:
     ) -> None:
         import fsspec
 
-        scheme = url.partition("://")[0]
         try:
             self.fs, self.root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
         except ImportError:
-            extra = EXTRAS.get(scheme)
-            hint = f"pip install kiln[{extra}]" if extra else f"install the fsspec file system for {scheme}://"
-            raise ConfigError(f"{url} is on a {scheme}:// store, whose file system is not installed; {hint}.") from None
+            raise missing_file_system(url) from None
         self.url, self.retries, self.backoff, self.sleep = url.rstrip("/"), retries, backoff, sleep
+        self.uploaded: str | None = None  # the last checkpoint this object uploaded whole
         self.root = self.root.rstrip("/")
 
     def _path(self, *parts: str) -> str:
@@ -101,6 +98,10 @@ class RemoteCheckpoints:
         if problem is not None:
             raise CheckpointError(f"{local} is not a complete checkpoint ({problem}), so it is not uploaded.")
         name = os.path.basename(os.path.normpath(local))
+        marker = self._path(name, MARKER)
+        if self.fs.exists(marker):  # the same step uploaded again: never half-replaced under an intact marker
+            self.fs.rm_file(marker)
+            self.uploaded = None if self.uploaded == name else self.uploaded
         files = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
         for rel in [f for f in files if f != MARKER] + [MARKER]:
             target = self._path(name, *rel.split(os.sep))
@@ -108,6 +109,7 @@ class RemoteCheckpoints:
                 f"Uploading {rel} of {name} to {self.url}",
                 functools.partial(self.fs.put_file, os.path.join(local, rel), target),
             )
+        self.uploaded = name
         return f"{self.url}/{name}"
 
     def delete(self, name: str) -> None:
@@ -117,6 +119,25 @@ class RemoteCheckpoints:
             self.fs.rm_file(marker)
         if self.fs.exists(self._path(name)):
             self.fs.rm(self._path(name), recursive=True)
+
+    def rotate(self, limit: int, best: str | None) -> None:
+        """Keep the newest `limit` checkpoints on the store, and the best one (named `best`), by the local
+        rule (files.kept)."""
+        names = [name for _, name in self.steps()]
+        keep = kept(names, limit, best)
+        for name in names:
+            if name not in keep:
+                self.delete(name)
+
+    def upload_files(self, local: str) -> None:
+        """Upload the files at the top of folder `local` (a finished run's exported model, its
+        trainer_state.json and results), each with retries; not the run lock, nor any folder."""
+        for name in sorted(os.listdir(local)):
+            source = os.path.join(local, name)
+            if name != LOCK and os.path.isfile(source):
+                self._retrying(
+                    f"Uploading {name} to {self.url}", functools.partial(self.fs.put_file, source, self._path(name))
+                )
 
     # -- reading ------------------------------------------------------------------------------
     def steps(self) -> list[tuple[int, str]]:
@@ -132,20 +153,10 @@ class RemoteCheckpoints:
         """Download the newest intact checkpoint into `local_root/<name>` and return that path (None: the
         store has none). Each candidate's digests are checked before it is put in place; a damaged one is
         skipped, with a warning, for the one before it."""
-        os.makedirs(local_root, exist_ok=True)
         for _, name in reversed(self.steps()):
-            final = os.path.join(local_root, name)
-            if os.path.isdir(final) and why_damaged(final, key) is None:
-                return final  # downloaded before (a restarted job on the same machine)
-            partial = os.path.join(local_root, f".{name}.download")
-            shutil.rmtree(partial, ignore_errors=True)
-            self.fs.get(self._path(name) + "/", partial + "/", recursive=True)
-            problem = why_incomplete(partial) or why_damaged(partial, key)
+            path, problem = self._fetch(name, local_root, key)
             if problem is None:
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(partial, final)
-                return final
-            shutil.rmtree(partial, ignore_errors=True)
+                return path
             warnings.warn(
                 f"Ignoring damaged checkpoint {self.url}/{name}: {problem}. Resuming from the previous "
                 "intact checkpoint instead.",
@@ -153,31 +164,110 @@ class RemoteCheckpoints:
             )
         return None
 
+    def download(self, name: str, local_root: str, key: Any = None) -> str:
+        """Download checkpoint `name` into `local_root/<name>` and return that path; a CheckpointError when
+        it has no marker on the store (not uploaded whole) or fails its digests."""
+        if not self.fs.exists(self._path(name, MARKER)):
+            raise CheckpointError(
+                f"{self.url}/{name} is not a complete checkpoint on the store (no {MARKER} marker: missing, or "
+                "its upload was cut short); name another checkpoint."
+            )
+        path, problem = self._fetch(name, local_root, key)
+        if problem is not None:
+            raise CheckpointError(f"{self.url}/{name} is damaged: {problem}; name another checkpoint.")
+        return path
+
+    def _fetch(self, name: str, local_root: str, key: Any) -> tuple[str, str | None]:
+        """Bring checkpoint `name` into `local_root/<name>` unless an intact copy is there already (a
+        restarted job on the same machine); returns the path and why it must not be read (None: intact)."""
+        os.makedirs(local_root, exist_ok=True)
+        final = os.path.join(local_root, name)
+        if os.path.isdir(final) and why_damaged(final, key) is None:
+            return final, None
+        partial = os.path.join(local_root, f".{name}.download")
+        shutil.rmtree(partial, ignore_errors=True)
+        self.fs.get(self._path(name) + "/", partial + "/", recursive=True)
+        problem = why_incomplete(partial) or why_damaged(partial, key)
+        if problem is None:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+        else:
+            shutil.rmtree(partial, ignore_errors=True)
+        return final, problem
+
+    def finished_work(self) -> str | None:
+        """The first thing on the store a new run would overwrite (its newest checkpoint, or an exported
+        model), or None."""
+        steps = self.steps()
+        if steps:
+            return steps[-1][1]
+        return next((name for name in FINISHED_FILES if self.fs.exists(self._path(name))), None)
+
     # -- the run lock -------------------------------------------------------------------------
     def acquire_lock(self) -> None:
-        """Take the store prefix's run lock by an exclusive create; OutputDirInUse names the holder."""
+        """Take the store prefix's run lock by an exclusive create (re-entrant within this process);
+        OutputDirInUse names the holder."""
+        if self.url in _held:
+            _held[self.url] += 1
+            return
         path = self._path(LOCK)
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode("utf-8")
-        try:
-            with self.fs.open(path, "xb") as f:
-                f.write(info)
-        except FileExistsError:
+        for attempt in range(2):
             try:
-                holder = json.loads(self.fs.cat_file(path))
-                who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
-            except (OSError, ValueError):
-                who = "another process"
-            raise OutputDirInUse(
-                f"output_dir {self.url!r} is in use by another kiln run ({who}); wait for it to "
-                f"finish, or delete {self.url}/{LOCK} if that run is dead."
-            ) from None
-        except (NotImplementedError, ValueError) as err:
-            raise ConfigError(
-                f"{self.url} is on a store that cannot create a file exclusively ({err}), so two runs "
-                "could write the same checkpoints; use an S3 or GCS bucket, or a local output_dir."
-            ) from None
+                with self.fs.open(path, "xb") as f:
+                    f.write(info)
+                break
+            except FileExistsError:
+                holder = self._holder()
+                if attempt == 0 and _dead_here(holder):
+                    log.warning(
+                        "Took over the run lock of %s left by pid %s on this host, which is no longer running "
+                        "(it crashed or was killed).",
+                        self.url,
+                        holder.get("pid"),
+                    )
+                    self.fs.rm_file(path)
+                    continue
+                who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}" if holder else "another process"
+                raise OutputDirInUse(
+                    f"output_dir {self.url!r} is in use by another kiln run ({who}); wait for it to "
+                    f"finish, or delete {self.url}/{LOCK} if that run is dead."
+                ) from None
+            except (NotImplementedError, ValueError) as err:
+                raise ConfigError(
+                    f"{self.url} is on a store that cannot create a file exclusively ({err}), so two runs "
+                    "could write the same checkpoints; use an S3 or GCS bucket, or a local output_dir."
+                ) from None
+        _held[self.url] = 1
+
+    def _holder(self) -> dict[str, Any]:
+        """What the lock file says of its holder ({} when unreadable)."""
+        try:
+            holder = json.loads(self.fs.cat_file(self._path(LOCK)))
+        except (OSError, ValueError):
+            return {}
+        return holder if isinstance(holder, dict) else {}
 
     def release_lock(self) -> None:
+        """Drop one hold on the lock; the last one deletes it."""
+        if _held.get(self.url, 0) > 1:
+            _held[self.url] -= 1
+            return
+        _held.pop(self.url, None)
         path = self._path(LOCK)
         if self.fs.exists(path):
             self.fs.rm_file(path)
+
+
+def _dead_here(holder: Mapping[str, Any]) -> bool:
+    """Whether the lock's holder was a process on this host that is no longer running."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False

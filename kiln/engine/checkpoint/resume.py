@@ -12,7 +12,11 @@ Checking a checkpoint's checksums reads every file, so with many ranks on one fi
 writer (global rank 0) checks and the others take its answer, refusal included; with
 `save.on_each_node` every node has its own copy, so each rank checks its own. The check covers the
 signature too when `save.signing_key_env` names a key (kiln.engine.checkpoint.signing), and, for a
-checkpoint HF's Trainer wrote, what its weights allow (kiln.engine.checkpoint.hf_folder)."""
+checkpoint HF's Trainer wrote, what its weights allow (kiln.engine.checkpoint.hf_folder).
+
+A run with an object store (`save.remote_dir`, an output_dir URL) resumes from the store: `true` and
+`if_exists` download its newest intact checkpoint into the local output_dir (kiln.engine.checkpoint.remote),
+on the writer ranks; a checkpoint URL (`s3://bucket/run/checkpoint-500`) downloads that one."""
 
 from __future__ import annotations
 
@@ -21,8 +25,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kiln.engine.checkpoint.files import hf_damage, is_hf_checkpoint, latest_checkpoint, why_damaged, why_incomplete
+from kiln.engine.checkpoint.output_dir import is_writer
+from kiln.engine.checkpoint.remote_run import fetch_checkpoint, options, store_of
 from kiln.engine.checkpoint.signing import SigningKey, signing_key
 from kiln.utils.errors import CheckpointError
+from kiln.utils.storage_urls import is_remote
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -40,21 +47,28 @@ class ResumeError(CheckpointError, ValueError):
     for the same inputs, and a `CheckpointError`, as kiln raised before."""
 
 
-def resolve_resume(resume: Any, output_dir: str, key: SigningKey | None = None) -> str | None:
+def resolve_resume(
+    resume: Any, output_dir: str, key: SigningKey | None = None, config: DictConfig | None = None
+) -> str | None:
     """The checkpoint folder `resume` asks for, or None to start fresh.
 
     None / False / "false" -> None; True / "true" -> the newest complete checkpoint in `output_dir`
     (ResumeError when there is none); "if_exists" -> the same, or None when there is none; anything
-    else is a path to one checkpoint folder (ResumeError unless it is complete and intact). `key`: the
-    signing key a checkpoint must be signed with (kiln.engine.checkpoint.signing), None for none."""
+    else is a path to one checkpoint folder, or the URL of one on a store (ResumeError unless it is complete
+    and intact). `key`: the signing key a checkpoint must be signed with (kiln.engine.checkpoint.signing),
+    None for none. `config`: the run's, whose store (save.remote_dir, save.storage_options) is used."""
     if _off(resume):
         return None
+    store = store_of(config) if config is not None else None
     latest = resume is True or (isinstance(resume, str) and resume.lower() == "true")
     if latest or (isinstance(resume, str) and resume == IF_EXISTS):
-        path = latest_checkpoint(output_dir, verify=True, key=key)
+        if store is not None:
+            path, where = store.download_newest(output_dir, key), store.url
+        else:
+            path, where = latest_checkpoint(output_dir, verify=True, key=key), output_dir
         if path is None and latest:
             raise ResumeError(
-                f"No valid checkpoint found in output directory ({output_dir}): resume_from_checkpoint=true needs a "
+                f"No valid checkpoint found in output directory ({where}): resume_from_checkpoint=true needs a "
                 f"complete checkpoint-<step> folder there; name a checkpoint path, or use resume_from_checkpoint={IF_EXISTS} "
                 "to start fresh when there is none."
             )
@@ -62,9 +76,15 @@ def resolve_resume(resume: Any, output_dir: str, key: SigningKey | None = None) 
             log.info(
                 "resume_from_checkpoint=%s: %s holds no complete checkpoint, so training starts from step 0.",
                 IF_EXISTS,
-                output_dir,
+                where,
             )
         return path
+    if isinstance(resume, str) and is_remote(resume):
+        into = output_dir if store is not None and resume.rstrip("/").rpartition("/")[0] == store.url else None
+        try:
+            return fetch_checkpoint(resume, options(config) if config is not None else None, key, into)
+        except CheckpointError as err:
+            raise ResumeError(str(err)) from None
     path = os.fspath(resume)
     if not os.path.isdir(path):  # HF's sentence first, as users search for it
         what = "a file, not a folder" if os.path.exists(path) else "no such folder"
@@ -93,16 +113,25 @@ def choose_resume(resume: Any, config: DictConfig, strategy: Strategy) -> str | 
     key = signing_key(config.save.signing_key_env)
     if strategy.is_global_zero:
         _warn_restart_without_resume(resume, output_dir)
-    if strategy.world_size <= 1 or config.save.on_each_node:
-        return resolve_resume(resume, output_dir, key)
+    remote = bool(config.save.remote_dir)
+    if strategy.world_size <= 1 or (config.save.on_each_node and not remote):
+        return resolve_resume(resume, output_dir, key, config)
     path: str | None = None
     error: str | None = None
-    if strategy.is_global_zero:
+    resolves = (
+        is_writer(config, strategy) if remote else strategy.is_global_zero
+    )  # a store: each copy's writer downloads
+    if resolves:
         try:
-            path = resolve_resume(resume, output_dir, key)
+            path = resolve_resume(resume, output_dir, key, config)
         except ResumeError as err:
             error = str(err)
-    path, error = strategy.broadcast_object((path, error), src=0)
+    if remote:  # every writer's answer: the first refusal, else global rank 0's path
+        answers = strategy.all_gather_object((path, error))
+        errors = [e for _, e in answers if e]
+        path, error = answers[0][0], errors[0] if errors else None
+    else:
+        path, error = strategy.broadcast_object((path, error), src=0)
     if error is not None:
         raise ResumeError(error)
     return path
