@@ -12,9 +12,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from kiln.config.schema import TrainingConfig
-
 from kiln import Trainer
+from kiln.config.schema import TrainingConfig
 from kiln.utils.errors import CapabilityError, ConfigError, PrecisionError
 from tests.helpers import base_config, regression_data
 from tests.precision.float8_models import CONVERTED, Float8Regressor, hand_float8_sgd, progressions, tiny_llama
@@ -127,7 +126,11 @@ def test_checkpoints_hold_plain_weights_and_resume_bitwise(tmp_path):
     save = {"strategy": "steps", "steps": 3}
     whole = llama_fit(tmp_path / "whole", EMULATED, steps=6, save=save)
     resumed = llama_fit(
-        tmp_path / "resumed", EMULATED, steps=6, save=save, resume_from_checkpoint=str(tmp_path / "whole/out/checkpoint-3")
+        tmp_path / "resumed",
+        EMULATED,
+        steps=6,
+        save=save,
+        resume_from_checkpoint=str(tmp_path / "whole/out/checkpoint-3"),
     )
     for (name, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
