@@ -37,20 +37,13 @@ DIM_MULTIPLE = 16
 
 
 def import_torchao_float8() -> Any:
-    """torchao.float8, or one sentence naming the extra. On a CPU-only torch, torchao's import logs a
-    warning per CUDA kernel library it cannot load; those say nothing about float8 training, so they
-    are held back for the import."""
-    torchao_log = logging.getLogger("torchao")
-    level = torchao_log.level
-    torchao_log.setLevel(logging.ERROR)
+    """torchao.float8, or one sentence naming the extra."""
     try:
         import torchao.float8
     except ImportError:
         raise PrecisionError(
             "precision 'fp8' needs torchao, which is not installed; pip install 'kiln[float8]' (or torchao)."
         ) from None
-    finally:
-        torchao_log.setLevel(level)
     return torchao.float8
 
 

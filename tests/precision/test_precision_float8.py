@@ -171,6 +171,21 @@ def test_gpus_below_compute_capability_8_9_have_no_float8(monkeypatch):
     assert "compute capability is 8.0, below the 8.9" in float8_unsupported(torch.device("cuda"))
     capability[0] = (8, 9)
     assert float8_unsupported(torch.device("cuda")) is None
+    assert float8_unsupported(torch.device("mps")) == "the MPS has no float8 matmuls"
+
+
+@pytest.mark.parametrize(("arch", "refused"), [("gfx942:sramecc+:xnack-", False), ("gfx90a", True)])
+def test_amd_gpus_have_float8_from_mi300(monkeypatch, arch, refused):
+    from types import SimpleNamespace
+
+    from kiln.precision.float8 import float8_unsupported
+
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(gcnArchName=arch))
+    reason = float8_unsupported(torch.device("cuda"))
+    assert (
+        (reason == f"this AMD GPU ({arch}) has no float8 matmuls (MI300 and newer do)") if refused else reason is None
+    )
 
 
 @pytest.mark.parametrize(
