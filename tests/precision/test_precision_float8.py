@@ -67,6 +67,8 @@ def test_exactly_the_eligible_layers_become_float8_with_the_recipe(recipe):
             assert type(layer) is float8.float8_linear.Float8Linear and layer.config == expected, name
         elif isinstance(layer, nn.Linear):
             assert type(layer) is nn.Linear, name
+    # outside autocast (a plain forward after training) the float8 layers keep fp32 activations
+    assert model(torch.arange(8)[None]).logits.dtype == torch.float32
 
 
 def test_exclude_names_layers_by_name_parts_or_glob():
@@ -198,6 +200,15 @@ def test_amd_gpus_have_float8_from_mi300(monkeypatch, arch, refused):
 def test_settings_that_cannot_apply_are_refused(tmp_path, precision, match):
     with pytest.raises(ConfigError, match=match):
         Trainer(tiny_llama(), base_config(tmp_path, precision=precision), train_dataset=progressions(8))
+
+
+def test_the_bf16_autocast_rules_apply_too():
+    from kiln.precision import build_precision
+
+    cfg = fp8_config(emulate=True)
+    cfg.precision.half_precision_backend = "cuda_amp"
+    with pytest.raises(PrecisionError, match="half_precision_backend is 'cuda_amp', which needs a cuda device"):
+        build_precision(cfg).check_device(torch.device("cpu"))
 
 
 def test_apex_backend_is_refused(make_config):
