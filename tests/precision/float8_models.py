@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln import TrainingModule
+from tests.engine.packing.tiny import VOCAB
 
-VOCAB = 64
 #: the Linear layers of the tiny Llama that `precision: fp8` converts: k_proj/v_proj are 32 -> 8 (not a
 #: multiple of 16) and lm_head is excluded by default
 CONVERTED = sorted(
@@ -25,17 +25,12 @@ CONVERTED = sorted(
 def tiny_llama(seed: int = 0) -> Any:
     import transformers as T
 
-    config = T.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
+    from tests.engine.packing.tiny import config
+
+    llama = config("llama")  # hidden 32, 4 heads of 8, intermediate 64, 2 layers, vocab VOCAB
+    llama.num_key_value_heads = 1
     torch.manual_seed(seed)
-    return T.LlamaForCausalLM(config)
+    return T.LlamaForCausalLM(llama)
 
 
 def progressions(n: int = 64, length: int = 16, seed: int = 0) -> list[dict[str, torch.Tensor]]:

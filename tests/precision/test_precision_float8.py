@@ -68,7 +68,7 @@ def test_exactly_the_eligible_layers_become_float8_with_the_recipe(recipe):
         elif isinstance(layer, nn.Linear):
             assert type(layer) is nn.Linear, name
     # outside autocast (a plain forward after training) the float8 layers keep fp32 activations
-    assert model(torch.arange(8)[None]).logits.dtype == torch.float32
+    assert model.model.layers[0].mlp.down_proj(torch.randn(2, 64)).dtype == torch.float32
 
 
 def test_exclude_names_layers_by_name_parts_or_glob():
