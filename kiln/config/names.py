@@ -38,7 +38,11 @@ PRECISION_GROUPS: tuple[tuple[str, ...], ...] = (
     ("fp16-true", "16-true", "bf16-true"),
     ("apex",),
     ("tf32",),
+    ("fp8", "float8"),
 )
+
+#: torchao's float8 scaling recipes (`precision.fp8.recipe`)
+FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 OPTIMIZER_NAMES: tuple[str, ...] = (
     "adafactor",

@@ -3,6 +3,7 @@ and the fix, raised before any model, data or process group is touched."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -86,6 +87,7 @@ def validate(cfg: DictConfig) -> None:
         cfg.precision.half_precision_backend,
         ("auto", "cpu_amp", "cuda_amp", "apex"),
     )
+    _check_float8(cfg)
     if lg.log_artifacts is not None:
         _choice("log.log_artifacts", str(lg.log_artifacts).lower(), ("false", "end", "checkpoint"))
     _check_names(cfg)
@@ -108,6 +110,20 @@ def _check_names(cfg: DictConfig) -> None:
                 check_name("log.report_to", name)
     except UnknownNameError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_float8(cfg: DictConfig) -> None:
+    """`precision.fp8` settings belong to `precision: fp8`; under another plugin they would do nothing."""
+    from kiln.config.names import FLOAT8_RECIPES
+    from kiln.config.schema import Float8Config
+
+    fp8 = cfg.precision.fp8
+    _choice("precision.fp8.recipe", fp8.recipe, FLOAT8_RECIPES)
+    if cfg.precision.name not in ("fp8", "float8") and OmegaConf.to_container(fp8) != asdict(Float8Config()):
+        raise ConfigError(
+            f"precision.fp8 is set but precision is {cfg.precision.name!r}; use precision: fp8 to train in float8, "
+            "or drop precision.fp8."
+        )
 
 
 def _check_data_and_debug(cfg: DictConfig) -> None:

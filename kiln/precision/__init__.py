@@ -9,7 +9,14 @@ PRECISIONS: Registry[type] = publish(Registry("precision plugin", "precision.nam
 #: each group of names in config's vocabulary (kiln.config.names) -> the module that registers it
 for _names, _module in zip(
     PRECISION_GROUPS,
-    ("kiln.precision.fp32", "kiln.precision.amp", "kiln.precision.half", "kiln.precision.apex", "kiln.precision.tf32"),
+    (
+        "kiln.precision.fp32",
+        "kiln.precision.amp",
+        "kiln.precision.half",
+        "kiln.precision.apex",
+        "kiln.precision.tf32",
+        "kiln.precision.float8",
+    ),
     strict=True,
 ):
     for _name in _names:

@@ -35,6 +35,7 @@ class MPSStrategy(SingleDeviceStrategy):
         reasons={
             "apex": "apex is CUDA-only; use precision: fp16 or bf16",
             "tf32": "TF32 is a mode of NVIDIA GPUs; use precision: fp32",
+            "fp8": "Apple GPUs have no float8 matmuls; use precision: bf16",
             "cpu": "it is the Apple-GPU strategy",
             "cuda": "it is the Apple-GPU strategy",
         },

@@ -64,6 +64,23 @@ def test_without_average_tokens_across_devices_ranks_means_are_averaged(ddp, tmp
     assert not torch.allclose(tensors[name], token_mean, rtol=1e-4, atol=1e-5)
 
 
+def test_float8_ranks_scale_their_own_shards_and_average_gradients(ddp):
+    """precision fp8 under DDP ends bitwise where torchao by hand ends when each of two shards gets its own
+    float8 scales and the gradients are averaged, which differs from one process scaling the whole batch."""
+    from tests.precision.float8_models import hand_float8_sgd
+
+    results, tensors = ddp
+    if "fp8_shards" not in results:
+        pytest.skip("torchao is not installed")
+    assert results["fp8_shards"]["ranks_identical"] and results["fp8_shards"]["float8_layers"] == 2
+    assert results["fp8_shards"]["wrapped"] == "DistributedDataParallel"
+    data = toy.SCENARIOS["fp8_shards"]["data"]()
+    shards = hand_float8_sgd(data, steps=4, batch=4, world=2, lr=0.05, seed=3, recipe="tensorwise")
+    assert torch.equal(tensors["fp8_shards"], toy.flat_params(shards))
+    whole = hand_float8_sgd(data, steps=4, batch=8, world=1, lr=0.05, seed=3, recipe="tensorwise")
+    assert not torch.equal(tensors["fp8_shards"], toy.flat_params(whole))
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_eval_gathers_predictions_in_dataset_order(ddp, batch):
     results, tensors = ddp

@@ -4,6 +4,7 @@ parent test process. Imported as `toy` by worker scripts (their folder is on sys
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -178,6 +179,27 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "reference": "rank_means",
     },
 }
+
+if importlib.util.find_spec("torchao") is not None:
+    from tests.precision.float8_models import Float8Regressor  # noqa: E402
+
+    # precision fp8 (emulated): each rank's float8 scales come from its own shard, so the run is checked
+    # against DDP's arithmetic done by hand (tests.precision.float8_models.hand_float8_sgd), not one process
+    SCENARIOS["fp8_shards"] = {
+        "model": Float8Regressor,
+        "data": lambda: helpers.regression_data(32, d_in=16),
+        "per_device": 4,
+        "accum": 1,
+        "max_steps": 4,
+        "extra": {
+            "precision": {"name": "fp8", "fp8": {"emulate": True}},
+            "optim": {"name": "sgd"},
+            "max_grad_norm": 0.0,
+            "learning_rate": 0.05,
+            "lr_scheduler_type": "constant",
+        },
+        "reference": "float8_shards",
+    }
 
 
 def scenario_config(name: str, output_dir: str, world: int, **extra: Any) -> dict[str, Any]:

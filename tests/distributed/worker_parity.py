@@ -24,6 +24,7 @@ for name in toy.SCENARIOS:
         "strategy": type(trainer.strategy).__name__,
         "wrapped": type(trainer.model_wrapped).__name__,
         "train_loss": trainer.state.log_history[-1].get("train_loss"),
+        "float8_layers": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
     }
     tensors[name] = flat
 

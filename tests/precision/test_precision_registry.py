@@ -11,6 +11,7 @@ from kiln.precision import PRECISIONS, build_precision
 from kiln.precision.amp import BF16MixedPrecision, FP16MixedPrecision
 from kiln.precision.apex import ApexPrecision
 from kiln.precision.base import Precision, PrecisionError
+from kiln.precision.float8 import Float8Precision
 from kiln.precision.fp32 import FP32Precision
 from kiln.precision.half import BF16TruePrecision, FP16TruePrecision
 from kiln.precision.tf32 import TF32Precision
@@ -31,6 +32,8 @@ EXPECTED = {
     "bf16-true": BF16TruePrecision,
     "apex": ApexPrecision,
     "tf32": TF32Precision,
+    "fp8": Float8Precision,  # building it needs torchao (the test extra has it)
+    "float8": Float8Precision,
 }
 
 

@@ -76,6 +76,8 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
             "mps": "it needs gloo or NCCL collectives and DTensor support, which Apple GPUs do not have "
             "(one MPS device: strategy mps)",
             "xla": "XLA devices shard through XLA's own FSDP and SPMD (use strategy xla_fsdp)",
+            "fp8": "float8 with FSDP2's float8 all-gather or float8 tensor parallelism is not wired in yet; use "
+            "strategy ddp (or single) with precision: fp8",
             "apex": "apex's amp cannot handle FSDP's or tensor parallelism's DTensor parameters; use precision: bf16 "
             "or fp16",
         },

@@ -51,6 +51,7 @@ XLA_REASONS = {
     "fp16-true": "XLA trains in bf16, not fp16; use precision: bf16-true",
     "apex": "apex is CUDA-only; use precision: bf16",
     "tf32": "TF32 is a mode of NVIDIA GPUs; use precision: fp32",
+    "fp8": "torchao's float8 layers run on CUDA, not XLA devices; use precision: bf16",
     "torch_compile": "XLA already compiles every step into one graph",
 }
 XLA_PRECISIONS = frozenset({"fp32", "bf16", "bf16-true"})

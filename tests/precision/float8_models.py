@@ -1,0 +1,95 @@
+"""Tiny models for the float8 tests: a Llama built from a config (no download) whose key/value projections
+are 8 wide (one kv head of 8), so they are the layers float8 must skip for their dimensions, and a learnable
+token task."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln import TrainingModule
+from tests.engine.packing.tiny import VOCAB
+
+#: the Linear layers of the tiny Llama that `precision: fp8` converts: k_proj/v_proj are 32 -> 8 (not a
+#: multiple of 16) and lm_head is excluded by default
+CONVERTED = sorted(
+    f"model.layers.{i}.{proj}"
+    for i in range(2)
+    for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+)
+
+
+def tiny_llama(seed: int = 0) -> Any:
+    import transformers as T
+
+    from tests.engine.packing.tiny import config
+
+    llama = config("llama")  # hidden 32, 4 heads of 8, intermediate 64, 2 layers, vocab VOCAB
+    llama.num_key_value_heads = 1
+    torch.manual_seed(seed)
+    return T.LlamaForCausalLM(llama)
+
+
+def progressions(n: int = 64, length: int = 16, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Sequences start, start + k, start + 2k, ... (mod VOCAB) with k in 1..3: each next token follows
+    from the two before it, so the loss falls within a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start, step = int(torch.randint(VOCAB, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        ids = (start + step * torch.arange(length)) % VOCAB
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+class Float8Regressor(TrainingModule):
+    """Linear 16 -> 32 and 32 -> 32 (converted), then 32 -> 1 (skipped: 1 is not a multiple of 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(-1)
+
+    def training_step(self, batch: dict) -> torch.Tensor:
+        return F.mse_loss(self(batch["x"]), batch["y"])
+
+
+def hand_float8_sgd(
+    data: list[dict[str, torch.Tensor]], *, steps: int, batch: int, world: int, lr: float, seed: int, recipe: str
+) -> nn.Module:
+    """torchao by hand, without kiln: a Float8Regressor (seed 0) converted with `convert_to_float8_training`,
+    forward under bf16 autocast with each float8 layer's input cast to bf16 (what autocast does for a linear
+    layer), SGD. With `world` > 1 it is DDP's arithmetic in one process: each rank's shard of `batch` samples
+    (kiln's sampler order) gives its own gradient, float8 scales computed from that shard alone, and the
+    gradients are averaged."""
+    import dataclasses
+
+    from torch.utils.data import default_collate
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from kiln.engine.data.loaders import ResumableSampler
+
+    torch.manual_seed(0)
+    model = Float8Regressor()
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    convert_to_float8_training(model.net, module_filter_fn=lambda _, name: name in ("0", "2"), config=config)
+    net = model.net
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    orders = [ResumableSampler(len(data), seed=seed, num_replicas=world, rank=r).indices() for r in range(world)]
+    for step in range(steps):
+        for order in orders:
+            shard = default_collate([data[i] for i in order[step * batch : (step + 1) * batch]])
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                hidden = net[3](net[2](net[1](net[0](shard["x"].bfloat16())).bfloat16()))
+                loss = F.mse_loss(net[4](hidden).squeeze(-1), shard["y"])
+            loss.backward()
+        for p in model.parameters():
+            p.grad /= world
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
