@@ -8,6 +8,7 @@ these rules beside these tests."""
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -18,6 +19,7 @@ import torch
 
 from kiln.engine.checkpoint.files import MARKER, is_complete, latest_checkpoint, why_incomplete
 from kiln.engine.checkpoint.resume import ResumeError, resolve_resume
+from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import folders, train, weights
 from tests.checkpoint.test_refusals import out, run  # noqa: F401 - fixtures: checkpoint-2 and -4, copied per test
 
@@ -112,6 +114,26 @@ def test_a_crash_half_way_through_rotation_leaves_no_half_deleted_checkpoint(tmp
     assert folders(out) == {"checkpoint-4", ".checkpoint-2.deleting"}  # hidden, and cleared by the next save
     train(out, {"max_steps": 6, "save_steps": 2, "save_total_limit": 1}, resume=True)
     assert folders(out) == {"checkpoint-6"}
+
+
+def test_an_io_error_after_the_rename_is_still_one_sentence(tmp_path, monkeypatch):
+    """The output folder's fsync (which makes the rename durable) fails: the temporary folder is already
+    renamed away, and the clean-up after the failure must not trip over it: kiln's one sentence naming
+    the errno, not a FileNotFoundError from the clean-up."""
+    from kiln.engine.checkpoint import manager
+
+    out = str(tmp_path / "run")
+    real_fsync_dir = manager._fsync_dir
+
+    def fsync_dir(path: str) -> None:
+        if os.path.basename(path) == "run":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        real_fsync_dir(path)
+
+    monkeypatch.setattr(manager, "_fsync_dir", fsync_dir)
+    with pytest.raises(CheckpointError, match=r"\(EIO\) while writing checkpoint-2 in .*Check the disk"):
+        train(out, {"max_steps": 2, "save_steps": 2})
+    assert folders(out) == {"checkpoint-2"} and is_complete(os.path.join(out, "checkpoint-2"))
 
 
 # -- the marker ---------------------------------------------------------------------------------------

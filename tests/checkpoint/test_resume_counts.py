@@ -4,6 +4,9 @@ step count behind `train_loss` across more than one resume (each resume adds the
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -21,6 +24,17 @@ def test_resume_from_the_final_checkpoint_in_the_middle_of_an_epoch_trains_nothi
     a, b = weights(first), weights(again)
     assert all(torch.equal(a[n], b[n]) for n in a)  # not one update more
     assert numeric_history(again)[:-1] == numeric_history(first)[:-1]  # no new log entry, only the end's summary
+
+
+def test_the_epoch_end_save_of_a_run_stopped_in_mid_epoch_keeps_its_position(tmp_path):
+    """save_strategy epoch and max_steps 7 of a 10-batch epoch: the epoch-end save after the stop writes
+    checkpoint-7 with the position where the run stopped (7 batches into epoch 0), not the next epoch's
+    start, or a run resumed from it with a larger max_steps would skip the rest of the epoch."""
+    out = str(tmp_path / "run")
+    first = train(out, {"max_steps": 7, "save_strategy": "epoch", "logging_steps": 50})
+    with open(os.path.join(out, "checkpoint-7", "kiln_loop_position.json"), encoding="utf-8") as fh:
+        assert json.load(fh) == {"epoch_index": 0, "batches_into_epoch": 7}
+    assert (first.state.epoch_index, first.state.batches_into_epoch) == (0, 7)
 
 
 def test_train_loss_counts_the_steps_of_every_earlier_attempt(tmp_path):

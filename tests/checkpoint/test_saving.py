@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -197,6 +198,23 @@ def test_debris_of_a_killed_save_is_cleared_and_never_trusted(tmp_path):
     assert json.loads(Path(out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
     assert trainer.state.global_step == 6
     assert folders(str(out)) == {"checkpoint-2", "checkpoint-4", "checkpoint-6"}
+
+
+def test_debris_another_writer_removed_first_does_not_fail_the_save(tmp_path, monkeypatch):
+    """save.on_each_node on a shared output_dir: every node's writer clears the leftovers of a killed run,
+    so a leftover may be gone between one writer listing it and deleting it; that writer's save goes on."""
+    out = tmp_path / "run"
+    (out / ".checkpoint-3.tmp").mkdir(parents=True)
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kw):  # type: ignore[no-untyped-def]
+        if os.path.basename(path) == ".checkpoint-3.tmp" and os.path.isdir(path):
+            real_rmtree(path)  # the other node's writer got there first
+        return real_rmtree(path, *args, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    train(str(out), {"max_steps": 2, "save_steps": 2})
+    assert folders(str(out)) == {"checkpoint-2"} and is_complete(str(out / "checkpoint-2"))
 
 
 # -- exports ------------------------------------------------------------------------------------

@@ -113,8 +113,10 @@ def test_nan_loss_is_filtered_in_logs_only(tmp_path):
     cfg = base_config(tmp_path, max_steps=4, learning_rate=0.0, max_grad_norm=0.0)
     cfg["log"]["steps"] = 4
     trainer = Trainer(Nan(), cfg, train_dataset=regression_data(64))
-    trainer.fit()
+    out = trainer.fit()
     assert math.isfinite(trainer.state.log_history[0]["loss"])
+    # one window of every step: train_loss is the same filtered mean, not nan (only an all-nan run's is)
+    assert out.training_loss == pytest.approx(trainer.state.log_history[0]["loss"], rel=1e-12)
 
 
 def test_callback_can_stop_training_and_force_a_log(tmp_path):

@@ -114,9 +114,22 @@ def test_take_returns_the_windows_counts_and_starts_a_new_window():
     assert meter.take() == (0, 0.0)
 
 
-def test_a_fit_logs_throughput_and_mfu_against_the_configured_peak(tmp_path):
+class Clock:
+    """The fit loop's clock (`time.perf_counter` as kiln.engine.loop.fit reads it): each read is 0.5 s after
+    the one before, so every elapsed time the loop measures is known exactly."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.5
+        return self.now
+
+
+def test_a_fit_logs_throughput_and_mfu_against_the_configured_peak(tmp_path, monkeypatch):
     from kiln import Trainer
     from kiln.engine.callbacks.base import Callback
+    from kiln.engine.loop import fit
     from tests.helpers import TokenModel, base_config, padded_token_data
 
     seen = []
@@ -126,12 +139,21 @@ def test_a_fit_logs_throughput_and_mfu_against_the_configured_peak(tmp_path):
             if "loss" in logs:
                 seen.append(logs)
 
+    # the clock is read at the start, at each of the 2 logging steps and at the end: each window lasts
+    # 0.5 s and the run 1.5 s
+    monkeypatch.setattr(fit, "time", Clock())
     model = TokenModel()
     cfg = base_config(tmp_path, max_steps=2, per_device_train_batch_size=2)
     cfg["log"].update(steps=1, mfu_peak_tflops=1e-6)
-    Trainer(model, cfg, train_dataset=padded_token_data(n=8, length=12), callbacks=[Figures()]).fit()
+    out = Trainer(model, cfg, train_dataset=padded_token_data(n=8, length=12), callbacks=[Figures()]).fit()
     assert len(seen) == 2
-    for logs in seen:  # one process: the job's figures are the rank's
-        assert logs["train_tokens_per_second"] == pytest.approx(24 * logs["steps_per_second"])
+    for logs in seen:  # one process: the job's figures are the rank's; a window is 1 step, 2 rows of 12 tokens
+        assert logs["steps_per_second"] == 2.0
+        assert logs["samples_per_second"] == 4.0
+        assert logs["train_tokens_per_second"] == logs["train_tokens_per_second_per_rank"] == 48.0
         assert logs["train_tflops_per_rank"] == logs["train_tflops"]
         assert logs["mfu"] == pytest.approx(logs["train_tflops"] / 1e-6)
+    assert out.metrics["train_runtime"] == 1.5
+    assert out.metrics["train_steps_per_second"] == pytest.approx(2 / 1.5)
+    assert out.metrics["train_samples_per_second"] == pytest.approx(4 / 1.5)
+    assert out.metrics["train_tokens_per_second"] == pytest.approx(48 / 1.5)
