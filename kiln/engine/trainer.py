@@ -26,7 +26,7 @@ from kiln.engine.data.eval_loaders import eval_dataloader, test_dataloader
 from kiln.engine.data.trainer_loaders import DataLoaderMixin
 from kiln.engine.distributed import check_same_output_dir
 from kiln.engine.evaluation.compiled import EvalCompiler
-from kiln.engine.evaluation.metric_files import log_metrics, save_metrics
+from kiln.engine.evaluation.metric_files import log_metrics, metrics_format, save_metrics
 from kiln.engine.hp_search import HyperparameterSearchMixin
 from kiln.engine.hp_trial import building_trial
 from kiln.engine.loop.evaluate import EvaluateLoop, PredictLoop
@@ -407,11 +407,8 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
         )
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Iterable[Any]:
-        """The eval DataLoader: in order, sharded contiguously over ranks (see SequentialDistributedSampler).
-        `eval_dataset` may be a dataset, or the name of one in a dict passed to the Trainer.
-
-        With `dataloader_persistent_workers`, the loader is reused (HF's `_eval_dataloaders`: by name, "eval"
-        for any other), so its workers live on; unlike HF, only while the key means the same dataset."""
+        """The eval DataLoader: in order, sharded contiguously over ranks; `eval_dataset` may be a dataset, or the
+        name of one in a dict passed to the Trainer; reused with `dataloader_persistent_workers` (eval_loaders.py)."""
         cache, own = self._eval_dataloaders, self.eval_dataset
         return eval_dataloader(self.config, self.strategy, own, eval_dataset, cache, self._model_inputs)
 
@@ -436,9 +433,7 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
 
     def metrics_format(self, metrics: Mapping[str, float]) -> dict[str, Any]:
         """Human-readable values (runtimes as h:mm:ss.xx, memory in MB, floats to 4 places)."""
-        from kiln.loggers.metrics import metrics_format
-
-        return metrics_format(dict(metrics))
+        return metrics_format(metrics)
 
     def log_metrics(self, split: str, metrics: Mapping[str, float]) -> None:
         """Print `***** <split> metrics *****` and aligned `key = value` lines, on global rank 0."""

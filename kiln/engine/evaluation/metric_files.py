@@ -15,6 +15,13 @@ if TYPE_CHECKING:
     from kiln.strategies.base import Strategy
 
 
+def metrics_format(metrics: Mapping[str, float]) -> dict[str, Any]:
+    """Human-readable values (runtimes as h:mm:ss.xx, memory in MB, floats to 4 places)."""
+    from kiln.loggers.metrics import metrics_format
+
+    return metrics_format(dict(metrics))
+
+
 def log_metrics(strategy: Strategy, split: str, metrics: Mapping[str, float]) -> None:
     """Print `***** <split> metrics *****` and aligned `key = value` lines, on global rank 0."""
     if strategy.is_global_zero:

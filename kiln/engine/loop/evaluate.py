@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 
 class _EvalCall:
+    """What evaluate and predict share: the objects they run with, HF's memory stage and speed metrics."""
+
     def __init__(
         self,
         hooks: EvalHooks,
@@ -52,12 +54,12 @@ class _EvalCall:
 
 
 class EvaluateLoop(_EvalCall):
+    """`evaluate`: metrics logged and handed to `on_evaluate`."""
+
     def run_evaluate(
         self, eval_dataset: Any, ignore_keys: list[str] | None, metric_key_prefix: str, gen_kwargs: dict[str, Any]
     ) -> dict[str, float]:
-        """Metrics `<prefix>_loss`, `compute_metrics`' keys prefixed, speed and `epoch`; logged and
-        passed to `on_evaluate`. A dict of datasets is evaluated one by one (through the Trainer's
-        `evaluate`) as `<prefix>_<name>_*`."""
+        """`Trainer.evaluate`; a dict of datasets is evaluated one by one through the Trainer's `evaluate`."""
         hooks, run = self.hooks, self.run
         override = eval_dataset is not None
         dataset = eval_dataset if override else hooks.eval_dataset
@@ -89,11 +91,12 @@ class EvaluateLoop(_EvalCall):
 
 
 class PredictLoop(_EvalCall):
+    """`predict`: predictions, label ids and metrics, handed to `on_predict` (not logged, as in HF)."""
+
     def run_predict(
         self, test_dataset: Any, ignore_keys: list[str] | None, metric_key_prefix: str, gen_kwargs: dict[str, Any]
     ) -> PredictionOutput:
-        """Numpy predictions and label_ids in dataset order (ragged sequences right-padded with
-        `eval.padding_index`) and metrics (`<prefix>_loss` etc. when the data has labels)."""
+        """`Trainer.predict`."""
         hooks, run = self.hooks, self.run
         run.gen_kwargs = gen_kwargs
         loader = hooks.get_test_dataloader(test_dataset)
