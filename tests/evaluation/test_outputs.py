@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from sklearn.metrics import accuracy_score
 
 from kiln import EvalPrediction, KilnError, Trainer, TrainingModule
-from kiln.engine.loop import evaluation as evaluation_loop
 from kiln.engine.evaluation.gather import EvalAccumulator
+from kiln.engine.loop import evaluation as evaluation_loop
 from tests.evaluation.common import accuracy, config, digits, hand_logits, make_model
 
 LENGTHS = [1 + (3 * i) % 7 for i in range(10)]  # sequence lengths 1..7, in no particular order
