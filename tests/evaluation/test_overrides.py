@@ -51,7 +51,7 @@ class Described(Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.loops: list[tuple[str, str, int]] = []
+        self.loops: list[tuple[str, str, int, Any]] = []
 
     def evaluation_loop(
         self,
@@ -61,24 +61,25 @@ class Described(Trainer):
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ) -> Any:
-        self.loops.append((description, metric_key_prefix, self.state.global_step))
+        self.loops.append((description, metric_key_prefix, self.state.global_step, ignore_keys))
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         output.metrics[f"{metric_key_prefix}_marked"] = 1.0
         return output
 
 
 def test_an_evaluation_loop_override_is_used_by_evaluate_predict_and_fit(tmp_path: Any) -> None:
+    """...with fit()'s ignore_keys_for_eval at every evaluation during training."""
     train, evals = digits(n_train=32, n_eval=40)
     cfg = config(tmp_path, per_device_train_batch_size=8, max_steps=4, eval_strategy="steps", eval_steps=2)
     trainer = Described(make_model("hf"), cfg, train_dataset=train, eval_dataset=evals)
-    trainer.fit()
-    assert trainer.loops == [("Evaluation", "eval", 2), ("Evaluation", "eval", 4)]
+    trainer.fit(ignore_keys_for_eval=["hidden"])  # handed to every evaluation during the fit
+    assert trainer.loops == [("Evaluation", "eval", 2, ["hidden"]), ("Evaluation", "eval", 4, ["hidden"])]
     assert [entry["eval_marked"] for entry in eval_logs(trainer)] == [1.0, 1.0]  # what the override returned
 
     trainer.loops.clear()
     assert trainer.evaluate(metric_key_prefix="val")["val_marked"] == 1.0
     assert trainer.predict(evals).metrics["test_marked"] == 1.0
-    assert trainer.loops == [("Evaluation", "val", 4), ("Prediction", "test", 4)]
+    assert trainer.loops == [("Evaluation", "val", 4, None), ("Prediction", "test", 4, None)]
 
 
 def test_a_get_eval_dataloader_override_serves_evaluation_during_fit(tmp_path: Any) -> None:
