@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln import Trainer
-from tests.evaluation.common import accuracy, config, digits, eval_logs, hand_logits, make_model
+from tests.evaluation.common import DigitsModule, accuracy, config, digits, eval_logs, hand_logits, make_model
 
 
 class Negated(Trainer):
@@ -97,3 +97,21 @@ def test_a_get_eval_dataloader_override_serves_evaluation_during_fit(tmp_path: A
     assert logged["step"] == 2 and np.isfinite(logged["eval_loss"])
     with pytest.raises(Exception, match="no eval_dataset"):
         Trainer(make_model("hf"), cfg, train_dataset=train).fit()
+
+
+def test_labels_a_validation_step_returns_win_over_the_batch_s(tmp_path: Any) -> None:
+    """The default prediction_step takes labels from the batch only when the TrainingModule returns none."""
+    _, evals = digits(n_eval=10)
+    seen: list[np.ndarray] = []
+
+    def metrics(p: Any) -> dict[str, float]:
+        seen.append(np.asarray(p.label_ids))
+        return {}
+
+    class Shifted(DigitsModule):
+        def validation_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = super().validation_step(batch)
+            return {**out, "labels": out["labels"] + 1}
+
+    Trainer(Shifted(), config(tmp_path), compute_metrics=metrics).evaluate(evals)
+    np.testing.assert_array_equal(seen[0], evals.labels.numpy() + 1)
