@@ -25,7 +25,9 @@ SECTIONS = (
     ("engine/data/", "Data"),
     ("optim/", "Optimizers and schedulers"),
     ("engine/evaluation/", "Evaluation and prediction"),
-    ("engine/trainer_eval.py", "Evaluation and prediction"),
+    ("engine/loop/evaluat", "Evaluation and prediction"),  # evaluate.py, evaluation.py
+    ("engine/loop/fit_evaluation.py", "Evaluation and prediction"),
+    ("engine/loop/prediction_step.py", "Evaluation and prediction"),
     ("engine/hp_search.py", "Hyperparameter search"),
     ("engine/callbacks/", "Callbacks"),
     ("loggers/", "Loggers"),

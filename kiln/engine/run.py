@@ -21,7 +21,8 @@ rather than the Trainer. Its parts:
   every callback event's return value is written to `control` (a callback may return a new object,
   as HF allows), and every reader reads it there;
 - the checkpoint manager of this run (`checkpoints`), the throughput figures the next `log()` sends
-  to the loggers only (`log_to_loggers_only`), and the hyperparameter-search trial it trains (`trial`).
+  to the loggers only (`log_to_loggers_only`), and the hyperparameter-search trial it trains (`trial`);
+- the evaluation call in flight (`eval_step`, `gen_kwargs`), which `prediction_step` reads.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class Run:
     log_to_loggers_only: dict[str, float] | None = None
     #: the hyperparameter-search trial this run trains (None outside a search)
     trial: Any = None
+    #: the evaluation call in flight, for a `prediction_step` override with HF's signature (loop/prediction_step.py):
+    #: the step a TrainingModule runs ("validation_step" or "predict_step") and `model.generate`'s kwargs
+    eval_step: str = "validation_step"
+    gen_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.wrapped is None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -16,38 +15,46 @@ from torch import nn
 
 from kiln.config.hf_args import is_training_arguments
 from kiln.engine.arguments import config_or_args, pop_objects
+from kiln.engine.backend import build_backend
 from kiln.engine.callbacks.base import Callback, CallbackHandler
 from kiln.engine.callbacks.defaults import default_callbacks
+from kiln.engine.callbacks.early_stopping import resolve_greater_is_better
+from kiln.engine.checkpoint.best_model import load_best_model
 from kiln.engine.checkpoint.output_dir import refuse_overwrite, run_lock
 from kiln.engine.checkpoint.resume import choose_resume
+from kiln.engine.data.eval_loaders import eval_dataloader, test_dataloader
 from kiln.engine.data.trainer_loaders import DataLoaderMixin
-from kiln.engine.distributed import check_same_output_dir, configure_logging
+from kiln.engine.distributed import check_same_output_dir
 from kiln.engine.evaluation.compiled import EvalCompiler
+from kiln.engine.evaluation.metric_files import log_metrics, metrics_format, save_metrics
 from kiln.engine.hp_search import HyperparameterSearchMixin
 from kiln.engine.hp_trial import building_trial
-from kiln.engine.loop.batch_size import is_out_of_memory
+from kiln.engine.loop.evaluate import EvaluateLoop, PredictLoop
+from kiln.engine.loop.evaluation import EvaluationLoop
 from kiln.engine.loop.fit import FitLoop, TrainOutput
+from kiln.engine.loop.fit_errors import raise_interrupted, raise_translated
+from kiln.engine.loop.fit_evaluation import check_eval_setup
 from kiln.engine.loop.loss_weights import MicroBatch
-from kiln.engine.model.model_init import call_model_init
-from kiln.engine.model.module import loss_from_output
+from kiln.engine.loop.prediction_step import prediction_step
+from kiln.engine.model.loss import model_loss
+from kiln.engine.model.model_init import build_model
 from kiln.engine.model.neftune import neftune
+from kiln.engine.model.summary import print_start_summary
+from kiln.engine.run import setup_for_eval
 from kiln.engine.run_start import start_run
 from kiln.engine.seed import set_seed
 from kiln.engine.trainer_attributes import RunAttributes
-from kiln.engine.trainer_eval import EvaluationMixin
 from kiln.launch.settings import load_with_launcher_settings
 from kiln.optim.optimizers import build_optimizer
 from kiln.optim.schedulers import build_scheduler, scheduler_needs_metrics
-from kiln.precision import build_precision
-from kiln.strategies import adopt_model, build_strategy, check_run_compatible
-from kiln.strategies.interfaces import ShardedModuleInit
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
+    from kiln.engine.evaluation.outputs import EvalLoopOutput, PredictionOutput
     from kiln.engine.model.module import TrainingModule
 
 
-class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSearchMixin):
+class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
     """Train, evaluate and predict with a TrainingModule or an HF-contract nn.Module.
 
     `config` is a TrainingConfig, dict (HF flat names allowed), YAML path, DictConfig or a
@@ -98,16 +105,9 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self.memory_tracker = MemoryTracker.from_config(cfg)  # HF's *_mem_* metrics; a no-op by default
         self.memory_tracker.start("init")
         # The strategy comes first: it decides where (and how sharded) a model the Trainer builds lives.
-        self.precision = (
-            precision if precision is not None and not isinstance(precision, type) else build_precision(cfg, precision)
+        self.strategy, self.precision = build_backend(
+            cfg, model, strategy, precision, user_optimizer=optimizers[0] is not None
         )
-        adopt_model(cfg, model)  # a model transformers split at load picks its strategy, as in HF's Trainer
-        self.strategy = build_strategy(cfg, self.precision, strategy)
-        check_run_compatible(self.strategy, self.precision, cfg, user_optimizer=optimizers[0] is not None)
-        self.strategy.setup_environment()
-        configure_logging(cfg, self.strategy)  # log.level on the main process, log.level_replica elsewhere
-        self.precision = self.strategy.connect_precision(self.precision)
-        self.precision.check_device(self.strategy.root_device)
         set_seed(cfg.seed, cfg.full_determinism)
         self.model_init = model_init
         if model is None or search is not None:  # a trial trains a fresh model_init(trial), as in HF
@@ -115,7 +115,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
                 raise KilnError(
                     "Trainer needs a model: pass `model=` or `model_init=` (a callable returning the model)."
                 )
-            model = self._build_model(search.trial if search is not None else None)
+            model = build_model(self.strategy, model_init, search.trial if search is not None else None)
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}."
@@ -136,10 +136,6 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self.wants_num_items = (
             type(self).compute_loss is not Trainer.compute_loss or type(self).training_step is not Trainer.training_step
         )
-        # evaluation's settings of the current call (HF keeps them on the Trainer too)
-        self._gen_kwargs: dict[str, Any] = {}
-        self._eval_step_name = "validation_step"
-        self._ignore_keys_for_eval: list[str] | None = None
         self._eval_dataloaders: dict[str, Any] = {}  # reused loaders (dataloader_persistent_workers)
         self._eval_compiler = EvalCompiler()  # eval.compile (jit_mode_eval)
         self.callback_handler = CallbackHandler(
@@ -235,35 +231,9 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
         self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         """The loss of one micro-batch (mean over its items); override for a custom loss."""
-        facts = self.run.facts
-        if facts.training_module:
-            outputs = model(inputs)
-        else:
-            if not isinstance(inputs, Mapping):
-                from kiln.engine.data.checks import describe
-
-                raise KilnError(
-                    f"HF-contract models are called as model(**batch), so the batch must be a dict of tensors, "
-                    f"not a {describe(inputs)}: return dicts from the dataset or the data_collator."
-                )
-            inputs = self.forward_inputs(inputs)
-            kwargs = (
-                {"num_items_in_batch": num_items_in_batch}
-                if num_items_in_batch is not None and facts.model_divides(inputs)
-                else {}
-            )
-            if facts.label_smoothing and "labels" in inputs:
-                from kiln.engine.model.label_smoothing import smoothed_loss
-
-                labels = inputs["labels"]
-                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, **kwargs)
-                loss = smoothed_loss(
-                    self.model, outputs, labels, facts.label_smoothing, kwargs.get("num_items_in_batch")
-                )
-                return (loss, outputs) if return_outputs else loss
-            outputs = model(**inputs, **kwargs)
-        loss = loss_from_output(outputs)
-        return (loss, outputs) if return_outputs else loss
+        return model_loss(
+            self.run.facts, self.model, model, inputs, return_outputs, num_items_in_batch, self.forward_inputs
+        )
 
     def forward_inputs(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
         names = self.run.facts.forward_names
@@ -311,21 +281,13 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
                 "fit(trial=...) is driven by hyperparameter_search. To train with found hyperparameters, "
                 "build Trainer(model_init=..., config={**config, **best_run.hyperparameters})."
             )
-        self._ignore_keys_for_eval = ignore_keys_for_eval
-        self._check_eval_setup()
+        check_eval_setup(cfg, self.eval_dataset, type(self).get_eval_dataloader is not Trainer.get_eval_dataloader)
         from kiln.engine.data.checks import check_training_data
 
         check_training_data(
             self.train_dataset, self.data_collator, self.model, self.run.facts.training_module
         )  # before model work
-        if self.strategy.is_global_zero and cfg.log.level not in ("error", "critical"):  # quiet runs stay quiet
-            from kiln.engine.model.summary import start_summary
-
-            summary = start_summary(
-                self.model, self.strategy, self.precision, cfg.log.model_summary, cfg.log.model_summary_depth
-            )
-            if summary is not None:
-                print(summary, flush=True)
+        print_start_summary(self.model, self.strategy, self.precision, cfg)
         if self._runs_started:  # HF: every train() is a new run, not a resume of the last
             self._start_new_run()
         search = self.run.trial
@@ -348,19 +310,11 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
                         cfg,
                         self.memory_tracker,
                         wants_num_items=self.wants_num_items or self.run.facts.accepts_num_items,
+                        ignore_keys_for_eval=ignore_keys_for_eval,
                     )
                     return loop.run_fit(path)
             except Exception as err:
-                from kiln.launch.worker import peer_interrupted
-
-                if isinstance(err, RuntimeError) and peer_interrupted():  # a peer's Ctrl-C broke this rank's collective
-                    raise KeyboardInterrupt from None
-                if cfg.data.auto_find_batch_size and is_out_of_memory(err):
-                    raise KilnError(
-                        f"Out of memory during training with per_device_train_batch_size={self.run.micro_batch_size}, "
-                        "which auto_find_batch_size found to fit the first step (a later batch can be longer): resume "
-                        "from the last checkpoint or restart with a smaller per_device_train_batch_size."
-                    ) from err
+                raise_translated(err, cfg, self.run.micro_batch_size)  # a peer's Ctrl-C; out of memory, explained
                 raise
             finally:
                 self.checkpoints.drain()  # ended on an error: a save in flight (save.async_save) still lands
@@ -370,13 +324,7 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
 
                 flush_after_fit(sys.exc_info()[1])  # an exception skips on_train_end
         except KeyboardInterrupt:
-            from kiln.engine.checkpoint.files import latest_checkpoint
-            from kiln.utils.errors import TrainingInterrupted
-
-            last = latest_checkpoint(cfg.output_dir) if os.path.isdir(cfg.output_dir) else None
-            raise TrainingInterrupted(
-                f"interrupted at step {self.state.global_step}; last checkpoint: {last or 'none'}"
-            ) from None
+            raise_interrupted(cfg.output_dir, self.state.global_step)
 
     train = fit  # HF name
 
@@ -391,16 +339,8 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
             set_seed(
                 self.config.seed, self.config.full_determinism
             )  # before the model is built, so its init follows the seed
-            model = self._build_model(self._trial)
+            model = build_model(self.strategy, self.model_init, self._trial)
         self._start_run(model)
-
-    def _build_model(self, trial: Any = None) -> nn.Module:
-        """`model_init(trial)` (or `model_init()`), inside a sharding strategy's context where it has one."""
-        context = self.strategy.module_init_context() if isinstance(self.strategy, ShardedModuleInit) else nullcontext()
-        model_init = self.model_init
-        assert model_init is not None  # both callers build a model only when model_init was given
-        with context:
-            return call_model_init(model_init, trial)
 
     def teardown(self) -> None:
         """Release what this Trainer holds outside Python objects: the strategy's process group and
@@ -415,6 +355,93 @@ class Trainer(RunAttributes, DataLoaderMixin, EvaluationMixin, HyperparameterSea
 
     def __exit__(self, *exc: Any) -> None:
         self.teardown()
+
+    # -- evaluation and prediction (HF API and override points; the loops are in kiln/engine/loop/) ------
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+        **gen_kwargs: Any,
+    ) -> dict[str, float]:
+        """Metrics `<prefix>_loss`, `compute_metrics`' keys prefixed, speed and `epoch`; logged and
+        passed to `on_evaluate`. A dict of datasets is evaluated one by one as `<prefix>_<name>_*`.
+        `gen_kwargs` go to `model.generate` with `predict_with_generate`."""
+        loop = EvaluateLoop(self, self.run, self.strategy, self.callback_handler, self.config, self.memory_tracker)
+        return loop.run_evaluate(eval_dataset, ignore_keys, metric_key_prefix, gen_kwargs)
+
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+        **gen_kwargs: Any,
+    ) -> PredictionOutput:
+        """Numpy predictions and label_ids in dataset order (ragged sequences right-padded with
+        `eval.padding_index`) and metrics (`<prefix>_loss` etc. when the data has labels)."""
+        loop = PredictLoop(self, self.run, self.strategy, self.callback_handler, self.config, self.memory_tracker)
+        return loop.run_predict(test_dataset, ignore_keys, metric_key_prefix, gen_kwargs)
+
+    def evaluation_loop(
+        self,
+        dataloader: Iterable[Any],
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
+        """Shared by evaluate ("Evaluation": TrainingModule.validation_step) and predict
+        ("Prediction": predict_step). Works with or without labels."""
+        s, cb = self.strategy, self.callback_handler
+        loop = EvaluationLoop(
+            self, self.run, s, self.precision, cb, self.config, self._eval_compiler, in_train=self.is_in_train
+        )
+        return loop.run_pass(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+
+    def prediction_step(
+        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[Any, Any, Any]:
+        """(loss, logits, labels) for one batch, each possibly None (HF override point)."""
+        return prediction_step(
+            self, self.run, self.precision, self.config, model, inputs, prediction_loss_only, ignore_keys
+        )
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Iterable[Any]:
+        """The eval DataLoader: in order, sharded contiguously over ranks; `eval_dataset` may be a dataset, or the
+        name of one in a dict passed to the Trainer; reused with `dataloader_persistent_workers` (eval_loaders.py)."""
+        cache, own = self._eval_dataloaders, self.eval_dataset
+        return eval_dataloader(self.config, self.strategy, own, eval_dataset, cache, self._model_inputs)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Iterable[Any]:
+        return test_dataloader(self.config, self.strategy, test_dataset, self._model_inputs)
+
+    def setup_model(self) -> nn.Module:
+        """The module set up by the strategy for evaluation (before training: without an optimizer)."""
+        return setup_for_eval(self.run, self.strategy, self.config)
+
+    def greater_is_better(self) -> bool:
+        return resolve_greater_is_better(self.config.eval)
+
+    def _load_best_model(self) -> None:
+        load_best_model(self.state, self._load_from_checkpoint)
+
+    def _load_from_checkpoint(self, path: str) -> None:
+        """The model weights of `path` (a checkpoint or a save_model folder), without optimizer state (HF's name)."""
+        from kiln.engine.checkpoint.weights import load_weights_for_eval
+
+        load_weights_for_eval(self.strategy, self.setup_model(), self.model, path)
+
+    def metrics_format(self, metrics: Mapping[str, float]) -> dict[str, Any]:
+        """Human-readable values (runtimes as h:mm:ss.xx, memory in MB, floats to 4 places)."""
+        return metrics_format(metrics)
+
+    def log_metrics(self, split: str, metrics: Mapping[str, float]) -> None:
+        """Print `***** <split> metrics *****` and aligned `key = value` lines, on global rank 0."""
+        log_metrics(self.strategy, split, metrics)
+
+    def save_metrics(self, split: str, metrics: Mapping[str, float], combined: bool = True) -> None:
+        """Write raw `<split>_results.json` (and merge it into `all_results.json`), on global rank 0."""
+        save_metrics(self.strategy, self.config.output_dir, split, metrics, combined)
 
     # -- logging & saving -------------------------------------------------------------------
     def current_learning_rate(self) -> float:

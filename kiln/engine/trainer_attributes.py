@@ -1,5 +1,5 @@
 """HF's Trainer attributes (`state`, `control`, `model`, `model_wrapped`, `optimizer`, `lr_scheduler`,
-`label_names`, `_train_batch_size`), kiln's per-fit ones (`checkpoints`, `log_to_loggers_only`) and introspection (`get_learning_rates`, `get_optimizer_group`,
+`label_names`, `_train_batch_size`, `_gen_kwargs`), kiln's per-fit ones (`checkpoints`, `log_to_loggers_only`) and introspection (`get_learning_rates`, `get_optimizer_group`,
 `get_num_trainable_parameters`), read from and written to the Trainer's current `Run`: one place
 holds each piece of run state, and HF code that reads or assigns these attributes keeps working."""
 
@@ -90,6 +90,15 @@ class RunAttributes:
     @lr_scheduler.setter
     def lr_scheduler(self, scheduler: Any) -> None:
         self.run.scheduler = scheduler
+
+    @property
+    def _gen_kwargs(self) -> dict[str, Any]:
+        """`model.generate`'s kwargs of the evaluate/predict call in flight (HF's Seq2SeqTrainer keeps them here)."""
+        return self.run.gen_kwargs
+
+    @_gen_kwargs.setter
+    def _gen_kwargs(self, gen_kwargs: dict[str, Any]) -> None:
+        self.run.gen_kwargs = gen_kwargs
 
     @property
     def label_names(self) -> list[str]:

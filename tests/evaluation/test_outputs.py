@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from sklearn.metrics import accuracy_score
 
 from kiln import EvalPrediction, KilnError, Trainer, TrainingModule
-from kiln.engine import trainer_eval
 from kiln.engine.evaluation.gather import EvalAccumulator
+from kiln.engine.loop import evaluation as evaluation_loop
 from tests.evaluation.common import accuracy, config, digits, hand_logits, make_model
 
 LENGTHS = [1 + (3 * i) % 7 for i in range(10)]  # sequence lengths 1..7, in no particular order
@@ -124,7 +124,7 @@ class RecordingAccumulator(EvalAccumulator):
 
 @pytest.mark.parametrize("steps", [None, 1, 2])
 def test_eval_accumulation_steps_moves_predictions_off_the_device(tmp_path: Any, monkeypatch: Any, steps: Any) -> None:
-    monkeypatch.setattr(trainer_eval, "EvalAccumulator", RecordingAccumulator)
+    monkeypatch.setattr(evaluation_loop, "EvalAccumulator", RecordingAccumulator)
     RecordingAccumulator.log = []
     _, evals = digits(n_eval=100)
     model = make_model("module")

@@ -129,3 +129,21 @@ def test_sampler_drop_last_layout() -> None:
     assert len(SequentialDistributedSampler(5, 3, 0, batch_size=2, drop_last=True)) == 0
     with pytest.raises(ValueError, match="batch_size"):
         SequentialDistributedSampler(16, 3, 0, drop_last=True)
+
+
+def test_a_loader_without_kiln_sampler_is_not_gathered_and_says_so(tmp_path: Any, caplog: Any) -> None:
+    """A DataLoader passed as given has no SequentialDistributedSampler: nothing is gathered (each rank reports
+    what its loader yielded, here all 6 rows) and a warning says so."""
+    _, evals = digits(n_eval=6)
+    loader = torch.utils.data.DataLoader(evals, batch_size=2)
+    world = World(2)
+    ranks = trainers(tmp_path, world)
+    with caplog.at_level("WARNING", logger="kiln.engine.loop.evaluation"):
+        results = world.run(lambda r: ranks[r].predict(loader))
+    assert [len(out.predictions) for out in results] == [6, 6]
+    warned = [r for r in caplog.records if "without kiln's eval sampler on 2 ranks" in r.getMessage()]
+    assert len(warned) == 2  # once per rank
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kiln.engine.loop.evaluation"):
+        Trainer(make_model("module"), config(tmp_path / "single")).predict(loader)
+    assert not caplog.records  # one process: nothing to gather, nothing to say

@@ -4,7 +4,9 @@ evaluation improved on the best so far (recorded in the TrainerState, as HF does
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import os
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kiln.engine.callbacks.early_stopping import best_metric_key, resolve_greater_is_better
@@ -12,6 +14,8 @@ from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
     from kiln.engine.callbacks.state import TrainerState
+
+logger = logging.getLogger(__name__)
 
 
 def metric_key(config: Any, metrics: Mapping[str, float]) -> str:
@@ -38,3 +42,13 @@ def update_best(state: TrainerState, config: Any, metrics: Mapping[str, float]) 
     if better:
         state.best_metric, state.best_global_step = value, state.global_step
     return better
+
+
+def load_best_model(state: TrainerState, load: Callable[[str], None]) -> None:
+    """`load_best_model_at_end`: `load(path)` (the Trainer's `_load_from_checkpoint`) of the best checkpoint
+    the state records, or a warning when none was saved (the last weights stay)."""
+    path = state.best_model_checkpoint
+    if not path or not os.path.isdir(path):
+        logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the last weights.")
+        return
+    load(path)

@@ -7,7 +7,7 @@ A mixin of the Trainer: it reads the Trainer's config, strategy, run and dataset
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -115,21 +115,3 @@ class DataLoaderMixin:
             s.data_shard_rank,
             names[0] if names else "input_ids",
         )
-
-
-def cached_eval_loader(cache: dict[str, Any], own: Any, eval_dataset: Any, build: Callable[[Any], Any]) -> Any:
-    """HF's `_eval_dataloaders` with persistent workers: the loader for `eval_dataset` (a name of the Trainer's
-    dict `own`, a dataset, or None for `own`) built once under its name ("eval" for anything but a name) and
-    reused while that key still means the same dataset object. HF reuses it whatever is passed later, so
-    `evaluate(other)` would evaluate the dataset passed first."""
-    key = eval_dataset if isinstance(eval_dataset, str) else "eval"
-    if isinstance(eval_dataset, str):
-        source = own.get(eval_dataset) if isinstance(own, Mapping) else None
-    else:
-        source = eval_dataset if eval_dataset is not None else own
-    cached = cache.get(key)
-    if cached is not None and getattr(cached, "kiln_eval_source", None) is source:
-        return cached
-    loader = cache[key] = build(eval_dataset)
-    loader.kiln_eval_source = source  # what the key meant when it was built
-    return loader

@@ -1,37 +1,14 @@
 """Helpers of the evaluation loop: walking a loader with a look-ahead (to know the last batch), the
-sampler behind a device-feeding loader, the accumulator's arrays by key, and HF's metric files."""
+sampler behind a device-feeding loader and the accumulator's arrays by key."""
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-from kiln.engine.evaluation.outputs import to_python
 from kiln.utils.errors import KilnError
-
-
-def write_metrics(output_dir: str, split: str, metrics: Mapping[str, float], combined: bool = True) -> None:
-    """HF's `save_metrics`: raw `<split>_results.json`, merged into `all_results.json` when `combined`."""
-    os.makedirs(output_dir, exist_ok=True)
-    plain = {k: to_python(v) for k, v in metrics.items()}
-    _write_json(os.path.join(output_dir, f"{split}_results.json"), plain)
-    if combined:
-        path = os.path.join(output_dir, "all_results.json")
-        merged: dict[str, Any] = {}
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as fh:
-                merged = json.load(fh)
-        merged.update(plain)
-        _write_json(path, merged)
-
-
-def _write_json(path: str, data: Mapping[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(dict(data), fh, indent=4, sort_keys=True)
 
 
 def collected(arrays: Any) -> dict[str, Any]:

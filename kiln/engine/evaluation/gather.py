@@ -12,7 +12,7 @@ batch, ...] - which is not dataset order. `OrderedGatherer` writes every rank's 
 offset and drops the padding duplicates at the end (HF's `DistributedTensorGatherer`).
 
 The evaluation loop drives all of this through `EvalAccumulator` (see its docstring);
-`kiln.engine.trainer_eval.EvaluationMixin.evaluation_loop` is the caller.
+`kiln.engine.loop.evaluation.EvaluationLoop` is the caller.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from kiln.engine.loop.batch_size import (
     restart_smaller,
     saved_batch_size,
 )
+from kiln.engine.loop.fit_evaluation import evaluate_during_training
 from kiln.engine.loop.flops import FlopCount
 from kiln.engine.loop.loss_reads import NonFiniteGuard
 from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
@@ -83,6 +84,7 @@ class FitLoop:
         memory_tracker: Any,
         *,
         wants_num_items: bool,
+        ignore_keys_for_eval: list[str] | None = None,
     ) -> None:
         self.hooks, self.run, self.strategy, self.precision = hooks, run, strategy, precision
         self.callbacks, self.checkpoints, self.config, self.memory_tracker = (
@@ -92,6 +94,7 @@ class FitLoop:
             memory_tracker,
         )
         self.wants_num_items = wants_num_items
+        self.ignore_keys_for_eval = ignore_keys_for_eval  # fit()'s, for every evaluation during training
         self._rng: dict[str, Any] | None = None  # a resumed run's RNG streams, set right before its first batch
         self.restarted = False  # auto_find_batch_size restarted the fit with a smaller batch (restart_smaller)
 
@@ -161,7 +164,7 @@ class FitLoop:
         self._event("on_train_begin")
         if cfg.eval.on_start and not resume_path:
             with evaluation_out_of_memory(bool(cfg.data.auto_find_batch_size)):
-                hooks.evaluate_during_training(on_start=True)
+                evaluate_during_training(hooks, run, cfg, self.ignore_keys_for_eval, on_start=True)
         start = time.perf_counter()
         self.losses = RunningLoss(
             NonFiniteGuard(int(cfg.train.max_nonfinite_steps)), bool(cfg.log.nan_inf_filter), state.global_step
@@ -382,7 +385,7 @@ class FitLoop:
         metrics = None
         if run.control.should_evaluate:  # log() ran on_log, whose callbacks may have returned a new control
             with evaluation_out_of_memory(bool(self.config.data.auto_find_batch_size)):
-                metrics = hooks.evaluate_during_training()
+                metrics = evaluate_during_training(hooks, run, self.config, self.ignore_keys_for_eval)
         if run.control.should_save:  # the loop's sums go with it: a resumed run logs the same averages
             if not folded:  # asked for after the step (on_log, on_evaluate, save_strategy "best")
                 self._flush_flos()

@@ -1,15 +1,27 @@
-"""Calling a user's `model_init` the way HF does (with or without the hyperparameter-search trial)."""
+"""Calling a user's `model_init` the way HF does (with or without the hyperparameter-search trial), inside
+a sharding strategy's context where it has one."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+from kiln.strategies.interfaces import ShardedModuleInit
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from kiln.strategies.base import Strategy
+
+
+def build_model(strategy: Strategy, model_init: Callable[..., nn.Module], trial: Any = None) -> nn.Module:
+    """`model_init(trial)` (or `model_init()`), inside a sharding strategy's context where it has one."""
+    context = strategy.module_init_context() if isinstance(strategy, ShardedModuleInit) else nullcontext()
+    with context:
+        return call_model_init(model_init, trial)
 
 
 def call_model_init(model_init: Callable[..., nn.Module], trial: Any = None) -> nn.Module:

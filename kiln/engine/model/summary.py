@@ -94,6 +94,15 @@ def model_table(model: nn.Module, precision: Any, max_depth: int = 1) -> list[st
     return [lines[0], rule, *lines[1:], rule, *(f"{value:<10}{what}" for value, what in totals)]
 
 
+def print_start_summary(model: nn.Module, strategy: Any, precision: Any, config: Any) -> None:
+    """`start_summary`, printed by the main process when `fit` starts (quiet runs, `log.level` error or
+    critical, stay quiet)."""
+    if strategy.is_global_zero and config.log.level not in ("error", "critical"):
+        summary = start_summary(model, strategy, precision, config.log.model_summary, config.log.model_summary_depth)
+        if summary is not None:
+            print(summary, flush=True)
+
+
 def start_summary(model: nn.Module, strategy: Any, precision: Any, mode: str, max_depth: int) -> str | None:
     """What `fit` prints on the main process when it starts (`log.model_summary`): `line`, `table` (the line,
     then `model_table`), `off`, or `auto`: the table on one process, the line alone with several (each
