@@ -30,8 +30,14 @@ class TrainConfig:
     max_steps: int = opt(-1, "If > 0, the number of optimizer steps; overrides num_train_epochs.")
     gradient_accumulation_steps: int = opt(1, "Micro-batches accumulated into one optimizer step.")
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).")
-    gradient_checkpointing: bool = opt(False, "Call the model's gradient_checkpointing_enable().")
-    gradient_checkpointing_kwargs: Optional[Dict[str, Any]] = opt(None, "Passed to gradient_checkpointing_enable.")
+    gradient_checkpointing: bool = opt(
+        False, "HF's switch (also activation_checkpointing: true): activation_checkpointing with mode full."
+    )
+    gradient_checkpointing_kwargs: Optional[Dict[str, Any]] = opt(
+        None,
+        "HF's checkpointing arguments: use_reentrant false (kiln's checkpointing is non-reentrant) and every_n_layers "
+        "(activation_checkpointing.every); others are refused.",
+    )
     torch_compile: bool = opt(False, "Compile the model with torch.compile.")
     torch_compile_backend: Optional[str] = opt(None, "torch.compile backend; setting it implies torch_compile.")
     torch_compile_mode: Optional[str] = opt(None, "torch.compile mode; setting it implies torch_compile.")
@@ -458,6 +464,25 @@ class MemorySnapshotConfig:
 
 
 @dataclass
+class ActivationCheckpointingConfig:
+    """Recompute activations in backward instead of keeping them (torchtitan's per-layer and per-op policies),
+    on the model's repeated blocks: its `_no_split_modules` (the FSDP wrap classes under fsdp and
+    model_parallel). Gradients are unchanged ([fine-tuning](fine-tuning.md#activation-checkpointing))."""
+
+    mode: Optional[str] = opt(
+        None,
+        "full: a block keeps only its inputs and backward reruns its forward; selective: a block keeps the outputs "
+        "of `ops` and recomputes the rest; null: off (unless train.gradient_checkpointing, which means full).",
+    )
+    every: int = opt(1, "Checkpoint blocks N, 2N, ... and leave the others alone (1: every block).")
+    ops: Optional[List[str]] = opt(
+        None,
+        "selective: the operators whose outputs are kept (aten.<op>[.<overload>]); unset: torchtitan's list "
+        "(matmuls, attention, max; every second matmul is recomputed).",
+    )
+
+
+@dataclass
 class TrainingConfig:
     """The whole run. Flat Hugging Face TrainingArguments names are accepted too (see kiln.config.aliases)."""
 
@@ -473,6 +498,7 @@ class TrainingConfig:
         "in HF), or 'if_exists': the newest one if there is one, else start fresh (restarted and pre-empted jobs).",
     )
     train: TrainConfig = field(default_factory=TrainConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -7,6 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kiln.config.activation_checkpointing import check_section as check_activation_checkpointing
 from kiln.config.compile import check_compile_mode
 from kiln.utils.errors import ConfigError
 
@@ -88,6 +89,7 @@ def validate(cfg: DictConfig) -> None:
     )
     if lg.log_artifacts is not None:
         _choice("log.log_artifacts", str(lg.log_artifacts).lower(), ("false", "end", "checkpoint"))
+    check_activation_checkpointing(cfg)
     _check_names(cfg)
     _check_data_and_debug(cfg)
     _check_best_model(cfg)
