@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln import Trainer
-from kiln.strategies.activation_checkpointing import find_blocks
+from kiln.config import load_config
+from kiln.strategies.activation_checkpointing import Policy, find_blocks, policy
 from kiln.utils.errors import ConfigError
 from tests.helpers import base_config, flat_params
 
@@ -114,3 +115,13 @@ def test_blocks_are_found_inside_a_wrapper_and_a_model_without_blocks_is_one_sen
     trainer = Trainer(model, cfg, train_dataset=[{"x": torch.zeros(4)}] * 2)
     with pytest.raises(ConfigError, match="activation_checkpointing has no blocks to checkpoint in Sequential: give"):
         trainer.fit()
+
+
+def test_the_policy_of_a_config():
+    assert policy(load_config({})) is None
+    assert policy(load_config({}), strategy_flag=True) == Policy("full")  # the mesh strategy's alias
+    assert policy(load_config({"gradient_checkpointing": True})) == Policy("full")
+    section = {"activation_checkpointing": {"mode": "selective", "every": 2, "ops": ["aten.mm"]}}
+    assert policy(load_config(section)) == Policy("selective", 2, ("aten.mm",))
+    with pytest.raises(ConfigError, match="activation_checkpointing.every / ops are set but activation_checkpointing.mode"):
+        policy(load_config({"activation_checkpointing": {"every": 2}}))
