@@ -142,8 +142,12 @@ IGNORED = {
 # and the alternative when switched on.
 UNSUPPORTED = {
     "use_ipex": "use bf16 and torch_compile for the CPU speed-ups instead of Intel Extension for PyTorch",
-    "use_liger_kernel": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
-    "liger_kernel_config": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
+    **{
+        name: "Liger's Triton kernels need the liger-kernel package and a CUDA GPU, and kiln does not apply them; for "
+        "the loss without the full logits use train.loss: {chunked: true} (kiln's chunked loss, on any device, "
+        "also the CPU), and torch_compile to fuse the other layers"
+        for name in ("use_liger_kernel", "liger_kernel_config")
+    },
     "past_index": "transformers 5 removed it with the TransformerXL-style models that read `mems`; drop past_index",
     "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",
     "sharded_ddp": "FairScale sharded DDP is gone from HF too; use strategy: fsdp or deepspeed",

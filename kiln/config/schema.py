@@ -19,6 +19,20 @@ def opt(default: Any, help: str) -> Any:
 
 
 @dataclass
+class LossConfig:
+    """How the training loss of a Transformers causal LM is computed."""
+
+    chunked: bool = opt(
+        False,
+        "Compute the causal-LM loss from the last hidden state and the LM head chunk_size tokens at a time, inside "
+        "the model's forward, never building the whole [tokens x vocabulary] logits (kiln's alternative to Liger's "
+        "fused loss, on any device); the loss and gradients are the plain loss's. Training steps only: evaluation "
+        "keeps the logits ([fine-tuning](fine-tuning.md#a-loss-without-the-full-logits)).",
+    )
+    chunk_size: int = opt(1024, "Tokens per chunk of the chunked loss (its peak memory is one chunk's logits).")
+
+
+@dataclass
 class TrainConfig:
     """How long to train and how one optimizer step is formed."""
 
@@ -69,6 +83,7 @@ class TrainConfig:
         "Set the model's config.use_cache (HF's TrainingArguments default is false); unset leaves the model's own.",
     )
     torch_empty_cache_steps: Optional[int] = opt(None, "Empty the accelerator's memory cache every N optimizer steps.")
+    loss: LossConfig = field(default_factory=LossConfig)
     max_nonfinite_steps: Optional[int] = opt(
         None,
         "Stop with an error once the training loss has been nan/inf for this many consecutive optimizer steps "

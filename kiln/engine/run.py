@@ -85,13 +85,18 @@ class Run:
         return self.micro_batch_size * self.accumulation
 
 
-def module_to_set_up(run: Run, strategy: Any) -> nn.Module:
-    """The module the strategy sets up: a TrainingModule behind its StepDispatcher, its repeated blocks
-    checkpointed first when the config asks (the strategy's `setup_activation_checkpointing`: one path for
-    every strategy, before it casts, splits, compiles or shards the module)."""
+def module_to_set_up(run: Run, config: Any, strategy: Any) -> nn.Module:
+    """The module the strategy sets up: a TrainingModule behind its StepDispatcher. When the config asks, the
+    chunked loss goes inside the model's forward first (so the strategy's wrapper still calls it), and the
+    repeated blocks are checkpointed (the strategy's `setup_activation_checkpointing`: one path for every
+    strategy, before it casts, splits, compiles or shards the module)."""
     if run.forward_module is None:
         from kiln.engine.model.step_dispatcher import StepDispatcher
 
+        if config.train.loss.chunked:
+            from kiln.engine.model.chunked_loss import use_chunked_loss
+
+            use_chunked_loss(run.model, config.train.loss.chunk_size)
         # facts.training_module is is_training_module(run.model), so the cast only tells mypy what it found
         module = StepDispatcher(cast("TrainingModule", run.model)) if run.facts.training_module else run.model
         strategy.setup_activation_checkpointing(module)
@@ -102,7 +107,7 @@ def module_to_set_up(run: Run, strategy: Any) -> nn.Module:
 def setup_for_eval(run: Run, strategy: Any, config: Any) -> nn.Module:
     """The module set up by the strategy for evaluation (before training: without an optimizer)."""
     if run.stage is None:
-        run.wrapped = compiled(run, strategy.setup(module_to_set_up(run, strategy)).model, config, strategy)
+        run.wrapped = compiled(run, strategy.setup(module_to_set_up(run, config, strategy)).model, config, strategy)
         run.stage = "eval"
     assert run.wrapped is not None
     return run.wrapped
@@ -122,7 +127,7 @@ def setup_for_training(
     if run.stage != "train":
         schedule = (lambda optimizer: create_scheduler(max_steps, optimizer)) if max_steps is not None else None
         setup = strategy.setup(
-            module_to_set_up(run, strategy), lambda _model: create_optimizer(), schedule, max_steps=max_steps
+            module_to_set_up(run, config, strategy), lambda _model: create_optimizer(), schedule, max_steps=max_steps
         )
         run.wrapped, run.optimizer = compiled(run, setup.model, config, strategy), setup.optimizer
         compile_optimizer_step(run.optimizer, strategy, config.train)
