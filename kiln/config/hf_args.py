@@ -8,7 +8,6 @@ than a path (`warmup_steps` as a ratio, `include_num_input_tokens_seen: "no"`, .
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 # accelerate's AcceleratorConfig defaults, which kiln's own dataloaders and process group behave as

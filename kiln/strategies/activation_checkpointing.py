@@ -112,7 +112,7 @@ def apply_activation_checkpointing(
     for block in chosen:
         if getattr(block, "_kiln_checkpointed", False):  # set up before (a second fit on the same model)
             continue
-        block._kiln_checkpointed = True
+        block._kiln_checkpointed = True  # type: ignore[assignment]
         inner = block.forward
 
         @functools.wraps(inner)
@@ -158,7 +158,9 @@ def _is_hf_layer(module: nn.Module) -> bool:
     return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
 
 
-def find_blocks(module: nn.Module, names: list[str] | None = None, min_num_params: int | None = None) -> list[nn.Module]:
+def find_blocks(
+    module: nn.Module, names: list[str] | None = None, min_num_params: int | None = None
+) -> list[nn.Module]:
     """The blocks to checkpoint, in model order: FSDP's wrap policy (`names`, `min_num_params`, or the
     model's `_no_split_modules`); when neither is given and the root has no `_no_split_modules` (a
     TrainingModule holding a Transformers model), the innermost model inside that has them, else

@@ -112,7 +112,10 @@ def test_the_section_and_hf_s_switch_side_by_side():
     assert load_config({"activation_checkpointing": True}).train.gradient_checkpointing is True
     assert is_hf_dialect({"activation_checkpointing": True}) and not is_hf_dialect({"activation_checkpointing": {}})
     section = load_config({"activation_checkpointing": {"mode": "selective", "ops": ["aten.mm"]}})
-    assert (section.activation_checkpointing.mode, list(section.activation_checkpointing.ops)) == ("selective", ["aten.mm"])
+    assert (section.activation_checkpointing.mode, list(section.activation_checkpointing.ops)) == (
+        "selective",
+        ["aten.mm"],
+    )
     for cfg, words in (
         ({"activation_checkpointing": {"mode": "partial"}}, "activation_checkpointing.mode is 'partial'; use full or"),
         ({"activation_checkpointing": {"mode": "full", "every": 0}}, "activation_checkpointing.every is 0"),

@@ -14,7 +14,6 @@ if os.path.dirname(os.path.dirname(HERE)) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from tests.engine.packing import tiny  # noqa: E402
 
-
 #: the chunked loss and selective activation checkpointing, which change no value (the 2-process run of both
 #: is compared with the 1-process run of neither)
 CHUNKED_AND_CHECKPOINTED = {

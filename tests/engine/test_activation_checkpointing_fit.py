@@ -63,7 +63,11 @@ STEPS = 2
 def fit(tmp_path, **extra):  # type: ignore[no-untyped-def]
     """(final weights, logged losses, matmuls run over the fit, the trainer)."""
     cfg = base_config(
-        tmp_path, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2, log={"history": [], "steps": 1},
+        tmp_path,
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        log={"history": [], "steps": 1},
         **extra,
     )
     trainer = Trainer(llama(), cfg, train_dataset=data())
@@ -123,5 +127,7 @@ def test_the_policy_of_a_config():
     assert policy(load_config({"gradient_checkpointing": True})) == Policy("full")
     section = {"activation_checkpointing": {"mode": "selective", "every": 2, "ops": ["aten.mm"]}}
     assert policy(load_config(section)) == Policy("selective", 2, ("aten.mm",))
-    with pytest.raises(ConfigError, match="activation_checkpointing.every / ops are set but activation_checkpointing.mode"):
+    with pytest.raises(
+        ConfigError, match="activation_checkpointing.every / ops are set but activation_checkpointing.mode"
+    ):
         policy(load_config({"activation_checkpointing": {"every": 2}}))

@@ -98,7 +98,9 @@ def test_what_the_chunked_loss_cannot_do_is_one_sentence(tmp_path):
         load_config({"train": {"loss": {"chunked": True}}, "label_smoothing_factor": 0.1})
     with pytest.raises(ConfigError, match="train.loss.chunk_size is 0; it must be a positive number of tokens"):
         load_config({"train": {"loss": {"chunked": True, "chunk_size": 0}}})
-    with pytest.raises(ConfigError, match="use_liger_kernel=True is not supported by kiln: Liger's Triton kernels need"):
+    with pytest.raises(
+        ConfigError, match="use_liger_kernel=True is not supported by kiln: Liger's Triton kernels need"
+    ):
         load_config({"use_liger_kernel": True})
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     trainer = Trainer(model, base_config(tmp_path, train={"loss": {"chunked": True}}), train_dataset=[{"x": 1}])

@@ -81,7 +81,11 @@ def test_activation_checkpointing_section_keeps_ddp_and_fsdp_weights(runs):
     """The config's activation_checkpointing section on both blocks, under DDP (full) and FSDP (selective)."""
     results, weights = runs
     assert results["ddp_activation_checkpointing"]["strategy"] == "DDPStrategy"
-    assert results["ddp_activation_checkpointing"]["checkpointed"] == results["activation_checkpointing"]["checkpointed"] == 2
+    assert (
+        results["ddp_activation_checkpointing"]["checkpointed"]
+        == results["activation_checkpointing"]["checkpointed"]
+        == 2
+    )
     assert results["ddp"]["checkpointed"] == 0
     _assert_weights(weights["ddp_activation_checkpointing"], weights["ddp"], 1e-6)
     assert results["ddp_activation_checkpointing"]["losses"] == pytest.approx(results["ddp"]["losses"], rel=1e-6)
