@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln import Trainer
 from kiln.config import ConfigError, load_config
+from kiln.engine.model.chunked_loss import use_chunked_loss
 from tests.helpers import base_config, flat_params
 
 transformers = pytest.importorskip("transformers")
@@ -90,6 +91,7 @@ def test_a_chunked_fit_ends_where_the_plain_fit_does_without_building_the_logits
     assert out.logits is None and torch.allclose(out.loss, plain[0].model(**batch).loss, atol=1e-6)
     with torch.no_grad():  # evaluation and prediction: the model's own forward, logits and all
         assert model(**batch).logits.shape == (2, TOKENS, VOCAB)
+    assert model(input_ids=batch["input_ids"]).logits.shape == (2, TOKENS, VOCAB)  # no labels: the model's own
     assert trainer.evaluate()["eval_loss"] == pytest.approx(plain[0].evaluate()["eval_loss"], rel=1e-5)
 
 
@@ -102,6 +104,12 @@ def test_what_the_chunked_loss_cannot_do_is_one_sentence(tmp_path):
         ConfigError, match="use_liger_kernel=True is not supported by kiln: Liger's Triton kernels need"
     ):
         load_config({"use_liger_kernel": True})
+    scaled = llama()
+    scaled.config.logit_scale = 2.0  # refused when the loss is set up, not at the first step
+    with pytest.raises(
+        ConfigError, match=r"LlamaForCausalLM transforms its logits after the LM head \(logit_scale=2.0\)"
+    ):
+        use_chunked_loss(scaled, CHUNK)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     trainer = Trainer(model, base_config(tmp_path, train={"loss": {"chunked": True}}), train_dataset=[{"x": 1}])
     with pytest.raises(ConfigError, match="train.loss.chunked needs a Transformers causal LM .* Sequential holds none"):
