@@ -1,9 +1,10 @@
 """Peak memory and step time of a small Llama-style transformer with no activation checkpointing, selective
-checkpointing (torchtitan's per-op policy) and full checkpointing of every layer
-(kiln/strategies/activation_checkpointing.py), on CPU with one thread.
+checkpointing (torchtitan's per-op policy) and full checkpointing of every layer, trained by the Trainer
+with the config's `activation_checkpointing: {mode: ...}` section, on CPU with one thread.
 
-Each variant runs in a fresh process and reports the growth of its peak resident memory (ru_maxrss) over one
-forward and backward, measured after the model and batch exist, and the median of three timed steps after it.
+Each variant runs in a fresh process and reports the growth of its peak resident memory (ru_maxrss) over the
+first optimizer step of the fit (forward, backward and the optimizer's state), measured after the model and
+data exist, and the median time of the three steps after it.
 
     python bench/activation_checkpointing.py [--layers 8] [--width 256] [--tokens 2048]
 """
@@ -25,7 +26,7 @@ def child(variant: str, layers: int, width: int, tokens: int) -> dict[str, float
     import torch
     import transformers
 
-    from kiln.strategies.activation_checkpointing import apply_activation_checkpointing
+    from kiln import Callback, Trainer
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -40,21 +41,28 @@ def child(variant: str, layers: int, width: int, tokens: int) -> dict[str, float
             max_position_embeddings=tokens,
             attn_implementation="sdpa",
         )
-    ).train()
-    if VARIANTS[variant]:
-        apply_activation_checkpointing(model.model.layers, **VARIANTS[variant])
-    ids = torch.randint(0, 1024, (1, tokens))
+    )
+    ids = torch.randint(0, 1024, (tokens,))
+    marks: list[tuple[float, int]] = []
 
-    def step() -> float:
-        start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=False)
-        return time.perf_counter() - start
+    class Clock(Callback):
+        def on_step_end(self, *args: object, **kwargs: object) -> None:
+            marks.append((time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 
+    config = {
+        "output_dir": "/tmp/kiln_bench_ac",
+        "max_steps": 4,
+        "per_device_train_batch_size": 1,
+        "save": {"strategy": "no"},
+        "log": {"history": [], "disable_tqdm": True, "strategy": "no"},
+        "strategy": {"name": "single", "device": "cpu"},
+        **({"activation_checkpointing": VARIANTS[variant]} if VARIANTS[variant] else {}),
+    }
+    trainer = Trainer(model, config, train_dataset=[{"input_ids": ids, "labels": ids}] * 4, callbacks=[Clock()])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step()
-    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**10  # KiB -> MiB
-    return {"peak_mib": peak, "step_s": statistics.median(step() for _ in range(3))}
+    trainer.fit()
+    times = [later[0] - earlier[0] for earlier, later in zip(marks, marks[1:])]
+    return {"peak_mib": (marks[0][1] - before) / 2**10, "step_s": statistics.median(times)}  # KiB -> MiB
 
 
 def main() -> None:

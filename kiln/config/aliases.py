@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kiln.config import hf_args, hf_rewrites, trl_packing
+from kiln.config.activation_checkpointing import hf_kwargs
 from kiln.utils.truthy import truthy
 
 # flat HF name -> dotted path in TrainingConfig
@@ -21,7 +22,6 @@ PATHS: dict[str, str] = {
     "gradient_accumulation_steps": "train.gradient_accumulation_steps",
     "max_grad_norm": "train.max_grad_norm",
     "gradient_checkpointing": "train.gradient_checkpointing",
-    "gradient_checkpointing_kwargs": "train.gradient_checkpointing_kwargs",
     "torch_compile": "train.torch_compile",
     "torch_compile_backend": "train.torch_compile_backend",
     "torch_compile_mode": "train.torch_compile_mode",
@@ -142,8 +142,12 @@ IGNORED = {
 # and the alternative when switched on.
 UNSUPPORTED = {
     "use_ipex": "use bf16 and torch_compile for the CPU speed-ups instead of Intel Extension for PyTorch",
-    "use_liger_kernel": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
-    "liger_kernel_config": "use torch_compile, which fuses the same layers, instead of Liger Triton kernels",
+    **{
+        name: "Liger's Triton kernels need the liger-kernel package and a CUDA GPU, and kiln does not apply them; for "
+        "the loss without the full logits use train.loss: {chunked: true} (kiln's chunked loss, on any device, "
+        "also the CPU), and torch_compile to fuse the other layers"
+        for name in ("use_liger_kernel", "liger_kernel_config")
+    },
     "past_index": "transformers 5 removed it with the TransformerXL-style models that read `mems`; drop past_index",
     "use_legacy_prediction_loop": "there is one prediction loop; drop use_legacy_prediction_loop",
     "sharded_ddp": "FairScale sharded DDP is gone from HF too; use strategy: fsdp or deepspeed",
@@ -251,7 +255,7 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     "push_to_hub": _push_to_hub,
     # transformers 5 names whose values need translating (kiln.config.hf_args, kiln.config.hf_rewrites)
     "activation_checkpointing": _flag("train.gradient_checkpointing", True),
-    "activation_checkpointing_kwargs": hf_args.activation_checkpointing_kwargs,
+    **{name: hf_kwargs(name) for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")},
     "warmup_steps": hf_args.warmup_steps,
     "lr_scheduler_kwargs": hf_args.scheduler_kwargs,
     "include_num_input_tokens_seen": hf_args.tokens_seen,

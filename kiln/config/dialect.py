@@ -39,6 +39,8 @@ def _hf_name(key: str, value: Any) -> bool:
         return True
     if key == "optim":  # HF's optimizer name; kiln's `optim:` group is a mapping
         return isinstance(value, str)
+    if key == "activation_checkpointing":  # HF 5's switch; kiln's section is a mapping
+        return not isinstance(value, Mapping)
     return aliases.is_alias(key)
 
 

@@ -8,7 +8,6 @@ than a path (`warmup_steps` as a ratio, `include_num_input_tokens_seen: "no"`, .
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 # accelerate's AcceleratorConfig defaults, which kiln's own dataloaders and process group behave as
@@ -73,18 +72,3 @@ def tokens_seen(value: Any) -> dict[str, Any]:
             raise ValueError(f"include_num_input_tokens_seen must be 'no', 'all' or a boolean, got {value!r}.")
         return {"train.include_num_input_tokens_seen": word in ("all", "true")}
     return {"train.include_num_input_tokens_seen": bool(value)}
-
-
-def activation_checkpointing_kwargs(value: Any) -> dict[str, Any]:
-    """HF 5's name for gradient_checkpointing_kwargs; its every_n_layers / offload have no kiln equivalent."""
-    if not value:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"activation_checkpointing_kwargs must be a mapping, got {value!r}.")
-    extra = sorted(set(value) & {"every_n_layers", "offload"})
-    if extra:
-        raise ValueError(
-            f"activation_checkpointing_kwargs {', '.join(extra)} is not supported by kiln (every layer "
-            "is checkpointed, on the device); drop it."
-        )
-    return {"train.gradient_checkpointing_kwargs": dict(value)}

@@ -77,6 +77,8 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
             if head not in groups:
                 raise _unknown(key)
             _set_path(tree, key, value)
+        elif key in groups and aliases.is_alias(key) and not isinstance(value, Mapping):
+            _set_alias(tree, aliased, picks, key, value)  # HF's `activation_checkpointing: true`, not the section
         elif key in groups and isinstance(value, Mapping):
             for sub_key, sub_value in value.items():
                 _set_path(tree, f"{key}.{sub_key}", sub_value)
@@ -91,15 +93,7 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
         elif key in groups:
             _set_path(tree, key, value)
         elif aliases.is_alias(key):
-            try:
-                rewritten = aliases.rewrite(key, value)
-                for path, v in rewritten.items():
-                    _check_conflict(tree, aliased, path, key, value, v)
-                    _set_path(tree, path, v)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
-            if rewritten and key in conflicts.HF_STRATEGY_ARGS:
-                picks.append((key, value))
+            _set_alias(tree, aliased, picks, key, value)
         else:
             raise _unknown(key)
     conflicts.settle_strategy(tree, explicit, picks)  # `strategy: ddp` with `deepspeed: ...` is refused
@@ -124,6 +118,21 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(tree.get("log", {}).get("report_to"), str):
         tree["log"]["report_to"] = [tree["log"]["report_to"]]
     return tree
+
+
+def _set_alias(
+    tree: dict[str, Any], aliased: dict[str, tuple[str, Any]], picks: list[tuple[str, Any]], key: str, value: Any
+) -> None:
+    """Rewrite the HF flat name `key` into the tree (`picks` collects the ones that choose a strategy)."""
+    try:
+        rewritten = aliases.rewrite(key, value)
+        for path, v in rewritten.items():
+            _check_conflict(tree, aliased, path, key, value, v)
+            _set_path(tree, path, v)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if rewritten and key in conflicts.HF_STRATEGY_ARGS:
+        picks.append((key, value))
 
 
 def _precision_word(value: Any) -> Any:

@@ -19,6 +19,20 @@ def opt(default: Any, help: str) -> Any:
 
 
 @dataclass
+class LossConfig:
+    """How the training loss of a Transformers causal LM is computed."""
+
+    chunked: bool = opt(
+        False,
+        "Compute the causal-LM loss from the last hidden state and the LM head chunk_size tokens at a time, inside "
+        "the model's forward, never building the whole [tokens x vocabulary] logits (kiln's alternative to Liger's "
+        "fused loss, on any device); the loss and gradients are the plain loss's. Training steps only: evaluation "
+        "keeps the logits ([fine-tuning](fine-tuning.md#a-loss-without-the-full-logits)).",
+    )
+    chunk_size: int = opt(1024, "Tokens per chunk of the chunked loss (its peak memory is one chunk's logits).")
+
+
+@dataclass
 class TrainConfig:
     """How long to train and how one optimizer step is formed."""
 
@@ -30,8 +44,14 @@ class TrainConfig:
     max_steps: int = opt(-1, "If > 0, the number of optimizer steps; overrides num_train_epochs.")
     gradient_accumulation_steps: int = opt(1, "Micro-batches accumulated into one optimizer step.")
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 disables).")
-    gradient_checkpointing: bool = opt(False, "Call the model's gradient_checkpointing_enable().")
-    gradient_checkpointing_kwargs: Optional[Dict[str, Any]] = opt(None, "Passed to gradient_checkpointing_enable.")
+    gradient_checkpointing: bool = opt(
+        False, "HF's switch (also activation_checkpointing: true): activation_checkpointing with mode full."
+    )
+    gradient_checkpointing_kwargs: Optional[Dict[str, Any]] = opt(
+        None,
+        "HF's checkpointing arguments: use_reentrant false (kiln's checkpointing is non-reentrant) and every_n_layers "
+        "(activation_checkpointing.every); others are refused.",
+    )
     torch_compile: bool = opt(False, "Compile the model with torch.compile.")
     torch_compile_backend: Optional[str] = opt(None, "torch.compile backend; setting it implies torch_compile.")
     torch_compile_mode: Optional[str] = opt(None, "torch.compile mode; setting it implies torch_compile.")
@@ -63,6 +83,7 @@ class TrainConfig:
         "Set the model's config.use_cache (HF's TrainingArguments default is false); unset leaves the model's own.",
     )
     torch_empty_cache_steps: Optional[int] = opt(None, "Empty the accelerator's memory cache every N optimizer steps.")
+    loss: LossConfig = field(default_factory=LossConfig)
     max_nonfinite_steps: Optional[int] = opt(
         None,
         "Stop with an error once the training loss has been nan/inf for this many consecutive optimizer steps "
@@ -499,6 +520,25 @@ class MemorySnapshotConfig:
 
 
 @dataclass
+class ActivationCheckpointingConfig:
+    """Recompute activations in backward instead of keeping them (torchtitan's per-layer and per-op policies),
+    on the model's repeated blocks: its `_no_split_modules` (the FSDP wrap classes under fsdp and
+    model_parallel). Gradients are unchanged ([fine-tuning](fine-tuning.md#activation-checkpointing))."""
+
+    mode: Optional[str] = opt(
+        None,
+        "full: a block keeps only its inputs and backward reruns its forward; selective: a block keeps the outputs "
+        "of `ops` and recomputes the rest; null: off (unless train.gradient_checkpointing, which means full).",
+    )
+    every: int = opt(1, "Checkpoint blocks N, 2N, ... and leave the others alone (1: every block).")
+    ops: Optional[List[str]] = opt(
+        None,
+        "selective: the operators whose outputs are kept (aten.<op>[.<overload>]); unset: torchtitan's list "
+        "(matmuls, attention, max; every second matmul is recomputed).",
+    )
+
+
+@dataclass
 class TrainingConfig:
     """The whole run. Flat Hugging Face TrainingArguments names are accepted too (see kiln.config.aliases)."""
 
@@ -519,6 +559,7 @@ class TrainingConfig:
         "in HF), or 'if_exists': the newest one if there is one, else start fresh (restarted and pre-empted jobs).",
     )
     train: TrainConfig = field(default_factory=TrainConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

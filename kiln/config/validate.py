@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kiln.config.activation_checkpointing import check_section as check_activation_checkpointing
 from kiln.config.compile import check_compile_mode
 from kiln.utils.errors import ConfigError
 
@@ -90,10 +91,22 @@ def validate(cfg: DictConfig) -> None:
     _check_float8(cfg)
     if lg.log_artifacts is not None:
         _choice("log.log_artifacts", str(lg.log_artifacts).lower(), ("false", "end", "checkpoint"))
+    check_activation_checkpointing(cfg)
+    _check_loss(cfg.train)
     _check_names(cfg)
     _check_data_and_debug(cfg)
     _check_best_model(cfg)
     _check_output_dir(cfg.output_dir)
+
+
+def _check_loss(train: Any) -> None:
+    if train.loss.chunk_size < 1:
+        raise ConfigError(f"train.loss.chunk_size is {train.loss.chunk_size}; it must be a positive number of tokens.")
+    if train.loss.chunked and train.label_smoothing_factor:
+        raise ConfigError(
+            "train.loss.chunked cannot smooth labels (label_smoothing_factor smooths the loss of the whole logits); "
+            "drop one of them."
+        )
 
 
 def _check_names(cfg: DictConfig) -> None:

@@ -90,39 +90,29 @@ class Run:
         return self.micro_batch_size * self.accumulation
 
 
-def module_to_set_up(run: Run, config: Any) -> nn.Module:
-    """The module the strategy sets up: a TrainingModule behind its StepDispatcher, with gradient
-    checkpointing enabled first (HF enables it on the model before wrapping)."""
+def module_to_set_up(run: Run, config: Any, strategy: Any) -> nn.Module:
+    """The module the strategy sets up: a TrainingModule behind its StepDispatcher. When the config asks, the
+    chunked loss goes inside the model's forward first (so the strategy's wrapper still calls it), and the
+    repeated blocks are checkpointed (the strategy's `setup_activation_checkpointing`: one path for every
+    strategy, before it casts, splits, compiles or shards the module)."""
     if run.forward_module is None:
         from kiln.engine.model.step_dispatcher import StepDispatcher
 
-        if config.train.gradient_checkpointing:
-            enable_gradient_checkpointing(run.model, config.train.gradient_checkpointing_kwargs)
+        if config.train.loss.chunked:
+            from kiln.engine.model.chunked_loss import use_chunked_loss
+
+            use_chunked_loss(run.model, config.train.loss.chunk_size)
         # facts.training_module is is_training_module(run.model), so the cast only tells mypy what it found
-        run.forward_module = (
-            StepDispatcher(cast("TrainingModule", run.model)) if run.facts.training_module else run.model
-        )
+        module = StepDispatcher(cast("TrainingModule", run.model)) if run.facts.training_module else run.model
+        strategy.setup_activation_checkpointing(module)
+        run.forward_module = module
     return run.forward_module
-
-
-def enable_gradient_checkpointing(model: nn.Module, kwargs: Any) -> None:
-    """HF's call: `activation_checkpointing_enable` (Transformers 5; `gradient_checkpointing_enable` on
-    older models), with no kwargs when none are set, so Transformers' own default applies
-    (`use_reentrant=False`; an empty dict would leave torch's reentrant default). A PeftModel hands
-    the call to its base model, which also calls `enable_input_require_grads()` (for `input_ids`
-    models), so gradients reach the adapters inside checkpointed blocks whose frozen inputs need none."""
-    given = dict(kwargs) if kwargs else None
-    hf: Any = model  # HF methods, found by hasattr (nn.Module.__getattr__ would type them Tensor | Module)
-    if hasattr(hf, "activation_checkpointing_enable"):
-        hf.activation_checkpointing_enable(activation_checkpointing_kwargs=given)
-    elif hasattr(hf, "gradient_checkpointing_enable"):
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=given)
 
 
 def setup_for_eval(run: Run, strategy: Any, config: Any) -> nn.Module:
     """The module set up by the strategy for evaluation (before training: without an optimizer)."""
     if run.stage is None:
-        run.wrapped = compiled(run, strategy.setup(module_to_set_up(run, config)).model, config, strategy)
+        run.wrapped = compiled(run, strategy.setup(module_to_set_up(run, config, strategy)).model, config, strategy)
         run.stage = "eval"
     assert run.wrapped is not None
     return run.wrapped
@@ -142,7 +132,7 @@ def setup_for_training(
     if run.stage != "train":
         schedule = (lambda optimizer: create_scheduler(max_steps, optimizer)) if max_steps is not None else None
         setup = strategy.setup(
-            module_to_set_up(run, config), lambda _model: create_optimizer(), schedule, max_steps=max_steps
+            module_to_set_up(run, config, strategy), lambda _model: create_optimizer(), schedule, max_steps=max_steps
         )
         run.wrapped, run.optimizer = compiled(run, setup.model, config, strategy), setup.optimizer
         compile_optimizer_step(run.optimizer, strategy, config.train)

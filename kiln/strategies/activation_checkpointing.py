@@ -10,20 +10,25 @@
 
 Checkpointing changes which activations live, never a value: gradients equal the un-checkpointed run's.
 The forward is replaced on the instance (non-reentrant torch.utils.checkpoint), so parameter names and
-state-dict keys stay the user's. Strategies apply it after tensor parallelism and before compilation and
-`fully_shard` (torchtitan's order), so a recomputed forward runs the block's split layers and FSDP's
-hooks stay outside it.
+state-dict keys stay the user's. One code path for every strategy: the engine calls the strategy's
+`setup_activation_checkpointing` on the module it is about to set up, before the strategy casts, splits
+(tensor parallelism), compiles or shards it. Tensor parallelism and `fully_shard` act on the block's
+submodules and through module hooks, which `Module.__call__` runs outside the replaced forward, so the
+result is torchtitan's order (TP, checkpointing, compile, fully_shard): a recomputed forward runs the
+block's split layers and FSDP's hooks stay outside it; per-block compilation wraps the checkpointed forward.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from kiln.config.activation_checkpointing import check
 from kiln.utils.errors import ConfigError
 
 #: torchtitan's save list, with the CPU and cuDNN attention kernels of the same op
@@ -37,7 +42,6 @@ DEFAULT_SAVED_OPS = (
     "aten._scaled_mm.default",
     "aten.max.default",
 )
-MODES = ("full", "selective")
 
 
 def resolve_op(name: str) -> Any:
@@ -100,20 +104,15 @@ def apply_activation_checkpointing(
     """Checkpoint blocks `every`, 2x`every`, ... of `blocks` in `mode`; returns the checkpointed blocks."""
     from torch.utils.checkpoint import checkpoint
 
-    if mode not in MODES:
-        raise ConfigError(f"activation_checkpointing.mode is {mode!r}; use full or selective.")
-    if every < 1:
-        raise ConfigError(f"activation_checkpointing.every is {every}; use 1 for every block, N for every N-th.")
-    if ops is not None and mode != "selective":
-        raise ConfigError(
-            "activation_checkpointing.ops chooses what selective checkpointing keeps; set mode: selective "
-            "or remove ops."
-        )
+    check(mode, every, ops)
     extra: dict[str, Any] = {}
     if mode == "selective":
         extra["context_fn"] = _selective_context(frozenset(resolve_op(n) for n in (ops or DEFAULT_SAVED_OPS)))
     chosen = [block for i, block in enumerate(blocks) if (i + 1) % every == 0]
     for block in chosen:
+        if getattr(block, "_kiln_checkpointed", False):  # set up before (a second fit on the same model)
+            continue
+        block._kiln_checkpointed = True  # type: ignore[assignment]
         inner = block.forward
 
         @functools.wraps(inner)
@@ -124,3 +123,68 @@ def apply_activation_checkpointing(
 
         block.forward = forward
     return chosen
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the config asks for: `mode` (full or selective), `every`, `ops`."""
+
+    mode: str
+    every: int = 1
+    ops: tuple[str, ...] | None = None
+
+
+def policy(config: Any, strategy_flag: bool = False) -> Policy | None:
+    """The run's checkpointing from the `activation_checkpointing` section; HF's `gradient_checkpointing`
+    (and a mesh strategy's own `activation_checkpointing: true`, `strategy_flag`) mean mode full. None: off."""
+    if config is None:
+        return None
+    section = config.activation_checkpointing
+    mode = section.mode
+    if mode is None and (config.train.gradient_checkpointing or strategy_flag):
+        mode = "full"
+    if mode is None:
+        if section.every != 1 or section.ops is not None:
+            raise ConfigError(
+                "activation_checkpointing.every / ops are set but activation_checkpointing.mode is not; set mode: "
+                "full or selective."
+            )
+        return None
+    ops = tuple(section.ops) if section.ops is not None else None
+    return Policy(str(mode), int(section.every), ops)
+
+
+def _is_hf_layer(module: nn.Module) -> bool:
+    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
+
+
+def find_blocks(
+    module: nn.Module, names: list[str] | None = None, min_num_params: int | None = None
+) -> list[nn.Module]:
+    """The blocks to checkpoint, in model order: FSDP's wrap policy (`names`, `min_num_params`, or the
+    model's `_no_split_modules`); when neither is given and the root has no `_no_split_modules` (a
+    TrainingModule holding a Transformers model), the innermost model inside that has them, else
+    Transformers' own checkpointable layers (GradientCheckpointingLayer)."""
+    from kiln.strategies.wrap_policy import blocks_to_wrap
+
+    blocks = blocks_to_wrap(module, names, min_num_params)
+    if not blocks and names is None and not min_num_params:
+        inner = next((m for m in module.modules() if getattr(m, "_no_split_modules", None)), None)
+        blocks = blocks_to_wrap(inner, None, None) if inner is not None else []
+        if not blocks:
+            blocks = [m for m in module.modules() if _is_hf_layer(m)]
+    order = {id(m): i for i, m in enumerate(module.modules())}
+    return sorted(blocks, key=lambda m: order[id(m)])
+
+
+def checkpoint_model(module: nn.Module, chosen: Policy | None, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """Checkpoint `blocks` of `module` as `chosen` says (nothing when it is None); returns the checkpointed blocks."""
+    if chosen is None:
+        return []
+    if not blocks:
+        raise ConfigError(
+            f"activation_checkpointing has no blocks to checkpoint in {type(module).__name__}: give the model "
+            "class a _no_split_modules list naming its repeated block classes (as Transformers models have), or "
+            "name them with strategy.wrap under fsdp / model_parallel."
+        )
+    return apply_activation_checkpointing(blocks, chosen.mode, chosen.every, chosen.ops)

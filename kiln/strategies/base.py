@@ -239,6 +239,15 @@ class Strategy:
         scheduler = scheduler_factory(optimizer) if scheduler_factory is not None else None
         return Setup(model, optimizer, scheduler)
 
+    def setup_activation_checkpointing(self, module: nn.Module) -> list[nn.Module]:
+        """Checkpoint the repeated blocks of `module` as the config's `activation_checkpointing` says, before
+        `setup` (kiln.strategies.activation_checkpointing); returns the checkpointed blocks. A strategy that
+        wraps blocks of its own (FSDP units) checkpoints the same blocks."""
+        from kiln.strategies.activation_checkpointing import checkpoint_model, find_blocks, policy
+
+        chosen = policy(self.config)
+        return checkpoint_model(module, chosen, find_blocks(module) if chosen else [])
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move to the device and wrap (DDP, FSDP...). Returns the module to run forward on."""
         return module.to(self.root_device)

@@ -4,6 +4,7 @@ kiln config; transformers-5 keys load, on-by-user features kiln lacks are refuse
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -85,6 +86,47 @@ def test_activation_checkpointing_and_activation_checkpointing_kwargs_mean_gradi
     assert cfg.train.gradient_checkpointing is True
     assert dict(cfg.train.gradient_checkpointing_kwargs) == {"use_reentrant": False}
     assert load_config(_args(tmp_path, activation_checkpointing=False)).train.gradient_checkpointing is False
+
+
+def test_checkpointing_kwargs_every_n_layers_is_the_section_s_every_and_the_rest_is_one_sentence():
+    for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+        cfg = load_config({"gradient_checkpointing": True, name: {"every_n_layers": 3, "use_reentrant": False}})
+        assert cfg.activation_checkpointing.every == 3
+        assert dict(cfg.train.gradient_checkpointing_kwargs) == {"use_reentrant": False}
+    assert load_config({"activation_checkpointing_kwargs": '{"every_n_layers": 2}'}).activation_checkpointing.every == 2
+    for kwargs, words in (  # named by the HF name given
+        ({"use_reentrant": True}, "use_reentrant: true is not supported: kiln checkpoints non-reentrant"),
+        ({"offload": True}, "offload is not supported by kiln (activations stay on the device)"),
+        ({"preserve_rng_state": False}, "preserve_rng_state is not supported by kiln (it takes use_reentrant: false"),
+        ("[1]", "must be a mapping"),
+    ):
+        with pytest.raises(ConfigError, match="^" + re.escape(f"activation_checkpointing_kwargs {words}")):
+            load_config({"gradient_checkpointing": True, "activation_checkpointing_kwargs": kwargs})
+    with pytest.raises(ConfigError, match="every_n_layers is activation_checkpointing.every in kiln"):
+        load_config({"train": {"gradient_checkpointing_kwargs": {"every_n_layers": 2}}})
+
+
+def test_the_section_and_hf_s_switch_side_by_side():
+    from kiln.config.dialect import is_hf_dialect
+
+    assert load_config({"activation_checkpointing": True}).train.gradient_checkpointing is True
+    assert is_hf_dialect({"activation_checkpointing": True}) and not is_hf_dialect({"activation_checkpointing": {}})
+    section = load_config({"activation_checkpointing": {"mode": "selective", "ops": ["aten.mm"]}})
+    assert (section.activation_checkpointing.mode, list(section.activation_checkpointing.ops)) == (
+        "selective",
+        ["aten.mm"],
+    )
+    for cfg, words in (
+        ({"activation_checkpointing": {"mode": "partial"}}, "activation_checkpointing.mode is 'partial'; use full or"),
+        ({"activation_checkpointing": {"mode": "full", "every": 0}}, "activation_checkpointing.every is 0"),
+        ({"activation_checkpointing": {"ops": ["aten.mm"]}}, "set mode: selective or remove ops"),
+        (
+            {"gradient_checkpointing": True, "activation_checkpointing": {"mode": "selective"}},
+            "gradient_checkpointing: true means activation_checkpointing.mode full, but the mode is selective",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load_config(cfg)
 
 
 @pytest.mark.parametrize("value, expected", [(True, True), ("all", True), ("no", False), (False, False)])

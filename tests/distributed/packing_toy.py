@@ -14,8 +14,15 @@ if os.path.dirname(os.path.dirname(HERE)) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from tests.engine.packing import tiny  # noqa: E402
 
+#: the chunked loss and selective activation checkpointing, which change no value (the 2-process run of both
+#: is compared with the 1-process run of neither)
+CHUNKED_AND_CHECKPOINTED = {
+    "train": {"loss": {"chunked": True, "chunk_size": 7}},
+    "activation_checkpointing": {"mode": "selective"},
+}
 
-def train(output_dir: str, world: int, stream: bool = False) -> Any:
+
+def train(output_dir: str, world: int, stream: bool = False, **extra: Any) -> Any:
     from kiln import Trainer
 
     cfg = {
@@ -31,6 +38,7 @@ def train(output_dir: str, world: int, stream: bool = False) -> Any:
         "log": {"history": [], "disable_tqdm": True, "steps": 1},
         "strategy": {"name": "ddp" if world > 1 else "single", "device": "cpu"},
         "data": {"packing": {"strategy": "bfd", "max_length": 24}},
+        **extra,
     }
     examples = tiny.examples("llama", n=24)
     if stream:

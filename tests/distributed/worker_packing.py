@@ -11,8 +11,9 @@ from safetensors.torch import save_file
 
 out = sys.argv[1]
 results, tensors = {}, {}
-for name, stream in (("rows", False), ("stream", True)):
-    trainer = packing_toy.train(os.path.join(out, name), world=2, stream=stream)
+for name, stream in (("rows", False), ("stream", True), ("chunked", False)):
+    extra = packing_toy.CHUNKED_AND_CHECKPOINTED if name == "chunked" else {}
+    trainer = packing_toy.train(os.path.join(out, name), world=2, stream=stream, **extra)
     flat = toy.flat_params(trainer.model)
     every = trainer.strategy.all_gather(flat)
     first = next(iter(trainer.get_train_dataloader()))["input_ids"].tolist()
@@ -20,6 +21,8 @@ for name, stream in (("rows", False), ("stream", True)):
         "ranks_identical": bool((every == every[0]).all()),
         "steps": trainer.state.global_step,
         "first_batches": trainer.strategy.all_gather_object(first),
+        "chunked": hasattr(trainer.model.forward, "_kiln_plain_forward"),
+        "checkpointed": sum(bool(getattr(m, "_kiln_checkpointed", False)) for m in trainer.model.modules()),
     }
     tensors[name] = flat
 if trainer.strategy.global_rank == 0:

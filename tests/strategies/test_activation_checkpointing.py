@@ -97,6 +97,11 @@ def test_every_n_checkpoints_blocks_n_2n_and_leaves_the_forward_without_grad_alo
     chosen = apply_activation_checkpointing(model.model.layers, mode="full", every=2)
     assert chosen == [layers[1], layers[3]]
     assert "forward" in vars(layers[1]) and "forward" not in vars(layers[0])
+    checkpointed = layers[1].forward
+    assert apply_activation_checkpointing(model.model.layers, mode="full", every=2) == chosen  # a second set-up
+    assert layers[1].forward is checkpointed  # is not checkpointed twice
+    third = llama().model.layers
+    assert apply_activation_checkpointing(third, mode="full", every=3) == [third[2]]  # blocks 3, 6, ...: the third
     ids = torch.randint(0, 50, (1, 6))
     with torch.no_grad():
         checkpointed = model(input_ids=ids).logits

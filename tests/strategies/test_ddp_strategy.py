@@ -66,6 +66,8 @@ def test_hf_defaults_for_ddp_options():
     checkpointing = make(gradient_checkpointing=True).ddp_kwargs()
     assert checkpointing["find_unused_parameters"] is False and buffers(checkpointing) is False
     assert not make(gradient_checkpointing=True).choose_unused_on_first_step()
+    section = make(activation_checkpointing={"mode": "selective"})  # the section, as HF's switch
+    assert buffers(section.ddp_kwargs()) is False and not section.choose_unused_on_first_step()
 
 
 def test_explicit_ddp_options_and_the_find_unused_alias():

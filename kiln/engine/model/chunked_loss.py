@@ -13,10 +13,16 @@ the sum differs, so loss and gradients equal the plain loss's to float rounding.
 
 Models whose logits are not `hidden @ lm_head` (a soft-cap, a logit scale) are refused by name: the
 chunked loss would be silently different from theirs.
+
+`use_chunked_loss` puts it inside the model: the Transformers causal LM's `forward` is replaced on the
+instance, so whatever wraps the model (DDP, FSDP, a PeftModel) still calls its own forward, which calls this
+one. A training forward (gradients on, labels given) runs the decoder and the chunked loss and returns the
+loss without logits; any other call (evaluation, prediction, generation) is the model's own forward.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,3 +122,43 @@ def chunked_causal_lm_loss(
         num_items_in_batch=num_items_in_batch,
         shift_labels=shift_labels,
     )
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The outermost Transformers model in `model` with an LM head (a PeftModel's base causal LM, say)."""
+    for module in model.modules():
+        hf: Any = module
+        is_hf = any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+        if is_hf and hasattr(hf, "get_output_embeddings") and hf.get_output_embeddings() is not None:
+            return module
+    raise ConfigError(
+        f"train.loss.chunked needs a Transformers causal LM (a model with an LM head), and {type(model).__name__} "
+        "holds none; unset train.loss.chunked."
+    )
+
+
+#: keyword arguments of a causal LM's forward that only shape its output (the chunked loss returns the loss)
+_OUTPUT_ONLY = ("return_dict", "logits_to_keep", "num_logits_to_keep")
+
+
+def use_chunked_loss(model: nn.Module, chunk_size: int) -> nn.Module:
+    """Make the causal LM inside `model` compute its training loss chunk by chunk (in place); returns it."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    lm = causal_lm(model)
+    lm_parts(lm)  # refuses what it cannot stand in for, before training
+    inner = getattr(lm.forward, "_kiln_plain_forward", lm.forward)  # set up before: wrap the model's own
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        labelled = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        if args or not labelled or not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        items = kwargs.pop("num_items_in_batch", None)
+        inputs = {k: v for k, v in kwargs.items() if k not in _OUTPUT_ONLY}
+        loss = chunked_causal_lm_loss(lm, inputs, chunk_size=chunk_size, num_items_in_batch=items)
+        return CausalLMOutputWithPast(loss=loss)
+
+    forward._kiln_plain_forward = inner  # type: ignore[attr-defined]
+    lm.forward = forward
+    return lm

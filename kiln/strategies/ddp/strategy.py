@@ -7,7 +7,7 @@ Options (HF names in brackets): `strategy.backend` [ddp_backend] (default nccl o
 CPU), `strategy.timeout` [ddp_timeout] seconds before a collective gives up,
 `strategy.find_unused_parameters` and `strategy.broadcast_buffers` [ddp_find_unused_parameters,
 ddp_broadcast_buffers] (unset: find_unused_parameters is chosen on the first step, see ddp_unused.py
-(HF: True); False with gradient checkpointing; the name `ddp_find_unused_parameters_true` forces True), `strategy.bucket_cap_mb` [ddp_bucket_cap_mb],
+(HF: True); False with activation checkpointing; the name `ddp_find_unused_parameters_true` forces True), `strategy.bucket_cap_mb` [ddp_bucket_cap_mb],
 `strategy.static_graph`.
 
 Why the loop's loss weights look the way they do: DDP *averages* gradients over ranks, so the
@@ -73,7 +73,7 @@ class DDPStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for DistributedDataParallel, with Hugging Face's defaults."""
         s = self.config.strategy
-        checkpointing = bool(self.config.train.gradient_checkpointing)
+        checkpointing = self._checkpointing()
         find = s.find_unused_parameters
         if find is None:
             # unset: False, then chosen on the first step (choose_unused_on_first_step); HF's default is True
@@ -102,9 +102,14 @@ class DDPStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl):
         return (
             s.find_unused_parameters is None
             and s.name != "ddp_find_unused_parameters_true"
-            and not self.config.train.gradient_checkpointing
+            and not self._checkpointing()
             and not s.static_graph
         )
+
+    def _checkpointing(self) -> bool:
+        from kiln.strategies.activation_checkpointing import policy
+
+        return policy(self.config) is not None
 
     def _first_step_chooser(self, ddp: nn.parallel.DistributedDataParallel) -> contextlib.AbstractContextManager[Any]:
         from kiln.strategies.ddp.unused_parameters import first_boundary

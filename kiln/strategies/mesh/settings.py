@@ -34,7 +34,8 @@ SHARED = {
     "reshard_after_forward": "free the gathered parameters after forward (default true; fsdp: false for "
     "shard_grad_op and hybrid_shard_zero2)",
     "state_dict_type": "checkpoint format: sharded (torch.distributed.checkpoint, default) or full (safetensors)",
-    "activation_checkpointing": "recompute each wrapped block's activations in backward",
+    "activation_checkpointing": "true: the config's activation_checkpointing section with mode full, on the wrapped "
+    "blocks (an alias; the section also takes selective, every and ops)",
     "forward_prefetch": "all-gather the next block's parameters during the current block's forward",
     "sync_module_states": "broadcast rank 0's parameters and buffers before sharding (default: false for fsdp, "
     "true for model_parallel)",

@@ -88,6 +88,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
     def __init__(self, config: DictConfig, precision: Precision) -> None:
         super().__init__(config, precision)
         self.settings = self.read_settings()
+        self._checkpointed = 0  # blocks setup_activation_checkpointing checkpointed (for the set-up log line)
         self.shape: ParallelDims = self.parallel_dims(self.world_size)
         self._check_settings()
         self.device_mesh: Any = None
@@ -217,8 +218,19 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
             return built_on_rank0(self.global_rank, self.root_device)
         return contextlib.nullcontext()
 
+    def setup_activation_checkpointing(self, module: nn.Module) -> list[nn.Module]:
+        """The config's activation_checkpointing on the blocks FSDP wraps; the strategy's own
+        `activation_checkpointing: true` (HF's fsdp_config key) is an alias of mode full."""
+        from kiln.strategies.activation_checkpointing import checkpoint_model, find_blocks, policy
+
+        s = self.settings
+        chosen = policy(self.config, strategy_flag=s.activation_checkpointing)
+        blocks = find_blocks(module, s.wrap, s.min_num_params) if chosen else []
+        checkpointed = checkpoint_model(module, chosen, blocks)
+        self._checkpointed = len(checkpointed)
+        return checkpointed
+
     def setup_module(self, module: nn.Module) -> nn.Module:
-        from kiln.strategies.activation_checkpointing import apply_activation_checkpointing
         from kiln.strategies.mesh.compile import compile_units
         from kiln.strategies.mesh.context_parallel import check_model
         from kiln.strategies.mesh.fsdp import apply_fsdp
@@ -255,9 +267,8 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
             sync_module_states(module)  # every rank starts from rank 0's weights, whatever seed built them
         what = self._apply_tp(user, loaded_split)
         blocks = blocks_to_wrap(module, s.wrap, s.min_num_params)
-        if s.activation_checkpointing:
-            apply_activation_checkpointing(blocks)
-        # torchtitan's order: TP, activation checkpointing, compile, fully_shard (no blocks: the root's forward)
+        # torchtitan's order: TP, activation checkpointing (done before setup: setup_activation_checkpointing),
+        # compile, fully_shard (no blocks: the root's forward)
         compiled = compile_units(blocks or [module], self.config.train) if self.config is not None else 0
         if dims.fsdp:
             pin = self.accelerator.pin_memory if s.offload_pin_memory is None else s.offload_pin_memory
@@ -279,7 +290,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         extras = [
             f"{len(blocks)} wrapped block(s)",
             *(["CPU offload"] if s.offload else []),
-            *(["activation checkpointing"] if s.activation_checkpointing else []),
+            *([f"{self._checkpointed} checkpointed block(s)"] if self._checkpointed else []),
             *([f"{compiled} compiled forward(s)"] if compiled else []),
         ]
         log.info(

@@ -76,7 +76,12 @@ CASES: dict[str, dict[str, Any]] = {
     "offload": {"strategy": {**FSDP, "offload": True}},
     "min_num_params": {"strategy": {"name": "fsdp", "device": "cpu", "min_num_params": 100}},
     "default_wrap": {"strategy": {"name": "fsdp", "device": "cpu"}},  # _no_split_modules
-    "activation_checkpointing": {"strategy": {**FSDP, "activation_checkpointing": True}},
+    # the config's section (the strategy's own `activation_checkpointing: true` is its alias: tests/strategies/mesh)
+    "activation_checkpointing": {"strategy": FSDP, "activation_checkpointing": {"mode": "selective"}},
+    "ddp_activation_checkpointing": {
+        "strategy": {"name": "ddp", "device": "cpu"},
+        "activation_checkpointing": {"mode": "full"},
+    },
     "forward_prefetch": {"strategy": {**FSDP, "forward_prefetch": True, "sync_module_states": True}},
     "bf16": {"strategy": FSDP, "bf16": True},
     # HF arguments: the flag string and fsdp_config with prefixed keys
@@ -131,5 +136,6 @@ def run_case(name: str, root: str, world: int, **extra: Any) -> tuple[dict[str, 
         "grad_norms": [h["grad_norm"] for h in hist if "grad_norm" in h],
         "precision": type(trainer.precision).__name__,
         "strategy": type(trainer.strategy).__name__,
+        "checkpointed": sum(bool(getattr(m, "_kiln_checkpointed", False)) for m in trainer.model.modules()),
     }
     return result, full_weights(trainer)

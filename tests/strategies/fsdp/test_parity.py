@@ -36,7 +36,7 @@ SAME_AS_DDP = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_parity")
-    torchrun(2, "worker.py", out, "ddp", *SAME_AS_DDP, "bf16", timeout=900)
+    torchrun(2, "worker.py", out, "ddp", *SAME_AS_DDP, "ddp_activation_checkpointing", "bf16", timeout=900)
     results = json.loads((out / "results.json").read_text())
     tensors = load_file(str(out / "tensors.safetensors"))
     by_case: dict = {}
@@ -75,6 +75,20 @@ def test_option_matches_ddp(runs, case):
     _assert_weights(weights[case], weights["ddp"], 1e-5)
     assert results[case]["losses"] == pytest.approx(results["ddp"]["losses"], rel=1e-5)
     assert results[case]["grad_norms"] == pytest.approx(results["ddp"]["grad_norms"], rel=1e-5)
+
+
+def test_activation_checkpointing_section_keeps_ddp_and_fsdp_weights(runs):
+    """The config's activation_checkpointing section on both blocks, under DDP (full) and FSDP (selective)."""
+    results, weights = runs
+    assert results["ddp_activation_checkpointing"]["strategy"] == "DDPStrategy"
+    assert (
+        results["ddp_activation_checkpointing"]["checkpointed"]
+        == results["activation_checkpointing"]["checkpointed"]
+        == 2
+    )
+    assert results["ddp"]["checkpointed"] == 0
+    _assert_weights(weights["ddp_activation_checkpointing"], weights["ddp"], 1e-6)
+    assert results["ddp_activation_checkpointing"]["losses"] == pytest.approx(results["ddp"]["losses"], rel=1e-6)
 
 
 def test_bf16_mixed_precision_trains_close_to_fp32(runs):
