@@ -138,6 +138,9 @@ def test_ray_keeps_kilns_checkpoints_by_its_checkpoint_config_each_with_its_seal
         assert is_complete(str(copy))
 
 
+# CI time (~1.5 min): Ray's launch is the same for every strategy (the DDP tests above cover it), and FSDP's
+# own tests cover FSDP under torchrun
+@pytest.mark.heavy
 def test_fsdp_in_two_ray_workers_trains_like_one_process(ray_fsdp_run, single):
     out, folder = ray_fsdp_run
     assert (folder / "starts").read_text().split() == ["ray:2:0"]

@@ -91,6 +91,9 @@ def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
     _equal(load_file(str(decay / "final.safetensors")), load_file(str(one / "final.safetensors")))
 
 
+# CI time: fsdp is a preset of the mesh strategy, whose one DCP checkpoint IO model_parallel's tests reshard
+# between process counts in the default run (tp 2 -> one process -> tp 2, test_model_parallel.py)
+@pytest.mark.heavy
 def test_sharded_checkpoint_reshards_between_process_counts(tmp_path, uninterrupted):
     from kiln.strategies.mesh.checkpoint_io import ShardedCheckpointIO
 
@@ -111,6 +114,9 @@ def test_sharded_checkpoint_reshards_between_process_counts(tmp_path, uninterrup
     _equal(load_file(str(tmp_path / "1to2" / "final.safetensors")), load_file(str(one / "final.safetensors")), 1e-5)
 
 
+# CI time: tests/strategies/export/test_tied_export.py (every strategy's export of a tied model, both loaders)
+# and tests/checkpoint/test_convert_loadable.py (convert of a sharded checkpoint) cover its halves
+@pytest.mark.heavy
 def test_tied_gpt2_keeps_its_tie_through_training_checkpoint_export_and_convert(tmp_path):
     from transformers import GPT2LMHeadModel
 
