@@ -117,6 +117,8 @@ def test_the_worker_shim_marks_ctrl_c_only_under_kiln_launcher(tmp_path: Path, u
     env = {k: v for k, v in os.environ.items() if k not in (REPORT_DIR, "RANK")}
     if under_launcher:
         env[REPORT_DIR] = str(tmp_path)
+    import signal
+
     out = subprocess.run(
         [sys.executable, "-m", "kiln.launch.worker", str(script)],
         env=env,
@@ -124,5 +126,8 @@ def test_the_worker_shim_marks_ctrl_c_only_under_kiln_launcher(tmp_path: Path, u
         text=True,
         timeout=60,
         check=True,
+        # as a terminal's foreground job starts (a shell's background job, e.g. `pytest &`, ignores SIGINT,
+        # and Python then installs no handler of its own)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     ).stdout.strip()
     assert out == ("_on_sigint" if under_launcher else "default_int_handler")
