@@ -7,33 +7,21 @@ tests/strategies/mesh."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln import Trainer
 from kiln.config import load_config
 from kiln.strategies.activation_checkpointing import Policy, find_blocks, policy
 from kiln.utils.errors import ConfigError
 from tests.helpers import base_config, flat_params
+from tests.strategies.test_activation_checkpointing import Ops
 
 transformers = pytest.importorskip("transformers")
 
 LAYERS = 4
 MM = "aten.mm.default"
-
-
-class Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def llama():  # type: ignore[no-untyped-def]
