@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kiln.config import aliases
+from kiln.config.hf import aliases
 from kiln.config.schema import TrainingConfig
 
 
@@ -79,7 +79,7 @@ def config_markdown() -> str:
     out += ["", "## Hugging Face names", "", "| HF name | kiln key |", "|---|---|"]
     out += [f"| `{k}` | `{v}` |" for k, v in sorted(aliases.PATHS.items())]
     out += [
-        f"| `{k}` | (switches a plugin; see kiln/config/aliases.py) |"
+        f"| `{k}` | (switches a plugin; see kiln/config/hf/aliases.py) |"
         for k in sorted(aliases.REWRITES)
         if k not in aliases.UNSUPPORTED and k not in aliases.NO_EFFECT
     ]

@@ -13,8 +13,11 @@ from typing import Any, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kiln.config import aliases, conflicts, dialect, hf_args, hf_xla, redact, trl_packing
+from kiln.config import conflicts, redact, trl_packing
+from kiln.config.hf import aliases, dialect
+from kiln.config.hf import args as hf_args
 from kiln.config.hf import deepspeed as hf_deepspeed
+from kiln.config.hf import xla as hf_xla
 from kiln.config.remote_dir import place_output_dir
 from kiln.config.schema import StrategyConfig, TrainingConfig
 from kiln.utils.errors import ConfigError

@@ -540,7 +540,7 @@ class ActivationCheckpointingConfig:
 
 @dataclass
 class TrainingConfig:
-    """The whole run. Flat Hugging Face TrainingArguments names are accepted too (see kiln.config.aliases)."""
+    """The whole run. Flat Hugging Face TrainingArguments names are accepted too (see kiln.config.hf.aliases)."""
 
     output_dir: str = opt(
         "tmp_trainer",

@@ -212,7 +212,7 @@ def _typed(config: Any, params: dict[str, Any]) -> dict[str, Any]:
     `tune.uniform` gives a float even for an integer key such as HF's default `seed`."""
     from omegaconf import OmegaConf
 
-    from kiln.config.aliases import PATHS
+    from kiln.config.hf.aliases import PATHS
 
     out = dict(params)
     for key, value in params.items():

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from kiln.config.hf_args import is_training_arguments
+from kiln.config.hf.args import is_training_arguments
 from kiln.engine.arguments import config_or_args, pop_objects
 from kiln.engine.backend import build_backend
 from kiln.engine.callbacks.base import Callback, CallbackHandler

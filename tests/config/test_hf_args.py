@@ -88,7 +88,7 @@ def test_activation_checkpointing_and_activation_checkpointing_kwargs_mean_gradi
     assert load_config(_args(tmp_path, activation_checkpointing=False)).train.gradient_checkpointing is False
 
 
-def test_checkpointing_kwargs_every_n_layers_is_the_section_s_every_and_the_rest_is_one_sentence():
+def test_gradient_checkpointing_kwargs_every_n_layers_is_the_section_s_every_and_the_rest_is_one_sentence():
     for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
         cfg = load_config({"gradient_checkpointing": True, name: {"every_n_layers": 3, "use_reentrant": False}})
         assert cfg.activation_checkpointing.every == 3
@@ -107,7 +107,7 @@ def test_checkpointing_kwargs_every_n_layers_is_the_section_s_every_and_the_rest
 
 
 def test_the_section_and_hf_s_switch_side_by_side():
-    from kiln.config.dialect import is_hf_dialect
+    from kiln.config.hf.dialect import is_hf_dialect
 
     assert load_config({"activation_checkpointing": True}).train.gradient_checkpointing is True
     assert is_hf_dialect({"activation_checkpointing": True}) and not is_hf_dialect({"activation_checkpointing": {}})

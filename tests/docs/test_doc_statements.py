@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from kiln.config import aliases
+from kiln.config.hf import aliases
 from kiln.precision import PRECISIONS
 from tests.docs.blocks import REPO
 

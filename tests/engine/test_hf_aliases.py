@@ -1,5 +1,5 @@
 """Every Hugging Face TrainingArguments name kiln accepts, written out by hand here (HF name -> kiln
-path -> value), NOT read from kiln/config/aliases.py: a test derived from the mapping would agree with
+path -> value), NOT read from kiln/config/hf/aliases.py: a test derived from the mapping would agree with
 a wrong mapping. Each row checks that the loaded config differs from the baseline in exactly that
 path (so a name mapped to a neighbouring key fails), and a few rows are followed through the Trainer
 to their observable effect. The last test only checks that this table misses no alias."""
@@ -237,7 +237,7 @@ def _diff(a: Any, b: Any, prefix: str = "") -> dict[str, Any]:
 
 
 #: `seed` at its default is a name HF shares: with it the baseline is in HF's dialect as the rows are
-#: (kiln.config.dialect: a config of HF's flat names only gets HF's behaviour on nan/inf losses)
+#: (kiln.config.hf.dialect: a config of HF's flat names only gets HF's behaviour on nan/inf losses)
 HF_BASELINE = {"seed": 42}
 
 
@@ -323,7 +323,7 @@ def test_fp16_backend_picks_the_half_precision_backend(tmp_path):
 
 def test_the_table_covers_every_alias():
     """The only use of aliases.py here: every name it accepts must have a hand-written row above."""
-    from kiln.config import aliases
+    from kiln.config.hf import aliases
 
     covered = {row[0] for row in TABLE} | set(IGNORED) | set(REFUSED_WHEN_ON)
     accepted = set(aliases.PATHS) | set(aliases.REWRITES) | set(aliases.IGNORED)

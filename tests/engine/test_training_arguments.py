@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.config import aliases, hf_rewrites, load_config
+from kiln.config import load_config
+from kiln.config.hf import aliases
+from kiln.config.hf import rewrites as hf_rewrites
 from kiln.config.schema import TrainingConfig
 from kiln.utils.errors import ConfigError
 
@@ -50,10 +52,10 @@ def test_every_training_argument_is_mapped_implemented_or_refused(field):
     elif name in aliases.REWRITES:
         kind = "translated"
         tests = [t for t in _test_names() if name in t]
-        assert tests, f"HF's {name!r} is translated by kiln.config.aliases but no test is named after it"
+        assert tests, f"HF's {name!r} is translated by kiln.config.hf.aliases but no test is named after it"
     else:
         pytest.fail(
-            f"transformers.TrainingArguments.{name} is new to kiln: map it in kiln/config/aliases.py, "
+            f"transformers.TrainingArguments.{name} is new to kiln: map it in kiln/config/hf/aliases.py, "
             "implement it (with a test named after it), or refuse it in UNSUPPORTED and docs/migration.md"
         )
     default = _hf_default(field)

@@ -8,4 +8,4 @@ writer read and write kiln's own settings only:
 - training_args.py: kiln's config -> `TrainingArguments` values under HF's names (training_args.bin).
 
 The flat TrainingArguments names of a config (`learning_rate`, `per_device_train_batch_size`, ...) are
-read by kiln.config.aliases, kiln.config.hf_args and kiln.config.hf_rewrites as the config loads."""
+read by kiln.config.hf.aliases, kiln.config.hf.args and kiln.config.hf.rewrites as the config loads."""

@@ -1,7 +1,7 @@
 """kiln's config in Hugging Face's words: the `transformers.TrainingArguments` a run's settings make,
 field by field, with HF's names and HF's defaults for what kiln's config does not hold (written as
 `training_args.bin` by kiln.engine.checkpoint.hf_files). The other direction, TrainingArguments names
-read into kiln's config, is kiln.config.aliases and kiln.config.hf_args.
+read into kiln's config, is kiln.config.hf.aliases and kiln.config.hf.args.
 
 The built object skips `TrainingArguments.__post_init__` on purpose: that method sets up accelerate's
 process state (a process group, the device, environment variables) and validates against this
@@ -17,7 +17,7 @@ import sys
 import typing
 from typing import Any
 
-#: kiln config keys outside kiln.config.aliases.PATHS, with their TrainingArguments names
+#: kiln config keys outside kiln.config.hf.aliases.PATHS, with their TrainingArguments names
 _TOP_LEVEL = {
     "output_dir": "output_dir",
     "run_name": "run_name",
@@ -62,7 +62,7 @@ def training_arguments(config: Any) -> Any:
 def _hf_values(config: Any) -> dict[str, Any]:
     """HF name -> value for every setting of `config` that has a TrainingArguments field; values read
     from the environment (`${oc.env:...}`) appear masked, as in config.yaml."""
-    from kiln.config.aliases import PATHS
+    from kiln.config.hf.aliases import PATHS
     from kiln.config.redact import config_for_saving, select
 
     # plain containers, read without OmegaConf: it would resolve the masks' `${oc.env:...}` again

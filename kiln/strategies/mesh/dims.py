@@ -22,7 +22,7 @@ and sharding over them costs nothing more (FSDP gathers each unit over that axis
 
 `model_parallel` writes it as `mesh: {dp_replicate: 1, dp_shard: 2, tp: 2}` (missing axes are 1 and
 one axis may be -1, the rest of the world); HF's `parallelism_config` (accelerate's ParallelismConfig,
-or a mapping with its `*_size` keys) becomes the same mapping (kiln.config.hf_rewrites.parallelism_config);
+or a mapping with its `*_size` keys) becomes the same mapping (kiln.config.hf.rewrites.parallelism_config);
 `fsdp` derives it from its sharding option (kiln/strategies/fsdp/strategy.py)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 - kiln-native: `strategy: {name: xla_fsdp, wrapper: spmd, wrap: [Block], activation_checkpointing: true}`
 - HF: `fsdp: full_shard` + `fsdp_config: {xla: true, xla_fsdp_v2: ..., xla_fsdp_settings: {...},
   xla_fsdp_grad_ckpt: ..., transformer_layer_cls_to_wrap: [...], min_num_params: N}`
-  (kiln.config.hf_xla routes that pair here).
+  (kiln.config.hf.xla routes that pair here).
 
 `wrapper`: `spmd` (default; HF `xla_fsdp_v2: true`) is SPMD FSDPv2, one process over every device;
 `classic` (HF `xla_fsdp_v2: false`) is torch_xla's XlaFullyShardedDataParallel, one process per

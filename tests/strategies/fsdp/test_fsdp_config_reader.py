@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kiln.config.hf.fsdp import SHARDING, read_fsdp_config, sharding_name
-from kiln.config.hf_xla import route_xla_fsdp
+from kiln.config.hf.xla import route_xla_fsdp
 from kiln.strategies.fsdp.options import resolve as resolve_fsdp
 from kiln.strategies.xla.fsdp_options import resolve as resolve_xla
 from kiln.utils.errors import ConfigError

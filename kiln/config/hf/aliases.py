@@ -10,8 +10,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kiln.config import hf_args, hf_rewrites, trl_packing
+from kiln.config import trl_packing
 from kiln.config.activation_checkpointing import hf_kwargs
+from kiln.config.hf import args as hf_args
+from kiln.config.hf import rewrites as hf_rewrites
 from kiln.utils.truthy import truthy
 
 # flat HF name -> dotted path in TrainingConfig
@@ -253,7 +255,7 @@ REWRITES: dict[str, Callable[[Any], dict[str, Any]]] = {
     ),
     "report_to": _report_to,
     "push_to_hub": _push_to_hub,
-    # transformers 5 names whose values need translating (kiln.config.hf_args, kiln.config.hf_rewrites)
+    # transformers 5 names whose values need translating (kiln.config.hf.args, kiln.config.hf.rewrites)
     "activation_checkpointing": _flag("train.gradient_checkpointing", True),
     **{name: hf_kwargs(name) for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")},
     "warmup_steps": hf_args.warmup_steps,

@@ -2,7 +2,7 @@
 and the keys transformers 5 added to `TrainingArguments().to_dict()` (a JSON dump of one loads too).
 
 The object is recognised by its class name and module, so transformers is imported only when a user
-hands one over. Its `to_dict()` is the same flat-name mapping that `kiln.config.aliases` already
+hands one over. Its `to_dict()` is the same flat-name mapping that `kiln.config.hf.aliases` already
 rewrites into the tree; the functions here translate the transformers-5 keys whose values need more
 than a path (`warmup_steps` as a ratio, `include_num_input_tokens_seen: "no"`, ...)."""
 

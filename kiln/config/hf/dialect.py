@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kiln.config import aliases
+from kiln.config.hf import aliases
 
 #: setting -> (kiln's default, HF's behaviour), for the settings left unset (None in the schema)
 DEFAULTS: dict[str, tuple[Any, Any]] = {
