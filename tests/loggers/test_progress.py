@@ -52,6 +52,20 @@ def test_a_terminal_gets_a_bar_with_loss_and_lr():
     assert "eval" in text  # the evaluation bar
 
 
+def test_the_bar_shows_loss_lr_throughput_and_mfu_after_its_counter():
+    stream = io.StringIO()
+    callback = ProgressCallback(file=stream, interactive=True)
+    state, control = TrainerState(max_steps=10), TrainerControl()
+    callback.on_train_begin(None, state, control)
+    state.global_step = 5
+    logs = {"loss": 0.25, "learning_rate": 1e-3, "train_tokens_per_second": 1234.5, "mfu": 0.4125, "epoch": 0.5}
+    callback.on_log(None, state, control, logs=logs)
+    assert callback.bar.postfix == "loss=0.25, lr=0.001, tok/s=1234, mfu=0.4125"
+    callback.on_log(None, state, control, logs={"loss": 0.5, "learning_rate": 1e-3})  # no model FLOPs known
+    assert callback.bar.postfix == "loss=0.5, lr=0.001"
+    callback.on_train_end(None, state, control)
+
+
 def test_the_bar_redraws_at_most_every_refresh_interval_not_every_step():
     stream = io.StringIO()
     callback = ProgressCallback(file=stream, interactive=True)

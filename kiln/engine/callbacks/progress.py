@@ -29,7 +29,15 @@ if TYPE_CHECKING:
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
 
 #: log keys shown on the bar itself; the full dict is written above it
-POSTFIX = ("loss", "learning_rate", "eval_loss")
+#: the logged keys the bar shows after its counter, under these labels (throughput and MFU come with every
+#: logging step where the model's tokens and FLOPs are known: kiln/engine/loop/throughput.py)
+POSTFIX = {
+    "loss": "loss",
+    "learning_rate": "lr",
+    "eval_loss": "eval_loss",
+    "train_tokens_per_second": "tok/s",
+    "mfu": "mfu",
+}
 #: the bar redraws at most this often (seconds); a step only adds to a counter and reads the clock
 REFRESH_S = 0.1
 
@@ -146,7 +154,7 @@ class ProgressCallback(Callback):
             self._setup()
         logs = kw.get("logs") or {}
         if self.bar is not None:
-            shown = {k: _value(logs[k]) for k in POSTFIX if k in logs}
+            shown = {label: _value(logs[k]) for k, label in POSTFIX.items() if k in logs}
             if shown:
                 self.bar.set_postfix(shown, refresh=False)
             self.bar.write(format_logs(logs), file=self._stream)
