@@ -74,7 +74,7 @@ def test_strategy_mapping_keeps_unknown_keys_as_options():
         ({"optim": "adamw_turbo"}, "Unknown optimizer 'adamw_turbo' in `optim.name`"),
         ({"lr_scheduler_type": "cosin"}, "Did you mean 'cosine'?"),
         ({"strategy": "dpp"}, "Unknown strategy 'dpp' in `strategy.name`. Did you mean 'ddp'?"),
-        ({"precision": "fp8"}, "Unknown precision plugin 'fp8'"),
+        ({"precision": "fp7"}, "Unknown precision plugin 'fp7'"),
         ({"eval_strategy": "sometimes"}, "'eval.strategy' is 'sometimes'; choose one of no, steps, epoch"),
         ({"gradient_accumulation_steps": 0}, "'train.gradient_accumulation_steps' must be > 0"),
         ({"logging_steps": 2.5}, "'log.steps' must be an integer >= 1 or a ratio in (0, 1)"),

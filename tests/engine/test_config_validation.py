@@ -50,7 +50,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"optim": "adamw_turbo"}, "Unknown optimizer 'adamw_turbo'"),
     ({"lr_scheduler_type": "zigzag"}, "Unknown lr scheduler 'zigzag'"),
     ({"strategy": "mesh"}, "Unknown strategy 'mesh'"),
-    ({"precision": "fp8"}, "Unknown precision plugin 'fp8'"),
+    ({"precision": "fp7"}, "Unknown precision plugin 'fp7'"),
     ({"report_to": ["tensorbord"]}, "Unknown logger 'tensorbord'"),
     ({"log": {"history": ["xml"]}}, "Unknown logger 'xml'"),
     (
