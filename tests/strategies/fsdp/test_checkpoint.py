@@ -69,8 +69,10 @@ def test_a_full_checkpoint_of_a_tensor_parallel_mesh_holds_whole_weights_and_res
     _equal(load_file(str(second / "final.safetensors")), load_file(str(first / "final.safetensors")))
 
 
-# the layout translation is shared by both kinds; full runs with -m heavy (CI time)
-@pytest.mark.parametrize("kind", ["sharded", pytest.param("full", marks=pytest.mark.heavy)])
+# CI time: the layout translation (kiln.utils.param_groups) is shared by every format and tested in one process
+# (tests/checkpoint/test_param_group_layout.py), the sharded load path by test_resume_is_exact[sharded]
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_checkpoints_resume_across_param_group_layouts(tmp_path, kind):
     """kiln.utils.param_groups: older kiln kept one optimizer group without weight decay; today's two (HF's)."""
     one, two, decay = tmp_path / "one_group", tmp_path / "two_groups", tmp_path / "decay"
