@@ -66,6 +66,15 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         ranks = self.shape.stage_ranks
         return (self.shape.pp - 1) * ranks + self.global_rank % ranks
 
+    def eval_cast_context(self, module: nn.Module, dtype: torch.dtype | None) -> Any:
+        """Evaluation runs the whole model, which no rank holds under pp: a forward of one stage's layers
+        would give wrong predictions, so evaluate and predict are refused (config load refuses evaluation
+        during training; this catches `trainer.evaluate()` / `trainer.predict()` called by hand)."""
+        raise KilnError(
+            "evaluate and predict do not run under the pipeline axis yet (each rank holds one stage of the model); "
+            "convert a checkpoint with `kiln convert` and evaluate or predict it on one process."
+        )
+
     # -- set-up -----------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.pipelining import PipelineStage

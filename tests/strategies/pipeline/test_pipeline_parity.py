@@ -45,6 +45,11 @@ def worker(out: str) -> None:
         losses, state, trainer = train(os.path.join(out, schedule), pp(schedule), teardown=False, save=save)
         results[schedule] = {"losses": losses, "state": state}
         results[f"{schedule} export"] = trainer.strategy.model_state_for_export(trainer.model)  # {} off rank 0
+    try:  # a stage's layers alone would predict garbage
+        trainer.predict(data())
+        results["predict"] = ""
+    except KilnError as err:
+        results["predict"] = str(err)
 
     class OwnLoss(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
@@ -101,6 +106,7 @@ def test_pipeline_stages_equal_single_and_resume_on_one_process(tmp_path):
             torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=f"{schedule} export: {name}")
     for rank in ranks:
         assert "OwnLoss.compute_loss" in rank["refused"] and "loss_function" in rank["refused"]
+        assert rank["predict"].startswith("evaluate and predict do not run under the pipeline axis yet")
 
     # checkpoint-2 of the 1f1b run: its two stages are one model, which one process resumes
     checkpoint = tmp_path / "1f1b" / "checkpoint-2"
