@@ -7,6 +7,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # oversubscribed intra-op threads spin and slow everything down.
 os.environ.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 
+from tests import schedule  # noqa: E402
 from tests.jit_ops import use_own_extensions_dir  # noqa: E402
 
 # DeepSpeed's CPU-Adam op is JIT-built into a folder of this environment's own, inherited by every process
@@ -65,6 +66,8 @@ def pytest_configure(config):
     that seeds torch, but loading it imports DeepSpeed, and with it mlflow, pandas and scipy, into every
     test process: seconds of start-up, and modules a test may not expect to be there. Its torch seeding
     is kept (each test then starts from the same torch RNG in any order), without the imports."""
+    if hasattr(config.option, "loadscopereorder"):  # xdist: hand out the files in collection order
+        config.option.loadscopereorder = False
     try:
         import pytest_randomly
     except ImportError:
@@ -98,10 +101,24 @@ _SHARED_GROUPS = {
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def group_of_path(path: str) -> str:
+    """The xdist group of a test file, by its path relative to the repository."""
+    return _SHARED_GROUPS.get(path, path)
+
+
+def _group_of(item) -> str:
+    return group_of_path(os.path.relpath(str(item.path), _ROOT).replace(os.sep, "/"))
+
+
 def pytest_itemcollected(item):
     """Under `pytest -n 2 --dist loadgroup` a file is the unit handed to a worker (its module-scoped
     fixtures train once), and files that share a session-scoped job go together. Marked as each item
     is collected: xdist reads the mark in its own collection hook, which may run before a conftest's."""
     if item.get_closest_marker("xdist_group") is None:
-        path = os.path.relpath(str(item.path), _ROOT).replace(os.sep, "/")
-        item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(path, path)))
+        item.add_marker(pytest.mark.xdist_group(_group_of(item)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slowest groups first and the XLA suite last (tests/schedule.py says why). It runs after
+    pytest-randomly's shuffle (a wrapper), and xdist is told to keep this order."""
+    schedule.order(items, _group_of, schedule.read_slow_groups())

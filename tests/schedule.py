@@ -1,0 +1,98 @@
+"""The order in which `pytest -n 2 --dist loadgroup` hands test files to its two workers.
+
+xdist gives a worker one file (one xdist group) at a time, in the order the files were collected, and by
+default first re-sorts the files by their number of tests. That put the slow multi-process files, which
+hold few tests each, at the end of the run: the last one started when the other worker had nothing left,
+and the run waited minutes on one core. Here the slowest groups go first, longest first (the greedy
+longest-processing-time rule), the rest keep pytest-randomly's shuffled order, and the XLA suite, which
+runs in an environment that `.ci/run` builds beside the tests, goes last.
+
+`tests/slow_files.txt` lists the slow groups, slowest first. Regenerate it from a full run's durations:
+
+    python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=0 > run.log
+    python -m tests.schedule run.log
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SLOW_FILES = os.path.join(HERE, "slow_files.txt")
+#: groups that run after every other one
+LAST = ("tests/xla/test_xla_env.py",)
+#: a group under this many seconds is not worth placing: it keeps its random place
+MIN_SECONDS = 15.0
+
+_DURATION = re.compile(r"^\s*([0-9.]+)s\s+(?:setup|call|teardown)\s+(\S+)")
+
+
+def read_slow_groups(path: str = SLOW_FILES) -> list[str]:
+    """The listed groups, slowest first (a line is `group  # seconds`; blank lines and comments skipped)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        names = (line.split("#", 1)[0].strip() for line in f)
+        return [name for name in names if name]
+
+
+def rank_of(slow_groups: list[str]) -> Callable[[str], int]:
+    """A sort key over group names: listed groups by their place, then the rest (tied, so a stable sort
+    keeps their shuffled order), then the groups in LAST."""
+    place = {name: i for i, name in enumerate(slow_groups)}
+    rest, last = len(slow_groups), len(slow_groups) + 1
+
+    def rank(group: str) -> int:
+        if group in LAST:
+            return last
+        return place.get(group, rest)
+
+    return rank
+
+
+def order(items: list, group_of: Callable[[object], str], slow_groups: list[str]) -> None:
+    """Sorts `items` in place by their group's rank; stable, so each group's own order is kept."""
+    rank = rank_of(slow_groups)
+    items.sort(key=lambda item: rank(group_of(item)))
+
+
+def group_seconds(lines: Iterable[str], group_of_path: Callable[[str], str]) -> dict[str, float]:
+    """Seconds per group, summed over the set-up, call and teardown lines of a `--durations=0` report.
+    Under xdist a node id ends in `@<group>`; the path before `::` names the file."""
+    totals: dict[str, float] = defaultdict(float)
+    for line in lines:
+        match = _DURATION.match(line)
+        if match:
+            path = match.group(2).split("@", 1)[0].split("::", 1)[0]
+            totals[group_of_path(path)] += float(match.group(1))
+    return dict(totals)
+
+
+def render(totals: dict[str, float]) -> str:
+    slow = sorted(((s, g) for g, s in totals.items() if s >= MIN_SECONDS and g not in LAST), reverse=True)
+    header = "# Slowest xdist groups first (seconds: set-up, calls and teardown summed). Made by tests/schedule.py.\n"
+    return header + "".join(f"{group}  # {seconds:.0f}\n" for seconds, group in slow)
+
+
+def main(argv: list[str]) -> int:
+    from tests.conftest import group_of_path
+
+    if len(argv) != 1:
+        print("usage: python -m tests.schedule DURATIONS_LOG", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as f:
+        totals = group_seconds(f, group_of_path)
+    if not totals:
+        print(f"no durations in {argv[0]}: run pytest with --durations=0", file=sys.stderr)
+        return 1
+    with open(SLOW_FILES, "w", encoding="utf-8") as f:
+        f.write(render(totals))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
