@@ -422,6 +422,11 @@ class Float8Config:
         "Emulate float8 matmuls in high precision (same numbers, no speed-up); required where the hardware "
         "has none (the CPU, GPUs below compute capability 8.9).",
     )
+    fsdp_float8_all_gather: Optional[bool] = opt(
+        None,
+        "Under FSDP, cast each weight shard to float8 before the all-gather (half of bf16's traffic, and the "
+        "weight rounded once, from fp32). tensorwise only; unset: on for tensorwise.",
+    )
 
 
 @dataclass

@@ -132,6 +132,11 @@ def _check_float8(cfg: DictConfig) -> None:
 
     fp8 = cfg.precision.fp8
     _choice("precision.fp8.recipe", fp8.recipe, FLOAT8_RECIPES)
+    if fp8.fsdp_float8_all_gather and fp8.recipe != "tensorwise":
+        raise ConfigError(
+            f"precision.fp8.fsdp_float8_all_gather needs one scale per weight, which recipe {fp8.recipe!r} does "
+            "not have; use recipe: tensorwise, or drop fsdp_float8_all_gather."
+        )
     if cfg.precision.name not in ("fp8", "float8") and OmegaConf.to_container(fp8) != asdict(Float8Config()):
         raise ConfigError(
             f"precision.fp8 is set but precision is {cfg.precision.name!r}; use precision: fp8 to train in float8, "

@@ -52,6 +52,9 @@ class Precision:
     compute_dtype: ClassVar[torch.dtype | None] = None
     #: whether the plugin scales the loss (fp16); a strategy that takes over must then scale too
     uses_grad_scaler: ClassVar[bool] = False
+    #: FSDP2 shards the parameters and casts them (MixedPrecisionPolicy) in place of autocast: set on the
+    #: substitute plugin the mesh strategy trains with, so a plugin can shape what FSDP all-gathers
+    sharded_by_fsdp: ClassVar[bool] = False
 
     #: optimizer steps skipped because of inf/nan gradients (the loop may log it; saved in checkpoints)
     skipped_steps: int = 0

@@ -13,6 +13,10 @@ stay fp32, so checkpoints hold ordinary high-precision weights.
   AMD MI300. Elsewhere, the CPU included, `precision.fp8.emulate: true` must be set: torchao then computes
   the same float8 rounding in high precision (the numbers of a real run, none of its speed), which is what
   the tests run on. Emulation is never chosen silently, since it is slower than bf16.
+- Under FSDP (strategy fsdp, or model_parallel's dp axes) the module trains as torchtitan's does: FSDP's
+  MixedPrecisionPolicy casts to bf16 in place of autocast, and with the tensorwise recipe each weight shard is
+  cast to float8 before the all-gather (`precision.fp8.fsdp_float8_all_gather`, on by default there), so the
+  weight is rounded once from fp32, as on one process, and the all-gather moves half of bf16's bytes.
 
 torchao is an optional dependency (`pip install 'kiln[float8]'`), imported only when this plugin is built."""
 
@@ -114,6 +118,9 @@ class Float8Precision(BF16MixedPrecision):
         self.recipe: str = settings.get("recipe", "tensorwise")
         self.exclude: list[str] = list(settings.get("exclude", ["lm_head"]))
         self.emulate: bool = bool(settings.get("emulate", False))
+        all_gather = settings.get("fsdp_float8_all_gather")
+        self.fsdp_float8_all_gather: bool = self.recipe == "tensorwise" if all_gather is None else bool(all_gather)
+        self._scaled_for_fsdp: nn.Module | None = None  # the module whose float8 weight scales each step precomputes
         if self.backend == "apex":
             raise PrecisionError(
                 "precision 'fp8' cannot use half_precision_backend 'apex': its float8 layers run under torch "
@@ -134,7 +141,12 @@ class Float8Precision(BF16MixedPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Swap the eligible layers for `Float8Linear` in place (the same module is returned); they keep
         their parameters, so the optimizer, checkpoints and exports see the same fp32 tensors."""
-        config = dataclasses.replace(self.float8.Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulate)
+        all_gather = self.fsdp_float8_all_gather and self.sharded_by_fsdp
+        config = dataclasses.replace(
+            self.float8.Float8LinearConfig.from_recipe_name(self.recipe),
+            emulate=self.emulate,
+            enable_fsdp_float8_all_gather=all_gather,
+        )
         names = set(eligible_linears(module, self.exclude))
         module = self.float8.convert_to_float8_training(
             module, module_filter_fn=lambda _, name: name in names, config=config
@@ -143,10 +155,23 @@ class Float8Precision(BF16MixedPrecision):
             if name in names:
                 child.register_forward_pre_hook(cast_input_like_autocast)
         self.converted = sorted(names)
+        self._scaled_for_fsdp = module if all_gather and names else None
         log.info(
-            "precision 'fp8' (%s%s): %d linear layers in float8, the rest under bf16 autocast.",
+            "precision 'fp8' (%s%s): %d linear layers in float8%s, the rest in bf16.",
             self.recipe,
             ", emulated" if self.emulate else "",
             len(names),
+            ", all-gathered by FSDP in float8" if all_gather else "",
         )
         return module
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """After the step, the float8 all-gather's weight scales for the next forward, in one all-reduce
+        of every weight's amax (torchtitan's `precompute_float8_dynamic_scale_for_fsdp`), instead of one
+        all-reduce per weight inside the next all-gather. The scales are the same."""
+        stepped = super().optimizer_step(optimizer)
+        if stepped and self._scaled_for_fsdp is not None:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self._scaled_for_fsdp)
+        return stepped

@@ -56,3 +56,19 @@ def batch_size_of(batch: Any) -> int:
             if n:
                 return n
     return 0
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The value a wrapper tensor subclass carries, as a plain tensor. torchao's float8 all-gather keeps each
+    weight as `WeightWithDynamicFloat8CastTensor`, whose data is its first inner tensor (the fp32 weight);
+    such a wrapper has no storage of its own, so a file writer could not read it. A tensor that is not a
+    wrapper, or whose first inner tensor is not of the wrapper's shape and dtype, is returned as it is."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        inner = getattr(t, attrs[0])
+        if inner.shape != t.shape or inner.dtype != t.dtype:
+            break
+        t = inner
+    return t

@@ -93,3 +93,45 @@ def hand_float8_sgd(
         optimizer.step()
         optimizer.zero_grad()
     return model
+
+
+class Float8LossNet(nn.Module):
+    """Float8Regressor's layers as a plain module that returns its loss: what FSDP2 shards at its root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": F.mse_loss(self.net(x).squeeze(-1), y)}
+
+
+def hand_float8_fsdp_sgd(
+    data: list[dict[str, torch.Tensor]], *, steps: int, batch: int, lr: float, seed: int
+) -> nn.Module:
+    """torchtitan's recipe by hand on the one-process group kiln's run left (no kiln in the loop): a
+    Float8LossNet (seed 0) converted with torchao's float8 all-gather for FSDP, `fully_shard` with bf16
+    parameters and fp32 gradient reduction, SGD, and the weight scales precomputed after each step."""
+    import dataclasses
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils.data import default_collate
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+    from kiln.engine.data.loaders import ResumableSampler
+
+    torch.manual_seed(0)
+    model = Float8LossNet()
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True, enable_fsdp_float8_all_gather=True
+    )
+    convert_to_float8_training(model.net, module_filter_fn=lambda _, name: name in ("0", "2"), config=config)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    order = ResumableSampler(len(data), seed=seed, num_replicas=1, rank=0).indices()
+    for step in range(steps):
+        model(**default_collate([data[i] for i in order[step * batch : (step + 1) * batch]]))["loss"].backward()
+        optimizer.step()
+        precompute_float8_dynamic_scale_for_fsdp(model)
+        optimizer.zero_grad()
+    return model

@@ -16,7 +16,15 @@ from kiln import Trainer
 from kiln.config.schema import TrainingConfig
 from kiln.utils.errors import CapabilityError, ConfigError, PrecisionError
 from tests.helpers import base_config, regression_data
-from tests.precision.float8_models import CONVERTED, Float8Regressor, hand_float8_sgd, progressions, tiny_llama
+from tests.precision.float8_models import (
+    CONVERTED,
+    Float8LossNet,
+    Float8Regressor,
+    hand_float8_fsdp_sgd,
+    hand_float8_sgd,
+    progressions,
+    tiny_llama,
+)
 
 float8 = pytest.importorskip("torchao.float8")
 
@@ -195,6 +203,10 @@ def test_amd_gpus_have_float8_from_mi300(monkeypatch, arch, refused):
     [
         ({"name": "fp16", "fp8": {"recipe": "rowwise"}}, "precision.fp8 is set but precision is 'fp16'"),
         ({"name": "fp8", "fp8": {"recipe": "columnwise"}}, "'precision.fp8.recipe' is 'columnwise'; choose one of"),
+        (
+            {"name": "fp8", "fp8": {"recipe": "rowwise", "fsdp_float8_all_gather": True}},
+            "fsdp_float8_all_gather needs one scale per weight, which recipe 'rowwise' does not have",
+        ),
     ],
 )
 def test_settings_that_cannot_apply_are_refused(tmp_path, precision, match):
@@ -221,8 +233,6 @@ def test_apex_backend_is_refused(make_config):
 @pytest.mark.parametrize(
     ("strategy", "match"),
     [
-        ("fsdp", "FSDP2's float8 all-gather"),
-        ("model_parallel", "float8 tensor parallelism"),
         ("deepspeed", "DeepSpeed's engine casts the model"),
         ("xla", "not XLA devices"),
     ],
@@ -235,3 +245,74 @@ def test_strategies_without_float8_refuse_it(strategy, match):
     device = torch.device("xla" if strategy == "xla" else "cpu")
     with pytest.raises(CapabilityError, match=match):
         check_compatible(strategy, cls.capabilities, precision="fp8", device=device)
+
+
+def _fsdp_fp8_fit(tmp_path, data, **fp8):
+    cfg = base_config(
+        tmp_path,
+        precision={"name": "fp8", "fp8": {"emulate": True, **fp8}},
+        strategy="fsdp",
+        optim={"name": "sgd"},
+        max_grad_norm=0.0,
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=8,
+        max_steps=4,
+        seed=3,
+    )
+    torch.manual_seed(0)
+    trainer = Trainer(Float8LossNet(), cfg, train_dataset=data)
+    trainer.fit()
+    weights = {k: v.full_tensor().detach().clone() for k, v in trainer.model.state_dict().items()}
+    locals_ = {type(p.to_local()).__name__ for p in trainer.model.net[0].parameters()}
+    return weights, locals_
+
+
+def test_under_fsdp_weights_are_all_gathered_in_float8_and_train_as_torchtitan_by_hand_bitwise(tmp_path):
+    data = regression_data(64, d_in=16)
+    gathered, kinds = _fsdp_fp8_fit(tmp_path / "on", data)
+    assert "WeightWithDynamicFloat8CastTensor" in kinds  # the float8 all-gather is on by default (tensorwise)
+    reference = hand_float8_fsdp_sgd(data, steps=4, batch=8, lr=0.05, seed=3)
+    for name, want in reference.state_dict().items():
+        assert torch.equal(gathered[name], want.full_tensor()), name
+    plain, kinds = _fsdp_fp8_fit(tmp_path / "off", data, fsdp_float8_all_gather=False)
+    assert kinds == {"Tensor"}
+    # off, each weight goes fp32 -> bf16 (FSDP's cast) -> float8: rounded twice, so the run differs
+    assert not torch.equal(plain["net.0.weight"], gathered["net.0.weight"])
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_under_fsdp_checkpoints_resume_bitwise_and_convert_to_plain_weights(tmp_path, state_dict_type):
+    import transformers
+
+    from kiln.engine.checkpoint.convert import convert_checkpoint
+
+    save, fsdp = {"strategy": "steps", "steps": 3}, {"name": "fsdp", "state_dict_type": state_dict_type}
+    whole = llama_fit(tmp_path / "whole", EMULATED, steps=6, save=save, strategy=fsdp)
+    resume = str(tmp_path / "whole/out/checkpoint-3")
+    resumed = llama_fit(
+        tmp_path / "resumed", EMULATED, steps=6, save=save, strategy=fsdp, resume_from_checkpoint=resume
+    )
+    trained = {k: v.full_tensor() for k, v in whole.model.state_dict().items()}
+    for name, tensor in resumed.model.state_dict().items():
+        assert torch.equal(tensor.full_tensor(), trained[name]), name
+    assert losses(resumed) == losses(whole)
+    convert_checkpoint(str(tmp_path / "whole/out/checkpoint-6"), str(tmp_path / "plain"))
+    plain = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "plain"))
+    assert all(type(m) is nn.Linear for m in plain.modules() if isinstance(m, nn.Linear))
+    for name, tensor in plain.state_dict().items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, trained[name]), name
+
+
+@pytest.mark.parametrize("name", ["fsdp", "model_parallel"])
+def test_a_mesh_that_splits_the_model_is_refused_with_float8(monkeypatch, name):
+    from kiln.config import load_config
+    from kiln.precision import build_precision
+    from kiln.strategies import STRATEGIES
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)  # rank 0 of 2 as torchrun starts it (no group is started here)
+    mesh = {"tp": 2} if name == "fsdp" else {"mesh": {"tp": 2}}
+    config = load_config({"strategy": {"name": name, "device": "cpu", **mesh}, "precision": EMULATED})
+    with pytest.raises(ConfigError, match=r"precision fp8 shards with FSDP's data axes only, and this mesh \(tp 2\)"):
+        STRATEGIES.get(name)(config, build_precision(config))

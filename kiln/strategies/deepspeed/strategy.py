@@ -97,7 +97,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
             "mps": "DeepSpeed has no Apple GPU accelerator",
             "xla": "DeepSpeed does not run on XLA devices",
             "fp8": "DeepSpeed's engine casts the model and runs its own mixed precision, which torchao's float8 "
-            "layers are not wired into; use strategy ddp (or single) with precision: fp8",
+            "layers are not wired into; use strategy fsdp, ddp or single with precision: fp8",
             "apex": "DeepSpeed's engine wraps the optimizer and scales the fp16 loss itself (apex's amp.initialize "
             "would wrap the optimizer a second time); use precision: fp16 or bf16",
         },

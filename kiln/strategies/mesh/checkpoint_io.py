@@ -34,6 +34,7 @@ from kiln.strategies.dcp_files import consolidate, regrouped, saved_group_count
 from kiln.strategies.weights_files import share_tied, tie_groups
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder
+from kiln.utils.tensors import plain_tensor
 
 DCP_DIR = "fsdp_dcp"
 #: the folder model_parallel's checkpoints used before it became a preset of the mesh strategy
@@ -54,6 +55,7 @@ def full_model_state(module: nn.Module, every_rank: bool = False) -> dict[str, t
         state = {k: v.detach().cpu() for k, v in _model_state(module, full_state_dict=True).items()}
     else:
         state = _model_state(module, full_state_dict=True, cpu_offload=True)
+    state = {k: plain_tensor(v) for k, v in state.items()}  # float8 all-gather's weight wrappers
     return share_tied(state, tie_groups(module))
 
 

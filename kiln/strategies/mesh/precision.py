@@ -40,6 +40,7 @@ def mesh_precision(precision: Precision, device: torch.device, fsdp: bool) -> tu
             {
                 "forward_context": lambda self: contextlib.nullcontext(),
                 "eval_context": lambda self: contextlib.nullcontext(),
+                "sharded_by_fsdp": True,
             },
         )
         new = object.__new__(substitute)  # no precision plugin defines __new__

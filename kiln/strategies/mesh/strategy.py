@@ -67,7 +67,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
     name = "mesh"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
-        precisions=frozenset({"fp32", "tf32", "bf16", "fp16", "bf16-true", "fp16-true"}),
+        precisions=frozenset({"fp32", "tf32", "bf16", "fp16", "bf16-true", "fp16-true", "fp8"}),
         auto_batch_size=False,
         full_eval_cast=False,
         user_optimizer=False,
@@ -76,8 +76,6 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
             "mps": "it needs gloo or NCCL collectives and DTensor support, which Apple GPUs do not have "
             "(one MPS device: strategy mps)",
             "xla": "XLA devices shard through XLA's own FSDP and SPMD (use strategy xla_fsdp)",
-            "fp8": "float8 with FSDP2's float8 all-gather or float8 tensor parallelism is not wired in yet; use "
-            "strategy ddp (or single) with precision: fp8",
             "apex": "apex's amp cannot handle FSDP's or tensor parallelism's DTensor parameters; use precision: bf16 "
             "or fp16",
         },
@@ -163,6 +161,12 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
             raise ConfigError(
                 "strategy.cpu_ram_efficient_loading builds the model on rank 0 alone, which tensor "
                 f"parallelism cannot split from (this mesh: {dims.describe()}); drop it, or the tp axis."
+            )
+        if self.precision.name == "fp8" and dims.tp * dims.cp * dims.pp > 1:
+            raise ConfigError(
+                f"precision fp8 shards with FSDP's data axes only, and this mesh ({dims.describe()}) splits the "
+                "model too (float8 tensor, context and pipeline parallelism are not wired in yet); keep the mesh to "
+                "dp_shard / dp_replicate, or use precision: bf16."
             )
         self._check_cp_config()
 
