@@ -264,7 +264,7 @@ def _fsdp_fp8_fit(tmp_path, data, **fp8):
     trainer = Trainer(Float8LossNet(), cfg, train_dataset=data)
     trainer.fit()
     weights = {k: v.full_tensor().detach().clone() for k, v in trainer.model.state_dict().items()}
-    local = trainer.model.net[0].weight.to_local()
+    local = trainer.model.net[0].weight._local_tensor  # to_local() would give a new wrapper, without the scale
     # after each step the next all-gather's scales are precomputed in one all-reduce (the numbers are the same)
     assert (getattr(local, "_precomputed_scale", None) is not None) == (type(local) is not torch.Tensor)
     locals_ = {type(p.to_local()).__name__ for p in trainer.model.net[0].parameters()}
