@@ -43,7 +43,7 @@ _WEIGHTS = ("gate_up_proj", "down_proj")
 _LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "has_post_expert_norm": False}
 
 
-def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+def expert_modules(model: nn.Module) -> dict[str, Any]:
     """name -> the experts module of every MoE layer (transformers' fused 3-D layout)."""
     return {
         name: module
@@ -52,7 +52,7 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def check_experts(model: nn.Module, ep: int) -> dict[str, nn.Module]:
+def check_experts(model: nn.Module, ep: int) -> dict[str, Any]:
     """The model's experts modules, each one that ep cannot shard refused in one sentence."""
     found = expert_modules(model)
     if not found:
@@ -62,7 +62,9 @@ def check_experts(model: nn.Module, ep: int) -> dict[str, nn.Module]:
             "drop ep for a dense model."
         )
     for name, module in found.items():
-        wrong = [f"{flag}={getattr(module, flag)}" for flag, want in _LAYOUT.items() if getattr(module, flag, want) != want]
+        wrong = [
+            f"{flag}={getattr(module, flag)}" for flag, want in _LAYOUT.items() if getattr(module, flag, want) != want
+        ]
         if wrong:
             raise ConfigError(
                 f"{name} ({type(module).__name__}) stores its experts with {', '.join(wrong)}, which kiln's "
@@ -93,7 +95,7 @@ class ExpertShard:
         return self.num_experts // self.ep
 
 
-def shard_experts(modules: dict[str, nn.Module], ep_mesh: Any) -> list[ExpertShard]:
+def shard_experts(modules: dict[str, Any], ep_mesh: Any) -> list[ExpertShard]:
     """Split each module's expert weights over `ep_mesh` (a 1-D DeviceMesh) and give it the
     expert-parallel forward; every rank must hold the same full weights before (the strategy syncs)."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -124,7 +126,9 @@ def take_counts(shards: list[ExpertShard]) -> torch.Tensor:
     return counts
 
 
-def _ep_forward(self: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def _ep_forward(
+    self: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """The experts module's forward under ep (see the module docstring)."""
     shard: ExpertShard = self._kiln_ep
     tokens, k = top_k_index.shape

@@ -76,7 +76,9 @@ def test_expert_parallel_equals_single_and_resumes_on_one_process(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     # the same global batch on one process: micro-batches of 2 x 2
-    want_losses, want, _ = train(str(tmp_path / "single"), {"name": "single", "device": "cpu"}, per_device_train_batch_size=4)
+    want_losses, want, _ = train(
+        str(tmp_path / "single"), {"name": "single", "device": "cpu"}, per_device_train_batch_size=4
+    )
     assert len(want_losses) == 3  # two windows of two micro-batches, then one of one
     got = ranks[0]["ep"]
     assert ranks[1]["ep"]["state"] == {} and sorted(got["state"]) == sorted(want)  # the export gathers to rank 0
@@ -96,7 +98,10 @@ def test_expert_parallel_equals_single_and_resumes_on_one_process(tmp_path):
     assert [x["moe/tokens_per_expert_mean"] for x in balance] == [8 * 10 * 2 / 4, 8 * 10 * 2 / 4, 4 * 10 * 2 / 4]
     for x in balance:
         assert x["moe/tokens_per_expert_min"] <= x["moe/tokens_per_expert_mean"] <= x["moe/tokens_per_expert_max"]
-        assert x["moe/tokens_per_expert_imbalance"] >= x["moe/tokens_per_expert_max"] / x["moe/tokens_per_expert_mean"] - 1e-9
+        assert (
+            x["moe/tokens_per_expert_imbalance"]
+            >= x["moe/tokens_per_expert_max"] / x["moe/tokens_per_expert_mean"] - 1e-9
+        )
 
     aux, ddp = ranks[0]["aux ep"], ranks[0]["aux ddp"]
     torch.testing.assert_close(aux["losses"], ddp["losses"], rtol=1e-5, atol=1e-5)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+
 import pytest
 import torch
 
@@ -57,11 +58,15 @@ def test_models_ep_cannot_split_are_refused():
 
     with pytest.raises(ConfigError, match="LlamaForCausalLM has no experts module with fused 3-D expert weights"):
         check_experts(llama(), 2)
-    with pytest.raises(ConfigError, match="model.layers.0.mlp.experts has 4 experts, which do not split evenly over ep 3"):
+    with pytest.raises(
+        ConfigError, match="model.layers.0.mlp.experts has 4 experts, which do not split evenly over ep 3"
+    ):
         check_experts(moe(), 3)
     model = moe()
     model.model.layers[1].mlp.experts.has_bias = True
-    with pytest.raises(ConfigError, match=r"model.layers.1.mlp.experts \(MixtralExperts\) stores its experts with has_bias=True"):
+    with pytest.raises(
+        ConfigError, match=r"model.layers.1.mlp.experts \(MixtralExperts\) stores its experts with has_bias=True"
+    ):
         check_experts(model, 2)
     assert list(check_experts(moe(), 4)) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
@@ -159,7 +164,9 @@ def test_one_rank_of_a_fake_world_holds_its_experts():
         assert facts == (4, 2, 4, 4)
         params = dict(model.named_parameters())
         experts = {name: p for name, p in params.items() if isinstance(p, DTensor)}
-        assert sorted(experts) == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down_proj", "gate_up_proj")]
+        assert sorted(experts) == [
+            f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down_proj", "gate_up_proj")
+        ]
         for p in experts.values():
             assert p.device_mesh.mesh_dim_names == ("ep",) and [repr(x) for x in p.placements] == ["Shard(dim=0)"]
             local, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
