@@ -138,6 +138,37 @@ def test_the_expert_parallel_forward_is_transformers_own(one_rank_ep_mesh, kind)
     assert not take_counts(shards).any()  # evaluation forwards are not counted, and the counters were reset
 
 
+def _step_arithmetic(strategy, model, params, experts):
+    """What the fake group's no-op collectives leave visible: the all-reduced sums are this rank's own
+    values, so averaging divides them by ep (4); a missing gradient becomes zeros; the global norm
+    counts a replicated gradient once (1/4 on each of 4 ranks) and an expert shard whole; the tokens
+    per expert are this rank's counts per step."""
+    from torch.distributed.tensor import DTensor
+
+    plain = [p for p in params.values() if not isinstance(p, DTensor)]
+    for i, p in enumerate(plain):
+        p.grad = None if i == 0 else torch.full_like(p, 2.0)
+    for p in experts.values():
+        p.grad = DTensor.from_local(torch.full_like(p.to_local(), 8.0), p.device_mesh, p.placements)
+    strategy.average_gradients()
+    assert not plain[0].grad.any() and all(bool((p.grad == 0.5).all()) for p in plain[1:])
+    assert all(bool((p.grad.to_local() == 2.0).all()) for p in experts.values())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    norm = strategy.clip_gradients(model, optimizer, max_norm=1e9)
+    squares = sum(p.numel() for p in plain[1:]) * 0.25 / 4 + sum(p.to_local().numel() for p in experts.values()) * 4.0
+    torch.testing.assert_close(norm, torch.tensor(squares).sqrt())
+    for layer, shard in enumerate(strategy._shards):
+        shard.counts.copy_(torch.tensor([4, 0, 2, 10]) * (layer + 1))
+    figures = strategy.step_figures(2)
+    assert figures == {
+        "moe/tokens_per_expert_mean": 3.0,  # layer 0: 2, 0, 1, 5 a step (mean 2); layer 1 twice that (mean 4)
+        "moe/tokens_per_expert_min": 0.0,
+        "moe/tokens_per_expert_max": 10.0,
+        "moe/tokens_per_expert_imbalance": 2.5,
+    }
+    assert not any(shard.counts.any() for shard in strategy._shards)  # read once, then counted afresh
+
+
 def test_one_rank_of_a_fake_world_holds_its_experts():
     """ep 4, rank 2 (torch's fake process group: every collective a no-op, the mesh and the sharding
     real): mesh coordinate 2 on ep, data shard 2 of 4, expert 2 of each layer, the rest whole."""
@@ -173,6 +204,7 @@ def test_one_rank_of_a_fake_world_holds_its_experts():
             assert p.to_local().shape == (1, *p.shape[1:]) == local and p.shape[0] == 4
             assert tuple(offset) == (2, 0, 0)  # the third expert's rows
         assert len(params) > len(experts)  # the rest stays whole, a plain tensor on every rank
+        _step_arithmetic(strategy, model, params, experts)
         strategy.teardown()
     finally:
         dist.destroy_process_group()
