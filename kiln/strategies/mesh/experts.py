@@ -25,7 +25,7 @@ the rank's own tokens as they always do; the router's logits, and with them the 
 load-balancing loss, are the rank's own (as under HF's Trainer with DDP).
 
 Tokens per expert (step 1's counts) are added up on the device while training and read only when the
-strategy logs (`ExpertLayers.take_counts`)."""
+strategy logs (`take_counts`)."""
 
 from __future__ import annotations
 
