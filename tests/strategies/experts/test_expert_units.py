@@ -30,6 +30,7 @@ def test_ep_is_a_data_axis_after_dp_shard():
     assert not dims.fsdp and [dims.data_rank(r) for r in range(4)] == [0, 1, 2, 3]
     assert dims.mesh_axes() == (("dp_replicate", "dp_shard", "ep", "cp", "tp"), (1, 1, 4, 1, 1))
     assert dims.describe() == "ep 4"
+    assert parse_mesh({"ep": 2}, 2).mesh_axes() == (("dp_replicate", "dp_shard", "ep", "cp", "tp"), (1, 1, 2, 1, 1))
 
 
 @pytest.mark.parametrize("other", [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}, {"cp": 2}, {"dp_replicate": 2}])
@@ -169,7 +170,7 @@ def _step_arithmetic(strategy, model, params, experts):
     assert not any(shard.counts.any() for shard in strategy._shards)  # read once, then counted afresh
 
 
-def test_one_rank_of_a_fake_world_holds_its_experts():
+def test_one_rank_of_a_fake_world_holds_its_experts(caplog):
     """ep 4, rank 2 (torch's fake process group: every collective a no-op, the mesh and the sharding
     real): mesh coordinate 2 on ep, data shard 2 of 4, expert 2 of each layer, the rest whole."""
     import torch.distributed as dist
@@ -186,7 +187,9 @@ def test_one_rank_of_a_fake_world_holds_its_experts():
         # ep -1: built as a 1-process launch, then the group made here sets the world (setup_environment)
         cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"ep": -1}}})
         strategy = ModelParallelStrategy.resolve(cfg)(cfg, build_precision(cfg))
-        model = strategy.setup_module(moe())
+        with caplog.at_level("INFO", logger="kiln.strategies.mesh.expert_parallel"):
+            model = strategy.setup_module(moe())
+        assert "2 MoE layer(s), 1 of 4 experts each on this rank (ep 4)" in caplog.text
         mesh = strategy.device_mesh
         assert type(strategy).__name__ == "ModelParallelExperts"
         assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "ep", "cp", "tp") and mesh.shape == (1, 1, 4, 1, 1)
