@@ -12,6 +12,8 @@ not inherit an interface simply has nothing to do at that point (no no-op hook i
   (the mesh strategy's meta device / rank-0 loading, DeepSpeed's `zero.Init`).
 - `OwnsMicroBatchWindow`: the strategy runs the forward and backward of a whole accumulation window
   itself, in its own order (a pipeline schedule: GPipe, 1F1B), and hands back the micro-batches' losses.
+- `ReportsStepFigures`: the strategy has figures of its own for the loggers on logging steps (expert
+  parallelism's tokens per expert).
 
 What a strategy only declares, with no method to call (static shapes, an optimizer step its own engine
 owns, compiling per block), is a field of its `Capabilities` (kiln/strategies/capabilities.py).
@@ -117,4 +119,21 @@ class OwnsMicroBatchWindow(ABC):
         """Forward and backward of every micro-batch of `window`; their detached weighted losses."""
 
 
-__all__ = ["BackwardSyncControl", "GraphBoundaries", "LossWeights", "OwnsMicroBatchWindow", "ShardedModuleInit"]
+class ReportsStepFigures(ABC):
+    """A strategy with figures of its own for the loggers (beside throughput), gathered on device while
+    training and read only on logging steps."""
+
+    @abstractmethod
+    def step_figures(self, steps: int) -> dict[str, float]:
+        """Figures for the `steps` optimizer steps since the last logging step; a collective where the
+        strategy has several processes (every rank calls it on the same logging steps)."""
+
+
+__all__ = [
+    "BackwardSyncControl",
+    "GraphBoundaries",
+    "LossWeights",
+    "OwnsMicroBatchWindow",
+    "ReportsStepFigures",
+    "ShardedModuleInit",
+]

@@ -43,6 +43,7 @@ from kiln.engine.loop.throughput import Throughput
 from kiln.engine.run import setup_for_training
 from kiln.engine.seed import set_rng_state
 from kiln.optim.optimizers import optimizer_mode
+from kiln.strategies.interfaces import ReportsStepFigures
 from kiln.utils.tensors import batch_size_of
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ class FitLoop:
         self.count_tokens_seen = bool(cfg.train.include_num_input_tokens_seen)
         self.flops = FlopCount(run.model)  # total_flos, HF's count (loop/flops.py)
         self.throughput = Throughput(run.model, self._peak_tflops())  # tokens/s, TFLOP/s, MFU (loop/throughput.py)
+        # the strategy's own figures for the loggers (expert parallelism's tokens per expert), asked for once
+        self.strategy_figures = strategy if isinstance(strategy, ReportsStepFigures) else None
         self.local_flos = 0.0
         self._event("on_train_begin")
         if cfg.eval.on_start and not resume_path:
@@ -377,6 +380,8 @@ class FitLoop:
             figures["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
             figures["steps_per_second"] = steps / elapsed
             figures.update(self.throughput.figures(tokens, flops, elapsed, strategy.world_size))
+            if self.strategy_figures is not None:
+                figures.update(self.strategy_figures.step_figures(steps))
             self.window_start, self.samples_at_log = now, self.samples
             losses.last_logged = state.global_step
             losses.tr_loss = 0.0

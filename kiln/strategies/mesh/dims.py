@@ -11,10 +11,11 @@ r // (cp * tp): the `cp * tp` ranks of one data shard read the same batches.
 
 `pp` (pipeline stages, kiln/strategies/mesh/pipeline.py) is the outermost axis, ahead of dp_replicate:
 rank r holds stage r // (world / pp), and the ranks of one stage are the mesh above. It is left out of
-the DeviceMesh's dimensions unless it is used (`mesh_axes`). `ep` is reserved for issue 57 and refused
-today, in one sentence (expert parallelism; as torchtitan's, it will not multiply the world but borrow
-its ranks from dp_shard x cp, so that the experts are sharded over `ep` and FSDP shards them over what
-is left of the dp axes). `ParallelDims` already carries it at size 1.
+the DeviceMesh's dimensions unless it is used (`mesh_axes`). `ep` (expert parallelism,
+kiln/strategies/mesh/expert_parallel.py) sits right after dp_shard when it is used: the experts of each
+MoE layer are split over it, and for every other parameter it is one more data axis (its ranks read
+distinct batches, so `dp` counts it). It runs alone so far (`parse_mesh` refuses it beside another axis);
+torchtitan instead borrows ep's ranks from dp_shard x cp, which composing with FSDP would need.
 
 FSDP2 shards over `dp_shard` and `cp` flattened into one axis (torchtitan's `dp_shard_cp`): the cp
 ranks compute gradients from different tokens, so those gradients must be reduced over them too,
@@ -38,13 +39,13 @@ from kiln.utils.errors import ConfigError
 AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 #: the pipeline axis, outermost (a DeviceMesh dimension only when it is larger than 1)
 PP = "pp"
-#: axes a config may name that kiln does not run yet (issue 57) -> what they are, for the refusal
-RESERVED = {"ep": "expert parallelism"}
+#: the expert axis (a DeviceMesh dimension, after dp_shard, only when it is larger than 1)
+EP = "ep"
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The resolved sizes of the axes (pp times the product of AXES is the world size; ep is 1)."""
+    """The resolved sizes of the axes (pp times ep times the product of AXES is the world size)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -59,8 +60,8 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: the number of processes reading distinct batches."""
-        return self.dp_replicate * self.dp_shard
+        """Data-parallel size: the number of processes reading distinct batches (the ep ranks do)."""
+        return self.dp_replicate * self.dp_shard * self.ep
 
     @property
     def dp_cp(self) -> int:
@@ -76,15 +77,16 @@ class ParallelDims:
     @property
     def stage_ranks(self) -> int:
         """Ranks of one pipeline stage (the whole world without pp)."""
-        return math.prod(self.sizes)
+        return math.prod(self.sizes) * self.ep
 
     @property
     def fsdp(self) -> bool:
         """Whether FSDP2 shards over the dp axes: when they (with cp) hold more than one rank, and also
         on one rank when no tp axis splits the model either, so that a one-process run is still an
         FSDP run (its CPU offload, its mixed-precision policy), as `strategy: fsdp` always was. Not
-        under pp: the pipeline runs its stages without FSDP (pipeline.py)."""
-        return (self.dp_cp > 1 or self.tp == 1) and self.pp == 1
+        under pp or ep: the pipeline runs its stages without FSDP (pipeline.py), and ep replicates what
+        is not an expert (expert_parallel.py)."""
+        return (self.dp_cp > 1 or self.tp == 1) and self.pp == 1 and self.ep == 1
 
     def data_rank(self, global_rank: int) -> int:
         """The data shard of `global_rank`: every pipeline stage reads the same batches."""
@@ -95,10 +97,17 @@ class ParallelDims:
         return global_rank // self.stage_ranks
 
     def mesh_axes(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """The DeviceMesh's dimension names and sizes: pp ahead of AXES when it is used."""
+        """The DeviceMesh's dimension names and sizes: pp ahead of AXES and ep after dp_shard, each
+        when it is used."""
+        names, sizes = list(AXES), list(self.sizes)
+        if self.ep > 1:
+            at = AXES.index("dp_shard") + 1
+            names.insert(at, EP)
+            sizes.insert(at, self.ep)
         if self.pp > 1:
-            return (PP, *AXES), (self.pp, *self.sizes)
-        return AXES, self.sizes
+            names.insert(0, PP)
+            sizes.insert(0, self.pp)
+        return tuple(names), tuple(sizes)
 
     def describe(self) -> str:
         names, sizes = self.mesh_axes()
@@ -109,19 +118,14 @@ def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims
     """The mesh a config asks for, resolved for `world_size` processes (None: FSDP over every
     process, `{dp_shard: -1}`). One clear sentence for every way it can be wrong."""
     given = dict(value) if value is not None else {"dp_shard": -1}
-    unknown = [k for k in given if k not in (PP, *AXES) and k not in RESERVED]
+    every = (PP, *AXES, EP)
+    unknown = [k for k in given if k not in every]
     if unknown:
         raise ConfigError(
-            f"strategy.mesh has unknown axis {', '.join(map(repr, unknown))}; its axes are {', '.join((PP, *AXES))}."
+            f"strategy.mesh has unknown axis {', '.join(map(repr, unknown))}; its axes are {', '.join(every)}."
         )
-    for axis, what in RESERVED.items():
-        if given.get(axis, 1) != 1:
-            raise ConfigError(
-                f"strategy.mesh.{axis} is {given[axis]!r}, but kiln does not run {what} yet (the {axis} "
-                f"axis is reserved for it); drop {axis} and spend the processes on {', '.join(AXES)}."
-            )
     sizes: dict[str, int] = {}
-    for axis in (PP, *AXES):
+    for axis in every:
         raw = given.get(axis, 1)
         if isinstance(raw, bool) or not isinstance(raw, int) or (raw < 1 and raw != -1):
             raise ConfigError(
@@ -148,12 +152,19 @@ def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims
             f"strategy.mesh ({shown}) multiplies to {fixed} processes but this run has {world_size}; "
             "make the product of the axes equal the number of processes (or set one axis to -1)."
         )
+    others = [f"{axis} {size}" for axis, size in sizes.items() if axis != EP and size > 1]
+    if sizes[EP] > 1 and others:
+        raise ConfigError(
+            f"strategy.mesh combines ep {sizes[EP]} with {', '.join(others)}, but kiln runs the expert axis "
+            "alone so far (ep with dp_replicate, dp_shard, cp, tp or pp is not supported yet); set the other "
+            "axes to 1, or drop ep."
+        )
     return ParallelDims(**sizes)
 
 
 def build_device_mesh(shape: ParallelDims, device_type: str) -> Any:
     """One DeviceMesh with all four named axes (axes of size 1 included, so `mesh["tp"]` always works
-    in a user's `configure_model(mesh)`), and `pp` ahead of them when it is used. A collective: every
+    in a user's `configure_model(mesh)`), and `pp` and `ep` among them when they are used. A collective: every
     rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 

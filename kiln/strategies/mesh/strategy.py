@@ -1,6 +1,6 @@
 """The one sharding strategy: every process on one named DeviceMesh (dims.py: dp_replicate, dp_shard,
-cp, tp; pp and ep reserved), each parallelism applied to the model by its own `apply_*` function, in
-torchtitan's order:
+cp, tp; pp and ep in their own subclasses, pipeline.py and expert_parallel.py), each parallelism
+applied to the model by its own `apply_*` function, in torchtitan's order:
 
     tensor parallel      apply_tp (tp_plan.py; sequence_parallel.py, loss_parallel.py)  over `tp`
                          -- or the TrainingModule's own `configure_model(mesh)`

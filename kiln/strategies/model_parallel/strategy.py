@@ -1,9 +1,11 @@
 """`strategy: model_parallel`: the mesh strategy (kiln/strategies/mesh/strategy.py) with its mesh
 written out -- FSDP2 over the data-parallel axes (dp_replicate, dp_shard, with cp flattened into
-dp_shard), tensor parallelism over `tp`, context parallelism over `cp`:
+dp_shard), tensor parallelism over `tp`, context parallelism over `cp`, and, alone so far, pipeline
+stages over `pp` (mesh/pipeline.py) and the experts of MoE layers over `ep` (mesh/expert_parallel.py):
 
     strategy: {name: model_parallel, mesh: {dp_shard: 2, tp: 2}, tp_plan: auto}
     strategy: {name: model_parallel, mesh: {tp: 2}, sequence_parallel: true, loss_parallel: true}
+    strategy: {name: model_parallel, mesh: {ep: 2}}
 
 Missing axes are 1, one may be -1 (the rest of the processes); the default is `{dp_shard: -1}`, FSDP
 over every process. HF's `parallelism_config` selects it with the same mesh. Every other setting is
@@ -15,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.strategies import STRATEGIES
-from kiln.strategies.mesh.dims import AXES, PP
+from kiln.strategies.mesh.dims import AXES, EP, PP
+from kiln.strategies.mesh.expert_parallel import ExpertParallelStrategy
 from kiln.strategies.mesh.pipeline import PipelineStrategy
 from kiln.strategies.mesh.settings import SHARED, MeshSettings, read_shared
 from kiln.strategies.mesh.strategy import MeshStrategy
@@ -26,8 +29,8 @@ from kiln.utils.errors import ConfigError
 class ModelParallelStrategy(MeshStrategy):
     name = "model_parallel"
     options = {
-        "mesh": f"axis sizes {{{', '.join((PP, *AXES))}}}; missing axes are 1, one may be -1 (the rest); default "
-        "{dp_shard: -1}; pp (pipeline stages) runs alone so far; ep is reserved (refused)",
+        "mesh": f"axis sizes {{{', '.join((PP, *AXES, EP))}}}; missing axes are 1, one may be -1 (the rest); default "
+        "{dp_shard: -1}; pp (pipeline stages) and ep (experts of MoE layers split over it) run alone so far",
         "pipeline": "with a pp axis: {schedule: gpipe | 1f1b (default), microbatches: the accumulation window's "
         "(gradient_accumulation_steps), split: auto (default) | [first layer of each stage after the first]}",
         **SHARED,
@@ -38,15 +41,19 @@ class ModelParallelStrategy(MeshStrategy):
 
     @classmethod
     def resolve(cls, config: Any) -> type[MeshStrategy]:
-        """The pipeline's class when the mesh has a pp axis (it owns the accumulation window)."""
+        """The pipeline's class when the mesh has a pp axis (it owns the accumulation window), the
+        expert-parallel one when it has an ep axis (parse_mesh refuses both at once)."""
         options = config.strategy.get("options") or {}
-        pp = (options.get("mesh") or {}).get(PP, 1)
+        mesh = options.get("mesh") or {}
+        pp = mesh.get(PP, 1)
         if pp == 1 and options.get("pipeline") is not None:
             raise ConfigError(
                 "strategy.pipeline is set, but strategy.mesh has no pp axis; set mesh.pp to the number of "
                 "stages, or drop pipeline."
             )
-        return cls if pp == 1 else ModelParallelPipeline
+        if pp != 1:
+            return ModelParallelPipeline
+        return cls if mesh.get(EP, 1) == 1 else ModelParallelExperts
 
     def read_settings(self) -> MeshSettings:
         return read_shared(self.option, MeshSettings(sync_module_states=True))
@@ -58,3 +65,7 @@ class ModelParallelStrategy(MeshStrategy):
 
 class ModelParallelPipeline(ModelParallelStrategy, PipelineStrategy):
     """`model_parallel` with a pp axis (kiln/strategies/mesh/pipeline.py); chosen by `resolve`."""
+
+
+class ModelParallelExperts(ModelParallelStrategy, ExpertParallelStrategy):
+    """`model_parallel` with an ep axis (kiln/strategies/mesh/expert_parallel.py); chosen by `resolve`."""

@@ -1,0 +1,59 @@
+"""Heavy: ep 2 on Qwen3-MoE, OLMoE and DeepSeek-V3 (a dense first layer, then routed experts beside a
+shared expert, group-limited routing) gives the per-step losses and final weights of `single` on the
+same global batch, on one spawned world of 2 gloo processes (test_expert_parity.py runs Mixtral in the
+default suite). Run as a script under torchrun, this file is the worker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tests.strategies.experts.cases import train  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+KINDS = ("qwen3_moe", "olmoe", "deepseek_v3")
+
+
+def worker(out: str) -> None:
+    strategy = {"name": "model_parallel", "device": "cpu", "mesh": {"ep": 2}}
+    results = {}
+    for kind in KINDS:
+        losses, state, trainer = train(os.path.join(out, kind), strategy, kind=kind, teardown=False)
+        results[kind] = {"losses": losses, "state": state}
+    trainer.teardown()
+    torch.save(results, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+def test_expert_parallel_equals_single_on_other_moe_families(tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"the ep job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    single = {"name": "single", "device": "cpu"}
+    for kind in KINDS:
+        want_losses, want, _ = train(str(tmp_path / kind), single, kind=kind, per_device_train_batch_size=4)
+        for rank in ranks:
+            torch.testing.assert_close(rank[kind]["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=kind)
+        got = ranks[0][kind]["state"]
+        assert sorted(got) == sorted(want)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"{kind}: {name} differs")
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])

@@ -1,0 +1,135 @@
+"""The expert axis end to end (kiln/strategies/mesh/expert_parallel.py, experts.py), on one spawned
+world of 2 gloo processes, as `strategy: {name: model_parallel, mesh: {ep: 2}}` on a tiny Mixtral
+from a config (4 experts, 2 per token):
+
+- ep 2 gives the per-step losses and the final weights of `single` on the same global batch (windows
+  of 2 micro-batches whose item counts differ, then a short window of 1), with SGD with momentum and
+  global gradient clipping; rank r holds experts 2r and 2r+1 of each layer (its local shard equals
+  those rows of the trained weights);
+- tokens per expert reach the loggers on every logging step (all routed pairs: tokens x top-k);
+- with the router's auxiliary loss (`output_router_logits`, `router_aux_loss_coef`), ep 2 equals
+  DDP on the same 2 processes: each rank's auxiliary loss on its own tokens, summed (HF's counting);
+- a checkpoint saved under ep 2 mid-run resumes on one process and ends equal to the run that never
+  stopped; `kiln convert` makes the last one a from_pretrained folder whose logits are the trained
+  model's;
+- evaluate called by hand is refused in one sentence.
+
+Run as a script under torchrun, this file is the worker (`python -m torch.distributed.run ... THIS OUT`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if __name__ == "__main__":  # the torchrun worker: the repository root first, as under pytest
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tests.strategies.experts.cases import data, moe, train  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+EP = {"name": "model_parallel", "device": "cpu", "mesh": {"ep": 2}}
+AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+
+
+def worker(out: str) -> None:
+    from kiln.utils.errors import KilnError
+
+    rank = int(os.environ["RANK"])
+    results: dict = {}
+    log = {"history": ["jsonl"], "disable_tqdm": True, "steps": 1}
+    save = {"strategy": "steps", "steps": 1}
+    losses, state, trainer = train(os.path.join(out, "ep"), EP, teardown=False, save=save, log=log)
+    experts = trainer.model.model.layers[0].mlp.experts
+    results["ep"] = {"losses": losses, "state": state, "local": experts.gate_up_proj.to_local().detach().clone()}
+    try:
+        trainer.evaluate(data(4))
+        results["evaluate"] = ""
+    except KilnError as err:
+        results["evaluate"] = str(err)
+    for name, strategy in (("aux ep", EP), ("aux ddp", {"name": "ddp", "device": "cpu"})):
+        losses, state, trainer = train(os.path.join(out, name), strategy, model=moe(**AUX), teardown=False)
+        results[name] = {"losses": losses, "state": state}
+    trainer.teardown()
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_expert_parallel_equals_single_and_resumes_on_one_process(tmp_path):
+    from kiln import Trainer
+    from kiln.engine.checkpoint.convert import convert_checkpoint
+    from tests.strategies.experts.cases import config
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"the ep job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    # the same global batch on one process: micro-batches of 2 x 2
+    want_losses, want, _ = train(
+        str(tmp_path / "single"), {"name": "single", "device": "cpu"}, per_device_train_batch_size=4
+    )
+    assert len(want_losses) == 3  # two windows of two micro-batches, then one of one
+    got = ranks[0]["ep"]
+    assert ranks[1]["ep"]["state"] == {} and sorted(got["state"]) == sorted(want)  # the export gathers to rank 0
+    for rank in ranks:
+        torch.testing.assert_close(rank["ep"]["losses"], want_losses, rtol=1e-5, atol=1e-5)
+    for name, value in want.items():
+        torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5, msg=f"ep 2: {name} differs")
+    full = want["model.layers.0.mlp.experts.gate_up_proj"]
+    for r, rank in enumerate(ranks):  # rank r's shard: experts 2r, 2r + 1
+        torch.testing.assert_close(rank["ep"]["local"], full[2 * r : 2 * r + 2], rtol=1e-5, atol=1e-5)
+        assert rank["evaluate"].startswith("evaluate and predict do not run under the expert axis yet")
+
+    lines = [json.loads(x) for x in (tmp_path / "ep" / "runs" / "metrics.jsonl").read_text().splitlines()]
+    balance = [x for x in lines if "moe/tokens_per_expert_mean" in x]
+    assert [x["step"] for x in balance] == [1, 2, 3]
+    # every token (10 a sample, padding included) routed to 2 of 4 experts: 8 samples a full step, then 4
+    assert [x["moe/tokens_per_expert_mean"] for x in balance] == [8 * 10 * 2 / 4, 8 * 10 * 2 / 4, 4 * 10 * 2 / 4]
+    for x in balance:
+        assert x["moe/tokens_per_expert_min"] <= x["moe/tokens_per_expert_mean"] <= x["moe/tokens_per_expert_max"]
+        assert (
+            x["moe/tokens_per_expert_imbalance"]
+            >= x["moe/tokens_per_expert_max"] / x["moe/tokens_per_expert_mean"] - 1e-9
+        )
+
+    aux, ddp = ranks[0]["aux ep"], ranks[0]["aux ddp"]
+    torch.testing.assert_close(aux["losses"], ddp["losses"], rtol=1e-5, atol=1e-5)
+    assert abs(aux["losses"][0] - want_losses[0]) > 1e-3  # the auxiliary loss is in it
+    for name, value in ddp["state"].items():
+        torch.testing.assert_close(aux["state"][name], value, rtol=1e-5, atol=1e-5, msg=f"aux: {name} differs")
+
+    # checkpoint-2 of the ep run: its expert shards are one model, which one process resumes
+    model = moe(seed=1)
+    cfg = config(str(tmp_path / "resumed"), {"name": "model_parallel", "device": "cpu"}, per_device_train_batch_size=4)
+    trainer = Trainer(model, cfg, train_dataset=data())
+    trainer.fit(resume_from_checkpoint=str(tmp_path / "ep" / "checkpoint-2"))
+    resumed = trainer.strategy.model_state_for_export(trainer.model)
+    trainer.teardown()
+    for name, value in want.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-5, msg=f"resumed: {name} differs")
+
+    # the last checkpoint as a from_pretrained folder: its logits are the trained model's
+    convert_checkpoint(str(tmp_path / "ep" / "checkpoint-3"), str(tmp_path / "hf"), None)
+    from transformers import MixtralForCausalLM
+
+    loaded = MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trained = moe().eval()
+    trained.load_state_dict(got["state"])
+    ids = torch.stack([b["input_ids"] for b in data(4)])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=0)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])

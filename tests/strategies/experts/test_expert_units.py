@@ -1,0 +1,213 @@
+"""The expert axis without a spawned world (the 2-process run is test_expert_parity.py):
+
+- the mesh: `ep` parsed, placed after dp_shard, counted as a data axis, and refused beside any other
+  axis in one sentence; `model_parallel` resolves to its expert-parallel class;
+- what cannot run under ep is refused before any process group starts, in one sentence each: a
+  dense model, experts that do not divide over ep, an expert layout the forward does not run, and the
+  settings and precisions not wired in;
+- the expert-parallel forward on a 1-rank group (its all-to-alls move nothing, the sorting,
+  regrouping, gating and combining are all there) gives the logits, loss and gradients of
+  transformers' own forward for Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3, and counts each expert's
+  tokens while training only;
+- one rank of a fake 4-process world: its mesh coordinate, data shard, and which
+  expert rows it holds (torch's fake process group)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kiln.strategies.mesh.dims import ParallelDims, parse_mesh
+from kiln.utils.errors import ConfigError
+from tests.strategies.experts.cases import moe
+
+
+def test_ep_is_a_data_axis_after_dp_shard():
+    dims = parse_mesh({"ep": -1}, 4)
+    assert dims == ParallelDims(ep=4) and (dims.dp, dims.dp_cp, dims.stage_ranks) == (4, 4, 4)
+    assert not dims.fsdp and [dims.data_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    assert dims.mesh_axes() == (("dp_replicate", "dp_shard", "ep", "cp", "tp"), (1, 1, 4, 1, 1))
+    assert dims.describe() == "ep 4"
+    assert parse_mesh({"ep": 2}, 2).mesh_axes() == (("dp_replicate", "dp_shard", "ep", "cp", "tp"), (1, 1, 2, 1, 1))
+
+
+@pytest.mark.parametrize("other", [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}, {"cp": 2}, {"dp_replicate": 2}])
+def test_ep_beside_another_axis_is_refused(other):
+    axis = next(iter(other))
+    with pytest.raises(ConfigError, match=rf"combines ep 2 with {axis} 2, but kiln runs the expert axis alone"):
+        parse_mesh({"ep": 2, **other}, 4)
+
+
+def test_model_parallel_resolves_to_its_expert_parallel_class():
+    from kiln.config import load_config
+    from kiln.strategies.mesh.expert_parallel import ExpertParallelStrategy
+    from kiln.strategies.model_parallel.strategy import ModelParallelStrategy
+
+    def resolved(mesh):
+        return ModelParallelStrategy.resolve(load_config({"strategy": {"name": "model_parallel", "mesh": mesh}}))
+
+    assert issubclass(resolved({"ep": 2}), ExpertParallelStrategy)
+    assert resolved({"ep": 1}) is ModelParallelStrategy
+    assert not issubclass(resolved({"dp_shard": 2}), ExpertParallelStrategy)
+
+
+def test_models_ep_cannot_split_are_refused():
+    from kiln.strategies.mesh.experts import check_experts
+    from tests.strategies.pipeline.cases import llama
+
+    with pytest.raises(ConfigError, match="LlamaForCausalLM has no experts module with fused 3-D expert weights"):
+        check_experts(llama(), 2)
+    with pytest.raises(
+        ConfigError, match="model.layers.0.mlp.experts has 4 experts, which do not split evenly over ep 3"
+    ):
+        check_experts(moe(), 3)
+    model = moe()
+    model.model.layers[1].mlp.experts.has_bias = True
+    with pytest.raises(
+        ConfigError, match=r"model.layers.1.mlp.experts \(MixtralExperts\) stores its experts with has_bias=True"
+    ):
+        check_experts(model, 2)
+    assert list(check_experts(moe(), 4)) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"strategy": {"offload": True}}, "offload"),
+        ({"strategy": {"state_dict_type": "full"}}, "state_dict_type: full"),
+        ({"strategy": {"tp_plan": "auto"}}, "tp_plan"),
+        ({"train": {"gradient_checkpointing": True}}, "train.gradient_checkpointing"),
+        ({"eval": {"strategy": "steps"}}, "eval.strategy"),
+        ({"train": {"torch_compile": True}}, "train.torch_compile"),
+    ],
+)
+def test_what_ep_does_not_run_is_refused_at_config_load(overrides, named):
+    from kiln.config import load_config
+    from kiln.strategies.mesh.expert_parallel import check_expert_parallel
+    from kiln.strategies.mesh.settings import MeshSettings, set_shared
+
+    cfg = load_config({k: v for k, v in overrides.items() if k != "strategy"})
+    settings = MeshSettings()
+    for key, value in overrides.get("strategy", {}).items():
+        set_shared(settings, key, value)
+    with pytest.raises(ConfigError, match=rf"strategy.mesh.ep 2 does not run with {named}.* yet; drop it, or drop ep"):
+        check_expert_parallel(2, settings, cfg, "fp32")
+    check_expert_parallel(2, MeshSettings(), load_config({}), "bf16")  # the defaults run
+    with pytest.raises(ConfigError, match="does not run with precision fp16 yet"):
+        check_expert_parallel(2, MeshSettings(), None, "fp16")
+
+
+@pytest.fixture
+def one_rank_ep_mesh():
+    """A gloo group of this process alone, and its 1-D `ep` DeviceMesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3"])
+def test_the_expert_parallel_forward_is_transformers_own(one_rank_ep_mesh, kind):
+    from kiln.strategies.mesh.experts import expert_modules, shard_experts, take_counts
+
+    extra = {"output_router_logits": True} if kind != "deepseek_v3" else {}
+    want_model = moe(kind, **extra)
+    model = copy.deepcopy(want_model)
+    routed = []  # the (token, k) expert choices transformers' own experts receive
+    for module in expert_modules(want_model).values():
+        module.register_forward_pre_hook(lambda _m, args: routed.append(args[1].reshape(-1)))
+    shards = shard_experts(expert_modules(model), one_rank_ep_mesh)
+    ids = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(0))
+    want = want_model(input_ids=ids, labels=ids)
+    got = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    want.loss.backward()
+    got.loss.backward()
+    grads = dict(want_model.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    counts = torch.stack([torch.bincount(r, minlength=4) for r in routed])
+    assert torch.equal(take_counts(shards), counts) and int(counts.sum()) == 21 * 2 * len(shards)
+    model.eval()
+    model(input_ids=ids)
+    assert not take_counts(shards).any()  # evaluation forwards are not counted, and the counters were reset
+
+
+def _step_arithmetic(strategy, model, params, experts):
+    """What the fake group's no-op collectives leave visible: the all-reduced sums are this rank's own
+    values, so averaging divides them by ep (4); a missing gradient becomes zeros; the global norm
+    counts a replicated gradient once (1/4 on each of 4 ranks) and an expert shard whole; the tokens
+    per expert are this rank's counts per step."""
+    from torch.distributed.tensor import DTensor
+
+    plain = [p for p in params.values() if not isinstance(p, DTensor)]
+    for i, p in enumerate(plain):
+        p.grad = None if i == 0 else torch.full_like(p, 2.0)
+    for p in experts.values():
+        p.grad = DTensor.from_local(torch.full_like(p.to_local(), 8.0), p.device_mesh, p.placements)
+    strategy.average_gradients()
+    assert not plain[0].grad.any() and all(bool((p.grad == 0.5).all()) for p in plain[1:])
+    assert all(bool((p.grad.to_local() == 2.0).all()) for p in experts.values())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    norm = strategy.clip_gradients(model, optimizer, max_norm=1e9)
+    squares = sum(p.numel() for p in plain[1:]) * 0.25 / 4 + sum(p.to_local().numel() for p in experts.values()) * 4.0
+    torch.testing.assert_close(norm, torch.tensor(squares).sqrt())
+    for layer, shard in enumerate(strategy._shards):
+        shard.counts.copy_(torch.tensor([4, 0, 2, 10]) * (layer + 1))
+    figures = strategy.step_figures(2)
+    assert figures == {
+        "moe/tokens_per_expert_mean": 3.0,  # layer 0: 2, 0, 1, 5 a step (mean 2); layer 1 twice that (mean 4)
+        "moe/tokens_per_expert_min": 0.0,
+        "moe/tokens_per_expert_max": 10.0,
+        "moe/tokens_per_expert_imbalance": 2.5,
+    }
+    assert not any(shard.counts.any() for shard in strategy._shards)  # read once, then counted afresh
+
+
+def test_one_rank_of_a_fake_world_holds_its_experts(caplog):
+    """ep 4, rank 2 (torch's fake process group: every collective a no-op, the mesh and the sharding
+    real): mesh coordinate 2 on ep, data shard 2 of 4, expert 2 of each layer, the rest whole."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from kiln.config import load_config
+    from kiln.precision import build_precision
+    from kiln.strategies.model_parallel.strategy import ModelParallelStrategy
+
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
+    try:
+        # ep -1: built as a 1-process launch, then the group made here sets the world (setup_environment)
+        cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu", "mesh": {"ep": -1}}})
+        strategy = ModelParallelStrategy.resolve(cfg)(cfg, build_precision(cfg))
+        with caplog.at_level("INFO", logger="kiln.strategies.mesh.expert_parallel"):
+            model = strategy.setup_module(moe())
+        assert "2 MoE layer(s), 1 of 4 experts each on this rank (ep 4)" in caplog.text
+        mesh = strategy.device_mesh
+        assert type(strategy).__name__ == "ModelParallelExperts"
+        assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "ep", "cp", "tp") and mesh.shape == (1, 1, 4, 1, 1)
+        assert list(mesh.get_coordinate()) == [0, 0, 2, 0, 0]
+        facts = (strategy.data_shards, strategy.data_shard_rank, strategy.item_shards, strategy.grad_divisor)
+        assert facts == (4, 2, 4, 4)
+        params = dict(model.named_parameters())
+        experts = {name: p for name, p in params.items() if isinstance(p, DTensor)}
+        assert sorted(experts) == [
+            f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down_proj", "gate_up_proj")
+        ]
+        for p in experts.values():
+            assert p.device_mesh.mesh_dim_names == ("ep",) and [repr(x) for x in p.placements] == ["Shard(dim=0)"]
+            local, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            assert p.to_local().shape == (1, *p.shape[1:]) == local and p.shape[0] == 4
+            assert tuple(offset) == (2, 0, 0)  # the third expert's rows
+        assert len(params) > len(experts)  # the rest stays whole, a plain tensor on every rank
+        _step_arithmetic(strategy, model, params, experts)
+        strategy.teardown()
+    finally:
+        dist.destroy_process_group()
