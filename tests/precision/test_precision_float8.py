@@ -307,7 +307,7 @@ def test_under_fsdp_checkpoints_resume_bitwise_and_convert_to_plain_weights(tmp_
         assert tensor.dtype == torch.float32 and torch.equal(tensor, trained[name]), name
 
 
-@pytest.mark.parametrize("name", ["fsdp", "model_parallel"])
+@pytest.mark.parametrize("name", ["fsdp", "model_parallel", "ep"])
 def test_a_mesh_that_splits_the_model_is_refused_with_float8(monkeypatch, name):
     from kiln.config import load_config
     from kiln.precision import build_precision
@@ -315,7 +315,8 @@ def test_a_mesh_that_splits_the_model_is_refused_with_float8(monkeypatch, name):
 
     for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)  # rank 0 of 2 as torchrun starts it (no group is started here)
-    mesh = {"tp": 2} if name == "fsdp" else {"mesh": {"tp": 2}}
+    mesh = {"fsdp": {"tp": 2}, "model_parallel": {"mesh": {"tp": 2}}, "ep": {"mesh": {"ep": 2}}}[name]
+    name, axis = ("model_parallel", "ep 2") if name == "ep" else (name, "tp 2")
     config = load_config({"strategy": {"name": name, "device": "cpu", **mesh}, "precision": EMULATED})
-    with pytest.raises(ConfigError, match=r"precision fp8 shards with FSDP's data axes only, and this mesh \(tp 2\)"):
+    with pytest.raises(ConfigError, match=rf"precision fp8 shards with FSDP's data axes only, and this mesh \({axis}\)"):
         STRATEGIES.get(name)(config, build_precision(config))

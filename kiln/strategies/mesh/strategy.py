@@ -162,11 +162,11 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
                 "strategy.cpu_ram_efficient_loading builds the model on rank 0 alone, which tensor "
                 f"parallelism cannot split from (this mesh: {dims.describe()}); drop it, or the tp axis."
             )
-        if self.precision.name == "fp8" and dims.tp * dims.cp * dims.pp > 1:
+        if self.precision.name == "fp8" and dims.tp * dims.cp * dims.pp * dims.ep > 1:
             raise ConfigError(
                 f"precision fp8 shards with FSDP's data axes only, and this mesh ({dims.describe()}) splits the "
-                "model too (float8 tensor, context and pipeline parallelism are not wired in yet); keep the mesh to "
-                "dp_shard / dp_replicate, or use precision: bf16."
+                "model too (float8 tensor, context, pipeline and expert parallelism are not wired in yet); keep the "
+                "mesh to dp_shard / dp_replicate, or use precision: bf16."
             )
         self._check_cp_config()
 
