@@ -68,7 +68,7 @@ def adopt_model(config: DictConfig, model: Any) -> DictConfig:
 
         # transformers started the process group to split the model; the launcher's reading otherwise
         world_size = dist.get_world_size() if dist.is_initialized() else detect().world_size
-        return adopt_loaded_model(config, model, world_size)  # type: ignore[no-any-return]
+        return adopt_loaded_model(config, model, world_size)
     return config
 
 

@@ -15,8 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kiln import cli
-from kiln.cli import dispatch
-from kiln.cli import train_loop_per_worker
+from kiln.cli import dispatch, train_loop_per_worker
 from kiln.config.load import load_config
 from kiln.launch import ray as ray_launch
 from kiln.launch.environment import KINDS, detect
