@@ -238,7 +238,9 @@ def parse_dotlist(overrides: Iterable[str]) -> dict[str, Any]:
 
 
 def load_config(source: ConfigSource = None, overrides: Sequence[str] | Mapping[str, Any] = ()) -> DictConfig:
-    """Build the validated config tree from `source`, then apply `overrides` on top."""
+    """Build the validated config tree from `source`, then apply `overrides` on top. The tree is read-only
+    (OmegaConf's flag): code reads it and never writes into it; a changed config is a new `load_config(old,
+    overrides)`."""
     try:
         try:
             return _load(source, overrides)
@@ -269,6 +271,7 @@ def _load(source: ConfigSource, overrides: Sequence[str] | Mapping[str, Any]) ->
     from kiln.config.validate import validate
 
     validate(cfg)
+    OmegaConf.set_readonly(cfg, True)  # read from here on: what code derives from it is its own value
     return cfg
 
 

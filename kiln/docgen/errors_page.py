@@ -12,7 +12,7 @@ from pathlib import Path
 #: (path prefix inside kiln/, section title) — first match wins, so the specific come first
 SECTIONS = (
     ("config/", "Configuration"),
-    ("cli.py", "Command line"),
+    ("cli/", "Command line"),
     ("task_import.py", "Command line"),
     ("registry.py", "Configuration"),
     ("engine/checkpoint/", "Checkpoints and resume"),

@@ -20,17 +20,18 @@ if TYPE_CHECKING:
 
 def build_backend(
     config: Any, model: nn.Module | None, strategy: Any, precision: Any, *, user_optimizer: bool
-) -> tuple[Strategy, Precision]:
-    """(strategy, precision plugin); `strategy` / `precision` are the Trainer's arguments: None, a name's
-    class, or an instance."""
+) -> tuple[Any, Strategy, Precision]:
+    """(config, strategy, precision plugin); `strategy` / `precision` are the Trainer's arguments: None, a
+    name's class, or an instance. The config is `config`, or a new one whose strategy a model transformers
+    split at load settled (kiln.strategies.adopt_model): the Trainer keeps the one returned."""
     precision = (
         precision if precision is not None and not isinstance(precision, type) else build_precision(config, precision)
     )
-    adopt_model(config, model)  # a model transformers split at load picks its strategy, as in HF's Trainer
+    config = adopt_model(config, model)  # a model transformers split at load picks its strategy, as in HF's Trainer
     built = build_strategy(config, precision, strategy)
     check_run_compatible(built, precision, config, user_optimizer=user_optimizer)
     built.setup_environment()
     configure_logging(config, built)  # log.level on the main process, log.level_replica elsewhere
     precision = built.connect_precision(precision)
     precision.check_device(built.root_device)
-    return built, precision
+    return config, built, precision

@@ -22,7 +22,10 @@ rather than the Trainer. Its parts:
   as HF allows), and every reader reads it there;
 - the checkpoint manager of this run (`checkpoints`), the throughput figures the next `log()` sends
   to the loggers only (`log_to_loggers_only`), and the hyperparameter-search trial it trains (`trial`);
-- the evaluation call in flight (`eval_step`, `gen_kwargs`), which `prediction_step` reads.
+- the evaluation call in flight (`eval_step`, `gen_kwargs`), which `prediction_step` reads;
+- the evaluation loaders it reuses (`eval_loaders`, HF's `_eval_dataloaders` with persistent workers) and the
+  evaluation module compiled for `eval.compile` (`eval_compiler`): built over this run's model, collator and
+  data, so a new run (a second `fit()`, a model assigned to `trainer.model`) builds its own.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.compile import compile_module, compile_optimizer_step
+from kiln.engine.evaluation.compiled import EvalCompiler
 from kiln.engine.model.facts import ModelFacts
 from kiln.optim.merged_step import step_equal_groups_as_one
 from kiln.optim.schedulers import scheduler_needs_metrics
@@ -79,6 +83,10 @@ class Run:
     #: the step a TrainingModule runs ("validation_step" or "predict_step") and `model.generate`'s kwargs
     eval_step: str = "validation_step"
     gen_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: name ("eval" for a dataset passed in) -> the reused eval loader (dataloader_persistent_workers; eval_loaders.py)
+    eval_loaders: dict[str, Any] = field(default_factory=dict)
+    #: the evaluation module through torch.compile (eval.compile, HF's jit_mode_eval)
+    eval_compiler: EvalCompiler = field(default_factory=EvalCompiler)
 
     def __post_init__(self) -> None:
         if self.wrapped is None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.checkpoint.manager import CheckpointManager
+from kiln.engine.evaluation.compiled import EvalCompiler
 from kiln.engine.model.facts import ModelFacts
 from kiln.engine.run import Run
 
@@ -35,7 +36,8 @@ def start_run(
     """The one constructor of a Run: a fresh state, control and checkpoint manager, and either `model`
     as given (not yet set up; `optimizers` is the user's pair, if any) or, without `model`, `previous`'s
     model continued: its set-up module, optimizer and facts, and its scheduler unless kiln built that
-    one for the previous run's length (HF builds it again). The live batch sizes are the config's."""
+    one for the previous run's length (HF builds it again). The live batch sizes are the config's; the
+    evaluation loaders and compiled evaluation module are built anew (the data may have changed since)."""
     if model is None:
         assert previous is not None
         run = replace(
@@ -45,6 +47,8 @@ def start_run(
             micro_batch=None,
             scheduler=None if previous.created_scheduler else previous.scheduler,
             created_scheduler=False,
+            eval_loaders={},  # built over the previous run's data and collator
+            eval_compiler=EvalCompiler(),
         )
     else:
         run = Run(

@@ -25,7 +25,6 @@ from kiln.engine.checkpoint.resume import choose_resume
 from kiln.engine.data.eval_loaders import eval_dataloader, test_dataloader
 from kiln.engine.data.trainer_loaders import DataLoaderMixin
 from kiln.engine.distributed import check_same_output_dir
-from kiln.engine.evaluation.compiled import EvalCompiler
 from kiln.engine.evaluation.metric_files import log_metrics, metrics_format, save_metrics
 from kiln.engine.hp_search import HyperparameterSearchMixin
 from kiln.engine.hp_trial import building_trial
@@ -98,16 +97,17 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
         self._given_args = config if is_training_arguments(config) and search is None else None
         config, strategy, precision, overrides = pop_objects(config, strategy, precision, overrides)
         # accelerate launch fills unset keys; a trial's config is the searching Trainer's with the trial's values
-        self.config = search.config if search is not None else load_with_launcher_settings(config, overrides)
-        cfg = self.config
+        cfg = search.config if search is not None else load_with_launcher_settings(config, overrides)
         from kiln.loggers.metrics import MemoryTracker
 
         self.memory_tracker = MemoryTracker.from_config(cfg)  # HF's *_mem_* metrics; a no-op by default
         self.memory_tracker.start("init")
-        # The strategy comes first: it decides where (and how sharded) a model the Trainer builds lives.
-        self.strategy, self.precision = build_backend(
+        # The strategy comes first: it decides where (and how sharded) a model the Trainer builds lives. The
+        # config is read-only from here on (a model split at load may settle its strategy in a new one).
+        cfg, self.strategy, self.precision = build_backend(
             cfg, model, strategy, precision, user_optimizer=optimizers[0] is not None
         )
+        self.config = cfg
         set_seed(cfg.seed, cfg.full_determinism)
         self.model_init = model_init
         if model is None or search is not None:  # a trial trains a fresh model_init(trial), as in HF
@@ -136,8 +136,6 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
         self.wants_num_items = (
             type(self).compute_loss is not Trainer.compute_loss or type(self).training_step is not Trainer.training_step
         )
-        self._eval_dataloaders: dict[str, Any] = {}  # reused loaders (dataloader_persistent_workers)
-        self._eval_compiler = EvalCompiler()  # eval.compile (jit_mode_eval)
         self.callback_handler = CallbackHandler(
             default_callbacks(cfg, self.strategy),
             model=model,
@@ -393,9 +391,7 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
         """Shared by evaluate ("Evaluation": TrainingModule.validation_step) and predict
         ("Prediction": predict_step). Works with or without labels."""
         s, cb = self.strategy, self.callback_handler
-        loop = EvaluationLoop(
-            self, self.run, s, self.precision, cb, self.config, self._eval_compiler, in_train=self.is_in_train
-        )
+        loop = EvaluationLoop(self, self.run, s, self.precision, cb, self.config, in_train=self.is_in_train)
         return loop.run_pass(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
 
     def prediction_step(
@@ -409,7 +405,7 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Iterable[Any]:
         """The eval DataLoader: in order, sharded contiguously over ranks; `eval_dataset` may be a dataset, or the
         name of one in a dict passed to the Trainer; reused with `dataloader_persistent_workers` (eval_loaders.py)."""
-        cache, own = self._eval_dataloaders, self.eval_dataset
+        cache, own = self.run.eval_loaders, self.eval_dataset
         return eval_dataloader(self.config, self.strategy, own, eval_dataset, cache, self._model_inputs)
 
     def get_test_dataloader(self, test_dataset: Any) -> Iterable[Any]:

@@ -1,5 +1,5 @@
 """HF's Trainer attributes (`state`, `control`, `model`, `model_wrapped`, `optimizer`, `lr_scheduler`,
-`label_names`, `_train_batch_size`, `_gen_kwargs`), kiln's per-fit ones (`checkpoints`, `log_to_loggers_only`) and introspection (`get_learning_rates`, `get_optimizer_group`,
+`label_names`, `_train_batch_size`, `_gen_kwargs`, `_eval_dataloaders`), kiln's per-fit ones (`checkpoints`, `log_to_loggers_only`) and introspection (`get_learning_rates`, `get_optimizer_group`,
 `get_num_trainable_parameters`), read from and written to the Trainer's current `Run`: one place
 holds each piece of run state, and HF code that reads or assigns these attributes keeps working."""
 
@@ -99,6 +99,11 @@ class RunAttributes:
     @_gen_kwargs.setter
     def _gen_kwargs(self, gen_kwargs: dict[str, Any]) -> None:
         self.run.gen_kwargs = gen_kwargs
+
+    @property
+    def _eval_dataloaders(self) -> dict[str, Any]:
+        """HF's name for the run's reused eval loaders (`dataloader_persistent_workers`)."""
+        return self.run.eval_loaders
 
     @property
     def label_names(self) -> list[str]:

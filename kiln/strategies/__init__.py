@@ -54,10 +54,12 @@ def build_strategy(config: DictConfig, precision: Precision, override: Any = Non
     return cls(config, precision)
 
 
-def adopt_model(config: DictConfig, model: Any) -> None:
-    """Let the model the Trainer was given settle `config.strategy` before the strategy is built: one that
-    transformers split at load (`from_pretrained(tp_plan=...)`) trains under model_parallel over its tp
-    size, or is refused under a strategy that cannot train it (HF's Trainer reads `model.tp_size` likewise)."""
+def adopt_model(config: DictConfig, model: Any) -> DictConfig:
+    """The config the strategy is built from, settled by the model the Trainer was given: `config` itself,
+    or for a model transformers split at load (`from_pretrained(tp_plan=...)`) a new config naming
+    model_parallel over its tp size (the loaded config is read-only; the Trainer keeps the new one, so a
+    checkpoint's config.yaml names the strategy that ran). A strategy that cannot train such a model is
+    refused (HF's Trainer reads `model.tp_size` likewise)."""
     if model is not None and getattr(model, "_is_distributed_loading_by_transformers", False):
         import torch.distributed as dist
 
@@ -65,7 +67,9 @@ def adopt_model(config: DictConfig, model: Any) -> None:
         from kiln.strategies.mesh.presharded import adopt_loaded_model
 
         # transformers started the process group to split the model; the launcher's reading otherwise
-        adopt_loaded_model(config, model, dist.get_world_size() if dist.is_initialized() else detect().world_size)
+        world_size = dist.get_world_size() if dist.is_initialized() else detect().world_size
+        return adopt_loaded_model(config, model, world_size)
+    return config
 
 
 def check_run_compatible(strategy: Strategy, precision: Precision, config: DictConfig, *, user_optimizer: bool) -> None:

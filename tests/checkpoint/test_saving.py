@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, read_write
 
 from kiln.engine.callbacks.base import Callback
 from kiln.engine.checkpoint.manager import is_complete, read_marker
@@ -169,7 +169,8 @@ def test_save_on_each_node(tmp_path, on_each_node):
         {"max_steps": 2, "save_steps": 2, "save_on_each_node": on_each_node, "save_strategy": "no"},
         strategy=LocalZeroOfSecondNode,
     )
-    trainer.config.save.strategy = "steps"
+    with read_write(trainer.config):  # read-only once loaded
+        trainer.config.save.strategy = "steps"
     if not on_each_node:
         os.makedirs(os.path.join(out, ".checkpoint-2.tmp"))  # global rank 0 creates it, behind a barrier
     trainer._save_checkpoint()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kiln import cli
+from kiln.cli import dispatch
 from kiln.config.load import load_config
 
 
@@ -25,7 +26,7 @@ def loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
             seen["config"] = load_config(config, overrides)
             return 0
 
-        monkeypatch.setattr(cli, "_run", run)
+        monkeypatch.setattr(dispatch, "run_command", run)
         assert cli.main(["fit", str(path), *args]) == 0
         return seen["config"]
 

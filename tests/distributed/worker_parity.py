@@ -9,6 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 import toy
+from omegaconf import read_write
 from safetensors.torch import save_file
 
 out = sys.argv[1]
@@ -33,7 +34,8 @@ trainer, model = toy.train_scenario("plain", os.path.join(out, "eval"), world=2)
 tensors["eval_params"] = toy.flat_params(model)
 data = toy.regression_data(7, seed=11)
 for batch in (1, 3):
-    trainer.config.data.per_device_eval_batch_size = batch
+    with read_write(trainer.config):  # read-only once loaded
+        trainer.config.data.per_device_eval_batch_size = batch
     metrics = trainer.evaluate(data)
     pred = trainer.predict(data)
     results[f"eval_b{batch}"] = {"eval_loss": metrics["eval_loss"], "num_predictions": len(pred.predictions)}

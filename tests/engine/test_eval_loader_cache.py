@@ -65,3 +65,38 @@ def test_loaders_with_workers_show_the_users_dataset(tmp_path):
         assert trainer.get_test_dataloader(held_out).dataset is held_out
     batch = next(iter(ours.get_train_dataloader()))  # fetched by a worker, through kiln's seeding
     assert batch["input_ids"].shape == (2, 8)
+
+
+def test_a_new_run_builds_its_own_eval_loaders(tmp_path):
+    """The reused eval loaders belong to the run (kiln.engine.run.Run): a second fit() is a new run, so its
+    evaluation runs over a loader built with the data as it is now (here a collator changed in between), not
+    over the first fit's loader. A model assigned to `trainer.model` starts a new run too."""
+    from kiln.engine.data.loaders import default_data_collator
+
+    calls: list[tuple[str, int]] = []
+
+    def collator(name):
+        return lambda rows: (calls.append((name, len(rows))), default_data_collator(rows))[1]
+
+    rows = _rows()
+    config = kiln_config(
+        tmp_path,
+        dataloader_persistent_workers=True,  # reuse without worker processes (workers=0)
+        max_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=3,  # eval batches of 3 rows, training's of 2
+        remove_unused_columns=False,
+    )
+    ours = Trainer(gpt2(), config, train_dataset=rows, eval_dataset=rows, data_collator=collator("first"))
+    ours.train()
+    first = ours.get_eval_dataloader()
+    assert ("first", 3) in calls and ours.get_eval_dataloader() is first  # reused within the run
+    calls.clear()
+    ours.data_collator = collator("second")
+    ours.train()
+    assert ("second", 3) in calls and ("first", 3) not in calls
+    second = ours.get_eval_dataloader()
+    assert second is not first
+    ours.model = gpt2()
+    assert ours.get_eval_dataloader() is not second

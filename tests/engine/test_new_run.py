@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from omegaconf import read_write
 
 from kiln import Trainer
 from tests.helpers import TinyRegressor, base_config, flat_params, regression_data
@@ -40,7 +41,8 @@ def test_second_train_with_model_init_is_a_fresh_reseeded_run(tmp_path):
     )
     assert torch.equal(flat_params(trainer.model), first)
 
-    trainer.config.seed = 7  # a changed seed applies to the next run, model init included
+    with read_write(trainer.config):  # read-only once loaded: a changed seed applies to the next run, model init too
+        trainer.config.seed = 7
     trainer.train()
     fresh = Trainer(
         None, _cfg(tmp_path / "fresh", seed=7), model_init=lambda: TinyRegressor(dropout=0.2), train_dataset=data

@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kiln import cli
-from kiln.cli import train_loop_per_worker
+from kiln.cli import dispatch, train_loop_per_worker
 from kiln.config.load import load_config
 from kiln.launch import ray as ray_launch
 from kiln.launch.environment import KINDS, detect
@@ -332,6 +332,6 @@ def test_a_ray_worker_runs_the_fit_it_is_handed_and_resumes_from_rays_checkpoint
     with pytest.raises(RuntimeError, match="kiln fit exited with code 2 in this Ray worker"):
         ray_launch.run_worker({"argv": ["c.yaml"]}, lambda argv: 2)
     assert pickle.loads(pickle.dumps(train_loop_per_worker)) is train_loop_per_worker  # Ray ships it by reference
-    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr(dispatch, "main", lambda argv: calls.append(argv) or 0)
     train_loop_per_worker({"argv": ["d.yaml"]})
     assert calls[-1] == ["fit", "d.yaml", "resume_from_checkpoint=/ray/ckpt-3"]

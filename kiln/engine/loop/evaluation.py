@@ -33,7 +33,6 @@ from kiln.utils.tensors import batch_size_of
 
 if TYPE_CHECKING:
     from kiln.engine.callbacks.base import CallbackHandler
-    from kiln.engine.evaluation.compiled import EvalCompiler
     from kiln.engine.hooks import EvalHooks
     from kiln.engine.run import Run
     from kiln.precision.base import Precision
@@ -55,12 +54,11 @@ class EvaluationLoop:
         precision: Precision,
         callbacks: CallbackHandler,
         config: Any,
-        compiler: EvalCompiler,
         *,
         in_train: bool,
     ) -> None:
         self.hooks, self.run, self.strategy, self.precision = hooks, run, strategy, precision
-        self.callbacks, self.config, self.compiler, self.in_train = callbacks, config, compiler, in_train
+        self.callbacks, self.config, self.in_train = callbacks, config, in_train
 
     def run_pass(
         self,
@@ -75,7 +73,7 @@ class EvaluationLoop:
         model = setup_for_eval(run, s, cfg)
         self.callbacks.objects["eval_dataloader"] = dataloader  # HF's evaluation_loop sets it here too
         if cfg.eval.compile:  # jit_mode_eval: the forward below runs through torch.compile
-            model = self.compiler(model, cfg.train)
+            model = run.eval_compiler(model, cfg.train)
         sampler = sampler_of(dataloader)
         distributed = s.data_shards > 1 and isinstance(sampler, SequentialDistributedSampler)
         if s.data_shards > 1 and not distributed:

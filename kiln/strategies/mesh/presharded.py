@@ -39,14 +39,13 @@ def loaded_tp_size(model: nn.Module | None) -> int | None:
     return int(getattr(model, "tp_size", None) or config.tp_size)  # the model's, else its DistributedConfig's
 
 
-def adopt_loaded_model(config: Any, model: nn.Module | None, world_size: int) -> None:
-    """Point `config.strategy` at model_parallel over the loaded model's tp size (strategy auto or
-    model_parallel without a mesh), or refuse a strategy or mesh that cannot train it, in one sentence."""
-    from omegaconf import open_dict
-
+def adopt_loaded_model(config: Any, model: nn.Module | None, world_size: int) -> Any:
+    """`config` (read-only once loaded) as it is, or, for a model transformers split at load, a new config
+    whose `strategy` is model_parallel over the model's tp size (from strategy auto, or model_parallel with
+    no mesh or the same one); a strategy or mesh that cannot train it is refused in one sentence."""
     tp = loaded_tp_size(model)
     if tp is None:
-        return
+        return config
     name, options = config.strategy.name, config.strategy.options
     given = options.get("mesh") if options is not None else None
     what = f"{type(model).__name__} was split by transformers at load (tensor parallelism {tp})"
@@ -64,9 +63,14 @@ def adopt_loaded_model(config: Any, model: nn.Module | None, world_size: int) ->
         raise ConfigError(f"{what}, and strategy.mesh is {dict(given)}; drop strategy.mesh or set it to {{tp: {tp}}}.")
     if options is not None and options.get("tp_plan") is not None:
         raise ConfigError(f"{what}, and strategy.tp_plan would split it again; drop strategy.tp_plan.")
-    with open_dict(config):
-        config.strategy.name = "model_parallel"
-        config.strategy.options["mesh"] = {"tp": tp}
+    from omegaconf import OmegaConf
+
+    from kiln.config.load import load_config
+
+    plain: Any = OmegaConf.to_container(config, resolve=True)
+    plain["strategy"]["name"] = "model_parallel"
+    plain["strategy"]["options"]["mesh"] = {"tp": tp}  # replaced whole: a given mesh may spell the axes of size 1
+    return load_config(plain)
 
 
 def is_loaded_split(module: nn.Module) -> bool:

@@ -30,6 +30,7 @@ def describe(
     import logging
 
     import torch.distributed as dist
+    from omegaconf import read_write
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -52,7 +53,8 @@ def describe(
     # built for this 1-process launch, then given the mesh: the group made here decides the world
     cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}, "bf16": bf16})
     strategy = ModelParallelStrategy(cfg, build_precision(cfg))
-    cfg.strategy.options.mesh = mesh
+    with read_write(cfg):  # read-only once loaded; the strategy reads the mesh when it sets up
+        cfg.strategy.options.mesh = mesh
     for key, value in options.items():  # after the constructor, which checks them against its own (1-process) mesh
         setattr(strategy.settings, key, value)
     strategy.setup_environment()

@@ -81,20 +81,20 @@ def test_what_cannot_train_a_model_split_at_load_is_refused(cfg, model, world, w
 
 
 def test_strategy_auto_becomes_model_parallel_over_the_loaded_tp_size():
+    """The loaded config is read-only: the settled strategy is a new config, and the one given is left as it was."""
     for cfg in (
         {},
         {"strategy": {"name": "model_parallel"}},
         {"strategy": {"name": "model_parallel", "options": {"mesh": {"tp": 2, "dp_shard": 1}}}},
     ):
-        config = load_config(cfg)
-        adopt_loaded_model(config, _Split(), 2)
+        given = load_config(cfg)
+        config = adopt_loaded_model(given, _Split(), 2)
         assert config.strategy.name == "model_parallel" and dict(config.strategy.options.mesh) == {"tp": 2}
-    config = load_config({})
-    adopt_loaded_model(config, _Split(model_tp=None), 2)  # no tp_size on the model: its DistributedConfig's
+        assert given.strategy.name == cfg.get("strategy", {}).get("name", "auto")
+    config = adopt_loaded_model(load_config({}), _Split(model_tp=None), 2)  # no tp_size: its DistributedConfig's
     assert dict(config.strategy.options.mesh) == {"tp": 2}
     plain = load_config({})
-    adopt_loaded_model(plain, nn.Linear(2, 2), 2)  # any other model leaves the config alone
-    assert plain.strategy.name == "auto" and "mesh" not in plain.strategy.options
+    assert adopt_loaded_model(plain, nn.Linear(2, 2), 2) is plain  # any other model: the config as given
 
 
 def test_only_a_model_split_at_load_skips_the_weight_broadcast_and_the_plan():
