@@ -74,22 +74,33 @@ def _precision(path) -> str:
     return OmegaConf.load(path / "kiln_config.yaml").precision.name
 
 
-def test_accelerate_launch_runs_kiln_ddp_like_kiln_fit_nproc(tmp_path):
-    _accelerate(tmp_path, "acc", "no")
-    kiln_cli("fit", write_cli_config(str(tmp_path / "own.yaml"), str(tmp_path / "own")), "--nproc", "2")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three 2-process runs of one config for both tests: accelerate with bf16, accelerate with bf16
+    under a kiln config that sets fp32, and `kiln fit --nproc 2` (accelerate's `mixed_precision: no`,
+    which asks for fp32, is tested in one process: test_environment.py::test_accelerate_no_mixed_precision_changes_nothing)."""
+    tmp = tmp_path_factory.mktemp("accelerate")
+    used = _accelerate(tmp, "bf16", "bf16")
+    kept = _accelerate(tmp, "fp32", "bf16", "precision=fp32")
+    kiln_cli("fit", write_cli_config(str(tmp / "own.yaml"), str(tmp / "own")), "--nproc", "2")
+    return tmp, used, kept
+
+
+def test_accelerate_launch_runs_kiln_ddp_like_kiln_fit_nproc(runs):
+    tmp, _, _ = runs
+    assert _precision(tmp / "own") == _precision(tmp / "fp32") == "fp32"
     # equal weights: `strategy: auto` became DDP over accelerate's 2 processes (one process, or two
     # unsynchronised ones, would see other batches)
-    expected, got = _weights(tmp_path / "own"), _weights(tmp_path / "acc")
+    expected, got = _weights(tmp / "own"), _weights(tmp / "fp32")
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
-def test_accelerate_mixed_precision_applies_unless_the_kiln_config_sets_one(tmp_path):
-    used = _accelerate(tmp_path, "bf16", "bf16")
+def test_accelerate_mixed_precision_applies_unless_the_kiln_config_sets_one(runs):
+    tmp, used, kept = runs
     assert "Using precision.name=bf16 from accelerate launch (ACCELERATE_MIXED_PRECISION=bf16)" in used.stderr
-    assert _precision(tmp_path / "bf16") == "bf16"
+    assert _precision(tmp / "bf16") == "bf16"
 
-    kept = _accelerate(tmp_path, "fp32", "bf16", "precision=fp32")
     assert "but the kiln config sets precision.name=fp32, which wins" in kept.stderr
-    assert _precision(tmp_path / "fp32") == "fp32"
-    bf16, fp32 = _weights(tmp_path / "bf16"), _weights(tmp_path / "fp32")
+    assert _precision(tmp / "fp32") == "fp32"
+    bf16, fp32 = _weights(tmp / "bf16"), _weights(tmp / "fp32")
     assert any(not torch.equal(bf16[k], fp32[k]) for k in fp32)  # the two runs really trained differently

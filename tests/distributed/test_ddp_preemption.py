@@ -46,10 +46,6 @@ def _run(*args: str) -> None:
 @pytest.mark.parametrize("signalled", ["1", pytest.param("01", marks=pytest.mark.heavy)])
 def test_sigterm_saves_on_every_rank_stops_and_resumes_exactly(tmp_path, signalled):
     """`signalled`: which ranks get SIGTERM (one rank alone must still make every rank save)."""
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    _run("preempt", str(straight), "8", "-")
-
     out = tmp_path / "preempted"
     out.mkdir()
     proc = _start("preempt", str(out), "8", signalled)
@@ -73,7 +69,8 @@ def test_sigterm_saves_on_every_rank_stops_and_resumes_exactly(tmp_path, signall
     done = json.loads((out / "checkpoint-3" / "COMPLETE").read_text())
     assert {"rng_state_0.pth", "rng_state_1.pth", "loop_state_0.pt", "loop_state_1.pt"} <= set(done["files"])
 
-    _run("preempt", str(out), "8", "-", "resume")
+    straight = tmp_path / "straight"
+    _run("preempt", str(out), "8", "-", "resume", str(straight))  # then, in the same launch, the uninterrupted run
     a, b = torch.load(straight / "final.pt"), torch.load(out / "final.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((out / "history.json").read_text()) == json.loads((straight / "history.json").read_text())

@@ -1,7 +1,8 @@
 """2-process worker for preemption and start-up checks. Usage:
-worker_preempt.py preempt OUT MAX_STEPS SIGNAL_RANKS [resume]
+worker_preempt.py preempt OUT MAX_STEPS SIGNAL_RANKS [resume [STRAIGHT]]
     on_step_end of step 3, each rank in SIGNAL_RANKS (e.g. "1" or "01") writes its pid to OUT/pid<rank>
     and waits until it has received SIGTERM (the test sends it); then training goes on as kiln decides.
+    With STRAIGHT, the same process then trains the uninterrupted run into STRAIGHT (one launch fewer).
 worker_preempt.py dirs OUT
     each rank gets its own output_dir (OUT/rank<r>): refused at start-up."""
 
@@ -42,30 +43,41 @@ class WaitForSigterm(Callback):
             time.sleep(0.02)
 
 
-torch.manual_seed(0)
-model = toy.Regressor(dropout=0.2)
 if mode == "dirs":
+    torch.manual_seed(0)
+    model = toy.Regressor(dropout=0.2)
     cfg = toy.scenario_config(
         "plain", os.path.join(out, f"rank{rank}"), world=2, strategy={"name": "ddp", "device": "cpu", "timeout": 60}
     )
     Trainer(model, cfg, train_dataset=toy.regression_data(64)).fit()
     sys.exit(0)
 
-resume = len(sys.argv) > 5 and sys.argv[5] == "resume"
-cfg = toy.scenario_config(
-    "plain",
-    out,
-    world=2,
-    max_steps=int(sys.argv[3]),
-    enable_jit_checkpoint=True,
-    save={"strategy": "steps", "steps": 100},
-    resume_from_checkpoint="true" if resume else None,
-    strategy={"name": "ddp", "device": "cpu", "timeout": 60},
-)
-trainer = Trainer(model, cfg, train_dataset=toy.regression_data(64), callbacks=[WaitForSigterm()])
-trainer.fit()
-if rank == 0:
-    torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, os.path.join(out, "final.pt"))
-    with open(os.path.join(out, "history.json"), "w") as fh:
-        json.dump(trainer.state.log_history[:-1], fh)
-print(f"training finished at step {trainer.state.global_step}", flush=True)
+
+def train(output_dir: str, resume: bool) -> None:
+    torch.manual_seed(0)
+    cfg = toy.scenario_config(
+        "plain",
+        output_dir,
+        world=2,
+        max_steps=int(sys.argv[3]),
+        enable_jit_checkpoint=True,
+        save={"strategy": "steps", "steps": 100},
+        resume_from_checkpoint="true" if resume else None,
+        strategy={"name": "ddp", "device": "cpu", "timeout": 60},
+    )
+    trainer = Trainer(
+        toy.Regressor(dropout=0.2), cfg, train_dataset=toy.regression_data(64), callbacks=[WaitForSigterm()]
+    )
+    trainer.fit()
+    if rank == 0:
+        state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        torch.save(state, os.path.join(output_dir, "final.pt"))
+        with open(os.path.join(output_dir, "history.json"), "w") as fh:
+            json.dump(trainer.state.log_history[:-1], fh)
+    print(f"training finished at step {trainer.state.global_step}", flush=True)
+
+
+train(out, resume=len(sys.argv) > 5 and sys.argv[5] == "resume")
+if len(sys.argv) > 6:
+    os.makedirs(sys.argv[6], exist_ok=True)
+    train(sys.argv[6], resume=False)

@@ -74,11 +74,21 @@ def _assert_trained(model) -> None:
     assert sorted(moved) == sorted(start), f"adapter tensors that did not train: {sorted(set(start) - set(moved))}"
 
 
-def test_plain_lora_matches_hf_and_save_model_writes_the_adapter_only(tmp_path):
-    hf = _hf(tmp_path, lora_model())
-    ours = _kiln(tmp_path, lora_model())
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> tuple[dict, str, Trainer, str]:
+    """The plain runs three tests compare (suite time): HF's adapter after STEPS steps and its step-2
+    checkpoint, and kiln's trainer of the same run with its own step-2 checkpoint (saving changes no
+    weight)."""
+    tmp = tmp_path_factory.mktemp("peft_plain")
+    hf = _hf(tmp, lora_model(), save_strategy="steps", save_steps=2)
+    ours = _kiln(tmp / "kiln", lora_model(), save={"strategy": "steps", "steps": 2})
+    return _adapter(hf.model), str(tmp / "hf" / "checkpoint-2"), ours, str(tmp / "kiln" / "out" / "checkpoint-2")
+
+
+def test_plain_lora_matches_hf_and_save_model_writes_the_adapter_only(tmp_path, plain):
+    hf_adapter, _, ours, _ = plain
     _assert_trained(ours.model)
-    _assert_same_adapter(_adapter(ours.model), _adapter(hf.model))
+    _assert_same_adapter(_adapter(ours.model), hf_adapter)
     base = {k: v for k, v in lora_model().state_dict().items() if "lora_" not in k}
     assert all(torch.equal(v, base[k]) for k, v in ours.model.state_dict().items() if "lora_" not in k)
     ours.save_model(str(tmp_path / "export"))
@@ -111,21 +121,18 @@ def test_gradient_checkpointing_is_kiln_s_and_trains_the_adapters_as_hf_does(tmp
     _assert_same_adapter(_adapter(ours.model), _adapter(hf.model))
 
 
-def test_resume_from_an_adapter_checkpoint_matches_hf_and_the_uninterrupted_run(tmp_path):
-    hf = _hf(tmp_path, lora_model())
-    straight = _kiln(tmp_path / "straight", lora_model(), save={"strategy": "steps", "steps": 2})
-    checkpoint = str(tmp_path / "straight" / "out" / "checkpoint-2")
+def test_resume_from_an_adapter_checkpoint_matches_hf_and_the_uninterrupted_run(tmp_path, plain):
+    hf_adapter, _, straight, checkpoint = plain
     resumed = _kiln(tmp_path / "resumed", lora_model(lora_seed=7), resume=checkpoint)
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    _assert_same_adapter(_adapter(resumed.model), _adapter(hf.model))
+    _assert_same_adapter(_adapter(resumed.model), hf_adapter)
 
 
-def test_resume_from_hf_adapter_checkpoint_matches_hf(tmp_path):
-    hf = _hf(tmp_path, lora_model(), save_strategy="steps", save_steps=2)
-    checkpoint = str(tmp_path / "hf" / "checkpoint-2")
+def test_resume_from_hf_adapter_checkpoint_matches_hf(tmp_path, plain):
+    hf_adapter, checkpoint, _, _ = plain
     assert os.path.exists(os.path.join(checkpoint, "adapter_model.safetensors"))
     with pytest.warns(UserWarning, match="Resumed from Hugging Face checkpoint"):
         resumed = _kiln(tmp_path, lora_model(lora_seed=7), resume=checkpoint)
     assert resumed.state.global_step == STEPS
-    _assert_same_adapter(_adapter(resumed.model), _adapter(hf.model))
+    _assert_same_adapter(_adapter(resumed.model), hf_adapter)
