@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.strategies.deepspeed.launch import launch_worker
-
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.xdist_group("deepspeed-world")  # conftest.py's ds_world: one world for the folder
+WORLD_JOB = ("worker.py",)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return launch_worker("worker.py", tmp_path_factory.mktemp("ds"))
+def run(ds_world):
+    return ds_world(WORLD_JOB)
 
 
 def _weights(tensors, prefix):
