@@ -264,7 +264,7 @@ def _load(source: ConfigSource, overrides: Sequence[str] | Mapping[str, Any]) ->
     extra = overrides if isinstance(overrides, Mapping) else parse_dotlist(overrides)
     if extra:
         layers.append(normalise(extra))
-    cfg = base
+    cfg: Any = base  # OmegaConf.merge returns any container: checked below
     for layer in layers:
         try:
             cfg = OmegaConf.merge(cfg, layer)
