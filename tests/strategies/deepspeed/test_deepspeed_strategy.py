@@ -1,4 +1,5 @@
-"""DeepSpeed on 2 CPU processes (gloo): one launch of worker.py, several checks on its results."""
+"""DeepSpeed on 2 CPU processes (gloo): several checks on worker.py's results (run in the folder's one
+shared 2-process world, conftest.py's ds_world)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DeepSpeed checks that parity with DDP cannot make (worker_schedule_and_files.py, one 2-process launch):
+"""DeepSpeed checks that parity with DDP cannot make (worker_schedule_and_files.py, in the folder's shared 2-process world: conftest.py):
 
 - with a `scheduler` in the DeepSpeed config, the learning rate of every step is that scheduler stepped
   exactly once per optimizer step (kiln steps it; if DeepSpeed's engine also did, it would run twice

@@ -1,4 +1,4 @@
-"""DeepSpeed on 2 CPU processes (gloo), one launch of worker_zero3.py: optimizer offload (DeepSpeedCPUAdam,
+"""DeepSpeed on 2 CPU processes (gloo), worker_zero3.py in the folder's shared world (conftest.py): optimizer offload (DeepSpeedCPUAdam,
 a JIT-compiled op: ~46 s the first time on a quiet machine), zero.Init, load_best_model_at_end and
 predict_with_generate under ZeRO-3, and the "auto" scheduler steps of an epoch-based run."""
 
