@@ -46,33 +46,56 @@ DATA_SHARDS = {"model_parallel_tp": 1}
 NEEDS = {"auto_batch_size": "auto_batch_size", "full_eval": "full_eval_cast"}
 
 
-def _run(strategy, world: int, out: Path):
-    if world == 1:
-        return run_all(strategy, str(out), 1)
+def _start(keys: list[str], out: Path) -> list[str]:
+    """One 2-process world running every strategy in `keys` (worker.py); [why it failed], or []."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world}",
-        str(HERE / "worker.py"),
-        strategy,
-        str(out),
-        str(DATA_SHARDS.get(strategy, world)),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    entries = [f"{STRATEGIES[k][0]}={DATA_SHARDS.get(k, 2)}" for k in keys]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "worker.py")]
+    proc = subprocess.run([*cmd, str(out), *entries], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
-        pytest.fail(
-            f"contract worker for {strategy} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
+        return [f"contract worker for {keys} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"]
+    return []
+
+
+@pytest.fixture(scope="module")
+def multi_process(request, tmp_path_factory):
+    """key -> OUT of its results: the multi-process strategies this session selected, all in one world
+    started on first use (a world per strategy cost its start-up and first fit's imports five times)."""
+    out = tmp_path_factory.mktemp("multi_process")
+    wanted = [
+        item.callspec.params["key"]
+        for item in request.session.items
+        if item.originalname == "test_strategy_matches_single_or_refuses_up_front" and item.path == request.path
+    ]
+    keys = [k for k in STRATEGIES if k in wanted and STRATEGIES[k][1] == 2]
+    failed: list[str] = []  # the world's failure, given to every test that reads it (not started again)
+
+    def get(key: str) -> Path:
+        if not (out / "started").exists():
+            (out / "started").touch()
+            failed.extend(_start(keys, out))
+        if failed:
+            pytest.fail(failed[0])
+        return out / STRATEGIES[key][0]
+
+    return get
+
+
+def _run(key: str, multi_process, tmp_path: Path) -> tuple[dict, dict]:
+    strategy, world, _ = STRATEGIES[key]
+    if world == 1:
+        return run_all(strategy, str(tmp_path), 1)
     from safetensors.torch import load_file
 
-    return json.loads((out / "results.json").read_text()), load_file(str(out / "tensors.safetensors"))
+    folder = multi_process(key)
+    results = json.loads((folder / "results.json").read_text())
+    if "error" in results:
+        pytest.fail(f"{key} failed in the contract worker:\n{results['error']}")
+    return results, load_file(str(folder / "tensors.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +124,10 @@ _HEAVY = {"model_parallel", "deepspeed"}
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.heavy) if k in _HEAVY else k for k in STRATEGIES])
-def test_strategy_matches_single_or_refuses_up_front(key, reference, tmp_path):
-    strategy, world, tol = STRATEGIES[key]
+def test_strategy_matches_single_or_refuses_up_front(key, reference, multi_process, tmp_path):
+    strategy, _, tol = STRATEGIES[key]
     ref_results, ref_tensors = reference
-    results, tensors = _run(strategy, world, tmp_path)
+    results, tensors = _run(key, multi_process, tmp_path)
     caps = _capabilities(strategy)
     for scenario in SCENARIOS:
         got = results[scenario]

@@ -1,18 +1,19 @@
-"""DeepSpeed on 2 CPU processes (gloo): one launch of worker.py, several checks on its results."""
+"""DeepSpeed on 2 CPU processes (gloo): several checks on worker.py's results (run in the folder's one
+shared 2-process world, conftest.py's ds_world)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.strategies.deepspeed.launch import launch_worker
-
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.xdist_group("deepspeed-world")  # conftest.py's ds_world: one world for the folder
+WORLD_JOB = ("worker.py",)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return launch_worker("worker.py", tmp_path_factory.mktemp("ds"))
+def run(ds_world):
+    return ds_world(WORLD_JOB)
 
 
 def _weights(tensors, prefix):

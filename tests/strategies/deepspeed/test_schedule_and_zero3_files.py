@@ -1,4 +1,4 @@
-"""DeepSpeed checks that parity with DDP cannot make (worker_schedule_and_files.py, one 2-process launch):
+"""DeepSpeed checks that parity with DDP cannot make (worker_schedule_and_files.py, in the folder's shared 2-process world: conftest.py):
 
 - with a `scheduler` in the DeepSpeed config, the learning rate of every step is that scheduler stepped
   exactly once per optimizer step (kiln steps it; if DeepSpeed's engine also did, it would run twice
@@ -13,15 +13,14 @@ import os
 import pytest
 import torch
 
-from tests.strategies.deepspeed.launch import launch_worker
-
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("deepspeed-world")]  # conftest.py's ds_world
+WORLD_JOB = ("worker_schedule_and_files.py",)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return launch_worker("worker_schedule_and_files.py", tmp_path_factory.mktemp("ds_schedule"))
+def run(ds_world):
+    return ds_world(WORLD_JOB)
 
 
 def _expected_lrs(params: dict, steps: int) -> list[float]:

@@ -1,4 +1,4 @@
-"""DeepSpeed on 2 CPU processes (gloo), one launch of worker_zero3.py: optimizer offload (DeepSpeedCPUAdam,
+"""DeepSpeed on 2 CPU processes (gloo), worker_zero3.py in the folder's shared world (conftest.py): optimizer offload (DeepSpeedCPUAdam,
 a JIT-compiled op: ~46 s the first time on a quiet machine), zero.Init, load_best_model_at_end and
 predict_with_generate under ZeRO-3, and the "auto" scheduler steps of an epoch-based run."""
 
@@ -10,17 +10,15 @@ import os
 import pytest
 import torch
 
-from tests.strategies.deepspeed.launch import launch_worker
-
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.xdist_group("deepspeed-world")  # conftest.py's ds_world: one world for the folder
+WORLD_JOB = ("worker_zero3.py", *os.environ.get("KILN_DS3_CHECKS", "").split())
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return launch_worker(
-        "worker_zero3.py", tmp_path_factory.mktemp("ds3"), *os.environ.get("KILN_DS3_CHECKS", "").split()
-    )
+def run(ds_world):
+    return ds_world(WORLD_JOB)
 
 
 def _weights(tensors, prefix):

@@ -19,6 +19,8 @@ import torch
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.xdist_group("deepspeed-world")  # conftest.py's ds_world: one world for the folder
+WORLD_JOB = ("worker_model_building.py", "gpt2", "plain", "pretrained")  # run2's checks
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -68,12 +70,8 @@ def run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run2(tmp_path_factory):
-    from tests.strategies.deepspeed.launch import launch_worker
-
-    return launch_worker(
-        "worker_model_building.py", tmp_path_factory.mktemp("ds_build2"), "gpt2", "plain", "pretrained"
-    )
+def run2(ds_world):
+    return ds_world(WORLD_JOB)
 
 
 def _weights(tensors: dict, prefix: str) -> dict:

@@ -108,6 +108,10 @@ def test_accelerate_fsdp_config_runs_like_the_native_config(tmp_path, native):
     _same_run(tmp_path / "acc", native)
 
 
+# CI time: the file means to `kiln fit --accelerate-config` what it means to `accelerate launch`
+# (tests/strategies/test_launch.py::test_accelerate_config_files_mean_what_accelerate_launch_makes_of_them),
+# and `accelerate launch` with it runs like the native config (test_accelerate_fsdp_config_runs_like_the_native_config)
+@pytest.mark.heavy
 def test_kiln_fit_with_the_accelerate_config_file_runs_like_the_native_config(tmp_path, native):
     conf = tmp_path / "accelerate.yaml"
     conf.write_text(ACCELERATE_FSDP.format(port=_free_port()))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,24 +22,40 @@ def _equal(a: dict, b: dict, tol: float = 0.0) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=lambda m, n=k: f"{n}: {m}")
 
 
+KINDS = ("sharded", "full")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """kind -> the folder of one uninterrupted 2-process run (checkpoints at steps 2, 4, 6), made once for
-    the module: the resume and reshard tests read the same run (each 2-process job costs seconds of starts)."""
-    runs: dict[str, Path] = {}
-
-    def get(kind: str):
-        if kind not in runs:
-            runs[kind] = tmp_path_factory.mktemp(f"uninterrupted_{kind}")
-            torchrun(2, "worker_resume.py", runs[kind], kind)
-        return runs[kind]
-
-    return get
+    """kind -> the folder of one uninterrupted 2-process run (checkpoints at steps 2, 4, 6), both kinds made
+    in one world once for the module: the resume and reshard tests read the same runs (each 2-process job
+    costs seconds of starts)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    torchrun(2, "worker_resume.py", *_joined([root / kind, kind] for kind in KINDS))
+    return lambda kind: root / kind
 
 
-@pytest.mark.parametrize("kind", ["sharded", "full"])
-def test_resume_is_exact(tmp_path, kind, uninterrupted):
-    first, second = uninterrupted(kind), tmp_path / "second"
+@pytest.fixture(scope="module")
+def resumed(uninterrupted, tmp_path_factory):
+    """kind -> the folder of a run resumed from the uninterrupted run's checkpoint-2 to step 6: a second
+    world (a fresh process, as after a kill), both kinds in it."""
+    root = tmp_path_factory.mktemp("resumed")
+    runs = ([root / kind, kind, uninterrupted(kind) / "full_shard" / "checkpoint-2", 6] for kind in KINDS)
+    torchrun(2, "worker_resume.py", *_joined(runs))
+    return lambda kind: root / kind
+
+
+def _joined(runs) -> list:
+    """worker_resume.py's arguments for several runs in one world."""
+    out: list = []
+    for spec in runs:
+        out += ["+", *spec] if out else spec
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_resume_is_exact(kind, uninterrupted, resumed):
+    first, second = uninterrupted(kind), resumed(kind)
     ckpt = first / "full_shard" / "checkpoint-2"
     marker = json.loads((ckpt / "COMPLETE").read_text())
     assert marker["format"] == f"fsdp-{kind}" and marker["world_size"] == 2
@@ -48,7 +63,6 @@ def test_resume_is_exact(tmp_path, kind, uninterrupted):
         assert {f for f in os.listdir(ckpt / "fsdp_dcp") if f.endswith(".distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     else:
         assert (ckpt / "model.safetensors").exists() and (ckpt / "optimizer.pt").exists()
-    torchrun(2, "worker_resume.py", second, kind, ckpt, 6)
     _equal(load_file(str(second / "final.safetensors")), load_file(str(first / "final.safetensors")))
 
 
@@ -146,9 +160,9 @@ def test_tied_gpt2_keeps_its_tie_through_training_checkpoint_export_and_convert(
         torch.testing.assert_close(plain.state_dict()[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_convert_refuses_a_folder_without_marker(tmp_path):
-    from tests.distributed.conftest import kiln_cli
+def test_convert_refuses_a_folder_without_marker(tmp_path, capsys):
+    from kiln.cli import main  # in this process (the CLI process exits 1 on a refusal: test_planted_payloads.py)
 
-    proc = kiln_cli("convert", tmp_path, tmp_path / "out", check=False)
-    assert proc.returncode == 1
-    assert proc.stderr.strip().count("\n") == 0 and "COMPLETE" in proc.stderr
+    assert main(["convert", str(tmp_path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "COMPLETE" in err

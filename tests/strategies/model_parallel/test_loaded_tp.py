@@ -17,26 +17,28 @@ from kiln.config import load_config
 from kiln.strategies.mesh.presharded import adopt_loaded_model
 from kiln.utils.errors import ConfigError
 from tests.strategies.model_parallel import cases
-from tests.strategies.model_parallel.test_model_parallel import _checkpoint, _same_run, _same_weights, _torchrun
+from tests.strategies.model_parallel.conftest import checkpoint
+from tests.strategies.model_parallel.test_model_parallel import _same_run, _same_weights
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.xdist_group("model-parallel-worlds")  # conftest.py's worlds, shared with test_model_parallel
 
 
 @pytest.mark.distributed
-def test_a_model_split_at_load_trains_like_one_process_and_resumes_on_one(tmp_path):
-    cases.llama().save_pretrained(cases.saved_llama(str(tmp_path / "two" / "runs")))
-    results, weights = _torchrun(2, tmp_path / "two", "loaded_tp2")
+def test_a_model_split_at_load_trains_like_one_process_and_resumes_on_one(tp_two, tp_one, tmp_path):
+    """Run in the worlds test_model_parallel.py reads (conftest.py): no world of its own."""
+    results, weights, out = tp_two
     got = results["loaded_tp2"]
     assert got["strategy"] == "ModelParallelStrategy" and got["data_shards"] == 1  # both ranks read the same batches
     assert got["tp_split"] == 2 * 7 + 2  # transformers' split, kept: the layers, the embedding and the head
     single = cases.run_case("single", str(tmp_path / "single"))
     _same_run(got, single[0])
     _same_weights(weights["loaded_tp2"], single[1], 1e-4)  # AdamW magnifies the float order of TP's sums (see hook)
-    checkpoint = _checkpoint(tmp_path / "two", "loaded_tp2")
-    assert json.loads((checkpoint / "COMPLETE").read_text())["format"] == "fsdp-sharded"
-    resumed, resumed_weights = _torchrun(1, tmp_path / "one", f"resume={checkpoint}")
-    assert resumed["resume"]["losses"][:2] == pytest.approx(got["losses"][:2], rel=1e-6)
-    _same_weights(resumed_weights["resume"], weights["loaded_tp2"], 1e-6)
+    ckpt = checkpoint(out, "loaded_tp2")
+    assert json.loads((ckpt / "COMPLETE").read_text())["format"] == "fsdp-sharded"
+    resumed, resumed_weights, _ = tp_one
+    assert resumed["resume_from_loaded"]["losses"][:2] == pytest.approx(got["losses"][:2], rel=1e-6)
+    _same_weights(resumed_weights["resume_from_loaded"], weights["loaded_tp2"], 1e-6)
 
 
 class _Split(nn.Module):

@@ -18,18 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.strategies.case_jobs import start
 from tests.strategies.model_parallel import cases
+from tests.strategies.model_parallel.conftest import checkpoint, torchrun
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("model-parallel-worlds")]  # conftest.py's worlds
 HERE = Path(__file__).resolve().parent
 TOL = 1e-5
 BF16 = 1e-2  # relative, for losses: bf16 keeps 8 bits of mantissa
 BF16_WEIGHTS = 5e-2  # a weight's distance from single bf16's, relative to its change in training
 
 
-def _torchrun(nproc: int, out: Path, *names: str) -> tuple[dict, dict]:
-    return start(HERE / "worker.py", out, list(names), timeout=900, nproc=nproc)
+_torchrun, _checkpoint = torchrun, checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +37,13 @@ def single(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mp_two")
-    return (*_torchrun(2, out, "tp2", "hook", "dp2"), out)
+def two(tp_two):
+    return tp_two  # conftest.py: test_loaded_tp.py reads the same world
 
 
 @pytest.fixture(scope="module")
-def one(two, tmp_path_factory):
-    """On one process: the tp-2 checkpoint resumed, and model_parallel's own run (checkpoints every 2 steps)."""
-    out = tmp_path_factory.mktemp("mp_one")
-    return (*_torchrun(1, out, f"resume={_checkpoint(two[2], 'tp2')}", "one"), out)
-
-
-def _checkpoint(out: Path, case: str, step: int = 2) -> Path:
-    return out / "runs" / case / f"checkpoint-{step}"
+def one(tp_one):
+    return tp_one
 
 
 def _same_weights(got: dict, want: dict, tol: float = TOL) -> None:
