@@ -1,0 +1,138 @@
+"""A checkpoint resumes under a strategy that writes another format (kiln.strategies.format_translation):
+single/DDP's `full` under FSDP (`fsdp-full`, `fsdp-sharded`) and model_parallel, and back, optimizer
+state included; a format that cannot be translated is refused in one sentence naming the fix.
+
+In one process (gloo, world size 1) FSDP computes exactly what the single strategy does, so a run resumed
+across formats ends bit for bit equal to the uninterrupted run: weights, AdamW moments and step counts,
+schedule, RNG (the model has dropout) and data position all come through. The 1 -> 2 -> 1 process chain is
+`test_one_two_one_processes_across_formats` (2 gloo processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kiln.engine.checkpoint.files import MARKER
+from kiln.strategies.checkpoint_io import FORMATS, CheckpointIO, FullStateCheckpointIO
+from kiln.strategies.format_translation import route
+from kiln.strategies.mesh.checkpoint_io import FullCheckpointIO, ShardedCheckpointIO
+from kiln.strategies.mesh.pipeline_checkpoint import PipelineCheckpointIO
+from kiln.utils.errors import CheckpointError
+from tests.checkpoint.checkpoint_helpers import Crash, numeric_history, train
+from tests.strategies.test_ddp_strategy import no_launcher  # noqa: F401 (autouse fixture: no torchrun variables)
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+STRATEGIES = {
+    "single": {"name": "single", "device": "cpu"},
+    "ddp": {"name": "ddp", "device": "cpu"},
+    "fsdp-full": {"name": "fsdp", "device": "cpu", "state_dict_type": "full"},
+    "fsdp-sharded": {"name": "fsdp", "device": "cpu", "state_dict_type": "sharded"},
+    "model_parallel": {"name": "model_parallel", "device": "cpu"},
+}
+CFG = {"max_steps": 4, "save_steps": 2, "logging_steps": 1}
+#: the 1 -> 2 -> 1 process chain: 6 steps, no dropout (each rank's random stream cannot follow a change
+#: of process count), stopped after saving step 4 in the 2-process leg
+CHAIN = {"cfg": {**CFG, "max_steps": 6}, "model_kw": {"dropout": 0.0}}
+
+
+def fit(
+    out: str,
+    strategy: str,
+    resume: str | None = None,
+    *,
+    cfg: dict = CFG,
+    batch: int = 4,
+    crash_at: int | None = None,
+    model_kw: dict | None = None,
+):
+    """One run under `strategy` with `batch` samples per process, stopped (Crash) after saving `crash_at`;
+    without a launcher its one-process group is freed after it (the next run makes its own)."""
+    config = {**cfg, "strategy": STRATEGIES[strategy], "per_device_train_batch_size": batch}
+    try:
+        return train(out, config, resume=resume, model_seed=0 if resume is None else 99, crash_at=crash_at, model_kw=model_kw)
+    except Crash:
+        return None
+    finally:
+        if dist.is_initialized() and "RANK" not in os.environ:
+            dist.destroy_process_group()
+
+
+def saved_weights(path: str) -> dict[str, torch.Tensor]:
+    """The full weights a checkpoint holds, whatever its format (the registry's `consolidate`)."""
+    return FORMATS.get(json.loads(Path(path, MARKER).read_text())["format"]).consolidate(path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted single-process run, and a finished run of each saving strategy (its checkpoint-2)."""
+    root = tmp_path_factory.mktemp("xfmt")
+    done = {name: str(root / name) for name in ("single", "fsdp-full", "fsdp-sharded")}
+    reference = None
+    for name, out in done.items():
+        trainer = fit(out, name)
+        reference = reference or trainer
+    return reference, done
+
+
+@pytest.mark.parametrize(
+    "saved, resumed",
+    [
+        ("single", "fsdp-full"),
+        ("single", "fsdp-sharded"),
+        ("single", "model_parallel"),
+        ("fsdp-sharded", "single"),
+        ("fsdp-full", "ddp"),
+        ("fsdp-sharded", "fsdp-full"),
+    ],
+)
+def test_a_resume_across_formats_ends_bitwise_equal_to_the_uninterrupted_run(runs, tmp_path, saved, resumed):
+    reference, done = runs
+    out = str(tmp_path / "run")
+    shutil.copytree(done[saved], out)
+    shutil.rmtree(os.path.join(out, "checkpoint-4"))
+    assert json.loads(Path(out, "checkpoint-2", MARKER).read_text())["format"] != FORMAT_OF[resumed]
+    trainer = fit(out, resumed, resume=os.path.join(out, "checkpoint-2"))
+    got = saved_weights(os.path.join(out, "checkpoint-4"))
+    for key, value in saved_weights(os.path.join(done["single"], "checkpoint-4")).items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0)
+    assert numeric_history(trainer)[2:] == numeric_history(reference)[2:]  # steps 3, 4 and the summary
+
+
+FORMAT_OF = {
+    "single": "full",
+    "ddp": "full",
+    "fsdp-full": "fsdp-full",
+    "fsdp-sharded": "fsdp-sharded",
+    "model_parallel": "fsdp-sharded",
+}
+
+
+def test_one_two_one_processes_across_formats(tmp_path):
+    """single on 1 process (`full`) -> FSDP on 2 (`fsdp-sharded`) -> single on 1: ends where the uninterrupted
+    1-process run does, within float reduction order (2 ranks sum each gradient in another order; the global
+    batch, its samples and the data position are the same). On 2 processes DDP -> FSDP (`full` ->
+    `fsdp-full`, same data shards) is bitwise equal to DDP uninterrupted."""
+    from tests.distributed.conftest import TORCHRUN, run
+
+    reference, chain = str(tmp_path / "reference"), str(tmp_path / "chain")
+    fit(reference, "single", **CHAIN)
+    os.makedirs(chain)
+    shutil.copytree(os.path.join(reference, "checkpoint-2"), os.path.join(chain, "checkpoint-2"))
+    run([*TORCHRUN, os.path.join(os.path.dirname(__file__), "cross_format_worker.py"), str(tmp_path)], timeout=600)
+    assert json.loads(Path(chain, "checkpoint-4", MARKER).read_text())["format"] == "fsdp-sharded"
+    with pytest.warns(UserWarning, match="saved by 2 data-parallel ranks and this run has 1"):
+        fit(chain, "single", os.path.join(chain, "checkpoint-4"), **CHAIN)
+    want, got = saved_weights(os.path.join(reference, "checkpoint-6")), saved_weights(os.path.join(chain, "checkpoint-6"))
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+    ddp, fsdp = saved_weights(str(tmp_path / "ddp" / "checkpoint-4")), saved_weights(str(tmp_path / "fsdp" / "checkpoint-4"))
+    for key, value in ddp.items():
+        torch.testing.assert_close(fsdp[key], value, rtol=0, atol=0)
+    assert json.loads(Path(tmp_path, "fsdp", "checkpoint-4", MARKER).read_text())["format"] == "fsdp-full"
