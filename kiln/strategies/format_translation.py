@@ -75,5 +75,5 @@ def resuming_io(io: CheckpointIO, fmt: str, path: str) -> CheckpointIO:
     source = FORMATS.get(fmt) if fmt in FORMATS else None
     hint = source.translation_hint if source is not None and not source.translatable else CheckpointIO.translation_hint
     raise CheckpointError(
-        f"{path} was saved in the {fmt!r} checkpoint format, which this run's {io.format!r} format cannot resume; {hint}."
+        f"{path} was saved by a strategy with the {fmt!r} checkpoint format, but this run uses {io.format!r}; {hint}."
     )

@@ -18,7 +18,14 @@ import torch.distributed as dist  # noqa: E402
 from tests.checkpoint.test_cross_format_resume import CHAIN, fit  # noqa: E402
 
 root = sys.argv[1]
-fit(os.path.join(root, "chain"), "fsdp-sharded", os.path.join(root, "chain", "checkpoint-2"), **CHAIN, batch=2, crash_at=4)
+fit(
+    os.path.join(root, "chain"),
+    "fsdp-sharded",
+    os.path.join(root, "chain", "checkpoint-2"),
+    **CHAIN,
+    batch=2,
+    crash_at=4,
+)
 fit(os.path.join(root, "ddp"), "ddp", None, **CHAIN, batch=2, crash_at=4)
 if int(os.environ["RANK"]) == 0:
     os.makedirs(os.path.join(root, "fsdp"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,12 @@ import torch
 import torch.distributed as dist
 
 from kiln.engine.checkpoint.files import MARKER
+from kiln.engine.checkpoint.loading import check_data_shards
 from kiln.strategies.checkpoint_io import FORMATS, CheckpointIO, FullStateCheckpointIO
 from kiln.strategies.format_translation import route
 from kiln.strategies.mesh.checkpoint_io import FullCheckpointIO, ShardedCheckpointIO
 from kiln.strategies.mesh.pipeline_checkpoint import PipelineCheckpointIO
+from kiln.strategies.single import SingleDeviceStrategy
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import Crash, numeric_history, train
 from tests.strategies.test_ddp_strategy import no_launcher  # noqa: F401 (autouse fixture: no torchrun variables)
@@ -56,7 +59,9 @@ def fit(
     without a launcher its one-process group is freed after it (the next run makes its own)."""
     config = {**cfg, "strategy": STRATEGIES[strategy], "per_device_train_batch_size": batch}
     try:
-        return train(out, config, resume=resume, model_seed=0 if resume is None else 99, crash_at=crash_at, model_kw=model_kw)
+        return train(
+            out, config, resume=resume, model_seed=0 if resume is None else 99, crash_at=crash_at, model_kw=model_kw
+        )
     except Crash:
         return None
     finally:
@@ -86,10 +91,10 @@ def runs(tmp_path_factory):
     [
         ("single", "fsdp-full"),
         ("single", "fsdp-sharded"),
-        ("single", "model_parallel"),
+        pytest.param("single", "model_parallel", marks=pytest.mark.heavy),  # single -> fsdp-sharded's IO
         ("fsdp-sharded", "single"),
         ("fsdp-full", "ddp"),
-        ("fsdp-sharded", "fsdp-full"),
+        pytest.param("fsdp-sharded", "fsdp-full", marks=pytest.mark.heavy),  # both directions covered above
     ],
 )
 def test_a_resume_across_formats_ends_bitwise_equal_to_the_uninterrupted_run(runs, tmp_path, saved, resumed):
@@ -129,10 +134,107 @@ def test_one_two_one_processes_across_formats(tmp_path):
     assert json.loads(Path(chain, "checkpoint-4", MARKER).read_text())["format"] == "fsdp-sharded"
     with pytest.warns(UserWarning, match="saved by 2 data-parallel ranks and this run has 1"):
         fit(chain, "single", os.path.join(chain, "checkpoint-4"), **CHAIN)
-    want, got = saved_weights(os.path.join(reference, "checkpoint-6")), saved_weights(os.path.join(chain, "checkpoint-6"))
+    want, got = (
+        saved_weights(os.path.join(reference, "checkpoint-6")),
+        saved_weights(os.path.join(chain, "checkpoint-6")),
+    )
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
-    ddp, fsdp = saved_weights(str(tmp_path / "ddp" / "checkpoint-4")), saved_weights(str(tmp_path / "fsdp" / "checkpoint-4"))
+    ddp, fsdp = (
+        saved_weights(str(tmp_path / "ddp" / "checkpoint-4")),
+        saved_weights(str(tmp_path / "fsdp" / "checkpoint-4")),
+    )
     for key, value in ddp.items():
         torch.testing.assert_close(fsdp[key], value, rtol=0, atol=0)
     assert json.loads(Path(tmp_path, "fsdp", "checkpoint-4", MARKER).read_text())["format"] == "fsdp-full"
+
+
+# -- refusals and routes ----------------------------------------------------------------------------
+def _as_format(runs, tmp_path, fmt: str) -> str:
+    """A copy of the single run's checkpoint-2 whose marker names format `fmt` (the refusal reads no file)."""
+    out = str(tmp_path / "run")
+    shutil.copytree(runs[1]["single"], out)
+    shutil.rmtree(os.path.join(out, "checkpoint-4"))
+    marker = Path(out, "checkpoint-2", MARKER)
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "format": fmt}))
+    return out
+
+
+@pytest.mark.parametrize("resumed", ["fsdp-sharded", "single"])
+def test_a_deepspeed_checkpoint_is_refused_in_one_sentence_naming_kiln_convert(runs, tmp_path, resumed):
+    out = _as_format(runs, tmp_path, "deepspeed")
+    before = sorted(os.listdir(os.path.join(out, "checkpoint-2")))
+    with pytest.raises(CheckpointError) as err:
+        fit(out, resumed, resume=os.path.join(out, "checkpoint-2"))
+    message = str(err.value)
+    assert message.count(". ") == 0 and message.endswith(".")  # one sentence
+    assert f"'deepspeed' checkpoint format, but this run uses '{FORMAT_OF[resumed]}'" in message
+    assert "kiln convert" in message and "strategy deepspeed" in message
+    assert sorted(os.listdir(os.path.join(out, "checkpoint-2"))) == before  # nothing saved is touched
+
+
+def test_an_unknown_format_is_refused(runs, tmp_path):
+    out = _as_format(runs, tmp_path, "no-such-format")
+    with pytest.raises(
+        CheckpointError,
+        match="'no-such-format' checkpoint format, but this run uses 'fsdp-full'; resume with the strategy that saved it",
+    ):
+        fit(out, "fsdp-full", resume=os.path.join(out, "checkpoint-2"))
+
+
+def test_routes_through_the_registry():
+    assert route(FullStateCheckpointIO, "full") == "native"
+    assert route(ShardedCheckpointIO, "model-parallel-dcp") == "native"  # also_resumes
+    assert route(ShardedCheckpointIO, "full") == route(FullStateCheckpointIO, "fsdp-sharded") == "translated"
+    assert route(FullCheckpointIO, "fsdp-sharded") == "translated"
+    assert route(FullStateCheckpointIO, "deepspeed") is None  # DeepSpeed's state is not translatable
+    assert route(FullStateCheckpointIO, "xla-full") is None  # nor XLA's (no translation tested for it)
+    assert route(PipelineCheckpointIO, "full") is None  # a stage holds part of the model
+    assert route(PipelineCheckpointIO, "fsdp-sharded") == "native"
+    assert route(CheckpointIO, "fsdp-full") is None  # an IO that does not opt in
+    assert route(FullStateCheckpointIO, "unknown") is None
+
+
+# -- the data-order warning counts data shards, not processes ------------------------------------------
+class TwoShards(SingleDeviceStrategy):
+    """Reads every other batch, as one of two data-parallel ranks would."""
+
+    @property
+    def data_shards(self) -> int:
+        return 2
+
+
+def test_the_marker_records_the_data_shards_and_a_pipeline_resume_on_one_process_does_not_warn(runs, tmp_path):
+    out = str(tmp_path / "run")
+    train(out, {**CFG, "max_steps": 2}, strategy=TwoShards)
+    meta = json.loads(Path(out, "checkpoint-2", MARKER).read_text())
+    assert (meta["world_size"], meta["data_shards"]) == (1, 2)
+    # pp 2 -> 1: two processes that read one data shard together, resumed by one process
+    out = _as_format(runs, tmp_path / "pp", "full")
+    marker = Path(out, "checkpoint-2", MARKER)
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": 2, "data_shards": 1}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(out, "single", resume=os.path.join(out, "checkpoint-2"))
+    assert not [w for w in caught if "data-parallel ranks" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "meta, warns",
+    [
+        ({"world_size": 2, "data_shards": 1}, False),  # pp or tp 2 -> 1
+        ({"world_size": 1, "data_shards": 2}, True),
+        ({"world_size": 4, "data_shards": 2}, True),  # dp 2 x tp 2 -> 1
+        ({"world_size": 2}, True),  # a marker from before data_shards: the process count is all it says
+        ({"world_size": 1}, False),
+    ],
+)
+def test_the_data_order_warning_compares_data_shards(meta, warns):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_data_shards("ckpt", meta, 1)
+    assert [str(w.message).split(":")[0] for w in caught] == (
+        [f"ckpt was saved by {meta.get('data_shards', meta['world_size'])} data-parallel ranks and this run has 1"]
+        if warns
+        else []
+    )

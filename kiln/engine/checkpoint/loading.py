@@ -55,7 +55,7 @@ def load_checkpoint(manager: Any, path: str) -> Restored:
             f"{path} holds shards for {saved_world} processes but this run has {strategy.world_size}; "
             f"the {io.format!r} format cannot be resharded: resume with {saved_world} processes."
         )
-    _check_data_shards(path, meta, strategy.data_shards)
+    check_data_shards(path, meta, strategy.data_shards)
     _check_config(manager, path)
     assert run.wrapped is not None  # Run.__post_init__ sets it, and nothing sets it back to None
     io.load(path, model=run.wrapped, module=run.model, optimizer=run.optimizer)
@@ -90,7 +90,7 @@ def load_checkpoint(manager: Any, path: str) -> Restored:
     return Restored(state, rng, loop.get("loop"), loop.get("dataset"))
 
 
-def _check_data_shards(path: str, meta: dict[str, object], shards: int) -> None:
+def check_data_shards(path: str, meta: dict[str, object], shards: int) -> None:
     """Warn when the number of data-parallel ranks (the train sampler's replicas) changed: that, not the
     process count, moves each rank's data position (a pipeline's or tensor-parallel group's ranks read one
     shard together). Markers of kiln versions before `data_shards` only say the process count."""
