@@ -19,12 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from kiln.docgen.format_table import format_rows
 from kiln.engine.checkpoint.files import MARKER
 from kiln.engine.checkpoint.loading import check_data_shards
 from kiln.strategies.checkpoint_io import FORMATS, CheckpointIO, FullStateCheckpointIO
 from kiln.strategies.format_translation import route
 from kiln.strategies.mesh.checkpoint_io import FullCheckpointIO, ShardedCheckpointIO
 from kiln.strategies.mesh.pipeline_checkpoint import PipelineCheckpointIO
+from kiln.strategies.portable_state import keyed_by_index, keyed_by_name, optimizer_names
 from kiln.strategies.single import SingleDeviceStrategy
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import Crash, numeric_history, train
@@ -132,7 +134,9 @@ def test_one_two_one_processes_across_formats(tmp_path):
     shutil.copytree(os.path.join(reference, "checkpoint-2"), os.path.join(chain, "checkpoint-2"))
     run([*TORCHRUN, os.path.join(os.path.dirname(__file__), "cross_format_worker.py"), str(tmp_path)], timeout=600)
     assert json.loads(Path(chain, "checkpoint-4", MARKER).read_text())["format"] == "fsdp-sharded"
-    with pytest.warns(UserWarning, match="saved by 2 data-parallel ranks and this run has 1"):
+    with pytest.warns(
+        UserWarning, match=r"saved by 2 processes and this run has 1 \(2 and 1 reading distinct batches\)"
+    ):
         fit(chain, "single", os.path.join(chain, "checkpoint-4"), **CHAIN)
     want, got = (
         saved_weights(os.path.join(reference, "checkpoint-6")),
@@ -216,7 +220,7 @@ def test_the_marker_records_the_data_shards_and_a_pipeline_resume_on_one_process
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(out, "single", resume=os.path.join(out, "checkpoint-2"))
-    assert not [w for w in caught if "data-parallel ranks" in str(w.message)]
+    assert not [w for w in caught if "reading distinct batches" in str(w.message)]
 
 
 @pytest.mark.parametrize(
@@ -232,9 +236,55 @@ def test_the_marker_records_the_data_shards_and_a_pipeline_resume_on_one_process
 def test_the_data_order_warning_compares_data_shards(meta, warns):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        check_data_shards("ckpt", meta, 1)
+        check_data_shards("ckpt", meta, 1, 1)
+    shards = meta.get("data_shards", meta["world_size"])
     assert [str(w.message).split(":")[0] for w in caught] == (
-        [f"ckpt was saved by {meta.get('data_shards', meta['world_size'])} data-parallel ranks and this run has 1"]
+        [
+            f"ckpt was saved by {meta['world_size']} processes and this run has 1 ({shards} and 1 reading distinct batches)"
+        ]
         if warns
         else []
     )
+
+
+# -- the optimizer state's two keyings, and the generated table ---------------------------------------
+def _adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    optimizer = torch.optim.AdamW(
+        [{"params": [model[0].weight, model[1].weight]}, {"params": [model[0].bias, model[1].bias]}]
+    )
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_optimizer_state_is_rekeyed_by_name_and_back():
+    model, optimizer = _adamw()
+    names = optimizer_names(model, optimizer)
+    assert names == ["0.weight", "1.weight", "0.bias", "1.bias"]  # the optimizer's order, not the module's
+    saved = optimizer.state_dict()
+    by_name = keyed_by_name(saved, names, "ckpt")
+    assert [g["params"] for g in by_name["param_groups"]] == [["0.weight", "1.weight"], ["0.bias", "1.bias"]]
+    assert by_name["state"]["0.bias"] is saved["state"][2]
+    assert keyed_by_name(by_name, names, "ckpt") is by_name and keyed_by_index(saved, names, "ckpt") is saved
+    back = keyed_by_index(by_name, names, "ckpt")
+    assert back["param_groups"] == saved["param_groups"] and back["state"].keys() == saved["state"].keys()
+    assert all(back["state"][i] is saved["state"][i] for i in saved["state"])
+
+
+def test_optimizer_state_of_other_parameters_is_refused_in_one_sentence():
+    model, optimizer = _adamw()
+    names = optimizer_names(model, optimizer)
+    with pytest.raises(CheckpointError, match=r"holds 3 parameters and this run's optimizer has 4; was the set of"):
+        keyed_by_name({"state": {}, "param_groups": [{"params": [0, 1, 2]}]}, names, "ckpt")
+    with pytest.raises(CheckpointError, match=r"parameters this run's optimizer does not have \(2\.weight\); was the"):
+        keyed_by_index({"state": {}, "param_groups": [{"params": ["0.weight", "2.weight"]}]}, names, "ckpt")
+
+
+def test_the_generated_table_says_which_formats_translate():
+    rows = {row["format"]: row for row in format_rows()}
+    assert rows["full"]["translated"] == ["fsdp", "model_parallel"]
+    assert rows["fsdp-sharded"]["translated"] == rows["fsdp-full"]["translated"] == ["ddp", "mps", "single"]
+    assert rows["fsdp-full"]["resumed"] == ["fsdp", "model_parallel"]  # natively: not listed twice
+    assert rows["deepspeed"]["translated"] == rows["xla-full"]["translated"] == []

@@ -55,7 +55,7 @@ def load_checkpoint(manager: Any, path: str) -> Restored:
             f"{path} holds shards for {saved_world} processes but this run has {strategy.world_size}; "
             f"the {io.format!r} format cannot be resharded: resume with {saved_world} processes."
         )
-    check_data_shards(path, meta, strategy.data_shards)
+    check_data_shards(path, meta, strategy.world_size, strategy.data_shards)
     _check_config(manager, path)
     assert run.wrapped is not None  # Run.__post_init__ sets it, and nothing sets it back to None
     io.load(path, model=run.wrapped, module=run.model, optimizer=run.optimizer)
@@ -90,16 +90,18 @@ def load_checkpoint(manager: Any, path: str) -> Restored:
     return Restored(state, rng, loop.get("loop"), loop.get("dataset"))
 
 
-def check_data_shards(path: str, meta: dict[str, object], shards: int) -> None:
-    """Warn when the number of data-parallel ranks (the train sampler's replicas) changed: that, not the
-    process count, moves each rank's data position (a pipeline's or tensor-parallel group's ranks read one
-    shard together). Markers of kiln versions before `data_shards` only say the process count."""
-    saved = meta.get("data_shards", meta.get("world_size"))
+def check_data_shards(path: str, meta: dict[str, Any], world: int, shards: int) -> None:
+    """Warn when the number of data-parallel ranks (the train sampler's replicas, `shards` now) changed: that,
+    not the process count (`world`), moves each rank's data position (a pipeline's or tensor-parallel
+    group's ranks read one shard together). Markers of kiln versions before `data_shards` only say the
+    process count."""
+    saved_world = meta.get("world_size")
+    saved = meta.get("data_shards", saved_world)
     if saved != shards:
         warnings.warn(
-            f"{path} was saved by {saved} data-parallel ranks and this run has {shards}: weights, optimizer "
-            "and schedule are restored, but each rank's data position and random streams cannot be, so the run "
-            "will not match an uninterrupted one.",
+            f"{path} was saved by {saved_world} processes and this run has {world} ({saved} and {shards} reading "
+            "distinct batches): weights, optimizer and schedule are restored, but each rank's data position and "
+            "random streams cannot be, so the run will not match an uninterrupted one.",
             stacklevel=4,
         )
 
