@@ -10,6 +10,7 @@ schedule, RNG (the model has dropout) and data position all come through. The 1 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -40,6 +41,13 @@ STRATEGIES = {
     "fsdp-full": {"name": "fsdp", "device": "cpu", "state_dict_type": "full"},
     "fsdp-sharded": {"name": "fsdp", "device": "cpu", "state_dict_type": "sharded"},
     "model_parallel": {"name": "model_parallel", "device": "cpu"},
+}
+FORMAT_OF = {  # the format each strategy setting writes
+    "single": "full",
+    "ddp": "full",
+    "fsdp-full": "fsdp-full",
+    "fsdp-sharded": "fsdp-sharded",
+    "model_parallel": "fsdp-sharded",
 }
 CFG = {"max_steps": 4, "save_steps": 2, "logging_steps": 1}
 #: the 1 -> 2 -> 1 process chain: 6 steps, no dropout (each rank's random stream cannot follow a change
@@ -99,26 +107,22 @@ def runs(tmp_path_factory):
         pytest.param("fsdp-sharded", "fsdp-full", marks=pytest.mark.heavy),  # both directions covered above
     ],
 )
-def test_a_resume_across_formats_ends_bitwise_equal_to_the_uninterrupted_run(runs, tmp_path, saved, resumed):
+def test_a_resume_across_formats_ends_bitwise_equal_to_the_uninterrupted_run(runs, tmp_path, caplog, saved, resumed):
     reference, done = runs
     out = str(tmp_path / "run")
     shutil.copytree(done[saved], out)
     shutil.rmtree(os.path.join(out, "checkpoint-4"))
     assert json.loads(Path(out, "checkpoint-2", MARKER).read_text())["format"] != FORMAT_OF[resumed]
-    trainer = fit(out, resumed, resume=os.path.join(out, "checkpoint-2"))
+    with caplog.at_level(logging.INFO, logger="kiln.strategies.format_translation"):
+        trainer = fit(out, resumed, resume=os.path.join(out, "checkpoint-2"))
+    assert (
+        f"a {FORMAT_OF[saved]!r} checkpoint, through its full state into this run's {FORMAT_OF[resumed]!r}"
+        in caplog.text
+    )
     got = saved_weights(os.path.join(out, "checkpoint-4"))
     for key, value in saved_weights(os.path.join(done["single"], "checkpoint-4")).items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=0)
     assert numeric_history(trainer)[2:] == numeric_history(reference)[2:]  # steps 3, 4 and the summary
-
-
-FORMAT_OF = {
-    "single": "full",
-    "ddp": "full",
-    "fsdp-full": "fsdp-full",
-    "fsdp-sharded": "fsdp-sharded",
-    "model_parallel": "fsdp-sharded",
-}
 
 
 def test_one_two_one_processes_across_formats(tmp_path):
@@ -213,14 +217,16 @@ def test_the_marker_records_the_data_shards_and_a_pipeline_resume_on_one_process
     train(out, {**CFG, "max_steps": 2}, strategy=TwoShards)
     meta = json.loads(Path(out, "checkpoint-2", MARKER).read_text())
     assert (meta["world_size"], meta["data_shards"]) == (1, 2)
-    # pp 2 -> 1: two processes that read one data shard together, resumed by one process
+    # pp 2 -> 1: two processes that read one data shard together, resumed by one process (under another
+    # format: a translated checkpoint loads on any process count)
     out = _as_format(runs, tmp_path / "pp", "full")
     marker = Path(out, "checkpoint-2", MARKER)
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": 2, "data_shards": 1}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(out, "single", resume=os.path.join(out, "checkpoint-2"))
+        fit(out, "fsdp-full", resume=os.path.join(out, "checkpoint-2"))
     assert not [w for w in caught if "reading distinct batches" in str(w.message)]
+    assert json.loads(Path(out, "checkpoint-4", MARKER).read_text())["format"] == "fsdp-full"
 
 
 @pytest.mark.parametrize(
