@@ -1,7 +1,9 @@
 """The "which checkpoint format resumes where" table of docs/checkpoints.md, computed from the format registry
 (kiln.strategies.checkpoint_io.FORMATS) and each strategy's `checkpoint_formats`: a strategy resumes a
-format when one of its formats' CheckpointIO `resumes` it. The table sits between two markers in the
-hand-written page; `python -m kiln.docgen` rewrites only what is between them."""
+format natively when one of its formats' CheckpointIO `resumes` it, and translated when the registry's
+translation routes it there (kiln.strategies.format_translation.route, the rule resume itself follows).
+The table sits between two markers in the hand-written page; `python -m kiln.docgen` rewrites only what
+is between them."""
 
 from __future__ import annotations
 
@@ -23,14 +25,11 @@ def _io(fmt: str) -> Any:
         return None
 
 
-def _resumes(io: Any, fmt: str) -> bool:
-    return fmt == io.format or fmt in io.also_resumes
-
-
 def format_rows() -> list[dict[str, Any]]:
     """One row per registered format: who writes it, who resumes it, and what it allows."""
     from kiln.docgen.strategy_matrix import strategies
     from kiln.strategies.checkpoint_io import FORMATS, CheckpointIO
+    from kiln.strategies.format_translation import route
 
     listed = strategies()
     rows = []
@@ -40,12 +39,16 @@ def format_rows() -> list[dict[str, Any]]:
         # (chosen by the model, not the strategy: docs/checkpoints.md's PEFT section)
         if io is None or not io.__module__.startswith("kiln.strategies."):
             continue
-        own = [(name, [_io(f) for f in cls.checkpoint_formats]) for name, cls, _ in listed]
+        routes = [
+            (name, {route(i, fmt) for i in map(_io, cls.checkpoint_formats) if i is not None})
+            for name, cls, _ in listed
+        ]
         rows.append(
             {
                 "format": fmt,
                 "written": [name for name, cls, _ in listed if fmt in cls.checkpoint_formats],
-                "resumed": [name for name, ios in own if any(i is not None and _resumes(i, fmt) for i in ios)],
+                "resumed": [name for name, found in routes if "native" in found],
+                "translated": [name for name, found in routes if "translated" in found and "native" not in found],
                 "reshardable": bool(io.reshardable),
                 "background": io.saves_in_background(),
                 "convert": _function(io.consolidate) is not _function(CheckpointIO.consolidate),
@@ -62,13 +65,14 @@ def format_table_markdown() -> str:
     lines = [
         BEGIN,
         "",
-        "| format (in `COMPLETE`) | written by | resumed by | on another process count | written in the background "
-        "(`save.async`) | `kiln convert` |",
-        "|---|---|---|---|---|---|",
+        "| format (in `COMPLETE`) | written by | resumed by | resumed by, translated | on another process count "
+        "| written in the background (`save.async`) | `kiln convert` |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in format_rows():
         lines.append(
             f"| `{row['format']}` | {_names(row['written'])} | {_names(row['resumed']) if row['resumed'] else 'none'} "
+            f"| {_names(row['translated']) if row['translated'] else 'none'} "
             f"| {'yes' if row['reshardable'] else 'no: refused'} | {'yes' if row['background'] else 'no'} "
             f"| {'yes' if row['convert'] else 'no'} |"
         )

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kiln.registry import Registry
+from kiln.strategies.portable_state import PortableState, keyed_by_index, optimizer_names
 from kiln.strategies.weights_files import INDEX, load_sharded, parse_size, save_sharded
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.host_copy import HostStaging
@@ -170,7 +171,11 @@ class CheckpointIO:
       load_best_model_at_end); any format this IO reads, also a plain exported model folder.
 
     `format` is recorded in the marker (and names the class in `FORMATS`); `also_resumes` names older
-    formats whose checkpoints this IO resumes too (the same files under an earlier name); `reshardable`
+    formats whose checkpoints this IO resumes too (the same files under an earlier name); `translatable`
+    says a folder of this format reads as a `PortableState` (`portable(path)`: full weights and optimizer
+    state in one process) and that this IO loads one of any other translatable format (`load_portable`):
+    such formats resume one another (kiln.strategies.format_translation), and `translation_hint` is the
+    fix a refusal names when a run cannot take a checkpoint of this format in; `reshardable`
     says whether a checkpoint saved by N processes loads on M (the engine refuses a world-size change
     otherwise); `sharded` says every rank writes its own files. `consolidate(path)` gives a folder's full weights
     in one process without a process group (any process count may have saved it), vetting every
@@ -187,6 +192,8 @@ class CheckpointIO:
 
     format: ClassVar[str] = "full"
     also_resumes: ClassVar[tuple[str, ...]] = ()
+    translatable: ClassVar[bool] = False
+    translation_hint: ClassVar[str] = "resume with the strategy that saved it"
     reshardable: ClassVar[bool] = True
     sharded: ClassVar[bool] = False
 
@@ -242,6 +249,17 @@ class CheckpointIO:
         self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
 
     @classmethod
+    def portable(cls, directory: str) -> PortableState:
+        """A `translatable` format's folder as full weights and optimizer state, read in one process."""
+        raise NotImplementedError(f"checkpoint format {cls.format!r} cannot be translated")
+
+    def load_portable(
+        self, state: PortableState, *, module: nn.Module, optimizer: torch.optim.Optimizer | None, source: str
+    ) -> None:
+        """Resume from another format's `state` (read from the checkpoint `source`): a `translatable` IO's."""
+        raise NotImplementedError(f"checkpoint format {self.format!r} cannot be translated")
+
+    @classmethod
     def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
         """The full weights of a checkpoint folder of this format, with the user's module's key names."""
         raise NotImplementedError(f"checkpoint format {cls.format!r} does not say how to consolidate its files")
@@ -273,6 +291,7 @@ class FullStateCheckpointIO(CheckpointIO):
     loads on any number of processes."""
 
     format = "full"
+    translatable = True
     reshardable = True
 
     def __init__(self, strategy: Any = None) -> None:
@@ -281,6 +300,10 @@ class FullStateCheckpointIO(CheckpointIO):
     @classmethod
     def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
         return load_weights(directory)
+
+    @classmethod
+    def portable(cls, directory: str) -> PortableState:
+        return read_full_files(directory)
 
     def save(
         self,
@@ -337,20 +360,32 @@ class FullStateCheckpointIO(CheckpointIO):
         optimizer: torch.optim.Optimizer | None,
         load_optimizer: bool = True,
     ) -> None:
-        apply_weights(module, load_weights(directory), directory)
-        if load_optimizer and optimizer is not None:
-            path = os.path.join(directory, OPTIMIZER)
-            if not os.path.exists(path):
-                raise CheckpointError(
-                    f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?)."
-                )
-            try:
-                optimizer.load_state_dict(regroup_optimizer_state(safe_torch_load(path), optimizer.param_groups))
-            except (ValueError, KeyError) as err:
-                raise CheckpointError(
-                    f"The optimizer state in {path} does not fit this optimizer ({err}); "
-                    "was optim.name or the set of trainable parameters changed?"
-                ) from None
+        if not load_optimizer or optimizer is None:
+            return apply_weights(module, load_weights(directory), directory)
+        self.load_portable(read_full_files(directory), module=module, optimizer=optimizer, source=directory)
+
+    def load_portable(
+        self, state: PortableState, *, module: nn.Module, optimizer: torch.optim.Optimizer | None, source: str
+    ) -> None:
+        apply_weights(module, state.weights, source)
+        if optimizer is None:
+            return
+        saved = keyed_by_index(state.optimizer, optimizer_names(module, optimizer), source)
+        try:
+            optimizer.load_state_dict(regroup_optimizer_state(saved, optimizer.param_groups))
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(
+                f"The optimizer state in {source} does not fit this optimizer ({err}); "
+                "was optim.name or the set of trainable parameters changed?"
+            ) from None
+
+
+def read_full_files(directory: str) -> PortableState:
+    """The weights and `optimizer.pt` of a folder that holds them whole (formats `full` and `fsdp-full`)."""
+    path = os.path.join(directory, OPTIMIZER)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?).")
+    return PortableState(load_weights(directory), safe_torch_load(path))
 
 
 def _write_full(

@@ -18,6 +18,12 @@ from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder, weights_only_
 def consolidate(directory: str, subdir: str) -> dict[str, torch.Tensor]:
     """The full model weights of a sharded checkpoint (the DCP folder `subdir` in it), read in this
     process without a process group (any number of processes may have saved it)."""
+    return model_tensors(read_folder(directory, subdir), os.path.join(directory, subdir))
+
+
+def read_folder(directory: str, subdir: str) -> dict[str, Any]:
+    """Everything the DCP folder `subdir` of a checkpoint holds (its model and, when saved, its optimizer
+    state), whole, read in this process without a process group."""
     from torch.distributed.checkpoint import CheckpointException, FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -37,6 +43,11 @@ def consolidate(directory: str, subdir: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(
             f"{path} cannot be read ({(str(err) or type(err).__name__).splitlines()[0][:300]})."
         ) from None
+    return state
+
+
+def model_tensors(state: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
+    """The model weights of a DCP folder's state as `read_folder` returns it."""
     model = state.get("model")
     if not isinstance(model, dict):
         raise CheckpointError(f"{path} holds no model weights.")

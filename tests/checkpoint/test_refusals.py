@@ -209,7 +209,7 @@ def test_world_size_change_is_refused_for_a_non_resharding_format(tmp_path):
 def test_world_size_change_for_the_full_format_warns(out):
     ckpt = os.path.join(out, "checkpoint-2")
     meta = json.loads(Path(os.path.join(ckpt, MARKER)).read_text())
-    meta["world_size"] = 2
+    meta["world_size"] = meta["data_shards"] = 2  # two data-parallel processes
     Path(os.path.join(ckpt, MARKER)).write_text(json.dumps(meta))
     with pytest.warns(UserWarning, match="saved by 2 processes and this run has 1"):
         train(out, CFG, resume=ckpt)

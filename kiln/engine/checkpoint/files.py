@@ -16,6 +16,12 @@ from kiln.engine.checkpoint.integrity import file_digest as digest_file
 from kiln.engine.checkpoint.signing import SigningKey, signature_problem
 
 PREFIX = "checkpoint-"
+#: the engine's own files in a checkpoint (the strategy's CheckpointIO writes the model and optimizer)
+STATE = "trainer_state.json"
+#: kiln's loop position (epoch, batches into it): kept out of trainer_state.json, whose schema is HF's
+POSITION = "kiln_loop_position.json"
+RNG = "rng_state_{rank}.pth"
+LOOP = "loop_state_{rank}.pt"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
 __all__ = [
     "MARKER",

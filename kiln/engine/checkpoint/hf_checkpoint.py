@@ -18,6 +18,7 @@ from typing import Any
 
 from kiln.engine.callbacks.state import TrainerState
 from kiln.engine.checkpoint.restored import Restored
+from kiln.engine.checkpoint.run_state import load_callback_state, load_scheduler
 from kiln.engine.data.loaders import loader_length
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.engine.seed import _py_state_to_plain
@@ -79,7 +80,7 @@ def load_hf_checkpoint(manager: Any, path: str) -> Restored:
     else:
         missing.append("optimizer state")
     if run.scheduler is not None and os.path.exists(os.path.join(path, "scheduler.pt")):
-        manager.load_scheduler(path, "use the lr_scheduler_type the HF run used.")
+        load_scheduler(manager, path, "use the lr_scheduler_type the HF run used.")
         restored.append("scheduler")
     elif run.scheduler is not None:
         missing.append("scheduler state")
@@ -89,7 +90,7 @@ def load_hf_checkpoint(manager: Any, path: str) -> Restored:
         raise CheckpointError(f"{path}/trainer_state.json is unreadable ({err}).") from None
     restored.append("trainer state (step, log history, best metric)")
     compare_with_checkpoint(state, manager, path)
-    if manager.load_callback_state(path, state):
+    if load_callback_state(manager, path, state):
         restored.append("callback state")
     rank = manager.strategy.global_rank
     rng_file = next(

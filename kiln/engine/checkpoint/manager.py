@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +26,12 @@ from kiln.engine.callbacks.state import TrainerState
 from kiln.engine.checkpoint.background import BackgroundSave
 from kiln.engine.checkpoint.data_position import stateful_dataset
 from kiln.engine.checkpoint.files import (
+    LOOP,
     MARKER,
+    POSITION,
     PREFIX,
+    RNG,
+    STATE,
     _fsync_dir,
     _fsync_tree,
     _remove,
@@ -36,24 +39,22 @@ from kiln.engine.checkpoint.files import (
     kept,
     latest_checkpoint,
     list_checkpoints,
-    read_marker,
 )
 from kiln.engine.checkpoint.hf_files import write_model_files, write_training_args
 from kiln.engine.checkpoint.integrity import ALGORITHM, VERSION
+from kiln.engine.checkpoint.loading import load_checkpoint
 from kiln.engine.checkpoint.remote import RemoteCheckpoints
 from kiln.engine.checkpoint.remote_run import publish, store_of, upload_outputs
 from kiln.engine.checkpoint.restored import Restored
-from kiln.engine.checkpoint.saved_config import CONFIG, changed_settings
+from kiln.engine.checkpoint.saved_config import CONFIG
 from kiln.engine.checkpoint.signing import SIGNATURE, sign, signing_key
 from kiln.engine.checkpoint.write_errors import write_errno, write_failure
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.engine.seed import rng_state
 from kiln.strategies.checkpoint_io import StagedWrite
 from kiln.strategies.weights_files import tie_groups
-from kiln.utils.errors import CheckpointError, safe_torch_load
-from kiln.utils.hf_logging import hf_logger
+from kiln.utils.errors import CheckpointError
 from kiln.utils.host_copy import HostStaging
-from kiln.utils.param_groups import regroup_scheduler_state
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -66,21 +67,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STATE = "trainer_state.json"
-#: kiln's loop position (epoch, batches into it): kept out of trainer_state.json, whose schema is HF's
-POSITION = "kiln_loop_position.json"
-RNG = "rng_state_{rank}.pth"
-LOOP = "loop_state_{rank}.pt"
 _DEBRIS = re.compile(rf"^\.{PREFIX}\d+\.(tmp|old|deleting)$")
-#: config keys whose change makes the saved data position mean something else (warned about on resume)
-_POSITION_KEYS = (
-    "data.per_device_train_batch_size",
-    "train.gradient_accumulation_steps",
-    "seed",
-    "data_seed",
-    "data.dataloader_drop_last",
-    "data.group_by_length",
-)
 
 
 def _plain(value: Any) -> bool:
@@ -225,6 +212,7 @@ class CheckpointManager:
             "version": VERSION,
             "step": state.global_step,
             "world_size": self.strategy.world_size,
+            "data_shards": self.strategy.data_shards,  # what decides the data order (a pp stage reads no batches of its own)
             "format": io.format,
             "resumable": not self.config.save.only_model,
         }
@@ -396,127 +384,8 @@ class CheckpointManager:
             if path not in keep:
                 _remove(path)
 
-    # -- load -------------------------------------------------------------------------------
+    # -- load (kiln.engine.checkpoint.loading) ----------------------------------------------
     def load(self, path: str) -> Restored:
         """Load the weights, optimizer, schedule and precision state of `path` into the (already set-up)
         run; return the trainer state and what the loop applies later (see Restored)."""
-        from kiln.engine.checkpoint.files import is_hf_checkpoint
-        from kiln.engine.checkpoint.hf_checkpoint import compare_with_checkpoint, load_hf_checkpoint
-
-        if is_hf_checkpoint(path):  # written by HF's Trainer: restore what it holds, say what it does not
-            return load_hf_checkpoint(self, path)
-        strategy, run = self.strategy, self.run
-        meta = read_marker(path)
-        if not meta.get("resumable", True):
-            raise CheckpointError(
-                f"{path} was saved with save_only_model=true and cannot be resumed; load its weights instead."
-            )
-        io = checkpoint_io_for(strategy, self.run.model)  # a PeftModel: its adapter only (HF)
-        if not io.resumes(meta.get("format", "full")):
-            raise CheckpointError(
-                f"{path} was saved by a strategy with the {meta.get('format')!r} checkpoint format, but this run uses "
-                f"{io.format!r}; resume with the strategy that saved it."
-            )
-        saved_world = meta.get("world_size")
-        if saved_world != strategy.world_size:
-            if not io.reshardable:
-                raise CheckpointError(
-                    f"{path} holds shards for {saved_world} processes but this run has {strategy.world_size}; "
-                    f"the {io.format!r} format cannot be resharded: resume with {saved_world} processes."
-                )
-            warnings.warn(
-                f"{path} was saved by {saved_world} processes and this run has {strategy.world_size}: weights, optimizer "
-                "and schedule are restored, but each rank's data position and random streams cannot be, so the run "
-                "will not match an uninterrupted one.",
-                stacklevel=2,
-            )
-        self._check_config(path)
-        assert run.wrapped is not None  # Run.__post_init__ sets it, and nothing sets it back to None
-        io.load(path, model=run.wrapped, module=run.model, optimizer=run.optimizer)
-        self.load_scheduler(path, "was scheduler.name changed?")
-        prec = os.path.join(path, "precision.pt")
-        if os.path.exists(prec):
-            self.precision.load_state_dict(safe_torch_load(prec))
-        try:
-            state = TrainerState.load_from_json(os.path.join(path, STATE))
-        except (OSError, ValueError, TypeError) as err:
-            raise CheckpointError(f"{path}/{STATE} is unreadable ({err}).") from None
-        compare_with_checkpoint(state, self, path)  # HF's warning: logging/eval/save steps or batch size changed
-        self._load_position(path, state)
-        self.load_callback_state(path, state)  # early-stopping counters, ...: part of exact resume
-        rank = strategy.global_rank
-        rng_file = os.path.join(path, RNG.format(rank=rank))
-        rng = safe_torch_load(rng_file) if os.path.exists(rng_file) else None
-        if rng is None:
-            warnings.warn(
-                f"{rng_file} is missing: random streams are not restored, results will differ from an "
-                "uninterrupted run.",
-                stacklevel=2,
-            )
-        loop_file = os.path.join(path, LOOP.format(rank=rank))
-        loop = safe_torch_load(loop_file) if os.path.exists(loop_file) else {}
-        log.info(
-            "Resuming from %s: step %d, epoch %d, %d batches into the epoch.",
-            path,
-            state.global_step,
-            state.epoch_index,
-            state.batches_into_epoch,
-        )
-        return Restored(state, rng, loop.get("loop"), loop.get("dataset"))
-
-    def load_scheduler(self, path: str, hint: str) -> bool:
-        """The schedule's state from `path/scheduler.pt` (in either param-group layout); False when absent."""
-        run = self.run
-        sched = os.path.join(path, "scheduler.pt")
-        if run.scheduler is None:
-            return False
-        if not os.path.exists(sched):
-            warnings.warn(f"{sched} is missing: the learning-rate schedule restarts from its beginning.", stacklevel=3)
-            return False
-        try:
-            saved = safe_torch_load(sched)
-            if run.optimizer is not None:  # saved in the other param-group layout (kiln.utils.param_groups)
-                saved = regroup_scheduler_state(saved, len(run.optimizer.param_groups))
-            run.scheduler.load_state_dict(saved)
-        except (KeyError, ValueError, TypeError, AttributeError) as err:
-            raise CheckpointError(
-                f"{sched} does not fit this run's scheduler {type(run.scheduler).__name__} ({err}); {hint}"
-            ) from None
-        return True
-
-    def load_callback_state(self, path: str, state: TrainerState) -> bool:
-        """Give each callback its saved state; warn about state no callback of this run takes."""
-        callbacks = {
-            k: v for k, v in (state.stateful_callbacks or {}).items() if k != "TrainerControl"
-        }  # HF's; not kept
-        missing = self.callbacks.load_state_dict(
-            callbacks, restore_args=bool(self.config.save.restore_callback_states_from_checkpoint)
-        )
-        if missing:  # HF's _load_callback_state's warning, on its logger
-            hf_logger("transformers.trainer", log).warning(
-                f"Checkpoint included callbacks not included in current configuration. Ignoring. ({', '.join(missing)}: "
-                f"{path} holds their state, and this run has no such callback)"
-            )
-        return bool(callbacks)
-
-    def _load_position(self, path: str, state: TrainerState) -> None:
-        """The loop position from its own file; checkpoints of older kiln versions kept it inside
-        trainer_state.json, which `TrainerState.load_from_json` has already read."""
-        file = os.path.join(path, POSITION)
-        if not os.path.exists(file):
-            return
-        try:
-            with open(file, encoding="utf-8") as fh:
-                state.set_loop_position(json.load(fh))
-        except (OSError, ValueError, TypeError, AttributeError) as err:
-            raise CheckpointError(f"{file} is unreadable ({err}).") from None
-
-    def _check_config(self, path: str) -> None:
-        """Warn when a setting that decides the data position changed since the checkpoint. The saved
-        config.yaml is data: read without resolving anything, compared as text (saved_config)."""
-        if moved := changed_settings(path, self.saved_tree(), _POSITION_KEYS):
-            warnings.warn(
-                f"Resuming {path} with changed settings ({'; '.join(moved)}): the data position saved in the "
-                "checkpoint no longer points at the same samples, so the run will not match an uninterrupted one.",
-                stacklevel=3,
-            )
+        return load_checkpoint(self, path)

@@ -166,6 +166,11 @@ def _load_into(module: nn.Module, state: dict[str, torch.Tensor], source: str) -
 class DeepSpeedCheckpointIO(CheckpointIO):
     format: ClassVar[str] = FORMAT
     reshardable: ClassVar[bool] = False
+    translation_hint: ClassVar[str] = (
+        "resume it with strategy deepspeed and the process count that saved it, or write its full weights with "
+        "`kiln convert CHECKPOINT OUT` and start a new run from OUT (DeepSpeed's partitioned optimizer state is "
+        "not translated to other formats)"
+    )
     sharded: ClassVar[bool] = True
 
     def __init__(self, strategy: Any) -> None:

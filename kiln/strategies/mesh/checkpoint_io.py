@@ -27,12 +27,14 @@ from kiln.strategies.checkpoint_io import (
     CheckpointIO,
     apply_weights,
     load_weights,
+    read_full_files,
     register_format,
     save_weights,
 )
-from kiln.strategies.dcp_files import consolidate, regrouped, saved_group_count
+from kiln.strategies.dcp_files import consolidate, model_tensors, read_folder, regrouped, saved_group_count
+from kiln.strategies.portable_state import PortableState, keyed_by_name, optimizer_names
 from kiln.strategies.weights_files import share_tied, tie_groups
-from kiln.utils.errors import CheckpointError, safe_torch_load
+from kiln.utils.errors import CheckpointError
 from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder
 from kiln.utils.tensors import plain_tensor
 
@@ -106,11 +108,25 @@ def load_plain_weights(directory: str, module: nn.Module) -> None:
 
 
 class _MeshCheckpointIO(CheckpointIO):
+    translatable = True
+
     def __init__(self, strategy: Any = None) -> None:
         self.strategy = strategy
 
     def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
         self.load(directory, model=model, module=module, optimizer=None, load_optimizer=False)
+
+    def load_portable(
+        self, state: PortableState, *, module: nn.Module, optimizer: torch.optim.Optimizer | None, source: str
+    ) -> None:
+        """Full weights and optimizer state, read whole on every rank; each rank keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_full_model_state(module, state.weights, source)
+        if optimizer is not None:
+            saved = keyed_by_name(state.optimizer, optimizer_names(module, optimizer), source)
+            saved = regrouped(saved, optimizer.param_groups, source)
+            set_optimizer_state_dict(module, optimizer, saved, options=_options(full_state_dict=True))
 
 
 @register_format
@@ -132,6 +148,16 @@ class ShardedCheckpointIO(_MeshCheckpointIO):
     @classmethod
     def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
         return consolidate(directory, cls.folder_in(directory))  # vets the DCP folder's pickles first
+
+    @classmethod
+    def portable(cls, directory: str) -> PortableState:
+        """The DCP folder's model and optimizer read whole in this process (any mesh may have saved it)."""
+        state = read_folder(directory, cls.folder_in(directory))
+        if "optim" not in state:
+            raise CheckpointError(
+                f"{directory} holds no optimizer state: this checkpoint cannot be resumed (saved with save_only_model?)."
+            )
+        return PortableState(model_tensors(state, directory), state["optim"])
 
     def save(
         self,
@@ -230,6 +256,10 @@ class FullCheckpointIO(_MeshCheckpointIO):
     def consolidate(cls, directory: str) -> dict[str, torch.Tensor]:
         return load_weights(directory)
 
+    @classmethod
+    def portable(cls, directory: str) -> PortableState:
+        return read_full_files(directory)
+
     def save(
         self,
         directory: str,
@@ -265,14 +295,6 @@ class FullCheckpointIO(_MeshCheckpointIO):
         optimizer: torch.optim.Optimizer | None,
         load_optimizer: bool = True,
     ) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        load_plain_weights(directory, module)
-        if load_optimizer and optimizer is not None:
-            path = os.path.join(directory, OPTIMIZER)
-            if not os.path.exists(path):
-                raise CheckpointError(
-                    f"{path} is missing: this checkpoint cannot be resumed (saved with save_only_model?)."
-                )
-            saved = regrouped(safe_torch_load(path), optimizer.param_groups, path)
-            set_optimizer_state_dict(module, optimizer, saved, options=_options(full_state_dict=True))
+        if not load_optimizer or optimizer is None:
+            return load_plain_weights(directory, module)
+        self.load_portable(read_full_files(directory), module=module, optimizer=optimizer, source=directory)

@@ -14,6 +14,8 @@ from kiln.utils.errors import CheckpointError
 
 
 class PipelineCheckpointIO(ShardedCheckpointIO):
+    translatable = False  # a stage holds part of the model: it resumes pipeline and DCP checkpoints only
+
     def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
         import torch.distributed as dist
 

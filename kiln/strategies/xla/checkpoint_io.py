@@ -45,6 +45,7 @@ def module_state_cpu(module: nn.Module) -> dict[str, torch.Tensor]:
 @register_format
 class XLACheckpointIO(FullStateCheckpointIO):
     format = "xla-full"
+    translatable = False  # its tensors live on the XLA device: no translation written or tested for it yet
     reshardable = True
 
     def save(
