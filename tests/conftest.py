@@ -107,6 +107,10 @@ def group_of_path(path: str) -> str:
 
 
 def _group_of(item) -> str:
+    """The item's xdist group: its file's own `pytestmark` may name one (files sharing a spawned world)."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return mark.args[0] if mark.args else mark.kwargs["name"]
     return group_of_path(os.path.relpath(str(item.path), _ROOT).replace(os.sep, "/"))
 
 
@@ -115,7 +119,7 @@ def pytest_itemcollected(item):
     fixtures train once), and files that share a session-scoped job go together. Marked as each item
     is collected: xdist reads the mark in its own collection hook, which may run before a conftest's."""
     if item.get_closest_marker("xdist_group") is None:
-        item.add_marker(pytest.mark.xdist_group(_group_of(item)))
+        item.add_marker(pytest.mark.xdist_group(_group_of(item)))  # the file's path, or its _SHARED_GROUPS name
 
 
 def pytest_collection_modifyitems(config, items):

@@ -62,13 +62,13 @@ def order(items: list, group_of: Callable[[object], str], slow_groups: list[str]
 
 def group_seconds(lines: Iterable[str], group_of_path: Callable[[str], str]) -> dict[str, float]:
     """Seconds per group, summed over the set-up, call and teardown lines of a `--durations=0` report.
-    Under xdist a node id ends in `@<group>`; the path before `::` names the file."""
+    Under xdist a node id ends in `@<group>`, which names the group; else the path before `::` does."""
     totals: dict[str, float] = defaultdict(float)
     for line in lines:
         match = _DURATION.match(line)
         if match:
-            path = match.group(2).split("@", 1)[0].split("::", 1)[0]
-            totals[group_of_path(path)] += float(match.group(1))
+            nodeid, _, group = match.group(2).partition("@")
+            totals[group or group_of_path(nodeid.split("::", 1)[0])] += float(match.group(1))
     return dict(totals)
 
 
