@@ -318,5 +318,7 @@ def test_a_mesh_that_splits_the_model_is_refused_with_float8(monkeypatch, name):
     mesh = {"fsdp": {"tp": 2}, "model_parallel": {"mesh": {"tp": 2}}, "ep": {"mesh": {"ep": 2}}}[name]
     name, axis = ("model_parallel", "ep 2") if name == "ep" else (name, "tp 2")
     config = load_config({"strategy": {"name": name, "device": "cpu", **mesh}, "precision": EMULATED})
-    with pytest.raises(ConfigError, match=rf"precision fp8 shards with FSDP's data axes only, and this mesh \({axis}\)"):
+    with pytest.raises(
+        ConfigError, match=rf"precision fp8 shards with FSDP's data axes only, and this mesh \({axis}\)"
+    ):
         STRATEGIES.get(name)(config, build_precision(config))
