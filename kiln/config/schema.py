@@ -540,8 +540,9 @@ class ActivationCheckpointingConfig:
 
 @dataclass
 class TorchCompileConfig:
-    """Which regions torch.compile compiles when the model is compiled (`train.torch_compile*`; HF's flat
-    `torch_compile: true` sets train.torch_compile, this section is the mapping)."""
+    """Regional compilation: what torch.compile compiles as one region (see also train.torch_compile*).
+
+    HF's flat `torch_compile: true` still sets train.torch_compile; a mapping under that name is this section."""
 
     regions: Optional[str] = opt(
         None,

@@ -34,7 +34,12 @@ def compile_module(model: nn.Module, strategy: Any, config: Any) -> nn.Module:
     `setup_compile_regions`) or when the strategy compiled its blocks itself (FSDP2: compiling the sharded
     root on top would trace into FSDP's hooks, a graph break around every unit)."""
     kwargs = model_compile_kwargs(config)
-    if kwargs is None or hasattr(model, "_orig_mod") or compiles_blocks(config) or strategy.capabilities.compiles_per_block:
+    if (
+        kwargs is None
+        or hasattr(model, "_orig_mod")
+        or compiles_blocks(config)
+        or strategy.capabilities.compiles_per_block
+    ):
         return model
     # torch.compile of an nn.Module returns an OptimizedModule (an nn.Module); its stub says only Callable
     return cast(nn.Module, torch.compile(model, **kwargs))

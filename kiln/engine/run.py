@@ -106,7 +106,9 @@ def module_to_set_up(run: Run, config: Any, strategy: Any) -> nn.Module:
         # facts.training_module is is_training_module(run.model), so the cast only tells mypy what it found
         module = StepDispatcher(cast("TrainingModule", run.model)) if run.facts.training_module else run.model
         strategy.setup_activation_checkpointing(module)
-        strategy.setup_compile_regions(module)  # torch_compile.regions: blocks, after checkpointing (torchtitan's order)
+        strategy.setup_compile_regions(
+            module
+        )  # torch_compile.regions: blocks, after checkpointing (torchtitan's order)
         run.forward_module = module
     return run.forward_module
 

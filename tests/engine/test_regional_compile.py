@@ -27,7 +27,12 @@ def _hand_one_block(train, evaluation) -> dict:
         block.forward = torch.compile(block.forward, backend=toy.BACKEND)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     toy.hand_loop(
-        model, optimizer, toy.windows(toy.batches(train, 4), 2), toy.batches(evaluation, 4), epochs=2, counts_items=False
+        model,
+        optimizer,
+        toy.windows(toy.batches(train, 4), 2),
+        toy.batches(evaluation, 4),
+        epochs=2,
+        counts_items=False,
     )
     return toy.counts()
 
@@ -117,10 +122,17 @@ def test_every_strategy_compiles_the_blocks_before_it_wraps_them(strategy, tmp_p
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])
 def test_a_model_without_blocks_is_refused_in_one_sentence(strategy, tmp_path):
     config = toy.kiln_config(
-        str(tmp_path), batch=4, eval_batch=4, strategy={"name": strategy, "device": "cpu"}, eval_strategy="no", **REGIONS
+        str(tmp_path),
+        batch=4,
+        eval_batch=4,
+        strategy={"name": strategy, "device": "cpu"},
+        eval_strategy="no",
+        **REGIONS,
     )
     trainer = Trainer(toy.mlp(), config, train_dataset=toy.regression_data(8))
-    with pytest.raises(ConfigError, match=r"torch_compile.regions: blocks found no repeated blocks in MLP: .*_no_split_modules"):
+    with pytest.raises(
+        ConfigError, match=r"torch_compile.regions: blocks found no repeated blocks in MLP: .*_no_split_modules"
+    ):
         trainer.fit()
 
 
@@ -128,7 +140,9 @@ def test_a_model_without_blocks_is_refused_in_one_sentence(strategy, tmp_path):
 def test_a_bad_value_names_the_allowed_ones(value, tmp_path):
     from kiln.config import load_config
 
-    with pytest.raises(ConfigError, match=rf"^Config key 'torch_compile.regions' is '{value}'; use blocks .* or leave it unset"):
+    with pytest.raises(
+        ConfigError, match=rf"^Config key 'torch_compile.regions' is '{value}'; use blocks .* or leave it unset"
+    ):
         load_config({"output_dir": str(tmp_path), "torch_compile": {"regions": value}})
 
 

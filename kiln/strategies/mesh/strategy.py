@@ -164,6 +164,12 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
                 "strategy.cpu_ram_efficient_loading builds the model on rank 0 alone, which tensor "
                 f"parallelism cannot split from (this mesh: {dims.describe()}); drop it, or the tp axis."
             )
+        if self.config is not None and self.config.train.loss.chunked and dims.tp > 1:
+            raise ConfigError(
+                "train.loss.chunked multiplies the hidden states by the whole LM head chunk by chunk, and tensor "
+                f"parallelism splits that head over this mesh's tp axis ({dims.describe()}); drop train.loss.chunked "
+                "(strategy.loss_parallel keeps the logits split over tp instead) or the tp axis."
+            )
         self._check_cp_config()
 
     def _check_cp_config(self) -> None:
@@ -237,7 +243,6 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from kiln.config.compile import compiles_blocks
-        from kiln.strategies.regional_compile import compile_blocks, compile_units
         from kiln.strategies.mesh.context_parallel import check_model
         from kiln.strategies.mesh.fsdp import apply_fsdp
         from kiln.strategies.mesh.loading import (
@@ -248,6 +253,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         )
         from kiln.strategies.mesh.presharded import is_loaded_split
         from kiln.strategies.mesh.tp_plan import user_module
+        from kiln.strategies.regional_compile import compile_blocks, compile_units
         from kiln.strategies.wrap_policy import blocks_to_wrap
 
         s, dims = self.settings, self.shape
