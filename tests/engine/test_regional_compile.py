@@ -157,3 +157,21 @@ def test_hf_flat_switch_and_the_section_together(tmp_path):
     assert compiles_model(section) and compiles_blocks(section) and not section.train.torch_compile
     both = load_config({"output_dir": str(tmp_path), "torch_compile": {"regions": "blocks"}}, ["torch_compile=true"])
     assert both.train.torch_compile and compiles_blocks(both)
+
+
+def test_compile_blocks_compiles_each_block_once_and_only_when_asked():
+    """Direct: the count the strategies log, nothing without the section, no second compile of a block."""
+    from types import SimpleNamespace
+
+    from kiln.strategies.regional_compile import compile_blocks
+
+    def config(regions):
+        train = SimpleNamespace(torch_compile=False, torch_compile_backend=toy.BACKEND, torch_compile_mode=None)
+        return SimpleNamespace(train=train, torch_compile=SimpleNamespace(regions=regions))
+
+    model = toy.block_lm(layers=3)
+    assert compile_blocks(model, config(None), list(model.h)) == 0
+    assert not hasattr(model.h[0].forward, "_torchdynamo_orig_callable")
+    assert compile_blocks(model, config("blocks"), list(model.h)) == 3
+    assert compile_blocks(model, config("blocks"), list(model.h)) == 0
+    assert compile_blocks(model, config(None), []) == 0  # not asked: no refusal either
