@@ -28,11 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
-import subprocess
 import sys
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import each_in_a_fresh_process  # noqa: E402
 
 VARIANTS = ("hand-written padded", "padded", "group_by_length", "packing")
 BATCH, ROW, PACKED_BATCH = 8, 512, 2
@@ -156,13 +159,7 @@ def main() -> None:
     if args.variant:
         print(json.dumps(child(args.variant, args.examples, args.width, args.layers)))
         return
-    rows = {}
-    for variant in VARIANTS:
-        out = subprocess.run(
-            [sys.executable, __file__, "--variant", variant, *sizes], check=True, capture_output=True, text=True
-        ).stdout
-        rows[variant] = json.loads(out.strip().splitlines()[-1])
-        print(f"{variant}: {rows[variant]}", file=sys.stderr, flush=True)
+    rows = each_in_a_fresh_process(__file__, VARIANTS, sizes)
     base = rows["hand-written padded"]["tokens_per_s"]
     print(
         f"Llama-style, {args.layers} layers of width {args.width}, {args.examples} examples of log-normal lengths "
