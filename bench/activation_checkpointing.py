@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import each_in_a_fresh_process  # noqa: E402
 
 VARIANTS = {"none": None, "selective": {"mode": "selective"}, "full": {"mode": "full"}}
 
@@ -76,12 +79,7 @@ def main() -> None:
     if args.variant:
         print(json.dumps(child(args.variant, args.layers, args.width, args.tokens)))
         return
-    rows = {}
-    for variant in VARIANTS:
-        out = subprocess.run(
-            [sys.executable, __file__, "--variant", variant, *sizes], check=True, capture_output=True, text=True
-        ).stdout
-        rows[variant] = json.loads(out.strip().splitlines()[-1])
+    rows = each_in_a_fresh_process(__file__, VARIANTS, sizes)
     print(f"Llama-style, {args.layers} layers of width {args.width}, {args.tokens} tokens (CPU, one thread)\n")
     print("| activation checkpointing | peak memory over the step | step time |\n|---|---|---|")
     for variant, row in rows.items():

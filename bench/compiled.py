@@ -6,6 +6,7 @@ Lightning, each compiling the same model the same way, on the same work.
     python bench/compiled.py --device cuda --models gpt lm16 --rounds 3 --budget 210 --json compiled.json   # a GPU
     python bench/compiled.py --table-from compiled.json               # the table again, from a run's raw results
     python bench/compiled.py --device cuda --frameworks kiln hand-written-hf-groups   # + the loop with 2 param groups
+    python bench/compiled.py --models dec8 --frameworks kiln kiln-regional --rounds 2   # regional compile (issue 54)
 
 How each compiles (--backend, default inductor, and --mode; fullgraph off: kiln and HF's arguments have none): the
 loop `torch.compile(model, backend=..., mode=...)`, as kiln/engine/compile.py does; kiln `torch_compile: true` (+
@@ -23,8 +24,11 @@ with torch.profiler over warm-up steps 2-10 (bench/counts.py), and dynamo's coun
 (`unique_graphs`: recompiles and the pieces between graph breaks included) and graph breaks. Each run compiles into
 an empty inductor and Triton cache of its own (`--cache cold`) or into one shared by the session (`--cache warm`).
 
-Workloads: the tiny MLP and issue 33's small transformer (bench/compare.py's "mlp" and "lm16"), and, on a GPU only,
-"gpt": a GPT-style decoder (8 blocks of width 1024, 16 heads, 1024 tokens, vocabulary 32768, batch 8). For the
+Workloads: the tiny MLP and issue 33's small transformer (bench/compare.py's "mlp" and "lm16"); "dec8", the same
+decoder with 8 blocks of width 128, 4 heads, 64 tokens, vocabulary 1024, batch 8 (regional against whole-model
+compile: kiln-regional is kiln with `torch_compile: {regions: blocks}`, its ratios to kiln's whole-model compile
+printed under the table); and, on a GPU only, "gpt": a GPT-style decoder (8 blocks of width 1024, 16 heads, 1024
+tokens, vocabulary 32768, batch 8). For the
 language models: tokens/s = batch * sequence / time per step, and on CUDA MFU = tokens/s * F / peak, where
 F = 6 * N + 12 * layers * sequence * width is the FLOPs of one token's forward and backward (PaLM's appendix B,
 nanoGPT's estimate_mfu): N counts every parameter that multiplies per token (all but the token and position
@@ -79,7 +83,10 @@ from bench.compare import (
 from bench.counts import StepCounter, counts_table  # noqa: E402
 from bench.harness import compile_sources, run_worker  # noqa: E402
 
-FRAMEWORKS = (*BASE_FRAMEWORKS, HAND_HF_GROUPS)
+#: kiln with `torch_compile: {regions: blocks}`: each repeated block compiled once, the rest eager (issue 54 item 4)
+KILN_REGIONAL = "kiln-regional"
+FRAMEWORKS = (*BASE_FRAMEWORKS, HAND_HF_GROUPS, KILN_REGIONAL)
+LABELS = {**LABELS, KILN_REGIONAL: "kiln, regions: blocks"}
 
 
 class Workload(NamedTuple):
@@ -95,9 +102,19 @@ class Workload(NamedTuple):
 
 
 GPT = {"vocab": 32768, "dim": 1024, "layers": 8, "heads": 16, "seq": 1024}
+#: regional against whole-model compile on a CPU: the GPU decoder's shape, 8 blocks, small enough to train here
+DEC8 = {"vocab": 1024, "dim": 128, "layers": 8, "heads": 4, "seq": 64}
 WORKLOADS = {
     "mlp": Workload("tiny MLP", MODELS["mlp"].batch, 2000),
     "lm16": Workload("transformer 2×128, 64 tokens", MODELS["lm16"].batch, 150, seq=64, layers=2, dim=128),
+    "dec8": Workload(
+        f"decoder {DEC8['layers']}×{DEC8['dim']}, {DEC8['seq']} tokens",
+        8,
+        60,
+        seq=DEC8["seq"],
+        layers=DEC8["layers"],
+        dim=DEC8["dim"],
+    ),
     "gpt": Workload(
         f"GPT {GPT['layers']}×{GPT['dim']}, {GPT['seq']} tokens",
         8,
@@ -128,20 +145,21 @@ class Setup(NamedTuple):
 
 
 # -- the GPU workload: bench/models.py's Decoder ------------------------------------------------------------
-def gpt_data(n: int = 1024) -> list[dict[str, Any]]:
+def gpt_data(n: int = 1024, shape: dict[str, int] = GPT) -> list[dict[str, Any]]:
     """Random token ids; n covers 80 steps of 8 without an epoch boundary inside the timed steps."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, GPT["vocab"], (n, GPT["seq"] + 1), generator=g)
+    ids = torch.randint(0, shape["vocab"], (n, shape["seq"] + 1), generator=g)
     return [{"input_ids": ids[i, :-1], "labels": ids[i, 1:]} for i in range(n)]
 
 
 def make(model: str) -> tuple[Any, Any]:
     """Model and dataset of a workload (seed 0), bench/compare.py's for the CPU workloads."""
-    if model == "gpt":
+    if model in ("gpt", "dec8"):
         torch.manual_seed(0)
         from bench.models import Decoder
 
-        return Decoder(**GPT), gpt_data()
+        shape = GPT if model == "gpt" else DEC8
+        return Decoder(**shape), gpt_data(shape=shape)
     return build(model)
 
 
@@ -234,7 +252,9 @@ def run_hand_written(
                 break
 
 
-def run_kiln(model: str, net: Any, data: Any, steps: int, clock: SyncedClock, out: str, s: Setup) -> None:
+def run_kiln(
+    model: str, net: Any, data: Any, steps: int, clock: SyncedClock, out: str, s: Setup, regions: str | None = None
+) -> None:
     from kiln import Trainer
 
     config = {
@@ -243,6 +263,8 @@ def run_kiln(model: str, net: Any, data: Any, steps: int, clock: SyncedClock, ou
         "torch_compile_backend": s.backend,
         "torch_compile_mode": s.mode,
     }
+    if regions is not None:  # the section and HF's flat switch together, as a user would write them
+        config = {**config, "train": {"torch_compile": True}, "torch_compile": {"regions": regions}}
     if s.cuda:
         config["precision"] = {"name": "bf16"}
     Trainer(net, config, train_dataset=data, callbacks=[kiln_marks(clock)]).fit()
@@ -287,6 +309,7 @@ RUNNERS = {
     "hf": run_hf,
     "lightning": run_lightning,
     HAND_HF_GROUPS: lambda *a: run_hand_written(*a, hf_groups=True),
+    KILN_REGIONAL: lambda *a: run_kiln(*a, regions="blocks"),
 }
 
 
@@ -379,6 +402,7 @@ def table(report: dict[str, Any], peak_tflops: float | None) -> str:
                     ]
                 )
             )
+    lines += regional_ratios(report)
     counted = counts_table(runs, report["models"], FRAMEWORKS, LABELS, lambda m: WORKLOADS[m].label)
     lines += [f"\nCounted over warm-up steps 2-{WARMUP} (torch.profiler; medians):\n\n{counted}"] if counted else []
     skipped = ", ".join(LABELS[f] for f in report["skipped"])
@@ -386,6 +410,23 @@ def table(report: dict[str, Any], peak_tflops: float | None) -> str:
     lines += [f"\n{report['stopped']}"] if report["stopped"] else []
     lines += [f"\nFailed: {failure}" for failure in report.get("failed", [])]
     return "\n".join(lines)
+
+
+def regional_ratios(report: dict[str, Any]) -> list[str]:
+    """Regional over whole-model compile, per workload and round (first step: the compile; ms / step: steady)."""
+    lines = []
+    for model in report["models"]:
+        rows = {(r["framework"], r["round"]): r for r in report["runs"] if r["model"] == model}
+        pairs = [
+            (rows[(KILN_REGIONAL, k)], rows[("kiln", k)]) for f, k in rows if f == KILN_REGIONAL and ("kiln", k) in rows
+        ]
+        if pairs:
+            first = cell([a["first_step"] / b["first_step"] for a, b in pairs], ".3f")
+            steady = cell([a["per_step"] / b["per_step"] for a, b in pairs], ".3f")
+            lines.append(
+                f"\n{WORKLOADS[model].label}: kiln regions: blocks / whole model: first step {first}, ms / step {steady}"
+            )
+    return lines
 
 
 def save(report: dict[str, Any], path: str | None) -> None:

@@ -34,6 +34,19 @@ def run_worker(
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def each_in_a_fresh_process(script: str, variants: Any, argv: list[str]) -> dict[str, dict[str, Any]]:
+    """`script --variant V argv` for each variant, one fresh interpreter each (its peak memory its own); the
+    JSON of the last line each prints, by variant."""
+    rows = {}
+    for variant in variants:
+        out = subprocess.run(
+            [sys.executable, script, "--variant", variant, *argv], check=True, capture_output=True, text=True
+        ).stdout
+        rows[variant] = json.loads(out.strip().splitlines()[-1])
+        print(f"{variant}: {rows[variant]}", file=sys.stderr, flush=True)
+    return rows
+
+
 def import_time(stmt: str) -> float:
     code = f"import time; t = time.perf_counter(); {stmt}; print(time.perf_counter() - t)"
     env = {**os.environ, "PYTHONPATH": os.path.dirname(BENCH)}

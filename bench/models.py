@@ -76,6 +76,8 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
+    _no_split_modules = ["Block"]  # its repeated block, for FSDP's wrap and regional compile
+
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)

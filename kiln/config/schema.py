@@ -544,6 +544,21 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass
+class TorchCompileConfig:
+    """Regional compilation: what torch.compile compiles as one region (see also train.torch_compile*).
+
+    HF's flat `torch_compile: true` still sets train.torch_compile; a mapping under that name is this section."""
+
+    regions: Optional[str] = opt(
+        None,
+        "blocks: compile each repeated block (the model's _no_split_modules, FSDP's wrap classes under fsdp and "
+        "model_parallel) on its own, once for all of them, on every strategy; setting it implies compiling. Unset: "
+        "the whole model (per block under fsdp and model_parallel) "
+        "([fine-tuning](fine-tuning.md#regional-compilation)).",
+    )
+
+
+@dataclass
 class TrainingConfig:
     """The whole run. Flat Hugging Face TrainingArguments names are accepted too (see kiln.config.hf.aliases)."""
 
@@ -565,6 +580,7 @@ class TrainingConfig:
     )
     train: TrainConfig = field(default_factory=TrainConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    torch_compile: TorchCompileConfig = field(default_factory=TorchCompileConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

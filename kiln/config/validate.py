@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kiln.config.activation_checkpointing import check_section as check_activation_checkpointing
-from kiln.config.compile import check_compile_mode
+from kiln.config.compile import check_compile_mode, check_regions
 from kiln.utils.errors import ConfigError
 
 INTERVALS = ("no", "steps", "epoch")
@@ -55,6 +55,7 @@ def validate(cfg: DictConfig) -> None:
     if t.torch_compile_backend is not None:
         _check_compile_backend(t.torch_compile_backend)
     check_compile_mode(t.torch_compile_mode)
+    check_regions(cfg.torch_compile.regions)
     if t.neftune_noise_alpha is not None:
         _positive("train.neftune_noise_alpha", t.neftune_noise_alpha)
     _positive("data.per_device_train_batch_size", cfg.data.per_device_train_batch_size)

@@ -22,18 +22,24 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kiln.config.compile import compile_kwargs, model_compile_kwargs
+from kiln.config.compile import compile_kwargs, compiles_blocks, model_compile_kwargs
 from kiln.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def compile_module(model: nn.Module, strategy: Any, train: Any) -> nn.Module:
-    """`model` through torch.compile when the config asks; unchanged when it was compiled already or
-    when the strategy compiled its blocks itself (FSDP2: compiling the sharded root on top would trace
-    into FSDP's hooks, a graph break around every unit)."""
-    kwargs = model_compile_kwargs(train)
-    if kwargs is None or hasattr(model, "_orig_mod") or strategy.capabilities.compiles_per_block:
+def compile_module(model: nn.Module, strategy: Any, config: Any) -> nn.Module:
+    """`model` through torch.compile when the config asks; unchanged when it was compiled already, when
+    its blocks were compiled one by one (`torch_compile: {regions: blocks}`, the strategy's
+    `setup_compile_regions`) or when the strategy compiled its blocks itself (FSDP2: compiling the sharded
+    root on top would trace into FSDP's hooks, a graph break around every unit)."""
+    kwargs = model_compile_kwargs(config)
+    if (
+        kwargs is None
+        or hasattr(model, "_orig_mod")
+        or compiles_blocks(config)
+        or strategy.capabilities.compiles_per_block
+    ):
         return model
     # torch.compile of an nn.Module returns an OptimizedModule (an nn.Module); its stub says only Callable
     return cast(nn.Module, torch.compile(model, **kwargs))

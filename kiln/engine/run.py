@@ -102,7 +102,8 @@ def module_to_set_up(run: Run, config: Any, strategy: Any) -> nn.Module:
     """The module the strategy sets up: a TrainingModule behind its StepDispatcher. When the config asks, the
     chunked loss goes inside the model's forward first (so the strategy's wrapper still calls it), and the
     repeated blocks are checkpointed (the strategy's `setup_activation_checkpointing`: one path for every
-    strategy, before it casts, splits, compiles or shards the module)."""
+    strategy, before it casts, splits, compiles or shards the module), then compiled one by one where
+    `torch_compile.regions` asks (`setup_compile_regions`)."""
     if run.forward_module is None:
         from kiln.engine.model.step_dispatcher import StepDispatcher
 
@@ -113,6 +114,9 @@ def module_to_set_up(run: Run, config: Any, strategy: Any) -> nn.Module:
         # facts.training_module is is_training_module(run.model), so the cast only tells mypy what it found
         module = StepDispatcher(cast("TrainingModule", run.model)) if run.facts.training_module else run.model
         strategy.setup_activation_checkpointing(module)
+        strategy.setup_compile_regions(
+            module
+        )  # torch_compile.regions: blocks, after checkpointing (torchtitan's order)
         run.forward_module = module
     return run.forward_module
 
@@ -167,7 +171,7 @@ def compiled(run: Run, model: nn.Module, config: Any, strategy: Any = None) -> n
     refuses the setting before the run starts. See kiln/engine/compile.py."""
     key = id(model)
     if key not in run._compiled:
-        run._compiled = {key: compile_module(model, strategy, config.train)}
+        run._compiled = {key: compile_module(model, strategy, config)}
     return run._compiled[key]
 
 

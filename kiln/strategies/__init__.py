@@ -75,6 +75,7 @@ def adopt_model(config: DictConfig, model: Any) -> DictConfig:
 def check_run_compatible(strategy: Strategy, precision: Precision, config: DictConfig, *, user_optimizer: bool) -> None:
     """Refuse an impossible strategy x precision x device x options combination before any process
     group starts (see kiln.strategies.capabilities)."""
+    from kiln.config.compile import compiles_model
     from kiln.strategies.capabilities import check_compatible
 
     check_compatible(
@@ -85,11 +86,5 @@ def check_run_compatible(strategy: Strategy, precision: Precision, config: DictC
         full_eval=precision.eval_dtype is not None,
         auto_batch_size=bool(config.data.auto_find_batch_size),
         user_optimizer=user_optimizer,
-        torch_compile=_compiles(config),
+        torch_compile=compiles_model(config),
     )
-
-
-def _compiles(config: DictConfig) -> bool:
-    """Whether the config asks the engine to torch.compile the module (any of train.torch_compile*)."""
-    train = config.get("train") if config is not None else None
-    return bool(train is not None and (train.torch_compile or train.torch_compile_backend or train.torch_compile_mode))

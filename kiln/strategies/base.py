@@ -34,8 +34,9 @@ never changes for it: the engine calls only these methods, in this order, for ev
     export:           strategy.model_state_for_export(module)
     strategy.teardown()                        # by the Trainer when its work is done (see teardown)
 
-What is not a strategy's business: torch.compile (the engine compiles the module `setup` returns;
-a strategy that cannot be compiled says so in `Capabilities.torch_compile`) and optimizers that update
+What is not a strategy's business: torch.compile (the engine compiles the module `setup` returns, or
+`setup_compile_regions` its blocks before `setup`; a strategy that cannot be compiled says so in
+`Capabilities.torch_compile`) and optimizers that update
 parameters inside backward (LOMO: the engine hands them the loss itself).
 
 Collectives have no default: a strategy spanning processes that forgot one would silently let ranks
@@ -247,6 +248,19 @@ class Strategy:
 
         chosen = policy(self.config)
         return checkpoint_model(module, chosen, find_blocks(module) if chosen else [])
+
+    def setup_compile_regions(self, module: nn.Module) -> int:
+        """`torch_compile: {regions: blocks}`: compile each repeated block of `module` on its own, in place,
+        before `setup` and after `setup_activation_checkpointing` (the compiled forward wraps the checkpointed
+        one), so the strategy's wrapper runs its hooks around compiled blocks and the engine leaves the set-up
+        module uncompiled (kiln.strategies.regional_compile). The blocks are those activation checkpointing
+        and FSDP's wrap find. Returns how many were compiled. A strategy that compiles its own blocks later
+        (FSDP2: after the tp split) overrides it."""
+        from kiln.config.compile import compiles_blocks
+        from kiln.strategies.activation_checkpointing import find_blocks
+        from kiln.strategies.regional_compile import compile_blocks
+
+        return compile_blocks(module, self.config, find_blocks(module) if compiles_blocks(self.config) else [])
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move to the device and wrap (DDP, FSDP...). Returns the module to run forward on."""

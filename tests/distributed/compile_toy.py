@@ -120,10 +120,10 @@ class BlockLM(nn.Module):
 
     _no_split_modules = ["Block"]
 
-    def __init__(self, vocab: int = 64, dim: int = 16) -> None:
+    def __init__(self, vocab: int = 64, dim: int = 16, layers: int = 2) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
-        self.h = nn.ModuleList([Block(dim), Block(dim)])
+        self.h = nn.ModuleList([Block(dim) for _ in range(layers)])
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -134,9 +134,9 @@ class BlockLM(nn.Module):
         return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
 
 
-def block_lm() -> nn.Module:
+def block_lm(layers: int = 2) -> nn.Module:
     torch.manual_seed(0)
-    return BlockLM()
+    return BlockLM(layers=layers)
 
 
 def token_data(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:

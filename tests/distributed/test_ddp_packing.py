@@ -1,7 +1,8 @@
 """data.packing on 2 real processes (gloo): over a dataset every rank plans the same rows and kiln's sampler
 deals them out, so the run ends with the weights of one process training on the global batch; over a
 stream each rank reads every other example and packs its own rows. The same world runs the packed rows with
-the chunked loss and selective activation checkpointing under DDP: still one process's weights."""
+the chunked loss and selective activation checkpointing under DDP, and again under FSDP (each rank packs its
+own rows as under DDP; the loss reads the LM head FSDP gathered): still one process's weights."""
 
 from __future__ import annotations
 
@@ -51,3 +52,12 @@ def test_the_chunked_loss_and_checkpointing_under_ddp_match_one_process_without_
     assert run["ranks_identical"] and run["steps"] == 2
     assert run["chunked"] and run["checkpointed"] == 2 and results["rows"]["checkpointed"] == 0
     torch.testing.assert_close(tensors["chunked"], one_process, atol=1e-5, rtol=0)
+
+
+def test_packed_rows_under_fsdp_with_the_chunked_loss_match_one_process(ddp, one_process):
+    results, tensors = ddp
+    run = results["fsdp"]
+    assert run["steps"] == 2 and run["chunked"] and run["checkpointed"] == 2
+    first = run["first_batches"]
+    assert first[0] != first[1]  # each rank packed and trained its own rows
+    torch.testing.assert_close(tensors["fsdp"], one_process, atol=1e-5, rtol=0)

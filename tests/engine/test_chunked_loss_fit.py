@@ -114,3 +114,15 @@ def test_what_the_chunked_loss_cannot_do_is_one_sentence(tmp_path):
     trainer = Trainer(model, base_config(tmp_path, train={"loss": {"chunked": True}}), train_dataset=[{"x": 1}])
     with pytest.raises(ConfigError, match="train.loss.chunked needs a Transformers causal LM .* Sequential holds none"):
         trainer.fit()
+
+
+def test_under_fsdp_a_chunked_fit_ends_where_the_plain_fit_does(tmp_path, plain):
+    """FSDP2 on one rank: the root's all-gather runs before the replaced forward, which reads the LM head's
+    whole weight (the 2-process FSDP path is the same hooks over two shards)."""
+    cfg = {"strategy": {"name": "fsdp", "device": "cpu"}, "train": {"loss": {"chunked": True, "chunk_size": CHUNK}}}
+    trainer, losses, _ = fit(tmp_path, **cfg)
+    exported = trainer.strategy.model_state_for_export(trainer.model)
+    want = plain[0].model.state_dict()
+    for name, value in exported.items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5)
+    assert losses == pytest.approx(plain[1], rel=1e-5) and len(losses) == 3

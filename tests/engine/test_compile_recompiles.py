@@ -177,7 +177,7 @@ def test_the_module_is_compiled_once_and_not_over_a_strategy_that_compiles_its_b
     from kiln.engine.compile import compile_module
     from kiln.strategies.capabilities import Capabilities
 
-    on = SimpleNamespace(torch_compile=True, torch_compile_backend=toy.BACKEND, torch_compile_mode=None)
+    on = _config(torch_compile=True, torch_compile_backend=toy.BACKEND)
     model = toy.mlp()
     plain, per_block = (
         SimpleNamespace(capabilities=Capabilities()),
@@ -187,24 +187,29 @@ def test_the_module_is_compiled_once_and_not_over_a_strategy_that_compiles_its_b
     assert compiled._orig_mod is model
     assert compile_module(compiled, plain, on) is compiled
     assert compile_module(model, per_block, on) is model
+    assert compile_module(model, plain, _config(torch_compile=True, regions="blocks")) is model  # its blocks are
     for asks in ({"torch_compile": False}, {"torch_compile": False, "torch_compile_mode": "default"}):
-        train = SimpleNamespace(**{"torch_compile_backend": None, "torch_compile_mode": None, **asks})
-        assert (compile_module(model, plain, train) is model) == ("torch_compile_mode" not in asks)
+        assert (compile_module(model, plain, _config(**asks)) is model) == ("torch_compile_mode" not in asks)
+
+
+def _config(regions=None, **train):
+    """The two parts of a config that say what is compiled."""
+    from types import SimpleNamespace
+
+    train = {"torch_compile": False, "torch_compile_backend": None, "torch_compile_mode": None, **train}
+    return SimpleNamespace(train=SimpleNamespace(**train), torch_compile=SimpleNamespace(regions=regions))
 
 
 def test_fsdp_compiles_each_block_forward_in_place_once():
     """Before fully_shard: the blocks keep their classes and parameter names; a second set-up does
     not compile a compiled forward again; nothing is compiled unless the config asks."""
-    from types import SimpleNamespace
-
-    from kiln.strategies.mesh.compile import compile_units
+    from kiln.strategies.regional_compile import compile_units
 
     model = toy.gpt2(2)
     names = [n for n, _ in model.named_parameters()]
     blocks = list(model.transformer.h)
-    off = SimpleNamespace(torch_compile=False, torch_compile_backend=None, torch_compile_mode=None)
-    assert compile_units(blocks, off) == 0 and not hasattr(blocks[0].forward, "_torchdynamo_orig_callable")
-    on = SimpleNamespace(torch_compile=True, torch_compile_backend=toy.BACKEND, torch_compile_mode=None)
+    assert compile_units(blocks, _config()) == 0 and not hasattr(blocks[0].forward, "_torchdynamo_orig_callable")
+    on = _config(torch_compile=True, torch_compile_backend=toy.BACKEND)
     assert compile_units(blocks, on) == 2 and compile_units(blocks, on) == 0
     assert all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks)
     assert [n for n, _ in model.named_parameters()] == names

@@ -39,7 +39,7 @@ def _hf_name(key: str, value: Any) -> bool:
         return True
     if key == "optim":  # HF's optimizer name; kiln's `optim:` group is a mapping
         return isinstance(value, str)
-    if key == "activation_checkpointing":  # HF 5's switch; kiln's section is a mapping
+    if key in ("activation_checkpointing", "torch_compile"):  # HF's switches; kiln's sections are mappings
         return not isinstance(value, Mapping)
     return aliases.is_alias(key)
 

@@ -5,7 +5,7 @@ applied to the model by its own `apply_*` function, in torchtitan's order:
     tensor parallel      apply_tp (tp_plan.py; sequence_parallel.py, loss_parallel.py)  over `tp`
                          -- or the TrainingModule's own `configure_model(mesh)`
     activation ckpt      apply_activation_checkpointing (../activation_checkpointing.py) on the wrapped blocks
-    compile              compile_units (compile.py)                                     each block's forward
+    compile              compile_units (../regional_compile.py)                         each block's forward
     FSDP2                apply_fsdp (fsdp.py)                                           over dp (x cp)
     context parallel     context_parallel.py, at the batch and micro-batch seams       over `cp`
 
@@ -168,6 +168,12 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
                 "model too (float8 tensor, context, pipeline and expert parallelism are not wired in yet); keep the "
                 "mesh to dp_shard / dp_replicate, or use precision: bf16."
             )
+        if self.config is not None and self.config.train.loss.chunked and dims.tp > 1:
+            raise ConfigError(
+                "train.loss.chunked multiplies the hidden states by the whole LM head chunk by chunk, and tensor "
+                f"parallelism splits that head over this mesh's tp axis ({dims.describe()}); drop train.loss.chunked "
+                "(strategy.loss_parallel keeps the logits split over tp instead) or the tp axis."
+            )
         self._check_cp_config()
 
     def _check_cp_config(self) -> None:
@@ -234,8 +240,13 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         self._checkpointed = len(checkpointed)
         return checkpointed
 
+    def setup_compile_regions(self, module: nn.Module) -> int:
+        """Nothing yet: the mesh compiles the blocks FSDP wraps in `setup_module`, after the tp split and before
+        `fully_shard` (torchtitan's order), whether `torch_compile.regions` is blocks or unset."""
+        return 0
+
     def setup_module(self, module: nn.Module) -> nn.Module:
-        from kiln.strategies.mesh.compile import compile_units
+        from kiln.config.compile import compiles_blocks
         from kiln.strategies.mesh.context_parallel import check_model
         from kiln.strategies.mesh.fsdp import apply_fsdp
         from kiln.strategies.mesh.loading import (
@@ -246,6 +257,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         )
         from kiln.strategies.mesh.presharded import is_loaded_split
         from kiln.strategies.mesh.tp_plan import user_module
+        from kiln.strategies.regional_compile import compile_blocks, compile_units
         from kiln.strategies.wrap_policy import blocks_to_wrap
 
         s, dims = self.settings, self.shape
@@ -272,8 +284,11 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         what = self._apply_tp(user, loaded_split)
         blocks = blocks_to_wrap(module, s.wrap, s.min_num_params)
         # torchtitan's order: TP, activation checkpointing (done before setup: setup_activation_checkpointing),
-        # compile, fully_shard (no blocks: the root's forward)
-        compiled = compile_units(blocks or [module], self.config.train) if self.config is not None else 0
+        # compile, fully_shard (no blocks: the root's forward; torch_compile.regions: blocks refuses that)
+        if compiles_blocks(self.config):
+            compiled = compile_blocks(module, self.config, blocks)
+        else:
+            compiled = compile_units(blocks or [module], self.config)
         if dims.fsdp:
             pin = self.accelerator.pin_memory if s.offload_pin_memory is None else s.offload_pin_memory
             apply_fsdp(

@@ -66,6 +66,22 @@ def test_what_tp_alone_cannot_do_is_refused_alike_under_both_presets(two_process
     assert re.search(words, fsdp)
 
 
+def test_the_chunked_loss_under_tp_is_refused_alike_under_both_presets(two_processes):
+    refusals = []
+    for name in ("fsdp", "model_parallel"):
+        config = load_config(
+            {"strategy": {"name": name, "device": "cpu", **TP2[name]}, "train": {"loss": {"chunked": True}}}
+        )
+        with pytest.raises(ConfigError) as err:
+            STRATEGIES.get(name)(config, FP32Precision())
+        refusals.append(str(err.value))
+    assert refusals[0] == refusals[1] and refusals[0].count(". ") == 0
+    assert re.match(
+        r"train.loss.chunked multiplies .* tensor parallelism splits that head over this mesh's tp axis \(tp 2\)",
+        refusals[0],
+    )
+
+
 @pytest.mark.parametrize(
     "options, words",
     [

@@ -124,7 +124,9 @@ def _attention_kind(config: Any, inner: nn.Module, name: str) -> str:
         )
     from transformers import masking_utils
 
-    module = sys.modules.get(type(inner).__module__)
+    # the model's own class: FSDP2 swaps in a subclass of it made in torch (`FSDPLlamaForCausalLM`)
+    own = next(cls for cls in type(inner).__mro__ if not cls.__module__.startswith("torch."))
+    module = sys.modules.get(own.__module__)
     if not any(getattr(module, f, None) is getattr(masking_utils, f) for f in MASK_BUILDERS):
         raise ConfigError(
             f"{name} does not build its attention mask with transformers' masking_utils, so it may not "
