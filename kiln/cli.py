@@ -30,6 +30,8 @@ commands:
                                               a checkpoint's full weights (FSDP or ZeRO shards merged) as
                                               OUT/model.safetensors (signed checkpoints: the key is in $NAME);
                                               CHECKPOINT may be a URL (s3://bucket/run/checkpoint-500)
+  kiln estimate CONFIG.yaml [--nproc N] [--device-memory GiB] [--json] [key=value ...]
+                                              per-rank memory for each strategy and mesh, and what fits
   kiln --version                              print kiln's version
 
 options for fit/evaluate/predict:
@@ -433,6 +435,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if command == "convert":
         return _convert(rest)
+    if command == "estimate":
+        from kiln.estimate.command import main as estimate_main
+
+        return estimate_main(rest)
     if command not in ("fit", "train", "evaluate", "predict"):
         print(f"kiln: unknown command {command!r}.\n\n{USAGE}", file=sys.stderr)
         return 2
