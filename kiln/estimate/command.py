@@ -1,6 +1,6 @@
 """`kiln estimate CONFIG [--nproc N] [--device-memory GiB] [--json] [key=value ...]`: per-rank memory of
 the config's model for each strategy and mesh `nproc` processes can run, before anything is launched
-(docs/estimate.md). The model is built on fake tensors (no weights, no download); the activations come
+(docs/launching.md#will-it-fit-kiln-estimate). The model is built on fake tensors (no weights, no download); the activations come
 from one traced forward and backward of the config's first micro-batch (trace.py)."""
 
 from __future__ import annotations
@@ -16,18 +16,20 @@ from kiln.estimate.report import as_json, rows, table
 from kiln.estimate.states import Counts
 from kiln.estimate.trace import Activations, trace
 
-#: config strategy names and the rows they are (the configured one is marked in the table)
-KNOWN = {
-    "auto": "",
-    "single": "single",
-    "mps": "single",
-    "ddp": "ddp",
-    "xla": "ddp",
-    "fsdp": "fsdp",
-    "xla_fsdp": "fsdp",
-    "model_parallel": "model_parallel",
-    "deepspeed": "deepspeed",
-}
+#: strategy names (by prefix; xla_fsdp before xla) -> the table's rows the configured strategy is
+FAMILIES = (
+    ("auto", "auto"),  # one device, or DDP under a launcher (main())
+    ("single", "single"),
+    ("cpu", "single"),
+    ("cuda", "single"),
+    ("mps", "single"),
+    ("xla_fsdp", "fsdp"),
+    ("xla", "ddp"),
+    ("ddp", "ddp"),
+    ("fsdp", "fsdp"),
+    ("model_parallel", "model_parallel"),
+    ("deepspeed", "deepspeed"),
+)
 AC_MODES = ("none", "full", "selective")
 
 
@@ -36,7 +38,11 @@ def _batch(data: dict[str, Any], size: int) -> Any:
     collates them (its data_collator, else torch's default)."""
     from torch.utils.data import default_collate
 
+    from kiln.task_import import TaskError
+
     dataset = data.get("train_dataset", data.get("eval_dataset"))
+    if dataset is None:
+        raise TaskError("task.data returned no train_dataset or eval_dataset for kiln estimate to take a batch from.")
     samples = [dataset[i] for i in range(min(size, len(dataset)))]
     collate = data.get("data_collator") or default_collate
     return collate(samples)
@@ -96,14 +102,12 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
 
     from kiln.strategies.activation_checkpointing import Policy, checkpoint_model, find_blocks, policy
     from kiln.task_import import TaskError, check_kwargs, import_callable
-    from kiln.utils.errors import ConfigError, KilnError
+    from kiln.utils.errors import KilnError
 
-    name = str(cfg.strategy.name)
-    family = KNOWN.get(name.split("_stage")[0] if name.startswith("deepspeed") else name)
-    if family is None:
-        raise ConfigError(
-            f"strategy.name {name!r} is not a strategy kiln estimates; use one of {', '.join(KNOWN)}."
-        )
+    name = str(cfg.strategy.name)  # a registered name (the config loader refuses others); a plugin's marks no row
+    family = next((row for prefix, row in FAMILIES if name.startswith(prefix)), None)
+    if family == "auto":
+        family = "single" if nproc == 1 else "ddp"
     _check_nproc(cfg, nproc)
     if not cfg.task.model or not cfg.task.data:
         raise TaskError("the config must name task.model and task.data ('package.module:callable') to estimate.")
@@ -163,7 +167,7 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
         "micro_batch_size": int(cfg.data.per_device_train_batch_size),
         "nproc": nproc,
         "device_memory_gib": device_memory,
-        "configured_strategy": family or None,
+        "configured_strategy": family,
         "activation_checkpointing": chosen,
         "activations_by_checkpointing": {mode: t.peak if t else None for mode, t in traced.items()},
     }
@@ -173,13 +177,18 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
 def _header(about: dict[str, Any]) -> list[str]:
     from kiln.estimate.report import _size
 
-    modes = ", ".join(f"{mode} {_size(b) if b is not None else 'n/a'}" for mode, b in about["activations_by_checkpointing"].items())
-    memory = f"{about['device_memory_gib']} GiB" if about["device_memory_gib"] is not None else "not given (--device-memory)"
+    modes = ", ".join(
+        f"{mode} {_size(b) if b is not None else 'n/a'}" for mode, b in about["activations_by_checkpointing"].items()
+    )
+    memory = (
+        f"{about['device_memory_gib']} GiB" if about["device_memory_gib"] is not None else "not given (--device-memory)"
+    )
     return [
         f"kiln estimate: {about['model']}: {about['parameters']:,} parameters ({about['trainable']:,} trainable), "
         f"{about['precision']}, {about['optimizer']}, micro-batch {about['micro_batch_size']}, {about['nproc']} "
         f"process{'es' if about['nproc'] != 1 else ''}, device memory {memory}",
         f"activations per micro-batch by activation checkpointing: {modes} (the table uses {about['activation_checkpointing']})",
+        "(* the config's strategy; peak/rank: the largest of backward and the optimizer step)",
     ]
 
 
@@ -197,7 +206,9 @@ def main(argv: Sequence[str]) -> int:
     ns, overrides = parser.parse_known_args(list(argv))
     bad = [o for o in overrides if "=" not in o]
     if bad:
-        print(f"kiln estimate: error: unrecognised argument {bad[0]!r}; overrides look like key=value.", file=sys.stderr)
+        print(
+            f"kiln estimate: error: unrecognised argument {bad[0]!r}; overrides look like key=value.", file=sys.stderr
+        )
         return 2
     try:
         cfg = load_with_launcher_settings(ns.config, overrides)
@@ -208,5 +219,5 @@ def main(argv: Sequence[str]) -> int:
     if ns.json:
         print(json.dumps(as_json(result, about), indent=2))
     else:
-        print(table(result, _header(about)))
+        print(table(result, _header(about), about["configured_strategy"]))
     return 0

@@ -49,19 +49,29 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-HEADER = ("strategy", "mesh", "params", "grads", "optimizer", "activations", "peak/rank", "fits")
+HEADER = (" strategy", "mesh", "params", "grads", "optimizer", "activations", "peak/rank", "fits")
 
 
-def table(result: list[Row], header_lines: list[str]) -> str:
+def table(result: list[Row], header_lines: list[str], configured: str | None = None) -> str:
+    """The rows as aligned columns under `header_lines`; the `configured` strategy's rows marked with *."""
     body = []
     for r in result:
         s = r.layout.states
         fits = "-" if r.fits is None else ("yes" if r.fits else "no")
         params = _size(s.params) + (f" +{_size(s.gathered)} gathered" if s.gathered else "")
         grads = _size(s.grads) + (f" +{_size(s.buckets)} buckets" if s.buckets else "")
+        mark = "*" if configured and r.layout.strategy.startswith(configured) else " "
         body.append(
-            (r.layout.strategy, r.layout.mesh, params, grads, _size(s.optimizer), _size(r.activations),
-             _size(r.peak), fits)
+            (
+                mark + r.layout.strategy,
+                r.layout.mesh,
+                params,
+                grads,
+                _size(s.optimizer),
+                _size(r.activations),
+                _size(r.peak),
+                fits,
+            )
         )
     widths = [max(len(row[i]) for row in [HEADER, *body]) for i in range(len(HEADER))]
     lines = [*header_lines, "", "  ".join(h.ljust(w) for h, w in zip(HEADER, widths)).rstrip()]

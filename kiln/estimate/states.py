@@ -84,9 +84,7 @@ def _momentum(optim_args: str | None) -> float:
 
 def adafactor_elements(shapes: Sequence[tuple[tuple[int, ...], bool]]) -> int:
     """Adafactor's factored second moment: rows + columns for a matrix, the tensor itself otherwise."""
-    return sum(
-        (shape[-2] + shape[-1]) if len(shape) >= 2 else math.prod(shape) for shape, trains in shapes if trains
-    )
+    return sum((shape[-2] + shape[-1]) if len(shape) >= 2 else math.prod(shape) for shape, trains in shapes if trains)
 
 
 @dataclass(frozen=True)

@@ -73,3 +73,7 @@ def tokens(n: int = 16) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
     return {"train_dataset": [{"input_ids": ids[i], "labels": ids[i]} for i in range(n)]}
+
+
+def no_data() -> dict:
+    return {"train_dataset": None}

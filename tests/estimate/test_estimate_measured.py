@@ -40,11 +40,7 @@ def config(tmp_path, model: str, strategy: str):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(
     "model, strategy",
-    [
-        pytest.param(m, s, marks=() if (m, s) in DEFAULT else pytest.mark.heavy)
-        for m in MODELS
-        for s in STRATEGIES
-    ],
+    [pytest.param(m, s, marks=() if (m, s) in DEFAULT else pytest.mark.heavy) for m in MODELS for s in STRATEGIES],
 )
 def test_the_estimate_is_within_20_percent_of_the_measured_peak(tmp_path, model, strategy):
     cfg = config(tmp_path, model, strategy)

@@ -30,7 +30,10 @@ def test_deepspeed_stages_2_and_3_equal_deepspeeds_own_estimates(ranks):
             deepspeed_states(MATRIX, 3, ranks, "adamw_torch", offload_optimizer=True),
             zero3(total, largest, ranks, cpu_offload_params=False)[1],
         ),
-        (deepspeed_states(MATRIX, 3, ranks, "adamw_torch", offload_optimizer=True, offload_params=True), zero3(total, largest, ranks)[1]),
+        (
+            deepspeed_states(MATRIX, 3, ranks, "adamw_torch", offload_optimizer=True, offload_params=True),
+            zero3(total, largest, ranks)[1],
+        ),
     ]
     for ours, theirs in cases:
         assert ours.total == pytest.approx(theirs, abs=1)
@@ -66,12 +69,18 @@ def test_each_optimizer_keeps_its_own_state():
 def test_torch_layouts_share_the_states_and_offload_keeps_them_on_the_host():
     w = 4
     single = torch_states(MATRIX, "fp32", "adamw_torch", None)
-    assert (single.params, single.grads, single.optimizer) == (MATRIX.total * w, MATRIX.trainable * w, 8 * MATRIX.trainable)
+    assert (single.params, single.grads, single.optimizer) == (
+        MATRIX.total * w,
+        MATRIX.trainable * w,
+        8 * MATRIX.trainable,
+    )
     sharded = torch_states(MATRIX, "fp32", "adamw_torch", None, shard=4, gathered_params=100)
     assert sharded.params == single.params / 4 and sharded.optimizer == single.optimizer / 4
     assert sharded.gathered == 2 * 100 * w
     off = torch_states(MATRIX, "fp32", "adamw_torch", None, shard=4, gathered_params=100, offload=True)
-    assert off.params == off.grads == off.optimizer == 0 and off.host == sharded.params + sharded.grads + sharded.optimizer
+    assert (
+        off.params == off.grads == off.optimizer == 0 and off.host == sharded.params + sharded.grads + sharded.optimizer
+    )
     ddp = torch_states(MATRIX, "bf16-true", "adamw_torch", None, buckets=True)
     assert ddp.buckets == ddp.grads == MATRIX.trainable * 2
 
@@ -80,7 +89,14 @@ def test_the_layouts_for_8_processes_and_their_peaks():
     setting = Setting("fp32", "adamw_torch", None, largest_unit=1000)
     found = {(r.strategy, r.mesh): r for r in layouts(MATRIX, 8, setting)}
     assert ("single", "1 device") not in found  # one device only with one process
-    assert {m for s, m in found if s == "fsdp hybrid_shard"} == {"dp_replicate=4, dp_shard=2", "dp_replicate=2, dp_shard=4"}
+    no_shard = found[("fsdp no_shard", "dp_replicate=8")].states  # replicated: every rank holds it all
+    assert (no_shard.params, no_shard.gathered) == (MATRIX.total * 4, 2 * 1000 * 4)
+    one = {(r.strategy, r.mesh): r.states for r in layouts(MATRIX, 1, setting)}
+    assert one[("single", "1 device")] == torch_states(MATRIX, "fp32", "adamw_torch", None)
+    assert {m for s, m in found if s == "fsdp hybrid_shard"} == {
+        "dp_replicate=4, dp_shard=2",
+        "dp_replicate=2, dp_shard=4",
+    }
     assert {m for s, m in found if s == "model_parallel"} == {
         "dp_shard=4 x tp=2",
         "dp_shard=2 x tp=4",
@@ -92,12 +108,40 @@ def test_the_layouts_for_8_processes_and_their_peaks():
     activations, total = peak(tp4, traced)
     assert activations == 10_000_000 / 4
     s = tp4.states
-    assert total == s.params + s.optimizer + max(s.gathered + activations + 1_000_000 / 8, s.grads + tp4.step_temporaries)
+    assert total == s.params + s.optimizer + max(
+        s.gathered + activations + 1_000_000 / 8, s.grads + tp4.step_temporaries
+    )
     ddp = found[("ddp", "dp_replicate=8")]
     assert peak(ddp, traced)[1] == ddp.states.params + ddp.states.optimizer + ddp.states.buckets + 11_000_000
     quiet = Activations(peak=0, grads=0)  # no activations: the optimizer step is the peak, foreach AdamW's temporaries
     assert peak(ddp, quiet)[1] == ddp.states.total + MATRIX.trainable * 4
     fits = rows(list(found.values()), traced, device_memory_gib=0.05)
     assert {r.layout.strategy: r.fits for r in fits}["deepspeed"] is True  # ZeRO-3 offload fits 50 MiB
-    assert [r.fits for r in fits if r.layout.mesh == "ZeRO-0"] == [r.peak <= 0.05 * GIB for r in fits if r.layout.mesh == "ZeRO-0"]
+    assert [r.fits for r in fits if r.layout.mesh == "ZeRO-0"] == [
+        r.peak <= 0.05 * GIB for r in fits if r.layout.mesh == "ZeRO-0"
+    ]
     assert all(r.fits is None for r in rows(list(found.values()), traced, None))
+
+
+def test_the_table_gives_sizes_in_binary_units_under_aligned_columns():
+    from kiln.estimate.report import _size, table
+
+    assert [_size(n) for n in (512, 1024, 1536, 2**20, 3 * 2**30)] == [
+        "512 B",
+        "1.00 KiB",
+        "1.50 KiB",
+        "1.00 MiB",
+        "3.00 GiB",
+    ]
+    setting = Setting("fp32", "adamw_torch", None, largest_unit=1000)
+    result = rows(layouts(MATRIX, 2, setting), Activations(peak=2**20, grads=0), 1.0)
+    lines = table(result, ["head"], configured="fsdp").splitlines()
+    assert lines[:2] == ["head", ""]
+    header, rule, body = lines[2], lines[3], lines[4:]
+    assert set(rule) == {"-", " "} and len(rule) >= len(header)
+    starts = [i for i in range(1, len(rule)) if rule[i] == "-" and rule[i - 1] == " "]  # each column's first character
+    assert len(starts) == 7 and all(row[i] != " " for row in (header, *body) for i in starts)
+    assert all(line.startswith("*fsdp") for line in body if line.startswith("*"))
+    fsdp = next(line for line in body if line.startswith("*fsdp full_shard"))
+    assert "3.91 KiB gathered" not in fsdp and "+7.81 KiB gathered" in fsdp  # 2 x 1000 fp32 weights and gradients
+    assert fsdp.split()[-1] == "yes"
