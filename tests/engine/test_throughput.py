@@ -234,3 +234,18 @@ def test_a_device_without_counters_logs_no_peak_memory():
     from kiln.engine.loop.peak_memory import WindowPeakMemory
 
     assert WindowPeakMemory(CPUAccelerator(), None).take() == {}
+
+
+def test_each_windows_peak_goes_to_the_memory_tracker_before_the_counter_is_reset():
+    from kiln.engine.loop.peak_memory import WindowPeakMemory
+
+    noted: list[int] = []
+
+    class Tracker:
+        def note_device_peak(self, peak: int) -> None:
+            noted.append(peak)
+
+    meter = WindowPeakMemory(FakeCounters(7 * 2**30, 2**29), Tracker())
+    assert meter.take() == {"peak_memory_gib": 7.0}
+    assert meter.take() == {"peak_memory_gib": 0.5}
+    assert noted == [7 * 2**30, 2**29]
