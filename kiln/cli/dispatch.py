@@ -36,11 +36,18 @@ def _convert(rest: list[str]) -> int:
     return convert(rest)
 
 
+def _estimate(rest: list[str]) -> int:
+    from kiln.estimate.command import main
+
+    return main(rest)
+
+
 #: command -> its function of the remaining arguments, returning the exit code
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "plot": _plot,
     "config-docs": _config_docs,
     "convert": _convert,
+    "estimate": _estimate,
 }
 #: the commands that run a config (`train` is HF's name for `fit`)
 RUN_COMMANDS = ("fit", "train", "evaluate", "predict")

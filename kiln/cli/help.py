@@ -14,6 +14,8 @@ commands:
                                               a checkpoint's full weights (FSDP or ZeRO shards merged) as
                                               OUT/model.safetensors (signed checkpoints: the key is in $NAME);
                                               CHECKPOINT may be a URL (s3://bucket/run/checkpoint-500)
+  kiln estimate CONFIG.yaml [--nproc N] [--device-memory GiB] [--json] [key=value ...]
+                                              per-rank memory for each strategy and mesh, and what fits
   kiln --version                              print kiln's version
 
 options for fit/evaluate/predict:

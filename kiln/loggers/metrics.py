@@ -100,6 +100,7 @@ class MemoryTracker:
         self.gpu: dict[str, dict[str, int]] = {}
         self.init_reported = False
         self._peak = 0
+        self._device_peak = 0  # the largest window peak the fit loop read (and reset) during the stage
         self._monitoring = False
         self._thread: threading.Thread | None = None
 
@@ -135,6 +136,7 @@ class MemoryTracker:
         device = self._device()
         if device is not None:
             device.reset_peak_memory_stats()
+            self._device_peak = 0
             device.empty_cache()
             self.gpu[stage] = {"begin": int(device.memory_allocated())}
         self.cpu[stage] = {"begin": self._rss()}
@@ -153,13 +155,19 @@ class MemoryTracker:
         gc.collect()
         device = self._device()
         if device is not None and stage in self.gpu:
-            end, peak = int(device.memory_allocated()), int(device.max_memory_allocated())
+            end = int(device.memory_allocated())
+            peak = max(int(device.max_memory_allocated()), self._device_peak)
             g = self.gpu[stage]
             g.update(end=end, peak=peak, alloc=end - g["begin"], peaked=max(0, peak - end))
         end = self._rss()
         c = self.cpu[stage]
         c.update(end=end, peak=self._peak, alloc=end - c["begin"], peaked=max(0, self._peak - end))
         self.stage = None
+
+    def note_device_peak(self, peak: int) -> None:
+        """A peak read before the device's counter was reset (the fit's per-window peak memory): the
+        stage's peak is the largest of these and what the counter holds at its end."""
+        self._device_peak = max(self._device_peak, peak)
 
     def update_metrics(self, stage: str, metrics: dict[str, Any]) -> None:
         if self.skip or stage == "init":  # init has no metrics of its own: the first stage reports it

@@ -157,3 +157,95 @@ def test_a_fit_logs_throughput_and_mfu_against_the_configured_peak(tmp_path, mon
     assert out.metrics["train_steps_per_second"] == pytest.approx(2 / 1.5)
     assert out.metrics["train_samples_per_second"] == pytest.approx(4 / 1.5)
     assert out.metrics["train_tokens_per_second"] == pytest.approx(48 / 1.5)
+
+
+class FakeCounters:
+    """An accelerator's allocator counters (CUDA's max_memory_allocated / reset_peak_memory_stats): each
+    window's peak is the next of `peaks`, until the counter is reset."""
+
+    def __init__(self, *peaks: int) -> None:
+        self.peaks, self.resets = list(peaks), 0
+
+    def has_memory_stats(self) -> bool:
+        return True
+
+    def max_memory_allocated(self) -> int:
+        return self.peaks[self.resets]
+
+    def memory_allocated(self) -> int:
+        return 0
+
+    def reset_peak_memory_stats(self) -> None:
+        self.resets += 1
+
+    def empty_cache(self) -> None:
+        pass
+
+
+def test_the_end_of_run_summary_gives_the_whole_fits_tflops_and_mfu_and_each_window_its_peak_memory(
+    tmp_path, monkeypatch
+):
+    from kiln import Trainer
+    from kiln.engine.callbacks.base import Callback
+    from kiln.engine.loop import fit
+    from kiln.engine.loop.peak_memory import WindowPeakMemory
+    from kiln.loggers.metrics import MemoryTracker
+    from tests.helpers import TokenModel, base_config, padded_token_data
+
+    seen = []
+
+    class Figures(Callback):
+        def on_log(self, config, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
+            seen.append(logs)
+
+    counters = FakeCounters(3 * 2**30, 2**29, 2**28)  # a device with counters (CUDA) under the CPU run
+    tracker = MemoryTracker()
+    monkeypatch.setattr(fit, "time", Clock())
+    monkeypatch.setattr(fit, "WindowPeakMemory", lambda accelerator, _: WindowPeakMemory(counters, tracker))
+    model = TokenModel()
+    cfg = base_config(tmp_path, max_steps=3, per_device_train_batch_size=2)
+    cfg["log"].update(steps=2, mfu_peak_tflops=1e-6)  # step 3 is never logged: the summary still counts it
+    out = Trainer(model, cfg, train_dataset=padded_token_data(n=8, length=12), callbacks=[Figures()]).fit()
+    per_step = ModelFlops(model).count({"input_ids": torch.zeros(2, 12, dtype=torch.long)})[1]
+    runtime = out.metrics["train_runtime"]
+    assert out.metrics["train_tflops"] == pytest.approx(3 * per_step / runtime / 1e12)
+    assert out.metrics["train_tflops_per_rank"] == out.metrics["train_tflops"]
+    assert out.metrics["train_mfu"] == pytest.approx(out.metrics["train_tflops"] / 1e-6)
+    assert "mfu" not in out.metrics  # the summary's figures are train_*
+    windows = [logs for logs in seen if "loss" in logs]
+    assert [logs["peak_memory_gib"] for logs in windows] == [3.0]  # the first window's peak, then a new window
+    assert counters.resets == 1
+    device = FakeCounters(0, 1, 3)
+    monkeypatch.setattr(MemoryTracker, "_device", staticmethod(lambda: device))
+    tracker.start("t")  # the stage peak HF's memory metrics report is the largest window's, not the last one's
+    tracker.note_device_peak(5)
+    tracker.note_device_peak(2)
+    tracker.stop("t")
+    assert tracker.gpu["t"]["peak"] == 5
+    tracker.start("u")
+    tracker.stop("u")
+    assert tracker.gpu["u"]["peak"] == 3  # a new stage forgets the last one's window peaks
+    no_peak = Trainer(TokenModel(), base_config(tmp_path / "b", max_steps=1), train_dataset=padded_token_data(n=4))
+    assert "train_mfu" not in no_peak.fit().metrics  # the CPU has no peak unless log.mfu_peak_tflops names one
+
+
+def test_a_device_without_counters_logs_no_peak_memory():
+    from kiln.accelerators.cpu import CPUAccelerator
+    from kiln.engine.loop.peak_memory import WindowPeakMemory
+
+    assert WindowPeakMemory(CPUAccelerator(), None).take() == {}
+
+
+def test_each_windows_peak_goes_to_the_memory_tracker_before_the_counter_is_reset():
+    from kiln.engine.loop.peak_memory import WindowPeakMemory
+
+    noted: list[int] = []
+
+    class Tracker:
+        def note_device_peak(self, peak: int) -> None:
+            noted.append(peak)
+
+    meter = WindowPeakMemory(FakeCounters(7 * 2**30, 2**29), Tracker())
+    assert meter.take() == {"peak_memory_gib": 7.0}
+    assert meter.take() == {"peak_memory_gib": 0.5}
+    assert noted == [7 * 2**30, 2**29]

@@ -34,6 +34,7 @@ from kiln.engine.loop.fit_evaluation import evaluate_during_training
 from kiln.engine.loop.flops import FlopCount
 from kiln.engine.loop.loss_reads import NonFiniteGuard
 from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
+from kiln.engine.loop.peak_memory import WindowPeakMemory
 from kiln.engine.loop.plan import plan_steps
 from kiln.engine.loop.preemption import Preemption
 from kiln.engine.loop.running_loss import RunningLoss, mean_over_ranks, sum_over_ranks
@@ -163,6 +164,8 @@ class FitLoop:
         self.throughput = Throughput(run.model, self._peak_tflops())  # tokens/s, TFLOP/s, MFU (loop/throughput.py)
         # the strategy's own figures for the loggers (expert parallelism's tokens per expert), asked for once
         self.strategy_figures = strategy if isinstance(strategy, ReportsStepFigures) else None
+        self.run_flops = 0.0  # the logged windows' FLOPs, summed over ranks (for the end-of-run TFLOP/s and MFU)
+        self.peak_memory = WindowPeakMemory(strategy.accelerator, self.memory_tracker)  # per window; CUDA
         self.local_flos = 0.0
         self._event("on_train_begin")
         if cfg.eval.on_start and not resume_path:
@@ -339,6 +342,13 @@ class FitLoop:
         self.run.state.total_flos += self.local_flos
         self.local_flos = 0.0
 
+    def _run_throughput(self, runtime: float) -> dict[str, float]:
+        """The whole fit's train_tflops (the job's and per rank) and train_mfu, from the logged windows' FLOPs
+        and the unlogged rest (one reduction, at the end: no read between logging steps)."""
+        _, rest = sum_over_ranks(list(self.throughput.take()), self.strategy)
+        figures = self.throughput.figures(0, self.run_flops + rest, runtime, self.strategy.world_size)
+        return {("train_mfu" if key == "mfu" else key): value for key, value in figures.items()}
+
     def _peak_tflops(self) -> float | None:
         """One device's peak for MFU: `log.mfu_peak_tflops`, else the table's for this GPU and precision."""
         cfg, strategy = self.config, self.strategy
@@ -362,6 +372,7 @@ class FitLoop:
             loss = mean_over_ranks(losses.tr_loss, strategy) / steps
             # this window's tokens and FLOPs, summed as the strategy sums (tensor-parallel copies count once)
             tokens, flops = sum_over_ranks(list(self.throughput.take()), strategy)
+            self.run_flops += flops
             if not losses.guard.window_finite and self.nan_window:  # all nan/inf: the filter's stand-in reads 0.0
                 loss = math.nan
             losses.guard.window_finite = False
@@ -382,6 +393,7 @@ class FitLoop:
             figures.update(self.throughput.figures(tokens, flops, elapsed, strategy.world_size))
             if self.strategy_figures is not None:
                 figures.update(self.strategy_figures.step_figures(steps))
+            figures.update(self.peak_memory.take())
             self.window_start, self.samples_at_log = now, self.samples
             losses.last_logged = state.global_step
             losses.tr_loss = 0.0
@@ -433,6 +445,7 @@ class FitLoop:
         }
         if self.tokens:
             metrics["train_tokens_per_second"] = self.tokens * self.strategy.item_shards / max(runtime, 1e-9)
+        metrics.update(self._run_throughput(runtime))
         if cfg.eval.load_best_model_at_end:
             hooks._load_best_model()
         self.memory_tracker.stop_and_update("train", metrics)

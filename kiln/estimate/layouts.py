@@ -1,0 +1,70 @@
+"""The strategies and meshes `kiln estimate` compares for a number of processes, and what each keeps per
+rank: model states (states.py), the share of the traced activations (1/tp: tensor parallel splits the
+blocks' activations, as Megatron's sequence parallel does) and of the gradients alive during backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.estimate.states import Counts, States, deepspeed_states, torch_states, weight_bytes
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: str
+    mesh: str
+    states: States
+    activation_share: float = 1.0
+    #: the fraction of the full gradients a rank keeps during backward (sharded: 1/N, offloaded: 0)
+    grad_share: float = 1.0
+    #: optimizer temporaries at the step (foreach AdamW: one tensor per weight)
+    step_temporaries: float = 0.0
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(2, n) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The run's choices the layouts read: precision, optimizer, the largest unit FSDP gathers."""
+
+    precision: str
+    optim: str
+    optim_args: str | None
+    largest_unit: int
+
+
+def layouts(counts: Counts, nproc: int, s: Setting) -> list[Layout]:
+    """Every layout `nproc` processes can run, in the order the table shows them."""
+    w = weight_bytes(s.precision)
+    full_grads = counts.trainable * w
+    foreach = counts.trainable * w if s.optim.lower() in ("adamw_torch", "adam", "adamw") else 0.0
+
+    def torch_layout(
+        strategy: str, mesh: str, shard: int, gathered: int = 0, offload: bool = False, tp: int = 1
+    ) -> Layout:
+        buckets = strategy == "ddp"
+        states = torch_states(counts, s.precision, s.optim, s.optim_args, shard, gathered, offload, buckets)
+        share = 0.0 if offload else 1 / shard
+        return Layout(strategy, mesh, states, 1 / tp, share, 0.0 if offload else foreach / shard)
+
+    rows = [torch_layout("single", "1 device", 1)] if nproc == 1 else []
+    rows.append(torch_layout("ddp", f"dp_replicate={nproc}", 1))
+    unit = s.largest_unit
+    rows.append(torch_layout("fsdp full_shard", f"dp_shard={nproc}", nproc, unit))
+    rows += [
+        torch_layout("fsdp hybrid_shard", f"dp_replicate={nproc // d}, dp_shard={d}", d, unit) for d in divisors(nproc)
+    ]
+    rows.append(torch_layout("fsdp no_shard", f"dp_replicate={nproc}", 1, unit))
+    rows.append(torch_layout("fsdp full_shard offload", f"dp_shard={nproc}", nproc, unit, offload=True))
+    for stage in (0, 1, 2, 3):
+        states = deepspeed_states(counts, stage, nproc, s.optim, s.optim_args)
+        rows.append(Layout("deepspeed", f"ZeRO-{stage}", states, 1.0, states.grads / full_grads if full_grads else 0.0))
+    for stage, params in ((2, False), (3, False), (3, True)):
+        states = deepspeed_states(counts, stage, nproc, s.optim, s.optim_args, True, params)
+        where = "optimizer and parameters" if params else "optimizer"
+        rows.append(Layout("deepspeed", f"ZeRO-{stage} offload {where}", states, 1.0, 0.0))
+    for tp in [*divisors(nproc), nproc] if nproc > 1 else []:
+        rows.append(torch_layout("model_parallel", f"dp_shard={nproc // tp} x tp={tp}", nproc, unit // tp, tp=tp))
+    return rows

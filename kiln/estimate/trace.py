@@ -1,0 +1,75 @@
+"""Activation memory of one training micro-batch, found by running the model's forward and backward on
+fake tensors: `FakeTensorMode` (meta storage: shapes and dtypes, no data, no weights materialised)
+under PyTorch's `MemTracker` (torch.distributed._tools), which follows every tensor's storage from its
+creation to its release. So the figure is the model's own (any architecture, its real batch shape,
+autocast's dtypes, kiln's activation checkpointing applied to its blocks), not a formula that knows one
+architecture; the batch size and sequence length reach it through the batch, the hidden size and layer
+count through the model."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+#: mixed-precision plugins: the dtype autocast computes in
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "apex": torch.float16}
+#: pure half precision: the weights themselves are cast
+CAST = {"bf16-true": torch.bfloat16, "fp16-true": torch.float16}
+
+
+@dataclass(frozen=True)
+class Activations:
+    """At the forward+backward peak: bytes of activations and temporaries (`peak`) and of the gradients
+    alive at that moment (`grads`), the weights and buffers left out."""
+
+    peak: int
+    grads: int
+
+
+def loss_of(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss the fit would backpropagate: a TrainingModule's training_step, else the model's `loss`."""
+    from kiln.engine.model.module import TrainingModule
+
+    if isinstance(model, TrainingModule):
+        out = model.training_step(batch)
+    else:
+        out = model(**batch) if isinstance(batch, Mapping) else model(batch)
+    if isinstance(out, Mapping):
+        return out["loss"]
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def trace(build: Callable[[], nn.Module], precision: str, prepare: Callable[[nn.Module], Any]) -> Activations:
+    """Build the model with `build` on fake tensors, `prepare` it (activation checkpointing; it returns the
+    batch the model takes), and follow one forward and backward of that batch at `precision`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.utils._pytree import tree_map
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        model = build()
+        batch = prepare(model)
+        if precision in CAST:
+            model.to(CAST[precision])
+        model.train()
+        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        autocast = (
+            torch.autocast("cpu", dtype=AUTOCAST[precision]) if precision in AUTOCAST else contextlib.nullcontext()
+        )
+        with tracker:
+            with autocast:
+                loss = loss_of(model, fake)
+            loss.backward()
+        snapshot = tracker.get_tracker_snapshot("peak")
+    kinds = [_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH]
+    return Activations(
+        peak=sum(int(per.get(kind, 0)) for per in snapshot.values() for kind in kinds),
+        grads=sum(int(per.get(_MemRefType.GRAD, 0)) for per in snapshot.values()),
+    )
