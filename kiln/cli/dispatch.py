@@ -1,5 +1,5 @@
-"""`kiln COMMAND ...`: which function runs a command. The commands without a config (`plot`,
-`config-docs`, `convert`) are one entry each in COMMANDS; `fit`, `evaluate` and `predict` parse their
+"""`kiln COMMAND ...`: which function runs a command. The commands without a run (`plot`,
+`config-docs`, `convert`, `estimate`) are one entry each in COMMANDS; `fit`, `evaluate` and `predict` parse their
 options here, then go to Ray Train's workers (`--ray`), to the local launcher (`--nproc`,
 `--accelerate-config`, `--max-restarts`), or run in this process (kiln/cli/run.py)."""
 
