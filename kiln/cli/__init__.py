@@ -1,4 +1,4 @@
-"""`kiln fit|evaluate|predict CONFIG.yaml [key=value ...]`, `kiln plot`, `kiln config-docs`, `kiln convert`.
+"""`kiln fit|evaluate|predict CONFIG.yaml [key=value ...]`, `kiln plot`, `kiln config-docs`, `kiln convert`, `kiln estimate`.
 
 The config names what to train by import path (`task.model`, `task.data`); overrides use
 OmegaConf dotlist syntax, and Hugging Face TrainingArguments names work as keys.

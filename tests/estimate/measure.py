@@ -27,10 +27,10 @@ class _NewStep(Callback):
 def measured_peak(cfg: Any) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from kiln.cli import _build
+    from kiln.cli.task import build_task
 
     tracker = MemTracker()
     with tracker:
-        build, data = _build(cfg)
+        build, data = build_task(cfg)
         Trainer(None, cfg, model_init=build, train_dataset=data["train_dataset"], callbacks=[_NewStep(tracker)]).fit()
     return sum(int(per["Total"]) for per in tracker.get_tracker_snapshot("peak").values())
