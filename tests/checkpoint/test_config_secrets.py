@@ -18,7 +18,7 @@ from kiln.engine.checkpoint.saved_config import changed_settings
 from kiln.engine.loop.batch_size import saved_batch_size
 from kiln.utils.errors import ConfigError
 from tests.checkpoint.checkpoint_helpers import train
-from tests.checkpoint.test_planted_payloads import remark
+from tests.checkpoint.planting import remark
 
 AWS = "AWS_SECRET_ACCESS_KEY"
 PLANTED = "${oc.env:" + AWS + "}"

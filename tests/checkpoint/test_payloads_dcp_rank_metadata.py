@@ -14,8 +14,8 @@ from kiln.strategies.checkpoint_io import FORMATS
 from kiln.strategies.xla.fsdp_checkpoint_io import SPMD_DIR, consolidate_spmd
 from kiln.utils.errors import CheckpointError
 from kiln.utils.safe_pickle import vet_dcp_folder
+from tests.checkpoint.planting import Payload
 from tests.checkpoint.test_payloads_dcp_vetting import _dcp_checkpoint
-from tests.checkpoint.test_planted_payloads import Payload
 
 
 @pytest.mark.parametrize("name", ["__0.metadata", "__1.metadata"])

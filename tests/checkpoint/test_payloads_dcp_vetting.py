@@ -19,7 +19,7 @@ from torch import nn
 from kiln.strategies.xla.fsdp_checkpoint_io import SPMD_DIR, SPMDCheckpointIO, consolidate_spmd
 from kiln.utils.errors import CheckpointError
 from kiln.utils.safe_pickle import DCPMetadataUnpickler, UnsafePickle, load_dcp_metadata, vet_dcp_folder
-from tests.checkpoint.test_planted_payloads import plant_dcp_entry, plant_dcp_metadata
+from tests.checkpoint.planting import plant_dcp_entry, plant_dcp_metadata
 
 
 def _dcp_checkpoint(directory) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln import Trainer
 from kiln.utils.errors import CheckpointError
-from tests.checkpoint.test_planted_payloads import remark
+from tests.checkpoint.planting import remark
 
 peft = pytest.importorskip("peft")
 from tests.distributed.worker_peft import data, lora_model  # noqa: E402

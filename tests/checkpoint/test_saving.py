@@ -15,7 +15,8 @@ import torch
 from omegaconf import OmegaConf, read_write
 
 from kiln.engine.callbacks.base import Callback
-from kiln.engine.checkpoint.manager import is_complete, read_marker
+from kiln.engine.checkpoint.files import is_complete
+from kiln.engine.checkpoint.integrity import read_marker
 from kiln.strategies.single import SingleDeviceStrategy
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import Scripted, folders, regression_data, train, weights

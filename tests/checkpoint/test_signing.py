@@ -22,7 +22,7 @@ from kiln.engine.checkpoint.signing import SigningKey, signing_key
 from kiln.engine.checkpoint.weights import find_run_weights, given_weights
 from kiln.utils.errors import CheckpointError, ConfigError
 from tests.checkpoint.checkpoint_helpers import train, weights
-from tests.checkpoint.test_planted_payloads import remark
+from tests.checkpoint.planting import remark
 
 ENV = "KILN_TEST_SIGNING_KEY"
 SECRET = "s1gn-k3y-7f0c2e9a41"

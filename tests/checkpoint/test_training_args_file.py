@@ -18,7 +18,7 @@ from kiln.engine.checkpoint.files import latest_checkpoint  # noqa: E402
 from kiln.engine.checkpoint.integrity import ALGORITHM  # noqa: E402
 from kiln.engine.trainer import Trainer  # noqa: E402
 from tests.checkpoint.checkpoint_helpers import folders, make_model, regression_data, train  # noqa: E402
-from tests.checkpoint.test_planted_payloads import Payload, remark  # noqa: E402
+from tests.checkpoint.planting import Payload, remark  # noqa: E402
 
 ARGS = {
     "max_steps": 4,

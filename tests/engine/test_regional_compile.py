@@ -113,10 +113,13 @@ def test_every_strategy_compiles_the_blocks_before_it_wraps_them(strategy, tmp_p
         **REGIONS,
     )
     trainer = Trainer(model, config, train_dataset=toy.token_data(4))
-    wrapped = trainer.strategy.setup(module_to_set_up(trainer.run, trainer.config, trainer.strategy)).model
-    for block, forward in zip(model.h, own):
-        assert block.forward._torchdynamo_orig_callable.__wrapped__ == forward  # compiled(checkpointed(forward))
-    assert compile_module(wrapped, trainer.strategy, trainer.config) is wrapped
+    try:
+        wrapped = trainer.strategy.setup(module_to_set_up(trainer.run, trainer.config, trainer.strategy)).model
+        for block, forward in zip(model.h, own):
+            assert block.forward._torchdynamo_orig_callable.__wrapped__ == forward  # compiled(checkpointed(forward))
+        assert compile_module(wrapped, trainer.strategy, trainer.config) is wrapped
+    finally:
+        trainer.teardown()  # the process group this set-up started (no fit, so nothing else ends it)
 
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])
@@ -130,10 +133,13 @@ def test_a_model_without_blocks_is_refused_in_one_sentence(strategy, tmp_path):
         **REGIONS,
     )
     trainer = Trainer(toy.mlp(), config, train_dataset=toy.regression_data(8))
-    with pytest.raises(
-        ConfigError, match=r"torch_compile.regions: blocks found no repeated blocks in MLP: .*_no_split_modules"
-    ):
-        trainer.fit()
+    try:
+        with pytest.raises(
+            ConfigError, match=r"torch_compile.regions: blocks found no repeated blocks in MLP: .*_no_split_modules"
+        ):
+            trainer.fit()
+    finally:
+        trainer.teardown()  # the refusal comes at set-up, after FSDP's process group started
 
 
 @pytest.mark.parametrize("value", ["layers2", "model"])

@@ -25,4 +25,6 @@ def test_xla_matches_single_or_refuses_up_front(tmp_path, monkeypatch):
     monkeypatch.setattr(scenarios, "config", unpinned)
     reference = run_all("single", str(tmp_path / "single"), 1)
     (tmp_path / "xla").mkdir()
-    contract.test_strategy_matches_single_or_refuses_up_front("xla", reference, tmp_path / "xla")
+    contract.test_strategy_matches_single_or_refuses_up_front(
+        "xla", reference, None, tmp_path / "xla"
+    )  # one process: no world
