@@ -121,7 +121,10 @@ def test_under_fsdp_a_chunked_fit_ends_where_the_plain_fit_does(tmp_path, plain)
     whole weight (the 2-process FSDP path is the same hooks over two shards)."""
     cfg = {"strategy": {"name": "fsdp", "device": "cpu"}, "train": {"loss": {"chunked": True, "chunk_size": CHUNK}}}
     trainer, losses, _ = fit(tmp_path, **cfg)
-    exported = trainer.strategy.model_state_for_export(trainer.model)
+    try:
+        exported = trainer.strategy.model_state_for_export(trainer.model)
+    finally:
+        trainer.teardown()  # FSDP's process group: a later test in this process may need none to exist
     want = plain[0].model.state_dict()
     for name, value in exported.items():
         torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5)

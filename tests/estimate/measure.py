@@ -30,7 +30,8 @@ def measured_peak(cfg: Any) -> int:
     from kiln.cli.task import build_task
 
     tracker = MemTracker()
-    with tracker:
-        build, data = build_task(cfg)
-        Trainer(None, cfg, model_init=build, train_dataset=data["train_dataset"], callbacks=[_NewStep(tracker)]).fit()
+    build, data = build_task(cfg)
+    trainer = Trainer(None, cfg, model_init=build, train_dataset=data["train_dataset"], callbacks=[_NewStep(tracker)])
+    with trainer, tracker:  # the Trainer's teardown ends the DDP / FSDP run's process group
+        trainer.fit()
     return sum(int(per["Total"]) for per in tracker.get_tracker_snapshot("peak").values())
