@@ -32,8 +32,9 @@ from torch import nn
 
 from kiln.strategies.base import StepResult
 from kiln.strategies.interfaces import ReportsStepFigures
+from kiln.strategies.mesh.axis_refusals import refuse, unsupported_settings
 from kiln.strategies.mesh.strategy import MeshStrategy
-from kiln.utils.errors import ConfigError, KilnError
+from kiln.utils.errors import KilnError
 
 log = logging.getLogger(__name__)
 
@@ -150,29 +151,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def check_expert_parallel(ep: int, s: Any, config: Any, precision: str) -> None:
     """What this first expert axis cannot run, refused before any process group starts."""
-    settings = {
-        "offload": s.offload,
-        "cpu_ram_efficient_loading": s.cpu_ram_efficient_loading,
-        "activation_checkpointing": s.activation_checkpointing,
-        "tp_plan": s.tp_plan is not None,
-        "state_dict_type: full": s.state_dict_type == "full",
-    }
+    settings = unsupported_settings(s, config)
     if config is not None:
-        train = config.train
-        settings.update(
-            {
-                "train.torch_compile": bool(
-                    train.torch_compile or train.torch_compile_backend or train.torch_compile_mode
-                ),
-                "train.gradient_checkpointing": bool(train.gradient_checkpointing),
-                "eval.strategy (evaluation runs every rank's experts)": str(config.eval.strategy) != "no",
-            }
-        )
+        settings["eval.strategy (evaluation runs every rank's experts)"] = str(config.eval.strategy) != "no"
     if precision in ("fp16", "fp16-true"):
         settings[f"precision {precision}"] = True
-    refused = [key for key, on in settings.items() if on]
-    if refused:
-        raise ConfigError(
-            f"strategy.mesh.ep {ep} does not run with {', '.join(refused)} yet; drop "
-            f"{'it' if len(refused) == 1 else 'them'}, or drop ep."
-        )
+    refuse("ep", ep, settings)

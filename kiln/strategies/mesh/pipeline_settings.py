@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.strategies.mesh.axis_refusals import refuse, unsupported_settings
 from kiln.strategies.mesh.dims import AXES, ParallelDims
 from kiln.strategies.mesh.settings import MeshSettings
 from kiln.utils.errors import ConfigError
@@ -70,34 +71,15 @@ def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, con
             "alone so far (pp with dp_replicate, dp_shard, cp or tp is not supported yet); set the other axes "
             "to 1, or drop pp."
         )
-    settings = {
-        "offload": s.offload,
-        "cpu_ram_efficient_loading": s.cpu_ram_efficient_loading,
-        "activation_checkpointing": s.activation_checkpointing,
-        "tp_plan": s.tp_plan is not None,
-        "state_dict_type: full": s.state_dict_type == "full",
-    }
+    settings = unsupported_settings(s, config)
     if config is not None:
         train = config.train
-        settings.update(
-            {
-                "train.torch_compile": bool(
-                    train.torch_compile or train.torch_compile_backend or train.torch_compile_mode
-                ),
-                "train.gradient_checkpointing": bool(train.gradient_checkpointing),
-                "train.label_smoothing_factor": bool(train.label_smoothing_factor),
-                "train.neftune_noise_alpha": bool(train.neftune_noise_alpha),
-                "eval.strategy (evaluation runs the whole model)": str(config.eval.strategy) != "no",
-            }
-        )
+        settings["train.label_smoothing_factor"] = bool(train.label_smoothing_factor)
+        settings["train.neftune_noise_alpha"] = bool(train.neftune_noise_alpha)
+        settings["eval.strategy (evaluation runs the whole model)"] = str(config.eval.strategy) != "no"
     if precision in ("fp16", "fp16-true"):
         settings[f"precision {precision} (its loss scale is not carried through the schedule; bf16 is)"] = True
-    refused = [key for key, on in settings.items() if on]
-    if refused:
-        raise ConfigError(
-            f"strategy.mesh.pp {dims.pp} does not run with {', '.join(refused)} yet; drop "
-            f"{'it' if len(refused) == 1 else 'them'}, or drop pp."
-        )
+    refuse("pp", dims.pp, settings)
     if config is None:
         return
     window = int(config.train.gradient_accumulation_steps)

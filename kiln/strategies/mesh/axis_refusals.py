@@ -1,0 +1,36 @@
+"""What the newest mesh axes (pp, ep) do not run with yet, refused in one sentence before any process group
+starts: the settings both axes leave out, and the sentence that names the ones a config turned on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.utils.errors import ConfigError
+
+
+def unsupported_settings(s: Any, config: Any) -> dict[str, bool]:
+    """The settings neither pp nor ep runs with, by the name the refusal gives them -> whether they are on."""
+    settings = {
+        "offload": s.offload,
+        "cpu_ram_efficient_loading": s.cpu_ram_efficient_loading,
+        "activation_checkpointing": s.activation_checkpointing,
+        "tp_plan": s.tp_plan is not None,
+        "state_dict_type: full": s.state_dict_type == "full",
+    }
+    if config is not None:
+        train = config.train
+        settings["train.torch_compile"] = bool(
+            train.torch_compile or train.torch_compile_backend or train.torch_compile_mode
+        )
+        settings["train.gradient_checkpointing"] = bool(train.gradient_checkpointing)
+    return settings
+
+
+def refuse(axis: str, size: int, settings: dict[str, bool]) -> None:
+    """One sentence naming every setting that is on, or nothing."""
+    refused = [key for key, on in settings.items() if on]
+    if refused:
+        raise ConfigError(
+            f"strategy.mesh.{axis} {size} does not run with {', '.join(refused)} yet; drop "
+            f"{'it' if len(refused) == 1 else 'them'}, or drop {axis}."
+        )
