@@ -1,5 +1,6 @@
 """The pipeline axis `pp` of the mesh strategy: a Transformers decoder cut into stages
-(pipeline_split.py), one per rank, run by torch.distributed.pipelining's schedules (GPipe, 1F1B).
+(pipeline_split.py), run by torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B,
+and the zero-bubble ZB1P and ZBV).
 
     strategy: {name: model_parallel, mesh: {pp: 2}, pipeline: {schedule: 1f1b, split: auto}}
 
@@ -17,11 +18,14 @@ each rank's own value, and gathers keep one entry. The pruned model keeps the fu
 names (pipeline_split.py), so the mesh strategy's DCP checkpoints hold one model, which resumes on one
 process or on any other mesh; exporting gathers every stage's weights to rank 0.
 
-This first slice runs pp alone (no dp, cp or tp beside it), without evaluation: what it cannot run is
-refused at config load (pipeline_settings.py)."""
+A rank may hold several stages (the interleaved and zero-bubble schedules, `stages_per_rank`), placed
+as torch's schedules place them (`stage_owners`). Evaluation and prediction run the whole model's
+forward stage to stage (pipeline_forward.py). This slice runs pp alone (no dp, cp or tp beside it):
+what it cannot run is refused at config load (pipeline_settings.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -34,7 +38,7 @@ from kiln.strategies.mesh.strategy import MeshStrategy
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -58,22 +62,30 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
 
     # -- topology: every stage reads the same batches ------------------------------------------
     @property
-    def stage_index(self) -> int:
+    def pp_rank(self) -> int:
         return self.shape.stage(self.global_rank)
 
-    def _last_stage_rank(self) -> int:
-        """The global rank at this rank's place in the last stage (it computes the losses)."""
-        ranks = self.shape.stage_ranks
-        return (self.shape.pp - 1) * ranks + self.global_rank % ranks
+    def _global_rank_of(self, pp_rank: int) -> int:
+        """The global rank at `pp_rank`'s place in the pipeline and this rank's place in a stage."""
+        return pp_rank * self.shape.stage_ranks + self.global_rank % self.shape.stage_ranks
 
-    def eval_cast_context(self, module: nn.Module, dtype: torch.dtype | None) -> Any:
-        """Evaluation runs the whole model, which no rank holds under pp: a forward of one stage's layers
-        would give wrong predictions, so evaluate and predict are refused (config load refuses evaluation
-        during training; this catches `trainer.evaluate()` / `trainer.predict()` called by hand)."""
-        raise KilnError(
-            "evaluate and predict do not run under the pipeline axis yet (each rank holds one stage of the model); "
-            "convert a checkpoint with `kiln convert` and evaluate or predict it on one process."
-        )
+    def _last_stage_rank(self) -> int:
+        """The global rank that holds the last stage beside this one (it computes the losses)."""
+        return self._global_rank_of(self._owner[-1])
+
+    @contextlib.contextmanager
+    def eval_cast_context(self, module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+        """Around one evaluation (or prediction), the model's forward is the whole model's, run stage
+        to stage (pipeline_forward.py): every rank gets the logits and the loss single would."""
+        from kiln.strategies.mesh.pipeline_forward import ChainedForward
+
+        root: Any = self._root
+        with super().eval_cast_context(module, dtype):
+            root.forward = ChainedForward(self, root)  # an instance attribute shadows the class's forward
+            try:
+                yield
+            finally:
+                del root.forward
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -82,39 +94,53 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         from kiln.strategies.mesh.loading import sync_module_states
         from kiln.strategies.mesh.pipeline_split import (
             StageForward,
-            auto_costs,
             decoder_of,
             keep_stage,
-            stage_layers,
+            stage_decoder,
+            stage_owners,
+            stage_ranges,
         )
 
         decoder = decoder_of(module)
         if self.device_mesh is None:
             self.setup_environment()
-        dims, index = self.shape, self.stage_index
+        p, pp, rank = self.pipeline, self.shape.pp, self.pp_rank
+        count = p.stages(pp)
         module = module.to(self.root_device)
         if self.settings.sync_module_states:
             sync_module_states(module)  # every stage cut from rank 0's weights, whatever seed built them
-        costs, first_cost, last_cost = auto_costs(module, decoder)
-        ranges = stage_layers(costs, dims.pp, self.pipeline.split, first=first_cost, last=last_cost)
-        first, last = index == 0, index == dims.pp - 1
-        keep_stage(module, decoder, ranges[index], first=first, last=last)
-        self.stage_forward = StageForward(module, decoder, self.precision, first=first, last=last)
-        self._stage = PipelineStage(self.stage_forward, index, dims.pp, self.root_device, group=self.pp_group)
+        ranges = stage_ranges(module, decoder, count, p.split, self.device_mesh)
+        self._owner = stage_owners(pp, count, p.style)
+        mine = [s for s in range(count) if self._owner[s] == rank]
+        layers = list(decoder.layers)
+        self.stage_forwards = [
+            StageForward(
+                stage_decoder(decoder, [layers[i] for i in ranges[s]], first=s == 0, last=s == count - 1),
+                getattr(module, "lm_head", None),
+                self.precision,
+                first=s == 0,
+                last=s == count - 1,
+            )
+            for s in mine
+        ]
+        keep_stage(module, decoder, [i for s in mine for i in ranges[s]], first=0 in mine, last=count - 1 in mine)
+        self._stages = [
+            PipelineStage(forward, s, count, self.root_device, group=self.pp_group)
+            for forward, s in zip(self.stage_forwards, mine)
+        ]
         self._schedule: Any = None
         self._shape_key: tuple[Any, ...] | None = None
         self._window: tuple[list[torch.Tensor], LossWeights | None] = ([], None)
         self._model = module
         log.info(
-            "%s: pipeline stage %d of %d holds decoder layers %d-%d%s%s (schedule %s).",
+            "%s: rank %d of the pipeline holds stage(s) %s (decoder layers %s)%s%s (schedule %s).",
             self.name,
-            index,
-            dims.pp,
-            ranges[index].start,
-            ranges[index].stop - 1,
-            ", the embeddings" if first else "",
-            ", the final norm and lm_head" if last else "",
-            self.pipeline.schedule,
+            rank,
+            ", ".join(map(str, mine)),
+            ", ".join(f"{ranges[s].start}-{ranges[s].stop - 1}" for s in mine),
+            ", the embeddings" if 0 in mine else "",
+            ", the final norm and lm_head" if count - 1 in mine else "",
+            p.schedule,
         )
         self._root = module
         return module
@@ -127,10 +153,11 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         n = len(window)
         schedule = self._schedule_for((n, tuple(ids.shape), mask is None))
         self._window = (labels, weights)
-        last = self._stage.is_last
+        first = any(stage.is_first for stage in self._stages)
+        last = any(stage.is_last for stage in self._stages)
         losses: list[torch.Tensor] = []
         schedule.step(
-            *((ids,) if self._stage.is_first else ()),
+            *((ids,) if first else ()),
             target=torch.arange(n, device=ids.device) if last else None,  # micro-batch i's index, for `_loss`
             losses=losses if last else None,
             return_outputs=False,
@@ -142,17 +169,17 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         return list(out.unbind())
 
     def _schedule_for(self, key: tuple[Any, ...]) -> Any:
-        """The schedule for windows of this many micro-batches of this shape: the stage's buffers are
-        sized by the first micro-batch it sees, so a new shape (the epoch's short last window, another
-        padded length) gets a new schedule, which measures the stage again. 1F1B needs as many
+        """The schedule for windows of this many micro-batches of this shape: the stages' buffers are
+        sized by the first micro-batch they see, so a new shape (the epoch's short last window, another
+        padded length) gets a new schedule, which measures the stages again. 1F1B needs as many
         micro-batches as stages; a shorter window (only the epoch's last can be) runs GPipe's order,
         whose gradients are the same."""
         if key != self._shape_key:
-            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+            from kiln.strategies.mesh.pipeline_settings import schedule_class
 
-            n = key[0]
-            cls = Schedule1F1B if self.pipeline.schedule == "1f1b" and n >= self.shape.pp else ScheduleGPipe
-            self._schedule = cls(self._stage, n_microbatches=n, loss_fn=self._loss, scale_grads=False)
+            cls = schedule_class(self.pipeline.schedule, key[0], self.shape.pp)
+            stages = self._stages if len(self._stages) > 1 else self._stages[0]
+            self._schedule = cls(stages, n_microbatches=key[0], loss_fn=self._loss, scale_grads=False)
             self._shape_key = key
         return self._schedule
 
@@ -229,7 +256,8 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         return {k: v for part in parts for k, v in part.items()}
 
     def teardown(self) -> None:
-        self._schedule = self._stage = self.stage_forward = None  # type: ignore[assignment]
+        self._schedule = None
+        self._stages, self.stage_forwards = [], []
         super().teardown()
 
 

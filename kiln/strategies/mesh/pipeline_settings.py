@@ -3,12 +3,19 @@ do yet, refused at config load in one sentence each (pipeline.py runs it):
 
     strategy: {name: model_parallel, mesh: {pp: 2}, pipeline: {schedule: 1f1b, microbatches: 4, split: auto}}
 
-- `schedule`: gpipe (every forward of the window, then every backward) or 1f1b (one forward, one
-  backward in the steady state: at most pp micro-batches' activations alive); default 1f1b.
+- `schedule`: gpipe (every forward of the window, then every backward), 1f1b (one forward, one
+  backward in the steady state: at most pp micro-batches' activations alive; the default), or one of
+  torch's schedules with several stages per rank: interleaved_1f1b (Megatron's interleaving: rank r
+  holds stages r, r + pp, ...), interleaved_zb (the same layout, the zero-bubble ZB1P order, which
+  splits each backward into its input and weight halves to fill the bubble) and zbv (zero bubble in a
+  V: exactly 2 stages per rank, rank r holding stages r and 2 pp - 1 - r).
+- `stages_per_rank`: how many stages each rank holds: 1 for gpipe and 1f1b, 2 (the default) or more
+  for the interleaved schedules, exactly 2 for zbv.
 - `microbatches`: the pipeline's micro-batches are the accumulation window's, so when given it must
   equal `gradient_accumulation_steps` (a reminder the config can carry, not a second knob).
 - `split`: auto (contiguous runs of decoder layers, balanced by parameters, then by count) or the
-  index of the first layer of each stage after the first (`[2]`: layers 0-1 on stage 0, the rest on 1)."""
+  index of the first layer of each stage after the first (`[2]`: layers 0-1 on stage 0, the rest on 1);
+  there are pp x stages_per_rank stages."""
 
 from __future__ import annotations
 
@@ -21,8 +28,10 @@ from kiln.strategies.mesh.dims import AXES, ParallelDims
 from kiln.strategies.mesh.settings import MeshSettings
 from kiln.utils.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b")
-_KEYS = ("schedule", "microbatches", "split")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
+#: the schedules that run several stages on each rank (torch's PipelineScheduleMulti)
+MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
+_KEYS = ("schedule", "microbatches", "stages_per_rank", "split")
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,15 @@ class PipelineSettings:
     microbatches: int | None = None
     #: the first layer of each stage after the first; None: auto
     split: tuple[int, ...] | None = None
+    stages_per_rank: int = 1
+
+    def stages(self, pp: int) -> int:
+        return pp * self.stages_per_rank
+
+    @property
+    def style(self) -> str:
+        """How stages map to ranks, in torch's words: "loop" (stage s on rank s % pp) or "v" (zbv)."""
+        return "v" if self.schedule == "zbv" else "loop"
 
 
 def read_pipeline(value: Any) -> PipelineSettings:
@@ -49,6 +67,20 @@ def read_pipeline(value: Any) -> PipelineSettings:
     micro = given.get("microbatches")
     if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
         raise ConfigError(f"strategy.pipeline.microbatches is {micro!r}; give a positive whole number.")
+    multi = schedule in MULTI_STAGE
+    per_rank = given.get("stages_per_rank", 2 if multi else 1)
+    if schedule == "zbv":
+        runs, fix = "exactly 2 stages", "drop it"
+    elif multi:
+        runs, fix = "2 or more stages", "give 2 or more"
+    else:
+        runs, fix = "one stage", "drop it, or choose interleaved_1f1b, interleaved_zb or zbv to run several"
+    count = None if isinstance(per_rank, bool) or not isinstance(per_rank, int) else per_rank
+    if count is None or (count != 2 if schedule == "zbv" else count < 2 if multi else count != 1):
+        raise ConfigError(
+            f"strategy.pipeline.stages_per_rank is {per_rank!r}, but schedule {schedule} runs {runs} on each "
+            f"rank; {fix}."
+        )
     split = given.get("split", "auto")
     if split == "auto" or split is None:
         cuts = None
@@ -59,7 +91,7 @@ def read_pipeline(value: Any) -> PipelineSettings:
             f"strategy.pipeline.split is {split!r}; give auto or a list of layer indices (where each stage "
             "after the first begins)."
         )
-    return PipelineSettings(schedule, micro, cuts)
+    return PipelineSettings(schedule, micro, cuts, per_rank)
 
 
 def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, config: Any, precision: str) -> None:
@@ -76,7 +108,6 @@ def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, con
         train = config.train
         settings["train.label_smoothing_factor"] = bool(train.label_smoothing_factor)
         settings["train.neftune_noise_alpha"] = bool(train.neftune_noise_alpha)
-        settings["eval.strategy (evaluation runs the whole model)"] = str(config.eval.strategy) != "no"
     if precision in ("fp16", "fp16-true"):
         settings[f"precision {precision} (its loss scale is not carried through the schedule; bf16 is)"] = True
     refuse("pp", dims.pp, settings)
@@ -94,3 +125,25 @@ def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, con
             f"{window} for pp {dims.pp}; set train.gradient_accumulation_steps to {dims.pp} or more, or "
             "schedule: gpipe."
         )
+
+
+def schedule_class(name: str, microbatches: int, pp: int) -> type:
+    """torch's schedule class for `name` and a window of `microbatches`. 1F1B needs as many
+    micro-batches as stages; a shorter window (only an epoch's last can be) runs GPipe's order, whose
+    gradients are the same."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    if name == "1f1b":
+        return Schedule1F1B if microbatches >= pp else ScheduleGPipe
+    return {
+        "gpipe": ScheduleGPipe,
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        "interleaved_zb": ScheduleInterleavedZeroBubble,
+        "zbv": ScheduleZBVZeroBubble,
+    }[name]

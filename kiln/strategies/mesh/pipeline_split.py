@@ -8,14 +8,17 @@ rank does not hold is dropped, and the layers it holds stay under their own indi
 so its `state_dict()` keys and the optimizer's are the full model's names -- a checkpoint's pieces
 from every stage are one model's, which DCP loads on any other mesh, or on one process.
 
-Each stage runs the decoder's own forward (`StageForward`), on `inputs_embeds` after stage 0, so the
-causal mask and the rotary embeddings are the model's own code's. A model whose layers differ in
+Each stage runs the decoder's own forward (`StageForward`, on a view of the decoder holding the stage's
+layers: `stage_decoder`), on `inputs_embeds` after stage 0, so the causal mask and the rotary
+embeddings are the model's own code's. A rank may hold several stages (the interleaved and zero-bubble
+schedules): it keeps the layers of all of them, and each stage's view only its own. A model whose layers differ in
 attention type (`config.layer_types` mixing full and sliding attention) is refused: the decoder picks a
 layer's mask by its position in the list it iterates, which a stage's shorter list would shift."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import copy
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -99,6 +102,38 @@ def stage_layers(
     return _balanced(list(costs), stages, first, last)
 
 
+def stage_owners(pp: int, stages: int, style: str) -> list[int]:
+    """The pp rank of each stage, as torch's multi-stage schedules place them: "loop" puts stage s on
+    rank s % pp (so rank r holds r, r + pp, ...), "v" (zbv, 2 stages a rank) runs down the ranks and
+    back up, so rank r holds stages r and 2 pp - 1 - r (rank 0 the first and the last)."""
+    if style == "v":
+        return [s if s < pp else 2 * pp - 1 - s for s in range(stages)]
+    return [s % pp for s in range(stages)]
+
+
+def stage_ranges(model: Any, decoder: Any, stages: int, split: Sequence[int] | None, mesh: Any) -> list[range]:
+    """Each stage's decoder layers: the model's own `configure_pipeline(mesh)` when it defines one
+    (a list of each stage's layer indices), else `split`, else the balanced split."""
+    costs, first, last = auto_costs(model, decoder)
+    hook = getattr(model, "configure_pipeline", None)
+    if not callable(hook):
+        return stage_layers(costs, stages, split, first=first, last=last)
+    name = type(model).__name__
+    if split is not None:
+        raise ConfigError(
+            f"{name} defines configure_pipeline(mesh), which gives the pipeline's split, and "
+            "strategy.pipeline.split is set too; drop one of them."
+        )
+    given = [list(layers) for layers in hook(mesh)]
+    ranges = [range(layers[0], layers[-1] + 1) if layers else range(0) for layers in given]
+    if len(given) != stages or [i for layers in given for i in layers] != list(range(len(costs))) or not all(given):
+        raise ConfigError(
+            f"{name}.configure_pipeline(mesh) returned {given!r}; return {stages} list(s) of decoder layer indices, "
+            f"one per stage, each a non-empty run that continues the one before, together 0 to {len(costs) - 1}."
+        )
+    return ranges
+
+
 def _balanced(costs: list[int], stages: int, first: int, last: int) -> list[range]:
     """Min-max contiguous partition by dynamic programming over (stages used, layers used)."""
     n = len(costs)
@@ -136,10 +171,10 @@ def auto_costs(model: Any, decoder: Any) -> tuple[list[int], int, int]:
     return layer_costs(decoder), count(decoder.embed_tokens), count(decoder.norm) + count(model.lm_head)
 
 
-def keep_stage(model: Any, decoder: Any, layers: range, *, first: bool, last: bool) -> None:
-    """Prune `model` in place to one stage: its layers (under their own indices), the embeddings on the
-    first stage, the final norm and the head on the last."""
-    held = StageLayers({str(i): decoder.layers[i] for i in layers})
+def keep_stage(model: Any, decoder: Any, layers: Iterable[int], *, first: bool, last: bool) -> None:
+    """Prune `model` in place to what one rank holds: its stages' layers (under their own indices), the
+    embeddings when it holds the first stage, the final norm and the head when it holds the last."""
+    held = StageLayers({str(i): decoder.layers[i] for i in sorted(layers)})
     decoder.layers = held
     if not first:
         decoder.embed_tokens = None
@@ -148,20 +183,35 @@ def keep_stage(model: Any, decoder: Any, layers: range, *, first: bool, last: bo
         model.lm_head = None
 
 
+def stage_decoder(decoder: Any, layers: Sequence[nn.Module], *, first: bool, last: bool) -> Any:
+    """A view of `decoder` that holds one stage's pieces only: a shallow copy sharing every module
+    (the rotary embedding, the config) but with its own table of submodules, so that its forward runs
+    the stage's layers alone and its `parameters()` are the stage's (a zero-bubble schedule computes
+    each stage's weight gradients over exactly those)."""
+    view = copy.copy(decoder)
+    view._modules = dict(decoder._modules)
+    view._parameters = dict(decoder._parameters)
+    view._buffers = dict(decoder._buffers)
+    view.layers = StageLayers({str(i): layer for i, layer in enumerate(layers)})
+    if not first:
+        view.embed_tokens = None
+    if not last:
+        view.norm = nn.Identity()
+    return view
+
+
 class StageForward(nn.Module):
     """One stage's forward, as `PipelineStage` calls it: stage 0 takes `input_ids`, the others the
-    previous stage's hidden states; the last returns the logits. Runs in the precision's forward context."""
+    previous stage's hidden states; the last returns the logits. Runs in the precision's forward context.
+    Its parameters are the stage's: those of `decoder` (a `stage_decoder` view) and of `head` on the last."""
 
-    def __init__(self, model: nn.Module, decoder: nn.Module, precision: Any, *, first: bool, last: bool) -> None:
+    def __init__(self, decoder: nn.Module, head: nn.Module | None, precision: Any, *, first: bool, last: bool) -> None:
         super().__init__()
-        self.model = model  # the pruned model: the stage's parameters
-        self._decoder = decoder
+        self.decoder, self.head = decoder, head if last else None
         self.first, self.last, self.precision = first, last, precision
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        model: Any = self.model
-        decoder = self._decoder
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
         with self.precision.forward_context():
-            hidden = decoder(**given, attention_mask=attention_mask, use_cache=False).last_hidden_state
-            return model.lm_head(hidden) if self.last else hidden
+            hidden = self.decoder(**given, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            return self.head(hidden) if self.head is not None else hidden
