@@ -1,6 +1,6 @@
 """A tiny Llama (hidden 32, 4 layers, vocab 128, from a config), its data and the runs the pipeline
 tests compare: `train(out, strategy, ...)` trains it with one global batch on any strategy and returns
-the per-step logged losses and the final weights this rank holds (under pp: its stage's)."""
+the per-step logged losses and the final weights this rank holds (under pp: its stages')."""
 
 from __future__ import annotations
 
@@ -64,13 +64,19 @@ def config(out: str, strategy: Any, **extra: Any) -> dict[str, Any]:
 
 
 def train(
-    out: str, strategy: Any, *, teardown: bool = True, **extra: Any
+    out: str,
+    strategy: Any,
+    *,
+    teardown: bool = True,
+    resume: str | None = None,
+    eval_dataset: Any = None,
+    **extra: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     from kiln import Trainer
 
-    model = llama()
-    trainer = Trainer(model, config(out, strategy, **extra), train_dataset=data())
-    trainer.fit()
+    model = llama(seed=1 if resume else 0)  # a resumed run's weights come from the checkpoint
+    trainer = Trainer(model, config(out, strategy, **extra), train_dataset=data(), eval_dataset=eval_dataset)
+    trainer.fit(resume_from_checkpoint=resume)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if teardown:

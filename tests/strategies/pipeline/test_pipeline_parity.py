@@ -1,16 +1,22 @@
 """The pipeline axis end to end (kiln/strategies/mesh/pipeline.py), on one spawned world of 2 gloo
 processes, as `strategy: {name: model_parallel, mesh: {pp: 2}}` on a tiny Llama from a config:
 
-- GPipe and 1F1B each give the per-step losses and the final weights of `single` on the same global
-  batch (windows of 2 micro-batches whose item counts differ, and a short last window of 1, which 1F1B
-  runs in GPipe's order), with SGD with momentum and global gradient clipping;
-- rank 0 holds the embeddings and decoder layers 0-1, rank 1 layers 2-3, the final norm and lm_head,
-  under the full model's names, and the saved model gathers both stages' weights on rank 0;
-- a checkpoint saved under pp 2 mid-run resumes on one process (model_parallel without pp) and ends
-  equal to the run that never stopped; `kiln convert` makes it a from_pretrained folder;
+- every schedule (GPipe, 1F1B, and with 2 stages a rank interleaved 1F1B, interleaved zero bubble and
+  ZBV) gives the per-step losses and the final weights of `single` on the same global batch (windows of
+  2 micro-batches whose item counts differ, and a short last window of 1), with SGD with momentum and
+  global gradient clipping;
+- each rank holds the stages' layers torch's schedule places on it (1 stage a rank: layers 0-1 with the
+  embeddings, 2-3 with the norm and lm_head; loop style: 0 and 2 / 1 and 3; V: 0 and 3 with both ends /
+  1 and 2), under the full model's names, and the saved model gathers every stage's weights on rank 0;
+- evaluation (during training and called by hand) and prediction run the whole model stage to stage:
+  eval losses and predicted logits equal single's;
+- a checkpoint saved under pp 2 mid-run resumes under pp 2 and ends bitwise equal to the run that never
+  stopped; it resumes on one process (model_parallel without pp) too, and a one-process checkpoint
+  resumes under pp 2 (zbv), both ending equal to the runs that never stopped; `kiln convert` makes a pp
+  checkpoint a from_pretrained folder;
 - a Trainer that overrides compute_loss is refused, naming where the pipeline's loss comes from.
 
-Run as a script under torchrun, this file is the worker (`python -m torch.distributed.run ... THIS OUT`)."""
+Run as a script under torchrun, this file is the worker (`python -m torch.distributed.run ... THIS OUT ONE`)."""
 
 from __future__ import annotations
 
@@ -28,28 +34,47 @@ if __name__ == "__main__":  # the torchrun worker: the repository root first, as
 from tests.strategies.pipeline.cases import config, data, llama, train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
+#: the decoder layers each rank holds (and whether it holds the embeddings, and the norm and head)
+LAYOUT = {
+    "gpipe": [([0, 1], True, False), ([2, 3], False, True)],
+    "1f1b": [([0, 1], True, False), ([2, 3], False, True)],
+    "interleaved_1f1b": [([0, 2], True, False), ([1, 3], False, True)],
+    "interleaved_zb": [([0, 2], True, False), ([1, 3], False, True)],
+    "zbv": [([0, 3], True, True), ([1, 2], False, False)],
+}
+EVAL = {"eval": {"strategy": "steps", "steps": 2}, "per_device_eval_batch_size": 4}
 
 
 def pp(schedule: str) -> dict:
     return {"name": "model_parallel", "device": "cpu", "mesh": {"pp": 2}, "pipeline": {"schedule": schedule}}
 
 
-def worker(out: str) -> None:
+def worker(out: str, one_process_checkpoint: str) -> None:
     from kiln import Trainer
     from kiln.utils.errors import KilnError
 
     rank = int(os.environ["RANK"])
     results = {}
-    for schedule in ("gpipe", "1f1b"):  # the later Trainers join the first one's process group
-        save = {"strategy": "steps", "steps": 2} if schedule == "1f1b" else {"strategy": "no"}
-        losses, state, trainer = train(os.path.join(out, schedule), pp(schedule), teardown=False, save=save)
-        results[schedule] = {"losses": losses, "state": state}
+    for schedule in SCHEDULES:  # the later Trainers join the first one's process group
+        extra = {**EVAL, "save": {"strategy": "steps", "steps": 2}} if schedule == "1f1b" else {}
+        losses, state, trainer = train(
+            os.path.join(out, schedule), pp(schedule), teardown=False, eval_dataset=data(6), **extra
+        )
+        evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+        results[schedule] = {"losses": losses, "state": state, "evals": evals}
         results[f"{schedule} export"] = trainer.strategy.model_state_for_export(trainer.model)  # {} off rank 0
-    try:  # a stage's layers alone would predict garbage
-        trainer.predict(data())
-        results["predict"] = ""
-    except KilnError as err:
-        results["predict"] = str(err)
+        if schedule == "1f1b":
+            results["evaluate"] = trainer.evaluate(data(6))["eval_loss"]
+            results["predict"] = trainer.predict(data(6)).predictions
+
+    # mid-run checkpoints resumed under pp 2: one of this pp run, and one written by one process
+    for name, schedule, checkpoint in (
+        ("pp resumed", "1f1b", os.path.join(out, "1f1b", "checkpoint-2")),
+        ("one-process resumed", "zbv", one_process_checkpoint),
+    ):
+        losses, state, _ = train(os.path.join(out, name), pp(schedule), teardown=False, resume=checkpoint)
+        results[name] = {"losses": losses, "state": state}
 
     class OwnLoss(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
@@ -65,70 +90,92 @@ def worker(out: str) -> None:
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
+def close(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for name, value in got.items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name} differs")
+
+
 @pytest.mark.distributed
-def test_pipeline_stages_equal_single_and_resume_on_one_process(tmp_path):
-    from kiln import Trainer
+def test_pipeline_schedules_equal_single_evaluate_and_resume_across_meshes(tmp_path):
     from kiln.engine.checkpoint.convert import convert_checkpoint
 
+    # a one-process run (model_parallel without pp) whose checkpoint-2 the world resumes under pp 2
+    one_mesh = {"name": "model_parallel", "device": "cpu"}
+    one_losses, one_state, _ = train(str(tmp_path / "one"), one_mesh, save={"strategy": "steps", "steps": 2})
+    one_state = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in one_state.items()}  # DTensors of one rank
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
+    cmd += [str(tmp_path), str(tmp_path / "one" / "checkpoint-2")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (
         f"the pipeline job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
-    want_losses, want, _ = train(str(tmp_path / "single"), {"name": "single", "device": "cpu"})
+    want_losses, want, single = train(
+        str(tmp_path / "single"), {"name": "single", "device": "cpu"}, teardown=False, eval_dataset=data(6), **EVAL
+    )
     assert len(want_losses) == 4  # three windows of two micro-batches, then one of one
+    want_evals = [e["eval_loss"] for e in single.state.log_history if "eval_loss" in e]
+    want_eval, want_predictions = single.evaluate(data(6))["eval_loss"], single.predict(data(6)).predictions
+    single.teardown()
+    assert len(want_evals) == 2
+    close(one_state, want, "the one-process run")
+
     layers = lambda state: sorted({int(k.split(".")[2]) for k in state if k.startswith("model.layers.")})  # noqa: E731
-    for schedule in ("gpipe", "1f1b"):
-        first, last = (rank[schedule]["state"] for rank in ranks)
-        assert layers(first) == [0, 1] and layers(last) == [2, 3]
-        assert "model.embed_tokens.weight" in first and "model.embed_tokens.weight" not in last
-        assert {"model.norm.weight", "lm_head.weight"} <= set(last) and not {
-            "model.norm.weight",
-            "lm_head.weight",
-        } & set(first)
-        assert not set(first) & set(last) and sorted({**first, **last}) == sorted(want)
-        for rank in ranks:  # the last stage's losses, broadcast to the first
+    for schedule in SCHEDULES:
+        states = [rank[schedule]["state"] for rank in ranks]
+        for state, (held, embeddings, head) in zip(states, LAYOUT[schedule]):
+            assert layers(state) == held, schedule
+            assert ("model.embed_tokens.weight" in state) is embeddings, schedule
+            assert ("lm_head.weight" in state) is head and ("model.norm.weight" in state) is head, schedule
+        assert not set(states[0]) & set(states[1])
+        close({**states[0], **states[1]}, want, schedule)
+        for rank in ranks:  # the last stage's losses, broadcast to the other
             torch.testing.assert_close(rank[schedule]["losses"], want_losses, rtol=1e-5, atol=1e-5)
-        for name, value in {**first, **last}.items():
-            torch.testing.assert_close(
-                value, want[name], rtol=1e-5, atol=1e-5, msg=f"{schedule}: {name} differs from single"
-            )
         exported = ranks[0][f"{schedule} export"]  # the saved model: every stage's weights on rank 0
-        assert ranks[1][f"{schedule} export"] == {} and sorted(exported) == sorted(want)
-        for name, value in exported.items():
-            torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=f"{schedule} export: {name}")
-    for rank in ranks:
+        assert ranks[1][f"{schedule} export"] == {}
+        close(exported, want, f"{schedule} export")
+
+    for rank in ranks:  # evaluation runs the whole model, stage to stage, on every rank
+        torch.testing.assert_close(rank["1f1b"]["evals"], want_evals, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rank["evaluate"], want_eval, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.as_tensor(rank["predict"]), torch.as_tensor(want_predictions), rtol=1e-5, atol=1e-5
+        )
         assert "OwnLoss.compute_loss" in rank["refused"] and "loss_function" in rank["refused"]
-        assert rank["predict"].startswith("evaluate and predict do not run under the pipeline axis yet")
+
+    # resumed under pp 2 from step 2: bit for bit the pp run that never stopped, and the one-process run
+    for rank in ranks:
+        resumed, uninterrupted = rank["pp resumed"], rank["1f1b"]
+        assert resumed["losses"] == uninterrupted["losses"]  # steps 1-2 from the checkpoint's log, then 3-4
+        assert sorted(resumed["state"]) == sorted(uninterrupted["state"])
+        for name, value in resumed["state"].items():
+            assert torch.equal(value, uninterrupted["state"][name]), f"pp resumed: {name} is not bitwise equal"
+        torch.testing.assert_close(rank["one-process resumed"]["losses"], one_losses, rtol=1e-5, atol=1e-5)
+    close(
+        {**ranks[0]["one-process resumed"]["state"], **ranks[1]["one-process resumed"]["state"]}, one_state, "one → pp"
+    )
 
     # checkpoint-2 of the 1f1b run: its two stages are one model, which one process resumes
-    checkpoint = tmp_path / "1f1b" / "checkpoint-2"
-    model = llama(seed=1)
-    trainer = Trainer(
-        model, config(str(tmp_path / "resumed"), {"name": "model_parallel", "device": "cpu"}), train_dataset=data()
+    _, resumed_state, trainer = train(
+        str(tmp_path / "resumed"), one_mesh, teardown=False, resume=str(tmp_path / "1f1b" / "checkpoint-2")
     )
-    trainer.fit(resume_from_checkpoint=str(checkpoint))
     resumed = trainer.strategy.model_state_for_export(trainer.model)
     trainer.teardown()
-    for name, value in want.items():
-        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-5, msg=f"resumed: {name} differs")
+    close(resumed, want, "pp → one process")
 
     # the last checkpoint as a from_pretrained folder: the whole model, the weights the run ended with
     convert_checkpoint(str(tmp_path / "1f1b" / "checkpoint-4"), str(tmp_path / "hf"), None)
     from transformers import LlamaForCausalLM
 
-    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
-    assert sorted(loaded) == sorted(want)
-    for name, value in want.items():
-        torch.testing.assert_close(loaded[name], value, rtol=1e-5, atol=1e-5, msg=f"converted: {name} differs")
+    close(LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict(), want, "converted")
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(sys.argv[1], sys.argv[2])
