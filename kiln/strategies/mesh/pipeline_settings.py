@@ -119,6 +119,13 @@ def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, con
             f"strategy.pipeline.microbatches is {p.microbatches}, but the pipeline's micro-batches are the "
             f"accumulation window's ({window}); set train.gradient_accumulation_steps to {p.microbatches}."
         )
+    rounds = max(1, window // dims.pp)
+    if p.schedule in ("interleaved_1f1b", "interleaved_zb") and window % rounds:
+        raise ConfigError(
+            f"schedule {p.schedule} runs windows of micro-batches in rounds of pp, and the accumulation window "
+            f"has {window} for pp {dims.pp}, not a whole number of rounds; set train.gradient_accumulation_steps "
+            f"to a multiple of {dims.pp}."
+        )
     if p.schedule == "1f1b" and window < dims.pp:
         raise ConfigError(
             f"schedule 1f1b needs at least as many micro-batches as stages, and the accumulation window has "
@@ -129,18 +136,22 @@ def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, con
 
 def schedule_class(name: str, microbatches: int, pp: int) -> type:
     """torch's schedule class for `name` and a window of `microbatches`. 1F1B needs as many
-    micro-batches as stages; a shorter window (only an epoch's last can be) runs GPipe's order, whose
-    gradients are the same."""
+    micro-batches as stages, and the interleaved schedules a whole number of rounds (check_pipeline
+    holds the full window to both); a shorter window (only an epoch's last can be) that misses them runs
+    GPipe's order (on the same stages: LoopedBFS for several a rank), whose gradients are the same."""
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleLoopedBFS,
         ScheduleZBVZeroBubble,
     )
 
     if name == "1f1b":
         return Schedule1F1B if microbatches >= pp else ScheduleGPipe
+    if name in ("interleaved_1f1b", "interleaved_zb") and microbatches % max(1, microbatches // pp):
+        return ScheduleLoopedBFS
     return {
         "gpipe": ScheduleGPipe,
         "interleaved_1f1b": ScheduleInterleaved1F1B,

@@ -13,8 +13,17 @@ from omegaconf import OmegaConf
 
 from kiln.strategies.mesh.dims import ParallelDims, parse_mesh
 from kiln.strategies.mesh.pipeline import stack_window
-from kiln.strategies.mesh.pipeline_settings import PipelineSettings, check_pipeline, read_pipeline
-from kiln.strategies.mesh.pipeline_split import StageForward, auto_costs, decoder_of, keep_stage, stage_layers
+from kiln.strategies.mesh.pipeline_settings import PipelineSettings, check_pipeline, read_pipeline, schedule_class
+from kiln.strategies.mesh.pipeline_split import (
+    StageForward,
+    auto_costs,
+    decoder_of,
+    keep_stage,
+    stage_decoder,
+    stage_layers,
+    stage_owners,
+    stage_ranges,
+)
 from kiln.strategies.mesh.settings import MeshSettings
 from kiln.utils.errors import ConfigError, KilnError
 from tests.strategies.pipeline.cases import VOCAB, llama
@@ -54,19 +63,34 @@ def test_more_stages_than_layers_is_refused():
         stage_layers([10] * 4, 5, None)
 
 
+def _stages(model, ranges, mine, count):
+    """The StageForwards of stages `mine` of `count`, the model pruned to them, as setup_module builds them."""
+    decoder = decoder_of(model)
+    layers = list(decoder.layers)
+    forwards = [
+        StageForward(
+            stage_decoder(decoder, [layers[i] for i in ranges[s]], first=s == 0, last=s == count - 1),
+            model.lm_head,
+            FP32,
+            first=s == 0,
+            last=s == count - 1,
+        )
+        for s in mine
+    ]
+    keep_stage(model, decoder, [i for s in mine for i in ranges[s]], first=0 in mine, last=count - 1 in mine)
+    return forwards
+
+
 def test_each_stage_keeps_its_layers_under_the_full_models_names_and_chained_they_compute_its_logits():
     full = llama()
     ids = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0
     want = full(input_ids=ids, attention_mask=mask).logits
-    stages = []
-    for index, layers in enumerate(stage_layers([1] * 4, 2, None)):
-        model = llama()
-        decoder = decoder_of(model)
-        keep_stage(model, decoder, layers, first=index == 0, last=index == 1)
-        stages.append(StageForward(model, decoder, FP32, first=index == 0, last=index == 1))
-    first, last = (sorted(stage.model.state_dict()) for stage in stages)
+    ranges = stage_layers([1] * 4, 2, None)
+    models = [llama(), llama()]
+    stages = [_stages(models[index], ranges, [index], 2)[0] for index in range(2)]
+    first, last = (sorted(model.state_dict()) for model in models)
     assert "model.embed_tokens.weight" in first and "model.layers.1.mlp.up_proj.weight" in first
     assert not any(k.startswith(("model.layers.2.", "model.layers.3.", "model.norm", "lm_head")) for k in first)
     assert "model.layers.2.self_attn.q_proj.weight" in last and "lm_head.weight" in last and "model.norm.weight" in last
@@ -74,6 +98,69 @@ def test_each_stage_keeps_its_layers_under_the_full_models_names_and_chained_the
     assert sorted(first + last) == sorted(full.state_dict())
     got = stages[1](stages[0](ids, attention_mask=mask), attention_mask=mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("style", ["loop", "v"])
+def test_two_stages_a_rank_hold_their_own_parameters_and_chained_compute_the_logits(style):
+    """Each rank holds 2 of 4 one-layer stages, as torch's schedules place them; a stage's parameters
+    are its own (a zero-bubble schedule computes weight gradients over exactly those)."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    owners = stage_owners(2, 4, style)
+    assert owners == list(generate_stage_to_rank_mapping(2, 4, style).values())
+    assert owners == ([0, 1, 0, 1] if style == "loop" else [0, 1, 1, 0])
+    full = llama()
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    want = full(input_ids=ids).logits
+    ranges = stage_layers([1] * 4, 4, None)
+    models = [llama(), llama()]
+    forwards = {}
+    for rank, model in enumerate(models):
+        mine = [s for s in range(4) if owners[s] == rank]
+        forwards.update(zip(mine, _stages(model, ranges, mine, 4)))
+    held = [sorted({int(k.split(".")[2]) for k in m.state_dict() if ".layers." in k}) for m in models]
+    assert held == ([[0, 2], [1, 3]] if style == "loop" else [[0, 3], [1, 2]])
+    for s, forward in forwards.items():
+        names = {n.split(".")[0] for n, _ in forward.named_parameters()}
+        layers = {n for n, _ in forward.decoder.layers.named_parameters()}
+        assert names == {"decoder"} | ({"head"} if s == 3 else set())
+        assert sum(p.numel() for p in forward.parameters()) == sum(
+            p.numel() for p in full.model.layers[s].parameters()
+        ) + (VOCAB * 32 if s == 0 else 0) + (32 + 32 * VOCAB if s == 3 else 0)
+        assert len(layers) == len(list(full.model.layers[s].parameters()))
+    x = ids
+    for s in range(4):
+        x = forwards[s](x)
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-6)
+
+
+def test_configure_pipeline_gives_the_split_and_a_bad_one_is_one_sentence():
+    model = llama()
+    decoder = decoder_of(model)
+    assert stage_ranges(model, decoder, 2, None, None) == [range(0, 2), range(2, 4)]  # auto
+    assert stage_ranges(model, decoder, 2, (1,), None) == [range(0, 1), range(1, 4)]  # the config's split
+    seen = []
+    model.configure_pipeline = lambda mesh: seen.append(mesh) or [[0], [1, 2], [3]]
+    assert stage_ranges(model, decoder, 3, None, "the mesh") == [range(0, 1), range(1, 3), range(3, 4)]
+    assert seen == ["the mesh"]
+    with pytest.raises(ConfigError, match="defines configure_pipeline.*strategy.pipeline.split is set too"):
+        stage_ranges(model, decoder, 3, (1, 2), None)
+    for bad in ([[0, 1], [2, 3]], [[0], [2, 1], [3]], [[0], [], [1, 2, 3]], [[0], [1, 3], [2]], [[0], [1], [2]]):
+        model.configure_pipeline = lambda mesh, bad=bad: bad
+        with pytest.raises(ConfigError, match=r"configure_pipeline\(mesh\) returned .*; return 3 list\(s\)"):
+            stage_ranges(model, decoder, 3, None, None)
+
+
+def test_each_schedule_name_picks_torchs_class_and_a_short_window_its_gpipe_order():
+    from torch.distributed import pipelining as p
+
+    assert schedule_class("gpipe", 1, 2) is p.ScheduleGPipe
+    assert schedule_class("1f1b", 2, 2) is p.Schedule1F1B and schedule_class("1f1b", 1, 2) is p.ScheduleGPipe
+    assert schedule_class("interleaved_1f1b", 4, 2) is p.ScheduleInterleaved1F1B
+    assert schedule_class("interleaved_zb", 3, 2) is p.ScheduleInterleavedZeroBubble  # 1 round of 3
+    assert schedule_class("interleaved_1f1b", 5, 2) is p.ScheduleLoopedBFS  # 5 is not 2 whole rounds
+    assert schedule_class("interleaved_zb", 5, 2) is p.ScheduleLoopedBFS
+    assert schedule_class("zbv", 1, 2) is p.ScheduleZBVZeroBubble
 
 
 def test_auto_costs_count_embeddings_first_and_norm_and_head_last():
@@ -146,10 +233,20 @@ def test_a_model_kiln_cannot_split_is_one_sentence():
 def test_the_pipeline_settings_are_read_once_with_one_sentence_per_mistake():
     assert read_pipeline(None) == PipelineSettings("1f1b", None, None)
     assert read_pipeline({"schedule": "GPipe", "microbatches": 4, "split": [2]}) == PipelineSettings("gpipe", 4, (2,))
+    assert read_pipeline({"schedule": "zbv"}) == PipelineSettings("zbv", None, None, 2)
+    assert read_pipeline({"schedule": "interleaved_1f1b", "stages_per_rank": 3}).stages(2) == 6
+    assert (
+        read_pipeline({"schedule": "interleaved_zb"}).style == "loop"
+        and read_pipeline({"schedule": "zbv"}).style == "v"
+    )
     given = OmegaConf.create({"microbatches": 1, "split": [1, 3]})  # as the config holds it
     assert read_pipeline(given) == PipelineSettings("1f1b", 1, (1, 3))
     for bad, match in [
-        ({"schedule": "zbv"}, "schedule is 'zbv'; choose one of gpipe, 1f1b"),
+        ({"schedule": "dualpipev"}, "schedule is 'dualpipev'; choose one of gpipe, 1f1b, interleaved_1f1b"),
+        ({"schedule": "zbv", "stages_per_rank": 3}, "stages_per_rank is 3, but schedule zbv runs exactly 2 stages"),
+        ({"schedule": "interleaved_zb", "stages_per_rank": 1}, "runs 2 or more stages on each rank; give 2 or more"),
+        ({"stages_per_rank": 2}, "schedule 1f1b runs one stage on each rank; drop it, or choose interleaved_1f1b"),
+        ({"schedule": "gpipe", "stages_per_rank": True}, "stages_per_rank is True"),
         ({"microbatches": 0}, "microbatches is 0; give a positive"),
         ({"split": "even"}, "split is 'even'; give auto or a list"),
         ({"split": 2}, "split is 2; give auto or a list"),
@@ -183,8 +280,11 @@ def test_what_the_pipeline_cannot_run_yet_is_refused_at_config_load():
         check_pipeline(ok, pp2, MeshSettings(offload=True), _config(torch_compile=True), "fp32")
     with pytest.raises(ConfigError, match=r"precision fp16"):
         check_pipeline(ok, pp2, MeshSettings(), _config(), "fp16")
-    with pytest.raises(ConfigError, match=r"eval.strategy"):
-        check_pipeline(ok, pp2, MeshSettings(), OmegaConf.merge(_config(), {"eval": {"strategy": "steps"}}), "fp32")
+    check_pipeline(ok, pp2, MeshSettings(), OmegaConf.merge(_config(), {"eval": {"strategy": "steps"}}), "fp32")
+    interleaved = PipelineSettings("interleaved_1f1b", stages_per_rank=2)
+    check_pipeline(interleaved, pp2, MeshSettings(), _config(gradient_accumulation_steps=3), "fp32")  # 1 round
+    with pytest.raises(ConfigError, match=r"has 5 for pp 2, not a whole number of rounds; .* multiple of 2"):
+        check_pipeline(interleaved, pp2, MeshSettings(), _config(gradient_accumulation_steps=5), "fp32")
     with pytest.raises(
         ConfigError, match=r"microbatches is 4, but .* window's \(2\); set train.gradient_accumulation_steps to 4"
     ):
@@ -217,3 +317,17 @@ def test_model_parallel_picks_the_pipeline_for_a_pp_axis_and_refuses_a_pipeline_
     assert ModelParallelStrategy.resolve(cfg({"mesh": {"tp": 2}})) is ModelParallelStrategy
     with pytest.raises(ConfigError, match="strategy.pipeline is set, but strategy.mesh has no pp axis"):
         ModelParallelStrategy.resolve(cfg({"pipeline": {"schedule": "gpipe"}}))
+
+
+def test_a_stage_output_travels_with_its_dtype_and_shape_and_a_batch_evaluation_cannot_read_is_one_sentence():
+    from kiln.strategies.mesh.pipeline_forward import ChainedForward, _empty, _header
+
+    for t in (torch.zeros(2, 3, 4), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(1, 0, 2, 3, dtype=torch.float16)):
+        got = _empty(_header(t), torch.device("cpu"))
+        assert got.shape == t.shape and got.dtype == t.dtype
+    with pytest.raises(KilnError, match="a torch.int64 tensor of 2 dimensions, which kiln cannot send"):
+        _header(torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(
+        KilnError, match="evaluates from input_ids, attention_mask and labels, and the batch holds pixel"
+    ):
+        ChainedForward(None, None)(torch.zeros(1, 2), pixel_values=torch.zeros(1), return_dict=True)
