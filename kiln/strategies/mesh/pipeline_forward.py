@@ -72,7 +72,9 @@ class ChainedForward:
 
 def _header(t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in _DTYPES or t.dim() > _HEADER - 2:
-        raise KilnError(f"a pipeline stage's output is a {t.dtype} tensor of {t.dim()} dimensions, which kiln cannot send.")
+        raise KilnError(
+            f"a pipeline stage's output is a {t.dtype} tensor of {t.dim()} dimensions, which kiln cannot send."
+        )
     shape = [*t.shape, *[0] * (_HEADER - 2 - t.dim())]
     return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *shape], dtype=torch.long)
 

@@ -108,6 +108,10 @@ def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, con
         train = config.train
         settings["train.label_smoothing_factor"] = bool(train.label_smoothing_factor)
         settings["train.neftune_noise_alpha"] = bool(train.neftune_noise_alpha)
+        settings["eval.compile"] = bool(config.eval.compile)
+        settings["eval.predict_with_generate (generation runs the whole model)"] = bool(
+            config.eval.predict_with_generate
+        )
     if precision in ("fp16", "fp16-true"):
         settings[f"precision {precision} (its loss scale is not carried through the schedule; bf16 is)"] = True
     refuse("pp", dims.pp, settings)

@@ -31,8 +31,10 @@ class ModelParallelStrategy(MeshStrategy):
     options = {
         "mesh": f"axis sizes {{{', '.join((PP, *AXES, EP))}}}; missing axes are 1, one may be -1 (the rest); default "
         "{dp_shard: -1}; pp (pipeline stages) and ep (experts of MoE layers split over it) run alone so far",
-        "pipeline": "with a pp axis: {schedule: gpipe | 1f1b (default), microbatches: the accumulation window's "
-        "(gradient_accumulation_steps), split: auto (default) | [first layer of each stage after the first]}",
+        "pipeline": "with a pp axis: {schedule: gpipe | 1f1b (default) | interleaved_1f1b | interleaved_zb | zbv, "
+        "stages_per_rank: 1 (2 or more for the interleaved ones, 2 for zbv; default 2 for them), microbatches: the "
+        "accumulation window's (gradient_accumulation_steps), split: auto (default) | [first layer of each stage "
+        "after the first], or the model's configure_pipeline(mesh)}",
         **SHARED,
         "cp_load_balance": "with cp: cut each sequence in 2 x cp pieces, rank r keeping pieces r and 2cp-1-r "
         "(torch's head-tail order, balancing causal attention's work; the default, true), or false: "

@@ -268,7 +268,9 @@ def _config(**train):
         "label_smoothing_factor": 0.0,
         "neftune_noise_alpha": None,
     }
-    return OmegaConf.create({"train": {**base, **train}, "eval": {"strategy": "no"}})
+    return OmegaConf.create(
+        {"train": {**base, **train}, "eval": {"strategy": "no", "compile": False, "predict_with_generate": False}}
+    )
 
 
 def test_what_the_pipeline_cannot_run_yet_is_refused_at_config_load():
@@ -281,6 +283,9 @@ def test_what_the_pipeline_cannot_run_yet_is_refused_at_config_load():
     with pytest.raises(ConfigError, match=r"precision fp16"):
         check_pipeline(ok, pp2, MeshSettings(), _config(), "fp16")
     check_pipeline(ok, pp2, MeshSettings(), OmegaConf.merge(_config(), {"eval": {"strategy": "steps"}}), "fp32")
+    with pytest.raises(ConfigError, match=r"does not run with eval.compile, eval.predict_with_generate \(generation"):
+        generate = {"eval": {"compile": True, "predict_with_generate": True}}
+        check_pipeline(ok, pp2, MeshSettings(), OmegaConf.merge(_config(), generate), "fp32")
     interleaved = PipelineSettings("interleaved_1f1b", stages_per_rank=2)
     check_pipeline(interleaved, pp2, MeshSettings(), _config(gradient_accumulation_steps=3), "fp32")  # 1 round
     with pytest.raises(ConfigError, match=r"has 5 for pp 2, not a whole number of rounds; .* multiple of 2"):
