@@ -4,6 +4,7 @@ tensor parallelism saves against FSDP, on 2 processes (gloo on CPU, NCCL on GPUs
     python bench/model_parallel_overhead.py [--steps 60] [--repeats 3] [--mem-dim 2048] [--mem-layers 4]
         [--memory-only] [--allocator fixed-mmap|default]
     python bench/model_parallel_overhead.py --memory-only --nproc 4    # tp 2 x dp_shard 2 vs FSDP dp 4
+    python bench/model_parallel_overhead.py --axis pp [--schedules gpipe 1f1b ...]   # bench/pipeline_overhead.py
 
 1. Per-step time on a small Llama (LlamaConfig: hidden 128, 2 layers, 4 heads, vocab 256, sequences
    of 64, batch 8): kiln `strategy: {name: model_parallel, mesh: {tp: 2}, tp_plan: auto}` against
@@ -173,7 +174,12 @@ def peak_memory(kind: str, dim: int, layers: int) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    run_worker(args, peak_memory, overhead)
+    if args.axis == "pp":
+        from bench import pipeline_overhead as pipe
+
+        run_worker(args, pipe.peak_memory, lambda steps, repeats: pipe.overhead(steps, repeats, args.schedules))
+    else:
+        run_worker(args, peak_memory, overhead)
 
 
 def _launch(args: argparse.Namespace, *extra: str) -> str:
@@ -192,6 +198,10 @@ def _launch(args: argparse.Namespace, *extra: str) -> str:
         str(args.mem_dim),
         "--mem-layers",
         str(args.mem_layers),
+        "--axis",
+        args.axis,
+        "--schedules",
+        *args.schedules,
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))}
@@ -216,7 +226,13 @@ def main() -> None:
     parser.add_argument(
         "--nproc", type=int, choices=[2, 4], default=2, help="4: the memory pair tp 2 x dp_shard 2 vs FSDP dp 4"
     )
-    parser.add_argument("--memory", choices=["tp2", "tp2dp2", "fsdp"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--axis", choices=["tp", "pp"], default="tp", help="pp: the pipeline's rows")
+    parser.add_argument(
+        "--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
+    )
+    parser.add_argument(
+        "--memory", choices=["tp2", "tp2dp2", "fsdp", "pp2", "dp2"], default=None, help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
         worker(args)
@@ -225,6 +241,9 @@ def main() -> None:
         if args.nproc != 2:
             raise SystemExit("the per-step comparison runs on 2 processes: add --memory-only to --nproc 4")
         print(_launch(args), end="", flush=True)
+    if args.axis == "pp":
+        pp_memory(args)
+        return
     peaks = {}
     tp_kind = "tp2" if args.nproc == 2 else "tp2dp2"
     for kind in (tp_kind, "fsdp"):
@@ -238,6 +257,23 @@ def main() -> None:
         f"peak memory per rank ({ranks}), {params / 1e6:.1f}M parameters + AdamW: {tp_label} {shown[tp_kind]} MiB, "
         f"FSDP dp {args.nproc} {shown['fsdp']} MiB, ratio of the maxima {max(peaks[tp_kind]) / max(peaks['fsdp']):.2f} "
         f"(allocator: {'cuda' if torch.cuda.is_available() else args.allocator})",
+        flush=True,
+    )
+
+
+def pp_memory(args: argparse.Namespace) -> None:
+    peaks = {}
+    for kind in ("pp2", "dp2"):
+        line = next(x for x in _launch(args, "--memory", kind).splitlines() if x.startswith("PEAK "))
+        peaks[kind] = json.loads(line[5:])["bytes"]
+    shown = {k: " / ".join(f"{b / 2**20:.1f}" for b in v) for k, v in peaks.items()}
+    d = args.mem_dim
+    params = args.mem_layers * (4 * d * d + 3 * 2 * d * d + 2 * d) + 2 * 256 * d + d
+    print(
+        f"peak memory per rank (rank 0 / rank 1), Llama {args.mem_layers}x{d} ({params / 1e6:.1f}M parameters) + "
+        f"AdamW: pp 2 {shown['pp2']} MiB, dp 2 (ddp) {shown['dp2']} MiB, ratio of the maxima "
+        f"{max(peaks['pp2']) / max(peaks['dp2']):.2f} (allocator: "
+        f"{'cuda' if torch.cuda.is_available() else args.allocator})",
         flush=True,
     )
 
