@@ -66,7 +66,8 @@ class HandStage(nn.Module):
         self.embed = inner.embed_tokens if first else None
         self.layers = nn.ModuleList(inner.layers[i] for i in layers)
         self.rotary = inner.rotary_emb
-        self.norm, self.head = (inner.norm, model.lm_head) if last else (None, None)
+        self.norm: nn.Module | None = inner.norm if last else None
+        self.head: nn.Module | None = model.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -75,11 +76,11 @@ class HandStage(nn.Module):
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         rope = self.rotary(h, positions)
         mask = create_causal_mask(
-            config=self.rotary.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=positions
+            config=self.rotary.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions
         )
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)
-        return self.head(self.norm(h)) if self.head is not None else h
+        return self.head(self.norm(h)) if self.head is not None and self.norm is not None else h
 
 
 def placement(schedule: str, pp: int) -> tuple[int, list[int]]:
@@ -102,9 +103,7 @@ def raw_loop(schedule: str, model: Any, data: list, steps: int) -> list[tuple[fl
     dev, pp = device(), dist.get_world_size()
     count, mine = placement(schedule, pp)
     per = len(model.model.layers) // count
-    stages = [
-        HandStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == count - 1).to(dev) for s in mine
-    ]
+    stages = [HandStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == count - 1).to(dev) for s in mine]
     pipe = [PipelineStage(m, s, count, dev) for m, s in zip(stages, mine)]
     params = [p for m in stages for p in m.parameters()]
     vocab = model.config.vocab_size
@@ -117,7 +116,9 @@ def raw_loop(schedule: str, model: Any, data: list, steps: int) -> list[tuple[fl
     opt = torch.optim.AdamW(params, lr=1e-4)
     lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (steps - s) / steps))
     order = torch.Generator().manual_seed(0)
-    loader = torch.utils.data.DataLoader(data, batch_size=MICRO * WINDOW, shuffle=True, generator=order, drop_last=True)
+    loader: Any = torch.utils.data.DataLoader(
+        data, batch_size=MICRO * WINDOW, shuffle=True, generator=order, drop_last=True
+    )
     first, last = any(s.is_first for s in pipe), any(s.is_last for s in pipe)
     step, ends = 0, []
     while step < steps:
@@ -153,7 +154,7 @@ def kiln_loop(schedule: str, model: Any, data: list, steps: int) -> list[tuple[f
         "strategy": {"name": "model_parallel", "mesh": {"pp": 2}, "pipeline": {"schedule": schedule}},
     }
     durations, trainer = timed_fit(model, data, cfg)
-    trainer.teardown()
+    trainer.teardown()  # type: ignore[attr-defined]
     return durations
 
 

@@ -44,10 +44,12 @@ class ChainedForward:
             )
         s = self.strategy
         owner, forwards, group = s._owner, iter(s.stage_forwards), s.pp_group
-        me, out = s.pp_rank, None
+        me = s.pp_rank
+        out: torch.Tensor | None = None
         for stage, rank in enumerate(owner):
             if rank != me:
                 continue
+            given: torch.Tensor | None
             if stage == 0:
                 given = input_ids
             elif owner[stage - 1] == me:
