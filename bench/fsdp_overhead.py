@@ -108,17 +108,23 @@ def peak_memory(kind: str, dim: int, layers: int) -> None:
 def measure_peak(kind: str, strategy: dict[str, Any], dim: int, layers: int, preload: tuple[str, ...]) -> None:
     """One kiln run of `Wide` under `strategy`, after importing `preload`; rank 0 prints every rank's peak
     (above the baseline taken just before the run) as JSON. Shared with bench/model_parallel_overhead.py."""
-    dev = device()
     g = torch.Generator().manual_seed(0)
     data = [{"x": torch.randn(dim, generator=g), "labels": torch.randn(dim, generator=g)} for _ in range(16)]
     for name in preload:
         importlib.import_module(name)
+    report_peak(kind, lambda: kiln_loop(Wide(dim, layers), data, 2, 4, token_exact=False, strategy=strategy))
+
+
+def report_peak(kind: str, run: Callable[[], Any]) -> None:
+    """`run()`'s peak memory above the baseline taken just before it, every rank's, printed by rank 0 as
+    JSON (the growth of ru_maxrss on CPU, max_memory_allocated on GPUs). Shared with bench/pipeline_overhead.py."""
+    dev = device()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    kiln_loop(Wide(dim, layers), data, 2, 4, token_exact=False, strategy=strategy)
+    run()
     peak = (
         torch.cuda.max_memory_allocated()
         if dev.type == "cuda"

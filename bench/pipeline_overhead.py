@@ -23,8 +23,6 @@
 
 from __future__ import annotations
 
-import json
-import resource
 import statistics
 import time
 from typing import Any
@@ -34,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.ddp_overhead import TARGET, _durations, device, lm_data, timed_fit
+from bench.fsdp_overhead import report_peak
 
 MICRO, WINDOW = 4, 4
 #: the textbook bubble fraction for pp 2 and a window of 4: (p - 1) / (m + p - 1), over v stages a rank
@@ -189,14 +188,12 @@ def overhead(steps: int, repeats: int, schedules: list[str]) -> None:
 
 
 def peak_memory(kind: str, dim: int, layers: int) -> None:
-    """One kiln run of a wide Llama under pp 2 or dp 2; rank 0 prints every rank's peak as JSON."""
+    """One kiln run of a wide Llama under pp 2 or dp 2; rank 0 prints every rank's peak as JSON. The
+    model is built inside the measure: pp builds it whole, then keeps its stages."""
     import importlib
 
-    import kiln.strategies.ddp.strategy  # noqa: F401  (imported before the baseline, as the pp run's are)
-
-    for name in ("kiln.strategies.model_parallel.strategy", "torch.distributed.pipelining", "transformers"):
+    for name in ("kiln.strategies.ddp.strategy", "kiln.strategies.model_parallel.strategy", "transformers"):
         importlib.import_module(name)
-    dev = device()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (8, 17), generator=g)
     data = [{"input_ids": ids[i, :-1], "labels": ids[i, 1:]} for i in range(8)]
@@ -205,13 +202,6 @@ def peak_memory(kind: str, dim: int, layers: int) -> None:
         if kind == "pp2"
         else {"name": "ddp"}
     )
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    torch.manual_seed(0)
-    model = llama(hidden=dim, layers=layers, inter=2 * dim)  # inside the measure: pp builds it whole, then prunes
     cfg = {
         "max_steps": 2,
         "per_device_train_batch_size": 1,
@@ -221,13 +211,9 @@ def peak_memory(kind: str, dim: int, layers: int) -> None:
         "log": {"history": []},
         "strategy": strategy,
     }
-    timed_fit(model, data, cfg)
-    peak = (
-        torch.cuda.max_memory_allocated()
-        if dev.type == "cuda"
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    ) - base
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, peak)
-    if dist.get_rank() == 0:
-        print("PEAK " + json.dumps({"kind": kind, "bytes": every}), flush=True)
+
+    def run() -> None:
+        torch.manual_seed(0)
+        timed_fit(llama(hidden=dim, layers=layers, inter=2 * dim), data, cfg)
+
+    report_peak(kind, run)
