@@ -64,8 +64,9 @@ def worker(out: str, one_process_checkpoint: str) -> None:
         evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
         results[schedule] = {"losses": losses, "state": state, "evals": evals}
         results[f"{schedule} export"] = trainer.strategy.model_state_for_export(trainer.model)  # {} off rank 0
+        if schedule in ("1f1b", "zbv"):  # zbv: rank 1 runs stages 1 and 2 back to back, rank 0 both ends
+            results[f"{schedule} evaluate"] = trainer.evaluate(data(6))["eval_loss"]
         if schedule == "1f1b":
-            results["evaluate"] = trainer.evaluate(data(6))["eval_loss"]
             results["predict"] = trainer.predict(data(6)).predictions
 
     # mid-run checkpoints resumed under pp 2: one of this pp run, and one written by one process
@@ -144,7 +145,8 @@ def test_pipeline_schedules_equal_single_evaluate_and_resume_across_meshes(tmp_p
 
     for rank in ranks:  # evaluation runs the whole model, stage to stage, on every rank
         torch.testing.assert_close(rank["1f1b"]["evals"], want_evals, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(rank["evaluate"], want_eval, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rank["1f1b evaluate"], want_eval, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rank["zbv evaluate"], want_eval, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(
             torch.as_tensor(rank["predict"]), torch.as_tensor(want_predictions), rtol=1e-5, atol=1e-5
         )

@@ -147,7 +147,9 @@ def test_configure_pipeline_gives_the_split_and_a_bad_one_is_one_sentence():
         stage_ranges(model, decoder, 3, (1, 2), None)
     for bad in ([[0, 1], [2, 3]], [[0], [2, 1], [3]], [[0], [], [1, 2, 3]], [[0], [1, 3], [2]], [[0], [1], [2]]):
         model.configure_pipeline = lambda mesh, bad=bad: bad
-        with pytest.raises(ConfigError, match=r"configure_pipeline\(mesh\) returned .*; return 3 list\(s\)"):
+        with pytest.raises(
+            ConfigError, match=r"configure_pipeline\(mesh\) returned .*; return 3 list\(s\).* together 0 to 3\."
+        ):
             stage_ranges(model, decoder, 3, None, None)
 
 
