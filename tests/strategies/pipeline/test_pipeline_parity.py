@@ -58,6 +58,7 @@ def worker(out: str, one_process_checkpoint: str) -> None:
     results = {}
     for schedule in SCHEDULES:  # the later Trainers join the first one's process group
         extra = {**EVAL, "save": {"strategy": "steps", "steps": 2}} if schedule == "1f1b" else {}
+        extra["per_device_eval_batch_size"] = EVAL["per_device_eval_batch_size"]  # single's eval batches
         losses, state, trainer = train(
             os.path.join(out, schedule), pp(schedule), teardown=False, eval_dataset=data(6), **extra
         )
