@@ -4,6 +4,7 @@ tensor parallelism saves against FSDP, on 2 processes (gloo on CPU, NCCL on GPUs
     python bench/model_parallel_overhead.py [--steps 60] [--repeats 3] [--mem-dim 2048] [--mem-layers 4]
         [--memory-only] [--allocator fixed-mmap|default]
     python bench/model_parallel_overhead.py --memory-only --nproc 4    # tp 2 x dp_shard 2 vs FSDP dp 4
+    python bench/model_parallel_overhead.py --row ep [--steps 60] [--repeats 3]   # ep 2 vs a hand-written loop
 
 1. Per-step time on a small Llama (LlamaConfig: hidden 128, 2 layers, 4 heads, vocab 256, sequences
    of 64, batch 8): kiln `strategy: {name: model_parallel, mesh: {tp: 2}, tp_plan: auto}` against
@@ -22,6 +23,9 @@ tensor parallelism saves against FSDP, on 2 processes (gloo on CPU, NCCL on GPUs
    optimizer state per rank; TP holds the whole batch's activations, split by feature, and no
    gathered layer. `--nproc 4`: tp 2 x dp_shard 2 (TP inside FSDP) against FSDP over 4 processes,
    each holding a quarter of the parameters and optimizer state.
+3. `--row ep`: per-step time of kiln `strategy: {name: model_parallel, mesh: {ep: 2}}` on a small
+   Mixtral against a hand-written expert-parallel loop with the same all-to-all dispatch
+   (bench/expert_parallel_loop.py); medians as in 1. Target: ratio <= 1.05.
 """
 
 from __future__ import annotations
@@ -173,7 +177,9 @@ def peak_memory(kind: str, dim: int, layers: int) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    run_worker(args, peak_memory, overhead)
+    from bench.expert_parallel_loop import ep_overhead
+
+    run_worker(args, peak_memory, ep_overhead if args.row == "ep" else overhead)
 
 
 def _launch(args: argparse.Namespace, *extra: str) -> str:
@@ -192,6 +198,8 @@ def _launch(args: argparse.Namespace, *extra: str) -> str:
         str(args.mem_dim),
         "--mem-layers",
         str(args.mem_layers),
+        "--row",
+        args.row,
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))}
@@ -216,6 +224,7 @@ def main() -> None:
     parser.add_argument(
         "--nproc", type=int, choices=[2, 4], default=2, help="4: the memory pair tp 2 x dp_shard 2 vs FSDP dp 4"
     )
+    parser.add_argument("--row", choices=["tp", "ep"], default="tp", help="ep: the expert-parallel row alone")
     parser.add_argument("--memory", choices=["tp2", "tp2dp2", "fsdp"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
@@ -225,6 +234,8 @@ def main() -> None:
         if args.nproc != 2:
             raise SystemExit("the per-step comparison runs on 2 processes: add --memory-only to --nproc 4")
         print(_launch(args), end="", flush=True)
+    if args.row == "ep":
+        return
     peaks = {}
     tp_kind = "tp2" if args.nproc == 2 else "tp2dp2"
     for kind in (tp_kind, "fsdp"):

@@ -133,8 +133,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         if self.ep_in_dp_shard:
-            names, sizes = (*AXES, EP), (*self.sizes, self.ep)
-            return " x ".join(f"{a} {n}" for a, n in zip(names, sizes) if n > 1).replace(" x ep", " with ep")
+            given = zip((*AXES, EP), (*self.sizes, self.ep))
+            return " x ".join(f"{a} {n}" for a, n in given if n > 1).replace(" x ep", " with ep")
         names, sizes = self.mesh_axes()
         return " x ".join(f"{axis} {size}" for axis, size in zip(names, sizes) if size > 1) or "one process"
 

@@ -151,10 +151,14 @@ def test_the_expert_parallel_forward_is_transformers_own(one_rank_ep_mesh, kind)
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         torch.testing.assert_close(grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
     counts = torch.stack([torch.bincount(r, minlength=4) for r in routed])
-    assert torch.equal(take_counts(shards, one_rank_ep_mesh.get_group()), counts) and int(counts.sum()) == 21 * 2 * len(shards)
+    assert torch.equal(take_counts(shards, one_rank_ep_mesh.get_group()), counts) and int(counts.sum()) == 21 * 2 * len(
+        shards
+    )
     model.eval()
     model(input_ids=ids)
-    assert not take_counts(shards, one_rank_ep_mesh.get_group()).any()  # evaluation forwards are not counted, and the counters were reset
+    assert not take_counts(
+        shards, one_rank_ep_mesh.get_group()
+    ).any()  # evaluation forwards are not counted, and the counters were reset
 
 
 def _step_arithmetic(strategy, model, params, experts):
@@ -266,7 +270,8 @@ def test_one_rank_of_a_fake_world_with_ep_within_dp_shard():
         assert facts == (4, 3, 4, 4)
         experts = model.model.layers[0].mlp.experts
         assert isinstance(experts, FSDPModule) and isinstance(model.model.layers[0], FSDPModule)
-        assert experts._get_fsdp_state()._fsdp_param_group.gradient_divide_factor == 4.0  # the mean over dp_shard
+        group = experts._get_fsdp_state()._fsdp_param_group
+        assert group.gradient_divide_factor == 4.0 and group.force_sum_reduction_for_comms  # the mean over dp_shard
         for name, p in model.named_parameters():
             assert isinstance(p, DTensor), name
             local, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
