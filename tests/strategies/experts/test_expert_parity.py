@@ -1,18 +1,21 @@
 """The expert axis end to end (kiln/strategies/mesh/expert_parallel.py, experts.py), on one spawned
-world of 2 gloo processes, as `strategy: {name: model_parallel, mesh: {ep: 2}}` on a tiny Mixtral
-from a config (4 experts, 2 per token):
+world of 2 gloo processes, as `strategy: {name: model_parallel, mesh: {ep: 2}}` and
+`{dp_shard: 2, ep: 2}` (ep within dp_shard: the rest FSDP-sharded) on a tiny Mixtral from a config
+(4 experts, 2 per token):
 
-- ep 2 gives the per-step losses and the final weights of `single` on the same global batch (windows
+- each gives the per-step losses and the final weights of `single` on the same global batch (windows
   of 2 micro-batches whose item counts differ, then a short window of 1), with SGD with momentum and
   global gradient clipping; rank r holds experts 2r and 2r+1 of each layer (its local shard equals
   those rows of the trained weights);
+- evaluation during fit (ep) and `evaluate` called by hand (both) give single's eval losses, on 5
+  samples of one per batch (the second rank's last batch repeats a sample);
 - tokens per expert reach the loggers on every logging step (all routed pairs: tokens x top-k);
 - with the router's auxiliary loss (`output_router_logits`, `router_aux_loss_coef`), ep 2 equals
   DDP on the same 2 processes: each rank's auxiliary loss on its own tokens, summed (HF's counting);
-- a checkpoint saved under ep 2 mid-run resumes on one process and ends equal to the run that never
-  stopped; `kiln convert` makes the last one a from_pretrained folder whose logits are the trained
-  model's;
-- evaluate called by hand is refused in one sentence.
+- the ep run's checkpoint of step 1 resumed on the ep mesh ends bitwise on the weights of the run that
+  never stopped; its checkpoint of step 2 resumed as dp_shard 2 (in the world) and on one process (in
+  the test) ends on single's weights; `kiln convert` makes the last one a from_pretrained folder whose
+  logits are the trained model's.
 
 Run as a script under torchrun, this file is the worker (`python -m torch.distributed.run ... THIS OUT`)."""
 

@@ -235,7 +235,7 @@ def test_one_rank_of_a_fake_world_holds_its_experts(caplog):
         dist.destroy_process_group()
 
 
-def test_one_rank_of_a_fake_world_with_ep_within_dp_shard():
+def test_one_rank_of_a_fake_world_with_ep_within_dp_shard(caplog):
     """dp_shard 4 with ep 2, rank 3: ep rank 1 (experts 2 and 3) within dp_shard_mod_ep rank 1, so FSDP
     leaves it expert 3 alone; every other parameter a quarter of it, FSDP-sharded over all four ranks."""
     import torch.distributed as dist
@@ -258,7 +258,12 @@ def test_one_rank_of_a_fake_world_with_ep_within_dp_shard():
         strategy = ModelParallelExperts(cfg, build_precision(cfg))
         with read_write(cfg):
             cfg.strategy.options.mesh = {"dp_shard": 4, "ep": 2}
-        model = strategy.setup_module(moe())
+        with caplog.at_level("INFO", logger="kiln.strategies.mesh.strategy"):
+            model = strategy.setup_module(moe())
+        assert (
+            "2 MoE layer(s), 2 of 4 experts each on this rank (ep 2), FSDP over the 2 rank(s) of dp_shard_mod_ep, FSDP"
+            " over 4 rank(s)" in caplog.text
+        )
         mesh = strategy.device_mesh
         assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
         assert mesh.shape == (1, 2, 2, 1, 1) and list(mesh.get_coordinate()) == [0, 1, 1, 0, 0]
@@ -285,5 +290,6 @@ def test_one_rank_of_a_fake_world_with_ep_within_dp_shard():
                 ], name
                 assert offset[0] == min(3 * -(-p.shape[0] // 4), p.shape[0]), name  # the fourth quarter
         strategy.teardown()
+        assert strategy.device_mesh is None and strategy._shards == [] and strategy._found == {}
     finally:
         dist.destroy_process_group()
