@@ -276,7 +276,9 @@ def test_one_rank_of_a_fake_world_with_ep_within_dp_shard(caplog):
         experts = model.model.layers[0].mlp.experts
         assert isinstance(experts, FSDPModule) and isinstance(model.model.layers[0], FSDPModule)
         group = experts._get_fsdp_state()._fsdp_param_group
-        assert group.gradient_divide_factor == 4.0 and group.force_sum_reduction_for_comms  # the mean over dp_shard
+        assert (
+            group.gradient_divide_factor == 4.0 and group.force_sum_reduction_for_comms
+        )  # the mean over dp_shard, gloo-safe
         for name, p in model.named_parameters():
             assert isinstance(p, DTensor), name
             local, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
