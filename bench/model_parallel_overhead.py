@@ -5,6 +5,7 @@ tensor parallelism saves against FSDP, on 2 processes (gloo on CPU, NCCL on GPUs
         [--memory-only] [--allocator fixed-mmap|default]
     python bench/model_parallel_overhead.py --memory-only --nproc 4    # tp 2 x dp_shard 2 vs FSDP dp 4
     python bench/model_parallel_overhead.py --axis pp [--schedules gpipe 1f1b ...]   # bench/pipeline_overhead.py
+    python bench/model_parallel_overhead.py --axis ep [--steps 60] [--repeats 3]   # ep 2 vs a hand-written loop
 
 1. Per-step time on a small Llama (LlamaConfig: hidden 128, 2 layers, 4 heads, vocab 256, sequences
    of 64, batch 8): kiln `strategy: {name: model_parallel, mesh: {tp: 2}, tp_plan: auto}` against
@@ -23,6 +24,9 @@ tensor parallelism saves against FSDP, on 2 processes (gloo on CPU, NCCL on GPUs
    optimizer state per rank; TP holds the whole batch's activations, split by feature, and no
    gathered layer. `--nproc 4`: tp 2 x dp_shard 2 (TP inside FSDP) against FSDP over 4 processes,
    each holding a quarter of the parameters and optimizer state.
+3. `--axis ep`: per-step time of kiln `strategy: {name: model_parallel, mesh: {ep: 2}}` on a small
+   Mixtral against a hand-written expert-parallel loop with the same all-to-all dispatch
+   (bench/expert_parallel_loop.py); medians as in 1. Target: ratio <= 1.05.
 """
 
 from __future__ import annotations
@@ -178,6 +182,10 @@ def worker(args: argparse.Namespace) -> None:
         from bench import pipeline_overhead as pipe
 
         run_worker(args, pipe.peak_memory, lambda steps, repeats: pipe.overhead(steps, repeats, args.schedules))
+    elif args.axis == "ep":
+        from bench.expert_parallel_loop import ep_overhead
+
+        run_worker(args, peak_memory, ep_overhead)
     else:
         run_worker(args, peak_memory, overhead)
 
@@ -226,7 +234,7 @@ def main() -> None:
     parser.add_argument(
         "--nproc", type=int, choices=[2, 4], default=2, help="4: the memory pair tp 2 x dp_shard 2 vs FSDP dp 4"
     )
-    parser.add_argument("--axis", choices=["tp", "pp"], default="tp", help="pp: the pipeline's rows")
+    parser.add_argument("--axis", choices=["tp", "pp", "ep"], default="tp", help="pp: the pipeline's rows; ep: the expert-parallel row")
     parser.add_argument(
         "--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
     )
@@ -243,6 +251,8 @@ def main() -> None:
         print(_launch(args), end="", flush=True)
     if args.axis == "pp":
         pp_memory(args)
+        return
+    if args.axis == "ep":
         return
     peaks = {}
     tp_kind = "tp2" if args.nproc == 2 else "tp2dp2"

@@ -13,9 +13,13 @@ r // (cp * tp): the `cp * tp` ranks of one data shard read the same batches.
 rank r holds stage r // (world / pp), and the ranks of one stage are the mesh above. It is left out of
 the DeviceMesh's dimensions unless it is used (`mesh_axes`). `ep` (expert parallelism,
 kiln/strategies/mesh/expert_parallel.py) sits right after dp_shard when it is used: the experts of each
-MoE layer are split over it, and for every other parameter it is one more data axis (its ranks read
-distinct batches, so `dp` counts it). It runs alone so far (`parse_mesh` refuses it beside another axis);
-torchtitan instead borrows ep's ranks from dp_shard x cp, which composing with FSDP would need.
+MoE layer are split over it. Alone (`{ep: N}`, N processes), it is one more data axis for every other
+parameter (its ranks read distinct batches, so `dp` counts it, and the rest is replicated). Beside
+dp_shard (`{dp_shard: D, ep: N}`, D processes, N dividing D) its ranks are borrowed from dp_shard, as
+torchtitan's `dp_shard_in_ep`: FSDP2 shards every other parameter over the D ranks, the experts are
+split over ep and FSDP-shards them over the D / N ranks left (`dp_shard_mod_ep`), and the DeviceMesh
+writes dp_shard as those two axes (`mesh_axes`), flattened back into `dp_shard` (`flatten_axes`).
+Beside any other axis it is refused (`parse_mesh`).
 
 FSDP2 shards over `dp_shard` and `cp` flattened into one axis (torchtitan's `dp_shard_cp`): the cp
 ranks compute gradients from different tokens, so those gradients must be reduced over them too,
@@ -41,11 +45,14 @@ AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 PP = "pp"
 #: the expert axis (a DeviceMesh dimension, after dp_shard, only when it is larger than 1)
 EP = "ep"
+#: under ep within dp_shard, the dp_shard ranks of one expert shard: FSDP shards the experts over it
+DP_SHARD_MOD_EP = "dp_shard_mod_ep"
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The resolved sizes of the axes (pp times ep times the product of AXES is the world size)."""
+    """The resolved sizes of the axes (pp times the product of AXES is the world size, times ep unless
+    it is borrowed from dp_shard: `ep_in_dp_shard`)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -59,9 +66,19 @@ class ParallelDims:
         return tuple(getattr(self, axis) for axis in AXES)
 
     @property
+    def ep_in_dp_shard(self) -> bool:
+        """Whether ep's ranks are dp_shard's (torchtitan's `dp_shard_in_ep`) rather than ranks of their own."""
+        return self.ep > 1 and self.dp_shard > 1
+
+    @property
+    def own_ep(self) -> int:
+        """The ranks ep adds to the world: ep alone, 1 when borrowed from dp_shard."""
+        return 1 if self.ep_in_dp_shard else self.ep
+
+    @property
     def dp(self) -> int:
         """Data-parallel size: the number of processes reading distinct batches (the ep ranks do)."""
-        return self.dp_replicate * self.dp_shard * self.ep
+        return self.dp_replicate * self.dp_shard * self.own_ep
 
     @property
     def dp_cp(self) -> int:
@@ -77,16 +94,16 @@ class ParallelDims:
     @property
     def stage_ranks(self) -> int:
         """Ranks of one pipeline stage (the whole world without pp)."""
-        return math.prod(self.sizes) * self.ep
+        return math.prod(self.sizes) * self.own_ep
 
     @property
     def fsdp(self) -> bool:
         """Whether FSDP2 shards over the dp axes: when they (with cp) hold more than one rank, and also
         on one rank when no tp axis splits the model either, so that a one-process run is still an
         FSDP run (its CPU offload, its mixed-precision policy), as `strategy: fsdp` always was. Not
-        under pp or ep: the pipeline runs its stages without FSDP (pipeline.py), and ep replicates what
-        is not an expert (expert_parallel.py)."""
-        return (self.dp_cp > 1 or self.tp == 1) and self.pp == 1 and self.ep == 1
+        under pp or ep alone: the pipeline runs its stages without FSDP (pipeline.py), and ep alone
+        replicates what is not an expert (expert_parallel.py); ep within dp_shard is FSDP."""
+        return (self.dp_cp > 1 or self.tp == 1) and self.pp == 1 and self.own_ep == 1
 
     def data_rank(self, global_rank: int) -> int:
         """The data shard of `global_rank`: every pipeline stage reads the same batches."""
@@ -98,9 +115,14 @@ class ParallelDims:
 
     def mesh_axes(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """The DeviceMesh's dimension names and sizes: pp ahead of AXES and ep after dp_shard, each
-        when it is used."""
+        when it is used; ep within dp_shard splits dp_shard into (dp_shard_mod_ep, ep), ep innermost
+        (rank r of dp_shard holds ep rank r % ep), as torchtitan."""
         names, sizes = list(AXES), list(self.sizes)
-        if self.ep > 1:
+        if self.ep_in_dp_shard:
+            at = AXES.index("dp_shard")
+            names[at : at + 1] = [DP_SHARD_MOD_EP, EP]
+            sizes[at : at + 1] = [self.dp_shard // self.ep, self.ep]
+        elif self.ep > 1:
             at = AXES.index("dp_shard") + 1
             names.insert(at, EP)
             sizes.insert(at, self.ep)
@@ -110,6 +132,9 @@ class ParallelDims:
         return tuple(names), tuple(sizes)
 
     def describe(self) -> str:
+        if self.ep_in_dp_shard:
+            given = zip((*AXES, EP), (*self.sizes, self.ep))
+            return " x ".join(f"{a} {n}" for a, n in given if n > 1).replace(" x ep", " with ep")
         names, sizes = self.mesh_axes()
         return " x ".join(f"{axis} {size}" for axis, size in zip(names, sizes) if size > 1) or "one process"
 
@@ -137,7 +162,12 @@ def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims
         raise ConfigError(
             f"strategy.mesh sets {' and '.join(free)} to -1; only one axis may take the rest of the processes."
         )
-    fixed = math.prod(size for size in sizes.values() if size != -1)
+    borrowed = sizes[EP] != 1 and sizes["dp_shard"] != 1  # ep within dp_shard: no ranks of its own
+    if borrowed and sizes[EP] == -1:
+        raise ConfigError(
+            "strategy.mesh.ep is -1 beside dp_shard, whose ranks ep borrows; give ep a size that divides dp_shard."
+        )
+    fixed = math.prod(size for axis, size in sizes.items() if size != -1 and not (borrowed and axis == EP))
     if free:
         if world_size % fixed:
             raise ConfigError(
@@ -149,15 +179,21 @@ def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims
     elif fixed != world_size:
         shown = ", ".join(f"{axis}: {size}" for axis, size in sizes.items() if size > 1) or "all axes 1"
         raise ConfigError(
-            f"strategy.mesh ({shown}) multiplies to {fixed} processes but this run has {world_size}; "
+            f"strategy.mesh ({shown}) multiplies to {fixed} processes"
+            f"{' (ep borrows the ranks of dp_shard)' if borrowed else ''} but this run has {world_size}; "
             "make the product of the axes equal the number of processes (or set one axis to -1)."
         )
-    others = [f"{axis} {size}" for axis, size in sizes.items() if axis != EP and size > 1]
+    others = [f"{axis} {size}" for axis, size in sizes.items() if axis not in (EP, "dp_shard") and size > 1]
     if sizes[EP] > 1 and others:
         raise ConfigError(
             f"strategy.mesh combines ep {sizes[EP]} with {', '.join(others)}, but kiln runs the expert axis "
-            "alone so far (ep with dp_replicate, dp_shard, cp, tp or pp is not supported yet); set the other "
-            "axes to 1, or drop ep."
+            "alone or within dp_shard so far (ep with dp_replicate, cp, tp or pp is not supported yet); set the "
+            "other axes to 1, or drop ep."
+        )
+    if borrowed and sizes["dp_shard"] % sizes[EP]:
+        raise ConfigError(
+            f"strategy.mesh.ep {sizes[EP]} borrows its ranks from dp_shard {sizes['dp_shard']}, which it does not "
+            f"divide; choose an ep that divides {sizes['dp_shard']}."
         )
     return ParallelDims(**sizes)
 
@@ -184,7 +220,10 @@ def flatten_axes(mesh: Any, shape: ParallelDims) -> Any:
     """Flatten the joint axes the strategy needs, once, right after the mesh is built: `dp_shard_cp`
     (FSDP's shard axis under cp) and, with tp, the group of ranks at one TP position whose data differ
     (`dp_replicate x dp_shard x cp`, for `reduce`; None without tp: then that is every rank). A
-    collective (flattening makes the new axes' process groups): every rank calls it."""
+    collective (flattening makes the new axes' process groups): every rank calls it. Under ep within
+    dp_shard, `dp_shard` itself is the flattened (dp_shard_mod_ep, ep)."""
+    if shape.ep_in_dp_shard:
+        mesh[DP_SHARD_MOD_EP, EP]._flatten("dp_shard")
     if shape.cp > 1:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # registers the axis on the root mesh
     if shape.tp > 1 and shape.dp_cp > 1:

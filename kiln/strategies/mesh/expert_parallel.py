@@ -1,8 +1,11 @@
 """The expert axis `ep` of the mesh strategy: the experts of every MoE layer split over the ep ranks,
-tokens sent to them and back by all-to-all (experts.py), everything else replicated.
+tokens sent to them and back by all-to-all (experts.py); everything else replicated (ep alone) or
+sharded by FSDP2 (ep within dp_shard).
 
-    strategy: {name: model_parallel, mesh: {ep: 2}}
+    strategy: {name: model_parallel, mesh: {ep: 2}}                 # 2 processes, the rest replicated
+    strategy: {name: model_parallel, mesh: {dp_shard: 4, ep: 2}}    # 4 processes, everything FSDP
 
+Alone:
 The batch: every ep rank reads its own batches (ep is a data axis: `data_shards` = ep), routes its own
 tokens, and its experts compute on the rows every rank sends them. The parameters: the experts'
 weights are DTensors sharded on the expert dimension (each rank holds num_experts / ep of each layer);
@@ -18,9 +21,19 @@ router's auxiliary loss (`output_router_logits`, `router_aux_loss_coef`) on the 
 the step's gradient holds the sum over ranks of each rank's auxiliary loss: HF's Trainer under DDP
 counts it the same way (it multiplies the loss by the world size, and DDP averages).
 
+Within dp_shard (torchtitan's `dp_shard_in_ep`, dims.py): ep's ranks are dp_shard's, so the D
+processes are the data shards and FSDP2 shards every parameter that is not an expert over them, as
+`{dp_shard: D}` alone does; the experts are split over ep (dp_shard rank r holds ep rank r % ep), and
+each experts module is its own FSDP unit over the D / ep ranks holding the same experts
+(`dp_shard_mod_ep`), its reduced gradient divided by D (`_apply_tp`). Gradient clipping takes the norm
+across both meshes (clip.py).
+
+Evaluation and prediction run every rank's batches through the same all-to-alls: kiln's evaluation
+sampler gives every rank the same number of batches, so no rank leaves the collectives early.
+
 Checkpoints are the mesh strategy's DCP folder (the experts' DTensor shards with their global offsets),
-which resumes on any other mesh and converts to one model. It runs alone so far; what it cannot run
-is refused at config load, in one sentence each."""
+which resumes on any other mesh and converts to one model. What it cannot run is refused at config
+load, in one sentence each."""
 
 from __future__ import annotations
 
@@ -34,7 +47,6 @@ from kiln.strategies.base import StepResult
 from kiln.strategies.interfaces import ReportsStepFigures
 from kiln.strategies.mesh.axis_refusals import refuse, unsupported_settings
 from kiln.strategies.mesh.strategy import MeshStrategy
-from kiln.utils.errors import KilnError
 
 log = logging.getLogger(__name__)
 
@@ -50,34 +62,30 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
     def ep_mesh(self) -> Any:
         return self.device_mesh["ep"]
 
-    def eval_cast_context(self, module: nn.Module, dtype: torch.dtype | None) -> Any:
-        """Evaluation would run every rank's experts on data sharded by another rule (and stop the
-        all-to-alls where one rank has a batch fewer), so evaluate and predict are refused (config load
-        refuses evaluation during training; this catches `trainer.evaluate()` called by hand)."""
-        raise KilnError(
-            "evaluate and predict do not run under the expert axis yet (each rank holds some of the experts); "
-            "convert a checkpoint with `kiln convert` and evaluate or predict it on one process."
-        )
-
     # -- set-up -----------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
-        from kiln.strategies.mesh.experts import check_experts, shard_experts
-        from kiln.strategies.mesh.loading import sync_module_states
+        from kiln.strategies.mesh.experts import check_experts
         from kiln.strategies.mesh.tp_plan import user_module
 
-        found = check_experts(user_module(module), self.shape.ep)
+        self._found = check_experts(user_module(module), self.shape.ep)
         if self.device_mesh is None:
-            self.setup_environment()
+            self.setup_environment()  # the group's world decides the mesh
+        if self.shape.fsdp:  # ep within dp_shard: the mesh strategy's FSDP, the experts split in `_apply_tp`
+            return super().setup_module(module)
+        from kiln.strategies.mesh.experts import shard_experts
+        from kiln.strategies.mesh.loading import sync_module_states
+
         module = module.to(self.root_device)
         if self.settings.sync_module_states:
             sync_module_states(module)  # the replicated parameters must be equal on every rank
-        self._shards = shard_experts(found, self.ep_mesh)
+        self._shards = shard_experts(self._found, self.ep_mesh)
+        self._count_group = self.ep_mesh.get_group()
         self._replicated = [p for p in module.parameters() if p.requires_grad and not _is_dtensor(p)]
         self._experts = [p for p in module.parameters() if p.requires_grad and _is_dtensor(p)]
         log.info(
             "%s: %d MoE layer(s), %d of %d experts each on this rank (ep %d); %d replicated parameter(s).",
             self.name,
-            len(found),
+            len(self._found),
             self._shards[0].local,
             self._shards[0].num_experts,
             self.shape.ep,
@@ -86,15 +94,51 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         self._root = module
         return module
 
+    def _apply_tp(self, user: nn.Module, loaded_split: bool) -> str:
+        """Under ep within dp_shard, where the mesh strategy would split the model (after the weights
+        are synced, before FSDP): the experts split over ep, then each experts module FSDP-sharded over
+        the dp_shard ranks left (torchtitan's order). Each expert's gradient holds the tokens of its ep
+        group (the all-to-all's backward); FSDP sums it over dp_shard_mod_ep, and dividing by all of
+        dp_shard (not dp_shard_mod_ep) gives the mean over every rank, as the other parameters get."""
+        from kiln.strategies.mesh.dims import DP_SHARD_MOD_EP
+        from kiln.strategies.mesh.experts import shard_experts
+        from kiln.strategies.mesh.fsdp import apply_fsdp
+
+        s, mesh = self.settings, self.device_mesh
+        self._shards = shard_experts(self._found, self.ep_mesh)
+        self._count_group = mesh["dp_shard"].get_group()
+        for experts in self._found.values():
+            apply_fsdp(
+                experts,
+                [],
+                mesh[DP_SHARD_MOD_EP],
+                reshard=s.reshard,
+                offload=False,
+                pin_memory=False,
+                mp_policy=self._mp_policy,
+                forward_prefetch=False,
+            )
+            experts.set_gradient_divide_factor(float(self.shape.dp_shard))
+            # a divisor other than the group's size is NCCL's PREMUL_SUM, which gloo has not: sum, then divide.
+            # Only where the group has more than one rank: on one rank (dp_shard = ep) FSDP2's sum-then-divide
+            # path missed parity with `single` by 4e-4 on the experts (the parity test), its default does not.
+            experts.set_force_sum_reduction_for_comms(self.shape.dp_shard > self.shape.ep)
+        return (
+            f"{len(self._found)} MoE layer(s), {self._shards[0].local} of {self._shards[0].num_experts} experts each "
+            f"on this rank (ep {self.shape.ep}), FSDP over the {self.shape.dp_shard // self.shape.ep} rank(s) of "
+            f"{DP_SHARD_MOD_EP}"
+        )
+
     # -- step -------------------------------------------------------------------------------
     def optimizer_step(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
     ) -> StepResult:
-        self.average_gradients()
+        if not self.shape.fsdp:  # within dp_shard, FSDP reduced every gradient
+            self.average_gradients()
         return super().optimizer_step(model, optimizer, max_grad_norm)
 
     def average_gradients(self) -> None:
-        """The replicated parameters' gradients averaged over the ep ranks (one all-reduce of them
+        """Alone, the replicated parameters' gradients averaged over the ep ranks (one all-reduce of them
         flattened); the experts' divided by ep. A gradient that is missing (no token reached this
         rank's experts in the whole window) counts as zeros, so every rank steps the same parameters,
         as one process steps its whole expert tensor."""
@@ -130,7 +174,7 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         loaded expert to its layer's mean."""
         from kiln.strategies.mesh.experts import take_counts
 
-        counts = take_counts(self._shards).double() / max(steps, 1)  # [layers, experts]
+        counts = take_counts(self._shards, self._count_group).double() / max(steps, 1)  # [layers, experts]
         mean = counts.mean(1)
         figures = torch.stack(
             [counts.mean(), counts.min(), counts.max(), (counts.max(1).values / mean.clamp(min=1e-9)).max()]
@@ -139,7 +183,7 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         return {f"moe/tokens_per_expert_{name}": value for name, value in zip(names, figures)}
 
     def teardown(self) -> None:
-        self._shards, self._replicated, self._experts = [], [], []
+        self._found, self._shards, self._replicated, self._experts = {}, [], [], []
         super().teardown()
 
 
@@ -152,8 +196,6 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def check_expert_parallel(ep: int, s: Any, config: Any, precision: str) -> None:
     """What this first expert axis cannot run, refused before any process group starts."""
     settings = unsupported_settings(s, config)
-    if config is not None:
-        settings["eval.strategy (evaluation runs every rank's experts)"] = str(config.eval.strategy) != "no"
     if precision in ("fp16", "fp16-true"):
         settings[f"precision {precision}"] = True
     refuse("ep", ep, settings)

@@ -114,13 +114,13 @@ def shard_experts(modules: dict[str, Any], ep_mesh: Any) -> list[ExpertShard]:
     return shards
 
 
-def take_counts(shards: list[ExpertShard]) -> torch.Tensor:
-    """[layers, experts] tokens routed to each expert since the last call, summed over the ep ranks (a
-    collective: every rank calls it), and each counter reset."""
+def take_counts(shards: list[ExpertShard], group: Any) -> torch.Tensor:
+    """[layers, experts] tokens routed to each expert since the last call, summed over `group` (the
+    ranks whose tokens differ; a collective: every rank of it calls it), and each counter reset."""
     import torch.distributed as dist
 
     counts = torch.stack([s.counts for s in shards])
-    dist.all_reduce(counts, group=shards[0].group)
+    dist.all_reduce(counts, group=group)
     for s in shards:
         s.counts.zero_()
     return counts
@@ -163,11 +163,11 @@ def _run_local_experts(self: Any, rows: torch.Tensor, got_per_expert: torch.Tens
     sizes = got_per_expert.sum(0).tolist()
     outs = []
     for e, part in enumerate(grouped.split(sizes)):
-        if part.shape[0] == 0:
-            continue
+        # an expert without rows runs too: its gradient is then zeros, not missing, so FSDP reduces
+        # the same parameters on every rank
         h = self._apply_gate(nn.functional.linear(part, gate_up[e]))
         outs.append(nn.functional.linear(h, down[e]))
-    out = torch.cat(outs) if outs else rows.new_zeros(0, self.down_proj.shape[1])
+    out = torch.cat(outs)
     result = torch.empty_like(out)
     result[order] = out
     return result

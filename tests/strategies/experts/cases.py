@@ -95,13 +95,21 @@ def config(out: str, strategy: Any, **extra: Any) -> dict[str, Any]:
 
 
 def train(
-    out: str, strategy: Any, *, kind: str = "mixtral", model: Any = None, teardown: bool = True, **extra: Any
+    out: str,
+    strategy: Any,
+    *,
+    kind: str = "mixtral",
+    model: Any = None,
+    teardown: bool = True,
+    resume: str | None = None,
+    eval_dataset: Any = None,
+    **extra: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     from kiln import Trainer
 
     model = model if model is not None else moe(kind)
-    trainer = Trainer(model, config(out, strategy, **extra), train_dataset=data())
-    trainer.fit()
+    trainer = Trainer(model, config(out, strategy, **extra), train_dataset=data(), eval_dataset=eval_dataset)
+    trainer.fit(resume_from_checkpoint=resume)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     state = trainer.strategy.model_state_for_export(trainer.model)
     if teardown:

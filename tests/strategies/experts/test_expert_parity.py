@@ -1,18 +1,21 @@
 """The expert axis end to end (kiln/strategies/mesh/expert_parallel.py, experts.py), on one spawned
-world of 2 gloo processes, as `strategy: {name: model_parallel, mesh: {ep: 2}}` on a tiny Mixtral
-from a config (4 experts, 2 per token):
+world of 2 gloo processes, as `strategy: {name: model_parallel, mesh: {ep: 2}}` and
+`{dp_shard: 2, ep: 2}` (ep within dp_shard: the rest FSDP-sharded) on a tiny Mixtral from a config
+(4 experts, 2 per token):
 
-- ep 2 gives the per-step losses and the final weights of `single` on the same global batch (windows
+- each gives the per-step losses and the final weights of `single` on the same global batch (windows
   of 2 micro-batches whose item counts differ, then a short window of 1), with SGD with momentum and
   global gradient clipping; rank r holds experts 2r and 2r+1 of each layer (its local shard equals
   those rows of the trained weights);
+- evaluation during fit (ep) and `evaluate` called by hand (both) give single's eval losses, on 5
+  samples of one per batch (the second rank's last batch repeats a sample);
 - tokens per expert reach the loggers on every logging step (all routed pairs: tokens x top-k);
 - with the router's auxiliary loss (`output_router_logits`, `router_aux_loss_coef`), ep 2 equals
   DDP on the same 2 processes: each rank's auxiliary loss on its own tokens, summed (HF's counting);
-- a checkpoint saved under ep 2 mid-run resumes on one process and ends equal to the run that never
-  stopped; `kiln convert` makes the last one a from_pretrained folder whose logits are the trained
-  model's;
-- evaluate called by hand is refused in one sentence.
+- the ep run's checkpoint of step 1 resumed on the ep mesh ends bitwise on the weights of the run that
+  never stopped; its checkpoint of step 2 resumed as dp_shard 2 (in the world) and on one process (in
+  the test) ends on single's weights; `kiln convert` makes the last one a from_pretrained folder whose
+  logits are the trained model's.
 
 Run as a script under torchrun, this file is the worker (`python -m torch.distributed.run ... THIS OUT`)."""
 
@@ -34,24 +37,50 @@ from tests.strategies.experts.cases import data, moe, train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 EP = {"name": "model_parallel", "device": "cpu", "mesh": {"ep": 2}}
+EP_IN_DP = {"name": "model_parallel", "device": "cpu", "mesh": {"dp_shard": 2, "ep": 2}}
+DP_SHARD = {"name": "model_parallel", "device": "cpu", "mesh": {"dp_shard": 2}}
 AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+#: evaluation during fit after every step, one sample a batch (so each batch's loss is one sample's on
+#: any number of ranks); 5 samples, so the second rank's last batch repeats one (kiln's eval sampler)
+EVAL = {"eval": {"strategy": "steps", "steps": 1}, "per_device_eval_batch_size": 1}
+
+
+def eval_losses(trainer) -> list[float]:
+    return [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
 
 
 def worker(out: str) -> None:
-    from kiln.utils.errors import KilnError
-
     rank = int(os.environ["RANK"])
     results: dict = {}
     log = {"history": ["jsonl"], "disable_tqdm": True, "steps": 1}
     save = {"strategy": "steps", "steps": 1}
-    losses, state, trainer = train(os.path.join(out, "ep"), EP, teardown=False, save=save, log=log)
+    losses, state, trainer = train(
+        os.path.join(out, "ep"), EP, teardown=False, save=save, log=log, eval_dataset=data(5), **EVAL
+    )
     experts = trainer.model.model.layers[0].mlp.experts
-    results["ep"] = {"losses": losses, "state": state, "local": experts.gate_up_proj.to_local().detach().clone()}
-    try:
-        trainer.evaluate(data(4))
-        results["evaluate"] = ""
-    except KilnError as err:
-        results["evaluate"] = str(err)
+    results["ep"] = {
+        "losses": losses,
+        "state": state,
+        "local": experts.gate_up_proj.to_local().detach().clone(),
+        "eval": eval_losses(trainer),
+        "evaluate": trainer.evaluate(data(5))["eval_loss"],
+    }
+    # ep borrowed from dp_shard: everything else sharded by FSDP2
+    losses, state, trainer = train(
+        os.path.join(out, "ep in dp_shard"), EP_IN_DP, teardown=False, per_device_eval_batch_size=1
+    )
+    experts = trainer.model.model.layers[0].mlp.experts
+    results["ep in dp_shard"] = {
+        "losses": losses,
+        "state": state,
+        "local": experts.gate_up_proj.to_local().detach().clone(),
+        "evaluate": trainer.evaluate(data(5))["eval_loss"],
+    }
+    # the ep run's checkpoints resumed: on the ep mesh from step 1, and as dp_shard 2 from step 2
+    for name, strategy, step in (("ep resumed", EP, 1), ("dp_shard resumed", DP_SHARD, 2)):
+        resume = os.path.join(out, "ep", f"checkpoint-{step}")
+        _, state, trainer = train(os.path.join(out, name), strategy, model=moe(seed=1), resume=resume, teardown=False)
+        results[name] = state
     for name, strategy in (("aux ep", EP), ("aux ddp", {"name": "ddp", "device": "cpu"})):
         losses, state, trainer = train(os.path.join(out, name), strategy, model=moe(**AUX), teardown=False)
         results[name] = {"losses": losses, "state": state}
@@ -76,20 +105,37 @@ def test_expert_parallel_equals_single_and_resumes_on_one_process(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     # the same global batch on one process: micro-batches of 2 x 2
-    want_losses, want, _ = train(
-        str(tmp_path / "single"), {"name": "single", "device": "cpu"}, per_device_train_batch_size=4
+    want_losses, want, single = train(
+        str(tmp_path / "single"),
+        {"name": "single", "device": "cpu"},
+        per_device_train_batch_size=4,
+        eval_dataset=data(5),
+        teardown=False,
+        **EVAL,
     )
-    assert len(want_losses) == 3  # two windows of two micro-batches, then one of one
-    got = ranks[0]["ep"]
-    assert ranks[1]["ep"]["state"] == {} and sorted(got["state"]) == sorted(want)  # the export gathers to rank 0
-    for rank in ranks:
-        torch.testing.assert_close(rank["ep"]["losses"], want_losses, rtol=1e-5, atol=1e-5)
-    for name, value in want.items():
-        torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5, msg=f"ep 2: {name} differs")
+    want_eval, want_evaluate = eval_losses(single), single.evaluate(data(5))["eval_loss"]
+    single.teardown()
+    assert len(want_losses) == 3 and len(want_eval) == 3  # two windows of two micro-batches, then one of one
     full = want["model.layers.0.mlp.experts.gate_up_proj"]
-    for r, rank in enumerate(ranks):  # rank r's shard: experts 2r, 2r + 1
-        torch.testing.assert_close(rank["ep"]["local"], full[2 * r : 2 * r + 2], rtol=1e-5, atol=1e-5)
-        assert rank["evaluate"].startswith("evaluate and predict do not run under the expert axis yet")
+    for run in ("ep", "ep in dp_shard"):
+        got = ranks[0][run]
+        assert ranks[1][run]["state"] == {} and sorted(got["state"]) == sorted(want)  # the export gathers to rank 0
+        for name, value in want.items():
+            torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5, msg=f"{run}: {name} differs")
+        for r, rank in enumerate(ranks):  # rank r's shard: experts 2r, 2r + 1
+            torch.testing.assert_close(rank[run]["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=run)
+            torch.testing.assert_close(rank[run]["local"], full[2 * r : 2 * r + 2], rtol=1e-5, atol=1e-5, msg=run)
+            assert rank[run]["evaluate"] == pytest.approx(want_evaluate, rel=1e-5, abs=1e-6), run
+        assert [rank["ep"]["eval"] for rank in ranks] == [pytest.approx(want_eval, rel=1e-5, abs=1e-6)] * 2
+    assert want_evaluate != pytest.approx(want_eval[0], rel=1e-3)  # trained between the two
+
+    # resumed from the ep run's step 1 on the ep mesh: bitwise the run that never stopped
+    got = ranks[0]["ep"]["state"]
+    assert sorted(ranks[0]["ep resumed"]) == sorted(got)
+    assert [name for name, value in got.items() if not torch.equal(ranks[0]["ep resumed"][name], value)] == []
+    # from its step 2 as dp_shard 2: its expert shards become FSDP shards of another mesh
+    for name, value in want.items():
+        torch.testing.assert_close(ranks[0]["dp_shard resumed"][name], value, rtol=1e-5, atol=1e-5, msg=name)
 
     lines = [json.loads(x) for x in (tmp_path / "ep" / "runs" / "metrics.jsonl").read_text().splitlines()]
     balance = [x for x in lines if "moe/tokens_per_expert_mean" in x]
@@ -125,7 +171,7 @@ def test_expert_parallel_equals_single_and_resumes_on_one_process(tmp_path):
 
     loaded = MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
     trained = moe().eval()
-    trained.load_state_dict(got["state"])
+    trained.load_state_dict(got)
     ids = torch.stack([b["input_ids"] for b in data(4)])
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=0)

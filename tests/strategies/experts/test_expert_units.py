@@ -9,8 +9,9 @@
   regrouping, gating and combining are all there) gives the logits, loss and gradients of
   transformers' own forward for Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3, and counts each expert's
   tokens while training only;
-- one rank of a fake 4-process world: its mesh coordinate, data shard, and which
-  expert rows it holds (torch's fake process group)."""
+- one rank of a fake 4-process world, ep 4 alone and ep 2 within dp_shard 4: its mesh coordinate,
+  data shard, its groups, which expert rows it holds, and how FSDP shards the rest (torch's fake
+  process group)."""
 
 from __future__ import annotations
 
@@ -33,11 +34,29 @@ def test_ep_is_a_data_axis_after_dp_shard():
     assert parse_mesh({"ep": 2}, 2).mesh_axes() == (("dp_replicate", "dp_shard", "ep", "cp", "tp"), (1, 1, 2, 1, 1))
 
 
-@pytest.mark.parametrize("other", [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}, {"cp": 2}, {"dp_replicate": 2}])
+def test_ep_within_dp_shard_borrows_its_ranks():
+    dims = parse_mesh({"dp_shard": 4, "ep": 2}, 4)
+    assert dims == ParallelDims(dp_shard=4, ep=2) and dims.ep_in_dp_shard and dims.fsdp
+    assert (dims.dp, dims.dp_cp, dims.stage_ranks) == (4, 4, 4)
+    assert [dims.data_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    assert dims.mesh_axes() == (("dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"), (1, 2, 2, 1, 1))
+    assert dims.describe() == "dp_shard 4 with ep 2"
+    assert parse_mesh({"dp_shard": -1, "ep": 2}, 2) == ParallelDims(dp_shard=2, ep=2)
+    with pytest.raises(ConfigError, match="ep 2 borrows its ranks from dp_shard 3, which it does not divide"):
+        parse_mesh({"dp_shard": 3, "ep": 2}, 3)
+    with pytest.raises(ConfigError, match="ep is -1 beside dp_shard, whose ranks ep borrows"):
+        parse_mesh({"dp_shard": 2, "ep": -1}, 2)
+    with pytest.raises(ConfigError, match=r"multiplies to 2 processes \(ep borrows the ranks of dp_shard\) but"):
+        parse_mesh({"dp_shard": 2, "ep": 2}, 4)
+
+
+@pytest.mark.parametrize("other", [{"tp": 2}, {"pp": 2}, {"cp": 2}, {"dp_replicate": 2}])
 def test_ep_beside_another_axis_is_refused(other):
     axis = next(iter(other))
-    with pytest.raises(ConfigError, match=rf"combines ep 2 with {axis} 2, but kiln runs the expert axis alone"):
+    with pytest.raises(ConfigError, match=rf"combines ep 2 with {axis} 2, but kiln runs the expert axis alone or"):
         parse_mesh({"ep": 2, **other}, 4)
+    with pytest.raises(ConfigError, match=rf"combines ep 2 with {axis} 2"):
+        parse_mesh({"ep": 2, "dp_shard": 2, **other}, 4)
 
 
 def test_model_parallel_resolves_to_its_expert_parallel_class():
@@ -79,7 +98,6 @@ def test_models_ep_cannot_split_are_refused():
         ({"strategy": {"state_dict_type": "full"}}, "state_dict_type: full"),
         ({"strategy": {"tp_plan": "auto"}}, "tp_plan"),
         ({"train": {"gradient_checkpointing": True}}, "train.gradient_checkpointing"),
-        ({"eval": {"strategy": "steps"}}, "eval.strategy"),
         ({"train": {"torch_compile": True}}, "train.torch_compile"),
     ],
 )
@@ -133,10 +151,14 @@ def test_the_expert_parallel_forward_is_transformers_own(one_rank_ep_mesh, kind)
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         torch.testing.assert_close(grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
     counts = torch.stack([torch.bincount(r, minlength=4) for r in routed])
-    assert torch.equal(take_counts(shards), counts) and int(counts.sum()) == 21 * 2 * len(shards)
+    assert torch.equal(take_counts(shards, one_rank_ep_mesh.get_group()), counts) and int(counts.sum()) == 21 * 2 * len(
+        shards
+    )
     model.eval()
     model(input_ids=ids)
-    assert not take_counts(shards).any()  # evaluation forwards are not counted, and the counters were reset
+    assert not take_counts(
+        shards, one_rank_ep_mesh.get_group()
+    ).any()  # evaluation forwards are not counted, and the counters were reset
 
 
 def _step_arithmetic(strategy, model, params, experts):
@@ -209,5 +231,67 @@ def test_one_rank_of_a_fake_world_holds_its_experts(caplog):
         assert len(params) > len(experts)  # the rest stays whole, a plain tensor on every rank
         _step_arithmetic(strategy, model, params, experts)
         strategy.teardown()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_of_a_fake_world_with_ep_within_dp_shard(caplog):
+    """dp_shard 4 with ep 2, rank 3: ep rank 1 (experts 2 and 3) within dp_shard_mod_ep rank 1, so FSDP
+    leaves it expert 3 alone; every other parameter a quarter of it, FSDP-sharded over all four ranks."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from kiln.config import load_config
+    from kiln.precision import build_precision
+
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        from omegaconf import read_write
+
+        from kiln.strategies.model_parallel.strategy import ModelParallelExperts
+
+        # built for this 1-process launch, then given the mesh: the group made here decides the world
+        cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}})
+        strategy = ModelParallelExperts(cfg, build_precision(cfg))
+        with read_write(cfg):
+            cfg.strategy.options.mesh = {"dp_shard": 4, "ep": 2}
+        with caplog.at_level("INFO", logger="kiln.strategies.mesh.strategy"):
+            model = strategy.setup_module(moe())
+        assert (
+            "2 MoE layer(s), 2 of 4 experts each on this rank (ep 2), FSDP over the 2 rank(s) of dp_shard_mod_ep, FSDP"
+            " over 4 rank(s)" in caplog.text
+        )
+        mesh = strategy.device_mesh
+        assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+        assert mesh.shape == (1, 2, 2, 1, 1) and list(mesh.get_coordinate()) == [0, 1, 1, 0, 0]
+        groups = {axis: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in ("dp_shard", "ep")}
+        groups["dp_shard_mod_ep"] = dist.get_process_group_ranks(mesh["dp_shard_mod_ep"].get_group())
+        assert groups == {"dp_shard": [0, 1, 2, 3], "ep": [2, 3], "dp_shard_mod_ep": [1, 3]}
+        assert strategy._count_group is mesh["dp_shard"].get_group()  # tokens per expert summed over all four
+        facts = (strategy.data_shards, strategy.data_shard_rank, strategy.item_shards, strategy.grad_divisor)
+        assert facts == (4, 3, 4, 4)
+        experts = model.model.layers[0].mlp.experts
+        assert isinstance(experts, FSDPModule) and isinstance(model.model.layers[0], FSDPModule)
+        group = experts._get_fsdp_state()._fsdp_param_group
+        assert (
+            group.gradient_divide_factor == 4.0 and group.force_sum_reduction_for_comms
+        )  # the mean over dp_shard, gloo-safe
+        for name, p in model.named_parameters():
+            assert isinstance(p, DTensor), name
+            local, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            assert tuple(p.to_local().shape) == tuple(local), name
+            if ".experts." in name:
+                assert p.device_mesh.mesh_dim_names == ("dp_shard_mod_ep", "ep"), name
+                assert local == (1, *p.shape[1:]) and tuple(offset) == (3, 0, 0), name  # expert 3
+            else:
+                assert p.device_mesh.mesh_dim_names == ("dp_shard",) and [repr(x) for x in p.placements] == [
+                    "Shard(dim=0)"
+                ], name
+                assert offset[0] == min(3 * -(-p.shape[0] // 4), p.shape[0]), name  # the fourth quarter
+        strategy.teardown()
+        assert strategy.device_mesh is None and strategy._shards == [] and strategy._found == {}
     finally:
         dist.destroy_process_group()
