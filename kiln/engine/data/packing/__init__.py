@@ -98,6 +98,7 @@ def _check_settings(packing: Any, data_cfg: Any, user_collator: Any, strategy: A
     if strategy.item_shards != strategy.data_shards:
         raise ConfigError(
             "data.packing cannot be combined with context parallelism (the sequence split over ranks): "
-            "its ring attention is causal over whole rows and takes no per-example mask, so packed "
-            "examples would attend to each other; use cp: 1 or no packing."
+            "torch's ring attention, which cp runs, is causal over whole rows and refuses any attention "
+            "mask, so packed examples would attend to each other across their boundaries; use cp: 1 or "
+            "no packing."
         )
