@@ -182,3 +182,50 @@ def hand_float8_tp_sgd(
         optimizer.step()
         optimizer.zero_grad()
     return model
+
+
+class MXRegressor(TrainingModule):
+    """Linear 32 -> 64 and 64 -> 32 without bias (converted by mxfp8: torchao's own conversion, the reference,
+    drops a bias), then 32 -> 1 (skipped: 1 is not a multiple of 32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(32, 64, bias=False), nn.Tanh(), nn.Linear(64, 32, bias=False), nn.Tanh(), nn.Linear(32, 1)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(-1)
+
+    def training_step(self, batch: dict) -> torch.Tensor:
+        return F.mse_loss(self(batch["x"]), batch["y"])
+
+
+def hand_mxfp8_sgd(data: list[dict[str, torch.Tensor]], *, steps: int, batch: int, lr: float, seed: int) -> nn.Module:
+    """torchao by hand, without kiln: an MXRegressor (seed 0) converted with torchao's public API
+    (`quantize_` with the emulated MXFP8 recipe) on its first two layers, each called with its input and
+    weight cast to bf16 (autocast's rule for a linear layer; torchao's wrapped weight keeps its MXFP8 matmul
+    through the cast), bf16 autocast, SGD, kiln's sampler order on one process."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.quantization import quantize_
+
+    from kiln.engine.data.loaders import ResumableSampler
+
+    torch.manual_seed(0)
+    model = MXRegressor()
+    config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
+    quantize_(model.net, config, filter_fn=lambda _, name: name in ("0", "2"))
+    net = model.net
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    order = ResumableSampler(len(data), seed=seed, num_replicas=1, rank=0).indices()
+    for step in range(steps):
+        shard = _shard(data, order, step, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = shard["x"]
+            for layer in (net[0], net[2]):
+                hidden = torch.tanh(F.linear(hidden.bfloat16(), layer.weight.to(torch.bfloat16)))
+            loss = F.mse_loss(net[4](hidden).squeeze(-1), shard["y"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model

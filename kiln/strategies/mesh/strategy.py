@@ -78,6 +78,8 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
             "xla": "XLA devices shard through XLA's own FSDP and SPMD (use strategy xla_fsdp)",
             "apex": "apex's amp cannot handle FSDP's or tensor parallelism's DTensor parameters; use precision: bf16 "
             "or fp16",
+            "mxfp8": "MXFP8 layers are not wired into FSDP2 or tensor parallelism yet; use strategy single or ddp "
+            "with precision: mxfp8, or precision: fp8 here",
         },
     )
     checkpoint_formats = ("fsdp-sharded", "fsdp-full")  # strategy.state_dict_type: sharded (default) or full
