@@ -24,9 +24,10 @@ CONVERTED = sorted(
     for i in range(2)
     for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 )
-#: largest relative gap between a per-step mxfp8 (emulated) loss and the bf16 loss of the same run, measured on
-#: the tiny Llama over 12 AdamW steps at lr 1e-2: see test_fit_learns_and_stays_within_the_measured_gap_of_bf16
-BF16_GAP = 0.03
+#: largest relative gap between a per-step mxfp8 (emulated) loss and the bf16 loss of the same run. Measured on
+#: the tiny Llama over 12 AdamW steps at lr 1e-2: 0.45 %, against 0.17 % between fp32 and bf16; 2 % leaves room
+#: for other CPUs' kernels while a run whose MXFP8 layers diverged (or were not MXFP8 at all) still fails it.
+BF16_GAP = 0.02
 
 
 def mx_config(**mxfp8):
