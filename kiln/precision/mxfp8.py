@@ -83,7 +83,8 @@ class MXFP8Linear(nn.Linear):
             raise PrecisionError(
                 f"precision 'mxfp8' computes the weight gradient in blocks of {BLOCK} tokens, and this batch has "
                 f"{tokens} (all dimensions but the last of {tuple(input.shape)}); make the batch size times the "
-                f"sequence length a multiple of {BLOCK} (data.pad_to_multiple_of, dataloader_drop_last)."
+                f"sequence length a multiple of {BLOCK} (pad the sequences, and set data.dataloader_drop_last for a "
+                "short last batch)."
             )
         weight = self.weight
         if torch.is_autocast_enabled(input.device.type):  # autocast's rule for a linear layer: both operands

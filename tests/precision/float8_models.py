@@ -201,11 +201,14 @@ class MXRegressor(TrainingModule):
         return F.mse_loss(self(batch["x"]), batch["y"])
 
 
-def hand_mxfp8_sgd(data: list[dict[str, torch.Tensor]], *, steps: int, batch: int, lr: float, seed: int) -> nn.Module:
+def hand_mxfp8_sgd(
+    data: list[dict[str, torch.Tensor]], *, steps: int, batch: int, lr: float, seed: int, world: int = 1
+) -> nn.Module:
     """torchao by hand, without kiln: an MXRegressor (seed 0) converted with torchao's public API
     (`quantize_` with the emulated MXFP8 recipe) on its first two layers, each called with its input and
     weight cast to bf16 (autocast's rule for a linear layer; torchao's wrapped weight keeps its MXFP8 matmul
-    through the cast), bf16 autocast, SGD, kiln's sampler order on one process."""
+    through the cast), bf16 autocast, SGD, kiln's sampler order; with `world` > 1, DDP's arithmetic in one
+    process (each rank's shard gives its own gradient, and the gradients are averaged)."""
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
     from torchao.quantization import quantize_
 
@@ -217,15 +220,18 @@ def hand_mxfp8_sgd(data: list[dict[str, torch.Tensor]], *, steps: int, batch: in
     quantize_(model.net, config, filter_fn=lambda _, name: name in ("0", "2"))
     net = model.net
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    order = ResumableSampler(len(data), seed=seed, num_replicas=1, rank=0).indices()
+    orders = [ResumableSampler(len(data), seed=seed, num_replicas=world, rank=r).indices() for r in range(world)]
     for step in range(steps):
-        shard = _shard(data, order, step, batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden = shard["x"]
-            for layer in (net[0], net[2]):
-                hidden = torch.tanh(F.linear(hidden.bfloat16(), layer.weight.to(torch.bfloat16)))
-            loss = F.mse_loss(net[4](hidden).squeeze(-1), shard["y"])
-        loss.backward()
+        for order in orders:
+            shard = _shard(data, order, step, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                hidden = shard["x"]
+                for layer in (net[0], net[2]):
+                    hidden = torch.tanh(F.linear(hidden.bfloat16(), layer.weight.to(torch.bfloat16)))
+                loss = F.mse_loss(net[4](hidden).squeeze(-1), shard["y"])
+            loss.backward()
+        for p in model.parameters():
+            p.grad /= world
         optimizer.step()
         optimizer.zero_grad()
     return model

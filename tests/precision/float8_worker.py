@@ -1,6 +1,7 @@
 """The float8 cases that need two processes, all in one world (torchrun --nproc_per_node=2 float8_worker.py OUT
 CASE [...]): kiln's fp8 under model_parallel tp 2 and under fsdp, each beside the same training by hand with
-torchao (float8_models.py); rank 0 writes their weights and what the tp layers were given (case_jobs.run_cases)."""
+torchao (float8_models.py), and kiln's mxfp8 under ddp; rank 0 writes their weights and what the tp layers were
+given (case_jobs.run_cases)."""
 
 import os
 import sys
@@ -48,7 +49,29 @@ def layer_inputs(model: torch.nn.Module) -> dict[str, str]:
     return seen
 
 
+def mxfp8_ddp(root: str) -> dict[str, torch.Tensor]:
+    """kiln's mxfp8 under ddp: 32 samples a rank (MXFP8 blocks the weight gradient by 32 tokens)."""
+    cfg = base_config(
+        Path(root) / "ddp2_mxfp8",
+        precision={"name": "mxfp8", "mxfp8": {"emulate": True}},
+        strategy={"name": "ddp", "device": "cpu"},
+        optim={"name": "sgd"},
+        max_grad_norm=0.0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=32,
+        max_steps=2,
+        seed=SEED,
+    )
+    torch.manual_seed(0)
+    model = models.MXRegressor()
+    Trainer(model, cfg, train_dataset=regression_data(128, d_in=32)).fit()
+    return full(model)
+
+
 def run_case(name: str, root: str, world: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    if name == "ddp2_mxfp8":
+        return {}, mxfp8_ddp(root)
     data = regression_data(64, d_in=16)
     kind, _, recipe = name.partition("_")
     if recipe.endswith("hand"):

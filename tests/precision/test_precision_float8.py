@@ -355,12 +355,13 @@ TP_GAP = 0.03
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     """One 2-process world: kiln's fp8 under model_parallel tp 2 (tensorwise and rowwise) and under fsdp
-    (dp_shard 2), each followed by the same training with torchao by hand (float8_worker.py)."""
+    (dp_shard 2), each followed by the same training with torchao by hand, and kiln's mxfp8 under ddp
+    (float8_worker.py)."""
     from pathlib import Path
 
     from tests.strategies.case_jobs import start
 
-    cases = ["tp2", "tp2_hand", "tp2_rowwise", "tp2_rowwise_hand", "fsdp2", "fsdp2_hand"]
+    cases = ["tp2", "tp2_hand", "tp2_rowwise", "tp2_rowwise_hand", "fsdp2", "fsdp2_hand", "ddp2_mxfp8"]
     worker = Path(__file__).resolve().parent / "float8_worker.py"
     return start(worker, tmp_path_factory.mktemp("float8_two"), cases, timeout=600)
 
@@ -386,3 +387,13 @@ def test_under_fsdp_on_two_processes_float8_trains_as_torchtitan_by_hand_bitwise
     assert weights["fsdp2"].keys() == weights["fsdp2_hand"].keys()
     for name, want in weights["fsdp2_hand"].items():
         assert torch.equal(weights["fsdp2"][name], want), name
+
+
+def test_under_ddp_mxfp8_trains_as_torchaos_own_conversion_by_hand_bitwise(two_processes):
+    from tests.precision.float8_models import hand_mxfp8_sgd
+
+    _, weights = two_processes
+    hand = hand_mxfp8_sgd(regression_data(128, d_in=32), steps=2, batch=32, lr=0.05, seed=3, world=2)
+    assert weights["ddp2_mxfp8"].keys() == hand.state_dict().keys()
+    for name, want in hand.state_dict().items():
+        assert torch.equal(weights["ddp2_mxfp8"][name], getattr(want, "_data", want)), name
