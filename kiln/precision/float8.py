@@ -72,15 +72,16 @@ def excluded(name: str, patterns: list[str]) -> bool:
     return False
 
 
-def eligible_linears(module: nn.Module, exclude: list[str]) -> list[str]:
-    """Qualified names of the layers `precision: fp8` converts (see the module docstring). Only plain
-    `nn.Linear`: its subclasses (quantized, LoRA-merged, already float8) compute something else."""
+def eligible_linears(module: nn.Module, exclude: list[str], multiple: int = DIM_MULTIPLE) -> list[str]:
+    """Qualified names of the layers `precision: fp8` (or mxfp8, with its `multiple`) converts (see the module
+    docstring). Only plain `nn.Linear`: its subclasses (quantized, LoRA-merged, already float8) compute
+    something else."""
     return [
         name
         for name, child in module.named_modules()
         if type(child) is nn.Linear
-        and child.in_features % DIM_MULTIPLE == 0
-        and child.out_features % DIM_MULTIPLE == 0
+        and child.in_features % multiple == 0
+        and child.out_features % multiple == 0
         and not excluded(name, exclude)
     ]
 

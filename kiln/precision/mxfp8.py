@@ -29,7 +29,7 @@ from torch import nn
 
 from kiln.precision import PRECISIONS
 from kiln.precision.amp import BF16MixedPrecision
-from kiln.precision.float8 import excluded
+from kiln.precision.float8 import eligible_linears
 from kiln.utils.errors import PrecisionError
 
 log = logging.getLogger(__name__)
@@ -39,15 +39,16 @@ BLOCK = 32
 
 
 def import_torchao_mx() -> Any:
-    """torchao's MXFP8 matmul module, or one sentence naming the extra."""
+    """torchao's MXFP8 matmul (a prototype API: a torchao without it is refused here, not at the first step),
+    or one sentence naming the extra."""
     try:
-        from torchao.prototype.moe_training import mxfp8_linear
+        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
     except ImportError:
         raise PrecisionError(
-            "precision 'mxfp8' needs torchao (0.18 or newer), which is not installed; pip install 'kiln[float8]' "
-            "(or torchao)."
+            "precision 'mxfp8' needs torchao 0.18's MXFP8 training matmul (torchao.prototype.moe_training), which "
+            "this environment does not have; pip install 'kiln[float8]' (torchao 0.18)."
         ) from None
-    return mxfp8_linear
+    return _to_mxfp8_then_scaled_mm
 
 
 def mxfp8_unsupported(device: torch.device) -> str | None:
@@ -75,7 +76,6 @@ class MXFP8Linear(nn.Linear):
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
 
         tokens = input.numel() // input.shape[-1]
@@ -90,7 +90,7 @@ class MXFP8Linear(nn.Linear):
         if torch.is_autocast_enabled(input.device.type):  # autocast's rule for a linear layer: both operands
             dtype = torch.get_autocast_dtype(input.device.type)
             input, weight = input.to(dtype), weight.to(dtype)
-        output = _to_mxfp8_then_scaled_mm(
+        output = import_torchao_mx()(
             input,
             weight,
             kernel_preference=self.kernel_preference,
@@ -98,19 +98,6 @@ class MXFP8Linear(nn.Linear):
             wgrad_with_hp=self.wgrad_with_hp,
         )
         return output if self.bias is None else output + self.bias.to(output.dtype)
-
-
-def eligible_linears(module: nn.Module, exclude: list[str]) -> list[str]:
-    """Qualified names of the layers `precision: mxfp8` converts (see the module docstring)."""
-    return [
-        name
-        for name, child in module.named_modules()
-        if name  # a bare Linear as the whole model has no parent to swap it in
-        and type(child) is nn.Linear
-        and child.in_features % BLOCK == 0
-        and child.out_features % BLOCK == 0
-        and not excluded(name, exclude)
-    ]
 
 
 @PRECISIONS.register("mxfp8")
@@ -148,7 +135,7 @@ class MXFP8Precision(BF16MixedPrecision):
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
         kernels = KernelPreference.EMULATED if self.emulate else KernelPreference.AUTO
-        names = eligible_linears(module, self.exclude)
+        names = [name for name in eligible_linears(module, self.exclude, BLOCK) if name]  # "": no parent to swap in
         for name in names:
             parent, _, leaf = name.rpartition(".")
             owner = module.get_submodule(parent)

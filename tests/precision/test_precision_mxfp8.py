@@ -135,8 +135,10 @@ def test_without_torchao_the_extra_is_named(make_config, monkeypatch):
 
     from kiln.precision import build_precision
 
-    monkeypatch.setitem(sys.modules, "torchao.prototype.moe_training", None)
-    with pytest.raises(PrecisionError, match=r"'mxfp8' needs torchao \(0.18 or newer\), which is not installed"):
+    monkeypatch.setitem(sys.modules, "torchao.prototype.moe_training.mxfp8_linear", None)
+    with pytest.raises(
+        PrecisionError, match=r"needs torchao 0.18's MXFP8 training matmul .* pip install 'kiln\[float8\]'"
+    ):
         build_precision(make_config(name="mxfp8"))
 
 
@@ -170,6 +172,17 @@ def test_gpus_below_blackwell_have_no_mxfp8(monkeypatch):
 def test_settings_that_cannot_apply_are_refused(tmp_path, precision, match):
     with pytest.raises(ConfigError, match=match):
         Trainer(tiny_llama(), base_config(tmp_path, precision=precision), train_dataset=progressions(8))
+
+
+def test_the_bf16_autocast_rules_apply_too():
+    from kiln.precision import build_precision
+    from kiln.precision.mxfp8 import MXFP8Precision
+
+    cfg = mx_config(emulate=True)
+    cfg.precision.half_precision_backend = "cuda_amp"
+    with pytest.raises(PrecisionError, match="half_precision_backend is 'cuda_amp', which needs a cuda device"):
+        build_precision(cfg).check_device(torch.device("cpu"))
+    assert MXFP8Precision().emulate is False  # built without a config: never emulated silently
 
 
 def test_apex_backend_is_refused(make_config):
