@@ -39,10 +39,13 @@ PRECISION_GROUPS: tuple[tuple[str, ...], ...] = (
     ("apex",),
     ("tf32",),
     ("fp8", "float8"),
+    ("mxfp8",),
 )
 
 #: torchao's float8 scaling recipes (`precision.fp8.recipe`)
 FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+#: torchao's MXFP8 recipes (`precision.mxfp8.recipe`)
+MXFP8_RECIPES: tuple[str, ...] = ("rceil", "rceil_wgrad_with_hp")
 
 OPTIMIZER_NAMES: tuple[str, ...] = (
     "adafactor",

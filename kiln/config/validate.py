@@ -127,22 +127,27 @@ def _check_names(cfg: DictConfig) -> None:
 
 
 def _check_float8(cfg: DictConfig) -> None:
-    """`precision.fp8` settings belong to `precision: fp8`; under another plugin they would do nothing."""
-    from kiln.config.names import FLOAT8_RECIPES
-    from kiln.config.schema import Float8Config
+    """`precision.fp8` / `precision.mxfp8` settings belong to their plugin; under another they would do nothing."""
+    from kiln.config.names import FLOAT8_RECIPES, MXFP8_RECIPES
+    from kiln.config.schema import Float8Config, MXFP8Config
 
     fp8 = cfg.precision.fp8
     _choice("precision.fp8.recipe", fp8.recipe, FLOAT8_RECIPES)
+    _choice("precision.mxfp8.recipe", cfg.precision.mxfp8.recipe, MXFP8_RECIPES)
     if fp8.fsdp_float8_all_gather and fp8.recipe != "tensorwise":
         raise ConfigError(
             f"precision.fp8.fsdp_float8_all_gather needs one scale per weight, which recipe {fp8.recipe!r} does "
             "not have; use recipe: tensorwise, or drop fsdp_float8_all_gather."
         )
-    if cfg.precision.name not in ("fp8", "float8") and OmegaConf.to_container(fp8) != asdict(Float8Config()):
-        raise ConfigError(
-            f"precision.fp8 is set but precision is {cfg.precision.name!r}; use precision: fp8 to train in float8, "
-            "or drop precision.fp8."
-        )
+    for key, names, default, what in (
+        ("fp8", ("fp8", "float8"), Float8Config(), "float8"),
+        ("mxfp8", ("mxfp8",), MXFP8Config(), "MXFP8"),
+    ):
+        if cfg.precision.name not in names and OmegaConf.to_container(cfg.precision[key]) != asdict(default):
+            raise ConfigError(
+                f"precision.{key} is set but precision is {cfg.precision.name!r}; use precision: {key} to train in "
+                f"{what}, or drop precision.{key}."
+            )
 
 
 def _check_data_and_debug(cfg: DictConfig) -> None:

@@ -16,6 +16,7 @@ for _names, _module in zip(
         "kiln.precision.apex",
         "kiln.precision.tf32",
         "kiln.precision.float8",
+        "kiln.precision.mxfp8",
     ),
     strict=True,
 ):

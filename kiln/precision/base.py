@@ -3,6 +3,7 @@ training. The loop calls these hooks in a fixed order and never asks which plugi
 
     precision.check_device(device)                   # before anything runs; fails with one sentence
     module = precision.convert_module(module)        # before the strategy wraps the module
+    style = precision.tensor_parallel_style(layer, style)  # tensor parallelism, per split layer
     module, optimizer = precision.connect(module, optimizer)   # once the optimizer exists (apex)
     precision.setup()                                # at train begin (TF32 flags); `teardown` at the end
     batch = precision.convert_input(batch)           # after batch_to_device (true half casts floats)
@@ -122,6 +123,11 @@ class Precision:
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast the module itself (true half precision); mixed plugins leave it alone."""
         return module
+
+    def tensor_parallel_style(self, layer: nn.Module, style: Any) -> Any:
+        """The ParallelStyle tensor parallelism splits `layer` (a converted layer) with, given the one the
+        plan chose; a plugin whose layers need their own (float8's) returns it, the others `style`."""
+        return style
 
     def connect(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Called once both the module and its optimizer exist, before training (apex's

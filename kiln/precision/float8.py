@@ -17,6 +17,10 @@ stay fp32, so checkpoints hold ordinary high-precision weights.
   MixedPrecisionPolicy casts to bf16 in place of autocast, and with the tensorwise recipe each weight shard is
   cast to float8 before the all-gather (`precision.fp8.fsdp_float8_all_gather`, on by default there), so the
   weight is rounded once from fp32, as on one process, and the all-gather moves half of bf16's bytes.
+- Under tensor parallelism (a mesh's tp axis) the layers are converted first and the tp plan then splits them,
+  as torchtitan does: with the tensorwise recipe a float8 layer's colwise / rowwise split is torchao's
+  `Float8ColwiseParallel` / `Float8RowwiseParallel` (`tensor_parallel_style`), whose input is cast to float8
+  before it is all-gathered. The rowwise recipes keep torch's styles (torchao's cast its input per tensor).
 
 torchao is an optional dependency (`pip install 'kiln[float8]'`), imported only when this plugin is built."""
 
@@ -68,15 +72,16 @@ def excluded(name: str, patterns: list[str]) -> bool:
     return False
 
 
-def eligible_linears(module: nn.Module, exclude: list[str]) -> list[str]:
-    """Qualified names of the layers `precision: fp8` converts (see the module docstring). Only plain
-    `nn.Linear`: its subclasses (quantized, LoRA-merged, already float8) compute something else."""
+def eligible_linears(module: nn.Module, exclude: list[str], multiple: int = DIM_MULTIPLE) -> list[str]:
+    """Qualified names of the layers `precision: fp8` (or mxfp8, with its `multiple`) converts (see the module
+    docstring). Only plain `nn.Linear`: its subclasses (quantized, LoRA-merged, already float8) compute
+    something else."""
     return [
         name
         for name, child in module.named_modules()
         if type(child) is nn.Linear
-        and child.in_features % DIM_MULTIPLE == 0
-        and child.out_features % DIM_MULTIPLE == 0
+        and child.in_features % multiple == 0
+        and child.out_features % multiple == 0
         and not excluded(name, exclude)
     ]
 
@@ -164,6 +169,22 @@ class Float8Precision(BF16MixedPrecision):
             ", all-gathered by FSDP in float8" if all_gather else "",
         )
         return module
+
+    def tensor_parallel_style(self, layer: nn.Module, style: Any) -> Any:
+        """torchao's float8 counterpart of torch's colwise or rowwise `style` (its layouts kept) for a float8
+        layer under the tensorwise recipe; `style` itself for any other layer or recipe."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if self.recipe != "tensorwise" or not isinstance(layer, self.float8.float8_linear.Float8Linear):
+            return style
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        swap = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}.get(type(style))
+        if swap is None:
+            return style
+        float8_style = object.__new__(swap)  # the same layouts: torchao only overrides how inputs/outputs are cast
+        float8_style.__dict__.update(style.__dict__)
+        return float8_style
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """After the step, the float8 all-gather's weight scales for the next forward, in one all-reduce

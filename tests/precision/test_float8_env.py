@@ -1,4 +1,4 @@
-"""precision fp8 needs torchao, which the test extra leaves out: once it is installed, transformers imports it
+"""precision fp8 and mxfp8 need torchao, which the test extra leaves out: once it is installed, transformers imports it
 (and prints its warnings) in every process that builds a model. So where the suite's environment has no
 torchao, this test runs the float8 tests with a torchao folder of their own on PYTHONPATH
 (scripts/torchao-dir.sh; .ci/run builds it); where torchao is installed, they run directly."""
@@ -13,7 +13,11 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FILES = ["tests/precision/test_precision_float8.py", "tests/precision/test_precision_registry.py"]
+FILES = [
+    "tests/precision/test_precision_float8.py",
+    "tests/precision/test_precision_mxfp8.py",
+    "tests/precision/test_precision_registry.py",
+]
 
 
 def test_float8_tests_pass_with_torchao_on_the_path():

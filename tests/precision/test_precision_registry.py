@@ -16,6 +16,7 @@ from kiln.precision.base import Precision, PrecisionError
 from kiln.precision.float8 import Float8Precision
 from kiln.precision.fp32 import FP32Precision
 from kiln.precision.half import BF16TruePrecision, FP16TruePrecision
+from kiln.precision.mxfp8 import MXFP8Precision
 from kiln.precision.tf32 import TF32Precision
 from kiln.registry import UnknownNameError
 
@@ -36,13 +37,14 @@ EXPECTED = {
     "tf32": TF32Precision,
     "fp8": Float8Precision,  # building it needs torchao (kiln[float8]; not in the test extra: see below)
     "float8": Float8Precision,
+    "mxfp8": MXFP8Precision,  # torchao too
 }
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_each_name_resolves_to_its_class(name, make_config):
     assert PRECISIONS.get(name) is EXPECTED[name]
-    if EXPECTED[name] is Float8Precision and importlib.util.find_spec("torchao") is None:
+    if EXPECTED[name] in (Float8Precision, MXFP8Precision) and importlib.util.find_spec("torchao") is None:
         # transformers imports torchao into every process that builds a model once it is installed (seconds
         # per process), so the test extra leaves it out; without it, fp8 is refused naming the extra
         with pytest.raises(Exception, match=re.escape("kiln[float8]")):

@@ -78,6 +78,8 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
             "xla": "XLA devices shard through XLA's own FSDP and SPMD (use strategy xla_fsdp)",
             "apex": "apex's amp cannot handle FSDP's or tensor parallelism's DTensor parameters; use precision: bf16 "
             "or fp16",
+            "mxfp8": "MXFP8 layers are not wired into FSDP2 or tensor parallelism yet; use strategy single or ddp "
+            "with precision: mxfp8, or precision: fp8 here",
         },
     )
     checkpoint_formats = ("fsdp-sharded", "fsdp-full")  # strategy.state_dict_type: sharded (default) or full
@@ -162,11 +164,11 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
                 "strategy.cpu_ram_efficient_loading builds the model on rank 0 alone, which tensor "
                 f"parallelism cannot split from (this mesh: {dims.describe()}); drop it, or the tp axis."
             )
-        if self.precision.name == "fp8" and dims.tp * dims.cp * dims.pp * dims.ep > 1:
+        if self.precision.name == "fp8" and dims.cp * dims.pp * dims.ep > 1:
             raise ConfigError(
-                f"precision fp8 shards with FSDP's data axes only, and this mesh ({dims.describe()}) splits the "
-                "model too (float8 tensor, context, pipeline and expert parallelism are not wired in yet); keep the "
-                "mesh to dp_shard / dp_replicate, or use precision: bf16."
+                f"precision fp8 runs on the data and tp axes only, and this mesh ({dims.describe()}) splits the "
+                "model over context, pipeline or expert axes too (float8 with those is not wired in yet); keep the "
+                "mesh to dp_shard / dp_replicate / tp, or use precision: bf16."
             )
         if self.config is not None and self.config.train.loss.chunked and dims.tp > 1:
             raise ConfigError(
@@ -360,6 +362,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
             dims.tp,
             sequence_parallel=s.sequence_parallel,
             loss_parallel=s.loss_parallel,
+            restyle=self.precision.tensor_parallel_style,
         )
         self._loss_parallel = tp.loss_parallel
         return (

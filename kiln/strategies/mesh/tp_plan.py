@@ -268,9 +268,11 @@ def apply_tp(
     *,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    restyle: Callable[[nn.Module, Any], Any] | None = None,
 ) -> TensorParallel:
     """Resolve, check and apply the plan on `root` over `tp_mesh`, sequence-sharding the activations
-    between its TP regions and keeping the head's logits split where asked (and derivable)."""
+    between its TP regions and keeping the head's logits split where asked (and derivable).
+    `restyle(layer, style)`: the style a layer is really split with (the precision plugin's, for float8)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from kiln.strategies.mesh import loss_parallel as lp
@@ -288,6 +290,8 @@ def apply_tp(
         styles.update(sp.sequence_styles(layout, loss_parallel=head is not None))
     if head is not None:
         styles[head] = lp.head_style(sequence_parallel=layout is not None)
+    if restyle is not None:
+        styles = {name: restyle(root.get_submodule(name), style) for name, style in styles.items()}
     if plan:
         parallelize_module(root, tp_mesh, styles)
     if layout is not None:
