@@ -364,3 +364,23 @@ def test_a_save_that_fails_while_training_fails_is_logged_under_the_training_err
         "The background save of checkpoint-4 failed too: Input/output error (EIO)"
     )
     assert folders(out) == set()
+
+
+def test_a_failed_async_dcp_write_is_raised_as_the_failing_rank_s_own_error():
+    """DCP's future fails with its BaseException wrapper of every failing rank's error; the engine gets
+    the lowest failing rank's own exception, so an OSError keeps its errno for the one sentence."""
+    from concurrent.futures import Future
+
+    from torch.distributed.checkpoint import CheckpointException
+
+    from kiln.strategies.mesh.async_dcp import finished
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    future: Future = Future()
+    future.set_exception(CheckpointException("write", {1: (full, None), 3: (ValueError("later rank"), None)}))
+    with pytest.raises(OSError) as raised:
+        finished(future)
+    assert raised.value is full
+    done: Future = Future()
+    done.set_result(object())
+    finished(done)  # a finished save returns

@@ -147,7 +147,7 @@ class CheckpointManager:
             state.best_model_checkpoint = final
         io = checkpoint_io_for(strategy, self.run.model)  # a PeftModel: its adapter only (HF)
         try:
-            staged = self._stage(io, writer)
+            staged = self._stage(io, tmp, writer)
             if staged is None:
                 self._io_save(io, tmp, writer)
             self._write(tmp, writer, state)
@@ -161,22 +161,23 @@ class CheckpointManager:
         self.saved_step = state.global_step
         best = state.best_model_checkpoint
         if staged is not None:
-            if writer:
-                self._background.start(state.global_step, lambda: self._complete(staged, tmp, final, meta, best))
-                if self.callbacks.reads_checkpoint_on_save():  # on_save must find the folder (artifacts, Ray)
-                    self._background.finish()
+            # every rank: a sharded format's ranks each wait for their own files (DCP's async_save)
+            self._background.start(state.global_step, lambda: self._complete(staged, tmp, final, meta, best, writer))
+            if writer and self.callbacks.reads_checkpoint_on_save():  # on_save must find the folder (artifacts, Ray)
+                self._background.finish()
             return final
         if writer:
             self._published(final, best)
         strategy.barrier("checkpoint-done")
         return final
 
-    def _stage(self, io: Any, writer: bool) -> StagedWrite | None:
+    def _stage(self, io: Any, tmp: str, writer: bool) -> StagedWrite | None:
         """The host copy of the model and optimizer files for a background write, or None to write them now."""
         cfg, run = self.config, self.run
         if not cfg.save.async_save:
             return None
         staged = io.stage(
+            directory=tmp,
             model=run.wrapped,
             module=run.model,
             optimizer=run.optimizer,
@@ -220,16 +221,21 @@ class CheckpointManager:
             meta["tied"] = ties
         return meta
 
-    def _complete(self, staged: StagedWrite, tmp: str, final: str, meta: dict[str, Any], best: str | None) -> None:
-        """The background half of an asynchronous save, on the writer: the staged files, then exactly
-        what a synchronous save does after them."""
+    def _complete(
+        self, staged: StagedWrite, tmp: str, final: str, meta: dict[str, Any], best: str | None, writer: bool
+    ) -> None:
+        """The background half of an asynchronous save: the staged files (this rank's), then, on the
+        writer, exactly what a synchronous save does after them. The writer's staged write returns once
+        every rank's files are durable (a sharded format's own collective says so: DCP's async_save)."""
         try:
             staged(tmp)
-            self._publish(tmp, final, meta)
+            if writer:
+                self._publish(tmp, final, meta)
         except Exception as err:
-            self._failed(err, tmp, final, True)
+            self._failed(err, tmp, final, writer)
             raise
-        self._published(final, best)
+        if writer:
+            self._published(final, best)
 
     def _published(self, final: str, best: str | None) -> None:
         """The one place a complete checkpoint is announced, on the writer: local rotation, then, for a run
