@@ -340,15 +340,31 @@ class FullStateCheckpointIO(CheckpointIO):
     ) -> StagedWrite | None:
         """Host copies of the weights and optimizer state, written by the same code as `save`, so an
         asynchronous checkpoint holds the bytes a synchronous one would. A subclass that saves otherwise
-        (XLA) must stage its own way: it saves synchronously until it does."""
+        (XLA) must stage its own way: it saves synchronously until it does.
+
+        The module's buffers (a forward pass changes some in place: BatchNorm's statistics) are copied
+        now; the parameters and the optimizer state, which only the optimizer's step changes, on a thread
+        of their own while the next step's forward and backward run, and that step waits for it
+        (kiln.utils.host_copy)."""
         if not self.saves_in_background():
             return None
         if not writer:
             return lambda directory: None
+        in_buffers = {b.untyped_storage().data_ptr() for b in module.buffers()}
         weights, optim = staging.copy(
-            (module.state_dict(), optimizer.state_dict() if save_optimizer and optimizer is not None else None)
+            (module.state_dict(), optimizer.state_dict() if save_optimizer and optimizer is not None else None),
+            later=lambda t: t.untyped_storage().data_ptr() not in in_buffers,
         )
-        return lambda directory: _write_full(directory, weights, optim, safetensors)
+        if optimizer is not None:
+            staging.guard(optimizer)
+
+        def write(directory: str) -> None:
+            staging.wait()
+            if staging.error is not None:
+                raise CheckpointError(f"The checkpoint in {directory} was not written: {staging.error}.")
+            _write_full(directory, weights, optim, safetensors)
+
+        return write
 
     @classmethod
     def saves_in_background(cls) -> bool:

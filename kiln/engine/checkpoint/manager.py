@@ -116,6 +116,7 @@ class CheckpointManager:
         self._background = BackgroundSave()  # the save in flight with save.async_save
         self._staging = HostStaging()  # its host copy, in buffers reused from save to save
         self._said_synchronous = False  # the one log line of a format that cannot save in the background
+        self._config_text: tuple[dict[str, Any], str] | None = None  # config.yaml's tree and text, last written
         self.signing_key = signing_key(config.save.signing_key_env)  # fails here, before training, when unset
         self._store: RemoteCheckpoints | None = None  # save.remote_dir's, built at the first upload
 
@@ -310,9 +311,8 @@ class CheckpointManager:
         state.save_to_json(os.path.join(tmp, STATE))
         with open(os.path.join(tmp, POSITION), "w", encoding="utf-8") as fh:
             json.dump(state.loop_position(), fh)
-        from omegaconf import OmegaConf
-
-        OmegaConf.save(self.config_to_save(), os.path.join(tmp, CONFIG))
+        with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as fh:
+            fh.write(self._config_yaml())
         # HF's files (kiln.engine.checkpoint.hf_files): from_pretrained(checkpoint) works, tools find their files
         write_model_files(tmp, run.model, self.callbacks.objects.get("processing_class"))
         write_training_args(tmp, self.config, self.training_args)
@@ -322,6 +322,16 @@ class CheckpointManager:
         from omegaconf import OmegaConf
 
         return OmegaConf.create(self.saved_tree())
+
+    def _config_yaml(self) -> str:
+        """config.yaml's text (what `OmegaConf.save(config_to_save())` writes), made again only when the
+        saved tree changed: building the DictConfig costs a save tenths of a second, on the step thread."""
+        tree = self.saved_tree()
+        if self._config_text is None or self._config_text[0] != tree:
+            from omegaconf import OmegaConf
+
+            self._config_text = (tree, OmegaConf.to_yaml(OmegaConf.create(tree)))
+        return self._config_text[1]
 
     def saved_tree(self) -> dict[str, Any]:
         """The run's config as plain containers: `${oc.env:...}` values masked, and the live micro-batch

@@ -32,8 +32,8 @@ from kiln.strategies.checkpoint_io import (
     register_format,
     save_weights,
 )
-from kiln.strategies.mesh.async_dcp import finished
 from kiln.strategies.dcp_files import consolidate, model_tensors, read_folder, regrouped, saved_group_count
+from kiln.strategies.mesh.async_dcp import finished
 from kiln.strategies.portable_state import PortableState, keyed_by_name, optimizer_names
 from kiln.strategies.weights_files import share_tied, tie_groups
 from kiln.utils.errors import CheckpointError

@@ -38,9 +38,9 @@ from torch import nn
 from kiln.strategies.base import Strategy
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
-from kiln.strategies.mesh.async_dcp import AsyncDCPSaver
 from kiln.strategies.collectives import ProcessGroupCollectives, check_op
 from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
+from kiln.strategies.mesh.async_dcp import AsyncDCPSaver
 from kiln.strategies.mesh.dims import (
     ParallelDims,
     build_device_mesh,

@@ -48,8 +48,6 @@ def recorded_write(self, *args, **kwargs):
     return write_data(self, *args, **kwargs)
 
 
-
-
 class WhileHeld(Callback):
     """Steps the loop takes while checkpoint-6's write is held; at the second, the snapshot and release."""
 
