@@ -381,6 +381,10 @@ def test_a_failed_async_dcp_write_is_raised_as_the_failing_rank_s_own_error():
     with pytest.raises(OSError) as raised:
         finished(future)
     assert raised.value is full
+    interrupted: Future = Future()
+    interrupted.set_exception(CheckpointException("write", {2: (KeyboardInterrupt(), None)}))
+    with pytest.raises(CheckpointError, match=r"interrupted on rank\(s\) \[2\] \(KeyboardInterrupt\)\.$"):
+        finished(interrupted)
     done: Future = Future()
     done.set_result(object())
     finished(done)  # a finished save returns

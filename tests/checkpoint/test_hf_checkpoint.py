@@ -202,7 +202,9 @@ class ResumedMoments(Callback):
 
         model, optimizer = kw["model"], kw["optimizer"]
         full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-        self.moments = {name: {k: torch.as_tensor(v).clone() for k, v in s.items()} for name, s in full["state"].items()}
+        self.moments = {
+            name: {k: torch.as_tensor(v).clone() for k, v in s.items()} for name, s in full["state"].items()
+        }
 
 
 def test_an_hf_checkpoint_resumes_under_fsdp_through_the_portable_state_bitwise_like_single(hf_run, tmp_path):

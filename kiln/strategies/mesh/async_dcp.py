@@ -19,6 +19,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
+from kiln.utils.errors import CheckpointError
+
 
 class AsyncDCPSaver:
     """One process's `async_save`s: its checkpoint process group and its stager, both made once."""
@@ -75,4 +77,7 @@ def finished(future: Future[Any]) -> None:
         cause = failures[min(failures)][0] if failures else None
         if isinstance(cause, Exception):
             raise cause from None
-        raise RuntimeError(str(err)) from None
+        raise CheckpointError(
+            f"The background write of torch.distributed.checkpoint was interrupted on rank(s) {sorted(failures)} "
+            f"({type(cause).__name__})."
+        ) from None
