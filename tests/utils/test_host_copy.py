@@ -163,3 +163,19 @@ def test_a_tensor_changed_while_its_copy_is_pending_fails_the_copy_and_others_ar
     assert staging.error is not None and "shape (4,) was changed in place" in staging.error
     staging.copy({"w": weight})  # a later copy starts clean
     assert staging.error is None
+
+
+def test_the_next_copy_waits_for_the_deferred_copy_in_flight(held):
+    """One copy at a time: the next reuses the buffers the deferred thread is filling."""
+    weight = torch.ones(4)
+    staging = HostStaging()
+    first = staging.copy({"w": weight}, later=lambda t: True)
+    second: list = []
+    nxt = threading.Thread(target=lambda: second.append(staging.copy({"w": weight})))
+    nxt.start()
+    nxt.join(0.5)
+    assert nxt.is_alive()  # held behind the deferred copy (a copy that does not wait returns at once)
+    held.set()
+    nxt.join()
+    assert torch.equal(first["w"], torch.ones(4))
+    assert second[0]["w"].untyped_storage().data_ptr() == first["w"].untyped_storage().data_ptr()
