@@ -4,7 +4,8 @@ Usage: torchrun --nproc_per_node=2 worker_async.py OUT
 - `sync`: full_shard, sharded checkpoints every 3 steps to step 9, saved synchronously.
 - `async`: the same with save.async. The write of checkpoint-6 is held inside DCP (on rank 0, the
   coordinator, after both ranks' shards are written and before `.metadata`) by an event, not a delay:
-  rank 0 counts the steps its loop takes while the write is held, copies the output folder as it
+  rank 0's loop waits at the end of step 7 until DCP's thread is held there, counts the steps its loop
+  takes while the write is held (7 and 8), copies the output folder as it
   stands (what a SIGKILL at that moment leaves on disk) to OUT/killed, then lets the write go.
 - `resumed`: resume_from_checkpoint=true from OUT/killed, with save.async, to step 9.
 
@@ -57,6 +58,8 @@ class WhileHeld(Callback):
         self.run, self.steps, self.visible, self.snapshot = run, [], [], []
 
     def on_step_end(self, config, state, control, **kw):
+        if state.global_step == 7:  # the loop waits here until DCP's thread holds checkpoint-6's write: it
+            assert held.wait(120)  # can only get there while the loop runs on (not waiting for the save)
         if held.is_set() and not release.is_set():
             self.steps.append(state.global_step)
             self.visible.append(os.path.exists(os.path.join(self.run, "checkpoint-6")))
