@@ -287,11 +287,11 @@ class SaveConfig:
     )
     async_save: bool = opt(
         False,
-        "Write checkpoints in the background (also spelled save.async): the state is copied to host memory at the "
+        "Write checkpoints in the background (also spelled save.async): the state is staged in host memory at the "
         "step boundary and training goes on while a writer thread writes it; COMPLETE is still written last, one save "
         "is in flight at a time, and the next save, the end of fit and a preemption wait for it. The full-state format "
-        "(single device, DDP) writes in the background; the others (FSDP, DeepSpeed, model parallel, XLA, PEFT adapters) "
-        "save synchronously, with one log line.",
+        "(single device, DDP) and FSDP / model_parallel's sharded format (DCP's async_save) write in the background; "
+        "the others (state_dict_type full, DeepSpeed, XLA, PEFT adapters) save synchronously, with one log line.",
     )
     remote_dir: Optional[str] = opt(
         None,

@@ -181,14 +181,15 @@ class CheckpointIO:
     in one process without a process group (any process count may have saved it), vetting every
     pickle it reads first: converting a checkpoint never runs code from it.
 
-    Optional, for `save.async_save`: `stage(...)` (the arguments of `save`, and the run's
-    `HostStaging`, whose buffers are reused from save to save) copies at the step boundary what `save`
-    would write into host memory and returns a `StagedWrite` that writes exactly those
-    bytes into a folder later, on a background thread, while training goes on. The default returns
-    None: the format saves synchronously (the engine says so once). A format whose every rank writes
-    (`sharded`, DCP's `async_save`) needs the engine to learn when all ranks' files are durable before
-    it writes COMPLETE; the engine supports staged writes on the writer ranks only, so such a format
-    keeps returning None until it does (kiln.engine.checkpoint.background)."""
+    Optional, for `save.async_save`: `stage(directory, ...)` (the folder `save` would write into, the
+    arguments of `save`, and the run's `HostStaging`, whose buffers are reused from save to save)
+    copies at the step boundary what `save` would write into host memory and returns a `StagedWrite`
+    that writes exactly those bytes into `directory` later, on a background thread, while training
+    goes on. The engine calls `stage` on every rank and runs the returned write on every rank's
+    background thread; the writer's write must return only once the files of every rank are durable
+    (a format that is not `sharded` writes them all on the writer; a `sharded` one waits for its own
+    collective, e.g. DCP's `async_save` future), since the writer then writes COMPLETE. The default
+    returns None: the format saves synchronously (the engine says so once)."""
 
     format: ClassVar[str] = "full"
     also_resumes: ClassVar[tuple[str, ...]] = ()
@@ -227,6 +228,7 @@ class CheckpointIO:
 
     def stage(
         self,
+        directory: str,
         *,
         model: nn.Module,
         module: nn.Module,
@@ -236,7 +238,7 @@ class CheckpointIO:
         writer: bool,
         staging: HostStaging,
     ) -> StagedWrite | None:
-        """The files `save` would write, copied to host memory now and written by the returned function
+        """The files `save` would write into `directory`, copied to host memory now and written by the returned function
         later; None when this format cannot save in the background (see the class docstring)."""
         return None
 
@@ -326,6 +328,7 @@ class FullStateCheckpointIO(CheckpointIO):
 
     def stage(
         self,
+        directory: str,
         *,
         model: nn.Module,
         module: nn.Module,
@@ -337,15 +340,31 @@ class FullStateCheckpointIO(CheckpointIO):
     ) -> StagedWrite | None:
         """Host copies of the weights and optimizer state, written by the same code as `save`, so an
         asynchronous checkpoint holds the bytes a synchronous one would. A subclass that saves otherwise
-        (XLA) must stage its own way: it saves synchronously until it does."""
+        (XLA) must stage its own way: it saves synchronously until it does.
+
+        The module's buffers (a forward pass changes some in place: BatchNorm's statistics) are copied
+        now; the parameters and the optimizer state, which only the optimizer's step changes, on a thread
+        of their own while the next step's forward and backward run, and that step waits for it
+        (kiln.utils.host_copy)."""
         if not self.saves_in_background():
             return None
         if not writer:
             return lambda directory: None
+        in_buffers = {b.untyped_storage().data_ptr() for b in module.buffers()}
         weights, optim = staging.copy(
-            (module.state_dict(), optimizer.state_dict() if save_optimizer and optimizer is not None else None)
+            (module.state_dict(), optimizer.state_dict() if save_optimizer and optimizer is not None else None),
+            later=lambda t: t.untyped_storage().data_ptr() not in in_buffers,
         )
-        return lambda directory: _write_full(directory, weights, optim, safetensors)
+        if optimizer is not None:
+            staging.guard(optimizer)
+
+        def write(directory: str) -> None:
+            staging.wait()
+            if staging.error is not None:
+                raise CheckpointError(f"The checkpoint in {directory} was not written: {staging.error}.")
+            _write_full(directory, weights, optim, safetensors)
+
+        return write
 
     @classmethod
     def saves_in_background(cls) -> bool:

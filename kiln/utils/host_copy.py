@@ -11,10 +11,21 @@ live per-parameter dicts.
 `HostStaging` keeps the host buffers of one copy for the next: a run's parameters and optimizer state
 keep their storages from save to save, so each later save copies into memory that is already
 allocated (and pinned, and paged in) rather than allocating it again, which costs more than the copy.
-The caller must be done with a copy before it makes the next one (one save in flight)."""
+The caller must be done with a copy before it makes the next one (one save in flight).
+
+A copy can leave the bytes of some tensors to a thread of its own (`copy(tree, later=...)`): the
+copied tree is built at once, with host buffers for every tensor, and the thread fills the deferred
+ones while the caller goes on, so the step loop does not wait for the bulk of the copy. Valid only for
+tensors nothing changes until `wait()` returns: the checkpoint manager defers the parameters and the
+optimizer state, and `guard(optimizer)` makes the optimizer's next step wait for the copy (buffers,
+which a forward pass changes in place, are copied at once). A tensor changed while its copy was
+pending is caught by its version counter: the copy then fails (`error`) rather than hold a torn
+snapshot. Host tensors only: a device's copies are already asynchronous (pinned, non-blocking)."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,16 +48,51 @@ class HostStaging:
 
     def __init__(self) -> None:
         self._buffers: dict[_BufferKey, torch.UntypedStorage] = {}
+        self._pending: threading.Thread | None = None  # the thread filling the last copy's deferred tensors
+        self._guarded: set[int] = set()  # ids of the optimizers whose step waits for it
+        #: why the last copy's deferred part is not a snapshot (a tensor changed while it was pending)
+        self.error: str | None = None
 
-    def copy(self, tree: Any) -> Any:
-        """See `host_copy`; buffers of the previous copy that this one does not use are let go."""
+    def copy(self, tree: Any, later: Callable[[torch.Tensor], bool] | None = None) -> Any:
+        """See `host_copy`; buffers of the previous copy that this one does not use are let go. The
+        host tensors `later` picks are copied on a thread started here (see the module docstring)."""
+        self.wait()
         copies: dict[_Key, torch.UntypedStorage] = {}
         used: dict[_BufferKey, torch.UntypedStorage] = {}
-        copied = _copy(tree, _Copier(copies, used, self._buffers), {})
+        copier = _Copier(copies, used, self._buffers, later)
+        copied = _copy(tree, copier, {})
         self._buffers = used
         if any(key[0] == "cuda" for key in copies):
             torch.cuda.synchronize()  # the pinned copies were made without blocking
+        self.error = None
+        if copier.deferred:
+            self._pending = threading.Thread(target=self._fill, args=(copier.deferred,), name="kiln-host-copy")
+            self._pending.start()
         return copied
+
+    def wait(self) -> None:
+        """Block until the deferred tensors of the last copy are copied (then `error` says whether
+        the copy is a snapshot)."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step()` wait for the deferred copy first (once per optimizer): the step is
+        what changes the parameters and the optimizer state in place."""
+        if id(optimizer) not in self._guarded:
+            self._guarded.add(id(optimizer))
+            optimizer.register_step_pre_hook(lambda *_: self.wait())
+
+    def _fill(self, deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]) -> None:
+        for host, source, tensor, version in deferred:
+            host.copy_(source)  # releases the GIL: the step loop runs on meanwhile
+            if tensor._version != version:  # `tensor` shares the version counter of what the caller gave
+                self.error = (
+                    f"a tensor of shape {tuple(tensor.shape)} was changed in place while the background save "
+                    "copied it; only the optimizer's step may change the parameters and optimizer state "
+                    "between steps"
+                )
 
 
 class _Copier:
@@ -55,8 +101,11 @@ class _Copier:
         copies: dict[_Key, torch.UntypedStorage],
         used: dict[_BufferKey, torch.UntypedStorage],
         previous: dict[_BufferKey, torch.UntypedStorage],
+        later: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
-        self.copies, self.used, self.previous = copies, used, previous
+        self.copies, self.used, self.previous, self.later = copies, used, previous, later
+        #: (host bytes, source bytes, the tensor given, its version when staged)
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
 
     def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
@@ -66,10 +115,12 @@ class _Copier:
         key = (tensor.device.type, storage.data_ptr())
         copy = self.copies.get(key)
         if copy is None:
-            copy = self.copies[key] = self._storage(tensor.device, storage)
+            defer = self.later is not None and tensor.device.type == "cpu" and self.later(tensor)
+            copy = self.copies[key] = self._storage(tensor, storage, defer)
         return torch.empty(0, dtype=tensor.dtype).set_(copy, tensor.storage_offset(), tensor.shape, tensor.stride())
 
-    def _storage(self, device: torch.device, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    def _storage(self, tensor: torch.Tensor, storage: torch.UntypedStorage, defer: bool) -> torch.UntypedStorage:
+        device = tensor.device
         source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         pin = device.type == "cuda"
         reuse_key = (device.type, storage.data_ptr(), storage.nbytes())
@@ -78,7 +129,10 @@ class _Copier:
             host = torch.empty(0, dtype=torch.uint8).set_(buffer)
         else:
             host = torch.empty(source.shape, dtype=torch.uint8, pin_memory=pin)
-        host.copy_(source, non_blocking=pin)
+        if defer:
+            self.deferred.append((host, source, tensor, tensor._version))
+        else:
+            host.copy_(source, non_blocking=pin)
         self.used[reuse_key] = host.untyped_storage()
         return self.used[reuse_key]
 

@@ -364,3 +364,67 @@ def test_a_save_that_fails_while_training_fails_is_logged_under_the_training_err
         "The background save of checkpoint-4 failed too: Input/output error (EIO)"
     )
     assert folders(out) == set()
+
+
+def test_a_failed_async_dcp_write_is_raised_as_the_failing_rank_s_own_error():
+    """DCP's future fails with its BaseException wrapper of every failing rank's error; the engine gets
+    the lowest failing rank's own exception, so an OSError keeps its errno for the one sentence."""
+    from concurrent.futures import Future
+
+    from torch.distributed.checkpoint import CheckpointException
+
+    from kiln.strategies.mesh.async_dcp import finished
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    future: Future = Future()
+    future.set_exception(CheckpointException("write", {1: (full, None), 3: (ValueError("later rank"), None)}))
+    with pytest.raises(OSError) as raised:
+        finished(future)
+    assert raised.value is full
+    interrupted: Future = Future()
+    interrupted.set_exception(CheckpointException("write", {2: (KeyboardInterrupt(), None)}))
+    with pytest.raises(CheckpointError, match=r"interrupted on rank\(s\) \[2\] \(KeyboardInterrupt\)\.$"):
+        finished(interrupted)
+    done: Future = Future()
+    done.set_result(object())
+    finished(done)  # a finished save returns
+
+
+def test_staging_copies_buffers_at_once_and_a_copy_torn_by_an_in_place_change_is_not_written(tmp_path, monkeypatch):
+    """The parameters and optimizer state are copied on a thread (held here by an event); a forward pass
+    meanwhile changes BatchNorm's statistics in place, which were copied at the step boundary. A change
+    to a parameter before its copy is made fails the write in one sentence, and writes no weights."""
+    from torch import nn
+
+    from kiln.strategies.checkpoint_io import load_weights
+    from kiln.utils.host_copy import HostStaging
+
+    release = threading.Event()
+    real_fill = HostStaging._fill
+    monkeypatch.setattr(HostStaging, "_fill", lambda self, d: (release.wait(30), real_fill(self, d)))
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    staging = HostStaging()
+
+    def stage(directory):  # type: ignore[no-untyped-def]
+        io = FullStateCheckpointIO()
+        kw = {"save_optimizer": True, "safetensors": True, "writer": True, "staging": staging}
+        return io.stage(directory=directory, model=model, module=model, optimizer=optimizer, **kw)
+
+    write = stage(str(tmp_path))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(4, 2))  # a train-mode forward: the running statistics change in place
+    release.set()
+    write(str(tmp_path))
+    saved = load_weights(str(tmp_path))
+    assert all(torch.equal(saved[k], before[k]) for k in before)
+    release.clear()
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    write = stage(str(torn))
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # no optimizer step: nothing waits for the copy
+    release.set()
+    with pytest.raises(CheckpointError, match=r"was not written: a tensor of shape \(2, 2\) was changed in place"):
+        write(str(torn))
+    assert os.listdir(torn) == []

@@ -190,3 +190,56 @@ def test_each_rank_takes_the_hf_rng_file_of_its_global_rank(hf_run, tmp_path):
     with pytest.warns(UserWarning, match="Hugging Face checkpoint"):
         trainer.fit(resume_from_checkpoint=str(ckpt))
     assert torch.equal(probe.torch_rng, streams[2])
+
+
+class ResumedMoments(Callback):
+    """The optimizer state, whole and keyed by parameter name, when the first resumed step begins."""
+
+    def on_step_begin(self, config, state, control, **kw):
+        if hasattr(self, "moments"):
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        model, optimizer = kw["model"], kw["optimizer"]
+        full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        self.moments = {
+            name: {k: torch.as_tensor(v).clone() for k, v in s.items()} for name, s in full["state"].items()
+        }
+
+
+def test_an_hf_checkpoint_resumes_under_fsdp_through_the_portable_state_bitwise_like_single(hf_run, tmp_path):
+    """HF's optimizer.pt holds full tensors keyed by flat index; under FSDP (one gloo process, which
+    computes what one device does) it is loaded through the portable state into the sharded optimizer,
+    as a kiln `full` checkpoint is: the moments at the first resumed step and the final weights equal
+    the single-device resume's, bit for bit."""
+    import torch.distributed as dist
+
+    from tests.strategies.test_ddp_strategy import no_launcher  # noqa: F401 (no torchrun variables)
+
+    ckpt = os.path.join(hf_run, "checkpoint-3")
+    result = {}
+    for name, strategy in (("single", {"name": "single"}), ("fsdp", {"name": "fsdp", "state_dict_type": "sharded"})):
+        probe = ResumedMoments()
+        cfg = {**HYPER, "output_dir": str(tmp_path / name), "report_to": "none", "disable_tqdm": True}
+        trainer = Trainer(
+            tiny_bert(seed=5),
+            {**cfg, "log": {"history": []}, "strategy": {**strategy, "device": "cpu"}, "save_strategy": "no"},
+            train_dataset=data(),
+            callbacks=[probe],
+        )
+        try:
+            with pytest.warns(UserWarning, match="restored weights, optimizer"):
+                trainer.fit(resume_from_checkpoint=ckpt)
+            result[name] = probe.moments, trainer.strategy.model_state_for_export(trainer.model)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    (single_moments, single_weights), (fsdp_moments, fsdp_weights) = result["single"], result["fsdp"]
+    assert set(fsdp_moments) == set(single_moments) and single_moments
+    for param, moments in single_moments.items():
+        assert set(moments) == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in moments.items():
+            assert torch.equal(fsdp_moments[param][key], value), (param, key)
+    assert set(fsdp_weights) == set(single_weights)
+    for key, value in single_weights.items():
+        assert torch.equal(fsdp_weights[key], value), key

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import collections
 import io
+import threading
 
+import pytest
 import torch
 
 from kiln.utils.host_copy import HostStaging, host_copy
@@ -111,3 +113,69 @@ def test_staging_allocates_for_a_new_or_resized_storage_and_drops_buffers_it_no_
     third = staging.copy([b])  # b's buffer was let go by the second copy, which did not use it
     assert third[0].untyped_storage().data_ptr() != first[1].untyped_storage().data_ptr()
     assert torch.equal(third[0], torch.ones(2))
+
+
+@pytest.fixture
+def held(monkeypatch):
+    """The deferred copies wait for `release` (an event, not a delay) before they are made."""
+    release = threading.Event()
+    real = HostStaging._fill
+
+    def fill(self, deferred):  # type: ignore[no-untyped-def]
+        assert release.wait(30)
+        real(self, deferred)
+
+    monkeypatch.setattr(HostStaging, "_fill", fill)
+    return release
+
+
+def test_a_deferred_copy_makes_the_optimizer_step_wait_and_holds_the_values_from_before_it(held):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.ones(1, 3)).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    staging = HostStaging()
+    copy = staging.copy(model.state_dict(), later=lambda t: True)
+    staging.guard(optimizer)
+    staging.guard(optimizer)  # once per optimizer: a second guard adds no second hook
+    assert len(optimizer._optimizer_step_pre_hooks) == 1
+    order: list[str] = []
+    optimizer.register_step_post_hook(lambda *_: order.append("stepped"))
+    releaser = threading.Thread(target=lambda: (order.append("released"), held.set()))
+    releaser.start()
+    optimizer.step()  # waits for the copy: without the guard it would step before the copy is made
+    releaser.join()
+    assert order == ["released", "stepped"] and staging.error is None
+    for name, value in before.items():
+        assert torch.equal(copy[name], value), name
+    assert not torch.equal(model.weight, before["weight"])
+
+
+def test_a_tensor_changed_while_its_copy_is_pending_fails_the_copy_and_others_are_copied_at_once(held):
+    weight, running = torch.ones(4), torch.zeros(2)
+    staging = HostStaging()
+    copy = staging.copy({"w": weight, "r": running}, later=lambda t: t is not running and t.numel() == 4)
+    running.add_(5)  # copied at once: the copy keeps the value it had
+    weight.add_(1)  # pending: changed before it was copied
+    held.set()
+    staging.wait()
+    assert torch.equal(copy["r"], torch.zeros(2))
+    assert staging.error is not None and "shape (4,) was changed in place" in staging.error
+    staging.copy({"w": weight})  # a later copy starts clean
+    assert staging.error is None
+
+
+def test_the_next_copy_waits_for_the_deferred_copy_in_flight(held):
+    """One copy at a time: the next reuses the buffers the deferred thread is filling."""
+    weight = torch.ones(4)
+    staging = HostStaging()
+    first = staging.copy({"w": weight}, later=lambda t: True)
+    second: list = []
+    nxt = threading.Thread(target=lambda: second.append(staging.copy({"w": weight})))
+    nxt.start()
+    nxt.join(0.5)
+    assert nxt.is_alive()  # held behind the deferred copy (a copy that does not wait returns at once)
+    held.set()
+    nxt.join()
+    assert torch.equal(first["w"], torch.ones(4))
+    assert second[0]["w"].untyped_storage().data_ptr() == first["w"].untyped_storage().data_ptr()

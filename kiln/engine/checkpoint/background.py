@@ -2,9 +2,12 @@
 
 At the step boundary the manager stages the state in host memory and hands the rest of the save (the
 big files, fsync, the COMPLETE marker, the rename, rotation, an upload) to `BackgroundSave.start`.
-Training goes on. The thread never runs a collective: only the writer ranks run one, and the files
-every rank writes (its RNG and loop state, a few KiB) are written before the ranks' barrier, on the
-training thread. A failure is kept, not raised on the thread; the manager raises it, in the same
+Training goes on. The thread never runs a collective on the training's process group: a full-state
+format's files are written by the writer ranks' threads (the other ranks' have nothing to write); a
+sharded format's thread on every rank waits for that rank's files (DCP's async_save, whose collectives
+run on a process group of their own), and the writer's then writes COMPLETE. The files every rank
+writes (its RNG and loop state, a few KiB) are written before the ranks' barrier, on the training
+thread. A failure is kept, not raised on the thread; the manager raises it, in the same
 sentence a synchronous save would, at its next `wait()`: before the next save, at the end of fit, or
 at a preemption. Nothing already saved is touched by a failed save (its temporary folder is removed).
 

@@ -22,6 +22,8 @@ from kiln.engine.checkpoint.run_state import load_callback_state, load_scheduler
 from kiln.engine.data.loaders import loader_length
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.engine.seed import _py_state_to_plain
+from kiln.strategies.checkpoint_io import load_weights
+from kiln.strategies.portable_state import PortableState
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.hf_logging import hf_logger
 from kiln.utils.param_groups import regroup_optimizer_state
@@ -66,18 +68,24 @@ def load_hf_checkpoint(manager: Any, path: str) -> Restored:
     run = manager.run
     restored, missing = ["weights"], []
     io = checkpoint_io_for(manager.strategy, run.model)  # HF saved a PeftModel's adapter only
-    io.load_weights_only(path, model=run.wrapped, module=run.model)
-    if run.optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
-        try:
-            saved = safe_torch_load(os.path.join(path, "optimizer.pt"))  # HF: two groups, even without decay
-            run.optimizer.load_state_dict(regroup_optimizer_state(saved, run.optimizer.param_groups))
-            restored.append("optimizer")
-        except (ValueError, KeyError) as err:
-            raise CheckpointError(
-                f"{path}/optimizer.pt does not fit this run's optimizer ({err}); use the optim and "
-                "weight_decay the HF run used."
-            ) from None
+    optimizer_file = os.path.join(path, "optimizer.pt")
+    if run.optimizer is not None and os.path.exists(optimizer_file):
+        saved = safe_torch_load(optimizer_file)  # HF: two groups, even without decay
+        if io.translatable:  # HF's files are a `full` checkpoint's: into any layout (FSDP's shards too)
+            full = PortableState(load_weights(path), saved)
+            io.load_portable(full, module=run.model, optimizer=run.optimizer, source=path)
+        else:
+            io.load_weights_only(path, model=run.wrapped, module=run.model)
+            try:
+                run.optimizer.load_state_dict(regroup_optimizer_state(saved, run.optimizer.param_groups))
+            except (ValueError, KeyError) as err:
+                raise CheckpointError(
+                    f"{path}/optimizer.pt does not fit this run's optimizer ({err}); use the optim and "
+                    "weight_decay the HF run used."
+                ) from None
+        restored.append("optimizer")
     else:
+        io.load_weights_only(path, model=run.wrapped, module=run.model)
         missing.append("optimizer state")
     if run.scheduler is not None and os.path.exists(os.path.join(path, "scheduler.pt")):
         load_scheduler(manager, path, "use the lr_scheduler_type the HF run used.")

@@ -116,6 +116,7 @@ class CheckpointManager:
         self._background = BackgroundSave()  # the save in flight with save.async_save
         self._staging = HostStaging()  # its host copy, in buffers reused from save to save
         self._said_synchronous = False  # the one log line of a format that cannot save in the background
+        self._config_text: tuple[dict[str, Any], str] | None = None  # config.yaml's tree and text, last written
         self.signing_key = signing_key(config.save.signing_key_env)  # fails here, before training, when unset
         self._store: RemoteCheckpoints | None = None  # save.remote_dir's, built at the first upload
 
@@ -147,7 +148,7 @@ class CheckpointManager:
             state.best_model_checkpoint = final
         io = checkpoint_io_for(strategy, self.run.model)  # a PeftModel: its adapter only (HF)
         try:
-            staged = self._stage(io, writer)
+            staged = self._stage(io, tmp, writer)
             if staged is None:
                 self._io_save(io, tmp, writer)
             self._write(tmp, writer, state)
@@ -161,22 +162,23 @@ class CheckpointManager:
         self.saved_step = state.global_step
         best = state.best_model_checkpoint
         if staged is not None:
-            if writer:
-                self._background.start(state.global_step, lambda: self._complete(staged, tmp, final, meta, best))
-                if self.callbacks.reads_checkpoint_on_save():  # on_save must find the folder (artifacts, Ray)
-                    self._background.finish()
+            # every rank: a sharded format's ranks each wait for their own files (DCP's async_save)
+            self._background.start(state.global_step, lambda: self._complete(staged, tmp, final, meta, best, writer))
+            if writer and self.callbacks.reads_checkpoint_on_save():  # on_save must find the folder (artifacts, Ray)
+                self._background.finish()
             return final
         if writer:
             self._published(final, best)
         strategy.barrier("checkpoint-done")
         return final
 
-    def _stage(self, io: Any, writer: bool) -> StagedWrite | None:
+    def _stage(self, io: Any, tmp: str, writer: bool) -> StagedWrite | None:
         """The host copy of the model and optimizer files for a background write, or None to write them now."""
         cfg, run = self.config, self.run
         if not cfg.save.async_save:
             return None
         staged = io.stage(
+            directory=tmp,
             model=run.wrapped,
             module=run.model,
             optimizer=run.optimizer,
@@ -220,16 +222,21 @@ class CheckpointManager:
             meta["tied"] = ties
         return meta
 
-    def _complete(self, staged: StagedWrite, tmp: str, final: str, meta: dict[str, Any], best: str | None) -> None:
-        """The background half of an asynchronous save, on the writer: the staged files, then exactly
-        what a synchronous save does after them."""
+    def _complete(
+        self, staged: StagedWrite, tmp: str, final: str, meta: dict[str, Any], best: str | None, writer: bool
+    ) -> None:
+        """The background half of an asynchronous save: the staged files (this rank's), then, on the
+        writer, exactly what a synchronous save does after them. The writer's staged write returns once
+        every rank's files are durable (a sharded format's own collective says so: DCP's async_save)."""
         try:
             staged(tmp)
-            self._publish(tmp, final, meta)
+            if writer:
+                self._publish(tmp, final, meta)
         except Exception as err:
-            self._failed(err, tmp, final, True)
+            self._failed(err, tmp, final, writer)
             raise
-        self._published(final, best)
+        if writer:
+            self._published(final, best)
 
     def _published(self, final: str, best: str | None) -> None:
         """The one place a complete checkpoint is announced, on the writer: local rotation, then, for a run
@@ -304,9 +311,8 @@ class CheckpointManager:
         state.save_to_json(os.path.join(tmp, STATE))
         with open(os.path.join(tmp, POSITION), "w", encoding="utf-8") as fh:
             json.dump(state.loop_position(), fh)
-        from omegaconf import OmegaConf
-
-        OmegaConf.save(self.config_to_save(), os.path.join(tmp, CONFIG))
+        with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as fh:
+            fh.write(self._config_yaml())
         # HF's files (kiln.engine.checkpoint.hf_files): from_pretrained(checkpoint) works, tools find their files
         write_model_files(tmp, run.model, self.callbacks.objects.get("processing_class"))
         write_training_args(tmp, self.config, self.training_args)
@@ -316,6 +322,16 @@ class CheckpointManager:
         from omegaconf import OmegaConf
 
         return OmegaConf.create(self.saved_tree())
+
+    def _config_yaml(self) -> str:
+        """config.yaml's text (what `OmegaConf.save(config_to_save())` writes), made again only when the
+        saved tree changed: building the DictConfig costs a save tenths of a second, on the step thread."""
+        tree = self.saved_tree()
+        if self._config_text is None or self._config_text[0] != tree:
+            from omegaconf import OmegaConf
+
+            self._config_text = (tree, OmegaConf.to_yaml(OmegaConf.create(tree)))
+        return self._config_text[1]
 
     def saved_tree(self) -> dict[str, Any]:
         """The run's config as plain containers: `${oc.env:...}` values masked, and the live micro-batch

@@ -25,6 +25,7 @@ from torch import nn
 from kiln.strategies.checkpoint_io import (
     OPTIMIZER,
     CheckpointIO,
+    StagedWrite,
     apply_weights,
     load_weights,
     read_full_files,
@@ -32,9 +33,11 @@ from kiln.strategies.checkpoint_io import (
     save_weights,
 )
 from kiln.strategies.dcp_files import consolidate, model_tensors, read_folder, regrouped, saved_group_count
+from kiln.strategies.mesh.async_dcp import finished
 from kiln.strategies.portable_state import PortableState, keyed_by_name, optimizer_names
 from kiln.strategies.weights_files import share_tied, tie_groups
 from kiln.utils.errors import CheckpointError
+from kiln.utils.host_copy import HostStaging
 from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder
 from kiln.utils.tensors import plain_tensor
 
@@ -171,14 +174,38 @@ class ShardedCheckpointIO(_MeshCheckpointIO):
         writer: bool,
     ) -> None:
         import torch.distributed.checkpoint as dcp
+
+        state = self._state(module, optimizer, save_optimizer)
+        dcp.save(state, checkpoint_id=os.path.join(directory, self.folders[0]))  # collective: every rank writes
+
+    def stage(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+        staging: HostStaging,
+    ) -> StagedWrite | None:
+        """DCP's `async_save` of the same state dict `save` writes (kiln.strategies.mesh.async_dcp): the
+        shards are copied to host memory here, on every rank, and written by DCP's thread; the returned
+        write waits for it, and on the writer that means every rank's shards are written."""
+        state = self._state(module, optimizer, save_optimizer)
+        future = self.strategy.async_checkpoints().save(state, os.path.join(directory, self.folders[0]))
+        return lambda _: finished(future)
+
+    def _state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None, save_optimizer: bool
+    ) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
         if save_optimizer and optimizer is not None:
             state["optim"] = self.optimizer_state(get_optimizer_state_dict(module, optimizer))
-        dcp.save(
-            state, checkpoint_id=os.path.join(directory, self.folders[0])
-        )  # collective: every rank writes its shards
+        return state
 
     def load(
         self,

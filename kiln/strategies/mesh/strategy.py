@@ -40,6 +40,7 @@ from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.collectives import ProcessGroupCollectives, check_op
 from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
+from kiln.strategies.mesh.async_dcp import AsyncDCPSaver
 from kiln.strategies.mesh.dims import (
     ParallelDims,
     build_device_mesh,
@@ -97,6 +98,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         self._root: nn.Module | None = None
         self._mp_policy: Any = None
         self._loss_parallel: Any = None  # loss_parallel.LossParallel once the head keeps split logits
+        self._async_checkpoints: AsyncDCPSaver | None = None  # save.async's DCP group and stager, once made
 
     # -- what a preset supplies ----------------------------------------------------------------
     def read_settings(self) -> MeshSettings:
@@ -483,6 +485,12 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         cls = ShardedCheckpointIO if self.settings.state_dict_type == "sharded" else FullCheckpointIO
         return cls(self)
 
+    def async_checkpoints(self) -> AsyncDCPSaver:
+        """This process group's asynchronous DCP saves (save.async with state_dict_type sharded)."""
+        if self._async_checkpoints is None:
+            self._async_checkpoints = AsyncDCPSaver(pin_memory=self.root_device.type == "cuda")
+        return self._async_checkpoints
+
     def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The full weights (FSDP shards and TP splits gathered, ties kept as one tensor) with the
         module's own key names, on CPU; rank 0 only (the others get {}) unless every node writes
@@ -493,7 +501,10 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         return full_model_state(self.unwrap(module), every_rank=every_rank)
 
     def teardown(self) -> None:
+        if self._async_checkpoints is not None:
+            self._async_checkpoints.close()
         self.device_mesh, self._dp_group, self._root, self._loss_parallel = None, None, None, None
+        self._async_checkpoints = None
         super().teardown()
 
 
