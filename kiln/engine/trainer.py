@@ -22,12 +22,11 @@ from kiln.engine.callbacks.early_stopping import resolve_greater_is_better
 from kiln.engine.checkpoint.best_model import load_best_model
 from kiln.engine.checkpoint.output_dir import refuse_overwrite, run_lock
 from kiln.engine.checkpoint.resume import choose_resume
-from kiln.engine.data.eval_loaders import eval_dataloader, test_dataloader
-from kiln.engine.data.trainer_loaders import DataLoaderMixin
+from kiln.engine.data.trainer_loaders import TrainerLoaders
 from kiln.engine.distributed import check_same_output_dir
 from kiln.engine.evaluation.metric_files import log_metrics, metrics_format, save_metrics
-from kiln.engine.hp_search import HyperparameterSearchMixin
-from kiln.engine.hp_trial import building_trial
+from kiln.engine.hp_search import HyperparameterSearch, check_searchable
+from kiln.engine.hp_trial import TrialRecipe, building_trial
 from kiln.engine.loop.evaluate import EvaluateLoop, PredictLoop
 from kiln.engine.loop.evaluation import EvaluationLoop
 from kiln.engine.loop.fit import FitLoop, TrainOutput
@@ -50,10 +49,11 @@ from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
     from kiln.engine.evaluation.outputs import EvalLoopOutput, PredictionOutput
+    from kiln.engine.hp_search import BestRun
     from kiln.engine.model.module import TrainingModule
 
 
-class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
+class Trainer(RunAttributes):
     """Train, evaluate and predict with a TrainingModule or an HF-contract nn.Module.
 
     `config` is a TrainingConfig, dict (HF flat names allowed), YAML path, DictConfig or a
@@ -108,6 +108,7 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
             cfg, model, strategy, precision, user_optimizer=optimizers[0] is not None
         )
         self.config = cfg
+        self.loaders = TrainerLoaders(cfg, self.strategy)  # behind get_train/eval/test_dataloader
         set_seed(cfg.seed, cfg.full_determinism)
         self.model_init = model_init
         if model is None or search is not None:  # a trial trains a fresh model_init(trial), as in HF
@@ -145,6 +146,9 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
         )
         for cb in callbacks or ():
             self.callback_handler.add(cb)
+        # behind hyperparameter_search: each trial's Trainer is built as this one was (callbacks added later too)
+        recipe = TrialRecipe(type(self), self._init_call, cfg, self.callback_handler.callbacks)
+        self.hp_search = HyperparameterSearch(recipe)
         self.run = start_run(
             cfg,
             self.strategy,
@@ -261,6 +265,12 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
             self.strategy.backward(loss, model, boundary=micro_batch.boundary if micro_batch is not None else True)
         return loss.detach()
 
+    # -- data (HF override points; data/trainer_loaders.py) -------------------------------------
+    def get_train_dataloader(self) -> Iterable[Any]:
+        """kiln's sampler (seeded by (data_seed, epoch), sharded over ranks, resumable in O(1)) over the
+        model's inputs. A DataLoader passed as train_dataset is used as given."""
+        return self.loaders.train(self.run, self.train_dataset, self.data_collator, self.processing_class)
+
     def fit(
         self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: list[str] | None = None
     ) -> TrainOutput:
@@ -340,6 +350,32 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
             model = build_model(self.strategy, self.model_init, self._trial)
         self._start_run(model)
 
+    # -- hyperparameter search (HF API; hp_search.py) ----------------------------------------------
+    def hyperparameter_search(
+        self,
+        hp_space: Callable[[Any], dict[str, Any]] | None = None,
+        compute_objective: Callable[[dict[str, float]], float | list[float]] | None = None,
+        n_trials: int = 20,
+        direction: str | list[str] = "minimize",
+        backend: str | None = None,
+        hp_name: Callable[[Any], str] | None = None,
+        **kwargs: Any,
+    ) -> BestRun | list[BestRun]:
+        """Search hyperparameters with Optuna (HF's signature); kwargs go to `optuna.create_study`.
+        Returns the best run, or the Pareto-best runs for several directions. `backend="ray"`: with
+        Ray Tune, kwargs as HF's (`resources_per_trial`, `scheduler`, ...)."""
+        check_searchable(backend, self.model_init, self.run.user_optimizer, self.strategy.world_size)
+        return self.hp_search.run(hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
+
+    def _report_to_trial(self, metrics: dict[str, float]) -> None:
+        """After each evaluation during a search trial: its objective so far; a trial Optuna prunes ends here."""
+        trial = self.run.trial
+        if trial is not None and trial.report(metrics, self.state.global_step):
+            self.control = self.callback_handler.call("on_train_end", self.config, self.state, self.control)
+            import optuna
+
+            raise optuna.TrialPruned()
+
     def teardown(self) -> None:
         """Release what this Trainer holds outside Python objects: the strategy's process group and
         device state, and the precision plugin's global flags. Call it when done with the Trainer
@@ -405,11 +441,10 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Iterable[Any]:
         """The eval DataLoader: in order, sharded contiguously over ranks; `eval_dataset` may be a dataset, or the
         name of one in a dict passed to the Trainer; reused with `dataloader_persistent_workers` (eval_loaders.py)."""
-        cache, own = self.run.eval_loaders, self.eval_dataset
-        return eval_dataloader(self.config, self.strategy, own, eval_dataset, cache, self._model_inputs)
+        return self.loaders.eval(self.run, self.eval_dataset, eval_dataset, self.data_collator)
 
     def get_test_dataloader(self, test_dataset: Any) -> Iterable[Any]:
-        return test_dataloader(self.config, self.strategy, test_dataset, self._model_inputs)
+        return self.loaders.test(self.run, test_dataset, self.data_collator)
 
     def setup_model(self) -> nn.Module:
         """The module set up by the strategy for evaluation (before training: without an optimizer)."""
