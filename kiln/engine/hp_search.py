@@ -95,7 +95,9 @@ class HyperparameterSearch:
 
             found = run_hp_search_ray(self.recipe, hp_space, compute_objective, n_trials, direction, hp_name, **kwargs)
             return BestRun(*found)
-        return self._optuna(hp_space or default_hp_space_optuna, compute_objective, n_trials, direction, hp_name, kwargs)
+        return self._optuna(
+            hp_space or default_hp_space_optuna, compute_objective, n_trials, direction, hp_name, kwargs
+        )
 
     def _optuna(
         self,

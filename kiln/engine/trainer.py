@@ -6,7 +6,6 @@ call so that subclassing works as HF users expect."""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,12 +29,12 @@ from kiln.engine.hp_trial import TrialRecipe, building_trial
 from kiln.engine.loop.evaluate import EvaluateLoop, PredictLoop
 from kiln.engine.loop.evaluation import EvaluationLoop
 from kiln.engine.loop.fit import FitLoop, TrainOutput
-from kiln.engine.loop.fit_errors import raise_interrupted, raise_translated
+from kiln.engine.loop.fit_errors import fit_errors
 from kiln.engine.loop.fit_evaluation import check_eval_setup
 from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.engine.loop.prediction_step import prediction_step
 from kiln.engine.model.loss import model_loss
-from kiln.engine.model.model_init import build_model
+from kiln.engine.model.model_init import build_model, trainer_model
 from kiln.engine.model.neftune import neftune
 from kiln.engine.model.summary import print_start_summary
 from kiln.engine.run import setup_for_eval
@@ -65,6 +64,8 @@ class Trainer(RunAttributes):
     `model`, `model_wrapped`, `optimizer`, `lr_scheduler`, `state` and `control` read and write it. Call `teardown()` (or use the Trainer as a context manager)
     when done with it: it releases the process group and restores global flags; otherwise that
     happens when the interpreter exits."""
+
+    _init_call: tuple[tuple[Any, ...], dict[str, Any]]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Trainer:
         trainer = super().__new__(cls)
@@ -111,19 +112,7 @@ class Trainer(RunAttributes):
         self.loaders = TrainerLoaders(cfg, self.strategy)  # behind get_train/eval/test_dataloader
         set_seed(cfg.seed, cfg.full_determinism)
         self.model_init = model_init
-        if model is None or search is not None:  # a trial trains a fresh model_init(trial), as in HF
-            if model_init is None:
-                raise KilnError(
-                    "Trainer needs a model: pass `model=` or `model_init=` (a callable returning the model)."
-                )
-            model = build_model(self.strategy, model_init, search.trial if search is not None else None)
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}."
-            )
-        if cfg.train.use_cache is not None and getattr(model, "config", None) is not None:
-            hf: Any = model  # an HF model's config (nn.Module.__getattr__ would type it Tensor | Module)
-            hf.config.use_cache = cfg.train.use_cache  # HF sets it from TrainingArguments.use_cache
+        model = trainer_model(self.strategy, cfg, model, model_init, search.trial if search is not None else None)
         self.args = cfg  # HF code reads trainer.args
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator, self.processing_class = data_collator, processing_class
@@ -177,9 +166,14 @@ class Trainer(RunAttributes):
         )
         self.callback_handler.objects["model"] = self.run.model
 
-    def _adopt(self, model: nn.Module) -> None:
-        """A new run for `model` (assigned to `trainer.model`): set up anew, without the old optimizer; the
-        state and control stay (HF keeps them when the model is replaced)."""
+    @property
+    def model(self) -> nn.Module:
+        return self.run.model
+
+    @model.setter
+    def model(self, model: nn.Module) -> None:
+        """A new run for `model`: set up anew by the strategy, without the previous one's optimizer; the state and
+        control stay (HF keeps them when the model is replaced)."""
         old = self.run
         self._start_run(model)
         self.run.state, self.run.control = old.state, old.control
@@ -305,34 +299,24 @@ class Trainer(RunAttributes):
         self._runs_started += 1
         self.is_in_train = True
         self.memory_tracker.start("train")
-        try:  # the outer try: a Ctrl-C that lands while an error is being handled is still the interrupt
-            try:
-                with neftune(self.model, cfg.train.neftune_noise_alpha):
-                    loop = FitLoop(
-                        self,
-                        self.run,
-                        self.strategy,
-                        self.precision,
-                        self.callback_handler,
-                        self.checkpoints,
-                        cfg,
-                        self.memory_tracker,
-                        wants_num_items=self.wants_num_items or self.run.facts.accepts_num_items,
-                        ignore_keys_for_eval=ignore_keys_for_eval,
-                    )
-                    return loop.run_fit(path)
-            except Exception as err:
-                raise_translated(err, cfg, self.run.micro_batch_size)  # a peer's Ctrl-C; out of memory, explained
-                raise
-            finally:
-                self.checkpoints.drain()  # ended on an error: a save in flight (save.async_save) still lands
-                self.is_in_train = False
-                self.precision.teardown()
-                from kiln.loggers.writer import flush_after_fit
-
-                flush_after_fit(sys.exc_info()[1])  # an exception skips on_train_end
-        except KeyboardInterrupt:
-            raise_interrupted(cfg.output_dir, self.state.global_step)
+        try:
+            with fit_errors(cfg, self.run), neftune(self.model, cfg.train.neftune_noise_alpha):
+                loop = FitLoop(
+                    self,
+                    self.run,
+                    self.strategy,
+                    self.precision,
+                    self.callback_handler,
+                    self.checkpoints,
+                    cfg,
+                    self.memory_tracker,
+                    wants_num_items=self.wants_num_items or self.run.facts.accepts_num_items,
+                    ignore_keys_for_eval=ignore_keys_for_eval,
+                )
+                return loop.run_fit(path)
+        finally:
+            self.is_in_train = False
+            self.precision.teardown()  # its global flags, restored once the fit is no longer in train
 
     train = fit  # HF name
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kiln import EvalPrediction, Trainer, load_config
-from kiln.engine.evaluation.gather import concat_padded
+from kiln.engine.evaluation.nested import concat_padded
 from kiln.engine.evaluation.generation import generation_kwargs
 from tests.evaluation.common import config
 
