@@ -3,16 +3,19 @@ and scales the loss itself."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from kiln.precision.base import Precision, cast_floating
 
-if TYPE_CHECKING:
-    from kiln.strategies.deepspeed.strategy import DeepSpeedStrategy
-
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class HoldsEngine(Protocol):
+    """The DeepSpeed strategy, as far as its precision plugin reads it: the engine, once set up (else None)."""
+
+    engine: Any
 
 
 class DeepSpeedPrecision(Precision):
@@ -20,7 +23,7 @@ class DeepSpeedPrecision(Precision):
     the loss itself (the `fp16` / `bf16` sections of its config), so the plugin only casts float
     inputs to the engine's dtype and reports the fp16 steps the engine skipped."""
 
-    def __init__(self, original: Precision, dtype: str | None, strategy: DeepSpeedStrategy) -> None:
+    def __init__(self, original: Precision, dtype: str | None, strategy: HoldsEngine) -> None:
         super().__init__(original.config)
         self.name = original.name  # type: ignore[misc]  # the run still reports the plugin it asked for
         self.dtype = _DTYPES.get(dtype or "")
