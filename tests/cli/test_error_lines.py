@@ -25,6 +25,8 @@ class Reg(TrainingModule):
             return None
         if self.mode == "divide":
             return 1 / 0
+        if self.mode == "library":  # raised inside the standard library, called from here
+            return __import__("json").loads("not json")
         return self.net(batch["x"]).pow(2).mean()
 
 
@@ -75,6 +77,10 @@ def test_an_exception_in_user_code_names_where(task: Path, capsys: pytest.Captur
     line = _line(capsys, "task.model_args.mode=divide")
     assert line.startswith("ZeroDivisionError: division by zero (in training_step, ")
     assert "linetask.py:16)" in line and line.endswith("rerun with --traceback for the full traceback.")
+    # raised in a library the user's code called: the line names the user's frame, not the library's
+    line = _line(capsys, "task.model_args.mode=library")
+    assert line.startswith("JSONDecodeError: Expecting value: line 1 column 1 (char 0) (in training_step, ")
+    assert "linetask.py:18)" in line
 
 
 def test_traceback_flag_shows_the_traceback(task: Path) -> None:
