@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kiln import cli
+from kiln.cli import errors
 
 TASK = """
 import torch
@@ -27,6 +28,8 @@ class Reg(TrainingModule):
             return 1 / 0
         if self.mode == "library":  # raised inside the standard library, called from here
             return __import__("json").loads("not json")
+        if self.mode == "interrupt":  # Ctrl-C
+            raise KeyboardInterrupt
         return self.net(batch["x"]).pow(2).mean()
 
 
@@ -93,3 +96,14 @@ def test_traceback_flag_shows_the_traceback(task: Path) -> None:
 def test_help_lists_the_flag(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["fit", "--help"]) == 0
     assert "--traceback" in capsys.readouterr().out
+
+
+def test_ctrl_c_is_one_line_from_rank_zero_and_exit_code_130(
+    task: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cli.main(["fit", "cfg.yaml", "task.model_args.mode=interrupt"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "kiln: interrupted at step 0; last checkpoint: none"
+    assert errors.interrupted() == 130 and capsys.readouterr().err == "kiln: interrupted\n"  # a peer's Ctrl-C
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert errors.interrupted(KeyboardInterrupt("stop")) == 130 and capsys.readouterr().err == ""  # rank 0 says it
