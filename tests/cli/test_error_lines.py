@@ -30,6 +30,8 @@ class Reg(TrainingModule):
             return __import__("json").loads("not json")
         if self.mode == "interrupt":  # Ctrl-C
             raise KeyboardInterrupt
+        if self.mode == "value":  # a ValueError of the user's, not kiln's own sentence
+            raise ValueError("bad value")
         return self.net(batch["x"]).pow(2).mean()
 
 
@@ -84,6 +86,8 @@ def test_an_exception_in_user_code_names_where(task: Path, capsys: pytest.Captur
     line = _line(capsys, "task.model_args.mode=library")
     assert line.startswith("JSONDecodeError: Expecting value: line 1 column 1 (char 0) (in training_step, ")
     assert "linetask.py:18)" in line
+    line = _line(capsys, "task.model_args.mode=value")
+    assert line.startswith("ValueError: bad value (in training_step, ") and "linetask.py:22)" in line
 
 
 def test_traceback_flag_shows_the_traceback(task: Path) -> None:
@@ -107,3 +111,16 @@ def test_ctrl_c_is_one_line_from_rank_zero_and_exit_code_130(
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert errors.interrupted(KeyboardInterrupt("stop")) == 130 and capsys.readouterr().err == ""  # rank 0 says it
+
+
+def test_only_a_runtime_error_gets_the_lost_peer_note(capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    import torch.distributed  # noqa: F401  (the note is looked for only once torch.distributed is in use)
+
+    from kiln.strategies import process_group
+    from kiln.utils.errors import ConfigError
+
+    monkeypatch.setattr(process_group, "lost_peer_note", lambda: "rank 1 died")
+    assert errors.failed(ConfigError("bad setting")) == 2
+    assert capsys.readouterr().err == "kiln: error: bad setting\n"
+    assert errors.failed(RuntimeError("collective failed")) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "rank 1 died"
