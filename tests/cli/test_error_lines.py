@@ -124,3 +124,12 @@ def test_only_a_runtime_error_gets_the_lost_peer_note(capsys: pytest.CaptureFixt
     assert capsys.readouterr().err == "kiln: error: bad setting\n"
     assert errors.failed(RuntimeError("collective failed")) == 2
     assert capsys.readouterr().err.splitlines()[-1] == "rank 1 died"
+
+
+def test_only_a_runtime_error_can_be_a_peers_interrupt(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.launch import worker
+
+    assert not errors.by_peer_interrupt(RuntimeError("collective failed"))  # no peer was interrupted
+    monkeypatch.setattr(worker, "peer_interrupted", lambda: True)
+    assert errors.by_peer_interrupt(RuntimeError("collective failed"))
+    assert not errors.by_peer_interrupt(ValueError("bad value"))
