@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln.engine.data.eval_loaders import eval_dataloader, test_dataloader
 from kiln.engine.data.collator import default_data_collator
+from kiln.engine.data.eval_loaders import eval_dataloader, test_dataloader
 from kiln.engine.data.loaders import build_dataloader
 from kiln.utils.errors import KilnError
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kiln.engine.data.samplers import SequentialDistributedSampler
-from kiln.engine.evaluation.batches import collected, inputs_for_metrics, sampler_of, with_last
 from kiln.engine.evaluation.accumulator import EvalAccumulator
+from kiln.engine.evaluation.batches import collected, inputs_for_metrics, sampler_of, with_last
 from kiln.engine.evaluation.gather import OrderedGatherer, gather_across_processes
 from kiln.engine.evaluation.object_gather import ObjectAccumulator
 from kiln.engine.evaluation.outputs import EvalLoopOutput, EvalPrediction, eval_prediction, step_outputs, to_python
