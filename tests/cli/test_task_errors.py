@@ -82,3 +82,10 @@ def test_missing_attribute_suggests_the_close_name(task: Path, capsys: pytest.Ca
         _error(capsys, "task.model=errtask:Regg")
         == "cannot import task.model='errtask:Regg': module 'errtask' has no 'Regg'. Did you mean 'Reg'?"
     )
+
+
+@pytest.mark.parametrize("missing", ["task.model", "task.data"])
+def test_a_task_missing_either_callable_is_one_sentence(task: Path, capsys: pytest.CaptureFixture, missing) -> None:
+    assert _error(capsys, f"{missing}=null") == (
+        "the config must name task.model and task.data ('package.module:callable')."
+    )
