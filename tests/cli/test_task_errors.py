@@ -30,8 +30,8 @@ def data(n=8):
     return {"train_dataset": [{"x": torch.randn(4)} for _ in range(n)]}
 
 
-def data_with_model_args():
-    return {**data(), "model_args": {"hiden": 3}}
+def data_with_model_args():  # not counted in BUILT: a test asserts that nothing else built data
+    return {"train_dataset": [{"x": torch.randn(4)} for _ in range(8)], "model_args": {"hiden": 3}}
 """
 
 
