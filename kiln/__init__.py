@@ -28,7 +28,7 @@ _EXPORTS = {
     "set_seed": "kiln.engine.seed",
     "CheckpointError": "kiln.utils.errors",
     "KilnError": "kiln.utils.errors",
-    "default_data_collator": "kiln.engine.data.loaders",
+    "default_data_collator": "kiln.engine.data.collator",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kiln.engine.callbacks.base import Callback
     from kiln.engine.callbacks.early_stopping import EarlyStoppingCallback
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
-    from kiln.engine.data.loaders import default_data_collator
+    from kiln.engine.data.collator import default_data_collator
     from kiln.engine.evaluation.outputs import EvalPrediction, PredictionOutput
     from kiln.engine.loop.fit import TrainOutput
     from kiln.engine.model.module import TrainingModule

@@ -31,7 +31,9 @@ def import_callable(path: str, key: str) -> Callable[..., Any]:
     except ModuleNotFoundError as err:
         missing = err.name or module_name
         if module_name == missing or module_name.startswith(missing + "."):
-            pythonpath = os.environ.get("PYTHONPATH") or "unset"
+            from kiln.launch.environment.variables import python_path
+
+            pythonpath = python_path() or "unset"
             raise TaskError(
                 f"cannot import {key}={path!r}: no module {missing!r} on the import path (working directory "
                 f"{os.getcwd()}, PYTHONPATH {pythonpath}); run kiln from the folder that holds "

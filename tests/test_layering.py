@@ -3,7 +3,11 @@ the lowest floor above utils, imports none of the floors above it. Every import 
 inside functions and under `if TYPE_CHECKING:` (a type is a dependency too), and so does a module named
 by a string, which is imported later all the same: `importlib.import_module("kiln.x")`, `__import__`, a
 registry's lazy entry, `sys.modules.get("kiln.x")`, `python -m kiln.x` or `-c "import kiln.x"` in a
-command line."""
+command line.
+
+Settings travel in the config, so only launch code touches the environment (kiln/launch/: the launchers,
+the cluster kinds and environment/variables.py); every other read or write is an exception listed in
+`ENV_READS` with its reason."""
 
 from __future__ import annotations
 
@@ -158,3 +162,69 @@ def test_the_check_sees_modules_named_by_string(tmp_path: Path) -> None:
         "kiln.engine.plugins",
         "kiln.engine.lazy",
     }
+
+
+#: the environment outside kiln/launch/: file -> (how many reads or writes, why it is not launch code's)
+ENV_READS: dict[str, tuple[int, str]] = {
+    "kiln/config/redact.py": (1, "the value a `${oc.env:VAR}` the user wrote in the config resolves to, to mask it"),
+    "kiln/engine/checkpoint/signing.py": (
+        1,
+        "the signing key, from the variable the user names in save.signing_key_env",
+    ),
+    "kiln/loggers/base.py": (1, "a tracker's setting from its own variable when the config leaves it unset (HF's)"),
+    "kiln/loggers/mlflow.py": (3, "MLflow's own variables (tags, run to continue, tracking URI), as HF's callback"),
+    "kiln/loggers/wandb.py": (5, "W&B's credentials and mode, which never go into a saved config"),
+    "kiln/loggers/comet.py": (1, "Comet's import-time settings, which comet_ml reads only from the environment"),
+}
+_ENV_NAMES = {"environ", "getenv", "putenv", "unsetenv", "environb"}
+
+
+def env_reads(path: Path) -> list[int]:
+    """Lines where `path` reads or writes the environment: `os.environ` (any use), `os.getenv`/`putenv`/`unsetenv`,
+    or those names imported from os."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in _ENV_NAMES]
+    lines += [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == "os" and any(a.name in _ENV_NAMES for a in n.names)
+    ]
+    return sorted(lines)
+
+
+def env_offenders(root: Path = ROOT, allowed: dict[str, tuple[int, str]] = ENV_READS) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        name = str(path.relative_to(root.parent))
+        if name.startswith("kiln/launch/"):
+            continue
+        lines = env_reads(path)
+        if lines and len(lines) != allowed.get(name, (0, ""))[0]:
+            found.append(f"{name} touches the environment at lines {lines}")
+    return found
+
+
+def test_only_launch_code_reads_the_environment() -> None:
+    """A new environment read outside kiln/launch/ fails here: put the setting in the config, move the read behind
+    kiln/launch/environment/variables.py, or (where the user names the variable) list it in ENV_READS with why."""
+    assert env_offenders() == []
+
+
+def test_the_environment_check_sees_every_form(tmp_path: Path) -> None:
+    package = tmp_path / "kiln" / "engine"
+    package.mkdir(parents=True)
+    (package / "bad.py").write_text(
+        "import os\nfrom os import getenv\n"
+        "A = os.environ.get('A')\nB = getenv('B')\nos.environ.setdefault('C', '1')\nD = os.getenv('D')\n"
+    )
+    (package / "listed.py").write_text("import os\nA = os.environ['A']\n")
+    (tmp_path / "kiln" / "launch").mkdir()
+    (tmp_path / "kiln" / "launch" / "own.py").write_text("import os\nA = os.environ['A']\n")
+    assert env_reads(package / "bad.py") == [2, 3, 5, 6]
+    assert env_offenders(tmp_path / "kiln", {"kiln/engine/listed.py": (1, "named by the user")}) == [
+        "kiln/engine/bad.py touches the environment at lines [2, 3, 5, 6]"
+    ]
+    assert env_offenders(tmp_path / "kiln", {}) == [
+        "kiln/engine/bad.py touches the environment at lines [2, 3, 5, 6]",
+        "kiln/engine/listed.py touches the environment at lines [2]",
+    ]

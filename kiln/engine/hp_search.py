@@ -1,10 +1,10 @@
-"""`Trainer.hyperparameter_search` (HF) with Optuna: every trial trains a Trainer of its own, built
-through the searching Trainer's constructor (`type(trainer)(*the same arguments)`, so a subclass's
-`__init__` runs for each trial), with the trial's hyperparameters applied to the config, its files in
-`output_dir/run-<n>` and a fresh model from `model_init(trial)`; it is scored by `compute_objective`
-on its evaluation metrics. Evaluations during training report to the trial, so Optuna's pruners can
-stop a poor trial early (single objective only, as in Optuna). The searching Trainer itself is left
-as it was (its config, model and state).
+"""`Trainer.hyperparameter_search` (HF), which delegates to `HyperparameterSearch`: with Optuna, every
+trial trains a Trainer of its own, built through the searching Trainer's constructor
+(`type(trainer)(*the same arguments)`, so a subclass's `__init__` runs for each trial), with the
+trial's hyperparameters applied to the config, its files in `output_dir/run-<n>` and a fresh model
+from `model_init(trial)`; it is scored by `compute_objective` on its evaluation metrics. Evaluations
+during training report to the trial, so Optuna's pruners can stop a poor trial early (single objective
+only, as in Optuna). The searching Trainer itself is left as it was (its config, model and state).
 
 How a trial's Trainer is built: kiln/engine/hp_trial.py (shared with the Ray backend).
 
@@ -16,16 +16,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kiln.engine.hp_trial import TrialRun, build_trial_trainer, trial_config
+from kiln.engine.hp_trial import TrialRecipe, TrialRun, trial_config
 from kiln.utils.errors import KilnError
-
-if TYPE_CHECKING:
-    from kiln.engine.callbacks.base import CallbackHandler
-    from kiln.engine.callbacks.state import TrainerControl, TrainerState
-    from kiln.engine.run import Run
-    from kiln.strategies.base import Strategy
 
 
 @dataclass
@@ -59,86 +53,79 @@ def default_compute_objective(metrics: dict[str, float]) -> float:
     return loss if not metrics else sum(metrics.values())  # type: ignore[return-value]
 
 
-class HyperparameterSearchMixin:
-    """HF's `hyperparameter_search` on the Trainer (the class these methods live on is
-    `kiln.engine.trainer.Trainer`); the attributes below are the Trainer's that the search uses."""
+def check_searchable(backend: str | None, model_init: Any, user_optimizer: bool, world_size: int) -> None:
+    """What a search needs of the searching Trainer, refused in one sentence each."""
+    if backend not in (None, "optuna", "ray"):
+        raise KilnError(
+            f"hyperparameter_search backend {backend!r} is not available: kiln searches with optuna or ray."
+        )
+    if model_init is None:
+        raise KilnError("hyperparameter_search needs model_init= (a callable building a fresh model for each trial).")
+    if user_optimizer:
+        raise KilnError(
+            "hyperparameter_search cannot reuse the optimizer passed in optimizers=: override "
+            "create_optimizer (or use the config's optim) so each trial builds its own."
+        )
+    if world_size > 1:
+        raise KilnError("hyperparameter_search runs in one process; start it without a launcher.")
 
-    config: Any
-    strategy: Strategy
-    run: Run
-    state: TrainerState
-    control: TrainerControl
-    callback_handler: CallbackHandler
-    model_init: Callable[..., Any] | None
-    _init_call: tuple[tuple[Any, ...], dict[str, Any]]
 
-    if TYPE_CHECKING:  # the Trainer's
+@dataclass(eq=False)
+class HyperparameterSearch:
+    """HF's `hyperparameter_search` for one Trainer (which owns it): each trial's Trainer is built from
+    `recipe`, so the searching Trainer itself is left as it was."""
 
-        def fit(
-            self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: list[str] | None = None
-        ) -> Any: ...
-        def evaluate(
-            self,
-            eval_dataset: Any = None,
-            ignore_keys: list[str] | None = None,
-            metric_key_prefix: str = "eval",
-            **gen_kwargs: Any,
-        ) -> dict[str, float]: ...
+    recipe: TrialRecipe
 
-    def hyperparameter_search(
+    def run(
         self,
-        hp_space: Callable[[Any], dict[str, Any]] | None = None,
-        compute_objective: Callable[[dict[str, float]], float | list[float]] | None = None,
-        n_trials: int = 20,
-        direction: str | list[str] = "minimize",
-        backend: str | None = None,
-        hp_name: Callable[[Any], str] | None = None,
+        hp_space: Callable[[Any], dict[str, Any]] | None,
+        compute_objective: Callable[[dict[str, float]], float | list[float]] | None,
+        n_trials: int,
+        direction: str | list[str],
+        backend: str | None,
+        hp_name: Callable[[Any], str] | None,
         **kwargs: Any,
     ) -> BestRun | list[BestRun]:
-        """Search hyperparameters with Optuna (HF's signature); kwargs go to `optuna.create_study`.
-        Returns the best run, or the Pareto-best runs for several directions. `backend="ray"`: with
-        Ray Tune, kwargs as HF's (`resources_per_trial`, `scheduler`, ...)."""
-        if backend not in (None, "optuna", "ray"):
-            raise KilnError(
-                f"hyperparameter_search backend {backend!r} is not available: kiln searches with optuna or ray."
-            )
-        if self.model_init is None:
-            raise KilnError(
-                "hyperparameter_search needs model_init= (a callable building a fresh model for each trial)."
-            )
-        if self.run.user_optimizer:
-            raise KilnError(
-                "hyperparameter_search cannot reuse the optimizer passed in optimizers=: override "
-                "create_optimizer (or use the config's optim) so each trial builds its own."
-            )
-        if self.strategy.world_size > 1:
-            raise KilnError("hyperparameter_search runs in one process; start it without a launcher.")
+        """The best run, or the Pareto-best runs for several directions (Optuna); kwargs go to
+        `optuna.create_study`, or with `backend="ray"` to Ray Tune (HF's `resources_per_trial`, `scheduler`, ...)."""
         compute_objective = compute_objective or default_compute_objective
         if backend == "ray":
             from kiln.engine.hp_search_ray import run_hp_search_ray
 
-            return BestRun(
-                *run_hp_search_ray(self, hp_space, compute_objective, n_trials, direction, hp_name, **kwargs)
-            )
+            found = run_hp_search_ray(self.recipe, hp_space, compute_objective, n_trials, direction, hp_name, **kwargs)
+            return BestRun(*found)
+        return self._optuna(
+            hp_space or default_hp_space_optuna, compute_objective, n_trials, direction, hp_name, kwargs
+        )
+
+    def _optuna(
+        self,
+        hp_space: Callable[[Any], dict[str, Any]],
+        compute_objective: Callable[[dict[str, float]], float | list[float]],
+        n_trials: int,
+        direction: str | list[str],
+        hp_name: Callable[[Any], str] | None,
+        study_kwargs: dict[str, Any],
+    ) -> BestRun | list[BestRun]:
         from kiln.loggers.base import require
 
         require("optuna", "optuna", "hyperparameter_search")
         import optuna
 
-        hp_space = hp_space or default_hp_space_optuna
         several = isinstance(direction, (list, tuple))
         study = (
-            optuna.create_study(directions=list(direction), **kwargs)  # type: ignore[arg-type]  # optuna's stub wants Literal["minimize", "maximize"]; HF's signature takes str, which optuna validates
+            optuna.create_study(directions=list(direction), **study_kwargs)  # type: ignore[arg-type]  # optuna's stub wants Literal["minimize", "maximize"]; HF's signature takes str, which optuna validates
             if several
-            else optuna.create_study(direction=direction, **kwargs)  # type: ignore[arg-type]  # as above
+            else optuna.create_study(direction=direction, **study_kwargs)  # type: ignore[arg-type]  # as above
         )
+        base = self.recipe.config
 
         def objective(trial: Any) -> float | list[float]:
             params = hp_space(trial)
-            run = TrialRun(
-                trial, trial_config(self.config, trial, params, hp_name), params, compute_objective, prune=not several
-            )
-            trainer = build_trial_trainer(type(self), self._init_call, run, self.callback_handler.callbacks)
+            config = trial_config(base, trial, params, hp_name)
+            run = TrialRun(trial, config, params, compute_objective, prune=not several)
+            trainer = self.recipe.build(run)
             trainer.fit(trial=trial)  # model_init(trial), its own optimizer, state and folder
             if run.objective is None:  # no evaluation during training: evaluate once at the end
                 run.objective = compute_objective(trainer.evaluate())
@@ -151,17 +138,3 @@ class HyperparameterSearchMixin:
         value = best.value
         assert value is not None  # the best trial of a single-objective study is a completed one
         return BestRun(str(best.number), value, best.params)
-
-    def _report_to_trial(self, metrics: dict[str, float]) -> None:
-        """After each evaluation during a trial: record the objective and let Optuna prune."""
-        search = self.run.trial
-        if search is None:
-            return
-        search.objective = search.compute_objective(metrics)
-        if search.prune:
-            import optuna
-
-            search.trial.report(search.objective, self.state.global_step)
-            if search.trial.should_prune():
-                self.control = self.callback_handler.call("on_train_end", self.config, self.state, self.control)
-                raise optuna.TrialPruned()

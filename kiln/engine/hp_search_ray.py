@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kiln.engine.callbacks.base import Callback
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from kiln.engine.callbacks.state import TrainerControl, TrainerState
+    from kiln.engine.hp_trial import TrialRecipe
 
 #: keyword arguments that configure the search (Ray Tune's TuneConfig) and the run (Ray Tune's RunConfig)
 _TUNE = (
@@ -64,7 +66,7 @@ class RayTrial(dict):
 
 
 def run_hp_search_ray(
-    trainer: Any,
+    recipe: TrialRecipe,
     hp_space: Callable[[Any], dict[str, Any]] | None,
     compute_objective: Callable[[dict[str, float]], Any],
     n_trials: int,
@@ -92,12 +94,13 @@ def run_hp_search_ray(
     from ray import tune
 
     mode = direction[:3]
-    recipe = _recipe(trainer, compute_objective, hp_name)
+    output_dir = str(recipe.config.output_dir)
+    shipped = _recipe(recipe, compute_objective, hp_name)
     resources = kwargs.pop("resources_per_trial", {"cpu": 1})
     kwargs.setdefault("reuse_actors", True)  # a trial process imports torch and kiln once, not once per trial
     run = {
         "name": "hp_search",
-        "storage_path": os.path.abspath(os.path.join(str(trainer.config.output_dir), "ray_results")),
+        "storage_path": os.path.abspath(os.path.join(output_dir, "ray_results")),
         "verbose": 0,
         **{k: kwargs.pop(k) for k in _RUN if k in kwargs},
     }
@@ -106,7 +109,7 @@ def run_hp_search_ray(
         ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False)
     try:
         tuner = tune.Tuner(
-            tune.with_resources(tune.with_parameters(_trial, recipe=recipe), resources),
+            tune.with_resources(tune.with_parameters(_trial, recipe=shipped), resources),
             param_space=(hp_space or default_hp_space_ray)(None),
             tune_config=tune.TuneConfig(num_samples=n_trials, metric="objective", mode=mode, **kwargs),
             run_config=tune.RunConfig(**run),
@@ -125,22 +128,20 @@ def run_hp_search_ray(
 
 
 def _recipe(
-    trainer: Any, compute_objective: Callable[..., Any], hp_name: Callable[[Any], str] | None
+    recipe: TrialRecipe, compute_objective: Callable[..., Any], hp_name: Callable[[Any], str] | None
 ) -> dict[str, Any]:
-    """What a trial builds its Trainer from (sent to each trial process by Ray's object store)."""
+    """What a trial builds its Trainer from (sent to each trial process by Ray's object store): `recipe` with its
+    config as a plain container and only the callbacks that are not kiln's own (the trial's Trainer rebuilds those)."""
     from omegaconf import OmegaConf
 
-    config = OmegaConf.to_container(trainer.config, resolve=True)
+    config = OmegaConf.to_container(recipe.config, resolve=True)
     assert isinstance(config, dict)
-    config["output_dir"] = os.path.abspath(str(trainer.config.output_dir))  # Tune runs a trial in a folder of its own
+    config["output_dir"] = os.path.abspath(str(recipe.config.output_dir))  # Tune runs a trial in a folder of its own
+    callbacks = [cb for cb in recipe.callbacks if not type(cb).__module__.startswith("kiln.")]
     return {
-        "cls": type(trainer),
-        "init_call": trainer._init_call,
-        "config": config,
+        "trainer": replace(recipe, config=config, callbacks=callbacks),
         "compute_objective": compute_objective,
         "hp_name": hp_name,
-        # callbacks added after construction travel with the trial (kiln's own are rebuilt by the trial's Trainer)
-        "callbacks": [cb for cb in trainer.callback_handler.callbacks if not type(cb).__module__.startswith("kiln.")],
     }
 
 
@@ -190,13 +191,13 @@ def _trial(params: dict[str, Any], recipe: dict[str, Any]) -> None:
     from ray import tune
 
     from kiln.config.load import load_config
-    from kiln.engine.hp_trial import TrialRun, build_trial_trainer, trial_config
+    from kiln.engine.hp_trial import TrialRun, trial_config
 
     trial = RayTrial(params, tune.get_context().get_trial_id())
-    base = load_config(recipe["config"])
+    base = load_config(recipe["trainer"].config)
     config = trial_config(base, trial, _typed(base, params), recipe["hp_name"])
     run = TrialRun(trial, config, params, recipe["compute_objective"], prune=False)
-    trainer = build_trial_trainer(recipe["cls"], recipe["init_call"], run, recipe["callbacks"])
+    trainer = recipe["trainer"].build(run)
     datasets = len(trainer.eval_dataset) if isinstance(trainer.eval_dataset, Mapping) else 1
     reporter = TuneReport(recipe["compute_objective"], datasets, tune.report)
     trainer.add_callback(reporter)

@@ -3,7 +3,8 @@ hp_search_ray.py): through the searching Trainer's own class and the arguments i
 called with (`Trainer.__new__` keeps them), so a subclass's `__init__` runs for every trial. While
 `build_trial_trainer` constructs it, `building_trial()` names the trial's `TrialRun`: kiln's
 `Trainer.__init__` then takes the trial's config and builds `model_init(trial)`, whatever the subclass
-passes up, and the Run it starts holds the trial (`Run.trial`)."""
+passes up, and the Run it starts holds the trial (`Run.trial`), which records each evaluation's objective
+(`TrialRun.report`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,31 @@ class TrialRun:
     @property
     def name(self) -> str:
         return os.path.basename(self.config.output_dir)
+
+    def report(self, metrics: dict[str, float], step: int) -> bool:
+        """After an evaluation during training: record the objective so far and, with pruning, report it to
+        Optuna; True when Optuna prunes the trial (its Trainer then ends the run: Trainer._report_to_trial)."""
+        self.objective = self.compute_objective(metrics)
+        if not self.prune:
+            return False
+        self.trial.report(self.objective, step)
+        return bool(self.trial.should_prune())
+
+
+@dataclass(eq=False)
+class TrialRecipe:
+    """What every trial builds its Trainer from: the searching Trainer's class and the arguments its constructor
+    was called with (so a subclass's `__init__` runs), its config (each trial's is this with the trial's values)
+    and its callbacks (those added after construction come along)."""
+
+    cls: type
+    init_call: tuple[tuple[Any, ...], dict[str, Any]]
+    config: Any
+    callbacks: list[Callback]
+
+    def build(self, trial_run: TrialRun) -> Any:
+        """The trial's Trainer (`build_trial_trainer`)."""
+        return build_trial_trainer(self.cls, self.init_call, trial_run, self.callbacks)
 
 
 #: the trial whose Trainer is being constructed (read by kiln's Trainer.__init__)

@@ -30,9 +30,9 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
 
 def enable_full_determinism() -> None:
     # cuBLAS reads this when its handle is created, so it must be set before the first matmul.
-    import os
+    from kiln.launch.environment.variables import export_default
 
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    export_default("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

@@ -6,7 +6,6 @@ call so that subclassing works as HF users expect."""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,21 +21,20 @@ from kiln.engine.callbacks.early_stopping import resolve_greater_is_better
 from kiln.engine.checkpoint.best_model import load_best_model
 from kiln.engine.checkpoint.output_dir import refuse_overwrite, run_lock
 from kiln.engine.checkpoint.resume import choose_resume
-from kiln.engine.data.eval_loaders import eval_dataloader, test_dataloader
-from kiln.engine.data.trainer_loaders import DataLoaderMixin
+from kiln.engine.data.trainer_loaders import TrainerLoaders
 from kiln.engine.distributed import check_same_output_dir
 from kiln.engine.evaluation.metric_files import log_metrics, metrics_format, save_metrics
-from kiln.engine.hp_search import HyperparameterSearchMixin
-from kiln.engine.hp_trial import building_trial
+from kiln.engine.hp_search import HyperparameterSearch, check_searchable
+from kiln.engine.hp_trial import TrialRecipe, building_trial
 from kiln.engine.loop.evaluate import EvaluateLoop, PredictLoop
 from kiln.engine.loop.evaluation import EvaluationLoop
 from kiln.engine.loop.fit import FitLoop, TrainOutput
-from kiln.engine.loop.fit_errors import raise_interrupted, raise_translated
+from kiln.engine.loop.fit_errors import fit_errors
 from kiln.engine.loop.fit_evaluation import check_eval_setup
 from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.engine.loop.prediction_step import prediction_step
 from kiln.engine.model.loss import model_loss
-from kiln.engine.model.model_init import build_model
+from kiln.engine.model.model_init import build_model, trainer_model
 from kiln.engine.model.neftune import neftune
 from kiln.engine.model.summary import print_start_summary
 from kiln.engine.run import setup_for_eval
@@ -50,10 +48,11 @@ from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
     from kiln.engine.evaluation.outputs import EvalLoopOutput, PredictionOutput
+    from kiln.engine.hp_search import BestRun
     from kiln.engine.model.module import TrainingModule
 
 
-class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
+class Trainer(RunAttributes):
     """Train, evaluate and predict with a TrainingModule or an HF-contract nn.Module.
 
     `config` is a TrainingConfig, dict (HF flat names allowed), YAML path, DictConfig or a
@@ -65,6 +64,8 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
     `model`, `model_wrapped`, `optimizer`, `lr_scheduler`, `state` and `control` read and write it. Call `teardown()` (or use the Trainer as a context manager)
     when done with it: it releases the process group and restores global flags; otherwise that
     happens when the interpreter exits."""
+
+    _init_call: tuple[tuple[Any, ...], dict[str, Any]]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Trainer:
         trainer = super().__new__(cls)
@@ -108,21 +109,10 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
             cfg, model, strategy, precision, user_optimizer=optimizers[0] is not None
         )
         self.config = cfg
+        self.loaders = TrainerLoaders(cfg, self.strategy)  # behind get_train/eval/test_dataloader
         set_seed(cfg.seed, cfg.full_determinism)
         self.model_init = model_init
-        if model is None or search is not None:  # a trial trains a fresh model_init(trial), as in HF
-            if model_init is None:
-                raise KilnError(
-                    "Trainer needs a model: pass `model=` or `model_init=` (a callable returning the model)."
-                )
-            model = build_model(self.strategy, model_init, search.trial if search is not None else None)
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"`model` must be a torch.nn.Module (a TrainingModule or an HF-contract model), not {type(model).__name__}."
-            )
-        if cfg.train.use_cache is not None and getattr(model, "config", None) is not None:
-            hf: Any = model  # an HF model's config (nn.Module.__getattr__ would type it Tensor | Module)
-            hf.config.use_cache = cfg.train.use_cache  # HF sets it from TrainingArguments.use_cache
+        model = trainer_model(self.strategy, cfg, model, model_init, search.trial if search is not None else None)
         self.args = cfg  # HF code reads trainer.args
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator, self.processing_class = data_collator, processing_class
@@ -145,6 +135,9 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
         )
         for cb in callbacks or ():
             self.callback_handler.add(cb)
+        # behind hyperparameter_search: each trial's Trainer is built as this one was (callbacks added later too)
+        recipe = TrialRecipe(type(self), self._init_call, cfg, self.callback_handler.callbacks)
+        self.hp_search = HyperparameterSearch(recipe)
         self.run = start_run(
             cfg,
             self.strategy,
@@ -173,9 +166,14 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
         )
         self.callback_handler.objects["model"] = self.run.model
 
-    def _adopt(self, model: nn.Module) -> None:
-        """A new run for `model` (assigned to `trainer.model`): set up anew, without the old optimizer; the
-        state and control stay (HF keeps them when the model is replaced)."""
+    @property
+    def model(self) -> nn.Module:
+        return self.run.model
+
+    @model.setter
+    def model(self, model: nn.Module) -> None:
+        """A new run for `model`: set up anew by the strategy, without the previous one's optimizer; the state and
+        control stay (HF keeps them when the model is replaced)."""
         old = self.run
         self._start_run(model)
         self.run.state, self.run.control = old.state, old.control
@@ -261,6 +259,12 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
             self.strategy.backward(loss, model, boundary=micro_batch.boundary if micro_batch is not None else True)
         return loss.detach()
 
+    # -- data (HF override points; data/trainer_loaders.py) -------------------------------------
+    def get_train_dataloader(self) -> Iterable[Any]:
+        """kiln's sampler (seeded by (data_seed, epoch), sharded over ranks, resumable in O(1)) over the
+        model's inputs. A DataLoader passed as train_dataset is used as given."""
+        return self.loaders.train(self.run, self.train_dataset, self.data_collator, self.processing_class)
+
     def fit(
         self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: list[str] | None = None
     ) -> TrainOutput:
@@ -295,34 +299,24 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
         self._runs_started += 1
         self.is_in_train = True
         self.memory_tracker.start("train")
-        try:  # the outer try: a Ctrl-C that lands while an error is being handled is still the interrupt
-            try:
-                with neftune(self.model, cfg.train.neftune_noise_alpha):
-                    loop = FitLoop(
-                        self,
-                        self.run,
-                        self.strategy,
-                        self.precision,
-                        self.callback_handler,
-                        self.checkpoints,
-                        cfg,
-                        self.memory_tracker,
-                        wants_num_items=self.wants_num_items or self.run.facts.accepts_num_items,
-                        ignore_keys_for_eval=ignore_keys_for_eval,
-                    )
-                    return loop.run_fit(path)
-            except Exception as err:
-                raise_translated(err, cfg, self.run.micro_batch_size)  # a peer's Ctrl-C; out of memory, explained
-                raise
-            finally:
-                self.checkpoints.drain()  # ended on an error: a save in flight (save.async_save) still lands
-                self.is_in_train = False
-                self.precision.teardown()
-                from kiln.loggers.writer import flush_after_fit
-
-                flush_after_fit(sys.exc_info()[1])  # an exception skips on_train_end
-        except KeyboardInterrupt:
-            raise_interrupted(cfg.output_dir, self.state.global_step)
+        try:
+            with fit_errors(cfg, self.run), neftune(self.model, cfg.train.neftune_noise_alpha):
+                loop = FitLoop(
+                    self,
+                    self.run,
+                    self.strategy,
+                    self.precision,
+                    self.callback_handler,
+                    self.checkpoints,
+                    cfg,
+                    self.memory_tracker,
+                    wants_num_items=self.wants_num_items or self.run.facts.accepts_num_items,
+                    ignore_keys_for_eval=ignore_keys_for_eval,
+                )
+                return loop.run_fit(path)
+        finally:
+            self.is_in_train = False
+            self.precision.teardown()  # its global flags, restored once the fit is no longer in train
 
     train = fit  # HF name
 
@@ -339,6 +333,32 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
             )  # before the model is built, so its init follows the seed
             model = build_model(self.strategy, self.model_init, self._trial)
         self._start_run(model)
+
+    # -- hyperparameter search (HF API; hp_search.py) ----------------------------------------------
+    def hyperparameter_search(
+        self,
+        hp_space: Callable[[Any], dict[str, Any]] | None = None,
+        compute_objective: Callable[[dict[str, float]], float | list[float]] | None = None,
+        n_trials: int = 20,
+        direction: str | list[str] = "minimize",
+        backend: str | None = None,
+        hp_name: Callable[[Any], str] | None = None,
+        **kwargs: Any,
+    ) -> BestRun | list[BestRun]:
+        """Search hyperparameters with Optuna (HF's signature); kwargs go to `optuna.create_study`.
+        Returns the best run, or the Pareto-best runs for several directions. `backend="ray"`: with
+        Ray Tune, kwargs as HF's (`resources_per_trial`, `scheduler`, ...)."""
+        check_searchable(backend, self.model_init, self.run.user_optimizer, self.strategy.world_size)
+        return self.hp_search.run(hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
+
+    def _report_to_trial(self, metrics: dict[str, float]) -> None:
+        """After each evaluation during a search trial: its objective so far; a trial Optuna prunes ends here."""
+        trial = self.run.trial
+        if trial is not None and trial.report(metrics, self.state.global_step):
+            self.control = self.callback_handler.call("on_train_end", self.config, self.state, self.control)
+            import optuna
+
+            raise optuna.TrialPruned()
 
     def teardown(self) -> None:
         """Release what this Trainer holds outside Python objects: the strategy's process group and
@@ -405,11 +425,10 @@ class Trainer(RunAttributes, DataLoaderMixin, HyperparameterSearchMixin):
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Iterable[Any]:
         """The eval DataLoader: in order, sharded contiguously over ranks; `eval_dataset` may be a dataset, or the
         name of one in a dict passed to the Trainer; reused with `dataloader_persistent_workers` (eval_loaders.py)."""
-        cache, own = self.run.eval_loaders, self.eval_dataset
-        return eval_dataloader(self.config, self.strategy, own, eval_dataset, cache, self._model_inputs)
+        return self.loaders.eval(self.run, self.eval_dataset, eval_dataset, self.data_collator)
 
     def get_test_dataloader(self, test_dataset: Any) -> Iterable[Any]:
-        return test_dataloader(self.config, self.strategy, test_dataset, self._model_inputs)
+        return self.loaders.test(self.run, test_dataset, self.data_collator)
 
     def setup_model(self) -> nn.Module:
         """The module set up by the strategy for evaluation (before training: without an optimizer)."""

@@ -1,4 +1,4 @@
-"""HF's Trainer attributes (`state`, `control`, `model`, `model_wrapped`, `optimizer`, `lr_scheduler`,
+"""HF's Trainer attributes (`state`, `control`, `model_wrapped`, `optimizer`, `lr_scheduler`,
 `label_names`, `_train_batch_size`, `_gen_kwargs`, `_eval_dataloaders`), kiln's per-fit ones (`checkpoints`, `log_to_loggers_only`) and introspection (`get_learning_rates`, `get_optimizer_group`,
 `get_num_trainable_parameters`), read from and written to the Trainer's current `Run`: one place
 holds each piece of run state, and HF code that reads or assigns these attributes keeps working."""
@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 
 
 class RunAttributes:
-    run: Run
+    """The attributes over `run`, the one thing this base class reads (the Trainer sets it; `model`, whose
+    assignment starts a new run, is the Trainer's own property)."""
 
-    def _adopt(self, model: nn.Module) -> None:
-        raise NotImplementedError  # the Trainer's: a new run for `model`
+    run: Run
 
     # -- HF's attributes, over the run ------------------------------------------------------
     @property
@@ -59,15 +59,6 @@ class RunAttributes:
     def _trial(self) -> Any:
         """The hyperparameter-search trial (Optuna's, or a Ray trial) this Trainer trains; None outside a search."""
         return self.run.trial.trial if self.run.trial is not None else None
-
-    @property
-    def model(self) -> nn.Module:
-        return self.run.model
-
-    @model.setter
-    def model(self, model: nn.Module) -> None:
-        """A new model is set up anew by the strategy, without the previous one's optimizer."""
-        self._adopt(model)
 
     @property
     def model_wrapped(self) -> nn.Module:
@@ -120,7 +111,7 @@ class RunAttributes:
         return self.run.micro_batch
 
     def get_num_trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return sum(p.numel() for p in self.run.model.parameters() if p.requires_grad)
 
     def get_learning_rates(self) -> list[float]:
         """The learning rate of each optimizer param group (HF); an error before the optimizer exists."""
@@ -130,7 +121,7 @@ class RunAttributes:
         """HF's API: the param group holding `param` (a Parameter or its name), else every group's params."""
         groups = self._require_optimizer().param_groups
         if isinstance(param, str):
-            param = dict(self.model.named_parameters()).get(param)
+            param = dict(self.run.model.named_parameters()).get(param)
         if param is not None:
             for group in groups:
                 if any(p is param for p in group["params"]):

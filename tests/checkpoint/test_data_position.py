@@ -91,7 +91,7 @@ def test_iterable_dataset_without_state_is_iterated_past_with_a_note(tmp_path, c
 
 def test_jump_cost_does_not_depend_on_the_position():
     """The sampler's work to start at batch b is one permutation, whatever b is."""
-    from kiln.engine.data.loaders import ResumableSampler
+    from kiln.engine.data.samplers import ResumableSampler
 
     calls = []
     sampler = ResumableSampler(100_000, seed=0)

@@ -101,6 +101,8 @@ def test_no_weights_is_refused_unless_random_weights_is_asked_for(tmp_path: Path
         f"kiln: error: output_dir 'fresh' (in {tmp_path}) holds no checkpoint or exported model to score"
     )
     assert err.count("\n") == 1
+    assert cli.main(["predict", "cfg.yaml", "--random-weights"]) == 0  # its folder made first, for the predictions
+    assert np.load(tmp_path / "fresh" / "random-weights" / "predictions.npy").shape[0] > 0
     assert cli.main(["evaluate", "cfg.yaml", "--random-weights"]) == 0
     result = json.loads((tmp_path / "fresh" / "random-weights" / "evaluate_results.json").read_text())
     assert result["step"] == 0 and result["weights"] is None and result["eval_loss"] > 0

@@ -28,6 +28,10 @@ class Reg(TrainingModule):
 def data(n=8):
     BUILT.append(n)
     return {"train_dataset": [{"x": torch.randn(4)} for _ in range(n)]}
+
+
+def data_with_model_args():  # not counted in BUILT: a test asserts that nothing else built data
+    return {"train_dataset": [{"x": torch.randn(4)} for _ in range(8)], "model_args": {"hiden": 3}}
 """
 
 
@@ -81,4 +85,18 @@ def test_missing_attribute_suggests_the_close_name(task: Path, capsys: pytest.Ca
     assert (
         _error(capsys, "task.model=errtask:Regg")
         == "cannot import task.model='errtask:Regg': module 'errtask' has no 'Regg'. Did you mean 'Reg'?"
+    )
+
+
+@pytest.mark.parametrize("missing", ["task.model", "task.data"])
+def test_a_task_missing_either_callable_is_one_sentence(task: Path, capsys: pytest.CaptureFixture, missing) -> None:
+    assert _error(capsys, f"{missing}=null") == (
+        "the config must name task.model and task.data ('package.module:callable')."
+    )
+
+
+def test_model_args_the_data_returns_are_checked_against_the_model(task: Path, capsys: pytest.CaptureFixture) -> None:
+    assert _error(capsys, "task.data=errtask:data_with_model_args") == (
+        "task.model_args (with the model_args errtask:data_with_model_args returned) has 'hiden', which errtask:Reg "
+        "does not take; its parameters are hidden, depth. Did you mean 'hidden'?"
     )

@@ -96,7 +96,7 @@ def train(name: str, output_dir: str, world: int, resume: Any = None, **extra: A
     }
     data = sc["data"]()
     if world == 1 and "one_data" in sc:  # the samples the 2-rank run trains on, in its sampler's order
-        from kiln.engine.data.loaders import ResumableSampler
+        from kiln.engine.data.samplers import ResumableSampler
 
         order = ResumableSampler(len(data), seed=3).indices()[: sc["one_data"]]
         data = torch.utils.data.DataLoader([data[i] for i in order], batch_size=4, shuffle=False)

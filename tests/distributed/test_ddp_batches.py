@@ -77,7 +77,7 @@ def test_split_batches_needs_a_multiple_of_the_world_size():
 
 
 def test_uneven_sampler_shards_without_repeats():
-    from kiln.engine.data.loaders import ResumableSampler
+    from kiln.engine.data.samplers import ResumableSampler
 
     shards = [ResumableSampler(23, seed=1, num_replicas=2, rank=r, even=False, batch_size=2).indices() for r in (0, 1)]
     assert sorted(shards[0] + shards[1]) == list(range(23)) and [len(s) for s in shards] == [12, 11]

@@ -40,7 +40,7 @@ def test_without_average_tokens_across_devices_ranks_means_are_averaged(ddp, tmp
     differs from the mean over all tokens because the ranks hold different numbers of tokens."""
     from torch.utils.data import default_collate
 
-    from kiln.engine.data.loaders import ResumableSampler
+    from kiln.engine.data.samplers import ResumableSampler
 
     results, tensors = ddp
     name = "tokens_rank_means"

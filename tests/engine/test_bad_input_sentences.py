@@ -12,7 +12,7 @@ from torch import nn
 
 from kiln import Trainer
 from kiln.config import load_config
-from kiln.engine.data.loaders import default_data_collator
+from kiln.engine.data.collator import default_data_collator
 from kiln.utils.errors import ConfigError, KilnError
 from tests.helpers import TinyRegressor, TokenModel, base_config, regression_data
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.engine.data.loaders import default_data_collator
+from kiln.engine.data.collator import default_data_collator
 
 hf_collator = pytest.importorskip("transformers.data.data_collator").default_data_collator
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kiln.engine.data.length_grouping import LengthGroupedSampler
-from kiln.engine.data.loaders import ResumableSampler, build_dataloader, skip_batches
+from kiln.engine.data.loaders import build_dataloader, skip_batches
+from kiln.engine.data.samplers import ResumableSampler
 
 
 def test_order_depends_only_on_seed_and_epoch():

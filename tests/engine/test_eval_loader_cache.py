@@ -71,7 +71,7 @@ def test_a_new_run_builds_its_own_eval_loaders(tmp_path):
     """The reused eval loaders belong to the run (kiln.engine.run.Run): a second fit() is a new run, so its
     evaluation runs over a loader built with the data as it is now (here a collator changed in between), not
     over the first fit's loader. A model assigned to `trainer.model` starts a new run too."""
-    from kiln.engine.data.loaders import default_data_collator
+    from kiln.engine.data.collator import default_data_collator
 
     calls: list[tuple[str, int]] = []
 

@@ -13,21 +13,23 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.engine.evaluation.accumulator import EvalAccumulator
 from kiln.engine.evaluation.gather import (
-    EvalAccumulator,
     OrderedGatherer,
     SequentialDistributedSampler,
-    concat_padded,
     gather_across_processes,
+    pad_across_processes,
+    restore_order,
+)
+from kiln.engine.evaluation.nested import (
+    concat_padded,
     nested_concat,
     nested_concat_all,
     nested_detach,
     nested_numpify,
     nested_to_cpu,
     nested_truncate,
-    pad_across_processes,
     pad_and_concat,
-    restore_order,
 )
 from kiln.engine.evaluation.outputs import EvalLoopOutput, EvalPrediction, PredictionOutput
 

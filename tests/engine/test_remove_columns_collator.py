@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from kiln.engine.data.collator import default_data_collator
 from kiln.engine.data.columns import RemoveColumnsCollator
-from kiln.engine.data.loaders import default_data_collator
 
 KEEP = ["x", "labels"]
 

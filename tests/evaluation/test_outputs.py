@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from sklearn.metrics import accuracy_score
 
 from kiln import EvalPrediction, KilnError, Trainer, TrainingModule
-from kiln.engine.evaluation.gather import EvalAccumulator
+from kiln.engine.evaluation.accumulator import EvalAccumulator
 from kiln.engine.loop import evaluation as evaluation_loop
 from tests.evaluation.common import accuracy, config, digits, hand_logits, make_model
 

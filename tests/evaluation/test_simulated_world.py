@@ -117,7 +117,7 @@ def test_drop_last_keeps_whole_global_batches(tmp_path: Any) -> None:
 
 
 def test_sampler_drop_last_layout() -> None:
-    from kiln.engine.data.loaders import SequentialDistributedSampler
+    from kiln.engine.data.samplers import SequentialDistributedSampler
     from kiln.engine.evaluation.gather import OrderedGatherer
 
     shards = [list(SequentialDistributedSampler(16, 3, r, batch_size=2, drop_last=True)) for r in range(3)]

@@ -227,7 +227,7 @@ def test_a_ray_trial_builds_its_trainer_through_the_subclass_constructor(monkeyp
     monkeypatch.setattr(tune, "get_context", lambda: SimpleNamespace(get_trial_id=lambda: "t0"))
     monkeypatch.setattr(tune, "report", reports.append)
     searching = trainer(tmp_path, callbacks=[Ended()], cls=Marked, cls_kwargs={"mark": "from-init"})
-    recipe = cloudpickle.loads(cloudpickle.dumps(_recipe(searching, default_compute_objective, None)))
+    recipe = cloudpickle.loads(cloudpickle.dumps(_recipe(searching.hp_search.recipe, default_compute_objective, None)))
     _trial({"learning_rate": 0.05, "seed": 7.0}, recipe)
     run = tmp_path / "run-t0"
     assert (run / "mark").read_text() == "from-init 0.05 7"  # Marked.__init__ ran, with the trial's values

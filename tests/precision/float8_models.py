@@ -71,7 +71,7 @@ def hand_float8_sgd(
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from kiln.engine.data.loaders import ResumableSampler
+    from kiln.engine.data.samplers import ResumableSampler
 
     torch.manual_seed(0)
     model = Float8Regressor()
@@ -124,7 +124,7 @@ def hand_float8_fsdp_sgd(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
-    from kiln.engine.data.loaders import ResumableSampler
+    from kiln.engine.data.samplers import ResumableSampler
 
     torch.manual_seed(0)
     model = Float8LossNet()

@@ -34,7 +34,8 @@ def resume_iterator(
     anything else is iterated past, with a note (and a progress bar on the main process). It ends
     where the epoch ends (loaders.epoch_iterator: a loader from an overridden get_train_dataloader
     gives len(loader) batches, as HF reads it)."""
-    from kiln.engine.data.loaders import ResumableSampler, epoch_iterator, skip_batches
+    from kiln.engine.data.loaders import epoch_iterator, skip_batches
+    from kiln.engine.data.samplers import ResumableSampler
 
     if skip == 0:
         return epoch_iterator(loader, iter(loader), 0)

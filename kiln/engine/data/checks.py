@@ -76,7 +76,7 @@ def check_first_item(
         return
     if collator is None and training_module:
         return  # default_collate keeps the tuple; training_step decides what it accepts
-    from kiln.engine.data.loaders import default_data_collator
+    from kiln.engine.data.collator import default_data_collator
 
     name = type(collator).__name__ if collator is not None else "the default collator"
     try:
@@ -142,7 +142,7 @@ def check_step_input(
     ):
         return
     step = module.training_step
-    from kiln.engine.data.loaders import default_data_collator
+    from kiln.engine.data.collator import default_data_collator
 
     if collator is not None and collator is not default_data_collator:
         return  # a user's collator may keep state or count calls: an extra call is not kiln's to make

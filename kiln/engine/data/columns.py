@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kiln.engine.data.loaders import default_data_collator
+from kiln.engine.data.collator import default_data_collator
 from kiln.utils.errors import KilnError
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kiln.engine.data.checks import check_eval_dataset
-from kiln.engine.data.loaders import SequentialDistributedSampler
+from kiln.engine.data.samplers import SequentialDistributedSampler
 from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:

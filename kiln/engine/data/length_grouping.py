@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kiln.engine.data.loaders import ResumableSampler
+from kiln.engine.data.samplers import ResumableSampler
 from kiln.utils.errors import ConfigError
 
 MEGABATCH = 50  # HF's cap on the megabatch multiple

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.engine.evaluation.gather import concat_padded, nested_numpify
+from kiln.engine.evaluation.nested import concat_padded, nested_numpify
 
 
 class ObjectAccumulator:

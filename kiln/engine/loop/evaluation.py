@@ -2,7 +2,7 @@
 shared by evaluate ("Evaluation": TrainingModule.validation_step) and predict ("Prediction": predict_step),
 with or without labels.
 
-One eval step, as data flows (the tensor logic lives in `kiln.engine.evaluation.gather`):
+One eval step, as data flows (the tensor logic lives in `kiln.engine.evaluation` gather.py, nested.py and accumulator.py):
 
     batch -> strategy.batch_to_device -> precision.convert_input -> prediction_step -> (loss, logits, labels)
           -> preprocess_logits_for_metrics(logits, labels) -> EvalAccumulator.add({losses, predictions,
@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kiln.engine.data.loaders import SequentialDistributedSampler
+from kiln.engine.data.samplers import SequentialDistributedSampler
+from kiln.engine.evaluation.accumulator import EvalAccumulator
 from kiln.engine.evaluation.batches import collected, inputs_for_metrics, sampler_of, with_last
-from kiln.engine.evaluation.gather import EvalAccumulator, OrderedGatherer, gather_across_processes
+from kiln.engine.evaluation.gather import OrderedGatherer, gather_across_processes
 from kiln.engine.evaluation.object_gather import ObjectAccumulator
 from kiln.engine.evaluation.outputs import EvalLoopOutput, EvalPrediction, eval_prediction, step_outputs, to_python
 from kiln.engine.run import setup_for_eval

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln.engine.evaluation.gather import nested_detach
+from kiln.engine.evaluation.nested import nested_detach
 
 if TYPE_CHECKING:
     from kiln.engine.hooks import EvalHooks

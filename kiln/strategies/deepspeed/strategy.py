@@ -22,21 +22,30 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from kiln.config.hf.deepspeed import NAMED_STAGES, dtype_of, finalize, process, read_user_config
-from kiln.precision.base import Precision, cast_floating
+from kiln.launch.environment.variables import export_default
+from kiln.precision.base import Precision
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import OptimizerFactory, SchedulerFactory, Setup, StepResult, Strategy
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
 from kiln.strategies.collectives import ProcessGroupCollectives
+from kiln.strategies.deepspeed.optimizer import ds_optimizer_from_kiln, offloads_optimizer
+from kiln.strategies.deepspeed.precision import DeepSpeedPrecision
+from kiln.strategies.deepspeed.runtime import (
+    compiling,
+    import_deepspeed,
+    inner_model,
+    is_engine,
+    partitioned,
+    without_shm_comm_op,
+)
 from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
 from kiln.utils.errors import ConfigError
 
@@ -44,43 +53,6 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def import_deepspeed() -> Any:
-    """deepspeed, or one sentence saying how to install it."""
-    try:
-        import deepspeed
-    except ImportError:
-        raise ConfigError("strategy 'deepspeed' needs the deepspeed package: pip install kiln[deepspeed].") from None
-    return deepspeed
-
-
-class DeepSpeedPrecision(Precision):
-    """What the precision plugin becomes under DeepSpeed: the engine casts the module and scales
-    the loss itself (the `fp16` / `bf16` sections of its config), so the plugin only casts float
-    inputs to the engine's dtype and reports the fp16 steps the engine skipped."""
-
-    def __init__(self, original: Precision, dtype: str | None, strategy: DeepSpeedStrategy) -> None:
-        super().__init__(original.config)
-        self.name = original.name  # type: ignore[misc]  # the run still reports the plugin it asked for
-        self.dtype = _DTYPES.get(dtype or "")
-        self.param_dtype = self.compute_dtype = self.dtype  # type: ignore[misc]
-        self.uses_grad_scaler = dtype == "fp16"  # type: ignore[misc]
-        self._strategy = strategy
-
-    @property
-    def skipped_steps(self) -> int:
-        engine = self._strategy.engine
-        return int(getattr(engine, "skipped_steps", 0)) if engine is not None else 0
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:  # the base class sets it; the engine owns it
-        pass
-
-    def convert_input(self, batch: Any) -> Any:
-        return cast_floating(batch, self.dtype) if self.dtype is not None else batch
 
 
 @STRATEGIES.register("deepspeed", *[n for n in NAMED_STAGES if n != "deepspeed"])
@@ -112,7 +84,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
     def __init__(self, config: DictConfig, precision: Precision) -> None:
         super().__init__(config, precision)
         if self._device.type == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed guesses and warns
+            export_default("DS_ACCELERATOR", "cpu")  # else DeepSpeed guesses and warns
         user = read_user_config(self.option("config"))
         self.ds_config = process(
             config, user, world_size=self.world_size, precision=precision.name, name=config.strategy.name
@@ -132,9 +104,9 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         super().setup_environment()
         # DeepSpeed's engine asserts LOCAL_RANK, which torchrun and the deepspeed launcher export but a
         # plain `python` (kiln's one-process group) or srun do not; kiln knows it from the cluster
-        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
-        with _without_shm_comm_op(deepspeed):
-            _compiling(lambda: deepspeed.init_distributed(dist_backend=self.backend))
+        export_default("LOCAL_RANK", str(self.local_rank))
+        with without_shm_comm_op(deepspeed):
+            compiling(lambda: deepspeed.init_distributed(dist_backend=self.backend))
         self._share_with_transformers()
 
     def _share_with_transformers(self) -> None:
@@ -182,7 +154,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
 
     def _check_module(self, module: nn.Module) -> None:
         """Refuse, before anything runs, a model whose partitioning kiln cannot train correctly."""
-        if not _partitioned(module):
+        if not partitioned(module):
             return
         if self.stage != 3:
             raise ConfigError(
@@ -209,12 +181,12 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
             return Setup(self._eval_setup(module))
         self._check_module(module)
         deepspeed = import_deepspeed()
-        ds = finalize(dict(self.ds_config), _inner(module), cfg=self.config, max_steps=max_steps)
+        ds = finalize(dict(self.ds_config), inner_model(module), cfg=self.config, max_steps=max_steps)
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = None
         if "optimizer" not in ds:
-            if _offloads_optimizer(ds) and ds.get("zero_force_ds_cpu_optimizer", True):
-                ds["optimizer"] = _ds_optimizer_from_kiln(self.config)
+            if offloads_optimizer(ds) and ds.get("zero_force_ds_cpu_optimizer", True):
+                ds["optimizer"] = ds_optimizer_from_kiln(self.config)
             else:
                 optimizer = optimizer_factory(module)
                 if getattr(optimizer, "owns_backward", False):  # LOMO: DeepSpeed's engine runs backward itself
@@ -223,9 +195,9 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
                         "engine runs itself; use strategy single (LOMO runs on one process)."
                     )
                 ds["zero_allow_untested_optimizer"] = True  # HF's rule for a Trainer-made optimizer
-        module = module if _partitioned(module) else module.to(self.root_device)
+        module = module if partitioned(module) else module.to(self.root_device)
         try:
-            engine, ds_optimizer, _, ds_scheduler = _compiling(
+            engine, ds_optimizer, _, ds_scheduler = compiling(
                 lambda: deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer, config=ds)
             )
         except (AssertionError, ValueError) as err:  # DeepSpeed rejects a combination with an assert
@@ -248,23 +220,23 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
     def _eval_setup(self, module: nn.Module) -> nn.Module:
         if self._eval_module is None:
             self._check_module(module)
-            if _partitioned(module):  # built under zero.Init: only an engine can run it
+            if partitioned(module):  # built under zero.Init: only an engine can run it
                 deepspeed = import_deepspeed()
                 ds = {k: v for k, v in self.ds_config.items() if k not in ("optimizer", "scheduler")}
-                self._eval_module = _compiling(lambda: deepspeed.initialize(model=module, config=ds))[0]
+                self._eval_module = compiling(lambda: deepspeed.initialize(model=module, config=ds))[0]
             else:
                 self._eval_module = module.to(self.root_device)
         return self._eval_module
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if _is_engine(model) else model
+        return model.module if is_engine(model) else model
 
     def probe_module(self, model: nn.Module) -> nn.Module:
         return self.unwrap(model)
 
     # -- step -------------------------------------------------------------------------------
     def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> contextlib.AbstractContextManager[Any]:
-        if _is_engine(model):  # ZeRO reduces (or not) from backward hooks, so tell it before the forward
+        if is_engine(model):  # ZeRO reduces (or not) from backward hooks, so tell it before the forward
             model.set_gradient_accumulation_boundary(boundary)
         return contextlib.nullcontext()
 
@@ -297,7 +269,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         """The engine zeroes (or keeps partitioned) gradients inside its own step."""
 
     def _engine_of(self, model: nn.Module) -> Any:
-        if _is_engine(model):
+        if is_engine(model):
             return model
         if self.engine is not None:
             return self.engine
@@ -329,84 +301,3 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         from kiln.strategies.deepspeed.checkpoint_io import gathered_state
 
         return gathered_state(module, fp32=bool(self.option("export_fp32", False)) and self.engine is not None)
-
-
-def _is_engine(model: Any) -> TypeGuard[Any]:  # a DeepSpeedEngine (deepspeed ships no types)
-    return hasattr(model, "set_gradient_accumulation_boundary") and hasattr(model, "module")
-
-
-def _inner(module: nn.Module) -> nn.Module:
-    """The user's model inside kiln's StepDispatcher (for its `config.hidden_size`)."""
-    return module if hasattr(module, "config") else getattr(module, "module", module)
-
-
-def _partitioned(module: nn.Module) -> bool:
-    return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
-def _offloads_optimizer(ds: dict[str, Any]) -> bool:
-    device = (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
-    return str(device).lower() not in ("none", "")
-
-
-def _ds_optimizer_from_kiln(cfg: Any) -> dict[str, Any]:
-    """ZeRO-Offload steps on the CPU with DeepSpeed's own Adam: kiln's Adam-family settings become
-    the DeepSpeed config's optimizer section (what HF users write by hand)."""
-    name = str(cfg.optim.name).lower()
-    if not name.startswith("adam"):
-        raise ConfigError(
-            f"ZeRO-Offload needs a DeepSpeed optimizer, and kiln's optim.name={cfg.optim.name!r} has none; "
-            'add an "optimizer" section to the DeepSpeed config or use optim.name: adamw_torch.'
-        )
-    kind = "Adam" if name in ("adam", "adam_torch") else "AdamW"
-    log.info("ZeRO-Offload: kiln's optimizer %r runs as DeepSpeed's %s (DeepSpeedCPUAdam).", cfg.optim.name, kind)
-    return {
-        "type": kind,
-        "params": {
-            "lr": float(cfg.optim.lr),
-            "betas": [float(cfg.optim.adam_beta1), float(cfg.optim.adam_beta2)],
-            "eps": float(cfg.optim.adam_epsilon),
-            "weight_decay": float(cfg.optim.weight_decay),
-        },
-    }
-
-
-@contextlib.contextmanager
-def _without_shm_comm_op(deepspeed: Any) -> Iterator[None]:
-    """On the CPU accelerator `init_distributed` JIT-compiles DeepSpeed's shared-memory all-reduce
-    (`deepspeed_shm_comm`, ~150-200 s on a fresh 2-core machine, before any message). Only
-    `inference_all_reduce` (AutoTP inference) uses it, never training, which falls back to
-    torch.distributed without it; so it is marked unavailable while the backend is created."""
-    ops = getattr(deepspeed.ops, "__compatible_ops__", None)  # probed once by DeepSpeed (cheap), then cached
-    if deepspeed.get_accelerator().device_name() != "cpu" or not isinstance(ops, dict):
-        yield
-        return
-    before = ops.get("deepspeed_shm_comm", False)
-    ops["deepspeed_shm_comm"] = False
-    try:
-        yield
-    finally:
-        ops["deepspeed_shm_comm"] = before
-
-
-def _compiling(call: Any) -> Any:
-    """Run a DeepSpeed call that may JIT-compile a C++ op; a missing compiler or ninja becomes one
-    sentence naming the package to install."""
-    import subprocess
-
-    try:
-        return call()
-    except (subprocess.CalledProcessError, FileNotFoundError, RuntimeError) as err:
-        text = str(err)
-        if "ninja" in text.lower():
-            raise ConfigError("DeepSpeed JIT-compiles its C++ ops and needs ninja: pip install ninja.") from None
-        if (
-            isinstance(err, (subprocess.CalledProcessError, FileNotFoundError))
-            or "c++" in text.lower()
-            or "compiler" in text.lower()
-        ):
-            raise ConfigError(
-                "DeepSpeed JIT-compiles its C++ ops and found no working C++ compiler: install g++ "
-                f"(apt-get install g++) or set CXX ({text.splitlines()[0] if text else type(err).__name__})."
-            ) from None
-        raise

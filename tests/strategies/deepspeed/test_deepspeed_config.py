@@ -151,7 +151,7 @@ def test_missing_deepspeed_and_missing_compiler_are_one_sentence(monkeypatch):
     import subprocess
     import sys
 
-    from kiln.strategies.deepspeed.strategy import _compiling, import_deepspeed
+    from kiln.strategies.deepspeed.runtime import compiling, import_deepspeed
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ConfigError, match=r"pip install kiln\[deepspeed\]"):
@@ -161,21 +161,21 @@ def test_missing_deepspeed_and_missing_compiler_are_one_sentence(monkeypatch):
         raise subprocess.CalledProcessError(1, ["/bin/false", "--version"])
 
     with pytest.raises(ConfigError, match="install g\\+\\+"):
-        _compiling(no_compiler)
+        compiling(no_compiler)
 
     def no_ninja():
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     with pytest.raises(ConfigError, match="pip install ninja"):
-        _compiling(no_ninja)
+        compiling(no_ninja)
 
 
 def test_offload_without_a_deepspeed_optimizer_is_refused_for_non_adam():
-    from kiln.strategies.deepspeed.strategy import _ds_optimizer_from_kiln
+    from kiln.strategies.deepspeed.optimizer import ds_optimizer_from_kiln
 
     with pytest.raises(ConfigError, match="ZeRO-Offload needs a DeepSpeed optimizer"):
-        _ds_optimizer_from_kiln(_cfg(optim="sgd"))
-    assert _ds_optimizer_from_kiln(_cfg())["params"]["lr"] == 0.01
+        ds_optimizer_from_kiln(_cfg(optim="sgd"))
+    assert ds_optimizer_from_kiln(_cfg())["params"]["lr"] == 0.01
 
 
 @pytest.mark.parametrize("warmup", [{"warmup_steps": 7}, {"warmup_steps": 0.25}, {"warmup_steps": 0.1}, {}])
