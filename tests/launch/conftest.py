@@ -1,7 +1,9 @@
 """What the Ray tests share (test_ray_train.py, test_ray_tune.py, test_ray_output_once.py): one local Ray
 instance for the package, started by the first test that asks for it and stopped after the last test of
 tests/launch (starting Ray costs seconds on 2 cores; the modules run one after the other, in one xdist
-worker), and one `kiln fit --ray 2` run that two of them check (a Ray Train run costs a minute on 2 cores)."""
+worker), and one `kiln fit --ray 2` run with a restart that two of them check (a Ray Train run costs a
+minute on 2 cores: test_ray_train.py reads its weights and checkpoints, test_ray_output_once.py what its
+workers printed)."""
 
 from __future__ import annotations
 
@@ -39,26 +41,19 @@ def local_ray():
 
 
 @pytest.fixture(scope="package")
-def ray_fsdp_run(local_ray, tmp_path_factory):
-    """`kiln fit --ray 2 strategy.name=fsdp` with a final evaluation: (output_dir, marks folder).
-    test_ray_train.py compares its weights with one process; test_ray_output_once.py reads what its
-    workers printed."""
-    from kiln import cli
-    from tests.launch.ray_toy import write_config
+def ray_restarted_run(local_ray, tmp_path_factory):
+    """DDP in 2 Ray workers (`launcher: {max_failures: 1, num_to_keep: 2, checkpoint_score_attribute:
+    loss}`), rank 1 killed at step DIE_STEP of the first attempt, with a final evaluation (it leaves the
+    weights as they are): (output_dir, marks folder, Ray's Result)."""
+    from kiln.cli import train_loop_per_worker
+    from kiln.config.load import load_config
+    from kiln.launch.ray import RayLaunch, launch_ray
+    from tests.launch.ray_toy import DIE_STEP, write_config
 
-    root = tmp_path_factory.mktemp("ray_fsdp")
+    root = tmp_path_factory.mktemp("ray_ddp")
     folder, out = root / "marks", root / "run"
     folder.mkdir()
-    assert (
-        cli.main(
-            [
-                "fit",
-                write_config(root / "c.yaml", out, folder=str(folder), eval_rows=8),
-                "--ray",
-                "2",
-                "strategy.name=fsdp",
-            ]
-        )
-        == 0
-    )
-    return out, folder
+    cfg_path = write_config(root / "c.yaml", out, folder=str(folder), die_rank=1, die_step=DIE_STEP, eval_rows=8)
+    overrides = ["launcher.max_failures=1", "launcher.num_to_keep=2", "launcher.checkpoint_score_attribute=loss"]
+    launch = RayLaunch.from_config(load_config(cfg_path, overrides), num_workers=2)
+    return out, folder, launch_ray([cfg_path], launch, train_loop_per_worker)

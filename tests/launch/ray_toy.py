@@ -52,6 +52,8 @@ def data(folder: str = "", die_rank: int = -1, die_step: int = 0, eval_rows: int
 
 
 MAX_STEPS, SAVE_STEPS = 6, 2
+#: the step at the end of which rank 1 of the restarted Ray run's first attempt dies (tests/launch/conftest.py)
+DIE_STEP = 5
 
 
 def write_config(path: Path, output_dir: Path, **data_args: Any) -> str:

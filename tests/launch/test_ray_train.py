@@ -4,11 +4,11 @@ parity, the checkpoints handed to Ray and the restart: Ray's process group train
 `kiln fit --nproc 2` (bit for bit) and of one process with the double batch; rank 1 dies mid-run,
 Ray restarts the group, which resumes from the checkpoint Ray hands back and ends bit-identical to
 the uninterrupted `--nproc 2` run; Ray keeps kiln's checkpoints by its CheckpointConfig, each copy
-sealed. FSDP runs in 2 Ray workers too (`kiln fit --ray 2`, the run test_ray_output_once.py reads the
-output of: tests/launch/conftest.py), to the weights of one process.
+sealed. FSDP runs in 2 Ray workers too (heavy), to the weights of one process.
 
 (A Ray Train run costs seconds of process starts on 2 cores: the restart shares its run with the
-DDP parity, and the uninterrupted reference is the cheaper `--nproc 2` run.)"""
+DDP parity and with test_ray_output_once.py (`ray_restarted_run`, tests/launch/conftest.py), and the
+uninterrupted reference is the cheaper `--nproc 2` run.)"""
 
 from __future__ import annotations
 
@@ -25,12 +25,11 @@ from safetensors.torch import load_file
 from kiln import cli
 from kiln.engine.checkpoint.files import is_complete
 from tests.distributed.toy import REPO
-from tests.launch.ray_toy import MAX_STEPS, SAVE_STEPS, write_config
+from tests.launch.ray_toy import DIE_STEP, MAX_STEPS, SAVE_STEPS, write_config
 
 pytest.importorskip("ray", reason="pip install 'kiln[ray]'")
 
 pytestmark = pytest.mark.distributed
-DIE_STEP = 5
 
 
 def weights(output_dir: Path) -> dict[str, torch.Tensor]:
@@ -40,23 +39,6 @@ def weights(output_dir: Path) -> dict[str, torch.Tensor]:
 def losses(output_dir: Path) -> list[float]:
     history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
     return [h["loss"] for h in history if "loss" in h]
-
-
-@pytest.fixture(scope="module")
-def restarted(local_ray, tmp_path_factory):
-    """DDP in 2 Ray workers (`launcher: {max_failures: 1, num_to_keep: 2, checkpoint_score_attribute:
-    loss}`), rank 1 killed at step 5 of the first attempt: (output_dir, marks folder, Ray's Result)."""
-    from kiln.cli import train_loop_per_worker
-    from kiln.config.load import load_config
-    from kiln.launch.ray import RayLaunch, launch_ray
-
-    root = tmp_path_factory.mktemp("ray_ddp")
-    folder, out = root / "marks", root / "run"
-    folder.mkdir()
-    cfg_path = write_config(root / "c.yaml", out, folder=str(folder), die_rank=1, die_step=DIE_STEP)
-    overrides = ["launcher.max_failures=1", "launcher.num_to_keep=2", "launcher.checkpoint_score_attribute=loss"]
-    launch = RayLaunch.from_config(load_config(cfg_path, overrides), num_workers=2)
-    return out, folder, launch_ray([cfg_path], launch, train_loop_per_worker)
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +82,18 @@ def assert_same_run(out: Path, reference: Path) -> None:
     assert losses(out) == pytest.approx(losses(reference), abs=1e-6)
 
 
-def test_two_ray_workers_train_like_nproc_2_and_like_one_process_with_the_double_batch(restarted, nproc, single):
-    out, folder, _ = restarted
+def test_two_ray_workers_train_like_nproc_2_and_like_one_process_with_the_double_batch(
+    ray_restarted_run, nproc, single
+):
+    out, folder, _ = ray_restarted_run
     assert (folder / "starts").read_text().split()[0] == "ray:2:0"  # the cluster kind read Ray's topology: 2 ranks
     for name, tensor in weights(nproc).items():  # Ray's process group, bit for bit (through the restart)
         assert torch.equal(weights(out)[name], tensor), name
     assert_same_run(out, single)
 
 
-def test_a_worker_that_dies_is_restarted_by_ray_and_resumes_exactly(restarted, nproc):
-    out, folder, result = restarted
+def test_a_worker_that_dies_is_restarted_by_ray_and_resumes_exactly(ray_restarted_run, nproc):
+    out, folder, result = ray_restarted_run
     assert (folder / "killed").read_text() == f"1:{DIE_STEP}"
     assert (folder / "starts").read_text().split() == ["ray:2:0", "ray:2:4"]  # resumed from Ray's checkpoint-4
     assert result.error is None and os.path.basename(result.checkpoint.path) == f"checkpoint-{MAX_STEPS}"
@@ -120,8 +104,8 @@ def test_a_worker_that_dies_is_restarted_by_ray_and_resumes_exactly(restarted, n
     assert losses(out) == losses(nproc)
 
 
-def test_ray_keeps_kilns_checkpoints_by_its_checkpoint_config_each_with_its_seal(restarted):
-    out, _, result = restarted
+def test_ray_keeps_kilns_checkpoints_by_its_checkpoint_config_each_with_its_seal(ray_restarted_run):
+    out, _, result = ray_restarted_run
     runs = [
         p for p in (out / "ray_results").iterdir() if p.is_dir()
     ]  # storage_path's default; the run: output_dir's name
@@ -136,6 +120,17 @@ def test_ray_keeps_kilns_checkpoints_by_its_checkpoint_config_each_with_its_seal
     assert {int(p.name.split("-")[1]) for p in copies} == {*best_two, MAX_STEPS}
     for copy in copies:  # Ray's copy keeps kiln's seal: the COMPLETE marker matches every file
         assert is_complete(str(copy))
+
+
+@pytest.fixture(scope="module")
+def ray_fsdp_run(local_ray, tmp_path_factory):
+    """`kiln fit --ray 2 strategy.name=fsdp`: (output_dir, marks folder)."""
+    root = tmp_path_factory.mktemp("ray_fsdp")
+    folder, out = root / "marks", root / "run"
+    folder.mkdir()
+    config = write_config(root / "c.yaml", out, folder=str(folder))
+    assert cli.main(["fit", config, "--ray", "2", "strategy.name=fsdp"]) == 0
+    return out, folder
 
 
 # CI time (~1.5 min): Ray's launch is the same for every strategy (the DDP tests above cover it), and FSDP's
