@@ -234,7 +234,9 @@ def main() -> None:
     parser.add_argument(
         "--nproc", type=int, choices=[2, 4], default=2, help="4: the memory pair tp 2 x dp_shard 2 vs FSDP dp 4"
     )
-    parser.add_argument("--axis", choices=["tp", "pp", "ep"], default="tp", help="pp: the pipeline's rows; ep: the expert-parallel row")
+    parser.add_argument(
+        "--axis", choices=["tp", "pp", "ep"], default="tp", help="pp: the pipeline's rows; ep: the expert-parallel row"
+    )
     parser.add_argument(
         "--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
     )
