@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kiln import Trainer
-from kiln.engine.data import loaders
+from kiln.engine.data import collator
 from kiln.engine.data.columns import RemoveColumnsCollator
 from kiln.engine.data.loaders import set_epoch
 
@@ -77,10 +77,10 @@ def test_dicts_of_tensors_skip_default_collate_with_the_same_batch(monkeypatch):
     features = _data()[:4]
     expected = torch.utils.data.default_collate(features)
     called = []
-    monkeypatch.setattr(loaders, "default_collate", lambda f: called.append(f) or torch.utils.data.default_collate(f))
-    batch = loaders.default_data_collator(features)
+    monkeypatch.setattr(collator, "default_collate", lambda f: called.append(f) or torch.utils.data.default_collate(f))
+    batch = collator.default_data_collator(features)
     assert called == []
     assert list(batch) == list(expected) and all(torch.equal(batch[k], expected[k]) for k in expected)
     assert (
-        loaders.default_data_collator([{"x": 1}, {"x": 2}])["x"].tolist() == [1, 2] and len(called) == 1
+        collator.default_data_collator([{"x": 1}, {"x": 2}])["x"].tolist() == [1, 2] and len(called) == 1
     )  # other items
