@@ -125,6 +125,11 @@ def test_kiln_fit_with_the_accelerate_config_file_runs_like_the_native_config(tm
     _same_run(tmp_path / "kiln", native)
 
 
+# CI time: accelerate turns its command-line flags into the same environment its config file does, and what kiln
+# makes of that environment for each flag is tested in process with accelerate's own export
+# (tests/strategies/fsdp/test_options.py, `accelerate launch --use_fsdp --fsdp_sharding_strategy=N ...`), while
+# `accelerate launch` end to end runs like the native config (test_accelerate_fsdp_config_runs_like_the_native_config)
+@pytest.mark.heavy
 def test_accelerate_command_line_flags_run_like_the_native_config(tmp_path, native):
     flags = _accelerate_launch(
         *CLI_FLAGS,
