@@ -154,7 +154,9 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
                     traced[mode] = trace(build, precision, prepared(mode))
                 except RuntimeError:  # e.g. selective checkpointing of some attention kernels: shown as n/a
                     traced[mode] = None
-    setting = Setting(precision, str(cfg.optim.name), cfg.optim.optim_args, unit, _zero(cfg, name, family, nproc, found["model"]))
+    setting = Setting(
+        precision, str(cfg.optim.name), cfg.optim.optim_args, unit, _zero(cfg, name, family, nproc, found["model"])
+    )
     used = traced[chosen]
     assert used is not None  # traced above, or raised
     result = rows(layouts(counts, nproc, setting), used, device_memory)
