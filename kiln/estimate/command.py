@@ -154,7 +154,9 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
                     traced[mode] = trace(build, precision, prepared(mode))
                 except RuntimeError:  # e.g. selective checkpointing of some attention kernels: shown as n/a
                     traced[mode] = None
-    setting = Setting(precision, str(cfg.optim.name), cfg.optim.optim_args, unit)
+    setting = Setting(
+        precision, str(cfg.optim.name), cfg.optim.optim_args, unit, _zero(cfg, name, family, nproc, found["model"])
+    )
     used = traced[chosen]
     assert used is not None  # traced above, or raised
     result = rows(layouts(counts, nproc, setting), used, device_memory)
@@ -172,6 +174,21 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
         "activations_by_checkpointing": {mode: t.peak if t else None for mode, t in traced.items()},
     }
     return result, about
+
+
+def _zero(cfg: Any, name: str, family: str | None, nproc: int, model: Any) -> dict[str, Any]:
+    """The configured DeepSpeed run's zero_optimization section as the run completes it (HF's "auto" bucket
+    sizes from the model's hidden size); empty for another strategy (DeepSpeed's defaults)."""
+    if family != "deepspeed":
+        return {}
+    from kiln.config.hf.deepspeed import fill_bucket_sizes, process, read_user_config
+
+    user = read_user_config(dict(cfg.strategy.options or {}).get("config"))
+    zero: dict[str, Any] = process(cfg, user, world_size=nproc, precision=str(cfg.precision.name), name=name)[
+        "zero_optimization"
+    ]
+    fill_bucket_sizes(zero, model)
+    return zero
 
 
 def _header(about: dict[str, Any]) -> list[str]:

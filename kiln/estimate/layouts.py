@@ -4,9 +4,19 @@ blocks' activations, as Megatron's sequence parallel does) and of the gradients 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from kiln.estimate.states import Counts, States, deepspeed_states, torch_states, weight_bytes
+from kiln.estimate.states import (
+    Counts,
+    States,
+    deepspeed_states,
+    deepspeed_width,
+    reduce_bucket,
+    torch_states,
+    weight_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -27,12 +37,14 @@ def divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Setting:
-    """The run's choices the layouts read: precision, optimizer, the largest unit FSDP gathers."""
+    """The run's choices the layouts read: precision, optimizer, the largest unit FSDP gathers, and the
+    DeepSpeed config's zero_optimization section (its bucket sizes; empty: DeepSpeed's defaults)."""
 
     precision: str
     optim: str
     optim_args: str | None
     largest_unit: int
+    zero: Mapping[str, Any] = field(default_factory=dict)
 
 
 def layouts(counts: Counts, nproc: int, s: Setting) -> list[Layout]:
@@ -58,11 +70,18 @@ def layouts(counts: Counts, nproc: int, s: Setting) -> list[Layout]:
     ]
     rows.append(torch_layout("fsdp no_shard", f"dp_replicate={nproc}", 1, unit))
     rows.append(torch_layout("fsdp full_shard offload", f"dp_shard={nproc}", nproc, unit, offload=True))
+    dw = deepspeed_width(s.precision)
     for stage in (0, 1, 2, 3):
-        states = deepspeed_states(counts, stage, nproc, s.optim, s.optim_args)
-        rows.append(Layout("deepspeed", f"ZeRO-{stage}", states, 1.0, states.grads / full_grads if full_grads else 0.0))
+        bucket = reduce_bucket(stage, s.zero, dw)
+        states = deepspeed_states(counts, stage, nproc, s.optim, s.optim_args, w=dw, bucket=bucket)
+        share = states.grads / full_grads if full_grads else 0.0
+        # kiln's foreach AdamW steps DeepSpeed's fp32 partition: one fp32 temporary per element
+        temporaries = 4 * foreach / w / (nproc if stage else 1)
+        rows.append(Layout("deepspeed", f"ZeRO-{stage}", states, 1.0, share, temporaries))
     for stage, params in ((2, False), (3, False), (3, True)):
-        states = deepspeed_states(counts, stage, nproc, s.optim, s.optim_args, True, params)
+        offloaded = {**s.zero, "offload_optimizer": {"device": "cpu"}}
+        bucket = reduce_bucket(stage, offloaded, dw)
+        states = deepspeed_states(counts, stage, nproc, s.optim, s.optim_args, True, params, dw, bucket)
         where = "optimizer and parameters" if params else "optimizer"
         rows.append(Layout("deepspeed", f"ZeRO-{stage} offload {where}", states, 1.0, 0.0))
     for tp in [*divisors(nproc), nproc] if nproc > 1 else []:

@@ -2,8 +2,9 @@
 
 A step's peak is reached either during backward (the unit a sharded layout has gathered, and the traced
 activations with the gradients alive then) or at the optimizer step (all gradients and the optimizer's
-temporaries), over what stays resident (weights, optimizer state, DDP's buckets); the larger one is the
-estimate."""
+temporaries), over what stays resident (weights, optimizer state, DDP's buckets, DeepSpeed's reduce
+bucket, which ZeRO-1/2 frees after backward: counted throughout, it can only make the estimate err high);
+the larger one is the estimate."""
 
 from __future__ import annotations
 

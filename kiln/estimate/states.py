@@ -15,13 +15,16 @@ anchors; tests/estimate checks the equality): 2 bytes of 16-bit weights (sharded
 the largest layer is gathered whole, 4 bytes a parameter), and 18 bytes a parameter for the fp32
 weights, fp32 and 16-bit gradients and Adam's two states (10 + the optimizer's states at 4 bytes each
 when it is not Adam), sharded from stage 1 (the fp32 part), 2 (the gradients) and 3 (the weights);
-offloaded, that part lives on the host."""
+offloaded, that part lives on the host. An fp32 run keeps those "16-bit" weights and gradients at 4 bytes
+(DeepSpeed casts the module only when its bf16 / fp16 section is on). Beside the states, ZeRO's optimizer
+allocates its gradient reduction bucket (`reduce_bucket`), which DeepSpeed's estimators leave out."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kiln.utils.errors import ConfigError
 
@@ -41,6 +44,10 @@ STATES: dict[str, float] = {
 #: 8-bit optimizers keep one byte a state
 EIGHT_BIT = ("8bit", "bnb_8bit")
 HALF = ("bf16-true", "fp16-true")
+#: the precisions kiln.config.hf.deepspeed turns into DeepSpeed's bf16 / fp16 sections (16-bit weights)
+DEEPSPEED_HALF = ("bf16", "fp16", *HALF)
+#: DeepSpeed's zero_optimization.reduce_bucket_size default, in elements
+REDUCE_BUCKET_SIZE = 500_000_000
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,8 @@ def adafactor_elements(shapes: Sequence[tuple[tuple[int, ...], bool]]) -> int:
 class States:
     """Bytes of one rank's model states; `gathered` is the largest unit (weights and gradients) a sharded
     layout gathers whole during forward and backward, `buckets` DDP's gradient buckets (a copy of every
-    gradient: torch's default, gradient_as_bucket_view off), `host` what offloading keeps on the host."""
+    gradient: torch's default, gradient_as_bucket_view off) or DeepSpeed's reduce bucket, `host` what
+    offloading keeps on the host."""
 
     params: float
     grads: float
@@ -148,22 +156,46 @@ def deepspeed_states(
     optim_args: str | None = None,
     offload_optimizer: bool = False,
     offload_params: bool = False,
+    w: int = 2,
+    bucket: float = 0.0,
 ) -> States:
-    """ZeRO stage 0-3 with DeepSpeed's own accounting (module docstring); 16-bit training, as DeepSpeed runs it."""
+    """ZeRO stage 0-3 with DeepSpeed's own accounting (module docstring): `w` bytes a weight and gradient
+    (2: 16-bit training, as DeepSpeed's estimators count; 4: fp32), `bucket` its reduce bucket's bytes."""
     states, width = optimizer_states(optim, optim_args)
     per_state = 4 if width is None else width
-    rest = 10 + states * per_state  # fp32 weights 4, fp32 gradients 4, 16-bit gradients 2, the optimizer's states
+    rest = 8 + w + states * per_state  # fp32 weights 4, fp32 gradients 4, the w-byte gradients, the optimizer's states
     total, largest = counts.total, counts.largest_layer
     if stage == 3:
-        gathered = 4.0 * largest
+        gathered = 2.0 * w * largest
         if offload_params:
-            return States(0.0, 0.0, 0.0, gathered, host=(rest + 2) * total)
+            return States(0.0, 0.0, 0.0, gathered, host=(rest + w) * total, buckets=bucket)
         if offload_optimizer:
-            return States(2 * total / ranks, 0.0, 0.0, gathered, host=rest * total)
+            return States(w * total / ranks, 0.0, 0.0, gathered, host=rest * total, buckets=bucket)
         # DeepSpeed counts 18 bytes (Adam) here too: the 16-bit weights and gradients and fp32 weights and state
-        return States(2 * total / ranks, 2 * total / ranks, (rest - 4) * total / ranks, gathered)
+        return States(w * total / ranks, w * total / ranks, (rest - 2 * w) * total / ranks, gathered, buckets=bucket)
     if offload_optimizer and stage >= 1:
-        return States(2.0 * total, 0.0, 0.0, host=rest * total)
-    grads = 2 * total / (ranks if stage == 2 else 1)
-    fp32 = (rest - 2) * total / (ranks if stage >= 1 else 1)
-    return States(2.0 * total, grads, fp32)
+        return States(float(w * total), 0.0, 0.0, host=rest * total, buckets=bucket)
+    grads = w * total / (ranks if stage == 2 else 1)
+    fp32 = (rest - w) * total / (ranks if stage >= 1 else 1)
+    return States(float(w * total), grads, fp32, buckets=bucket)
+
+
+def deepspeed_width(precision: str) -> int:
+    """Bytes of DeepSpeed's module weights and gradients: 2 when the run turns on its bf16 / fp16 section."""
+    return 2 if precision in DEEPSPEED_HALF else 4
+
+
+def reduce_bucket(stage: int, zero: Mapping[str, Any], w: int) -> float:
+    """Bytes of the gradient reduction bucket ZeRO's optimizer allocates beside the model states, from the
+    run's `zero_optimization` section (DeepSpeed's defaults for what it leaves out), `w` bytes an element
+    (the module's dtype: DeepSpeed's stage_1_and_2 `_gradient_reduction_buffer_dtype`, stage3's
+    `communication_data_type`). Stages 1-2 allocate `reduce_bucket_size` elements in `setup_buckets` when
+    gradients are contiguous (always with an offloaded optimizer), a second one with `overlap_comm`;
+    stage 3 one at set-up (its overlap_comm, on by default, adds none); stage 0 has no ZeRO optimizer."""
+    offload = str((zero.get("offload_optimizer") or {}).get("device", "none")) in ("cpu", "nvme")
+    contiguous = zero.get("contiguous_gradients", True) or (offload and stage < 3)
+    if stage == 0 or not contiguous:
+        return 0.0
+    size = float(zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE)) * w
+    overlap = zero.get("overlap_comm") or False  # DeepSpeed's default: on for stage 3 only
+    return size * (2 if overlap and stage < 3 else 1)

@@ -42,6 +42,21 @@ def test_the_table_and_the_json_name_every_layout_and_what_fits(tmp_path, capsys
     assert not [line for line in table.splitlines() if line.startswith("*") and "ddp" not in line]
 
 
+def test_the_configured_deepspeed_runs_reduce_bucket_is_its_config_with_hfs_auto_size(tmp_path, capsys):
+    zero = {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True}
+    config = write(
+        tmp_path,
+        task={"model": "tests.estimate.models:gpt2", "data": "tests.estimate.models:tokens"},
+        precision={"name": "bf16"},
+        strategy={"name": "deepspeed", "config": {"zero_optimization": zero}},
+    )
+    assert main(["estimate", config, "--json"]) == 0
+    by = {r["mesh"]: r for r in json.loads(capsys.readouterr().out)["layouts"] if r["strategy"] == "deepspeed"}
+    hidden = 32  # HF's "auto": hidden_size squared, two buffers with overlap_comm, 16-bit
+    assert by["ZeRO-2"]["buckets"] == by["ZeRO-1"]["buckets"] == 2 * hidden * hidden * 2
+    assert (by["ZeRO-0"]["buckets"], by["ZeRO-3"]["buckets"]) == (0, hidden * hidden * 2)
+
+
 @pytest.mark.parametrize(
     "tree, args, sentence",
     [
@@ -61,6 +76,11 @@ def test_the_table_and_the_json_name_every_layout_and_what_fits(tmp_path, capsys
         ({"task": {"model": "tests.estimate.models:nothing", "data": TASK["data"]}}, [], "nothing"),
         ({}, ["--bogus"], "unrecognised argument '--bogus'"),
         ({"task": {**TASK, "data": "tests.estimate.models:no_data"}}, [], "returned no train_dataset or eval_dataset"),
+        (  # the MLP has no config.hidden_size for HF's "auto" bucket size
+            {"strategy": {"name": "deepspeed", "config": {"zero_optimization": {"reduce_bucket_size": "auto"}}}},
+            [],
+            'the DeepSpeed "auto" values zero_optimization.reduce_bucket_size cannot be filled',
+        ),
     ],
 )
 def test_bad_input_is_one_sentence(tmp_path, capsys, tree, args, sentence):

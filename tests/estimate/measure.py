@@ -34,4 +34,6 @@ def measured_peak(cfg: Any) -> int:
     trainer = Trainer(None, cfg, model_init=build, train_dataset=data["train_dataset"], callbacks=[_NewStep(tracker)])
     with trainer, tracker:  # the Trainer's teardown ends the DDP / FSDP run's process group
         trainer.fit()
-    return sum(int(per["Total"]) for per in tracker.get_tracker_snapshot("peak").values())
+    # meta tensors (DeepSpeed makes some) hold no memory
+    peaks = tracker.get_tracker_snapshot("peak")
+    return sum(int(per["Total"]) for device, per in peaks.items() if device.type != "meta")

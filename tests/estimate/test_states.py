@@ -8,7 +8,14 @@ import pytest
 
 from kiln.estimate.layouts import Setting, layouts
 from kiln.estimate.report import GIB, peak, rows
-from kiln.estimate.states import Counts, deepspeed_states, optimizer_bytes, torch_states
+from kiln.estimate.states import (
+    Counts,
+    deepspeed_states,
+    deepspeed_width,
+    optimizer_bytes,
+    reduce_bucket,
+    torch_states,
+)
 from kiln.estimate.trace import Activations
 from kiln.utils.errors import ConfigError
 
@@ -47,6 +54,49 @@ def test_stages_0_and_1_shard_less_and_offload_moves_the_fp32_part_to_the_host()
     assert offloaded.host == 18 * p
     sgd = deepspeed_states(MATRIX, 2, 1, "sgd")  # no optimizer state: 10 bytes beside the 16-bit weights
     assert sgd.total == 2 * p + 10 * p
+
+
+def test_an_fp32_run_keeps_4_byte_weights_and_gradients_beside_deepspeeds_fp32_part():
+    p, largest = MATRIX.total, MATRIX.largest_layer
+    assert [deepspeed_width(name) for name in ("fp32", "tf32", "bf16", "fp16", "bf16-true", "fp16-true")] == [
+        4,
+        4,
+        2,
+        2,
+        2,
+        2,
+    ]
+    zero2 = deepspeed_states(MATRIX, 2, 1, "adamw_torch", w=4)  # measured: weights 4, gradients 4, fp32 part 16
+    assert (zero2.params, zero2.grads, zero2.optimizer) == (4 * p, 4 * p, 16 * p)
+    zero3 = deepspeed_states(MATRIX, 3, 2, "adamw_torch", w=4)
+    assert (zero3.params, zero3.grads, zero3.optimizer, zero3.gathered) == (2 * p, 2 * p, 6 * p, 8 * largest)
+    offloaded = deepspeed_states(MATRIX, 3, 2, "adamw_torch", None, True, True, w=4)
+    assert offloaded.host == 24 * p
+
+
+def test_deepspeeds_reduce_bucket_follows_the_config_and_deepspeeds_defaults():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    defaults = {stage: DeepSpeedZeroConfig(stage=stage) for stage in (1, 2, 3)}
+    assert all(c.contiguous_gradients for c in defaults.values())
+    assert (defaults[2].overlap_comm, defaults[3].overlap_comm) == (False, True)
+    assert reduce_bucket(2, {}, 4) == defaults[2].reduce_bucket_size * 4  # 2 GB for an fp32 run
+    assert reduce_bucket(1, {}, 2) == defaults[1].reduce_bucket_size * 2
+    assert reduce_bucket(3, {}, 2) == defaults[3].reduce_bucket_size * 2  # overlap_comm adds no second one
+    assert reduce_bucket(0, {}, 4) == 0  # no ZeRO optimizer
+    small = {"reduce_bucket_size": 1000}
+    assert reduce_bucket(2, {**small, "overlap_comm": True}, 2) == 2 * 1000 * 2  # double buffered
+    assert reduce_bucket(3, {**small, "overlap_comm": True}, 4) == 1000 * 4
+    apart = {**small, "contiguous_gradients": False}
+    assert reduce_bucket(2, apart, 4) == reduce_bucket(3, apart, 4) == 0
+    offload = {**apart, "offload_optimizer": {"device": "cpu"}}  # stages 1-2 make gradients contiguous to offload
+    assert (reduce_bucket(1, offload, 4), reduce_bucket(2, offload, 4), reduce_bucket(3, offload, 4)) == (4000, 4000, 0)
+    assert reduce_bucket(2, {**apart, "offload_optimizer": {"device": "none"}}, 4) == 0
+    for stage, optimizer, params in ((1, False, False), (2, True, False), (3, False, False), (3, True, True)):
+        states = deepspeed_states(MATRIX, stage, 4, "adamw_torch", None, optimizer, params, bucket=7.0)
+        assert states.buckets == 7.0
+        assert states.total == deepspeed_states(MATRIX, stage, 4, "adamw_torch", None, optimizer, params).total + 7
 
 
 def test_each_optimizer_keeps_its_own_state():
@@ -103,6 +153,18 @@ def test_the_layouts_for_8_processes_and_their_peaks():
         "dp_shard=1 x tp=8",
     }
     assert {m for s, m in found if s == "deepspeed"} >= {"ZeRO-0", "ZeRO-3", "ZeRO-3 offload optimizer and parameters"}
+    zero2 = found[("deepspeed", "ZeRO-2")]  # fp32: 4-byte weights, DeepSpeed's default bucket in fp32
+    assert zero2.states == deepspeed_states(MATRIX, 2, 8, "adamw_torch", w=4, bucket=5e8 * 4)
+    assert zero2.step_temporaries == 4 * MATRIX.trainable / 8  # foreach AdamW over the fp32 partition
+    assert found[("deepspeed", "ZeRO-0")].step_temporaries == 4 * MATRIX.trainable
+    assert zero2.grad_share == zero2.states.grads / (MATRIX.trainable * 4)  # the share of backward's gradients
+    offloaded = found[("deepspeed", "ZeRO-2 offload optimizer")]
+    assert offloaded.states == deepspeed_states(MATRIX, 2, 8, "adamw_torch", None, True, False, 4, 5e8 * 4)
+    small = Setting("bf16", "adamw_torch", None, 1000, {"reduce_bucket_size": 1000, "overlap_comm": True})
+    configured = {(r.strategy, r.mesh): r.states for r in layouts(MATRIX, 8, small)}
+    assert configured[("deepspeed", "ZeRO-2")].buckets == 2 * 1000 * 2
+    assert configured[("deepspeed", "ZeRO-3 offload optimizer")].buckets == 1000 * 2
+    assert configured[("deepspeed", "ZeRO-2")].params == 2 * MATRIX.total  # bf16: DeepSpeed's 16-bit weights
     traced = Activations(peak=10_000_000, grads=1_000_000)
     tp4 = found[("model_parallel", "dp_shard=2 x tp=4")]
     activations, total = peak(tp4, traced)
@@ -115,6 +177,8 @@ def test_the_layouts_for_8_processes_and_their_peaks():
     assert peak(ddp, traced)[1] == ddp.states.params + ddp.states.optimizer + ddp.states.buckets + 11_000_000
     quiet = Activations(peak=0, grads=0)  # no activations: the optimizer step is the peak, foreach AdamW's temporaries
     assert peak(ddp, quiet)[1] == ddp.states.total + MATRIX.trainable * 4
+    small_bucket = Setting("fp32", "adamw_torch", None, 1000, {"reduce_bucket_size": 10**6})
+    found = {(r.strategy, r.mesh): r for r in layouts(MATRIX, 8, small_bucket)}
     fits = rows(list(found.values()), traced, device_memory_gib=0.05)
     assert {r.layout.strategy: r.fits for r in fits}["deepspeed"] is True  # ZeRO-3 offload fits 50 MiB
     assert [r.fits for r in fits if r.layout.mesh == "ZeRO-0"] == [

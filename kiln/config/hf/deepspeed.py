@@ -266,7 +266,13 @@ def hidden_size(model: Any) -> int | None:
 def finalize(ds: dict[str, Any], model: Any, *, cfg: Any, max_steps: int | None) -> dict[str, Any]:
     """HF's `trainer_config_finalize`: the hidden-size based bucket sizes and the scheduler's steps
     (`max_steps`: the run's optimizer step count as the loop computed it, HF's num_training_steps)."""
-    zero = ds.get("zero_optimization", {})
+    fill_bucket_sizes(ds.get("zero_optimization", {}), model)
+    _scheduler_steps(ds, cfg, max_steps)
+    return ds
+
+
+def fill_bucket_sizes(zero: dict[str, Any], model: Any) -> None:
+    """HF's hidden-size based values for the zero_optimization bucket sizes given as "auto" (in place)."""
     keys = ["reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"]
     auto = [k for k in keys if zero.get(k) == "auto"]
     if auto:
@@ -283,8 +289,6 @@ def finalize(ds: dict[str, Any], model: Any, *, cfg: Any, max_steps: int | None)
                 zero["stage3_prefetch_bucket_size"] = int(0.9 * size * size)
             if zero.get("stage3_param_persistence_threshold") == "auto":
                 zero["stage3_param_persistence_threshold"] = 10 * size
-    _scheduler_steps(ds, cfg, max_steps)
-    return ds
 
 
 def _scheduler_steps(ds: dict[str, Any], cfg: Any, max_steps: int | None) -> None:

@@ -288,6 +288,12 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
                 hf_deepspeed.unset_hf_deepspeed_config()
         self._hf_config = None
         super().teardown()
+        if not torch.distributed.is_initialized() and "deepspeed.utils.groups" in sys.modules:
+            # DeepSpeed caches its groups of the world (data parallel, its world clone); torch destroyed
+            # them above, and a later DeepSpeed run in this process would reuse the dead ones
+            from deepspeed.utils import groups
+
+            groups._release_process_group_references()
 
     # -- checkpoints and export -------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:

@@ -42,3 +42,16 @@ def test_teardown_leaves_a_config_another_strategy_registered_since():
     second.teardown()
     assert not is_deepspeed_zero3_enabled()
     unset_hf_deepspeed_config()
+
+
+def test_teardown_releases_deepspeeds_cached_groups_of_the_destroyed_world():
+    """DeepSpeed caches groups of the world (its clone, the data-parallel group); a later DeepSpeed run
+    in this process reusing the destroyed ones fails ("Group ... is not registered")."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    strategy = _stage3("deepspeed_stage_2")
+    strategy.setup_environment()
+    assert groups._clone_world_group() is not None  # what ZeRO's optimizer caches
+    strategy.teardown()
+    assert not dist.is_initialized() and groups._WORLD_GROUP is None
