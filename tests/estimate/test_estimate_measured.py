@@ -64,5 +64,6 @@ def test_the_estimate_is_within_20_percent_of_the_measured_peak(tmp_path, model,
     row = next(r for r in rows if f"{r.layout.strategy} {r.layout.mesh}".startswith(STRATEGIES[strategy][1]))
     measured = measured_peak(cfg)
     assert row.peak == pytest.approx(measured, rel=0.2), (row, measured)
-    if strategy == "single_ac_full":  # checkpointing is what the traced activations shrank by
+    # checkpointing is what the traced activations shrank by (the MLP has no repeated blocks to checkpoint)
+    if strategy == "single_ac_full" and model != "mlp":
         assert about["activations_by_checkpointing"]["full"] < about["activations_by_checkpointing"]["none"]
