@@ -15,6 +15,17 @@ def python_path(env: Env | None = None) -> str | None:
     return current(env).get("PYTHONPATH") or None
 
 
-def export_default(name: str, value: str) -> None:
-    """Set `name` to `value` for a library that reads it from the environment, unless the user set it."""
-    os.environ.setdefault(name, value)
+def export_default(name: str, value: str) -> bool:
+    """Set `name` to `value` for a library that reads it from the environment, unless the user set it.
+    True when this call set it: the caller then takes it back with `remove_default` when its run ends."""
+    if name in os.environ:
+        return False
+    os.environ[name] = value
+    return True
+
+
+def remove_default(name: str) -> None:
+    """Take back what `export_default` set: a variable left behind outlives the run in this process (a
+    notebook's next cell, the next test) and tells other libraries something that is no longer true
+    (Transformers reads LOCAL_RANK as "this process is one rank of a distributed job")."""
+    os.environ.pop(name, None)

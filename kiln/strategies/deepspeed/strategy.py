@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from kiln.config.hf.deepspeed import NAMED_STAGES, dtype_of, finalize, process, read_user_config
-from kiln.launch.environment.variables import export_default
+from kiln.launch.environment.variables import export_default, remove_default
 from kiln.precision.base import Precision
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import OptimizerFactory, SchedulerFactory, Setup, StepResult, Strategy
@@ -95,6 +95,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         self._scheduler: Any = None
         self._hf_config: Any = None
         self._unpatched_build = False  # a Transformers model may have been built under zero.Init unpatched
+        self._exported_local_rank = False  # LOCAL_RANK set by setup_environment, taken back at teardown
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -104,7 +105,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         super().setup_environment()
         # DeepSpeed's engine asserts LOCAL_RANK, which torchrun and the deepspeed launcher export but a
         # plain `python` (kiln's one-process group) or srun do not; kiln knows it from the cluster
-        export_default("LOCAL_RANK", str(self.local_rank))
+        self._exported_local_rank = export_default("LOCAL_RANK", str(self.local_rank))
         with without_shm_comm_op(deepspeed):
             compiling(lambda: deepspeed.init_distributed(dist_backend=self.backend))
         self._share_with_transformers()
@@ -294,6 +295,9 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
             from deepspeed.utils import groups
 
             groups._release_process_group_references()
+        if self._exported_local_rank:
+            remove_default("LOCAL_RANK")
+            self._exported_local_rank = False
 
     # -- checkpoints and export -------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:

@@ -55,3 +55,22 @@ def test_teardown_releases_deepspeeds_cached_groups_of_the_destroyed_world():
     assert groups._clone_world_group() is not None  # what ZeRO's optimizer caches
     strategy.teardown()
     assert not dist.is_initialized() and groups._WORLD_GROUP is None
+
+
+def test_teardown_takes_back_the_local_rank_it_exported_and_leaves_a_users(monkeypatch):
+    """DeepSpeed's engine asserts LOCAL_RANK, so a one-process run exports it; left behind, it tells a later
+    Hugging Face Trainer in the same process that it is one rank of a distributed job (which then fails
+    for want of MASTER_ADDR)."""
+    import os
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    strategy = _stage3("deepspeed_stage_2")
+    strategy.setup_environment()
+    assert os.environ["LOCAL_RANK"] == "0"
+    strategy.teardown()
+    assert "LOCAL_RANK" not in os.environ
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the launcher's, not kiln's to take back
+    strategy = _stage3("deepspeed_stage_2")
+    strategy.setup_environment()
+    strategy.teardown()
+    assert os.environ["LOCAL_RANK"] == "0"
