@@ -130,13 +130,13 @@ def test_one_two_one_processes_across_formats(tmp_path):
     1-process run does, within float reduction order (2 ranks sum each gradient in another order; the global
     batch, its samples and the data position are the same). On 2 processes DDP -> FSDP (`full` ->
     `fsdp-full`, same data shards) is bitwise equal to DDP uninterrupted."""
-    from tests.distributed.conftest import TORCHRUN, run
+    from tests.world import run_world
 
     reference, chain = str(tmp_path / "reference"), str(tmp_path / "chain")
     fit(reference, "single", **CHAIN)
     os.makedirs(chain)
     shutil.copytree(os.path.join(reference, "checkpoint-2"), os.path.join(chain, "checkpoint-2"))
-    run([*TORCHRUN, os.path.join(os.path.dirname(__file__), "cross_format_worker.py"), str(tmp_path)], timeout=600)
+    run_world(os.path.join(os.path.dirname(__file__), "cross_format_worker.py"), tmp_path, timeout=600)
     assert json.loads(Path(chain, "checkpoint-4", MARKER).read_text())["format"] == "fsdp-sharded"
     with pytest.warns(
         UserWarning, match=r"saved by 2 processes and this run has 1 \(2 and 1 reading distinct batches\)"

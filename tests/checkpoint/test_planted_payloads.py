@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,24 +22,14 @@ from kiln.engine.checkpoint.convert import convert_checkpoint
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import train
 from tests.checkpoint.planting import DS_FORMATS, FSDP_CASES, plant
-from tests.distributed.conftest import run
+from tests.world import run_world
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "payload_worker.py"
 
 
 def _launch(nproc: int, out: Path, family: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(WORKER),
-        str(out),
-        family,
-    ]
-    run(cmd, timeout=900, env={"DS_ACCELERATOR": "cpu"})
+    run_world(WORKER, out, family, nproc=nproc, timeout=900, env={"DS_ACCELERATOR": "cpu"})
 
 
 def _family(tmp_path_factory, family: str, nproc: int) -> tuple[Path, list[str], dict, list[dict]]:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.world import run_world
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -37,6 +39,12 @@ def run(
 
 
 def torchrun(script: str, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    """`script` on a 2-process world as torchrun starts it (tests/world.py: without its start-up cost)."""
+    return run_world(HERE / script, *args, timeout=timeout, check=check)
+
+
+def real_torchrun(script: str, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    """`script` under torchrun itself: for what only a real process shows (its interpreter's finalization)."""
     return run([*TORCHRUN, str(HERE / script), *map(str, args)], timeout=timeout, check=check)
 
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.distributed.conftest import torchrun
+from tests.distributed.conftest import real_torchrun
 
 pytestmark = [
     pytest.mark.distributed,
@@ -23,5 +23,5 @@ pytestmark = [
 def test_no_gloo_thread_survives_into_interpreter_exit(tmp_path, how):
     if how == "hf_args":
         pytest.importorskip("transformers")
-    torchrun("worker_exit.py", tmp_path, how, timeout=180)
+    real_torchrun("worker_exit.py", tmp_path, how, timeout=180)
     assert [json.loads((tmp_path / f"threads{rank}.json").read_text()) for rank in (0, 1)] == [0, 0]

@@ -6,13 +6,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.world import run_world
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
@@ -23,22 +22,7 @@ def test_two_processes_write_one_run(tmp_path):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(Path(__file__).with_name("ddp_worker.py")),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_world(Path(__file__).with_name("ddp_worker.py"), out, timeout=240)
 
     runs = [d for d in glob.glob(str(out / "runs" / "*")) if os.path.isdir(d)]
     assert len(runs) == 1 and len(glob.glob(os.path.join(runs[0], "events.out.tfevents.*"))) == 1

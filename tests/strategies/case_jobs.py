@@ -45,21 +45,9 @@ def start(
     """In the test: run `worker` on `nproc` processes over `names`; (results, {case: {weight: tensor}})."""
     from safetensors.torch import load_file
 
-    from tests.distributed.conftest import run
+    from tests.world import run_world
 
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(worker),
-            str(out),
-            *names,
-        ],
-        timeout=timeout,
-    )
+    run_world(worker, out, *names, nproc=nproc, timeout=timeout)
     by_case: dict[str, dict] = {}
     for key, value in load_file(str(out / "tensors.safetensors")).items():
         case, name = key.split("/", 1)

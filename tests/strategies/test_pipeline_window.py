@@ -13,7 +13,6 @@ Run as a script under torchrun, this file is the worker (`python -m torch.distri
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,7 @@ from kiln.strategies.collectives import ProcessGroupCollectives  # noqa: E402
 from kiln.strategies.interfaces import LossWeights, OwnsMicroBatchWindow  # noqa: E402
 from kiln.utils.errors import KilnError  # noqa: E402
 from tests.helpers import padded_token_data  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.world import run_world
 
 
 class Stem(nn.Module):
@@ -192,16 +190,7 @@ def worker(out: str) -> None:
 
 @pytest.mark.distributed
 def test_a_window_owning_two_stage_pipeline_equals_single(tmp_path):
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (
-        f"the pipeline job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
+    run_world(__file__, tmp_path, timeout=600)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     want_losses, want_state = train(str(tmp_path / "single"), "single")

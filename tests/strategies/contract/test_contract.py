@@ -7,9 +7,6 @@ A new strategy joins by adding one entry to STRATEGIES below."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +15,9 @@ import torch
 from kiln.strategies import STRATEGIES as REGISTRY
 from tests.strategies.contract.fakes import OwnStepStrategy, SpmdSizesStrategy
 from tests.strategies.contract.scenarios import SCENARIOS, run_all
+from tests.world import run_world
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[2]
 
 #: id -> (strategy as the Trainer takes it, processes, tolerance against `single`)
 STRATEGIES = {
@@ -48,14 +45,8 @@ NEEDS = {"auto_batch_size": "auto_batch_size", "full_eval": "full_eval_cast"}
 
 def _start(keys: list[str], out: Path) -> list[str]:
     """One 2-process world running every strategy in `keys` (worker.py); [why it failed], or []."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
     entries = [f"{STRATEGIES[k][0]}={DATA_SHARDS.get(k, 2)}" for k in keys]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "worker.py")]
-    proc = subprocess.run([*cmd, str(out), *entries], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    proc = run_world(HERE / "worker.py", out, *entries, timeout=1200, check=False)
     if proc.returncode != 0:
         return [f"contract worker for {keys} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"]
     return []

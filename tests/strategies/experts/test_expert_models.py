@@ -8,7 +8,6 @@ under torchrun, this file is the worker (`... THIS OUT [4]`)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,8 +18,8 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tests.strategies.experts.cases import train  # noqa: E402
+from tests.world import run_world
 
-REPO = Path(__file__).resolve().parents[3]
 KINDS = ("qwen3_moe", "olmoe", "deepseek_v3")
 
 
@@ -44,14 +43,7 @@ def worker(out: str) -> None:
 @pytest.mark.heavy
 @pytest.mark.distributed
 def test_expert_parallel_equals_single_on_other_moe_families(tmp_path):
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"the ep job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_world(__file__, tmp_path, timeout=900)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     single = {"name": "single", "device": "cpu"}
     for kind in KINDS:
@@ -69,14 +61,7 @@ def test_expert_parallel_equals_single_on_other_moe_families(tmp_path):
 def test_ep_2_within_dp_shard_4_equals_single(tmp_path):
     from kiln.engine.checkpoint.convert import convert_checkpoint
 
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", __file__]
-    proc = subprocess.run([*cmd, str(tmp_path), "4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"the ep job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_world(__file__, tmp_path, 4, nproc=4, timeout=900)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     want_losses, want, _ = train(
         str(tmp_path / "single"), {"name": "single", "device": "cpu"}, per_device_train_batch_size=4

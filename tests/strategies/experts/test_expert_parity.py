@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,8 +33,8 @@ if __name__ == "__main__":  # the torchrun worker: the repository root first, as
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tests.strategies.experts.cases import data, moe, train  # noqa: E402
+from tests.world import run_world
 
-REPO = Path(__file__).resolve().parents[3]
 EP = {"name": "model_parallel", "device": "cpu", "mesh": {"ep": 2}}
 EP_IN_DP = {"name": "model_parallel", "device": "cpu", "mesh": {"dp_shard": 2, "ep": 2}}
 DP_SHARD = {"name": "model_parallel", "device": "cpu", "mesh": {"dp_shard": 2}}
@@ -94,14 +93,7 @@ def test_expert_parallel_equals_single_and_resumes_on_one_process(tmp_path):
     from kiln.engine.checkpoint.convert import convert_checkpoint
     from tests.strategies.experts.cases import config
 
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"the ep job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_world(__file__, tmp_path, timeout=600)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     # the same global batch on one process: micro-batches of 2 x 2

@@ -9,7 +9,6 @@ weights the strategy trained. (xla's export keeps ties by its own tested path, t
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 
-from tests.distributed.conftest import run
 from tests.strategies.export import cases
+from tests.world import run_world
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent
@@ -28,20 +27,7 @@ DISTRIBUTED = ["ddp", "fsdp", "fsdp_full", "model_parallel", "model_parallel_tp"
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tied_exports")
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(HERE / "worker.py"),
-            str(out),
-            *DISTRIBUTED,
-        ],
-        timeout=1500,
-        env={"DS_ACCELERATOR": "cpu"},
-    )
+    run_world(HERE / "worker.py", out, *DISTRIBUTED, timeout=1500, env={"DS_ACCELERATOR": "cpu"})
     for name in ("single", "single_llama"):
         weights = cases.train_and_export(name, str(out), 1)
         from safetensors.torch import save_file

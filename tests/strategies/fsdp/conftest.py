@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.conftest import run
+from tests.world import run_world
 
 HERE = Path(__file__).resolve().parent
 
 
 def torchrun(nproc: int, script: str, *args, timeout: float = 600, check: bool = True, env: dict | None = None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(HERE / script),
-        *map(str, args),
-    ]
-    return run(cmd, timeout=timeout, check=check, env=env)
+    """`script` on an `nproc`-process world as torchrun starts it (tests/world.py)."""
+    return run_world(HERE / script, *args, nproc=nproc, timeout=timeout, check=check, env=env)
 
 
 #: scenarios that share one 2-process job (worker_many.py); `precision` last: it lets kiln run fp16 on this CPU

@@ -21,7 +21,6 @@ Run as a script under torchrun, this file is the worker (`python -m torch.distri
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,8 +31,8 @@ if __name__ == "__main__":  # the torchrun worker: the repository root first, as
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tests.strategies.pipeline.cases import config, data, llama, train  # noqa: E402
+from tests.world import run_world
 
-REPO = Path(__file__).resolve().parents[3]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
 #: the decoder layers each rank holds (and whether it holds the embeddings, and the norm and head)
 LAYOUT = {
@@ -106,17 +105,7 @@ def test_pipeline_schedules_equal_single_evaluate_and_resume_across_meshes(tmp_p
     one_mesh = {"name": "model_parallel", "device": "cpu"}
     one_losses, one_state, _ = train(str(tmp_path / "one"), one_mesh, save={"strategy": "steps", "steps": 2})
     one_state = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in one_state.items()}  # DTensors of one rank
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
-    cmd += [str(tmp_path), str(tmp_path / "one" / "checkpoint-2")]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (
-        f"the pipeline job exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
+    run_world(__file__, tmp_path, tmp_path / "one" / "checkpoint-2", timeout=600)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
     want_losses, want, single = train(

@@ -37,20 +37,9 @@ def test_two_processes_train_like_one_and_kiln_convert_reads_the_own_format(tmp_
 
     import tests.strategies.plugins.two_d  # noqa: F401 - registers the format in this process, as a plug-in user does
     from kiln.cli import main as kiln
-    from tests.distributed.conftest import run
+    from tests.world import run_world
 
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            __file__,
-            str(tmp_path / "two"),
-        ],
-        timeout=600,
-    )
+    run_world(__file__, tmp_path / "two", timeout=600)
     _train("single", str(tmp_path / "one"), 1)
     live = load_file(str(tmp_path / "two" / "live.safetensors"))
     single = load_file(str(tmp_path / "one" / "live.safetensors"))
