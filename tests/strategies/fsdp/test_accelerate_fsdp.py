@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import kiln_cli, run
+from tests.distributed.conftest import kiln_cli, run, torchrun
 from tests.distributed.test_accelerate_launch import _free_port
 from tests.distributed.toy import write_cli_config
 
@@ -79,7 +79,9 @@ CLI_FLAGS = [
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
     root = tmp_path_factory.mktemp("native")
-    kiln_cli("fit", write_cli_config(str(root / "own.yaml"), str(root / "own")), "--nproc", "2", *NATIVE, timeout=300)
+    own = write_cli_config(str(root / "own.yaml"), str(root / "own"))
+    OmegaConf.save(OmegaConf.merge(OmegaConf.load(own), OmegaConf.from_dotlist(NATIVE)), own)
+    torchrun("worker_cli_runs.py", own, timeout=300)  # `kiln fit` in each rank of a 2-process world
     return load_file(str(root / "own" / "model.safetensors"))
 
 
