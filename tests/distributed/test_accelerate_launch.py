@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import kiln_cli, run
+from tests.distributed.conftest import run, torchrun
 from tests.distributed.toy import write_cli_config
 
 pytestmark = pytest.mark.distributed
@@ -77,16 +77,16 @@ def _precision(path) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Three 2-process runs of one config for both tests: accelerate with bf16, accelerate with bf16
-    under a kiln config that sets fp32, and `kiln fit --nproc 2` (accelerate's `mixed_precision: no`,
+    under a kiln config that sets fp32, and `kiln fit` on 2 processes (accelerate's `mixed_precision: no`,
     which asks for fp32, is tested in one process: test_environment.py::test_accelerate_no_mixed_precision_changes_nothing)."""
     tmp = tmp_path_factory.mktemp("accelerate")
     used = _accelerate(tmp, "bf16", "bf16")
     kept = _accelerate(tmp, "fp32", "bf16", "precision=fp32")
-    kiln_cli("fit", write_cli_config(str(tmp / "own.yaml"), str(tmp / "own")), "--nproc", "2")
+    torchrun("worker_cli_runs.py", write_cli_config(str(tmp / "own.yaml"), str(tmp / "own")))  # `kiln fit` per rank
     return tmp, used, kept
 
 
-def test_accelerate_launch_runs_kiln_ddp_like_kiln_fit_nproc(runs):
+def test_accelerate_launch_runs_kiln_ddp_like_kiln_fit_on_two_processes(runs):
     tmp, _, _ = runs
     assert _precision(tmp / "own") == _precision(tmp / "fp32") == "fp32"
     # equal weights: `strategy: auto` became DDP over accelerate's 2 processes (one process, or two
