@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.conftest import HERE, REPO, TORCHRUN
+from tests.world import run_world
 
 pytestmark = pytest.mark.distributed
 WORKER = str(HERE / "worker_preempt.py")
@@ -77,7 +78,7 @@ def test_sigterm_saves_on_every_rank_stops_and_resumes_exactly(tmp_path, signall
 
 
 def test_ranks_with_different_output_dirs_are_refused_at_start(tmp_path):
-    code, out, err = _finish(_start("dirs", str(tmp_path)))
-    assert code != 0
-    assert "output_dir differs between ranks" in err, err[-4000:]
+    proc = run_world(WORKER, "dirs", tmp_path, check=False, timeout=180)
+    assert proc.returncode != 0
+    assert "output_dir differs between ranks" in proc.stderr, proc.stderr[-4000:]
     assert not any(p.name.startswith("checkpoint-") for d in tmp_path.iterdir() if d.is_dir() for p in d.iterdir())
