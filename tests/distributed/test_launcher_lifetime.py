@@ -15,8 +15,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from omegaconf import OmegaConf
 
-from tests.distributed.conftest import REPO, kiln_cli
+from tests.distributed.conftest import REPO, kiln_cli, torchrun
 from tests.distributed.lifetime_toy import gone, wait_for, workers_of, write_config
 
 START = 180  # seconds until both workers train; a loaded machine needs ~20
@@ -138,17 +139,9 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes(tmp_path):
     assert step >= 3 and (out / f"checkpoint-{step}" / "COMPLETE").exists()
     assert f"Preempted (SIGTERM): saved checkpoint-{step}" in err
 
-    kiln_cli(
-        "fit",
-        cfg,
-        "--nproc",
-        "2",
-        "resume_from_checkpoint=true",
-        f"max_steps={step + 2}",
-        "save_steps=1",
-        "task.data_args.slow_seconds=0",
-        timeout=300,
-    )
+    resume = ["resume_from_checkpoint=true", f"max_steps={step + 2}", "save_steps=1", "task.data_args.slow_seconds=0"]
+    OmegaConf.save(OmegaConf.merge(OmegaConf.load(cfg), OmegaConf.from_dotlist(resume)), cfg)
+    torchrun("worker_cli_runs.py", cfg, timeout=300)  # `kiln fit` in each rank of a 2-process world
     assert _checkpoints(out) == {f"checkpoint-{s}" for s in (step, step + 1, step + 2)}  # went on from `step`
 
 
