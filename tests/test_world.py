@@ -73,7 +73,19 @@ def test_a_failing_rank_fails_the_world_with_its_error_and_its_hung_peer_is_kill
 def test_sys_exit_codes_come_back_and_a_hung_world_times_out(tmp_path):
     script = tmp_path / "exit.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '0' else 0)\n")
-    assert world.run_world(script, check=False).returncode == 3
+    proc = world.run_world(script, check=False)
+    assert (proc.returncode, proc.stderr) == (3, "")
+    script.write_text("import os, sys\nsys.exit(int(os.environ['RANK']))\n")  # the failed rank's code, not rank 0's
+    assert world.run_world(script, check=False).returncode == 1
+    script.write_text("import sys\nsys.exit('a message')\n")  # as the interpreter: printed, exit 1
+    proc = world.run_world(script, check=False, nproc=1)
+    assert (proc.returncode, proc.stderr) == (1, "a message\n")
+    # a non-daemon thread still running when the script ends is waited for, as the interpreter waits
+    script.write_text(
+        "import sys, threading, time\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+    )
+    assert world.run_world(script, nproc=1).stdout == "thread done\n"
     script.write_text("import time\ntime.sleep(600)\n")
     with pytest.raises(subprocess.TimeoutExpired):
         world.run_world(script, timeout=2)
