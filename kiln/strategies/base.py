@@ -393,7 +393,7 @@ class SingleProcessCollectives:
         return None
 
 
-#: fields every strategy config has (kiln.config.schema.StrategyConfig), offered in suggestions
+#: fields every strategy config has (kiln.config.schema.strategy.StrategyConfig), offered in suggestions
 _COMMON_FIELDS = (
     "name",
     "device",
