@@ -120,17 +120,17 @@ def test_an_io_error_after_the_rename_is_still_one_sentence(tmp_path, monkeypatc
     """The output folder's fsync (which makes the rename durable) fails: the temporary folder is already
     renamed away, and the clean-up after the failure must not trip over it: kiln's one sentence naming
     the errno, not a FileNotFoundError from the clean-up."""
-    from kiln.engine.checkpoint import manager
+    from kiln.engine.checkpoint import atomic
 
     out = str(tmp_path / "run")
-    real_fsync_dir = manager._fsync_dir
+    real_fsync_dir = atomic._fsync_dir
 
     def fsync_dir(path: str) -> None:
         if os.path.basename(path) == "run":
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
         real_fsync_dir(path)
 
-    monkeypatch.setattr(manager, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(atomic, "_fsync_dir", fsync_dir)
     with pytest.raises(CheckpointError, match=r"\(EIO\) while writing checkpoint-2 in .*Check the disk"):
         train(out, {"max_steps": 2, "save_steps": 2})
     assert folders(out) == {"checkpoint-2"} and is_complete(os.path.join(out, "checkpoint-2"))
