@@ -174,3 +174,80 @@ def test_a_dataset_position_that_only_unpickling_could_load_is_refused_in_one_se
 
     with pytest.raises(CheckpointError, match=r"^Holding\.state_dict\(\) returned objects other than tensors, numbers"):
         dataset_state(DataLoader(Holding(state), batch_size=2))
+
+
+class SavesOnly(Stream):
+    def state_dict(self):  # no load_state_dict: a position it could not restore
+        return {"pos": self.pos}
+
+
+class MapWithState(list):
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_only_a_main_process_iterable_dataset_that_saves_and_restores_has_a_position():
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader
+
+    from kiln.engine.checkpoint.data_position import dataset_state, stateful_dataset
+
+    assert stateful_dataset(DataLoader(StatefulStream(n=4), batch_size=2, num_workers=2)) is None  # workers prefetch
+    assert stateful_dataset(DataLoader(SavesOnly(n=4), batch_size=2)) is None
+    assert stateful_dataset(DataLoader(MapWithState(regression_data(4)), batch_size=2)) is None  # the sampler's job
+    own = StatefulStream(n=4)  # a loader of the user's own, without num_workers: iterated in this process
+    assert stateful_dataset(SimpleNamespace(dataset=own)) is own
+    assert dataset_state(SimpleNamespace(dataset=own)) == {"pos": 0}
+
+
+def test_at_the_epoch_start_nothing_is_skipped_and_one_batch_in_is_iterated_past(caplog):
+    whole = torch.stack([item["x"] for item in regression_data(12, seed=2)])
+    got, warned = _batches(Stream(n=12), 0, None, caplog)
+    assert torch.equal(torch.cat(got), whole) and not warned
+    from torch.utils.data import DataLoader
+
+    from kiln.engine.checkpoint.data_position import resume_iterator
+
+    rows = regression_data(12, seed=2)  # map-style, but not kiln's sampler: iterated past, then to the epoch's end
+    batches = list(resume_iterator(DataLoader(rows, batch_size=4), 1, None, main=False, progress=False))
+    assert torch.equal(torch.cat([b["x"] for b in batches]), whole[4:])
+
+
+class Bar:
+    """tqdm as `_iterate_past` drives it: each update, and whether it was closed."""
+
+    made: list[Bar] = []
+
+    def __init__(self, total, desc, unit):
+        self.total, self.n, self.updates, self.closed = total, 0, [], False
+        Bar.made.append(self)
+
+    def update(self, k):
+        self.n += k
+        self.updates.append(k)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("skip, bar", [(999, False), (1000, True), (1234, True)])
+def test_a_long_skip_shows_a_progress_bar_that_ends_at_the_skip(skip, bar, monkeypatch):
+    import tqdm.auto
+
+    from kiln.engine.checkpoint.data_position import resume_iterator
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    Bar.made = []
+    rows = list(range(skip + 3))
+    assert list(resume_iterator(rows, skip, None, main=True, progress=True)) == rows[skip:]
+    if bar:
+        [made] = Bar.made
+        assert made.total == made.n == skip and made.closed
+        assert made.updates == [100] * (skip // 100) + [skip % 100]  # every 100 batches, then the rest
+    for main, progress in ((True, False), (False, True)):  # a bar only on the main process, with progress on
+        assert list(resume_iterator(rows, skip, None, main=main, progress=progress)) == rows[skip:]
+    assert len(Bar.made) == int(bar)
