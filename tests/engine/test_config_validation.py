@@ -141,6 +141,8 @@ GOOD: list[dict[str, Any]] = [
     {"torch_compile": {"regions": "blocks"}},
     {"debug": ["underflow_overflow"]},
     {"dataloader_multiprocessing_context": "spawn"},
+    {"label_smoothing_factor": 0.1},  # each alone: only the chunked loss with smoothing is refused
+    {"train": {"loss": {"chunked": True}}},
 ]
 
 
