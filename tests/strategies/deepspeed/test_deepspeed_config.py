@@ -233,3 +233,22 @@ def test_an_optimizer_that_owns_backward_is_refused_before_deepspeed_starts():
     module = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="OwnsBackward updates parameters inside backward, which DeepSpeed"):
         strategy.setup(module, lambda m: OwnsBackward(m.parameters(), lr=0.1), max_steps=20)
+
+
+def test_the_finished_configs_dtype_is_the_enabled_section():
+    from kiln.config.hf.deepspeed import dtype_of
+
+    assert dtype_of({}) is None and dtype_of({"bf16": {"enabled": False}, "fp16": {"enabled": False}}) is None
+    assert dtype_of({"bf16": {"enabled": False}, "fp16": {"enabled": True}}) == "fp16"
+    assert dtype_of({"fp16": {"enabled": False}, "bf16": {"enabled": True}}) == "bf16"
+    assert dtype_of({"bf16": {"enabled": "auto"}, "fp16": True}) is None  # only a filled-in section counts
+
+
+def test_deepspeeds_own_printing_is_off_unless_the_user_asks_for_it():
+    """kiln logs the steps itself; DeepSpeed's progress prints and timing breakdown would duplicate it."""
+    ds = process(_cfg(), {}, world_size=1, precision="fp32", name="deepspeed")
+    assert ds["steps_per_print"] == 10**9 and ds["wall_clock_breakdown"] is False
+    own = {"steps_per_print": 5, "wall_clock_breakdown": True}
+    assert {
+        k: v for k, v in process(_cfg(), own, world_size=1, precision="fp32", name="deepspeed").items() if k in own
+    } == own
