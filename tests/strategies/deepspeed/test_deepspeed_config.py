@@ -81,6 +81,20 @@ def test_absent_values_come_from_kiln_so_deepspeed_defaults_cannot_drift():
     assert ds["gradient_accumulation_steps"] == 2 and ds["zero_optimization"]["stage"] == 3
     off = process(_cfg(), {}, world_size=1, precision="fp32", name="deepspeed_stage_3_offload")["zero_optimization"]
     assert off["offload_optimizer"] == {"device": "cpu"} and off["offload_param"] == {"device": "cpu"}
+    assert off["stage"] == 3
+
+
+@pytest.mark.parametrize("precision, sections", [("bf16", {"bf16": {"enabled": True}}), ("fp32", {})])
+def test_an_absent_precision_section_is_written_only_for_the_runs_dtype(precision, sections):
+    ds = process(_cfg(), {}, world_size=1, precision=precision, name="deepspeed")
+    assert {k: ds[k] for k in ("fp16", "bf16") if k in ds} == sections
+
+
+def test_a_value_of_another_kind_than_kilns_is_a_mismatch_not_a_match():
+    with pytest.raises(ConfigError, match=r"gradient_clipping='0.5' vs kiln train.max_grad_norm=0.5"):
+        process(_cfg(), {"gradient_clipping": "0.5"}, world_size=1, precision="fp32", name="deepspeed")
+    same = {"gradient_clipping": 0.5, "optimizer": {"params": {"betas": [0.9, 0.999]}}}  # numbers and lists by value
+    assert process(_cfg(), same, world_size=1, precision="fp32", name="deepspeed")["gradient_clipping"] == 0.5
 
 
 def test_values_set_on_both_sides_that_differ_are_one_error_naming_both():
