@@ -136,6 +136,45 @@ def test_an_io_error_after_the_rename_is_still_one_sentence(tmp_path, monkeypatc
     assert folders(out) == {"checkpoint-2"} and is_complete(os.path.join(out, "checkpoint-2"))
 
 
+def _staged(out, text: str) -> str:
+    tmp = out / ".checkpoint-2.tmp"
+    tmp.mkdir()
+    (tmp / "weights.bin").write_text(text)
+    return str(tmp)
+
+
+def test_a_step_published_twice_replaces_the_first_and_leaves_no_old_folder(tmp_path):
+    """A step save and the epoch-end save of the same step: the second folder takes the name, and neither
+    the first nor a leftover `.old` of a run killed there stays behind (or blocks the rename)."""
+    from kiln.engine.checkpoint.atomic import publish_folder
+
+    final = str(tmp_path / "checkpoint-2")
+    publish_folder(_staged(tmp_path, "first"), final, {"step": 2}, None)
+    (tmp_path / ".checkpoint-2.old").mkdir()  # what a kill between the two renames leaves
+    (tmp_path / ".checkpoint-2.old" / "weights.bin").write_text("older")
+    publish_folder(_staged(tmp_path, "second"), final, {"step": 2}, None)
+    assert folders(str(tmp_path)) == {"checkpoint-2"} and is_complete(final)
+    assert (tmp_path / "checkpoint-2" / "weights.bin").read_text() == "second"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd through /proc (Linux)")
+def test_the_marker_is_whole_on_disk_when_it_is_fsynced(tmp_path, monkeypatch):
+    """fsync makes durable what the OS has: the marker's text must have left Python's buffer by then."""
+    from kiln.engine.checkpoint.atomic import publish_folder
+
+    sizes: dict[str, int] = {}
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        sizes[os.path.basename(_path_of(fd))] = os.fstat(fd).st_size
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    final = str(tmp_path / "checkpoint-2")
+    publish_folder(_staged(tmp_path, "weights"), final, {"step": 2}, None)
+    assert sizes[MARKER] == os.path.getsize(os.path.join(final, MARKER)) > 0
+
+
 # -- the marker ---------------------------------------------------------------------------------------
 def _refused_in_one_sentence(out: str, reason: str) -> str:
     ckpt = os.path.join(out, "checkpoint-4")
