@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kiln.engine.checkpoint.manager import MARKER
+from kiln.engine.checkpoint.files import MARKER
 from kiln.engine.model.module import TrainingModule
 from kiln.engine.trainer import Trainer
 

@@ -60,7 +60,7 @@ def config_markdown() -> str:
     out = [
         "# Config reference",
         "",
-        "Generated from `kiln/config/schema.py` (`kiln config-docs`). "
+        "Generated from `kiln/config/schema/` (`kiln config-docs`). "
         "Every key can be set in YAML, as `key=value` on the command line, or in the Python API; "
         "Hugging Face `TrainingArguments` names work too (table at the end).",
         "",

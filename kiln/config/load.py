@@ -20,7 +20,8 @@ from kiln.config.hf import args as hf_args
 from kiln.config.hf import deepspeed as hf_deepspeed
 from kiln.config.hf import xla as hf_xla
 from kiln.config.remote_dir import place_output_dir
-from kiln.config.schema import StrategyConfig, TrainingConfig
+from kiln.config.schema import TrainingConfig
+from kiln.config.schema.strategy import StrategyConfig
 from kiln.utils.errors import ConfigError
 
 ConfigSource = Union[None, TrainingConfig, DictConfig, Mapping[str, Any], str, "os.PathLike[str]"]

@@ -129,7 +129,7 @@ def _check_names(cfg: DictConfig) -> None:
 def _check_float8(cfg: DictConfig) -> None:
     """`precision.fp8` / `precision.mxfp8` settings belong to their plugin; under another they would do nothing."""
     from kiln.config.names import FLOAT8_RECIPES, MXFP8_RECIPES
-    from kiln.config.schema import Float8Config, MXFP8Config
+    from kiln.config.schema.precision import Float8Config, MXFP8Config
 
     fp8 = cfg.precision.fp8
     _choice("precision.fp8.recipe", fp8.recipe, FLOAT8_RECIPES)

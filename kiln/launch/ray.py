@@ -45,7 +45,7 @@ def require_ray(what: str) -> None:
 
 @dataclass(frozen=True)
 class RayLaunch:
-    """How the Ray run is started: the config's `launcher` keys (see their help in kiln.config.schema)."""
+    """How the Ray run is started: the config's `launcher` keys (see their help in kiln.config.schema.launcher)."""
 
     num_workers: int = 1
     resources_per_worker: dict[str, float] = field(default_factory=dict)

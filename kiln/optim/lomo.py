@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config.schema import OptimConfig
+from kiln.config.schema.optim import OptimConfig
 from kiln.optim.package_optimizers import PackageOptimizer, _package
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config.schema import OptimConfig
+from kiln.config.schema.optim import OptimConfig
 from kiln.optim import lomo as _lomo
 from kiln.optim import package_optimizers as _package_optimizers
 from kiln.registry import Registry, publish

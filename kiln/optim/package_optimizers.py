@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config.schema import OptimConfig
+from kiln.config.schema.optim import OptimConfig
 
 
 def _package(module: str, pip_name: str, name: str) -> Any:

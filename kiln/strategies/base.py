@@ -61,7 +61,8 @@ import torch
 from torch import nn
 
 from kiln.strategies.capabilities import Capabilities
-from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO
+from kiln.strategies.checkpoint_io import CheckpointIO
+from kiln.strategies.full_checkpoint_io import FullStateCheckpointIO
 from kiln.utils.errors import ConfigError
 from kiln.utils.kernels import per_parameter_kernels_where_mixed
 from kiln.utils.tensors import move_to_device
@@ -393,7 +394,7 @@ class SingleProcessCollectives:
         return None
 
 
-#: fields every strategy config has (kiln.config.schema.StrategyConfig), offered in suggestions
+#: fields every strategy config has (kiln.config.schema.strategy.StrategyConfig), offered in suggestions
 _COMMON_FIELDS = (
     "name",
     "device",

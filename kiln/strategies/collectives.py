@@ -9,7 +9,7 @@ one-process strategy inherits `SingleProcessCollectives`:
     class MyStrategy(ProcessGroupCollectives, Strategy): ...
 
 A strategy whose ranks are not all distinct data (the tensor-parallel ranks of one data shard) narrows
-`reduce` and `all_gather` in its own class (kiln/strategies/mesh/strategy.py); the plain ones here span
+`reduce` and `all_gather` in its own mixin (kiln/strategies/mesh/collectives.py); the plain ones here span
 every rank. Creating, naming and freeing the group itself is kiln/strategies/process_group.py."""
 
 from __future__ import annotations

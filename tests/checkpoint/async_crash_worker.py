@@ -22,7 +22,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from kiln.strategies import checkpoint_io
+from kiln.strategies import full_checkpoint_io
 from tests.checkpoint.crash_worker import main, quiet, train_and_record
 
 CONFIG = {
@@ -57,7 +57,7 @@ def _kill_before(kill_at: int) -> None:
         return step
 
     os.fsync, os.replace, shutil.rmtree = counted(os.fsync), counted(os.replace), counted(shutil.rmtree)
-    torch.save, checkpoint_io.save_weights = counted(torch.save), counted(checkpoint_io.save_weights)
+    torch.save, full_checkpoint_io.save_weights = counted(torch.save), counted(full_checkpoint_io.save_weights)
 
 
 def child(out: str, result: str, kill_at: str) -> None:

@@ -26,7 +26,7 @@ sys.path.insert(0, REPO)
 
 from kiln.engine.callbacks.base import Callback
 from kiln.engine.checkpoint import manager as checkpoint
-from kiln.strategies.checkpoint_io import FullStateCheckpointIO
+from kiln.strategies.full_checkpoint_io import FullStateCheckpointIO
 from tests.checkpoint.checkpoint_helpers import config, make_model, numeric_history, regression_data
 
 WRITE_DELAY = 0.004

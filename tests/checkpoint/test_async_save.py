@@ -19,7 +19,7 @@ from kiln.engine.callbacks.base import Callback
 from kiln.engine.checkpoint import manager as manager_module
 from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints
 from kiln.engine.checkpoint.integrity import ALGORITHM
-from kiln.strategies.checkpoint_io import FullStateCheckpointIO
+from kiln.strategies.full_checkpoint_io import FullStateCheckpointIO
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import Crash, folders, train, weights
 
@@ -396,7 +396,7 @@ def test_staging_copies_buffers_at_once_and_a_copy_torn_by_an_in_place_change_is
     to a parameter before its copy is made fails the write in one sentence, and writes no weights."""
     from torch import nn
 
-    from kiln.strategies.checkpoint_io import load_weights
+    from kiln.strategies.model_weights import load_weights
     from kiln.utils.host_copy import HostStaging
 
     release = threading.Event()

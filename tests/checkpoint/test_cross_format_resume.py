@@ -23,8 +23,9 @@ import torch.distributed as dist
 from kiln.docgen.format_table import format_rows
 from kiln.engine.checkpoint.files import MARKER
 from kiln.engine.checkpoint.loading import check_data_shards
-from kiln.strategies.checkpoint_io import FORMATS, CheckpointIO, FullStateCheckpointIO
+from kiln.strategies.checkpoint_io import FORMATS, CheckpointIO
 from kiln.strategies.format_translation import route
+from kiln.strategies.full_checkpoint_io import FullStateCheckpointIO
 from kiln.strategies.mesh.checkpoint_io import FullCheckpointIO, ShardedCheckpointIO
 from kiln.strategies.mesh.pipeline_checkpoint import PipelineCheckpointIO
 from kiln.strategies.portable_state import keyed_by_index, keyed_by_name, optimizer_names

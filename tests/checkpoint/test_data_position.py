@@ -89,6 +89,40 @@ def test_iterable_dataset_without_state_is_iterated_past_with_a_note(tmp_path, c
     assert "ignore_data_skip" in caplog.text
 
 
+def _batches(dataset, skip, saved, caplog):
+    """What `resume_iterator` yields `skip` batches into a 3-batch epoch of `dataset`, and what it warned."""
+    from torch.utils.data import DataLoader
+
+    from kiln.engine.checkpoint.data_position import resume_iterator
+
+    loader = DataLoader(dataset, batch_size=4)
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.checkpoint.data_position"):
+        batches = list(resume_iterator(loader, skip, saved, main=True, progress=False))
+    return [b["x"] for b in batches], caplog.text
+
+
+@pytest.mark.parametrize(
+    "dataset, saved, why",
+    [  # only one side records the dataset's position: neither restores it, the epoch is iterated past
+        (StatefulStream, None, "the checkpoint holds no position of the dataset"),
+        (Stream, {"pos": 4}, "the dataset has no state_dict()"),
+    ],
+    ids=["only_the_run_is_stateful", "only_the_checkpoint_holds_a_position"],
+)
+def test_a_position_on_one_side_only_is_iterated_past(dataset, saved, why, caplog):
+    whole = torch.stack([item["x"] for item in regression_data(12, seed=2)])
+    got, warned = _batches(dataset(n=12), 2, saved, caplog)
+    assert len(got) == 1 and torch.equal(got[0], whole[8:12])  # the third batch, not a restored position
+    assert "skipping the first 2 batches of the epoch by iterating over them" in warned and why in warned
+
+
+def test_a_position_on_both_sides_is_restored_not_iterated_past(caplog):
+    whole = torch.stack([item["x"] for item in regression_data(12, seed=2)])
+    got, warned = _batches(StatefulStream(n=12), 2, {"pos": 4}, caplog)  # the saved position wins over skip
+    assert [len(b) for b in got] == [4, 4] and torch.equal(torch.cat(got), whole[4:12])
+    assert "iterating over them" not in warned
+
+
 def test_jump_cost_does_not_depend_on_the_position():
     """The sampler's work to start at batch b is one permutation, whatever b is."""
     from kiln.engine.data.samplers import ResumableSampler
@@ -102,3 +136,118 @@ def test_jump_cost_does_not_depend_on_the_position():
         first = next(iter(sampler))
         assert first == real()[start]
     assert len(calls) == 2
+
+
+class Holding(StatefulStream):
+    """A stream whose saved position is whatever it is given."""
+
+    def __init__(self, state):
+        super().__init__(n=4)
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+
+PLAIN = {"pos": 3, "shard": (1, "a", 2.5, None, True, b"x"), "rng": [torch.ones(2)], 7: {"nested": [0]}}
+
+
+def test_a_dataset_position_of_plain_values_is_saved_as_it_is():
+    from torch.utils.data import DataLoader
+
+    from kiln.engine.checkpoint.data_position import dataset_state
+
+    assert dataset_state(DataLoader(Holding(PLAIN), batch_size=2)) is PLAIN
+    assert dataset_state(DataLoader(Stream(n=4), batch_size=2)) is None  # nothing to save without state_dict()
+
+
+@pytest.mark.parametrize(
+    "state",
+    [{"pos": object()}, {"pos": [1, {2}]}, {(1, 2): 0}, ({"pos": 1.5j},)],
+    ids=["object", "set_in_a_list", "tuple_key", "complex_in_a_tuple"],
+)
+def test_a_dataset_position_that_only_unpickling_could_load_is_refused_in_one_sentence(state):
+    from torch.utils.data import DataLoader
+
+    from kiln.engine.checkpoint.data_position import dataset_state
+    from kiln.utils.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"^Holding\.state_dict\(\) returned objects other than tensors, numbers"):
+        dataset_state(DataLoader(Holding(state), batch_size=2))
+
+
+class SavesOnly(Stream):
+    def state_dict(self):  # no load_state_dict: a position it could not restore
+        return {"pos": self.pos}
+
+
+class MapWithState(list):
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_only_a_main_process_iterable_dataset_that_saves_and_restores_has_a_position():
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader
+
+    from kiln.engine.checkpoint.data_position import dataset_state, stateful_dataset
+
+    assert stateful_dataset(DataLoader(StatefulStream(n=4), batch_size=2, num_workers=2)) is None  # workers prefetch
+    assert stateful_dataset(DataLoader(SavesOnly(n=4), batch_size=2)) is None
+    assert stateful_dataset(DataLoader(MapWithState(regression_data(4)), batch_size=2)) is None  # the sampler's job
+    own = StatefulStream(n=4)  # a loader of the user's own, without num_workers: iterated in this process
+    assert stateful_dataset(SimpleNamespace(dataset=own)) is own
+    assert dataset_state(SimpleNamespace(dataset=own)) == {"pos": 0}
+
+
+def test_at_the_epoch_start_nothing_is_skipped_and_one_batch_in_is_iterated_past(caplog):
+    whole = torch.stack([item["x"] for item in regression_data(12, seed=2)])
+    got, warned = _batches(Stream(n=12), 0, None, caplog)
+    assert torch.equal(torch.cat(got), whole) and not warned
+    from torch.utils.data import DataLoader
+
+    from kiln.engine.checkpoint.data_position import resume_iterator
+
+    rows = regression_data(12, seed=2)  # map-style, but not kiln's sampler: iterated past, then to the epoch's end
+    batches = list(resume_iterator(DataLoader(rows, batch_size=4), 1, None, main=False, progress=False))
+    assert torch.equal(torch.cat([b["x"] for b in batches]), whole[4:])
+
+
+class Bar:
+    """tqdm as `_iterate_past` drives it: each update, and whether it was closed."""
+
+    made: list[Bar] = []
+
+    def __init__(self, total, desc, unit):
+        self.total, self.n, self.updates, self.closed = total, 0, [], False
+        Bar.made.append(self)
+
+    def update(self, k):
+        self.n += k
+        self.updates.append(k)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("skip, bar", [(999, False), (1000, True), (1234, True)])
+def test_a_long_skip_shows_a_progress_bar_that_ends_at_the_skip(skip, bar, monkeypatch):
+    import tqdm.auto
+
+    from kiln.engine.checkpoint.data_position import resume_iterator
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    Bar.made = []
+    rows = list(range(skip + 3))
+    assert list(resume_iterator(rows, skip, None, main=True, progress=True)) == rows[skip:]
+    if bar:
+        [made] = Bar.made
+        assert made.total == made.n == skip and made.closed
+        assert made.updates == [100] * (skip // 100) + [skip % 100]  # every 100 batches, then the rest
+    for main, progress in ((True, False), (False, True)):  # a bar only on the main process, with progress on
+        assert list(resume_iterator(rows, skip, None, main=main, progress=progress)) == rows[skip:]
+    assert len(Bar.made) == int(bar)

@@ -120,20 +120,59 @@ def test_an_io_error_after_the_rename_is_still_one_sentence(tmp_path, monkeypatc
     """The output folder's fsync (which makes the rename durable) fails: the temporary folder is already
     renamed away, and the clean-up after the failure must not trip over it: kiln's one sentence naming
     the errno, not a FileNotFoundError from the clean-up."""
-    from kiln.engine.checkpoint import manager
+    from kiln.engine.checkpoint import atomic
 
     out = str(tmp_path / "run")
-    real_fsync_dir = manager._fsync_dir
+    real_fsync_dir = atomic._fsync_dir
 
     def fsync_dir(path: str) -> None:
         if os.path.basename(path) == "run":
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
         real_fsync_dir(path)
 
-    monkeypatch.setattr(manager, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(atomic, "_fsync_dir", fsync_dir)
     with pytest.raises(CheckpointError, match=r"\(EIO\) while writing checkpoint-2 in .*Check the disk"):
         train(out, {"max_steps": 2, "save_steps": 2})
     assert folders(out) == {"checkpoint-2"} and is_complete(os.path.join(out, "checkpoint-2"))
+
+
+def _staged(out, text: str) -> str:
+    tmp = out / ".checkpoint-2.tmp"
+    tmp.mkdir()
+    (tmp / "weights.bin").write_text(text)
+    return str(tmp)
+
+
+def test_a_step_published_twice_replaces_the_first_and_leaves_no_old_folder(tmp_path):
+    """A step save and the epoch-end save of the same step: the second folder takes the name, and neither
+    the first nor a leftover `.old` of a run killed there stays behind (or blocks the rename)."""
+    from kiln.engine.checkpoint.atomic import publish_folder
+
+    final = str(tmp_path / "checkpoint-2")
+    publish_folder(_staged(tmp_path, "first"), final, {"step": 2}, None)
+    (tmp_path / ".checkpoint-2.old").mkdir()  # what a kill between the two renames leaves
+    (tmp_path / ".checkpoint-2.old" / "weights.bin").write_text("older")
+    publish_folder(_staged(tmp_path, "second"), final, {"step": 2}, None)
+    assert folders(str(tmp_path)) == {"checkpoint-2"} and is_complete(final)
+    assert (tmp_path / "checkpoint-2" / "weights.bin").read_text() == "second"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd through /proc (Linux)")
+def test_the_marker_is_whole_on_disk_when_it_is_fsynced(tmp_path, monkeypatch):
+    """fsync makes durable what the OS has: the marker's text must have left Python's buffer by then."""
+    from kiln.engine.checkpoint.atomic import publish_folder
+
+    sizes: dict[str, int] = {}
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        sizes[os.path.basename(_path_of(fd))] = os.fstat(fd).st_size
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    final = str(tmp_path / "checkpoint-2")
+    publish_folder(_staged(tmp_path, "weights"), final, {"step": 2}, None)
+    assert sizes[MARKER] == os.path.getsize(os.path.join(final, MARKER)) > 0
 
 
 # -- the marker ---------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kiln.engine.checkpoint.manager import is_complete, latest_checkpoint, list_checkpoints
+from kiln.engine.checkpoint.files import is_complete, latest_checkpoint, list_checkpoints
 from tests.checkpoint.crash_worker import CONFIG
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_worker.py")

@@ -15,7 +15,7 @@ from kiln.engine.callbacks.base import Callback  # noqa: E402
 from kiln.engine.checkpoint.files import latest_checkpoint  # noqa: E402
 from kiln.engine.checkpoint.resume import resolve_resume  # noqa: E402
 from kiln.engine.trainer import Trainer  # noqa: E402
-from kiln.strategies.checkpoint_io import load_weights  # noqa: E402
+from kiln.strategies.model_weights import load_weights  # noqa: E402
 
 HYPER = {"max_steps": 6, "save_steps": 3, "per_device_train_batch_size": 4, "learning_rate": 1e-3, "logging_steps": 1}
 
@@ -142,7 +142,7 @@ def test_changed_intervals_are_named(hf_run, tmp_path, caplog):
 
 def test_weights_saved_without_their_tied_copy_load(tmp_path):
     """save_pretrained stores GPT-2's lm_head.weight once, as wte.weight: loading must not call it missing."""
-    from kiln.strategies.checkpoint_io import apply_weights
+    from kiln.strategies.model_weights import apply_weights
 
     cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16)
     torch.manual_seed(0)

@@ -10,8 +10,7 @@ import os
 import pytest
 import torch
 
-from kiln.engine.checkpoint.files import MARKER, _fsync_tree
-from kiln.engine.checkpoint.manager import POSITION
+from kiln.engine.checkpoint.files import MARKER, POSITION, _fsync_tree
 from tests.checkpoint.checkpoint_helpers import Crash, numeric_history, train, weights
 
 

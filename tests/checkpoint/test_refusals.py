@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.engine.checkpoint.files import MARKER, is_complete, latest_checkpoint
 from kiln.engine.checkpoint.integrity import ALGORITHM, file_digest
-from kiln.engine.checkpoint.manager import MARKER, is_complete, latest_checkpoint
-from kiln.strategies.checkpoint_io import FullStateCheckpointIO
+from kiln.strategies.full_checkpoint_io import FullStateCheckpointIO
 from kiln.strategies.single import SingleDeviceStrategy
 from kiln.utils.errors import CheckpointError, KilnError, safe_torch_load
 from tests.checkpoint.checkpoint_helpers import folders, train

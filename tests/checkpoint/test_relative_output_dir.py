@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln.engine.trainer import Trainer
-from kiln.strategies.checkpoint_io import load_weights
+from kiln.strategies.model_weights import load_weights
 from tests.checkpoint.checkpoint_helpers import (
     Crash,
     CrashAfterSave,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln.engine.checkpoint.files import is_complete
-from kiln.strategies.checkpoint_io import WEIGHTS_SAFE, load_weights
+from kiln.strategies.model_weights import WEIGHTS_SAFE, load_weights
 from kiln.strategies.weights_files import INDEX, parse_size, save_sharded
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import Crash, Net, regression_data, train, weights

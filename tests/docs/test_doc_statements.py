@@ -79,7 +79,7 @@ def test_readme_names_exactly_the_precision_plugins():
 
 
 def test_help_and_config_reference_name_every_precision_plugin():
-    from kiln.config.schema import PrecisionConfig
+    from kiln.config.schema.precision import PrecisionConfig
 
     import dataclasses
 
@@ -108,7 +108,7 @@ def test_readme_names_exactly_the_strategies_the_config_offers():
     `model_parallel`."""
     from dataclasses import fields
 
-    from kiln.config.schema import StrategyConfig
+    from kiln.config.schema.strategy import StrategyConfig
 
     match = re.search(r"a \*\*strategy\*\* \(([^;)]*)", _text("README.md").replace("\n", " "))
     assert match, "README no longer lists the strategies"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.config.schema import OptimConfig
+from kiln.config.schema.optim import OptimConfig
 from kiln.optim.optimizers import build_optimizer
 
 transformers = pytest.importorskip("transformers")

@@ -66,6 +66,35 @@ BAD: list[tuple[dict[str, Any], str]] = [
         {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 5},
         "save.steps (5) to be a multiple of eval.steps (3)",
     ),
+    (
+        {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 1},
+        "save.steps (1) to be a multiple of eval.steps (3)",
+    ),
+    ({"save_strategy": "best"}, "`args.metric_for_best_model` must be provided when using 'best' save_strategy"),
+    ({"torch_compile": {"regions": "layers"}}, "'torch_compile.regions' is 'layers'; use blocks"),
+    ({"torch_compile_mode": "fastest"}, "'train.torch_compile_mode' is 'fastest', which torch.compile does not know"),
+    ({"log": {"model_summary": "tree"}}, "'log.model_summary' is 'tree'; choose one of auto, table, line, off"),
+    ({"log": {"model_summary_depth": -2}}, "'log.model_summary_depth' must be -1 (every module) or >= 0, got -2"),
+    ({"log": {"nonfinite_window": "zero"}}, "'log.nonfinite_window' is 'zero'; choose one of nan, filtered"),
+    ({"precision": {"name": "fp8", "fp8": {"recipe": "blockwise"}}}, "'precision.fp8.recipe' is 'blockwise'"),
+    ({"precision": {"name": "mxfp8", "mxfp8": {"recipe": "floor"}}}, "'precision.mxfp8.recipe' is 'floor'"),
+    (
+        {"precision": {"name": "fp8", "fp8": {"recipe": "rowwise", "fsdp_float8_all_gather": True}}},
+        "fsdp_float8_all_gather needs one scale per weight, which recipe 'rowwise' does not have",
+    ),
+    ({"precision": {"name": "bf16", "fp8": {"emulate": True}}}, "precision.fp8 is set but precision is 'bf16'"),
+    ({"precision": {"name": "fp8", "mxfp8": {"emulate": True}}}, "precision.mxfp8 is set but precision is 'fp8'"),
+    ({"train": {"loss": {"chunk_size": 0}}}, "train.loss.chunk_size is 0; it must be a positive number"),
+    (
+        {"train": {"loss": {"chunked": True}}, "label_smoothing_factor": 0.1},
+        "train.loss.chunked cannot smooth labels",
+    ),
+    ({"data": {"use_seedable_sampler": False}}, "data.use_seedable_sampler=false would draw the shuffle order"),
+    ({"debug": ["tpu_metrics_debug"]}, "debug 'tpu_metrics_debug' prints the XLA metrics report, but strategy is"),
+    ({"torch_empty_cache_steps": 0}, "'train.torch_empty_cache_steps' must be > 0, got 0"),
+    ({"dataloader_multiprocessing_context": "thread"}, "'data.dataloader_multiprocessing_context' is 'thread'"),
+    ({"output_dir": ""}, "output_dir is empty ('')"),
+    ({"output_dir": __file__}, "is a file, not a folder; pick another output_dir"),
 ]
 
 
@@ -103,6 +132,17 @@ GOOD: list[dict[str, Any]] = [
     {"eval_accumulation_steps": 1},
     {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 6},
     {"load_best_model_at_end": True, "eval_strategy": "epoch", "save_strategy": "best"},
+    {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 1, "save_steps": 7},
+    {"log": {"model_summary_depth": -1}},
+    {"precision": {"name": "fp8", "fp8": {"recipe": "rowwise"}}},  # all-gather unset: nothing to refuse
+    {"precision": {"name": "fp8", "fp8": {"fsdp_float8_all_gather": True}}},  # tensorwise, the default recipe
+    {"precision": {"name": "float8", "fp8": {"emulate": True}}},  # the alias of fp8 owns the section too
+    {"precision": {"name": "mxfp8", "mxfp8": {"emulate": True}}},
+    {"torch_compile": {"regions": "blocks"}},
+    {"debug": ["underflow_overflow"]},
+    {"dataloader_multiprocessing_context": "spawn"},
+    {"label_smoothing_factor": 0.1},  # each alone: only the chunked loss with smoothing is refused
+    {"train": {"loss": {"chunked": True}}},
 ]
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kiln.config.schema import DataConfig
+from kiln.config.schema.data import DataConfig
 from kiln.engine.data import worker_seeding
 from kiln.engine.data.loaders import WorkerSeededLoader, build_dataloader
 from kiln.engine.data.worker_seeding import SeededSamples

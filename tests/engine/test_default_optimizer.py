@@ -9,8 +9,7 @@ import logging
 import pytest
 import torch
 
-from kiln.config import schema
-from kiln.config.schema import OptimConfig
+from kiln.config.schema.optim import OptimConfig, hf_default_optimizer
 from kiln.optim.optimizers import build_optimizer
 from tests.checkpoint.checkpoint_helpers import Crash, train, weights
 
@@ -58,7 +57,7 @@ def test_hfs_rule_by_torch_version(monkeypatch, installed, name, source):
         else:
             patched.delitem(sys.modules, "torch")
             patched.setattr(importlib.metadata, "version", lambda package: installed)
-        chosen = schema.hf_default_optimizer()
+        chosen = hf_default_optimizer()
     assert chosen == name
 
 
@@ -72,7 +71,7 @@ def test_without_torch_installed_the_default_is_adamw_torch(monkeypatch):
     with monkeypatch.context() as patched:  # only for the call (see test_hfs_rule_by_torch_version)
         patched.delitem(sys.modules, "torch")
         patched.setattr(importlib.metadata, "version", version)
-        chosen = schema.hf_default_optimizer()
+        chosen = hf_default_optimizer()
     assert chosen == "adamw_torch"
 
 

@@ -75,3 +75,33 @@ def test_transformers_4s_stock_count_is_replaced_by_the_rule_worked_out_once(mon
     monkeypatch.setitem(sys.modules, "transformers.modeling_utils", types.SimpleNamespace(ModuleUtilsMixin=Mixin))
     count = FlopCount(Old())
     assert count.own is None and count.count({"input_ids": torch.zeros(4)}) == 6 * 4 * 8 and not calls
+
+
+class SummingRanks:
+    """A strategy of `ranks` processes, each holding what this one holds: a sum over ranks multiplies."""
+
+    def __init__(self, ranks: int, item_shards: int) -> None:
+        self.world_size, self.item_shards, self.root_device, self.ops = ranks, item_shards, torch.device("cpu"), []
+
+    def reduce(self, tensor, op):
+        self.ops.append(op)
+        return tensor * self.world_size
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_window_flos_and_tokens_seen_are_summed_over_the_ranks_that_hold_distinct_data(ranks):
+    from types import SimpleNamespace
+
+    from kiln.engine.loop.fit_meter import FitMeter
+
+    meter = FitMeter.__new__(FitMeter)  # only the counters under test: no model, no accelerator
+    meter.strategy = strategy = SummingRanks(ranks, item_shards=ranks)
+    meter.local_flos, meter.count_tokens_seen = 3.0, True
+    state = SimpleNamespace(total_flos=10.0, num_input_tokens_seen=0)
+    meter.flush_flos(state)
+    assert state.total_flos == 10.0 + 3.0 * ranks and meter.local_flos == 0.0
+    meter.samples = meter.tokens = 0
+    meter.flops = meter.throughput = SimpleNamespace(count=lambda batch: 0.0)
+    meter.count([{"input_ids": torch.zeros(2, 5, dtype=torch.long)}], state)
+    assert state.num_input_tokens_seen == 10 * ranks and meter.samples == 2
+    assert strategy.ops == ["sum", "sum"][: 2 * (ranks > 1)]  # one process reads nothing across ranks

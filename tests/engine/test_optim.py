@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from kiln.config.schema import OptimConfig
+from kiln.config.schema.optim import OptimConfig
 from kiln.optim.optimizers import (
     OPTIMIZERS,
     build_optimizer,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from kiln.config.schema import OptimConfig
+from kiln.config.schema.optim import OptimConfig
 from kiln.optim.optimizers import build_optimizer
 
 

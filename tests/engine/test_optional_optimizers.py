@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.config.schema import OptimConfig
+from kiln.config.schema.optim import OptimConfig
 from kiln.optim.optimizers import build_optimizer
 from tests.distributed import toy
 

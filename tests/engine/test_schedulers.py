@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from kiln.config.schema import SchedulerConfig
+from kiln.config.schema.optim import SchedulerConfig
 from kiln.optim.schedulers import (
     SCHEDULERS,
     GreedyLR,

@@ -115,7 +115,7 @@ def test_take_returns_the_windows_counts_and_starts_a_new_window():
 
 
 class Clock:
-    """The fit loop's clock (`time.perf_counter` as kiln.engine.loop.fit reads it): each read is 0.5 s after
+    """The fit loop's clock (`time.perf_counter` as kiln.engine.loop.fit and fit_meter read it): each read is 0.5 s after
     the one before, so every elapsed time the loop measures is known exactly."""
 
     def __init__(self) -> None:
@@ -129,7 +129,7 @@ class Clock:
 def test_a_fit_logs_throughput_and_mfu_against_the_configured_peak(tmp_path, monkeypatch):
     from kiln import Trainer
     from kiln.engine.callbacks.base import Callback
-    from kiln.engine.loop import fit
+    from kiln.engine.loop import fit, fit_meter
     from tests.helpers import TokenModel, base_config, padded_token_data
 
     seen = []
@@ -141,7 +141,9 @@ def test_a_fit_logs_throughput_and_mfu_against_the_configured_peak(tmp_path, mon
 
     # the clock is read at the start, at each of the 2 logging steps and at the end: each window lasts
     # 0.5 s and the run 1.5 s
-    monkeypatch.setattr(fit, "time", Clock())
+    clock = Clock()
+    monkeypatch.setattr(fit, "time", clock)
+    monkeypatch.setattr(fit_meter, "time", clock)
     model = TokenModel()
     cfg = base_config(tmp_path, max_steps=2, per_device_train_batch_size=2)
     cfg["log"].update(steps=1, mfu_peak_tflops=1e-6)
@@ -187,7 +189,7 @@ def test_the_end_of_run_summary_gives_the_whole_fits_tflops_and_mfu_and_each_win
 ):
     from kiln import Trainer
     from kiln.engine.callbacks.base import Callback
-    from kiln.engine.loop import fit
+    from kiln.engine.loop import fit, fit_meter
     from kiln.engine.loop.peak_memory import WindowPeakMemory
     from kiln.loggers.metrics import MemoryTracker
     from tests.helpers import TokenModel, base_config, padded_token_data
@@ -200,8 +202,10 @@ def test_the_end_of_run_summary_gives_the_whole_fits_tflops_and_mfu_and_each_win
 
     counters = FakeCounters(3 * 2**30, 2**29, 2**28)  # a device with counters (CUDA) under the CPU run
     tracker = MemoryTracker()
-    monkeypatch.setattr(fit, "time", Clock())
-    monkeypatch.setattr(fit, "WindowPeakMemory", lambda accelerator, _: WindowPeakMemory(counters, tracker))
+    clock = Clock()
+    monkeypatch.setattr(fit, "time", clock)
+    monkeypatch.setattr(fit_meter, "time", clock)
+    monkeypatch.setattr(fit_meter, "WindowPeakMemory", lambda accelerator, _: WindowPeakMemory(counters, tracker))
     model = TokenModel()
     cfg = base_config(tmp_path, max_steps=3, per_device_train_batch_size=2)
     cfg["log"].update(steps=2, mfu_peak_tflops=1e-6)  # step 3 is never logged: the summary still counts it

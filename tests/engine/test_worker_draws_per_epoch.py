@@ -12,7 +12,7 @@ import random
 import torch
 from omegaconf import OmegaConf
 
-from kiln.config.schema import DataConfig
+from kiln.config.schema.data import DataConfig
 from kiln.engine.data.loaders import build_dataloader, set_epoch
 
 

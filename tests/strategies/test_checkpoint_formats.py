@@ -15,7 +15,8 @@ import torch
 from kiln.engine.checkpoint.convert import convert_checkpoint
 from kiln.engine.checkpoint.files import _fsync_tree
 from kiln.engine.checkpoint.integrity import ALGORITHM, VERSION
-from kiln.strategies.checkpoint_io import FORMATS, save_weights
+from kiln.strategies.checkpoint_io import FORMATS
+from kiln.strategies.model_weights import save_weights
 from kiln.utils.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +46,10 @@ def test_convert_imports_only_the_module_of_the_format_it_reads(tmp_path):
         "print(sorted(m for m in sys.modules if m.startswith('kiln.strategies.') and 'checkpoint_io' in m))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['kiln.strategies.checkpoint_io', 'kiln.strategies.mesh.checkpoint_io']"
+    # the full-state IO comes with the mesh's: fsdp-full holds the same files, read by the same code
+    assert out.strip() == (
+        "['kiln.strategies.checkpoint_io', 'kiln.strategies.full_checkpoint_io', 'kiln.strategies.mesh.checkpoint_io']"
+    )
 
 
 def test_convert_writes_the_full_weights_and_refuses_an_unknown_format(tmp_path):

@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from kiln.config import load_config
-from kiln.config.schema import PrecisionConfig, TrainingConfig
+from kiln.config.schema import TrainingConfig
+from kiln.config.schema.precision import PrecisionConfig
 from kiln.launch import settings as envmod
 from kiln.launch.environment import ClusterEnvironment, detect
 from kiln.launch.environment.slurm import first_host, slurm_port

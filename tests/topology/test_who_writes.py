@@ -18,7 +18,7 @@ from kiln import Trainer
 from kiln.engine.callbacks.state import TrainerState
 from kiln.engine.checkpoint import output_dir as output_dir_module
 from kiln.engine.checkpoint.manager import CheckpointManager
-from kiln.strategies import checkpoint_io
+from kiln.strategies import full_checkpoint_io
 from tests.helpers import TinyRegressor, regression_data
 from tests.topology.fake_world import ThreadWorld, stand_in
 
@@ -58,7 +58,7 @@ def _record(monkeypatch, world: ThreadWorld) -> dict[int, list[str]]:
         torch, "save", noting(torch.save, lambda obj, f, *a, **k: os.path.basename(getattr(f, "name", f)))
     )
     monkeypatch.setattr(
-        checkpoint_io, "save_weights", noting(checkpoint_io.save_weights, lambda *a, **k: "model.safetensors")
+        full_checkpoint_io, "save_weights", noting(full_checkpoint_io.save_weights, lambda *a, **k: "model.safetensors")
     )
     monkeypatch.setattr(
         TrainerState, "save_to_json", noting(TrainerState.save_to_json, lambda self, path: os.path.basename(path))

@@ -25,7 +25,8 @@ from kiln.engine.checkpoint.hf_files import copy_model_files
 from kiln.engine.checkpoint.remote_run import fetch_checkpoint
 from kiln.engine.checkpoint.signing import SigningKey
 from kiln.registry import UnknownNameError
-from kiln.strategies.checkpoint_io import FORMATS, save_weights
+from kiln.strategies.checkpoint_io import FORMATS
+from kiln.strategies.model_weights import save_weights
 from kiln.strategies.weights_files import share_tied
 from kiln.utils.errors import CheckpointError
 from kiln.utils.storage_urls import is_remote

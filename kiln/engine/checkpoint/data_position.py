@@ -8,6 +8,10 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+
+from kiln.utils.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 
@@ -24,6 +28,32 @@ def stateful_dataset(loader: Iterable[Any]) -> Any:
     if callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None)):
         return dataset
     return None
+
+
+def dataset_state(loader: Iterable[Any]) -> dict[str, Any] | None:
+    """The position of the loader's stateful iterable dataset, for this rank's loop state in a checkpoint; None
+    when it has none to save (see `stateful_dataset`)."""
+    dataset = stateful_dataset(loader)
+    if dataset is None:
+        return None
+    state = dataset.state_dict()
+    if not _plain(state):
+        raise CheckpointError(
+            f"{type(dataset).__name__}.state_dict() returned objects other than tensors, numbers, strings and "
+            "containers of them; kiln only saves state it can load back without unpickling code."
+        )
+    return state
+
+
+def _plain(value: Any) -> bool:
+    """Whether `value` survives `torch.load(weights_only=True)` (tensors, numbers, str, containers)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _plain(v) for k, v in value.items())
+    return False
 
 
 def resume_iterator(
@@ -51,11 +81,12 @@ def resume_iterator(
 def _iterate_past(loader: Iterable[Any], skip: int, *, main: bool, progress: bool) -> Iterator[Any]:
     if main:
         dataset = getattr(loader, "dataset", None)
-        why = (
-            "its state_dict() is not used with dataloader_num_workers > 0"
-            if callable(getattr(dataset, "state_dict", None))
-            else "the dataset has no state_dict()"
-        )
+        if stateful_dataset(loader) is not None:  # the checkpoint was saved where the dataset's state was not
+            why = "the checkpoint holds no position of the dataset (saved with dataloader_num_workers > 0?)"
+        elif callable(getattr(dataset, "state_dict", None)):
+            why = "its state_dict() is not used with dataloader_num_workers > 0"
+        else:
+            why = "the dataset has no state_dict()"
         log.warning(
             "Resuming: skipping the first %d batches of the epoch by iterating over them (%s; set "
             "ignore_data_skip=true to start the epoch over instead).",

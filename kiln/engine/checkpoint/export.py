@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kiln.engine.checkpoint.hf_files import write_training_args
-from kiln.strategies.checkpoint_io import save_weights
+from kiln.strategies.model_weights import save_weights
 
 if TYPE_CHECKING:
     from torch import nn

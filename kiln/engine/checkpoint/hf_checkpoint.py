@@ -22,7 +22,7 @@ from kiln.engine.checkpoint.run_state import load_callback_state, load_scheduler
 from kiln.engine.data.loaders import loader_length
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.engine.seed import _py_state_to_plain
-from kiln.strategies.checkpoint_io import load_weights
+from kiln.strategies.model_weights import load_weights
 from kiln.strategies.portable_state import PortableState
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.hf_logging import hf_logger

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -23,17 +22,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kiln.engine.callbacks.state import TrainerState
+from kiln.engine.checkpoint.atomic import clear_debris, publish_folder
 from kiln.engine.checkpoint.background import BackgroundSave
-from kiln.engine.checkpoint.data_position import stateful_dataset
+from kiln.engine.checkpoint.data_position import dataset_state
 from kiln.engine.checkpoint.files import (
     LOOP,
-    MARKER,
     POSITION,
     PREFIX,
     RNG,
     STATE,
-    _fsync_dir,
-    _fsync_tree,
     _remove,
     is_complete,
     kept,
@@ -41,13 +38,13 @@ from kiln.engine.checkpoint.files import (
     list_checkpoints,
 )
 from kiln.engine.checkpoint.hf_files import write_model_files, write_training_args
-from kiln.engine.checkpoint.integrity import ALGORITHM, VERSION
+from kiln.engine.checkpoint.integrity import VERSION
 from kiln.engine.checkpoint.loading import load_checkpoint
 from kiln.engine.checkpoint.remote import RemoteCheckpoints
 from kiln.engine.checkpoint.remote_run import publish, store_of, upload_outputs
 from kiln.engine.checkpoint.restored import Restored
 from kiln.engine.checkpoint.saved_config import CONFIG
-from kiln.engine.checkpoint.signing import SIGNATURE, sign, signing_key
+from kiln.engine.checkpoint.signing import signing_key
 from kiln.engine.checkpoint.write_errors import write_errno, write_failure
 from kiln.engine.model.peft import checkpoint_io_for
 from kiln.engine.seed import rng_state
@@ -66,19 +63,6 @@ if TYPE_CHECKING:
     from kiln.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
-
-_DEBRIS = re.compile(rf"^\.{PREFIX}\d+\.(tmp|old|deleting)$")
-
-
-def _plain(value: Any) -> bool:
-    """Whether `value` survives `torch.load(weights_only=True)` (tensors, numbers, str, containers)."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, (str, int)) and _plain(v) for k, v in value.items())
-    return False
 
 
 def _save(obj: Any, path: str) -> None:
@@ -344,47 +328,18 @@ class CheckpointManager:
         return saved
 
     def _publish(self, tmp: str, final: str, meta: dict[str, Any]) -> None:
-        """fsync everything, write the marker last (signed with save.signing_key_env's key), then rename
-        the folder into place."""
-        meta["files"], meta[ALGORITHM] = _fsync_tree(tmp)
-        if self.signing_key is not None:
-            meta[SIGNATURE] = sign(meta, self.signing_key)
-        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as fh:
-            json.dump(meta, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        out = os.path.dirname(final)
-        old = os.path.join(out, f".{os.path.basename(final)}.old")
-        if os.path.exists(final):  # same step saved twice (e.g. a step save and the epoch-end save)
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(out)
-        shutil.rmtree(old, ignore_errors=True)
+        publish_folder(tmp, final, meta, self.signing_key)
 
     def _clear_debris(self, out: str) -> None:
         """Remove hidden leftovers of a run killed while saving or rotating (once per process)."""
-        if self._debris_cleared:
-            return
-        for name in os.listdir(out):
-            if _DEBRIS.match(name):
-                shutil.rmtree(os.path.join(out, name), ignore_errors=True)
-        self._debris_cleared = True
+        if not self._debris_cleared:
+            clear_debris(out)
+            self._debris_cleared = True
 
     def _loop_state(self) -> dict[str, Any]:
         """This rank's loop accumulators and iterable-dataset position."""
-        state: dict[str, Any] = {"loop": self.loop.state_dict() if self.loop is not None else None, "dataset": None}
-        dataset = stateful_dataset(self.loader) if self.loader is not None else None
-        if dataset is not None:
-            ds_state = dataset.state_dict()
-            if not _plain(ds_state):
-                raise CheckpointError(
-                    f"{type(dataset).__name__}.state_dict() returned objects other than tensors, numbers, strings and "
-                    "containers of them; kiln only saves state it can load back without unpickling code."
-                )
-            state["dataset"] = ds_state
-        return state
+        loop = self.loop.state_dict() if self.loop is not None else None
+        return {"loop": loop, "dataset": dataset_state(self.loader) if self.loader is not None else None}
 
     def rotate(self, best_checkpoint: str | None) -> None:
         """Keep the newest `total_limit` complete checkpoints; the best one (`best_checkpoint`) is always

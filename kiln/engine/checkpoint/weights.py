@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints, why_damaged, why_incomplete
 from kiln.engine.checkpoint.signing import SigningKey
 from kiln.engine.model.peft import ADAPTER_BIN, ADAPTER_SAFE, checkpoint_io_for
-from kiln.strategies.checkpoint_io import WEIGHTS_BIN, WEIGHTS_SAFE
+from kiln.strategies.model_weights import WEIGHTS_BIN, WEIGHTS_SAFE
 from kiln.utils.errors import CheckpointError
 
 if TYPE_CHECKING:

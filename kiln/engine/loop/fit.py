@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln.accelerators.peaks import peak_tflops
 from kiln.engine.callbacks.base import interval
 from kiln.engine.checkpoint.data_position import resume_iterator
 from kiln.engine.data.epoch_rng import EpochRandomState
@@ -31,21 +30,17 @@ from kiln.engine.loop.batch_size import (
     saved_batch_size,
 )
 from kiln.engine.loop.fit_evaluation import evaluate_during_training
-from kiln.engine.loop.flops import FlopCount
+from kiln.engine.loop.fit_meter import FitMeter
 from kiln.engine.loop.loss_reads import NonFiniteGuard
 from kiln.engine.loop.oom_recovery import OomRecovery, WindowOutOfMemory
-from kiln.engine.loop.peak_memory import WindowPeakMemory
 from kiln.engine.loop.plan import plan_steps
 from kiln.engine.loop.preemption import Preemption
-from kiln.engine.loop.running_loss import RunningLoss, mean_over_ranks, sum_over_ranks
-from kiln.engine.loop.step import TrainStep, batch_tokens
+from kiln.engine.loop.running_loss import RunningLoss, mean_over_ranks
+from kiln.engine.loop.step import TrainStep
 from kiln.engine.loop.summary import log_training_start
-from kiln.engine.loop.throughput import Throughput
 from kiln.engine.run import setup_for_training
 from kiln.engine.seed import set_rng_state
 from kiln.optim.optimizers import optimizer_mode
-from kiln.strategies.interfaces import ReportsStepFigures
-from kiln.utils.tensors import batch_size_of
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +154,7 @@ class FitLoop:
             hooks.current_learning_rate,
             wants_num_items=self.wants_num_items,
         )
-        self.count_tokens_seen = bool(cfg.train.include_num_input_tokens_seen)
-        self.flops = FlopCount(run.model)  # total_flos, HF's count (loop/flops.py)
-        self.throughput = Throughput(run.model, self._peak_tflops())  # tokens/s, TFLOP/s, MFU (loop/throughput.py)
-        # the strategy's own figures for the loggers (expert parallelism's tokens per expert), asked for once
-        self.strategy_figures = strategy if isinstance(strategy, ReportsStepFigures) else None
-        self.run_flops = 0.0  # the logged windows' FLOPs, summed over ranks (for the end-of-run TFLOP/s and MFU)
-        self.peak_memory = WindowPeakMemory(strategy.accelerator, self.memory_tracker)  # per window; CUDA
-        self.local_flos = 0.0
+        self.meter = FitMeter(run, strategy, cfg, self.memory_tracker)  # samples, tokens, FLOPs and their figures
         self._event("on_train_begin")
         if cfg.eval.on_start and not resume_path:
             with evaluation_out_of_memory(bool(cfg.data.auto_find_batch_size)):
@@ -176,8 +164,8 @@ class FitLoop:
             NonFiniteGuard(int(cfg.train.max_nonfinite_steps)), bool(cfg.log.nan_inf_filter), state.global_step
         )  # nan/inf losses: warn, then stop
         self.nan_window = cfg.log.nonfinite_window == "nan"  # kiln's; HF's "filtered" logs the filter's stand-in
-        self.steps_this_run, self.samples, self.tokens = 0, 0, 0
-        self.window_start, self.samples_at_log = start, 0
+        self.steps_this_run = 0
+        self.meter.begin(start)
         self.grad_norm: torch.Tensor | None = None
         self.epoch_rng = EpochRandomState(loader)
         self.oom = OomRecovery(self)  # auto_find_batch_size: a later out-of-memory shrinks the micro-batch
@@ -293,26 +281,11 @@ class FitLoop:
         self._event("on_step_begin")
         window = [strategy.batch_to_device(b) for b in window]
         losses, result = self.step(window, model, self)
-        self._count(window)  # after the step: a window redone after an out-of-memory error counts once
+        self.meter.count(window, state)  # after the step: a window redone after an out-of-memory error counts once
         self.grad_norm = result.grad_norm
         state.global_step += 1
         self.steps_this_run += 1
         self.losses.pending.append(losses)  # only queued (no tensor op): read at log/save/guard steps, in one transfer
-
-    def _count(self, window: list[Any]) -> None:
-        """Samples, tokens and FLOPs of the window (for throughput, num_input_tokens_seen and total_flos)."""
-        tokens = 0
-        for batch in window:
-            self.samples += batch_size_of(batch)
-            tokens += batch_tokens(batch)
-            self.local_flos += self.flops.count(batch)
-            self.throughput.count(batch)
-        self.tokens += tokens
-        if self.count_tokens_seen:  # a host read per step only when several shards must be summed (as HF)
-            strategy = self.strategy
-            if strategy.item_shards > 1:  # tokens differ across item shards (under context parallel: cp chunks)
-                tokens = int(strategy.reduce(torch.tensor(tokens, device=strategy.root_device), "sum").item())
-            self.run.state.num_input_tokens_seen += tokens
 
     # StepEvents: what happens between the parts of a step (and `guarding`, set with `oom`)
     def guard(self, model: Any) -> AbstractContextManager[Any]:
@@ -330,49 +303,18 @@ class FitLoop:
             self._event("on_optimizer_step")
 
     # -- cadence ----------------------------------------------------------------------------
-    def _flush_flos(self) -> None:
-        """Add this window's FLOPs, summed over ranks, to state.total_flos (before logs and saves)."""
-        strategy = self.strategy
-        if strategy.world_size > 1:
-            self.local_flos = float(
-                strategy.reduce(
-                    torch.tensor(self.local_flos, dtype=torch.float64, device=strategy.root_device), "sum"
-                ).item()
-            )
-        self.run.state.total_flos += self.local_flos
-        self.local_flos = 0.0
-
-    def _run_throughput(self, runtime: float) -> dict[str, float]:
-        """The whole fit's train_tflops (the job's and per rank) and train_mfu, from the logged windows' FLOPs
-        and the unlogged rest (one reduction, at the end: no read between logging steps)."""
-        _, rest = sum_over_ranks(list(self.throughput.take()), self.strategy)
-        figures = self.throughput.figures(0, self.run_flops + rest, runtime, self.strategy.world_size)
-        return {("train_mfu" if key == "mfu" else key): value for key, value in figures.items()}
-
-    def _peak_tflops(self) -> float | None:
-        """One device's peak for MFU: `log.mfu_peak_tflops`, else the table's for this GPU and precision."""
-        cfg, strategy = self.config, self.strategy
-        if cfg.log.mfu_peak_tflops:
-            return float(cfg.log.mfu_peak_tflops)
-        name = strategy.accelerator.device_name(strategy.root_device)
-        return peak_tflops(name, cfg.precision.name, bool(cfg.precision.tf32))
-
     def _log_save_evaluate(self) -> None:
         hooks, run, losses = self.hooks, self.run, self.losses
         control, state = run.control, run.state
         folded = control.should_log or control.should_save
         if folded:
-            self._flush_flos()
+            self.meter.flush_flos(state)
             losses.fold(state.global_step, self.strategy)
         elif state.global_step >= losses.guard.next_check:  # the nan/inf limit could be reached here: read now
             losses.fold(state.global_step, self.strategy)
         if control.should_log and state.global_step > losses.last_logged:
             steps = state.global_step - losses.last_logged
-            strategy = self.strategy
-            loss = mean_over_ranks(losses.tr_loss, strategy) / steps
-            # this window's tokens and FLOPs, summed as the strategy sums (tensor-parallel copies count once)
-            tokens, flops = sum_over_ranks(list(self.throughput.take()), strategy)
-            self.run_flops += flops
+            loss = mean_over_ranks(losses.tr_loss, self.strategy) / steps
             if not losses.guard.window_finite and self.nan_window:  # all nan/inf: the filter's stand-in reads 0.0
                 loss = math.nan
             losses.guard.window_finite = False
@@ -382,19 +324,7 @@ class FitLoop:
             logs["learning_rate"] = self.step.step_lr
             # Throughput goes to the loggers only: log_history keeps HF's keys, so a resumed run's equals an
             # uninterrupted one's.
-            figures: dict[str, float] = {}
-            if self.precision.uses_grad_scaler:
-                figures["skipped_steps"] = float(self.precision.skipped_steps)  # inf/nan steps the scaler skipped
-            now = time.perf_counter()
-            elapsed = max(now - self.window_start, 1e-9)
-            world = self.strategy.data_shards
-            figures["samples_per_second"] = (self.samples - self.samples_at_log) * world / elapsed
-            figures["steps_per_second"] = steps / elapsed
-            figures.update(self.throughput.figures(tokens, flops, elapsed, strategy.world_size))
-            if self.strategy_figures is not None:
-                figures.update(self.strategy_figures.step_figures(steps))
-            figures.update(self.peak_memory.take())
-            self.window_start, self.samples_at_log = now, self.samples
+            figures = self.meter.window_figures(steps, self.precision)
             losses.last_logged = state.global_step
             losses.tr_loss = 0.0
             run.log_to_loggers_only = figures
@@ -405,7 +335,7 @@ class FitLoop:
                 metrics = evaluate_during_training(hooks, run, self.config, self.ignore_keys_for_eval)
         if run.control.should_save:  # the loop's sums go with it: a resumed run logs the same averages
             if not folded:  # asked for after the step (on_log, on_evaluate, save_strategy "best")
-                self._flush_flos()
+                self.meter.flush_flos(state)
                 losses.fold(state.global_step, self.strategy)
             losses.guard.note_save(f"The checkpoint of step {state.global_step}")
             hooks._save_checkpoint(metrics)
@@ -428,7 +358,7 @@ class FitLoop:
         state, losses = self.run.state, self.losses
         self.checkpoints.wait()  # save.async_save: the last checkpoint is complete (and its failure raised) first
         runtime = time.perf_counter() - start
-        self._flush_flos()
+        self.meter.flush_flos(state)
         losses.fold(state.global_step, self.strategy)
         steps = max(losses.steps_before_resume + self.steps_this_run, 1)
         train_loss = mean_over_ranks(losses.total_loss, self.strategy) / steps
@@ -438,14 +368,14 @@ class FitLoop:
         world = self.strategy.data_shards
         metrics = {
             "train_runtime": runtime,
-            "train_samples_per_second": self.samples * world / max(runtime, 1e-9),
+            "train_samples_per_second": self.meter.samples * world / max(runtime, 1e-9),
             "train_steps_per_second": self.steps_this_run / max(runtime, 1e-9),
             "total_flos": state.total_flos,
             "train_loss": train_loss,
         }
-        if self.tokens:
-            metrics["train_tokens_per_second"] = self.tokens * self.strategy.item_shards / max(runtime, 1e-9)
-        metrics.update(self._run_throughput(runtime))
+        if self.meter.tokens:
+            metrics["train_tokens_per_second"] = self.meter.tokens * self.strategy.item_shards / max(runtime, 1e-9)
+        metrics.update(self.meter.run_throughput(runtime))
         if cfg.eval.load_best_model_at_end:
             hooks._load_best_model()
         self.memory_tracker.stop_and_update("train", metrics)

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import OPTIMIZER, WEIGHTS_BIN, WEIGHTS_SAFE, CheckpointIO, register_format
+from kiln.strategies.checkpoint_io import CheckpointIO, register_format
+from kiln.strategies.full_checkpoint_io import OPTIMIZER
+from kiln.strategies.model_weights import WEIGHTS_BIN, WEIGHTS_SAFE
 from kiln.strategies.weights_files import INDEX
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_optimizer_state

@@ -21,13 +21,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import (
-    CheckpointIO,
-    FullStateCheckpointIO,
-    apply_weights,
-    register_format,
-    save_weights,
-)
+from kiln.strategies.checkpoint_io import CheckpointIO, register_format
+from kiln.strategies.full_checkpoint_io import FullStateCheckpointIO
+from kiln.strategies.model_weights import apply_weights, save_weights
 from kiln.strategies.weights_files import share_tied, tie_groups
 from kiln.utils.errors import CheckpointError, safe_torch_load
 
@@ -238,7 +234,7 @@ class DeepSpeedCheckpointIO(CheckpointIO):
 
     def load_weights_only(self, directory: str, *, model: nn.Module, module: nn.Module) -> None:
         if not is_deepspeed_checkpoint(directory):  # an exported folder or a full checkpoint
-            from kiln.strategies.checkpoint_io import load_weights
+            from kiln.strategies.model_weights import load_weights
 
             return _load_into(module, load_weights(directory), directory)
         state = consolidated_state(directory)

@@ -22,18 +22,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import (
-    OPTIMIZER,
-    CheckpointIO,
-    StagedWrite,
-    apply_weights,
-    load_weights,
-    read_full_files,
-    register_format,
-    save_weights,
-)
+from kiln.strategies.checkpoint_io import CheckpointIO, StagedWrite, register_format
 from kiln.strategies.dcp_files import consolidate, model_tensors, read_folder, regrouped, saved_group_count
+from kiln.strategies.full_checkpoint_io import OPTIMIZER, read_full_files
 from kiln.strategies.mesh.async_dcp import finished
+from kiln.strategies.model_weights import apply_weights, load_weights, save_weights
 from kiln.strategies.portable_state import PortableState, keyed_by_name, optimizer_names
 from kiln.strategies.weights_files import share_tied, tie_groups
 from kiln.utils.errors import CheckpointError

@@ -21,15 +21,15 @@ Sizes: the `cp * tp` ranks of one data shard read the same batches, so the sampl
 `data_shards = dp_replicate * dp_shard` replicas. Under cp each rank then keeps its own chunk of those
 sequences (`batch_to_device`), so `item_shards = dp_replicate * dp_shard * cp` ranks hold distinct
 tokens. FSDP2 divides the reduced gradients by the size of its mesh, dp x cp, so `grad_divisor` is it.
-See `reduce` for what sums and means count; `all_gather` / `all_gather_object` keep one entry per data
-shard (its first rank's); max / min, `broadcast_object` and `barrier` span every rank. The process
-group and the plain collectives are ProcessGroupCollectives' (one process per device)."""
+What sums and means count, and which entries the gathers keep, is MeshCollectives' (collectives.py), over
+ProcessGroupCollectives' process group (one process per device); what the settings cannot do on a mesh is
+refused by setting_checks.py."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,9 +38,9 @@ from torch import nn
 from kiln.strategies.base import Strategy
 from kiln.strategies.capabilities import Capabilities
 from kiln.strategies.checkpoint_io import CheckpointIO
-from kiln.strategies.collectives import ProcessGroupCollectives, check_op
 from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
 from kiln.strategies.mesh.async_dcp import AsyncDCPSaver
+from kiln.strategies.mesh.collectives import MeshCollectives
 from kiln.strategies.mesh.dims import (
     ParallelDims,
     build_device_mesh,
@@ -49,6 +49,7 @@ from kiln.strategies.mesh.dims import (
     parse_mesh,
     release_mesh_groups,
 )
+from kiln.strategies.mesh.setting_checks import check_cp, check_settings
 from kiln.strategies.mesh.settings import MeshSettings
 from kiln.strategies.process_group import register_group_user
 from kiln.utils.errors import ConfigError
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, ShardedModuleInit):
+class MeshStrategy(MeshCollectives, Strategy, BackwardSyncControl, ShardedModuleInit):
     """The mesh strategy's whole behaviour; a preset supplies `read_settings` and `mesh_request`
     (and its names, options and defaults)."""
 
@@ -141,43 +142,8 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
     # -- checks, before any process group starts ------------------------------------------------
     def _check_settings(self) -> None:
         """What the settings cannot do on this mesh, refused in one sentence each, the same sentence
-        under both presets."""
-        s, dims = self.settings, self.shape
-        if s.offload and s.offload_pin_memory and self.root_device.type == "cpu":
-            raise ConfigError(
-                "FSDP offload with pinned memory needs an accelerator, but this run is on the CPU; "
-                "set strategy.offload_pin_memory: false (or run on a GPU)."
-            )
-        if s.offload and not dims.fsdp:
-            raise ConfigError(
-                f"strategy.offload moves FSDP's shards to the CPU, and this mesh ({dims.describe()}) is "
-                "tensor parallel alone, with no FSDP to offload; give the mesh a data-parallel axis "
-                "(dp_shard) or drop offload."
-            )
-        for key in ("sequence_parallel", "loss_parallel"):
-            if getattr(s, key) and dims.tp == 1:
-                raise ConfigError(
-                    f"strategy.{key} splits the activations of tensor parallelism, and this mesh has no "
-                    f"tp axis ({dims.describe()}); set mesh.tp (fsdp: strategy.tp) to 2 or more, or drop "
-                    f"{key}."
-                )
-        if s.cpu_ram_efficient_loading and dims.tp > 1:
-            raise ConfigError(
-                "strategy.cpu_ram_efficient_loading builds the model on rank 0 alone, which tensor "
-                f"parallelism cannot split from (this mesh: {dims.describe()}); drop it, or the tp axis."
-            )
-        if self.precision.name == "fp8" and dims.cp * dims.pp * dims.ep > 1:
-            raise ConfigError(
-                f"precision fp8 runs on the data and tp axes only, and this mesh ({dims.describe()}) splits the "
-                "model over context, pipeline or expert axes too (float8 with those is not wired in yet); keep the "
-                "mesh to dp_shard / dp_replicate / tp, or use precision: bf16."
-            )
-        if self.config is not None and self.config.train.loss.chunked and dims.tp > 1:
-            raise ConfigError(
-                "train.loss.chunked multiplies the hidden states by the whole LM head chunk by chunk, and tensor "
-                f"parallelism splits that head over this mesh's tp axis ({dims.describe()}); drop train.loss.chunked "
-                "(strategy.loss_parallel keeps the logits split over tp instead) or the tp axis."
-            )
+        under both presets (mesh/setting_checks.py)."""
+        check_settings(self.settings, self.shape, self.root_device.type, self.precision.name, self.config)
         self._check_cp_config()
 
     def _check_cp_config(self) -> None:
@@ -185,17 +151,7 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         if self.shape.cp == 1 or self.config is None:
             return
         _ = self.cp_load_balance  # a wrong value fails here, not at the first batch
-        train = self.config.train
-        if train.label_smoothing_factor:
-            raise ConfigError(
-                "label_smoothing_factor with strategy.mesh.cp > 1 is not supported: kiln's label smoother "
-                "shifts each rank's chunk of labels itself and would drop every chunk boundary's target."
-            )
-        if train.neftune_noise_alpha:
-            raise ConfigError(
-                "neftune_noise_alpha with strategy.mesh.cp > 1 is not supported: NEFTune scales its noise "
-                "by the sequence length, which each cp rank sees as its chunk's."
-            )
+        check_cp(self.config.train)
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -328,50 +284,19 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
         return module
 
     def _apply_tp(self, user: nn.Module, loaded_split: bool) -> str:
-        """Tensor parallelism over `tp`: transformers' split kept as it is, the TrainingModule's own
-        `configure_model(mesh)`, or the plan (`tp_plan`); returns what was done, for the log line."""
-        from kiln.strategies.mesh.tp_plan import apply_tp
+        """Tensor parallelism over `tp` (tp_plan.parallelize_tp); returns what was done, for the log line. A
+        subclass that splits the model its own way at this point overrides it (expert_parallel.py)."""
+        from kiln.strategies.mesh.tp_plan import parallelize_tp
 
-        s, dims = self.settings, self.shape
-        hook = getattr(user, "configure_model", None)
-        if loaded_split:
-            return f"the tensor parallelism transformers applied at load (tp {dims.tp})"
-        if callable(hook):
-            given = [
-                key
-                for key, on in (
-                    ("tp_plan", s.tp_plan is not None),
-                    ("sequence_parallel", s.sequence_parallel),
-                    ("loss_parallel", s.loss_parallel),
-                )
-                if on
-            ]
-            if given:
-                raise ConfigError(
-                    f"{type(user).__name__} defines configure_model(mesh), which parallelises the model "
-                    f"itself, and strategy.{' and strategy.'.join(given)} {'is' if len(given) == 1 else 'are'}"
-                    " set too; drop one of them (configure_model can apply torch's SequenceParallel and "
-                    "loss_parallel itself)."
-                )
-            hook(self.device_mesh)  # the user's own parallelize code (TP, and FSDP on blocks if it wants)
-            return "configure_model(mesh)"
-        if dims.tp == 1:
-            return "no tensor parallelism"
-        tp = apply_tp(
+        what, self._loss_parallel = parallelize_tp(
             user,
-            self.device_mesh["tp"],
-            s.tp_plan,
-            dims.tp,
-            sequence_parallel=s.sequence_parallel,
-            loss_parallel=s.loss_parallel,
+            self.device_mesh,
+            self.settings,
+            self.shape.tp,
+            loaded_split=loaded_split,
             restyle=self.precision.tensor_parallel_style,
         )
-        self._loss_parallel = tp.loss_parallel
-        return (
-            f"{tp.layers} tensor-parallel layer(s)"
-            + (", sequence parallel" if tp.sequence_parallel else "")
-            + (", loss parallel" if tp.loss_parallel is not None else "")
-        )
+        return what
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """Every parallelism changes the module in place: the wrapped module is the user's module."""
@@ -432,51 +357,6 @@ class MeshStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, Shard
 
     def probe_module(self, model: nn.Module) -> nn.Module:  # never called: capabilities.auto_batch_size is False
         raise NotImplementedError(f"auto_find_batch_size is not supported with strategy {self.name!r}.")
-
-    # -- collectives: each distinct value counted once ---------------------------------------
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """sum and mean span the ranks whose values differ: the data shards and, within one, the cp
-        ranks (each holds its own chunk of the sequences, so item and token counts, FLOPs and the
-        loss weighted by them add up over dp x cp: each token once); the tp ranks of one position
-        hold copies and count once (the reduction runs over the ranks at this rank's tp position,
-        `dp x cp` of them). A value that is the same on the cp ranks of one data shard (per sample:
-        a sample count, anything from evaluation, which is not context parallel) must be reduced with
-        mean, max or min -- a sum would count it cp times. kiln's training loop sums only values
-        counted on the rank's own chunk. max / min span every rank."""
-        if op in ("max", "min") or self.shape.tp == 1:  # without tp every rank holds distinct data
-            return super().reduce(tensor, op)
-        import torch.distributed as dist
-
-        check_op(op)
-        t = self._comm(torch.as_tensor(tensor))
-        if op == "mean" and not t.is_floating_point():
-            t = t.double()
-        if self._dp_group is not None:
-            dist.all_reduce(t, group=self._dp_group)
-        if op == "mean":
-            t = t / self.shape.dp_cp
-        return t.to(torch.as_tensor(tensor).device)
-
-    def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
-        if op != "sum" or self.shape.tp == 1:
-            return super().reduce_async(tensor, op)
-        import torch.distributed as dist
-
-        t, device = self._comm(torch.as_tensor(tensor)), torch.as_tensor(tensor).device
-        work = dist.all_reduce(t, group=self._dp_group, async_op=True) if self._dp_group is not None else None
-
-        def wait() -> torch.Tensor:
-            if work is not None:
-                work.wait()
-            return t.to(device)
-
-        return wait
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return super().all_gather(tensor)[:: self.shape.model_ranks]
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return super().all_gather_object(obj)[:: self.shape.model_ranks]
 
     # -- checkpoints and export -------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:

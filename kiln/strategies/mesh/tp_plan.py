@@ -299,3 +299,57 @@ def apply_tp(
         sp.replicate_norm_gradients(root, layout)
     hooks = lp.LossParallel(model, root.get_submodule(head)) if head is not None and model is not None else None
     return TensorParallel(len(plan), layout is not None, hooks)
+
+
+def parallelize_tp(
+    user: nn.Module,
+    mesh: Any,
+    s: Any,
+    tp: int,
+    *,
+    loaded_split: bool,
+    restyle: Callable[[nn.Module, Any], Any] | None,
+) -> tuple[str, Any | None]:
+    """Tensor parallelism of the user's module over the mesh's `tp` axis, from one of three sources:
+    transformers' split kept as it is (`loaded_split`), the TrainingModule's own `configure_model(mesh)`,
+    or the plan (the mesh settings `s`: `tp_plan`, `sequence_parallel`, `loss_parallel`). Returns what was
+    done, for the set-up log line, and the loss-parallel hooks (None: the head's logits are gathered whole)."""
+    hook = getattr(user, "configure_model", None)
+    if loaded_split:
+        return f"the tensor parallelism transformers applied at load (tp {tp})", None
+    if callable(hook):
+        given = [
+            key
+            for key, on in (
+                ("tp_plan", s.tp_plan is not None),
+                ("sequence_parallel", s.sequence_parallel),
+                ("loss_parallel", s.loss_parallel),
+            )
+            if on
+        ]
+        if given:
+            raise ConfigError(
+                f"{type(user).__name__} defines configure_model(mesh), which parallelises the model "
+                f"itself, and strategy.{' and strategy.'.join(given)} {'is' if len(given) == 1 else 'are'}"
+                " set too; drop one of them (configure_model can apply torch's SequenceParallel and "
+                "loss_parallel itself)."
+            )
+        hook(mesh)  # the user's own parallelize code (TP, and FSDP on blocks if it wants)
+        return "configure_model(mesh)", None
+    if tp == 1:
+        return "no tensor parallelism", None
+    done = apply_tp(
+        user,
+        mesh["tp"],
+        s.tp_plan,
+        tp,
+        sequence_parallel=s.sequence_parallel,
+        loss_parallel=s.loss_parallel,
+        restyle=restyle,
+    )
+    what = (
+        f"{done.layers} tensor-parallel layer(s)"
+        + (", sequence parallel" if done.sequence_parallel else "")
+        + (", loss parallel" if done.loss_parallel is not None else "")
+    )
+    return what, done.loss_parallel

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import OPTIMIZER, FullStateCheckpointIO, register_format, save_weights
+from kiln.strategies.checkpoint_io import register_format
+from kiln.strategies.full_checkpoint_io import OPTIMIZER, FullStateCheckpointIO
+from kiln.strategies.model_weights import save_weights
 
 
 def to_cpu(tree: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:

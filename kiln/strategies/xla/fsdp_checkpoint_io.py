@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.strategies.checkpoint_io import CheckpointIO, apply_weights, load_weights, register_format
+from kiln.strategies.checkpoint_io import CheckpointIO, register_format
+from kiln.strategies.model_weights import apply_weights, load_weights
 from kiln.strategies.xla.checkpoint_io import to_cpu
 from kiln.utils.errors import CheckpointError, safe_torch_load
 from kiln.utils.param_groups import regroup_optimizer_state

@@ -20,7 +20,8 @@ from torch import nn
 
 from kiln.strategies.base import Setup, SingleProcessCollectives, StepResult, Strategy
 from kiln.strategies.capabilities import Capabilities
-from kiln.strategies.checkpoint_io import CheckpointIO, FullStateCheckpointIO, register_format
+from kiln.strategies.checkpoint_io import CheckpointIO, register_format
+from kiln.strategies.full_checkpoint_io import FullStateCheckpointIO
 from kiln.strategies.single import SingleDeviceStrategy
 from kiln.utils.errors import CheckpointError, safe_torch_load
 

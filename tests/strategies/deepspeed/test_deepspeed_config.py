@@ -81,6 +81,20 @@ def test_absent_values_come_from_kiln_so_deepspeed_defaults_cannot_drift():
     assert ds["gradient_accumulation_steps"] == 2 and ds["zero_optimization"]["stage"] == 3
     off = process(_cfg(), {}, world_size=1, precision="fp32", name="deepspeed_stage_3_offload")["zero_optimization"]
     assert off["offload_optimizer"] == {"device": "cpu"} and off["offload_param"] == {"device": "cpu"}
+    assert off["stage"] == 3
+
+
+@pytest.mark.parametrize("precision, sections", [("bf16", {"bf16": {"enabled": True}}), ("fp32", {})])
+def test_an_absent_precision_section_is_written_only_for_the_runs_dtype(precision, sections):
+    ds = process(_cfg(), {}, world_size=1, precision=precision, name="deepspeed")
+    assert {k: ds[k] for k in ("fp16", "bf16") if k in ds} == sections
+
+
+def test_a_value_of_another_kind_than_kilns_is_a_mismatch_not_a_match():
+    with pytest.raises(ConfigError, match=r"gradient_clipping='0.5' vs kiln train.max_grad_norm=0.5"):
+        process(_cfg(), {"gradient_clipping": "0.5"}, world_size=1, precision="fp32", name="deepspeed")
+    same = {"gradient_clipping": 0.5, "optimizer": {"params": {"betas": [0.9, 0.999]}}}  # numbers and lists by value
+    assert process(_cfg(), same, world_size=1, precision="fp32", name="deepspeed")["gradient_clipping"] == 0.5
 
 
 def test_values_set_on_both_sides_that_differ_are_one_error_naming_both():
@@ -233,3 +247,22 @@ def test_an_optimizer_that_owns_backward_is_refused_before_deepspeed_starts():
     module = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="OwnsBackward updates parameters inside backward, which DeepSpeed"):
         strategy.setup(module, lambda m: OwnsBackward(m.parameters(), lr=0.1), max_steps=20)
+
+
+def test_the_finished_configs_dtype_is_the_enabled_section():
+    from kiln.config.hf.deepspeed import dtype_of
+
+    assert dtype_of({}) is None and dtype_of({"bf16": {"enabled": False}, "fp16": {"enabled": False}}) is None
+    assert dtype_of({"bf16": {"enabled": False}, "fp16": {"enabled": True}}) == "fp16"
+    assert dtype_of({"fp16": {"enabled": False}, "bf16": {"enabled": True}}) == "bf16"
+    assert dtype_of({"bf16": {"enabled": "auto"}, "fp16": True}) is None  # only a filled-in section counts
+
+
+def test_deepspeeds_own_printing_is_off_unless_the_user_asks_for_it():
+    """kiln logs the steps itself; DeepSpeed's progress prints and timing breakdown would duplicate it."""
+    ds = process(_cfg(), {}, world_size=1, precision="fp32", name="deepspeed")
+    assert ds["steps_per_print"] == 10**9 and ds["wall_clock_breakdown"] is False
+    own = {"steps_per_print": 5, "wall_clock_breakdown": True}
+    assert {
+        k: v for k, v in process(_cfg(), own, world_size=1, precision="fp32", name="deepspeed").items() if k in own
+    } == own

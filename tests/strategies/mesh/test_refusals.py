@@ -214,3 +214,20 @@ def test_every_family_the_refusal_names_has_a_plan(family):
     from transformers import AutoConfig
 
     assert AutoConfig.for_model(TP_FAMILIES[family]).base_model_tp_plan, f"{family} has no tp plan in this transformers"
+
+
+@pytest.mark.parametrize("axis", ["cp", "pp", "ep"])
+def test_fp8_is_refused_on_each_axis_beyond_data_and_tp_and_runs_on_those(axis):
+    """Straight on the checks (mesh/setting_checks.py), which both presets and the pp/ep subclasses share."""
+    from kiln.strategies.mesh.dims import parse_mesh
+    from kiln.strategies.mesh.setting_checks import check_settings
+    from kiln.strategies.mesh.settings import MeshSettings
+
+    config = load_config({})
+    with pytest.raises(ConfigError, match=r"^precision fp8 runs on the data and tp axes only"):
+        check_settings(MeshSettings(), parse_mesh({axis: 2}, 2), "cpu", "fp8", config)
+    for mesh in ({"dp_shard": 2}, {"tp": 2}, {"dp_replicate": 2}):
+        check_settings(MeshSettings(), parse_mesh(mesh, 2), "cpu", "fp8", config)
+    check_settings(MeshSettings(), parse_mesh({axis: 2}, 2), "cpu", "bf16", config)
+    chunked = load_config({"train": {"loss": {"chunked": True}}})
+    check_settings(MeshSettings(), parse_mesh({"dp_shard": 2}, 2), "cpu", "fp32", chunked)  # no tp: nothing split

@@ -27,12 +27,13 @@ from torch import nn
 from kiln.strategies import STRATEGIES
 from kiln.strategies.base import Strategy
 from kiln.strategies.capabilities import Capabilities
-from kiln.strategies.checkpoint_io import CheckpointIO, load_weights, register_format
+from kiln.strategies.checkpoint_io import CheckpointIO, register_format
 from kiln.strategies.collectives import ProcessGroupCollectives
 from kiln.strategies.interfaces import BackwardSyncControl
 from kiln.strategies.mesh.checkpoint_io import full_model_state, set_full_model_state
 from kiln.strategies.mesh.dims import release_mesh_groups
 from kiln.strategies.mesh.fsdp import release_fsdp_groups
+from kiln.strategies.model_weights import load_weights
 from kiln.strategies.process_group import register_group_user
 from kiln.utils.errors import CheckpointError
 from kiln.utils.safe_pickle import dcp_load_error, vet_dcp_folder
