@@ -25,6 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from kiln.engine.callbacks.base import Callback
+from kiln.engine.checkpoint import atomic
 from kiln.engine.checkpoint import manager as checkpoint
 from kiln.strategies.full_checkpoint_io import FullStateCheckpointIO
 from tests.checkpoint.checkpoint_helpers import config, make_model, numeric_history, regression_data
@@ -43,7 +44,7 @@ CONFIG = {
 
 
 def _slow_writes() -> None:
-    save, fsync_tree = FullStateCheckpointIO.save, checkpoint._fsync_tree
+    save, fsync_tree = FullStateCheckpointIO.save, atomic._fsync_tree
 
     def slow_save(self, directory, *args, **kwargs):  # type: ignore[no-untyped-def]
         save(self, directory, *args, **kwargs)
@@ -54,7 +55,7 @@ def _slow_writes() -> None:
         time.sleep(WRITE_DELAY)
         return sizes
 
-    FullStateCheckpointIO.save, checkpoint._fsync_tree = slow_save, slow_fsync
+    FullStateCheckpointIO.save, atomic._fsync_tree = slow_save, slow_fsync
 
 
 class Pace(Callback):
