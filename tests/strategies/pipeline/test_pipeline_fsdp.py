@@ -26,6 +26,9 @@ from tests.strategies.pipeline.cases import llama, train  # noqa: E402
 from tests.world import run_world  # noqa: E402
 
 MESH = {"pp": 2, "dp_shard": 2}
+#: one global batch: 2 data shards x windows of 2 micro-batches of 1 under pp x dp_shard, and windows of 2
+#: micro-batches of 2 on one process (the same 4 samples a step: 22 samples are 5 steps, then one of 2)
+PP_DP_BATCH, ONE_BATCH = {"per_device_train_batch_size": 1}, {"per_device_train_batch_size": 2}
 #: rank -> (its stage's decoder layers, embeddings, norm and head, its dp_shard group, its pp group)
 LAYOUT = {
     0: ([0, 1], True, False, [0, 1], [0, 2]),
@@ -112,13 +115,15 @@ def worker(out: str) -> None:
     rank = int(os.environ["RANK"])
     results = {}
     for schedule in ("1f1b", "zbv"):  # the later Trainers join the first one's process group
-        extra = {"save": {"strategy": "steps", "steps": 2}} if schedule == "1f1b" else {}
+        extra = {**PP_DP_BATCH, **({"save": {"strategy": "steps", "steps": 2}} if schedule == "1f1b" else {})}
         losses, state, trainer = train(os.path.join(out, schedule), pp_dp(schedule), teardown=False, **extra)
         results[schedule] = {"losses": losses, "export": trainer.strategy.model_state_for_export(trainer.model)}
         if schedule == "1f1b":
             results[schedule]["state"] = {k: v.to_local().clone() for k, v in state.items()}  # this rank's shards
     checkpoint = os.path.join(out, "1f1b", "checkpoint-2")
-    losses, state, _ = train(os.path.join(out, "resumed"), pp_dp("1f1b"), teardown=False, resume=checkpoint)
+    losses, state, _ = train(
+        os.path.join(out, "resumed"), pp_dp("1f1b"), teardown=False, resume=checkpoint, **PP_DP_BATCH
+    )
     results["resumed"] = {"losses": losses, "state": {k: v.to_local().clone() for k, v in state.items()}}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
@@ -134,8 +139,8 @@ def close(got: dict, want: dict, what: str) -> None:
 def test_pp_x_dp_shard_equals_single_and_its_checkpoint_resumes_bitwise_and_on_one_process(tmp_path):
     run_world(__file__, tmp_path, nproc=4, timeout=600)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    want_losses, want, _ = train(str(tmp_path / "single"), {"name": "single", "device": "cpu"})
-    assert len(want_losses) == 4  # three windows of two micro-batches, then one of one
+    want_losses, want, _ = train(str(tmp_path / "single"), {"name": "single", "device": "cpu"}, **ONE_BATCH)
+    assert len(want_losses) == 6
 
     for schedule in ("1f1b", "zbv"):
         for rank in ranks:  # each data shard's losses, averaged over dp_shard as the loop logs them
@@ -153,7 +158,8 @@ def test_pp_x_dp_shard_equals_single_and_its_checkpoint_resumes_bitwise_and_on_o
 
     # the same checkpoint on one process (model_parallel without pp): its two sharded stages are one model
     one_mesh = {"name": "model_parallel", "device": "cpu"}
-    losses, _, trainer = train(str(tmp_path / "one"), one_mesh, teardown=False, resume=str(tmp_path / "1f1b" / "checkpoint-2"))
+    checkpoint = str(tmp_path / "1f1b" / "checkpoint-2")
+    losses, _, trainer = train(str(tmp_path / "one"), one_mesh, teardown=False, resume=checkpoint, **ONE_BATCH)
     resumed = trainer.strategy.model_state_for_export(trainer.model)
     trainer.teardown()
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-5)
