@@ -290,7 +290,6 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         """Every stage's weights, under the full model's names, on rank 0 (the others get {}), or on
         every rank with save.on_each_node."""
         import torch.distributed as dist
-
         from torch.distributed.tensor import DTensor
 
         own = {  # a stage's shards gathered (a collective over its dp_shard ranks), which then hold copies

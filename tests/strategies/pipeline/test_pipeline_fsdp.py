@@ -22,13 +22,14 @@ import torch
 if __name__ == "__main__":  # the world's worker: the repository root first, as under pytest
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.strategies.pipeline.cases import llama, train  # noqa: E402
+from tests.strategies.pipeline.cases import data, llama, train  # noqa: E402
 from tests.world import run_world  # noqa: E402
 
 MESH = {"pp": 2, "dp_shard": 2}
 #: one global batch: 2 data shards x windows of 2 micro-batches of 1 under pp x dp_shard, and windows of 2
 #: micro-batches of 2 on one process (the same 4 samples a step: 22 samples are 5 steps, then one of 2)
 PP_DP_BATCH, ONE_BATCH = {"per_device_train_batch_size": 1}, {"per_device_train_batch_size": 2}
+EVAL = {"eval": {"strategy": "steps", "steps": 3}, "per_device_eval_batch_size": 3}
 #: rank -> (its stage's decoder layers, embeddings, norm and head, its dp_shard group, its pp group)
 LAYOUT = {
     0: ([0, 1], True, False, [0, 1], [0, 2]),
@@ -63,9 +64,7 @@ def _fake_rank(rank: int, *, clip: bool, caplog: Any) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
     try:
         # built for this 1-process launch, then given the mesh: the group made here decides the world
-        cfg = load_config(
-            {"strategy": {"name": "model_parallel", "device": "cpu"}, "gradient_accumulation_steps": 2}
-        )
+        cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}, "gradient_accumulation_steps": 2})
         strategy = ModelParallelPipeline(cfg, build_precision(cfg))
         with read_write(cfg):
             cfg.strategy.options.mesh = MESH
@@ -112,12 +111,23 @@ def _fake_rank(rank: int, *, clip: bool, caplog: Any) -> None:
 
 
 def worker(out: str) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
     rank = int(os.environ["RANK"])
     results = {}
     for schedule in ("1f1b", "zbv"):  # the later Trainers join the first one's process group
-        extra = {**PP_DP_BATCH, **({"save": {"strategy": "steps", "steps": 2}} if schedule == "1f1b" else {})}
-        losses, state, trainer = train(os.path.join(out, schedule), pp_dp(schedule), teardown=False, **extra)
+        extra = {**PP_DP_BATCH, **({"save": {"strategy": "steps", "steps": 2}, **EVAL} if schedule == "1f1b" else {})}
+        losses, state, trainer = train(
+            os.path.join(out, schedule), pp_dp(schedule), teardown=False, eval_dataset=data(6), **extra
+        )
+        evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]  # during training
+        evaluated = trainer.evaluate(data(6))["eval_loss"]
+        units = [*trainer.model.modules(), *trainer.strategy.stage_forwards]
+        groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units if isinstance(unit, FSDPModule)]
+        # nothing is left gathered after an evaluation (a root may hold no parameters: no group)
+        resharded = [group.is_sharded for group in groups if group is not None]
         results[schedule] = {"losses": losses, "export": trainer.strategy.model_state_for_export(trainer.model)}
+        results[schedule].update(resharded=resharded, evaluated=evaluated, evals=evals)
         if schedule == "1f1b":
             results[schedule]["state"] = {k: v.to_local().clone() for k, v in state.items()}  # this rank's shards
     checkpoint = os.path.join(out, "1f1b", "checkpoint-2")
@@ -139,8 +149,19 @@ def close(got: dict, want: dict, what: str) -> None:
 def test_pp_x_dp_shard_equals_single_and_its_checkpoint_resumes_bitwise_and_on_one_process(tmp_path):
     run_world(__file__, tmp_path, nproc=4, timeout=600)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    want_losses, want, _ = train(str(tmp_path / "single"), {"name": "single", "device": "cpu"}, **ONE_BATCH)
-    assert len(want_losses) == 6
+    single = {"name": "single", "device": "cpu"}
+    want_losses, want, trainer = train(
+        str(tmp_path / "single"), single, teardown=False, eval_dataset=data(6), **EVAL, **ONE_BATCH
+    )
+    want_evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+    want_evaluated = trainer.evaluate(data(6))["eval_loss"]
+    trainer.teardown()
+    assert len(want_losses) == 6 and len(want_evals) == 2
+    for rank in ranks:  # evaluation during training runs the sharded stages stage to stage, then reshards them
+        torch.testing.assert_close(rank["1f1b"]["evals"], want_evals, rtol=1e-5, atol=1e-5)
+        for schedule in ("1f1b", "zbv"):  # an evaluation called by hand, then nothing left gathered
+            torch.testing.assert_close(rank[schedule]["evaluated"], want_evaluated, rtol=1e-5, atol=1e-5)
+            assert len(rank[schedule]["resharded"]) >= 2 and all(rank[schedule]["resharded"]), schedule
 
     for schedule in ("1f1b", "zbv"):
         for rank in ranks:  # each data shard's losses, averaged over dp_shard as the loop logs them
