@@ -32,6 +32,10 @@ class MeshCollectives(ProcessGroupCollectives):
         counted on the rank's own chunk. max / min span every rank."""
         if op in ("max", "min") or self.shape.tp == 1:  # without tp every rank holds distinct data
             return super().reduce(tensor, op)
+        return self._reduce_over_data(tensor, op)
+
+    def _reduce_over_data(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """sum or mean over `_dp_group`, the ranks whose data differ (`dp x cp` of them; None: this rank alone)."""
         import torch.distributed as dist
 
         check_op(op)
@@ -47,6 +51,10 @@ class MeshCollectives(ProcessGroupCollectives):
     def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
         if op != "sum" or self.shape.tp == 1:
             return super().reduce_async(tensor, op)
+        return self._sum_over_data_async(tensor)
+
+    def _sum_over_data_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """`_reduce_over_data`'s sum, started now; the returned call waits for it."""
         import torch.distributed as dist
 
         t, device = self._comm(torch.as_tensor(tensor)), torch.as_tensor(tensor).device

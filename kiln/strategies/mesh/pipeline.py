@@ -13,15 +13,25 @@ schedule, which cuts them apart again; the last stage computes micro-batch i's l
 `Trainer.training_step` does for it on one process. The losses are broadcast from the last stage, so
 every rank logs them. Gradient clipping takes the norm over every stage's gradients.
 
-Every stage reads the same batches (one data shard), so sums and means of what the loop counts are
-each rank's own value, and gathers keep one entry. The pruned model keeps the full model's parameter
+Every stage reads the same batches, so sums and means of what the loop counts span the ranks of one
+stage (its dp_shard ranks: one data shard each), and gathers keep one entry per data shard.
+
+With dp_shard beside pp (`mesh: {pp: 2, dp_shard: 2}`, 4 processes: ranks 0-1 hold stage 0, 2-3
+stage 1), each stage is sharded by FSDP2 over its dp_shard ranks, as torchtitan does: every decoder
+layer the stage holds is a unit, and the stage's forward (`StageForward`, the module `PipelineStage`
+runs: embeddings, norm, head) the root unit. Units keep their parameters gathered from a
+micro-batch's forward to its backward (reshard_after_forward false: the schedule runs each unit once
+per micro-batch, both ways), and torch's stage holds FSDP's gradient reduction back until the
+window's last backward, where it reduce-scatters once (`PipelineStage.backward_maybe_with_nosync`),
+dividing by dp_shard, the strategy's `grad_divisor`, which kiln's item-count weights undo. Gradient
+clipping takes the norm over the shards (DTensor) and the stages (pp's group). The pruned model keeps the full model's parameter
 names (pipeline_split.py), so the mesh strategy's DCP checkpoints hold one model, which resumes on one
 process or on any other mesh; exporting gathers every stage's weights to rank 0.
 
 A rank may hold several stages (the interleaved and zero-bubble schedules, `stages_per_rank`), placed
 as torch's schedules place them (`stage_owners`). Evaluation and prediction run the whole model's
-forward stage to stage (pipeline_forward.py). This slice runs pp alone (no dp, cp or tp beside it):
-what it cannot run is refused at config load (pipeline_settings.py)."""
+forward stage to stage (pipeline_forward.py). pp runs alone or with dp_shard (no dp_replicate, cp or
+tp beside it): what it cannot run is refused at config load (pipeline_settings.py)."""
 
 from __future__ import annotations
 
@@ -86,6 +96,16 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
                 yield
             finally:
                 del root.forward
+                if self.shape.dp > 1:  # forwards without backwards leave the units gathered (reshard_after_forward)
+                    from kiln.strategies.mesh.fsdp import reshard_all
+
+                    for forward in self.stage_forwards:
+                        reshard_all(forward)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.shape.dp > 1:  # what `reduce` sums over: the ranks of this stage, one data shard each
+            self._dp_group = self.device_mesh["dp_shard"].get_group()
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -124,6 +144,8 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
             for s in mine
         ]
         keep_stage(module, decoder, [i for s in mine for i in ranges[s]], first=0 in mine, last=count - 1 in mine)
+        if self.shape.dp > 1:
+            self._shard_stages([ranges[s] for s in mine], layers)
         self._stages = [
             PipelineStage(forward, s, count, self.root_device, group=self.pp_group)
             for forward, s in zip(self.stage_forwards, mine)
@@ -144,6 +166,23 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         )
         self._root = module
         return module
+
+    def _shard_stages(self, held: list[range], layers: list[nn.Module]) -> None:
+        """FSDP2 over this stage's dp_shard ranks: each decoder layer a unit, then each stage's forward
+        (the module torch's stage runs and syncs, with the embeddings, norm and head) a root unit."""
+        from kiln.strategies.mesh.fsdp import apply_fsdp
+
+        for forward, indices in zip(self.stage_forwards, held):
+            apply_fsdp(
+                forward,
+                [layers[i] for i in indices],
+                self.device_mesh["dp_shard"],
+                reshard=False,  # gathered from a micro-batch's forward to its backward, as torchtitan under pp
+                offload=False,
+                pin_memory=False,
+                mp_policy=None,  # the stage runs in the precision's autocast (StageForward)
+                forward_prefetch=self.settings.forward_prefetch,
+            )
 
     # -- the window -------------------------------------------------------------------------
     def run_window(self, model: nn.Module, window: list[Any], weights: LossWeights | None) -> list[torch.Tensor]:
@@ -201,12 +240,16 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
 
     # -- step -------------------------------------------------------------------------------
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """The 2-norm over every stage's gradients (each parameter lives on one stage), then each
-        stage's gradients scaled by the same factor."""
+        """The 2-norm over every stage's gradients (each parameter lives on one stage; under dp_shard
+        its shards' norm is DTensor's over the stage's ranks), then each stage's gradients scaled by the
+        same factor."""
         import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         local = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(local, DTensor):
+            local = local.full_tensor()
         squares = local.float().pow(2).to(self.root_device)
         dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt()
@@ -215,11 +258,15 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
 
     # -- collectives: the stages hold copies of what the loop counts ---------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        if op in ("sum", "mean"):  # one data shard (pp alone): each rank's value is the value
-            return torch.as_tensor(tensor)
+        """sum and mean over the ranks of this stage (its data shards; pp alone: this rank's value);
+        max and min over every rank."""
+        if op in ("sum", "mean"):
+            return self._reduce_over_data(tensor, op)
         return super().reduce(tensor, op)
 
     def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+        if op == "sum":
+            return self._sum_over_data_async(tensor)
         done = self.reduce(tensor, op)
         return lambda: done
 
@@ -243,8 +290,12 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         """Every stage's weights, under the full model's names, on rank 0 (the others get {}), or on
         every rank with save.on_each_node."""
         import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
 
-        own = {k: v.detach().cpu() for k, v in self.unwrap(module).state_dict().items()}
+        own = {  # a stage's shards gathered (a collective over its dp_shard ranks), which then hold copies
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+            for k, v in self.unwrap(module).state_dict().items()
+        }
         every_rank = bool(self.config.save.on_each_node) if self.config is not None else False
         parts: list[Any] = [None] * self.world_size
         if every_rank:

@@ -95,12 +95,13 @@ def read_pipeline(value: Any) -> PipelineSettings:
 
 
 def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, config: Any, precision: str) -> None:
-    """What this first pipeline cannot run, refused before any process group starts."""
-    others = [f"{axis} {getattr(dims, axis)}" for axis in AXES if getattr(dims, axis) > 1]
+    """What the pipeline cannot run, refused before any process group starts: beside pp, only dp_shard
+    (each stage sharded by FSDP2 over its dp_shard ranks, pipeline.py)."""
+    others = [f"{axis} {getattr(dims, axis)}" for axis in AXES if axis != "dp_shard" and getattr(dims, axis) > 1]
     if others:
         raise ConfigError(
             f"strategy.mesh combines pp {dims.pp} with {', '.join(others)}, but kiln runs the pipeline axis "
-            "alone so far (pp with dp_replicate, dp_shard, cp or tp is not supported yet); set the other axes "
+            "alone or with dp_shard so far (pp with dp_replicate, cp or tp is not supported yet); set those axes "
             "to 1, or drop pp."
         )
     settings = unsupported_settings(s, config)

@@ -82,3 +82,10 @@ def train(
     if teardown:
         trainer.teardown()
     return losses, state, trainer
+
+
+def close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """The same names, and every tensor within 1e-5 of the one it is compared with."""
+    assert sorted(got) == sorted(want), what
+    for name, value in got.items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name} differs")

@@ -30,7 +30,7 @@ import torch
 if __name__ == "__main__":  # the torchrun worker: the repository root first, as under pytest
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.strategies.pipeline.cases import config, data, llama, train  # noqa: E402
+from tests.strategies.pipeline.cases import close, config, data, llama, train  # noqa: E402
 from tests.world import run_world
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
@@ -89,12 +89,6 @@ def worker(out: str, one_process_checkpoint: str) -> None:
         results["refused"] = str(err)
     trainer.teardown()
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-
-
-def close(got: dict, want: dict, what: str) -> None:
-    assert sorted(got) == sorted(want), what
-    for name, value in got.items():
-        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name} differs")
 
 
 @pytest.mark.distributed

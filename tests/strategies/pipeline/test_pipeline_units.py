@@ -278,8 +278,14 @@ def _config(**train):
 def test_what_the_pipeline_cannot_run_yet_is_refused_at_config_load():
     pp2, ok = ParallelDims(pp=2), PipelineSettings()
     check_pipeline(ok, pp2, MeshSettings(), _config(), "bf16")  # what runs passes
-    with pytest.raises(ConfigError, match=r"combines pp 2 with dp_shard 2, .*not supported yet"):
-        check_pipeline(ok, ParallelDims(pp=2, dp_shard=2), MeshSettings(), _config(), "fp32")
+    check_pipeline(ok, ParallelDims(pp=2, dp_shard=2), MeshSettings(), _config(), "fp32")  # FSDP per stage
+    for dims, given in (
+        (ParallelDims(pp=2, tp=2), "tp 2"),
+        (ParallelDims(pp=2, dp_shard=2, cp=2), "cp 2"),
+        (ParallelDims(pp=2, dp_replicate=2, dp_shard=2), "dp_replicate 2"),
+    ):
+        with pytest.raises(ConfigError, match=rf"combines pp 2 with {given}, .*alone or with dp_shard so far"):
+            check_pipeline(ok, dims, MeshSettings(), _config(), "fp32")
     with pytest.raises(ConfigError, match=r"does not run with offload, train.torch_compile yet; drop them"):
         check_pipeline(ok, pp2, MeshSettings(offload=True), _config(torch_compile=True), "fp32")
     with pytest.raises(ConfigError, match=r"precision fp16"):
