@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +53,14 @@ def _context() -> multiprocessing.context.BaseContext:
 
 
 def _python_path() -> str:
-    return os.pathsep.join(p for p in (str(REPO), _BASE_ENV.get("PYTHONPATH", "")) if p)
+    return python_path(_BASE_ENV)
+
+
+def python_path(env: Mapping[str, str] | None = None, first: str | Path = REPO) -> str:
+    """`first`, then the PYTHONPATH of `env` (the test process's by default), with no empty entry: an empty
+    one would put the child's working directory on its sys.path, which neither torchrun nor a user adds."""
+    current = (os.environ if env is None else env).get("PYTHONPATH", "")
+    return os.pathsep.join(p for p in (str(first), *current.split(os.pathsep)) if p)
 
 
 def _rank_main(script: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:

@@ -19,6 +19,7 @@ from kiln.engine.checkpoint.files import is_complete, latest_checkpoint, why_dam
 from kiln.engine.checkpoint.write_errors import write_errno, write_failure
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import folders, train
+from tests.world import python_path
 
 CFG = {"max_steps": 4, "save_steps": 2}
 FIXES = {
@@ -146,7 +147,7 @@ def test_a_real_file_size_limit(tmp_path):
     """torch.save to a path says only "unexpected pos": the file system's limit names EFBIG."""
     out = str(tmp_path / "run")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": python_path(first=root)}
     done = subprocess.run(
         [sys.executable, "-c", CHILD, out], capture_output=True, text=True, cwd=root, env=env, timeout=300
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.world import run_world
+from tests.world import python_path, run_world
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -24,7 +24,7 @@ def run(
     """Run `cmd` from the repository root; returns the process with `.elapsed` seconds set."""
     full_env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": python_path(),
         "OMP_NUM_THREADS": "1",
         **(env or {}),
     }

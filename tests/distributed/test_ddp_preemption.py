@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.conftest import HERE, REPO, TORCHRUN
-from tests.world import run_world
+from tests.world import python_path, run_world
 
 pytestmark = pytest.mark.distributed
 WORKER = str(HERE / "worker_preempt.py")
@@ -25,7 +25,7 @@ WORKER = str(HERE / "worker_preempt.py")
 def _start(*args: str) -> subprocess.Popen:
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": python_path(),
         "OMP_NUM_THREADS": "1",
     }
     return subprocess.Popen(

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.world import python_path
+
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.xdist_group("deepspeed-world")  # conftest.py's ds_world: one world for the folder
@@ -50,7 +52,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds_build")
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
     env.update(
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=python_path(),
         OMP_NUM_THREADS="1",
         DS_ACCELERATOR="cpu",
     )

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from tests.distributed.conftest import REPO
 from tests.strategies.fsdp.conftest import HERE, torchrun
+from tests.world import python_path
 
 pytestmark = pytest.mark.distributed
 
@@ -33,7 +34,7 @@ def _digests(folder) -> dict:
 def test_kill_during_a_sharded_save_resumes_from_the_previous_checkpoint_exactly(tmp_path):
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": python_path(),
         "OMP_NUM_THREADS": "1",
     }
     cmd = [
