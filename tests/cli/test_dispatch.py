@@ -52,6 +52,12 @@ def test_ray_is_told_whether_another_launcher_was_asked_for(spies, argv: list[st
 def test_nproc_goes_to_the_local_launcher_with_the_same_command_line(spies) -> None:
     assert cli.main(["fit", "cfg.yaml", "--nproc", "3", "--max-restarts", "1", "a=1"]) == 0
     assert spies["local"] == [(3, ["-m", "kiln.cli", "fit", "cfg.yaml", "a=1"], 1)]
+    assert spies["ray"] == [("fit", None, True, 1)]  # asked first: the config's `launcher.name: ray` may want Ray
+
+
+def test_ray_is_refused_for_a_command_that_does_not_train(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["evaluate", "cfg.yaml", "--ray", "2"]) == 2
+    assert "kiln evaluate runs in this process (drop --ray)" in capsys.readouterr().err
 
 
 def test_a_launch_setting_that_cannot_work_is_one_line_and_exit_2(capsys: pytest.CaptureFixture) -> None:
