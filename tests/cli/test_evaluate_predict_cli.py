@@ -46,7 +46,7 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "cfg.yaml").write_text(
         "output_dir: run\ntask: {model: 'clitask:Reg', data: 'clitask:data'}\nmax_steps: 6\nlearning_rate: 0.05\n"
         "per_device_train_batch_size: 8\neval: {strategy: steps, steps: 2, metric_for_best_model: loss}\n"
-        "save: {strategy: steps, steps: 2}\nlog: {strategy: steps, steps: 2, disable_tqdm: true}\n"
+        "save: {strategy: steps, steps: 2}\nlog: {strategy: steps, steps: 2, disable_tqdm: true, history: [csv]}\n"
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -60,7 +60,7 @@ def _evals(state: dict) -> dict[int, float]:
 
 def test_evaluate_scores_the_best_checkpoint_and_leaves_the_run_alone(run: Path, capsys: pytest.CaptureFixture) -> None:
     capsys.readouterr()
-    before = {p: p.read_bytes() for p in (run / "run").iterdir() if p.is_file()}
+    before = _files(run / "run")
     assert cli.main(["evaluate", "cfg.yaml"]) == 0
     out = capsys.readouterr().out
     state = json.loads((run / "run" / "trainer_state.json").read_text())
@@ -71,9 +71,16 @@ def test_evaluate_scores_the_best_checkpoint_and_leaves_the_run_alone(run: Path,
     assert result["step"] == best_step and result["weights"] == str(best.relative_to(run))
     assert result["epoch"] == json.loads((best / "trainer_state.json").read_text())["epoch"] > 0
     assert result["eval_loss"] == pytest.approx(_evals(state)[best_step], rel=1e-6)  # same weights, same data
-    assert {
-        p: p.read_bytes() for p in (run / "run").iterdir() if p.is_file()
-    } == before  # metrics.csv, eval_results.json
+    # metrics.csv, eval_results.json and the history files under runs/: only the result file is new
+    assert _files(run / "run") == {
+        **before,
+        best / "evaluate_results.json": (best / "evaluate_results.json").read_bytes(),
+    }
+    assert any(p.suffix == ".csv" for p in before)  # fit wrote its history file; evaluate none
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
 def test_predict_with_given_weights_writes_beside_them(run: Path, capsys: pytest.CaptureFixture) -> None:
