@@ -139,10 +139,10 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
     @contextlib.contextmanager
     def eval_cast_context(self, module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
         """Around one evaluation (or prediction): `generate()` (predict_with_generate) keeps every rank
-        stepping until every rank's sequences have ended (transformers' `synced_gpus`, which it turns on
-        by itself only under ZeRO-3 and FSDP1): each decoding step's forward runs the experts'
-        all-to-alls, which a rank that stopped early would leave unmatched. A `synced_gpus` given in
-        the generation kwargs still wins."""
+        stepping until every rank's sequences have ended (transformers' `synced_gpus`, which it turns
+        on by itself only for ZeRO-3 and the FSDP models it recognises): each decoding step's forward
+        runs the experts' all-to-alls, which a rank that stopped early would leave unmatched. A
+        `synced_gpus` given in the generation kwargs still wins."""
         generate = getattr(module, "generate", None)
         with super().eval_cast_context(module, dtype):
             if generate is None:
