@@ -148,11 +148,12 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
             if generate is None:
                 yield
                 return
-            module.generate = functools.partial(generate, synced_gpus=True)  # shadows the class's method
+            model: Any = module
+            model.generate = functools.partial(generate, synced_gpus=True)  # shadows the class's method
             try:
                 yield
             finally:
-                del module.generate
+                del model.generate
 
     # -- step -------------------------------------------------------------------------------
     def optimizer_step(

@@ -35,15 +35,11 @@ SAVE = {"save": {"strategy": "steps", "steps": 2}}
 def _run(kind: str, out: str, *, seed: int, resume: Any = None, callback: Any = None) -> Any:
     """The axis's tiny model (pipeline/cases.py, experts/cases.py) trained one epoch on `kind`."""
     from kiln import Trainer
+    from tests.strategies.experts import cases as expert_cases
+    from tests.strategies.pipeline import cases as pipeline_cases
 
-    if kind == "pp":
-        from tests.strategies.pipeline import cases
-
-        model = cases.llama(seed=seed)
-    else:
-        from tests.strategies.experts import cases  # type: ignore[no-redef]
-
-        model = cases.moe(seed=seed)
+    cases: Any = pipeline_cases if kind == "pp" else expert_cases
+    model = pipeline_cases.llama(seed=seed) if kind == "pp" else expert_cases.moe(seed=seed)
     trainer = Trainer(model, cases.config(out, STRATEGY[kind], **SAVE), train_dataset=cases.data())
     if callback is not None:
         trainer.add_callback(callback)
