@@ -118,11 +118,23 @@ def _fake_rank(rank: int, *, clip: bool, caplog: Any) -> None:
 
 
 def worker(out: str) -> None:
+    import threading
+
+    from torch.distributed.checkpoint import filesystem
     from torch.distributed.fsdp import FSDPModule
 
     rank = int(os.environ["RANK"])
-    results = {}
+    results: dict[str, Any] = {}
+    writers: list[str] = []  # the threads that write DCP's shard files
+    write_data = filesystem._FileSystemWriter.write_data
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        writers.append(threading.current_thread().name)
+        return write_data(self, *args, **kwargs)
+
+    filesystem._FileSystemWriter.write_data = recorded  # type: ignore[method-assign]
     for schedule in ("1f1b", "zbv"):  # the later Trainers join the first one's process group
+        writers.clear()
         # 1F1B saves in the background (DCP's async_save), ZBV in the step
         save = {"strategy": "steps", "steps": 2, "async": schedule == "1f1b"}
         extra = {**PP_DP_BATCH, "save": save, **(EVAL if schedule == "1f1b" else {})}
@@ -136,7 +148,7 @@ def worker(out: str) -> None:
         # nothing is left gathered after an evaluation (a root may hold no parameters: no group)
         resharded = [group.is_sharded for group in groups if group is not None]
         results[schedule] = {"losses": losses, "export": trainer.strategy.model_state_for_export(trainer.model)}
-        results[schedule].update(resharded=resharded, evaluated=evaluated, evals=evals)
+        results[schedule].update(resharded=resharded, evaluated=evaluated, evals=evals, writers=sorted(set(writers)))
         if schedule == "1f1b":
             results[schedule]["state"] = {k: v.to_local().clone() for k, v in state.items()}  # this rank's shards
     checkpoint = os.path.join(out, "1f1b", "checkpoint-2")
@@ -174,6 +186,9 @@ def test_pp_x_dp_shard_equals_single_and_its_checkpoint_resumes_bitwise_and_on_o
             torch.testing.assert_close(rank[schedule]["losses"], want_losses, rtol=1e-5, atol=1e-5)
         close(ranks[0][schedule]["export"], want, f"{schedule}: the saved model, gathered on rank 0")
         assert all(rank[schedule]["export"] == {} for rank in ranks[1:])
+
+    for rank in ranks:  # 1F1B's checkpoints written by DCP's background thread, ZBV's in the step
+        assert rank["1f1b"]["writers"] == ["AsyncCheckpointExecutor_0"] and rank["zbv"]["writers"] == ["MainThread"]
 
     # resumed from step 2 under the same mesh: bit for bit the run that never stopped, shard by shard
     for r, rank in enumerate(ranks):
