@@ -29,7 +29,9 @@ each experts module is its own FSDP unit over the D / ep ranks holding the same 
 across both meshes (clip.py).
 
 Evaluation and prediction run every rank's batches through the same all-to-alls: kiln's evaluation
-sampler gives every rank the same number of batches, so no rank leaves the collectives early.
+sampler gives every rank the same number of batches, so no rank leaves the collectives early, and
+`generate()` (predict_with_generate) runs with transformers' `synced_gpus`, so no rank stops decoding
+before the others have.
 
 Checkpoints are the mesh strategy's DCP folder (the experts' DTensor shards with their global offsets),
 which resumes on any other mesh and converts to one model. What it cannot run is refused at config
@@ -37,8 +39,10 @@ load, in one sentence each."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,6 +51,9 @@ from kiln.strategies.base import StepResult
 from kiln.strategies.interfaces import ReportsStepFigures
 from kiln.strategies.mesh.axis_refusals import refuse, unsupported_settings
 from kiln.strategies.mesh.strategy import MeshStrategy
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +135,25 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
             f"on this rank (ep {self.shape.ep}), FSDP over the {self.shape.dp_shard // self.shape.ep} rank(s) of "
             f"{DP_SHARD_MOD_EP}"
         )
+
+    @contextlib.contextmanager
+    def eval_cast_context(self, module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+        """Around one evaluation (or prediction): `generate()` (predict_with_generate) keeps every rank
+        stepping until every rank's sequences have ended (transformers' `synced_gpus`, which it turns
+        on by itself only for ZeRO-3 and the FSDP models it recognises): each decoding step's forward
+        runs the experts' all-to-alls, which a rank that stopped early would leave unmatched. A
+        `synced_gpus` given in the generation kwargs still wins."""
+        generate = getattr(module, "generate", None)
+        with super().eval_cast_context(module, dtype):
+            if generate is None:
+                yield
+                return
+            model: Any = module
+            model.generate = functools.partial(generate, synced_gpus=True)  # shadows the class's method
+            try:
+                yield
+            finally:
+                del model.generate
 
     # -- step -------------------------------------------------------------------------------
     def optimizer_step(

@@ -8,7 +8,9 @@ world of 2 gloo processes, as `strategy: {name: model_parallel, mesh: {ep: 2}}` 
   global gradient clipping; rank r holds experts 2r and 2r+1 of each layer (its local shard equals
   those rows of the trained weights);
 - evaluation during fit (ep) and `evaluate` called by hand (both) give single's eval losses, on 5
-  samples of one per batch (the second rank's last batch repeats a sample);
+  samples of one per batch (the second rank's last batch repeats a sample); `predict` with
+  predict_with_generate gives single's generated token ids, though the ranks' sequences of one batch
+  end at different steps;
 - tokens per expert reach the loggers on every logging step (all routed pairs: tokens x top-k);
 - with the router's auxiliary loss (`output_router_logits`, `router_aux_loss_coef`), ep 2 equals
   DDP on the same 2 processes: each rank's auxiliary loss on its own tokens, summed (HF's counting);
@@ -42,6 +44,13 @@ AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 #: evaluation during fit after every step, one sample a batch (so each batch's loss is one sample's on
 #: any number of ranks); 5 samples, so the second rank's last batch repeats one (kiln's eval sampler)
 EVAL = {"eval": {"strategy": "steps", "steps": 1}, "per_device_eval_batch_size": 1}
+#: `predict` generates (greedy, up to 6 tokens): a quarter of the vocabulary ends a sequence, so the two
+#: ranks' sequences of one batch stop at different steps (checked below)
+GENERATE = {
+    "predict_with_generate": True,
+    "generation_kwargs": {"max_new_tokens": 6, "do_sample": False, "eos_token_id": list(range(0, 128, 4))},
+}
+EVAL["eval"].update(GENERATE)
 
 
 def eval_losses(trainer) -> list[float]:
@@ -63,6 +72,7 @@ def worker(out: str) -> None:
         "local": experts.gate_up_proj.to_local().detach().clone(),
         "eval": eval_losses(trainer),
         "evaluate": trainer.evaluate(data(5))["eval_loss"],
+        "generated": torch.as_tensor(trainer.predict(data(5)).predictions),
     }
     # ep borrowed from dp_shard: everything else sharded by FSDP2
     losses, state, trainer = train(
@@ -106,6 +116,7 @@ def test_expert_parallel_equals_single_and_resumes_on_one_process(tmp_path):
         **EVAL,
     )
     want_eval, want_evaluate = eval_losses(single), single.evaluate(data(5))["eval_loss"]
+    want_generated = torch.as_tensor(single.predict(data(5)).predictions)
     single.teardown()
     assert len(want_losses) == 3 and len(want_eval) == 3  # two windows of two micro-batches, then one of one
     full = want["model.layers.0.mlp.experts.gate_up_proj"]
@@ -120,6 +131,14 @@ def test_expert_parallel_equals_single_and_resumes_on_one_process(tmp_path):
             assert rank[run]["evaluate"] == pytest.approx(want_evaluate, rel=1e-5, abs=1e-6), run
         assert [rank["ep"]["eval"] for rank in ranks] == [pytest.approx(want_eval, rel=1e-5, abs=1e-6)] * 2
     assert want_evaluate != pytest.approx(want_eval[0], rel=1e-3)  # trained between the two
+
+    # generation (predict_with_generate) under ep: single's token ids on every rank, though in the last
+    # batch rank 0's sequence (sample 2) ended before rank 1's (sample 0): the rank that stopped kept
+    # running the experts' all-to-alls until the other had ended too
+    lengths = (want_generated != -100).sum(1).tolist()  # the prompt's 10 tokens, then what was generated
+    assert lengths[2] != lengths[0] and len(set(lengths)) > 1, lengths
+    for rank in ranks:
+        assert torch.equal(torch.as_tensor(rank["ep"]["generated"]), want_generated)
 
     # resumed from the ep run's step 1 on the ep mesh: bitwise the run that never stopped
     got = ranks[0]["ep"]["state"]

@@ -11,7 +11,7 @@
   tokens while training only;
 - one rank of a fake 4-process world, ep 4 alone and ep 2 within dp_shard 4: its mesh coordinate,
   data shard, its groups, which expert rows it holds, and how FSDP shards the rest (torch's fake
-  process group)."""
+  process group); within an evaluation `generate()` runs with synced_gpus (ep 4 alone)."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def _step_arithmetic(strategy, model, params, experts):
     assert not any(shard.counts.any() for shard in strategy._shards)  # read once, then counted afresh
 
 
-def test_one_rank_of_a_fake_world_holds_its_experts(caplog):
+def test_one_rank_of_a_fake_world_holds_its_experts(caplog, monkeypatch):
     """ep 4, rank 2 (torch's fake process group: every collective a no-op, the mesh and the sharding
     real): mesh coordinate 2 on ep, data shard 2 of 4, expert 2 of each layer, the rest whole."""
     import torch.distributed as dist
@@ -230,9 +230,26 @@ def test_one_rank_of_a_fake_world_holds_its_experts(caplog):
             assert tuple(offset) == (2, 0, 0)  # the third expert's rows
         assert len(params) > len(experts)  # the rest stays whole, a plain tensor on every rank
         _step_arithmetic(strategy, model, params, experts)
+        _generation_is_synced(strategy, model, monkeypatch)
         strategy.teardown()
     finally:
         dist.destroy_process_group()
+
+
+def _generation_is_synced(strategy, model, monkeypatch):
+    """Within an evaluation, `generate()` keeps the ranks stepping together (synced_gpus) unless the
+    caller says otherwise; outside it, and on a module without generate, nothing changes."""
+    calls = []
+    monkeypatch.setattr(type(model), "generate", lambda self, **kw: calls.append(kw), raising=False)
+    with strategy.eval_cast_context(model, None):
+        model.generate(max_new_tokens=2)
+        model.generate(synced_gpus=False)
+    model.generate()
+    assert calls == [{"max_new_tokens": 2, "synced_gpus": True}, {"synced_gpus": False}, {}]
+    assert "generate" not in vars(model)
+    plain = torch.nn.Linear(2, 2)
+    with strategy.eval_cast_context(plain, None):
+        assert not hasattr(plain, "generate")
 
 
 def test_one_rank_of_a_fake_world_with_ep_within_dp_shard(caplog):

@@ -4,8 +4,11 @@
   the stages and FSDP2 real), in this process: each rank's stage layers, its dp_shard and pp groups,
   its data shard, and every parameter it holds sharded over its stage's dp_shard ranks;
 - heavy: a real world of 4 gloo processes (tests/world.py), 1F1B and ZBV, whose per-step losses and
-  final weights equal `single` on the same global batch, whose mid-run checkpoint resumes under the same
-  mesh bitwise and on one process (`model_parallel` without pp) equal to single.
+  final weights equal `single` on the same global batch; 1F1B saves in the background (`save.async`),
+  and its mid-run checkpoint resumes under the same mesh bitwise and on one process (`model_parallel`
+  without pp) equal to single; the last checkpoint of each, converted by `kiln convert`, holds exactly
+  the weights the run exported; with bf16 the first step's loss is single bf16's within 2e-6, and the
+  later losses and the weights within bf16's rounding (2e-3).
 
 Run by `run_world`, this file is the worker (`python THIS OUT`)."""
 
@@ -115,12 +118,26 @@ def _fake_rank(rank: int, *, clip: bool, caplog: Any) -> None:
 
 
 def worker(out: str) -> None:
+    import threading
+
+    from torch.distributed.checkpoint import filesystem
     from torch.distributed.fsdp import FSDPModule
 
     rank = int(os.environ["RANK"])
-    results = {}
+    results: dict[str, Any] = {}
+    writers: list[str] = []  # the threads that write DCP's shard files
+    write_data = filesystem._FileSystemWriter.write_data
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        writers.append(threading.current_thread().name)
+        return write_data(self, *args, **kwargs)
+
+    filesystem._FileSystemWriter.write_data = recorded  # type: ignore[method-assign]
     for schedule in ("1f1b", "zbv"):  # the later Trainers join the first one's process group
-        extra = {**PP_DP_BATCH, **({"save": {"strategy": "steps", "steps": 2}, **EVAL} if schedule == "1f1b" else {})}
+        writers.clear()
+        # 1F1B saves in the background (DCP's async_save), ZBV in the step
+        save = {"strategy": "steps", "steps": 2, "async": schedule == "1f1b"}
+        extra = {**PP_DP_BATCH, "save": save, **(EVAL if schedule == "1f1b" else {})}
         losses, state, trainer = train(
             os.path.join(out, schedule), pp_dp(schedule), teardown=False, eval_dataset=data(6), **extra
         )
@@ -131,7 +148,7 @@ def worker(out: str) -> None:
         # nothing is left gathered after an evaluation (a root may hold no parameters: no group)
         resharded = [group.is_sharded for group in groups if group is not None]
         results[schedule] = {"losses": losses, "export": trainer.strategy.model_state_for_export(trainer.model)}
-        results[schedule].update(resharded=resharded, evaluated=evaluated, evals=evals)
+        results[schedule].update(resharded=resharded, evaluated=evaluated, evals=evals, writers=sorted(set(writers)))
         if schedule == "1f1b":
             results[schedule]["state"] = {k: v.to_local().clone() for k, v in state.items()}  # this rank's shards
     checkpoint = os.path.join(out, "1f1b", "checkpoint-2")
@@ -139,6 +156,9 @@ def worker(out: str) -> None:
         os.path.join(out, "resumed"), pp_dp("1f1b"), teardown=False, resume=checkpoint, **PP_DP_BATCH
     )
     results["resumed"] = {"losses": losses, "state": {k: v.to_local().clone() for k, v in state.items()}}
+    # bf16 autocast in every stage (the stages' forwards), FSDP's shards and reductions in float32
+    losses, _, trainer = train(os.path.join(out, "bf16"), pp_dp("1f1b"), teardown=False, bf16=True, **PP_DP_BATCH)
+    results["bf16"] = {"losses": losses, "export": trainer.strategy.model_state_for_export(trainer.model)}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -167,6 +187,9 @@ def test_pp_x_dp_shard_equals_single_and_its_checkpoint_resumes_bitwise_and_on_o
         close(ranks[0][schedule]["export"], want, f"{schedule}: the saved model, gathered on rank 0")
         assert all(rank[schedule]["export"] == {} for rank in ranks[1:])
 
+    for rank in ranks:  # 1F1B's checkpoints written by DCP's background thread, ZBV's in the step
+        assert rank["1f1b"]["writers"] == ["AsyncCheckpointExecutor_0"] and rank["zbv"]["writers"] == ["MainThread"]
+
     # resumed from step 2 under the same mesh: bit for bit the run that never stopped, shard by shard
     for r, rank in enumerate(ranks):
         resumed, uninterrupted = rank["resumed"], rank["1f1b"]
@@ -174,6 +197,33 @@ def test_pp_x_dp_shard_equals_single_and_its_checkpoint_resumes_bitwise_and_on_o
         assert sorted(resumed["state"]) == sorted(uninterrupted["state"])
         for name, value in resumed["state"].items():
             assert torch.equal(value, uninterrupted["state"][name]), f"rank {r}: {name} is not bitwise equal"
+
+    # bf16: the first step's loss (the same weights, every matmul in autocast's bf16) is single bf16's
+    # within float32's noise, and far from the float32 run's; later steps and the weights within bf16's
+    # rounding (each shard's weight gradient is a bf16 matmul over its own samples, then summed, where
+    # single rounds one matmul over all of them: measured 3e-4 on the losses, 2e-4 on the weights, about
+    # what bf16 moves them from the float32 run)
+    bf16_losses, bf16, _ = train(str(tmp_path / "single bf16"), single, bf16=True, **ONE_BATCH)
+    assert abs(bf16_losses[0] - want_losses[0]) > 1e-5
+    for rank in ranks:
+        assert rank["bf16"]["losses"][0] == pytest.approx(bf16_losses[0], rel=0, abs=2e-6)
+        torch.testing.assert_close(rank["bf16"]["losses"], bf16_losses, rtol=0, atol=2e-3)
+    for name, value in bf16.items():
+        torch.testing.assert_close(ranks[0]["bf16"]["export"][name], value, rtol=0, atol=2e-3, msg=name)
+    assert all(rank["bf16"]["export"] == {} for rank in ranks[1:])
+
+    # the last checkpoint of each run (1F1B's written in the background) as a from_pretrained folder:
+    # the weights the run exported
+    from transformers import LlamaForCausalLM
+
+    from kiln.engine.checkpoint.convert import convert_checkpoint
+
+    for schedule in ("1f1b", "zbv"):
+        convert_checkpoint(str(tmp_path / schedule / "checkpoint-6"), str(tmp_path / f"hf {schedule}"), None)
+        converted = LlamaForCausalLM.from_pretrained(tmp_path / f"hf {schedule}").state_dict()
+        assert sorted(converted) == sorted(ranks[0][schedule]["export"]), schedule
+        for name, value in converted.items():
+            assert torch.equal(value, ranks[0][schedule]["export"][name]), f"{schedule} converted: {name}"
 
     # the same checkpoint on one process (model_parallel without pp): its two sharded stages are one model
     one_mesh = {"name": "model_parallel", "device": "cpu"}

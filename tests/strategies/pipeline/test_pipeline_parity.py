@@ -10,9 +10,10 @@ processes, as `strategy: {name: model_parallel, mesh: {pp: 2}}` on a tiny Llama 
   1 and 2), under the full model's names, and the saved model gathers every stage's weights on rank 0;
 - evaluation (during training and called by hand) and prediction run the whole model stage to stage:
   eval losses and predicted logits equal single's;
-- a checkpoint saved under pp 2 mid-run resumes under pp 2 and ends bitwise equal to the run that never
-  stopped; it resumes on one process (model_parallel without pp) too, and a one-process checkpoint
-  resumes under pp 2 (zbv), both ending equal to the runs that never stopped; `kiln convert` makes a pp
+- a checkpoint saved under pp 2 mid-run, by 1F1B (one stage a rank) and by interleaved 1F1B (two),
+  resumes under pp 2 and ends bitwise equal to the run that never stopped; each resumes on one process
+  (model_parallel without pp) too, within 1e-5 of single, and a one-process checkpoint resumes under
+  pp 2 (zbv), ending equal to the run that never stopped; `kiln convert` makes a pp
   checkpoint a from_pretrained folder;
 - a Trainer that overrides compute_loss is refused, naming where the pipeline's loss comes from.
 
@@ -56,7 +57,9 @@ def worker(out: str, one_process_checkpoint: str) -> None:
     rank = int(os.environ["RANK"])
     results = {}
     for schedule in SCHEDULES:  # the later Trainers join the first one's process group
-        extra = {**EVAL, "save": {"strategy": "steps", "steps": 2}} if schedule == "1f1b" else {}
+        extra = {**EVAL} if schedule == "1f1b" else {}
+        if schedule in ("1f1b", "interleaved_1f1b"):  # one stage a rank, and two (0 and 2 / 1 and 3)
+            extra["save"] = {"strategy": "steps", "steps": 2}
         extra["per_device_eval_batch_size"] = EVAL["per_device_eval_batch_size"]  # single's eval batches
         losses, state, trainer = train(
             os.path.join(out, schedule), pp(schedule), teardown=False, eval_dataset=data(6), **extra
@@ -69,9 +72,10 @@ def worker(out: str, one_process_checkpoint: str) -> None:
         if schedule == "1f1b":
             results["predict"] = trainer.predict(data(6)).predictions
 
-    # mid-run checkpoints resumed under pp 2: one of this pp run, and one written by one process
+    # mid-run checkpoints resumed under pp 2: two of these pp runs, and one written by one process
     for name, schedule, checkpoint in (
         ("pp resumed", "1f1b", os.path.join(out, "1f1b", "checkpoint-2")),
+        ("interleaved resumed", "interleaved_1f1b", os.path.join(out, "interleaved_1f1b", "checkpoint-2")),
         ("one-process resumed", "zbv", one_process_checkpoint),
     ):
         losses, state, _ = train(os.path.join(out, name), pp(schedule), teardown=False, resume=checkpoint)
@@ -136,25 +140,30 @@ def test_pipeline_schedules_equal_single_evaluate_and_resume_across_meshes(tmp_p
         )
         assert "OwnLoss.compute_loss" in rank["refused"] and "loss_function" in rank["refused"]
 
-    # resumed under pp 2 from step 2: bit for bit the pp run that never stopped, and the one-process run
+    # resumed under pp 2 from step 2 (one stage a rank, and two): bit for bit the pp runs that never
+    # stopped, and the one-process run
     for rank in ranks:
-        resumed, uninterrupted = rank["pp resumed"], rank["1f1b"]
-        assert resumed["losses"] == uninterrupted["losses"]  # steps 1-2 from the checkpoint's log, then 3-4
-        assert sorted(resumed["state"]) == sorted(uninterrupted["state"])
-        for name, value in resumed["state"].items():
-            assert torch.equal(value, uninterrupted["state"][name]), f"pp resumed: {name} is not bitwise equal"
+        for name, schedule in (("pp resumed", "1f1b"), ("interleaved resumed", "interleaved_1f1b")):
+            resumed, uninterrupted = rank[name], rank[schedule]
+            assert resumed["losses"] == uninterrupted["losses"], name  # steps 1-2 from the checkpoint's log
+            assert sorted(resumed["state"]) == sorted(uninterrupted["state"]), name
+            for key, value in resumed["state"].items():
+                assert torch.equal(value, uninterrupted["state"][key]), f"{name}: {key} is not bitwise equal"
         torch.testing.assert_close(rank["one-process resumed"]["losses"], one_losses, rtol=1e-5, atol=1e-5)
     close(
         {**ranks[0]["one-process resumed"]["state"], **ranks[1]["one-process resumed"]["state"]}, one_state, "one → pp"
     )
 
-    # checkpoint-2 of the 1f1b run: its two stages are one model, which one process resumes
-    _, resumed_state, trainer = train(
-        str(tmp_path / "resumed"), one_mesh, teardown=False, resume=str(tmp_path / "1f1b" / "checkpoint-2")
-    )
-    resumed = trainer.strategy.model_state_for_export(trainer.model)
-    trainer.teardown()
-    close(resumed, want, "pp → one process")
+    # checkpoint-2 of the 1f1b run (two stages) and of the interleaved run (four, two a rank, each rank's
+    # optimizer param groups listing its stages' names out of the model's order): one model each, which
+    # one process resumes
+    for schedule in ("1f1b", "interleaved_1f1b"):
+        checkpoint = str(tmp_path / schedule / "checkpoint-2")
+        losses, _, trainer = train(str(tmp_path / f"resumed {schedule}"), one_mesh, teardown=False, resume=checkpoint)
+        resumed = trainer.strategy.model_state_for_export(trainer.model)
+        trainer.teardown()
+        torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-5)
+        close(resumed, want, f"{schedule} → one process")
 
     # the last checkpoint as a from_pretrained folder: the whole model, the weights the run ended with
     convert_checkpoint(str(tmp_path / "1f1b" / "checkpoint-4"), str(tmp_path / "hf"), None)
