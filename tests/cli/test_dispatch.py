@@ -64,3 +64,10 @@ def test_a_launch_setting_that_cannot_work_is_one_line_and_exit_2(capsys: pytest
     # the real launcher: it refuses before it starts anything
     assert cli.main(["fit", "cfg.yaml", "--nproc", "0"]) == 2
     assert capsys.readouterr().err == "kiln: error: --nproc must be >= 1, got 0.\n"
+
+
+def test_each_commands_help_lists_its_own_options(capsys: pytest.CaptureFixture) -> None:
+    for command, own, other in (("fit", "--profile", "--weights"), ("evaluate", "--weights", "--profile")):
+        assert cli.main([command, "--help"]) == 0
+        out = capsys.readouterr().out.split("config keys")[0]  # the keys' own text may name any flag
+        assert out.startswith(f"usage: kiln {command} CONFIG.yaml") and own in out and other not in out

@@ -40,8 +40,9 @@ def data(n=32):
 
 
 @pytest.fixture
-def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A trained run: 6 steps, evaluated and saved every 2 (eval_loss picks the best checkpoint)."""
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Path:
+    """A trained run: 6 steps, evaluated and saved every 2 (eval_loss picks the best checkpoint); `kiln fit`
+    ends as HF's example scripts do: train and eval metrics printed and written as *_results.json."""
     (tmp_path / "clitask.py").write_text(TASK)
     (tmp_path / "cfg.yaml").write_text(
         "output_dir: run\ntask: {model: 'clitask:Reg', data: 'clitask:data'}\nmax_steps: 6\nlearning_rate: 0.05\n"
@@ -51,6 +52,10 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert cli.main(["fit", "cfg.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "***** train metrics *****" in out and "***** eval metrics *****" in out
+    assert "train_loss" in json.loads((tmp_path / "run" / "train_results.json").read_text())
+    assert "eval_loss" in json.loads((tmp_path / "run" / "eval_results.json").read_text())
     return tmp_path
 
 
