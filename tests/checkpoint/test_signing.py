@@ -63,6 +63,19 @@ def test_the_marker_is_signed_and_verifies(out):
     assert resolve_resume(ckpt, out, KEY) == ckpt and resolve_resume(True, out, KEY) == ckpt
 
 
+def test_kiln_convert_verifies_with_the_named_key_and_says_how_it_is_used(out, tmp_path, capsys):
+    from kiln.cli import main
+
+    ckpt, export = os.path.join(out, "checkpoint-4"), str(tmp_path / "export")
+    assert main(["convert", ckpt, export, "--signing-key-env", ENV]) == 0
+    assert capsys.readouterr().out.strip() == os.path.join(export, "model.safetensors")
+    exported = load_file(os.path.join(export, "model.safetensors"))
+    assert exported.keys() == load_file(os.path.join(ckpt, "model.safetensors")).keys()
+    for bad in ([ckpt], [ckpt, export, "--signing-key-env"], [ckpt, export, "--signing-key", ENV], ["-h", export]):
+        assert main(["convert", *bad]) == 2
+        assert capsys.readouterr().err == "usage: kiln convert CHECKPOINT OUT [--signing-key-env NAME]\n"
+
+
 def test_a_forged_checkpoint_is_refused_by_resume_convert_evaluate_and_predict(signed_run, out, tmp_path, capsys):
     from kiln.cli import main
 
