@@ -23,12 +23,11 @@ from safetensors.torch import load_file
 from kiln import cli
 from kiln.engine.checkpoint.files import is_complete
 from tests.distributed.conftest import HERE as DISTRIBUTED
+from tests.installed import requires
 from tests.launch.ray_toy import DIE_STEP, MAX_STEPS, SAVE_STEPS, write_config
 from tests.world import run_world
 
-pytest.importorskip("ray", reason="pip install 'kiln[ray]'")
-
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, requires("ray", "pip install 'kiln[ray]'")]
 
 
 def weights(output_dir: Path) -> dict[str, torch.Tensor]:

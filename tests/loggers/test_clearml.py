@@ -9,12 +9,13 @@ import os
 
 import pytest
 
-pytest.importorskip("clearml", reason="pip install kiln[clearml]")
+from kiln.engine.callbacks.loggers import LoggerCallback
+from kiln.loggers.build import build_loggers
+from tests.installed import requires
+from tests.loggers.conftest import make_config
+from tests.loggers.tracker_parity import Read, assert_same, no_network, train, trials  # noqa: F401
 
-from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
-from kiln.loggers.build import build_loggers  # noqa: E402
-from tests.loggers.conftest import make_config  # noqa: E402
-from tests.loggers.tracker_parity import Read, assert_same, no_network, train, trials  # noqa: E402,F401
+pytestmark = requires("clearml", "pip install kiln[clearml]")
 
 
 @pytest.fixture
