@@ -9,7 +9,7 @@ from kiln.engine.callbacks.loggers import LoggerCallback
 from kiln.loggers.build import build_loggers
 from tests.installed import requires
 from tests.loggers.conftest import make_config
-from tests.loggers.tracker_parity import MASKED, SECRET, tensorboard, train, trials
+from tests.loggers.tracker_parity import MASKED, SECRET, no_network, tensorboard, train, trials  # noqa: F401
 
 pytestmark = requires("codecarbon", "pip install kiln[codecarbon]")
 

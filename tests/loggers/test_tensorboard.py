@@ -7,17 +7,16 @@ import os
 import re
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.plugins.hparams import plugin_data_pb2
 
-from kiln.engine.callbacks.loggers import LoggerCallback
-from kiln.loggers.base import grouped_name
-from kiln.loggers.build import build_loggers
-from kiln.loggers.tensorboard import TensorBoardLogger
-from tests.installed import requires
-from tests.loggers.conftest import SEQUENCE, drive, expected_points, make_config
+pytest.importorskip("tensorboard", reason="pip install kiln[tensorboard]")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.plugins.hparams import plugin_data_pb2  # noqa: E402
 
-pytestmark = requires("tensorboard", "pip install kiln[tensorboard]")
+from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
+from kiln.loggers.base import grouped_name  # noqa: E402
+from kiln.loggers.build import build_loggers  # noqa: E402
+from kiln.loggers.tensorboard import TensorBoardLogger  # noqa: E402
+from tests.loggers.conftest import SEQUENCE, drive, expected_points, make_config  # noqa: E402
 
 
 def read(log_dir: str) -> EventAccumulator:
