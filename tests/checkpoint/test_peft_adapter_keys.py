@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 from kiln import Trainer
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.planting import remark
+from tests.distributed.worker_peft import data, lora_model
+from tests.installed import requires
 
-peft = pytest.importorskip("peft")
-from tests.distributed.worker_peft import data, lora_model  # noqa: E402
+pytestmark = requires("peft")
 
 CFG = {
     "max_steps": 2,

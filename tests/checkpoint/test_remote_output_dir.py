@@ -22,9 +22,10 @@ from kiln.engine.checkpoint.remote import RemoteCheckpoints
 from kiln.utils.errors import ConfigError, KilnError
 from tests.checkpoint.checkpoint_helpers import train, weights
 from tests.checkpoint.s3_server import s3_endpoint
+from tests.installed import requires
 
-s3fs = pytest.importorskip("s3fs", reason="pip install kiln[s3]")
-pytest.importorskip("moto.server", reason="pip install moto[server]")
+pytestmark = [requires("s3fs", "pip install kiln[s3]"), requires("moto", "pip install moto[server]")]
+
 
 BUCKET = "kiln-runs"
 CFG = {"max_steps": 20, "save_steps": 5}
@@ -86,6 +87,8 @@ def test_an_upload_failure_is_a_warning_and_the_store_keeps_the_previous_checkpo
     s3, request, tmp_path, straight, monkeypatch
 ):
     url = remote(s3, request)
+    import s3fs
+
     fs = s3fs.S3FileSystem(**s3)  # fsspec's cached instance: the one the run uploads through
     put = fs.put_file
 
@@ -133,6 +136,8 @@ def test_one_run_per_url_and_a_finished_one_is_never_overwritten(s3, request, tm
     with caplog.at_level("WARNING", logger="kiln.engine.checkpoint.remote"):
         trainer = train(url, {**settings(s3, tmp_path / "b"), "max_steps": 5})  # a killed run's lock: taken over
     assert "no longer running" in caplog.text
+    import s3fs
+
     fs = s3fs.S3FileSystem(**s3)  # fsspec's cached instance: the one the run uploads through
     put, sent = fs.put_file, []
     monkeypatch.setattr(

@@ -19,9 +19,9 @@ from kiln.engine.checkpoint.remote import RemoteCheckpoints, UploadFailed, is_re
 from kiln.utils.errors import ConfigError
 from tests.checkpoint.checkpoint_helpers import train
 from tests.checkpoint.s3_server import s3_endpoint
+from tests.installed import requires
 
-s3fs = pytest.importorskip("s3fs", reason="pip install kiln[s3]")
-pytest.importorskip("moto.server", reason="pip install moto[server]")
+pytestmark = [requires("s3fs", "pip install kiln[s3]"), requires("moto", "pip install moto[server]")]
 
 
 @pytest.fixture(scope="module")

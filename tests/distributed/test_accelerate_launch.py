@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from tests.distributed.conftest import run, torchrun
 from tests.distributed.toy import write_cli_config
+from tests.installed import requires
 
-pytestmark = pytest.mark.distributed
-pytest.importorskip("accelerate")
+pytestmark = [pytest.mark.distributed, requires("accelerate")]
 
 # docs: https://huggingface.co/docs/accelerate/basic_tutorials/launch (multi-GPU, one machine)
 ACCELERATE_DDP = """\

@@ -1,4 +1,4 @@
-"""SIGTERM preemption (`enable_jit_checkpoint` / `save.on_preemption`) on a real 2-process gloo job:
+"""SIGTERM preemption (`enable_jit_checkpoint` / `save.on_preemption`) on a 2-process gloo job (tests/world.py):
 the checkpoint is saved at the next step boundary on every rank, fit() returns on every rank (as HF's
 train() does) and the job exits 0, and resuming from
 it ends exactly where an uninterrupted run ends. Also: ranks given different output_dirs are refused
@@ -10,37 +10,45 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
 import torch
 
-from tests.distributed.conftest import HERE, REPO, TORCHRUN
-from tests.world import python_path, run_world
+from tests.distributed.conftest import HERE
+from tests.world import run_world
 
 pytestmark = pytest.mark.distributed
 WORKER = str(HERE / "worker_preempt.py")
 
 
-def _start(*args: str) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "PYTHONPATH": python_path(),
-        "OMP_NUM_THREADS": "1",
-    }
-    return subprocess.Popen(
-        [*TORCHRUN, WORKER, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+class _World:
+    """A 2-process world of worker_preempt.py forked by tests/world.py, run in a thread so that the test
+    can signal its ranks while it trains (the signal goes to a worker, not to a launcher: the launcher's
+    own SIGTERM is test_launcher_lifetime.py's)."""
 
+    def __init__(self, *args: str) -> None:
+        self.result: list[subprocess.CompletedProcess | BaseException] = []
 
-def _finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
+        def run() -> None:
+            try:
+                self.result.append(run_world(WORKER, *args, check=False, timeout=180))
+            except BaseException as err:  # noqa: BLE001 -- the timeout, raised again in the test's thread
+                self.result.append(err)
 
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
 
-def _run(*args: str) -> None:
-    code, out, err = _finish(_start(*args))
-    assert code == 0, f"exit {code}\n{out[-2000:]}\n{err[-4000:]}"
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def finish(self) -> tuple[int, str, str]:
+        self.thread.join()
+        proc = self.result[0]
+        if isinstance(proc, BaseException):
+            raise proc
+        return proc.returncode, proc.stdout, proc.stderr
 
 
 # both ranks signalled is the easier case of one rank signalled: it runs with -m heavy (CI time)
@@ -49,19 +57,19 @@ def test_sigterm_saves_on_every_rank_stops_and_resumes_exactly(tmp_path, signall
     """`signalled`: which ranks get SIGTERM (one rank alone must still make every rank save)."""
     out = tmp_path / "preempted"
     out.mkdir()
-    proc = _start("preempt", str(out), "8", signalled)
+    world = _World("preempt", str(out), "8", signalled)
     pids = {}
     deadline = time.monotonic() + 150
-    while len(pids) < len(signalled) and proc.poll() is None and time.monotonic() < deadline:
+    while len(pids) < len(signalled) and world.running() and time.monotonic() < deadline:
         for r in signalled:
             f = out / f"pid{r}"
             if r not in pids and f.exists():
                 pids[r] = int(f.read_text())
         time.sleep(0.05)
-    assert len(pids) == len(signalled), _finish(proc)
+    assert len(pids) == len(signalled), world.finish()
     for pid in pids.values():
         os.kill(pid, signal.SIGTERM)
-    code, stdout, stderr = _finish(proc)
+    code, stdout, stderr = world.finish()
     assert code == 0, stderr[-4000:]
     assert "training finished at step 3" in stdout  # fit() returned after the checkpoint, as HF's train() does
     assert "Preempted (SIGTERM): saved checkpoint-3" in stderr
@@ -71,7 +79,9 @@ def test_sigterm_saves_on_every_rank_stops_and_resumes_exactly(tmp_path, signall
     assert {"rng_state_0.pth", "rng_state_1.pth", "loop_state_0.pt", "loop_state_1.pt"} <= set(done["files"])
 
     straight = tmp_path / "straight"
-    _run("preempt", str(out), "8", "-", "resume", str(straight))  # then, in the same launch, the uninterrupted run
+    run_world(
+        WORKER, "preempt", str(out), "8", "-", "resume", str(straight), timeout=180
+    )  # then, in the same launch, the uninterrupted run
     a, b = torch.load(straight / "final.pt"), torch.load(out / "final.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((out / "history.json").read_text()) == json.loads((straight / "history.json").read_text())

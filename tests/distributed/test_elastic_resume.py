@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import kiln_cli, run
+from tests.distributed.conftest import run, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -64,9 +64,11 @@ def _losses(output_dir) -> list[float]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """The reference run: `kiln fit` on a 2-process world forked by tests/world.py (its launcher is not
+    what it checks; the restarted runs below go through the real elastic agent)."""
     root = tmp_path_factory.mktemp("elastic")
     out = root / "straight"
-    kiln_cli("fit", write_config(str(root / "straight.yaml"), str(out)), "--nproc", "2", timeout=300)
+    torchrun("worker_cli_runs.py", write_config(str(root / "straight.yaml"), str(out)), timeout=300)
     return out
 
 

@@ -18,8 +18,9 @@ from kiln.engine.model.peft import AdapterCheckpointIO, base_model_of, checkpoin
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import Crash, CrashAfterSave, Scripted, numeric_history
 from tests.distributed.worker_peft import base_model, data, lora_model
+from tests.installed import requires
 
-peft = pytest.importorskip("peft")
+pytestmark = requires("peft")
 
 
 def _config(out: str, **overrides: Any) -> dict[str, Any]:
@@ -55,7 +56,9 @@ def _train(
 
 
 def _adapter(model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
 class _Strategy:
@@ -92,7 +95,9 @@ def test_a_checkpoint_is_the_adapter_and_loads_with_peft_from_pretrained(tmp_pat
     saved = load_file(os.path.join(ckpt, "adapter_model.safetensors"))
     live = _adapter(trainer.model)
     assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
-    loaded = peft.PeftModel.from_pretrained(base_model(), ckpt).eval()
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(base_model(), ckpt).eval()
     trainer.model.eval()
     ids = data()[0]["input_ids"][None]
     with torch.no_grad():

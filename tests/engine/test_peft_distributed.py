@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from tests.distributed.conftest import torchrun
 from tests.distributed.worker_peft import base_model, lora_model, run_case
+from tests.installed import requires
 
-pytest.importorskip("peft")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, requires("peft")]
 
 CASES = ("ddp", "fsdp", "fsdp_full")
 

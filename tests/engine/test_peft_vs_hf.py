@@ -15,9 +15,10 @@ import torch
 from kiln import Trainer
 from tests.distributed.worker_peft import data, lora_model
 from tests.helpers import base_config
+from tests.installed import requires
 
 transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+pytestmark = requires("peft")
 
 STEPS, BATCH, ACCUMULATION, LR = 4, 2, 2, 0.05
 
@@ -59,7 +60,9 @@ def _kiln(tmp_path, model, resume: str | None = None, **kw: Any) -> Trainer:
 
 
 def _adapter(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
 def _assert_same_adapter(got: dict, want: dict, tol: float = 1e-6) -> None:

@@ -115,6 +115,13 @@ def config(tmp_path: Any, **overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def accuracy_score(labels, predictions) -> float:
+    """scikit-learn's, imported when a test calls it (importing sklearn.metrics costs seconds at collection)."""
+    from sklearn.metrics import accuracy_score
+
+    return accuracy_score(labels, predictions)
+
+
 def accuracy(eval_pred: Any) -> dict[str, float]:
     """compute_metrics written for HF: two-way unpacking of EvalPrediction."""
     logits, labels = eval_pred

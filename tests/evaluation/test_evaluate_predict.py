@@ -8,11 +8,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from sklearn.metrics import accuracy_score
 from torch import nn
 
 from kiln import EvalPrediction, KilnError, PredictionOutput, Trainer
-from tests.evaluation.common import Recorder, accuracy, config, digits, eval_logs, hand_logits, make_model
+from tests.evaluation.common import (
+    Recorder,
+    accuracy,
+    accuracy_score,
+    config,
+    digits,
+    eval_logs,
+    hand_logits,
+    make_model,
+)
 
 
 @pytest.mark.parametrize("kind", ["module", "hf"])

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from sklearn.metrics import accuracy_score
 
 from kiln import EvalPrediction, KilnError, Trainer, TrainingModule
 from kiln.engine.evaluation.accumulator import EvalAccumulator
 from kiln.engine.loop import evaluation as evaluation_loop
-from tests.evaluation.common import accuracy, config, digits, hand_logits, make_model
+from tests.evaluation.common import accuracy, accuracy_score, config, digits, hand_logits, make_model
 
 LENGTHS = [1 + (3 * i) % 7 for i in range(10)]  # sequence lengths 1..7, in no particular order
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("ray", reason="pip install 'kiln[ray]'")
+from tests.installed import requires
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, requires("ray", "pip install 'kiln[ray]'")]
 
 
 def _worker_output(ray, marker: str) -> str:

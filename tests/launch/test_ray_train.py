@@ -1,21 +1,19 @@
 """kiln's fit in Ray Train workers (issue 32 item 1), on the package's local Ray instance
 (`ray.init(num_cpus=2)`, tests/launch/conftest.py). One DDP run in 2 Ray workers covers the DDP
 parity, the checkpoints handed to Ray and the restart: Ray's process group trains to the weights of
-`kiln fit --nproc 2` (bit for bit) and of one process with the double batch; rank 1 dies mid-run,
+`kiln fit` on 2 torchrun-style processes (bit for bit) and of one process with the double batch; rank 1 dies mid-run,
 Ray restarts the group, which resumes from the checkpoint Ray hands back and ends bit-identical to
-the uninterrupted `--nproc 2` run; Ray keeps kiln's checkpoints by its CheckpointConfig, each copy
+the uninterrupted 2-process run; Ray keeps kiln's checkpoints by its CheckpointConfig, each copy
 sealed. FSDP runs in 2 Ray workers too (heavy), to the weights of one process.
 
 (A Ray Train run costs seconds of process starts on 2 cores: the restart shares its run with the
 DDP parity and with test_ray_output_once.py (`ray_restarted_run`, tests/launch/conftest.py), and the
-uninterrupted reference is the cheaper `--nproc 2` run.)"""
+uninterrupted reference is a 2-process world forked by tests/world.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,12 +22,12 @@ from safetensors.torch import load_file
 
 from kiln import cli
 from kiln.engine.checkpoint.files import is_complete
-from tests.distributed.toy import REPO
+from tests.distributed.conftest import HERE as DISTRIBUTED
+from tests.installed import requires
 from tests.launch.ray_toy import DIE_STEP, MAX_STEPS, SAVE_STEPS, write_config
+from tests.world import run_world
 
-pytest.importorskip("ray", reason="pip install 'kiln[ray]'")
-
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, requires("ray", "pip install 'kiln[ray]'")]
 
 
 def weights(output_dir: Path) -> dict[str, torch.Tensor]:
@@ -43,16 +41,10 @@ def losses(output_dir: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def nproc(tmp_path_factory):
-    """The uninterrupted reference: `kiln fit --nproc 2` (torch's launcher, no Ray), same config."""
+    """The uninterrupted reference: `kiln fit` on a 2-process world as torchrun starts it (tests/world.py:
+    forked ranks; what is compared is Ray's process group, not a launcher), same config."""
     root = tmp_path_factory.mktemp("nproc")
-    subprocess.run(
-        [sys.executable, "-m", "kiln.cli", "fit", write_config(root / "c.yaml", root / "run"), "--nproc", "2"],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
+    run_world(DISTRIBUTED / "worker_cli_runs.py", write_config(root / "c.yaml", root / "run"), timeout=300)
     return root / "run"
 
 

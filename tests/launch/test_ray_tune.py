@@ -18,11 +18,9 @@ from kiln.engine.hp_search import BestRun, default_compute_objective
 from kiln.engine.hp_search_ray import TuneReport
 from kiln.utils.errors import KilnError
 from tests.distributed.toy import Regressor, regression_data
+from tests.installed import requires
 
-ray = pytest.importorskip("ray", reason="pip install 'kiln[ray]'")
-tune = pytest.importorskip("ray.tune")
-
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, requires("ray", "pip install 'kiln[ray]'")]
 EVAL_STEPS, MAX_STEPS = 2, 6
 
 
@@ -99,6 +97,8 @@ def stop_second_trial():
 
 
 def test_a_four_trial_ray_tune_search_reports_every_evaluation_and_returns_the_best_run(local_ray, tmp_path):
+    from ray import tune
+
     t = trainer(tmp_path / "search", callbacks=[Ended()], cls=Marked, cls_kwargs={"mark": "marked"})
     best = t.hyperparameter_search(
         hp_space=lambda _: {"learning_rate": tune.loguniform(1e-4, 1e-1), "seed": tune.uniform(1, 40)},
@@ -198,6 +198,9 @@ def test_a_search_whose_every_trial_failed_says_so_with_the_first_error(monkeypa
         def fit(self):
             return [SimpleNamespace(error=ValueError("no model")), SimpleNamespace(error=RuntimeError("later"))]
 
+    import ray
+    from ray import tune
+
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # no Ray started: nothing runs
     monkeypatch.setattr(tune, "with_parameters", lambda fn, **kw: fn)
     monkeypatch.setattr(tune, "Tuner", Tuner)
@@ -219,7 +222,7 @@ def test_a_ray_trial_builds_its_trainer_through_the_subclass_constructor(monkeyp
     """`_trial` as Ray Tune runs it in its process (here in this one: the recipe goes through Ray's pickler
     and back, the trial id and `report` are Tune's stand-ins): the trial's Trainer is built by the
     subclass's own __init__, with the trial's values, in `run-<trial id>`."""
-    from ray import cloudpickle
+    from ray import cloudpickle, tune
 
     from kiln.engine.hp_search_ray import _recipe, _trial
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import csv
 import os
 
-import pytest
+from kiln.engine.callbacks.loggers import LoggerCallback
+from kiln.loggers.build import build_loggers
+from tests.installed import requires
+from tests.loggers.conftest import make_config
+from tests.loggers.tracker_parity import MASKED, SECRET, no_network, tensorboard, train, trials  # noqa: F401
 
-pytest.importorskip("codecarbon", reason="pip install kiln[codecarbon]")
-
-from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
-from kiln.loggers.build import build_loggers  # noqa: E402
-from tests.loggers.conftest import make_config  # noqa: E402
-from tests.loggers.tracker_parity import MASKED, SECRET, no_network, tensorboard, train, trials  # noqa: E402,F401
+pytestmark = requires("codecarbon", "pip install kiln[codecarbon]")
 
 
 def test_training_is_measured_under_the_run_name(tmp_path, monkeypatch, no_network):

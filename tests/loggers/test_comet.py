@@ -7,15 +7,14 @@ import json
 import os
 import zipfile
 
-import pytest
+from kiln.engine.callbacks.loggers import LoggerCallback
+from kiln.loggers.build import build_loggers
+from kiln.loggers.comet import CometLogger
+from tests.installed import requires
+from tests.loggers.conftest import make_config
+from tests.loggers.tracker_parity import Read, assert_same, no_network, train, trials  # noqa: F401
 
-pytest.importorskip("comet_ml", reason="pip install kiln[comet]")
-
-from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
-from kiln.loggers.build import build_loggers  # noqa: E402
-from kiln.loggers.comet import CometLogger  # noqa: E402
-from tests.loggers.conftest import make_config  # noqa: E402
-from tests.loggers.tracker_parity import Read, assert_same, no_network, train, trials  # noqa: E402,F401
+pytestmark = requires("comet_ml", "pip install kiln[comet]")
 
 # what Comet adds by itself to every offline experiment
 _OWN = {"process duration"}

@@ -10,14 +10,20 @@ import shutil
 
 import pytest
 
-mlflow = pytest.importorskip("mlflow", reason="pip install kiln[mlflow]")
-from mlflow.tracking import MlflowClient  # noqa: E402
+from kiln.engine.callbacks.loggers import LoggerCallback
+from kiln.engine.callbacks.state import TrainerState
+from kiln.loggers.build import build_loggers
+from kiln.loggers.mlflow import MLflowLogger, metric_key
+from tests.installed import requires
+from tests.loggers.conftest import SEQUENCE, drive, expected_points, make_config
 
-from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
-from kiln.engine.callbacks.state import TrainerState  # noqa: E402
-from kiln.loggers.build import build_loggers  # noqa: E402
-from kiln.loggers.mlflow import MLflowLogger, metric_key  # noqa: E402
-from tests.loggers.conftest import SEQUENCE, drive, expected_points, make_config  # noqa: E402
+pytestmark = requires("mlflow", "pip install kiln[mlflow]")
+
+
+def MlflowClient(tracking_uri: str):  # noqa: N802 -- MLflow's class, imported when a test reads a store
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +51,8 @@ def clean_env(monkeypatch):
     ):
         monkeypatch.delenv(name, raising=False)
     yield monkeypatch
+    import mlflow
+
     while mlflow.active_run():
         mlflow.end_run()
 
@@ -136,6 +144,8 @@ def test_checkpoints_uploaded_when_asked(tmp_path, store, clean_env):
 
 
 def test_active_run_receives_logs_or_a_nested_child(tmp_path, store, clean_env):
+    import mlflow
+
     cfg = make_config(tmp_path, report_to=["mlflow"])
     with mlflow.start_run(run_name="outer") as outer:
         drive(LoggerCallback(cfg, build_loggers(cfg)), cfg, SEQUENCE[:1])

@@ -7,15 +7,14 @@ import glob
 import json
 import os
 
-import pytest
+from kiln.engine.callbacks.loggers import LoggerCallback
+from kiln.loggers.build import build_loggers
+from kiln.loggers.neptune import NeptuneLogger
+from tests.installed import requires
+from tests.loggers.conftest import make_config
+from tests.loggers.tracker_parity import Read, assert_same, no_network, train, trials  # noqa: F401
 
-pytest.importorskip("neptune", reason="pip install kiln[neptune]")
-
-from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
-from kiln.loggers.build import build_loggers  # noqa: E402
-from kiln.loggers.neptune import NeptuneLogger  # noqa: E402
-from tests.loggers.conftest import make_config  # noqa: E402
-from tests.loggers.tracker_parity import Read, assert_same, no_network, train, trials  # noqa: E402,F401
+pytestmark = requires("neptune", "pip install kiln[neptune]")
 
 
 def read(run_dir: str) -> Read:

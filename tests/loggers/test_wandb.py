@@ -6,15 +6,16 @@ import os
 
 import pytest
 
-wandb = pytest.importorskip("wandb", reason="pip install kiln[wandb]")
+from kiln.engine.callbacks.loggers import LoggerCallback
+from kiln.engine.callbacks.state import TrainerState
+from kiln.loggers.base import grouped_name
+from kiln.loggers.build import build_loggers
+from kiln.loggers.wandb import WandbLogger, has_credentials
+from tests.installed import requires
+from tests.loggers.conftest import SEQUENCE, drive, make_config
+from tests.loggers.wandb_reader import offline_runs, read_run
 
-from kiln.engine.callbacks.loggers import LoggerCallback  # noqa: E402
-from kiln.engine.callbacks.state import TrainerState  # noqa: E402
-from kiln.loggers.base import grouped_name  # noqa: E402
-from kiln.loggers.build import build_loggers  # noqa: E402
-from kiln.loggers.wandb import WandbLogger, has_credentials  # noqa: E402
-from tests.loggers.conftest import SEQUENCE, drive, make_config  # noqa: E402
-from tests.loggers.wandb_reader import offline_runs, read_run  # noqa: E402
+pytestmark = requires("wandb", "pip install kiln[wandb]")
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +35,8 @@ def offline_env(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_CONSOLE", "off")
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     yield monkeypatch
+    import wandb
+
     if wandb.run is not None:
         wandb.finish()
     wandb.teardown()  # wandb keeps the first test's environment in a process-wide singleton
@@ -95,6 +98,8 @@ def test_trials_are_separate_runs_grouped_by_run_name(tmp_path):
 
 
 def test_a_run_the_caller_started_receives_the_logs(tmp_path):
+    import wandb
+
     cfg = make_config(tmp_path, report_to=["wandb"])
     outer = wandb.init(project="mine", dir=str(tmp_path))
     drive(LoggerCallback(cfg, build_loggers(cfg)), cfg, SEQUENCE[:1])

@@ -15,11 +15,10 @@ from safetensors.torch import load_file
 from tests.distributed.conftest import kiln_cli, run
 from tests.distributed.test_accelerate_launch import _free_port
 from tests.distributed.toy import write_cli_config
+from tests.installed import requires
 from tests.strategies.test_launch import DS_FILE, DS_INLINE
 
-pytestmark = pytest.mark.distributed
-pytest.importorskip("accelerate")
-pytest.importorskip("deepspeed")
+pytestmark = [pytest.mark.distributed, requires("accelerate"), requires("deepspeed")]
 
 # the HF guide's accelerate config with a DeepSpeed file (test_launch's DS_FILE): 2 CPU processes, a free port
 ACCELERATE_DS_FILE = (

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
+from kiln.config.hf.deepspeed import process
+from kiln.launch.settings import load_with_launcher_settings
+from tests.installed import requires
+from tests.strategies.test_launch import _accelerate_env
 
-pytest.importorskip("accelerate")
-
-from kiln.config.hf.deepspeed import process  # noqa: E402
-from kiln.launch.settings import load_with_launcher_settings  # noqa: E402
-from tests.strategies.test_launch import _accelerate_env  # noqa: E402
+pytestmark = requires("accelerate")
 
 BASE = {"learning_rate": 0.01, "per_device_train_batch_size": 2, "max_steps": 4}
 FILE = """compute_environment: LOCAL_MACHINE

@@ -6,8 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.xdist_group("deepspeed-world")  # conftest.py's ds_world: one world for the folder
+from tests.installed import requires
+
+pytestmark = [
+    pytest.mark.xdist_group("deepspeed-world"),  # conftest.py's ds_world: one world for the folder
+    requires("deepspeed"),
+]
 WORLD_JOB = ("worker.py",)
 
 

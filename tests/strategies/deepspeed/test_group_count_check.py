@@ -11,8 +11,9 @@ import torch
 
 from kiln.strategies.deepspeed.checkpoint_io import TAG, _check_group_count
 from kiln.utils.errors import CheckpointError
+from tests.installed import requires
 
-pytest.importorskip("deepspeed")  # its file reader allows DeepSpeed's classes by importing them
+pytestmark = requires("deepspeed")
 
 
 def _folder(tmp_path, state):

@@ -13,8 +13,13 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
-pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("deepspeed-world")]  # conftest.py's ds_world
+from tests.installed import requires
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.xdist_group("deepspeed-world"),  # conftest.py's ds_world
+    requires("deepspeed"),
+]
 WORLD_JOB = ("worker_schedule_and_files.py",)
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("deepspeed")
+from tests.installed import requires
+
 pytest.importorskip("transformers")
+pytestmark = requires("deepspeed")
 
 
 def _stage3(stage: str = "deepspeed_stage_3"):

@@ -10,9 +10,13 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
+from tests.installed import requires
+
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.xdist_group("deepspeed-world")  # conftest.py's ds_world: one world for the folder
+pytestmark = [
+    pytest.mark.xdist_group("deepspeed-world"),  # conftest.py's ds_world: one world for the folder
+    requires("deepspeed"),
+]
 WORLD_JOB = ("worker_zero3.py", *os.environ.get("KILN_DS3_CHECKS", "").split())
 
 

@@ -17,11 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.installed import requires
 from tests.world import python_path
 
-pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.xdist_group("deepspeed-world")  # conftest.py's ds_world: one world for the folder
+pytestmark = [
+    pytest.mark.xdist_group("deepspeed-world"),  # conftest.py's ds_world: one world for the folder
+    requires("deepspeed"),
+]
 WORLD_JOB = ("worker_model_building.py", "gpt2", "plain", "pretrained")  # run2's checks
 
 HERE = Path(__file__).resolve().parent

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from tests.distributed.conftest import kiln_cli, run, torchrun
 from tests.distributed.test_accelerate_launch import _free_port
 from tests.distributed.toy import write_cli_config
+from tests.installed import requires
 
-pytestmark = pytest.mark.distributed
-pytest.importorskip("accelerate")
+pytestmark = [pytest.mark.distributed, requires("accelerate")]
 
 # docs: https://huggingface.co/docs/transformers/fsdp (accelerate config); BertLayer -> Linear,
 # mixed_precision bf16 -> no (the comparison is exact), 2 processes on one machine
