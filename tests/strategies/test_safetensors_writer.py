@@ -10,6 +10,8 @@ import os
 import struct
 
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 from safetensors.torch import save_file
 
@@ -47,6 +49,15 @@ def _both(tmp_path, tensors, metadata=None) -> tuple[bytes, bytes]:
     return _read(ours), _read(theirs)
 
 
+def _writable(tensor: torch.Tensor) -> bool:
+    """Whether the installed safetensors writes this dtype (before 0.7 it lacks complex64 and the fnuz float8s)."""
+    try:
+        safetensors.torch.save({"x": tensor})
+    except (KeyError, ValueError, TypeError):
+        return False
+    return True
+
+
 def _every_dtype() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     tensors = {
@@ -60,15 +71,16 @@ def _every_dtype() -> dict[str, torch.Tensor]:
         "empty_bf16": torch.empty(0, dtype=torch.bfloat16),
         "fp64": torch.randn(2, generator=gen).double(),
     }
-    for dtype in safetensors_writer._DTYPES:  # the rest of the table, 9 bytes each (odd: the offsets move)
-        tensors.setdefault(str(dtype).split(".")[-1], torch.arange(9, dtype=torch.uint8).view(torch.uint8).to(dtype))
-    return tensors
+    for dtype in safetensors_writer._DTYPES:  # the rest of the table, 9 elements each: the offsets move oddly
+        tensors.setdefault(str(dtype).split(".")[-1], torch.arange(9, dtype=torch.uint8).to(dtype))
+    return {name: t for name, t in tensors.items() if _writable(t)}
 
 
 @pytest.mark.parametrize("metadata", [None, {"format": "pt"}, {}])
 def test_every_dtype_0d_and_empty_tensors_are_byte_identical(tmp_path, metadata):
     tensors = _every_dtype()
-    assert {t.dtype for t in tensors.values()} == set(safetensors_writer._DTYPES)
+    if tuple(int(part) for part in safetensors.__version__.split(".")[:2]) >= (0, 7):
+        assert {t.dtype for t in tensors.values()} == set(safetensors_writer._DTYPES)
     ours, theirs = _both(tmp_path, tensors, metadata)
     assert ours == theirs
 
