@@ -43,9 +43,12 @@ def _same_file(a: bytes, b: bytes) -> bool:
 
 
 def _both(tmp_path, tensors, metadata=None) -> tuple[bytes, bytes]:
-    ours, theirs = str(tmp_path / "ours.safetensors"), str(tmp_path / "theirs.safetensors")
+    ours, theirs, plain = (str(tmp_path / name) for name in ("ours.safetensors", "theirs.safetensors", "plain"))
     write_safetensors(tensors, ours, metadata=metadata)
     save_file(tensors, theirs, metadata=metadata)
+    open(plain, "w").close()
+    # the mode of every other checkpoint file (0666 less the umask; safetensors 0.8 makes its files 0600)
+    assert os.stat(ours).st_mode == os.stat(plain).st_mode
     return _read(ours), _read(theirs)
 
 
@@ -97,6 +100,14 @@ def test_a_short_write_is_continued(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors_writer.os, "write", lambda fd, data: real(fd, data[:7]))  # 7 bytes at a time
     ours, theirs = _both(tmp_path, {"a": torch.randn(10), "b": torch.arange(3)}, {"format": "pt"})
     assert ours == theirs
+
+
+def test_a_longer_file_in_its_place_is_replaced_not_overwritten_in_part(tmp_path):
+    ours, theirs = tmp_path / "ours.safetensors", str(tmp_path / "theirs.safetensors")
+    ours.write_bytes(b"\xff" * 4096)
+    write_safetensors({"a": torch.ones(2)}, str(ours))
+    save_file({"a": torch.ones(2)}, theirs)
+    assert ours.read_bytes() == _read(theirs)
 
 
 def _kiln_state() -> dict[str, torch.Tensor]:
