@@ -176,3 +176,5 @@ def test_the_background_save_writes_with_kiln_s_writer_and_the_synchronous_one_w
     assert used == ["safetensors"]
     io.stage(str(tmp_path), writer=True, staging=HostStaging(), **kw)(str(tmp_path))
     assert used == ["safetensors", "kiln"]
+    save_weights(model.state_dict(), str(tmp_path))  # export, convert, the other formats: safetensors' own
+    assert used == ["safetensors", "kiln", "safetensors"]
