@@ -21,6 +21,9 @@ tensors per parameter); then, interleaved `--repeats` times:
   save call, the next optimizer step's wait for the staged copy, steps slowed by the writer's CPU use).
   Issue 56's goal: the stall at most 10 % of the synchronous save on a model of at least 100 MB; the
   steps' unslowed time is as many steps without a save, timed right after;
+- async loop stall, light steps: the same with steps that need little CPU and mostly wait (a tiny
+  model's forward and backward, then a 5 ms sleep standing in for the device): what a GPU run's
+  training thread loses, where the steps need the GIL rather than the cores;
 - async write GIL held: how long the background write keeps the training thread's Python from running,
   by a heartbeat thread (1 ms sleeps, real-time priority where allowed: see `gil_blocked`) that runs
   while the write runs alone;
@@ -180,6 +183,7 @@ def main() -> None:
                 "async stall",
                 "async write",
                 "async loop stall",
+                "async loop stall, light steps",
                 "async write GIL held",
                 "raw save",
                 "raw save+fsync",
@@ -222,24 +226,34 @@ def main() -> None:
             trainer.optimizer.step()
             trainer.optimizer.zero_grad()
 
+        light = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+
+        def light_step() -> None:
+            """A GPU run's training thread: little CPU of its own (a tiny model's Python and dispatch),
+            then a wait for the device (a 5 ms sleep). It needs the GIL, not the cores."""
+            for _ in range(10):
+                light(torch.randn(4, 16)).sum().backward()
+            time.sleep(0.005)
+
         base = statistics.median(timed(step) for _ in range(5))
-        for r in range(args.repeats + 1):
-            # training goes on while the save is written: the loop's lost time is the save call, the wait
-            # of the next optimizer step for the staged copy, and the steps slowed by the writer; the
-            # same number of steps without a save, right after, is what they cost unslowed (the
-            # machine's load drifts: a baseline taken once would drift with it)
-            shutil.rmtree(path, ignore_errors=True)
-            start, steps = time.perf_counter(), 0
-            trainer._save_checkpoint()
-            writer = trainer.checkpoints._background._thread
-            while writer is not None and writer.is_alive():
-                step()
-                steps += 1
-            elapsed = time.perf_counter() - start
-            trainer.checkpoints.wait()
-            unslowed = timed(lambda steps=steps: [step() for _ in range(steps)])
-            if r:
-                times["async loop stall"].append(elapsed - unslowed)
+        for key, one_step in (("async loop stall", step), ("async loop stall, light steps", light_step)):
+            for r in range(args.repeats + 1):
+                # training goes on while the save is written: the loop's lost time is the save call, the
+                # wait of the next optimizer step for the staged copy, and the steps slowed by the writer;
+                # the same number of steps without a save, right after, is what they cost unslowed (the
+                # machine's load drifts: a baseline taken once would drift with it)
+                shutil.rmtree(path, ignore_errors=True)
+                start, steps = time.perf_counter(), 0
+                trainer._save_checkpoint()
+                writer = trainer.checkpoints._background._thread
+                while writer is not None and writer.is_alive():
+                    one_step()
+                    steps += 1
+                elapsed = time.perf_counter() - start
+                trainer.checkpoints.wait()
+                unslowed = timed(lambda steps=steps, one_step=one_step: [one_step() for _ in range(steps)])
+                if r:
+                    times[key].append(elapsed - unslowed)
         for r in range(args.repeats + 1):
             # the GIL the background write holds: a real-time heartbeat thread counts the time it could
             # not run while only the writer (and the staged copy's thread) ran
@@ -270,6 +284,11 @@ def main() -> None:
         f"{100 * med['async loop stall'] / med['kiln save']:.1f} % ({med['async loop stall'] * 1000:.1f} ms)"
     )
     added = med["kiln save"] - med["kiln save, no checksums"]
+    print(
+        f"a loop of light steps (a GPU run's thread: little CPU, 5 ms device waits) loses "
+        f"{100 * med['async loop stall, light steps'] / med['kiln save']:.1f} % "
+        f"({med['async loop stall, light steps'] * 1000:.1f} ms)"
+    )
     print(
         f"the background write held the GIL {med['async write GIL held'] * 1000:.1f} ms of its "
         f"{med['async write'] * 1000:.1f} ms ({'real-time' if REAL_TIME else 'ordinary-priority, so CPU waits count too'} heartbeat)"
