@@ -73,7 +73,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dic
         }
         offset += size
         if size:  # a view of the tensor's memory, no copy (it keeps the tensor alive)
-            views.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            views.append(tensor.reshape(-1).view(torch.uint8).numpy().data)
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes with spaces
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
