@@ -99,6 +99,6 @@ def _refuse_overlaps(tensors: dict[str, torch.Tensor]) -> None:
     for (_, end, name), (start, _, next_name) in zip(spans, spans[1:]):
         if start < end:  # sorted by start: an overlap shows between neighbours
             raise ValueError(
-                f"The tensors {name!r} and {next_name!r} share memory, which a safetensors file cannot hold: "
-                "store a tied weight once (save_weights records the other names as aliases)."
+                f"The tensors {name!r} and {next_name!r} overlap in memory, which a safetensors file cannot hold: "
+                "give the model one of them only (rebuild the view after loading) or give each its own storage (.clone())."
             )
