@@ -19,7 +19,14 @@ tensors per parameter); then, interleaved `--repeats` times:
 - async loop stall: the same save inside a training loop that goes on stepping (forward, backward,
   AdamW step) until the write is complete: the time lost against as many steps without a save (the
   save call, the next optimizer step's wait for the staged copy, steps slowed by the writer's CPU use).
-  Issue 56's goal: the stall at most 10 % of the synchronous save on a model of at least 100 MB;
+  Issue 56's goal: the stall at most 10 % of the synchronous save on a model of at least 100 MB; the
+  steps' unslowed time is as many steps without a save, timed right after;
+- async loop stall, light steps: the same with steps that need little CPU and mostly wait (a tiny
+  model's forward and backward, then a 5 ms sleep standing in for the device): what a GPU run's
+  training thread loses, where the steps need the GIL rather than the cores;
+- async write GIL held: how long the background write keeps the training thread's Python from running,
+  by a heartbeat thread (1 ms sleeps, real-time priority where allowed: see `gil_blocked`) that runs
+  while the write runs alone;
 - raw load: `safetensors.torch.load_file` of that file, the weights copied into the live parameters
   and the optimizer moments into fresh tensors (what a resuming process must end with: its model
   exists, its optimizer has no state yet; load_file alone only maps the file).
@@ -37,6 +44,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -92,6 +100,39 @@ def no_checksums():  # type: ignore[no-untyped-def]
         files.digest_file = saved
 
 
+REAL_TIME = True  # whether the heartbeat thread got real-time priority (root or CAP_SYS_NICE)
+
+
+def gil_blocked(fn, period: float = 0.001) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """Run `fn` while a heartbeat thread sleeps `period` in a loop; return the time the heartbeat lost
+    beyond its sleeps (it waited for the GIL) and `fn`'s time. The heartbeat runs at real-time priority
+    where allowed, so that the OS wakes it at once and only the GIL delays it; at ordinary priority, on a
+    busy machine, the time it waits for a free core counts too (the figure is then an upper bound)."""
+    done, lost = threading.Event(), [0.0]
+
+    def beat() -> None:
+        global REAL_TIME
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))  # this thread only
+        except (PermissionError, AttributeError):
+            REAL_TIME = False
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(period)
+            now = time.perf_counter()
+            if now - last > 2 * period:
+                lost[0] += now - last - period
+            last = now
+
+    heart = threading.Thread(target=beat)
+    heart.start()
+    time.sleep(0.01)
+    took = timed(fn)
+    done.set()
+    heart.join()
+    return lost[0], took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=50, help="model size in millions of parameters")
@@ -142,6 +183,8 @@ def main() -> None:
                 "async stall",
                 "async write",
                 "async loop stall",
+                "async loop stall, light steps",
+                "async write GIL held",
                 "raw save",
                 "raw save+fsync",
                 "raw load",
@@ -183,21 +226,42 @@ def main() -> None:
             trainer.optimizer.step()
             trainer.optimizer.zero_grad()
 
+        light = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+
+        def light_step() -> None:
+            """A GPU run's training thread: little CPU of its own (a tiny model's Python and dispatch),
+            then a wait for the device (a 5 ms sleep). It needs the GIL, not the cores."""
+            for _ in range(10):
+                light(torch.randn(4, 16)).sum().backward()
+            time.sleep(0.005)
+
         base = statistics.median(timed(step) for _ in range(5))
+        for key, one_step in (("async loop stall", step), ("async loop stall, light steps", light_step)):
+            for r in range(args.repeats + 1):
+                # training goes on while the save is written: the loop's lost time is the save call, the
+                # wait of the next optimizer step for the staged copy, and the steps slowed by the writer;
+                # the same number of steps without a save, right after, is what they cost unslowed (the
+                # machine's load drifts: a baseline taken once would drift with it)
+                shutil.rmtree(path, ignore_errors=True)
+                start, steps = time.perf_counter(), 0
+                trainer._save_checkpoint()
+                writer = trainer.checkpoints._background._thread
+                while writer is not None and writer.is_alive():
+                    one_step()
+                    steps += 1
+                elapsed = time.perf_counter() - start
+                trainer.checkpoints.wait()
+                unslowed = timed(lambda steps=steps, one_step=one_step: [one_step() for _ in range(steps)])
+                if r:
+                    times[key].append(elapsed - unslowed)
         for r in range(args.repeats + 1):
-            # training goes on while the save is written: the loop's lost time is the save call, the wait
-            # of the next optimizer step for the staged copy, and the steps slowed by the writer
+            # the GIL the background write holds: a real-time heartbeat thread counts the time it could
+            # not run while only the writer (and the staged copy's thread) ran
             shutil.rmtree(path, ignore_errors=True)
-            start, steps = time.perf_counter(), 0
             trainer._save_checkpoint()
-            writer = trainer.checkpoints._background._thread
-            while writer is not None and writer.is_alive():
-                step()
-                steps += 1
-            lost = time.perf_counter() - start - steps * base
-            trainer.checkpoints.wait()
+            blocked, _ = gil_blocked(trainer.checkpoints.wait)
             if r:
-                times["async loop stall"].append(lost)
+                times["async write GIL held"].append(blocked)
         print(f"one training step without a save: {base * 1000:.1f} ms")
         raw_size = os.path.getsize(raw_path)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -220,6 +284,15 @@ def main() -> None:
         f"{100 * med['async loop stall'] / med['kiln save']:.1f} % ({med['async loop stall'] * 1000:.1f} ms)"
     )
     added = med["kiln save"] - med["kiln save, no checksums"]
+    print(
+        f"a loop of light steps (a GPU run's thread: little CPU, 5 ms device waits) loses "
+        f"{100 * med['async loop stall, light steps'] / med['kiln save']:.1f} % "
+        f"({med['async loop stall, light steps'] * 1000:.1f} ms)"
+    )
+    print(
+        f"the background write held the GIL {med['async write GIL held'] * 1000:.1f} ms of its "
+        f"{med['async write'] * 1000:.1f} ms ({'real-time' if REAL_TIME else 'ordinary-priority, so CPU waits count too'} heartbeat)"
+    )
     print(
         f"checksums: {100 * added / med['kiln save']:.1f} % of kiln save (timed alone: "
         f"{100 * med['checksums'] / med['kiln save']:.1f} %)"

@@ -95,7 +95,7 @@ class FullStateCheckpointIO(CheckpointIO):
             staging.wait()
             if staging.error is not None:
                 raise CheckpointError(f"The checkpoint in {directory} was not written: {staging.error}.")
-            _write_full(directory, weights, optim, safetensors)
+            _write_full(directory, weights, optim, safetensors, in_background=True)
 
         return write
 
@@ -141,8 +141,14 @@ def read_full_files(directory: str) -> PortableState:
 
 
 def _write_full(
-    directory: str, weights: dict[str, torch.Tensor], optim: dict[str, Any] | None, safetensors: bool
+    directory: str,
+    weights: dict[str, torch.Tensor],
+    optim: dict[str, Any] | None,
+    safetensors: bool,
+    in_background: bool = False,
 ) -> None:
-    save_weights(weights, directory, safetensors)
+    """The weights and `optimizer.pt`; `in_background` on the writer thread of an asynchronous save
+    (model_weights.save_weights). `torch.save` needs no such care: it writes each storage without the GIL."""
+    save_weights(weights, directory, safetensors, in_background=in_background)
     if optim is not None:
         torch.save(optim, os.path.join(directory, OPTIMIZER))

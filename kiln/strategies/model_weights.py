@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.strategies.safetensors_writer import write_safetensors
 from kiln.strategies.weights_files import INDEX, load_sharded, parse_size, save_sharded
 from kiln.utils.errors import CheckpointError, safe_torch_load
 
@@ -20,15 +21,20 @@ WEIGHTS_BIN = "pytorch_model.bin"
 
 
 def save_weights(
-    state: dict[str, torch.Tensor], directory: str, safetensors: bool = True, max_shard_size: int | str | None = None
+    state: dict[str, torch.Tensor],
+    directory: str,
+    safetensors: bool = True,
+    max_shard_size: int | str | None = None,
+    *,
+    in_background: bool = False,
 ) -> str:
     """Write a full state dict; returns the file name written (the index when sharded: with
-    `max_shard_size`, weights above it are split into HF-layout shards)."""
+    `max_shard_size`, weights above it are split into HF-layout shards). `in_background`: the caller is
+    a thread writing while training goes on, so `model.safetensors` is written by kiln's own writer,
+    which holds no GIL while it writes (kiln.strategies.safetensors_writer): the same bytes."""
     if not safetensors:
         torch.save(state, os.path.join(directory, WEIGHTS_BIN))
         return WEIGHTS_BIN
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
@@ -46,7 +52,12 @@ def save_weights(
     ):
         save_sharded(tensors, directory, max_shard_size, metadata={"kiln_aliases": meta["kiln_aliases"]})
         return INDEX
-    save_file(tensors, os.path.join(directory, WEIGHTS_SAFE), metadata=meta)
+    if in_background:
+        write_safetensors(tensors, os.path.join(directory, WEIGHTS_SAFE), metadata=meta)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(tensors, os.path.join(directory, WEIGHTS_SAFE), metadata=meta)
     return WEIGHTS_SAFE
 
 

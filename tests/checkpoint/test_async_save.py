@@ -19,6 +19,7 @@ from kiln.engine.callbacks.base import Callback
 from kiln.engine.checkpoint import manager as manager_module
 from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints
 from kiln.engine.checkpoint.integrity import ALGORITHM
+from kiln.strategies import safetensors_writer
 from kiln.strategies.full_checkpoint_io import FullStateCheckpointIO
 from kiln.utils.errors import CheckpointError
 from tests.checkpoint.checkpoint_helpers import Crash, folders, train, weights
@@ -186,21 +187,17 @@ def test_rotation_happens_only_after_the_new_checkpoint_is_complete(tmp_path, mo
 
 
 def test_a_failed_background_write_is_raised_at_the_next_save_in_one_sentence_and_loses_nothing(tmp_path, monkeypatch):
-    real = FullStateCheckpointIO.stage
-    calls = []
+    """The disk fills while the writer thread writes checkpoint-8's weights (kiln's safetensors writer's
+    os.write fails with ENOSPC)."""
+    real, failed = os.write, []
 
-    def stage(self, **kw):  # type: ignore[no-untyped-def]
-        write = real(self, **kw)
-        calls.append(1)
-        if len(calls) < 2:
-            return write
-
-        def full(directory):  # type: ignore[no-untyped-def]
+    def write(fd, data):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name == "kiln-checkpoint-8":
+            failed.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
 
-        return full
-
-    monkeypatch.setattr(FullStateCheckpointIO, "stage", stage)
+    monkeypatch.setattr(safetensors_writer.os, "write", write)
     out = str(tmp_path / "out")
     with pytest.raises(
         CheckpointError,
@@ -208,7 +205,8 @@ def test_a_failed_background_write_is_raised_at_the_next_save_in_one_sentence_an
         r"previous checkpoint checkpoint-4 is intact",
     ):
         train(out, {**CFG, "save": {"async": True}})
-    assert folders(out) == {"checkpoint-4"} and is_complete(os.path.join(out, "checkpoint-4"))  # the tmp folder is gone
+    assert failed == ["model.safetensors"]
+    assert sorted(os.listdir(out)) == ["checkpoint-4"] and is_complete(os.path.join(out, "checkpoint-4"))  # no tmp left
 
 
 def test_a_failure_of_the_last_save_is_raised_by_the_end_of_fit(tmp_path, monkeypatch):
