@@ -27,6 +27,8 @@ def test_float8_tests_pass_with_torchao_on_the_path():
     if not os.path.isdir(os.path.join(folder, "torchao")):
         pytest.skip(f"no torchao folder at {folder}; make it with: bash scripts/torchao-dir.sh")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, folder])}
+    # not the outer run's options: an inner pytest given its --basetemp clears it under the outer workers
+    env.pop("PYTEST_ADDOPTS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FILES],
         cwd=REPO,

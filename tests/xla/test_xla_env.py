@@ -43,6 +43,8 @@ def test_xla_suite_passes_in_the_xla_environment():
         )
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
     env.pop("CPU_NUM_DEVICES", None)  # the SPMD tests set it for their own subprocesses
+    # not the outer run's options: an inner pytest given its --basetemp clears it under the outer workers
+    env.pop("PYTEST_ADDOPTS", None)
     proc = subprocess.run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/xla"],
         cwd=REPO,
