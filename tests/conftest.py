@@ -134,6 +134,7 @@ def pytest_itemcollected(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Slowest groups first and the XLA suite last (tests/schedule.py says why). It runs after
+    """Slowest groups first (Ray and DeepSpeed a couple of minutes in) and the XLA suite last
+    (tests/schedule.py says why). It runs after
     pytest-randomly's shuffle (a wrapper), and xdist is told to keep this order."""
-    schedule.order(items, _group_of, schedule.read_slow_groups())
+    schedule.order(items, _group_of, schedule.start_order(schedule.read_slow_entries()))

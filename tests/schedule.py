@@ -7,6 +7,12 @@ and the run waited minutes on one core. Here the slowest groups go first, longes
 longest-processing-time rule), the rest keep pytest-randomly's shuffled order, and the XLA suite, which
 runs in an environment that `.ci/run` builds beside the tests, goes last.
 
+Two slow groups are the exception (AFTER_START): they start a couple of minutes in. `.ci/run` builds
+DeepSpeed's JIT op and runs lint and mypy beside the first tests, and these two suffer most from it: the
+DeepSpeed world waits for that op (237 s against 94 s idle), and Ray's cluster start-up and trials slow down
+far more than the load (the Ray group 325 s against 155 s; Ray Tune's trials 185 s against 12 s). Started after
+the first slow groups, they still end long before the run does.
+
 `tests/slow_files.txt` lists the slow groups, slowest first. Regenerate it from a full run's durations:
 
     python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=0 > run.log
@@ -27,17 +33,53 @@ SLOW_FILES = os.path.join(HERE, "slow_files.txt")
 LAST = ("tests/xla/test_xla_env.py",)
 #: a group under this many seconds is not worth placing: it keeps its random place
 MIN_SECONDS = 15.0
+#: slow groups held back until the slow groups before them sum to START_SECONDS (the module docstring says why)
+AFTER_START = ("ray", "deepspeed-world")
+START_SECONDS = 240.0  # about two minutes of two workers
 
 _DURATION = re.compile(r"^\s*([0-9.]+)s\s+(?:setup|call|teardown)\s+(\S+)")
 
 
-def read_slow_groups(path: str = SLOW_FILES) -> list[str]:
-    """The listed groups, slowest first (a line is `group  # seconds`; blank lines and comments skipped)."""
+def read_slow_entries(path: str = SLOW_FILES) -> list[tuple[str, float]]:
+    """The listed groups and their seconds, slowest first (a line is `group  # seconds`; blank lines and
+    comment lines skipped; a line without seconds counts 0)."""
     if not os.path.exists(path):
         return []
+    entries = []
     with open(path, encoding="utf-8") as f:
-        names = (line.split("#", 1)[0].strip() for line in f)
-        return [name for name in names if name]
+        for line in f:
+            name, _, seconds = line.partition("#")
+            if name.strip():
+                try:
+                    entries.append((name.strip(), float(seconds)))
+                except ValueError:
+                    entries.append((name.strip(), 0.0))
+    return entries
+
+
+def read_slow_groups(path: str = SLOW_FILES) -> list[str]:
+    """The listed groups, slowest first."""
+    return [name for name, _ in read_slow_entries(path)]
+
+
+def start_order(
+    entries: list[tuple[str, float]], after: Iterable[str] = AFTER_START, start_seconds: float = START_SECONDS
+) -> list[str]:
+    """The slow groups in the order they are handed out: slowest first, except the `after` groups, which go
+    right after the first other groups whose seconds reach `start_seconds` (at the end if they never do)."""
+    late = set(after)
+    held = [name for name, _ in entries if name in late]
+    placed: list[str] = []
+    total = 0.0
+    for name, seconds in entries:
+        if name in late:
+            continue
+        placed.append(name)
+        total += seconds
+        if held and total >= start_seconds:
+            placed += held
+            held = []
+    return placed + held
 
 
 def rank_of(slow_groups: list[str]) -> Callable[[str], int]:

@@ -40,6 +40,23 @@ def test_durations_are_summed_per_group_and_the_small_ones_left_out(tmp_path):
     assert schedule.read_slow_groups(str(path)) == ["ray", "deepspeed-world", "tests/a/test_x.py"]
 
 
+def test_ray_and_deepspeed_start_once_the_slow_groups_before_them_reach_the_start_seconds():
+    entries = [("ray", 150.0), ("a", 90.0), ("deepspeed-world", 94.0), ("b", 80.0), ("c", 75.0), ("d", 10.0)]
+    assert schedule.start_order(entries, start_seconds=240.0) == ["a", "b", "c", "ray", "deepspeed-world", "d"]
+    assert schedule.start_order(entries, start_seconds=90.0) == ["a", "ray", "deepspeed-world", "b", "c", "d"]
+    # never reached: at the end of the slow groups, still before the unlisted ones
+    assert schedule.start_order(entries, start_seconds=1e9) == ["a", "b", "c", "d", "ray", "deepspeed-world"]
+    assert schedule.start_order(entries, after=()) == [name for name, _ in entries]
+
+
+def test_the_shipped_list_starts_ray_and_deepspeed_after_other_slow_groups():
+    order = schedule.start_order(schedule.read_slow_entries())
+    first = min(order.index(name) for name in schedule.AFTER_START)
+    before = dict(schedule.read_slow_entries())
+    assert sum(before[name] for name in order[:first]) >= schedule.START_SECONDS
+    assert set(schedule.AFTER_START) <= set(order)
+
+
 def test_the_shipped_list_names_groups_that_exist():
     import os
 
