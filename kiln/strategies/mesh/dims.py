@@ -101,7 +101,7 @@ class ParallelDims:
         """Whether FSDP2 shards over the dp axes: when they (with cp) hold more than one rank, and also
         on one rank when no tp axis splits the model either, so that a one-process run is still an
         FSDP run (its CPU offload, its mixed-precision policy), as `strategy: fsdp` always was. Not
-        under pp or ep alone: the pipeline shards its stages itself, with dp_shard (pipeline.py), and ep alone
+        under pp or ep alone: the pipeline shards its stages itself, with dp_shard or dp_replicate (pipeline.py), and ep alone
         replicates what is not an expert (expert_parallel.py); ep within dp_shard is FSDP."""
         return (self.dp_cp > 1 or self.tp == 1) and self.pp == 1 and self.own_ep == 1
 

@@ -30,8 +30,22 @@ process or on any other mesh; exporting gathers every stage's weights to rank 0.
 
 A rank may hold several stages (the interleaved and zero-bubble schedules, `stages_per_rank`), placed
 as torch's schedules place them (`stage_owners`). Evaluation and prediction run the whole model's
-forward stage to stage (pipeline_forward.py). pp runs alone or with dp_shard (no dp_replicate, cp or
-tp beside it): what it cannot run is refused at config load (pipeline_settings.py)."""
+forward stage to stage (pipeline_forward.py).
+
+With dp_replicate beside pp instead (`mesh: {pp: 2, dp_replicate: 2}`), the layout is the same and each
+stage is FSDP2's HSDP over its dp_replicate ranks with shards of one rank (the mesh strategy's
+`dp_mesh`): the replicas hold their stage whole and all-reduce its gradients once per window.
+
+With tp beside pp (`mesh: {pp: 2, tp: 2}`: ranks 0-1 hold stage 0, 2-3 stage 1, one data shard), each
+rank's pruned model is split by kiln's tensor-parallel plan (tp_plan.py, the model's own plan) over its
+stage's tp ranks, after pruning, so the plan's patterns find the layers the stage holds (and skip the
+rest); the stages' views share those layers. The stages' activations and the head's logits are whole
+tensors (rowwise layers sum their outputs, the head gathers its columns), which each tp rank sends over
+its own pp group. Clipping there weighs each gradient piece by the stage's ranks that hold it (clip.py),
+since the split layers' DTensors and the norms' plain tensors cannot share one DTensor norm.
+
+pp runs alone or with one of dp_shard, dp_replicate or tp (not cp, nor two of them): what it cannot run
+is refused at config load (pipeline_settings.py)."""
 
 from __future__ import annotations
 

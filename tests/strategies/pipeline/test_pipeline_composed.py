@@ -89,7 +89,9 @@ def _check(tmp_path: Path, mesh: str) -> None:
     want_evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
     want_evaluated = trainer.evaluate(data(6))["eval_loss"]
     trainer.teardown()
-    assert len(want_losses) == STEPS[mesh] and len(want_evals) == STEPS[mesh] // 2 and min(want_norms) > 0.3  # every step clips
+    assert (
+        len(want_losses) == STEPS[mesh] and len(want_evals) == STEPS[mesh] // 2 and min(want_norms) > 0.3
+    )  # every step clips
 
     for r, rank in enumerate(ranks):
         torch.testing.assert_close(rank["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=f"rank {r} losses")
