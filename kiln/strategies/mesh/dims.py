@@ -183,12 +183,13 @@ def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims
             f"{' (ep borrows the ranks of dp_shard)' if borrowed else ''} but this run has {world_size}; "
             "make the product of the axes equal the number of processes (or set one axis to -1)."
         )
-    others = [f"{axis} {size}" for axis, size in sizes.items() if axis not in (EP, "dp_shard") and size > 1]
-    if sizes[EP] > 1 and others:
+    others = [f"{axis} {size}" for axis, size in sizes.items() if axis not in (EP, "dp_shard", "tp") and size > 1]
+    if sizes[EP] > 1 and (others or (sizes["dp_shard"] > 1 and sizes["tp"] > 1)):
+        beside = others or [f"dp_shard {sizes['dp_shard']}", f"tp {sizes['tp']}"]
         raise ConfigError(
-            f"strategy.mesh combines ep {sizes[EP]} with {', '.join(others)}, but kiln runs the expert axis "
-            "alone or within dp_shard so far (ep with dp_replicate, cp, tp or pp is not supported yet); set the "
-            "other axes to 1, or drop ep."
+            f"strategy.mesh combines ep {sizes[EP]} with {' and '.join(beside)}, but kiln runs the expert axis "
+            "alone, within dp_shard or beside tp so far (not with dp_replicate, cp or pp, nor with dp_shard and "
+            "tp together); set the other axes to 1, or drop ep."
         )
     if borrowed and sizes["dp_shard"] % sizes[EP]:
         raise ConfigError(
@@ -226,8 +227,9 @@ def flatten_axes(mesh: Any, shape: ParallelDims) -> Any:
         mesh[DP_SHARD_MOD_EP, EP]._flatten("dp_shard")
     if shape.cp > 1:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # registers the axis on the root mesh
-    if shape.tp > 1 and shape.dp_cp > 1:
-        return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
+    if shape.tp > 1 and shape.dp_cp > 1:  # ep with ranks of its own is a data axis too
+        data = ("dp_replicate", "dp_shard", *((EP,) if shape.own_ep > 1 else ()), "cp")
+        return mesh[data]._flatten("dp_cp").get_group()
     return None
 
 

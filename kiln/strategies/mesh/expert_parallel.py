@@ -85,17 +85,34 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         module = module.to(self.root_device)
         if self.settings.sync_module_states:
             sync_module_states(module)  # the replicated parameters must be equal on every rank
+        split = ""
+        if self.shape.tp > 1:  # the model's own plan over tp, its experts left to ep
+            from kiln.strategies.mesh.tp_plan import parallelize_tp
+
+            what, self._loss_parallel = parallelize_tp(
+                user_module(module),
+                self.device_mesh,
+                self.settings,
+                self.shape.tp,
+                loaded_split=False,
+                restyle=self.precision.tensor_parallel_style,
+                leave=set(self._found),
+            )
+            split = f", {what} over tp {self.shape.tp}"
         self._shards = shard_experts(self._found, self.ep_mesh)
         self._count_group = self.ep_mesh.get_group()
-        self._replicated = [p for p in module.parameters() if p.requires_grad and not _is_dtensor(p)]
-        self._experts = [p for p in module.parameters() if p.requires_grad and _is_dtensor(p)]
+        experts = {id(p) for m in self._found.values() for p in m.parameters()}
+        trained = [p for p in module.parameters() if p.requires_grad]
+        self._replicated = [p for p in trained if id(p) not in experts]
+        self._experts = [p for p in trained if id(p) in experts]
         log.info(
-            "%s: %d MoE layer(s), %d of %d experts each on this rank (ep %d); %d replicated parameter(s).",
+            "%s: %d MoE layer(s), %d of %d experts each on this rank (ep %d)%s; %d parameter(s) replicated over ep.",
             self.name,
             len(self._found),
             self._shards[0].local,
             self._shards[0].num_experts,
             self.shape.ep,
+            split,
             len(self._replicated),
         )
         self._root = module
@@ -174,8 +191,8 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         for p in self._replicated + self._experts:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        with torch.no_grad():
-            grads = [p.grad for p in self._replicated]
+        with torch.no_grad():  # under tp, the split layers' local pieces: each tp rank all-reduces its own
+            grads = [_local(p.grad) for p in self._replicated]
             if grads:
                 flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
                 dist.all_reduce(flat, group=self.ep_mesh.get_group())
@@ -213,15 +230,18 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         super().teardown()
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _local(t: Any) -> Any:
+    """A DTensor's local piece (the storage this rank holds), or the tensor itself."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def check_expert_parallel(ep: int, s: Any, config: Any, precision: str) -> None:
     """What this first expert axis cannot run, refused before any process group starts."""
     settings = unsupported_settings(s, config)
+    settings["sequence_parallel"] = s.sequence_parallel
+    settings["loss_parallel"] = s.loss_parallel
     if precision in ("fp16", "fp16-true"):
         settings[f"precision {precision}"] = True
     refuse("ep", ep, settings)

@@ -107,11 +107,6 @@ def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, con
             "together); set all but one of those axes to 1, or drop pp."
         )
     settings = unsupported_settings(s, config)
-    del settings["tp_plan"]  # the model's own plan runs on each stage; a mapping would name the other stages' layers
-    settings["tp_plan as a mapping (each stage holds part of the model; auto splits it)"] = s.tp_plan not in (
-        None,
-        "auto",
-    )
     settings["sequence_parallel"] = s.sequence_parallel
     settings["loss_parallel"] = s.loss_parallel
     if config is not None:

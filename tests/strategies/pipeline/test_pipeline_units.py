@@ -298,7 +298,8 @@ def test_what_the_pipeline_cannot_run_yet_is_refused_at_config_load():
         check_pipeline(ok, tp2, MeshSettings(sequence_parallel=True, loss_parallel=True), _config(), "fp32")
     check_pipeline(ok, tp2, MeshSettings(tp_plan="auto"), _config(), "fp32")
     with pytest.raises(
-        ConfigError, match=r"pp 2 does not run with tp_plan as a mapping \(each stage .*\) yet; drop it"
+        ConfigError,
+        match=r"pp 2 does not run with tp_plan as a mapping \(the model's own plan, auto, runs beside tp\) yet; drop it",
     ):
         check_pipeline(ok, tp2, MeshSettings(tp_plan={"model.layers.*.mlp.up_proj": "colwise"}), _config(), "fp32")
     with pytest.raises(ConfigError, match=r"does not run with offload, train.torch_compile yet; drop them"):
