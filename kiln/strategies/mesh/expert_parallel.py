@@ -194,11 +194,11 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         with torch.no_grad():  # under tp, the split layers' local pieces: each tp rank all-reduces its own
             grads = [_local(p.grad) for p in self._replicated]
             if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+                flat = torch.cat([g.reshape(-1) for g in grads])
                 dist.all_reduce(flat, group=self.ep_mesh.get_group())
                 flat /= ep
-                for g, part in zip(grads, flat.split([g.numel() for g in grads])):  # type: ignore[union-attr]
-                    g.copy_(part.view_as(g))  # type: ignore[union-attr]
+                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(part.view_as(g))
             for p in self._experts:
                 p.grad.div_(ep)  # type: ignore[union-attr]
 
