@@ -19,7 +19,10 @@ dp_shard (`{dp_shard: D, ep: N}`, D processes, N dividing D) its ranks are borro
 torchtitan's `dp_shard_in_ep`: FSDP2 shards every other parameter over the D ranks, the experts are
 split over ep and FSDP-shards them over the D / N ranks left (`dp_shard_mod_ep`), and the DeviceMesh
 writes dp_shard as those two axes (`mesh_axes`), flattened back into `dp_shard` (`flatten_axes`).
-Beside any other axis it is refused (`parse_mesh`).
+Beside tp (`{ep: N, tp: T}`, N x T processes) it is a data axis of its own as alone, each data
+shard's T ranks splitting what is not an expert (expert_parallel.py), and counted among the data
+axes `flatten_axes` joins. Beside any other axis, or beside dp_shard and tp together, it is refused
+(`parse_mesh`).
 
 FSDP2 shards over `dp_shard` and `cp` flattened into one axis (torchtitan's `dp_shard_cp`): the cp
 ranks compute gradients from different tokens, so those gradients must be reduced over them too,

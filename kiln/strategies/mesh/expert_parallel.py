@@ -28,6 +28,14 @@ each experts module is its own FSDP unit over the D / ep ranks holding the same 
 (`dp_shard_mod_ep`), its reduced gradient divided by D (`_apply_tp`). Gradient clipping takes the norm
 across both meshes (clip.py).
 
+Beside tp (`{ep: 2, tp: 2}`: ranks 0-1 one data shard, 2-3 the other; ep groups {0, 2} and {1, 3}):
+as alone, with the model's own tensor-parallel plan (tp_plan.py, its entries for the experts left out:
+ep splits those) applied over each data shard's tp ranks before the experts are split. The tp ranks
+of a data shard route the same tokens, so each exchanges them with its own ep group, and their expert
+shards stay equal. The gradients of everything that is not an expert, tp pieces included, are averaged
+over ep (each tp rank its own pieces), the experts' divided by ep; clipping weighs each piece by the
+ranks that hold it (clip.py).
+
 Evaluation and prediction run every rank's batches through the same all-to-alls: kiln's evaluation
 sampler gives every rank the same number of batches, so no rank leaves the collectives early, and
 `generate()` (predict_with_generate) runs with transformers' `synced_gpus`, so no rank stops decoding

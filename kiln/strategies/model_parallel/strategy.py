@@ -33,8 +33,9 @@ class ModelParallelStrategy(MeshStrategy):
     options = {
         "mesh": f"axis sizes {{{', '.join((PP, *AXES, EP))}}}; missing axes are 1, one may be -1 (the rest); default "
         "{dp_shard: -1}; pp (pipeline stages) runs alone or with one of dp_shard (each stage FSDP-sharded over it), dp_replicate "
-        "(each stage replicated over it) or tp (each stage tensor-parallel over it), ep (experts of MoE layers split over it) alone "
-        "or within dp_shard (its ranks borrowed from dp_shard, which FSDP shards the rest over)",
+        "(each stage replicated over it) or tp (each stage tensor-parallel over it), ep (experts of MoE layers split over it) alone, "
+        "within dp_shard (its ranks borrowed from dp_shard, which FSDP shards the rest over) or beside tp (the rest "
+        "tensor-parallel)",
         "pipeline": "with a pp axis: {schedule: gpipe | 1f1b (default) | interleaved_1f1b | interleaved_zb | zbv, "
         "stages_per_rank: 1 (2 or more for the interleaved ones, 2 for zbv; default 2 for them), microbatches: the "
         "accumulation window's (gradient_accumulation_steps), split: auto (default) | [first layer of each stage "
