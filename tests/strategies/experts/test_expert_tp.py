@@ -8,7 +8,8 @@ Its per-step losses, logged gradient norms (clipping is global: max_grad_norm 0.
 final weights equal `single` on the same global batch within 1e-5; `evaluate` equals single's; each rank
 holds experts 2e and 2e+1 (e: its ep rank) and its tp half of the attention; tokens per expert reach
 the loggers; a mid-run checkpoint resumes under the same mesh bitwise (losses and every rank's local
-tensors) equal to the run that never stopped.
+tensors) equal to the run that never stopped, and a later one on one process (`model_parallel` without
+ep or tp) ends on single's weights within 1e-5.
 
 Run by `run_world`, this file is the worker (`python THIS OUT`)."""
 
@@ -107,6 +108,13 @@ def test_ep_x_tp_equals_single_clips_globally_and_resumes_bitwise(tmp_path):
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(ranks[0]["local"][q], ranks[1]["local"][q])  # tp halves differ
     assert torch.equal(ranks[0]["local"][q], ranks[2]["local"][q])  # the ep ranks' replicas equal
+
+    # its step-2 checkpoint on one process (model_parallel without ep or tp): one model, single's weights
+    one = {"name": "model_parallel", "device": "cpu"}
+    resume = str(tmp_path / "run" / "checkpoint-2")
+    _, resumed, _ = train(str(tmp_path / "one"), one, model=moe(seed=1), per_device_train_batch_size=4, resume=resume)
+    for name, value in want.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-5, msg=f"resumed: {name} differs")
 
     for r, rank in enumerate(ranks):  # resumed from step 1 under the same mesh: bit for bit
         resumed = rank["resumed"]

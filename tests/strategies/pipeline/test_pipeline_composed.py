@@ -9,7 +9,9 @@ world of 4 gloo processes (heavy):
 For each, with 1F1B: the per-step losses, the logged gradient norms (clipping is global: max_grad_norm
 0.3 clips every step) and the final weights equal `single` on the same global batch within 1e-5;
 evaluation during training and called by hand equals single's; a mid-run checkpoint resumes under the
-same mesh bitwise (losses and every rank's local tensors) equal to the run that never stopped.
+same mesh bitwise (losses and every rank's local tensors) equal to the run that never stopped, and on
+one process (`model_parallel` without pp) within 1e-5 of single. ZBV's losses and weights equal
+single's too.
 
 Run by `run_world`, this file is the worker (`python THIS OUT MESH`)."""
 
@@ -119,6 +121,15 @@ def _check(tmp_path: Path, mesh: str) -> None:
             assert sorted(ranks[a]["state"]) == sorted(ranks[b]["state"])
             for name, value in ranks[a]["state"].items():
                 assert torch.equal(value, ranks[b]["state"][name]), name
+
+    # the same checkpoint on one process (model_parallel without pp): the stages' pieces are one model
+    one_mesh = {"name": "model_parallel", "device": "cpu"}
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    losses, _, trainer = train(str(tmp_path / "one"), one_mesh, teardown=False, resume=checkpoint, **SINGLE_BATCH[mesh])
+    resumed = trainer.strategy.model_state_for_export(trainer.model)
+    trainer.teardown()
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-5)
+    close(resumed, want, f"pp x {mesh} → one process")
 
     for r, rank in enumerate(ranks):  # resumed from step 2 under the same mesh: bit for bit, tensor by tensor
         resumed = rank["resumed"]
