@@ -14,7 +14,9 @@ def unsupported_settings(s: Any, config: Any) -> dict[str, bool]:
         "offload": s.offload,
         "cpu_ram_efficient_loading": s.cpu_ram_efficient_loading,
         "activation_checkpointing": s.activation_checkpointing,
-        "tp_plan": s.tp_plan is not None,
+        # beside tp, each axis splits by the model's own plan (auto); a mapping would name layers a pp stage
+        # does not hold, or ep's experts
+        "tp_plan as a mapping (the model's own plan, auto, runs beside tp)": s.tp_plan not in (None, "auto"),
         "state_dict_type: full": s.state_dict_type == "full",
     }
     if config is not None:

@@ -14,7 +14,7 @@ def clip_global_norm(
     Without tp every gradient is an FSDP shard on the one dp mesh: each rank's norm over its shards is
     a partial result that DTensor reduces over the mesh (`full_tensor`), as FSDP2 is used. With tp,
     gradients live on different meshes (TP-split layers on (dp, tp), the rest on the dp mesh alone, or
-    plain tensors without FSDP), which DTensor's own norm cannot mix: see `_clip_across_meshes`."""
+    plain tensors without FSDP), which DTensor's own norm cannot mix: see `clip_across_meshes`."""
     from torch.distributed.tensor import DTensor
 
     if not tp:
@@ -23,16 +23,20 @@ def clip_global_norm(
             total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, None)
         return total
-    return _clip_across_meshes(_grads(params), max_norm, world, device)
+    return clip_across_meshes(_grads(params), max_norm, world, world, device)
 
 
 def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]  # every one has a gradient (the caller's contract)
 
 
-def _clip_across_meshes(grads: list[torch.Tensor], max_norm: float, world: int, device: torch.device) -> torch.Tensor:
+def clip_across_meshes(
+    grads: list[torch.Tensor], max_norm: float, holders: int, world: int, device: torch.device
+) -> torch.Tensor:
     """Each rank sums its local squares, each weighted by 1 / (the number of ranks holding that same
-    shard), and one all-reduce over every rank adds them up; returns the norm."""
+    shard: of the `holders` ranks that hold the parameter -- every rank, or under pp one stage's --
+    those with the same piece), and one all-reduce over every rank of the `world` adds them up;
+    returns the norm."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -45,7 +49,7 @@ def _clip_across_meshes(grads: list[torch.Tensor], max_norm: float, world: int, 
                 for dim, placement in enumerate(g.placements):
                     if not isinstance(placement, Replicate):  # Shard, or FSDP's _StridedShard over TP
                         distinct *= g.device_mesh.size(dim)
-            total += mine.float().pow(2).sum() * (distinct / world)
+            total += mine.float().pow(2).sum() * (distinct / holders)
         if world > 1:
             dist.all_reduce(total)
         norm = total.sqrt()

@@ -19,7 +19,10 @@ dp_shard (`{dp_shard: D, ep: N}`, D processes, N dividing D) its ranks are borro
 torchtitan's `dp_shard_in_ep`: FSDP2 shards every other parameter over the D ranks, the experts are
 split over ep and FSDP-shards them over the D / N ranks left (`dp_shard_mod_ep`), and the DeviceMesh
 writes dp_shard as those two axes (`mesh_axes`), flattened back into `dp_shard` (`flatten_axes`).
-Beside any other axis it is refused (`parse_mesh`).
+Beside tp (`{ep: N, tp: T}`, N x T processes) it is a data axis of its own as alone, each data
+shard's T ranks splitting what is not an expert (expert_parallel.py), and counted among the data
+axes `flatten_axes` joins. Beside any other axis, or beside dp_shard and tp together, it is refused
+(`parse_mesh`).
 
 FSDP2 shards over `dp_shard` and `cp` flattened into one axis (torchtitan's `dp_shard_cp`): the cp
 ranks compute gradients from different tokens, so those gradients must be reduced over them too,
@@ -101,7 +104,7 @@ class ParallelDims:
         """Whether FSDP2 shards over the dp axes: when they (with cp) hold more than one rank, and also
         on one rank when no tp axis splits the model either, so that a one-process run is still an
         FSDP run (its CPU offload, its mixed-precision policy), as `strategy: fsdp` always was. Not
-        under pp or ep alone: the pipeline shards its stages itself, with dp_shard (pipeline.py), and ep alone
+        under pp or ep alone: the pipeline shards its stages itself, with dp_shard or dp_replicate (pipeline.py), and ep alone
         replicates what is not an expert (expert_parallel.py); ep within dp_shard is FSDP."""
         return (self.dp_cp > 1 or self.tp == 1) and self.pp == 1 and self.own_ep == 1
 
@@ -183,12 +186,13 @@ def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims
             f"{' (ep borrows the ranks of dp_shard)' if borrowed else ''} but this run has {world_size}; "
             "make the product of the axes equal the number of processes (or set one axis to -1)."
         )
-    others = [f"{axis} {size}" for axis, size in sizes.items() if axis not in (EP, "dp_shard") and size > 1]
-    if sizes[EP] > 1 and others:
+    others = [f"{axis} {size}" for axis, size in sizes.items() if axis not in (EP, "dp_shard", "tp") and size > 1]
+    if sizes[EP] > 1 and (others or (sizes["dp_shard"] > 1 and sizes["tp"] > 1)):
+        beside = others or [f"dp_shard {sizes['dp_shard']}", f"tp {sizes['tp']}"]
         raise ConfigError(
-            f"strategy.mesh combines ep {sizes[EP]} with {', '.join(others)}, but kiln runs the expert axis "
-            "alone or within dp_shard so far (ep with dp_replicate, cp, tp or pp is not supported yet); set the "
-            "other axes to 1, or drop ep."
+            f"strategy.mesh combines ep {sizes[EP]} with {' and '.join(beside)}, but kiln runs the expert axis "
+            "alone, within dp_shard or beside tp so far (not with dp_replicate, cp or pp, nor with dp_shard and "
+            "tp together); set the other axes to 1, or drop ep."
         )
     if borrowed and sizes["dp_shard"] % sizes[EP]:
         raise ConfigError(
@@ -226,8 +230,9 @@ def flatten_axes(mesh: Any, shape: ParallelDims) -> Any:
         mesh[DP_SHARD_MOD_EP, EP]._flatten("dp_shard")
     if shape.cp > 1:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # registers the axis on the root mesh
-    if shape.tp > 1 and shape.dp_cp > 1:
-        return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
+    if shape.tp > 1 and shape.dp_cp > 1:  # ep with ranks of its own is a data axis too
+        data = ("dp_replicate", "dp_shard", *((EP,) if shape.own_ep > 1 else ()), "cp")
+        return mesh[data]._flatten("dp_cp").get_group()
     return None
 
 

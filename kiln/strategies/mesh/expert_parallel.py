@@ -28,6 +28,14 @@ each experts module is its own FSDP unit over the D / ep ranks holding the same 
 (`dp_shard_mod_ep`), its reduced gradient divided by D (`_apply_tp`). Gradient clipping takes the norm
 across both meshes (clip.py).
 
+Beside tp (`{ep: 2, tp: 2}`: ranks 0-1 one data shard, 2-3 the other; ep groups {0, 2} and {1, 3}):
+as alone, with the model's own tensor-parallel plan (tp_plan.py, its entries for the experts left out:
+ep splits those) applied over each data shard's tp ranks before the experts are split. The tp ranks
+of a data shard route the same tokens, so each exchanges them with its own ep group, and their expert
+shards stay equal. The gradients of everything that is not an expert, tp pieces included, are averaged
+over ep (each tp rank its own pieces), the experts' divided by ep; clipping weighs each piece by the
+ranks that hold it (clip.py).
+
 Evaluation and prediction run every rank's batches through the same all-to-alls: kiln's evaluation
 sampler gives every rank the same number of batches, so no rank leaves the collectives early, and
 `generate()` (predict_with_generate) runs with transformers' `synced_gpus`, so no rank stops decoding
@@ -85,17 +93,34 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         module = module.to(self.root_device)
         if self.settings.sync_module_states:
             sync_module_states(module)  # the replicated parameters must be equal on every rank
+        split = ""
+        if self.shape.tp > 1:  # the model's own plan over tp, its experts left to ep
+            from kiln.strategies.mesh.tp_plan import parallelize_tp
+
+            what, self._loss_parallel = parallelize_tp(
+                user_module(module),
+                self.device_mesh,
+                self.settings,
+                self.shape.tp,
+                loaded_split=False,
+                restyle=self.precision.tensor_parallel_style,
+                leave=set(self._found),
+            )
+            split = f", {what} over tp {self.shape.tp}"
         self._shards = shard_experts(self._found, self.ep_mesh)
         self._count_group = self.ep_mesh.get_group()
-        self._replicated = [p for p in module.parameters() if p.requires_grad and not _is_dtensor(p)]
-        self._experts = [p for p in module.parameters() if p.requires_grad and _is_dtensor(p)]
+        experts = {id(p) for m in self._found.values() for p in m.parameters()}
+        trained = [p for p in module.parameters() if p.requires_grad]
+        self._replicated = [p for p in trained if id(p) not in experts]
+        self._experts = [p for p in trained if id(p) in experts]
         log.info(
-            "%s: %d MoE layer(s), %d of %d experts each on this rank (ep %d); %d replicated parameter(s).",
+            "%s: %d MoE layer(s), %d of %d experts each on this rank (ep %d)%s; %d parameter(s) replicated over ep.",
             self.name,
             len(self._found),
             self._shards[0].local,
             self._shards[0].num_experts,
             self.shape.ep,
+            split,
             len(self._replicated),
         )
         self._root = module
@@ -174,14 +199,14 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         for p in self._replicated + self._experts:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        with torch.no_grad():
-            grads = [p.grad for p in self._replicated]
+        with torch.no_grad():  # under tp, the split layers' local pieces: each tp rank all-reduces its own
+            grads = [_local(p.grad) for p in self._replicated]
             if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+                flat = torch.cat([g.reshape(-1) for g in grads])
                 dist.all_reduce(flat, group=self.ep_mesh.get_group())
                 flat /= ep
-                for g, part in zip(grads, flat.split([g.numel() for g in grads])):  # type: ignore[union-attr]
-                    g.copy_(part.view_as(g))  # type: ignore[union-attr]
+                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(part.view_as(g))
             for p in self._experts:
                 p.grad.div_(ep)  # type: ignore[union-attr]
 
@@ -213,15 +238,18 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         super().teardown()
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _local(t: Any) -> Any:
+    """A DTensor's local piece (the storage this rank holds), or the tensor itself."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def check_expert_parallel(ep: int, s: Any, config: Any, precision: str) -> None:
     """What this first expert axis cannot run, refused before any process group starts."""
     settings = unsupported_settings(s, config)
+    settings["sequence_parallel"] = s.sequence_parallel
+    settings["loss_parallel"] = s.loss_parallel
     if precision in ("fp16", "fp16-true"):
         settings[f"precision {precision}"] = True
     refuse("ep", ep, settings)

@@ -30,8 +30,22 @@ process or on any other mesh; exporting gathers every stage's weights to rank 0.
 
 A rank may hold several stages (the interleaved and zero-bubble schedules, `stages_per_rank`), placed
 as torch's schedules place them (`stage_owners`). Evaluation and prediction run the whole model's
-forward stage to stage (pipeline_forward.py). pp runs alone or with dp_shard (no dp_replicate, cp or
-tp beside it): what it cannot run is refused at config load (pipeline_settings.py)."""
+forward stage to stage (pipeline_forward.py).
+
+With dp_replicate beside pp instead (`mesh: {pp: 2, dp_replicate: 2}`), the layout is the same and each
+stage is FSDP2's HSDP over its dp_replicate ranks with shards of one rank (the mesh strategy's
+`dp_mesh`): the replicas hold their stage whole and all-reduce its gradients once per window.
+
+With tp beside pp (`mesh: {pp: 2, tp: 2}`: ranks 0-1 hold stage 0, 2-3 stage 1, one data shard), each
+rank's pruned model is split by kiln's tensor-parallel plan (tp_plan.py, the model's own plan) over its
+stage's tp ranks, after pruning, so the plan's patterns find the layers the stage holds (and skip the
+rest); the stages' views share those layers. The stages' activations and the head's logits are whole
+tensors (rowwise layers sum their outputs, the head gathers its columns), which each tp rank sends over
+its own pp group. Clipping there weighs each gradient piece by the stage's ranks that hold it (clip.py),
+since the split layers' DTensors and the norms' plain tensors cannot share one DTensor norm.
+
+pp runs alone or with one of dp_shard, dp_replicate or tp (not cp, nor two of them): what it cannot run
+is refused at config load (pipeline_settings.py)."""
 
 from __future__ import annotations
 
@@ -105,7 +119,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.shape.dp > 1:  # what `reduce` sums over: the ranks of this stage, one data shard each
-            self._dp_group = self.device_mesh["dp_shard"].get_group()
+            self._dp_group = self.device_mesh["dp_replicate" if self.shape.dp_replicate > 1 else "dp_shard"].get_group()
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -144,6 +158,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
             for s in mine
         ]
         keep_stage(module, decoder, [i for s in mine for i in ranges[s]], first=0 in mine, last=count - 1 in mine)
+        split = f", {self._apply_tp(module, loaded_split=False)} over tp {self.shape.tp}" if self.shape.tp > 1 else ""
         if self.shape.dp > 1:
             self._shard_stages([ranges[s] for s in mine], layers)
         self._stages = [
@@ -155,28 +170,31 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         self._window: tuple[list[torch.Tensor], LossWeights | None] = ([], None)
         self._model = module
         log.info(
-            "%s: rank %d of the pipeline holds stage(s) %s (decoder layers %s)%s%s (schedule %s).",
+            "%s: rank %d of the pipeline holds stage(s) %s (decoder layers %s)%s%s%s (schedule %s).",
             self.name,
             rank,
             ", ".join(map(str, mine)),
             ", ".join(f"{ranges[s].start}-{ranges[s].stop - 1}" for s in mine),
             ", the embeddings" if 0 in mine else "",
             ", the final norm and lm_head" if count - 1 in mine else "",
+            split,
             p.schedule,
         )
         self._root = module
         return module
 
     def _shard_stages(self, held: list[range], layers: list[nn.Module]) -> None:
-        """FSDP2 over this stage's dp_shard ranks: each decoder layer a unit, then each stage's forward
-        (the module torch's stage runs and syncs, with the embeddings, norm and head) a root unit."""
+        """FSDP2 over this stage's data-parallel ranks (dp_shard; dp_replicate as HSDP, the mesh
+        strategy's `dp_mesh`): each decoder layer a unit, then each stage's forward (the module torch's
+        stage runs and syncs, with the embeddings, norm and head) a root unit."""
+        from kiln.strategies.mesh.dims import dp_mesh
         from kiln.strategies.mesh.fsdp import apply_fsdp
 
         for forward, indices in zip(self.stage_forwards, held):
             apply_fsdp(
                 forward,
                 [layers[i] for i in indices],
-                self.device_mesh["dp_shard"],
+                dp_mesh(self.device_mesh, self.shape),
                 reshard=False,  # gathered from a micro-batch's forward to its backward, as torchtitan under pp
                 offload=False,
                 pin_memory=False,
@@ -241,12 +259,19 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     # -- step -------------------------------------------------------------------------------
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The 2-norm over every stage's gradients (each parameter lives on one stage; under dp_shard
-        its shards' norm is DTensor's over the stage's ranks), then each stage's gradients scaled by the
-        same factor."""
+        its shards' norm is DTensor's over the stage's ranks; under tp, where the split layers' DTensors
+        and the whole norms' tensors cannot be mixed in one norm, clip.py's sum over every rank, each
+        piece weighted by how many of the stage's ranks hold it), then each stage's gradients scaled by
+        the same factor."""
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self.shape.tp > 1:
+            from kiln.strategies.mesh.clip import clip_across_meshes
+
+            grads = [p.grad for p in params if p.grad is not None]
+            return clip_across_meshes(grads, max_norm, self.shape.stage_ranks, self.world_size, self.root_device)
         local = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         if isinstance(local, DTensor):
             local = local.full_tensor()
@@ -271,10 +296,11 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         return lambda: done
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return super().all_gather(tensor)[: self.shape.stage_ranks]
+        """One entry per data shard: those of the first stage's (MeshCollectives keeps one per tp group)."""
+        return super().all_gather(tensor)[: self.shape.dp]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return super().all_gather_object(obj)[: self.shape.stage_ranks]
+        return super().all_gather_object(obj)[: self.shape.dp]
 
     # -- checkpoints and export -------------------------------------------------------------
     @property

@@ -95,16 +95,20 @@ def read_pipeline(value: Any) -> PipelineSettings:
 
 
 def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, config: Any, precision: str) -> None:
-    """What the pipeline cannot run, refused before any process group starts: beside pp, only dp_shard
-    (each stage sharded by FSDP2 over its dp_shard ranks, pipeline.py)."""
-    others = [f"{axis} {getattr(dims, axis)}" for axis in AXES if axis != "dp_shard" and getattr(dims, axis) > 1]
-    if others:
+    """What the pipeline cannot run, refused before any process group starts: beside pp, one of
+    dp_shard (each stage sharded by FSDP2 over its dp_shard ranks), dp_replicate (each stage replicated,
+    its gradients all-reduced: FSDP2's HSDP with shards of one rank) or tp (each stage split by
+    kiln's tensor-parallel plan over its tp ranks), pipeline.py."""
+    beside = [f"{axis} {getattr(dims, axis)}" for axis in AXES if getattr(dims, axis) > 1]
+    if dims.cp > 1 or len(beside) > 1:
         raise ConfigError(
-            f"strategy.mesh combines pp {dims.pp} with {', '.join(others)}, but kiln runs the pipeline axis "
-            "alone or with dp_shard so far (pp with dp_replicate, cp or tp is not supported yet); set those axes "
-            "to 1, or drop pp."
+            f"strategy.mesh combines pp {dims.pp} with {' and '.join(beside)}, but kiln runs the pipeline axis "
+            "alone or with one of dp_shard, dp_replicate or tp beside it so far (not with cp, nor with two of them "
+            "together); set all but one of those axes to 1, or drop pp."
         )
     settings = unsupported_settings(s, config)
+    settings["sequence_parallel"] = s.sequence_parallel
+    settings["loss_parallel"] = s.loss_parallel
     if config is not None:
         train = config.train
         settings["train.label_smoothing_factor"] = bool(train.label_smoothing_factor)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,9 +137,10 @@ def _pattern(text: str) -> re.Pattern[str]:
     return re.compile(r"\.".join(parts))
 
 
-def resolve_plan(root: nn.Module, option: PlanOption) -> dict[str, str]:
+def resolve_plan(root: nn.Module, option: PlanOption, leave: Collection[str] = ()) -> dict[str, str]:
     """Module name in `root` -> style, every pattern matched and every style known (not yet
-    checked against the TP size: see `check_plan`)."""
+    checked against the TP size: see `check_plan`). Under auto, the model's patterns that name a module
+    of `leave` or one of its parameters are dropped: another axis splits those (ep the experts)."""
     auto = option is None or option == "auto"
     if auto:
         plan = _auto_plan(root)
@@ -153,6 +154,8 @@ def resolve_plan(root: nn.Module, option: PlanOption) -> dict[str, str]:
     names = [name for name, _ in root.named_modules() if name]
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
+        if auto and _names_left(pattern, leave):
+            continue
         if style in _REFUSED:
             raise ConfigError(
                 f"strategy.tp_plan gives {pattern} the style {style!r}, which kiln does not take in a "
@@ -174,6 +177,12 @@ def resolve_plan(root: nn.Module, option: PlanOption) -> dict[str, str]:
         for name in matched:
             resolved.setdefault(name, style)  # the first pattern that names a module decides its style
     return {name: style for name, style in resolved.items() if style != "replicate"}
+
+
+def _names_left(pattern: str, leave: Collection[str]) -> bool:
+    """Whether `pattern` names a module of `leave`, or a parameter of one (its last component dropped)."""
+    whole, owner = _pattern(pattern), _pattern(pattern.rpartition(".")[0])
+    return any(whole.fullmatch(name) or owner.fullmatch(name) for name in leave)
 
 
 def _examples(names: list[str]) -> list[str]:
@@ -269,6 +278,7 @@ def apply_tp(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     restyle: Callable[[nn.Module, Any], Any] | None = None,
+    leave: Collection[str] = (),
 ) -> TensorParallel:
     """Resolve, check and apply the plan on `root` over `tp_mesh`, sequence-sharding the activations
     between its TP regions and keeping the head's logits split where asked (and derivable).
@@ -278,7 +288,7 @@ def apply_tp(
     from kiln.strategies.mesh import loss_parallel as lp
     from kiln.strategies.mesh import sequence_parallel as sp
 
-    plan = check_plan(root, resolve_plan(root, option), tp)
+    plan = check_plan(root, resolve_plan(root, option, leave), tp)
     layout = sp.derive_layout(root, plan) if sequence_parallel else None  # refuses before anything is split
     head, model = None, hf_model(root)[1]
     if loss_parallel:
@@ -309,10 +319,12 @@ def parallelize_tp(
     *,
     loaded_split: bool,
     restyle: Callable[[nn.Module, Any], Any] | None,
+    leave: Collection[str] = (),
 ) -> tuple[str, Any | None]:
     """Tensor parallelism of the user's module over the mesh's `tp` axis, from one of three sources:
     transformers' split kept as it is (`loaded_split`), the TrainingModule's own `configure_model(mesh)`,
-    or the plan (the mesh settings `s`: `tp_plan`, `sequence_parallel`, `loss_parallel`). Returns what was
+    or the plan (the mesh settings `s`: `tp_plan`, `sequence_parallel`, `loss_parallel`; the modules of
+    `leave` and their parameters left out of an auto plan). Returns what was
     done, for the set-up log line, and the loss-parallel hooks (None: the head's logits are gathered whole)."""
     hook = getattr(user, "configure_model", None)
     if loaded_split:
@@ -346,6 +358,7 @@ def parallelize_tp(
         sequence_parallel=s.sequence_parallel,
         loss_parallel=s.loss_parallel,
         restyle=restyle,
+        leave=leave,
     )
     what = (
         f"{done.layers} tensor-parallel layer(s)"

@@ -50,13 +50,44 @@ def test_ep_within_dp_shard_borrows_its_ranks():
         parse_mesh({"dp_shard": 2, "ep": 2}, 4)
 
 
-@pytest.mark.parametrize("other", [{"tp": 2}, {"pp": 2}, {"cp": 2}, {"dp_replicate": 2}])
+@pytest.mark.parametrize("other", [{"pp": 2}, {"cp": 2}, {"dp_replicate": 2}])
 def test_ep_beside_another_axis_is_refused(other):
     axis = next(iter(other))
-    with pytest.raises(ConfigError, match=rf"combines ep 2 with {axis} 2, but kiln runs the expert axis alone or"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"combines ep 2 with {axis} 2, but kiln runs the expert axis alone, within dp_shard or beside tp so "
+        r"far \(not with dp_replicate, cp or pp, nor with dp_shard and tp together\); set the other axes to 1",
+    ):
         parse_mesh({"ep": 2, **other}, 4)
     with pytest.raises(ConfigError, match=rf"combines ep 2 with {axis} 2"):
         parse_mesh({"ep": 2, "dp_shard": 2, **other}, 4)
+
+
+def test_ep_beside_tp_is_a_data_axis_whose_ranks_hold_tp_groups_and_not_with_dp_shard_too():
+    dims = parse_mesh({"ep": 2, "tp": 2}, 4)
+    assert (dims.dp, dims.dp_cp, dims.stage_ranks, dims.model_ranks, dims.fsdp) == (2, 2, 4, 2, False)
+    assert [dims.data_rank(r) for r in range(4)] == [0, 0, 1, 1]  # a tp pair reads one data shard
+    assert dims.mesh_axes() == (("dp_replicate", "dp_shard", "ep", "cp", "tp"), (1, 1, 2, 1, 2))
+    with pytest.raises(ConfigError, match=r"combines ep 2 with dp_shard 2 and tp 2, but kiln runs the expert axis"):
+        parse_mesh({"ep": 2, "dp_shard": 2, "tp": 2}, 4)
+
+
+def test_ep_beside_tp_leaves_the_experts_out_of_the_models_plan():
+    from kiln.strategies.mesh.tp_plan import resolve_plan
+
+    model = moe()
+    experts = {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    plan = resolve_plan(model, "auto", leave=experts)
+    assert sorted({name.split(".", 3)[-1] for name in plan}) == [
+        "embed_tokens",
+        "lm_head",
+        "self_attn.k_proj",
+        "self_attn.o_proj",
+        "self_attn.q_proj",
+        "self_attn.v_proj",
+    ]
+    with pytest.raises(ConfigError, match="unknown style 'packed_colwise'"):  # the experts' own styles
+        resolve_plan(model, "auto")
 
 
 def test_model_parallel_resolves_to_its_expert_parallel_class():
@@ -96,7 +127,8 @@ def test_models_ep_cannot_split_are_refused():
     [
         ({"strategy": {"offload": True}}, "offload"),
         ({"strategy": {"state_dict_type": "full"}}, "state_dict_type: full"),
-        ({"strategy": {"tp_plan": "auto"}}, "tp_plan"),
+        ({"strategy": {"tp_plan": {"model.layers.*.self_attn.q_proj": "colwise"}}}, r"tp_plan as a mapping"),
+        ({"strategy": {"sequence_parallel": True}}, "sequence_parallel"),
         ({"train": {"gradient_checkpointing": True}}, "train.gradient_checkpointing"),
         ({"train": {"torch_compile": True}}, "train.torch_compile"),
     ],

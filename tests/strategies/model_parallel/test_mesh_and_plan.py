@@ -43,7 +43,7 @@ def test_a_mesh_describes_itself_by_the_axes_it_uses():
         ({"dp_shard": -1, "tp": -1}, 4, "only one axis may take the rest"),
         ({"tp": 0}, 1, "strategy.mesh.tp is 0"),
         ({"pp": 2}, 3, "multiplies to 2 processes but this run has 3"),
-        ({"ep": 2, "tp": 2}, 4, r"combines ep 2 with tp 2, but kiln runs the expert axis alone or within dp_shard"),
+        ({"ep": 2, "cp": 2}, 4, r"combines ep 2 with cp 2, but kiln runs the expert axis alone, within dp_shard"),
         ({"dp": 2}, 2, "unknown axis 'dp'"),
     ],
 )

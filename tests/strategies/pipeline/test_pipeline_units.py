@@ -278,14 +278,30 @@ def _config(**train):
 def test_what_the_pipeline_cannot_run_yet_is_refused_at_config_load():
     pp2, ok = ParallelDims(pp=2), PipelineSettings()
     check_pipeline(ok, pp2, MeshSettings(), _config(), "bf16")  # what runs passes
-    check_pipeline(ok, ParallelDims(pp=2, dp_shard=2), MeshSettings(), _config(), "fp32")  # FSDP per stage
+    for one in ({"dp_shard": 2}, {"dp_replicate": 2}, {"tp": 2}):  # FSDP, HSDP or the tp plan on each stage
+        check_pipeline(ok, ParallelDims(pp=2, **one), MeshSettings(), _config(), "fp32")
     for dims, given in (
-        (ParallelDims(pp=2, tp=2), "tp 2"),
-        (ParallelDims(pp=2, dp_shard=2, cp=2), "cp 2"),
-        (ParallelDims(pp=2, dp_replicate=2, dp_shard=2), "dp_replicate 2"),
+        (ParallelDims(pp=2, cp=2), "cp 2"),
+        (ParallelDims(pp=2, dp_shard=2, cp=2), "dp_shard 2 and cp 2"),
+        (ParallelDims(pp=2, dp_replicate=2, dp_shard=2), "dp_replicate 2 and dp_shard 2"),
+        (ParallelDims(pp=2, dp_shard=2, tp=2), "dp_shard 2 and tp 2"),
+        (ParallelDims(pp=2, dp_replicate=2, tp=2), "dp_replicate 2 and tp 2"),
     ):
-        with pytest.raises(ConfigError, match=rf"combines pp 2 with {given}, .*alone or with dp_shard so far"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"combines pp 2 with {given}, .*alone or with one of dp_shard, dp_replicate or tp beside it so far "
+            r"\(not with cp, nor with two of them together\); set all but one",
+        ):
             check_pipeline(ok, dims, MeshSettings(), _config(), "fp32")
+    tp2 = ParallelDims(pp=2, tp=2)  # the plan is the model's own; the tp options that split activations are not
+    with pytest.raises(ConfigError, match=r"pp 2 does not run with sequence_parallel, loss_parallel yet; drop them"):
+        check_pipeline(ok, tp2, MeshSettings(sequence_parallel=True, loss_parallel=True), _config(), "fp32")
+    check_pipeline(ok, tp2, MeshSettings(tp_plan="auto"), _config(), "fp32")
+    with pytest.raises(
+        ConfigError,
+        match=r"pp 2 does not run with tp_plan as a mapping \(the model's own plan, auto, runs beside tp\) yet; drop it",
+    ):
+        check_pipeline(ok, tp2, MeshSettings(tp_plan={"model.layers.*.mlp.up_proj": "colwise"}), _config(), "fp32")
     with pytest.raises(ConfigError, match=r"does not run with offload, train.torch_compile yet; drop them"):
         check_pipeline(ok, pp2, MeshSettings(offload=True), _config(torch_compile=True), "fp32")
     with pytest.raises(ConfigError, match=r"precision fp16"):
