@@ -90,7 +90,8 @@ def prepare_batch(batch: Any, cp: int, rank: int, load_balance: bool) -> dict[st
     if isinstance(positions, torch.Tensor) and not bool((positions.to(ref.device) == count).all()):
         raise ConfigError(
             "context parallel's causal ring attention would attend across the documents of a packed row "
-            "(position_ids that do not count 0..L-1); give one sequence per row under cp."
+            "(position_ids that do not count 0..L-1); give one sequence per row under cp, or train packed "
+            "rows with cp: 1 (dp_shard or ddp split the data instead)."
         )
     out = dict(batch)
     labels = batch.get("labels")

@@ -128,7 +128,8 @@ def test_a_sliding_window_shorter_than_the_row_is_refused_and_one_as_long_is_kep
             SimpleNamespace(data_shards=2, data_shard_rank=0, item_shards=4),
             None,
             "cannot be combined with context parallelism .*: torch's ring attention, which cp runs, is causal "
-            "over whole rows and refuses any attention mask",
+            "over whole rows and refuses any attention mask, .*; to pack, split the data instead of the sequence "
+            r"\(cp: 1 with dp_shard or ddp, each rank packing its own rows\), or keep cp and drop data.packing.$",
         ),
     ],
 )

@@ -99,6 +99,7 @@ def _check_settings(packing: Any, data_cfg: Any, user_collator: Any, strategy: A
         raise ConfigError(
             "data.packing cannot be combined with context parallelism (the sequence split over ranks): "
             "torch's ring attention, which cp runs, is causal over whole rows and refuses any attention "
-            "mask, so packed examples would attend to each other across their boundaries; use cp: 1 or "
-            "no packing."
+            "mask, so packed examples would attend to each other across their boundaries; to pack, split "
+            "the data instead of the sequence (cp: 1 with dp_shard or ddp, each rank packing its own rows), "
+            "or keep cp and drop data.packing."
         )
