@@ -23,6 +23,10 @@ Three pieces, at the strategy's existing seams:
   Transformers attention layers drop their attention mask for `is_causal` (accelerate's hook: the
   ring kernels take no mask).
 
+Packed rows (data.packing) cannot go through the ring, which takes no mask: they keep their
+per-example position_ids and attend with gathered keys and values and a per-example mask instead
+(packed_cp.py; `prepare_batch(..., packed=True)`, `check_model(..., packed=True)`).
+
 Evaluation and prediction are not context parallel: their batches are left whole, every cp rank
 computes the same full-sequence outputs (with plain attention), and the strategy's gathers keep one
 copy per data shard."""
@@ -105,7 +109,8 @@ def prepare_batch(batch: Any, cp: int, rank: int, load_balance: bool, packed: bo
             "data.packing, whose rows cp masks per example."
         )
     labels = out.get("labels")
-    if isinstance(labels, torch.Tensor) and "shift_labels" not in out:  # before the split: the boundary keeps its target
+    # before the split: the boundary keeps its target
+    if isinstance(labels, torch.Tensor) and "shift_labels" not in out:
         out["shift_labels"] = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
     if not (packed and isinstance(positions, torch.Tensor)):
         # before the split, so a chunk keeps its true positions (given ones equal these: checked above)

@@ -7,7 +7,8 @@ applied to the model by its own `apply_*` function, in torchtitan's order:
     activation ckpt      apply_activation_checkpointing (../activation_checkpointing.py) on the wrapped blocks
     compile              compile_units (../regional_compile.py)                         each block's forward
     FSDP2                apply_fsdp (fsdp.py)                                           over dp (x cp)
-    context parallel     context_parallel.py, at the batch and micro-batch seams       over `cp`
+    context parallel     context_parallel.py (packed rows: packed_cp.py), at the batch and
+                         micro-batch seams                                            over `cp`
 
 and one DCP checkpoint IO (checkpoint_io.py). `strategy: fsdp` and `strategy: model_parallel` are two
 presets of it (kiln/strategies/fsdp/, kiln/strategies/model_parallel/): they differ only in how the
@@ -340,7 +341,8 @@ class MeshStrategy(MeshCollectives, Strategy, BackwardSyncControl, ShardedModule
     def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> contextlib.AbstractContextManager[Any]:
         """FSDP reduce-scatters once per accumulation window, on its last micro-batch. Under cp the
         micro-batch's forward and backward run inside torch's ring-attention dispatcher; with loss
-        parallel inside torch's `loss_parallel()`; with both (cp x tp), inside both."""
+        parallel inside torch's `loss_parallel()`; with both (cp x tp), inside both. Packed rows under cp
+        gather keys and values instead of the ring (packed_cp.py)."""
         from kiln.strategies.mesh.fsdp import is_fsdp
 
         root = self.unwrap(model)

@@ -87,8 +87,8 @@ def test_every_batch_by_sequence_tensor_is_split_and_the_rest_left_whole():
         ),
         (
             {"input_ids": IDS, "position_ids": torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])},
-            r"across the documents of a packed row .*; give one sequence per row under cp, or train packed rows "
-            r"with cp: 1 \(dp_shard or ddp split the data instead\).$",
+            r"across the documents of a packed row .*; give one sequence per row under cp, or pack with "
+            r"data.packing, whose rows cp masks per example.$",
         ),
         ([IDS], "batches must be dicts with input_ids"),
         ({"pixels": torch.zeros(2, 3, 8, 8)}, "needs input_ids"),
@@ -101,12 +101,12 @@ def test_a_batch_cp_cannot_split_exactly_is_one_sentence(batch, words):
 
 
 def test_flex_attention_still_cannot_train_on_cpu():
-    """Why packed rows stay refused under cp (the sentence above; data.packing's own, in
-    tests/engine/packing/test_refusals.py): torch's only masked cp attention is flex_attention over
-    gathered keys and values (`_ContextParallel`'s FLEX input_fn with a `_create_cp_block_mask`), and
-    flex_attention refuses a backward on CPU (torch/nn/attention/flex_attention.py, `_validate_device`),
-    eager or compiled. Its forward runs on CPU and gloo. When this fails, torch can train it here:
-    packing under cp can then go through it, with an exactness world on CPU."""
+    """Why kiln's cp attends packed rows through SDPA over gathered keys and values (packed_cp.py) and
+    not through torch's own masked cp path, flex_attention over gathered keys and values
+    (`_ContextParallel`'s FLEX input_fn with a `_create_cp_block_mask`): flex_attention refuses a
+    backward on CPU (torch/nn/attention/flex_attention.py, `_validate_device`), eager or compiled, so
+    that path could not be trained or tested here. Its forward runs. When this fails, torch can train
+    it on CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
     query = torch.zeros(1, 1, 128, 8)

@@ -13,8 +13,8 @@ import pytest
 
 from tests.installed import requires
 from tests.strategies.model_parallel import cp_cases
-from tests.strategies.model_parallel.test_model_parallel import _same_weights, _torchrun
 from tests.strategies.model_parallel.test_model_parallel import _same_run as same_run
+from tests.strategies.model_parallel.test_model_parallel import _same_weights, _torchrun
 
 pytestmark = [pytest.mark.distributed, requires("transformers")]
 TOL = 1e-5
