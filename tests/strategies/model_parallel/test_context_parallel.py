@@ -92,6 +92,7 @@ def test_every_batch_by_sequence_tensor_is_split_and_the_rest_left_whole():
         ),
         ([IDS], "batches must be dicts with input_ids"),
         ({"pixels": torch.zeros(2, 3, 8, 8)}, "needs input_ids"),
+        ({"input_ids": torch.zeros(8, dtype=torch.long)}, "needs input_ids"),  # no batch dim
     ],
 )
 def test_a_batch_cp_cannot_split_exactly_is_one_sentence(batch, words):
