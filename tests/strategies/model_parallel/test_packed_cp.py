@@ -100,3 +100,25 @@ def test_packed_cp_refuses_other_attention_in_one_sentence(impl):
         r"attn_implementation='sdpa'.$",
     ):
         check_model(_llama(impl), "cuda", packed=True)
+
+
+@pytest.mark.parametrize(
+    "data, packed",
+    [
+        ({}, False),
+        ({"packing": {"strategy": "bfd", "max_length": 16}}, True),
+        ({"packing": {"padding_free": True}}, True),
+        ({"packing": {"padding_free": False}}, False),
+    ],
+)
+def test_the_strategy_gathers_for_packed_rows_only(data, packed):
+    """Rows are packed when data.packing packs (a strategy) or concatenates (padding_free), as the
+    Trainer's loaders decide; everything else keeps the ring."""
+    from types import SimpleNamespace
+
+    from kiln.config import load_config
+    from kiln.strategies.mesh.strategy import MeshStrategy
+
+    cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}, "data": data})
+    assert MeshStrategy.cp_packed.fget(SimpleNamespace(config=cfg)) is packed
+    assert MeshStrategy.cp_packed.fget(SimpleNamespace(config=None)) is False
