@@ -122,3 +122,40 @@ def test_the_strategy_gathers_for_packed_rows_only(data, packed):
     cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}, "data": data})
     assert MeshStrategy.cp_packed.fget(SimpleNamespace(config=cfg)) is packed
     assert MeshStrategy.cp_packed.fget(SimpleNamespace(config=None)) is False
+
+
+@pytest.mark.parametrize(
+    "cp, packed, entered", [(2, True, "gathered"), (2, False, "ring"), (1, True, None), (1, False, None)]
+)
+def test_a_micro_batch_runs_in_the_attention_its_rows_need(monkeypatch, cp, packed, entered):
+    """Packed rows gather under cp; other rows go round the ring (CUDA only, so its own world cannot run
+    here); with cp 1 neither."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from kiln.strategies.mesh import context_parallel, packed_cp
+    from kiln.strategies.mesh.strategy import MeshStrategy
+
+    seen = []
+
+    def recorder(name):
+        @contextlib.contextmanager
+        def enter(mesh, *args):
+            seen.append((name, mesh))
+            yield
+
+        return enter
+
+    monkeypatch.setattr(packed_cp, "gathered_attention", recorder("gathered"))
+    monkeypatch.setattr(context_parallel, "ring_attention", recorder("ring"))
+    strategy = SimpleNamespace(
+        shape=SimpleNamespace(cp=cp),
+        cp_packed=packed,
+        cp_load_balance=True,
+        device_mesh={"cp": "cp-mesh"},
+        unwrap=lambda model: model,
+        _loss_parallel=None,
+    )
+    with MeshStrategy.micro_batch_context(strategy, torch.nn.Linear(1, 1), boundary=True):
+        pass
+    assert seen == ([(entered, "cp-mesh")] if entered else [])
