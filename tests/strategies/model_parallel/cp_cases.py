@@ -30,7 +30,8 @@ VOCAB, LENGTH = 64, 8
 #: TokenLocalLM's MLP split over tp (its only layers with a natural tensor-parallel pair)
 TOKEN_PLAN = {"mlp.1": "colwise", "mlp.3": "rowwise"}
 
-#: rows of up to 22 tokens: not a multiple of 4, so some batches are padded for the split
+#: rows of up to 22 tokens: not a multiple of 4, so some batches are padded for the split; 65 examples
+#: make 32 rows, 4 whole steps of 8, so every data-shard count deals the same rows to each step
 PACKED = {"packing": {"strategy": "bfd", "max_length": 22}}
 
 #: name -> (config entries beside the common ones, data shards)
@@ -50,6 +51,7 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "packed_single": ({**SINGLE, "data": PACKED}, 1),
     "packed_cp2": ({"strategy": {**MP, "mesh": {"cp": 2}}, "data": PACKED}, 1),
     "packed_cp2_contiguous": ({"strategy": {**MP, "mesh": {"cp": 2}, "cp_load_balance": False}, "data": PACKED}, 1),
+    "packed_dp2cp2": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "cp": 2}}, "data": PACKED}, 2),
     "llama_single_cuda": ({"strategy": {"name": "single", "device": "cuda"}}, 1),
     "llama_cp2_cuda": ({"strategy": {**MP, "device": "cuda", "mesh": {"cp": 2}}}, 1),
 }
@@ -132,7 +134,7 @@ def run_case(name: str, root: str, **extra: Any) -> tuple[dict[str, Any], dict[s
     if name.startswith("packed"):
         from tests.engine.packing import tiny
 
-        model, train, evaluation = tiny.model("llama"), tiny.examples("llama", n=40), tiny.examples("llama", n=4)
+        model, train, evaluation = tiny.model("llama"), tiny.examples("llama", n=65), tiny.examples("llama", n=4)
     else:
         model = llama_sdpa() if name.startswith("llama") else TokenLocalLM()
         train, evaluation = data(32, seed=1), data(8, seed=2)
