@@ -23,6 +23,10 @@ Three pieces, at the strategy's existing seams:
   Transformers attention layers drop their attention mask for `is_causal` (accelerate's hook: the
   ring kernels take no mask).
 
+Packed rows (data.packing) cannot go through the ring, which takes no mask: they keep their
+per-example position_ids and attend with gathered keys and values and a per-example mask instead
+(packed_cp.py; `prepare_batch(..., packed=True)`, `check_model(..., packed=True)`).
+
 Evaluation and prediction are not context parallel: their batches are left whole, every cp rank
 computes the same full-sequence outputs (with plain attention), and the strategy's gathers keep one
 copy per data shard."""
@@ -58,9 +62,13 @@ def chunk_indices(length: int, cp: int, rank: int, load_balance: bool) -> torch.
     return torch.cat([torch.arange(rank * size, (rank + 1) * size), torch.arange(tail * size, (tail + 1) * size)])
 
 
-def prepare_batch(batch: Any, cp: int, rank: int, load_balance: bool) -> dict[str, Any]:
+def prepare_batch(batch: Any, cp: int, rank: int, load_balance: bool, packed: bool = False) -> dict[str, Any]:
     """This cp rank's share of a training batch (see the module docstring); refuses, one sentence
-    each, what cannot be split exactly. Checks read the batch before it moves to the device."""
+    each, what cannot be split exactly. Checks read the batch before it moves to the device. With
+    `packed` (data.packing) the rows keep their per-example position_ids and get the mask of
+    packed_cp.py, for attention with gathered keys and values."""
+    from kiln.strategies.mesh import packed_cp
+
     if not isinstance(batch, Mapping):
         raise ConfigError(
             f"strategy.mesh.cp is {cp}, so batches must be dicts with input_ids of shape (batch, sequence) "
@@ -73,6 +81,14 @@ def prepare_batch(batch: Any, cp: int, rank: int, load_balance: bool) -> dict[st
             "sequence) to split along the sequence; this batch has none."
         )
     rows, length = ref.shape[0], ref.shape[1]
+    out = dict(batch)
+    positions = batch.get("position_ids")
+    if packed:  # the whole batch's varlen arguments describe no chunk; rows padded to a length the split divides
+        out = {k: v for k, v in out.items() if k not in packed_cp.VARLEN_KEYS}
+        if isinstance(positions, torch.Tensor):
+            out["position_ids"] = positions.to(ref.device).expand(rows, length).contiguous()
+        out, length = packed_cp.pad_rows(out, rows, length, pieces(cp, load_balance))
+        positions = out.get("position_ids")
     if length % pieces(cp, load_balance):
         how = f"2 x cp = {2 * cp} (load balancing cuts it in two pieces per rank)" if load_balance else f"cp = {cp}"
         raise ConfigError(
@@ -85,25 +101,28 @@ def prepare_batch(batch: Any, cp: int, rank: int, load_balance: bool) -> dict[st
             "context parallel attends causally over whole rows and cannot apply a padding attention_mask "
             "(it has zeros); pad on the right with labels -100 and no attention_mask, or pack the sequences."
         )
-    positions = batch.get("position_ids")
     count = torch.arange(length, device=ref.device)
-    if isinstance(positions, torch.Tensor) and not bool((positions.to(ref.device) == count).all()):
+    if not packed and isinstance(positions, torch.Tensor) and not bool((positions.to(ref.device) == count).all()):
         raise ConfigError(
             "context parallel's causal ring attention would attend across the documents of a packed row "
-            "(position_ids that do not count 0..L-1); give one sequence per row under cp."
+            "(position_ids that do not count 0..L-1); give one sequence per row under cp, or pack with "
+            "data.packing, whose rows cp masks per example."
         )
-    out = dict(batch)
-    labels = batch.get("labels")
-    if (
-        isinstance(labels, torch.Tensor) and "shift_labels" not in batch
-    ):  # before the split: the boundary keeps its target
+    labels = out.get("labels")
+    # before the split: the boundary keeps its target
+    if isinstance(labels, torch.Tensor) and "shift_labels" not in out:
         out["shift_labels"] = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
-    # before the split, so a chunk keeps its true positions (given ones equal these: checked above)
-    out["position_ids"] = count.expand(rows, length).contiguous()
+    if not (packed and isinstance(positions, torch.Tensor)):
+        # before the split, so a chunk keeps its true positions (given ones equal these: checked above)
+        out["position_ids"] = count.expand(rows, length).contiguous()
+    docs = packed_cp.documents(out["position_ids"]) if packed else None  # of the whole rows
     keep = chunk_indices(length, cp, rank, load_balance).to(ref.device)
     for key, value in out.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (rows, length):
             out[key] = value.index_select(1, keep.to(value.device))
+    if docs is not None:
+        order = torch.cat([chunk_indices(length, cp, r, load_balance) for r in range(cp)]).to(ref.device)
+        out["attention_mask"] = packed_cp.gathered_mask(docs, keep, order)
     return out
 
 
@@ -146,16 +165,24 @@ def transformers_models(root: nn.Module) -> list[tuple[str, Any]]:
     return found
 
 
-def check_model(root: nn.Module, device_type: str) -> int:
+def check_model(root: nn.Module, device_type: str, packed: bool = False) -> int:
     """Refuse, before the first step, a model whose attention CP cannot shard; then make its attention
     layers causal without a mask (see `causal_attention_hooks`). Returns how many layers got the hook.
     A module of your own must call `F.scaled_dot_product_attention` (causal) for its attention:
-    attention written by hand would see only the local chunk, which kiln cannot detect."""
+    attention written by hand would see only the local chunk, which kiln cannot detect. With `packed`
+    (data.packing) attention is SDPA over gathered keys and values with a per-example mask
+    (packed_cp.py), on any device, and keeps its mask (no hook)."""
     hooked = 0
     for name, model in transformers_models(root):
         what = f"{type(model).__name__}{f' ({name})' if name else ''}"
         config = model.config
         impl = config._attn_implementation
+        if packed and impl != "sdpa":
+            raise ConfigError(
+                f"{what} uses {impl!r} attention, but under context parallel kiln attends packed rows "
+                "(data.packing) through SDPA over the gathered keys and values of the cp ranks; load it with "
+                "attn_implementation='sdpa'."
+            )
         if impl == "eager":
             raise ConfigError(
                 f"{what} uses eager attention, which under context parallel would attend only within each "
@@ -166,7 +193,7 @@ def check_model(root: nn.Module, device_type: str) -> int:
                 f"{what} uses {impl!r} attention, but context parallel shards only torch's SDPA attention; "
                 "load it with attn_implementation='sdpa'."
             )
-        if device_type != "cuda":
+        if device_type != "cuda" and not packed:
             raise ConfigError(
                 "context parallel's ring attention needs CUDA SDPA (flash/efficient/cudnn); on CPU use cp: 1."
             )
@@ -187,7 +214,8 @@ def check_model(root: nn.Module, device_type: str) -> int:
                 f"{what}.forward does not take shift_labels, which context parallel needs to keep the "
                 "target of each chunk's last token; use a model whose forward passes **kwargs to its loss."
             )
-        hooked += causal_attention_hooks(model)
+        if not packed:
+            hooked += causal_attention_hooks(model)
     return hooked
 
 

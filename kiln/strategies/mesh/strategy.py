@@ -7,7 +7,8 @@ applied to the model by its own `apply_*` function, in torchtitan's order:
     activation ckpt      apply_activation_checkpointing (../activation_checkpointing.py) on the wrapped blocks
     compile              compile_units (../regional_compile.py)                         each block's forward
     FSDP2                apply_fsdp (fsdp.py)                                           over dp (x cp)
-    context parallel     context_parallel.py, at the batch and micro-batch seams       over `cp`
+    context parallel     context_parallel.py (packed rows: packed_cp.py), at the batch and
+                         micro-batch seams                                            over `cp`
 
 and one DCP checkpoint IO (checkpoint_io.py). `strategy: fsdp` and `strategy: model_parallel` are two
 presets of it (kiln/strategies/fsdp/, kiln/strategies/model_parallel/): they differ only in how the
@@ -139,6 +140,13 @@ class MeshStrategy(MeshCollectives, Strategy, BackwardSyncControl, ShardedModule
             raise ConfigError(f"strategy.cp_load_balance is {value!r}; give true or false.")
         return value
 
+    @property
+    def cp_packed(self) -> bool:
+        """Whether training rows are packed (data.packing): cp then attends with gathered keys and
+        values and a per-example mask (packed_cp.py) instead of the ring, which takes no mask."""
+        packing = getattr(getattr(self.config, "data", None), "packing", None)
+        return packing is not None and (packing.strategy is not None or bool(packing.padding_free))
+
     # -- checks, before any process group starts ------------------------------------------------
     def _check_settings(self) -> None:
         """What the settings cannot do on this mesh, refused in one sentence each, the same sentence
@@ -222,7 +230,7 @@ class MeshStrategy(MeshCollectives, Strategy, BackwardSyncControl, ShardedModule
 
         s, dims = self.settings, self.shape
         if dims.cp > 1:  # before any work: attention CP cannot shard is refused here
-            check_model(module, self.root_device.type)
+            check_model(module, self.root_device.type, self.cp_packed)
         on_meta = has_meta_tensors(module)
         if on_meta and (self.is_global_zero or not s.cpu_ram_efficient_loading):
             raise ConfigError(
@@ -310,7 +318,7 @@ class MeshStrategy(MeshCollectives, Strategy, BackwardSyncControl, ShardedModule
         if self.shape.cp > 1 and self._root is not None and self._root.training:
             from kiln.strategies.mesh.context_parallel import prepare_batch
 
-            batch = prepare_batch(batch, self.shape.cp, self._cp_rank, self.cp_load_balance)
+            batch = prepare_batch(batch, self.shape.cp, self._cp_rank, self.cp_load_balance, self.cp_packed)
         return super().batch_to_device(batch)
 
     @contextlib.contextmanager
@@ -333,14 +341,19 @@ class MeshStrategy(MeshCollectives, Strategy, BackwardSyncControl, ShardedModule
     def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> contextlib.AbstractContextManager[Any]:
         """FSDP reduce-scatters once per accumulation window, on its last micro-batch. Under cp the
         micro-batch's forward and backward run inside torch's ring-attention dispatcher; with loss
-        parallel inside torch's `loss_parallel()`; with both (cp x tp), inside both."""
+        parallel inside torch's `loss_parallel()`; with both (cp x tp), inside both. Packed rows under cp
+        gather keys and values instead of the ring (packed_cp.py)."""
         from kiln.strategies.mesh.fsdp import is_fsdp
 
         root = self.unwrap(model)
         if is_fsdp(root):
             root.set_requires_gradient_sync(boundary)
         contexts: list[contextlib.AbstractContextManager[Any]] = []
-        if self.shape.cp > 1:
+        if self.shape.cp > 1 and self.cp_packed:
+            from kiln.strategies.mesh.packed_cp import gathered_attention
+
+            contexts.append(gathered_attention(self.device_mesh["cp"]))
+        elif self.shape.cp > 1:
             from kiln.strategies.mesh.context_parallel import ring_attention
 
             contexts.append(ring_attention(self.device_mesh["cp"], self.cp_load_balance))

@@ -105,6 +105,14 @@ def test_a_sliding_window_shorter_than_the_row_is_refused_and_one_as_long_is_kep
     assert batch["max_length_q"] <= 16
 
 
+def test_context_parallel_is_left_to_the_strategy(llama):
+    """Under cp (item shards beyond the data shards) the rows are packed as on one process: the mesh
+    strategy splits them and masks each example (tests/strategies/model_parallel/test_cp_packing.py)."""
+    cp2 = SimpleNamespace(data_shards=2, data_shard_rank=0, item_shards=4)
+    batch = pack(llama, tiny.examples("llama"), strategy=cp2)
+    assert "cu_seq_lens_q" in batch and batch["position_ids"].eq(0).sum() > batch["input_ids"].shape[0]
+
+
 @pytest.mark.parametrize(
     "cfg, strategy, collator, match",
     [
@@ -122,13 +130,6 @@ def test_a_sliding_window_shorter_than_the_row_is_refused_and_one_as_long_is_kep
             SimpleNamespace(data_shards=2, data_shard_rank=0, item_shards=2),
             None,
             "drop dispatch_batches",
-        ),
-        (
-            data_cfg(),
-            SimpleNamespace(data_shards=2, data_shard_rank=0, item_shards=4),
-            None,
-            "cannot be combined with context parallelism .*: torch's ring attention, which cp runs, is causal "
-            "over whole rows and refuses any attention mask",
         ),
     ],
 )

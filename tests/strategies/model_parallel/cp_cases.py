@@ -30,6 +30,10 @@ VOCAB, LENGTH = 64, 8
 #: TokenLocalLM's MLP split over tp (its only layers with a natural tensor-parallel pair)
 TOKEN_PLAN = {"mlp.1": "colwise", "mlp.3": "rowwise"}
 
+#: rows of up to 22 tokens: not a multiple of 4, so some batches are padded for the split; 65 examples
+#: make 32 rows, 4 whole steps of 8, so every data-shard count deals the same rows to each step
+PACKED = {"packing": {"strategy": "bfd", "max_length": 22}}
+
 #: name -> (config entries beside the common ones, data shards)
 CASES: dict[str, tuple[dict[str, Any], int]] = {
     "cp_single": (SINGLE, 1),
@@ -43,6 +47,11 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
         {"strategy": {**MP, "mesh": {"cp": 2, "tp": 2}, "tp_plan": TOKEN_PLAN}},
         1,
     ),  # resumes a cp checkpoint on one process
+    # data.packing: a tiny SDPA Llama on packed rows (tests.engine.packing.tiny), cp with gathered keys/values
+    "packed_single": ({**SINGLE, "data": PACKED}, 1),
+    "packed_cp2": ({"strategy": {**MP, "mesh": {"cp": 2}}, "data": PACKED}, 1),
+    "packed_cp2_contiguous": ({"strategy": {**MP, "mesh": {"cp": 2}, "cp_load_balance": False}, "data": PACKED}, 1),
+    "packed_dp2cp2": ({"strategy": {**MP, "mesh": {"dp_shard": 2, "cp": 2}}, "data": PACKED}, 2),
     "llama_single_cuda": ({"strategy": {"name": "single", "device": "cuda"}}, 1),
     "llama_cp2_cuda": ({"strategy": {**MP, "device": "cuda", "mesh": {"cp": 2}}}, 1),
 }
@@ -122,10 +131,14 @@ def llama_sdpa() -> Any:
 
 
 def run_case(name: str, root: str, **extra: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    model = llama_sdpa() if name.startswith("llama") else TokenLocalLM()
-    trainer = _counting_trainer()(
-        model, config(name, root, **extra), train_dataset=data(32, seed=1), eval_dataset=data(8, seed=2)
-    )
+    if name.startswith("packed"):
+        from tests.engine.packing import tiny
+
+        model, train, evaluation = tiny.model("llama"), tiny.examples("llama", n=65), tiny.examples("llama", n=4)
+    else:
+        model = llama_sdpa() if name.startswith("llama") else TokenLocalLM()
+        train, evaluation = data(32, seed=1), data(8, seed=2)
+    trainer = _counting_trainer()(model, config(name, root, **extra), train_dataset=train, eval_dataset=evaluation)
     trainer.items = []
     trainer.fit()
     metrics = trainer.evaluate()

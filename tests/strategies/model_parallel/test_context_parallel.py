@@ -87,16 +87,34 @@ def test_every_batch_by_sequence_tensor_is_split_and_the_rest_left_whole():
         ),
         (
             {"input_ids": IDS, "position_ids": torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])},
-            "across the documents of a packed row",
+            r"across the documents of a packed row .*; give one sequence per row under cp, or pack with "
+            r"data.packing, whose rows cp masks per example.$",
         ),
         ([IDS], "batches must be dicts with input_ids"),
         ({"pixels": torch.zeros(2, 3, 8, 8)}, "needs input_ids"),
+        ({"input_ids": torch.zeros(8, dtype=torch.long)}, "needs input_ids"),  # no batch dim
     ],
 )
 def test_a_batch_cp_cannot_split_exactly_is_one_sentence(batch, words):
     with pytest.raises(ConfigError, match=words) as err:
         prepare_batch(batch, cp=2, rank=0, load_balance=True)
     assert str(err.value).count(". ") == 0
+
+
+def test_flex_attention_still_cannot_train_on_cpu():
+    """Why kiln's cp attends packed rows through SDPA over gathered keys and values (packed_cp.py) and
+    not through torch's own masked cp path, flex_attention over gathered keys and values
+    (`_ContextParallel`'s FLEX input_fn with a `_create_cp_block_mask`): flex_attention refuses a
+    backward on CPU (torch/nn/attention/flex_attention.py, `_validate_device`), eager or compiled, so
+    that path could not be trained or tested here. Its forward runs. When this fails, torch can train
+    it on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    query = torch.zeros(1, 1, 128, 8)
+    assert flex_attention(query, query, query).shape == query.shape  # the forward runs
+    query.requires_grad_()
+    with pytest.raises(NotImplementedError, match="FlexAttention does not support backward on CPU"):
+        flex_attention(query, query, query)
 
 
 def test_without_load_balancing_cp_alone_must_divide_the_length():

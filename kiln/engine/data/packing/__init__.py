@@ -95,10 +95,3 @@ def _check_settings(packing: Any, data_cfg: Any, user_collator: Any, strategy: A
             "data.packing has each rank pack its own rows, but dispatch_batches has rank 0 read the data "
             "for all ranks; drop dispatch_batches (a stream is dealt out example by example instead)."
         )
-    if strategy.item_shards != strategy.data_shards:
-        raise ConfigError(
-            "data.packing cannot be combined with context parallelism (the sequence split over ranks): "
-            "torch's ring attention, which cp runs, is causal over whole rows and refuses any attention "
-            "mask, so packed examples would attend to each other across their boundaries; use cp: 1 or "
-            "no packing."
-        )
