@@ -83,8 +83,11 @@ def layouts(counts: Counts, nproc: int, s: Setting) -> list[Layout]:
         bucket = reduce_bucket(stage, s.zero, dw)
         states = deepspeed_states(counts, stage, nproc, s.optim, s.optim_args, w=dw, bucket=bucket)
         share = states.grads / full_grads if full_grads else 0.0
-        # kiln's foreach AdamW steps DeepSpeed's fp32 partition: one fp32 temporary per element
-        temporaries = 4 * foreach / w / (nproc if stage else 1)
+        # kiln's foreach AdamW steps DeepSpeed's fp32 partition: one fp32 temporary per element. ZeRO-3 also
+        # flattens its gradient partitions into a new fp32 gradient for that partition at each step
+        # (stage3's `_prepare_fp32_grad_for_sub_group`), which its estimator (the states) leaves out; ZeRO-1/2
+        # keep theirs among the states
+        temporaries = 4 * foreach / w / (nproc if stage else 1) + (4 * counts.trainable / nproc if stage == 3 else 0)
         rows.append(Layout("deepspeed", f"ZeRO-{stage}", states, 1.0, share, temporaries))
     for stage, params in ((2, False), (3, False), (3, True)):
         offloaded = {**s.zero, "offload_optimizer": {"device": "cpu"}}

@@ -161,6 +161,8 @@ def test_the_layouts_for_8_processes_and_their_peaks():
     assert zero2.states == deepspeed_states(MATRIX, 2, 8, "adamw_torch", w=4, bucket=5e8 * 4)
     assert zero2.step_temporaries == 4 * MATRIX.trainable / 8  # foreach AdamW over the fp32 partition
     assert found[("deepspeed", "ZeRO-0")].step_temporaries == 4 * MATRIX.trainable
+    # ZeRO-3 flattens its gradient partitions into a new fp32 gradient at the step, beside AdamW's temporaries
+    assert found[("deepspeed", "ZeRO-3")].step_temporaries == 2 * 4 * MATRIX.trainable / 8
     assert zero2.grad_share == zero2.states.grads / (MATRIX.trainable * 4)  # the share of backward's gradients
     offloaded = found[("deepspeed", "ZeRO-2 offload optimizer")]
     assert offloaded.states == deepspeed_states(MATRIX, 2, 8, "adamw_torch", None, True, False, 4, 5e8 * 4)
