@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kiln.estimate.layouts import Setting, layouts
+from kiln.estimate.layouts import Setting, layouts, tp_sizes
 from kiln.estimate.report import as_json, rows, table
 from kiln.estimate.states import Counts
-from kiln.estimate.trace import Activations, trace
+from kiln.estimate.trace import Activations, fake_tp_mesh, trace
 
 #: strategy names (by prefix; xla_fsdp before xla) -> the table's rows the configured strategy is
 FAMILIES = (
@@ -119,7 +119,8 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
     data = data_fn(**data_args)
     kwargs = {**model_args, **data.get("model_args", {})}
     check_kwargs(model_fn, kwargs, "task.model_args", cfg.task.model)
-    wrap = dict(cfg.strategy.options or {}).get("wrap")
+    options = dict(cfg.strategy.options or {})
+    wrap = options.get("wrap")
     configured = policy(cfg)
     precision = str(cfg.precision.name)
     batch = _batch(data, int(cfg.data.per_device_train_batch_size))
@@ -128,9 +129,12 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
     def build() -> Any:
         return model_fn(**kwargs)
 
-    def prepared(mode: str) -> Any:
+    def prepared(mode: str, mesh: Any = None) -> Any:
         def prepare(model: Any) -> Any:
-            found["model"] = model
+            if mesh is not None:  # split as the mesh strategy splits it: the plan first, then checkpointing
+                _split(model, mesh, options)
+            else:
+                found["model"] = model
             found["blocks"] = find_blocks(model, list(wrap) if wrap else None)
             if mode != "none":
                 checkpoint_model(model, Policy(mode, configured.every if configured else 1), found["blocks"])
@@ -159,7 +163,9 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
     )
     used = traced[chosen]
     assert used is not None  # traced above, or raised
-    result = rows(layouts(counts, nproc, setting), used, device_memory)
+    split, refused = _split_traces(nproc, lambda mesh: trace(build, precision, prepared(chosen, mesh)))
+    shown = [layout for layout in layouts(counts, nproc, setting) if layout.tp not in refused]
+    result = rows(shown, used, device_memory, split)
     about = {
         "model": str(cfg.task.model),
         "parameters": counts.total,
@@ -172,8 +178,49 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
         "configured_strategy": family,
         "activation_checkpointing": chosen,
         "activations_by_checkpointing": {mode: t.peak if t else None for mode, t in traced.items()},
+        "tensor_parallel_refused": {str(tp): why for tp, why in refused.items()},
     }
     return result, about
+
+
+def _split(model: Any, mesh: Any, options: dict[str, Any]) -> None:
+    """The config's tp plan (`auto`, the model's own, unless the strategy names one) applied over `mesh`."""
+    from kiln.strategies.mesh.tp_plan import apply_tp
+
+    apply_tp(
+        model,
+        mesh["tp"],
+        options.get("tp_plan"),
+        mesh.size(),
+        sequence_parallel=bool(options.get("sequence_parallel", False)),
+        loss_parallel=bool(options.get("loss_parallel", False)),
+    )
+
+
+def _split_traces(nproc: int, traced_on: Callable[[Any], Activations]) -> tuple[dict[int, Activations], dict[int, str]]:
+    """For each tp degree of the model_parallel rows, one rank's activations with the model split that many
+    ways over a fake process group (trace.fake_tp_mesh): the head's gathered logits and every layer the plan
+    leaves whole count whole, not as 1/tp of the unsplit model's. Also the degrees the model cannot be split
+    by (its plan refuses: no plan, heads that tp does not divide), each with the sentence why; their rows are
+    left out. Where a process group exists already, or the split cannot run on fake tensors, a degree's row
+    keeps the share 1/tp of the unsplit trace."""
+    import torch.distributed as dist
+
+    from kiln.utils.errors import ConfigError
+
+    split: dict[int, Activations] = {}
+    refused: dict[int, str] = {}
+    if dist.is_available() and dist.is_initialized():
+        return split, refused
+    for tp in tp_sizes(nproc):
+        try:
+            with fake_tp_mesh(tp) as mesh:
+                split[tp] = traced_on(mesh)
+        except ConfigError as err:
+            refused[tp] = str(err)
+        except RuntimeError:  # an operation a DTensor on fake tensors cannot run: the share of the unsplit trace
+            continue
+    return split, refused
 
 
 def _zero(cfg: Any, name: str, family: str | None, nproc: int, model: Any) -> dict[str, Any]:
@@ -205,6 +252,7 @@ def _header(about: dict[str, Any]) -> list[str]:
         f"{about['precision']}, {about['optimizer']}, micro-batch {about['micro_batch_size']}, {about['nproc']} "
         f"process{'es' if about['nproc'] != 1 else ''}, device memory {memory}",
         f"activations per micro-batch by activation checkpointing: {modes} (the table uses {about['activation_checkpointing']})",
+        *(f"model_parallel tp={tp} left out: {why}" for tp, why in about["tensor_parallel_refused"].items()),
         "(* the config's strategy; peak/rank: the largest of backward and the optimizer step)",
     ]
 

@@ -8,6 +8,7 @@ the larger one is the estimate."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,19 +26,31 @@ class Row:
     fits: bool | None
 
 
-def peak(layout: Layout, traced: Activations) -> tuple[float, float]:
-    """(activations, peak) in bytes for one rank of `layout`."""
+def peak(layout: Layout, traced: Activations, split: Activations | None = None) -> tuple[float, float]:
+    """(activations, peak) in bytes for one rank of `layout`; `split`: the trace of one rank of the model split
+    `layout.tp` ways, whose activations (the gathered head's logits and every unsplit layer's included) and
+    gradients are that rank's already, so only the dp shard divides its gradients."""
     s = layout.states
-    activations = traced.peak * layout.activation_share
-    backward = s.gathered + activations + traced.grads * layout.grad_share
+    if split is not None:
+        activations, grads = float(split.peak), split.grads * layout.grad_share * layout.tp
+    else:
+        activations, grads = traced.peak * layout.activation_share, traced.grads * layout.grad_share
+    backward = s.gathered + activations + grads
     step = s.grads + layout.step_temporaries
     return activations, s.params + s.optimizer + s.buckets + max(backward, step)
 
 
-def rows(layouts: list[Layout], traced: Activations, device_memory_gib: float | None) -> list[Row]:
+def rows(
+    layouts: list[Layout],
+    traced: Activations,
+    device_memory_gib: float | None,
+    split: Mapping[int, Activations] | None = None,
+) -> list[Row]:
+    """One row per layout; `split`: traces of the model split by tp degree (for the layouts with that tp)."""
     out = []
     for layout in layouts:
-        activations, total = peak(layout, traced)
+        found = (split or {}).get(layout.tp) if layout.tp > 1 else None
+        activations, total = peak(layout, traced, found)
         fits = None if device_memory_gib is None else total <= device_memory_gib * GIB
         out.append(Row(layout, activations, total, fits))
     return out

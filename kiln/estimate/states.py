@@ -96,10 +96,10 @@ def adafactor_elements(shapes: Sequence[tuple[tuple[int, ...], bool]]) -> int:
 
 @dataclass(frozen=True)
 class States:
-    """Bytes of one rank's model states; `gathered` is the largest unit (weights and gradients) a sharded
-    layout gathers whole during forward and backward, `buckets` DDP's gradient buckets (a copy of every
-    gradient: torch's default, gradient_as_bucket_view off) or DeepSpeed's reduce bucket, `host` what
-    offloading keeps on the host."""
+    """Bytes of one rank's model states; `gathered` is the largest unit (its weights and gradients, and
+    FSDP2's all-gather buffer over more than one rank) a sharded layout gathers whole during forward and
+    backward, `buckets` DDP's gradient buckets (a copy of every gradient: torch's default,
+    gradient_as_bucket_view off) or DeepSpeed's reduce bucket, `host` what offloading keeps on the host."""
 
     params: float
     grads: float
@@ -142,7 +142,10 @@ def torch_states(
     w = weight_bytes(precision)
     params, grads = counts.total * w / shard, counts.trainable * w / shard
     optimizer = optimizer_bytes(counts, precision, optim, optim_args) / shard
-    gathered = 2.0 * gathered_params * w  # the unit's weights and gradients
+    # the unit's weights and gradients, and over more than one rank the flat buffer FSDP2 all-gathers a unit into
+    # (copied out into the weights; in forward it is freed only after the next unit's copy-out); on one rank
+    # FSDP2 takes the weights from the shards directly, with no buffer
+    gathered = (2.0 + (shard > 1)) * gathered_params * w
     if offload:
         return States(0.0, 0.0, 0.0, gathered, host=params + grads + optimizer)
     return States(params, grads, optimizer, gathered, buckets=grads if buckets else 0.0)

@@ -9,7 +9,7 @@ count through the model."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,3 +73,20 @@ def trace(build: Callable[[], nn.Module], precision: str, prepare: Callable[[nn.
         peak=sum(int(per.get(kind, 0)) for per in snapshot.values() for kind in kinds),
         grads=sum(int(per.get(_MemRefType.GRAD, 0)) for per in snapshot.values()),
     )
+
+
+@contextlib.contextmanager
+def fake_tp_mesh(tp: int) -> Iterator[Any]:
+    """A DeviceMesh of `tp` ranks (one axis, `tp`) over torch's fake process group, in this one process: its
+    collectives move nothing and return what one rank's would hold, so a model split over it and run on fake
+    tensors shows one tp rank's memory. The group is ended on leaving. The caller checks that no process
+    group exists already (the fake one would take its place)."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", rank=0, world_size=tp, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()

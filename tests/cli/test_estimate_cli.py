@@ -33,9 +33,12 @@ def test_the_table_and_the_json_name_every_layout_and_what_fits(tmp_path, capsys
     ddp, fsdp = by[("ddp", "dp_replicate=2")], by[("fsdp full_shard", "dp_shard=2")]
     assert ddp["params"] == 4 * out["parameters"] and fsdp["params"] == ddp["params"] / 2
     assert ddp["fits"] is False and fsdp["fits"] is True  # 17 MiB: 1.1M fp32 AdamW parameters need ~21 MiB unsharded
-    assert by[("model_parallel", "dp_shard=1 x tp=2")]["activations"] == ddp["activations"] / 2
+    # the MLP has no tp plan of its own: model_parallel's rows are left out, with kiln's sentence why
+    assert not [mesh for strategy, mesh in by if strategy == "model_parallel"]
+    assert "holds no Transformers model with a tensor-parallel plan" in out["tensor_parallel_refused"]["2"]
     assert main(["estimate", config, "--nproc", "2", "--device-memory", "0.017"]) == 0
     table = capsys.readouterr().out
+    assert "model_parallel tp=2 left out: strategy.tp_plan is auto but MLP holds no" in table
     assert "strategy" in table and "peak/rank" in table and "ZeRO-3 offload optimizer and parameters" in table
     ddp_line = next(line for line in table.splitlines() if line.startswith("*ddp "))  # the config's strategy
     assert ddp_line.split()[-1] == "no"
@@ -55,6 +58,23 @@ def test_the_configured_deepspeed_runs_reduce_bucket_is_its_config_with_hfs_auto
     hidden = 32  # HF's "auto": hidden_size squared, two buffers with overlap_comm, 16-bit
     assert by["ZeRO-2"]["buckets"] == by["ZeRO-1"]["buckets"] == 2 * hidden * hidden * 2
     assert (by["ZeRO-0"]["buckets"], by["ZeRO-3"]["buckets"]) == (0, hidden * hidden * 2)
+
+
+def test_model_parallel_rows_take_the_activations_of_the_model_split_by_the_configured_plan(tmp_path, capsys):
+    plan = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    config = write(
+        tmp_path,
+        data={"per_device_train_batch_size": 4},
+        strategy={"name": "model_parallel", "options": {"mesh": {"tp": 2}, "tp_plan": plan}},
+    )
+    assert main(["estimate", config, "--nproc", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    by = {(r["strategy"], r["mesh"]): r for r in out["layouts"]}
+    tp, ddp = by[("model_parallel", "dp_shard=1 x tp=2")], by[("ddp", "dp_replicate=2")]
+    assert out["tensor_parallel_refused"] == {}
+    # the blocks' hidden activations are split, the blocks' inputs, outputs and the head's are whole on each rank
+    assert ddp["activations"] / 2 < tp["activations"] < ddp["activations"]
+    assert tp["gathered"] == 0  # tp alone: no FSDP unit to gather
 
 
 @pytest.mark.parametrize(

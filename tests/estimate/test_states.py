@@ -126,7 +126,9 @@ def test_torch_layouts_share_the_states_and_offload_keeps_them_on_the_host():
     )
     sharded = torch_states(MATRIX, "fp32", "adamw_torch", None, shard=4, gathered_params=100)
     assert sharded.params == single.params / 4 and sharded.optimizer == single.optimizer / 4
-    assert sharded.gathered == 2 * 100 * w
+    assert sharded.gathered == 3 * 100 * w  # the unit's weights, gradients and FSDP2's all-gather buffer
+    one_rank = torch_states(MATRIX, "fp32", "adamw_torch", None, shard=1, gathered_params=100)
+    assert one_rank.gathered == 2 * 100 * w  # on one rank FSDP2 gathers into no buffer
     off = torch_states(MATRIX, "fp32", "adamw_torch", None, shard=4, gathered_params=100, offload=True)
     assert (
         off.params == off.grads == off.optimizer == 0 and off.host == sharded.params + sharded.grads + sharded.optimizer
@@ -152,11 +154,15 @@ def test_the_layouts_for_8_processes_and_their_peaks():
         "dp_shard=2 x tp=4",
         "dp_shard=1 x tp=8",
     }
+    assert found[("model_parallel", "dp_shard=1 x tp=8")].states.gathered == 0  # tp alone: no FSDP unit to gather
+    assert found[("model_parallel", "dp_shard=2 x tp=4")].states.gathered == 3 * (1000 // 4) * 4
     assert {m for s, m in found if s == "deepspeed"} >= {"ZeRO-0", "ZeRO-3", "ZeRO-3 offload optimizer and parameters"}
     zero2 = found[("deepspeed", "ZeRO-2")]  # fp32: 4-byte weights, DeepSpeed's default bucket in fp32
     assert zero2.states == deepspeed_states(MATRIX, 2, 8, "adamw_torch", w=4, bucket=5e8 * 4)
     assert zero2.step_temporaries == 4 * MATRIX.trainable / 8  # foreach AdamW over the fp32 partition
     assert found[("deepspeed", "ZeRO-0")].step_temporaries == 4 * MATRIX.trainable
+    # ZeRO-3 flattens its gradient partitions into a new fp32 gradient at the step, beside AdamW's temporaries
+    assert found[("deepspeed", "ZeRO-3")].step_temporaries == 2 * 4 * MATRIX.trainable / 8
     assert zero2.grad_share == zero2.states.grads / (MATRIX.trainable * 4)  # the share of backward's gradients
     offloaded = found[("deepspeed", "ZeRO-2 offload optimizer")]
     assert offloaded.states == deepspeed_states(MATRIX, 2, 8, "adamw_torch", None, True, False, 4, 5e8 * 4)
@@ -173,6 +179,16 @@ def test_the_layouts_for_8_processes_and_their_peaks():
     assert total == s.params + s.optimizer + max(
         s.gathered + activations + 1_000_000 / 8, s.grads + tp4.step_temporaries
     )
+    # with a trace of the model split 4 ways, its activations are one tp rank's as they are, and its gradients
+    # (one tp rank's too) are divided by the dp shard alone
+    split = Activations(peak=3_000_000, grads=400_000)
+    activations, total = peak(tp4, traced, split)
+    assert activations == 3_000_000
+    assert total == s.params + s.optimizer + max(s.gathered + 3_000_000 + 400_000 / 2, s.grads + tp4.step_temporaries)
+    by_tp = {r.layout.mesh: r for r in rows(list(found.values()), traced, None, {4: split})}
+    assert by_tp["dp_shard=2 x tp=4"].activations == 3_000_000
+    assert by_tp["dp_shard=4 x tp=2"].activations == 10_000_000 / 2  # no split trace for tp 2: the share 1/tp
+    assert by_tp["dp_replicate=8"].activations == 10_000_000  # DDP (tp 1) never takes a split trace
     ddp = found[("ddp", "dp_replicate=8")]
     assert peak(ddp, traced)[1] == ddp.states.params + ddp.states.optimizer + ddp.states.buckets + 11_000_000
     quiet = Activations(peak=0, grads=0)  # no activations: the optimizer step is the peak, foreach AdamW's temporaries
@@ -207,5 +223,6 @@ def test_the_table_gives_sizes_in_binary_units_under_aligned_columns():
     assert len(starts) == 7 and all(row[i] != " " for row in (header, *body) for i in starts)
     assert all(line.startswith("*fsdp") for line in body if line.startswith("*"))
     fsdp = next(line for line in body if line.startswith("*fsdp full_shard"))
-    assert "3.91 KiB gathered" not in fsdp and "+7.81 KiB gathered" in fsdp  # 2 x 1000 fp32 weights and gradients
+    # 1000 fp32 weights, their gradients and the all-gather buffer
+    assert "+7.81 KiB gathered" not in fsdp and "+11.72 KiB gathered" in fsdp
     assert fsdp.split()[-1] == "yes"

@@ -184,6 +184,56 @@ def hand_float8_tp_sgd(
     return model
 
 
+def hand_float8_tp_fsdp_sgd(
+    data: list[dict[str, torch.Tensor]], *, steps: int, batch: int, lr: float, seed: int, recipe: str
+) -> nn.Module:
+    """torchtitan's float8 under tp x dp_shard by hand over every rank of the process group (no kiln in the
+    loop): a Float8LossNet (seed 0) converted, its first layer split colwise and its second rowwise over the
+    `tp` axis, then `fully_shard` over the `dp_shard` axis (ranks in the same order as kiln's mesh: tp
+    innermost) with bf16 parameters and fp32 gradient reduction, each dp rank on its shard of the sampler's
+    order, SGD. Under the tensorwise recipe the weights are all-gathered in float8, the splits are torchao's
+    float8 styles and the weight scales are precomputed after each step; under the rowwise ones the
+    all-gather is bf16 and the styles are torch's."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from kiln.engine.data.samplers import ResumableSampler
+
+    torch.manual_seed(0)
+    model = Float8LossNet()
+    tensorwise = recipe == "tensorwise"
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe), emulate=True, enable_fsdp_float8_all_gather=tensorwise
+    )
+    convert_to_float8_training(model.net, module_filter_fn=lambda _, name: name in ("0", "2"), config=config)
+    dp = dist.get_world_size() // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp_shard", "tp"))
+    colwise, rowwise = (
+        (Float8ColwiseParallel, Float8RowwiseParallel) if tensorwise else (ColwiseParallel, RowwiseParallel)
+    )
+    parallelize_module(model, mesh["tp"], {"net.0": colwise(), "net.2": rowwise()})
+    fully_shard(
+        model,
+        mesh=mesh["dp_shard"],
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    order = ResumableSampler(len(data), seed=seed, num_replicas=dp, rank=mesh["dp_shard"].get_local_rank()).indices()
+    for step in range(steps):
+        model(**_shard(data, order, step, batch))["loss"].backward()
+        optimizer.step()
+        if tensorwise:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        optimizer.zero_grad()
+    return model
+
+
 class MXRegressor(TrainingModule):
     """Linear 32 -> 64 and 64 -> 32 without bias (converted by mxfp8: torchao's own conversion, the reference,
     drops a bias), then 32 -> 1 (skipped: 1 is not a multiple of 32)."""

@@ -1,7 +1,8 @@
-"""The float8 cases that need two processes, all in one world (torchrun --nproc_per_node=2 float8_worker.py OUT
-CASE [...]): kiln's fp8 under model_parallel tp 2 and under fsdp, each beside the same training by hand with
-torchao (float8_models.py), and kiln's mxfp8 under ddp; rank 0 writes their weights and what the tp layers were
-given (case_jobs.run_cases)."""
+"""The float8 cases that need several processes, all in one world (torchrun --nproc_per_node=N float8_worker.py
+OUT CASE [...]): on 2, kiln's fp8 under model_parallel tp 2 and under fsdp, each beside the same training by hand
+with torchao (float8_models.py), and kiln's mxfp8 under ddp; on 4, kiln's fp8 under tp 2 x dp_shard 2 beside its
+hand-written torchao + FSDP2 twin; rank 0 writes their weights and what the tp layers were given
+(case_jobs.run_cases)."""
 
 import os
 import sys
@@ -20,6 +21,7 @@ from tests.strategies.case_jobs import run_cases  # noqa: E402
 
 STEPS, BATCH, LR, SEED = 4, 8, 0.05, 3
 TP = {"name": "model_parallel", "device": "cpu", "mesh": {"tp": 2}, "tp_plan": {"net.0": "colwise", "net.2": "rowwise"}}
+TP_DP = {**TP, "mesh": {"tp": 2, "dp_shard": 2}}
 
 
 def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -76,14 +78,18 @@ def run_case(name: str, root: str, world: int) -> tuple[dict, dict[str, torch.Te
     kind, _, recipe = name.partition("_")
     if recipe.endswith("hand"):
         recipe = recipe.removesuffix("hand").rstrip("_") or "tensorwise"
-        hand = models.hand_float8_tp_sgd if kind == "tp2" else models.hand_float8_fsdp_sgd
-        extra = {"recipe": recipe} if kind == "tp2" else {}
+        hand = {
+            "tp2": models.hand_float8_tp_sgd,
+            "fsdp2": models.hand_float8_fsdp_sgd,
+            "tp2dp2": models.hand_float8_tp_fsdp_sgd,
+        }[kind]
+        extra = {"recipe": recipe} if kind.startswith("tp2") else {}
         model = hand(data, steps=STEPS, batch=BATCH, lr=LR, seed=SEED, **extra)
         return {}, full(model)
     cfg = base_config(
         Path(root) / name,
         precision={"name": "fp8", "fp8": {"emulate": True, "recipe": recipe or "tensorwise"}},
-        strategy=TP if kind == "tp2" else {"name": "fsdp", "device": "cpu"},
+        strategy={"tp2": TP, "tp2dp2": TP_DP}.get(kind, {"name": "fsdp", "device": "cpu"}),
         optim={"name": "sgd"},
         max_grad_norm=0.0,
         learning_rate=LR,
@@ -96,7 +102,9 @@ def run_case(name: str, root: str, world: int) -> tuple[dict, dict[str, torch.Te
     model = models.Float8LossNet()
     trainer = Trainer(model, cfg, train_dataset=data)
     trainer.fit()
-    results = {"inputs": layer_inputs(model)} if kind == "tp2" else {}
+    results = {"inputs": layer_inputs(model)} if kind.startswith("tp2") else {}
+    if kind == "tp2dp2":  # what FSDP keeps of each split weight: a float8 all-gather's wrapper, or a plain shard
+        results["shards"] = sorted({type(p.to_local()).__name__ for p in model.parameters()})
     return results, full(model)
 
 

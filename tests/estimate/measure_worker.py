@@ -1,0 +1,26 @@
+"""The measured peaks of the estimate's multi-process cases, in one world (torchrun --nproc_per_node=N
+measure_worker.py OUT MODEL:STRATEGY [...]): each rank measures its own peak of a 2-step fit of each case
+(measure.py) and writes them to OUT/peaks-RANK.json; the estimate's row is the largest rank's."""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from tests.estimate.measure import measured_peak  # noqa: E402
+from tests.estimate.test_estimate_measured import config  # noqa: E402
+
+
+def main(out: str, cases: list[str]) -> None:
+    peaks: dict[str, int] = {}
+    for case in cases:
+        model, _, strategy = case.partition(":")
+        peaks[case] = measured_peak(config(os.path.join(out, "runs", case), model, strategy))  # one output_dir
+    with open(os.path.join(out, f"peaks-{os.environ['RANK']}.json"), "w") as fh:
+        json.dump(peaks, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
