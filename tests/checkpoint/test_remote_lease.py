@@ -91,37 +91,44 @@ def test_an_unrenewed_lock_of_another_host_is_taken_over_naming_it_and_a_renewed
     assert not store.fs.exists(f"{store.root}/{LOCK}")
 
 
+def race(store: RemoteCheckpoints) -> tuple[list[Lease], list[object]]:
+    """Two runs take the lock at once: each reads the expired lock, waits for the other to have read it
+    too, then writes; returns the two and what each got ("won", or its OutputDirInUse)."""
+    takers = [rival(store, ahead=0.0) for _ in range(2)]
+    both_read = threading.Barrier(2)
+    for taker in takers:
+        read, first = taker._read, [True]
+
+        def read_then_wait(read=read, first=first):  # type: ignore[no-untyped-def]
+            found = read()
+            if first[0]:
+                first[0] = False
+                both_read.wait(timeout=10)
+            return found
+
+        taker._read = read_then_wait  # type: ignore[method-assign]
+    outcomes: list[object] = [None, None]
+
+    def take(i: int) -> None:
+        try:
+            takers[i].take()
+            outcomes[i] = "won"
+        except OutputDirInUse as err:
+            outcomes[i] = err
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return takers, outcomes
+
+
 def test_two_runs_racing_for_an_expired_lock_never_both_win(s3, url):
     store = RemoteCheckpoints(url, s3)
     for round_ in range(4):
         plant(store, renewed=time.time() - 1000)
-        takers = [rival(store, ahead=0.0) for _ in range(2)]
-        both_read = threading.Barrier(2)
-        for taker in takers:  # each reads the expired lock, then waits for the other to have read it too
-            read = taker._read
-
-            def read_then_wait(read=read, first=[True]):  # type: ignore[no-untyped-def]
-                found = read()
-                if first[0]:
-                    first[0] = False
-                    both_read.wait(timeout=10)
-                return found
-
-            taker._read = read_then_wait  # type: ignore[method-assign]
-        outcomes: list[object] = [None, None]
-
-        def take(i: int) -> None:
-            try:
-                takers[i].take()
-                outcomes[i] = "won"
-            except OutputDirInUse as err:
-                outcomes[i] = err
-
-        threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        takers, outcomes = race(store)
         winners = [t for t, o in zip(takers, outcomes) if o == "won"]
         assert len(winners) == 1, (round_, outcomes)
         loser = outcomes[1 - takers.index(winners[0])]
@@ -129,6 +136,26 @@ def test_two_runs_racing_for_an_expired_lock_never_both_win(s3, url):
         assert holder_of(store)["token"] == winners[0].token
         winners[0].release()
         assert not store.fs.exists(f"{store.root}/{LOCK}")
+
+
+def test_a_lock_renewed_between_the_read_and_the_takeover_is_not_taken(s3, url):
+    store = RemoteCheckpoints(url, s3)
+    plant(store, renewed=time.time() - 1000)
+    taker = rival(store, ahead=0.0)
+    read, reads = taker._read, []
+
+    def read_then_renewed(read=read):  # type: ignore[no-untyped-def]
+        found = read()
+        if not reads:  # the holder was only slow: it renews right after the taker read its expired lock
+            plant(store, renewed=time.time())
+        reads.append(found)
+        return found
+
+    taker._read = read_then_renewed  # type: ignore[method-assign]
+    with pytest.raises(OutputDirInUse, match=r"in use by another kiln run \(pid 4242 on node-7, lock renewed 0 s"):
+        taker.take()
+    assert holder_of(store)["token"] == "x"
+    store.fs.rm_file(f"{store.root}/{LOCK}")
 
 
 def test_the_holder_keeps_renewing_its_lease(s3, url):
