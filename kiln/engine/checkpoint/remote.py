@@ -117,6 +117,36 @@ class RemoteCheckpoints:
         self.uploaded = name
         return f"{self.url}/{name}"
 
+    def withdraw(self, name: str) -> None:
+        """Delete checkpoint `name`'s marker from the store, if there, before its files are uploaded again:
+        never half-replaced under an intact marker."""
+        marker = self._path(name, MARKER)
+        self._check_lease()
+        if self.fs.exists(marker):
+            self.fs.rm_file(marker)
+        self.uploaded = None if self.uploaded == name else self.uploaded
+
+    def upload_some(self, local: str, files: list[str]) -> None:
+        """Upload the files `files` (paths relative to the checkpoint folder `local`), with retries, but no
+        marker: one node's part of a checkpoint whose marker global rank 0 writes (remote_run)."""
+        name = os.path.basename(os.path.normpath(local))
+        self._check_lease()
+        for rel in files:
+            self._retrying(
+                f"Uploading {rel} of {name} to {self.url}",
+                functools.partial(self.fs.put_file, os.path.join(local, rel), self._path(name, *rel.split(os.sep))),
+            )
+
+    def seal(self, name: str, marker: bytes) -> str:
+        """Upload checkpoint `name`'s marker, whose files are all on the store; returns its URL."""
+        self._check_lease()
+        self._retrying(
+            f"Uploading {MARKER} of {name} to {self.url}",
+            functools.partial(self.fs.pipe_file, self._path(name, MARKER), marker),
+        )
+        self.uploaded = name
+        return f"{self.url}/{name}"
+
     def delete(self, name: str) -> None:
         """Remove checkpoint `name` from the store: its marker first, so it is never half there and intact."""
         marker = self._path(name, MARKER)
@@ -150,6 +180,7 @@ class RemoteCheckpoints:
     def steps(self) -> list[tuple[int, str]]:
         """(step, name) of every checkpoint whose marker is on the store, oldest first."""
         found = []
+        self.fs.invalidate_cache(self.root)  # another process (a run's other node) may have written since
         for entry in self.fs.ls(self.root, detail=False) if self.fs.exists(self.root) else []:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             if name.startswith(PREFIX) and name[len(PREFIX) :].isdigit() and self.fs.exists(self._path(name, MARKER)):
@@ -189,7 +220,7 @@ class RemoteCheckpoints:
         restarted job on the same machine); returns the path and why it must not be read (None: intact)."""
         os.makedirs(local_root, exist_ok=True)
         final = os.path.join(local_root, name)
-        if os.path.isdir(final) and why_damaged(final, key) is None:
+        if os.path.isdir(final) and why_damaged(final, key) is None and self._same_marker(final, name):
             return final, None
         partial = os.path.join(local_root, f".{name}.download")
         shutil.rmtree(partial, ignore_errors=True)
@@ -201,6 +232,12 @@ class RemoteCheckpoints:
         else:
             shutil.rmtree(partial, ignore_errors=True)
         return final, problem
+
+    def _same_marker(self, local: str, name: str) -> bool:
+        """Whether the local copy `local` is of the store's checkpoint `name` (the same marker): a node's
+        own part of a checkpoint several nodes uploaded has a marker of its own, listing its files only."""
+        with open(os.path.join(local, MARKER), "rb") as fh:
+            return fh.read() == self.fs.cat_file(self._path(name, MARKER))
 
     def finished_work(self) -> str | None:
         """The first thing on the store a new run would overwrite (its newest checkpoint, or an exported

@@ -14,12 +14,16 @@ kiln.config.remote_dir): the plug-in between the local checkpoints and kiln.engi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kiln.engine.checkpoint.integrity import ALGORITHM, MARKER
 from kiln.engine.checkpoint.remote import RemoteCheckpoints, UploadFailed
+from kiln.engine.checkpoint.signing import SIGNATURE, SigningKey, sign
 from kiln.utils.storage_urls import default_staging
 
 if TYPE_CHECKING:
@@ -58,6 +62,11 @@ def publish(store: RemoteCheckpoints, local: str, limit: int | None, best: str |
         )
         return
     log.info("Uploaded %s to %s.", name, store.url)
+    _rotate(store, limit, best)
+
+
+def _rotate(store: RemoteCheckpoints, limit: int | None, best: str | None) -> None:
+    """Apply save.total_limit on the store (a failure is a warning: it keeps more until the next save)."""
     if limit:
         try:
             store.rotate(limit, os.path.basename(os.path.normpath(best)) if best else None)
@@ -87,3 +96,68 @@ def fetch_checkpoint(
     parent, _, name = url.rstrip("/").rpartition("/")
     store = RemoteCheckpoints(parent, storage_options)
     return store.download(name, into or default_staging(parent), key)
+
+
+def publish_from_nodes(
+    store: RemoteCheckpoints,
+    local: str | None,
+    rank: int,
+    limit: int | None,
+    best: str | None,
+    gather: Callable[[Any], list[Any]],
+    key: SigningKey | None,
+) -> None:
+    """Upload a checkpoint whose files are spread over several nodes' staging folders (save.on_each_node:
+    each node's writer sealed the files its node wrote, in `local`, under a marker of its own). Called on
+    every rank (`rank`: its global rank); `local` is None on ranks that are not a node's writer, and
+    `gather` is the strategy's all_gather_object.
+
+    Global rank 0 first withdraws an earlier marker of the same step from the store; each file is then
+    uploaded by the first node (in rank order) that holds it, so the files every node writes alike
+    (trainer_state.json, config.yaml) go up once; after every node's upload, rank 0 uploads one marker
+    that lists, digested, every node's files (signed again with `key`), then rotates the store. A node
+    whose upload fails past its retries leaves no marker: a warning, as for one node (publish)."""
+    name = os.path.basename(os.path.normpath(local)) if local is not None else None
+    if rank == 0 and name is not None:
+        store.withdraw(name)
+    parts = gather(_part(local) if local is not None else None)  # also: no node uploads before the withdrawal
+    owner: dict[str, int] = {}
+    for holder, part in enumerate(parts):
+        for rel in part["files"] if part else ():
+            owner.setdefault(rel, holder)
+    failure: str | None = None
+    if local is not None:
+        try:
+            store.upload_some(local, sorted(rel for rel, holder in owner.items() if holder == rank))
+        except UploadFailed as err:
+            failure = str(err)
+    failures = [f for f in gather(failure) if f]
+    if rank != 0 or local is None or name is None:
+        return
+    if failures:
+        warnings.warn(
+            f"{name} was saved in the nodes' staging folders but not uploaded to {store.url}: {failures[0]} The "
+            "store's newest intact checkpoint is the newest one it held before; training goes on.",
+            stacklevel=2,
+        )
+        return
+    meta = dict(parts[0]["meta"])
+    meta["files"] = {rel: parts[holder]["files"][rel] for rel, holder in sorted(owner.items())}
+    meta[ALGORITHM] = {rel: parts[holder][ALGORITHM][rel] for rel, holder in sorted(owner.items())}
+    meta.pop(SIGNATURE, None)
+    if key is not None:
+        meta[SIGNATURE] = sign(meta, key)
+    try:
+        store.seal(name, json.dumps(meta, indent=1).encode("utf-8"))
+    except UploadFailed as err:
+        warnings.warn(f"{name} was not uploaded to {store.url}: {err} Training goes on.", stacklevel=2)
+        return
+    log.info("Uploaded %s to %s from %d nodes.", name, store.url, sum(1 for p in parts if p))
+    _rotate(store, limit, best)
+
+
+def _part(local: str) -> dict[str, Any]:
+    """A node's part of a checkpoint: its sealed marker (files, digests, the rest)."""
+    with open(os.path.join(local, MARKER), encoding="utf-8") as fh:
+        meta = json.load(fh)
+    return {"files": meta["files"], ALGORITHM: meta[ALGORITHM], "meta": meta}
