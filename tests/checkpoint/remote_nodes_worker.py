@@ -3,9 +3,10 @@ nodes: each rank is node rank RANK's only process (local rank 0) with a staging 
 ROOT/<run>/node<RANK>, that the other "node" never reads. Usage: remote_nodes_worker.py ROOT URL ENDPOINT
 
 - ROOT/straight: the same training, uninterrupted, in one shared local output_dir (checkpoint-6).
-- URL: FSDP (sharded DCP) saves to the store from the two nodes' staging folders and stops after saving
-  step 4 (Crash); then resumes on two fresh nodes (ROOT/resumed/node<RANK>) from the store and trains to
-  step 6. Each rank logs every file it puts on the store, with the time, in ROOT/puts_<RANK>.json."""
+- URL-sync, URL-async (save.async_save): FSDP (sharded DCP) saves to the store from the two nodes'
+  staging folders (ROOT/<variant>/node<RANK>) and stops after saving step 4 (Crash); then resumes from the
+  store and trains to step 6: sync on two fresh nodes (ROOT/sync-resumed/node<RANK>), async restarted on
+  the same two, whose staging folders hold each its own node's part of the checkpoint. Each rank logs every file it puts on the store, with the time, in ROOT/puts_<RANK>.json."""
 
 import json
 import os
@@ -37,10 +38,9 @@ fs.pipe_file = lambda dst, data, **kw: (pipe_file(dst, data, **kw), puts.append(
 cfg = {**CHAIN["cfg"], "strategy": STRATEGIES["fsdp-sharded"], "per_device_train_batch_size": 2}
 
 
-def run(out: str, staging: str | None, resume: object = None, crash_at: int | None = None) -> None:
-    save = (
-        {"on_each_node": True, "storage_options": options, "staging_dir": staging, "total_limit": 2} if staging else {}
-    )
+def run(out: str, staging: str | None, resume: object = None, crash_at: int | None = None, **more: object) -> None:
+    save = {"on_each_node": True, "storage_options": options, "staging_dir": staging, "total_limit": 2, **more}
+    save = save if staging else {}
     try:
         train(out, {**cfg, "save": save}, resume=resume, model_kw=CHAIN["model_kw"], crash_at=crash_at)
     except Crash:
@@ -48,8 +48,10 @@ def run(out: str, staging: str | None, resume: object = None, crash_at: int | No
 
 
 run(os.path.join(root, "straight"), None)
-run(url, os.path.join(root, "first", f"node{RANK}"), crash_at=4)
-run(url, os.path.join(root, "resumed", f"node{RANK}"), resume=True)
+for variant, background in (("sync", False), ("async", True)):
+    run(f"{url}-{variant}", os.path.join(root, variant, f"node{RANK}"), crash_at=4, async_save=background)
+    again = variant if background else f"{variant}-resumed"  # async: restarted on the same nodes, sync: fresh ones
+    run(f"{url}-{variant}", os.path.join(root, again, f"node{RANK}"), resume=True, async_save=background)
 with open(os.path.join(root, f"puts_{RANK}.json"), "w") as fh:
     json.dump(puts, fh)
 dist.destroy_process_group()

@@ -39,21 +39,25 @@ def test_two_nodes_save_a_sharded_checkpoint_to_s3_and_resume_it_bitwise(tmp_pat
             s3["client_kwargs"]["endpoint_url"],
             timeout=600,
         )
-        store = RemoteCheckpoints(url, s3)
-        assert [name for _, name in store.steps()] == ["checkpoint-4", "checkpoint-6"]
-        marker = json.loads(store.fs.cat_file(f"{store.root}/checkpoint-4/{MARKER}"))
-        shards = sorted(f for f in marker["files"] if f.endswith(".distcp"))
-        assert len(shards) == 2, marker["files"]  # node 0's shard and node 1's
-        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(marker["files"])
-        got = saved_weights(store.download("checkpoint-6", str(tmp_path / "check")))
+        got = {}
+        for variant in ("sync", "async"):
+            store = RemoteCheckpoints(f"{url}-{variant}", s3)
+            assert [name for _, name in store.steps()] == ["checkpoint-4", "checkpoint-6"]  # total_limit=2
+            marker = json.loads(store.fs.cat_file(f"{store.root}/checkpoint-4/{MARKER}"))
+            shards = sorted(f for f in marker["files"] if f.endswith(".distcp"))
+            assert len(shards) == 2, marker["files"]  # node 0's shard and node 1's
+            assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(marker["files"])
+            got[variant] = saved_weights(store.download("checkpoint-6", str(tmp_path / "check" / variant)))
     puts = [(dst, t) for rank in (0, 1) for dst, t in json.loads((tmp_path / f"puts_{rank}.json").read_text())]
-    for step in (4, 6):
-        files = [t for dst, t in puts if f"/checkpoint-{step}/" in dst and not dst.endswith(MARKER)]
-        markers = [t for dst, t in puts if dst.endswith(f"/checkpoint-{step}/{MARKER}")]
-        assert len(markers) == 1 and markers[0] >= max(files)  # one marker, after every node's files
+    for variant in ("sync", "async"):
+        for step in (4, 6):
+            files = [t for dst, t in puts if f"-{variant}/checkpoint-{step}/" in dst and not dst.endswith(MARKER)]
+            markers = [t for dst, t in puts if dst.endswith(f"-{variant}/checkpoint-{step}/{MARKER}")]
+            assert markers and min(markers) >= max(files)  # a marker only after every node's files
     uploaded = {dst.rsplit("/", 1)[-1] for dst, _ in json.loads((tmp_path / "puts_1.json").read_text())}
     assert any(name.startswith("__1_") for name in uploaded), uploaded  # node 1 uploaded its own shard
     want = saved_weights(str(tmp_path / "straight" / "checkpoint-6"))
-    assert want.keys() == got.keys()
-    for key, value in want.items():
-        assert torch.equal(value, got[key]), key
+    for variant, weights in got.items():
+        assert want.keys() == weights.keys()
+        for key, value in want.items():
+            assert torch.equal(value, weights[key]), (variant, key)
