@@ -158,6 +158,65 @@ def test_a_lock_renewed_between_the_read_and_the_takeover_is_not_taken(s3, url):
     store.fs.rm_file(f"{store.root}/{LOCK}")
 
 
+def test_a_dead_process_of_this_host_loses_its_lock_at_once(s3, url, caplog):
+    import socket
+    import subprocess
+
+    store = RemoteCheckpoints(url, s3)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    plant(store, renewed=time.time())  # renewed just now, by a process on another host: live
+    with pytest.raises(OutputDirInUse):
+        store.acquire_lock()
+    info = {"pid": dead.pid, "host": socket.gethostname(), "renewed": time.time(), "lease": 300.0, "token": "y"}
+    store.fs.pipe_file(f"{store.root}/{LOCK}", json.dumps(info).encode())
+    with caplog.at_level("WARNING", logger="kiln.engine.checkpoint.lease"):
+        store.acquire_lock()
+    try:
+        assert f"from pid {dead.pid} on {socket.gethostname()}, a process on this host that is no longer running" in (
+            caplog.text
+        )
+    finally:
+        store.release_lock()
+
+
+def test_a_takeover_read_back_as_another_runs_is_not_a_win(s3, url):
+    """On a store whose condition check and write are not one step, another run's write may land right
+    after this run's: the read-back sees it, and this run is refused, naming that run."""
+    store = RemoteCheckpoints(url, s3)
+    plant(store, renewed=time.time() - 1000)
+    taker = rival(store, ahead=0.0)
+    put = taker._put
+
+    def overtaken(*, if_match):  # type: ignore[no-untyped-def]
+        etag = put(if_match=if_match)
+        if if_match is not None:
+            plant(store, renewed=time.time())  # the other run's write, a moment later
+        return etag
+
+    taker._put = overtaken  # type: ignore[method-assign]
+    with pytest.raises(OutputDirInUse, match=r"\(pid 4242 on node-7, lock renewed 0 s ago\)"):
+        taker.take()
+    assert taker._beat is None  # it never started renewing
+    store.fs.rm_file(f"{store.root}/{LOCK}")
+
+
+def test_a_run_that_loses_every_race_for_the_lock_gives_up_naming_the_winner(s3, url):
+    store = RemoteCheckpoints(url, s3)
+    plant(store, renewed=time.time() - 1000)
+    taker = rival(store, ahead=0.0)
+
+    def refused(*, if_match):  # type: ignore[no-untyped-def]
+        raise FileExistsError("exists") if if_match is None else OSError("At least one of the pre-conditions")
+
+    taker._put = refused  # type: ignore[method-assign]
+    with pytest.raises(
+        OutputDirInUse, match=r"another kiln run \(pid 4242 on node-7\), which took its lock at the same time; wait"
+    ):
+        taker.take()
+    store.fs.rm_file(f"{store.root}/{LOCK}")
+
+
 def test_the_holder_keeps_renewing_its_lease(s3, url):
     store = RemoteCheckpoints(url, s3, lease=0.6)  # renewed every 0.2 s
     store.acquire_lock()
@@ -195,12 +254,25 @@ def test_a_failed_renewal_keeps_the_lease_and_one_the_store_took_is_adopted(s3, 
     assert not store.fs.exists(f"{store.root}/{LOCK}")
 
 
-def test_a_holder_whose_lease_was_taken_over_stops_writing_and_leaves_the_new_holders_work(s3, url, run_dir):
+def test_a_holder_whose_lease_was_taken_over_stops_writing_and_leaves_the_new_holders_work(
+    s3, url, run_dir, monkeypatch
+):
     store = RemoteCheckpoints(url, s3)
     store.acquire_lock()
     store.upload(os.path.join(run_dir, "checkpoint-5"))
     successor = rival(store)  # the holder's heartbeat stalled (say): another run sees its lease run out
     successor.take()
+    from kiln.engine.checkpoint.remote import _held
+
+    lease = _held[url]
+    lease.renew()  # the heartbeat's next renewal finds the lock another run's
+    assert lease.lost is not None and lease.lost.startswith(f"The run lock of {url} was taken over")
+    writes: list[str] = []
+    pipe = store.fs.pipe_file
+    monkeypatch.setattr(store.fs, "pipe_file", lambda *a, **kw: (writes.append(a[0]), pipe(*a, **kw))[1])
+    lease.renew()  # a lost lease is never written again
+    monkeypatch.setattr(store.fs, "pipe_file", pipe)
+    assert writes == []
     sentence = (
         rf"^The run lock of {url} was taken over by another run \(pid {os.getpid()} on .*\) after this run's lease of "
         r"300 s went unrenewed, so this run stops writing there to leave that run's checkpoints alone; give each "
