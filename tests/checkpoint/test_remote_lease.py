@@ -287,6 +287,12 @@ def test_a_holder_whose_lease_was_taken_over_stops_writing_and_leaves_the_new_ho
             store.delete("checkpoint-5")  # rotation
         with pytest.raises(LeaseLost, match=sentence):
             store.upload_files(run_dir)
+        with pytest.raises(LeaseLost, match=sentence):  # a checkpoint of several nodes (remote_run)
+            store.withdraw("checkpoint-5")
+        with pytest.raises(LeaseLost, match=sentence):
+            store.upload_some(os.path.join(run_dir, "checkpoint-5"), ["trainer_state.json"])
+        with pytest.raises(LeaseLost, match=sentence):
+            store.seal("checkpoint-5", b"{}")
         assert store.steps() == [(5, "checkpoint-5")] and store.fs.exists(f"{store.root}/checkpoint-5/{MARKER}")
         store.release_lock()  # the lost holder leaves the new holder's lock alone
         assert holder_of(store)["token"] == successor.token
