@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kiln.engine.checkpoint.integrity import ALGORITHM, MARKER
-from kiln.engine.checkpoint.remote import RemoteCheckpoints, UploadFailed
+from kiln.engine.checkpoint.remote import LeaseLost, RemoteCheckpoints, UploadFailed
 from kiln.engine.checkpoint.signing import SIGNATURE, SigningKey, sign
 from kiln.utils.storage_urls import default_staging
 
@@ -118,25 +118,26 @@ def publish_from_nodes(
     that lists, digested, every node's files (signed again with `key`), then rotates the store. A node
     whose upload fails past its retries leaves no marker: a warning, as for one node (publish)."""
     name = os.path.basename(os.path.normpath(local)) if local is not None else None
-    if rank == 0 and name is not None:
-        store.withdraw(name)
-    parts = gather(_part(local) if local is not None else None)  # also: no node uploads before the withdrawal
+    withdrawn = _attempt(store.withdraw, name) if rank == 0 and name is not None else None
+    gathered = gather((_part(local) if local is not None else None, withdrawn))  # no node uploads before it
+    parts = [part for part, _ in gathered]
+    problems = [problem for _, problem in gathered if problem]
     owner: dict[str, int] = {}
     for holder, part in enumerate(parts):
         for rel in part["files"] if part else ():
             owner.setdefault(rel, holder)
-    failure: str | None = None
-    if local is not None:
-        try:
-            store.upload_some(local, sorted(rel for rel, holder in owner.items() if holder == rank))
-        except UploadFailed as err:
-            failure = str(err)
-    failures = [f for f in gather(failure) if f]
+    uploaded = None
+    if local is not None and not problems:
+        uploaded = _attempt(store.upload_some, local, sorted(rel for rel, holder in owner.items() if holder == rank))
+    problems += [problem for problem in gather(uploaded) if problem]
+    lost = [message for kind, message in problems if kind == "lost"]
+    if lost:  # every rank stops with the same sentence
+        raise LeaseLost(lost[0])
     if rank != 0 or local is None or name is None:
         return
-    if failures:
+    if problems:
         warnings.warn(
-            f"{name} was saved in the nodes' staging folders but not uploaded to {store.url}: {failures[0]} The "
+            f"{name} was saved in the nodes' staging folders but not uploaded to {store.url}: {problems[0][1]} The "
             "store's newest intact checkpoint is the newest one it held before; training goes on.",
             stacklevel=2,
         )
@@ -154,6 +155,18 @@ def publish_from_nodes(
         return
     log.info("Uploaded %s to %s from %d nodes.", name, store.url, sum(1 for p in parts if p))
     _rotate(store, limit, best)
+
+
+def _attempt(action: Callable[..., Any], *args: Any) -> tuple[str, str] | None:
+    """Run one node's step of a shared upload; its failure as ("lost" or "failed", the sentence), for the
+    other ranks to learn through the next gather rather than wait for a rank that raised."""
+    try:
+        action(*args)
+    except LeaseLost as err:
+        return "lost", str(err)
+    except Exception as err:  # the stores' clients raise their own types (botocore, aiohttp, OSError)
+        return "failed", str(err) if isinstance(err, UploadFailed) else f"{type(err).__name__}: {err}."
+    return None
 
 
 def _part(local: str) -> dict[str, Any]:
