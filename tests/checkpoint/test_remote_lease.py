@@ -307,9 +307,13 @@ def test_a_lease_lost_between_the_files_and_the_marker_never_writes_the_marker(s
     successor: list[Lease] = []
     put = store.fs.put_file
 
+    files = [f for _, _, fs in os.walk(os.path.join(run_dir, "checkpoint-5")) for f in fs if f != MARKER]
+    sent: list[str] = []
+
     def taken_during_the_upload(src: str, dst: str, **kw: object) -> None:
         put(src, dst, **kw)
-        if not successor:
+        sent.append(dst)
+        if len(sent) == len(files):  # after the last file, right before the marker
             successor.append(rival(store))
             successor[0].take()
 
@@ -317,7 +321,7 @@ def test_a_lease_lost_between_the_files_and_the_marker_never_writes_the_marker(s
     try:
         with pytest.raises(LeaseLost, match="was taken over by another run"):
             store.upload(os.path.join(run_dir, "checkpoint-5"))
-        assert store.steps() == []  # no marker: never taken for a checkpoint
+        assert len(sent) == len(files) and store.steps() == []  # every file, but no marker: not a checkpoint
     finally:
         store.release_lock()
         successor[0].release()

@@ -124,7 +124,6 @@ class RemoteCheckpoints:
         self._check_lease()
         if self.fs.exists(marker):
             self.fs.rm_file(marker)
-        self.uploaded = None if self.uploaded == name else self.uploaded
 
     def upload_some(self, local: str, files: list[str]) -> None:
         """Upload the files `files` (paths relative to the checkpoint folder `local`), with retries, but no
@@ -144,7 +143,6 @@ class RemoteCheckpoints:
             f"Uploading {MARKER} of {name} to {self.url}",
             functools.partial(self.fs.pipe_file, self._path(name, MARKER), marker),
         )
-        self.uploaded = name
         return f"{self.url}/{name}"
 
     def delete(self, name: str) -> None:
