@@ -144,11 +144,36 @@ def test_one_run_holds_a_prefix_at_a_time(store):
     store.release_lock()
 
 
-def test_a_store_that_cannot_write_conditionally_is_refused_in_one_sentence():
+def test_a_store_without_conditional_writes_gets_a_lock_without_a_lease(monkeypatch, caplog):
+    import socket
+    import subprocess
+
+    store = RemoteCheckpoints("memory://kiln/run")
+    lock = f"{store.root}/{LOCK}"
+    store.acquire_lock()
+    assert json.loads(store.fs.cat_file(lock))["pid"] == os.getpid()
+    store.release_lock()
+    assert not store.fs.exists(lock)
+    store.fs.pipe_file(lock, json.dumps({"pid": 4242, "host": "node-7", "renewed": 0.0}).encode())
     with pytest.raises(
-        ConfigError, match=r"^memory://kiln/run is on a store kiln cannot write a file on conditionally \(S3's"
+        OutputDirInUse,
+        match=r"in use by another kiln run \(pid 4242 on node-7\); wait for it to finish, or delete "
+        r"\.kiln-run\.lock there if that run is dead \(this store has no conditional writes",
     ):
-        RemoteCheckpoints("memory://kiln/run").acquire_lock()
+        store.acquire_lock()  # renewed long ago, but nothing renews on this store: refused
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    store.fs.pipe_file(lock, json.dumps({"pid": dead.pid, "host": socket.gethostname()}).encode())
+    with caplog.at_level("WARNING", logger="kiln.engine.checkpoint.lease"):
+        store.acquire_lock()
+    assert "no longer running" in caplog.text
+    store.release_lock()
+    assert not store.fs.exists(lock)
+    monkeypatch.setattr(
+        store.fs, "open", lambda path, mode="rb", **kw: (_ for _ in ()).throw(NotImplementedError(mode))
+    )
+    with pytest.raises(ConfigError, match=r"is on a store that cannot create a file exclusively \(xb\), so two runs"):
+        store.acquire_lock()
 
 
 UPLOADER = """

@@ -19,12 +19,17 @@ Every write of the lock is conditional, so that two runs never both believe they
 
 The store checks each condition. Every write on the store is preceded by a check that the lock is still
 this run's (`verify`), so a run that lost its lease (its heartbeat stalled, say, for a whole lease) stops
-before it writes. The hosts' clocks must agree to well within a lease (NTP does). The conditions are
-S3's: a store whose file system kiln cannot ask for them is refused in one sentence.
+before it writes. The hosts' clocks must agree to well within a lease (NTP does).
+
+The conditions are S3's (s3fs). On a store kiln cannot ask for them (`memory://`, ...) the lock is an
+exclusive create without a lease, as a store cannot tell a live holder from a dead one: taken over only
+from a dead process on this host, and otherwise refused naming the file to delete; a store that cannot
+even create a file exclusively is refused in one sentence.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,6 +51,9 @@ log = logging.getLogger(__name__)
 LEASE_SECONDS = 300.0
 
 
+_DEAD_HERE = "a process on this host that is no longer running (it crashed or was killed)"
+
+
 class LeaseLost(CheckpointError):
     """Another run took this run's lock on the store over; this run must not write there again."""
 
@@ -60,13 +68,8 @@ class Lease:
     def __init__(
         self, fs: Any, path: str, url: str, seconds: float = LEASE_SECONDS, clock: Callable[[], float] = time.time
     ) -> None:
-        if not _conditional(fs):
-            raise ConfigError(
-                f"{url} is on a store kiln cannot write a file on conditionally (S3's If-None-Match and If-Match), so "
-                "two runs could write the same checkpoints; use an S3 bucket (or an S3-compatible store), or a local "
-                "output_dir."
-            )
         self.fs, self.path, self.url, self.seconds, self.clock = fs, path, url, seconds, clock
+        self.renews = _conditional(fs)  # False: a store without conditional writes gets a lock without a lease
         self.token = uuid.uuid4().hex  # tells this hold from any other, even of the same pid
         self.started = clock()
         self.etag: str | None = None  # the lock file as this run last wrote it
@@ -122,12 +125,14 @@ class Lease:
         if not isinstance(holder.get("renewed"), (int, float)):  # a lock of another kind: the store's time
             modified = info.get("LastModified")
             holder["renewed"] = modified.timestamp() if hasattr(modified, "timestamp") else self.clock()
-        return str(info["ETag"]), holder
+        return str(info.get("ETag", "")), holder
 
     # -- taking, keeping and giving back -------------------------------------------------------
     def take(self) -> None:
         """Take the lock (a free one, an expired one, or a dead local process's), then keep it renewed;
         OutputDirInUse names a live holder, or the run that won a race for it."""
+        if not self.renews:
+            return self._take_without_lease()
         for _ in range(3):
             try:
                 self.etag = self._put(if_match=None)
@@ -164,6 +169,32 @@ class Lease:
         self._beat = threading.Thread(target=self._heartbeat, name="kiln-run-lock-lease", daemon=True)
         self._beat.start()
 
+    def _take_without_lease(self) -> None:
+        """On a store kiln cannot ask for conditional writes: an exclusive create, and no lease. A lock of a
+        dead process on this host is taken over; any other is refused, naming the file to delete."""
+        for attempt in range(2):
+            try:
+                with self.fs.open(self.path, "xb") as fh:
+                    fh.write(self._content())
+                return
+            except FileExistsError:
+                found = self._read()
+                holder = found[1] if found is not None else {}
+                if attempt == 0 and _dead_here(holder):
+                    log.warning("Took over the run lock of %s from %s, %s.", self.url, holder_text(holder), _DEAD_HERE)
+                    self.fs.rm_file(self.path)
+                    continue
+                raise OutputDirInUse(
+                    f"output_dir {self.url!r} is in use by another kiln run ({holder_text(holder)}); wait for it to "
+                    f"finish, or delete {self.path.rsplit('/', 1)[-1]} there if that run is dead (this store has no "
+                    "conditional writes, so its run lock has no lease that expires)."
+                ) from None
+            except (NotImplementedError, ValueError) as err:
+                raise ConfigError(
+                    f"{self.url} is on a store that cannot create a file exclusively ({err}), so two runs could write "
+                    "the same checkpoints; use an S3 bucket, or a local output_dir."
+                ) from None
+
     def _expired(self, holder: dict[str, Any]) -> str | None:
         """Why the lock of `holder` may be taken over (its lease ran out, or it is a dead process of this
         host), or None: it is live."""
@@ -171,7 +202,7 @@ class Lease:
         if age > _lease_of(holder, self.seconds):
             return f"whose lease ran out (last renewed {age:.0f} s ago, lease {_lease_of(holder, self.seconds):.0f} s)"
         if _dead_here(holder):
-            return "a process on this host that is no longer running (it crashed or was killed)"
+            return _DEAD_HERE
         return None
 
     def _heartbeat(self) -> None:
@@ -213,6 +244,8 @@ class Lease:
     def verify(self) -> None:
         """Raise LeaseLost unless the lock on the store is still this run's (one HEAD request); called
         before every write on the store."""
+        if not self.renews:
+            return
         with self._mutex:
             if self.lost is None:
                 self.fs.invalidate_cache(self.path)
@@ -231,6 +264,10 @@ class Lease:
         if self._beat is not None:
             self._beat.join()
         with self._mutex:
+            if not self.renews:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(self.path)
+                return
             if self.lost is not None or self.etag is None:
                 return
             try:
