@@ -263,6 +263,7 @@ class CheckpointManager:
             publish(self.store, final, self.config.save.total_limit, best)
 
     def _writers_are_nodes(self) -> bool:
+        """Whether several nodes' writers upload each checkpoint together (_from_nodes), not rank 0 alone."""
         return self._writers is not None and self._writers > 1
 
     @property
@@ -291,7 +292,9 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the save in flight (save.async_save) is complete on every rank; raise its failure,
         the same sentence on every rank. Every rank calls this at the same points: before a save, at the
-        end of fit and at a preemption. Without save.async_save there is nothing to wait for."""
+        end of fit and at a preemption. Without save.async_save there is nothing to wait for. A checkpoint
+        that several nodes upload together (_from_nodes) is uploaded here, once written: its collectives
+        cannot run on the background thread."""
         if not self.config.save.async_save:
             return
         error = self._background.join()
