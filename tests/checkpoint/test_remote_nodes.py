@@ -129,6 +129,11 @@ def two_nodes(url: str, s3, folders: list[str], stores: list[RemoteCheckpoints] 
 def test_each_file_goes_up_once_from_its_first_holder_and_the_marker_lists_every_node(s3, tmp_path):
     url = f"s3://{BUCKET}/one-marker"
     stores = [RemoteCheckpoints(url, s3) for _ in (0, 1)]
+
+    def only_rank_0(*args: object) -> None:
+        raise AssertionError("only global rank 0 withdraws and writes the marker")
+
+    stores[1].withdraw = stores[1].seal = only_rank_0  # type: ignore[method-assign]
     assert two_nodes(url, s3, node_folders(tmp_path), stores) == ["ok", "ok"]
     assert stores[0].steps() == [(4, "checkpoint-4")]
     marker = json.loads(stores[0].fs.cat_file(f"{stores[0].root}/checkpoint-4/{MARKER}"))
