@@ -168,6 +168,10 @@ def test_a_dead_process_of_this_host_loses_its_lock_at_once(s3, url, caplog):
     plant(store, renewed=time.time())  # renewed just now, by a process on another host: live
     with pytest.raises(OutputDirInUse):
         store.acquire_lock()
+    alive = {"pid": os.getppid(), "host": socket.gethostname(), "renewed": time.time(), "lease": 300.0, "token": "z"}
+    store.fs.pipe_file(f"{store.root}/{LOCK}", json.dumps(alive).encode())
+    with pytest.raises(OutputDirInUse, match=rf"\(pid {os.getppid()} on "):
+        store.acquire_lock()  # a live process of this host, within its lease
     info = {"pid": dead.pid, "host": socket.gethostname(), "renewed": time.time(), "lease": 300.0, "token": "y"}
     store.fs.pipe_file(f"{store.root}/{LOCK}", json.dumps(info).encode())
     with caplog.at_level("WARNING", logger="kiln.engine.checkpoint.lease"):
