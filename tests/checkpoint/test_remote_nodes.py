@@ -146,6 +146,8 @@ def test_each_file_goes_up_once_from_its_first_holder_and_the_marker_lists_every
 def test_a_node_whose_upload_fails_leaves_no_marker_and_a_warning(s3, tmp_path, monkeypatch):
     url = f"s3://{BUCKET}/one-node-fails"
     stores = [RemoteCheckpoints(url, s3, sleep=lambda s: None) for _ in (0, 1)]
+    folders = node_folders(tmp_path)
+    assert two_nodes(url, s3, folders, stores) == ["ok", "ok"]  # checkpoint-4 on the store, then saved again
     put = stores[0].fs.put_file
 
     def node_one_cut_off(src: str, dst: str, **kw: object) -> None:
@@ -159,8 +161,8 @@ def test_a_node_whose_upload_fails_leaves_no_marker_and_a_warning(s3, tmp_path, 
         match=r"checkpoint-4 was saved in the nodes' staging folders but not uploaded to .*: Uploading "
         r"fsdp_dcp/__1_0.distcp of checkpoint-4 .* failed after 5 tries \(ConnectionError",
     ):
-        assert two_nodes(url, s3, node_folders(tmp_path), stores) == ["ok", "ok"]
-    assert stores[0].steps() == []  # node 0's files are there, but no marker
+        assert two_nodes(url, s3, folders, stores) == ["ok", "ok"]
+    assert stores[0].steps() == []  # the earlier marker was withdrawn first: never over half-replaced files
 
 
 def test_a_lost_lease_stops_every_node_with_one_sentence(s3, tmp_path):
