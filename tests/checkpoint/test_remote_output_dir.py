@@ -124,7 +124,7 @@ def test_one_run_per_url_and_a_finished_one_is_never_overwritten(s3, request, tm
     runs = store(url, s3)
     runs.fs.pipe_file(f"{runs.root}/{LOCK}", json.dumps({"pid": 4242, "host": "node-7"}).encode())
     with pytest.raises(
-        OutputDirInUse, match=rf"output_dir '{url}' is in use by another kiln run \(pid 4242 on node-7\)"
+        OutputDirInUse, match=rf"output_dir '{url}' is in use by another kiln run \(pid 4242 on node-7, lock renewed"
     ):
         train(url, settings(s3, tmp_path / "a", **{"strategy": "no"}))
     import socket

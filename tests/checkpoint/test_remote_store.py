@@ -136,15 +136,39 @@ def test_one_run_holds_a_prefix_at_a_time(store):
     assert not store.fs.exists(lock)
     store.fs.pipe_file(lock, json.dumps({"pid": 4242, "host": "node-7"}).encode())
     with pytest.raises(
-        OutputDirInUse, match=r"is in use by another kiln run \(pid 4242 on node-7\); wait .* or delete"
+        OutputDirInUse, match=r"is in use by another kiln run \(pid 4242 on node-7, lock renewed \d+ s ago\); wait"
     ):
-        store.acquire_lock()  # a holder on another host may be alive: refused
+        store.acquire_lock()  # a holder on another host, within its lease (test_remote_lease.py): refused
     store.fs.rm_file(lock)
     store.acquire_lock()  # free again
     store.release_lock()
 
 
-def test_a_store_that_cannot_create_exclusively_is_refused_in_one_sentence(store, monkeypatch):
+def test_a_store_without_conditional_writes_gets_a_lock_without_a_lease(monkeypatch, caplog):
+    import socket
+    import subprocess
+
+    store = RemoteCheckpoints("memory://kiln/run")
+    lock = f"{store.root}/{LOCK}"
+    store.acquire_lock()
+    assert json.loads(store.fs.cat_file(lock))["pid"] == os.getpid()
+    store.release_lock()
+    assert not store.fs.exists(lock)
+    store.fs.pipe_file(lock, json.dumps({"pid": 4242, "host": "node-7", "renewed": 0.0}).encode())
+    with pytest.raises(
+        OutputDirInUse,
+        match=r"in use by another kiln run \(pid 4242 on node-7\); wait for it to finish, or delete "
+        r"\.kiln-run\.lock there if that run is dead \(this store has no conditional writes",
+    ):
+        store.acquire_lock()  # renewed long ago, but nothing renews on this store: refused
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    store.fs.pipe_file(lock, json.dumps({"pid": dead.pid, "host": socket.gethostname()}).encode())
+    with caplog.at_level("WARNING", logger="kiln.engine.checkpoint.lease"):
+        store.acquire_lock()
+    assert "no longer running" in caplog.text
+    store.release_lock()
+    assert not store.fs.exists(lock)
     monkeypatch.setattr(
         store.fs, "open", lambda path, mode="rb", **kw: (_ for _ in ()).throw(NotImplementedError(mode))
     )

@@ -38,8 +38,9 @@ class SaveConfig:
         "Write checkpoints in the background (also spelled save.async): the state is staged in host memory at the "
         "step boundary and training goes on while a writer thread writes it; COMPLETE is still written last, one save "
         "is in flight at a time, and the next save, the end of fit and a preemption wait for it. The full-state format "
-        "(single device, DDP) and FSDP / model_parallel's sharded format (DCP's async_save) write in the background; "
-        "the others (state_dict_type full, DeepSpeed, XLA, PEFT adapters) save synchronously, with one log line.",
+        "(single device, DDP) and FSDP / model_parallel's formats (sharded: DCP's async_save; state_dict_type full: "
+        "gathered at the step boundary) write in the background; the others (DeepSpeed, XLA, PEFT adapters) save "
+        "synchronously, with one log line.",
     )
     remote_dir: Optional[str] = opt(
         None,

@@ -12,10 +12,10 @@ then mirrors it to the store and back, keeping the local rules on a store that h
 - **Resume**: only the newest checkpoint with a marker is downloaded, into a temporary folder, its digests
   checked (files.why_damaged) before it is renamed into place; a damaged one is skipped, with a warning,
   for the one before it.
-- **The run lock**: one run per store prefix, taken by an exclusive create of `.kiln-run.lock` (S3's
-  `If-None-Match: *`); a store that cannot create exclusively is refused in one sentence. A lock left by
-  a dead process on this host is taken over (as the local flock's kernel drops it); one held from
-  another host is refused, naming it: a store has no way to tell a live holder from a dead one.
+- **The run lock**: one run per store prefix, a lease on `.kiln-run.lock` that the holder keeps renewing
+  and that another run takes over once it expires (lease.py). Every upload, deletion and rotation first
+  checks that the lock is still this run's: a run whose lease was taken over stops (LeaseLost) rather
+  than write over the new holder's checkpoints.
 
 The store's package is an extra: `kiln[s3]` (s3fs), `kiln[gcs]` (gcsfs); a URL whose package is missing is
 one sentence naming it.
@@ -24,28 +24,27 @@ one sentence naming it.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import shutil
-import socket
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kiln.engine.checkpoint.files import PREFIX, kept, why_damaged, why_incomplete
-from kiln.engine.checkpoint.in_use import FINISHED_FILES, LOCK, OutputDirInUse
+from kiln.engine.checkpoint.in_use import FINISHED_FILES, LOCK
 from kiln.engine.checkpoint.integrity import MARKER
-from kiln.utils.errors import CheckpointError, ConfigError
+from kiln.engine.checkpoint.lease import LEASE_SECONDS, Lease, LeaseLost
+from kiln.utils.errors import CheckpointError
 from kiln.utils.storage_urls import EXTRAS, is_remote, missing_file_system
 
-__all__ = ["EXTRAS", "RemoteCheckpoints", "UploadFailed", "is_remote"]
+__all__ = ["EXTRAS", "LeaseLost", "RemoteCheckpoints", "UploadFailed", "is_remote"]
 
 log = logging.getLogger(__name__)
 
-#: store prefixes whose run lock this process holds -> how many nested holders
-_held: dict[str, int] = {}
+#: store prefixes whose run lock this process holds -> its lease
+_held: dict[str, Lease] = {}
 
 
 class UploadFailed(CheckpointError):
@@ -63,6 +62,8 @@ class RemoteCheckpoints:
         retries: int = 4,
         backoff: float = 0.5,
         sleep: Callable[[float], None] = time.sleep,
+        lease: float = LEASE_SECONDS,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         import fsspec
 
@@ -71,6 +72,7 @@ class RemoteCheckpoints:
         except ImportError:
             raise missing_file_system(url) from None
         self.url, self.retries, self.backoff, self.sleep = url.rstrip("/"), retries, backoff, sleep
+        self.lease, self.clock = lease, clock  # the run lock's lease length and the clock it is judged by
         self.uploaded: str | None = None  # the last checkpoint this object uploaded whole
         self.root = self.root.rstrip("/")
 
@@ -99,11 +101,14 @@ class RemoteCheckpoints:
             raise CheckpointError(f"{local} is not a complete checkpoint ({problem}), so it is not uploaded.")
         name = os.path.basename(os.path.normpath(local))
         marker = self._path(name, MARKER)
+        self._check_lease()
         if self.fs.exists(marker):  # the same step uploaded again: never half-replaced under an intact marker
             self.fs.rm_file(marker)
             self.uploaded = None if self.uploaded == name else self.uploaded
         files = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
         for rel in [f for f in files if f != MARKER] + [MARKER]:
+            if rel == MARKER:
+                self._check_lease()  # the lease may have been lost during a long upload
             target = self._path(name, *rel.split(os.sep))
             self._retrying(
                 f"Uploading {rel} of {name} to {self.url}",
@@ -112,9 +117,38 @@ class RemoteCheckpoints:
         self.uploaded = name
         return f"{self.url}/{name}"
 
+    def withdraw(self, name: str) -> None:
+        """Delete checkpoint `name`'s marker from the store, if there, before its files are uploaded again:
+        never half-replaced under an intact marker."""
+        marker = self._path(name, MARKER)
+        self._check_lease()
+        if self.fs.exists(marker):
+            self.fs.rm_file(marker)
+
+    def upload_some(self, local: str, files: list[str]) -> None:
+        """Upload the files `files` (paths relative to the checkpoint folder `local`), with retries, but no
+        marker: one node's part of a checkpoint whose marker global rank 0 writes (remote_run)."""
+        name = os.path.basename(os.path.normpath(local))
+        self._check_lease()
+        for rel in files:
+            self._retrying(
+                f"Uploading {rel} of {name} to {self.url}",
+                functools.partial(self.fs.put_file, os.path.join(local, rel), self._path(name, *rel.split(os.sep))),
+            )
+
+    def seal(self, name: str, marker: bytes) -> str:
+        """Upload checkpoint `name`'s marker, whose files are all on the store; returns its URL."""
+        self._check_lease()
+        self._retrying(
+            f"Uploading {MARKER} of {name} to {self.url}",
+            functools.partial(self.fs.pipe_file, self._path(name, MARKER), marker),
+        )
+        return f"{self.url}/{name}"
+
     def delete(self, name: str) -> None:
         """Remove checkpoint `name` from the store: its marker first, so it is never half there and intact."""
         marker = self._path(name, MARKER)
+        self._check_lease()
         if self.fs.exists(marker):
             self.fs.rm_file(marker)
         if self.fs.exists(self._path(name)):
@@ -132,6 +166,7 @@ class RemoteCheckpoints:
     def upload_files(self, local: str) -> None:
         """Upload the files at the top of folder `local` (a finished run's exported model, its
         trainer_state.json and results), each with retries; not the run lock, nor any folder."""
+        self._check_lease()
         for name in sorted(os.listdir(local)):
             source = os.path.join(local, name)
             if name != LOCK and os.path.isfile(source):
@@ -143,6 +178,7 @@ class RemoteCheckpoints:
     def steps(self) -> list[tuple[int, str]]:
         """(step, name) of every checkpoint whose marker is on the store, oldest first."""
         found = []
+        self.fs.invalidate_cache(self.root)  # another process (a run's other node) may have written since
         for entry in self.fs.ls(self.root, detail=False) if self.fs.exists(self.root) else []:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             if name.startswith(PREFIX) and name[len(PREFIX) :].isdigit() and self.fs.exists(self._path(name, MARKER)):
@@ -182,7 +218,7 @@ class RemoteCheckpoints:
         restarted job on the same machine); returns the path and why it must not be read (None: intact)."""
         os.makedirs(local_root, exist_ok=True)
         final = os.path.join(local_root, name)
-        if os.path.isdir(final) and why_damaged(final, key) is None:
+        if os.path.isdir(final) and why_damaged(final, key) is None and self._same_marker(final, name):
             return final, None
         partial = os.path.join(local_root, f".{name}.download")
         shutil.rmtree(partial, ignore_errors=True)
@@ -195,6 +231,12 @@ class RemoteCheckpoints:
             shutil.rmtree(partial, ignore_errors=True)
         return final, problem
 
+    def _same_marker(self, local: str, name: str) -> bool:
+        """Whether the local copy `local` is of the store's checkpoint `name` (the same marker): a node's
+        own part of a checkpoint several nodes uploaded has a marker of its own, listing its files only."""
+        with open(os.path.join(local, MARKER), "rb") as fh:
+            return fh.read() == self.fs.cat_file(self._path(name, MARKER))
+
     def finished_work(self) -> str | None:
         """The first thing on the store a new run would overwrite (its newest checkpoint, or an exported
         model), or None."""
@@ -205,69 +247,27 @@ class RemoteCheckpoints:
 
     # -- the run lock -------------------------------------------------------------------------
     def acquire_lock(self) -> None:
-        """Take the store prefix's run lock by an exclusive create (re-entrant within this process);
-        OutputDirInUse names the holder."""
+        """Take the store prefix's run lock, a lease kept renewed until release_lock (re-entrant within
+        this process); OutputDirInUse names a live holder."""
         if self.url in _held:
-            _held[self.url] += 1
+            _held[self.url].holds += 1
             return
-        path = self._path(LOCK)
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode("utf-8")
-        for attempt in range(2):
-            try:
-                with self.fs.open(path, "xb") as f:
-                    f.write(info)
-                break
-            except FileExistsError:
-                holder = self._holder()
-                if attempt == 0 and _dead_here(holder):
-                    log.warning(
-                        "Took over the run lock of %s left by pid %s on this host, which is no longer running "
-                        "(it crashed or was killed).",
-                        self.url,
-                        holder.get("pid"),
-                    )
-                    self.fs.rm_file(path)
-                    continue
-                who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}" if holder else "another process"
-                raise OutputDirInUse(
-                    f"output_dir {self.url!r} is in use by another kiln run ({who}); wait for it to "
-                    f"finish, or delete {self.url}/{LOCK} if that run is dead."
-                ) from None
-            except (NotImplementedError, ValueError) as err:
-                raise ConfigError(
-                    f"{self.url} is on a store that cannot create a file exclusively ({err}), so two runs "
-                    "could write the same checkpoints; use an S3 or GCS bucket, or a local output_dir."
-                ) from None
-        _held[self.url] = 1
-
-    def _holder(self) -> dict[str, Any]:
-        """What the lock file says of its holder ({} when unreadable)."""
-        try:
-            holder = json.loads(self.fs.cat_file(self._path(LOCK)))
-        except (OSError, ValueError):
-            return {}
-        return holder if isinstance(holder, dict) else {}
+        lease = Lease(self.fs, self._path(LOCK), self.url, self.lease, self.clock)
+        lease.take()
+        _held[self.url] = lease
 
     def release_lock(self) -> None:
-        """Drop one hold on the lock; the last one deletes it."""
-        if _held.get(self.url, 0) > 1:
-            _held[self.url] -= 1
+        """Drop one hold on the lock; the last one stops renewing it and deletes it (if it is still ours)."""
+        lease = _held.get(self.url)
+        if lease is None:
             return
-        _held.pop(self.url, None)
-        path = self._path(LOCK)
-        if self.fs.exists(path):
-            self.fs.rm_file(path)
+        lease.holds -= 1
+        if lease.holds == 0:
+            del _held[self.url]
+            lease.release()
 
-
-def _dead_here(holder: Mapping[str, Any]) -> bool:
-    """Whether the lock's holder was a process on this host that is no longer running."""
-    pid = holder.get("pid")
-    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
+    def _check_lease(self) -> None:
+        """Before a write on the store: LeaseLost when this process holds its run lock and lost it."""
+        lease = _held.get(self.url)
+        if lease is not None:
+            lease.verify()

@@ -14,12 +14,16 @@ kiln.config.remote_dir): the plug-in between the local checkpoints and kiln.engi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kiln.engine.checkpoint.remote import RemoteCheckpoints, UploadFailed
+from kiln.engine.checkpoint.integrity import ALGORITHM, MARKER
+from kiln.engine.checkpoint.remote import LeaseLost, RemoteCheckpoints, UploadFailed
+from kiln.engine.checkpoint.signing import SIGNATURE, SigningKey, sign
 from kiln.utils.storage_urls import default_staging
 
 if TYPE_CHECKING:
@@ -58,6 +62,11 @@ def publish(store: RemoteCheckpoints, local: str, limit: int | None, best: str |
         )
         return
     log.info("Uploaded %s to %s.", name, store.url)
+    _rotate(store, limit, best)
+
+
+def _rotate(store: RemoteCheckpoints, limit: int | None, best: str | None) -> None:
+    """Apply save.total_limit on the store (a failure is a warning: it keeps more until the next save)."""
     if limit:
         try:
             store.rotate(limit, os.path.basename(os.path.normpath(best)) if best else None)
@@ -87,3 +96,81 @@ def fetch_checkpoint(
     parent, _, name = url.rstrip("/").rpartition("/")
     store = RemoteCheckpoints(parent, storage_options)
     return store.download(name, into or default_staging(parent), key)
+
+
+def publish_from_nodes(
+    store: RemoteCheckpoints,
+    local: str | None,
+    rank: int,
+    limit: int | None,
+    best: str | None,
+    gather: Callable[[Any], list[Any]],
+    key: SigningKey | None,
+) -> None:
+    """Upload a checkpoint whose files are spread over several nodes' staging folders (save.on_each_node:
+    each node's writer sealed the files its node wrote, in `local`, under a marker of its own). Called on
+    every rank (`rank`: its global rank); `local` is None on ranks that are not a node's writer, and
+    `gather` is the strategy's all_gather_object.
+
+    Global rank 0 first withdraws an earlier marker of the same step from the store; each file is then
+    uploaded by the first node (in rank order) that holds it, so the files every node writes alike
+    (trainer_state.json, config.yaml) go up once; after every node's upload, rank 0 uploads one marker
+    that lists, digested, every node's files (signed again with `key`), then rotates the store. A node
+    whose upload fails past its retries leaves no marker: a warning, as for one node (publish)."""
+    name = os.path.basename(os.path.normpath(local)) if local is not None else None
+    withdrawn = _attempt(store.withdraw, name) if rank == 0 and name is not None else None
+    gathered = gather((_part(local) if local is not None else None, withdrawn))  # no node uploads before it
+    parts = [part for part, _ in gathered]
+    problems = [problem for _, problem in gathered if problem]
+    owner: dict[str, int] = {}
+    for holder, part in enumerate(parts):
+        for rel in part["files"] if part else ():
+            owner.setdefault(rel, holder)
+    uploaded = None
+    if local is not None and not problems:
+        uploaded = _attempt(store.upload_some, local, sorted(rel for rel, holder in owner.items() if holder == rank))
+    problems += [problem for problem in gather(uploaded) if problem]
+    lost = [message for kind, message in problems if kind == "lost"]
+    if lost:  # every rank stops with the same sentence
+        raise LeaseLost(lost[0])
+    if rank != 0 or local is None or name is None:
+        return
+    if problems:
+        warnings.warn(
+            f"{name} was saved in the nodes' staging folders but not uploaded to {store.url}: {problems[0][1]} The "
+            "store's newest intact checkpoint is the newest one it held before; training goes on.",
+            stacklevel=2,
+        )
+        return
+    meta = dict(parts[0]["meta"])
+    meta["files"] = {rel: parts[holder]["files"][rel] for rel, holder in sorted(owner.items())}
+    meta[ALGORITHM] = {rel: parts[holder][ALGORITHM][rel] for rel, holder in sorted(owner.items())}
+    meta.pop(SIGNATURE, None)
+    if key is not None:
+        meta[SIGNATURE] = sign(meta, key)
+    try:
+        store.seal(name, json.dumps(meta, indent=1).encode("utf-8"))
+    except UploadFailed as err:
+        warnings.warn(f"{name} was not uploaded to {store.url}: {err} Training goes on.", stacklevel=2)
+        return
+    log.info("Uploaded %s to %s from %d nodes.", name, store.url, sum(1 for p in parts if p))
+    _rotate(store, limit, best)
+
+
+def _attempt(action: Callable[..., Any], *args: Any) -> tuple[str, str] | None:
+    """Run one node's step of a shared upload; its failure as ("lost" or "failed", the sentence), for the
+    other ranks to learn through the next gather rather than wait for a rank that raised."""
+    try:
+        action(*args)
+    except LeaseLost as err:
+        return "lost", str(err)
+    except Exception as err:  # the stores' clients raise their own types (botocore, aiohttp, OSError)
+        return "failed", str(err) if isinstance(err, UploadFailed) else f"{type(err).__name__}: {err}."
+    return None
+
+
+def _part(local: str) -> dict[str, Any]:
+    """A node's part of a checkpoint: its sealed marker (files, digests, the rest)."""
+    with open(os.path.join(local, MARKER), encoding="utf-8") as fh:
+        meta = json.load(fh)
+    return {"files": meta["files"], ALGORITHM: meta[ALGORITHM], "meta": meta}

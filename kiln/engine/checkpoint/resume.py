@@ -126,10 +126,11 @@ def choose_resume(resume: Any, config: DictConfig, strategy: Strategy) -> str | 
             path = resolve_resume(resume, output_dir, key, config)
         except ResumeError as err:
             error = str(err)
-    if remote:  # every writer's answer: the first refusal, else global rank 0's path
-        answers = strategy.all_gather_object((path, error))
-        errors = [e for _, e in answers if e]
-        path, error = answers[0][0], errors[0] if errors else None
+    if remote:  # every writer's answer: the first refusal, else the path its node's writer downloaded to
+        answers = strategy.all_gather_object((path, error, strategy.node_rank if resolves else None))
+        errors = [e for _, e, _ in answers if e]
+        ours = [p for p, _, node in answers if node == strategy.node_rank]
+        path, error = (ours or [answers[0][0]])[0], errors[0] if errors else None
     else:
         path, error = strategy.broadcast_object((path, error), src=0)
     if error is not None:

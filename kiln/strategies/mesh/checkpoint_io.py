@@ -291,6 +291,41 @@ class FullCheckpointIO(_MeshCheckpointIO):
         safetensors: bool,
         writer: bool,
     ) -> None:
+        weights, optim = self._gather(module, optimizer, save_optimizer, writer)
+        if writer:
+            _write_gathered(directory, weights, optim, safetensors)
+
+    def stage(
+        self,
+        directory: str,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        save_optimizer: bool,
+        safetensors: bool,
+        writer: bool,
+        staging: HostStaging,
+    ) -> StagedWrite | None:
+        """The gathers are collectives on the training process group, so they run here, at the step
+        boundary, on every rank, as `save`'s do; the gathered state is then copied into host buffers of
+        its own (a gather may hand back the live tensors: one process, or a replicated parameter), and the
+        files are written on the background thread, so the disk write leaves the step loop."""
+        weights, optim = self._gather(module, optimizer, save_optimizer, writer)
+        if not writer:
+            return lambda directory: None
+        weights, optim = staging.copy((weights, optim))
+
+        def write(directory: str) -> None:
+            _write_gathered(directory, weights, optim, safetensors, in_background=True)
+
+        return write
+
+    def _gather(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None, save_optimizer: bool, writer: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """The full weights (on rank 0, and on another node's writer with save.on_each_node) and the full
+        optimizer state (kept on rank 0 only): collectives, every rank takes part."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         weights = full_model_state(module, every_rank=writer and not self.strategy.is_global_zero)
@@ -299,12 +334,8 @@ class FullCheckpointIO(_MeshCheckpointIO):
             optim = get_optimizer_state_dict(
                 module, optimizer, options=_options(full_state_dict=True, cpu_offload=True)
             )
-        if writer and self.strategy.is_global_zero:
-            save_weights(weights, directory, safetensors)
-            if optim is not None:
-                torch.save(optim, os.path.join(directory, OPTIMIZER))
-        elif writer:  # another node's local rank 0 (save.on_each_node) writes the weights it gathered
-            save_weights(weights, directory, safetensors)
+        # another node's local rank 0 (save.on_each_node) writes the weights it gathered, without optimizer.pt
+        return weights, optim if self.strategy.is_global_zero else None
 
     def load(
         self,
@@ -318,3 +349,16 @@ class FullCheckpointIO(_MeshCheckpointIO):
         if not load_optimizer or optimizer is None:
             return load_plain_weights(directory, module)
         self.load_portable(read_full_files(directory), module=module, optimizer=optimizer, source=directory)
+
+
+def _write_gathered(
+    directory: str,
+    weights: dict[str, torch.Tensor],
+    optim: dict[str, Any] | None,
+    safetensors: bool,
+    in_background: bool = False,
+) -> None:
+    """An `fsdp-full` checkpoint's weights and `optimizer.pt` (None: not on this writer)."""
+    save_weights(weights, directory, safetensors, in_background=in_background)
+    if optim is not None:
+        torch.save(optim, os.path.join(directory, OPTIMIZER))

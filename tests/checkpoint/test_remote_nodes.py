@@ -1,0 +1,181 @@
+"""A sharded checkpoint (FSDP's DCP) saved to an S3 URL from two nodes that share no disk, and resumed
+from the store on two fresh nodes (tests/checkpoint/remote_nodes_worker.py: a 2-process gloo world
+faking two nodes, each with its own staging folder; moto's server through s3fs): each node uploads its
+own shards, the COMPLETE marker goes up after every node's files and lists them all, and the resumed
+run ends bit for bit where the same run without a store and uninterrupted does."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from kiln.engine.checkpoint.atomic import publish_folder
+from kiln.engine.checkpoint.integrity import MARKER
+from kiln.engine.checkpoint.lease import Lease, LeaseLost
+from kiln.engine.checkpoint.remote import RemoteCheckpoints
+from kiln.engine.checkpoint.remote_run import publish_from_nodes
+from tests.checkpoint.s3_server import s3_endpoint
+from tests.checkpoint.test_cross_format_resume import saved_weights
+from tests.installed import requires
+
+pytestmark = [requires("s3fs", "pip install kiln[s3]"), requires("moto", "pip install moto[server]")]
+
+BUCKET = "kiln-nodes"
+
+
+@pytest.mark.distributed
+def test_two_nodes_save_a_sharded_checkpoint_to_s3_and_resume_it_bitwise(s3, tmp_path):
+    from kiln.engine.checkpoint.remote import RemoteCheckpoints
+    from tests.world import run_world
+
+    url = f"s3://{BUCKET}/run"
+    run_world(
+        os.path.join(os.path.dirname(__file__), "remote_nodes_worker.py"),
+        tmp_path,
+        url,
+        s3["client_kwargs"]["endpoint_url"],
+        timeout=600,
+    )
+    got = {}
+    for variant in ("sync", "async"):
+        store = RemoteCheckpoints(f"{url}-{variant}", s3)
+        assert [name for _, name in store.steps()] == ["checkpoint-4", "checkpoint-6"]  # total_limit=2
+        marker = json.loads(store.fs.cat_file(f"{store.root}/checkpoint-4/{MARKER}"))
+        shards = sorted(f for f in marker["files"] if f.endswith(".distcp"))
+        assert len(shards) == 2, marker["files"]  # node 0's shard and node 1's
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(marker["files"])
+        got[variant] = saved_weights(store.download("checkpoint-6", str(tmp_path / "check" / variant)))
+    puts = [(dst, t) for rank in (0, 1) for dst, t in json.loads((tmp_path / f"puts_{rank}.json").read_text())]
+    for variant in ("sync", "async"):
+        for step in (4, 6):
+            files = [t for dst, t in puts if f"-{variant}/checkpoint-{step}/" in dst and not dst.endswith(MARKER)]
+            markers = [t for dst, t in puts if dst.endswith(f"-{variant}/checkpoint-{step}/{MARKER}")]
+            assert markers and min(markers) >= max(files)  # a marker only after every node's files
+    uploaded = {dst.rsplit("/", 1)[-1] for dst, _ in json.loads((tmp_path / "puts_1.json").read_text())}
+    assert any(name.startswith("__1_") for name in uploaded), uploaded  # node 1 uploaded its own shard
+    want = saved_weights(str(tmp_path / "straight" / "checkpoint-6"))
+    for variant, weights in got.items():
+        assert want.keys() == weights.keys()
+        for key, value in want.items():
+            assert torch.equal(value, weights[key]), (variant, key)
+
+
+# -- the nodes' protocol (remote_run.publish_from_nodes) in one process: a thread per node ----------------
+NODE_FILES = {  # what each node's staging folder holds of checkpoint-4: its shards, and files every node writes
+    0: {"fsdp_dcp/.metadata": b"meta", "fsdp_dcp/__0_0.distcp": b"shard zero", "trainer_state.json": b'{"node": 0}'},
+    1: {"fsdp_dcp/__1_0.distcp": b"shard one", "trainer_state.json": b'{"node": 1}'},
+}
+
+
+@pytest.fixture(scope="module")
+def s3():  # type: ignore[no-untyped-def]
+    with s3_endpoint(BUCKET) as options:
+        yield options
+
+
+def node_folders(root) -> list[str]:  # type: ignore[no-untyped-def]
+    """Each node's sealed part of checkpoint-4, as its writer leaves it in its own staging folder."""
+    folders = []
+    for node, files in NODE_FILES.items():
+        tmp, final = root / f"node{node}" / ".checkpoint-4.tmp", root / f"node{node}" / "checkpoint-4"
+        for rel, data in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(data)
+        publish_folder(str(tmp), str(final), {"version": 2, "step": 4, "format": "fsdp-sharded"}, None)
+        folders.append(str(final))
+    return folders
+
+
+def two_nodes(url: str, s3, folders: list[str], stores: list[RemoteCheckpoints] | None = None) -> list[object]:  # type: ignore[no-untyped-def]
+    """publish_from_nodes on two ranks at once (threads, an all-gather built on a barrier); what each
+    rank returned ("ok") or raised."""
+    stores = stores or [RemoteCheckpoints(url, s3) for _ in folders]
+    slots: list[object] = [None, None]
+    barrier = threading.Barrier(2)
+
+    def gather_for(rank: int):  # type: ignore[no-untyped-def]
+        def gather(obj):  # type: ignore[no-untyped-def]
+            barrier.wait(30)
+            slots[rank] = obj
+            barrier.wait(30)
+            out = list(slots)
+            barrier.wait(30)
+            return out
+
+        return gather
+
+    outcomes: list[object] = [None, None]
+
+    def node(rank: int) -> None:
+        try:
+            publish_from_nodes(stores[rank], folders[rank], rank, None, None, gather_for(rank), None)
+            outcomes[rank] = "ok"
+        except Exception as err:
+            outcomes[rank] = err
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outcomes
+
+
+def test_each_file_goes_up_once_from_its_first_holder_and_the_marker_lists_every_node(s3, tmp_path):
+    url = f"s3://{BUCKET}/one-marker"
+    stores = [RemoteCheckpoints(url, s3) for _ in (0, 1)]
+
+    def only_rank_0(*args: object) -> None:
+        raise AssertionError("only global rank 0 withdraws and writes the marker")
+
+    stores[1].withdraw = stores[1].seal = only_rank_0  # type: ignore[method-assign]
+    assert two_nodes(url, s3, node_folders(tmp_path), stores) == ["ok", "ok"]
+    assert stores[0].steps() == [(4, "checkpoint-4")]
+    marker = json.loads(stores[0].fs.cat_file(f"{stores[0].root}/checkpoint-4/{MARKER}"))
+    assert sorted(marker["files"]) == sorted({**NODE_FILES[0], **NODE_FILES[1]})
+    got = stores[0].download("checkpoint-4", str(tmp_path / "resumed"))  # digests checked
+    assert open(os.path.join(got, "trainer_state.json"), "rb").read() == b'{"node": 0}'  # rank 0's copy, the one listed
+    assert open(os.path.join(got, "fsdp_dcp", "__1_0.distcp"), "rb").read() == b"shard one"
+
+
+def test_a_node_whose_upload_fails_leaves_no_marker_and_a_warning(s3, tmp_path, monkeypatch):
+    url = f"s3://{BUCKET}/one-node-fails"
+    stores = [RemoteCheckpoints(url, s3, sleep=lambda s: None) for _ in (0, 1)]
+    folders = node_folders(tmp_path)
+    assert two_nodes(url, s3, folders, stores) == ["ok", "ok"]  # checkpoint-4 on the store, then saved again
+    put = stores[0].fs.put_file
+
+    def node_one_cut_off(src: str, dst: str, **kw: object) -> None:
+        if "node1" in src:
+            raise ConnectionError("connection reset by peer")
+        put(src, dst, **kw)
+
+    monkeypatch.setattr(stores[0].fs, "put_file", node_one_cut_off)  # one cached file system for both
+    with pytest.warns(
+        UserWarning,
+        match=r"checkpoint-4 was saved in the nodes' staging folders but not uploaded to .*: Uploading "
+        r"fsdp_dcp/__1_0.distcp of checkpoint-4 .* failed after 5 tries \(ConnectionError",
+    ):
+        assert two_nodes(url, s3, folders, stores) == ["ok", "ok"]
+    assert stores[0].steps() == []  # the earlier marker was withdrawn first: never over half-replaced files
+
+
+def test_a_lost_lease_stops_every_node_with_one_sentence(s3, tmp_path):
+    url = f"s3://{BUCKET}/lost-lease"
+    stores = [RemoteCheckpoints(url, s3) for _ in (0, 1)]
+    stores[0].acquire_lock()  # rank 0 holds the run lock (the process holds it: both threads see it)
+    successor = Lease(stores[0].fs, f"{stores[0].root}/.kiln-run.lock", url, clock=lambda: time.time() + 1000)
+    successor.take()
+    try:
+        outcomes = two_nodes(url, s3, node_folders(tmp_path), stores)
+        assert all(isinstance(o, LeaseLost) for o in outcomes) and str(outcomes[0]) == str(outcomes[1])
+        assert str(outcomes[0]).startswith(f"The run lock of {url} was taken over by another run")
+        assert not stores[0].fs.exists(f"{stores[0].root}/checkpoint-4")  # nothing written
+    finally:
+        stores[0].release_lock()
+        successor.release()
