@@ -18,8 +18,11 @@ logger = logging.getLogger(__name__)
 
 
 def mixes_meshes(params: Iterable[Any]) -> bool:
-    """Whether `params` hold DTensors of more than one mesh, or DTensors and plain tensors together."""
-    return len({id(getattr(p, "device_mesh", None)) for p in params}) > 1
+    """Whether `params` hold DTensors of more than one mesh, or DTensors and plain tensors together. Meshes
+    are told apart by value, as DTensor's own ops tell them apart: equal DeviceMesh objects are one mesh to a
+    multi-tensor kernel. (A second mesh run in one process gets some of its meshes from torch's caches and
+    some new, equal ones; told apart by identity they switched the fused kernel off, a last-bit change.)"""
+    return len({getattr(p, "device_mesh", None) for p in params}) > 1
 
 
 def per_parameter_kernels_where_mixed(optimizer: Any) -> None:

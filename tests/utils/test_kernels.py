@@ -38,6 +38,40 @@ def test_a_group_mixes_when_its_parameters_do_not_share_one_mesh(meshes, mixed):
     assert mixes_meshes([_param(m) for m in meshes]) is mixed
 
 
+class _Equal:
+    """A mesh equal to every other _Equal, as two DeviceMesh objects of the same ranks and names are."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Equal)
+
+    def __hash__(self) -> int:
+        return 1
+
+
+def test_equal_meshes_are_one_mesh_though_they_are_distinct_objects():
+    """A second mesh run in one process gets some of its DeviceMesh objects from torch's caches and some new,
+    equal ones. Told apart by identity, they switched AdamW's fused kernel off for that run only, and its
+    weights differed from `single`'s in the last bit (a test order broke an FSDP-vs-single bitwise check)."""
+    assert mixes_meshes([_param(_Equal()), _param(_Equal())]) is False
+    assert mixes_meshes([_param(_Equal()), _param()]) is True
+
+
+def test_two_device_meshes_of_the_same_ranks_and_names_are_one_mesh():
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
+    try:
+        first, second = (DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("dp_shard",)) for _ in range(2))
+        other = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("tp",))
+        assert first is not second
+        assert mixes_meshes([_param(first), _param(second)]) is False
+        assert mixes_meshes([_param(first), _param(other)]) is True
+    finally:
+        dist.destroy_process_group()
+
+
 def test_only_the_mixed_groups_left_to_torch_step_per_parameter(caplog):
     mixed, plain, asked_off = [_param(MESH_A), _param()], [_param(), _param()], [_param(MESH_A), _param(MESH_B)]
     opt = torch.optim.AdamW([{"params": mixed}, {"params": plain}, {"params": asked_off, "foreach": False}])

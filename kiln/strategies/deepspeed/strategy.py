@@ -298,6 +298,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         if self._exported_local_rank:
             remove_default("LOCAL_RANK")
             self._exported_local_rank = False
+        _restore_torch_linear()
 
     # -- checkpoints and export -------------------------------------------------------------
     def checkpoint_io(self) -> CheckpointIO:
@@ -311,3 +312,16 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
         from kiln.strategies.deepspeed.checkpoint_io import gathered_state
 
         return gathered_state(module, fp32=bool(self.option("export_fp32", False)) and self.engine is not None)
+
+
+def _restore_torch_linear() -> None:
+    """ZeRO-3's `zero.Init` swaps `torch.nn.functional.linear` for DeepSpeed's memory-efficient one and
+    leaves it there ("This will persist unless manually reset"): every linear layer run later in this
+    process (another Trainer, a plain model) goes through it, and it fails on what torch's accepts. Put
+    torch's back, only where DeepSpeed's own is in place; a later ZeRO-3 run swaps it in again."""
+    module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    if module is None:
+        return
+    original = getattr(module.InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is getattr(module, "zero3_linear_wrap", None):
+        torch.nn.functional.linear = original

@@ -76,3 +76,30 @@ def test_teardown_takes_back_the_local_rank_it_exported_and_leaves_a_users(monke
     strategy.setup_environment()
     strategy.teardown()
     assert os.environ["LOCAL_RANK"] == "0"
+
+
+def test_teardown_puts_back_the_torch_linear_that_zero3s_init_swapped_out():
+    """ZeRO-3's Init replaces torch.nn.functional.linear for the whole process; left behind, a later
+    plain layer fails on a list input with DeepSpeed's AttributeError instead of torch's TypeError (it
+    broke other tests run after an in-process ZeRO-3 fit), and runs DeepSpeed's autograd function."""
+    import torch
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    torch_linear = torch.nn.functional.linear
+    strategy = _stage3()
+    strategy.setup_environment()
+    InsertPostInitMethodToModuleSubClasses._enable_mem_efficient_linear(None)  # what zero.Init does
+    assert torch.nn.functional.linear is zero3_linear_wrap
+    strategy.teardown()
+    assert torch.nn.functional.linear is torch_linear
+    with pytest.raises(TypeError):
+        torch.nn.Linear(2, 2)([[1.0, 2.0]])
+    strategy.teardown()  # idempotent, and a linear someone else set is left alone
+    mine = lambda *a, **k: torch_linear(*a, **k)  # noqa: E731
+    torch.nn.functional.linear = mine
+    try:
+        _stage3().teardown()
+        assert torch.nn.functional.linear is mine
+    finally:
+        torch.nn.functional.linear = torch_linear
