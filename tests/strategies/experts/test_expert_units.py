@@ -219,7 +219,19 @@ def _step_arithmetic(strategy, model, params, experts, expert_share=1.0):
     values, so averaging divides them by the data ranks (4); a missing gradient becomes zeros; the global
     norm counts a replicated gradient once (1/4 on each of 4 ranks) and an expert shard once (whole
     under ep 4: `expert_share` 1; half on each of the 2 ranks holding it beside dp_replicate 2); the
-    tokens per expert are this rank's counts per step."""
+    tokens per expert are this rank's counts per step. Returns what averaging all-reduced: (elements,
+    the group's ranks or None for every rank) per call."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    reduced = []
+    real = dist.all_reduce
+
+    def all_reduce(tensor, *args, group=None, **kw):
+        reduced.append((tensor.numel(), None if group is None else dist.get_process_group_ranks(group)))
+        return real(tensor, *args, group=group, **kw)
+
     from torch.distributed.tensor import DTensor
 
     plain = [p for p in params.values() if not isinstance(p, DTensor)]
@@ -227,7 +239,8 @@ def _step_arithmetic(strategy, model, params, experts, expert_share=1.0):
         p.grad = None if i == 0 else torch.full_like(p, 2.0)
     for p in experts.values():
         p.grad = DTensor.from_local(torch.full_like(p.to_local(), 8.0), p.device_mesh, p.placements)
-    strategy.average_gradients()
+    with mock.patch.object(dist, "all_reduce", all_reduce):
+        strategy.average_gradients()
     assert not plain[0].grad.any() and all(bool((p.grad == 0.5).all()) for p in plain[1:])
     assert all(bool((p.grad.to_local() == 2.0).all()) for p in experts.values())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -245,6 +258,7 @@ def _step_arithmetic(strategy, model, params, experts, expert_share=1.0):
         "moe/tokens_per_expert_imbalance": 2.5,
     }
     assert not any(shard.counts.any() for shard in strategy._shards)  # read once, then counted afresh
+    return reduced
 
 
 def test_one_rank_of_a_fake_world_holds_its_experts(caplog, monkeypatch):
@@ -284,14 +298,16 @@ def test_one_rank_of_a_fake_world_holds_its_experts(caplog, monkeypatch):
             assert p.to_local().shape == (1, *p.shape[1:]) == local and p.shape[0] == 4
             assert tuple(offset) == (2, 0, 0)  # the third expert's rows
         assert len(params) > len(experts)  # the rest stays whole, a plain tensor on every rank
-        _step_arithmetic(strategy, model, params, experts)
+        reduced = _step_arithmetic(strategy, model, params, experts)
+        plain = sum(p.numel() for p in params.values() if not isinstance(p, DTensor))
+        assert reduced == [(plain, None)]  # the replicated gradients, once; the experts' only divided
         _generation_is_synced(strategy, model, monkeypatch)
         strategy.teardown()
     finally:
         dist.destroy_process_group()
 
 
-def test_one_rank_of_a_fake_world_with_ep_beside_dp_replicate(caplog, monkeypatch):
+def test_one_rank_of_a_fake_world_with_ep_beside_dp_replicate(caplog):
     """dp_replicate 2 x ep 2, rank 3: replica 1, ep rank 1 (experts 2 and 3, as rank 1 in the other
     replica), data shard 3 of 4, the rest whole; the replicated gradients are summed over every rank,
     the experts' over dp_replicate ({1, 3}: the ranks holding the same experts), each divided by 4."""
@@ -330,18 +346,9 @@ def test_one_rank_of_a_fake_world_with_ep_beside_dp_replicate(caplog, monkeypatc
             assert p.device_mesh.mesh_dim_names == ("ep",) and [repr(x) for x in p.placements] == ["Shard(dim=0)"]
             local, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
             assert p.to_local().shape == (2, *p.shape[1:]) == local and tuple(offset) == (2, 0, 0)
-        reduced = []
-        real = dist.all_reduce
-
-        def all_reduce(tensor, *args, group=None, **kw):
-            reduced.append((tensor.numel(), None if group is None else dist.get_process_group_ranks(group)))
-            return real(tensor, *args, group=group, **kw)
-
-        monkeypatch.setattr(dist, "all_reduce", all_reduce)
-        _step_arithmetic(strategy, model, params, experts, expert_share=0.5)
+        reduced = _step_arithmetic(strategy, model, params, experts, expert_share=0.5)
         plain = sum(p.numel() for p in params.values() if not isinstance(p, DTensor))
-        assert reduced[:2] == [(plain, None), (sum(p.to_local().numel() for p in experts.values()), [1, 3])]
-        monkeypatch.undo()
+        assert reduced == [(plain, None), (sum(p.to_local().numel() for p in experts.values()), [1, 3])]
         strategy.teardown()
     finally:
         dist.destroy_process_group()
