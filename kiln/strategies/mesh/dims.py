@@ -21,7 +21,10 @@ split over ep and FSDP-shards them over the D / N ranks left (`dp_shard_mod_ep`)
 writes dp_shard as those two axes (`mesh_axes`), flattened back into `dp_shard` (`flatten_axes`).
 Beside tp (`{ep: N, tp: T}`, N x T processes) it is a data axis of its own as alone, each data
 shard's T ranks splitting what is not an expert (expert_parallel.py), and counted among the data
-axes `flatten_axes` joins. Beside any other axis, or beside dp_shard and tp together, it is refused
+axes `flatten_axes` joins. Beside dp_replicate (`{dp_replicate: R, ep: N}`, R x N processes) it is a
+data axis of its own too: each of the R replicas holds every expert split over its N ranks, and the
+dp_replicate x ep ranks all read distinct batches (HSDP with shards of one rank, as pp beside
+dp_replicate). Beside cp or pp, or beside two of dp_replicate, dp_shard and tp at once, it is refused
 (`parse_mesh`).
 
 FSDP2 shards over `dp_shard` and `cp` flattened into one axis (torchtitan's `dp_shard_cp`): the cp
@@ -50,6 +53,8 @@ PP = "pp"
 EP = "ep"
 #: under ep within dp_shard, the dp_shard ranks of one expert shard: FSDP shards the experts over it
 DP_SHARD_MOD_EP = "dp_shard_mod_ep"
+#: the axes ep runs beside, one at a time (parse_mesh refuses two of them, and cp or pp, with ep)
+EP_JOINS = ("dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -104,8 +109,9 @@ class ParallelDims:
         """Whether FSDP2 shards over the dp axes: when they (with cp) hold more than one rank, and also
         on one rank when no tp axis splits the model either, so that a one-process run is still an
         FSDP run (its CPU offload, its mixed-precision policy), as `strategy: fsdp` always was. Not
-        under pp or ep alone: the pipeline shards its stages itself, with dp_shard or dp_replicate (pipeline.py), and ep alone
-        replicates what is not an expert (expert_parallel.py); ep within dp_shard is FSDP."""
+        under pp or ep alone: the pipeline shards its stages itself, with dp_shard or dp_replicate (pipeline.py), and ep with ranks of
+        its own (alone, beside tp or dp_replicate) replicates what is not an expert, or splits it over tp
+        (expert_parallel.py); ep within dp_shard is FSDP."""
         return (self.dp_cp > 1 or self.tp == 1) and self.pp == 1 and self.own_ep == 1
 
     def data_rank(self, global_rank: int) -> int:
@@ -186,13 +192,13 @@ def parse_mesh(value: Mapping[str, Any] | None, world_size: int) -> ParallelDims
             f"{' (ep borrows the ranks of dp_shard)' if borrowed else ''} but this run has {world_size}; "
             "make the product of the axes equal the number of processes (or set one axis to -1)."
         )
-    others = [f"{axis} {size}" for axis, size in sizes.items() if axis not in (EP, "dp_shard", "tp") and size > 1]
-    if sizes[EP] > 1 and (others or (sizes["dp_shard"] > 1 and sizes["tp"] > 1)):
-        beside = others or [f"dp_shard {sizes['dp_shard']}", f"tp {sizes['tp']}"]
+    others = [f"{axis} {size}" for axis in (PP, "cp") if (size := sizes[axis]) > 1]
+    joined = [f"{axis} {size}" for axis in EP_JOINS if (size := sizes[axis]) > 1]
+    if sizes[EP] > 1 and (others or len(joined) > 1):
         raise ConfigError(
-            f"strategy.mesh combines ep {sizes[EP]} with {' and '.join(beside)}, but kiln runs the expert axis "
-            "alone, within dp_shard or beside tp so far (not with dp_replicate, cp or pp, nor with dp_shard and "
-            "tp together); set the other axes to 1, or drop ep."
+            f"strategy.mesh combines ep {sizes[EP]} with {' and '.join(others or joined)}, but kiln runs the "
+            "expert axis alone, within dp_shard, beside tp or beside dp_replicate so far (not with cp or pp, nor "
+            "with two of dp_replicate, dp_shard and tp at once); set the other axes to 1, or drop ep."
         )
     if borrowed and sizes["dp_shard"] % sizes[EP]:
         raise ConfigError(

@@ -4,6 +4,7 @@ sharded by FSDP2 (ep within dp_shard).
 
     strategy: {name: model_parallel, mesh: {ep: 2}}                 # 2 processes, the rest replicated
     strategy: {name: model_parallel, mesh: {dp_shard: 4, ep: 2}}    # 4 processes, everything FSDP
+    strategy: {name: model_parallel, mesh: {dp_replicate: 2, ep: 2}}  # 4 processes, 2 replicas of ep 2
 
 Alone:
 The batch: every ep rank reads its own batches (ep is a data axis: `data_shards` = ep), routes its own
@@ -35,6 +36,13 @@ of a data shard route the same tokens, so each exchanges them with its own ep gr
 shards stay equal. The gradients of everything that is not an expert, tp pieces included, are averaged
 over ep (each tp rank its own pieces), the experts' divided by ep; clipping weighs each piece by the
 ranks that hold it (clip.py).
+
+Beside dp_replicate (`{dp_replicate: 2, ep: 2}`: replicas {0, 1} and {2, 3}, each one ep group;
+dp_replicate groups {0, 2} and {1, 3}): as alone within each replica, every rank a data shard
+(`data_shards` = `grad_divisor` = R x N). The replicated gradients are averaged over every rank; each
+expert shard's gradient holds its replica's tokens (the all-to-all's backward), so it is summed over
+dp_replicate (the ranks holding the same experts) and divided by R x N: HSDP with shards of one rank,
+as pp beside dp_replicate. Clipping counts each expert shard once, though R ranks hold it.
 
 Evaluation and prediction run every rank's batches through the same all-to-alls: kiln's evaluation
 sampler gives every rank the same number of batches, so no rank leaves the collectives early, and
@@ -108,7 +116,7 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
             )
             split = f", {what} over tp {self.shape.tp}"
         self._shards = shard_experts(self._found, self.ep_mesh)
-        self._count_group = self.ep_mesh.get_group()
+        self._count_group = self._dp_group  # the ranks whose tokens differ (None: every rank)
         experts = {id(p) for m in self._found.values() for p in m.parameters()}
         trained = [p for p in module.parameters() if p.requires_grad]
         self._replicated = [p for p in trained if id(p) not in experts]
@@ -189,26 +197,21 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
         return super().optimizer_step(model, optimizer, max_grad_norm)
 
     def average_gradients(self) -> None:
-        """Alone, the replicated parameters' gradients averaged over the ep ranks (one all-reduce of them
-        flattened); the experts' divided by ep. A gradient that is missing (no token reached this
-        rank's experts in the whole window) counts as zeros, so every rank steps the same parameters,
-        as one process steps its whole expert tensor."""
-        import torch.distributed as dist
-
-        ep = self.shape.ep
+        """With ep's own ranks, the replicated parameters' gradients averaged over the data ranks (ep,
+        times dp_replicate beside it: one all-reduce of them flattened); the experts' summed over
+        dp_replicate (the ranks holding the same experts, when it is used) and divided by the data
+        ranks. A gradient that is missing (no token reached this rank's experts in the whole window)
+        counts as zeros, so every rank steps the same parameters, as one process steps its whole
+        expert tensor."""
+        dp = self.shape.dp
         for p in self._replicated + self._experts:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         with torch.no_grad():  # under tp, the split layers' local pieces: each tp rank all-reduces its own
-            grads = [_local(p.grad) for p in self._replicated]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.ep_mesh.get_group())
-                flat /= ep
-                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                    g.copy_(part.view_as(g))
-            for p in self._experts:
-                p.grad.div_(ep)  # type: ignore[union-attr]
+            # the ranks whose data differ: ep's at this tp position, dp_replicate's too (None: every rank)
+            _average([_local(p.grad) for p in self._replicated], self._dp_group, dp)
+            replicas = self.device_mesh["dp_replicate"].get_group() if self.shape.dp_replicate > 1 else None
+            _average([_local(p.grad) for p in self._experts], replicas, dp, reduce=replicas is not None)
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The global 2-norm: the replicated gradients once, every rank's expert shards (clip.py's
@@ -236,6 +239,24 @@ class ExpertParallelStrategy(MeshStrategy, ReportsStepFigures):
     def teardown(self) -> None:
         self._found, self._shards, self._replicated, self._experts = {}, [], [], []
         super().teardown()
+
+
+def _average(grads: list[torch.Tensor], group: Any, divisor: int, *, reduce: bool = True) -> None:
+    """Sum `grads` over `group` (one all-reduce of them flattened; None: every rank), unless not
+    `reduce`, and divide them by `divisor`, in place."""
+    import torch.distributed as dist
+
+    if not grads:
+        return
+    if not reduce:
+        for g in grads:
+            g.div_(divisor)
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= divisor
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def _local(t: Any) -> Any:

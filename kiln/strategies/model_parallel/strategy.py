@@ -2,7 +2,7 @@
 written out -- FSDP2 over the data-parallel axes (dp_replicate, dp_shard, with cp flattened into
 dp_shard), tensor parallelism over `tp`, context parallelism over `cp`, pipeline stages over `pp`
 (mesh/pipeline.py; alone or beside one of dp_shard, dp_replicate or tp), and the experts of MoE layers
-over `ep` (mesh/expert_parallel.py; alone, within dp_shard or beside tp):
+over `ep` (mesh/expert_parallel.py; alone, within dp_shard, beside tp or beside dp_replicate):
 
     strategy: {name: model_parallel, mesh: {dp_shard: 2, tp: 2}, tp_plan: auto}
     strategy: {name: model_parallel, mesh: {tp: 2}, sequence_parallel: true, loss_parallel: true}
@@ -10,6 +10,7 @@ over `ep` (mesh/expert_parallel.py; alone, within dp_shard or beside tp):
     strategy: {name: model_parallel, mesh: {ep: 2}}
     strategy: {name: model_parallel, mesh: {dp_shard: 4, ep: 2}}
     strategy: {name: model_parallel, mesh: {ep: 2, tp: 2}}
+    strategy: {name: model_parallel, mesh: {dp_replicate: 2, ep: 2}}
 
 Missing axes are 1, one may be -1 (the rest of the processes); the default is `{dp_shard: -1}`, FSDP
 over every process. HF's `parallelism_config` selects it with the same mesh. Every other setting is
@@ -36,8 +37,8 @@ class ModelParallelStrategy(MeshStrategy):
         "mesh": f"axis sizes {{{', '.join((PP, *AXES, EP))}}}; missing axes are 1, one may be -1 (the rest); default "
         "{dp_shard: -1}; pp (pipeline stages) runs alone or with one of dp_shard (each stage FSDP-sharded over it), dp_replicate "
         "(each stage replicated over it) or tp (each stage tensor-parallel over it), ep (experts of MoE layers split over it) alone, "
-        "within dp_shard (its ranks borrowed from dp_shard, which FSDP shards the rest over) or beside tp (the rest "
-        "tensor-parallel)",
+        "within dp_shard (its ranks borrowed from dp_shard, which FSDP shards the rest over), beside tp (the rest "
+        "tensor-parallel) or beside dp_replicate (replicas of ep's ranks)",
         "pipeline": "with a pp axis: {schedule: gpipe | 1f1b (default) | interleaved_1f1b | interleaved_zb | zbv, "
         "stages_per_rank: 1 (2 or more for the interleaved ones, 2 for zbv; default 2 for them), microbatches: the "
         "accumulation window's (gradient_accumulation_steps), split: auto (default) | [first layer of each stage "

@@ -9,7 +9,9 @@ final weights equal `single` on the same global batch within 1e-5; `evaluate` eq
 holds experts 2e and 2e+1 (e: its ep rank) and its tp half of the attention; tokens per expert reach
 the loggers; a mid-run checkpoint resumes under the same mesh bitwise (losses and every rank's local
 tensors) equal to the run that never stopped, and a later one on one process (`model_parallel` without
-ep or tp) ends on single's weights within 1e-5.
+ep or tp) ends on single's weights within 1e-5. With bf16 (autocast), the first step's loss is single
+bf16's within 1e-4, the later losses within 2e-4 and the weights within 1e-3 (bf16's rounding of tp's
+split products: see the test), and differ from the float32 run's.
 
 Run by `run_world`, this file is the worker (`python THIS OUT`)."""
 
@@ -64,6 +66,9 @@ def worker(out: str) -> None:
         os.path.join(out, "resumed"), EP_TP, model=moe(seed=1), teardown=False, resume=checkpoint
     )
     results["resumed"] = {"losses": losses, "local": _local(trainer.model)}
+    # bf16 autocast: the tp-split layers' DTensor matmuls and the experts' rows in bf16, the weights float32
+    losses, state, _ = train(os.path.join(out, "bf16"), EP_TP, bf16=True)
+    results["bf16"] = {"losses": losses, "export": state}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -115,6 +120,27 @@ def test_ep_x_tp_equals_single_clips_globally_and_resumes_bitwise(tmp_path):
     _, resumed, _ = train(str(tmp_path / "one"), one, model=moe(seed=1), per_device_train_batch_size=4, resume=resume)
     for name, value in want.items():
         torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-5, msg=f"resumed: {name} differs")
+
+    # bf16 autocast: the first step's loss (the same weights) is single bf16's within 1e-4 (measured 4.2e-5).
+    # Not float32's noise, as pp x dp_shard gets: tp's row-split layers round each rank's partial product to
+    # bf16 before the all-reduce sums them, where single rounds one product, so the two differ by bf16's
+    # rounding of those activations -- on this tiny model as much as bf16 moves the loss from float32
+    # (2.7e-5). So that the check is not met by a float32 run, the run's losses must differ from its own
+    # float32 losses (autocast on: measured 1.6e-5 to 1.4e-4 apart; float32 repeats bit for bit). Later
+    # losses within 2e-4 (measured 4.4e-5), the weights within 1e-3 (measured 1.7e-4; bf16 moves them
+    # 1.5e-4 from float32).
+    bf16_losses, bf16, _ = train(
+        str(tmp_path / "single bf16"), {"name": "single", "device": "cpu"}, bf16=True, per_device_train_batch_size=4
+    )
+    for r, rank in enumerate(ranks):
+        got_bf16 = rank["bf16"]["losses"]
+        assert got_bf16[0] == pytest.approx(bf16_losses[0], rel=0, abs=1e-4), f"rank {r}"
+        torch.testing.assert_close(got_bf16, bf16_losses, rtol=0, atol=2e-4, msg=f"rank {r} bf16 losses")
+        assert max(abs(a - b) for a, b in zip(got_bf16, rank["losses"])) > 1e-5, f"rank {r}: bf16 did not run"
+    assert sorted(ranks[0]["bf16"]["export"]) == sorted(bf16)
+    for name, value in bf16.items():
+        torch.testing.assert_close(ranks[0]["bf16"]["export"][name], value, rtol=0, atol=1e-3, msg=f"bf16 {name}")
+    assert all(rank["bf16"]["export"] == {} for rank in ranks[1:])
 
     for r, rank in enumerate(ranks):  # resumed from step 1 under the same mesh: bit for bit
         resumed = rank["resumed"]

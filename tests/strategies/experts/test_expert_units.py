@@ -1,7 +1,8 @@
 """The expert axis without a spawned world (the 2-process run is test_expert_parity.py):
 
-- the mesh: `ep` parsed, placed after dp_shard, counted as a data axis, and refused beside any other
-  axis in one sentence; `model_parallel` resolves to its expert-parallel class;
+- the mesh: `ep` parsed, placed after dp_shard, counted as a data axis, and refused beside cp or pp
+  or beside two of dp_replicate, dp_shard and tp, in one sentence; `model_parallel` resolves to its
+  expert-parallel class;
 - what cannot run under ep is refused before any process group starts, in one sentence each: a
   dense model, experts that do not divide over ep, an expert layout the forward does not run, and the
   settings and precisions not wired in;
@@ -9,9 +10,9 @@
   regrouping, gating and combining are all there) gives the logits, loss and gradients of
   transformers' own forward for Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3, and counts each expert's
   tokens while training only;
-- one rank of a fake 4-process world, ep 4 alone and ep 2 within dp_shard 4: its mesh coordinate,
-  data shard, its groups, which expert rows it holds, and how FSDP shards the rest (torch's fake
-  process group); within an evaluation `generate()` runs with synced_gpus (ep 4 alone)."""
+- one rank of a fake 4-process world, ep 4 alone, ep 2 within dp_shard 4 and ep 2 beside
+  dp_replicate 2: its mesh coordinate, data shard, its groups, which expert rows it holds, how FSDP
+  shards the rest, and which group each gradient is reduced over (torch's fake process group); within an evaluation `generate()` runs with synced_gpus (ep 4 alone)."""
 
 from __future__ import annotations
 
@@ -50,17 +51,37 @@ def test_ep_within_dp_shard_borrows_its_ranks():
         parse_mesh({"dp_shard": 2, "ep": 2}, 4)
 
 
-@pytest.mark.parametrize("other", [{"pp": 2}, {"cp": 2}, {"dp_replicate": 2}])
+@pytest.mark.parametrize("other", [{"pp": 2}, {"cp": 2}])
 def test_ep_beside_another_axis_is_refused(other):
     axis = next(iter(other))
     with pytest.raises(
         ConfigError,
-        match=rf"combines ep 2 with {axis} 2, but kiln runs the expert axis alone, within dp_shard or beside tp so "
-        r"far \(not with dp_replicate, cp or pp, nor with dp_shard and tp together\); set the other axes to 1",
+        match=rf"combines ep 2 with {axis} 2, but kiln runs the expert axis alone, within dp_shard, beside tp or "
+        r"beside dp_replicate so far \(not with cp or pp, nor with two of dp_replicate, dp_shard and tp at once\); "
+        r"set the other axes to 1",
     ):
         parse_mesh({"ep": 2, **other}, 4)
-    with pytest.raises(ConfigError, match=rf"combines ep 2 with {axis} 2"):
+    with pytest.raises(ConfigError, match=rf"combines ep 2 with {axis} 2\b"):
         parse_mesh({"ep": 2, "dp_shard": 2, **other}, 4)
+    with pytest.raises(ConfigError, match=rf"combines ep 2 with {axis} 2\b"):
+        parse_mesh({"ep": 2, "dp_replicate": 2, **other}, 8)
+
+
+def test_ep_beside_dp_replicate_is_a_data_axis_of_its_own_and_not_with_dp_shard_or_tp_too():
+    dims = parse_mesh({"dp_replicate": 2, "ep": 2}, 4)
+    assert dims == ParallelDims(dp_replicate=2, ep=2) and not dims.ep_in_dp_shard and not dims.fsdp
+    assert (dims.dp, dims.dp_cp, dims.stage_ranks, dims.model_ranks, dims.own_ep) == (4, 4, 4, 1, 2)
+    assert [dims.data_rank(r) for r in range(4)] == [0, 1, 2, 3]  # every rank a data shard
+    assert dims.mesh_axes() == (("dp_replicate", "dp_shard", "ep", "cp", "tp"), (2, 1, 2, 1, 1))
+    assert dims.describe() == "dp_replicate 2 x ep 2"
+    assert parse_mesh({"dp_replicate": -1, "ep": 2}, 4) == dims
+    for other, world, named in (
+        ({"dp_shard": 2}, 4, "dp_replicate 2 and dp_shard 2"),
+        ({"tp": 2}, 8, "dp_replicate 2 and tp 2"),
+        ({"dp_shard": 2, "tp": 2}, 8, "dp_replicate 2 and dp_shard 2 and tp 2"),
+    ):
+        with pytest.raises(ConfigError, match=rf"combines ep 2 with {named}, but kiln runs the expert axis"):
+            parse_mesh({"dp_replicate": 2, "ep": 2, **other}, world)
 
 
 def test_ep_beside_tp_is_a_data_axis_whose_ranks_hold_tp_groups_and_not_with_dp_shard_too():
@@ -193,11 +214,24 @@ def test_the_expert_parallel_forward_is_transformers_own(one_rank_ep_mesh, kind)
     ).any()  # evaluation forwards are not counted, and the counters were reset
 
 
-def _step_arithmetic(strategy, model, params, experts):
+def _step_arithmetic(strategy, model, params, experts, expert_share=1.0):
     """What the fake group's no-op collectives leave visible: the all-reduced sums are this rank's own
-    values, so averaging divides them by ep (4); a missing gradient becomes zeros; the global norm
-    counts a replicated gradient once (1/4 on each of 4 ranks) and an expert shard whole; the tokens
-    per expert are this rank's counts per step."""
+    values, so averaging divides them by the data ranks (4); a missing gradient becomes zeros; the global
+    norm counts a replicated gradient once (1/4 on each of 4 ranks) and an expert shard once (whole
+    under ep 4: `expert_share` 1; half on each of the 2 ranks holding it beside dp_replicate 2); the
+    tokens per expert are this rank's counts per step. Returns what averaging all-reduced: (elements,
+    the group's ranks or None for every rank) per call."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    reduced = []
+    real = dist.all_reduce
+
+    def all_reduce(tensor, *args, group=None, **kw):
+        reduced.append((tensor.numel(), None if group is None else dist.get_process_group_ranks(group)))
+        return real(tensor, *args, group=group, **kw)
+
     from torch.distributed.tensor import DTensor
 
     plain = [p for p in params.values() if not isinstance(p, DTensor)]
@@ -205,12 +239,14 @@ def _step_arithmetic(strategy, model, params, experts):
         p.grad = None if i == 0 else torch.full_like(p, 2.0)
     for p in experts.values():
         p.grad = DTensor.from_local(torch.full_like(p.to_local(), 8.0), p.device_mesh, p.placements)
-    strategy.average_gradients()
+    with mock.patch.object(dist, "all_reduce", all_reduce):
+        strategy.average_gradients()
     assert not plain[0].grad.any() and all(bool((p.grad == 0.5).all()) for p in plain[1:])
     assert all(bool((p.grad.to_local() == 2.0).all()) for p in experts.values())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     norm = strategy.clip_gradients(model, optimizer, max_norm=1e9)
-    squares = sum(p.numel() for p in plain[1:]) * 0.25 / 4 + sum(p.to_local().numel() for p in experts.values()) * 4.0
+    squares = sum(p.numel() for p in plain[1:]) * 0.25 / 4
+    squares += sum(p.to_local().numel() for p in experts.values()) * 4.0 * expert_share
     torch.testing.assert_close(norm, torch.tensor(squares).sqrt())
     for layer, shard in enumerate(strategy._shards):
         shard.counts.copy_(torch.tensor([4, 0, 2, 10]) * (layer + 1))
@@ -222,6 +258,7 @@ def _step_arithmetic(strategy, model, params, experts):
         "moe/tokens_per_expert_imbalance": 2.5,
     }
     assert not any(shard.counts.any() for shard in strategy._shards)  # read once, then counted afresh
+    return reduced
 
 
 def test_one_rank_of_a_fake_world_holds_its_experts(caplog, monkeypatch):
@@ -261,8 +298,57 @@ def test_one_rank_of_a_fake_world_holds_its_experts(caplog, monkeypatch):
             assert p.to_local().shape == (1, *p.shape[1:]) == local and p.shape[0] == 4
             assert tuple(offset) == (2, 0, 0)  # the third expert's rows
         assert len(params) > len(experts)  # the rest stays whole, a plain tensor on every rank
-        _step_arithmetic(strategy, model, params, experts)
+        reduced = _step_arithmetic(strategy, model, params, experts)
+        plain = sum(p.numel() for p in params.values() if not isinstance(p, DTensor))
+        assert reduced == [(plain, None)]  # the replicated gradients, once; the experts' only divided
         _generation_is_synced(strategy, model, monkeypatch)
+        strategy.teardown()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_of_a_fake_world_with_ep_beside_dp_replicate(caplog):
+    """dp_replicate 2 x ep 2, rank 3: replica 1, ep rank 1 (experts 2 and 3, as rank 1 in the other
+    replica), data shard 3 of 4, the rest whole; the replicated gradients are summed over every rank,
+    the experts' over dp_replicate ({1, 3}: the ranks holding the same experts), each divided by 4."""
+    import torch.distributed as dist
+    from omegaconf import read_write
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from kiln.config import load_config
+    from kiln.precision import build_precision
+    from kiln.strategies.model_parallel.strategy import ModelParallelExperts
+
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        # built for this 1-process launch, then given the mesh: the group made here decides the world
+        cfg = load_config({"strategy": {"name": "model_parallel", "device": "cpu"}})
+        strategy = ModelParallelExperts(cfg, build_precision(cfg))
+        with read_write(cfg):
+            cfg.strategy.options.mesh = {"dp_replicate": 2, "ep": 2}
+        with caplog.at_level("INFO", logger="kiln.strategies.mesh.expert_parallel"):
+            model = strategy.setup_module(moe())
+        assert "2 MoE layer(s), 2 of 4 experts each on this rank (ep 2)" in caplog.text
+        mesh = strategy.device_mesh
+        assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "ep", "cp", "tp") and mesh.shape == (2, 1, 2, 1, 1)
+        assert list(mesh.get_coordinate()) == [1, 0, 1, 0, 0]
+        groups = {axis: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in ("dp_replicate", "ep")}
+        assert groups == {"dp_replicate": [1, 3], "ep": [2, 3]}
+        assert strategy._count_group is None  # tokens per expert summed over every rank: all four differ
+        facts = (strategy.data_shards, strategy.data_shard_rank, strategy.item_shards, strategy.grad_divisor)
+        assert facts == (4, 3, 4, 4)
+        params = dict(model.named_parameters())
+        experts = {name: p for name, p in params.items() if isinstance(p, DTensor)}
+        assert len(experts) == 4 and len(params) > len(experts)
+        for p in experts.values():
+            assert p.device_mesh.mesh_dim_names == ("ep",) and [repr(x) for x in p.placements] == ["Shard(dim=0)"]
+            local, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            assert p.to_local().shape == (2, *p.shape[1:]) == local and tuple(offset) == (2, 0, 0)
+        reduced = _step_arithmetic(strategy, model, params, experts, expert_share=0.5)
+        plain = sum(p.numel() for p in params.values() if not isinstance(p, DTensor))
+        assert reduced == [(plain, None), (sum(p.to_local().numel() for p in experts.values()), [1, 3])]
         strategy.teardown()
     finally:
         dist.destroy_process_group()

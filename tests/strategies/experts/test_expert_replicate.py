@@ -1,0 +1,132 @@
+"""The expert axis beside dp_replicate, `mesh: {dp_replicate: 2, ep: 2}` (kiln/strategies/mesh/expert_parallel.py),
+on a real world of 4 gloo processes (heavy), on the tiny Mixtral of cases.py: two replicas ({0, 1} and {2, 3}),
+each splitting the experts of every MoE layer over its two ranks (ep groups {0, 1} and {2, 3}; ranks 0 and 2 hold
+experts 0-1, ranks 1 and 3 experts 2-3), everything else whole on every rank, every rank a data shard.
+
+Its per-step losses, logged gradient norms (clipping is global: max_grad_norm 0.3 clips every step) and
+final weights equal `single` on the same global batch within 1e-5; `evaluate` equals single's; each rank
+holds experts 2e and 2e+1 (e: its ep rank), the same values as the rank holding them in the other
+replica; tokens per expert reach the loggers, counted over all four ranks; a mid-run checkpoint resumes
+under the same mesh bitwise (losses and every rank's local tensors) equal to the run that never stopped,
+and a later one on one process (`model_parallel` without ep) ends on single's weights within 1e-5.
+
+Run by `run_world`, this file is the worker (`python THIS OUT`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if __name__ == "__main__":  # the world's worker: the repository root first, as under pytest
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tests.strategies.experts.cases import data, moe, train  # noqa: E402
+from tests.world import run_world  # noqa: E402
+
+EP_DP = {"name": "model_parallel", "device": "cpu", "mesh": {"dp_replicate": 2, "ep": 2}}
+#: one sample a micro-batch on each of the 4 data shards: 8 samples a step, so 20 samples make 3 steps
+BATCH = {"per_device_train_batch_size": 1}
+SAVE = {"save": {"strategy": "steps", "steps": 1}}
+LOG = {"history": ["jsonl"], "disable_tqdm": True, "steps": 1}
+#: one sample an evaluation batch, so each batch's loss is one sample's on any number of ranks
+EVAL_BATCH = {"per_device_eval_batch_size": 1}
+GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+def _local(model: Any) -> dict[str, torch.Tensor]:
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def _norms(trainer: Any) -> list[float]:
+    return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+
+
+def worker(out: str) -> None:
+    rank = int(os.environ["RANK"])
+    losses, state, trainer = train(
+        os.path.join(out, "run"), EP_DP, teardown=False, log=LOG, **BATCH, **SAVE, **EVAL_BATCH
+    )
+    model = trainer.model
+    results: dict[str, Any] = {
+        "losses": losses,
+        "norms": _norms(trainer),
+        "export": state,
+        "local": _local(model),
+        "placements": {
+            k: ([repr(p) for p in v.placements], v.device_mesh.mesh_dim_names)
+            for k, v in model.state_dict().items()
+            if hasattr(v, "placements")
+        },
+        "evaluate": trainer.evaluate(data(5))["eval_loss"],
+    }
+    checkpoint = os.path.join(out, "run", "checkpoint-1")
+    losses, _, trainer = train(
+        os.path.join(out, "resumed"), EP_DP, model=moe(seed=1), teardown=False, resume=checkpoint, **BATCH
+    )
+    results["resumed"] = {"losses": losses, "local": _local(trainer.model)}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+def test_ep_x_dp_replicate_equals_single_clips_globally_and_resumes_bitwise(tmp_path):
+    run_world(__file__, tmp_path, nproc=4, timeout=900)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    # the same global batch on one process: 4 data shards of micro-batches of 1
+    want_losses, want, single = train(
+        str(tmp_path / "single"),
+        {"name": "single", "device": "cpu"},
+        per_device_train_batch_size=4,
+        teardown=False,
+        **EVAL_BATCH,
+    )
+    want_norms, want_evaluate = _norms(single), single.evaluate(data(5))["eval_loss"]
+    single.teardown()
+    assert len(want_losses) == 3 and min(want_norms) > 0.3  # every step clips
+
+    got = ranks[0]["export"]  # gathered on rank 0
+    assert sorted(got) == sorted(want) and all(rank["export"] == {} for rank in ranks[1:])
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"{name} differs")
+    full = want[GATE_UP]
+    for r, rank in enumerate(ranks):
+        torch.testing.assert_close(rank["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=f"rank {r} losses")
+        torch.testing.assert_close(rank["norms"], want_norms, rtol=1e-5, atol=1e-5, msg=f"rank {r} grad norms")
+        assert rank["evaluate"] == pytest.approx(want_evaluate, rel=1e-5, abs=1e-6)
+        e = r % 2  # the ep rank: experts 2e and 2e + 1
+        torch.testing.assert_close(rank["local"][GATE_UP], full[2 * e : 2 * e + 2], rtol=1e-5, atol=1e-5)
+        placements = rank["placements"]
+        assert placements[GATE_UP] == (["Shard(dim=0)"], ("ep",))  # over ep, within the replica
+        assert sorted(placements) == sorted(k for k in want if ".mlp.experts." in k)  # the rest whole
+    for r in (0, 1):  # the two replicas' ranks holding the same experts hold the same values, bit for bit
+        other = ranks[r + 2]["local"]
+        assert all(torch.equal(value, other[name]) for name, value in ranks[r]["local"].items()), f"rank {r}"
+    assert torch.equal(ranks[0]["local"]["lm_head.weight"], ranks[1]["local"]["lm_head.weight"])
+    assert not torch.equal(ranks[0]["local"][GATE_UP], ranks[1]["local"][GATE_UP])  # the ep halves differ
+    lines = [json.loads(x) for x in (tmp_path / "run" / "runs" / "metrics.jsonl").read_text().splitlines()]
+    balance = [x for x in lines if "moe/tokens_per_expert_mean" in x]  # counted over all four ranks, once each
+    assert [x["moe/tokens_per_expert_mean"] for x in balance] == [8 * 10 * 2 / 4, 8 * 10 * 2 / 4, 4 * 10 * 2 / 4]
+
+    # its step-2 checkpoint on one process (model_parallel without ep): one model, single's weights
+    one = {"name": "model_parallel", "device": "cpu"}
+    resume = str(tmp_path / "run" / "checkpoint-2")
+    _, resumed, _ = train(str(tmp_path / "one"), one, model=moe(seed=1), per_device_train_batch_size=4, resume=resume)
+    for name, value in want.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-5, msg=f"resumed: {name} differs")
+
+    for r, rank in enumerate(ranks):  # resumed from step 1 under the same mesh: bit for bit
+        resumed = rank["resumed"]
+        assert resumed["losses"] == rank["losses"], f"rank {r}"
+        assert sorted(resumed["local"]) == sorted(rank["local"])
+        for name, value in resumed["local"].items():
+            assert torch.equal(value, rank["local"][name]), f"rank {r}: {name} is not bitwise equal"
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
