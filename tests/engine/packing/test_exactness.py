@@ -148,7 +148,12 @@ def test_bfd_cuts_examples_longer_than_a_row_to_their_first_tokens(caplog):
         assert_pieces_match(model, cut, batch, pieces, False, True)
 
 
-@pytest.mark.parametrize("name", ["llama", "bert"])
+@pytest.mark.parametrize(
+    "name",
+    # heavy: Transformers compiles flex_attention and its block mask, ~40 s of inductor's C++ build per model on a
+    # machine without its cache; BERT's bidirectional mask is checked through SDPA and eager attention above
+    ["llama", pytest.param("bert", marks=pytest.mark.heavy)],
+)
 def test_flex_attention_forward_gets_a_block_mask(name):
     """flex_attention has no backward on CPU: its forward is compared."""
     model = tiny.model(name, "flex_attention")
