@@ -45,3 +45,20 @@ class ShardedLocalGradScaler(ShardedGradScaler):
                     found[device] = found_inf.to(device=device, copy=True).reshape(())
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv_scale.to(device))
         return found or {found_inf.device: found_inf.clone().reshape(())}  # a rank without gradients still takes part
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """A fused optimizer's step (Adam's `fused=True`) reads the infs through this, without an `unscale_`
+        first when nothing clips; torch's ShardedGradScaler all-reduces them only in `unscale_`, so a rank whose
+        gradients were finite stepped while the others skipped. They are all-reduced here too, as there."""
+        import torch.distributed as dist
+
+        found = super()._check_inf_per_device(optimizer)
+        pending = []
+        for flag in found.values():
+            moved = flag.to(self._device) if self._device != "cpu" and flag.device.type == "cpu" else flag
+            pending.append((flag, moved, dist.all_reduce(moved, async_op=True, group=self.process_group)))
+        for flag, moved, work in pending:
+            work.wait()
+            if moved is not flag:
+                flag.copy_(moved)
+        return found
