@@ -151,23 +151,26 @@ def test_the_next_save_waits_for_the_one_in_flight(tmp_path, monkeypatch):
         order.append(("publish", os.path.basename(final), threading.current_thread().name))
         return real_publish(self, tmp, final, meta)
 
-    real_save = manager_module.CheckpointManager.save
+    # when a background write starts, not when save() is called: the call may come while the previous
+    # write is still running (a loaded machine), and is then made to wait
+    real_start = manager_module.BackgroundSave.start
 
-    def save(self, state):  # type: ignore[no-untyped-def]
-        order.append(("save", state.global_step, self._background.in_flight))
-        return real_save(self, state)
+    def start(self, step, job):  # type: ignore[no-untyped-def]
+        order.append(("start", step, self.in_flight))
+        return real_start(self, step, job)
 
     monkeypatch.setattr(manager_module.CheckpointManager, "_publish", publish)
-    monkeypatch.setattr(manager_module.CheckpointManager, "save", save)
+    monkeypatch.setattr(manager_module.BackgroundSave, "start", start)
     train(str(tmp_path / "out"), {**CFG, "save": {"async": True}})
     assert [o[:2] for o in order] == [
-        ("save", 4),
+        ("start", 4),
         ("publish", "checkpoint-4"),
-        ("save", 8),
+        ("start", 8),
         ("publish", "checkpoint-8"),
-        ("save", 12),
+        ("start", 12),
         ("publish", "checkpoint-12"),
     ]
+    assert not any(in_flight for kind, _, in_flight in order if kind == "start")
     assert all(thread.startswith("kiln-checkpoint-") for kind, _, thread in order if kind == "publish")
 
 

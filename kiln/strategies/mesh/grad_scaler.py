@@ -7,6 +7,7 @@ exists that binding would keep the group alive past teardown (see process_group.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -46,7 +47,7 @@ class ShardedLocalGradScaler(ShardedGradScaler):
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv_scale.to(device))
         return found or {found_inf.device: found_inf.clone().reshape(())}  # a rank without gradients still takes part
 
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """A fused optimizer's step (Adam's `fused=True`) reads the infs through this, without an `unscale_`
         first when nothing clips; torch's ShardedGradScaler all-reduces them only in `unscale_`, so a rank whose
         gradients were finite stepped while the others skipped. They are all-reduced here too, as there."""
