@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,3 +116,57 @@ def train(
     if teardown:
         trainer.teardown()
     return losses, state, trainer
+
+
+# -- the 4-process ep worlds' comparison with single (test_expert_tp.py, test_expert_replicate.py) -------------
+#: one sample an evaluation batch, so each batch's loss is one sample's on any number of ranks
+EVAL_BATCH = {"per_device_eval_batch_size": 1}
+
+
+def local_state(model: Any) -> dict[str, torch.Tensor]:
+    """Each entry of `model`'s state dict as this rank holds it (a DTensor's local piece)."""
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def grad_norms(trainer: Any) -> list[float]:
+    return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+
+
+def single_reference(out: str) -> tuple[list[float], dict[str, torch.Tensor], list[float], float]:
+    """The same global batch on one process: its losses, weights, grad norms (every step clips) and eval loss."""
+    losses, weights, single = train(
+        out, {"name": "single", "device": "cpu"}, per_device_train_batch_size=4, teardown=False, **EVAL_BATCH
+    )
+    norms, evaluated = grad_norms(single), single.evaluate(data(5))["eval_loss"]
+    single.teardown()
+    assert len(losses) == 3 and min(norms) > 0.3  # every step clips
+    return losses, weights, norms, evaluated
+
+
+def assert_ranks_follow_single(ranks: list[dict[str, Any]], reference: tuple) -> None:
+    """Rank 0's gathered weights, and every rank's losses, grad norms and eval loss, equal single's within 1e-5."""
+    losses, weights, norms, evaluated = reference
+    got = ranks[0]["export"]  # gathered on rank 0
+    assert sorted(got) == sorted(weights) and all(rank["export"] == {} for rank in ranks[1:])
+    for name, value in weights.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"{name} differs")
+    for r, rank in enumerate(ranks):
+        torch.testing.assert_close(rank["losses"], losses, rtol=1e-5, atol=1e-5, msg=f"rank {r} losses")
+        torch.testing.assert_close(rank["norms"], norms, rtol=1e-5, atol=1e-5, msg=f"rank {r} grad norms")
+        assert rank["evaluate"] == pytest.approx(evaluated, rel=1e-5, abs=1e-6)
+
+
+def assert_resumes(ranks: list[dict[str, Any]], run: str, out: str, weights: dict[str, torch.Tensor]) -> None:
+    """The world's step-1 resume under its own mesh is bitwise on every rank, and its step-2 checkpoint resumed
+    on one process (model_parallel without ep) ends on single's `weights`."""
+    for r, rank in enumerate(ranks):
+        resumed = rank["resumed"]
+        assert resumed["losses"] == rank["losses"], f"rank {r}"
+        assert sorted(resumed["local"]) == sorted(rank["local"])
+        for name, value in resumed["local"].items():
+            assert torch.equal(value, rank["local"][name]), f"rank {r}: {name} is not bitwise equal"
+    one = {"name": "model_parallel", "device": "cpu"}
+    resume = os.path.join(run, "checkpoint-2")
+    _, got, _ = train(out, one, model=moe(seed=1), per_device_train_batch_size=4, resume=resume)
+    for name, value in weights.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"resumed: {name} differs")

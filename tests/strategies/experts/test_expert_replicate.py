@@ -26,7 +26,17 @@ import torch
 if __name__ == "__main__":  # the world's worker: the repository root first, as under pytest
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.strategies.experts.cases import data, moe, train  # noqa: E402
+from tests.strategies.experts.cases import (  # noqa: E402
+    EVAL_BATCH,
+    assert_ranks_follow_single,
+    assert_resumes,
+    data,
+    grad_norms,
+    local_state,
+    moe,
+    single_reference,
+    train,
+)
 from tests.world import run_world  # noqa: E402
 
 EP_DP = {"name": "model_parallel", "device": "cpu", "mesh": {"dp_replicate": 2, "ep": 2}}
@@ -34,17 +44,7 @@ EP_DP = {"name": "model_parallel", "device": "cpu", "mesh": {"dp_replicate": 2, 
 BATCH = {"per_device_train_batch_size": 1}
 SAVE = {"save": {"strategy": "steps", "steps": 1}}
 LOG = {"history": ["jsonl"], "disable_tqdm": True, "steps": 1}
-#: one sample an evaluation batch, so each batch's loss is one sample's on any number of ranks
-EVAL_BATCH = {"per_device_eval_batch_size": 1}
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
-
-
-def _local(model: Any) -> dict[str, torch.Tensor]:
-    return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in model.state_dict().items()}
-
-
-def _norms(trainer: Any) -> list[float]:
-    return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
 
 
 def worker(out: str) -> None:
@@ -55,9 +55,9 @@ def worker(out: str) -> None:
     model = trainer.model
     results: dict[str, Any] = {
         "losses": losses,
-        "norms": _norms(trainer),
+        "norms": grad_norms(trainer),
         "export": state,
-        "local": _local(model),
+        "local": local_state(model),
         "placements": {
             k: ([repr(p) for p in v.placements], v.device_mesh.mesh_dim_names)
             for k, v in model.state_dict().items()
@@ -69,7 +69,7 @@ def worker(out: str) -> None:
     losses, _, trainer = train(
         os.path.join(out, "resumed"), EP_DP, model=moe(seed=1), teardown=False, resume=checkpoint, **BATCH
     )
-    results["resumed"] = {"losses": losses, "local": _local(trainer.model)}
+    results["resumed"] = {"losses": losses, "local": local_state(trainer.model)}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -79,26 +79,11 @@ def test_ep_x_dp_replicate_equals_single_clips_globally_and_resumes_bitwise(tmp_
     run_world(__file__, tmp_path, nproc=4, timeout=900)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     # the same global batch on one process: 4 data shards of micro-batches of 1
-    want_losses, want, single = train(
-        str(tmp_path / "single"),
-        {"name": "single", "device": "cpu"},
-        per_device_train_batch_size=4,
-        teardown=False,
-        **EVAL_BATCH,
-    )
-    want_norms, want_evaluate = _norms(single), single.evaluate(data(5))["eval_loss"]
-    single.teardown()
-    assert len(want_losses) == 3 and min(want_norms) > 0.3  # every step clips
-
-    got = ranks[0]["export"]  # gathered on rank 0
-    assert sorted(got) == sorted(want) and all(rank["export"] == {} for rank in ranks[1:])
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"{name} differs")
+    reference = single_reference(str(tmp_path / "single"))
+    assert_ranks_follow_single(ranks, reference)
+    want = reference[1]
     full = want[GATE_UP]
     for r, rank in enumerate(ranks):
-        torch.testing.assert_close(rank["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=f"rank {r} losses")
-        torch.testing.assert_close(rank["norms"], want_norms, rtol=1e-5, atol=1e-5, msg=f"rank {r} grad norms")
-        assert rank["evaluate"] == pytest.approx(want_evaluate, rel=1e-5, abs=1e-6)
         e = r % 2  # the ep rank: experts 2e and 2e + 1
         torch.testing.assert_close(rank["local"][GATE_UP], full[2 * e : 2 * e + 2], rtol=1e-5, atol=1e-5)
         placements = rank["placements"]
@@ -113,19 +98,7 @@ def test_ep_x_dp_replicate_equals_single_clips_globally_and_resumes_bitwise(tmp_
     balance = [x for x in lines if "moe/tokens_per_expert_mean" in x]  # counted over all four ranks, once each
     assert [x["moe/tokens_per_expert_mean"] for x in balance] == [8 * 10 * 2 / 4, 8 * 10 * 2 / 4, 4 * 10 * 2 / 4]
 
-    # its step-2 checkpoint on one process (model_parallel without ep): one model, single's weights
-    one = {"name": "model_parallel", "device": "cpu"}
-    resume = str(tmp_path / "run" / "checkpoint-2")
-    _, resumed, _ = train(str(tmp_path / "one"), one, model=moe(seed=1), per_device_train_batch_size=4, resume=resume)
-    for name, value in want.items():
-        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-5, msg=f"resumed: {name} differs")
-
-    for r, rank in enumerate(ranks):  # resumed from step 1 under the same mesh: bit for bit
-        resumed = rank["resumed"]
-        assert resumed["losses"] == rank["losses"], f"rank {r}"
-        assert sorted(resumed["local"]) == sorted(rank["local"])
-        for name, value in resumed["local"].items():
-            assert torch.equal(value, rank["local"][name]), f"rank {r}: {name} is not bitwise equal"
+    assert_resumes(ranks, str(tmp_path / "run"), str(tmp_path / "one"), want)
 
 
 if __name__ == "__main__":

@@ -29,22 +29,22 @@ import torch
 if __name__ == "__main__":  # the world's worker: the repository root first, as under pytest
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.strategies.experts.cases import data, moe, train  # noqa: E402
+from tests.strategies.experts.cases import (  # noqa: E402
+    EVAL_BATCH,
+    assert_ranks_follow_single,
+    assert_resumes,
+    data,
+    grad_norms,
+    local_state,
+    moe,
+    single_reference,
+    train,
+)
 from tests.world import run_world  # noqa: E402
 
 EP_TP = {"name": "model_parallel", "device": "cpu", "mesh": {"ep": 2, "tp": 2}}
 SAVE = {"save": {"strategy": "steps", "steps": 1}}
 LOG = {"history": ["jsonl"], "disable_tqdm": True, "steps": 1}
-#: one sample an evaluation batch, so each batch's loss is one sample's on any number of ranks
-EVAL_BATCH = {"per_device_eval_batch_size": 1}
-
-
-def _local(model: Any) -> dict[str, torch.Tensor]:
-    return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in model.state_dict().items()}
-
-
-def _norms(trainer: Any) -> list[float]:
-    return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
 
 
 def worker(out: str) -> None:
@@ -53,9 +53,9 @@ def worker(out: str) -> None:
     model = trainer.model
     results: dict[str, Any] = {
         "losses": losses,
-        "norms": _norms(trainer),
+        "norms": grad_norms(trainer),
         "export": state,
-        "local": _local(model),
+        "local": local_state(model),
         "placements": {
             k: [repr(p) for p in v.placements] for k, v in model.state_dict().items() if hasattr(v, "placements")
         },
@@ -65,7 +65,7 @@ def worker(out: str) -> None:
     losses, _, trainer = train(
         os.path.join(out, "resumed"), EP_TP, model=moe(seed=1), teardown=False, resume=checkpoint
     )
-    results["resumed"] = {"losses": losses, "local": _local(trainer.model)}
+    results["resumed"] = {"losses": losses, "local": local_state(trainer.model)}
     # bf16 autocast: the tp-split layers' DTensor matmuls and the experts' rows in bf16, the weights float32
     losses, state, _ = train(os.path.join(out, "bf16"), EP_TP, bf16=True)
     results["bf16"] = {"losses": losses, "export": state}
@@ -78,26 +78,11 @@ def test_ep_x_tp_equals_single_clips_globally_and_resumes_bitwise(tmp_path):
     run_world(__file__, tmp_path, nproc=4, timeout=900)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     # the same global batch on one process: 2 data shards of micro-batches of 2
-    want_losses, want, single = train(
-        str(tmp_path / "single"),
-        {"name": "single", "device": "cpu"},
-        per_device_train_batch_size=4,
-        teardown=False,
-        **EVAL_BATCH,
-    )
-    want_norms, want_evaluate = _norms(single), single.evaluate(data(5))["eval_loss"]
-    single.teardown()
-    assert len(want_losses) == 3 and min(want_norms) > 0.3  # every step clips
-
-    got = ranks[0]["export"]  # gathered on rank 0
-    assert sorted(got) == sorted(want) and all(rank["export"] == {} for rank in ranks[1:])
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"{name} differs")
+    reference = single_reference(str(tmp_path / "single"))
+    assert_ranks_follow_single(ranks, reference)
+    want = reference[1]
     full = want["model.layers.0.mlp.experts.gate_up_proj"]
     for r, rank in enumerate(ranks):
-        torch.testing.assert_close(rank["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=f"rank {r} losses")
-        torch.testing.assert_close(rank["norms"], want_norms, rtol=1e-5, atol=1e-5, msg=f"rank {r} grad norms")
-        assert rank["evaluate"] == pytest.approx(want_evaluate, rel=1e-5, abs=1e-6)
         e = r // 2  # the ep rank: experts 2e and 2e + 1, the same on both tp ranks
         local = rank["local"]["model.layers.0.mlp.experts.gate_up_proj"]
         torch.testing.assert_close(local, full[2 * e : 2 * e + 2], rtol=1e-5, atol=1e-5)
@@ -113,13 +98,6 @@ def test_ep_x_tp_equals_single_clips_globally_and_resumes_bitwise(tmp_path):
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(ranks[0]["local"][q], ranks[1]["local"][q])  # tp halves differ
     assert torch.equal(ranks[0]["local"][q], ranks[2]["local"][q])  # the ep ranks' replicas equal
-
-    # its step-2 checkpoint on one process (model_parallel without ep or tp): one model, single's weights
-    one = {"name": "model_parallel", "device": "cpu"}
-    resume = str(tmp_path / "run" / "checkpoint-2")
-    _, resumed, _ = train(str(tmp_path / "one"), one, model=moe(seed=1), per_device_train_batch_size=4, resume=resume)
-    for name, value in want.items():
-        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-5, msg=f"resumed: {name} differs")
 
     # bf16 autocast: the first step's loss (the same weights) is single bf16's within 1e-4 (measured 4.2e-5).
     # Not float32's noise, as pp x dp_shard gets: tp's row-split layers round each rank's partial product to
@@ -142,12 +120,7 @@ def test_ep_x_tp_equals_single_clips_globally_and_resumes_bitwise(tmp_path):
         torch.testing.assert_close(ranks[0]["bf16"]["export"][name], value, rtol=0, atol=1e-3, msg=f"bf16 {name}")
     assert all(rank["bf16"]["export"] == {} for rank in ranks[1:])
 
-    for r, rank in enumerate(ranks):  # resumed from step 1 under the same mesh: bit for bit
-        resumed = rank["resumed"]
-        assert resumed["losses"] == rank["losses"], f"rank {r}"
-        assert sorted(resumed["local"]) == sorted(rank["local"])
-        for name, value in resumed["local"].items():
-            assert torch.equal(value, rank["local"][name]), f"rank {r}: {name} is not bitwise equal"
+    assert_resumes(ranks, str(tmp_path / "run"), str(tmp_path / "one"), want)
 
 
 if __name__ == "__main__":
