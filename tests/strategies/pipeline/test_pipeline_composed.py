@@ -11,9 +11,10 @@ For each, with 1F1B: the per-step losses, the logged gradient norms (clipping is
 evaluation during training and called by hand equals single's; a mid-run checkpoint resumes under the
 same mesh bitwise (losses and every rank's local tensors) equal to the run that never stopped, and on
 one process (`model_parallel` without pp) within 1e-5 of single. ZBV's losses and weights equal
-single's too.
+single's too, and under pp x tp so do GPipe's and interleaved 1F1B's (two stages a rank, each split over
+tp), each in a world of its own.
 
-Run by `run_world`, this file is the worker (`python THIS OUT MESH`)."""
+Run by `run_world`, this file is the worker (`python THIS OUT MESH [SCHEDULE]`)."""
 
 from __future__ import annotations
 
@@ -54,9 +55,14 @@ def _norms(trainer: Any) -> list[float]:
     return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
 
 
-def worker(out: str, mesh: str) -> None:
+def worker(out: str, mesh: str, schedule: str | None = None) -> None:
     rank = int(os.environ["RANK"])
     batch = BATCH[mesh]
+    if schedule is not None:  # one schedule's run alone: its losses and the model gathered on rank 0
+        losses, _, trainer = train(os.path.join(out, schedule), strategy(mesh, schedule), teardown=False, **batch)
+        export = trainer.strategy.model_state_for_export(trainer.model)
+        torch.save({"losses": losses, "export": export}, os.path.join(out, f"rank{rank}.pt"))
+        return
     losses, state, trainer = train(
         os.path.join(out, "run"), strategy(mesh), teardown=False, eval_dataset=data(6), **batch, **EVAL, **SAVE
     )
@@ -151,5 +157,20 @@ def test_pp_x_dp_replicate_equals_single_clips_globally_and_resumes_bitwise(tmp_
     _check(tmp_path, "dp_replicate")
 
 
+@pytest.mark.heavy
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+def test_pp_x_tp_schedule_equals_single(tmp_path, schedule):
+    run_world(__file__, tmp_path, "tp", schedule, nproc=4, timeout=900)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    single = {"name": "single", "device": "cpu"}
+    want_losses, want, _ = train(str(tmp_path / "single"), single, **SINGLE_BATCH["tp"])
+    assert len(want_losses) == STEPS["tp"]
+    for r, rank in enumerate(ranks):
+        torch.testing.assert_close(rank["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=f"rank {r} {schedule}")
+    close(ranks[0]["export"], want, f"pp x tp, {schedule}: the saved model, gathered on rank 0")
+    assert all(rank["export"] == {} for rank in ranks[1:])
+
+
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    worker(*sys.argv[1:])
