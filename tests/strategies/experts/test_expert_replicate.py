@@ -8,9 +8,11 @@ final weights equal `single` on the same global batch within 1e-5; `evaluate` eq
 holds experts 2e and 2e+1 (e: its ep rank), the same values as the rank holding them in the other
 replica; tokens per expert reach the loggers, counted over all four ranks; a mid-run checkpoint resumes
 under the same mesh bitwise (losses and every rank's local tensors) equal to the run that never stopped,
-and a later one on one process (`model_parallel` without ep) ends on single's weights within 1e-5.
+and a later one on another mesh, ep 2 alone (a world of 2 processes: the replicas' experts become one ep
+group's) and one process (`model_parallel` without ep), ends on single's weights within 1e-5; `kiln
+convert` makes the last checkpoint a from_pretrained folder whose logits are the trained model's.
 
-Run by `run_world`, this file is the worker (`python THIS OUT`)."""
+Run by `run_world`, this file is the worker (`python THIS OUT [ep]`)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from tests.strategies.experts.cases import (  # noqa: E402
 from tests.world import run_world  # noqa: E402
 
 EP_DP = {"name": "model_parallel", "device": "cpu", "mesh": {"dp_replicate": 2, "ep": 2}}
+EP = {"name": "model_parallel", "device": "cpu", "mesh": {"ep": 2}}
 #: one sample a micro-batch on each of the 4 data shards: 8 samples a step, so 20 samples make 3 steps
 BATCH = {"per_device_train_batch_size": 1}
 SAVE = {"save": {"strategy": "steps", "steps": 1}}
@@ -47,8 +50,13 @@ LOG = {"history": ["jsonl"], "disable_tqdm": True, "steps": 1}
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
 
 
-def worker(out: str) -> None:
+def worker(out: str, mesh: str = "ep x dp_replicate") -> None:
     rank = int(os.environ["RANK"])
+    if mesh == "ep":  # checkpoint-2 of the 4-process run on ep 2 alone: micro-batches of 2, the same global batch
+        resume = os.path.join(out, "run", "checkpoint-2")
+        _, state, _ = train(os.path.join(out, "ep"), EP, model=moe(seed=1), resume=resume, per_device_train_batch_size=2)
+        torch.save(state, os.path.join(out, f"ep{rank}.pt"))
+        return
     losses, state, trainer = train(
         os.path.join(out, "run"), EP_DP, teardown=False, log=LOG, **BATCH, **SAVE, **EVAL_BATCH
     )
@@ -99,7 +107,25 @@ def test_ep_x_dp_replicate_equals_single_clips_globally_and_resumes_bitwise(tmp_
     assert [x["moe/tokens_per_expert_mean"] for x in balance] == [8 * 10 * 2 / 4, 8 * 10 * 2 / 4, 4 * 10 * 2 / 4]
 
     assert_resumes(ranks, str(tmp_path / "run"), str(tmp_path / "one"), want)
+    run_world(__file__, tmp_path, "ep", timeout=600)  # checkpoint-2 on ep 2 alone
+    on_ep = [torch.load(tmp_path / f"ep{r}.pt", weights_only=False) for r in range(2)]
+    assert sorted(on_ep[0]) == sorted(want) and on_ep[1] == {}
+    for name, value in want.items():
+        torch.testing.assert_close(on_ep[0][name], value, rtol=1e-5, atol=1e-5, msg=f"resumed on ep 2: {name}")
+
+    # the last checkpoint as a from_pretrained folder: its logits are the trained model's
+    from transformers import MixtralForCausalLM
+
+    from kiln.engine.checkpoint.convert import convert_checkpoint
+
+    convert_checkpoint(str(tmp_path / "run" / "checkpoint-3"), str(tmp_path / "hf"), None)
+    loaded = MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trained = moe().eval()
+    trained.load_state_dict(ranks[0]["export"])
+    ids = torch.stack([b["input_ids"] for b in data(4)])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=0)
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(*sys.argv[1:])
