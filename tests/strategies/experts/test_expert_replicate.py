@@ -54,7 +54,9 @@ def worker(out: str, mesh: str = "ep x dp_replicate") -> None:
     rank = int(os.environ["RANK"])
     if mesh == "ep":  # checkpoint-2 of the 4-process run on ep 2 alone: micro-batches of 2, the same global batch
         resume = os.path.join(out, "run", "checkpoint-2")
-        _, state, _ = train(os.path.join(out, "ep"), EP, model=moe(seed=1), resume=resume, per_device_train_batch_size=2)
+        _, state, _ = train(
+            os.path.join(out, "ep"), EP, model=moe(seed=1), resume=resume, per_device_train_batch_size=2
+        )
         torch.save(state, os.path.join(out, f"ep{rank}.pt"))
         return
     losses, state, trainer = train(
