@@ -1,0 +1,124 @@
+"""A real SIGKILL of one rank of a 2-process FSDP job while its asynchronous sharded checkpoint (DCP's
+async_save, `save.async`) is written in the background (worker_async_kill.py): one world per run, each
+resuming the last with resume_from_checkpoint="if_exists" and killed right before the K-th file-system
+step of the victim rank's background writes (DCP's shard write and .metadata, each fsync, the rename into
+place, rotation's removals). After every kill the previous checkpoint is intact (COMPLETE and every
+digest check, its files byte for byte as before), nothing named checkpoint-<step> is incomplete, the
+newest checkpoint is the one the kill point allows, the next run resumes from it, and the run ends
+bitwise equal to one that was never killed. SIGTERM to one rank while a save is in flight waits for that
+save and the step's own before the run says it was preempted, and the resumed run ends bitwise too.
+
+K counts the victim's background steps from the start of its run. Rank 0 (DCP's coordinator and kiln's
+writer) takes 25 per save here: DCP's write_data, the shard's fsync, finish, .metadata's fsync and
+rename (1-5); the fsync of each of the folder's 13 files (6-18), of fsdp_dcp/ and of the folder (19,
+20); COMPLETE's fsync (21, the marker written but not yet durable), the folder's again (22); the rename
+into place (23), the output folder's fsync (24), the removal of a `.old` (25); then rotation's
+(rmtree of `.deleting`, rename, rmtree: 26-28) when the limit is passed. Rank 1 takes 2 per save: its
+write_data and its shard's fsync. (`worker_async_kill.py OUT N trace` writes these lists.)"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.engine.checkpoint.files import is_complete, latest_checkpoint, list_checkpoints, why_damaged
+from tests.strategies.fsdp.conftest import torchrun
+
+pytestmark = pytest.mark.distributed
+
+#: (victim rank, K, the newest checkpoint's step after the kill). The first run starts fresh and dies
+#: late; every later one resumes. Default run: rank 0 killed with COMPLETE written inside the hidden
+#: folder but not yet durable (the 21st step of its 2nd save), then rank 1 after writing its shard.
+POINTS = [(0, 46, 2), (1, 2, 2)]
+#: The sweep: 20 points across a save, on both ranks, then points after the rename that let the run
+#: progress one checkpoint each (and rotation's removals, whose count grows with the checkpoints left).
+SWEEP = [
+    (0, 55, 4),  # fresh: dies at the 5th step of checkpoint-6's save
+    *((0, k, 4) for k in (1, 2, 3, 4, 5, 6, 19, 20, 21, 22, 23)),  # inside checkpoint-6's save, before the rename
+    (1, 1, 4),  # rank 1 before its shard
+    (1, 2, 4),  # rank 1 after its shard, before its fsync
+    (1, 3, 6),  # rank 1 in checkpoint-8's shard: checkpoint-6 (and its rotation) complete
+    (0, 24, 8),  # renamed into place, before the output folder's fsync
+    (0, 25, 10),  # before the `.old` removal
+    (0, 26, 12),  # rotation: before the first removal
+    (0, 27, 14),  # rotation: before checkpoint-4 is renamed away
+    (0, 28, 16),  # rotation: checkpoint-4 renamed to `.deleting`, not yet removed
+]
+
+
+def _digests(folder: str) -> dict[str, str]:
+    root = Path(folder)
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _step(path: str | None) -> int:
+    return int(path.rsplit("-", 1)[1]) if path else 0
+
+
+def _killed_runs(out: Path, max_steps: int, points: list[tuple[int, int, int]], final: tuple[str, ...]) -> dict:
+    """Run every kill point in turn, checking the output folder after each, then the final world; return
+    what the final world wrote."""
+    run = out / "run" / "full_shard"
+    expected: dict[str, str] = {}
+    for victim, k, newest in points:
+        before = latest_checkpoint(str(run), verify=True) if run.exists() else None
+        saved = _digests(before) if before else {}
+        job = torchrun(2, "worker_async_kill.py", out, max_steps, "kill", victim, k, timeout=300, check=False)
+        expected[f"kill-{victim}-{k}"] = os.path.basename(before) if before else "fresh"
+        where = f"rank {victim} killed at step {k}"
+        assert job.returncode != 0 and "was not killed" not in job.stderr, f"{where}: {job.stderr[-3000:]}"
+        assert job.returncode == (-9 if victim == 0 else 1), f"{where}: {job.stderr[-3000:]}"  # rank 1 dies of it
+        for _, path in list_checkpoints(str(run)):  # nothing named checkpoint-<step> is incomplete
+            assert is_complete(path) and why_damaged(path) is None, f"{where}: {path} is visible but not intact"
+        if before is not None and os.path.isdir(before):  # untouched, unless rotated away by a newer one
+            assert _digests(before) == saved, f"{where}: {before} changed"
+        after = latest_checkpoint(str(run), verify=True)
+        assert _step(after) == newest, f"{where}: the newest intact checkpoint is {after}, expected step {newest}"
+        if before is not None and _step(after) == _step(before):
+            assert os.path.isdir(before) and _digests(before) == saved, f"{where}: {before} is gone"
+    last = latest_checkpoint(str(run), verify=True)
+    expected["-".join(("final", *final))] = os.path.basename(last) if last else "fresh"
+    torchrun(2, "worker_async_kill.py", out, max_steps, "final", *final, timeout=600)
+    logged = dict(line.split() for line in (out / "resumes.log").read_text().splitlines())
+    assert logged == expected  # each run resumed from the newest intact checkpoint the kill left
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert set(a) == set(b) and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    return _killed_runs(tmp_path_factory.mktemp("fsdp_async_kill"), 8, POINTS, ("sigterm",))
+
+
+def test_sigkill_during_an_async_sharded_save_resumes_the_newest_intact_checkpoint_bitwise(killed):
+    _equal(killed["resumed"], killed["straight"])
+
+
+def test_sigterm_to_one_rank_waits_for_the_save_in_flight_and_resumes_bitwise(killed):
+    assert killed["in_flight_at_step_3"]  # checkpoint-2 was still being written when step 3 ended
+    assert killed["preempted_at"] == 3
+    assert killed["complete_when_preempted"] == [True, True]  # the one in flight and the step's own
+    assert killed["preempted_resumed_from"] == "checkpoint-3"
+    _equal(killed["preempted"], killed["straight"])
+
+
+# heavy: 21 worlds (about 3 minutes here); the default run kills at 2 of these points and covers SIGTERM
+# (test_sigkill_during_an_async_sharded_save_resumes_the_newest_intact_checkpoint_bitwise)
+@pytest.mark.heavy
+def test_sigkill_at_20_points_of_async_sharded_saves_resumes_bitwise(tmp_path):
+    assert len(SWEEP) == 20
+    final = _killed_runs(tmp_path, 20, SWEEP, ())
+    _equal(final["resumed"], final["straight"])
