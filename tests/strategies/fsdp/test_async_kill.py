@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,9 @@ from tests.strategies.fsdp.conftest import torchrun
 pytestmark = pytest.mark.distributed
 
 #: (victim rank, K, the newest checkpoint's step after the kill). The first run starts fresh and dies
-#: late; every later one resumes. Default run: rank 0 killed with COMPLETE written inside the hidden
-#: folder but not yet durable (the 21st step of its 2nd save), then rank 1 after writing its shard.
-POINTS = [(0, 46, 2), (1, 2, 2)]
+#: late; every later one resumes. Default run: rank 0 killed with COMPLETE written in the hidden folder, before
+#: the folder is fsynced and renamed (the 22nd step of its 2nd save), then rank 1 after writing its shard.
+POINTS = [(0, 47, 2), (1, 2, 2)]
 #: The sweep: 20 points across a save, on both ranks, then points after the rename that let the run
 #: progress one checkpoint each (and rotation's removals, whose count grows with the checkpoints left).
 SWEEP = [
@@ -60,7 +61,7 @@ def _digests(folder: str) -> dict[str, str]:
 
 
 def _step(path: str | None) -> int:
-    return int(path.rsplit("-", 1)[1]) if path else 0
+    return int(re.findall(r"\d+", os.path.basename(path))[0]) if path else 0
 
 
 def _killed_runs(out: Path, max_steps: int, points: list[tuple[int, int, int]], final: tuple[str, ...]) -> dict:
@@ -75,7 +76,11 @@ def _killed_runs(out: Path, max_steps: int, points: list[tuple[int, int, int]], 
         expected[f"kill-{victim}-{k}"] = os.path.basename(before) if before else "fresh"
         where = f"rank {victim} killed at step {k}"
         assert job.returncode != 0 and "was not killed" not in job.stderr, f"{where}: {job.stderr[-3000:]}"
-        assert job.returncode == (-9 if victim == 0 else 1), f"{where}: {job.stderr[-3000:]}"  # rank 1 dies of it
+        # rank 0 killed: -9; rank 1 killed: rank 0's own exit (rank order), 1 when its peer's death raised in
+        # a collective, -9 when it was still alive when the launcher's grace ran out (as torchrun stops it)
+        assert job.returncode in ((-9,) if victim == 0 else (1, -9)), f"{where}: {job.stderr[-3000:]}"
+        if victim == 1 and job.returncode == -9:
+            print(f"{where}: rank 0 outlived the launcher's grace ({job.elapsed:.1f}s in all)")
         for _, path in list_checkpoints(str(run)):  # nothing named checkpoint-<step> is incomplete
             assert is_complete(path) and why_damaged(path) is None, f"{where}: {path} is visible but not intact"
         if before is not None and os.path.isdir(before):  # untouched, unless rotated away by a newer one
