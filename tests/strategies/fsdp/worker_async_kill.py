@@ -65,7 +65,11 @@ def _count_background_steps(at_step: Callable[[str, str], None]) -> None:
 
         return step
 
-    os.fsync, os.rename, os.replace = counted("fsync", os.fsync), counted("rename", os.rename), counted("replace", os.replace)
+    os.fsync, os.rename, os.replace = (
+        counted("fsync", os.fsync),
+        counted("rename", os.rename),
+        counted("replace", os.replace),
+    )
     shutil.rmtree = counted("rmtree", shutil.rmtree)
     writer = filesystem._FileSystemWriter
     writer.write_data = counted("write_data", writer.write_data)  # this rank's shards
