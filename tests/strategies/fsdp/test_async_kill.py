@@ -77,7 +77,8 @@ def _killed_runs(out: Path, max_steps: int, points: list[tuple[int, int, int]], 
         where = f"rank {victim} killed at step {k}"
         assert job.returncode != 0 and "was not killed" not in job.stderr, f"{where}: {job.stderr[-3000:]}"
         # rank 0 killed: -9; rank 1 killed: rank 0's own exit (rank order), 1 when its peer's death raised in
-        # a collective, -9 when it was still alive when the launcher's grace ran out (as torchrun stops it)
+        # a collective, -9 when it was still alive when the launcher's grace ran out (as torchrun stops it; it
+        # exits 2-6 s after its peer's death on a loaded 2-core machine, so 10 s is rare but was seen once)
         assert job.returncode in ((-9,) if victim == 0 else (1, -9)), f"{where}: {job.stderr[-3000:]}"
         if victim == 1 and job.returncode == -9:
             print(f"{where}: rank 0 outlived the launcher's grace ({job.elapsed:.1f}s in all)")
@@ -120,7 +121,7 @@ def test_sigterm_to_one_rank_waits_for_the_save_in_flight_and_resumes_bitwise(ki
     _equal(killed["preempted"], killed["straight"])
 
 
-# heavy: 21 worlds (about 3 minutes here); the default run kills at 2 of these points and covers SIGTERM
+# heavy: 21 worlds (1 to 2.5 minutes on the 2-core machine); the default run kills at 2 of these points and covers SIGTERM
 # (test_sigkill_during_an_async_sharded_save_resumes_the_newest_intact_checkpoint_bitwise)
 @pytest.mark.heavy
 def test_sigkill_at_20_points_of_async_sharded_saves_resumes_bitwise(tmp_path):
