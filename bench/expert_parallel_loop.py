@@ -9,8 +9,10 @@ rows to the experts' ranks and back with two more (an autograd function whose ba
 all-to-all), runs each local expert (transformers' own gate) and weights each pair's output. Each rank
 reads its own batches; the loss is the global item-count mean (one all-reduce of the window's items,
 as kiln); the replicated gradients are averaged with one flat all-reduce and the experts' divided by ep;
-the global 2-norm (replicated once, the expert shards' squares all-reduced) is clipped to 1.0; AdamW and
-a linear schedule."""
+the global 2-norm (replicated once, the expert shards' squares all-reduced) is clipped to 1.0; AdamW
+without weight decay (kiln's default, as HF's; torch's own default is 0.01) and a linear schedule. On the
+CPU both sides step AdamW with torch's per-parameter kernels: torch picks them for CPU tensors, and kiln's
+fused default falls back to them for a param group that mixes DTensors (the experts) with plain tensors."""
 
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ def raw_loop(model: nn.Module, data: list, steps: int) -> list[tuple[float, floa
     mine = {id(p) for p in experts}
     replicated = [p for p in model.parameters() if id(p) not in mine]
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)  # kiln's (HF's) default; torch's own is 0.01
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (steps - s) / steps))
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler, drop_last=True)

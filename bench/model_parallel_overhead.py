@@ -5,6 +5,7 @@ tensor parallelism saves against FSDP, on 2 processes (gloo on CPU, NCCL on GPUs
         [--memory-only] [--allocator fixed-mmap|default]
     python bench/model_parallel_overhead.py --memory-only --nproc 4    # tp 2 x dp_shard 2 vs FSDP dp 4
     python bench/model_parallel_overhead.py --axis pp [--schedules gpipe 1f1b ...]   # bench/pipeline_overhead.py
+    python bench/model_parallel_overhead.py --axis pp --nproc 4 --schedules 1f1b   # pp 2 x dp_shard 2
     python bench/model_parallel_overhead.py --axis ep [--steps 60] [--repeats 3]   # ep 2 vs a hand-written loop
 
 1. Per-step time on a small Llama (LlamaConfig: hidden 128, 2 layers, 4 heads, vocab 256, sequences
@@ -232,7 +233,11 @@ def main() -> None:
         help="CPU memory runs: pin glibc's mmap threshold (see bench/fsdp_overhead.py) or keep its default",
     )
     parser.add_argument(
-        "--nproc", type=int, choices=[2, 4], default=2, help="4: the memory pair tp 2 x dp_shard 2 vs FSDP dp 4"
+        "--nproc",
+        type=int,
+        choices=[2, 4],
+        default=2,
+        help="4: the memory pair tp 2 x dp_shard 2 vs FSDP dp 4; with --axis pp, the pp 2 x dp_shard 2 rows",
     )
     parser.add_argument(
         "--axis", choices=["tp", "pp", "ep"], default="tp", help="pp: the pipeline's rows; ep: the expert-parallel row"
@@ -248,11 +253,12 @@ def main() -> None:
         worker(args)
         return
     if not args.memory_only:
-        if args.nproc != 2:
+        if args.nproc != 2 and args.axis != "pp":
             raise SystemExit("the per-step comparison runs on 2 processes: add --memory-only to --nproc 4")
         print(_launch(args), end="", flush=True)
     if args.axis == "pp":
-        pp_memory(args)
+        if args.nproc == 2:  # the memory pair is pp 2 against dp 2
+            pp_memory(args)
         return
     if args.axis == "ep":
         return

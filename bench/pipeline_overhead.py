@@ -3,6 +3,7 @@
 
     python bench/model_parallel_overhead.py --axis pp [--steps 30] [--repeats 3] [--schedules gpipe 1f1b ...]
         [--mem-dim 512] [--mem-layers 8] [--memory-only]
+    python bench/model_parallel_overhead.py --axis pp --nproc 4 [--schedules 1f1b]   # pp 2 x dp_shard 2
 
 1. Per-step time on a small Llama (hidden 128, 4 layers, 4 heads, vocab 256, sequences of 64), windows
    of 4 micro-batches of 4 sequences, on 2 processes: kiln `strategy: {name: model_parallel, mesh: {pp: 2},
@@ -11,7 +12,10 @@
    2-stage-a-rank schedules, one layer a stage, placed as torch places them), one `PipelineStage` per
    stage, the same schedule class, the loss the mean cross entropy of each micro-batch, the global
    gradient norm (one all-reduce) clipped to 1.0, AdamW and a linear schedule. Both ranks read the same
-   batches. Interleaved repeats; medians of the per-step times after a warm-up, on rank 0, in wall-clock
+   batches. With `--nproc 4`, pp 2 x dp_shard 2: kiln `mesh: {pp: 2, dp_shard: 2}` against the same loop
+   with each stage FSDP2-sharded over its dp_shard ranks (each decoder layer a unit, then the stage), as
+   torchtitan does, each dp_shard rank reading its own batches. Both sides step AdamW as kiln's default
+   does (the fused kernel, no weight decay). Interleaved repeats; medians of the per-step times after a warm-up, on rank 0, in wall-clock
    and in this process's CPU time. Target: CPU-time ratio <= 1.05.
 2. The bubble: each rank's idle time per step, wall time minus this process's CPU time (one thread a
    process; gloo's waits sleep), in kiln's runs, beside the textbook fraction.
@@ -34,7 +38,7 @@ from torch import nn
 from bench.ddp_overhead import TARGET, _durations, device, lm_data, timed_fit
 from bench.fsdp_overhead import report_peak
 
-MICRO, WINDOW = 4, 4
+MICRO, WINDOW, PP = 4, 4, 2
 #: the textbook bubble fraction for pp 2 and a window of 4: (p - 1) / (m + p - 1), over v stages a rank
 #: for the interleaved ones; the zero-bubble schedules fill it with weight-gradient work
 TEXTBOOK = {"gpipe": 1 / 5, "1f1b": 1 / 5, "interleaved_1f1b": 1 / 9, "interleaved_zb": 0.0, "zbv": 0.0}
@@ -82,41 +86,74 @@ class HandStage(nn.Module):
         return self.head(self.norm(h)) if self.head is not None and self.norm is not None else h
 
 
-def placement(schedule: str, pp: int) -> tuple[int, list[int]]:
-    """(stage count, this rank's stages) as torch places them."""
+def placement(schedule: str, pp: int, rank: int) -> tuple[int, list[int]]:
+    """(stage count, the stages of pp rank `rank`) as torch places them."""
     from kiln.strategies.mesh.pipeline_settings import read_pipeline
     from kiln.strategies.mesh.pipeline_split import stage_owners
 
     p = read_pipeline({"schedule": schedule})
     count = p.stages(pp)
     owners = stage_owners(pp, count, p.style)
-    return count, [s for s in range(count) if owners[s] == dist.get_rank()]
+    return count, [s for s in range(count) if owners[s] == rank]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def raw_loop(schedule: str, model: Any, data: list, steps: int) -> list[tuple[float, float]]:
-    """The hand-written pipeline loop; (wall, cpu) seconds of each step after the warm-up."""
+    """The hand-written pipeline loop; (wall, cpu) seconds of each step after the warm-up. On 4 processes,
+    pp 2 x dp_shard 2 as torchtitan writes it: a (pp, dp_shard) mesh, each stage's decoder layers and
+    then the stage FSDP2 units over its dp_shard ranks (kept gathered from forward to backward), the
+    stages over the pp group, each dp_shard rank reading its own batches."""
     from torch.distributed.pipelining import PipelineStage
 
     from kiln.strategies.mesh.pipeline_settings import schedule_class
 
-    dev, pp = device(), dist.get_world_size()
-    count, mine = placement(schedule, pp)
+    dev, dp = device(), dist.get_world_size() // PP
+    mesh = None
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (PP, dp), mesh_dim_names=("pp", "dp_shard"))
+    count, mine = placement(schedule, PP, mesh["pp"].get_local_rank() if mesh is not None else dist.get_rank())
     per = len(model.model.layers) // count
     stages = [HandStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == count - 1).to(dev) for s in mine]
-    pipe = [PipelineStage(m, s, count, dev) for m, s in zip(stages, mine)]
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for stage in stages:
+            for layer in stage.layers:
+                fully_shard(layer, mesh=mesh["dp_shard"], reshard_after_forward=False)
+            fully_shard(stage, mesh=mesh["dp_shard"], reshard_after_forward=False)
+    group = mesh["pp"].get_group() if mesh is not None else None
+    pipe = [PipelineStage(m, s, count, dev, group=group) for m, s in zip(stages, mine)]
     params = [p for m in stages for p in m.parameters()]
     vocab = model.config.vocab_size
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), labels.reshape(-1))
 
-    cls = schedule_class(schedule, WINDOW, pp)
+    cls = schedule_class(schedule, WINDOW, PP)
     sched_obj = cls(pipe if len(pipe) > 1 else pipe[0], n_microbatches=WINDOW, loss_fn=loss_fn)
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    # kiln's default optimizer (HF's): adamw_torch_fused without weight decay, which kiln keeps fused here
+    # (one mesh, or plain tensors); torch's own default is the per-parameter kernel on CPU and decay 0.01
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
     lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (steps - s) / steps))
+    sampler: Any = None
+    if mesh is not None:  # each dp_shard rank its own batches; both stages of a data shard the same ones
+        dp_rank = mesh["dp_shard"].get_local_rank()
+        sampler = torch.utils.data.DistributedSampler(data, dp, dp_rank, shuffle=True, seed=0, drop_last=True)
     order = torch.Generator().manual_seed(0)
     loader: Any = torch.utils.data.DataLoader(
-        data, batch_size=MICRO * WINDOW, shuffle=True, generator=order, drop_last=True
+        data,
+        batch_size=MICRO * WINDOW,
+        shuffle=sampler is None,
+        sampler=sampler,
+        generator=order if sampler is None else None,
+        drop_last=True,
     )
     first, last = any(s.is_first for s in pipe), any(s.is_last for s in pipe)
     step, ends = 0, []
@@ -124,9 +161,10 @@ def raw_loop(schedule: str, model: Any, data: list, steps: int) -> list[tuple[fl
         for b in loader:
             ids, labels = b["input_ids"].to(dev), b["labels"].to(dev)
             sched_obj.step(*((ids,) if first else ()), target=labels if last else None, losses=[] if last else None)
-            norm = torch.stack([p.grad.pow(2).sum() for p in params if p.grad is not None]).sum()
-            dist.all_reduce(norm)
-            torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm.sqrt())
+            grads = [_local(p.grad) for p in params if p.grad is not None]  # FSDP: this rank's shards
+            norm = torch.stack([g.pow(2).sum() for g in grads]).sum()
+            dist.all_reduce(norm)  # every stage's, every shard's squares
+            torch._foreach_mul_(grads, torch.clamp(1.0 / (norm.sqrt() + 1e-6), max=1.0))
             opt.step()
             lr.step()
             opt.zero_grad(set_to_none=True)
@@ -150,11 +188,17 @@ def kiln_loop(schedule: str, model: Any, data: list, steps: int) -> list[tuple[f
         "save_strategy": "no",
         "dataloader_drop_last": True,
         "log": {"history": []},
-        "strategy": {"name": "model_parallel", "mesh": {"pp": 2}, "pipeline": {"schedule": schedule}},
+        "strategy": {"name": "model_parallel", "mesh": kiln_mesh(), "pipeline": {"schedule": schedule}},
     }
     durations, trainer = timed_fit(model, data, cfg)
     trainer.teardown()  # type: ignore[attr-defined]
     return durations
+
+
+def kiln_mesh() -> dict[str, int]:
+    """pp 2 on 2 processes; pp 2 x dp_shard 2 on 4."""
+    dp = dist.get_world_size() // PP
+    return {"pp": PP} if dp == 1 else {"pp": PP, "dp_shard": dp}
 
 
 def overhead(steps: int, repeats: int, schedules: list[str]) -> None:
@@ -170,18 +214,20 @@ def overhead(steps: int, repeats: int, schedules: list[str]) -> None:
         idle = [w - c for w, c in kiln_t]
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, (statistics.median(idle), statistics.median(w for w, _ in kiln_t)))
+        label = " x ".join(f"{axis} {n}" for axis, n in kiln_mesh().items())
+        ranks = " / ".join(f"rank {r}" for r in range(dist.get_world_size()))
         if dist.get_rank() == 0:
             for i, clock in ((0, "wall"), (1, "cpu ")):
                 r, k = statistics.median(t[i] for t in raw_t), statistics.median(t[i] for t in kiln_t)
                 verdict = "OK" if k / r <= TARGET else "OVER TARGET"
                 print(
-                    f"llama 4x128 pp 2 {schedule:16s} {clock} hand-written {r * 1e3:8.3f} ms/step   kiln "
+                    f"llama 4x128 {label} {schedule:16s} {clock} hand-written {r * 1e3:8.3f} ms/step   kiln "
                     f"{k * 1e3:8.3f} ms/step   ratio {k / r:.3f} (target <= {TARGET}) {verdict}",
                     flush=True,
                 )
             bubbles = " / ".join(f"{i * 1e3:.1f} ms ({i / w:.0%})" for i, w in every)
             print(
-                f"llama 4x128 pp 2 {schedule:16s} bubble (idle per step, rank 0 / rank 1): {bubbles}; "
+                f"llama 4x128 {label} {schedule:16s} bubble (idle per step, {ranks}): {bubbles}; "
                 f"textbook {TEXTBOOK[schedule]:.0%}",
                 flush=True,
             )

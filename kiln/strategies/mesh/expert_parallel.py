@@ -249,8 +249,7 @@ def _average(grads: list[torch.Tensor], group: Any, divisor: int, *, reduce: boo
     if not grads:
         return
     if not reduce:
-        for g in grads:
-            g.div_(divisor)
+        torch._foreach_div_(grads, divisor)
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)

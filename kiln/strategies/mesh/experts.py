@@ -159,7 +159,7 @@ def _run_local_experts(self: Any, rows: torch.Tensor, got_per_expert: torch.Tens
     expert_of_row = torch.repeat_interleave(local_ids, got_per_expert.reshape(-1))
     order = torch.argsort(expert_of_row, stable=True)
     grouped = rows[order]
-    gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
+    gate_up, down = local_weight(self.gate_up_proj), local_weight(self.down_proj)
     sizes = got_per_expert.sum(0).tolist()
     outs = []
     for e, part in enumerate(grouped.split(sizes)):
@@ -171,6 +171,39 @@ def _run_local_experts(self: Any, rows: torch.Tensor, got_per_expert: torch.Tens
     result = torch.empty_like(out)
     result[order] = out
     return result
+
+
+def local_weight(weight: Any) -> torch.Tensor:
+    """This rank's piece of an expert weight (a DTensor), differentiable: DTensor's own `to_local`,
+    without the cost its backward pays to rebuild the gradient's sharding spec. The gradient has the
+    weight's own spec (same mesh, placements, global shape and stride), so it is copied, not
+    recomputed; a weight whose spec that shortcut cannot stand for (a Partial placement, or a local
+    piece that is not contiguous) takes `to_local`. The values are the same either way."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        return weight
+    if weight._local_tensor.is_contiguous() and all(p.is_shard() or p.is_replicate() for p in weight.placements):
+        return _ToLocal.apply(weight)
+    return weight.to_local()
+
+
+class _ToLocal(torch.autograd.Function):
+    """`DTensor.to_local` whose backward wraps the (contiguous) gradient in a copy of the weight's spec."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Any) -> torch.Tensor:
+        ctx.spec = weight._spec
+        local = weight._local_tensor
+        return local.view_as(local)  # a fresh tensor object: autograd writes its metadata into it
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        import copy
+
+        from torch.distributed.tensor import DTensor
+
+        return DTensor(grad.contiguous(), copy.copy(ctx.spec), requires_grad=grad.requires_grad)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -9,7 +9,7 @@
 - the expert-parallel forward on a 1-rank group (its all-to-alls move nothing, the sorting,
   regrouping, gating and combining are all there) gives the logits, loss and gradients of
   transformers' own forward for Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3, and counts each expert's
-  tokens while training only;
+  tokens while training only; its weights' local pieces give DTensor's own gradient, bitwise;
 - one rank of a fake 4-process world, ep 4 alone, ep 2 within dp_shard 4 and ep 2 beside
   dp_replicate 2: its mesh coordinate, data shard, its groups, which expert rows it holds, how FSDP
   shards the rest, and which group each gradient is reduced over (torch's fake process group); within an evaluation `generate()` runs with synced_gpus (ep 4 alone)."""
@@ -212,6 +212,32 @@ def test_the_expert_parallel_forward_is_transformers_own(one_rank_ep_mesh, kind)
     assert not take_counts(
         shards, one_rank_ep_mesh.get_group()
     ).any()  # evaluation forwards are not counted, and the counters were reset
+
+
+def test_local_weight_is_to_local_with_the_weights_own_spec_on_its_gradient(one_rank_ep_mesh):
+    """The experts' forward reads its weights through `local_weight`: the same values and gradient as
+    DTensor's `to_local` (bitwise), the gradient a DTensor with the weight's placements, shape and
+    stride, by the shortcut (no spec rebuilt) where the local piece is contiguous, by `to_local` where not."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from kiln.strategies.mesh.experts import local_weight
+
+    full = torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(0))
+    upstream = torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for read in (local_weight, lambda w: w.to_local()):
+        weight = torch.nn.Parameter(distribute_tensor(full, one_rank_ep_mesh, [Shard(0)]))
+        local = read(weight)
+        assert torch.equal(local, full)
+        (local * upstream).sum().backward()
+        grads.append((weight.grad, type(local.grad_fn).__name__))
+    (got, fn), (want, _) = grads
+    assert fn == "_ToLocalBackward"  # the shortcut, not torch's _ToTorchTensor
+    assert isinstance(got, DTensor) and torch.equal(got.to_local(), want.to_local())
+    assert (got.placements, got.shape, got.stride()) == (want.placements, want.shape, want.stride())
+    bent = DTensor.from_local(full.transpose(1, 2), one_rank_ep_mesh, [Shard(0)])  # not contiguous: to_local
+    assert type(local_weight(bent.requires_grad_()).grad_fn).__name__ != "_ToLocalBackward"
+    assert local_weight(full) is full  # a plain tensor (no ep mesh) is its own local piece
 
 
 def _step_arithmetic(strategy, model, params, experts, expert_share=1.0):
