@@ -303,7 +303,9 @@ def test_every_rank_raises_the_writer_s_failure_at_the_same_wait():
 
         strategy = SimpleNamespace(world_size=2, all_gather_object=all_gather_object)
         config = SimpleNamespace(save=SimpleNamespace(async_save=True))
-        return SimpleNamespace(config=config, strategy=strategy, _background=BackgroundSave(), _to_upload=None)
+        return SimpleNamespace(
+            config=config, strategy=strategy, _background=BackgroundSave(), uploads=SimpleNamespace(pending=None)
+        )
 
     sentence = "No space left on device (ENOSPC) while writing checkpoint-8"
     with pytest.raises(CheckpointError, match=r"^No space left on device \(ENOSPC\) while writing checkpoint-8$"):
