@@ -39,6 +39,7 @@ from kiln.engine.checkpoint.files import (
 )
 from kiln.engine.checkpoint.hf_files import write_model_files, write_training_args
 from kiln.engine.checkpoint.integrity import VERSION
+from kiln.engine.checkpoint.lease import LeaseLost
 from kiln.engine.checkpoint.loading import load_checkpoint
 from kiln.engine.checkpoint.output_dir import is_writer
 from kiln.engine.checkpoint.remote_run import RunUploads
@@ -153,11 +154,15 @@ class CheckpointManager:
             if writer and self.callbacks.reads_checkpoint_on_save():  # on_save must find the folder (artifacts, Ray)
                 self._background.finish()
             return final
+        lost = None
         if writer:
-            self._published(final, best)
+            try:
+                self._published(final, best)
+            except LeaseLost as err:  # raised on every rank where they meet, below
+                lost = err
         if from_nodes:
             self.uploads.upload_from_nodes(final, best, writer)
-        strategy.barrier("checkpoint-done")
+        self.uploads.done(lost)  # the ranks' last barrier of the save
         return final
 
     def _stage(self, io: Any, tmp: str, writer: bool) -> StagedWrite | None:
@@ -257,14 +262,14 @@ class CheckpointManager:
             return
         error = self._background.join()
         upload, self.uploads.pending = self.uploads.pending, None
-        message = None if error is None else str(error)
+        failure = None if error is None else (isinstance(error, LeaseLost), str(error))
         if self.strategy.world_size > 1:  # only the writers write in the background: tell every rank
-            messages = [m for m in self.strategy.all_gather_object(message) if m]
-            message = messages[0] if messages else None
+            failures = [f for f in self.strategy.all_gather_object(failure) if f]
+            failure = failures[0] if failures else None
         if error is not None:
             raise error
-        if message is not None:
-            raise CheckpointError(message)
+        if failure is not None:  # a run lock lost to another run stops every rank as LeaseLost, as on the writer
+            raise (LeaseLost if failure[0] else CheckpointError)(failure[1])
         if upload is not None:
             self.uploads.upload_from_nodes(*upload, is_writer(self.config, self.strategy))
 

@@ -81,6 +81,20 @@ class RunUploads:
         if self.store is not None and self.strategy.is_global_zero and not self._nodes_upload():
             publish(self.store, final, self.config.save.total_limit, best)
 
+    def done(self, lost: LeaseLost | None) -> None:
+        """Every rank, at the end of a synchronous save: the ranks' last barrier. Global rank 0 uploads the
+        checkpoint alone (published), so with a store on several ranks that barrier is an all-gather of
+        its verdict (`lost`: the LeaseLost it met, on that rank), and a run lock lost to another run stops
+        every rank with the one sentence, rather than rank 0 alone while the others wait for it."""
+        if not self.config.save.remote_dir or self.strategy.world_size == 1:
+            if lost is not None:
+                raise lost
+            self.strategy.barrier("checkpoint-done")
+            return
+        verdicts = [v for v in self.strategy.all_gather_object(None if lost is None else str(lost)) if v]
+        if verdicts:
+            raise LeaseLost(verdicts[0])
+
     def upload_from_nodes(self, final: str, best: str | None, writer: bool) -> None:
         """Every rank: each node's writer uploads its node's files of the complete checkpoint `final`, then
         global rank 0 its marker (publish_from_nodes)."""
