@@ -67,6 +67,20 @@ def test_two_nodes_save_a_sharded_checkpoint_to_s3_and_resume_it_bitwise(s3, tmp
             assert torch.equal(value, weights[key]), (variant, key)
 
 
+@pytest.mark.distributed
+def test_an_async_checkpoint_of_two_nodes_goes_up_once_written_not_at_the_next_save(s3, tmp_path):
+    """save.async_save: the nodes' upload needs the ranks' collectives, so it runs on the training thread,
+    at the first step boundary where every rank's background write has finished
+    (tests/checkpoint/remote_nodes_async_worker.py: 2 gloo processes faking two nodes)."""
+    from tests.world import run_world
+
+    url = f"s3://{BUCKET}/async-nodes"
+    worker = os.path.join(os.path.dirname(__file__), "remote_nodes_async_worker.py")
+    run_world(worker, tmp_path, url, s3["client_kwargs"]["endpoint_url"], timeout=300)
+    assert json.loads((tmp_path / "seen_at_4.json").read_text()) == ["checkpoint-2"]  # before step 4's save
+    assert [name for _, name in RemoteCheckpoints(url, s3).steps()] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+
+
 # -- the nodes' protocol (remote_run.publish_from_nodes) in one process: a thread per node ----------------
 NODE_FILES = {  # what each node's staging folder holds of checkpoint-4: its shards, and files every node writes
     0: {"fsdp_dcp/.metadata": b"meta", "fsdp_dcp/__0_0.distcp": b"shard zero", "trainer_state.json": b'{"node": 0}'},

@@ -255,9 +255,9 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the save in flight (save.async_save) is complete on every rank; raise its failure,
         the same sentence on every rank. Every rank calls this at the same points: before a save, at the
-        end of fit and at a preemption. Without save.async_save there is nothing to wait for. A checkpoint
-        that several nodes upload together (RunUploads.from_nodes) is uploaded here, once written: its
-        collectives cannot run on the background thread."""
+        end of fit and at a preemption (and at a step boundary: step_end). Without save.async_save there is
+        nothing to wait for. A checkpoint that several nodes upload together (RunUploads.from_nodes) is
+        uploaded here, once written: its collectives cannot run on the background thread."""
         if not self.config.save.async_save:
             return
         error = self._background.join()
@@ -272,6 +272,17 @@ class CheckpointManager:
             raise (LeaseLost if failure[0] else CheckpointError)(failure[1])
         if upload is not None:
             self.uploads.upload_from_nodes(*upload, is_writer(self.config, self.strategy))
+
+    def step_end(self) -> None:
+        """Every rank, at each step boundary: a checkpoint that several nodes upload together (an
+        asynchronous save with RunUploads.pending) is uploaded (wait) at the first boundary where every
+        rank's background write has finished, rather than at the next save: its collectives cannot run on
+        the background thread. One scalar min-reduce per step while such an upload waits; nothing else."""
+        if self.uploads.pending is None:
+            return
+        written = torch.tensor(0.0 if self._background.running else 1.0, device=self.strategy.root_device)
+        if self.strategy.reduce(written, "min").item() > 0:
+            self.wait()
 
     def drain(self) -> None:
         """Let the save in flight finish when fit ends on an error of its own: no collective, and a

@@ -51,7 +51,7 @@ class RunUploads:
         self.config, self.strategy, self.key = config, strategy, key
         self._store: RemoteCheckpoints | None = None  # save.remote_dir's, built at the first upload
         self._writers: int | None = None  # how many ranks write a checkpoint folder (nodes, with save.on_each_node)
-        self.pending: tuple[str, str | None] | None = None  # an async save's folder the nodes upload at its wait()
+        self.pending: tuple[str, str | None] | None = None  # an async save's folder the nodes upload once written
 
     @property
     def store(self) -> RemoteCheckpoints | None:
