@@ -291,3 +291,23 @@ def test_a_node_whose_download_refuses_stops_every_rank_naming_that_node(s3, tmp
     with pytest.warns(UserWarning, match="Ignoring damaged checkpoint"):
         outcomes = resume_on_threads(url, s3, tmp_path, on_each_node=False)
     assert len({str(o) for o in outcomes}) == 1 and str(outcomes[0]).startswith("No valid checkpoint found")
+
+
+def test_a_single_node_of_several_processes_uploads_from_rank_0_alone(monkeypatch):
+    """save.on_each_node on one node: one writer, so global rank 0 uploads its folder (publish) as without
+    it; from two nodes' writers, the nodes upload together (publish_from_nodes) and rank 0 alone does not."""
+    from types import SimpleNamespace
+
+    from kiln.engine.checkpoint import remote_run
+
+    published: list[str] = []
+    monkeypatch.setattr(remote_run, "publish", lambda store, final, limit, best: published.append(final))
+    save = SimpleNamespace(remote_dir="s3://bucket/run", on_each_node=True, total_limit=None)
+    for writers, together in (([True, False], False), ([True, True], True)):
+        strategy = SimpleNamespace(world_size=2, is_global_zero=True, all_gather_object=lambda writer, w=writers: w)
+        uploads = remote_run.RunUploads(SimpleNamespace(save=save), strategy, None)  # type: ignore[arg-type]
+        uploads._store = RemoteCheckpoints("memory://run")
+        assert uploads.from_nodes(True) is together
+        uploads.published("out/checkpoint-2", None)
+        assert published == ([] if together else ["out/checkpoint-2"]), writers
+        published.clear()
