@@ -328,6 +328,33 @@ def test_every_rank_raises_the_writer_s_failure_at_the_same_wait():
     assert gathered[-1] == (True, lost)
 
 
+def test_a_step_boundary_uploads_a_nodes_checkpoint_only_once_its_background_write_has_finished():
+    """The nodes' upload of an asynchronous save (uploads.pending) waits for a step boundary where every
+    rank's write has finished (a min-reduce; one rank here): while the write runs, training goes on."""
+    from types import SimpleNamespace
+
+    from kiln.engine.checkpoint.background import BackgroundSave
+
+    release, waits = threading.Event(), []
+    background = BackgroundSave()
+    background.start(2, release.wait)
+    manager = SimpleNamespace(
+        uploads=SimpleNamespace(pending=("out/checkpoint-2", None)),
+        _background=background,
+        strategy=SimpleNamespace(root_device=torch.device("cpu"), reduce=lambda tensor, op: tensor),
+        wait=lambda: waits.append("uploaded"),
+    )
+    try:
+        manager_module.CheckpointManager.step_end(manager)
+        assert waits == []  # still writing: no wait, no upload
+    finally:
+        release.set()
+        background._thread.join()  # type: ignore[union-attr]
+    manager_module.CheckpointManager.step_end(manager)
+    assert waits == ["uploaded"]
+    background.join()
+
+
 class _CrashAtStep(Callback):
     reads_checkpoint_on_save = False
 
