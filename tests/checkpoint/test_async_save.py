@@ -19,6 +19,7 @@ from kiln.engine.callbacks.base import Callback
 from kiln.engine.checkpoint import manager as manager_module
 from kiln.engine.checkpoint.files import MARKER, is_complete, list_checkpoints
 from kiln.engine.checkpoint.integrity import ALGORITHM
+from kiln.engine.checkpoint.lease import LeaseLost
 from kiln.strategies import safetensors_writer
 from kiln.strategies.full_checkpoint_io import FullStateCheckpointIO
 from kiln.utils.errors import CheckpointError
@@ -303,18 +304,55 @@ def test_every_rank_raises_the_writer_s_failure_at_the_same_wait():
 
         strategy = SimpleNamespace(world_size=2, all_gather_object=all_gather_object)
         config = SimpleNamespace(save=SimpleNamespace(async_save=True))
-        return SimpleNamespace(config=config, strategy=strategy, _background=BackgroundSave(), _to_upload=None)
+        return SimpleNamespace(
+            config=config, strategy=strategy, _background=BackgroundSave(), uploads=SimpleNamespace(pending=None)
+        )
 
     sentence = "No space left on device (ENOSPC) while writing checkpoint-8"
     with pytest.raises(CheckpointError, match=r"^No space left on device \(ENOSPC\) while writing checkpoint-8$"):
-        manager_module.CheckpointManager.wait(manager([sentence, None]))  # rank 1: its own thread never ran
+        manager_module.CheckpointManager.wait(manager([(False, sentence), None]))  # rank 1: its thread never ran
     assert gathered == [None]
     manager_module.CheckpointManager.wait(manager([None, None]))
-    writer = manager([sentence, None])
+    writer = manager([(False, sentence), None])
     writer._background.start(8, lambda: (_ for _ in ()).throw(CheckpointError(sentence)))
     with pytest.raises(CheckpointError, match="ENOSPC"):
         manager_module.CheckpointManager.wait(writer)  # rank 0: raises its own error, after telling the others
-    assert gathered[-1] == sentence
+    assert gathered[-1] == (False, sentence)
+    lost = "The run lock of s3://b/run was taken over by another run (pid 7 on h)."
+    with pytest.raises(LeaseLost, match=r"^The run lock of s3://b/run was taken over"):  # its type too
+        manager_module.CheckpointManager.wait(manager([(True, lost), None]))
+    writer = manager([(True, lost), None])
+    writer._background.start(8, lambda: (_ for _ in ()).throw(LeaseLost(lost)))
+    with pytest.raises(LeaseLost):
+        manager_module.CheckpointManager.wait(writer)
+    assert gathered[-1] == (True, lost)
+
+
+def test_a_step_boundary_uploads_a_nodes_checkpoint_only_once_its_background_write_has_finished():
+    """The nodes' upload of an asynchronous save (uploads.pending) waits for a step boundary where every
+    rank's write has finished (a min-reduce; one rank here): while the write runs, training goes on."""
+    from types import SimpleNamespace
+
+    from kiln.engine.checkpoint.background import BackgroundSave
+
+    release, waits = threading.Event(), []
+    background = BackgroundSave()
+    background.start(2, release.wait)
+    manager = SimpleNamespace(
+        uploads=SimpleNamespace(pending=("out/checkpoint-2", None)),
+        _background=background,
+        strategy=SimpleNamespace(root_device=torch.device("cpu"), reduce=lambda tensor, op: tensor),
+        wait=lambda: waits.append("uploaded"),
+    )
+    try:
+        manager_module.CheckpointManager.step_end(manager)
+        assert waits == []  # still writing: no wait, no upload
+    finally:
+        release.set()
+        background._thread.join()  # type: ignore[union-attr]
+    manager_module.CheckpointManager.step_end(manager)
+    assert waits == ["uploaded"]
+    background.join()
 
 
 class _CrashAtStep(Callback):

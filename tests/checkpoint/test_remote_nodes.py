@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -19,6 +20,7 @@ from kiln.engine.checkpoint.integrity import MARKER
 from kiln.engine.checkpoint.lease import Lease, LeaseLost
 from kiln.engine.checkpoint.remote import RemoteCheckpoints
 from kiln.engine.checkpoint.remote_run import publish_from_nodes
+from kiln.engine.checkpoint.resume import ResumeError
 from tests.checkpoint.s3_server import s3_endpoint
 from tests.checkpoint.test_cross_format_resume import saved_weights
 from tests.installed import requires
@@ -63,6 +65,20 @@ def test_two_nodes_save_a_sharded_checkpoint_to_s3_and_resume_it_bitwise(s3, tmp
         assert want.keys() == weights.keys()
         for key, value in want.items():
             assert torch.equal(value, weights[key]), (variant, key)
+
+
+@pytest.mark.distributed
+def test_an_async_checkpoint_of_two_nodes_goes_up_once_written_not_at_the_next_save(s3, tmp_path):
+    """save.async_save: the nodes' upload needs the ranks' collectives, so it runs on the training thread,
+    at the first step boundary where every rank's background write has finished
+    (tests/checkpoint/remote_nodes_async_worker.py: 2 gloo processes faking two nodes)."""
+    from tests.world import run_world
+
+    url = f"s3://{BUCKET}/async-nodes"
+    worker = os.path.join(os.path.dirname(__file__), "remote_nodes_async_worker.py")
+    run_world(worker, tmp_path, url, s3["client_kwargs"]["endpoint_url"], timeout=300)
+    assert json.loads((tmp_path / "seen_at_4.json").read_text()) == ["checkpoint-2"]  # before step 4's save
+    assert [name for _, name in RemoteCheckpoints(url, s3).steps()] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
 
 # -- the nodes' protocol (remote_run.publish_from_nodes) in one process: a thread per node ----------------
@@ -179,3 +195,119 @@ def test_a_lost_lease_stops_every_node_with_one_sentence(s3, tmp_path):
     finally:
         stores[0].release_lock()
         successor.release()
+
+
+# -- which answer each rank of a resumed job takes (resume.choose_resume), on a 2 x 2 job of threads --------
+def stored_checkpoints(url: str, s3, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """checkpoint-2 and checkpoint-4 of a short local run, uploaded to `url`."""
+    from tests.checkpoint.checkpoint_helpers import train
+
+    local = tmp_path / "trained"
+    train(str(local), {"max_steps": 4, "save_steps": 2, "save_total_limit": None})
+    store = RemoteCheckpoints(url, s3)
+    for name in ("checkpoint-2", "checkpoint-4"):
+        store.upload(str(local / name))
+
+
+def resume_on_threads(url: str, s3, tmp_path, on_each_node: bool, resolved: list[int] | None = None) -> list[object]:  # type: ignore[no-untyped-def]
+    """choose_resume(True) on every rank of 2 nodes x 2 processes (tests/topology/fake_world.py), each
+    node with its own staging folder (one shared folder without save.on_each_node); what each rank got
+    (a path) or raised. `resolved` collects the ranks that downloaded."""
+    from kiln.config import load_config
+    from kiln.engine.checkpoint import resume as resume_module
+    from tests.topology.fake_world import ThreadWorld
+
+    world = ThreadWorld()
+
+    def config(rank: int):  # type: ignore[no-untyped-def]
+        staging = tmp_path / (f"node{rank // 2}" if on_each_node else "shared")
+        save = {"on_each_node": on_each_node, "storage_options": s3, "staging_dir": str(staging)}
+        return load_config({"output_dir": url, "save": save, "strategy": {"device": "cpu"}})
+
+    strategies = [world.strategy(rank)(config(rank), None) for rank in range(4)]
+    real = resume_module.resolve_resume
+
+    def resolve(*args: object, **kw: object) -> object:
+        if resolved is not None:
+            resolved.append(world.current_rank)  # type: ignore[arg-type]
+        return real(*args, **kw)
+
+    def outcome(rank: int) -> object:
+        try:
+            return resume_module.choose_resume(True, strategies[rank].config, strategies[rank])
+        except resume_module.ResumeError as err:
+            return err
+
+    resume_module.resolve_resume = resolve  # type: ignore[assignment]
+    try:
+        return world.run(outcome)
+    finally:
+        resume_module.resolve_resume = real
+
+
+def test_each_rank_resumes_from_its_nodes_download_and_a_node_without_a_writer_takes_rank_0s(s3, tmp_path):
+    url = f"s3://{BUCKET}/resumed-nodes"
+    stored_checkpoints(url, s3, tmp_path)
+    resolved: list[int] = []
+    chosen = resume_on_threads(url, s3, tmp_path, on_each_node=True, resolved=resolved)
+    assert sorted(resolved) == [0, 2]  # each node's writer downloads its node's copy
+    assert chosen == [str(tmp_path / "node0" / "checkpoint-4")] * 2 + [str(tmp_path / "node1" / "checkpoint-4")] * 2
+    assert all(os.path.isfile(os.path.join(str(path), MARKER)) for path in chosen)
+    resolved.clear()
+    chosen = resume_on_threads(url, s3, tmp_path, on_each_node=False, resolved=resolved)
+    assert resolved == [0]  # no writer on node 1: a folder every node shares, rank 0's download
+    assert chosen == [str(tmp_path / "shared" / "checkpoint-4")] * 4
+
+
+def test_a_node_whose_download_refuses_stops_every_rank_naming_that_node(s3, tmp_path, monkeypatch):
+    url = f"s3://{BUCKET}/refused-nodes"
+    stored_checkpoints(url, s3, tmp_path)
+    fs = RemoteCheckpoints(url, s3).fs  # one cached file system for every rank's store
+    get = fs.get
+    damaged_on: set[str] = set()
+
+    def damaged_download(src: str, dst: str, **kw: object) -> None:
+        get(src, dst, **kw)
+        if any(f"{os.sep}{node}{os.sep}" in dst for node in damaged_on):  # this node's copy arrives damaged
+            with open(os.path.join(dst, "trainer_state.json"), "ab") as fh:
+                fh.write(b" ")
+
+    monkeypatch.setattr(fs, "get", damaged_download)
+    refusal = (
+        rf"^Node {{node}} cannot resume: No valid checkpoint found in output directory \({url}\): "
+        r"resume_from_checkpoint=true needs a complete checkpoint-<step> folder there; .*$"
+    )
+    damaged_on.add("node1")
+    with pytest.warns(UserWarning, match="Ignoring damaged checkpoint"):  # node 1 tried checkpoint-4, then -2
+        outcomes = resume_on_threads(url, s3, tmp_path, on_each_node=True)
+    assert all(isinstance(o, ResumeError) for o in outcomes), outcomes  # node 0's download was fine: it stops too
+    assert len({str(o) for o in outcomes}) == 1 and re.match(refusal.format(node=1), str(outcomes[0]))
+    damaged_on.add("node0")  # both refuse: the first node's sentence, on every rank
+    with pytest.warns(UserWarning, match="Ignoring damaged checkpoint"):
+        outcomes = resume_on_threads(url, s3, tmp_path / "again", on_each_node=True)
+    assert len({str(o) for o in outcomes}) == 1 and re.match(refusal.format(node=0), str(outcomes[0]))
+    damaged_on.clear()
+    damaged_on.add("shared")  # one downloader (no save.on_each_node): its sentence as it is, no node named
+    with pytest.warns(UserWarning, match="Ignoring damaged checkpoint"):
+        outcomes = resume_on_threads(url, s3, tmp_path, on_each_node=False)
+    assert len({str(o) for o in outcomes}) == 1 and str(outcomes[0]).startswith("No valid checkpoint found")
+
+
+def test_a_single_node_of_several_processes_uploads_from_rank_0_alone(monkeypatch):
+    """save.on_each_node on one node: one writer, so global rank 0 uploads its folder (publish) as without
+    it; from two nodes' writers, the nodes upload together (publish_from_nodes) and rank 0 alone does not."""
+    from types import SimpleNamespace
+
+    from kiln.engine.checkpoint import remote_run
+
+    published: list[str] = []
+    monkeypatch.setattr(remote_run, "publish", lambda store, final, limit, best: published.append(final))
+    save = SimpleNamespace(remote_dir="s3://bucket/run", on_each_node=True, total_limit=None)
+    for writers, together in (([True, False], False), ([True, True], True)):
+        strategy = SimpleNamespace(world_size=2, is_global_zero=True, all_gather_object=lambda writer, w=writers: w)
+        uploads = remote_run.RunUploads(SimpleNamespace(save=save), strategy, None)  # type: ignore[arg-type]
+        uploads._store = RemoteCheckpoints("memory://run")
+        assert uploads.from_nodes(True) is together
+        uploads.published("out/checkpoint-2", None)
+        assert published == ([] if together else ["out/checkpoint-2"]), writers
+        published.clear()

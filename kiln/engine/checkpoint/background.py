@@ -32,6 +32,11 @@ class BackgroundSave:
     def in_flight(self) -> bool:
         return self._thread is not None
 
+    @property
+    def running(self) -> bool:
+        """Whether the save in flight is still being written (a finished one waits for `join`)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self, step: int, job: Callable[[], None]) -> None:
         """Run `job` on a new thread; the previous one must have been joined."""
         assert self._thread is None, "a checkpoint save is already in flight"

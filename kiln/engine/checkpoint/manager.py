@@ -39,10 +39,10 @@ from kiln.engine.checkpoint.files import (
 )
 from kiln.engine.checkpoint.hf_files import write_model_files, write_training_args
 from kiln.engine.checkpoint.integrity import VERSION
+from kiln.engine.checkpoint.lease import LeaseLost
 from kiln.engine.checkpoint.loading import load_checkpoint
 from kiln.engine.checkpoint.output_dir import is_writer
-from kiln.engine.checkpoint.remote import RemoteCheckpoints
-from kiln.engine.checkpoint.remote_run import publish, publish_from_nodes, store_of, upload_outputs
+from kiln.engine.checkpoint.remote_run import RunUploads
 from kiln.engine.checkpoint.restored import Restored
 from kiln.engine.checkpoint.saved_config import CONFIG
 from kiln.engine.checkpoint.signing import signing_key
@@ -103,9 +103,7 @@ class CheckpointManager:
         self._said_synchronous = False  # the one log line of a format that cannot save in the background
         self._config_text: tuple[dict[str, Any], str] | None = None  # config.yaml's tree and text, last written
         self.signing_key = signing_key(config.save.signing_key_env)  # fails here, before training, when unset
-        self._store: RemoteCheckpoints | None = None  # save.remote_dir's, built at the first upload
-        self._writers: int | None = None  # how many ranks write a checkpoint folder (nodes, with save.on_each_node)
-        self._to_upload: tuple[str, str | None] | None = None  # an async save's folder the nodes upload at wait()
+        self.uploads = RunUploads(config, strategy, self.signing_key)  # to save.remote_dir (remote_run)
 
     def attach(self, loop: Stateful, loader: Iterable[Any]) -> None:
         """The fit loop registers itself and its train loader: both have per-rank state to save."""
@@ -148,45 +146,24 @@ class CheckpointManager:
             raise
         self.saved_step = state.global_step
         best = state.best_model_checkpoint
-        from_nodes = self._from_nodes(writer)
+        from_nodes = self.uploads.from_nodes(writer)
         if staged is not None:
             # every rank: a sharded format's ranks each wait for their own files (DCP's async_save)
-            self._to_upload = (final, best) if from_nodes else None  # no collective on the background thread
+            self.uploads.pending = (final, best) if from_nodes else None  # no collective on the background thread
             self._background.start(state.global_step, lambda: self._complete(staged, tmp, final, meta, best, writer))
             if writer and self.callbacks.reads_checkpoint_on_save():  # on_save must find the folder (artifacts, Ray)
                 self._background.finish()
             return final
+        lost = None
         if writer:
-            self._published(final, best)
+            try:
+                self._published(final, best)
+            except LeaseLost as err:  # raised on every rank where they meet, below
+                lost = err
         if from_nodes:
-            self._upload_from_nodes(final, best, writer)
-        strategy.barrier("checkpoint-done")
+            self.uploads.upload_from_nodes(final, best, writer)
+        self.uploads.done(lost)  # the ranks' last barrier of the save
         return final
-
-    def _from_nodes(self, writer: bool) -> bool:
-        """Whether the run's store gets its checkpoints from several nodes' staging folders (save.remote_dir
-        with save.on_each_node on more than one node), each node uploading its own files
-        (remote_run.publish_from_nodes), rather than from global rank 0's folder alone."""
-        if not self.config.save.remote_dir or not self.config.save.on_each_node or self.strategy.world_size == 1:
-            return False
-        if self._writers is None:  # every rank saves: one collective, at the first save
-            self._writers = sum(self.strategy.all_gather_object(writer))
-        return self._writers > 1
-
-    def _upload_from_nodes(self, final: str, best: str | None, writer: bool) -> None:
-        """Every rank: each node's writer uploads its node's files of the complete checkpoint `final`, then
-        global rank 0 its marker (remote_run.publish_from_nodes)."""
-        store = self.store
-        assert store is not None
-        publish_from_nodes(
-            store,
-            final if writer else None,
-            self.strategy.global_rank,
-            self.config.save.total_limit,
-            best,
-            self.strategy.all_gather_object,
-            self.signing_key,
-        )
 
     def _stage(self, io: Any, tmp: str, writer: bool) -> StagedWrite | None:
         """The host copy of the model and optimizer files for a background write, or None to write them now."""
@@ -256,28 +233,14 @@ class CheckpointManager:
 
     def _published(self, final: str, best: str | None) -> None:
         """The one place a complete checkpoint is announced, on the writer: local rotation, then, for a run
-        with an object store (save.remote_dir), its upload and the store's rotation (remote_run.publish),
-        from global rank 0."""
+        with an object store (save.remote_dir), its upload (remote_run.RunUploads)."""
         self.rotate(best)
-        if self.store is not None and self.strategy.is_global_zero and not self._writers_are_nodes():
-            publish(self.store, final, self.config.save.total_limit, best)
-
-    def _writers_are_nodes(self) -> bool:
-        """Whether several nodes' writers upload each checkpoint together (_from_nodes), not rank 0 alone."""
-        return self._writers is not None and self._writers > 1
-
-    @property
-    def store(self) -> RemoteCheckpoints | None:
-        """The run's object store (save.remote_dir), or None."""
-        if self._store is None and self.config.save.remote_dir:
-            self._store = store_of(self.config)
-        return self._store
+        self.uploads.published(final, best)
 
     def upload_outputs(self) -> None:
         """Upload the files at the top of output_dir (the exported model, trainer_state.json) to the run's
         store, from global rank 0; nothing for a run without one."""
-        if self.store is not None and self.strategy.is_global_zero:
-            upload_outputs(self.store, str(self.config.output_dir))
+        self.uploads.upload_outputs()
 
     def _failed(self, err: BaseException, tmp: str, final: str, writer: bool) -> None:
         """Clean up after a failed write and raise the one-sentence error of a file-system failure;
@@ -292,23 +255,34 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the save in flight (save.async_save) is complete on every rank; raise its failure,
         the same sentence on every rank. Every rank calls this at the same points: before a save, at the
-        end of fit and at a preemption. Without save.async_save there is nothing to wait for. A checkpoint
-        that several nodes upload together (_from_nodes) is uploaded here, once written: its collectives
-        cannot run on the background thread."""
+        end of fit and at a preemption (and at a step boundary: step_end). Without save.async_save there is
+        nothing to wait for. A checkpoint that several nodes upload together (RunUploads.from_nodes) is
+        uploaded here, once written: its collectives cannot run on the background thread."""
         if not self.config.save.async_save:
             return
         error = self._background.join()
-        upload, self._to_upload = self._to_upload, None
-        message = None if error is None else str(error)
+        upload, self.uploads.pending = self.uploads.pending, None
+        failure = None if error is None else (isinstance(error, LeaseLost), str(error))
         if self.strategy.world_size > 1:  # only the writers write in the background: tell every rank
-            messages = [m for m in self.strategy.all_gather_object(message) if m]
-            message = messages[0] if messages else None
+            failures = [f for f in self.strategy.all_gather_object(failure) if f]
+            failure = failures[0] if failures else None
         if error is not None:
             raise error
-        if message is not None:
-            raise CheckpointError(message)
+        if failure is not None:  # a run lock lost to another run stops every rank as LeaseLost, as on the writer
+            raise (LeaseLost if failure[0] else CheckpointError)(failure[1])
         if upload is not None:
-            self._upload_from_nodes(*upload, is_writer(self.config, self.strategy))
+            self.uploads.upload_from_nodes(*upload, is_writer(self.config, self.strategy))
+
+    def step_end(self) -> None:
+        """Every rank, at each step boundary: a checkpoint that several nodes upload together (an
+        asynchronous save with RunUploads.pending) is uploaded (wait) at the first boundary where every
+        rank's background write has finished, rather than at the next save: its collectives cannot run on
+        the background thread. One scalar min-reduce per step while such an upload waits; nothing else."""
+        if self.uploads.pending is None:
+            return
+        written = torch.tensor(0.0 if self._background.running else 1.0, device=self.strategy.root_device)
+        if self.strategy.reduce(written, "min").item() > 0:
+            self.wait()
 
     def drain(self) -> None:
         """Let the save in flight finish when fit ends on an error of its own: no collective, and a

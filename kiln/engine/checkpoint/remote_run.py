@@ -10,6 +10,9 @@ kiln.config.remote_dir): the plug-in between the local checkpoints and kiln.engi
   checked) into the local folder; a checkpoint URL downloads that one.
 - **Final outputs**: `save_model()` and `save_state()` into the run's own output_dir upload the files at
   its top (the exported model, trainer_state.json, the *_results.json); the logs (output_dir/runs) stay local.
+
+`RunUploads` is the checkpoint manager's side of it: which ranks upload each checkpoint (global rank 0,
+or every node's writer with `save.on_each_node` on several nodes) and when.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from kiln.utils.storage_urls import default_staging
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from kiln.strategies.base import Strategy
+
 log = logging.getLogger(__name__)
 
 
@@ -36,6 +41,80 @@ def store_of(config: DictConfig) -> RemoteCheckpoints | None:
     """The run's store, or None for a run without `save.remote_dir`."""
     url = config.save.remote_dir
     return RemoteCheckpoints(str(url), options(config)) if url else None
+
+
+class RunUploads:
+    """The uploads of one run's checkpoints to its object store (save.remote_dir), for the checkpoint
+    manager: nothing for a run without one."""
+
+    def __init__(self, config: DictConfig, strategy: Strategy, key: SigningKey | None) -> None:
+        self.config, self.strategy, self.key = config, strategy, key
+        self._store: RemoteCheckpoints | None = None  # save.remote_dir's, built at the first upload
+        self._writers: int | None = None  # how many ranks write a checkpoint folder (nodes, with save.on_each_node)
+        self.pending: tuple[str, str | None] | None = None  # an async save's folder the nodes upload once written
+
+    @property
+    def store(self) -> RemoteCheckpoints | None:
+        """The run's object store (save.remote_dir), or None."""
+        if self._store is None and self.config.save.remote_dir:
+            self._store = store_of(self.config)
+        return self._store
+
+    def from_nodes(self, writer: bool) -> bool:
+        """Whether the run's store gets its checkpoints from several nodes' staging folders (save.remote_dir
+        with save.on_each_node on more than one node), each node uploading its own files
+        (publish_from_nodes), rather than from global rank 0's folder alone. Every rank calls this at each
+        save (`writer`: whether it writes a checkpoint folder)."""
+        if not self.config.save.remote_dir or not self.config.save.on_each_node or self.strategy.world_size == 1:
+            return False
+        if self._writers is None:  # every rank saves: one collective, at the first save
+            self._writers = sum(self.strategy.all_gather_object(writer))
+        return self._writers > 1
+
+    def _nodes_upload(self) -> bool:
+        """Whether several nodes' writers upload each checkpoint together (from_nodes), not rank 0 alone."""
+        return self._writers is not None and self._writers > 1
+
+    def published(self, final: str, best: str | None) -> None:
+        """On a writer, once the checkpoint `final` is complete in the local folder (and rotated there):
+        its upload and the store's rotation (publish), from global rank 0, unless the nodes upload it."""
+        if self.store is not None and self.strategy.is_global_zero and not self._nodes_upload():
+            publish(self.store, final, self.config.save.total_limit, best)
+
+    def done(self, lost: LeaseLost | None) -> None:
+        """Every rank, at the end of a synchronous save: the ranks' last barrier. Global rank 0 uploads the
+        checkpoint alone (published), so with a store on several ranks that barrier is an all-gather of
+        its verdict (`lost`: the LeaseLost it met, on that rank), and a run lock lost to another run stops
+        every rank with the one sentence, rather than rank 0 alone while the others wait for it."""
+        if not self.config.save.remote_dir or self.strategy.world_size == 1:
+            if lost is not None:
+                raise lost
+            self.strategy.barrier("checkpoint-done")
+            return
+        verdicts = [v for v in self.strategy.all_gather_object(None if lost is None else str(lost)) if v]
+        if verdicts:
+            raise LeaseLost(verdicts[0])
+
+    def upload_from_nodes(self, final: str, best: str | None, writer: bool) -> None:
+        """Every rank: each node's writer uploads its node's files of the complete checkpoint `final`, then
+        global rank 0 its marker (publish_from_nodes)."""
+        store = self.store
+        assert store is not None
+        publish_from_nodes(
+            store,
+            final if writer else None,
+            self.strategy.global_rank,
+            self.config.save.total_limit,
+            best,
+            self.strategy.all_gather_object,
+            self.key,
+        )
+
+    def upload_outputs(self) -> None:
+        """Upload the files at the top of output_dir (the exported model, trainer_state.json) to the run's
+        store, from global rank 0; nothing for a run without one."""
+        if self.store is not None and self.strategy.is_global_zero:
+            upload_outputs(self.store, str(self.config.output_dir))
 
 
 def options(config: DictConfig) -> dict[str, Any]:

@@ -10,7 +10,8 @@ when there is none. HF never resumes on its own, so nothing does unless this val
 
 Checking a checkpoint's checksums reads every file, so with many ranks on one filesystem only the
 writer (global rank 0) checks and the others take its answer, refusal included; with
-`save.on_each_node` every node has its own copy, so each rank checks its own. The check covers the
+`save.on_each_node` every node has its own copy, so each rank checks its own; with an object store
+too, each node's writer downloads its node's copy, and a refusal names the node whose download refused. The check covers the
 signature too when `save.signing_key_env` names a key (kiln.engine.checkpoint.signing), and, for a
 checkpoint HF's Trainer wrote, what its weights allow (kiln.engine.checkpoint.hf_folder).
 
@@ -128,9 +129,12 @@ def choose_resume(resume: Any, config: DictConfig, strategy: Strategy) -> str | 
             error = str(err)
     if remote:  # every writer's answer: the first refusal, else the path its node's writer downloaded to
         answers = strategy.all_gather_object((path, error, strategy.node_rank if resolves else None))
-        errors = [e for _, e, _ in answers if e]
+        refusals = [(node, e) for _, e, node in answers if e]
         ours = [p for p, _, node in answers if node == strategy.node_rank]
-        path, error = (ours or [answers[0][0]])[0], errors[0] if errors else None
+        path, error = (ours or [answers[0][0]])[0], None
+        if refusals:  # several nodes download their own copies: say whose download refused
+            several = sum(node is not None for _, _, node in answers) > 1
+            error = f"Node {refusals[0][0]} cannot resume: {refusals[0][1]}" if several else refusals[0][1]
     else:
         path, error = strategy.broadcast_object((path, error), src=0)
     if error is not None:

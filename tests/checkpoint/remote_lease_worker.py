@@ -1,0 +1,59 @@
+"""The 2-process leg of tests/checkpoint/test_remote_lease.py's lost-lease world: both ranks of a gloo world
+train into URL-<variant> (a store, save.remote_dir; global rank 0 uploads) with checkpoints every 5 steps,
+synchronous and then with save.async_save; at step 7 another run takes the run lock over from rank 0's
+process, the lock's holder. Each rank writes what fit raised, [type name, sentence], in
+ROOT/<variant>_<RANK>.json. Usage: remote_lease_worker.py ROOT URL ENDPOINT"""
+
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+RANK = int(os.environ["RANK"])
+
+import torch.distributed as dist  # noqa: E402
+
+from kiln.engine.callbacks.base import Callback  # noqa: E402
+from kiln.engine.checkpoint.in_use import LOCK  # noqa: E402
+from kiln.engine.checkpoint.lease import Lease  # noqa: E402
+from kiln.engine.checkpoint.remote import RemoteCheckpoints  # noqa: E402
+from tests.checkpoint.checkpoint_helpers import train  # noqa: E402
+
+root, url, endpoint = sys.argv[1:4]
+options = {
+    "key": "testing",
+    "secret": "testing",
+    "client_kwargs": {"endpoint_url": endpoint, "region_name": "eu-west-1"},
+}
+
+
+class TakenOverAt7(Callback):
+    """Another run, whose clock is 1000 s ahead (it sees this run's lease run out), takes the lock at step 7."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.successor = url, []
+
+    def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+        if state.global_step == 7 and RANK == 0:
+            store = RemoteCheckpoints(self.url, options)
+            lease = Lease(store.fs, f"{store.root}/{LOCK}", self.url, clock=lambda: time.time() + 1000)
+            lease.take()
+            self.successor.append(lease)
+
+
+for variant, background in (("sync", False), ("async", True)):
+    taker = TakenOverAt7(f"{url}-{variant}")
+    save = {"storage_options": options, "staging_dir": os.path.join(root, variant), "async_save": background}
+    try:
+        train(f"{url}-{variant}", {"save": save}, callbacks=[taker])
+        outcome = ["finished", ""]
+    except Exception as err:
+        outcome = [type(err).__name__, str(err)]
+    finally:
+        for lease in taker.successor:
+            lease.release()
+    with open(os.path.join(root, f"{variant}_{RANK}.json"), "w") as fh:
+        json.dump(outcome, fh)
+dist.destroy_process_group()
