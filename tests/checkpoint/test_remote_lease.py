@@ -222,12 +222,21 @@ def test_a_run_that_loses_every_race_for_the_lock_gives_up_naming_the_winner(s3,
 
 
 def test_the_holder_keeps_renewing_its_lease(s3, url):
-    store = RemoteCheckpoints(url, s3, lease=0.6)  # renewed every 0.2 s
+    # Renewed every second. Polled rather than slept: on a loaded machine the heartbeat thread can be late by
+    # a fraction of a second, and a test that reads the lock at a fixed instant would fail for that alone.
+    store = RemoteCheckpoints(url, s3, lease=3.0)
+    started = time.monotonic()
     store.acquire_lock()
     try:
         first = holder_of(store)["renewed"]
-        time.sleep(0.7)  # longer than the lease: a holder that did not renew would have lost it
-        assert holder_of(store)["renewed"] > first + 0.3
+        for renewals in range(2):  # two renewals: the second writes over the first's version (If-Match)
+            deadline = time.monotonic() + 30
+            while holder_of(store)["renewed"] == first and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert holder_of(store)["renewed"] > first, f"renewal {renewals + 1} never came"
+            first = holder_of(store)["renewed"]
+        # The run has now held the lock for longer than one lease: a holder that did not renew would have lost it
+        time.sleep(max(0.0, started + 3.5 - time.monotonic()))
         with pytest.raises(OutputDirInUse, match="in use by another kiln run"):
             rival(store, ahead=0.0).take()  # alive, however long it runs
     finally:

@@ -214,7 +214,7 @@ class FitLoop:
                 self._log_save_evaluate()
                 if self.preemption.triggered:
                     self._save_and_stop()
-                self.checkpoints.step_end()  # save.async_save: an upload that waited for the background write
+                self.checkpoints.step_end()  # save.async: an upload that waited for the background write
                 if state.global_step >= max_steps:
                     run.control.should_training_stop = True
             stopped = run.control.should_training_stop
