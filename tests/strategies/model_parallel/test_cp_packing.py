@@ -41,7 +41,7 @@ def test_packed_rows_under_cp2_train_like_one_process(two, single, case):
     same_run(got, reference, TOL)  # losses, grad norms, eval loss
     assert got["items"] == reference["items"]  # num_items_in_batch: each real target once
     # the batch's input tokens before the split, as HF counts them: not the padding the split adds
-    assert got["tokens_seen"] == reference["tokens_seen"]
+    assert got["tokens_seen"] == reference["tokens_seen"] > 0
     _same_weights(weights[case], reference_weights, TOL)
 
 
@@ -53,5 +53,5 @@ def test_packed_rows_under_dp_shard2_x_cp2_train_like_one_process(tmp_path, sing
     assert (got["data_shards"], got["item_shards"], got["grad_divisor"]) == (2, 4, 4)
     same_run(got, reference, TOL)
     assert got["items"][:8] == reference["items"][:8]  # training's; evaluation's follow, per data shard
-    assert got["tokens_seen"] == reference["tokens_seen"]
+    assert got["tokens_seen"] == reference["tokens_seen"] > 0
     _same_weights(weights["packed_dp2cp2"], reference_weights, TOL)
