@@ -6,6 +6,7 @@ from one traced forward and backward of the config's first micro-batch (trace.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -130,15 +131,16 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
         return model_fn(**kwargs)
 
     def prepared(mode: str, mesh: Any = None) -> Any:
-        def prepare(model: Any) -> Any:
+        def prepare(model: Any) -> tuple[Any, contextlib.AbstractContextManager[Any]]:
+            around: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
             if mesh is not None:  # split as the mesh strategy splits it: the plan first, then checkpointing
-                _split(model, mesh, options)
+                around = _split(model, mesh, options)
             else:
                 found["model"] = model
             found["blocks"] = find_blocks(model, list(wrap) if wrap else None)
             if mode != "none":
                 checkpoint_model(model, Policy(mode, configured.every if configured else 1), found["blocks"])
-            return _forward_keys(model, batch)
+            return _forward_keys(model, batch), around
 
         return prepare
 
@@ -183,11 +185,14 @@ def estimate(cfg: Any, nproc: int, device_memory: float | None) -> tuple[list[An
     return result, about
 
 
-def _split(model: Any, mesh: Any, options: dict[str, Any]) -> None:
-    """The config's tp plan (`auto`, the model's own, unless the strategy names one) applied over `mesh`."""
+def _split(model: Any, mesh: Any, options: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """The config's tp plan (`auto`, the model's own, unless the strategy names one) applied over `mesh`, and
+    the context a micro-batch's forward and backward run in: torch's `loss_parallel()` where the head keeps
+    its logits split by vocabulary (the strategy's `micro_batch_context` enters the same one), so the loss
+    and its gradient are traced on one rank's split of the logits; none otherwise."""
     from kiln.strategies.mesh.tp_plan import apply_tp
 
-    apply_tp(
+    done = apply_tp(
         model,
         mesh["tp"],
         options.get("tp_plan"),
@@ -195,6 +200,7 @@ def _split(model: Any, mesh: Any, options: dict[str, Any]) -> None:
         sequence_parallel=bool(options.get("sequence_parallel", False)),
         loss_parallel=bool(options.get("loss_parallel", False)),
     )
+    return done.loss_parallel.context() if done.loss_parallel is not None else contextlib.nullcontext()
 
 
 def _split_traces(nproc: int, traced_on: Callable[[Any], Activations]) -> tuple[dict[int, Activations], dict[int, str]]:

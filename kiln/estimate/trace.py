@@ -44,16 +44,22 @@ def loss_of(model: nn.Module, batch: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def trace(build: Callable[[], nn.Module], precision: str, prepare: Callable[[nn.Module], Any]) -> Activations:
-    """Build the model with `build` on fake tensors, `prepare` it (activation checkpointing; it returns the
-    batch the model takes), and follow one forward and backward of that batch at `precision`."""
+def trace(
+    build: Callable[[], nn.Module],
+    precision: str,
+    prepare: Callable[[nn.Module], tuple[Any, contextlib.AbstractContextManager[Any]]],
+) -> Activations:
+    """Build the model with `build` on fake tensors, `prepare` it (the tp split, activation checkpointing;
+    it returns the batch the model takes and the context the run wraps the micro-batch's forward and
+    backward in: loss parallel's, as the mesh strategy's `micro_batch_context` enters it), and follow one
+    forward and backward of that batch at `precision` inside that context."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     from torch.utils._pytree import tree_map
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = build()
-        batch = prepare(model)
+        batch, around = prepare(model)
         if precision in CAST:
             model.to(CAST[precision])
         model.train()
@@ -63,7 +69,7 @@ def trace(build: Callable[[], nn.Module], precision: str, prepare: Callable[[nn.
         autocast = (
             torch.autocast("cpu", dtype=AUTOCAST[precision]) if precision in AUTOCAST else contextlib.nullcontext()
         )
-        with tracker:
+        with tracker, _untracked_propagation(), around:
             with autocast:
                 loss = loss_of(model, fake)
             loss.backward()
@@ -73,6 +79,30 @@ def trace(build: Callable[[], nn.Module], precision: str, prepare: Callable[[nn.
         peak=sum(int(per.get(kind, 0)) for per in snapshot.values() for kind in kinds),
         grads=sum(int(per.get(_MemRefType.GRAD, 0)) for per in snapshot.values()),
     )
+
+
+@contextlib.contextmanager
+def _untracked_propagation() -> Iterator[None]:
+    """DTensor's sharding propagation runs each op it derives an output's metadata for (the global shape)
+    once more on fake tensors of the global shape, in the fake mode it finds active. In a run that mode is
+    a fresh one, which MemTracker leaves out; under the trace's it is the trace's own, so MemTracker would
+    count those global-size tensors as the rank's own: loss parallel's handlers (log-softmax, nll loss and
+    its backward) derive theirs at the logits' peak, which made the split trace two logits larger than
+    the run. Here the propagation runs with the trace's modes off (so in a fresh fake mode, as in a run)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(self: Any, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -80,28 +80,35 @@ def test_transformers_4s_stock_count_is_replaced_by_the_rule_worked_out_once(mon
 class SummingRanks:
     """A strategy of `ranks` processes, each holding what this one holds: a sum over ranks multiplies."""
 
-    def __init__(self, ranks: int, item_shards: int) -> None:
+    def __init__(self, ranks: int, item_shards: int, data_shards: int | None = None) -> None:
         self.world_size, self.item_shards, self.root_device, self.ops = ranks, item_shards, torch.device("cpu"), []
+        self.data_shards = item_shards if data_shards is None else data_shards
 
     def reduce(self, tensor, op):
         self.ops.append(op)
         return tensor * self.world_size
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_the_window_flos_and_tokens_seen_are_summed_over_the_ranks_that_hold_distinct_data(ranks):
+@pytest.mark.parametrize("ranks, data_shards", [(1, 1), (2, 2), (2, 1)])
+def test_the_window_flos_and_tokens_seen_are_summed_over_the_ranks_that_hold_distinct_data(ranks, data_shards):
+    """(2, 1) is cp 2 on one data shard: each rank steps on its chunk of the rows, padded so the split divides
+    them (5 tokens -> 6, 3 a rank); num_input_tokens_seen counts the rows as loaded, once: 10, not 12."""
     from types import SimpleNamespace
 
     from kiln.engine.loop.fit_meter import FitMeter
 
     meter = FitMeter.__new__(FitMeter)  # only the counters under test: no model, no accelerator
-    meter.strategy = strategy = SummingRanks(ranks, item_shards=ranks)
+    meter.strategy = strategy = SummingRanks(ranks, item_shards=ranks, data_shards=data_shards)
     meter.local_flos, meter.count_tokens_seen = 3.0, True
     state = SimpleNamespace(total_flos=10.0, num_input_tokens_seen=0)
     meter.flush_flos(state)
     assert state.total_flos == 10.0 + 3.0 * ranks and meter.local_flos == 0.0
     meter.samples = meter.tokens = 0
     meter.flops = meter.throughput = SimpleNamespace(count=lambda batch: 0.0)
-    meter.count([{"input_ids": torch.zeros(2, 5, dtype=torch.long)}], state)
-    assert state.num_input_tokens_seen == 10 * ranks and meter.samples == 2
+    loaded = [{"input_ids": torch.zeros(2, 5, dtype=torch.long)}]
+    split = ranks // data_shards
+    stepped = [{"input_ids": torch.zeros(2, 6 // split if split > 1 else 5, dtype=torch.long)}]
+    meter.count(stepped, state, loaded)
+    assert state.num_input_tokens_seen == 10 * data_shards and meter.samples == 2
+    assert meter.tokens == stepped[0]["input_ids"].numel()  # throughput's tokens: the chunk the rank stepped on
     assert strategy.ops == ["sum", "sum"][: 2 * (ranks > 1)]  # one process reads nothing across ranks

@@ -280,9 +280,10 @@ class FitLoop:
         """One optimizer step over `window` (see TrainStep) with the callbacks and counters around it."""
         strategy, state = self.strategy, self.run.state
         self._event("on_step_begin")
-        window = [strategy.batch_to_device(b) for b in window]
+        loaded, window = window, [strategy.batch_to_device(b) for b in window]
         losses, result = self.step(window, model, self)
-        self.meter.count(window, state)  # after the step: a window redone after an out-of-memory error counts once
+        # after the step: a window redone after an out-of-memory error counts once
+        self.meter.count(window, state, loaded)
         self.grad_norm = result.grad_norm
         state.global_step += 1
         self.steps_this_run += 1

@@ -43,8 +43,14 @@ class FitMeter:
         self.samples, self.tokens = 0, 0
         self.window_start, self.samples_at_log = start, 0
 
-    def count(self, window: list[Any], state: TrainerState) -> None:
-        """Samples, tokens and FLOPs of the window (for throughput, num_input_tokens_seen and total_flos)."""
+    def count(self, window: list[Any], state: TrainerState, loaded: list[Any]) -> None:
+        """Samples, tokens and FLOPs of the window (for throughput and total_flos), and num_input_tokens_seen.
+
+        `window` is the micro-batches as the step ran them (after `batch_to_device`), `loaded` the same
+        micro-batches as the loader gave them. num_input_tokens_seen counts `loaded`'s input tokens, as HF
+        counts the batch's before any split: a strategy that splits each data shard's batch over its item
+        shards may pad it first (context parallel pads packed rows to a length its split divides), and the
+        chunks' tokens would count that padding."""
         tokens = 0
         for batch in window:
             self.samples += batch_size_of(batch)
@@ -53,10 +59,12 @@ class FitMeter:
             self.throughput.count(batch)
         self.tokens += tokens
         if self.count_tokens_seen:  # a host read per step only when several shards must be summed (as HF)
-            strategy = self.strategy
-            if strategy.item_shards > 1:  # tokens differ across item shards (under context parallel: cp chunks)
-                tokens = int(strategy.reduce(torch.tensor(tokens, device=strategy.root_device), "sum").item())
-            state.num_input_tokens_seen += tokens
+            seen, strategy = sum(batch_tokens(batch) for batch in loaded), self.strategy
+            if strategy.item_shards > 1:
+                total = int(strategy.reduce(torch.tensor(seen, device=strategy.root_device), "sum").item())
+                # each data shard's batch is loaded whole on each of its item shards (under cp: its cp ranks)
+                seen = total // (strategy.item_shards // strategy.data_shards)
+            state.num_input_tokens_seen += seen
 
     def flush_flos(self, state: TrainerState) -> None:
         """Add this window's FLOPs, summed over ranks, to state.total_flos (before logs and saves)."""

@@ -13,7 +13,8 @@ Three pieces, at the strategy's existing seams:
   With load balancing (torch's default for causal attention) the sequence is cut in 2N pieces and
   rank r keeps pieces r and 2N-1-r (torch's head-tail order, which its ring kernels expect); without
   it, piece r of N. Item counts, token counts and FLOPs are then counted on the chunk, so they add up
-  over data shards x cp ranks (the strategy's `reduce` and `item_shards`).
+  over data shards x cp ranks (the strategy's `reduce` and `item_shards`); num_input_tokens_seen is
+  counted on the batch as loaded, before this split and its padding (the engine's fit_meter.py).
 - `ring_attention` (from `micro_batch_context`, around forward and backward): torch's dispatcher that
   turns `F.scaled_dot_product_attention` into ring attention over the cp axis, with the same load
   balancing flag the batch was split with.

@@ -1,11 +1,13 @@
 """data.packing under context parallelism on real gloo process groups: a tiny SDPA Llama on packed
 rows (bfd, rows of up to 22 tokens: the split pads some to a multiple of 4) trains under cp 2 --
 load balanced (torch's head-tail pieces) and contiguous -- exactly as on one process: the same
-weights, logged losses, grad norms (clipping at 1.0), eval loss and every micro-batch's
-num_items_in_batch (real targets only: no example's last token predicts the next one's first), with
-accumulation 2; dp_shard 2 x cp 2 on 4 processes (`heavy`) too. Under cp each layer's keys and values are gathered over the cp ranks and every
-query is masked to its own example (kiln/strategies/mesh/packed_cp.py). The packed run itself equals
-the unpacked (padded) one step for step: tests/engine/packing/test_fit.py."""
+weights, logged losses, grad norms (clipping at 1.0), eval loss, every micro-batch's
+num_items_in_batch (real targets only: no example's last token predicts the next one's first) and
+num_input_tokens_seen (the rows' tokens before the split, not the padding it adds), with
+accumulation 2; dp_shard 2 x cp 2 on 4 processes (`heavy`) too. Under cp each layer's keys and
+values are gathered over the cp ranks and every query is masked to its own example
+(kiln/strategies/mesh/packed_cp.py). The packed run itself equals the unpacked (padded) one step
+for step: tests/engine/packing/test_fit.py."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def test_packed_rows_under_cp2_train_like_one_process(two, single, case):
     assert any(n > 1.0 for n in reference["grad_norms"])  # clipping at 1.0 really acts
     same_run(got, reference, TOL)  # losses, grad norms, eval loss
     assert got["items"] == reference["items"]  # num_items_in_batch: each real target once
+    # the batch's input tokens before the split, as HF counts them: not the padding the split adds
+    assert got["tokens_seen"] == reference["tokens_seen"] > 0
     _same_weights(weights[case], reference_weights, TOL)
 
 
@@ -49,4 +53,5 @@ def test_packed_rows_under_dp_shard2_x_cp2_train_like_one_process(tmp_path, sing
     assert (got["data_shards"], got["item_shards"], got["grad_divisor"]) == (2, 4, 4)
     same_run(got, reference, TOL)
     assert got["items"][:8] == reference["items"][:8]  # training's; evaluation's follow, per data shard
+    assert got["tokens_seen"] == reference["tokens_seen"] > 0
     _same_weights(weights["packed_dp2cp2"], reference_weights, TOL)
