@@ -138,3 +138,16 @@ def test_optimizers_it_does_not_install_on():
     assert not step_dtensors_locally(compiled)
     once = torch.optim.Adam(net.parameters())
     assert step_dtensors_locally(once) and not step_dtensors_locally(once)
+
+
+@pytest.mark.parametrize(("optim", "installed"), [("adamw_torch_fused", True), ("sgd", False)])
+def test_a_fit_installs_it_on_adam(tmp_path, optim, installed):
+    from kiln import Trainer
+    from tests.distributed import compile_toy as toy
+
+    cfg = toy.kiln_config(
+        str(tmp_path), batch=4, eval_batch=4, torch_compile_backend=None, eval_strategy="no", optim=optim
+    )
+    trainer = Trainer(toy.mlp(), cfg, train_dataset=toy.regression_data(8))
+    trainer.fit()
+    assert getattr(trainer.optimizer._init_group, "_kiln_local", False) is installed
