@@ -41,20 +41,20 @@ def step_dtensors_locally(optimizer: torch.optim.Optimizer | None) -> bool:
         or getattr(optimizer.step, "_kiln_compiled", False)  # the graph is traced over torch's own _init_group
     ):
         return False
-    inner = optimizer._init_group
-    if getattr(inner, "_kiln_local", False):
+    if getattr(optimizer._init_group, "_kiln_local", False):  # type: ignore[attr-defined]  # Adam's own method
         return False
+    own = type(optimizer)._init_group  # type: ignore[attr-defined]
     ref = weakref.ref(optimizer)  # no cycle: the optimizer holds this function
 
-    @functools.wraps(inner)
+    @functools.wraps(own)
     def init_group(group: dict[str, Any], *lists: list[torch.Tensor]) -> Any:
-        result = inner(group, *lists)
-        if ref() is not None and not group["fused"] and not group["differentiable"]:
+        result = own(ref(), group, *lists)
+        if not group["fused"] and not group["differentiable"]:
             _to_local_shards(*lists)
         return result
 
     init_group._kiln_local = True  # type: ignore[attr-defined]
-    optimizer._init_group = init_group  # type: ignore[method-assign]
+    optimizer._init_group = init_group  # type: ignore[attr-defined]
     return True
 
 
