@@ -41,6 +41,7 @@ from kiln.engine.callbacks.state import TrainerControl, TrainerState
 from kiln.engine.compile import compile_module, compile_optimizer_step
 from kiln.engine.evaluation.compiled import EvalCompiler
 from kiln.engine.model.facts import ModelFacts
+from kiln.optim.local_step import step_dtensors_locally
 from kiln.optim.merged_step import step_equal_groups_as_one
 from kiln.optim.schedulers import scheduler_needs_metrics
 from kiln.utils.errors import ConfigError
@@ -150,6 +151,7 @@ def setup_for_training(
         compile_optimizer_step(run.optimizer, strategy, config.train)
         if not strategy.capabilities.owns_optimizer_step:  # HF's two groups, stepped as one while their settings agree
             step_equal_groups_as_one(run.optimizer)
+            step_dtensors_locally(run.optimizer)  # Adam's DTensor parameters stepped through their local shards
         if setup.scheduler is not None:
             run.scheduler = setup.scheduler
         run.backward_owner = backward_owner(run.optimizer, strategy, precision)
