@@ -20,13 +20,10 @@ from kiln.engine.checkpoint.in_use import LOCK  # noqa: E402
 from kiln.engine.checkpoint.lease import Lease  # noqa: E402
 from kiln.engine.checkpoint.remote import RemoteCheckpoints  # noqa: E402
 from tests.checkpoint.checkpoint_helpers import train  # noqa: E402
+from tests.checkpoint.store_world import store_options  # noqa: E402
 
 root, url, endpoint = sys.argv[1:4]
-options = {
-    "key": "testing",
-    "secret": "testing",
-    "client_kwargs": {"endpoint_url": endpoint, "region_name": "eu-west-1"},
-}
+options = store_options(endpoint)
 
 
 class TakenOverAt7(Callback):

@@ -11,8 +11,9 @@ import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-RANK = int(os.environ["RANK"])
-os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(RANK), "GROUP_WORLD_SIZE": "2"})
+from tests.checkpoint.store_world import one_process_per_node, store_options  # noqa: E402
+
+RANK = one_process_per_node()
 
 import torch.distributed as dist  # noqa: E402
 
@@ -21,11 +22,7 @@ from kiln.engine.checkpoint.remote import RemoteCheckpoints  # noqa: E402
 from tests.checkpoint.checkpoint_helpers import train  # noqa: E402
 
 root, url, endpoint = sys.argv[1:4]
-options = {
-    "key": "testing",
-    "secret": "testing",
-    "client_kwargs": {"endpoint_url": endpoint, "region_name": "eu-west-1"},
-}
+options = store_options(endpoint)
 
 
 class Watch(Callback):

@@ -15,8 +15,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-RANK = int(os.environ["RANK"])
-os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(RANK), "GROUP_WORLD_SIZE": "2"})
+from tests.checkpoint.store_world import one_process_per_node, store_options  # noqa: E402
+
+RANK = one_process_per_node()
 
 import s3fs  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -25,11 +26,7 @@ from tests.checkpoint.checkpoint_helpers import train  # noqa: E402
 from tests.checkpoint.test_cross_format_resume import CHAIN, STRATEGIES, Crash  # noqa: E402
 
 root, url, endpoint = sys.argv[1:4]
-options = {
-    "key": "testing",
-    "secret": "testing",
-    "client_kwargs": {"endpoint_url": endpoint, "region_name": "eu-west-1"},
-}
+options = store_options(endpoint)
 puts: list[tuple[str, float]] = []
 fs = s3fs.S3FileSystem(**options)  # fsspec's cached instance: the one the runs upload through
 put_file, pipe_file = fs.put_file, fs.pipe_file
