@@ -29,7 +29,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 
 def step_dtensors_locally(optimizer: torch.optim.Optimizer | None) -> bool:
@@ -63,6 +62,8 @@ def _to_local_shards(params: list[torch.Tensor], *others: list[torch.Tensor]) ->
     exp_avgs, exp_avg_sqs, max_exp_avg_sqs, then the plain step counts, each listed per parameter with a
     gradient, in `params`' order) by its local shard, if every one of them has its parameter's layout
     (`_spec`: mesh, placements, shape, stride, dtype); otherwise leave every list as it is."""
+    from torch.distributed.tensor import DTensor  # here: a second of import that a run without DTensors never pays
+
     # max_exp_avg_sqs is empty without amsgrad; the step counts are plain 0-dim tensors, never DTensors
     per_param = [lst for lst in others[:-1] if len(lst) == len(params)]
     for i, p in enumerate(params):

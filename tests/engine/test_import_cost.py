@@ -1,7 +1,8 @@
 """`import kiln` stays cheap: it imports neither torch nor the config machinery (omegaconf, yaml) nor
 any optional package, and `from kiln import Trainer` imports no optional package either: trackers,
 DeepSpeed, Transformers, Optuna and safetensors load when a run uses them. Nor does it import omegaconf
-(~0.2 s): that loads where a config is built or merged (`load_config`, a Trainer being constructed). Checked with sys.modules in
+(~0.2 s): that loads where a config is built or merged (`load_config`, a Trainer being constructed), nor
+torch.distributed.tensor (~1 s), which loads where DTensors are used. Checked with sys.modules in
 a fresh interpreter, not with timings."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ OPTIONAL = (
 )
 CODE = f"""
 import json, sys
-names = {(*OPTIONAL, "torch", "omegaconf", "yaml")!r}
+names = {(*OPTIONAL, "torch", "omegaconf", "yaml", "torch.distributed.tensor")!r}
 import kiln
 after_import = [m for m in names if m in sys.modules]
 from kiln import Trainer, TrainingModule, Callback, TrainingConfig
@@ -54,4 +55,6 @@ def test_import_kiln_pulls_in_nothing_heavy_and_trainer_nothing_optional():
     assert after_import == []
     assert [m for m in after_trainer if m in OPTIONAL] == []
     assert "omegaconf" not in after_trainer, "from kiln import Trainer must not import omegaconf"
+    # ~1 s on 2 cores: loaded by the mesh strategies and the optimizer step only when DTensors are in play
+    assert "torch.distributed.tensor" not in after_trainer
     assert "omegaconf" in after_load_config  # the probe can see omegaconf once something really needs it
