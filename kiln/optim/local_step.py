@@ -25,6 +25,7 @@ Where it applies, and why only there:
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import Any
 
@@ -39,6 +40,8 @@ def step_dtensors_locally(optimizer: torch.optim.Optimizer | None) -> bool:
         or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW)
         or getattr(optimizer.step, "_kiln_compiled", False)  # the graph is traced over torch's own _init_group
     ):
+        return False
+    if not _holds_dtensors(optimizer):  # nothing to swap: a plain run's step stays torch's, without the scan
         return False
     if getattr(optimizer._init_group, "_kiln_local", False):  # type: ignore[attr-defined]  # Adam's own method
         return False
@@ -55,6 +58,14 @@ def step_dtensors_locally(optimizer: torch.optim.Optimizer | None) -> bool:
     init_group._kiln_local = True  # type: ignore[attr-defined]
     optimizer._init_group = init_group  # type: ignore[attr-defined]
     return True
+
+
+def _holds_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor was ever made in this process
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
 
 
 def _to_local_shards(params: list[torch.Tensor], *others: list[torch.Tensor]) -> None:

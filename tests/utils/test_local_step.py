@@ -122,32 +122,46 @@ def test_the_fused_kernel_is_left_to_torch(mesh, monkeypatch):
     assert seen == [{DTensor}]
 
 
-def test_optimizers_it_does_not_install_on():
-    net = torch.nn.Linear(2, 2)
+def test_optimizers_it_does_not_install_on(mesh):
+    params = _params(mesh)
 
     class Mine(torch.optim.AdamW):
         pass
 
     assert not step_dtensors_locally(None)
-    assert not step_dtensors_locally(torch.optim.SGD(net.parameters(), lr=0.1))
-    assert not step_dtensors_locally(Mine(net.parameters()))
-    compiled = torch.optim.AdamW(net.parameters())
+    assert not step_dtensors_locally(torch.optim.SGD(params, lr=0.1))
+    assert not step_dtensors_locally(Mine(params))
+    assert not step_dtensors_locally(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))  # no DTensor
+    compiled = torch.optim.AdamW(params)
     step = compiled.step
     compiled.step = lambda *a, **k: step(*a, **k)  # type: ignore[method-assign]
     compiled.step._kiln_compiled = True  # type: ignore[attr-defined]  # what compile_optimizer_step marks
     assert not step_dtensors_locally(compiled)
-    once = torch.optim.Adam(net.parameters())
+    once = torch.optim.Adam(params)
     assert step_dtensors_locally(once) and not step_dtensors_locally(once)
 
 
-@pytest.mark.parametrize(("optim", "installed"), [("adamw_torch_fused", True), ("sgd", False)])
-def test_a_fit_installs_it_on_adam(tmp_path, optim, installed):
+@pytest.mark.parametrize(
+    ("optim", "strategy", "installed"),
+    [("adamw_torch_fused", "fsdp", True), ("sgd", "fsdp", False), ("adamw_torch", "single", False)],
+)
+def test_a_fit_installs_it_on_adam_over_dtensors(tmp_path, optim, strategy, installed):
+    """FSDP's parameters are DTensors (one process here); a plain model's are not, and its step stays torch's."""
     from kiln import Trainer
     from tests.distributed import compile_toy as toy
 
     cfg = toy.kiln_config(
-        str(tmp_path), batch=4, eval_batch=4, torch_compile_backend=None, eval_strategy="no", optim=optim
+        str(tmp_path),
+        batch=4,
+        eval_batch=4,
+        torch_compile_backend=None,
+        eval_strategy="no",
+        optim=optim,
+        strategy=strategy,
     )
     trainer = Trainer(toy.mlp(), cfg, train_dataset=toy.regression_data(8))
-    trainer.fit()
-    assert getattr(trainer.optimizer._init_group, "_kiln_local", False) is installed
+    try:
+        trainer.fit()
+        assert getattr(trainer.optimizer._init_group, "_kiln_local", False) is installed
+    finally:
+        trainer.strategy.teardown()  # the group FSDP's one process made: the next test makes its own
