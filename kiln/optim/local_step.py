@@ -43,9 +43,10 @@ def step_dtensors_locally(optimizer: torch.optim.Optimizer | None) -> bool:
         return False
     if not _holds_dtensors(optimizer):  # nothing to swap: a plain run's step stays torch's, without the scan
         return False
-    if getattr(optimizer._init_group, "_kiln_local", False):  # type: ignore[attr-defined]  # Adam's own method
+    # torch's private helper: a torch without it keeps its own step, rather than a run that fails
+    own = getattr(type(optimizer), "_init_group", None)
+    if own is None or getattr(optimizer._init_group, "_kiln_local", False):  # type: ignore[attr-defined]
         return False
-    own = type(optimizer)._init_group  # type: ignore[attr-defined]
     ref = weakref.ref(optimizer)  # no cycle: the optimizer holds this function
 
     @functools.wraps(own)

@@ -165,3 +165,10 @@ def test_a_fit_installs_it_on_adam_over_dtensors(tmp_path, optim, strategy, inst
         assert getattr(trainer.optimizer._init_group, "_kiln_local", False) is installed
     finally:
         trainer.strategy.teardown()  # the group FSDP's one process made: the next test makes its own
+
+
+def test_a_torch_without_adams_init_group_keeps_its_own_step(mesh, monkeypatch):
+    """`_init_group` is torch's private helper: where a torch has none, the optimizer is left as torch made it."""
+    monkeypatch.delattr(torch.optim.Adam, "_init_group")
+    monkeypatch.delattr(torch.optim.AdamW, "_init_group", raising=False)
+    assert not step_dtensors_locally(torch.optim.Adam(_params(mesh)))
