@@ -1,27 +1,32 @@
-"""FSDP's asynchronous sharded saves (DCP's async_save) under a real SIGKILL, one 2-process world per run.
-Usage: torchrun --nproc_per_node=2 worker_async_kill.py OUT MAX_STEPS MODE [VICTIM K]
+"""Asynchronous saves (`save.async`) under a real SIGKILL, one 2-process world per run.
+Usage: torchrun --nproc_per_node=2 worker_async_kill.py OUT CASE MAX_STEPS MODE [VICTIM K]
 
-Every run trains full_shard to MAX_STEPS with sharded checkpoints every 2 steps, save.async and
-save_total_limit 2.
+Every run trains CASE to MAX_STEPS with checkpoints every 2 steps, save.async and save_total_limit 2,
+into OUT/<run>/CASE. CASE (CASES) is `full_shard` (fsdp, sharded: DCP's async_save), `model_parallel_tp`
+(model_parallel on a tp-2 mesh, sharded: the blocks split by tests/strategies/mesh/cases.PLAN) or
+`fsdp_full` (fsdp, `state_dict_type: full`: the gathers at the step boundary, rank 0's writer thread
+writes model.safetensors and optimizer.pt).
 
 - `kill VICTIM K`: trains into OUT/run with resume_from_checkpoint="if_exists". Rank VICTIM kills itself
   with SIGKILL right before the K-th file-system step of its background writes, counted from the start of
-  the run: DCP's shard write and its .metadata, each fsync, rename and replace, and each removal
-  (rotation), on DCP's thread, kiln's checkpoint thread or its fsync pool. Every kill lands at a known
-  step of a background write, from the same trigger as the real write, with no environment variable and
-  no delay. The other rank is left alone: what it does until its peer's death stops it is part of what
-  the test checks.
+  the run: DCP's shard write and its .metadata, the weights and optimizer files of a full checkpoint, each
+  fsync, rename and replace, and each removal (rotation), on DCP's thread, kiln's checkpoint thread or its
+  fsync pool. Every kill lands at a known step of a background write, from the same trigger as the real
+  write, with no environment variable and no delay. The other rank is left alone: what it does until its
+  peer's death stops it is part of what the test checks.
 - `trace`: the same run into OUT/trace, not killed; each rank writes OUT/trace-<rank>.txt, its counted
   steps in order (`thread op path`): what K counts.
 - `final [sigterm]`: resumes OUT/run to the end, then trains an uninterrupted run in OUT/straight; with
-  `sigterm`, also a run into OUT/preempted whose rank 1 alone gets SIGTERM in step 3 while checkpoint-2's
-  write is held in flight (DCP's coordinator, rank 0, waits before `.metadata` until rank 0's step 3 has
-  ended), then that run resumed to the end. Rank 0 writes OUT/final.pt: the final weights, and for
-  `sigterm` whether checkpoint-2 was complete at the end of step 3 and whether checkpoint-2 and -3 were
-  complete when the run said it was preempted, and the checkpoint its resumed run loaded.
+  `sigterm` (full_shard only), also a run into OUT/preempted whose rank 1 alone gets SIGTERM in step 3
+  while checkpoint-2's write is held in flight (DCP's coordinator, rank 0, waits before `.metadata` until
+  rank 0's step 3 has ended), then that run resumed to the end. Rank 0 writes OUT/final.pt: the final
+  weights, and for `sigterm` whether checkpoint-2 was complete at the end of step 3 and whether
+  checkpoint-2 and -3 were complete when the run said it was preempted, and the checkpoint its resumed
+  run loaded.
 
 Rank 0 of each run into OUT/run appends `<MODE and arguments> <checkpoint it loaded, or fresh>` to
-OUT/resumes.log when training begins."""
+OUT/resumes.log when training begins; the victim appends the step it dies at (`kill-VICTIM-K thread op
+path`) to OUT/kills.log."""
 
 import os
 import shutil
@@ -42,12 +47,20 @@ from kiln import Callback  # noqa: E402
 from kiln.engine.checkpoint import manager as checkpoint  # noqa: E402
 from kiln.engine.checkpoint.files import is_complete  # noqa: E402
 from kiln.engine.loop.preemption import Preemption  # noqa: E402
+from kiln.strategies.mesh import checkpoint_io  # noqa: E402
 from tests.strategies.fsdp import cases  # noqa: E402
+from tests.strategies.mesh.cases import PLAN  # noqa: E402
 
-out, max_steps, mode, rest = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+#: case -> its strategy
+CASES = {
+    "full_shard": {**cases.FSDP, "state_dict_type": "sharded"},
+    "model_parallel_tp": {**cases.FSDP, "name": "model_parallel", "mesh": {"tp": 2}, "tp_plan": PLAN},
+    "fsdp_full": {**cases.FSDP, "state_dict_type": "full"},
+}
+out, case, max_steps, mode, rest = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 rank = int(os.environ["RANK"])
 SAVE = {"strategy": "steps", "steps": 2, "async": True, "total_limit": 2}
-EXTRA = {"max_steps": max_steps, "strategy": {**cases.FSDP, "state_dict_type": "sharded"}}
+EXTRA = {"max_steps": max_steps, "strategy": CASES[case]}
 BACKGROUND = ("kiln-checkpoint-", "kiln-fsync", "AsyncCheckpointExecutor")
 
 
@@ -55,10 +68,10 @@ def _count_background_steps(at_step: Callable[[str, str], None]) -> None:
     """Call `at_step(op, what)` right before each file-system step a background thread takes."""
     lock = threading.Lock()
 
-    def counted(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def counted(op: str, fn: Callable[..., Any], arg: int = 0) -> Callable[..., Any]:
         def step(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread().name.startswith(BACKGROUND):
-                what = getattr(args[0], "path", args[0])  # DCP's writer: its folder; an fsync: the descriptor
+            what = getattr(args[arg], "path", args[arg])  # DCP's writer: its folder; an fsync: the descriptor
+            if threading.current_thread().name.startswith(BACKGROUND) and isinstance(what, (int, str, os.PathLike)):
                 with lock:
                     at_step(op, str(what) if isinstance(what, int) else os.path.relpath(str(what), out))
             return fn(*args, **kwargs)
@@ -74,6 +87,9 @@ def _count_background_steps(at_step: Callable[[str, str], None]) -> None:
     writer = filesystem._FileSystemWriter
     writer.write_data = counted("write_data", writer.write_data)  # this rank's shards
     writer.finish = counted("finish", writer.finish)  # the coordinator's .metadata
+    # a full checkpoint's files (fsdp_full), by rank 0's writer thread: the weights' folder, optimizer.pt
+    checkpoint_io.save_weights = counted("save_weights", checkpoint_io.save_weights, arg=1)
+    torch.save = counted("torch.save", torch.save, arg=1)  # to a file (DCP's to its streams are not counted)
 
 
 class Resumed(Callback):
@@ -85,7 +101,12 @@ class Resumed(Callback):
     def on_train_begin(self, config: Any, state: Any, control: Any, **kw: Any) -> None:
         if rank == 0 and self.log:
             with open(os.path.join(out, "resumes.log"), "a") as fh:
-                fh.write(f"{'-'.join(sys.argv[3:])} {self.loaded}\n")
+                fh.write(f"{'-'.join(sys.argv[4:])} {self.loaded}\n")
+
+
+def case_trainer(root: str, save: dict[str, Any]) -> Any:
+    """CASE trained into `root`/CASE."""
+    return cases.trainer_for("full_shard", root, 2, save=save, output_dir=os.path.join(root, case), **EXTRA)
 
 
 def trainer(root: str, **save: Any) -> Any:
@@ -98,7 +119,7 @@ def trainer(root: str, **save: Any) -> Any:
         return load(self, path)
 
     checkpoint.CheckpointManager.load = recording_load  # type: ignore[method-assign]
-    t = cases.trainer_for("full_shard", root, 2, save={**SAVE, **save}, **EXTRA)
+    t = case_trainer(root, {**SAVE, **save})
     t.add_callback(resumed)
     t.resumed = resumed
     return t
@@ -107,7 +128,7 @@ def trainer(root: str, **save: Any) -> Any:
 def preempted_run(result: dict) -> None:
     """SIGTERM to rank 1 alone in step 3 while checkpoint-2's write is in flight (held in DCP on rank 0)."""
     run = os.path.join(out, "preempted")
-    folder = os.path.join(run, "full_shard")
+    folder = os.path.join(run, case)
     release, finish = threading.Event(), filesystem._FileSystemWriter.finish
 
     def held_finish(self: Any, *args: Any, **kwargs: Any) -> Any:  # DCP's coordinator (rank 0), on DCP's thread
@@ -151,6 +172,8 @@ if mode == "kill":
     def kill(op: str, what: str) -> None:
         seen[0] += 1
         if seen[0] == kill_at:
+            with open(os.path.join(out, "kills.log"), "a") as fh:  # what the kill point hit, for the record
+                fh.write(f"kill-{victim}-{kill_at} {threading.current_thread().name} {op} {what}\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
     if rank == victim:
@@ -169,7 +192,7 @@ else:
     resumed = trainer(os.path.join(out, "run"))
     resumed.fit(resume_from_checkpoint="if_exists")
     result["resumed"] = cases.full_weights(resumed)
-    straight = cases.trainer_for("full_shard", os.path.join(out, "straight"), 2, save=SAVE, **EXTRA)
+    straight = case_trainer(os.path.join(out, "straight"), SAVE)
     straight.fit()
     result["straight"] = cases.full_weights(straight)
     if rest == ["sigterm"]:
