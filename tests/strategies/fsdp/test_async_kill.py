@@ -45,7 +45,11 @@ pytestmark = pytest.mark.distributed
 #: the folder is fsynced and renamed (the 22nd step of its 2nd save; fsdp_full's 17th), then (full_shard) rank
 #: 1 after writing its shard, (fsdp_full) rank 0 with checkpoint-4 renamed into place, before the output
 #: folder's fsync.
-POINTS = {"full_shard": [(0, 47, 2), (1, 2, 2)], "model_parallel_tp": [(0, 47, 2)], "fsdp_full": [(0, 37, 2), (0, 19, 4)]}
+POINTS = {
+    "full_shard": [(0, 47, 2), (1, 2, 2)],
+    "model_parallel_tp": [(0, 47, 2)],
+    "fsdp_full": [(0, 37, 2), (0, 19, 4)],
+}
 #: The sweep: 20 points across a save, on both ranks, then points after the rename that let the run
 #: progress one checkpoint each (and rotation's removals, whose count grows with the checkpoints left).
 SHARDED_SWEEP = [
