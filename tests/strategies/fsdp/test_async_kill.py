@@ -75,7 +75,7 @@ FULL_SWEEP = [
     (0, 21, 10),  # rotation: before the first removal
     (0, 22, 12),  # rotation: before checkpoint-2 is renamed away
     (0, 23, 14),  # rotation: checkpoint-2 renamed to `.deleting`, not yet removed
-    (0, 26, 16),  # rotation: checkpoint-4 renamed to `.deleting`, not yet removed
+    (0, 26, 16),  # rotation: checkpoint-4 removed, checkpoint-6 renamed to `.deleting`, not yet removed
 ]
 SWEEP = {"full_shard": SHARDED_SWEEP, "model_parallel_tp": SHARDED_SWEEP, "fsdp_full": FULL_SWEEP}
 
