@@ -16,6 +16,7 @@ import time
 import pytest
 
 from kiln.engine.checkpoint import remote_run
+from kiln.engine.checkpoint.conditions import conditions_for
 from kiln.engine.checkpoint.in_use import LOCK, OutputDirInUse
 from kiln.engine.checkpoint.integrity import MARKER
 from kiln.engine.checkpoint.lease import Lease, LeaseLost
@@ -188,6 +189,40 @@ def test_a_dead_process_of_this_host_loses_its_lock_at_once(options, url, caplog
         store.release_lock()
 
 
+def test_a_create_the_store_took_though_its_answer_was_lost_is_this_runs(options, url):
+    """A client that retries a create whose answer was lost meets its own lock (412): the run holds it."""
+    store = RemoteCheckpoints(url, options)
+    taker = rival(store, ahead=0.0)
+    create = taker.store.create  # type: ignore[union-attr]
+    taker.store.create = lambda *a: (create(*a), (_ for _ in ()).throw(FileExistsError("412")))[1]  # type: ignore
+    taker.take()
+    try:
+        assert holder_of(store)["token"] == taker.token
+        taker.verify()  # the version it adopted is the store's
+        taker.renew()
+        assert taker.lost is None
+    finally:
+        taker.release()
+    assert not store.fs.exists(f"{store.root}/{LOCK}")
+
+
+@pytest.mark.parametrize("scheme", STORES[1:], indirect=True)
+def test_a_gcs_condition_not_met_is_file_exists_with_a_gcsfs_of_before_2024_12_too(options, url, monkeypatch):
+    """gcsfs raised GCS's 412 as an HttpError before 2024.12 (kiln[gcs] allows 2024.6): still a refusal."""
+    from gcsfs.retry import HttpError
+
+    store = RemoteCheckpoints(url, options)
+    conditions = conditions_for(store.fs)
+    assert type(conditions).__name__ == "GCSConditions"
+    for code, raised in ((412, FileExistsError), (503, HttpError)):
+        error = HttpError({"code": code, "message": "conditionNotMet"})
+        monkeypatch.setattr(store.fs, "call", lambda *a, error=error, **kw: (_ for _ in ()).throw(error))
+        with pytest.raises(raised):
+            conditions.create(f"{store.root}/{LOCK}", b"{}")  # type: ignore[union-attr]
+        with pytest.raises(raised):
+            conditions.delete(f"{store.root}/{LOCK}", "7")  # type: ignore[union-attr]
+
+
 def test_a_takeover_read_back_as_another_runs_is_not_a_win(options, url):
     """On a store whose condition check and write are not one step, another run's write may land right
     after this run's: the read-back sees it, and this run is refused, naming that run."""
@@ -258,7 +293,9 @@ def test_a_failed_renewal_keeps_the_lease_and_one_the_store_took_is_adopted(opti
         put = lease.store.replace  # type: ignore[union-attr]
         monkeypatch.setattr(lease.store, "replace", lambda *a: (_ for _ in ()).throw(OSError("503 Slow Down")))
         lease.renew()  # the store refused it: still ours
-        monkeypatch.setattr(lease.store, "replace", lambda *a: (put(*a), (_ for _ in ()).throw(TimeoutError("read")))[1])
+        monkeypatch.setattr(
+            lease.store, "replace", lambda *a: (put(*a), (_ for _ in ()).throw(TimeoutError("read")))[1]
+        )
         lease.renew()  # written, but the answer was lost: the store's new version is ours
         monkeypatch.setattr(lease.store, "replace", put)
         lease.verify()

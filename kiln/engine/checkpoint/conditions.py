@@ -9,8 +9,8 @@ store kiln knows how to ask; lease.py holds the logic, the same for every store.
   (`pipe_file(mode="create")`) but takes no generation to match on a write or a delete, so the two others
   are requests of the JSON API sent through gcsfs's own session (`call`), with its credentials and retries.
 
-A store refuses a condition with FileExistsError (gcsfs raises it for GCS's 412), FileNotFoundError or
-another OSError (s3fs's 412)."""
+A store refuses a condition with FileExistsError (GCS's 412, through gcsfs), FileNotFoundError or another
+OSError (s3fs's 412)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class GCSConditions:
         bucket, key, _ = self.fs.split_path(path)
         upload = self.fs.base.removesuffix("storage/v1/") + f"upload/storage/v1/b/{quote(bucket, safe='')}/o"
         try:
-            out = self.fs.call(
+            out = self._call(
                 "POST",
                 upload,
                 uploadType="media",
@@ -89,12 +89,22 @@ class GCSConditions:
     def delete(self, path: str, version: str) -> None:
         bucket, key, _ = self.fs.split_path(path)
         try:
-            self.fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
+            self._call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
         finally:
             self.fs.invalidate_cache(path)
 
     def version(self, info: dict[str, Any]) -> str:
         return str(info.get("generation", ""))
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        """A request of the JSON API; a condition not met (412) is FileExistsError, as gcsfs raises it from
+        2024.12 on (before, an HttpError of code 412)."""
+        try:
+            return self.fs.call(*args, **kwargs)
+        except Exception as err:
+            if getattr(err, "code", None) == 412:
+                raise FileExistsError(f"{args[0]} {args[1]}: {err}") from err
+            raise
 
 
 def conditions_for(fs: Any) -> Conditions | None:
