@@ -353,6 +353,23 @@ def test_a_holder_whose_lease_was_taken_over_stops_writing_and_leaves_the_new_ho
     assert not store.fs.exists(f"{store.root}/{LOCK}")
 
 
+def test_a_release_after_a_takeover_it_did_not_notice_leaves_the_new_holders_lock(options, url, caplog):
+    """The release's delete is conditional on this run's last write: a lock another run took over in the
+    meantime (no renewal or write of this run came in between to notice) is that run's, and stays."""
+    store = RemoteCheckpoints(url, options)
+    store.acquire_lock()
+    successor = rival(store)
+    successor.take()
+    try:
+        with caplog.at_level("WARNING", logger="kiln.engine.checkpoint.lease"):
+            store.release_lock()
+        assert holder_of(store)["token"] == successor.token
+        assert f"The run lock of {url} was not deleted" in caplog.text
+    finally:
+        successor.release()
+    assert not store.fs.exists(f"{store.root}/{LOCK}")
+
+
 def test_a_lease_lost_between_the_files_and_the_marker_never_writes_the_marker(options, url, run_dir, monkeypatch):
     store = RemoteCheckpoints(url, options)
     store.acquire_lock()
