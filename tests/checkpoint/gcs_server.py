@@ -31,7 +31,8 @@ class _Store:
         self.uploads: dict[str, dict[str, Any]] = {}  # resumable upload id -> bucket, name, query, data
 
     def precondition(self, bucket: str, name: str, query: dict[str, str]) -> bool:
-        """Whether the object's current generation (0: none) meets the request's conditions."""
+        """Whether the object's current generation (0: none) meets the request's conditions; ValueError
+        for a condition that is not a number."""
         current = int(self.buckets[bucket][name][1]["generation"]) if name in self.buckets[bucket] else 0
         if "ifGenerationMatch" in query and int(query["ifGenerationMatch"]) != current:
             return False
@@ -145,8 +146,11 @@ class _Handler(BaseHTTPRequestHandler):
             return self._insert(m[2], query.get("name") or meta["name"], data, query, meta)
 
     def _insert(self, bucket: str, name: str, data: bytes, query: dict[str, str], meta: dict[str, Any]) -> None:
-        if not self.store.precondition(bucket, name, query):
-            return self._error(412, "At least one of the pre-conditions you specified did not hold.")
+        try:
+            if not self.store.precondition(bucket, name, query):
+                return self._error(412, "At least one of the pre-conditions you specified did not hold.")
+        except ValueError:
+            return self._error(400, "Invalid argument.")
         self._send(200, self.store.write(bucket, name, data, query, meta))
 
     def _resume(self, upload_id: str, body: bytes) -> None:
@@ -172,8 +176,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _delete(self, bucket: str, name: str, query: dict[str, str]) -> tuple[int, str]:
         if name not in self.store.buckets.get(bucket, {}):
             return 404, f"No such object: {bucket}/{name}"
-        if not self.store.precondition(bucket, name, query):
-            return 412, "At least one of the pre-conditions you specified did not hold."
+        try:
+            if not self.store.precondition(bucket, name, query):
+                return 412, "At least one of the pre-conditions you specified did not hold."
+        except ValueError:
+            return 400, "Invalid argument."
         del self.store.buckets[bucket][name]
         return 204, ""
 
@@ -184,7 +191,7 @@ class _Handler(BaseHTTPRequestHandler):
             m = _OBJECT.match(url.path)
             query = {k: v[-1] for k, v in parse_qs(url.query).items()}
             code, message = self._delete(m[1], unquote(m[2]), query) if m else (404, line)
-            reason = {204: "No Content", 404: "Not Found", 412: "Precondition Failed"}[code]
+            reason = {204: "No Content", 400: "Bad Request", 404: "Not Found", 412: "Precondition Failed"}[code]
             error = json.dumps({"error": {"code": code, "message": message}}) if code != 204 else ""
             parts.append(f"Content-Type: application/http\r\n\r\nHTTP/1.1 {code} {reason}\r\n\r\n{error}\r\n")
         text = "".join(f"--batch_kiln\r\n{part}" for part in parts) + "--batch_kiln--\r\n"

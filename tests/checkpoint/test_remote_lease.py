@@ -16,7 +16,6 @@ import time
 import pytest
 
 from kiln.engine.checkpoint import remote_run
-from kiln.engine.checkpoint.conditions import conditions_for
 from kiln.engine.checkpoint.in_use import LOCK, OutputDirInUse
 from kiln.engine.checkpoint.integrity import MARKER
 from kiln.engine.checkpoint.lease import Lease, LeaseLost
@@ -204,23 +203,6 @@ def test_a_create_the_store_took_though_its_answer_was_lost_is_this_runs(options
     finally:
         taker.release()
     assert not store.fs.exists(f"{store.root}/{LOCK}")
-
-
-@pytest.mark.parametrize("scheme", STORES[1:], indirect=True)
-def test_a_gcs_condition_not_met_is_file_exists_with_a_gcsfs_of_before_2024_12_too(options, url, monkeypatch):
-    """gcsfs raised GCS's 412 as an HttpError before 2024.12 (kiln[gcs] allows 2024.6): still a refusal."""
-    from gcsfs.retry import HttpError
-
-    store = RemoteCheckpoints(url, options)
-    conditions = conditions_for(store.fs)
-    assert type(conditions).__name__ == "GCSConditions"
-    for code, raised in ((412, FileExistsError), (503, HttpError)):
-        error = HttpError({"code": code, "message": "conditionNotMet"})
-        monkeypatch.setattr(store.fs, "call", lambda *a, error=error, **kw: (_ for _ in ()).throw(error))
-        with pytest.raises(raised):
-            conditions.create(f"{store.root}/{LOCK}", b"{}")  # type: ignore[union-attr]
-        with pytest.raises(raised):
-            conditions.delete(f"{store.root}/{LOCK}", "7")  # type: ignore[union-attr]
 
 
 def test_a_takeover_read_back_as_another_runs_is_not_a_win(options, url):
