@@ -95,6 +95,22 @@ def test_an_unrenewed_lock_of_another_host_is_taken_over_naming_it_and_a_renewed
     assert not store.fs.exists(f"{store.root}/{LOCK}")
 
 
+def test_a_lock_without_a_renewed_time_is_judged_by_the_stores_time_of_its_last_write(options, url, caplog):
+    """A lock of another kind (an older kiln's, a hand-made one) has no `renewed`: the store's own time
+    of its last write stands for it (S3's LastModified, GCS's updated)."""
+    store = RemoteCheckpoints(url, options)
+    store.fs.pipe_file(f"{store.root}/{LOCK}", json.dumps({"pid": 4242, "host": "node-7"}).encode())
+    with pytest.raises(OutputDirInUse, match=r"\(pid 4242 on node-7, lock renewed [0-9] s ago\)"):
+        rival(store, ahead=0.0).take()
+    taker = rival(store, ahead=1000.0)
+    with caplog.at_level("WARNING", logger="kiln.engine.checkpoint.lease"):
+        taker.take()
+    try:
+        assert re.search(r"from pid 4242 on node-7, whose lease ran out \(last renewed 10[0-9][0-9] s ago", caplog.text)
+    finally:
+        taker.release()
+
+
 def race(store: RemoteCheckpoints) -> tuple[list[Lease], list[object]]:
     """Two runs take the lock at once: each reads the expired lock, waits for the other to have read it
     too, then writes; returns the two and what each got ("won", or its OutputDirInUse)."""
