@@ -103,7 +103,7 @@ class GCSConditions:
             return self.fs.call(*args, **kwargs)
         except Exception as err:
             if getattr(err, "code", None) == 412:
-                raise FileExistsError(f"{args[0]} {args[1]}: {err}") from err
+                raise FileExistsError(str(err)) from err
             raise
 
 
