@@ -1,5 +1,6 @@
-"""The run lock on an object store is a lease (kiln/engine/checkpoint/lease.py), against a real S3 API
-(moto's server over HTTP, through s3fs): the holder keeps renewing it, a lock left unrenewed by a run on
+"""The run lock on an object store is a lease (kiln/engine/checkpoint/lease.py), on each store with
+conditional writes, a real API over HTTP reached through the client users run (tests/checkpoint/stores.py:
+S3 through s3fs, GCS through gcsfs): the holder keeps renewing it, a lock left unrenewed by a run on
 another host is taken over naming that run, two runs racing for an expired lock cannot both win, and a
 run whose lease was taken over stops writing on the store, in one sentence, leaving the new holder's
 checkpoints and lock alone. Clocks are injected: no test sleeps more than a second."""
@@ -20,18 +21,21 @@ from kiln.engine.checkpoint.integrity import MARKER
 from kiln.engine.checkpoint.lease import Lease, LeaseLost
 from kiln.engine.checkpoint.remote import RemoteCheckpoints
 from tests.checkpoint.checkpoint_helpers import train
-from tests.checkpoint.s3_server import s3_endpoint
-from tests.installed import requires
-
-pytestmark = [requires("s3fs", "pip install kiln[s3]"), requires("moto", "pip install moto[server]")]
+from tests.checkpoint.stores import STORES, store_endpoint
 
 BUCKET = "kiln-leases"
 
 
+@pytest.fixture(scope="module", params=STORES)
+def scheme(request) -> str:  # type: ignore[no-untyped-def]
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def s3():  # type: ignore[no-untyped-def]
-    with s3_endpoint(BUCKET) as options:
-        yield options
+def options(scheme):  # type: ignore[no-untyped-def]
+    """The storage options of a server of the store, one per module."""
+    with store_endpoint(scheme, BUCKET) as found:
+        yield found
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +47,8 @@ def run_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def url(request) -> str:  # type: ignore[no-untyped-def]
-    return f"s3://{BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}"
+def url(request, scheme) -> str:  # type: ignore[no-untyped-def]
+    return f"{scheme}://{BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}"
 
 
 def holder_of(store: RemoteCheckpoints) -> dict:  # type: ignore[type-arg]
@@ -64,9 +68,9 @@ def rival(store: RemoteCheckpoints, ahead: float = 1000.0) -> Lease:
     return Lease(store.fs, f"{store.root}/{LOCK}", store.url, clock=lambda: time.time() + ahead)
 
 
-def test_an_unrenewed_lock_of_another_host_is_taken_over_naming_it_and_a_renewed_one_is_not(s3, url, caplog):
+def test_an_unrenewed_lock_of_another_host_is_taken_over_naming_it_and_a_renewed_one_is_not(options, url, caplog):
     now = 1_000_000.0
-    store = RemoteCheckpoints(url, s3, clock=lambda: now)
+    store = RemoteCheckpoints(url, options, clock=lambda: now)
     plant(store, renewed=now - 10)  # renewed 10 s ago, lease 300 s: alive
     with pytest.raises(
         OutputDirInUse,
@@ -89,6 +93,22 @@ def test_an_unrenewed_lock_of_another_host_is_taken_over_naming_it_and_a_renewed
     finally:
         store.release_lock()
     assert not store.fs.exists(f"{store.root}/{LOCK}")
+
+
+def test_a_lock_without_a_renewed_time_is_judged_by_the_stores_time_of_its_last_write(options, url, caplog):
+    """A lock of another kind (an older kiln's, a hand-made one) has no `renewed`: the store's own time
+    of its last write stands for it (S3's LastModified, GCS's updated)."""
+    store = RemoteCheckpoints(url, options)
+    store.fs.pipe_file(f"{store.root}/{LOCK}", json.dumps({"pid": 4242, "host": "node-7"}).encode())
+    with pytest.raises(OutputDirInUse, match=r"\(pid 4242 on node-7, lock renewed [0-9] s ago\)"):
+        rival(store, ahead=0.0).take()
+    taker = rival(store, ahead=1000.0)
+    with caplog.at_level("WARNING", logger="kiln.engine.checkpoint.lease"):
+        taker.take()
+    try:
+        assert re.search(r"from pid 4242 on node-7, whose lease ran out \(last renewed 10[0-9][0-9] s ago", caplog.text)
+    finally:
+        taker.release()
 
 
 def race(store: RemoteCheckpoints) -> tuple[list[Lease], list[object]]:
@@ -124,8 +144,8 @@ def race(store: RemoteCheckpoints) -> tuple[list[Lease], list[object]]:
     return takers, outcomes
 
 
-def test_two_runs_racing_for_an_expired_lock_never_both_win(s3, url):
-    store = RemoteCheckpoints(url, s3)
+def test_two_runs_racing_for_an_expired_lock_never_both_win(options, url):
+    store = RemoteCheckpoints(url, options)
     for round_ in range(4):
         plant(store, renewed=time.time() - 1000)
         takers, outcomes = race(store)
@@ -138,8 +158,8 @@ def test_two_runs_racing_for_an_expired_lock_never_both_win(s3, url):
         assert not store.fs.exists(f"{store.root}/{LOCK}")
 
 
-def test_a_lock_renewed_between_the_read_and_the_takeover_is_not_taken(s3, url):
-    store = RemoteCheckpoints(url, s3)
+def test_a_lock_renewed_between_the_read_and_the_takeover_is_not_taken(options, url):
+    store = RemoteCheckpoints(url, options)
     plant(store, renewed=time.time() - 1000)
     taker = rival(store, ahead=0.0)
     read, reads = taker._read, []
@@ -158,11 +178,11 @@ def test_a_lock_renewed_between_the_read_and_the_takeover_is_not_taken(s3, url):
     store.fs.rm_file(f"{store.root}/{LOCK}")
 
 
-def test_a_dead_process_of_this_host_loses_its_lock_at_once(s3, url, caplog):
+def test_a_dead_process_of_this_host_loses_its_lock_at_once(options, url, caplog):
     import socket
     import subprocess
 
-    store = RemoteCheckpoints(url, s3)
+    store = RemoteCheckpoints(url, options)
     dead = subprocess.Popen(["true"])
     dead.wait()
     plant(store, renewed=time.time())  # renewed just now, by a process on another host: live
@@ -184,10 +204,27 @@ def test_a_dead_process_of_this_host_loses_its_lock_at_once(s3, url, caplog):
         store.release_lock()
 
 
-def test_a_takeover_read_back_as_another_runs_is_not_a_win(s3, url):
+def test_a_create_the_store_took_though_its_answer_was_lost_is_this_runs(options, url):
+    """A client that retries a create whose answer was lost meets its own lock (412): the run holds it."""
+    store = RemoteCheckpoints(url, options)
+    taker = rival(store, ahead=0.0)
+    create = taker.store.create  # type: ignore[union-attr]
+    taker.store.create = lambda *a: (create(*a), (_ for _ in ()).throw(FileExistsError("412")))[1]  # type: ignore
+    taker.take()
+    try:
+        assert holder_of(store)["token"] == taker.token
+        taker.verify()  # the version it adopted is the store's
+        taker.renew()
+        assert taker.lost is None
+    finally:
+        taker.release()
+    assert not store.fs.exists(f"{store.root}/{LOCK}")
+
+
+def test_a_takeover_read_back_as_another_runs_is_not_a_win(options, url):
     """On a store whose condition check and write are not one step, another run's write may land right
     after this run's: the read-back sees it, and this run is refused, naming that run."""
-    store = RemoteCheckpoints(url, s3)
+    store = RemoteCheckpoints(url, options)
     plant(store, renewed=time.time() - 1000)
     taker = rival(store, ahead=0.0)
     put = taker._put
@@ -205,8 +242,8 @@ def test_a_takeover_read_back_as_another_runs_is_not_a_win(s3, url):
     store.fs.rm_file(f"{store.root}/{LOCK}")
 
 
-def test_a_run_that_loses_every_race_for_the_lock_gives_up_naming_the_winner(s3, url):
-    store = RemoteCheckpoints(url, s3)
+def test_a_run_that_loses_every_race_for_the_lock_gives_up_naming_the_winner(options, url):
+    store = RemoteCheckpoints(url, options)
     plant(store, renewed=time.time() - 1000)
     taker = rival(store, ahead=0.0)
 
@@ -221,10 +258,10 @@ def test_a_run_that_loses_every_race_for_the_lock_gives_up_naming_the_winner(s3,
     store.fs.rm_file(f"{store.root}/{LOCK}")
 
 
-def test_the_holder_keeps_renewing_its_lease(s3, url):
+def test_the_holder_keeps_renewing_its_lease(options, url):
     # Renewed every second. Polled rather than slept: on a loaded machine the heartbeat thread can be late by
     # a fraction of a second, and a test that reads the lock at a fixed instant would fail for that alone.
-    store = RemoteCheckpoints(url, s3, lease=3.0)
+    store = RemoteCheckpoints(url, options, lease=3.0)
     started = time.monotonic()
     store.acquire_lock()
     try:
@@ -244,21 +281,21 @@ def test_the_holder_keeps_renewing_its_lease(s3, url):
     assert not store.fs.exists(f"{store.root}/{LOCK}")
 
 
-def test_a_failed_renewal_keeps_the_lease_and_one_the_store_took_is_adopted(s3, url, monkeypatch):
-    store = RemoteCheckpoints(url, s3)
+def test_a_failed_renewal_keeps_the_lease_and_one_the_store_took_is_adopted(options, url, monkeypatch):
+    store = RemoteCheckpoints(url, options)
     store.acquire_lock()
     from kiln.engine.checkpoint.remote import _held
 
     lease = _held[url]
     try:
-        put = store.fs.pipe_file
-        monkeypatch.setattr(store.fs, "pipe_file", lambda *a, **kw: (_ for _ in ()).throw(OSError("503 Slow Down")))
+        put = lease.store.replace  # type: ignore[union-attr]
+        monkeypatch.setattr(lease.store, "replace", lambda *a: (_ for _ in ()).throw(OSError("503 Slow Down")))
         lease.renew()  # the store refused it: still ours
         monkeypatch.setattr(
-            store.fs, "pipe_file", lambda *a, **kw: (put(*a, **kw), (_ for _ in ()).throw(TimeoutError("read")))[1]
+            lease.store, "replace", lambda *a: (put(*a), (_ for _ in ()).throw(TimeoutError("read")))[1]
         )
         lease.renew()  # written, but the answer was lost: the store's new version is ours
-        monkeypatch.setattr(store.fs, "pipe_file", put)
+        monkeypatch.setattr(lease.store, "replace", put)
         lease.verify()
         lease.renew()  # conditional on the adopted version
         assert lease.lost is None and holder_of(store)["token"] == lease.token
@@ -268,9 +305,9 @@ def test_a_failed_renewal_keeps_the_lease_and_one_the_store_took_is_adopted(s3, 
 
 
 def test_a_holder_whose_lease_was_taken_over_stops_writing_and_leaves_the_new_holders_work(
-    s3, url, run_dir, monkeypatch
+    options, url, run_dir, monkeypatch
 ):
-    store = RemoteCheckpoints(url, s3)
+    store = RemoteCheckpoints(url, options)
     store.acquire_lock()
     store.upload(os.path.join(run_dir, "checkpoint-5"))
     successor = rival(store)  # the holder's heartbeat stalled (say): another run sees its lease run out
@@ -281,10 +318,10 @@ def test_a_holder_whose_lease_was_taken_over_stops_writing_and_leaves_the_new_ho
     lease.renew()  # the heartbeat's next renewal finds the lock another run's
     assert lease.lost is not None and lease.lost.startswith(f"The run lock of {url} was taken over")
     writes: list[str] = []
-    pipe = store.fs.pipe_file
-    monkeypatch.setattr(store.fs, "pipe_file", lambda *a, **kw: (writes.append(a[0]), pipe(*a, **kw))[1])
+    replace = lease.store.replace  # type: ignore[union-attr]
+    monkeypatch.setattr(lease.store, "replace", lambda *a: (writes.append(a[0]), replace(*a))[1])
     lease.renew()  # a lost lease is never written again
-    monkeypatch.setattr(store.fs, "pipe_file", pipe)
+    monkeypatch.setattr(lease.store, "replace", replace)
     assert writes == []
     sentence = (
         rf"^The run lock of {url} was taken over by another run \(pid {os.getpid()} on .*\) after this run's lease of "
@@ -314,8 +351,25 @@ def test_a_holder_whose_lease_was_taken_over_stops_writing_and_leaves_the_new_ho
     assert not store.fs.exists(f"{store.root}/{LOCK}")
 
 
-def test_a_lease_lost_between_the_files_and_the_marker_never_writes_the_marker(s3, url, run_dir, monkeypatch):
-    store = RemoteCheckpoints(url, s3)
+def test_a_release_after_a_takeover_it_did_not_notice_leaves_the_new_holders_lock(options, url, caplog):
+    """The release's delete is conditional on this run's last write: a lock another run took over in the
+    meantime (no renewal or write of this run came in between to notice) is that run's, and stays."""
+    store = RemoteCheckpoints(url, options)
+    store.acquire_lock()
+    successor = rival(store)
+    successor.take()
+    try:
+        with caplog.at_level("WARNING", logger="kiln.engine.checkpoint.lease"):
+            store.release_lock()
+        assert holder_of(store)["token"] == successor.token
+        assert f"The run lock of {url} was not deleted" in caplog.text
+    finally:
+        successor.release()
+    assert not store.fs.exists(f"{store.root}/{LOCK}")
+
+
+def test_a_lease_lost_between_the_files_and_the_marker_never_writes_the_marker(options, url, run_dir, monkeypatch):
+    store = RemoteCheckpoints(url, options)
     store.acquire_lock()
     successor: list[Lease] = []
     put = store.fs.put_file
@@ -340,11 +394,11 @@ def test_a_lease_lost_between_the_files_and_the_marker_never_writes_the_marker(s
         successor[0].release()
 
 
-def test_a_run_whose_lease_is_taken_over_fails_at_its_next_save(s3, url, tmp_path, monkeypatch):
+def test_a_run_whose_lease_is_taken_over_fails_at_its_next_save(options, url, tmp_path, monkeypatch):
     from kiln.engine.callbacks.base import Callback
 
     monkeypatch.setattr(remote_run, "RemoteCheckpoints", RemoteCheckpoints)
-    store = RemoteCheckpoints(url, s3)
+    store = RemoteCheckpoints(url, options)
     successor: list[Lease] = []
 
     class TakeOverAt7(Callback):
@@ -353,7 +407,7 @@ def test_a_run_whose_lease_is_taken_over_fails_at_its_next_save(s3, url, tmp_pat
                 successor.append(rival(store))
                 successor[0].take()
 
-    cfg = {"max_steps": 20, "save_steps": 5, "save": {"storage_options": s3, "staging_dir": str(tmp_path / "a")}}
+    cfg = {"max_steps": 20, "save_steps": 5, "save": {"storage_options": options, "staging_dir": str(tmp_path / "a")}}
     try:
         with pytest.raises(LeaseLost, match=rf"^The run lock of {url} was taken over by another run"):
             train(url, cfg, callbacks=[TakeOverAt7()])
@@ -366,7 +420,8 @@ def test_a_run_whose_lease_is_taken_over_fails_at_its_next_save(s3, url, tmp_pat
 
 
 @pytest.mark.distributed
-def test_a_lost_lease_stops_every_rank_of_a_world_with_its_sentence(s3, url, tmp_path):
+@pytest.mark.parametrize("scheme", STORES[:1], indirect=True)  # the world's workers reach S3 (store_world.py)
+def test_a_lost_lease_stops_every_rank_of_a_world_with_its_sentence(options, url, tmp_path):
     """Global rank 0 alone uploads; at the save after another run took the lock over, every rank raises
     LeaseLost with rank 0's sentence (tests/checkpoint/remote_lease_worker.py: 2 processes, gloo): where a
     synchronous save's ranks meet at its end, and at the next wait of an asynchronous one."""
@@ -376,7 +431,7 @@ def test_a_lost_lease_stops_every_rank_of_a_world_with_its_sentence(s3, url, tmp
         os.path.join(os.path.dirname(__file__), "remote_lease_worker.py"),
         tmp_path,
         url,
-        s3["client_kwargs"]["endpoint_url"],
+        options["client_kwargs"]["endpoint_url"],
         timeout=300,
     )
     for variant in ("sync", "async"):
@@ -384,6 +439,6 @@ def test_a_lost_lease_stops_every_rank_of_a_world_with_its_sentence(s3, url, tmp
         assert outcomes[0] == outcomes[1], (variant, outcomes)
         kind, sentence = outcomes[0]
         assert kind == "LeaseLost" and sentence.startswith(f"The run lock of {url}-{variant} was taken over"), variant
-        steps = RemoteCheckpoints(f"{url}-{variant}", s3).steps()
+        steps = RemoteCheckpoints(f"{url}-{variant}", options).steps()
         assert steps == [(5, "checkpoint-5")] or (variant == "async" and steps == []), (variant, steps)
         # checkpoint-10 stayed local; async: checkpoint-5's upload, in the background, may still run at step 7

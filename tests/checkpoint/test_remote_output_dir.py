@@ -1,6 +1,6 @@
 """A run whose output_dir is an S3 URL (moto's server over HTTP, through s3fs, the client users run):
 checkpoints are staged locally and uploaded, rotation works on the store, a second machine resumes from
-the store bitwise, an upload failure is a warning that leaves the previous checkpoint the newest intact
+the store bitwise (on a gs:// URL too: tests/checkpoint/gcs_server.py, through gcsfs), an upload failure is a warning that leaves the previous checkpoint the newest intact
 one, the run lock takes its remote form, the final model goes up too, `kiln convert` and evaluate read a
 checkpoint URL, and credentials in save.storage_options never reach a saved config."""
 
@@ -22,6 +22,7 @@ from kiln.engine.checkpoint.remote import RemoteCheckpoints
 from kiln.utils.errors import ConfigError, KilnError
 from tests.checkpoint.checkpoint_helpers import train, weights
 from tests.checkpoint.s3_server import s3_endpoint
+from tests.checkpoint.stores import STORES, store_endpoint
 from tests.installed import requires
 
 pytestmark = [requires("s3fs", "pip install kiln[s3]"), requires("moto", "pip install moto[server]")]
@@ -37,14 +38,20 @@ def s3():  # type: ignore[no-untyped-def]
         yield options
 
 
+@pytest.fixture(scope="module")
+def gs():  # type: ignore[no-untyped-def]
+    with store_endpoint("gs", BUCKET) as options:
+        yield options
+
+
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch):  # type: ignore[no-untyped-def]
     """The store's retries without their seconds of backoff."""
     monkeypatch.setattr(remote_run, "RemoteCheckpoints", functools.partial(RemoteCheckpoints, sleep=lambda s: None))
 
 
-def remote(s3, request, name: str = "") -> str:  # type: ignore[no-untyped-def]
-    return f"s3://{BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}{name}"
+def remote(s3, request, name: str = "", scheme: str = "s3") -> str:  # type: ignore[no-untyped-def]
+    return f"{scheme}://{BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}{name}"
 
 
 def settings(s3, staging, **save):  # type: ignore[no-untyped-def]
@@ -61,8 +68,12 @@ def straight(tmp_path_factory):  # type: ignore[no-untyped-def]
     return weights(train(str(tmp_path_factory.mktemp("straight") / "out"), CFG))
 
 
-def test_a_run_on_s3_rotates_there_and_another_machine_resumes_it_bitwise(s3, request, tmp_path, straight, monkeypatch):
-    url = remote(s3, request)
+@pytest.mark.parametrize("scheme", STORES)
+def test_a_run_on_a_store_rotates_there_and_another_machine_resumes_it_bitwise(
+    scheme, request, tmp_path, straight, monkeypatch
+):
+    s3 = request.getfixturevalue(scheme)  # the storage options of the S3 server or of the GCS one
+    url = remote(s3, request, scheme=scheme)
     with pytest.raises(RuntimeError, match="simulated crash after saving step 15"):
         train(url, settings(s3, tmp_path / "machine-a", async_save=True), crash_at=15)  # uploads in the background
     runs = store(url, s3)

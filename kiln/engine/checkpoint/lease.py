@@ -6,25 +6,26 @@ A store cannot tell a live holder from a dead one, so the holder says it is aliv
 every lease/3 seconds. A lock not renewed for longer than its lease is taken over, with a warning naming
 the old holder; so is one left by a dead process on this host, at once.
 
-Every write of the lock is conditional, so that two runs never both believe they hold it:
+Every write of the lock is conditional (conditions.py: S3's `If-None-Match: *` and `If-Match` an ETag,
+GCS's `ifGenerationMatch`), so that two runs never both believe they hold it:
 
-- taking a free lock is an exclusive create (S3's `If-None-Match: *`);
-- taking over an expired one replaces it only if it is still the file that was read (`If-Match` its
-  ETag, read before its content), then reads it back: of two runs racing for it, one wins and the other
-  is refused naming the winner;
-- a renewal replaces it only if it is still this run's last write (`If-Match`); when it is not, another
-  run took the lease over. This run then stops: its next upload, deletion or rotation on the store fails
-  with one sentence (LeaseLost) and never writes over the new holder's checkpoints; the release leaves
-  the new holder's lock alone (a conditional delete).
+- taking a free lock is an exclusive create;
+- taking over an expired one replaces it only if it is still the version that was read (its version is
+  read before its content), then reads it back: of two runs racing for it, one wins and the other is
+  refused naming the winner;
+- a renewal replaces it only if it is still this run's last write; when it is not, another run took the
+  lease over. This run then stops: its next upload, deletion or rotation on the store fails with one
+  sentence (LeaseLost) and never writes over the new holder's checkpoints; the release leaves the new
+  holder's lock alone (a conditional delete).
 
 The store checks each condition. Every write on the store is preceded by a check that the lock is still
 this run's (`verify`), so a run that lost its lease (its heartbeat stalled, say, for a whole lease) stops
 before it writes. The hosts' clocks must agree to well within a lease (NTP does).
 
-The conditions are S3's (s3fs). On a store kiln cannot ask for them (`memory://`, ...) the lock is an
-exclusive create without a lease, as a store cannot tell a live holder from a dead one: taken over only
-from a dead process on this host, and otherwise refused naming the file to delete; a store that cannot
-even create a file exclusively is refused in one sentence.
+The conditions are S3's (s3fs) and GCS's (gcsfs). On a store kiln cannot ask for them (`memory://`, ...)
+the lock is an exclusive create without a lease, as a store cannot tell a live holder from a dead one:
+taken over only from a dead process on this host, and otherwise refused naming the file to delete; a
+store that cannot even create a file exclusively is refused in one sentence.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from kiln.engine.checkpoint.conditions import conditions_for
 from kiln.engine.checkpoint.in_use import OutputDirInUse
 from kiln.utils.errors import CheckpointError, ConfigError
 
@@ -69,10 +71,11 @@ class Lease:
         self, fs: Any, path: str, url: str, seconds: float = LEASE_SECONDS, clock: Callable[[], float] = time.time
     ) -> None:
         self.fs, self.path, self.url, self.seconds, self.clock = fs, path, url, seconds, clock
-        self.renews = _conditional(fs)  # False: a store without conditional writes gets a lock without a lease
+        self.store = conditions_for(fs)  # None: a store without conditional writes gets a lock without a lease
+        self.renews = self.store is not None
         self.token = uuid.uuid4().hex  # tells this hold from any other, even of the same pid
         self.started = clock()
-        self.etag: str | None = None  # the lock file as this run last wrote it
+        self.version: str | None = None  # the lock file as this run last wrote it (an ETag, a generation)
         self.lost: str | None = None  # the sentence of LeaseLost, once another run holds the lock
         self.holds = 1  # nested holders in this process (kiln fit holds it around fit's own hold)
         self._mutex = threading.Lock()
@@ -92,24 +95,15 @@ class Lease:
         return json.dumps(info).encode("utf-8")
 
     def _put(self, *, if_match: str | None) -> str:
-        """Write the lock: exclusively (if_match None) or over the version `if_match`; returns its ETag.
+        """Write the lock: exclusively (if_match None) or over the version `if_match`; returns its version.
         FileExistsError, FileNotFoundError or OSError when the store refuses the condition."""
         if if_match is None:
-            out = self.fs.pipe_file(self.path, self._content(), mode="create")
-        else:
-            out = self.fs.pipe_file(self.path, self._content(), IfMatch=if_match)
-        return str(out["ETag"])
-
-    def _delete(self, if_match: str) -> None:
-        bucket, key, _ = self.fs.split_path(self.path)
-        try:
-            self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=if_match)
-        finally:
-            self.fs.invalidate_cache(self.path)
+            return self.store.create(self.path, self._content())  # type: ignore[union-attr]
+        return self.store.replace(self.path, self._content(), if_match)  # type: ignore[union-attr]
 
     def _read(self) -> tuple[str, dict[str, Any]] | None:
-        """The lock's ETag and what it says of its holder, or None when there is none. The ETag is read
-        first: a write in between makes the content newer than the ETag, never older, so a renewal
+        """The lock's version and what it says of its holder, or None when there is none. The version is
+        read first: a write in between makes the content newer than the version, never older, so a renewal
         read as its predecessor can only make a taker wait, never take a live lock."""
         self.fs.invalidate_cache(self.path)
         try:
@@ -123,9 +117,9 @@ class Lease:
             holder = {}
         holder = holder if isinstance(holder, dict) else {}
         if not isinstance(holder.get("renewed"), (int, float)):  # a lock of another kind: the store's time
-            modified = info.get("LastModified")
+            modified = info.get("LastModified") or info.get("mtime")  # s3fs's, gcsfs's
             holder["renewed"] = modified.timestamp() if hasattr(modified, "timestamp") else self.clock()
-        return str(info.get("ETag", "")), holder
+        return (self.store.version(info) if self.store is not None else ""), holder
 
     # -- taking, keeping and giving back -------------------------------------------------------
     def take(self) -> None:
@@ -135,14 +129,17 @@ class Lease:
             return self._take_without_lease()
         for _ in range(3):
             try:
-                self.etag = self._put(if_match=None)
+                self.version = self._put(if_match=None)
                 break
             except FileExistsError:
                 pass
             found = self._read()
             if found is None:  # released in between: create it again
                 continue
-            etag, holder = found
+            version, holder = found
+            if holder.get("token") == self.token:  # this run's own create, taken though its answer was lost
+                self.version = version
+                break
             why = self._expired(holder)
             if why is None:
                 raise OutputDirInUse(
@@ -151,13 +148,13 @@ class Lease:
                     f"died, for its lock to expire {_lease_of(holder, self.seconds):.0f} s after its last renewal."
                 )
             try:
-                self._put(if_match=etag)
+                self._put(if_match=version)
             except OSError:  # renewed, released or taken in between: look again
                 continue
             now = self._read()
             if now is not None and now[1].get("token") == self.token:
                 log.warning("Took over the run lock of %s from %s, %s.", self.url, holder_text(holder), why)
-                self.etag = now[0]
+                self.version = now[0]
                 break
         else:
             found = self._read()
@@ -192,7 +189,7 @@ class Lease:
             except (NotImplementedError, ValueError) as err:
                 raise ConfigError(
                     f"{self.url} is on a store that cannot create a file exclusively ({err}), so two runs could write "
-                    "the same checkpoints; use an S3 bucket, or a local output_dir."
+                    "the same checkpoints; use an S3 or GCS bucket, or a local output_dir."
                 ) from None
 
     def _expired(self, holder: dict[str, Any]) -> str | None:
@@ -214,10 +211,10 @@ class Lease:
     def renew(self) -> None:
         """Rewrite the lock's `renewed` time, if it is still this run's; else mark the lease lost."""
         with self._mutex:
-            if self.lost is not None or self.etag is None:
+            if self.lost is not None or self.version is None:
                 return
             try:
-                self.etag = self._put(if_match=self.etag)
+                self.version = self._put(if_match=self.version)
                 return
             except Exception as err:  # the stores' clients raise their own types (botocore, aiohttp, OSError)
                 failure = err
@@ -231,7 +228,7 @@ class Lease:
             log.warning("The run lock of %s could not be read (%s: %s); %s.", self.url, type(err).__name__, err, what)
             return
         if found is not None and found[1].get("token") == self.token:
-            self.etag = found[0]  # this run's own write, which the store took though the answer was lost
+            self.version = found[0]  # this run's own write, which the store took though the answer was lost
             return
         who = holder_text(found[1]) if found is not None else "nobody: it was deleted"
         self.lost = (
@@ -250,10 +247,10 @@ class Lease:
             if self.lost is None:
                 self.fs.invalidate_cache(self.path)
                 try:
-                    etag = str(self.fs.info(self.path)["ETag"])
+                    version: str | None = self.store.version(self.fs.info(self.path))  # type: ignore[union-attr]
                 except FileNotFoundError:
-                    etag = None
-                if etag != self.etag:
+                    version = None
+                if version != self.version:
                     self._recheck("checking it before a write")
         if self.lost is not None:
             raise LeaseLost(self.lost)
@@ -268,10 +265,10 @@ class Lease:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(self.path)
                 return
-            if self.lost is not None or self.etag is None:
+            if self.lost is not None or self.version is None:
                 return
             try:
-                self._delete(self.etag)
+                self.store.delete(self.path, self.version)  # type: ignore[union-attr]
             except Exception as err:  # the stores' clients raise their own types (botocore, aiohttp, OSError)
                 log.warning(
                     "The run lock of %s was not deleted (%s: %s); it expires %.0f s after its last renewal.",
@@ -285,12 +282,6 @@ class Lease:
 def _lease_of(holder: dict[str, Any], default: float) -> float:
     lease = holder.get("lease")
     return float(lease) if isinstance(lease, (int, float)) and lease > 0 else default
-
-
-def _conditional(fs: Any) -> bool:
-    """Whether kiln knows how to ask `fs` for conditional writes: s3fs (S3 and S3-compatible stores)."""
-    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return "s3" in protocol and hasattr(fs, "call_s3")
 
 
 def _dead_here(holder: dict[str, Any]) -> bool:
