@@ -7,9 +7,12 @@ kiln.config.remote_dir): the plug-in between the local checkpoints and kiln.engi
   checkpoint stays in the local folder, and the store's newest intact checkpoint is the previous one. With
   `save.async_save` this runs on the background writer, so the step loop does not wait for the upload.
 - **Resume**: `resume_from_checkpoint: true` downloads the store's newest intact checkpoint (digests
-  checked) into the local folder; a checkpoint URL downloads that one.
+  checked) into the local folder; a checkpoint URL downloads that one. A checkpoint whole in the staging
+  folders but newer than the store's newest (a run killed between its write and its upload) is published
+  first (RunUploads.publish_stranded), when every writer holds its part of it intact.
 - **Final outputs**: `save_model()` and `save_state()` into the run's own output_dir upload the files at
-  its top (the exported model, trainer_state.json, the *_results.json); the logs (output_dir/runs) stay local.
+  its top (the exported model, trainer_state.json, the *_results.json), from global rank 0, and a lost
+  run lock stops every rank; the logs (output_dir/runs) stay local.
 
 `RunUploads` is the checkpoint manager's side of it: which ranks upload each checkpoint (global rank 0,
 or every node's writer with `save.on_each_node` on several nodes) and when.
