@@ -305,13 +305,14 @@ def stranded(store: RemoteCheckpoints, local_root: str, key: SigningKey | None) 
 def _why_not_whole(step: int, holders: list[dict[int, str | None]]) -> str:
     """Why checkpoint `step` cannot be published from the writers' staging folders (`holders`: each
     writer's stranded checkpoints, in rank order)."""
+    reasons = []
     for node, held in enumerate(holders):
         where = f"node {node}'s staging folder" if len(holders) > 1 else "the staging folder"
         if step not in held:
-            return f"{where} holds no complete part of it"
-        if held[step] is not None:
-            return f"{where} holds it damaged ({held[step]})"
-    raise AssertionError(step)
+            reasons.append(f"{where} holds no complete part of it")
+        elif held[step] is not None:
+            reasons.append(f"{where} holds it damaged ({held[step]})")
+    return reasons[0]  # one at least: `step` is not whole
 
 
 def _attempt(action: Callable[..., Any], *args: Any) -> tuple[str, str] | None:
