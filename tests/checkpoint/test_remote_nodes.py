@@ -355,6 +355,7 @@ def test_a_checkpoint_every_node_holds_but_the_store_lacks_goes_up_before_the_re
     node's files, and every rank resumes from it."""
     url = f"s3://{BUCKET}/stranded-whole"
     stored_checkpoints(url, s3, tmp_path)
+    node_folders(tmp_path, step=5)  # older than checkpoint-6: stays local
     node_folders(tmp_path, step=6)
     paths = resume_on_threads(url, s3, tmp_path, on_each_node=True)
     assert [os.path.basename(str(p)) for p in paths] == ["checkpoint-6"] * 4, paths

@@ -264,6 +264,8 @@ def test_a_checkpoint_its_run_died_before_uploading_goes_up_at_the_resume_unless
     monkeypatch.setattr(remote_run.RunUploads, "published", published)
     resumed = train(url, settings(s3, staging), model_seed=1234, resume=True)
     assert [os.path.basename(p) for p in loaded] == ["checkpoint-10", "checkpoint-15"]  # uploaded, then resumed
+    uploaded_marker = runs.fs.cat_file(f"{runs.root}/checkpoint-15/{MARKER}")
+    assert uploaded_marker == (staging / "checkpoint-15" / MARKER).read_bytes()  # as written: not downloaded again
     assert resumed.state.global_step == 20
     for name, tensor in weights(resumed).items():
         assert torch.equal(tensor, straight[name]), name
