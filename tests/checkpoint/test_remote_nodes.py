@@ -365,6 +365,20 @@ def test_a_checkpoint_every_node_holds_but_the_store_lacks_goes_up_before_the_re
     assert sorted(marker["files"]) == sorted({**NODE_FILES[0], **NODE_FILES[1]})
 
 
+def test_staged_checkpoints_no_newer_than_the_stores_newest_stay_local(s3, tmp_path, recwarn):
+    url = f"s3://{BUCKET}/stranded-older"
+    stored_checkpoints(url, s3, tmp_path)
+    store = RemoteCheckpoints(url, s3)
+    marker = store.fs.cat_file(f"{store.root}/checkpoint-4/{MARKER}")
+    node_folders(tmp_path, step=3)
+    node_folders(tmp_path, step=4)  # the nodes' own parts of the store's newest
+    paths = resume_on_threads(url, s3, tmp_path, on_each_node=True)
+    assert [os.path.basename(str(p)) for p in paths] == ["checkpoint-4"] * 4, paths
+    assert [name for _, name in store.steps()] == ["checkpoint-2", "checkpoint-4"]
+    assert store.fs.cat_file(f"{store.root}/checkpoint-4/{MARKER}") == marker  # not uploaded again
+    assert not [w for w in recwarn if "not published" in str(w.message)]
+
+
 @pytest.mark.parametrize("node, harm", [(1, "missing"), (0, "damaged")])
 def test_a_checkpoint_a_node_lacks_or_holds_damaged_stays_local_with_one_sentence(s3, tmp_path, node, harm):
     url = f"s3://{BUCKET}/stranded-{harm}"
