@@ -501,6 +501,8 @@ class Trainer(RunAttributes):
         return folder
 
     def save_state(self) -> None:
+        """Write trainer_state.json into output_dir (global rank 0). Every rank calls it, as HF's: with a
+        store, the upload's verdict reaches every rank (checkpoint/remote_run.py)."""
         if self.strategy.is_global_zero:
             os.makedirs(self.config.output_dir, exist_ok=True)
             self.state.save_to_json(os.path.join(self.config.output_dir, "trainer_state.json"))

@@ -424,7 +424,8 @@ def test_a_run_whose_lease_is_taken_over_fails_at_its_next_save(options, url, tm
 def test_a_lost_lease_stops_every_rank_of_a_world_with_its_sentence(options, url, tmp_path):
     """Global rank 0 alone uploads; at the save after another run took the lock over, every rank raises
     LeaseLost with rank 0's sentence (tests/checkpoint/remote_lease_worker.py: 2 processes, gloo): where a
-    synchronous save's ranks meet at its end, and at the next wait of an asynchronous one."""
+    synchronous save's ranks meet at its end, at the next wait of an asynchronous one, and, for the
+    final outputs that `kiln fit` uploads after fit (save_model, save_state), at the end of save_model."""
     from tests.world import run_world
 
     run_world(
@@ -434,11 +435,16 @@ def test_a_lost_lease_stops_every_rank_of_a_world_with_its_sentence(options, url
         options["client_kwargs"]["endpoint_url"],
         timeout=300,
     )
-    for variant in ("sync", "async"):
+    for variant in ("sync", "async", "outputs"):
         outcomes = [json.loads((tmp_path / f"{variant}_{rank}.json").read_text()) for rank in (0, 1)]
         assert outcomes[0] == outcomes[1], (variant, outcomes)
         kind, sentence = outcomes[0]
         assert kind == "LeaseLost" and sentence.startswith(f"The run lock of {url}-{variant} was taken over"), variant
-        steps = RemoteCheckpoints(f"{url}-{variant}", options).steps()
+        store = RemoteCheckpoints(f"{url}-{variant}", options)
+        if variant == "outputs":  # every checkpoint went up; the export did not
+            assert store.steps() == [(5, "checkpoint-5")]
+            assert not store.fs.exists(f"{store.root}/model.safetensors")
+            continue
+        steps = store.steps()
         assert steps == [(5, "checkpoint-5")] or (variant == "async" and steps == []), (variant, steps)
         # checkpoint-10 stayed local; async: checkpoint-5's upload, in the background, may still run at step 7

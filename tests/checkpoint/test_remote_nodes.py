@@ -70,7 +70,8 @@ def test_two_nodes_save_a_sharded_checkpoint_to_s3_and_resume_it_bitwise(s3, tmp
 @pytest.mark.distributed
 def test_an_async_checkpoint_of_two_nodes_goes_up_once_written_not_at_the_next_save(s3, tmp_path):
     """save.async_save: the nodes' upload needs the ranks' collectives, so it runs on the training thread,
-    at the first step boundary where every rank's background write has finished
+    at the first step boundary where every rank's background write has finished; the end of fit and a
+    SIGTERM (save.on_preemption) wait for the write in flight and upload it before fit returns
     (tests/checkpoint/remote_nodes_async_worker.py: 2 gloo processes faking two nodes)."""
     from tests.world import run_world
 
@@ -79,6 +80,40 @@ def test_an_async_checkpoint_of_two_nodes_goes_up_once_written_not_at_the_next_s
     run_world(worker, tmp_path, url, s3["client_kwargs"]["endpoint_url"], timeout=300)
     assert json.loads((tmp_path / "seen_at_4.json").read_text()) == ["checkpoint-2"]  # before step 4's save
     assert [name for _, name in RemoteCheckpoints(url, s3).steps()] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert [name for _, name in RemoteCheckpoints(f"{url}-sigterm", s3).steps()] == ["checkpoint-3"]
+    for rank in (0, 1):
+        uploads = [tuple(u) for u in json.loads((tmp_path / f"uploads_{rank}.json").read_text())]
+        assert uploads[-2:] == [("checkpoint-6", "_finish"), ("checkpoint-3", "_save_and_stop")], uploads
+        assert json.loads((tmp_path / f"preempted_{rank}.json").read_text()) == 3
+
+
+@pytest.mark.distributed
+def test_a_run_killed_before_the_nodes_upload_resumes_from_the_checkpoint_they_hold(s3, tmp_path):
+    """save.async_save on two nodes: a kill after every node's write of checkpoint-4 but before the step
+    boundary that uploads it leaves checkpoint-4 in the staging folders only; the resume on those nodes
+    uploads it first, resumes from it, and ends bit for bit where the uninterrupted run ends
+    (tests/checkpoint/remote_nodes_stranded_worker.py: 2 gloo processes faking two nodes)."""
+    from tests.world import run_world
+
+    url = f"s3://{BUCKET}/stranded-kill"
+    worker = os.path.join(os.path.dirname(__file__), "remote_nodes_stranded_worker.py")
+    endpoint = s3["client_kwargs"]["endpoint_url"]
+    killed = run_world(worker, tmp_path, url, endpoint, "kill", timeout=300, check=False)
+    assert killed.returncode != 0 and json.loads((tmp_path / "store_at_kill.json").read_text()) == ["checkpoint-2"]
+    for node in (0, 1):  # each node's part of checkpoint-4, sealed
+        assert os.path.isfile(tmp_path / f"node{node}" / "checkpoint-4" / MARKER), killed.stderr[-3000:]
+    run_world(worker, tmp_path, url, endpoint, "resume", timeout=600)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"loaded_{rank}.json").read_text()) == ["checkpoint-4"]
+    store = RemoteCheckpoints(url, s3)
+    assert [name for _, name in store.steps()] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    marker = json.loads(store.fs.cat_file(f"{store.root}/checkpoint-4/{MARKER}"))
+    assert len([f for f in marker["files"] if f.endswith(".distcp")]) == 2  # node 0's shard and node 1's
+    want = saved_weights(str(tmp_path / "straight" / "checkpoint-6"))
+    got = saved_weights(store.download("checkpoint-6", str(tmp_path / "check")))
+    assert want.keys() == got.keys()
+    for key, value in want.items():
+        assert torch.equal(value, got[key]), key
 
 
 # -- the nodes' protocol (remote_run.publish_from_nodes) in one process: a thread per node ----------------
@@ -94,15 +129,16 @@ def s3():  # type: ignore[no-untyped-def]
         yield options
 
 
-def node_folders(root) -> list[str]:  # type: ignore[no-untyped-def]
-    """Each node's sealed part of checkpoint-4, as its writer leaves it in its own staging folder."""
+def node_folders(root, step: int = 4) -> list[str]:  # type: ignore[no-untyped-def]
+    """Each node's sealed part of checkpoint-<step> (NODE_FILES), as its writer leaves it in its own staging
+    folder."""
     folders = []
     for node, files in NODE_FILES.items():
-        tmp, final = root / f"node{node}" / ".checkpoint-4.tmp", root / f"node{node}" / "checkpoint-4"
+        tmp, final = root / f"node{node}" / f".checkpoint-{step}.tmp", root / f"node{node}" / f"checkpoint-{step}"
         for rel, data in files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_bytes(data)
-        publish_folder(str(tmp), str(final), {"version": 2, "step": 4, "format": "fsdp-sharded"}, None)
+        publish_folder(str(tmp), str(final), {"version": 2, "step": step, "format": "fsdp-sharded"}, None)
         folders.append(str(final))
     return folders
 
@@ -311,3 +347,57 @@ def test_a_single_node_of_several_processes_uploads_from_rank_0_alone(monkeypatc
         uploads.published("out/checkpoint-2", None)
         assert published == ([] if together else ["out/checkpoint-2"]), writers
         published.clear()
+
+
+def test_a_checkpoint_every_node_holds_but_the_store_lacks_goes_up_before_the_resume(s3, tmp_path):
+    """A run killed after every node's write of checkpoint-6 but before the step boundary that uploads it
+    (save.async_save): the resume's writers upload it from their staging folders, one marker listing every
+    node's files, and every rank resumes from it."""
+    url = f"s3://{BUCKET}/stranded-whole"
+    stored_checkpoints(url, s3, tmp_path)
+    node_folders(tmp_path, step=5)  # older than checkpoint-6: stays local
+    node_folders(tmp_path, step=6)
+    paths = resume_on_threads(url, s3, tmp_path, on_each_node=True)
+    assert [os.path.basename(str(p)) for p in paths] == ["checkpoint-6"] * 4, paths
+    store = RemoteCheckpoints(url, s3)
+    assert [name for _, name in store.steps()] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    marker = json.loads(store.fs.cat_file(f"{store.root}/checkpoint-6/{MARKER}"))
+    assert sorted(marker["files"]) == sorted({**NODE_FILES[0], **NODE_FILES[1]})
+
+
+def test_staged_checkpoints_no_newer_than_the_stores_newest_stay_local(s3, tmp_path, recwarn):
+    url = f"s3://{BUCKET}/stranded-older"
+    stored_checkpoints(url, s3, tmp_path)
+    store = RemoteCheckpoints(url, s3)
+    marker = store.fs.cat_file(f"{store.root}/checkpoint-4/{MARKER}")
+    node_folders(tmp_path, step=3)
+    node_folders(tmp_path, step=4)  # the nodes' own parts of the store's newest
+    paths = resume_on_threads(url, s3, tmp_path, on_each_node=True)
+    assert [os.path.basename(str(p)) for p in paths] == ["checkpoint-4"] * 4, paths
+    assert [name for _, name in store.steps()] == ["checkpoint-2", "checkpoint-4"]
+    assert store.fs.cat_file(f"{store.root}/checkpoint-4/{MARKER}") == marker  # not uploaded again
+    assert not [w for w in recwarn if "not published" in str(w.message)]
+
+
+@pytest.mark.parametrize("node, harm", [(1, "missing"), (0, "damaged")])
+def test_a_checkpoint_a_node_lacks_or_holds_damaged_stays_local_with_one_sentence(s3, tmp_path, node, harm):
+    url = f"s3://{BUCKET}/stranded-{harm}"
+    stored_checkpoints(url, s3, tmp_path)
+    node_folders(tmp_path, step=6)
+    part = tmp_path / f"node{node}" / "checkpoint-6"
+    if harm == "missing":  # that node was killed before it sealed its part
+        os.rename(part, tmp_path / f"node{node}" / ".checkpoint-6.tmp")
+        why = "node 1's staging folder holds no complete part of it"
+    else:
+        (part / "fsdp_dcp" / "__0_0.distcp").write_bytes(b"shard 0ero")  # same size, other bytes
+        why = r"node 0's staging folder holds it damaged \(.*fsdp_dcp/__0_0.distcp.*\)"
+    with pytest.warns(UserWarning) as caught:
+        paths = resume_on_threads(url, s3, tmp_path, on_each_node=True)
+    said = [str(w.message) for w in caught if "not published" in str(w.message)]
+    assert len(said) == 1 and re.match(
+        rf"checkpoint-6 is newer than the newest checkpoint on {url} but is not published there, as {why}, so the "
+        r"run resumes from the store's newest intact checkpoint\.$",
+        said[0],
+    ), said
+    assert [os.path.basename(str(p)) for p in paths] == ["checkpoint-4"] * 4, paths
+    assert [name for _, name in RemoteCheckpoints(url, s3).steps()] == ["checkpoint-2", "checkpoint-4"]

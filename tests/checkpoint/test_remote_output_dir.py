@@ -232,3 +232,52 @@ def test_a_failed_rotation_or_final_upload_is_a_warning_too(tmp_path):
     assert uploads == [str(tmp_path / "checkpoint-4")]
     with pytest.warns(UserWarning, match=rf"^The run's final files stay in {tmp_path}: Uploading model.safetensors"):
         remote_run.upload_outputs(fake, str(tmp_path))  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_its_run_died_before_uploading_goes_up_at_the_resume_unless_damaged(
+    s3, request, tmp_path, straight, monkeypatch
+):
+    """A run killed between writing checkpoint-15 and uploading it leaves it in its staging folder only: a
+    resume on that machine uploads it first and resumes from it; a damaged one stays local, with a warning,
+    and the resume takes the store's newest."""
+    from kiln.engine.checkpoint.manager import CheckpointManager
+    from tests.checkpoint.checkpoint_helpers import Crash
+
+    url, staging = remote(s3, request), tmp_path / "machine-a"
+    published = remote_run.RunUploads.published
+
+    def killed_before_the_upload_of_15(self, final, best):  # type: ignore[no-untyped-def]
+        if final.endswith("checkpoint-15"):
+            raise Crash("killed between the write of checkpoint-15 and its upload")
+        published(self, final, best)
+
+    loaded: list[str] = []
+    load = CheckpointManager.load
+    monkeypatch.setattr(CheckpointManager, "load", lambda self, path: (loaded.append(path), load(self, path))[1])
+    monkeypatch.setattr(remote_run.RunUploads, "published", killed_before_the_upload_of_15)
+    runs = store(url, s3)
+    with pytest.raises(Crash):
+        train(url, settings(s3, staging))
+    assert runs.steps() == [(5, "checkpoint-5"), (10, "checkpoint-10")]  # checkpoint-15 is local only
+    shard = staging / "checkpoint-15" / "model.safetensors"
+    shard.write_bytes(bytes(b ^ 0xFF if i == 100 else b for i, b in enumerate(shard.read_bytes())))
+    with pytest.warns(UserWarning) as caught, pytest.raises(Crash):  # the same kill again, after step 10's resume
+        train(url, settings(s3, staging), model_seed=1234, resume=True)
+    said = [str(w.message) for w in caught if "not published" in str(w.message)]
+    assert len(said) == 1 and re.match(
+        rf"checkpoint-15 is newer than the newest checkpoint on {url} but is not published there, as the staging "
+        r"folder holds it damaged \(.*model.safetensors.*\), so the run resumes from the store's newest intact "
+        r"checkpoint\.$",
+        said[0],
+    ), said
+    assert [os.path.basename(p) for p in loaded] == ["checkpoint-10"]
+    assert runs.steps() == [(5, "checkpoint-5"), (10, "checkpoint-10")]
+    monkeypatch.setattr(remote_run.RunUploads, "published", published)
+    resumed = train(url, settings(s3, staging), model_seed=1234, resume=True)
+    assert [os.path.basename(p) for p in loaded] == ["checkpoint-10", "checkpoint-15"]  # uploaded, then resumed
+    uploaded_marker = runs.fs.cat_file(f"{runs.root}/checkpoint-15/{MARKER}")
+    assert uploaded_marker == (staging / "checkpoint-15" / MARKER).read_bytes()  # as written: not downloaded again
+    assert resumed.state.global_step == 20
+    for name, tensor in weights(resumed).items():
+        assert torch.equal(tensor, straight[name]), name
+    assert runs.steps() == [(15, "checkpoint-15"), (20, "checkpoint-20")]

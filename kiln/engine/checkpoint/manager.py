@@ -238,8 +238,9 @@ class CheckpointManager:
         self.uploads.published(final, best)
 
     def upload_outputs(self) -> None:
-        """Upload the files at the top of output_dir (the exported model, trainer_state.json) to the run's
-        store, from global rank 0; nothing for a run without one."""
+        """Every rank: upload the files at the top of output_dir (the exported model, trainer_state.json) to
+        the run's store, from global rank 0 (a run lock lost there stops every rank); nothing for a run
+        without one."""
         self.uploads.upload_outputs()
 
     def _failed(self, err: BaseException, tmp: str, final: str, writer: bool) -> None:

@@ -7,9 +7,12 @@ kiln.config.remote_dir): the plug-in between the local checkpoints and kiln.engi
   checkpoint stays in the local folder, and the store's newest intact checkpoint is the previous one. With
   `save.async_save` this runs on the background writer, so the step loop does not wait for the upload.
 - **Resume**: `resume_from_checkpoint: true` downloads the store's newest intact checkpoint (digests
-  checked) into the local folder; a checkpoint URL downloads that one.
+  checked) into the local folder; a checkpoint URL downloads that one. A checkpoint whole in the staging
+  folders but newer than the store's newest (a run killed between its write and its upload) is published
+  first (RunUploads.publish_stranded), when every writer holds its part of it intact.
 - **Final outputs**: `save_model()` and `save_state()` into the run's own output_dir upload the files at
-  its top (the exported model, trainer_state.json, the *_results.json); the logs (output_dir/runs) stay local.
+  its top (the exported model, trainer_state.json, the *_results.json), from global rank 0, and a lost
+  run lock stops every rank; the logs (output_dir/runs) stay local.
 
 `RunUploads` is the checkpoint manager's side of it: which ranks upload each checkpoint (global rank 0,
 or every node's writer with `save.on_each_node` on several nodes) and when.
@@ -24,6 +27,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kiln.engine.checkpoint.files import PREFIX, list_checkpoints, why_damaged, why_incomplete
 from kiln.engine.checkpoint.integrity import ALGORITHM, MARKER
 from kiln.engine.checkpoint.remote import LeaseLost, RemoteCheckpoints, UploadFailed
 from kiln.engine.checkpoint.signing import SIGNATURE, SigningKey, sign
@@ -82,10 +86,11 @@ class RunUploads:
             publish(self.store, final, self.config.save.total_limit, best)
 
     def done(self, lost: LeaseLost | None) -> None:
-        """Every rank, at the end of a synchronous save: the ranks' last barrier. Global rank 0 uploads the
-        checkpoint alone (published), so with a store on several ranks that barrier is an all-gather of
-        its verdict (`lost`: the LeaseLost it met, on that rank), and a run lock lost to another run stops
-        every rank with the one sentence, rather than rank 0 alone while the others wait for it."""
+        """Every rank, at the end of a synchronous save (and of upload_outputs): the ranks' last barrier.
+        Global rank 0 uploads alone (published, upload_outputs), so with a store on several ranks that
+        barrier is an all-gather of its verdict (`lost`: the LeaseLost it met, on that rank), and a run lock
+        lost to another run stops every rank with the one sentence, rather than rank 0 alone while the
+        others go on or wait for it."""
         if not self.config.save.remote_dir or self.strategy.world_size == 1:
             if lost is not None:
                 raise lost
@@ -110,11 +115,60 @@ class RunUploads:
             self.key,
         )
 
+    def publish_stranded(self, writer: bool) -> None:
+        """Every rank, before a run resumes from its store's newest checkpoint (resume_from_checkpoint true
+        or if_exists; `writer`: whether this rank writes a checkpoint folder). A checkpoint complete in the
+        staging folders but newer than the store's newest was saved by a run killed before its upload (an
+        asynchronous save of several nodes goes up at the first step boundary after every node's write, a
+        single writer's upload follows its write): it is published now, marker last and without rotation,
+        so that the resume picks it. Only when every writer (each node's, with save.on_each_node) holds its
+        part of it complete and intact (marker, digests, signature); otherwise the store keeps what it has,
+        and global rank 0 says so in one sentence."""
+        store, strategy = self.store, self.strategy
+        assert store is not None
+        out = str(self.config.output_dir)
+        gathered = strategy.all_gather_object(stranded(store, out, self.key) if writer else None)
+        holders = [held for held in gathered if held is not None]  # each writer's {step: why not, None: intact}
+        steps = sorted({step for held in holders for step in held}, reverse=True)
+        whole = [step for step in steps if all(step in held and held[step] is None for held in holders)]
+        newer = [step for step in steps if not whole or step > whole[0]]
+        if newer and strategy.is_global_zero:
+            warnings.warn(
+                f"{PREFIX}{newer[0]} is newer than the newest checkpoint on {store.url} but is not published there, "
+                f"as {_why_not_whole(newer[0], holders)}, so the run resumes from the store's newest intact "
+                "checkpoint.",
+                stacklevel=2,
+            )
+        if not whole:
+            return
+        local = os.path.join(out, f"{PREFIX}{whole[0]}")
+        if len(holders) > 1:  # the nodes' parts, one marker listing them all (no rotation: the next save's)
+            publish_from_nodes(
+                store, local if writer else None, strategy.global_rank, None, None, strategy.all_gather_object, self.key
+            )
+            return
+        lost = None
+        if writer:
+            try:
+                publish(store, local, None, None)
+            except LeaseLost as err:  # raised on every rank where they meet, below
+                lost = err
+        self.done(lost)
+
     def upload_outputs(self) -> None:
-        """Upload the files at the top of output_dir (the exported model, trainer_state.json) to the run's
-        store, from global rank 0; nothing for a run without one."""
-        if self.store is not None and self.strategy.is_global_zero:
-            upload_outputs(self.store, str(self.config.output_dir))
+        """Every rank (save_model, save_state): upload the files at the top of output_dir (the exported
+        model, trainer_state.json) to the run's store, from global rank 0, and a run lock lost there stops
+        every rank with its sentence (done); nothing, and no collective, for a run without a store."""
+        if not self.config.save.remote_dir:
+            return
+        lost = None
+        if self.strategy.is_global_zero:
+            assert self.store is not None
+            try:
+                upload_outputs(self.store, str(self.config.output_dir))
+            except LeaseLost as err:  # raised on every rank where they meet, below
+                lost = err
+        self.done(lost)
 
 
 def options(config: DictConfig) -> dict[str, Any]:
@@ -234,6 +288,31 @@ def publish_from_nodes(
         return
     log.info("Uploaded %s to %s from %d nodes.", name, store.url, sum(1 for p in parts if p))
     _rotate(store, limit, best)
+
+
+def stranded(store: RemoteCheckpoints, local_root: str, key: SigningKey | None) -> dict[int, str | None]:
+    """The checkpoints in the staging folder `local_root` newer than the store's newest: step -> why it
+    must not be published (incomplete, damaged), or None where it is complete and intact."""
+    on_store = store.steps()
+    newest = on_store[-1][0] if on_store else -1
+    return {
+        step: why_incomplete(path) or why_damaged(path, key)
+        for step, path in list_checkpoints(local_root)
+        if step > newest
+    }
+
+
+def _why_not_whole(step: int, holders: list[dict[int, str | None]]) -> str:
+    """Why checkpoint `step` cannot be published from the writers' staging folders (`holders`: each
+    writer's stranded checkpoints, in rank order)."""
+    reasons = []
+    for node, held in enumerate(holders):
+        where = f"node {node}'s staging folder" if len(holders) > 1 else "the staging folder"
+        if step not in held:
+            reasons.append(f"{where} holds no complete part of it")
+        elif held[step] is not None:
+            reasons.append(f"{where} holds it damaged ({held[step]})")
+    return reasons[0]  # one at least: `step` is not whole
 
 
 def _attempt(action: Callable[..., Any], *args: Any) -> tuple[str, str] | None:

@@ -17,7 +17,9 @@ checkpoint HF's Trainer wrote, what its weights allow (kiln.engine.checkpoint.hf
 
 A run with an object store (`save.remote_dir`, an output_dir URL) resumes from the store: `true` and
 `if_exists` download its newest intact checkpoint into the local output_dir (kiln.engine.checkpoint.remote),
-on the writer ranks; a checkpoint URL (`s3://bucket/run/checkpoint-500`) downloads that one."""
+on the writer ranks; a checkpoint URL (`s3://bucket/run/checkpoint-500`) downloads that one. Before `true`
+and `if_exists` look, a checkpoint whole in the staging folders but newer than the store's newest (its run
+was killed before uploading it) is uploaded (RunUploads.publish_stranded)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.engine.checkpoint.files import hf_damage, is_hf_checkpoint, latest_checkpoint, why_damaged, why_incomplete
 from kiln.engine.checkpoint.output_dir import is_writer
-from kiln.engine.checkpoint.remote_run import fetch_checkpoint, options, store_of
+from kiln.engine.checkpoint.remote_run import RunUploads, fetch_checkpoint, options, store_of
 from kiln.engine.checkpoint.signing import SigningKey, signing_key
 from kiln.utils.errors import CheckpointError
 from kiln.utils.storage_urls import is_remote
@@ -62,7 +64,7 @@ def resolve_resume(
         return None
     store = store_of(config) if config is not None else None
     latest = resume is True or (isinstance(resume, str) and resume.lower() == "true")
-    if latest or (isinstance(resume, str) and resume == IF_EXISTS):
+    if _newest(resume):
         if store is not None:
             path, where = store.download_newest(output_dir, key), store.url
         else:
@@ -115,6 +117,8 @@ def choose_resume(resume: Any, config: DictConfig, strategy: Strategy) -> str | 
     if strategy.is_global_zero:
         _warn_restart_without_resume(resume, output_dir)
     remote = bool(config.save.remote_dir)
+    if remote and _newest(resume):  # a checkpoint its run was killed before uploading goes up first
+        RunUploads(config, strategy, key).publish_stranded(is_writer(config, strategy))
     if strategy.world_size <= 1 or (config.save.on_each_node and not remote):
         return resolve_resume(resume, output_dir, key, config)
     path: str | None = None
@@ -157,6 +161,11 @@ def _warn_restart_without_resume(resume: Any, output_dir: str) -> None:
             IF_EXISTS,
             output_dir,
         )
+
+
+def _newest(resume: Any) -> bool:
+    """Whether `resume` asks for the newest checkpoint (true or if_exists), not a named one."""
+    return resume is True or (isinstance(resume, str) and (resume.lower() == "true" or resume == IF_EXISTS))
 
 
 def _off(resume: Any) -> bool:
