@@ -10,7 +10,8 @@
    pipeline: {schedule: S}}` against the loop one writes by hand with torch's pipelining API: the model
    cut by hand (rank 0 the embeddings and layers 0-1, rank 1 layers 2-3, the norm and the head; for the
    2-stage-a-rank schedules, one layer a stage, placed as torch places them), one `PipelineStage` per
-   stage, the same schedule class, the loss the mean cross entropy of each micro-batch, the global
+   stage, the same schedule class, the loss the model's own `loss_function` (the mean cross entropy of
+   each micro-batch's shifted labels, as kiln's last stage computes it), the global
    gradient norm (one all-reduce) clipped to 1.0, AdamW and a linear schedule. Both ranks read the same
    batches. With `--nproc 4`, pp 2 x dp_shard 2: kiln `mesh: {pp: 2, dp_shard: 2}` against the same loop
    with each stage FSDP2-sharded over its dp_shard ranks (each decoder layer a unit, then the stage), as
@@ -133,8 +134,12 @@ def raw_loop(schedule: str, model: Any, data: list, steps: int) -> list[tuple[fl
     params = [p for m in stages for p in m.parameters()]
     vocab = model.config.vocab_size
 
+    loss_function = model.loss_function
+
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), labels.reshape(-1))
+        # the model's own loss (Transformers' causal-LM loss, which shifts the labels), as kiln's last
+        # stage computes it: the mean over the micro-batch's items, the schedule dividing by the window
+        return loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
     cls = schedule_class(schedule, WINDOW, PP)
     sched_obj = cls(pipe if len(pipe) > 1 else pipe[0], n_microbatches=WINDOW, loss_fn=loss_fn)

@@ -10,8 +10,9 @@ micro-batches are padded to one shape (rows whose labels are all -100, positions
 end -- which a causal decoder never attends to from the positions before), stacked, and handed to the
 schedule, which cuts them apart again; the last stage computes micro-batch i's loss with the model's own
 `loss_function` on its logits and weighs it with kiln's item-count rule (`weights`), exactly what
-`Trainer.training_step` does for it on one process. The losses are broadcast from the last stage, so
-every rank logs them. Gradient clipping takes the norm over every stage's gradients.
+`Trainer.training_step` does for it on one process. The losses go from the last stage to every stage
+at the optimizer step (in the gradient norm's all-reduce where pp is 2 and clipping is on, else by a
+broadcast), so every rank logs them. Gradient clipping takes the norm over every stage's gradients.
 
 Every stage reads the same batches, so sums and means of what the loop counts span the ranks of one
 stage (its dp_shard ranks: one data shard each), and gathers keep one entry per data shard.
@@ -56,6 +57,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from kiln.strategies.base import StepResult
 from kiln.strategies.interfaces import LossWeights, OwnsMicroBatchWindow
 from kiln.strategies.mesh.pipeline_settings import PipelineSettings, check_pipeline, read_pipeline
 from kiln.strategies.mesh.strategy import MeshStrategy
@@ -78,6 +80,10 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         "to change it)"
     )
     pipeline: PipelineSettings
+    #: the mesh's pp group, looked up once in `setup_environment` (None before it and after teardown)
+    _pp_group: Any = None
+    #: the last window's losses until the optimizer step sends them to every stage
+    _unsent: torch.Tensor | None = None
 
     def _check_settings(self) -> None:
         super()._check_settings()
@@ -92,10 +98,6 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     def _global_rank_of(self, pp_rank: int) -> int:
         """The global rank at `pp_rank`'s place in the pipeline and this rank's place in a stage."""
         return pp_rank * self.shape.stage_ranks + self.global_rank % self.shape.stage_ranks
-
-    def _last_stage_rank(self) -> int:
-        """The global rank that holds the last stage beside this one (it computes the losses)."""
-        return self._global_rank_of(self._owner[-1])
 
     @contextlib.contextmanager
     def eval_cast_context(self, module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
@@ -118,6 +120,8 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        # a sub-mesh's group, kept: slicing a DeviceMesh is ~0.3 ms of Python, and every step used it twice
+        self._pp_group = self.device_mesh["pp"].get_group()
         if self.shape.dp > 1:  # what `reduce` sums over: the ranks of this stage, one data shard each
             self._dp_group = self.device_mesh["dp_replicate" if self.shape.dp_replicate > 1 else "dp_shard"].get_group()
 
@@ -145,6 +149,8 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
             sync_module_states(module)  # every stage cut from rank 0's weights, whatever seed built them
         ranges = stage_ranges(module, decoder, count, p.split, self.device_mesh)
         self._owner = stage_owners(pp, count, p.style)
+        #: the global rank that holds the last stage beside this one (it computes the losses)
+        self._loss_rank = self._global_rank_of(self._owner[-1])
         mine = [s for s in range(count) if self._owner[s] == rank]
         layers = list(decoder.layers)
         self.stage_forwards = [
@@ -204,7 +210,6 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
 
     # -- the window -------------------------------------------------------------------------
     def run_window(self, model: nn.Module, window: list[Any], weights: LossWeights | None) -> list[torch.Tensor]:
-        import torch.distributed as dist
 
         ids, mask, labels = stack_window(window)
         n = len(window)
@@ -221,8 +226,13 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
             **({"attention_mask": mask} if mask is not None else {}),
         )
         self._window = ([], None)
-        out = torch.stack([loss.detach().float() for loss in losses]) if last else torch.empty(n, device=ids.device)
-        dist.broadcast(out, src=self._last_stage_rank(), group=self.pp_group)
+        # -0.0 where this stage has no losses: x + -0.0 is x for every x, so a sum over the stages gives them
+        out = (
+            torch.stack([loss.detach().float() for loss in losses])
+            if last
+            else torch.full((n,), -0.0, device=ids.device)
+        )
+        self._unsent = out  # filled in on every stage by `optimizer_step`, before anything reads them
         return list(out.unbind())
 
     def _schedule_for(self, key: tuple[Any, ...]) -> Any:
@@ -257,6 +267,29 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         return loss if weight is None else loss * weight
 
     # -- step -------------------------------------------------------------------------------
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+    ) -> StepResult:
+        """The mesh strategy's step; first the window's losses go from the last stage to every stage
+        (they stay tensors until a log step reads them). Where pp is 2 and the gradients are clipped
+        without tp, they travel in the norm's all-reduce instead (`clip_gradients`): a sum of two values
+        is the same in either order, so the norm is the one a lone all-reduce gives, and one collective
+        a step is saved."""
+        if not (max_grad_norm and self._folds_losses):
+            self._send_losses()
+        return super().optimizer_step(model, optimizer, max_grad_norm)
+
+    @property
+    def _folds_losses(self) -> bool:
+        return self.shape.pp == 2 and self.shape.tp == 1
+
+    def _send_losses(self) -> None:
+        out, self._unsent = self._unsent, None
+        if out is not None:
+            import torch.distributed as dist
+
+            dist.broadcast(out, src=self._loss_rank, group=self._pp_group)
+
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The 2-norm over every stage's gradients (each parameter lives on one stage; under dp_shard
         its shards' norm is DTensor's over the stage's ranks; under tp, where the split layers' DTensors
@@ -276,7 +309,15 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         if isinstance(local, DTensor):
             local = local.full_tensor()
         squares = local.float().pow(2).to(self.root_device)
-        dist.all_reduce(squares, group=self.pp_group)
+        losses = self._unsent
+        if losses is not None and self._folds_losses:  # the window's losses in the same all-reduce
+            self._unsent = None
+            both = torch.cat([squares.reshape(1), losses])
+            dist.all_reduce(both, group=self._pp_group)
+            squares = both[0]
+            losses.copy_(both[1:])
+        else:
+            dist.all_reduce(squares, group=self._pp_group)
         norm = squares.sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
@@ -305,7 +346,8 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     # -- checkpoints and export -------------------------------------------------------------
     @property
     def pp_group(self) -> Any:
-        return self.device_mesh["pp"].get_group()
+        """The process group of this rank's pipeline (the mesh's `pp` axis)."""
+        return self._pp_group
 
     def checkpoint_io(self) -> Any:
         from kiln.strategies.mesh.pipeline_checkpoint import PipelineCheckpointIO
@@ -333,7 +375,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         return {k: v for part in parts for k, v in part.items()}
 
     def teardown(self) -> None:
-        self._schedule = None
+        self._schedule, self._pp_group, self._unsent = None, None, None
         self._stages, self.stage_forwards = [], []
         super().teardown()
 

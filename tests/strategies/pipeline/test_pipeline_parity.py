@@ -4,7 +4,8 @@ processes, as `strategy: {name: model_parallel, mesh: {pp: 2}}` on a tiny Llama 
 - every schedule (GPipe, 1F1B, and with 2 stages a rank interleaved 1F1B, interleaved zero bubble and
   ZBV) gives the per-step losses and the final weights of `single` on the same global batch (windows of
   2 micro-batches whose item counts differ, and a short last window of 1), with SGD with momentum and
-  global gradient clipping;
+  global gradient clipping (the losses reach the first stage in the norm's all-reduce), and without
+  clipping every rank logs the last stage's losses too (a broadcast of their own);
 - each rank holds the stages' layers torch's schedule places on it (1 stage a rank: layers 0-1 with the
   embeddings, 2-3 with the norm and lm_head; loop style: 0 and 2 / 1 and 3; V: 0 and 3 with both ends /
   1 and 2), under the full model's names, and the saved model gathers every stage's weights on rank 0;
@@ -81,6 +82,9 @@ def worker(out: str, one_process_checkpoint: str) -> None:
         losses, state, _ = train(os.path.join(out, name), pp(schedule), teardown=False, resume=checkpoint)
         results[name] = {"losses": losses, "state": state}
 
+    # without clipping, the losses reach the first stage by a broadcast (with it, in the norm's all-reduce)
+    results["unclipped"] = train(os.path.join(out, "unclipped"), pp("gpipe"), max_grad_norm=0.0)[0]
+
     class OwnLoss(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -125,11 +129,15 @@ def test_pipeline_schedules_equal_single_evaluate_and_resume_across_meshes(tmp_p
             assert ("lm_head.weight" in state) is head and ("model.norm.weight" in state) is head, schedule
         assert not set(states[0]) & set(states[1])
         close({**states[0], **states[1]}, want, schedule)
-        for rank in ranks:  # the last stage's losses, broadcast to the other
+        for rank in ranks:  # the last stage's losses, sent to the other
             torch.testing.assert_close(rank[schedule]["losses"], want_losses, rtol=1e-5, atol=1e-5)
         exported = ranks[0][f"{schedule} export"]  # the saved model: every stage's weights on rank 0
         assert ranks[1][f"{schedule} export"] == {}
         close(exported, want, f"{schedule} export")
+
+    unclipped = [rank["unclipped"] for rank in ranks]  # rank 0 holds no loss: rank 1's were sent to it
+    assert len(unclipped[0]) == 4 and unclipped[0] == unclipped[1]
+    torch.testing.assert_close(unclipped[0][0], want_losses[0], rtol=1e-5, atol=1e-5)  # no update yet
 
     for rank in ranks:  # evaluation runs the whole model, stage to stage, on every rank
         torch.testing.assert_close(rank["1f1b"]["evals"], want_evals, rtol=1e-5, atol=1e-5)

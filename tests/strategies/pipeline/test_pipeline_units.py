@@ -360,3 +360,16 @@ def test_a_stage_output_travels_with_its_dtype_and_shape_and_a_batch_evaluation_
         KilnError, match="evaluates from input_ids, attention_mask and labels, and the batch holds pixel"
     ):
         ChainedForward(None, None)(torch.zeros(1, 2), pixel_values=torch.zeros(1), return_dict=True)
+
+
+def test_the_losses_ride_in_the_norms_all_reduce_only_where_a_sum_of_two_leaves_the_norm_as_it_was():
+    """pp 2 without tp: the two stages' squares sum in either order alike, and the norm is pp's own
+    all-reduce; with tp the norm is clip.py's (the losses go by broadcast), and with more stages the
+    order of the sum could change the norm's last bit (they go by broadcast too)."""
+    from kiln.strategies.mesh.pipeline import PipelineStrategy
+
+    folds = PipelineStrategy._folds_losses.fget  # type: ignore[attr-defined]
+    assert folds(SimpleNamespace(shape=ParallelDims(pp=2))) is True
+    assert folds(SimpleNamespace(shape=ParallelDims(pp=2, dp_shard=2))) is True
+    assert folds(SimpleNamespace(shape=ParallelDims(pp=2, tp=2))) is False
+    assert folds(SimpleNamespace(shape=ParallelDims(pp=4))) is False
