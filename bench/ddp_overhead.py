@@ -142,10 +142,15 @@ def timed_fit(model: nn.Module, data: list, cfg: dict) -> tuple[list[tuple[float
     try:
         trainer = Trainer(model, {"output_dir": out, **cfg}, train_dataset=data, callbacks=[Clock()])
         trainer.fit()
-    finally:
-        dist.barrier()
+    except BaseException:
+        # no barrier here: a rank that failed mid-window would wait in it for the ranks still blocked on
+        # its pipeline sends, and they for it; exiting lets the launcher stop them
         if dist.get_rank() == 0:
             shutil.rmtree(out, ignore_errors=True)
+        raise
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(out, ignore_errors=True)
     return _durations(ends), trainer
 
 

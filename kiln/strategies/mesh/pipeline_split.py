@@ -187,11 +187,13 @@ def stage_decoder(decoder: Any, layers: Sequence[nn.Module], *, first: bool, las
     """A view of `decoder` that holds one stage's pieces only: a shallow copy sharing every module
     (the rotary embedding, the config) but with its own table of submodules, so that its forward runs
     the stage's layers alone and its `parameters()` are the stage's (a zero-bubble schedule computes
-    each stage's weight gradients over exactly those)."""
+    each stage's weight gradients over exactly those). Its tables are its own, its hooks' too: a hook
+    registered on one stage's view (FSDP's gathers of that stage's root, direct_calls.py) must not run
+    when another stage of the same rank runs its view, nor on the decoder itself."""
     view = copy.copy(decoder)
-    view._modules = dict(decoder._modules)
-    view._parameters = dict(decoder._parameters)
-    view._buffers = dict(decoder._buffers)
+    for name, value in vars(decoder).items():  # _modules, _parameters, _buffers, the hook dicts, ...
+        if isinstance(value, (dict, set)):
+            vars(view)[name] = copy.copy(value)
     view.layers = StageLayers({str(i): layer for i, layer in enumerate(layers)})
     if not first:
         view.embed_tokens = None

@@ -12,9 +12,10 @@ evaluation during training and called by hand equals single's; a mid-run checkpo
 same mesh bitwise (losses and every rank's local tensors) equal to the run that never stopped, and on
 one process (`model_parallel` without pp) within 1e-5 of single. ZBV's losses and weights equal
 single's too, and under pp x tp so do GPipe's and interleaved 1F1B's (two stages a rank, each split over
-tp), each in a world of its own.
+tp), and under pp x dp_replicate interleaved ZB's over windows of 4 micro-batches (where ZB1P runs a
+rank's other stage between one stage's input and weight backwards), each in a world of its own.
 
-Run by `run_world`, this file is the worker (`python THIS OUT MESH [SCHEDULE]`)."""
+Run by `run_world`, this file is the worker (`python THIS OUT MESH [SCHEDULE [WINDOW]]`)."""
 
 from __future__ import annotations
 
@@ -55,9 +56,9 @@ def _norms(trainer: Any) -> list[float]:
     return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
 
 
-def worker(out: str, mesh: str, schedule: str | None = None) -> None:
+def worker(out: str, mesh: str, schedule: str | None = None, window: str = "2") -> None:
     rank = int(os.environ["RANK"])
-    batch = BATCH[mesh]
+    batch = {**BATCH[mesh], "gradient_accumulation_steps": int(window)}
     if schedule is not None:  # one schedule's run alone: its losses and the model gathered on rank 0
         losses, _, trainer = train(os.path.join(out, schedule), strategy(mesh, schedule), teardown=False, **batch)
         export = trainer.strategy.model_state_for_export(trainer.model)
@@ -169,6 +170,22 @@ def test_pp_x_tp_schedule_equals_single(tmp_path, schedule):
     for r, rank in enumerate(ranks):
         torch.testing.assert_close(rank["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=f"rank {r} {schedule}")
     close(ranks[0]["export"], want, f"pp x tp, {schedule}: the saved model, gathered on rank 0")
+    assert all(rank["export"] == {} for rank in ranks[1:])
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+def test_pp_x_dp_replicate_interleaved_zb_equals_single_over_windows_of_4(tmp_path):
+    run_world(__file__, tmp_path, "dp_replicate", "interleaved_zb", "4", nproc=4, timeout=900)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    single = {"name": "single", "device": "cpu"}
+    want_losses, want, _ = train(
+        str(tmp_path / "single"), single, **SINGLE_BATCH["dp_replicate"], gradient_accumulation_steps=4
+    )
+    assert len(want_losses) == 3  # 22 samples: 2 windows of 8, then one of 6
+    for r, rank in enumerate(ranks):
+        torch.testing.assert_close(rank["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=f"rank {r}")
+    close(ranks[0]["export"], want, "pp x dp_replicate, interleaved_zb: the saved model, gathered on rank 0")
     assert all(rank["export"] == {} for rank in ranks[1:])
 
 

@@ -8,9 +8,12 @@
   and its mid-run checkpoint resumes under the same mesh bitwise and on one process (`model_parallel`
   without pp) equal to single; the last checkpoint of each, converted by `kiln convert`, holds exactly
   the weights the run exported; with bf16 the first step's loss is single bf16's within 2e-6, and the
-  later losses and the weights within bf16's rounding (2e-3).
+  later losses and the weights within bf16's rounding (2e-3);
+- heavy, each in a world of its own: GPipe, interleaved 1F1B, interleaved ZB (ZB1P) and ZBV over windows
+  of 4 micro-batches, whose losses and final weights equal single's (with a window of 2, ZB1P never runs
+  a rank's other stage between one stage's input and weight backwards: a window of 4 does).
 
-Run by `run_world`, this file is the worker (`python THIS OUT`)."""
+Run by `run_world`, this file is the worker (`python THIS OUT [SCHEDULE]`)."""
 
 from __future__ import annotations
 
@@ -115,6 +118,17 @@ def _fake_rank(rank: int, *, clip: bool, caplog: Any) -> None:
         strategy.teardown()
     finally:
         dist.destroy_process_group()
+
+
+#: windows of 4 micro-batches (2 data shards x 4 of 1, single 4 of 2): 22 samples are 2 steps, then one of 3
+WINDOW4 = {"gradient_accumulation_steps": 4}
+
+
+def one_schedule(out: str, schedule: str) -> None:
+    """One schedule's run alone, over windows of 4: its losses, and the model gathered on rank 0."""
+    losses, _, trainer = train(os.path.join(out, schedule), pp_dp(schedule), teardown=False, **PP_DP_BATCH, **WINDOW4)
+    export = trainer.strategy.model_state_for_export(trainer.model)
+    torch.save({"losses": losses, "export": export}, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
 
 
 def worker(out: str) -> None:
@@ -235,5 +249,23 @@ def test_pp_x_dp_shard_equals_single_and_its_checkpoint_resumes_bitwise_and_on_o
     close(resumed, want, "pp x dp_shard → one process")
 
 
+@pytest.mark.heavy
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b", "interleaved_zb", "zbv"])
+def test_each_schedule_beside_dp_shard_equals_single_over_windows_of_4(tmp_path, schedule):
+    run_world(__file__, tmp_path, schedule, nproc=4, timeout=900)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    single = {"name": "single", "device": "cpu"}
+    want_losses, want, _ = train(str(tmp_path / "single"), single, **ONE_BATCH, **WINDOW4)
+    assert len(want_losses) == 3
+    for r, rank in enumerate(ranks):
+        torch.testing.assert_close(rank["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=f"rank {r} losses")
+    close(ranks[0]["export"], want, f"{schedule} x dp_shard: the saved model, gathered on rank 0")
+    assert all(rank["export"] == {} for rank in ranks[1:])
+
+
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    if len(sys.argv) > 2:
+        one_schedule(sys.argv[1], sys.argv[2])
+    else:
+        worker(sys.argv[1])

@@ -134,6 +134,29 @@ def test_two_stages_a_rank_hold_their_own_parameters_and_chained_compute_the_log
     torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_hook_on_one_stages_view_runs_for_that_stage_alone():
+    """Under FSDP each stage's root gathers its parameters around calls of its decoder view
+    (direct_calls.py). Views that shared the decoder's hook tables ran every stage's hooks on every
+    view: stage 1's forward resharded stage 3's root between its input and weight backwards, and
+    interleaved_zb beside dp_shard failed (torch's KeyError on an AccumulateGrad node)."""
+    model = llama()
+    decoder = decoder_of(model)
+    ranges = stage_layers([1] * 4, 4, None)
+    one, three = _stages(model, ranges, [1, 3], 4)  # rank 1 of a loop-style pp 2
+    ran: list[str] = []
+    three.decoder.register_forward_pre_hook(lambda *_: ran.append("pre"))
+    three.decoder.register_forward_hook(lambda *_: ran.append("post"), always_call=True)
+    three.decoder.register_buffer("extra", torch.zeros(1), persistent=False)
+    hidden = torch.randn(2, 5, 32)
+    one(hidden)
+    assert ran == []
+    three(hidden)
+    assert ran == ["pre", "post"]
+    for other in (one.decoder, decoder):  # nothing registered on the view leaks into the others
+        assert not other._forward_hooks and not other._forward_pre_hooks and not other._forward_hooks_always_called
+        assert "extra" not in dict(other.named_buffers()) and "extra" not in other._non_persistent_buffers_set
+
+
 def test_configure_pipeline_gives_the_split_and_a_bad_one_is_one_sentence():
     model = llama()
     decoder = decoder_of(model)
