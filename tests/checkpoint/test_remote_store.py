@@ -17,7 +17,7 @@ from kiln.engine.checkpoint.in_use import LOCK, OutputDirInUse
 from kiln.engine.checkpoint.integrity import MARKER
 from kiln.engine.checkpoint.remote import RemoteCheckpoints, UploadFailed, is_remote
 from kiln.utils.errors import ConfigError
-from tests.checkpoint.checkpoint_helpers import train
+from tests.checkpoint.lease_fixtures import run_dir  # noqa: F401 (a fixture)
 from tests.checkpoint.s3_server import s3_endpoint
 from tests.installed import requires
 
@@ -28,14 +28,6 @@ pytestmark = [requires("s3fs", "pip install kiln[s3]"), requires("moto", "pip in
 def s3():  # type: ignore[no-untyped-def]
     with s3_endpoint("kiln-bucket") as options:
         yield options
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """A local output_dir with complete checkpoints at steps 5 and 10."""
-    out = str(tmp_path_factory.mktemp("local") / "out")
-    train(out, {"max_steps": 10, "save_steps": 5})
-    return out
 
 
 @pytest.fixture
