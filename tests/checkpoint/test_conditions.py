@@ -17,6 +17,24 @@ def test_a_store_without_conditional_writes_gets_none() -> None:
     assert conditions_for(fsspec.filesystem("file")) is None
 
 
+def test_a_store_named_s3_or_gs_without_their_clients_calls_gets_none() -> None:
+    """Another fsspec implementation registered for the scheme (not s3fs, not gcsfs) has no conditional
+    writes kiln knows how to ask for; and s3fs's or gcsfs's calls alone do not make a store S3 or GCS."""
+
+    class Named:
+        def __init__(self, protocol: object, *calls: str) -> None:
+            self.protocol = protocol
+            for name in calls:
+                setattr(self, name, lambda *a, **kw: None)
+
+    assert conditions_for(Named(("s3", "s3a"))) is None
+    assert conditions_for(Named("memory", "call_s3")) is None
+    assert conditions_for(Named(("gs", "gcs"), "call")) is None
+    assert conditions_for(Named("memory", "call", "base")) is None
+    assert isinstance(conditions_for(Named(("s3", "s3a"), "call_s3")), S3Conditions)
+    assert isinstance(conditions_for(Named(("gs", "gcs"), "call", "base")), GCSConditions)
+
+
 @requires("s3fs", "pip install kiln[s3]")
 def test_s3_gets_s3s_conditions() -> None:
     import s3fs
