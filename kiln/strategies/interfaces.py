@@ -116,7 +116,9 @@ class OwnsMicroBatchWindow(ABC):
 
     @abstractmethod
     def run_window(self, model: nn.Module, window: list[Any], weights: LossWeights | None) -> list[torch.Tensor]:
-        """Forward and backward of every micro-batch of `window`; their detached weighted losses."""
+        """Forward and backward of every micro-batch of `window`; their detached weighted losses. Their
+        values may be completed in place by the strategy's `optimizer_step` (a pipeline's first stages get
+        them from the last stage in the step's collectives): the loop reads them only after that step."""
 
 
 class ReportsStepFigures(ABC):

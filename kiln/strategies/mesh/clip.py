@@ -26,6 +26,37 @@ def clip_global_norm(
     return clip_across_meshes(_grads(params), max_norm, world, world, device)
 
 
+def clip_over_stages(
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    group: object,
+    device: torch.device,
+    riders: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A pipeline's clipping: each stage's norm (DTensor's over its dp_shard ranks), their squares summed
+    over the pipeline `group`, then each stage's gradients scaled by the same factor; returns the norm.
+    `riders` (a 1-d float tensor) are summed over `group` in the same all-reduce and written back in
+    place: one collective instead of two, and the sum of the squares is the one a lone all-reduce gives
+    (it is the same element, summed in the same order)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    local = torch.nn.utils.get_total_norm(_grads(params), 2.0)
+    if isinstance(local, DTensor):
+        local = local.full_tensor()
+    squares = local.float().pow(2).to(device)
+    if riders is not None:
+        both = torch.cat([squares.reshape(1), riders])
+        dist.all_reduce(both, group=group)
+        squares = both[0]
+        riders.copy_(both[1:])
+    else:
+        dist.all_reduce(squares, group=group)
+    norm = squares.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]  # every one has a gradient (the caller's contract)
 

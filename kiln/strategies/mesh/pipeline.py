@@ -296,31 +296,16 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         and the whole norms' tensors cannot be mixed in one norm, clip.py's sum over every rank, each
         piece weighted by how many of the stage's ranks hold it), then each stage's gradients scaled by
         the same factor."""
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
+        from kiln.strategies.mesh.clip import clip_across_meshes, clip_over_stages
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.shape.tp > 1:
-            from kiln.strategies.mesh.clip import clip_across_meshes
-
             grads = [p.grad for p in params if p.grad is not None]
             return clip_across_meshes(grads, max_norm, self.shape.stage_ranks, self.world_size, self.root_device)
-        local = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-        if isinstance(local, DTensor):
-            local = local.full_tensor()
-        squares = local.float().pow(2).to(self.root_device)
-        losses = self._unsent
-        if losses is not None and self._folds_losses:  # the window's losses in the same all-reduce
-            self._unsent = None
-            both = torch.cat([squares.reshape(1), losses])
-            dist.all_reduce(both, group=self._pp_group)
-            squares = both[0]
-            losses.copy_(both[1:])
-        else:
-            dist.all_reduce(squares, group=self._pp_group)
-        norm = squares.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        riders = None
+        if self._folds_losses:  # the window's losses ride in the norm's all-reduce
+            riders, self._unsent = self._unsent, None
+        return clip_over_stages(params, max_norm, self._pp_group, self.root_device, riders)
 
     # -- collectives: the stages hold copies of what the loop counts ---------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
