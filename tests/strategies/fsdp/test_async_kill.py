@@ -8,8 +8,8 @@ optimizer.pt, each fsync, the rename into place, rotation's removals). After eve
 checkpoint is intact (COMPLETE and every digest check, its files byte for byte as before), nothing
 named checkpoint-<step> is incomplete, the newest checkpoint is the one the kill point allows, the
 next run resumes from it, and the run ends bitwise equal to one that was never killed. SIGTERM to one
-rank of `full_shard` while a save is in flight waits for that save and the step's own before the run
-says it was preempted, and the resumed run ends bitwise too.
+rank while a save is in flight (each case, in its final world) waits for that save and the step's own
+before the run says it was preempted, and the resumed run ends bitwise too.
 
 K counts the victim's background steps from the start of its run. Sharded (`full_shard`, and
 `model_parallel_tp` alike, step for step): rank 0 (DCP's coordinator and kiln's writer) takes 25 per
@@ -137,24 +137,38 @@ def _equal(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    return _killed_runs(tmp_path_factory.mktemp("fsdp_async_kill"), "full_shard", 8, POINTS["full_shard"], ("sigterm",))
+    """case -> what its default kill points and its final world (with the SIGTERM run) wrote; each case's
+    worlds run once, for the tests of both signals, whatever their order."""
+    done: dict[str, dict] = {}
+
+    def run(case: str) -> dict:
+        if case not in done:
+            out = tmp_path_factory.mktemp(f"async_kill_{case}")
+            done[case] = _killed_runs(out, case, 8, POINTS[case], ("sigterm",))
+        return done[case]
+
+    return run
 
 
 def test_sigkill_during_an_async_sharded_save_resumes_the_newest_intact_checkpoint_bitwise(killed):
-    _equal(killed["resumed"], killed["straight"])
+    final = killed("full_shard")
+    _equal(final["resumed"], final["straight"])
 
 
-def test_sigterm_to_one_rank_waits_for_the_save_in_flight_and_resumes_bitwise(killed):
-    assert killed["in_flight_at_step_3"]  # checkpoint-2 was still being written when step 3 ended
-    assert killed["preempted_at"] == 3
-    assert killed["complete_when_preempted"] == [True, True]  # the one in flight and the step's own
-    assert killed["preempted_resumed_from"] == "checkpoint-3"
-    _equal(killed["preempted"], killed["straight"])
+@pytest.mark.parametrize("case", ["full_shard", "model_parallel_tp", "fsdp_full"])
+def test_sigterm_to_one_rank_waits_for_the_save_in_flight_and_resumes_bitwise(killed, case):
+    final = killed(case)
+    assert final["in_flight_at_step_3"]  # checkpoint-2 was still being written when step 3 ended
+    assert final["preempted_at"] == 3
+    # the one in flight and the step's own, on each rank when it said it was preempted
+    assert final["complete_when_preempted"] == [[True, True], [True, True]]
+    assert final["preempted_resumed_from"] == "checkpoint-3"
+    _equal(final["preempted"], final["straight"])
 
 
 @pytest.mark.parametrize("case", ["model_parallel_tp", "fsdp_full"])
-def test_sigkill_during_an_async_save_under_model_parallel_and_full_checkpoints_resumes_bitwise(tmp_path, case):
-    final = _killed_runs(tmp_path, case, 8, POINTS[case], ())
+def test_sigkill_during_an_async_save_under_model_parallel_and_full_checkpoints_resumes_bitwise(killed, case):
+    final = killed(case)
     _equal(final["resumed"], final["straight"])
 
 

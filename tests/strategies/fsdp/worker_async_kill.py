@@ -17,12 +17,13 @@ writes model.safetensors and optimizer.pt).
 - `trace`: the same run into OUT/trace, not killed; each rank writes OUT/trace-<rank>.txt, its counted
   steps in order (`thread op path`): what K counts.
 - `final [sigterm]`: resumes OUT/run to the end, then trains an uninterrupted run in OUT/straight; with
-  `sigterm` (full_shard only), also a run into OUT/preempted whose rank 1 alone gets SIGTERM in step 3
-  while checkpoint-2's write is held in flight (DCP's coordinator, rank 0, waits before `.metadata` until
-  rank 0's step 3 has ended), then that run resumed to the end. Rank 0 writes OUT/final.pt: the final
+  `sigterm`, also a run into OUT/preempted whose rank 1 alone gets SIGTERM in step 3 while checkpoint-2's
+  write is held in flight on rank 0 until its step 3 has ended (a sharded case's in DCP's coordinator,
+  before `.metadata`; `fsdp_full`'s on kiln's writer thread, before model.safetensors), then that run
+  resumed to the end. Rank 0 writes OUT/final.pt: the final
   weights, and for `sigterm` whether checkpoint-2 was complete at the end of step 3 and whether
-  checkpoint-2 and -3 were complete when the run said it was preempted, and the checkpoint its resumed
-  run loaded.
+  checkpoint-2 and -3 were complete when the run said it was preempted (as each rank saw them), and the
+  checkpoint its resumed run loaded.
 
 Rank 0 of each run into OUT/run appends `<MODE and arguments> <checkpoint it loaded, or fresh>` to
 OUT/resumes.log when training begins; the victim appends the step it dies at (`kill-VICTIM-K thread op
@@ -125,16 +126,45 @@ def trainer(root: str, **save: Any) -> Any:
     return t
 
 
-def preempted_run(result: dict) -> None:
-    """SIGTERM to rank 1 alone in step 3 while checkpoint-2's write is in flight (held in DCP on rank 0)."""
-    run = os.path.join(out, "preempted")
-    folder = os.path.join(run, case)
-    release, finish = threading.Event(), filesystem._FileSystemWriter.finish
+def hold_checkpoint_2(release: threading.Event) -> Callable[[], None]:
+    """Hold checkpoint-2's background write on rank 0 until `release` is set; returns what undoes it. A
+    sharded case's (DCP's async_save) is held in its coordinator's `finish`, before `.metadata`, on DCP's
+    thread; `fsdp_full`'s before model.safetensors, on kiln's writer thread (rank 1 writes nothing there)."""
+    held = ".checkpoint-2.tmp"
+    if case == "fsdp_full":
+        save_weights = checkpoint_io.save_weights
 
-    def held_finish(self: Any, *args: Any, **kwargs: Any) -> Any:  # DCP's coordinator (rank 0), on DCP's thread
-        if self.path.parent.name == ".checkpoint-2.tmp":
+        def held_weights(weights: Any, directory: str, *args: Any, **kwargs: Any) -> Any:
+            if os.path.basename(directory) == held:
+                assert release.wait(120), "step 3 never ended"
+            return save_weights(weights, directory, *args, **kwargs)
+
+        checkpoint_io.save_weights = held_weights
+
+        def undo() -> None:
+            checkpoint_io.save_weights = save_weights
+
+        return undo
+    finish = filesystem._FileSystemWriter.finish
+
+    def held_finish(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.path.parent.name == held:
             assert release.wait(120), "step 3 never ended"
         return finish(self, *args, **kwargs)
+
+    filesystem._FileSystemWriter.finish = held_finish
+
+    def undo_finish() -> None:
+        filesystem._FileSystemWriter.finish = finish
+
+    return undo_finish
+
+
+def preempted_run(result: dict) -> None:
+    """SIGTERM to rank 1 alone in step 3 while checkpoint-2's write is in flight (held on rank 0)."""
+    run = os.path.join(out, "preempted")
+    folder = os.path.join(run, case)
+    release = threading.Event()
 
     class SigtermInStep3(Callback):
         def on_step_begin(self, config: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -149,18 +179,22 @@ def preempted_run(result: dict) -> None:
     stop = Preemption.stop
 
     def recorded_stop(self: Any, step: int) -> None:
-        result["complete_when_preempted"] = [is_complete(os.path.join(folder, f"checkpoint-{s}")) for s in (2, 3)]
+        complete = [is_complete(os.path.join(folder, f"checkpoint-{s}")) for s in (2, 3)]
+        seen: list[Any] = [None] * dist.get_world_size()  # as each rank saw them (every rank stops here)
+        dist.all_gather_object(seen, complete)
+        result["complete_when_preempted"] = seen
         result["preempted_at"] = step
         stop(self, step)
 
-    filesystem._FileSystemWriter.finish = held_finish
+    undo = hold_checkpoint_2(release)
     Preemption.stop = recorded_stop  # type: ignore[method-assign]
     if rank == 1:
-        release.set()  # only the coordinator's finish holds the write
+        release.set()  # only rank 0's write is held
     preempted = trainer(run, on_preemption=True)
     preempted.add_callback(SigtermInStep3())
     preempted.fit()
-    filesystem._FileSystemWriter.finish, Preemption.stop = finish, stop  # type: ignore[method-assign]
+    undo()
+    Preemption.stop = stop  # type: ignore[method-assign]
     resumed = trainer(run)
     resumed.fit(resume_from_checkpoint="if_exists")
     result["preempted"], result["preempted_resumed_from"] = cases.full_weights(resumed), resumed.resumed.loaded
