@@ -13,7 +13,7 @@ import itertools
 import json
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -209,6 +209,11 @@ def _multipart(body: bytes, content_type: str) -> tuple[dict[str, Any], bytes]:
     return meta, body[head.end() : end]  # type: ignore[union-attr]
 
 
+def gcs_options(endpoint: str) -> dict[str, Any]:
+    """gcsfs's options that reach the server at `endpoint` (anonymous: it checks no credentials)."""
+    return {"endpoint_url": endpoint, "token": "anon", "project": "kiln"}
+
+
 @contextlib.contextmanager
 def gcs_endpoint(bucket: str) -> Iterator[dict[str, Any]]:
     """Start the server with `bucket` in it; yields the storage options that reach it. fsspec keeps file
@@ -220,34 +225,35 @@ def gcs_endpoint(bucket: str) -> Iterator[dict[str, Any]]:
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="kiln-test-gcs", daemon=True)
     thread.start()
+    undo = standard_bucket_layout()
     try:
-        with _standard_bucket_layout():
-            options = {"endpoint_url": f"http://127.0.0.1:{server.server_port}", "token": "anon", "project": "kiln"}
-            gcsfs.GCSFileSystem(**options).mkdir(bucket)
-            yield options
+        options = gcs_options(f"http://127.0.0.1:{server.server_port}")
+        gcsfs.GCSFileSystem(**options).mkdir(bucket)
+        yield options
     finally:
+        undo()
         gcsfs.GCSFileSystem.clear_instance_cache()
         server.shutdown()
         server.server_close()
 
 
-@contextlib.contextmanager
-def _standard_bucket_layout() -> Iterator[None]:
+def standard_bucket_layout() -> Callable[[], None]:
     """gcsfs (its default ExtendedGcsFileSystem) asks GCS's storage control API, over gRPC, whether a bucket
     is zonal before it reads or writes; this server has no gRPC, and its buckets are standard ones: say so
-    without asking."""
+    without asking, in this process (a worker of the tests' worlds too: store_world.py). Returns what
+    undoes it."""
     try:
         from gcsfs.extended_gcsfs import BucketType, ExtendedGcsFileSystem
     except ImportError:  # an older gcsfs: it never asks
-        yield
-        return
+        return lambda: None
 
     async def standard(self: Any, bucket: str) -> Any:
         return BucketType.NON_HIERARCHICAL
 
     asked = ExtendedGcsFileSystem._get_bucket_type
     ExtendedGcsFileSystem._get_bucket_type = standard  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
+
+    def undo() -> None:
         ExtendedGcsFileSystem._get_bucket_type = asked  # type: ignore[method-assign]
+
+    return undo

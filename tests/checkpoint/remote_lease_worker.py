@@ -1,10 +1,11 @@
-"""The 2-process leg of tests/checkpoint/test_remote_lease.py's lost-lease world: both ranks of a gloo world
+"""The 2-process leg of tests/checkpoint/test_lease_lost.py's lost-lease world: both ranks of a gloo world
 train into URL-<variant> (a store, save.remote_dir; global rank 0 uploads) with checkpoints every 5 steps,
 synchronous and then with save.async_save; at step 7 another run takes the run lock over from rank 0's
 process, the lock's holder. Variant "outputs" runs as `kiln fit` does (kiln.cli.fit: fit, then save_model
 and save_state under the run lock) and the lock is taken over at the end of fit, so that rank 0 meets the
 lost lease uploading the exported model. Each rank writes what it raised, [type name, sentence], in
-ROOT/<variant>_<RANK>.json. Usage: remote_lease_worker.py ROOT URL ENDPOINT"""
+ROOT/<variant>_<RANK>.json. URL's scheme names the store (s3 or gs), ENDPOINT its test server
+(store_world.py). Usage: remote_lease_worker.py ROOT URL ENDPOINT"""
 
 import json
 import os
@@ -25,7 +26,7 @@ from tests.checkpoint.checkpoint_helpers import config, make_model, regression_d
 from tests.checkpoint.store_world import store_options  # noqa: E402
 
 root, url, endpoint = sys.argv[1:4]
-options = store_options(endpoint)
+options = store_options(endpoint, url.split("://", 1)[0])  # s3:// on moto's server, gs:// on gcs_server.py's
 
 
 class TakenOver(Callback):

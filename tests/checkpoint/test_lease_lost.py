@@ -17,7 +17,7 @@ from kiln.engine.checkpoint.lease import Lease, LeaseLost
 from kiln.engine.checkpoint.remote import RemoteCheckpoints
 from tests.checkpoint.checkpoint_helpers import train
 from tests.checkpoint.lease_fixtures import bucket, holder_of, options, rival, run_dir, scheme, url  # noqa: F401 (fixtures)
-from tests.checkpoint.stores import STORES
+from tests.checkpoint.store_world import endpoint_of
 
 
 def test_a_holder_whose_lease_was_taken_over_stops_writing_and_leaves_the_new_holders_work(
@@ -136,7 +136,6 @@ def test_a_run_whose_lease_is_taken_over_fails_at_its_next_save(options, url, tm
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("scheme", STORES[:1], indirect=True)  # the world's workers reach S3 (store_world.py)
 def test_a_lost_lease_stops_every_rank_of_a_world_with_its_sentence(options, url, tmp_path):
     """Global rank 0 alone uploads; at the save after another run took the lock over, every rank raises
     LeaseLost with rank 0's sentence (tests/checkpoint/remote_lease_worker.py: 2 processes, gloo): where a
@@ -148,7 +147,7 @@ def test_a_lost_lease_stops_every_rank_of_a_world_with_its_sentence(options, url
         os.path.join(os.path.dirname(__file__), "remote_lease_worker.py"),
         tmp_path,
         url,
-        options["client_kwargs"]["endpoint_url"],
+        endpoint_of(options),  # the workers reach the same server (store_world.py)
         timeout=300,
     )
     for variant in ("sync", "async", "outputs"):
