@@ -13,7 +13,8 @@ def unsupported_settings(s: Any, config: Any) -> dict[str, bool]:
     settings = {
         "offload": s.offload,
         "cpu_ram_efficient_loading": s.cpu_ram_efficient_loading,
-        "activation_checkpointing": s.activation_checkpointing,
+        # the strategy's alias (`activation_checkpointing: true`) or the config's section (mode full or selective)
+        "activation_checkpointing": s.activation_checkpointing or _checkpointing_mode(config) is not None,
         # beside tp, each axis splits by the model's own plan (auto); a mapping would name layers a pp stage
         # does not hold, or ep's experts
         "tp_plan as a mapping (the model's own plan, auto, runs beside tp)": s.tp_plan not in (None, "auto"),
@@ -26,6 +27,12 @@ def unsupported_settings(s: Any, config: Any) -> dict[str, bool]:
         )
         settings["train.gradient_checkpointing"] = bool(train.gradient_checkpointing)
     return settings
+
+
+def _checkpointing_mode(config: Any) -> Any:
+    """The config's `activation_checkpointing.mode` (None: off, or a config without the section)."""
+    section = None if config is None else getattr(config, "get", lambda key: None)("activation_checkpointing")
+    return None if section is None else section.get("mode")
 
 
 def refuse(axis: str, size: int, settings: dict[str, bool]) -> None:

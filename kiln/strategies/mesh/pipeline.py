@@ -86,9 +86,11 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     _unsent: torch.Tensor | None = None
 
     def _check_settings(self) -> None:
-        super()._check_settings()
+        # pp's own refusals first (as ep's): the mesh's checks would name a setting pp leaves out in a sentence
+        # about another mesh (offload: "tensor parallel alone")
         self.pipeline = read_pipeline(self.option("pipeline"))
         check_pipeline(self.pipeline, self.shape, self.settings, self.config, self.precision.name)
+        super()._check_settings()
 
     # -- topology: every stage reads the same batches ------------------------------------------
     @property

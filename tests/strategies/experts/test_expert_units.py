@@ -151,6 +151,7 @@ def test_models_ep_cannot_split_are_refused():
         ({"strategy": {"tp_plan": {"model.layers.*.self_attn.q_proj": "colwise"}}}, r"tp_plan as a mapping"),
         ({"strategy": {"sequence_parallel": True}}, "sequence_parallel"),
         ({"train": {"gradient_checkpointing": True}}, "train.gradient_checkpointing"),
+        ({"activation_checkpointing": {"mode": "selective"}}, "activation_checkpointing"),
         ({"train": {"torch_compile": True}}, "train.torch_compile"),
     ],
 )

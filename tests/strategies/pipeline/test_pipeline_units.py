@@ -329,6 +329,10 @@ def test_what_the_pipeline_cannot_run_yet_is_refused_at_config_load():
         check_pipeline(ok, pp2, MeshSettings(offload=True), _config(torch_compile=True), "fp32")
     with pytest.raises(ConfigError, match=r"precision fp16"):
         check_pipeline(ok, pp2, MeshSettings(), _config(), "fp16")
+    for mode in ("full", "selective"):  # the config's section, as its alias gradient_checkpointing
+        checkpointing = OmegaConf.merge(_config(), {"activation_checkpointing": {"mode": mode}})
+        with pytest.raises(ConfigError, match=r"pp 2 does not run with activation_checkpointing yet; drop it"):
+            check_pipeline(ok, pp2, MeshSettings(), checkpointing, "fp32")
     check_pipeline(ok, pp2, MeshSettings(), OmegaConf.merge(_config(), {"eval": {"strategy": "steps"}}), "fp32")
     with pytest.raises(ConfigError, match=r"does not run with eval.compile, eval.predict_with_generate \(generation"):
         generate = {"eval": {"compile": True, "predict_with_generate": True}}
@@ -344,6 +348,22 @@ def test_what_the_pipeline_cannot_run_yet_is_refused_at_config_load():
     with pytest.raises(ConfigError, match=r"1f1b needs at least as many micro-batches as stages"):
         check_pipeline(ok, ParallelDims(pp=4), MeshSettings(), _config(), "fp32")
     check_pipeline(PipelineSettings("gpipe"), ParallelDims(pp=4), MeshSettings(), _config(), "fp32")
+
+
+@pytest.mark.parametrize("mesh", [{"pp": 2, "dp_shard": 2}, {"pp": 2, "tp": 2}])
+def test_offload_under_pp_is_refused_in_pps_sentence(monkeypatch, mesh):
+    """pp's refusals come before the mesh's, whose offload sentence ("tensor parallel alone") would be false here."""
+    from kiln.config import load_config
+    from kiln.precision import build_precision
+    from kiln.strategies import build_strategy
+
+    for name, value in (("WORLD_SIZE", "4"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "4")):
+        monkeypatch.setenv(name, value)  # rank 0 of a torchrun world of 4: no process group starts
+    cfg = load_config(
+        {"strategy": {"name": "model_parallel", "mesh": mesh, "offload": True}, "gradient_accumulation_steps": 2}
+    )
+    with pytest.raises(ConfigError, match=r"^strategy.mesh.pp 2 does not run with offload yet; drop it, or drop pp.$"):
+        build_strategy(cfg, build_precision(cfg))
 
 
 def test_pp_is_the_outermost_axis_and_must_divide_the_world():
