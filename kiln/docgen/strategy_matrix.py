@@ -162,4 +162,12 @@ def matrix_markdown(repo: Path) -> str:
                     f"{_cell(_runs_for(runs, name, precision, device))} |"
                 )
         out.append("")
+        if name == "model_parallel":  # the table asks the default mesh; the newest axes refuse more at config load
+            out += [
+                "These rows check the default mesh (`{dp_shard: -1}`). A `pp` or `ep` axis refuses fp16 and fp16-true "
+                "when the config is loaded, and fp8 runs on the data and `tp` axes only (not beside `cp`, `pp` or `ep`): "
+                "see [pipeline parallel](distributed.md#pipeline-parallel-pp) and "
+                "[expert parallel](distributed.md#expert-parallel-ep).",
+                "",
+            ]
     return "\n".join(out).rstrip() + "\n"
