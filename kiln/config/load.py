@@ -119,7 +119,13 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
             node["strategy"] = "no"
     save = tree.get("save")
     if isinstance(save, dict) and "async" in save:  # `async` is a Python keyword, so the field is async_save
-        save["async_save"] = save.pop("async")
+        spelled = save.pop("async")
+        if "async_save" in save and save["async_save"] != spelled:  # neither may win silently
+            raise ConfigError(
+                f"save.async ({spelled!r}) and save.async_save ({save['async_save']!r}) are one setting given "
+                "two values; keep one of them."
+            )
+        save["async_save"] = spelled
     if isinstance(tree.get("log", {}).get("report_to"), str):
         tree["log"]["report_to"] = [tree["log"]["report_to"]]
     return tree

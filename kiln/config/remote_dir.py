@@ -39,6 +39,7 @@ def place_output_dir(cfg: Any) -> None:
                 "leave it unset for a local output_dir."
             )
         check_file_system(str(save.remote_dir), "save.remote_dir")
+        save.remote_dir = str(save.remote_dir).rstrip("/")  # a trial's prefix is joined with "/": no empty key part
     resume = cfg.resume_from_checkpoint
     if isinstance(resume, str) and is_remote(resume):
         check_file_system(resume, "resume_from_checkpoint")

@@ -96,3 +96,5 @@ def test_each_trial_of_a_search_uploads_under_its_own_prefix():
     trial = trial_config(base, SimpleNamespace(number=3), {}, None)
     assert trial.save.remote_dir == "memory://b/search/run-3"
     assert trial.output_dir == os.path.join(base.output_dir, "run-3")
+    beside = load_config({"output_dir": "/tmp/search", "save": {"remote_dir": "memory://b/search/"}})
+    assert trial_config(beside, SimpleNamespace(number=3), {}, None).save.remote_dir == "memory://b/search/run-3"

@@ -93,6 +93,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"debug": ["tpu_metrics_debug"]}, "debug 'tpu_metrics_debug' prints the XLA metrics report, but strategy is"),
     ({"torch_empty_cache_steps": 0}, "'train.torch_empty_cache_steps' must be > 0, got 0"),
     ({"dataloader_multiprocessing_context": "thread"}, "'data.dataloader_multiprocessing_context' is 'thread'"),
+    ({"save": {"async": True, "async_save": False}}, "save.async (True) and save.async_save (False) are one setting"),
     ({"output_dir": ""}, "output_dir is empty ('')"),
     ({"output_dir": __file__}, "is a file, not a folder; pick another output_dir"),
 ]
