@@ -441,7 +441,8 @@ def test_a_stage_view_runs_the_decoders_forward_beneath_transformers_inert_wrapp
     assert ran == 0
     del view.forward  # the class's decorated forward again
     want, ran = run()
-    assert ran == wrappers and torch.equal(got, want)  # 3 in Transformers 5: deprecate_kwarg, merge_with_..., capture_...
+    # 3 in Transformers 5: deprecate_kwarg, merge_with_config_defaults, capture_outputs
+    assert ran == wrappers and torch.equal(got, want)
     assert "forward" not in vars(decoder)  # the model's own decoder keeps its forward
 
     def other(f):
