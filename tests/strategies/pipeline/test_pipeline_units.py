@@ -409,10 +409,12 @@ def test_a_stage_view_runs_the_decoders_forward_beneath_transformers_inert_wrapp
 
     from kiln.strategies.mesh.pipeline_split import _inert_code, bare_forward
 
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("Transformers 4 wraps LlamaModel.forward in check_model_inputs, which kiln does not skip")
     decoder = decoder_of(llama())
     decorated = type(decoder).forward
-    if bare_forward(decoder) is None:
-        pytest.skip("this Transformers wraps LlamaModel.forward in a decorator that kiln does not skip")
     view = stage_decoder(decoder, list(decoder.layers)[1:3], first=False, last=False)
     assert vars(view)["forward"].__func__ is inspect.unwrap(decorated) is not decorated
     wrappers, f = 0, decorated
