@@ -407,9 +407,9 @@ def test_a_stage_view_runs_the_decoders_forward_beneath_transformers_inert_wrapp
     import inspect
     import sys
 
-    from kiln.strategies.mesh.pipeline_split import _inert_code, bare_forward
-
     import transformers
+
+    from kiln.strategies.mesh.pipeline_split import _inert_code, bare_forward
 
     if int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip("Transformers 4 wraps LlamaModel.forward in check_model_inputs, which kiln does not skip")
