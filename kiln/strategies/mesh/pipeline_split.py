@@ -13,7 +13,8 @@ layers: `stage_decoder`), on `inputs_embeds` after stage 0, so the causal mask a
 embeddings are the model's own code's (the forward beneath Transformers' wrappers, which do nothing
 for a stage's call and cost some 80 Python calls each time a stage runs: `bare_forward`). A rank may
 hold several stages (the interleaved and zero-bubble schedules): it keeps the layers of all of them,
-and each stage's view only its own. A model whose layers differ in attention type (`config.layer_types` mixing full and sliding attention) is refused: the decoder picks a
+and each stage's view only its own. A model whose layers differ in attention type (`config.layer_types`
+mixing full and sliding attention) is refused: the decoder picks a
 layer's mask by its position in the list it iterates, which a stage's shorter list would shift."""
 
 from __future__ import annotations
