@@ -173,9 +173,12 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
             PipelineStage(forward, s, count, self.root_device, group=self.pp_group)
             for forward, s in zip(self.stage_forwards, mine)
         ]
+        #: whether this rank holds the first stage, and the last
+        self._ends = (0 in mine, count - 1 in mine)
         self._schedule: Any = None
         self._shape_key: tuple[Any, ...] | None = None
-        self._window: tuple[list[torch.Tensor], LossWeights | None] = ([], None)
+        #: the running window's labels, loss weights, and the model's loss_function and vocab_size, read once a window
+        self._window: tuple[list[torch.Tensor], LossWeights | None, Any, int] = ([], None, None, 0)
         self._model = module
         log.info(
             "%s: rank %d of the pipeline holds stage(s) %s (decoder layers %s)%s%s%s (schedule %s).",
@@ -216,9 +219,10 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         ids, mask, labels = stack_window(window)
         n = len(window)
         schedule = self._schedule_for((n, tuple(ids.shape), mask is None))
-        self._window = (labels, weights)
-        first = any(stage.is_first for stage in self._stages)
-        last = any(stage.is_last for stage in self._stages)
+        first, last = self._ends
+        if last:  # `_loss` runs once a micro-batch: what it reads of the model is read here, once a window
+            full: Any = self._model
+            self._window = (labels, weights, full.loss_function, full.config.vocab_size)
         losses: list[torch.Tensor] = []
         schedule.step(
             *((ids,) if first else ()),
@@ -227,7 +231,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
             return_outputs=False,
             **({"attention_mask": mask} if mask is not None else {}),
         )
-        self._window = ([], None)
+        self._window = ([], None, None, 0)
         # -0.0 where this stage has no losses: x + -0.0 is x for every x, so a sum over the stages gives them
         out = (
             torch.stack([loss.detach().float() for loss in losses])
@@ -255,14 +259,13 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Micro-batch `target[0]`'s loss, weighted as `Trainer.training_step` weighs it (the schedule
         also calls this once, on micro-batch 0, when it measures a new stage: that loss is dropped)."""
-        labels, weights = self._window
+        labels, weights, loss_function, vocab_size = self._window
         i = int(target[0])
-        model: Any = self._model
         divides = weights is not None and weights.model_divides
-        loss = model.loss_function(
+        loss = loss_function(
             logits=logits,
             labels=labels[i],
-            vocab_size=model.config.vocab_size,
+            vocab_size=vocab_size,
             num_items_in_batch=weights.total if divides else None,  # type: ignore[union-attr]
         )
         weight = weights.weight(i) if weights is not None else None

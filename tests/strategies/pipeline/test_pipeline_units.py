@@ -416,3 +416,97 @@ def test_the_losses_ride_in_the_norms_all_reduce_only_where_a_sum_of_two_leaves_
     assert folds(SimpleNamespace(shape=ParallelDims(pp=2, dp_shard=2))) is True
     assert folds(SimpleNamespace(shape=ParallelDims(pp=2, tp=2))) is False
     assert folds(SimpleNamespace(shape=ParallelDims(pp=4))) is False
+
+
+def test_a_stage_view_runs_the_decoders_forward_beneath_transformers_inert_wrappers():
+    """A stage runs 8 times a rank in a step of interleaved 1F1B at pp 2; Transformers' wrappers around
+    the decoder's forward cost some 80 Python calls a run and do nothing for a stage's call. The view
+    runs the forward beneath them, to the same hidden states; beside any other wrapper, or with a config
+    that sets is_causal (which a wrapper hands the layers), it keeps the decorated forward."""
+    import functools
+    import inspect
+    import sys
+
+    import transformers
+
+    from kiln.strategies.mesh.pipeline_split import _inert_code, bare_forward
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("Transformers 4 wraps LlamaModel.forward in check_model_inputs, which kiln does not skip")
+    decoder = decoder_of(llama())
+    decorated = type(decoder).forward
+    view = stage_decoder(decoder, list(decoder.layers)[1:3], first=False, last=False)
+    assert vars(view)["forward"].__func__ is inspect.unwrap(decorated) is not decorated
+    wrappers, f = 0, decorated
+    while hasattr(f, "__wrapped__"):
+        wrappers, f = wrappers + 1, f.__wrapped__
+    hidden = torch.randn(2, 5, 32)
+
+    def run() -> tuple[torch.Tensor, int]:
+        """The view's hidden states, and how many of the inert wrappers ran around the view itself
+        (the layers' forwards have deprecate_kwarg's too)."""
+        ran = []
+
+        def profile(frame, event, arg):
+            if event == "call" and frame.f_code in _inert_code():
+                args = frame.f_locals.get("args") or (None,)
+                ran.append(frame.f_locals.get("self", args[0]) is view)
+
+        sys.setprofile(profile)
+        try:
+            out = view(inputs_embeds=hidden, use_cache=False).last_hidden_state
+        finally:
+            sys.setprofile(None)
+        return out, sum(ran)
+
+    got, ran = run()
+    assert ran == 0
+    del view.forward  # the class's decorated forward again
+    want, ran = run()
+    # 3 in Transformers 5: deprecate_kwarg, merge_with_config_defaults, capture_outputs
+    assert ran == wrappers and torch.equal(got, want)
+    assert "forward" not in vars(decoder)  # the model's own decoder keeps its forward
+
+    def other(f):
+        @functools.wraps(f)
+        def wrapper(self, *args, **kwargs):
+            return f(self, *args, **kwargs)
+
+        return wrapper
+
+    def fake(forward, **config):
+        return type("Decoder", (), {"forward": forward, "config": SimpleNamespace(**config)})()
+
+    assert bare_forward(fake(decorated)).__func__ is inspect.unwrap(decorated)
+    assert bare_forward(fake(other(decorated))) is None
+    assert bare_forward(fake(decorated, is_causal=False)) is None
+    assert bare_forward(fake(inspect.unwrap(decorated))) is None  # nothing to skip
+
+
+def test_the_last_stage_reads_the_models_loss_function_once_a_window():
+    """`_loss` runs once a micro-batch; the model's loss_function (a property that looks it up) and
+    vocab_size are read once a window, before the schedule runs, and dropped after it."""
+    from kiln.strategies.mesh.pipeline import PipelineStrategy
+
+    reads: list[str] = []
+
+    class Model:
+        config = SimpleNamespace(vocab_size=VOCAB)
+
+        @property
+        def loss_function(self):
+            reads.append("loss_function")
+            return lambda logits, labels, vocab_size, num_items_in_batch: labels.float().sum() + vocab_size
+
+    class Schedule:
+        def step(self, *args, target, losses, **kwargs):
+            losses.extend(strategy._loss(torch.zeros(1), t) for t in target.split(1))
+
+    strategy = PipelineStrategy.__new__(PipelineStrategy)
+    strategy._model, strategy._ends = Model(), (True, True)
+    strategy._schedule_for = lambda key: Schedule()  # type: ignore[method-assign]
+    window = [{"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), i)} for i in range(4)]
+    out = strategy.run_window(None, window, None)  # type: ignore[arg-type]
+    assert reads == ["loss_function"]
+    assert [float(x) for x in out] == [VOCAB + 6.0 * i for i in range(4)]
+    assert strategy._window[2] is None  # nothing of the model is held between windows
