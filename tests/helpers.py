@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -92,3 +95,31 @@ def train_step_of(trainer: Any) -> Any:
         trainer.current_learning_rate,
         wants_num_items=trainer.wants_num_items,
     )
+
+
+def momenta(trainer: Any) -> dict[str, torch.Tensor]:
+    """Each parameter's SGD momentum buffer as this rank holds it (a DTensor's local piece), by name: the
+    optimizer state a resume must bring back."""
+    state = trainer.optimizer.state
+    buffers = {name: state[p]["momentum_buffer"] for name, p in trainer.model.named_parameters() if p in state}
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in buffers.items()}
+
+
+@contextmanager
+def dcp_writer_threads() -> Iterator[list[str]]:
+    """The names of the threads that write torch.distributed.checkpoint's shard files inside the block
+    (DCP's own executor thread for `save.async`, MainThread for a synchronous save)."""
+    from torch.distributed.checkpoint import filesystem
+
+    writers: list[str] = []
+    write_data = filesystem._FileSystemWriter.write_data
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        writers.append(threading.current_thread().name)
+        return write_data(self, *args, **kwargs)
+
+    filesystem._FileSystemWriter.write_data = recorded  # type: ignore[method-assign]
+    try:
+        yield writers
+    finally:
+        filesystem._FileSystemWriter.write_data = write_data  # type: ignore[method-assign]

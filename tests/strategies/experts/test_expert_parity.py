@@ -14,8 +14,13 @@ world of 2 gloo processes, as `strategy: {name: model_parallel, mesh: {ep: 2}}` 
 - tokens per expert reach the loggers on every logging step (all routed pairs: tokens x top-k);
 - with the router's auxiliary loss (`output_router_logits`, `router_aux_loss_coef`), ep 2 equals
   DDP on the same 2 processes: each rank's auxiliary loss on its own tokens, summed (HF's counting);
-- the ep run's checkpoint of step 1 resumed on the ep mesh ends bitwise on the weights of the run that
-  never stopped; its checkpoint of step 2 resumed as dp_shard 2 (in the world) and on one process (in
+- the ep run's checkpoint of step 1 resumed on the ep mesh ends bitwise on the weights and momenta of
+  the run that never stopped;
+- `save.async` under ep 2: the checkpoints written on DCP's thread are complete, the run's losses,
+  weights and momenta are the synchronous run's bit for bit, and its step-1 checkpoint resumes bitwise;
+- a `full` checkpoint (DDP on the same 2 processes, step 2) resumes under ep 2, optimizer state
+  included, ending within 1e-5 of the ep run that never stopped (DDP's first steps reduce in another
+  order); its checkpoint of step 2 resumed as dp_shard 2 (in the world) and on one process (in
   the test) ends on single's weights; `kiln convert` makes the last one a from_pretrained folder whose
   logits are the trained model's.
 
@@ -34,12 +39,14 @@ import torch
 if __name__ == "__main__":  # the torchrun worker: the repository root first, as under pytest
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from tests.helpers import dcp_writer_threads, momenta  # noqa: E402
 from tests.strategies.experts.cases import data, moe, train  # noqa: E402
 from tests.world import run_world
 
 EP = {"name": "model_parallel", "device": "cpu", "mesh": {"ep": 2}}
 EP_IN_DP = {"name": "model_parallel", "device": "cpu", "mesh": {"dp_shard": 2, "ep": 2}}
 DP_SHARD = {"name": "model_parallel", "device": "cpu", "mesh": {"dp_shard": 2}}
+DDP = {"name": "ddp", "device": "cpu"}
 AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 #: evaluation during fit after every step, one sample a batch (so each batch's loss is one sample's on
 #: any number of ranks); 5 samples, so the second rank's last batch repeats one (kiln's eval sampler)
@@ -73,7 +80,18 @@ def worker(out: str) -> None:
         "eval": eval_losses(trainer),
         "evaluate": trainer.evaluate(data(5))["eval_loss"],
         "generated": torch.as_tensor(trainer.predict(data(5)).predictions),
+        "momenta": momenta(trainer),
     }
+    # save.async under ep 2: the ep run again, its checkpoints written on DCP's thread
+    with dcp_writer_threads() as writers:
+        async_save = {**save, "async": True}
+        losses, state, trainer = train(os.path.join(out, "ep async"), EP, teardown=False, save=async_save)
+    results["ep async"] = {"losses": losses, "state": state, "momenta": momenta(trainer)}
+    results["async writers"] = sorted(set(writers))
+    # a single/DDP (`full`) checkpoint: DDP on the same 2 processes (the same data shards), saved at step 2
+    ddp_save = {"strategy": "steps", "steps": 2}
+    losses, state, trainer = train(os.path.join(out, "ddp"), DDP, teardown=False, save=ddp_save)
+    results["ddp"] = {"losses": losses, "state": state}
     # ep borrowed from dp_shard: everything else sharded by FSDP2
     losses, state, trainer = train(
         os.path.join(out, "ep in dp_shard"), EP_IN_DP, teardown=False, per_device_eval_batch_size=1
@@ -85,12 +103,20 @@ def worker(out: str) -> None:
         "local": experts.gate_up_proj.to_local().detach().clone(),
         "evaluate": trainer.evaluate(data(5))["eval_loss"],
     }
-    # the ep run's checkpoints resumed: on the ep mesh from step 1, and as dp_shard 2 from step 2
-    for name, strategy, step in (("ep resumed", EP, 1), ("dp_shard resumed", DP_SHARD, 2)):
-        resume = os.path.join(out, "ep", f"checkpoint-{step}")
-        _, state, trainer = train(os.path.join(out, name), strategy, model=moe(seed=1), resume=resume, teardown=False)
-        results[name] = state
-    for name, strategy in (("aux ep", EP), ("aux ddp", {"name": "ddp", "device": "cpu"})):
+    # the ep run's checkpoints resumed: on the ep mesh from step 1, and as dp_shard 2 from step 2; the
+    # async run's from step 1 and DDP's `full` one from step 2, on the ep mesh
+    for name, strategy, run, step in (
+        ("ep resumed", EP, "ep", 1),
+        ("dp_shard resumed", DP_SHARD, "ep", 2),
+        ("async resumed", EP, "ep async", 1),
+        ("full resumed", EP, "ddp", 2),
+    ):
+        resume = os.path.join(out, run, f"checkpoint-{step}")
+        losses, state, trainer = train(
+            os.path.join(out, name), strategy, model=moe(seed=1), resume=resume, teardown=False
+        )
+        results[name] = {"losses": losses, "state": state, "momenta": momenta(trainer)}
+    for name, strategy in (("aux ep", EP), ("aux ddp", DDP)):
         losses, state, trainer = train(os.path.join(out, name), strategy, model=moe(**AUX), teardown=False)
         results[name] = {"losses": losses, "state": state}
     trainer.teardown()
@@ -101,6 +127,8 @@ def worker(out: str) -> None:
 def test_expert_parallel_equals_single_and_resumes_on_one_process(tmp_path):
     from kiln import Trainer
     from kiln.engine.checkpoint.convert import convert_checkpoint
+    from kiln.engine.checkpoint.files import why_damaged
+    from kiln.engine.checkpoint.integrity import read_marker
     from tests.strategies.experts.cases import config
 
     # ~25 s; a generate that hangs (mismatched all-to-alls) fails in minutes, not ten
@@ -141,13 +169,42 @@ def test_expert_parallel_equals_single_and_resumes_on_one_process(tmp_path):
     for rank in ranks:
         assert torch.equal(torch.as_tensor(rank["ep"]["generated"]), want_generated)
 
-    # resumed from the ep run's step 1 on the ep mesh: bitwise the run that never stopped
+    # save.async under ep 2: every checkpoint complete (COMPLETE, every digest), written by DCP's thread
+    for step in (1, 2, 3):
+        checkpoint = str(tmp_path / "ep async" / f"checkpoint-{step}")
+        assert why_damaged(checkpoint) is None and read_marker(checkpoint)["format"] == "fsdp-sharded"
+    assert [rank["async writers"] for rank in ranks] == [["AsyncCheckpointExecutor_0"]] * 2
+    # the async run, and the runs resumed on the ep mesh from step 1 of the sync and the async run: bitwise
+    # the sync run that never stopped (the weights gathered on rank 0; each rank's momenta, expert shards too)
     got = ranks[0]["ep"]["state"]
-    assert sorted(ranks[0]["ep resumed"]) == sorted(got)
-    assert [name for name, value in got.items() if not torch.equal(ranks[0]["ep resumed"][name], value)] == []
+    for name in ("ep async", "ep resumed", "async resumed"):
+        assert sorted(ranks[0][name]["state"]) == sorted(got)
+        assert [key for key, value in got.items() if not torch.equal(ranks[0][name]["state"][key], value)] == [], name
+        for rank in ranks:
+            assert rank[name]["losses"] == rank["ep"]["losses"], name
+            assert sorted(rank[name]["momenta"]) == sorted(rank["ep"]["momenta"]) != [], name
+            for key, value in rank["ep"]["momenta"].items():
+                assert torch.equal(rank[name]["momenta"][key], value), f"{name}: momentum of {key}"
     # from its step 2 as dp_shard 2: its expert shards become FSDP shards of another mesh
     for name, value in want.items():
-        torch.testing.assert_close(ranks[0]["dp_shard resumed"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(ranks[0]["dp_shard resumed"]["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+    # DDP's `full` checkpoint of step 2 resumed under ep 2 (translated: the full weights and momenta sharded
+    # over ep): the ep run's last step from DDP's weights and momenta. Within 1e-5, not bitwise: DDP's first
+    # two steps all-reduce the experts' gradients where ep sums each expert's tokens after its all-to-all,
+    # so the step-2 state differs from the ep run's in float rounding; without the momenta it would not
+    # come within 1e-5
+    assert read_marker(str(tmp_path / "ddp" / "checkpoint-2"))["format"] == "full"
+    for r, rank in enumerate(ranks):
+        resumed = rank["full resumed"]
+        assert resumed["losses"][:2] == rank["ddp"]["losses"][:2]  # steps 1-2 from the checkpoint's log
+        torch.testing.assert_close(resumed["losses"], rank["ep"]["losses"], rtol=1e-5, atol=1e-5)
+        assert sorted(resumed["momenta"]) == sorted(rank["ep"]["momenta"]) != []
+        for key, value in rank["ep"]["momenta"].items():
+            torch.testing.assert_close(resumed["momenta"][key], value, rtol=1e-5, atol=1e-5, msg=f"rank {r}: {key}")
+    for name, value in got.items():
+        torch.testing.assert_close(ranks[0]["full resumed"]["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(ranks[0]["ddp"]["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
 
     lines = [json.loads(x) for x in (tmp_path / "ep" / "runs" / "metrics.jsonl").read_text().splitlines()]
     balance = [x for x in lines if "moe/tokens_per_expert_mean" in x]

@@ -12,7 +12,10 @@ processes, as `strategy: {name: model_parallel, mesh: {pp: 2}}` on a tiny Llama 
 - evaluation (during training and called by hand) and prediction run the whole model stage to stage:
   eval losses and predicted logits equal single's;
 - a checkpoint saved under pp 2 mid-run, by 1F1B (one stage a rank) and by interleaved 1F1B (two),
-  resumes under pp 2 and ends bitwise equal to the run that never stopped; each resumes on one process
+  resumes under pp 2 and ends bitwise equal to the run that never stopped, optimizer state included;
+- `save.async` under pp 2 alone: 1F1B's checkpoints written on DCP's thread are complete, the run's
+  losses, weights and momenta are the synchronous run's bit for bit, and its mid-run checkpoint
+  resumes bitwise too; each resumes on one process
   (model_parallel without pp) too, within 1e-5 of single, and a one-process checkpoint resumes under
   pp 2 (zbv), ending equal to the run that never stopped; `kiln convert` makes a pp
   checkpoint a from_pretrained folder;
@@ -32,6 +35,7 @@ import torch
 if __name__ == "__main__":  # the torchrun worker: the repository root first, as under pytest
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from tests.helpers import dcp_writer_threads, momenta  # noqa: E402
 from tests.strategies.pipeline.cases import close, config, data, llama, train  # noqa: E402
 from tests.world import run_world
 
@@ -66,21 +70,29 @@ def worker(out: str, one_process_checkpoint: str) -> None:
             os.path.join(out, schedule), pp(schedule), teardown=False, eval_dataset=data(6), **extra
         )
         evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
-        results[schedule] = {"losses": losses, "state": state, "evals": evals}
+        results[schedule] = {"losses": losses, "state": state, "evals": evals, "momenta": momenta(trainer)}
         results[f"{schedule} export"] = trainer.strategy.model_state_for_export(trainer.model)  # {} off rank 0
         if schedule in ("1f1b", "zbv"):  # zbv: rank 1 runs stages 1 and 2 back to back, rank 0 both ends
             results[f"{schedule} evaluate"] = trainer.evaluate(data(6))["eval_loss"]
         if schedule == "1f1b":
             results["predict"] = trainer.predict(data(6)).predictions
 
-    # mid-run checkpoints resumed under pp 2: two of these pp runs, and one written by one process
+    # save.async under pp 2 alone: the 1F1B run again, its checkpoints written on DCP's thread
+    with dcp_writer_threads() as writers:
+        async_save = {"strategy": "steps", "steps": 2, "async": True}
+        losses, state, trainer = train(os.path.join(out, "1f1b async"), pp("1f1b"), teardown=False, save=async_save)
+    results["1f1b async"] = {"losses": losses, "state": state, "momenta": momenta(trainer)}
+    results["async writers"] = sorted(set(writers))
+
+    # mid-run checkpoints resumed under pp 2: three of these pp runs, and one written by one process
     for name, schedule, checkpoint in (
         ("pp resumed", "1f1b", os.path.join(out, "1f1b", "checkpoint-2")),
+        ("async resumed", "1f1b", os.path.join(out, "1f1b async", "checkpoint-2")),
         ("interleaved resumed", "interleaved_1f1b", os.path.join(out, "interleaved_1f1b", "checkpoint-2")),
         ("one-process resumed", "zbv", one_process_checkpoint),
     ):
-        losses, state, _ = train(os.path.join(out, name), pp(schedule), teardown=False, resume=checkpoint)
-        results[name] = {"losses": losses, "state": state}
+        losses, state, trainer = train(os.path.join(out, name), pp(schedule), teardown=False, resume=checkpoint)
+        results[name] = {"losses": losses, "state": state, "momenta": momenta(trainer)}
 
     # without clipping, the losses reach the first stage by a broadcast (with it, in the norm's all-reduce)
     results["unclipped"] = train(os.path.join(out, "unclipped"), pp("gpipe"), max_grad_norm=0.0)[0]
@@ -102,6 +114,8 @@ def worker(out: str, one_process_checkpoint: str) -> None:
 @pytest.mark.distributed
 def test_pipeline_schedules_equal_single_evaluate_and_resume_across_meshes(tmp_path):
     from kiln.engine.checkpoint.convert import convert_checkpoint
+    from kiln.engine.checkpoint.files import why_damaged
+    from kiln.engine.checkpoint.integrity import read_marker
 
     # a one-process run (model_parallel without pp) whose checkpoint-2 the world resumes under pp 2
     one_mesh = {"name": "model_parallel", "device": "cpu"}
@@ -148,15 +162,28 @@ def test_pipeline_schedules_equal_single_evaluate_and_resume_across_meshes(tmp_p
         )
         assert "OwnLoss.compute_loss" in rank["refused"] and "loss_function" in rank["refused"]
 
-    # resumed under pp 2 from step 2 (one stage a rank, and two): bit for bit the pp runs that never
-    # stopped, and the one-process run
+    # save.async under pp 2 alone: every checkpoint complete (COMPLETE, every digest), written by DCP's thread
+    for step in (2, 4):
+        checkpoint = str(tmp_path / "1f1b async" / f"checkpoint-{step}")
+        assert why_damaged(checkpoint) is None and read_marker(checkpoint)["format"] == "fsdp-sharded"
+    assert [rank["async writers"] for rank in ranks] == [["AsyncCheckpointExecutor_0"]] * 2
+
+    # the async run, and the runs resumed under pp 2 from step 2 (one stage a rank, and two; the first
+    # from the async run's checkpoint): bit for bit the synchronous pp runs that never stopped, optimizer
+    # state (each stage's momenta) included; the one-process run
     for rank in ranks:
-        for name, schedule in (("pp resumed", "1f1b"), ("interleaved resumed", "interleaved_1f1b")):
+        for name, schedule in (
+            ("1f1b async", "1f1b"),
+            ("pp resumed", "1f1b"),
+            ("async resumed", "1f1b"),
+            ("interleaved resumed", "interleaved_1f1b"),
+        ):
             resumed, uninterrupted = rank[name], rank[schedule]
             assert resumed["losses"] == uninterrupted["losses"], name  # steps 1-2 from the checkpoint's log
-            assert sorted(resumed["state"]) == sorted(uninterrupted["state"]), name
-            for key, value in resumed["state"].items():
-                assert torch.equal(value, uninterrupted["state"][key]), f"{name}: {key} is not bitwise equal"
+            for part in ("state", "momenta"):
+                assert sorted(resumed[part]) == sorted(uninterrupted[part]) != [], f"{name}: {part}"
+                for key, value in resumed[part].items():
+                    assert torch.equal(value, uninterrupted[part][key]), f"{name}: {part} {key} is not bitwise equal"
         torch.testing.assert_close(rank["one-process resumed"]["losses"], one_losses, rtol=1e-5, atol=1e-5)
     close(
         {**ranks[0]["one-process resumed"]["state"], **ranks[1]["one-process resumed"]["state"]}, one_state, "one → pp"
