@@ -132,29 +132,20 @@ def one_schedule(out: str, schedule: str) -> None:
 
 
 def worker(out: str) -> None:
-    import threading
-
-    from torch.distributed.checkpoint import filesystem
     from torch.distributed.fsdp import FSDPModule
+
+    from tests.helpers import dcp_writer_threads
 
     rank = int(os.environ["RANK"])
     results: dict[str, Any] = {}
-    writers: list[str] = []  # the threads that write DCP's shard files
-    write_data = filesystem._FileSystemWriter.write_data
-
-    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        writers.append(threading.current_thread().name)
-        return write_data(self, *args, **kwargs)
-
-    filesystem._FileSystemWriter.write_data = recorded  # type: ignore[method-assign]
     for schedule in ("1f1b", "zbv"):  # the later Trainers join the first one's process group
-        writers.clear()
         # 1F1B saves in the background (DCP's async_save), ZBV in the step
         save = {"strategy": "steps", "steps": 2, "async": schedule == "1f1b"}
         extra = {**PP_DP_BATCH, "save": save, **(EVAL if schedule == "1f1b" else {})}
-        losses, state, trainer = train(
-            os.path.join(out, schedule), pp_dp(schedule), teardown=False, eval_dataset=data(6), **extra
-        )
+        with dcp_writer_threads() as writers:  # the threads that write DCP's shard files (fit waits for them)
+            losses, state, trainer = train(
+                os.path.join(out, schedule), pp_dp(schedule), teardown=False, eval_dataset=data(6), **extra
+            )
         evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]  # during training
         evaluated = trainer.evaluate(data(6))["eval_loss"]
         units = [*trainer.model.modules(), *trainer.strategy.stage_forwards]
