@@ -31,7 +31,7 @@ from datetime import timedelta
 from collections.abc import Callable
 from typing import Any
 
-from kiln.strategies.process_group import _default_store, destroy_default_group
+from kiln.strategies.process_group import default_store, destroy_default_group
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,9 @@ _KEPT: list[Any] = []
 
 def record_failure(rank: int, error: BaseException) -> dict[str, Any] | None:
     """Record this rank's failure in the job's store unless another rank's is there already; returns that
-    other rank's record ({"rank", "error"}), or None when this rank is the first (or the store is gone)."""
-    store = _default_store()
+    other rank's record ({"rank", "error"}), or None when this rank is the first, failed with the same error
+    (a config error raised alike on every rank keeps its message), or the store is gone."""
+    store = default_store()
     if store is None:
         return None
     _KEPT.append(store)
@@ -55,7 +56,7 @@ def record_failure(rank: int, error: BaseException) -> dict[str, Any] | None:
     except Exception:  # noqa: BLE001 - a store that no longer answers: the peers' own errors still stop them
         log.debug("could not record this rank's failure in the job's store", exc_info=True)
         return None
-    return first if first.get("rank") != rank else None
+    return first if first.get("rank") != rank and first.get("error") != json.loads(mine)["error"] else None
 
 
 def abort_default_group(backend: str, release: Callable[[], None], first: bool) -> bool:

@@ -119,7 +119,7 @@ def _leave_identity(env: ClusterEnvironment) -> None:
     import psutil
 
     host, pid = socket.gethostname(), os.getpid()
-    store = _default_store()
+    store = default_store()
     if store is None:
         return
     store.set(_key(host, env.local_rank), json.dumps([env.rank, pid, psutil.Process(pid).create_time()]))
@@ -140,7 +140,8 @@ def _leave_identity(env: ClusterEnvironment) -> None:
         sys.excepthook = _naming_excepthook(sys.excepthook)
 
 
-def _default_store() -> Any:
+def default_store() -> Any:
+    """The default group's store (the job's, prefixed for this group), or None without a default group."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
@@ -152,9 +153,9 @@ def _default_store() -> Any:
 def lost_peer_note(timeout_s: float = 5.0, dying_s: float = 2.0) -> str | None:
     """One sentence naming the ranks of this machine that died (or the store's host, when the store
     no longer answers), for an error that followed from their death; None when none can be named."""
-    if not _IDENTITY or _default_store() is None:
+    if not _IDENTITY or default_store() is None:
         return None
-    store, me = _default_store(), _IDENTITY
+    store, me = default_store(), _IDENTITY
     dead: list[str] = []
     dying_until = time.monotonic() + dying_s  # one wait for all peers: a healthy job's error is not held up long
     try:

@@ -80,17 +80,18 @@ def test_a_later_fit_in_an_aborted_process_says_why_it_cannot_run():
 
 def test_the_first_ranks_record_wins_and_each_rank_learns_whether_it_was_first(monkeypatch):
     store = dist.HashStore()
-    monkeypatch.setattr(abort, "_default_store", lambda: store)
+    monkeypatch.setattr(abort, "default_store", lambda: store)
     monkeypatch.setattr(abort, "_KEPT", [])
     assert abort.record_failure(1, ValueError("first")) is None  # rank 1 failed first
     assert abort.record_failure(0, RuntimeError("Connection closed by peer")) == {"rank": 1, "error": "ValueError: first"}
     assert abort.record_failure(1, ValueError("again")) is None  # its own record: still the first
+    assert abort.record_failure(2, ValueError("first")) is None  # the same error: raised alike, not stopped by rank 1
     assert json.loads(store.get(abort.FAILED_FIT)) == {"rank": 1, "error": "ValueError: first"}
-    assert abort._KEPT == [store] * 3  # kept alive for the peers (a store rank 0 hosts)
+    assert abort._KEPT == [store] * 4  # kept alive for the peers (a store rank 0 hosts)
 
 
 def test_without_a_store_nothing_is_recorded(monkeypatch):
-    monkeypatch.setattr(abort, "_default_store", lambda: None)
+    monkeypatch.setattr(abort, "default_store", lambda: None)
     assert abort.record_failure(0, ValueError("boom")) is None
 
 
