@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from kiln.strategies.process_group import default_store, destroy_default_group

@@ -53,6 +53,7 @@ class ProcessGroupCollectives:
     global_rank: int
     _wrapped: Any
     _source: Any
+    aborted: bool
 
     def __init__(self, config: DictConfig, precision: Precision) -> None:
         super().__init__(config, precision)  # type: ignore[call-arg]  # Strategy.__init__, next in the MRO

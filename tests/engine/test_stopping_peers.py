@@ -73,7 +73,9 @@ def test_a_fit_that_ends_normally_aborts_nothing():
 def test_a_later_fit_in_an_aborted_process_says_why_it_cannot_run():
     strategy = Strategy()
     strategy.aborted = True
-    with pytest.raises(KilnError, match=r"^fit\(\) cannot run again in this process: an earlier fit\(\) failed and aborted"):
+    with pytest.raises(
+        KilnError, match=r"^fit\(\) cannot run again in this process: an earlier fit\(\) failed and aborted"
+    ):
         with stopping_peers(strategy):  # type: ignore[arg-type]
             raise AssertionError("the body must not run")
 
@@ -83,7 +85,10 @@ def test_the_first_ranks_record_wins_and_each_rank_learns_whether_it_was_first(m
     monkeypatch.setattr(abort, "default_store", lambda: store)
     monkeypatch.setattr(abort, "_KEPT", [])
     assert abort.record_failure(1, ValueError("first")) is None  # rank 1 failed first
-    assert abort.record_failure(0, RuntimeError("Connection closed by peer")) == {"rank": 1, "error": "ValueError: first"}
+    assert abort.record_failure(0, RuntimeError("Connection closed by peer")) == {
+        "rank": 1,
+        "error": "ValueError: first",
+    }
     assert abort.record_failure(1, ValueError("again")) is None  # its own record: still the first
     assert abort.record_failure(2, ValueError("first")) is None  # the same error: raised alike, not stopped by rank 1
     assert json.loads(store.get(abort.FAILED_FIT)) == {"rank": 1, "error": "ValueError: first"}
