@@ -31,24 +31,21 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from kiln.strategies.process_group import default_store, destroy_default_group
+from kiln.strategies.process_group import destroy_default_group, keep_default_store
 
 log = logging.getLogger(__name__)
 
 #: the store key holding the first failed fit of the job: {"rank": int, "error": "Type: message"}
 FAILED_FIT = "kiln/failed_fit"
-#: stores kept alive after the abort (one this rank hosts must keep answering its peers)
-_KEPT: list[Any] = []
 
 
 def record_failure(rank: int, error: BaseException) -> dict[str, Any] | None:
     """Record this rank's failure in the job's store unless another rank's is there already; returns that
     other rank's record ({"rank", "error"}), or None when this rank is the first, failed with the same error
     (a config error raised alike on every rank keeps its message), or the store is gone."""
-    store = default_store()
+    store = keep_default_store()
     if store is None:
         return None
-    _KEPT.append(store)
     mine = json.dumps({"rank": rank, "error": f"{type(error).__name__}: {error}"[:2000]})
     try:
         store.set_timeout(timedelta(seconds=5))
@@ -62,7 +59,8 @@ def record_failure(rank: int, error: BaseException) -> dict[str, Any] | None:
 def abort_default_group(backend: str, release: Callable[[], None], first: bool) -> bool:
     """Abort (NCCL) and destroy every process group of this process; True when all were freed, which for gloo
     is what closes the connections its peers wait on. `release` drops the strategy's own holds on them;
-    `first`: this rank's failure is the job's first (a peer stopped by it may still hold its broken group)."""
+    `first`: this rank's failure is the job's first and its own (a rank whose collective broke may still
+    hold the broken group, in the error's traceback: nothing to warn about)."""
     import torch.distributed as dist
 
     if dist.is_initialized() and backend == "nccl":

@@ -164,7 +164,7 @@ class ProcessGroupCollectives:
             self.teardown()
             self._wrapped = self._source = None
 
-        abort_default_group(self.backend, release, first=first is None)
+        abort_default_group(self.backend, release, first=first is None and not isinstance(error, RuntimeError))
         self.aborted = True
         return first
 

@@ -10,9 +10,10 @@ import json
 
 import pytest
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from kiln.engine.loop.fit_errors import stopping_peers
-from kiln.strategies import abort
+from kiln.strategies import abort, process_group
 from kiln.utils.errors import KilnError, RankFailed, TrainingInterrupted
 
 
@@ -80,10 +81,14 @@ def test_a_later_fit_in_an_aborted_process_says_why_it_cannot_run():
             raise AssertionError("the body must not run")
 
 
+def _no_group() -> None:
+    raise ValueError("Default process group has not been initialized")
+
+
 def test_the_first_ranks_record_wins_and_each_rank_learns_whether_it_was_first(monkeypatch):
     store = dist.HashStore()
-    monkeypatch.setattr(abort, "default_store", lambda: store)
-    monkeypatch.setattr(abort, "_KEPT", [])
+    monkeypatch.setattr(c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(process_group, "_KEPT_STORE", [])
     assert abort.record_failure(1, ValueError("first")) is None  # rank 1 failed first
     assert abort.record_failure(0, RuntimeError("Connection closed by peer")) == {
         "rank": 1,
@@ -92,11 +97,13 @@ def test_the_first_ranks_record_wins_and_each_rank_learns_whether_it_was_first(m
     assert abort.record_failure(1, ValueError("again")) is None  # its own record: still the first
     assert abort.record_failure(2, ValueError("first")) is None  # the same error: raised alike, not stopped by rank 1
     assert json.loads(store.get(abort.FAILED_FIT)) == {"rank": 1, "error": "ValueError: first"}
-    assert abort._KEPT == [store] * 4  # kept alive for the peers (a store rank 0 hosts)
+    assert process_group._KEPT_STORE == [store]  # kept beyond the group: a store rank 0 hosts answers the peers
+    monkeypatch.setattr(c10d, "_get_default_store", _no_group)  # the group is gone
+    assert process_group.default_store() is store  # lost_peer_note can still read the ranks' identities
 
 
 def test_without_a_store_nothing_is_recorded(monkeypatch):
-    monkeypatch.setattr(abort, "default_store", lambda: None)
+    monkeypatch.setattr(abort, "keep_default_store", lambda: None)
     assert abort.record_failure(0, ValueError("boom")) is None
 
 
