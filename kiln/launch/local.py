@@ -332,9 +332,8 @@ def _report(err: Any, report_dir: str, attempt: int = 0) -> int:
             f"kiln: {reports[0]['error']}\n{reports[0]['detail']}".rstrip(), file=sys.stderr, flush=True
         )  # every rank alike
         return int(reports[0]["exitcode"]) or 1
-    if (
-        reports
-    ):  # a rank stopped by a peer's failure (RankFailed, kiln/strategies/abort.py) names that peer: not a cause
+    if reports:
+        # a rank stopped by a peer's failure (RankFailed, kiln/strategies/abort.py) names that peer: not a cause
         causes = [r for r in reports if "RankFailed: " not in r["error"]] or reports
         first = min(causes, key=lambda r: r["time"])
         print(
