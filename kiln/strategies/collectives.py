@@ -155,12 +155,11 @@ class ProcessGroupCollectives:
     def abort(self, error: BaseException) -> dict[str, Any] | None:
         """Record the failure for the peers, drop this strategy's holds on the groups (its subclasses'
         `teardown`) and abort them, whoever made them: the peers must stop (kiln/strategies/abort.py)."""
-        if self.world_size <= 1 or self.aborted:
+        if self.world_size <= 1:
             return None
         first = record_failure(self.global_rank, error)
 
-        def release() -> None:
-            self._owns_group = False  # teardown drops the holds; abort_default_group destroys the groups
+        def release() -> None:  # teardown drops the holds (and destroys the group if this strategy made it)
             self.teardown()
             self._wrapped = self._source = None
 

@@ -197,3 +197,20 @@ def test_at_exit_groups_a_script_destroyed_itself_are_released_from_their_holder
     process_group._teardown_at_exit()
     gc.collect()
     assert group() is None
+
+
+def test_a_failed_fit_on_one_process_aborts_nothing(tmp_path):
+    """`stopping_peers` (kiln/engine/loop/fit_errors.py) on a process-group strategy of one process: no peer to
+    stop, so the group stays for whatever the script does next."""
+    from kiln import Callback
+
+    class Fail(Callback):
+        def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            raise ValueError("boom")
+
+    cfg = base_config(tmp_path, strategy={"name": "ddp", "device": "cpu"}, train={"max_steps": 2})
+    trainer = Trainer(TinyRegressor(), config=cfg, train_dataset=regression_data(16), callbacks=[Fail()])
+    with pytest.raises(ValueError, match="^boom$"):
+        trainer.fit()
+    assert dist.is_initialized() and not trainer.strategy.aborted
+    trainer.strategy.teardown()
