@@ -47,8 +47,8 @@ from kiln.strategies.deepspeed.runtime import (
     release_engine_groups,
     without_shm_comm_op,
 )
-from kiln.strategies.process_group import register_group_user
 from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
+from kiln.strategies.process_group import register_group_user
 from kiln.utils.errors import ConfigError
 
 if TYPE_CHECKING:
