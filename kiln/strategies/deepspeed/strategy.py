@@ -228,7 +228,6 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
                 deepspeed = import_deepspeed()
                 ds = {k: v for k, v in self.ds_config.items() if k not in ("optimizer", "scheduler")}
                 self._eval_module = compiling(lambda: deepspeed.initialize(model=module, config=ds))[0]
-                register_group_user(self._eval_module, release_engine_groups)
             else:
                 self._eval_module = module.to(self.root_device)
         return self._eval_module
