@@ -12,8 +12,8 @@ evaluation during training and called by hand equals single's; a mid-run checkpo
 same mesh bitwise (losses and every rank's local tensors) equal to the run that never stopped, and on
 one process (`model_parallel` without pp) within 1e-5 of single. ZBV's losses and weights equal
 single's too, and under pp x tp so do GPipe's and interleaved 1F1B's (two stages a rank, each split over
-tp), and under pp x dp_replicate interleaved ZB's over windows of 4 micro-batches (where ZB1P runs a
-rank's other stage between one stage's input and weight backwards), each in a world of its own.
+tp), and under pp x tp and pp x dp_replicate interleaved ZB's over windows of 4 micro-batches (where ZB1P
+runs a rank's other stage between one stage's input and weight backwards), each in a world of its own.
 
 Run by `run_world`, this file is the worker (`python THIS OUT MESH [SCHEDULE [WINDOW]]`)."""
 
@@ -170,6 +170,22 @@ def test_pp_x_tp_schedule_equals_single(tmp_path, schedule):
     for r, rank in enumerate(ranks):
         torch.testing.assert_close(rank["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=f"rank {r} {schedule}")
     close(ranks[0]["export"], want, f"pp x tp, {schedule}: the saved model, gathered on rank 0")
+    assert all(rank["export"] == {} for rank in ranks[1:])
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+def test_pp_x_tp_interleaved_zb_equals_single_over_windows_of_4(tmp_path):
+    """ZB1P's split backward (input, then weight halves, a rank's other stage run between them) on stages
+    split over tp: the weight half's gradients of DTensor parameters are those of one process."""
+    run_world(__file__, tmp_path, "tp", "interleaved_zb", "4", nproc=4, timeout=900)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    single = {"name": "single", "device": "cpu"}
+    want_losses, want, _ = train(str(tmp_path / "single"), single, **SINGLE_BATCH["tp"], gradient_accumulation_steps=4)
+    assert len(want_losses) == 2  # 22 samples: 8 micro-batches of 3 (the last of 1), two windows of 4
+    for r, rank in enumerate(ranks):
+        torch.testing.assert_close(rank["losses"], want_losses, rtol=1e-5, atol=1e-5, msg=f"rank {r}")
+    close(ranks[0]["export"], want, "pp x tp, interleaved_zb: the saved model, gathered on rank 0")
     assert all(rank["export"] == {} for rank in ranks[1:])
 
 
