@@ -57,6 +57,73 @@ def clip_over_stages(
     return norm
 
 
+def sharded_stage_counts(params: list[torch.nn.Parameter], device: torch.device) -> list[int] | None:
+    """Each rank's parameter count, in rank order, where on every rank each of `params` (an optimizer's,
+    under pp x dp_shard) is a float32 FSDP2 shard (a DTensor), which `clip_over_sharded_stages` needs;
+    None where on any rank one is not. One all-gather, which every rank makes once per optimizer."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    fits = all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in params)
+    mine = torch.tensor([len(params) if fits else -1], device=device)
+    every = mine.new_empty(dist.get_world_size())
+    dist.all_gather_into_tensor(every, mine)
+    counts = [int(c) for c in every.tolist()]
+    return None if min(counts) < 0 else counts
+
+
+def clip_over_sharded_stages(
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    counts: list[int],
+    stage_ranks: int,
+    rank: int,
+    riders: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`clip_over_stages` under pp x dp_shard, where each of `params` (this rank's optimizer's, in its
+    order) is a float32 FSDP2 shard over its stage's dp_shard ranks (ranks s * stage_ranks .. (s + 1)
+    * stage_ranks - 1 hold stage s; `counts`: each rank's parameter count, `sharded_stage_counts`):
+    one all-gather over every rank in place of DTensor's all-reduce over the stage's ranks and then
+    pp's, and the norms taken on the local shards without DTensor's dispatch (some 550 Python calls a
+    step). Each rank sends its shards' norms squared (0 for a parameter without a gradient) and every
+    rank then computes what the two all-reduces did: each gradient's squares summed over its stage's
+    ranks and rooted (DTensor's reduction of the per-gradient norms), the stage's norm over them,
+    squared, summed over the stages, rooted. Bitwise the two all-reduces' result where each of their
+    sums adds two values (pp 2 x dp_shard 2) and every parameter has a gradient; with more ranks, the
+    sums run in rank order. `riders` are summed over this rank's pipeline as `clip_over_stages` sums
+    them. Returns the norm."""
+    import torch.distributed as dist
+
+    width = max(counts)
+    grads = [p.grad for p in params]
+    held = [g._local_tensor for g in grads if g is not None]  # type: ignore[attr-defined]
+    extra = riders.numel() if riders is not None else 0
+    row = torch.zeros(width + extra, dtype=torch.float32, device=held[0].device if held else None)
+    if held:
+        # each shard's norm (get_total_norm's per-tensor path: DTensor has no foreach support), then the
+        # first step of _NormPartial's reduction, x ** 2, before the sum over the stage's ranks
+        squares = torch.stack([torch.linalg.vector_norm(t, 2.0) for t in held]) ** 2.0
+        if len(held) == len(grads):
+            row[: len(held)] = squares
+        else:
+            row[[i for i, g in enumerate(grads) if g is not None]] = squares
+    if riders is not None:
+        row[width:] = riders
+    every = row.new_empty(dist.get_world_size() * row.numel())
+    dist.all_gather_into_tensor(every, row)
+    blocks = every.view(-1, stage_ranks, row.numel())  # (stage, rank in the stage, values)
+    stages = [
+        torch.linalg.vector_norm(block[:, : counts[s * stage_ranks]].sum(0) ** 0.5, 2.0).pow(2)  # squared as
+        for s, block in enumerate(blocks)  # clip_over_stages squares each stage's norm
+    ]
+    norm = torch.stack(stages).sum().sqrt()
+    if riders is not None:
+        riders.copy_(blocks[:, rank % stage_ranks, width:].sum(0))
+    clip_coef = max_norm / (norm + 1e-6)  # clip_grads_with_norm_'s own expressions, on the shards
+    torch._foreach_mul_(held, torch.clamp(clip_coef, max=1.0))
+    return norm
+
+
 def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]  # every one has a gradient (the caller's contract)
 

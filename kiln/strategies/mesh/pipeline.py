@@ -84,6 +84,9 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     _pp_group: Any = None
     #: the last window's losses until the optimizer step sends them to every stage
     _unsent: torch.Tensor | None = None
+    #: under pp x dp_shard, the optimizer `clip_gradients` last saw, its parameters, and every rank's
+    #: parameter count (None: `clip_over_stages`)
+    _clip_counts: tuple[Any, list[Any], list[int] | None] = (None, [], None)
 
     def _check_settings(self) -> None:
         # pp's own refusals first (as ep's): the mesh's checks would name a setting pp leaves out in a sentence
@@ -300,8 +303,14 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         its shards' norm is DTensor's over the stage's ranks; under tp, where the split layers' DTensors
         and the whole norms' tensors cannot be mixed in one norm, clip.py's sum over every rank, each
         piece weighted by how many of the stage's ranks hold it), then each stage's gradients scaled by
-        the same factor."""
-        from kiln.strategies.mesh.clip import clip_across_meshes, clip_over_stages
+        the same factor. Under pp x dp_shard alone, one all-gather over every rank in place of two
+        all-reduces (`clip_over_sharded_stages`)."""
+        from kiln.strategies.mesh.clip import (
+            clip_across_meshes,
+            clip_over_sharded_stages,
+            clip_over_stages,
+            sharded_stage_counts,
+        )
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.shape.tp > 1:
@@ -310,6 +319,15 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         riders = None
         if self._folds_losses:  # the window's losses ride in the norm's all-reduce
             riders, self._unsent = self._unsent, None
+        if self.shape.dp_shard > 1 and self.shape.dp_replicate == 1:
+            if self._clip_counts[0] is not optimizer:  # once an optimizer, on every rank alike
+                every = [p for group in optimizer.param_groups for p in group["params"]]
+                self._clip_counts = (optimizer, every, sharded_stage_counts(every, self.root_device))
+            _, every, counts = self._clip_counts
+            if counts is not None:
+                return clip_over_sharded_stages(
+                    every, max_norm, counts, self.shape.stage_ranks, self.global_rank, riders
+                )
         return clip_over_stages(params, max_norm, self._pp_group, self.root_device, riders)
 
     # -- collectives: the stages hold copies of what the loop counts ---------------------------
@@ -365,7 +383,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         return {k: v for part in parts for k, v in part.items()}
 
     def teardown(self) -> None:
-        self._schedule, self._pp_group, self._unsent = None, None, None
+        self._schedule, self._pp_group, self._unsent, self._clip_counts = None, None, None, (None, [], None)
         self._stages, self.stage_forwards = [], []
         super().teardown()
 
