@@ -67,7 +67,7 @@ def sharded_stage_counts(params: list[torch.nn.Parameter], device: torch.device)
     fits = all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in params)
     mine = torch.tensor([len(params) if fits else -1], device=device)
     every = mine.new_empty(dist.get_world_size())
-    dist.all_gather_into_tensor(every, mine)
+    _all_gather(every, mine)
     counts = [int(c) for c in every.tolist()]
     return None if min(counts) < 0 else counts
 
@@ -78,6 +78,7 @@ def clip_over_sharded_stages(
     counts: list[int],
     stage_ranks: int,
     rank: int,
+    device: torch.device,
     riders: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`clip_over_stages` under pp x dp_shard, where each of `params` (this rank's optimizer's, in its
@@ -98,7 +99,7 @@ def clip_over_sharded_stages(
     grads = [p.grad for p in params]
     held = [g._local_tensor for g in grads if g is not None]  # type: ignore[attr-defined]
     extra = riders.numel() if riders is not None else 0
-    row = torch.zeros(width + extra, dtype=torch.float32, device=held[0].device if held else None)
+    row = torch.zeros(width + extra, dtype=torch.float32, device=device)
     if held:
         # each shard's norm (get_total_norm's per-tensor path: DTensor has no foreach support), then the
         # first step of _NormPartial's reduction, x ** 2, before the sum over the stage's ranks
@@ -110,7 +111,7 @@ def clip_over_sharded_stages(
     if riders is not None:
         row[width:] = riders
     every = row.new_empty(dist.get_world_size() * row.numel())
-    dist.all_gather_into_tensor(every, row)
+    _all_gather(every, row)
     blocks = every.view(-1, stage_ranks, row.numel())  # (stage, rank in the stage, values)
     stages = [
         torch.linalg.vector_norm(block[:, : counts[s * stage_ranks]].sum(0) ** 0.5, 2.0).pow(2)  # squared as
@@ -120,8 +121,17 @@ def clip_over_sharded_stages(
     if riders is not None:
         riders.copy_(blocks[:, rank % stage_ranks, width:].sum(0))
     clip_coef = max_norm / (norm + 1e-6)  # clip_grads_with_norm_'s own expressions, on the shards
-    torch._foreach_mul_(held, torch.clamp(clip_coef, max=1.0))
+    if held:
+        torch._foreach_mul_(held, torch.clamp(clip_coef, max=1.0))
     return norm
+
+
+def _all_gather(out: torch.Tensor, mine: torch.Tensor) -> None:
+    """Every rank's `mine`, in rank order, into `out` (torch 2.6's all_gather_into_tensor, which later
+    versions name all_gather_single)."""
+    import torch.distributed as dist
+
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, mine)
 
 
 def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

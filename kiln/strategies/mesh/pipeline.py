@@ -326,7 +326,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
             _, every, counts = self._clip_counts
             if counts is not None:
                 return clip_over_sharded_stages(
-                    every, max_norm, counts, self.shape.stage_ranks, self.global_rank, riders
+                    every, max_norm, counts, self.shape.stage_ranks, self.global_rank, self.root_device, riders
                 )
         return clip_over_stages(params, max_norm, self._pp_group, self.root_device, riders)
 
