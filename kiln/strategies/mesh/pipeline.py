@@ -11,7 +11,7 @@ end -- which a causal decoder never attends to from the positions before), stack
 schedule, which cuts them apart again; the last stage computes micro-batch i's loss with the model's own
 `loss_function` on its logits and weighs it with kiln's item-count rule (`weights`), exactly what
 `Trainer.training_step` does for it on one process. The losses go from the last stage to every stage
-at the optimizer step (in the gradient norm's all-reduce where pp is 2 and clipping is on, else by a
+at the optimizer step (in the gradient norm's collective where pp is 2 and clipping is on, else by a
 broadcast), so every rank logs them. Gradient clipping takes the norm over every stage's gradients.
 
 Every stage reads the same batches, so sums and means of what the loop counts span the ranks of one
@@ -25,7 +25,8 @@ micro-batch's forward to its backward (reshard_after_forward false: the schedule
 per micro-batch, both ways), and torch's stage holds FSDP's gradient reduction back until the
 window's last backward, where it reduce-scatters once (`PipelineStage.backward_maybe_with_nosync`),
 dividing by dp_shard, the strategy's `grad_divisor`, which kiln's item-count weights undo. Gradient
-clipping takes the norm over the shards (DTensor) and the stages (pp's group). The pruned model keeps the full model's parameter
+clipping takes the norm over the shards and the stages in one all-gather over every rank (clip.py's
+`clip_over_sharded_stages`; the losses ride in it where pp is 2). The pruned model keeps the full model's parameter
 names (pipeline_split.py), so the mesh strategy's DCP checkpoints hold one model, which resumes on one
 process or on any other mesh; exporting gathers every stage's weights to rank 0.
 
