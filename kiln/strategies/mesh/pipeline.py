@@ -88,6 +88,8 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     #: under pp x dp_shard, the optimizer `clip_gradients` last saw, its parameters, and every rank's
     #: parameter count (None: `clip_over_stages`)
     _clip_counts: tuple[Any, list[Any], list[int] | None] = (None, [], None)
+    #: whether this rank holds the first stage, and the last (`setup_module`)
+    _ends: tuple[bool, bool] = (True, True)
 
     def _check_settings(self) -> None:
         # pp's own refusals first (as ep's): the mesh's checks would name a setting pp leaves out in a sentence
@@ -340,7 +342,12 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         return super().reduce(tensor, op)
 
     def reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+        """The sum over this stage's data shards started now on the ranks that hold the last stage (the
+        window's item count weighs its losses there); elsewhere it runs if and when it is read, the
+        same point on every rank of the stage, and a window that never reads it makes no collective."""
         if op == "sum":
+            if not self._ends[1]:
+                return lambda: self._reduce_over_data(tensor, "sum")
             return self._sum_over_data_async(tensor)
         done = self.reduce(tensor, op)
         return lambda: done
