@@ -40,11 +40,10 @@ def _params(mesh: Any, shapes: list[tuple[int, ...]], seed: int, grads: bool = T
 
 def _both(params: list[Any], max_norm: float, stage_ranks: int, group: Any, riders: torch.Tensor | None) -> dict:
     """The two all-reduces' clipping and the all-gather's, each on its own copy of the gradients."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from kiln.strategies.mesh.clip import clip_over_sharded_stages, clip_over_stages, sharded_stage_counts
-
-    import torch.distributed as dist
 
     def copy() -> list[Any]:
         out = []

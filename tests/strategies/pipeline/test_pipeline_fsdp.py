@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -103,7 +104,15 @@ def _fake_rank(rank: int, *, clip: bool, caplog: Any) -> None:
 
         # the no-op collectives leave each rank's own values: a sum is this rank's, a mean half of it
         assert strategy.reduce(torch.tensor(6.0), "sum") == 6.0 and strategy.reduce(torch.tensor(6.0), "mean") == 3.0
-        assert strategy.reduce_async(torch.tensor(5), "sum")() == 5
+        # the window's item count: summed at once on the last stage's ranks (its losses' weights), and only
+        # when read on the others (stage 0 never reads it)
+        calls: list[int] = []
+        real = dist.all_reduce
+        with mock.patch.object(dist, "all_reduce", side_effect=lambda *a, **k: (calls.append(1), real(*a, **k))[1]):
+            wait = strategy.reduce_async(torch.tensor(5), "sum")
+            started = len(calls)
+            assert wait() == 5
+        assert (started, len(calls)) == ((0, 1) if rank == 0 else (1, 1))
         if not clip:
             strategy.teardown()
             return
@@ -112,7 +121,9 @@ def _fake_rank(rank: int, *, clip: bool, caplog: Any) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         norm = strategy.clip_gradients(model, optimizer, max_norm=1.0)
         local = sum(p.to_local().numel() for p in model.parameters())
-        torch.testing.assert_close(norm, torch.tensor(4.0 * local).sqrt())  # the shards' norm (DTensor's), then pp's
+        # the norm of the 4 ranks' shards (clip.py's one all-gather, whose fake hands every rank's place this
+        # rank's norms: 4 ranks holding these shards)
+        torch.testing.assert_close(norm, torch.tensor(4 * 4.0 * local).sqrt())
         for p in model.parameters():  # every shard scaled by max_norm / norm
             torch.testing.assert_close(p.grad.to_local(), torch.full_like(p.to_local(), 2.0 / float(norm)))
         strategy.teardown()
