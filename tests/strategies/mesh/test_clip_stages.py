@@ -121,5 +121,49 @@ def test_one_all_gather_clips_bitwise_as_the_two_all_reduces(tmp_path):
         assert res["fallback"] is None
 
 
+def test_four_ranks_of_two_stages_are_summed_by_stage_then_over_the_stages(monkeypatch):
+    """pp 2 x dp_shard 2 without a world: each rank's row recorded, then the four rows handed to every
+    rank as the all-gather would. Stage 0 holds 3 parameters, stage 1 two (its rows padded to 3, the
+    padding never read); each
+    stage's squares summed over its 2 ranks, rooted, its norm squared, the stages summed; the losses
+    (on stage 1's ranks) summed over each rank's pipeline; every shard scaled by the same factor."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from kiln.strategies.mesh import clip
+
+    g = torch.Generator().manual_seed(0)
+    shards = [[torch.randn(4, generator=g) for _ in range(3 if r < 2 else 2)] for r in range(4)]
+    losses = [torch.full((2,), -0.0), torch.full((2,), -0.0), torch.tensor([1.5, 2.0]), torch.tensor([0.5, 4.0])]
+    counts = [3, 3, 2, 2]
+    rows: list[torch.Tensor] = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(clip, "_all_gather", lambda out, mine: rows.append(mine.clone()))
+    for r in range(4):  # record each rank's row
+        params = [SimpleNamespace(grad=SimpleNamespace(_local_tensor=t.clone())) for t in shards[r]]
+        clip.clip_over_sharded_stages(params, 1e9, counts, 2, r, torch.device("cpu"), losses[r].clone())  # type: ignore[arg-type]
+    every = torch.cat(rows)
+    every.view(4, -1)[2:, 2] = 1e6  # stage 1's padding: read nowhere (it holds 2 parameters)
+    monkeypatch.setattr(clip, "_all_gather", lambda out, mine: out.copy_(every))
+    stage = [
+        torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(a) ** 2 + torch.linalg.vector_norm(b) ** 2 for a, b in zip(*pair)])
+            ** 0.5
+        )
+        for pair in (shards[:2], shards[2:])
+    ]
+    want = (stage[0] ** 2 + stage[1] ** 2).sqrt()
+    for r in range(4):
+        params = [SimpleNamespace(grad=SimpleNamespace(_local_tensor=t.clone())) for t in shards[r]]
+        riders = losses[r].clone()
+        norm = clip.clip_over_sharded_stages(params, 0.5, counts, 2, r, torch.device("cpu"), riders)  # type: ignore[arg-type]
+        torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
+        assert riders.tolist() == losses[2 + r % 2].tolist()
+        coef = 0.5 / (norm + 1e-6)
+        for p, t in zip(params, shards[r]):
+            assert torch.equal(p.grad._local_tensor, t * coef)
+
+
 if __name__ == "__main__":
     worker(sys.argv[1])
