@@ -81,6 +81,9 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     _pp_group: Any = None
     #: the last window's losses until the optimizer step sends them to every stage
     _unsent: torch.Tensor | None = None
+    #: the schedule for the running window's shape (a WindowSchedule, pipeline_schedule.py; None before
+    #: `setup_module` and after teardown)
+    _schedule_for: Any = None
 
     def _check_settings(self) -> None:
         # pp's own refusals first (as ep's): the mesh's checks would name a setting pp leaves out in a sentence
@@ -172,7 +175,6 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         ]
         #: whether this rank holds the first stage, and the last
         self._ends = (0 in mine, count - 1 in mine)
-        #: the schedule for the running window's shape (pipeline_schedule.py)
         self._schedule_for = WindowSchedule(p.schedule, self._stages, pp, self._loss)
         #: the running window's labels, loss weights, and the model's loss_function and vocab_size, read once a window
         self._window: tuple[list[torch.Tensor], LossWeights | None, Any, int] = ([], None, None, 0)
