@@ -66,6 +66,8 @@ def test_padding_a_window_to_one_shape_keeps_each_micro_batchs_loss_and_gradient
 def test_a_batch_a_stage_cannot_read_is_one_sentence():
     with pytest.raises(KilnError, match="dict batches with input_ids and labels"):
         stack_window([(torch.zeros(2, 3),)])
+    with pytest.raises(KilnError, match="this batch is a dict with keys input_ids: use a causal-LM collator"):
+        stack_window([{"input_ids": torch.zeros(1, 2)}])  # no labels: the last stage has no loss to compute
     with pytest.raises(
         KilnError, match="reads only input_ids, labels, attention_mask of a batch, and it holds token_type_ids"
     ):
