@@ -111,7 +111,7 @@ def raw_loop(schedule: str, model: Any, data: list, steps: int) -> list[tuple[fl
     stages over the pp group, each dp_shard rank reading its own batches."""
     from torch.distributed.pipelining import PipelineStage
 
-    from kiln.strategies.mesh.pipeline_settings import schedule_class
+    from kiln.strategies.mesh.pipeline_schedule import schedule_class
 
     dev, dp = device(), dist.get_world_size() // PP
     mesh = None

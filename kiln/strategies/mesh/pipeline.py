@@ -8,9 +8,9 @@ The accumulation window is the pipeline's micro-batches: the strategy owns the w
 (`OwnsMicroBatchWindow.run_window`), so the engine's loop has no pipeline branch. The window's
 micro-batches are padded to one shape (rows whose labels are all -100, positions after each sequence's
 end -- which a causal decoder never attends to from the positions before), stacked, and handed to the
-schedule, which cuts them apart again; the last stage computes micro-batch i's loss with the model's own
-`loss_function` on its logits and weighs it with kiln's item-count rule (`weights`), exactly what
-`Trainer.training_step` does for it on one process. The losses go from the last stage to every stage
+schedule built for that shape (pipeline_schedule.py), which cuts them apart again; the last stage
+computes micro-batch i's loss with the model's own `loss_function` on its logits and weighs it with
+kiln's item-count rule (`weights`), exactly what `Trainer.training_step` does for it on one process. The losses go from the last stage to every stage
 at the optimizer step (in the gradient norm's collective where pp is 2 and clipping is on, else by a
 broadcast), so every rank logs them. Gradient clipping takes the norm over every stage's gradients.
 
@@ -60,17 +60,14 @@ from torch import nn
 
 from kiln.strategies.base import StepResult
 from kiln.strategies.interfaces import LossWeights, OwnsMicroBatchWindow
+from kiln.strategies.mesh.pipeline_schedule import WindowSchedule, stack_window
 from kiln.strategies.mesh.pipeline_settings import PipelineSettings, check_pipeline, read_pipeline
 from kiln.strategies.mesh.strategy import MeshStrategy
-from kiln.utils.errors import KilnError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
-
-#: the batch keys a stage reads; the rest would be dropped silently
-_READ = ("input_ids", "labels", "attention_mask")
 
 
 class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
@@ -90,6 +87,9 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
     _clip_counts: tuple[Any, list[Any], list[int] | None] = (None, [], None)
     #: whether this rank holds the first stage, and the last (`setup_module`)
     _ends: tuple[bool, bool] = (True, True)
+    #: the schedule for the running window's shape (a WindowSchedule, pipeline_schedule.py; None before
+    #: `setup_module` and after teardown)
+    _schedule_for: Any = None
 
     def _check_settings(self) -> None:
         # pp's own refusals first (as ep's): the mesh's checks would name a setting pp leaves out in a sentence
@@ -181,8 +181,7 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         ]
         #: whether this rank holds the first stage, and the last
         self._ends = (0 in mine, count - 1 in mine)
-        self._schedule: Any = None
-        self._shape_key: tuple[Any, ...] | None = None
+        self._schedule_for = WindowSchedule(p.schedule, self._stages, pp, self._loss)
         #: the running window's labels, loss weights, and the model's loss_function and vocab_size, read once a window
         self._window: tuple[list[torch.Tensor], LossWeights | None, Any, int] = ([], None, None, 0)
         self._model = module
@@ -246,21 +245,6 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         )
         self._unsent = out  # filled in on every stage by `optimizer_step`, before anything reads them
         return list(out.unbind())
-
-    def _schedule_for(self, key: tuple[Any, ...]) -> Any:
-        """The schedule for windows of this many micro-batches of this shape: the stages' buffers are
-        sized by the first micro-batch they see, so a new shape (the epoch's short last window, another
-        padded length) gets a new schedule, which measures the stages again. 1F1B needs as many
-        micro-batches as stages; a shorter window (only the epoch's last can be) runs GPipe's order,
-        whose gradients are the same."""
-        if key != self._shape_key:
-            from kiln.strategies.mesh.pipeline_settings import schedule_class
-
-            cls = schedule_class(self.pipeline.schedule, key[0], self.shape.pp)
-            stages = self._stages if len(self._stages) > 1 else self._stages[0]
-            self._schedule = cls(stages, n_microbatches=key[0], loss_fn=self._loss, scale_grads=False)
-            self._shape_key = key
-        return self._schedule
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Micro-batch `target[0]`'s loss, weighted as `Trainer.training_step` weighs it (the schedule
@@ -391,46 +375,6 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
         return {k: v for part in parts for k, v in part.items()}
 
     def teardown(self) -> None:
-        self._schedule, self._pp_group, self._unsent, self._clip_counts = None, None, None, (None, [], None)
+        self._schedule_for, self._pp_group, self._unsent, self._clip_counts = None, None, None, (None, [], None)
         self._stages, self.stage_forwards = [], []
         super().teardown()
-
-
-def stack_window(window: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-    """The window's input_ids (and attention_mask, if any micro-batch has one) padded to one shape and
-    stacked, and each micro-batch's labels padded alike; one sentence for a batch a stage cannot read."""
-    first = window[0]
-    if not isinstance(first, dict) or "input_ids" not in first or "labels" not in first:
-        raise KilnError(
-            "strategy.mesh.pp feeds the pipeline's stages from dict batches with input_ids and labels; "
-            f"this batch is a {type(first).__name__}{' with keys ' + ', '.join(first) if isinstance(first, dict) else ''}"
-            ": use a causal-LM collator (kiln's default, or DataCollatorForLanguageModeling)."
-        )
-    extra = sorted({k for b in window for k in b} - set(_READ))
-    if extra:
-        raise KilnError(
-            f"strategy.mesh.pp reads only {', '.join(_READ)} of a batch, and it holds {', '.join(extra)} too; "
-            "drop them from the collator's batches (remove_unused_columns), or train without pp."
-        )
-    rows = max(b["input_ids"].shape[0] for b in window)
-    length = max(b["input_ids"].shape[1] for b in window)
-    masked = any(b.get("attention_mask") is not None for b in window)
-    ids, masks, labels = [], [], []
-    for b in window:
-        r, t = b["input_ids"].shape
-        ids.append(_pad(b["input_ids"], rows, length, 0))
-        labels.append(_pad(b["labels"], rows, length, -100))
-        if masked:
-            given = b.get("attention_mask")
-            mask = _pad(given if given is not None else torch.ones_like(b["input_ids"]), rows, length, 0)
-            mask[r:] = 1  # rows added for the shape attend normally (a row attending to nothing is NaN)
-            masks.append(mask)
-    return torch.cat(ids), torch.cat(masks) if masked else None, labels
-
-
-def _pad(t: torch.Tensor, rows: int, length: int, value: int) -> torch.Tensor:
-    if t.shape == (rows, length):
-        return t
-    out = t.new_full((rows, length), value)
-    out[: t.shape[0], : t.shape[1]] = t
-    return out

@@ -141,29 +141,3 @@ def check_pipeline(p: PipelineSettings, dims: ParallelDims, s: MeshSettings, con
             f"{window} for pp {dims.pp}; set train.gradient_accumulation_steps to {dims.pp} or more, or "
             "schedule: gpipe."
         )
-
-
-def schedule_class(name: str, microbatches: int, pp: int) -> type:
-    """torch's schedule class for `name` and a window of `microbatches`. 1F1B needs as many
-    micro-batches as stages, and the interleaved schedules a whole number of rounds (check_pipeline
-    holds the full window to both); a shorter window (only an epoch's last can be) that misses them runs
-    GPipe's order (on the same stages: LoopedBFS for several a rank), whose gradients are the same."""
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-        ScheduleLoopedBFS,
-        ScheduleZBVZeroBubble,
-    )
-
-    if name == "1f1b":
-        return Schedule1F1B if microbatches >= pp else ScheduleGPipe
-    if name in ("interleaved_1f1b", "interleaved_zb") and microbatches % max(1, microbatches // pp):
-        return ScheduleLoopedBFS
-    return {
-        "gpipe": ScheduleGPipe,
-        "interleaved_1f1b": ScheduleInterleaved1F1B,
-        "interleaved_zb": ScheduleInterleavedZeroBubble,
-        "zbv": ScheduleZBVZeroBubble,
-    }[name]

@@ -50,6 +50,7 @@ from kiln.strategies.mesh.dims import (
     parse_mesh,
     release_mesh_groups,
 )
+from kiln.strategies.mesh.micro_batch import micro_batch_contexts
 from kiln.strategies.mesh.setting_checks import check_cp, check_settings
 from kiln.strategies.mesh.settings import MeshSettings
 from kiln.strategies.process_group import register_group_user
@@ -339,27 +340,9 @@ class MeshStrategy(MeshCollectives, Strategy, BackwardSyncControl, ShardedModule
 
     # -- step -------------------------------------------------------------------------------
     def micro_batch_context(self, model: nn.Module, *, boundary: bool) -> contextlib.AbstractContextManager[Any]:
-        """FSDP reduce-scatters once per accumulation window, on its last micro-batch. Under cp the
-        micro-batch's forward and backward run inside torch's ring-attention dispatcher; with loss
-        parallel inside torch's `loss_parallel()`; with both (cp x tp), inside both. Packed rows under cp
-        gather keys and values instead of the ring (packed_cp.py)."""
-        from kiln.strategies.mesh.fsdp import is_fsdp
-
-        root = self.unwrap(model)
-        if is_fsdp(root):
-            root.set_requires_gradient_sync(boundary)
-        contexts: list[contextlib.AbstractContextManager[Any]] = []
-        if self.shape.cp > 1 and self.cp_packed:
-            from kiln.strategies.mesh.packed_cp import gathered_attention
-
-            contexts.append(gathered_attention(self.device_mesh["cp"]))
-        elif self.shape.cp > 1:
-            from kiln.strategies.mesh.context_parallel import ring_attention
-
-            contexts.append(ring_attention(self.device_mesh["cp"], self.cp_load_balance))
-        if self._loss_parallel is not None:
-            contexts.append(self._loss_parallel.context())
-        return _all_of(contexts)
+        """FSDP's gradient sync on the window's last micro-batch; cp's attention dispatcher and loss
+        parallel's context around forward and backward (micro_batch.py)."""
+        return micro_batch_contexts(self, self.unwrap(model), boundary=boundary)
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """The true global 2-norm over FSDP shards and TP splits, then every shard scaled alike (clip.py)."""
@@ -399,11 +382,3 @@ class MeshStrategy(MeshCollectives, Strategy, BackwardSyncControl, ShardedModule
         self.device_mesh, self._dp_group, self._root, self._loss_parallel = None, None, None, None
         self._async_checkpoints = None
         super().teardown()
-
-
-@contextlib.contextmanager
-def _all_of(contexts: list[contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context)
-        yield

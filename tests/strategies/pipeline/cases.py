@@ -1,6 +1,7 @@
 """A tiny Llama (hidden 32, 4 layers, vocab 128, from a config), its data and the runs the pipeline
 tests compare: `train(out, strategy, ...)` trains it with one global batch on any strategy and returns
-the per-step logged losses and the final weights this rank holds (under pp: its stages')."""
+the per-step logged losses and the final weights this rank holds (under pp: its stages'); `ragged` and
+`LeftPadding` give it batches whose lengths differ, left-padded with an attention mask."""
 
 from __future__ import annotations
 
@@ -42,6 +43,35 @@ def data(n: int = 22) -> list[dict[str, torch.Tensor]]:
     return padded_token_data(n, length=10, vocab=VOCAB, seed=3)
 
 
+def ragged(n: int = 22) -> list[dict[str, torch.Tensor]]:
+    """Unpadded sequences of 2..10 tokens (labels are the ids: the model shifts them): `LeftPadding`
+    pads each micro-batch to its own longest, so the micro-batches of one window differ in length."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (int(torch.randint(2, 11, (1,), generator=g)),), generator=g)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    return out
+
+
+class LeftPadding:
+    """A decoder tokenizer's padding_side="left": each micro-batch padded on the left to its longest
+    sequence (ids 0, attention_mask 0, labels -100), so the real tokens would attend to the padding but
+    for the mask, which the loss then depends on. `lengths`: the length of each micro-batch it made."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def __call__(self, features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        length = max(len(f["input_ids"]) for f in features)
+        self.lengths.append(length)
+        pad = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+        return {
+            key: torch.stack([torch.cat([f[key].new_full((length - len(f[key]),), value), f[key]]) for f in features])
+            for key, value in pad.items()
+        }
+
+
 def config(out: str, strategy: Any, **extra: Any) -> dict[str, Any]:
     """Micro-batches of 3, windows of 2: 22 samples are 8 micro-batches (the last of 1), so 4 steps an
     epoch; SGD with momentum (optimizer state to resume), so that the comparison sees the gradients and
@@ -70,12 +100,20 @@ def train(
     teardown: bool = True,
     resume: str | None = None,
     eval_dataset: Any = None,
+    train_dataset: Any = None,
+    data_collator: Any = None,
     **extra: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     from kiln import Trainer
 
     model = llama(seed=1 if resume else 0)  # a resumed run's weights come from the checkpoint
-    trainer = Trainer(model, config(out, strategy, **extra), train_dataset=data(), eval_dataset=eval_dataset)
+    trainer = Trainer(
+        model,
+        config(out, strategy, **extra),
+        train_dataset=data() if train_dataset is None else train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=data_collator,
+    )
     trainer.fit(resume_from_checkpoint=resume)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -6,6 +6,9 @@ processes, as `strategy: {name: model_parallel, mesh: {pp: 2}}` on a tiny Llama 
   2 micro-batches whose item counts differ, and a short last window of 1), with SGD with momentum and
   global gradient clipping (the losses reach the first stage in the norm's all-reduce), and without
   clipping every rank logs the last stage's losses too (a broadcast of their own);
+- batches of different lengths, left-padded with an attention mask (labels -100 on the padding): the
+  window's micro-batches padded to one shape and the mask handed to every stage, 1F1B's losses and
+  weights are single's on the same global batch (the loss counts the window's label tokens);
 - each rank holds the stages' layers torch's schedule places on it (1 stage a rank: layers 0-1 with the
   embeddings, 2-3 with the norm and lm_head; loop style: 0 and 2 / 1 and 3; V: 0 and 3 with both ends /
   1 and 2), under the full model's names, and the saved model gathers every stage's weights on rank 0;
@@ -36,7 +39,7 @@ if __name__ == "__main__":  # the torchrun worker: the repository root first, as
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tests.helpers import dcp_writer_threads, momenta  # noqa: E402
-from tests.strategies.pipeline.cases import close, config, data, llama, train  # noqa: E402
+from tests.strategies.pipeline.cases import LeftPadding, close, config, data, llama, ragged, train  # noqa: E402
 from tests.world import run_world
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
@@ -97,6 +100,13 @@ def worker(out: str, one_process_checkpoint: str) -> None:
     # without clipping, the losses reach the first stage by a broadcast (with it, in the norm's all-reduce)
     results["unclipped"] = train(os.path.join(out, "unclipped"), pp("gpipe"), max_grad_norm=0.0)[0]
 
+    # micro-batches of different lengths, left-padded: the real tokens see past the padding by the mask alone
+    padding = LeftPadding()
+    results["padded"] = train(os.path.join(out, "padded"), pp("1f1b"), train_dataset=ragged(), data_collator=padding)[
+        :2
+    ]
+    results["padded lengths"] = padding.lengths
+
     class OwnLoss(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -152,6 +162,20 @@ def test_pipeline_schedules_equal_single_evaluate_and_resume_across_meshes(tmp_p
     unclipped = [rank["unclipped"] for rank in ranks]  # rank 0 holds no loss: rank 1's were sent to it
     assert len(unclipped[0]) == 4 and unclipped[0] == unclipped[1]
     torch.testing.assert_close(unclipped[0][0], want_losses[0], rtol=1e-5, atol=1e-5)  # no update yet
+
+    # left-padded micro-batches whose lengths differ within a window: single's losses and weights
+    padding = LeftPadding()
+    want_padded, want_padded_state, _ = train(
+        str(tmp_path / "single padded"),
+        {"name": "single", "device": "cpu"},
+        train_dataset=ragged(),
+        data_collator=padding,
+    )
+    assert [rank["padded lengths"] for rank in ranks] == [padding.lengths] * 2
+    assert len(padding.lengths) == 8 and padding.lengths[0::2] != padding.lengths[1::2]
+    for rank in ranks:
+        torch.testing.assert_close(rank["padded"][0], want_padded, rtol=1e-5, atol=1e-5)
+    close({**ranks[0]["padded"][1], **ranks[1]["padded"][1]}, want_padded_state, "padded")
 
     for rank in ranks:  # evaluation runs the whole model, stage to stage, on every rank
         torch.testing.assert_close(rank["1f1b"]["evals"], want_evals, rtol=1e-5, atol=1e-5)
