@@ -112,6 +112,8 @@ class Strategy:
     #: the checkpoint formats `checkpoint_io()` may return (names in kiln.strategies.checkpoint_io.FORMATS),
     #: its default first: what the docs and `kiln convert` know this strategy writes
     checkpoint_formats: ClassVar[tuple[str, ...]] = ("full",)
+    #: `abort` ended this process's process group: no collective (nor a new fit) can run on it
+    aborted: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse, at class creation, a strategy whose collectives would silently be the identity."""
@@ -366,6 +368,13 @@ class Strategy:
         """Full, unsharded weights of the user's `module` (called on every rank; written by rank 0),
         with the module's own key names."""
         return module.state_dict()
+
+    def abort(self, error: BaseException) -> dict[str, Any] | None:
+        """Stop the other ranks now that `fit()` raised `error` on this one, rather than leave them waiting in
+        a collective until its timeout (kiln/strategies/abort.py); returns the record of a rank that failed
+        before this one ({"rank", "error"}), if any. Afterwards this process has no process group (`aborted`).
+        One process: nothing to stop."""
+        return None
 
     def teardown(self) -> None:
         """Release the process group and device state. `Trainer.teardown()` calls it (the user does, or

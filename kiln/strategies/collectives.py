@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kiln.launch.environment import detect
+from kiln.strategies.abort import abort_default_group, record_failure
 from kiln.strategies.process_group import (
     barrier,
     default_backend,
@@ -52,6 +53,7 @@ class ProcessGroupCollectives:
     global_rank: int
     _wrapped: Any
     _source: Any
+    aborted: bool
 
     def __init__(self, config: DictConfig, precision: Precision) -> None:
         super().__init__(config, precision)  # type: ignore[call-arg]  # Strategy.__init__, next in the MRO
@@ -149,6 +151,21 @@ class ProcessGroupCollectives:
 
     def barrier(self, name: str | None = None) -> None:
         barrier(self._device, self.backend)
+
+    def abort(self, error: BaseException) -> dict[str, Any] | None:
+        """Record the failure for the peers, drop this strategy's holds on the groups (its subclasses'
+        `teardown`) and abort them, whoever made them: the peers must stop (kiln/strategies/abort.py)."""
+        if self.world_size <= 1:
+            return None
+        first = record_failure(self.global_rank, error)
+
+        def release() -> None:  # teardown drops the holds (and destroys the group if this strategy made it)
+            self.teardown()
+            self._wrapped = self._source = None
+
+        abort_default_group(self.backend, release, first=first is None and not isinstance(error, RuntimeError))
+        self.aborted = True
+        return first
 
     def teardown(self) -> None:
         """Destroy the process group if this strategy created it (idempotent)."""
