@@ -4,10 +4,12 @@ do not wait out the collective timeout (30 minutes by default): the failing rank
 names the failing rank and its error, while the failing rank's script sees its own exception unchanged (and a
 second fit() in its process says that the group is gone).
 
-Two processes, gloo: DDP (the peer waits in the gradient all-reduce) and a pipeline of two stages (the peer,
-stage 1, waits for stage 0's activations). Rank 0 raises at the end of step 3, catches the error and stays
-alive for up to 120 s, until rank 1 has written its outcome: without the abort, rank 1 would hang and the
-world would run past its 60 s timeout (TimeoutExpired fails the test).
+Two processes, gloo: DDP (the peer waits in the gradient all-reduce), a pipeline of two stages (the peer,
+stage 1, waits for stage 0's activations) and DeepSpeed ZeRO-3 (its engine, optimizer, zero.Init object and
+parameters hold the group, which the strategy releases: kiln/strategies/deepspeed/runtime.py). Rank 0 raises
+at the end of step 3, catches the error and stays alive for up to 120 s, until rank 1 has written its
+outcome: without the abort (or with the group still held), rank 1 would hang and the world would run past
+its 60 s timeout (TimeoutExpired fails the test).
 
 Run by `run_world`, this file is the worker (`python THIS OUT STRATEGY`)."""
 
@@ -24,6 +26,7 @@ import pytest
 if __name__ == "__main__":  # the world's worker: the repository root first, as under pytest
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.installed import requires  # noqa: E402
 from tests.world import run_world  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -58,6 +61,9 @@ def worker(out: str, strategy: str) -> None:
 
         torch.manual_seed(0)
         cfg = toy.scenario_config("plain", os.path.join(out, "run"), world=2, max_steps=1000)
+        if strategy == "deepspeed":  # ZeRO-3: the engine, its optimizer and every parameter hold the group
+            cfg["strategy"] = {"name": "deepspeed", "device": "cpu"}
+            cfg["deepspeed"] = {"zero_optimization": {"stage": 3}}
         trainer = Trainer(toy.Regressor(), cfg, train_dataset=toy.regression_data(64), callbacks=[Fail()])
     try:
         trainer.fit()
@@ -80,9 +86,10 @@ def worker(out: str, strategy: str) -> None:
         sys.exit(1)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "pp"])
+@pytest.mark.parametrize("strategy", ["ddp", "pp", pytest.param("deepspeed", marks=requires("deepspeed"))])
 def test_a_rank_whose_fit_raises_stops_its_peers_while_it_lives_on(tmp_path, strategy):
-    proc = run_world(__file__, tmp_path, strategy, timeout=WORLD_TIMEOUT, check=False)
+    env = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed on CPU (the other strategies ignore it)
+    proc = run_world(__file__, tmp_path, strategy, env=env, timeout=WORLD_TIMEOUT, check=False)
     assert proc.returncode != 0, proc.stderr[-3000:]
     (kind0, message0, failed_at, again), (kind1, message1, stopped_at) = (
         json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
