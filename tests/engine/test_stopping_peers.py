@@ -12,9 +12,19 @@ import pytest
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from kiln.engine.checkpoint.in_use import OutputDirInUse
+from kiln.engine.checkpoint.lease import LeaseLost
 from kiln.engine.loop.fit_errors import stopping_peers
 from kiln.strategies import abort, process_group
-from kiln.utils.errors import KilnError, RankFailed, TrainingInterrupted
+from kiln.utils.errors import (
+    CapabilityError,
+    CheckpointError,
+    ConfigError,
+    KilnError,
+    PrecisionError,
+    RankFailed,
+    TrainingInterrupted,
+)
 
 
 class Strategy:
@@ -54,6 +64,28 @@ def test_a_rank_with_an_error_of_its_own_keeps_it_even_after_a_peer_failed(error
     with pytest.raises(type(error)) as raised, stopping_peers(strategy):  # type: ignore[arg-type]
         raise error
     assert raised.value is error and strategy.aborted
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        ConfigError("a config refused"),
+        PrecisionError("a precision refused"),
+        CapabilityError("a combination refused"),
+        CheckpointError("a checkpoint refused"),
+        LeaseLost("the lock was taken over"),
+        OutputDirInUse("the output_dir is in use"),
+    ],
+)
+def test_kilns_refusals_which_every_rank_raises_alike_abort_nothing_and_a_later_fit_runs(refusal):
+    """A script may catch a refusal (a bad path to resume from), fix it and fit again in the same processes:
+    the group is kept."""
+    strategy = Strategy()
+    with pytest.raises(type(refusal)) as raised, stopping_peers(strategy):  # type: ignore[arg-type]
+        raise refusal
+    assert raised.value is refusal and not strategy.aborted and strategy.errors == []
+    with stopping_peers(strategy):  # type: ignore[arg-type]
+        pass
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), TrainingInterrupted("interrupted at step 3")])

@@ -12,12 +12,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from kiln.engine.checkpoint.in_use import OutputDirInUse
 from kiln.engine.loop.batch_size import is_out_of_memory
-from kiln.utils.errors import KilnError, RankFailed, TrainingInterrupted
+from kiln.utils.errors import (
+    CapabilityError,
+    CheckpointError,
+    ConfigError,
+    KilnError,
+    PrecisionError,
+    RankFailed,
+    TrainingInterrupted,
+)
 
 if TYPE_CHECKING:
     from kiln.engine.run import Run
     from kiln.strategies.base import Strategy
+
+
+#: kiln's refusals of a config, a setup, a checkpoint or an output_dir: every rank reaches them alike (the same
+#: config and files, or a verdict the ranks gathered), so none waits on another; the group is kept, and a
+#: script that catches one may fix the input and call fit() again in the same processes
+REFUSALS = (ConfigError, PrecisionError, CapabilityError, CheckpointError, OutputDirInUse)
 
 
 @contextmanager
@@ -27,8 +42,9 @@ def stopping_peers(strategy: Strategy) -> Iterator[None]:
     collective fails now rather than at the collective timeout, and the script sees its own exception
     unchanged. A peer whose collective failed that way raises `RankFailed`, naming the rank that failed
     first and its error. A Ctrl-C (KeyboardInterrupt, TrainingInterrupted) and a preemption (which ends fit
-    normally) abort nothing: every rank is stopping already. With one process there is nothing to abort.
-    The group cannot be used again in this process, so a later `fit()` says so."""
+    normally) abort nothing: every rank is stopping already; nor do kiln's refusals (`REFUSALS`), which every
+    rank raises alike. With one process there is nothing to abort. After an abort the group cannot be used
+    again in this process, so a later `fit()` says so."""
     if strategy.aborted:
         raise KilnError(
             "fit() cannot run again in this process: an earlier fit() failed and aborted the process group to "
@@ -36,6 +52,8 @@ def stopping_peers(strategy: Strategy) -> Iterator[None]:
         )
     try:
         yield
+    except REFUSALS:
+        raise
     except Exception as err:
         first = strategy.abort(err)
         if first is not None and isinstance(err, RuntimeError) and not isinstance(err, KilnError):
