@@ -65,6 +65,12 @@ def join_default_group(env: ClusterEnvironment, timeout_s: float = 1800) -> tupl
 _GROUPS_MADE = 0
 
 
+def group_incarnation() -> int:
+    """How many default groups this process made from a launcher's rendezvous (the same on every rank of a
+    symmetric program): what tells a group made again apart from the last one (kiln/strategies/abort.py)."""
+    return _GROUPS_MADE
+
+
 def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) -> bool:
     """Create the default process group from the launcher's environment; False if one exists.
 

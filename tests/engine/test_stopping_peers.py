@@ -1,49 +1,70 @@
-"""`stopping_peers` (kiln/engine/loop/fit_errors.py) around fit(): an Exception aborts the strategy's process
-group, a KeyboardInterrupt does not, a rank whose collective broke on a peer's abort names that peer
-(RankFailed), the failing rank's own exception leaves unchanged, and a later fit() in the aborted process
-says why it cannot run. And `record_failure` (kiln/strategies/abort.py): the first rank's record wins.
-The 2-process worlds are tests/distributed/test_failed_fit_stops_peers.py."""
+"""`stopping_peers` (kiln/engine/loop/fit_errors.py) around fit(): an Exception goes to the strategy's
+`fit_failed` with this process's count of fit() calls, a KeyboardInterrupt does not, a rank whose collective
+broke on a peer's abort names that peer (RankFailed), the failing rank's own exception leaves unchanged,
+and a later fit() in an aborted process says why it cannot run. And the agreement (kiln/strategies/abort.py)
+in an in-process store with a world of threads: every rank failed -> nothing aborted; the grace expired ->
+one rank's record, and the abort; one verdict per fit() call. The 2-process worlds are
+tests/distributed/test_failed_fit_stops_peers.py."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from kiln.engine.checkpoint.in_use import OutputDirInUse
-from kiln.engine.checkpoint.lease import LeaseLost
+from kiln.engine.loop import fit_errors
 from kiln.engine.loop.fit_errors import stopping_peers
 from kiln.strategies import abort, process_group
-from kiln.utils.errors import (
-    CapabilityError,
-    CheckpointError,
-    ConfigError,
-    KilnError,
-    PrecisionError,
-    RankFailed,
-    TrainingInterrupted,
-)
+from kiln.strategies.abort import FitKeys
+from kiln.strategies.collectives import ProcessGroupCollectives
+from kiln.utils.errors import CheckpointError, ConfigError, KilnError, RankFailed, TrainingInterrupted
 
 
 class Strategy:
-    """What `stopping_peers` asks of a strategy: `abort` (returning an earlier rank's record) and `aborted`."""
+    """What `stopping_peers` asks of a strategy: `fit_failed` (returning the record of a rank that aborted
+    before this one failed) and `aborted`."""
 
     def __init__(self, first: dict | None = None) -> None:
-        self.first, self.aborted, self.errors = first, False, []
+        self.first, self.aborted, self.calls = first, False, []
 
-    def abort(self, error: BaseException) -> dict | None:
-        self.errors.append(error)
-        self.aborted = True
+    def fit_failed(self, error: BaseException, fit_call: int) -> dict | None:
+        self.calls.append((error, fit_call))
         return self.first
 
 
-def test_the_failing_rank_aborts_and_raises_its_own_exception_unchanged():
+def test_the_failing_rank_agrees_and_raises_its_own_exception_unchanged():
     strategy, error = Strategy(), ValueError("boom")
     with pytest.raises(ValueError) as raised, stopping_peers(strategy):  # type: ignore[arg-type]
         raise error
-    assert raised.value is error and strategy.errors == [error]
+    assert raised.value is error and [e for e, _ in strategy.calls] == [error]
+
+
+@pytest.mark.parametrize("refusal", [ConfigError("a config refused"), CheckpointError("a checkpoint refused")])
+def test_kilns_refusals_go_to_the_agreement_too(refusal):
+    """No exemption: a refusal raised on every rank is kept by the agreement, one raised on rank 0 alone must
+    stop the peers."""
+    strategy = Strategy()
+    with pytest.raises(type(refusal)), stopping_peers(strategy):  # type: ignore[arg-type]
+        raise refusal
+    assert [e for e, _ in strategy.calls] == [refusal]
+
+
+def test_each_fit_call_has_its_own_number(monkeypatch):
+    monkeypatch.setattr(fit_errors, "_FIT_CALLS", [7])
+    strategy = Strategy()
+    for _ in range(2):
+        with pytest.raises(ValueError), stopping_peers(strategy):  # type: ignore[arg-type]
+            raise ValueError("boom")
+    with stopping_peers(strategy):  # type: ignore[arg-type]  # a fit that ends normally counts too
+        pass
+    with pytest.raises(ValueError), stopping_peers(strategy):  # type: ignore[arg-type]
+        raise ValueError("boom")
+    assert [n for _, n in strategy.calls] == [7, 8, 10]
 
 
 def test_a_rank_whose_collective_broke_on_a_peers_abort_names_that_peer():
@@ -59,33 +80,11 @@ def test_a_rank_whose_collective_broke_on_a_peers_abort_names_that_peer():
 
 
 @pytest.mark.parametrize("error", [ValueError("its own"), KilnError("its own sentence")])
-def test_a_rank_with_an_error_of_its_own_keeps_it_even_after_a_peer_failed(error):
+def test_a_rank_with_an_error_of_its_own_keeps_it_even_after_a_peer_aborted(error):
     strategy = Strategy({"rank": 0, "error": "ValueError: boom"})
     with pytest.raises(type(error)) as raised, stopping_peers(strategy):  # type: ignore[arg-type]
         raise error
-    assert raised.value is error and strategy.aborted
-
-
-@pytest.mark.parametrize(
-    "refusal",
-    [
-        ConfigError("a config refused"),
-        PrecisionError("a precision refused"),
-        CapabilityError("a combination refused"),
-        CheckpointError("a checkpoint refused"),
-        LeaseLost("the lock was taken over"),
-        OutputDirInUse("the output_dir is in use"),
-    ],
-)
-def test_kilns_refusals_which_every_rank_raises_alike_abort_nothing_and_a_later_fit_runs(refusal):
-    """A script may catch a refusal (a bad path to resume from), fix it and fit again in the same processes:
-    the group is kept."""
-    strategy = Strategy()
-    with pytest.raises(type(refusal)) as raised, stopping_peers(strategy):  # type: ignore[arg-type]
-        raise refusal
-    assert raised.value is refusal and not strategy.aborted and strategy.errors == []
-    with stopping_peers(strategy):  # type: ignore[arg-type]
-        pass
+    assert raised.value is error
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), TrainingInterrupted("interrupted at step 3")])
@@ -93,14 +92,14 @@ def test_a_ctrl_c_aborts_nothing(interrupt):
     strategy = Strategy()
     with pytest.raises(KeyboardInterrupt), stopping_peers(strategy):  # type: ignore[arg-type]
         raise interrupt
-    assert strategy.errors == [] and not strategy.aborted
+    assert strategy.calls == []
 
 
 def test_a_fit_that_ends_normally_aborts_nothing():
     strategy = Strategy()
     with stopping_peers(strategy):  # type: ignore[arg-type]
         pass
-    assert strategy.errors == []
+    assert strategy.calls == []
 
 
 def test_a_later_fit_in_an_aborted_process_says_why_it_cannot_run():
@@ -113,30 +112,162 @@ def test_a_later_fit_in_an_aborted_process_says_why_it_cannot_run():
             raise AssertionError("the body must not run")
 
 
+# -- the agreement, in one store, ranks as threads ---------------------------------------------------------
+
+
+def _world(store, keys, errors: dict[int, BaseException | None], grace_s: float, world_size: int = 2) -> dict:
+    """Each rank whose error is not None calls `agree` at once, in a thread of its own; {rank: (decision,
+    record, seconds it took)}."""
+    out: dict = {}
+
+    def rank(r: int, error: BaseException) -> None:
+        start = time.monotonic()
+        decision, first = abort.agree(store, keys, r, world_size, error, grace_s)
+        out[r] = (decision, first, time.monotonic() - start)
+
+    threads = [threading.Thread(target=rank, args=(r, e)) for r, e in errors.items() if e is not None]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.parametrize("messages", [("same", "same"), ("one", "another")])
+def test_every_rank_failed_so_nothing_is_aborted(messages):
+    store, keys = dist.HashStore(), FitKeys.of(0, 0)
+    out = _world(store, keys, {0: ValueError(messages[0]), 1: TypeError(messages[1])}, grace_s=10)
+    assert {r: out[r][:2] for r in out} == {0: ("kept", None), 1: ("kept", None)}
+    assert max(t for _, _, t in out.values()) < 5  # no rank waited out the grace
+    assert store.get(keys.verdict) == b"kept" and not store.check([keys.aborted])
+
+
+def test_a_rank_failing_alone_aborts_after_the_grace_and_its_peer_is_stopped_by_its_record():
+    store, keys = dist.HashStore(), FitKeys.of(0, 0)
+    out = _world(store, keys, {0: ValueError("boom"), 1: None}, grace_s=0.3)
+    decision, first, took = out[0]
+    assert (decision, first) == ("abort", None) and 0.3 <= took < 5
+    want = {"rank": 0, "error": "ValueError: boom"}
+    assert json.loads(store.get(keys.verdict)) == want and json.loads(store.get(keys.aborted)) == want
+    # rank 1's collective broke on the abort: it finds the record and stops at once, counting nothing
+    start = time.monotonic()
+    assert abort.agree(store, keys, 1, 2, RuntimeError("Connection closed by peer"), 10) == ("stopped", want)
+    assert time.monotonic() - start < 1 and store.add(keys.failed, 0) == 1
+    # so does a rank stopped in a later fit() call (it had finished this one): the record is the group's
+    assert abort.agree(store, FitKeys.of(1, 0), 1, 2, RuntimeError("closed"), 10) == ("stopped", want)
+
+
+def test_a_rank_counting_after_the_grace_expired_follows_the_abort():
+    store, keys = dist.HashStore(), FitKeys.of(0, 0)
+    assert abort.agree(store, keys, 0, 3, ValueError("first"), 0.05) == ("abort", None)
+    store.delete_key(keys.aborted)  # only the verdict of this fit() call tells rank 2 what was decided
+    assert abort.agree(store, keys, 2, 3, ValueError("late"), 0.05) == ("abort", {"rank": 0, "error": "ValueError: first"})
+    # the last rank counts the world full, but the verdict was written: it aborts too, keeping no dead group
+    store.delete_key(keys.aborted)
+    assert abort.agree(store, keys, 1, 3, ValueError("last"), 10)[0] == "abort"
+    assert store.add(keys.failed, 0) == 3
+
+
+def test_two_ranks_whose_grace_expires_agree_on_one_record():
+    store, keys = dist.HashStore(), FitKeys.of(0, 0)
+    out = _world(store, keys, {0: ValueError("a"), 1: ValueError("b"), 2: None}, grace_s=0.3, world_size=3)
+    winner = json.loads(store.get(keys.verdict))
+    assert json.loads(store.get(keys.aborted)) == winner
+    loser = 1 - winner["rank"]
+    assert out[winner["rank"]][:2] == ("abort", None) and out[loser][:2] == ("abort", winner)
+
+
+def test_each_fit_call_and_group_has_keys_of_its_own():
+    store = dist.HashStore()
+    first, second = FitKeys.of(0, 0), FitKeys.of(1, 0)
+    assert _world(store, first, {0: ValueError("x"), 1: ValueError("x")}, grace_s=10)[0][:2] == ("kept", None)
+    assert abort.agree(store, second, 0, 2, ValueError("alone"), 0.05) == ("abort", None)  # call 0's count is not call 1's
+    assert FitKeys.of(0, 1).aborted != first.aborted  # a group made again is not stopped by the last one's abort
+    assert len({*first.__dict__.values(), *second.__dict__.values()}) == 5  # `aborted` is shared within a group
+
+
+# -- the strategy's side: agree, then abort (or not) ---------------------------------------------------------
+
+
+@pytest.fixture
+def store(monkeypatch):
+    store = dist.HashStore()
+    monkeypatch.setattr(c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(process_group, "_KEPT_STORE", [])
+    return store
+
+
+def _strategy(rank: int, monkeypatch, world_size: int = 2) -> tuple[SimpleNamespace, list]:
+    """A process-group strategy of a fake world: its `fit_failed` with `abort_default_group` recorded."""
+    aborts: list = []
+
+    def abort_default_group(backend, release, first):  # type: ignore[no-untyped-def]
+        release()
+        aborts.append((backend, first))
+        return True
+
+    monkeypatch.setattr(abort, "abort_default_group", abort_default_group)
+    strategy = SimpleNamespace(world_size=world_size, global_rank=rank, backend="gloo", aborted=False, torn=0)
+    strategy.teardown = lambda: setattr(strategy, "torn", strategy.torn + 1)
+    strategy._wrapped = strategy._source = object()
+    return strategy, aborts
+
+
+def test_the_strategy_keeps_the_group_when_every_rank_failed(store, monkeypatch):
+    strategy, aborts = _strategy(0, monkeypatch)
+    store.add(FitKeys.of(4, 0).failed, 1)  # rank 1's fit #4 failed too
+    assert ProcessGroupCollectives.fit_failed(strategy, ValueError("x"), 4) is None  # type: ignore[arg-type]
+    assert aborts == [] and not strategy.aborted and strategy.torn == 0
+    assert process_group._KEPT_STORE == []
+
+
+def test_the_strategy_aborts_when_the_grace_expires(store, monkeypatch):
+    monkeypatch.setattr(abort, "GRACE_S", 0.05)
+    strategy, aborts = _strategy(1, monkeypatch)
+    assert ProcessGroupCollectives.fit_failed(strategy, ValueError("boom"), 4) is None  # type: ignore[arg-type]
+    assert aborts == [("gloo", True)] and strategy.aborted and strategy.torn == 1
+    assert strategy._wrapped is None and strategy._source is None  # its holds on the group dropped
+    assert json.loads(store.get(FitKeys.of(4, 0).aborted)) == {"rank": 1, "error": "ValueError: boom"}
+    assert process_group._KEPT_STORE == [store]  # kept beyond the group: a store rank 0 hosts answers the peers
+    monkeypatch.setattr(c10d, "_get_default_store", _no_group)  # the group is gone
+    assert process_group.default_store() is store  # lost_peer_note can still read the ranks' identities
+    peer, peer_aborts = _strategy(0, monkeypatch)
+    broken = RuntimeError("Connection closed by peer")
+    assert ProcessGroupCollectives.fit_failed(peer, broken, 4) == {"rank": 1, "error": "ValueError: boom"}  # type: ignore[arg-type]
+    assert peer_aborts == [("gloo", False)] and peer.aborted  # the peer frees its broken group, warning of nothing
+
+
+def test_a_broken_collective_of_its_own_is_not_warned_about(store, monkeypatch):
+    """A survivor of a rank that died: its error's traceback may hold the group; its own error names the cause."""
+    monkeypatch.setattr(abort, "GRACE_S", 0.05)
+    strategy, aborts = _strategy(0, monkeypatch)
+    assert ProcessGroupCollectives.fit_failed(strategy, RuntimeError("Connection reset"), 0) is None  # type: ignore[arg-type]
+    assert aborts == [("gloo", False)]
+
+
+def test_one_process_agrees_with_nobody(store, monkeypatch):
+    strategy, aborts = _strategy(0, monkeypatch, world_size=1)
+    assert ProcessGroupCollectives.fit_failed(strategy, ValueError("x"), 0) is None  # type: ignore[arg-type]
+    assert aborts == [] and not store.check([FitKeys.of(0, 0).failed])
+
+
 def _no_group() -> None:
     raise ValueError("Default process group has not been initialized")
 
 
-def test_the_first_ranks_record_wins_and_each_rank_learns_whether_it_was_first(monkeypatch):
-    store = dist.HashStore()
-    monkeypatch.setattr(c10d, "_get_default_store", lambda: store)
+def test_without_a_store_that_answers_the_rank_aborts_at_once(monkeypatch):
     monkeypatch.setattr(process_group, "_KEPT_STORE", [])
-    assert abort.record_failure(1, ValueError("first")) is None  # rank 1 failed first
-    assert abort.record_failure(0, RuntimeError("Connection closed by peer")) == {
-        "rank": 1,
-        "error": "ValueError: first",
-    }
-    assert abort.record_failure(1, ValueError("again")) is None  # its own record: still the first
-    assert abort.record_failure(2, ValueError("first")) is None  # the same error: raised alike, not stopped by rank 1
-    assert json.loads(store.get(abort.FAILED_FIT)) == {"rank": 1, "error": "ValueError: first"}
-    assert process_group._KEPT_STORE == [store]  # kept beyond the group: a store rank 0 hosts answers the peers
-    monkeypatch.setattr(c10d, "_get_default_store", _no_group)  # the group is gone
-    assert process_group.default_store() is store  # lost_peer_note can still read the ranks' identities
+    monkeypatch.setattr(c10d, "_get_default_store", _no_group)
+    assert abort.fit_failed(0, 2, 0, ValueError("x")) == ("abort", None)
 
+    class Gone:
+        def check(self, keys):  # type: ignore[no-untyped-def]
+            raise RuntimeError("Connection refused")
 
-def test_without_a_store_nothing_is_recorded(monkeypatch):
-    monkeypatch.setattr(abort, "keep_default_store", lambda: None)
-    assert abort.record_failure(0, ValueError("boom")) is None
+    monkeypatch.setattr(c10d, "_get_default_store", Gone)
+    start = time.monotonic()
+    assert abort.fit_failed(0, 2, 0, ValueError("x")) == ("abort", None)
+    assert time.monotonic() - start < 1
 
 
 def test_the_abort_releases_the_strategys_holds_then_frees_every_group(caplog):
