@@ -37,6 +37,7 @@ pytestmark = pytest.mark.distributed
 FAILURE = "injected failure on rank 0 at step 3"
 WORLD_TIMEOUT = 60  # seconds; the peer's collective timeout is kiln's default, 1800 s
 GRACE = 2.0  # seconds, the worker's kiln.strategies.abort.GRACE_S (10 s by default)
+EVERY_GRACE = 20.0  # seconds, when every rank fails: the ranks agree long before
 
 
 def _outcome(out: str, rank: int) -> str:
@@ -112,24 +113,32 @@ def worker(out: str, strategy: str, mode: str) -> None:
 
 def _every_rank_fails(out: str, rank: int) -> None:
     """Two fits of one Trainer fail at step 3 on every rank (the same message, then one per rank), caught;
-    then a fresh Trainer trains the 'plain' scenario in the same processes and group."""
-    from kiln import Trainer
+    then a fresh Trainer trains the 'plain' scenario in the same processes and group. The grace is long
+    (EVERY_GRACE): a rank that waited it out would show."""
+    import torch.distributed as dist
 
+    from kiln import Trainer
+    from kiln.strategies import abort, process_group
+
+    abort.GRACE_S = EVERY_GRACE
     outcome = []
     torch.manual_seed(0)
     cfg = toy.scenario_config("plain", os.path.join(out, "failing"), world=2, max_steps=1000)
+    trainer = Trainer(toy.Regressor(), cfg, train_dataset=toy.regression_data(64))
+    made = process_group.group_incarnation()
     for message in (FAILURE, "rank {rank} failed its own way at step 3"):
         fail = _failing((0, 1), message)
-        trainer = Trainer(toy.Regressor(), cfg, train_dataset=toy.regression_data(64), callbacks=[fail])
-        start = time.time()
+        trainer.add_callback(fail)
         try:
             trainer.fit()
             outcome.append(["finished", "", 0.0])
         except Exception as err:  # noqa: BLE001 - what a user's script that catches the failure does
-            outcome.append([type(err).__name__, str(err), time.time() - start])
+            outcome.append([type(err).__name__, str(err), time.time() - fail.raised_at])
+        trainer.remove_callback(fail)
+    kept = dist.is_initialized() and process_group.group_incarnation() == made and not trainer.strategy.aborted
     _, model = toy.train_scenario("plain", os.path.join(out, "fresh"), world=2)
     torch.save(toy.flat_params(model), os.path.join(out, f"weights{rank}.pt"))
-    _write(out, rank, outcome)
+    _write(out, rank, [*outcome, kept])
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "pp", pytest.param("deepspeed", marks=requires("deepspeed"))])
@@ -152,11 +161,15 @@ def test_a_rank_whose_fit_raises_stops_its_peers_while_it_lives_on(tmp_path, str
 
 def test_when_every_ranks_fit_raises_nothing_is_aborted_and_a_later_fit_trains(tmp_path):
     run_world(__file__, tmp_path, "ddp", "every", timeout=WORLD_TIMEOUT)
-    alike, different = zip(*(json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)))
+    (alike0, different0, kept0), (alike1, different1, kept1) = (
+        json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
+    )
+    alike, different = [alike0, alike1], [different0, different1]
     assert [kind for kind, _, _ in alike + different] == ["ValueError"] * 4  # each rank's own exception
     assert [message for _, message, _ in alike] == [FAILURE, FAILURE]
     assert [message for _, message, _ in different] == [f"rank {r} failed its own way at step 3" for r in (0, 1)]
-    assert max(took for _, _, took in alike + different) < GRACE + 8  # agreed without waiting out the grace
+    assert max(took for _, _, took in alike + different) < EVERY_GRACE / 2  # agreed, not waited out the grace
+    assert kept0 and kept1  # the same group, not aborted, on both ranks
     _, model = toy.train_scenario("plain", str(tmp_path / "single"), world=1)  # a fresh run (DDP parity)
     for rank in (0, 1):
         weights = torch.load(tmp_path / f"weights{rank}.pt")
