@@ -168,7 +168,8 @@ class ProcessGroupCollectives:
             self.teardown()
             self._wrapped = self._source = None
 
-        abort.abort_default_group(self.backend, release, first=decision == "abort" and first is None and not isinstance(error, RuntimeError))
+        own = decision == "abort" and first is None and not isinstance(error, RuntimeError)  # warn of a held group
+        abort.abort_default_group(self.backend, release, first=own)
         self.aborted = True
         return first if decision == "stopped" else None
 

@@ -161,7 +161,8 @@ def test_a_rank_counting_after_the_grace_expired_follows_the_abort():
     store, keys = dist.HashStore(), FitKeys.of(0, 0)
     assert abort.agree(store, keys, 0, 3, ValueError("first"), 0.05) == ("abort", None)
     store.delete_key(keys.aborted)  # only the verdict of this fit() call tells rank 2 what was decided
-    assert abort.agree(store, keys, 2, 3, ValueError("late"), 0.05) == ("abort", {"rank": 0, "error": "ValueError: first"})
+    first = {"rank": 0, "error": "ValueError: first"}
+    assert abort.agree(store, keys, 2, 3, ValueError("late"), 0.05) == ("abort", first)
     # the last rank counts the world full, but the verdict was written: it aborts too, keeping no dead group
     store.delete_key(keys.aborted)
     assert abort.agree(store, keys, 1, 3, ValueError("last"), 10)[0] == "abort"
@@ -181,7 +182,8 @@ def test_each_fit_call_and_group_has_keys_of_its_own():
     store = dist.HashStore()
     first, second = FitKeys.of(0, 0), FitKeys.of(1, 0)
     assert _world(store, first, {0: ValueError("x"), 1: ValueError("x")}, grace_s=10)[0][:2] == ("kept", None)
-    assert abort.agree(store, second, 0, 2, ValueError("alone"), 0.05) == ("abort", None)  # call 0's count is not call 1's
+    # call 0's count is not call 1's
+    assert abort.agree(store, second, 0, 2, ValueError("alone"), 0.05) == ("abort", None)
     assert FitKeys.of(0, 1).aborted != first.aborted  # a group made again is not stopped by the last one's abort
     assert len({*first.__dict__.values(), *second.__dict__.values()}) == 5  # `aborted` is shared within a group
 
