@@ -292,3 +292,17 @@ def test_a_group_held_elsewhere_is_reported_by_the_rank_that_failed_first(caplog
         assert not abort.abort_default_group("gloo", lambda: None, first=first)
     del held
     assert ("the other ranks may wait until the collective timeout" in caplog.text) is first
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_nccl_communicators_are_aborted_before_anything_is_released(monkeypatch, backend):
+    """ncclCommAbort first (a kernel in flight is cancelled rather than waited for); gloo has no working abort."""
+    calls: list[str] = []
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda *a, **k: calls.append("abort"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        abort.abort_default_group(backend, lambda: calls.append("release"), first=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert calls == (["abort", "release"] if backend == "nccl" else ["release"])
