@@ -70,7 +70,7 @@ def _error_name(call: ast.Call) -> str | None:
     name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
     return (
         name
-        if name and (name.endswith(("Error", "Exit", "Interrupted", "Detected")) or name == "TrialPruned")
+        if name and (name.endswith(("Error", "Exit", "Interrupted", "Detected", "Failed")) or name == "TrialPruned")
         else None
     )
 
@@ -148,6 +148,7 @@ def troubleshooting_markdown(package: Path) -> str:
         "| `CheckpointError` | a checkpoint is missing, damaged, unsafe or does not fit the run ([checkpoints](checkpoints.md)) |",
         "| `KilnError` | any other problem you can fix (the base of `CapabilityError` and `CheckpointError`) |",
         "| `UnknownNameError` | a strategy, precision, optimizer, scheduler or logger name that does not exist |",
+        "| `RankFailed` | `fit()` failed on another rank, which aborted the process group after a grace period (10 s) so that this rank stops rather than wait until the collective timeout; look at that rank's output ([when a process fails](distributed.md#when-a-process-fails)) |",
         "",
     ]
     for title in order:

@@ -29,7 +29,7 @@ from kiln.engine.hp_trial import TrialRecipe, building_trial
 from kiln.engine.loop.evaluate import EvaluateLoop, PredictLoop
 from kiln.engine.loop.evaluation import EvaluationLoop
 from kiln.engine.loop.fit import FitLoop, TrainOutput
-from kiln.engine.loop.fit_errors import fit_errors
+from kiln.engine.loop.fit_errors import fit_errors, stopping_peers
 from kiln.engine.loop.fit_evaluation import check_eval_setup
 from kiln.engine.loop.loss_weights import MicroBatch
 from kiln.engine.loop.prediction_step import prediction_step
@@ -268,9 +268,10 @@ class Trainer(RunAttributes):
     def fit(
         self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: list[str] | None = None
     ) -> TrainOutput:
-        check_same_output_dir(self.config, self.strategy)  # one collective: a mismatch fails here, not inside a save
-        with run_lock(self.config, self.strategy):  # one run per output_dir at a time (checkpoint/output_dir.py)
-            return self._fit(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        with stopping_peers(self.strategy):  # an error here aborts the process group: the other ranks stop too
+            check_same_output_dir(self.config, self.strategy)  # one collective: a mismatch fails here, not in a save
+            with run_lock(self.config, self.strategy):  # one run per output_dir at a time (checkpoint/output_dir.py)
+                return self._fit(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _fit(self, resume_from_checkpoint: Any, trial: Any, ignore_keys_for_eval: list[str] | None) -> TrainOutput:
         cfg = self.config

@@ -333,7 +333,9 @@ def _report(err: Any, report_dir: str, attempt: int = 0) -> int:
         )  # every rank alike
         return int(reports[0]["exitcode"]) or 1
     if reports:
-        first = min(reports, key=lambda r: r["time"])
+        # a rank stopped by a peer's failure (RankFailed, kiln/strategies/abort.py) names that peer: not a cause
+        causes = [r for r in reports if "RankFailed: " not in r["error"]] or reports
+        first = min(causes, key=lambda r: r["time"])
         print(
             f"kiln: rank {first['rank']} failed first (exit code {first['exitcode']}): {first['error']}\n{first['detail']}".rstrip(),
             file=sys.stderr,

@@ -112,6 +112,8 @@ class Strategy:
     #: the checkpoint formats `checkpoint_io()` may return (names in kiln.strategies.checkpoint_io.FORMATS),
     #: its default first: what the docs and `kiln convert` know this strategy writes
     checkpoint_formats: ClassVar[tuple[str, ...]] = ("full",)
+    #: `fit_failed` aborted this process's process group: no collective (nor a new fit) can run on it
+    aborted: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse, at class creation, a strategy whose collectives would silently be the identity."""
@@ -366,6 +368,14 @@ class Strategy:
         """Full, unsharded weights of the user's `module` (called on every rank; written by rank 0),
         with the module's own key names."""
         return module.state_dict()
+
+    def fit_failed(self, error: BaseException, fit_call: int) -> dict[str, Any] | None:
+        """`fit()` raised `error` on this rank (this process's `fit_call`-th fit, counted from 0): agree with
+        the other ranks and, unless every rank's fit failed too, abort the process group so that they stop
+        now rather than wait in a collective until its timeout (kiln/strategies/abort.py). Returns the
+        record ({"rank", "error"}) of a rank that aborted before this one failed, if any; after an abort this
+        process has no process group (`aborted`). One process: nothing to stop."""
+        return None
 
     def teardown(self) -> None:
         """Release the process group and device state. `Trainer.teardown()` calls it (the user does, or

@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kiln.launch.environment import detect
+from kiln.strategies import abort
 from kiln.strategies.process_group import (
     barrier,
     default_backend,
     destroy_default_group,
     init_process_group,
+    keep_default_store,
     pick_device,
 )
 
@@ -52,6 +54,7 @@ class ProcessGroupCollectives:
     global_rank: int
     _wrapped: Any
     _source: Any
+    aborted: bool
 
     def __init__(self, config: DictConfig, precision: Precision) -> None:
         super().__init__(config, precision)  # type: ignore[call-arg]  # Strategy.__init__, next in the MRO
@@ -149,6 +152,26 @@ class ProcessGroupCollectives:
 
     def barrier(self, name: str | None = None) -> None:
         barrier(self._device, self.backend)
+
+    def fit_failed(self, error: BaseException, fit_call: int) -> dict[str, Any] | None:
+        """Agree with the other ranks on this failed fit() call; unless every rank failed, abort the groups,
+        whoever made them, after dropping this strategy's holds on them (its subclasses' `teardown`): the
+        peers must stop (kiln/strategies/abort.py)."""
+        if self.world_size <= 1:
+            return None
+        decision, first = abort.fit_failed(self.global_rank, self.world_size, fit_call, error)
+        if decision == "kept":
+            return None
+        keep_default_store()  # a store this rank hosts keeps answering the peers after the group is gone
+
+        def release() -> None:  # teardown drops the holds (and destroys the group if this strategy made it)
+            self.teardown()
+            self._wrapped = self._source = None
+
+        own = decision == "abort" and first is None and not isinstance(error, RuntimeError)  # warn of a held group
+        abort.abort_default_group(self.backend, release, first=own)
+        self.aborted = True
+        return first if decision == "stopped" else None
 
     def teardown(self) -> None:
         """Destroy the process group if this strategy created it (idempotent)."""

@@ -65,6 +65,12 @@ def join_default_group(env: ClusterEnvironment, timeout_s: float = 1800) -> tupl
 _GROUPS_MADE = 0
 
 
+def group_incarnation() -> int:
+    """How many default groups this process made from a launcher's rendezvous (the same on every rank of a
+    symmetric program): what tells a group made again apart from the last one (kiln/strategies/abort.py)."""
+    return _GROUPS_MADE
+
+
 def init_process_group(env: ClusterEnvironment, backend: str, timeout_s: float) -> bool:
     """Create the default process group from the launcher's environment; False if one exists.
 
@@ -119,7 +125,7 @@ def _leave_identity(env: ClusterEnvironment) -> None:
     import psutil
 
     host, pid = socket.gethostname(), os.getpid()
-    store = _default_store()
+    store = default_store()
     if store is None:
         return
     store.set(_key(host, env.local_rank), json.dumps([env.rank, pid, psutil.Process(pid).create_time()]))
@@ -140,21 +146,36 @@ def _leave_identity(env: ClusterEnvironment) -> None:
         sys.excepthook = _naming_excepthook(sys.excepthook)
 
 
-def _default_store() -> Any:
+#: the store of a default group that kiln aborted (kiln/strategies/abort.py), still needed after it
+_KEPT_STORE: list[Any] = []
+
+
+def default_store() -> Any:
+    """The default group's store (the job's, prefixed for this group); after an abort, the aborted group's
+    (`keep_default_store`); else None."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
         return _get_default_store()
     except (ImportError, RuntimeError, ValueError):  # no default group (or another torch layout)
-        return None
+        return _KEPT_STORE[-1] if _KEPT_STORE else None
+
+
+def keep_default_store() -> Any:
+    """Keep the default group's store beyond the group (returned): a store this rank hosts (no launcher
+    agent: rank 0) keeps answering the peers, and `lost_peer_note` can still read the ranks' identities."""
+    store = default_store()
+    if store is not None and store not in _KEPT_STORE:
+        _KEPT_STORE.append(store)
+    return store
 
 
 def lost_peer_note(timeout_s: float = 5.0, dying_s: float = 2.0) -> str | None:
     """One sentence naming the ranks of this machine that died (or the store's host, when the store
     no longer answers), for an error that followed from their death; None when none can be named."""
-    if not _IDENTITY or _default_store() is None:
+    if not _IDENTITY or default_store() is None:
         return None
-    store, me = _default_store(), _IDENTITY
+    store, me = default_store(), _IDENTITY
     dead: list[str] = []
     dying_until = time.monotonic() + dying_s  # one wait for all peers: a healthy job's error is not held up long
     try:

@@ -16,6 +16,11 @@ class TrainingInterrupted(KeyboardInterrupt):
     traceback ("interrupted at step N; last checkpoint: PATH")."""
 
 
+class RankFailed(KilnError):
+    """`fit()` failed on another rank, which aborted the process group so that this rank stops now
+    rather than at the collective timeout; the message names that rank and its error."""
+
+
 class CheckpointError(KilnError):
     """A checkpoint is missing, incomplete, corrupt, unsafe, or does not fit this run."""
 

@@ -214,6 +214,9 @@ def test_without_an_agent_the_survivor_names_the_rank_that_died(tmp_path, die_ra
     else:
         expected = "kiln: rank 0, which hosts the job's store, no longer answers; this error on rank 1 followed from losing it."
     assert expected in err, err[-3000:]
+    # the survivor's fit aborted its group (kiln/strategies/abort.py); its broken collective is no failure of its own
+    # to warn about when the group, held by that error's traceback, cannot be freed
+    assert "still holds it" not in err, err[-3000:]
 
 
 def test_a_peer_still_dying_when_the_error_arrives_is_named_dead():

@@ -95,6 +95,19 @@ def test_the_report_names_the_last_attempts_failure(tmp_path, capsys):
     assert "rank 1 failed first (exit code 1): ValueError: attempt 2" in capsys.readouterr().err
 
 
+def test_the_report_names_the_failing_rank_not_a_peer_it_stopped_earlier(tmp_path, capsys):
+    """A peer stopped by the failing rank's abort (RankFailed) may report before that rank: not a cause."""
+    for rank, at, error in (
+        (0, 1.0, "error: RankFailed: rank 1 failed with ValueError: x; ..."),
+        (1, 2.0, "error: ValueError: x"),
+    ):
+        report = {"rank": rank, "time": at, "error": error, "detail": "", "exitcode": 2, "attempt": 0}
+        (tmp_path / f"rank_{rank}.json").write_text(json.dumps(report))
+    failures = {0: SimpleNamespace(exitcode=2), 1: SimpleNamespace(exitcode=2)}
+    assert local._report(SimpleNamespace(failures=failures), str(tmp_path)) == 2
+    assert "kiln: rank 1 failed first (exit code 2): error: ValueError: x" in capsys.readouterr().err
+
+
 def test_a_workers_report_carries_its_attempt(tmp_path, monkeypatch):
     from kiln.launch import worker
 

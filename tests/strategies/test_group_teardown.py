@@ -135,7 +135,7 @@ def test_the_lost_peer_note_names_the_dead_ranks_of_this_machine_and_never_itsel
         "_IDENTITY",
         {"host": "h", "rank": 4, "local_rank": 0, "local_world_size": 3, "store_on_rank0": False},
     )
-    store = process_group._default_store()
+    store = process_group.default_store()
     store.set("kiln/ranks/h/0", json.dumps([4, me, psutil.Process(me).create_time()]))  # this rank, alive
     store.set("kiln/ranks/h/1", json.dumps([5, me, 0.0]))  # its pid now belongs to another process: dead
     store.set("kiln/ranks/h/2", json.dumps([6, me, psutil.Process(me).create_time()]))  # alive
@@ -159,11 +159,11 @@ def test_a_rank_leaves_its_identity_and_its_error_hook_adds_the_note_once(monkey
     monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(value))
     monkeypatch.setattr(process_group, "_IDENTITY", {})
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    process_group._default_store().set_timeout(timedelta(seconds=5))  # a key rank 0 failed to leave: fail, not hang
+    process_group.default_store().set_timeout(timedelta(seconds=5))  # a key rank 0 failed to leave: fail, not hang
     env = ClusterEnvironment(world_size=2, rank=0, local_rank=0, local_world_size=2)
     process_group._leave_identity(env)
     process_group._leave_identity(env)
-    store, me = process_group._default_store(), os.getpid()
+    store, me = process_group.default_store(), os.getpid()
     assert json.loads(store.get(f"kiln/ranks/{socket.gethostname()}/0"))[:2] == [0, me]
     store.set(
         f"kiln/ranks/{socket.gethostname()}/1", json.dumps([1, me, 0.0])
@@ -197,3 +197,20 @@ def test_at_exit_groups_a_script_destroyed_itself_are_released_from_their_holder
     process_group._teardown_at_exit()
     gc.collect()
     assert group() is None
+
+
+def test_a_failed_fit_on_one_process_aborts_nothing(tmp_path):
+    """`stopping_peers` (kiln/engine/loop/fit_errors.py) on a process-group strategy of one process: no peer to
+    stop, so the group stays for whatever the script does next."""
+    from kiln import Callback
+
+    class Fail(Callback):
+        def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            raise ValueError("boom")
+
+    cfg = base_config(tmp_path, strategy={"name": "ddp", "device": "cpu"}, train={"max_steps": 2})
+    trainer = Trainer(TinyRegressor(), config=cfg, train_dataset=regression_data(16), callbacks=[Fail()])
+    with pytest.raises(ValueError, match="^boom$"):
+        trainer.fit()
+    assert dist.is_initialized() and not trainer.strategy.aborted
+    trainer.strategy.teardown()

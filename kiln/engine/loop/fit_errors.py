@@ -1,6 +1,9 @@
 """How a fit that fails leaves `fit()` (`fit_errors`, around the fit loop): the error a user should see instead of the one the loop raised (a
 peer's Ctrl-C that broke this rank's collective, an out-of-memory error after `auto_find_batch_size`), and
-the one sentence a Ctrl-C becomes."""
+the one sentence a Ctrl-C becomes; and (`stopping_peers`, around the whole of `fit()`) how the other ranks
+learn of it: unless every rank's fit failed, the strategy aborts the process group, so that they stop
+within a grace period instead of waiting in a collective until its timeout, even when the script catches
+the error and lives on."""
 
 from __future__ import annotations
 
@@ -11,10 +14,46 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kiln.engine.loop.batch_size import is_out_of_memory
-from kiln.utils.errors import KilnError, TrainingInterrupted
+from kiln.utils.errors import KilnError, RankFailed, TrainingInterrupted
 
 if TYPE_CHECKING:
     from kiln.engine.run import Run
+    from kiln.strategies.base import Strategy
+
+
+#: this process's fit() calls so far: the ranks call fit() alike, so the n-th call is the same fit on every
+#: rank, and its failures are counted under its own key (kiln/strategies/abort.py)
+_FIT_CALLS = [0]
+
+
+@contextmanager
+def stopping_peers(strategy: Strategy) -> Iterator[None]:
+    """Around the whole of `fit()`: when it raises an Exception on this rank, `strategy.fit_failed` (after
+    `fit_errors` let a save in flight land) agrees with the other ranks: when every rank's fit raised, nothing
+    is aborted and the group stays for a later fit; otherwise, after a grace period for the others to fail
+    too (`kiln.strategies.abort.GRACE_S`), it aborts the process group, so that a peer's pending or next
+    collective fails now rather than at the collective timeout. The script sees its own exception
+    unchanged; a peer whose collective broke on the abort raises `RankFailed`, naming the rank that aborted
+    and its error. A Ctrl-C (KeyboardInterrupt, TrainingInterrupted) and a preemption (which ends fit
+    normally) abort nothing: every rank is stopping already. With one process there is nothing to abort.
+    After an abort the group cannot be used again in this process, so a later `fit()` says so."""
+    if strategy.aborted:
+        raise KilnError(
+            "fit() cannot run again in this process: an earlier fit() failed and aborted the process group to "
+            "stop the other ranks; start the job again (resume_from_checkpoint picks up its last checkpoint)."
+        )
+    fit_call = _FIT_CALLS[0]
+    _FIT_CALLS[0] += 1
+    try:
+        yield
+    except Exception as err:
+        first = strategy.fit_failed(err, fit_call)
+        if first is not None and isinstance(err, RuntimeError) and not isinstance(err, KilnError):
+            raise RankFailed(
+                f"rank {first['rank']} failed with {first['error']}; this rank's collective broke when that rank "
+                "aborted the process group to stop the job. Look at that rank's output for the cause."
+            ) from err
+        raise
 
 
 @contextmanager

@@ -74,3 +74,35 @@ def compiling(call: Any) -> Any:
                 f"(apt-get install g++) or set CXX ({text.splitlines()[0] if text else type(err).__name__})."
             ) from None
         raise
+
+
+def release_engine_groups(engine: Any) -> None:
+    """Drop a DeepSpeed engine's holds on the process groups (see destroy_default_group): on gloo only a
+    freed group closes its connections, which is what stops the peers when a fit fails (strategy.abort).
+    The engine cannot be dropped instead: the failing fit's traceback still holds it. DeepSpeed spreads the
+    groups over the engine, its ZeRO optimizer and parameter coordinator, zero.Init's object (reached
+    through the closures it puts on each parameter) and, under ZeRO-3, every parameter (`ds_process_group`),
+    so every object reachable from the engine through DeepSpeed's objects and the parameters lets go of any
+    group it holds. The engine cannot run afterwards; nor could it, with its group destroyed."""
+    from torch.distributed import ProcessGroup
+
+    def holds_group(value: Any) -> bool:
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
+        return isinstance(value, ProcessGroup) or any(isinstance(v, ProcessGroup) for v in items)
+
+    seen: set[int] = set()
+    todo = [engine, *engine.module.parameters()]
+    while todo:
+        obj = todo.pop()
+        attrs = getattr(obj, "__dict__", None)
+        if id(obj) in seen or not isinstance(attrs, dict):
+            continue
+        seen.add(id(obj))
+        for name, value in list(attrs.items()):
+            if holds_group(value):
+                attrs[name] = None
+                continue
+            cells = getattr(value, "__closure__", None) or ()  # zero.Init's per-parameter functions
+            for found in (value, *(c.cell_contents for c in cells if c.cell_contents is not None)):
+                if type(found).__module__.startswith("deepspeed."):
+                    todo.append(found)

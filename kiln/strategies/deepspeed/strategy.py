@@ -44,9 +44,11 @@ from kiln.strategies.deepspeed.runtime import (
     inner_model,
     is_engine,
     partitioned,
+    release_engine_groups,
     without_shm_comm_op,
 )
 from kiln.strategies.interfaces import BackwardSyncControl, ShardedModuleInit
+from kiln.strategies.process_group import register_group_user
 from kiln.utils.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -210,6 +212,7 @@ class DeepSpeedStrategy(ProcessGroupCollectives, Strategy, BackwardSyncControl, 
                 raise ConfigError(f"DeepSpeed refused this config: {err}") from None
             raise
         self.engine, self.ds_config = engine, ds
+        register_group_user(engine, release_engine_groups)  # an aborted fit must free the group (on gloo)
         if ds_scheduler is not None:  # kiln steps it after each applied step, like its own
             engine.lr_scheduler = None
             self._scheduler = ds_scheduler
