@@ -192,8 +192,8 @@ def stage_decoder(decoder: Any, layers: Sequence[nn.Module], *, first: bool, las
     (the rotary embedding, the config) but with its own table of submodules, so that its forward runs
     the stage's layers alone and its `parameters()` are the stage's (a zero-bubble schedule computes
     each stage's weight gradients over exactly those). Its tables are its own, its hooks' too: a hook
-    registered on one stage's view (FSDP's gathers of that stage's root, direct_calls.py) must not run
-    when another stage of the same rank runs its view, nor on the decoder itself."""
+    registered on one stage's view must not run when another stage of the same rank runs its view,
+    nor on the decoder itself (kiln registers none there: `_shard_stages` leaves out direct_calls.py's)."""
     view = copy.copy(decoder)
     for name, value in vars(decoder).items():  # _modules, _parameters, _buffers, the hook dicts, ...
         if isinstance(value, (dict, set)):
