@@ -33,9 +33,12 @@ def apply_fsdp(
     pin_memory: bool,
     mp_policy: Any | None,
     forward_prefetch: bool,
+    direct_calls: bool = True,
 ) -> None:
     """Shard `blocks` (innermost first), then `root`, over `dp_mesh`, in place. A block or root that
-    is an FSDP module already (a TrainingModule's `configure_model(mesh)` sharded it) is left as it is."""
+    is an FSDP module already (a TrainingModule's `configure_model(mesh)` sharded it) is left as it is.
+    `direct_calls`: the root's children gather its parameters when called from outside it
+    (direct_calls.py); false where nothing calls them but the root (a pipeline stage's forward)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     from kiln.strategies.mesh.direct_calls import gather_root_on_direct_calls
@@ -52,7 +55,8 @@ def apply_fsdp(
         units.append(block if is_fsdp(block) else fully_shard(block, **kwargs))
     if not is_fsdp(root):
         fully_shard(root, **kwargs)
-    gather_root_on_direct_calls(root)  # model.generate() in a callback, model(x) after fit
+    if direct_calls:
+        gather_root_on_direct_calls(root)  # model.generate() in a callback, model(x) after fit
     register_group_user(root, release_fsdp_groups)
     if forward_prefetch:
         for current, following in zip(units, units[1:]):

@@ -216,6 +216,10 @@ class PipelineStrategy(MeshStrategy, OwnsMicroBatchWindow):
                 pin_memory=False,
                 mp_policy=None,  # the stage runs in the precision's autocast (StageForward)
                 forward_prefetch=self.settings.forward_prefetch,
+                # the schedule and ChainedForward call each stage's forward itself, never its decoder view
+                # or head alone: hooks gathering the root around such calls would only cost 4-6 calls a
+                # micro-batch and stage
+                direct_calls=False,
             )
 
     # -- the window -------------------------------------------------------------------------

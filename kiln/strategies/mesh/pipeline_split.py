@@ -192,8 +192,8 @@ def stage_decoder(decoder: Any, layers: Sequence[nn.Module], *, first: bool, las
     (the rotary embedding, the config) but with its own table of submodules, so that its forward runs
     the stage's layers alone and its `parameters()` are the stage's (a zero-bubble schedule computes
     each stage's weight gradients over exactly those). Its tables are its own, its hooks' too: a hook
-    registered on one stage's view (FSDP's gathers of that stage's root, direct_calls.py) must not run
-    when another stage of the same rank runs its view, nor on the decoder itself."""
+    registered on one stage's view must not run when another stage of the same rank runs its view,
+    nor on the decoder itself (kiln registers none there: `_shard_stages` leaves out direct_calls.py's)."""
     view = copy.copy(decoder)
     for name, value in vars(decoder).items():  # _modules, _parameters, _buffers, the hook dicts, ...
         if isinstance(value, (dict, set)):
@@ -201,12 +201,18 @@ def stage_decoder(decoder: Any, layers: Sequence[nn.Module], *, first: bool, las
     view.layers = StageLayers({str(i): layer for i, layer in enumerate(layers)})
     if not first:
         view.embed_tokens = None
-    if not last:
-        view.norm = nn.Identity()
+    if not last:  # a function, not nn.Identity: one call a forward in place of three, and a module fewer
+        del view.norm  # for torch's stage to walk (its FSDP setters list every module, 3 times a backward)
+        view.norm = _unchanged
     bare = bare_forward(view)
     if bare is not None:  # an instance attribute shadows the class's forward; the view's hooks still run
         view.forward = bare
     return view
+
+
+def _unchanged(hidden: torch.Tensor) -> torch.Tensor:
+    """The final norm of a stage before the last (the decoder's forward applies it)."""
+    return hidden
 
 
 #: Transformers' wrappers around a decoder's forward that do nothing for a stage's call: they fill

@@ -93,6 +93,12 @@ def _fake_rank(rank: int, *, clip: bool, caplog: Any) -> None:
         )
         (forward,) = strategy.stage_forwards  # the root unit: the module torch's stage syncs gradients of
         assert isinstance(forward, FSDPModule) and strategy._stages[0].submod is forward
+        # only the stage's forward is ever called (the schedule, ChainedForward): none of direct_calls.py's
+        # hooks on it (FSDP's own alone) nor on its decoder view and head, which cost calls a micro-batch
+        hooks = [*forward._forward_pre_hooks.values(), *forward._forward_hooks.values()]
+        assert all("FSDPState" in repr(hook) for hook in hooks), hooks
+        for module in (forward.decoder, forward.head):
+            assert module is None or not (module._forward_pre_hooks or module._forward_hooks), type(module)
         for i in held:
             unit = model.model.layers[str(i)] if hasattr(model.model.layers, "keys") else model.model.layers[i]
             assert isinstance(unit, FSDPModule)
