@@ -1,6 +1,6 @@
 """Checkpoint save/load throughput vs. writing the same tensors with safetensors directly.
 
-    python bench/checkpoint_io.py [--params 50] [--repeats 3]
+    python bench/checkpoint_io.py [--params 50] [--repeats 3] [--device cuda --batch 8192]
 
 A model of `--params` million fp32 parameters takes one AdamW step (so the optimizer holds two more
 tensors per parameter); then, interleaved `--repeats` times:
@@ -32,6 +32,11 @@ tensors per parameter); then, interleaved `--repeats` times:
   exists, its optimizer has no state yet; load_file alone only maps the file).
 
 MB/s is checkpoint bytes / seconds (median). Files are read back from the page cache in both cases.
+
+`--device cuda` keeps the model, its optimizer state and the steps on the GPU (`strategy.device`), with
+`--batch` rows per step: the save then stages device memory into pinned host buffers, and each timed
+step ends with a synchronize (what a loop that reads its loss each step waits for), so host timers time
+the device's work.
 """
 
 from __future__ import annotations
@@ -75,11 +80,14 @@ def folder_bytes(path: str) -> int:
 
 
 def raw_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in trainer.model.state_dict().items()}
+    def whole(v: torch.Tensor) -> torch.Tensor:  # an FSDP shard of a one-process world is the whole tensor
+        return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().contiguous()
+
+    tensors = {f"model.{k}": whole(v) for k, v in trainer.model.state_dict().items()}
     for i, state in trainer.optimizer.state_dict()["state"].items():
         for k, v in state.items():
             if isinstance(v, torch.Tensor) and v.ndim:
-                tensors[f"optim.{i}.{k}"] = v.contiguous()
+                tensors[f"optim.{i}.{k}"] = whole(v)
     return tensors
 
 
@@ -137,6 +145,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=50, help="model size in millions of parameters")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="where the model and its steps run (cpu, cuda)")
+    parser.add_argument("--strategy", default="single", help="single, or fsdp (one process: DCP's async_save)")
+    parser.add_argument("--batch", type=int, default=2, help="rows per timed training step")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=os.environ.get("KILN_BENCH_DIR")) as tmp:
         out = os.path.join(tmp, "run")
@@ -150,6 +161,7 @@ def main() -> None:
             "report_to": "none",
             "disable_tqdm": True,
             "log": {"history": [], "level": "error"},
+            "strategy": {"name": args.strategy, "device": args.device},
         }
         trainer = Trainer(model, cfg, train_dataset=data)
         with contextlib.redirect_stdout(io.StringIO()):
@@ -217,14 +229,22 @@ def main() -> None:
         for r in range(args.repeats + 1):
             shutil.rmtree(path, ignore_errors=True)
             stall, write = timed(trainer._save_checkpoint), timed(trainer.checkpoints.wait)
+            if not r:
+                first_stall = stall  # allocates (and pins, on a GPU) the host buffers
             if r:
                 times["async stall"].append(stall)
                 times["async write"].append(write)
 
+        device = next(trainer.model.parameters()).device
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+        wrapped = trainer.run.wrapped  # the module the loop calls: FSDP gathers the weights in its forward
+
         def step() -> None:  # one optimizer step of the bench's model (the guard of the staged copy fires)
-            trainer.model.training_step({"x": torch.randn(2, 2048)}).backward()
+            wrapped({"x": torch.randn(args.batch, 2048, device=device)}, step="training_step").backward()
             trainer.optimizer.step()
             trainer.optimizer.zero_grad()
+            sync()
 
         light = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
 
@@ -262,7 +282,7 @@ def main() -> None:
             blocked, _ = gil_blocked(trainer.checkpoints.wait)
             if r:
                 times["async write GIL held"].append(blocked)
-        print(f"one training step without a save: {base * 1000:.1f} ms")
+        print(f"one training step without a save ({device}, {args.batch} rows): {base * 1000:.1f} ms")
         raw_size = os.path.getsize(raw_path)
     med = {k: statistics.median(v) for k, v in times.items()}
     n = sum(p.numel() for p in model.parameters())
@@ -272,7 +292,8 @@ def main() -> None:
     )
     for key in times:
         nbytes = raw_size if key.startswith("raw") else size
-        print(f"{key:>24}: {med[key] * 1000:8.1f} ms  {nbytes / 2**20 / med[key]:8.0f} MiB/s")
+        rate = f"{nbytes / 2**20 / med[key]:8.0f} MiB/s" if med[key] > 0 else ""
+        print(f"{key:>24}: {med[key] * 1000:8.1f} ms  {rate}")
     print(
         f"save ratio kiln / raw+fsync: {med['kiln save'] / med['raw save+fsync']:.2f}  "
         f"(kiln / raw without fsync: {med['kiln save'] / med['raw save']:.2f})"
@@ -283,6 +304,7 @@ def main() -> None:
         f"({med['async stall'] * 1000:.1f} ms of {med['kiln save'] * 1000:.1f} ms); a training loop loses "
         f"{100 * med['async loop stall'] / med['kiln save']:.1f} % ({med['async loop stall'] * 1000:.1f} ms)"
     )
+    print(f"the run's first async save call (allocating the host buffers): {first_stall * 1000:.1f} ms")
     added = med["kiln save"] - med["kiln save, no checksums"]
     print(
         f"a loop of light steps (a GPU run's thread: little CPU, 5 ms device waits) loses "

@@ -9,7 +9,7 @@ Every row trains the same model on the same data (seed 0) for `--steps` steps an
 half-way and at the end. Printed per row: exit status, the last logged training loss, the loss's distance
 from the fp32 row's, wall time (rows run side by side on the one GPU, so it is a smoke figure, not a
 benchmark: bench/compiled.py measures speed) and the GPU's peak memory as kiln logged it where it does.
-The `resume` rows restart the bf16 and model_parallel runs from their half-way checkpoints and compare their final weights with
+The `resume` rows restart the RESUMED runs from their half-way checkpoints and compare their final weights with
 the uninterrupted run's (max |difference|; cuBLAS and atomics in backward make bitwise equality on a GPU
 a matter of luck, so the figure is reported, not asserted). DDP, FSDP and DeepSpeed run as one process on
 NCCL: what a one-GPU machine can check of them is that their CUDA and NCCL paths run and train."""
@@ -48,9 +48,13 @@ ROWS: dict[str, list[str]] = {
     "deepspeed2-bf16": ["precision.name=bf16", "strategy.name=deepspeed_stage_2"],
     "deepspeed3-bf16": ["precision.name=bf16", "strategy.name=deepspeed_stage_3"],
     "model_parallel-bf16": ["precision.name=bf16", "strategy.name=model_parallel"],
+    # checkpoints written in the background: staged into pinned host memory, then a writer thread
+    # (safetensors and torch files) or DCP's async_save (FSDP's sharded format)
+    "bf16-async": ["precision.name=bf16", "save.async_save=true"],
+    "fsdp-bf16-async": ["precision.name=bf16", "strategy.name=fsdp", "save.async_save=true"],
 }
 #: rows resumed from their half-way checkpoint, compared with the uninterrupted run (the `resume` rows)
-RESUMED = ("bf16", "model_parallel-bf16")
+RESUMED = ("bf16", "model_parallel-bf16", "bf16-async", "fsdp-bf16-async")
 
 
 def common(steps: int, out: str) -> list[str]:
@@ -82,6 +86,7 @@ def fit(name: str, overrides: list[str], out: str, timeout: float, fresh: bool =
     row = {"row": name, "rc": rc, "wall_s": round(time.perf_counter() - began, 1), **history(out)}
     if rc != 0:
         row["tail"] = text[-2500:]
+    print(f"{name}: exit {rc}, loss {row.get('loss')}, {row['wall_s']} s", flush=True)  # a killed check still tells
     return row
 
 

@@ -6,7 +6,7 @@ would: each storage is copied once and every tensor becomes a view of its copy a
 shape and strides, so tied weights stay tied (safetensors stores them once) and `torch.save` lays out
 the same storages. Device tensors go to pinned memory (copied without blocking, one synchronize at the
 end) when CUDA is present; containers are rebuilt, because an optimizer's `state_dict()` hands out its
-live per-parameter dicts.
+live per-parameter dicts. A DTensor becomes a DTensor of the same spec around a host copy of its shard.
 
 `HostStaging` keeps the host buffers of one copy for the next: a run's parameters and optimizer state
 keep their storages from save to save, so each later save copies into memory that is already
@@ -139,6 +139,8 @@ class _Copier:
 
 def _copy(value: Any, copier: _Copier, seen: dict[int, Any]) -> Any:
     if isinstance(value, torch.Tensor):
+        if hasattr(value, "__tensor_flatten__"):
+            return _copy_wrapper(value, copier, seen)
         return copier.tensor(value)
     if not isinstance(value, (dict, list, tuple)) or (isinstance(value, tuple) and hasattr(value, "_fields")):
         return value  # numbers, strings, None: immutable
@@ -152,3 +154,12 @@ def _copy(value: Any, copier: _Copier, seen: dict[int, Any]) -> Any:
         copy = tuple(_copy(v, copier, seen) for v in value)
     seen[id(value)] = copy
     return copy
+
+
+def _copy_wrapper(value: torch.Tensor, copier: _Copier, seen: dict[int, Any]) -> torch.Tensor:
+    """A tensor subclass that wraps others (a DTensor and its local shard): its inner tensors copied,
+    rebuilt around the same metadata. A DTensor's copy keeps its mesh and placements while its shard is
+    in host memory (`DTensor.from_local` would move the shard back to the mesh's device)."""
+    names, context = value.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {name: _copy(getattr(value, name), copier, seen) for name in names}
+    return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())  # type: ignore[attr-defined]

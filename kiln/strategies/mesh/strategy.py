@@ -364,7 +364,7 @@ class MeshStrategy(MeshCollectives, Strategy, BackwardSyncControl, ShardedModule
     def async_checkpoints(self) -> AsyncDCPSaver:
         """This process group's asynchronous DCP saves (save.async with state_dict_type sharded)."""
         if self._async_checkpoints is None:
-            self._async_checkpoints = AsyncDCPSaver(pin_memory=self.root_device.type == "cuda")
+            self._async_checkpoints = AsyncDCPSaver()
         return self._async_checkpoints
 
     def model_state_for_export(self, module: nn.Module) -> dict[str, torch.Tensor]:
