@@ -74,12 +74,24 @@ def test_the_next_stage_copies_into_the_same_host_buffers(mesh: Any) -> None:
 def test_one_saver_writes_three_checkpoints_each_with_its_own_values(mesh: Any, tmp_path: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
+    groups = []
+    new_group = dist.new_group
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        groups.append(new_group(*args, **kwargs))
+        return groups[-1]
+
     saver = AsyncDCPSaver()
     try:
-        for value in (1.0, 2.0, 3.0):  # torch 2.11's kept DefaultStager raised at the second
-            saver.save(_state(mesh, value), str(tmp_path / f"c{value:.0f}")).result()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dist, "new_group", counted)
+            for value in (1.0, 2.0, 3.0):  # torch 2.11's kept DefaultStager raised at the second
+                saver.save(_state(mesh, value), str(tmp_path / f"c{value:.0f}")).result()
+        assert len(groups) == 1  # DCP's own gloo group: a collective, made at the first save only
+        assert saver._stager.staging._buffers  # the host copies are kept for the next save ...
     finally:
         saver.close()
+    assert not saver._stager.staging._buffers  # ... until the strategy's teardown lets them go
     for value in (1.0, 2.0, 3.0):
         target = _state(mesh, -50.0)
         dcp.load(target, checkpoint_id=str(tmp_path / f"c{value:.0f}"))
