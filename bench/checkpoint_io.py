@@ -29,7 +29,7 @@ tensors per parameter); then, interleaved `--repeats` times:
   while the write runs alone;
 - raw load: `safetensors.torch.load_file` of that file, the weights copied into the live parameters
   and the optimizer moments into fresh tensors (what a resuming process must end with: its model
-  exists, its optimizer has no state yet; load_file alone only maps the file).
+  exists, its optimizer has no state yet, on the model's device; load_file alone only maps the file).
 
 MB/s is checkpoint bytes / seconds (median). Files are read back from the page cache in both cases.
 
@@ -182,7 +182,7 @@ def main() -> None:
                     if name.startswith("model."):
                         tensors[name].copy_(value)
                     else:
-                        moments[name] = value.clone()
+                        moments[name] = value.to(tensors[name].device, copy=True)  # where the optimizer keeps it
             return moments
 
         times: dict[str, list[float]] = {
