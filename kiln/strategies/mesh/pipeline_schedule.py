@@ -26,17 +26,48 @@ class WindowSchedule:
         self, name: str, stages: list[Any], pp: int, loss: Callable[[torch.Tensor, torch.Tensor], Any]
     ) -> None:
         self.name, self.stages, self.pp, self.loss = name, stages, pp, loss
+        for stage in stages:
+            skip_own_rank_warmup(stage)
         self._schedule: Any = None
         self._key: tuple[Any, ...] | None = None
 
     def __call__(self, key: tuple[Any, ...]) -> Any:
         """`key`: (micro-batches, the stacked input's shape, whether the window has no mask)."""
         if key != self._key:
+            for stage in self.stages:
+                forget_shapes(stage)
             cls = schedule_class(self.name, key[0], self.pp)
             stages = self.stages if len(self.stages) > 1 else self.stages[0]
             self._schedule = cls(stages, n_microbatches=key[0], loss_fn=self.loss, scale_grads=False)
             self._key = key
         return self._schedule
+
+
+def forget_shapes(stage: Any) -> None:
+    """Make the next schedule measure `stage` again. A stage that keeps the shapes of its first input and
+    output (`inputs_meta`, `_outputs_meta`: torch 2.11's PipelineStage; torch 2.13's measures each window
+    itself) would refuse a window of another shape ("shape mismatch"), even under a new schedule."""
+    if getattr(stage, "inputs_meta", None) is not None:
+        stage.inputs_meta = None
+        stage._outputs_meta = None
+
+
+def skip_own_rank_warmup(stage: Any) -> None:
+    """Leave out the send and receive a stage's warm-up would make with a neighbour stage on its own rank.
+    Before its first step a schedule may send a dummy tensor from every stage to each neighbour stage
+    (`_get_init_p2p_neighbors_ops`: torch 2.11's schedules do; torch 2.13's warm a PipelineStage up another
+    way). zbv puts two neighbour stages on one rank, and gloo cannot send to its own rank ("Pair is
+    not connected"); the stages on one rank hand their tensors over in memory, so no connection is missing
+    without that pair."""
+    warmup = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if warmup is None:
+        return
+    own = stage.group_rank
+
+    def to_other_ranks() -> list[Any]:
+        return [op for op in warmup() if op.group_peer != own]
+
+    stage._get_init_p2p_neighbors_ops = to_other_ranks
 
 
 def schedule_class(name: str, microbatches: int, pp: int) -> type:

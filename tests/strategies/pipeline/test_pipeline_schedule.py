@@ -2,8 +2,10 @@
 `PipelineStrategy.run_window`): the window's micro-batches padded to one shape (ids with 0, labels with
 -100, the attention mask with 0 on the real rows and 1 on the rows added), which leaves each
 micro-batch's loss and gradients as they were; the mask handed to the schedule on every stage; a new
-schedule for each new shape, a window with a mask and one without included; torch's class for each
-schedule name; one sentence for a batch a stage cannot read."""
+schedule for each new shape, a window with a mask and one without included, which measures the stages
+again (torch 2.11's keep their first shapes); torch's class for each schedule name; one sentence for a
+batch a stage cannot read; no warm-up send from a stage to a neighbour on its own rank (zbv on gloo under
+torch 2.11)."""
 
 from __future__ import annotations
 
@@ -168,3 +170,70 @@ def test_a_new_shape_or_count_of_micro_batches_gets_a_new_schedule_and_several_s
     got = [schedules(key) for key in ((2, (4, 3), True), (2, (4, 3), True), (2, (4, 5), True), (1, (4, 5), True))]
     assert got[0] is got[1] and len({id(s) for s in got}) == 3
     assert [b["n"] for b in Recorder.built] == [2, 2, 1] and all(b["stages"] == stages for b in Recorder.built)
+
+
+class _Op:
+    def __init__(self, peer: int) -> None:
+        self.group_peer = peer
+
+
+def test_the_warm_up_leaves_out_the_neighbour_stages_on_the_stages_own_rank_and_keeps_the_others():
+    """zbv on 2 ranks: rank 1 holds stages 1 and 2; torch's warm-up (torch 2.11's schedules run it) would
+    send stage 1's dummy to stage 2 on its own rank, which gloo cannot."""
+    owners = {0: 0, 1: 1, 2: 1, 3: 0}
+
+    def stage(index: int) -> SimpleNamespace:
+        s = SimpleNamespace(stage_index=index, group_rank=owners[index])
+        peers = [owners[n] for n in (index - 1, index + 1) if n in owners]
+        s._get_init_p2p_neighbors_ops = lambda: [_Op(p) for p in peers for _ in range(2)]  # a send and a receive
+        return s
+
+    stages = [stage(1), stage(2)]
+    WindowSchedule("zbv", stages, 2, print)
+    assert [[op.group_peer for op in s._get_init_p2p_neighbors_ops()] for s in stages] == [[0, 0], [0, 0]]
+    bare = SimpleNamespace(group_rank=0)  # a stage without the warm-up (torch's newer ones) is left as it is
+    WindowSchedule("zbv", [bare], 2, print)
+    assert vars(bare) == {"group_rank": 0}
+
+
+def test_a_new_shape_makes_a_stage_that_keeps_its_first_shapes_measure_again(monkeypatch):
+    """torch 2.11's PipelineStage keeps the shapes it measured first (inputs_meta, _outputs_meta) and
+    refuses another ("shape mismatch"); the next window's schedule must measure it again."""
+    monkeypatch.setattr(pipeline_schedule, "schedule_class", lambda *a: Recorder)
+    Recorder.built = []
+    kept = SimpleNamespace(group_rank=0, inputs_meta=("in",), _outputs_meta=("out",))
+    newer = SimpleNamespace(group_rank=0)  # torch 2.13's measures each window itself: nothing to forget
+    schedules = WindowSchedule("1f1b", [kept, newer], 2, print)
+    schedules((2, (4, 3), True))
+    assert kept.inputs_meta is None and kept._outputs_meta is None and vars(newer) == {"group_rank": 0}
+    kept.inputs_meta, kept._outputs_meta = ("in",), ("out",)
+    schedules((2, (4, 3), True))  # the same shape: the same schedule, the shapes kept
+    assert kept.inputs_meta == ("in",) and kept._outputs_meta == ("out",)
+    schedules((2, (4, 5), True))
+    assert kept.inputs_meta is None and kept._outputs_meta is None
+
+
+def test_two_stages_on_one_gloo_rank_run_windows_of_two_shapes_as_their_modules_do():
+    """Real torch stages (2 of them on the one rank of a gloo group, as zbv places 2 on each): the warm-up
+    sends nothing to the rank itself, and a window of another shape is measured again. Each
+    micro-batch's loss is the two modules' own."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    torch.manual_seed(0)
+    mods = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    loss = lambda out, target: ((out - target) ** 2).sum()  # noqa: E731
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        stages = [PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(mods)]
+        schedules = WindowSchedule("zbv", stages, 1, loss)
+        for rows in (3, 5):
+            x, y = torch.randn(2 * rows, 4), torch.randn(2 * rows, 4)
+            losses: list[torch.Tensor] = []
+            schedules((2, tuple(x.shape), True)).step(x, target=y, losses=losses)
+            with torch.no_grad():
+                want = [loss(mods[1](mods[0](x[i : i + rows])), y[i : i + rows]) for i in (0, rows)]
+            torch.testing.assert_close(torch.stack(losses).detach(), torch.stack(want))
+    finally:
+        dist.destroy_process_group()
