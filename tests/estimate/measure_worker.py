@@ -1,6 +1,7 @@
 """The measured peaks of the estimate's multi-process cases, in one world (torchrun --nproc_per_node=N
 measure_worker.py OUT MODEL:STRATEGY [...]): each rank measures its own peak of a 2-step fit of each case
-(measure.py) and writes them to OUT/peaks-RANK.json; the estimate's row is the largest rank's."""
+(measure.py), the least of FITS fits, and writes them to OUT/peaks-RANK.json; the estimate's row is the
+largest rank's."""
 
 import json
 import os
@@ -12,12 +13,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from tests.estimate.measure import measured_peak  # noqa: E402
 from tests.estimate.test_estimate_measured import config  # noqa: E402
 
+#: fits measured per case, the smallest peak kept: a storage a collective used is sometimes released by gloo's
+#: own thread after the training thread has let it go, and then overlaps later tensors (one run in ~30 saw
+#: Llama's logits, 384 KiB, counted twice at tp 2). A late release only adds, so the least of the fits is the
+#: peak the fit itself needs.
+FITS = 3
+
 
 def main(out: str, cases: list[str]) -> None:
     peaks: dict[str, int] = {}
     for case in cases:
         model, _, strategy = case.partition(":")
-        peaks[case] = measured_peak(config(os.path.join(out, "runs", case), model, strategy))  # one output_dir
+        peaks[case] = min(
+            measured_peak(config(os.path.join(out, "runs", f"{case}-{fit}"), model, strategy))  # one output_dir each
+            for fit in range(FITS)
+        )
     with open(os.path.join(out, f"peaks-{os.environ['RANK']}.json"), "w") as fh:
         json.dump(peaks, fh)
 
