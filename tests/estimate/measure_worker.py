@@ -14,7 +14,7 @@ from tests.estimate.measure import measured_peak  # noqa: E402
 from tests.estimate.test_estimate_measured import config  # noqa: E402
 
 #: fits measured per case, the smallest peak kept: now and then one rank's peak of a case is higher by a
-#: tensor or two (in 16 worlds under load, once 384 KiB more at tp 2: a logits tensor of the tiny Llama;
+#: tensor or two (in 16 worlds under load, once 384 KiB more at tp 2: the tiny Llama's logits and a rank's half of them;
 #: once, in CI-like load, enough to make loss/sequence parallel's saving negative). The likely cause is a
 #: storage released late by a thread that is not the training thread (a collective's work on gloo's
 #: thread), so that it overlaps later tensors; not traced further. A late release only adds, so the least
