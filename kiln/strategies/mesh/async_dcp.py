@@ -2,7 +2,9 @@
 
 At the step boundary every rank hands its shards of the model and optimizer state to `async_save`,
 which copies them into host memory with the stager below and returns a future; DCP's writer thread
-then writes the shards, fsyncs them, and the coordinator writes `.metadata`.
+then writes the shards, fsyncs them, and the coordinator writes `.metadata`. The future resolves on
+every rank only after the coordinator has heard from every rank that its files are written
+(DCP's closing all-reduce), which is what lets the engine write COMPLETE once the writer's resolves.
 
 The stager is kiln's `HostStaging` (kiln/utils/host_copy.py), kept for the run: each DTensor's local
 shard is copied into a host buffer that the next save reuses (pinned when the shard is on a GPU), and
@@ -10,9 +12,7 @@ the copy is a DTensor of the same spec, which is all DCP's planner reads. DCP's 
 does not keep its buffers on every torch: torch 2.11's empties its type table and its cached storages
 after each stage, so a kept one failed at the second save (`KeyError: <class 'type'>`) and a fresh one
 per save pinned the whole state again each time (on an H200, 0.45 s of a 1.5 s synchronous save, for
-1.2 GB of state). The future resolves on
-every rank only after the coordinator has heard from every rank that its files are written
-(DCP's closing all-reduce), which is what lets the engine write COMPLETE once the writer's resolves.
+1.2 GB of state).
 
 The writer thread runs DCP's collectives (plan, gather, finish) while the training thread runs its
 own (FSDP's all-gathers): they go over a gloo group of their own, made once per process group at the
